@@ -1,0 +1,62 @@
+"""Block Attention Residuals: mix the residual stream with saved block checkpoints by a learned softmax.
+
+Sources V = [b_0, ..., b_{n-1}, prefix_sum]: the block stack in push order, the current running sum
+LAST. With the score vector w = norm.weight * proj.weight[0] (the GGUF `*_res_score` tensor):
+
+    score_i = (V_i / sqrt(mean(V_i^2) + eps)) . w        keys are RMS-normalised (no gain) ...
+    p = softmax(score)
+    out = sum_i p_i V_i                                   ... but the values mixed are the RAW sources
+
+The stack is per token and runs over depth: it starts empty at every forward call. A layer with
+`i % attn_res_block_size == 0` pushes its RAW input (not the mixed one), after its attention-site
+mix, and its own running sum restarts from its attention output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._xp import array_namespace
+from .backend import to_numpy
+from .ops import softmax
+
+
+def attn_res_weights(sources, score_weight, eps: float):
+    """sources: [n+1, d] (stack then current) -> softmax weights [n+1]."""
+    xp = array_namespace(sources)
+    rms = xp.sqrt(xp.mean(sources * sources, axis=-1) + eps)
+    return softmax((sources @ score_weight) / rms)
+
+
+def apply_attn_res_prescored(prefix_sum, block_residual, score_weight, eps: float):
+    """The GGUF form, with the fused score vector `norm_weight * proj_weight`.
+
+    prefix_sum: [d]; block_residual: [n, d] (n may be 0); score_weight: [d].
+    Returns (blended [d], weights [n+1] over [checkpoints..., current]).
+    """
+    xp = array_namespace(prefix_sum)
+    sources = xp.concatenate([block_residual, prefix_sum[None]], axis=0)
+    p = attn_res_weights(sources, score_weight, eps)
+    return p @ sources, p
+
+
+def apply_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, eps: float):
+    """The HF form: `norm_weight` [d] and `proj_weight` [1, d] fuse into one score vector."""
+    return apply_attn_res_prescored(prefix_sum, block_residual, norm_weight * proj_weight.reshape(-1), eps)
+
+
+def naive_apply_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, eps: float):
+    """Float64 reference, source by source, with the norm and projection applied separately."""
+    f64 = lambda a: np.asarray(to_numpy(a), dtype=np.float64)  # noqa: E731
+    sources = [f64(b) for b in block_residual] + [f64(prefix_sum)]
+    g, proj = f64(norm_weight), f64(proj_weight).reshape(-1)
+    scores = []
+    for v in sources:
+        key = g * (v / math.sqrt(float(np.mean(v * v)) + eps))  # the RMSNorm module, weight included
+        scores.append(float(key @ proj))
+    m = max(scores)
+    e = [math.exp(s - m) for s in scores]
+    p = np.array(e) / sum(e)
+    return sum(pi * v for pi, v in zip(p, sources)), p

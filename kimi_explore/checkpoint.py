@@ -1,0 +1,359 @@
+"""Checkpoint -> `KimiDecoderWeights`: the one place that owns the released tensor names.
+
+Layout (Hugging Face, `moonshotai/Kimi-K3`): `config.json`, `model.safetensors.index.json` whose
+`weight_map` names the shard of every tensor (or one `model.safetensors`), names prefixed
+`language_model.` (the unprefixed `model.` form is accepted too). BF16 matrices, F32 small vectors,
+routed experts as MXFP4 `weight_packed`/`weight_scale` pairs (dense `weight` accepted too).
+
+Loading is planned before anything is allocated: every tensor the requested layers need is looked
+up in the index, its shard opened (headers checked against the file size) and its dtype and shape
+checked against the config. Only then are tensors widened, straight from the memory map into their
+final (fused) buffers. Any problem raises `CheckpointError` and nothing is returned half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from . import mxfp4
+from .backend import resolve_device, resolve_dtype
+from .config import KimiDecoderConfig
+from .kda import KdaWeights
+from .kimi_decoder import KimiDecoderLayerWeights, KimiDecoderWeights
+from .latent_moe import DenseExperts, LatentMoeWeights
+from .mla import MlaWeights
+from .ops import DenseMlpWeights
+from .safetensors_io import CheckpointError, SafetensorsFile
+
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointDir:
+    """A checkpoint directory: its weight map, name prefix and lazily opened shards."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._files: dict[str, SafetensorsFile] = {}
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a checkpoint directory (expected config.json + safetensors)")
+        index = self.path / INDEX_FILE
+        if index.exists():
+            try:
+                raw = json.loads(index.read_text())
+                self.weight_map = dict(raw["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index (need a 'weight_map' object): {e}") from None
+        elif (self.path / SINGLE_FILE).exists():
+            single = self.open(SINGLE_FILE)
+            self.weight_map = {k: SINGLE_FILE for k in single.keys()}
+        else:
+            raise CheckpointError(f"{self.path}: neither {INDEX_FILE} nor {SINGLE_FILE} is there")
+        if "language_model.model.embed_tokens.weight" in self.weight_map:
+            self.prefix = "language_model."
+        elif "model.embed_tokens.weight" in self.weight_map:
+            self.prefix = ""
+        else:
+            raise CheckpointError(
+                f"{self.path}: the weight map has neither 'language_model.model.embed_tokens.weight' (released K3 "
+                "layout) nor 'model.embed_tokens.weight'; is this a Kimi K3 checkpoint?"
+            )
+
+    def full(self, name: str) -> str:
+        return self.prefix + name
+
+    def has(self, name: str) -> bool:
+        return self.full(name) in self.weight_map
+
+    def shard_of(self, name: str) -> str:
+        return self.weight_map[self.full(name)]
+
+    def open(self, shard: str) -> SafetensorsFile:
+        if shard not in self._files:
+            self._files[shard] = SafetensorsFile(self.path / shard)
+        return self._files[shard]
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+# ---------------------------------------------------------------- the plan: names and shapes
+
+
+def _layer_tensors(cfg: KimiDecoderConfig, i: int, ckpt: CheckpointDir) -> dict[str, tuple]:
+    """{name (without prefix): expected shape} for layer i. A_log's shape is checked on its own."""
+    d, L = cfg.hidden_size, f"model.layers.{i}."
+    t = {L + n: (d,) for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                "self_attention_res_norm.weight", "mlp_res_norm.weight")}
+    t[L + "self_attention_res_proj.weight"] = (1, d)
+    t[L + "mlp_res_proj.weight"] = (1, d)
+    A = L + "self_attn."
+    if cfg.is_kda_layer(i):
+        la = cfg.linear_attn_config
+        H, K, W, P = la.num_heads, la.head_dim, la.short_conv_kernel_size, cfg.kda_proj_width
+        for s in "qkv":
+            t[A + f"{s}_proj.weight"] = (P, d)
+            t[A + f"{s}_conv1d.weight"] = (P, 1, W)
+        t.update({A + "f_a_proj.weight": (K, d), A + "f_b_proj.weight": (P, K), A + "b_proj.weight": (H, d),
+                  A + "g_proj.weight": (P, d), A + "o_norm.weight": (K,), A + "o_proj.weight": (d, P),
+                  A + "dt_bias": (P,), A + "A_log": None})
+    else:
+        nh, dq, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+        ql, kl = cfg.q_lora_rank, cfg.kv_lora_rank
+        t.update({A + "q_a_proj.weight": (ql, d), A + "q_a_layernorm.weight": (ql,), A + "q_b_proj.weight": (nh * dq, ql),
+                  A + "kv_a_proj_with_mqa.weight": (kl + cfg.qk_rope_head_dim, d), A + "kv_a_layernorm.weight": (kl,),
+                  A + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + dv), kl), A + "o_proj.weight": (d, nh * dv)})
+        if cfg.mla_use_output_gate:
+            t[A + "g_proj.weight"] = (nh * dv, d)
+    if cfg.is_moe_layer(i):
+        M, E, l, I = L + "block_sparse_moe.", cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+        Ish = cfg.shared_intermediate_size
+        t.update({M + "gate.weight": (E, d), M + "gate.e_score_correction_bias": (E,),
+                  M + "routed_expert_down_proj.weight": (l, d), M + "routed_expert_norm.weight": (l,),
+                  M + "routed_expert_up_proj.weight": (d, l), M + "shared_experts.gate_proj.weight": (Ish, d),
+                  M + "shared_experts.up_proj.weight": (Ish, d), M + "shared_experts.down_proj.weight": (d, Ish)})
+        for e in range(E):
+            for wn, shape in (("w1", (I, l)), ("w3", (I, l)), ("w2", (l, I))):
+                base = M + f"experts.{e}.{wn}."
+                if ckpt.has(base + "weight_packed") or not ckpt.has(base + "weight"):
+                    t[base + "weight_packed"] = ("mxfp4", shape)
+                    t[base + "weight_scale"] = ("mxfp4-scale", shape)
+                else:
+                    t[base + "weight"] = shape
+    else:
+        I = cfg.intermediate_size
+        t.update({L + "mlp.gate_proj.weight": (I, d), L + "mlp.up_proj.weight": (I, d), L + "mlp.down_proj.weight": (d, I)})
+    return t
+
+
+def _global_tensors(cfg: KimiDecoderConfig) -> dict[str, tuple]:
+    d, V = cfg.hidden_size, cfg.vocab_size
+    t = {"model.embed_tokens.weight": (V, d), "model.norm.weight": (d,),
+         "model.output_attn_res_norm.weight": (d,), "model.output_attn_res_proj.weight": (1, d)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = (V, d)
+    return t
+
+
+def _layer_of(name: str):
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+def _check(ckpt: CheckpointDir, plan: dict[str, tuple], cfg: KimiDecoderConfig) -> None:
+    """Every planned tensor exists, in a shard that exists, with the right dtype and shape."""
+    missing = [n for n in plan if not ckpt.has(n)]
+    if missing:
+        shown = ", ".join(ckpt.full(n) for n in missing[:12])
+        more = f" (and {len(missing) - 12} more)" if len(missing) > 12 else ""
+        raise CheckpointError(f"{ckpt.path}: {len(missing)} tensor(s) the config requires are not in the weight map: {shown}{more}")
+    by_shard: dict[str, list[str]] = {}
+    for n in plan:
+        by_shard.setdefault(ckpt.shard_of(n), []).append(n)
+    absent = {s: ns for s, ns in by_shard.items() if not (ckpt.path / s).exists()}
+    if absent:
+        lines = []
+        for s, ns in sorted(absent.items()):
+            layers = sorted({_layer_of(n) for n in ns} - {None})
+            what = f"layers {layers}" if layers else "global tensors"
+            extra = " and global tensors" if layers and any(_layer_of(n) is None for n in ns) else ""
+            lines.append(f"{s} (needed by {what}{extra})")
+        raise CheckpointError(f"{ckpt.path}: shard file(s) named in the index are missing: " + "; ".join(lines))
+    for shard, names in by_shard.items():
+        f = ckpt.open(shard)
+        for n in names:
+            full = ckpt.full(n)
+            if full not in f:
+                raise CheckpointError(f"{f.path}: the index places tensor '{full}' in this shard, but it is not there")
+            dtype, shape = f.info(full)
+            _check_one(f.path, full, dtype, shape, plan[n], cfg)
+
+
+def _check_one(path, full: str, dtype: str, shape: tuple, want, cfg: KimiDecoderConfig) -> None:
+    def bad(expected: str):
+        raise CheckpointError(f"{path}: tensor '{full}': expected {expected}, found {dtype}{list(shape)}")
+
+    if want is None:  # A_log: per head, stored head_dim wide on disk
+        la = cfg.linear_attn_config
+        if dtype not in FLOAT_DTYPES or len(shape) != 1 or shape[0] not in (la.num_heads, la.head_dim):
+            bad(f"a float vector of {la.num_heads} (num_heads) or {la.head_dim} (head_dim, zero-padded) entries")
+        return
+    if want[0] in ("mxfp4", "mxfp4-scale"):
+        rows, cols = want[1]
+        per = 2 if want[0] == "mxfp4" else mxfp4.GROUP
+        if cols % mxfp4.GROUP:
+            bad(f"an MXFP4 pair, but the logical width {cols} is not a multiple of {mxfp4.GROUP}")
+        if dtype != "U8" or tuple(shape) != (rows, cols // per):
+            bad(f"U8{[rows, cols // per]} (MXFP4 of a [{rows}, {cols}] weight)")
+        return
+    if dtype not in FLOAT_DTYPES:
+        bad(f"a float tensor (BF16/F16/F32) of shape {list(want)}")
+    if tuple(shape) != tuple(want):
+        bad(f"shape {list(want)}")
+
+
+# ---------------------------------------------------------------- building the records
+
+
+class _Builder:
+    def __init__(self, ckpt: CheckpointDir, xp, dtype):
+        self.ckpt, self.xp, self.dtype = ckpt, xp, dtype
+
+    def view(self, name: str) -> np.ndarray:
+        return self.ckpt.open(self.ckpt.shard_of(name)).array(self.ckpt.full(name))
+
+    def host(self, name: str) -> np.ndarray:
+        return np.array(self.view(name), dtype=self.dtype)  # always a copy: the map is closed after loading
+
+    def dev(self, a):
+        return self.xp.asarray(a)
+
+    def one(self, name: str, shape=None):
+        a = self.host(name)
+        return self.dev(a.reshape(shape) if shape is not None else a)
+
+    def fused(self, names: list[str]):
+        """Row-concatenate 2-D tensors into one buffer, widening each straight into its slice."""
+        views = [self.view(n) for n in names]
+        out = np.empty((sum(v.shape[0] for v in views), views[0].shape[1]), self.dtype)
+        r = 0
+        for v in views:
+            out[r : r + v.shape[0]] = v
+            r += v.shape[0]
+        return self.dev(out)
+
+    def expert_matrix(self, base: str, shape) -> np.ndarray:
+        if self.ckpt.has(base + "weight"):
+            return self.view(base + "weight")
+        return mxfp4.dequantize(self.view(base + "weight_packed"), self.view(base + "weight_scale"), dtype=self.dtype)
+
+
+def _kda(b: _Builder, cfg: KimiDecoderConfig, i: int) -> KdaWeights:
+    la, A = cfg.linear_attn_config, f"model.layers.{i}.self_attn."
+    H, K = la.num_heads, la.head_dim
+    a_log = b.host(A + "A_log")
+    if a_log.shape[0] != H and np.any(a_log[H:] != 0):
+        raise CheckpointError(
+            f"{b.ckpt.path}: tensor '{b.ckpt.full(A + 'A_log')}' is stored {a_log.shape[0]} wide with non-zero entries "
+            f"past num_heads={H}; K3 stores one value per head, zero-padded to head_dim. Refusing to guess its layout."
+        )
+    conv = np.stack([b.host(A + f"{s}_conv1d.weight")[:, 0, :] for s in "qkv"])
+    names = [A + f"{s}_proj.weight" for s in ("q", "k", "v", "g", "b", "f_a")]
+    return KdaWeights(
+        in_proj=b.fused(names), f_b_proj=b.one(A + "f_b_proj.weight"), conv=b.dev(conv),
+        A=b.dev(np.exp(a_log[:H].astype(np.float64)).astype(b.dtype).reshape(H, 1)),
+        dt_bias=b.one(A + "dt_bias", (H, K)), o_norm=b.one(A + "o_norm.weight"), o_proj=b.one(A + "o_proj.weight"),
+        num_heads=H, head_dim=K, lower_bound=float(la.gate_lower_bound), eps=cfg.rms_norm_eps,
+    )
+
+
+def _mla(b: _Builder, cfg: KimiDecoderConfig, i: int) -> MlaWeights:
+    A = f"model.layers.{i}.self_attn."
+    names = [A + "q_a_proj.weight", A + "kv_a_proj_with_mqa.weight"] + ([A + "g_proj.weight"] if cfg.mla_use_output_gate else [])
+    return MlaWeights(
+        in_proj=b.fused(names), q_a_layernorm=b.one(A + "q_a_layernorm.weight"), q_b_proj=b.one(A + "q_b_proj.weight"),
+        kv_a_layernorm=b.one(A + "kv_a_layernorm.weight"), kv_b_proj=b.one(A + "kv_b_proj.weight"),
+        o_proj=b.one(A + "o_proj.weight"), num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, use_output_gate=cfg.mla_use_output_gate,
+    )
+
+
+def _moe(b: _Builder, cfg: KimiDecoderConfig, i: int) -> LatentMoeWeights:
+    M = f"model.layers.{i}.block_sparse_moe."
+    E, l, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    w13 = np.empty((E, 2 * I, l), b.dtype)
+    w2 = np.empty((E, l, I), b.dtype)
+    for e in range(E):
+        base = M + f"experts.{e}."
+        w13[e, :I] = b.expert_matrix(base + "w1.", (I, l))
+        w13[e, I:] = b.expert_matrix(base + "w3.", (I, l))
+        w2[e] = b.expert_matrix(base + "w2.", (l, I))
+    names = [M + "gate.weight", M + "routed_expert_down_proj.weight",
+             M + "shared_experts.gate_proj.weight", M + "shared_experts.up_proj.weight"]
+    return LatentMoeWeights(
+        in_proj=b.fused(names), e_score_correction_bias=b.one(M + "gate.e_score_correction_bias"),
+        experts=DenseExperts(b.dev(w13), b.dev(w2)), routed_expert_norm=b.one(M + "routed_expert_norm.weight"),
+        routed_expert_up_proj=b.one(M + "routed_expert_up_proj.weight"),
+        shared_down_proj=b.one(M + "shared_experts.down_proj.weight"), num_experts=E,
+        top_k=cfg.num_experts_per_token, latent_size=l, renormalize=bool(cfg.moe_renormalize),
+        routed_scaling_factor=float(cfg.routed_scaling_factor), use_latent_norm=bool(cfg.latent_moe_use_norm),
+        eps=cfg.rms_norm_eps, situ_beta=float(cfg.activation_situ_beta),
+        situ_linear_beta=None if cfg.activation_situ_linear_beta is None else float(cfg.activation_situ_linear_beta),
+    )
+
+
+def _score(b: _Builder, norm: str, proj: str):
+    """Fuse an attn-res RMSNorm gain and its [1, d] projection into the score vector (in float64, then cast)."""
+    g = np.asarray(b.view(norm), dtype=np.float64)
+    p = np.asarray(b.view(proj), dtype=np.float64).reshape(-1)
+    return b.dev((g * p).astype(b.dtype))
+
+
+def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int) -> KimiDecoderLayerWeights:
+    L = f"model.layers.{i}."
+    attention = _kda(b, cfg, i) if cfg.is_kda_layer(i) else _mla(b, cfg, i)
+    if cfg.is_moe_layer(i):
+        ffn = _moe(b, cfg, i)
+    else:
+        ffn = DenseMlpWeights(b.fused([L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"]), b.one(L + "mlp.down_proj.weight"))
+    return KimiDecoderLayerWeights(
+        index=i, input_layernorm=b.one(L + "input_layernorm.weight"),
+        post_attention_layernorm=b.one(L + "post_attention_layernorm.weight"),
+        attn_res_score=_score(b, L + "self_attention_res_norm.weight", L + "self_attention_res_proj.weight"),
+        mlp_res_score=_score(b, L + "mlp_res_norm.weight", L + "mlp_res_proj.weight"),
+        attention=attention, ffn=ffn, is_block_boundary=cfg.is_block_boundary(i),
+    )
+
+
+def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_hidden_layers))
+    try:
+        ids = [int(i) for i in layers]
+    except (TypeError, ValueError):
+        raise ValueError(f"layers={layers!r}: expected None or an iterable of 0-based layer indices") from None
+    if not ids:
+        raise ValueError("layers=[] selects no layer; pass None for all layers")
+    bad = [i for i in ids if not 0 <= i < num_hidden_layers]
+    if bad:
+        raise ValueError(f"layers: {bad} outside 0..{num_hidden_layers - 1} (the config has {num_hidden_layers} layers)")
+    if sorted(set(ids)) != ids:
+        raise ValueError(f"layers={ids}: expected strictly increasing layer indices")
+    return ids
+
+
+def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointDir) -> dict[str, tuple]:
+    plan = _global_tensors(cfg)
+    for i in layer_ids:
+        plan.update(_layer_tensors(cfg, i, ckpt))
+    return plan
+
+
+def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32") -> KimiDecoderWeights:
+    """Load a K3 checkpoint directory (all layers, or the 0-based `layers` chosen) onto `device`."""
+    xp, dev = resolve_device(device)
+    dt = resolve_dtype(dtype)
+    path = Path(path)
+    cfg = KimiDecoderConfig.from_file(path / "config.json")
+    layer_ids = resolve_layers(layers, cfg.num_hidden_layers)
+    ckpt = CheckpointDir(path)
+    try:
+        _check(ckpt, plan_tensors(cfg, layer_ids, ckpt), cfg)
+        b = _Builder(ckpt, xp, dt)
+        embed = b.one("model.embed_tokens.weight")
+        return KimiDecoderWeights(
+            config=cfg, embed_tokens=embed, layers=[_layer(b, cfg, i) for i in layer_ids],
+            output_attn_res_score=_score(b, "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"),
+            norm=b.one("model.norm.weight"),
+            lm_head=embed if cfg.tie_word_embeddings else b.one("lm_head.weight"),
+            xp=xp, device=dev, dtype=dt, source=str(path),
+        )
+    finally:
+        ckpt.close()

@@ -1,0 +1,193 @@
+"""K3 text-model configuration: a frozen record whose field names are the `config.json` keys.
+
+The released `config.json` is the multimodal `kimi_k3` shell; the language model's fields live in
+its `text_config` (a `kimi_linear` config). A bare `kimi_linear` config is accepted too.
+
+Every field the forward pass reads is required: a silent default would give a different model that
+still produces plausible numbers. The layer lists stay 1-based, as in the file; whether 0-based
+layer `i` is KDA / MoE / a block boundary is decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """config.json is missing keys or describes a model this decoder does not implement."""
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """`text_config.linear_attn_config`: the KDA layers."""
+
+    num_heads: int  # H, KDA heads
+    head_dim: int  # K = V, KDA head width; projection width P = H * K
+    short_conv_kernel_size: int  # W, depthwise causal conv width
+    kda_layers: tuple[int, ...]  # 1-based
+    full_attn_layers: tuple[int, ...]  # 1-based (the complement; not consulted by the math)
+    gate_lower_bound: float  # decay gate g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+    use_full_rank_gate: bool
+
+
+@dataclass(frozen=True)
+class KimiDecoderConfig:
+    """The language model's `text_config`. Field names are the JSON keys."""
+
+    vocab_size: int
+    hidden_size: int  # d
+    num_hidden_layers: int
+    num_attention_heads: int  # MLA heads
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # "rope" dims are never rotated (NoPE) but are scored and cached
+    v_head_dim: int
+    mla_use_nope: bool
+    mla_use_output_gate: bool
+    intermediate_size: int  # dense MLP width
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int  # latent width of the routed experts
+    latent_moe_use_norm: bool
+    moe_renormalize: bool
+    moe_router_activation_func: str
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    hidden_act: str
+    activation_situ_beta: float
+    activation_situ_linear_beta: float
+    attn_res_block_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    linear_attn_config: LinearAttnConfig
+    num_expert_group: int = 1
+    topk_group: int = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    # ---- the one place that maps a 0-based layer index to its kind ----
+    def is_kda_layer(self, i: int) -> bool:
+        return (i + 1) in self.linear_attn_config.kda_layers
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    def is_block_boundary(self, i: int) -> bool:
+        """Layer i pushes its raw input onto the block-residual stack (after its attention mix)."""
+        return i % self.attn_res_block_size == 0
+
+    def layer_kind(self, i: int) -> str:
+        """'kda+dense', 'kda+moe', 'mla+moe', ... for tables and plots."""
+        attn = "kda" if self.is_kda_layer(i) else "mla"
+        return f"{attn}+{'moe' if self.is_moe_layer(i) else 'dense'}"
+
+    # ---- derived widths ----
+    @property
+    def kda_proj_width(self) -> int:
+        return self.linear_attn_config.num_heads * self.linear_attn_config.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    def truncated(self, n: int) -> KimiDecoderConfig:
+        """The config of a model made of the first n layers (layer lists cut to 1..n)."""
+        la = self.linear_attn_config
+        la = dataclasses.replace(
+            la,
+            kda_layers=tuple(x for x in la.kda_layers if x <= n),
+            full_attn_layers=tuple(x for x in la.full_attn_layers if x <= n),
+        )
+        return dataclasses.replace(self, num_hidden_layers=n, linear_attn_config=la)
+
+    # ---- construction ----
+    @classmethod
+    def from_dict(cls, raw: dict, *, source: str = "config.json") -> KimiDecoderConfig:
+        if "text_config" in raw:
+            raw = raw["text_config"]
+            if raw is None:
+                raise ConfigError(f"{source}: 'text_config' is null; expected the language model's config")
+        return _build(cls, raw, source)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> KimiDecoderConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file; a checkpoint needs its config.json") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _required(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+
+
+def _build(cls, raw: dict, source: str) -> KimiDecoderConfig:
+    missing = [k for k in _required(cls) if k not in raw]
+    la_raw = raw.get("linear_attn_config")
+    if isinstance(la_raw, dict):
+        missing += [f"linear_attn_config.{k}" for k in _required(LinearAttnConfig) if k not in la_raw]
+    if missing:
+        raise ConfigError(f"{source}: missing required key(s): {', '.join(missing)}")
+    if not isinstance(la_raw, dict):
+        raise ConfigError(f"{source}: 'linear_attn_config' must be an object, found {la_raw!r}")
+
+    la_kwargs = {f.name: la_raw[f.name] for f in dataclasses.fields(LinearAttnConfig)}
+    la_kwargs["kda_layers"] = tuple(int(x) for x in la_kwargs["kda_layers"])
+    la_kwargs["full_attn_layers"] = tuple(int(x) for x in la_kwargs["full_attn_layers"])
+    kwargs = {f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}
+    kwargs["linear_attn_config"] = LinearAttnConfig(**la_kwargs)
+    for key in ("num_expert_group", "topk_group"):
+        if kwargs.get(key) is None:
+            kwargs.pop(key, None)
+    cfg = cls(**kwargs)
+    _check_supported(cfg, source)
+    return cfg
+
+
+def _check_supported(cfg: KimiDecoderConfig, source: str) -> None:
+    """Refuse configs whose math this decoder does not implement, rather than run a wrong model."""
+    la = cfg.linear_attn_config
+    problems = []
+    if cfg.hidden_act != "situ":
+        problems.append(f"hidden_act={cfg.hidden_act!r} (expected 'situ')")
+    if cfg.moe_router_activation_func != "sigmoid":
+        problems.append(f"moe_router_activation_func={cfg.moe_router_activation_func!r} (expected 'sigmoid')")
+    if not cfg.mla_use_nope:
+        problems.append("mla_use_nope=false (rotary MLA is not K3)")
+    if not la.use_full_rank_gate:
+        problems.append("linear_attn_config.use_full_rank_gate=false (expected true)")
+    if la.gate_lower_bound is None:
+        problems.append("linear_attn_config.gate_lower_bound=null (the softplus gate is Kimi-Linear, not K3)")
+    if cfg.num_expert_group != 1:
+        problems.append(f"num_expert_group={cfg.num_expert_group} (grouped top-k is not implemented; K3 uses 1)")
+    if cfg.attn_res_block_size is None or cfg.attn_res_block_size < 1:
+        problems.append(f"attn_res_block_size={cfg.attn_res_block_size!r} (expected a positive integer)")
+    if not 1 <= cfg.num_experts_per_token <= cfg.num_experts:
+        problems.append(f"num_experts_per_token={cfg.num_experts_per_token} with num_experts={cfg.num_experts}")
+    n = cfg.num_hidden_layers
+    bad = [x for x in la.kda_layers if not 1 <= x <= n]
+    if bad:
+        problems.append(f"linear_attn_config.kda_layers has entries outside 1..{n}: {bad}")
+    if problems:
+        raise ConfigError(f"{source}: unsupported configuration: " + "; ".join(problems))

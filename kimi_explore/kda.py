@@ -1,0 +1,170 @@
+"""Kimi Delta Attention (KDA): one decode token through one KDA layer.
+
+Shapes: d = hidden, H = heads, K = V = head_dim, P = H*K, W = short-conv width.
+
+    q_lin, k_lin, v_lin = q_proj(x), k_proj(x), v_proj(x)            each [P]
+    window <- shift left, append [q_lin; k_lin; v_lin]                  [3, P, W], oldest first
+    q, k, v = silu(sum_w conv[c, w] * window[c, w])                     Linear -> conv -> SiLU
+    g  = lower_bound * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias)) [H, K], log-space decay
+    beta = sigmoid(b_proj(x))                                           [H], one per head
+    q, k = l2norm(q), l2norm(k) with x / sqrt(sum(x^2) + 1e-6); q *= K^-0.5
+    S_h = Diag(exp(g_h)) S_h; S_h += k (beta (v - S_h^T k))^T;  o_h = S_h^T q   (S_h is [K, V])
+    out = o_proj( rmsnorm_K(o) * o_norm * sigmoid(g_proj(x)) )          gate not normalised
+
+Traps: A_log is per HEAD (stored head_dim wide on disk, use the first H entries); the decay acts
+on key rows BEFORE the read; the output reads the UPDATED state; the l2norm eps sits inside the
+sqrt of the SUM (not the mean); the o_norm eps is rms_norm_eps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._xp import array_namespace
+from .backend import to_numpy
+from .ops import rms_norm, sigmoid, silu
+
+L2NORM_EPS = 1e-6
+
+
+@dataclass
+class KdaWeights:
+    """One KDA layer. Projections that read x are fused at load (exact: each row is its own dot).
+
+    in_proj: [4P + H + K, d]  rows q_proj | k_proj | v_proj | g_proj | b_proj | f_a_proj
+    f_b_proj: [P, K]
+    conv:     [3, P, W]       q_conv1d | k_conv1d | v_conv1d ([P, 1, W] on disk); w = W-1 is the current token
+    A:        [H, 1]          exp(A_log[:H]), per head
+    dt_bias:  [H, K]
+    o_norm:   [K]
+    o_proj:   [d, P]
+    """
+
+    in_proj: object
+    f_b_proj: object
+    conv: object
+    A: object
+    dt_bias: object
+    o_norm: object
+    o_proj: object
+    num_heads: int
+    head_dim: int
+    lower_bound: float
+    eps: float  # o_norm eps (rms_norm_eps)
+
+
+@dataclass
+class KdaState:
+    """Decode state of one KDA layer.
+
+    conv:      [3, P, W]  last W pre-conv q/k/v projection values, oldest first (zeros at start)
+    recurrent: [H, K, V]  S_h[k, v]; the HF/fla layout is the transpose, [H, V, K]
+    """
+
+    conv: object
+    recurrent: object
+
+    @classmethod
+    def zeros(cls, w: KdaWeights, xp, dtype) -> KdaState:
+        H, K = w.num_heads, w.head_dim
+        return cls(xp.zeros(w.conv.shape, dtype), xp.zeros((H, K, K), dtype))
+
+    def copy(self) -> KdaState:
+        return KdaState(self.conv.copy(), self.recurrent.copy())
+
+
+def delta_rule_update(S, k, v, alpha, beta) -> None:
+    """The gated delta rule for every head at once, updating S [H, K, V] in place.
+
+    k: [H, K] (l2-normalised); v: [H, V]; alpha: [H, K] decay in (0, 1]; beta: [H].
+    Decay first, then read with the decayed state, then write.
+    """
+    xp = array_namespace(S)
+    S *= alpha[:, :, None]
+    u = xp.matmul(k[:, None, :], S)[:, 0]  # S^T k  [H, V]
+    S += k[:, :, None] * (beta[:, None] * (v - u))[:, None, :]
+
+
+def delta_rule_read(S, q):
+    """o_h = S_h^T q_h: [H, V]."""
+    return array_namespace(S).matmul(q[:, None, :], S)[:, 0]
+
+
+def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
+    """x: [d] (input_layernorm output) -> [d]; advances `state` in place."""
+    xp = array_namespace(x)
+    H, K = w.num_heads, w.head_dim
+    P = H * K
+    y = w.in_proj @ x
+    window = state.conv
+    window[:, :, :-1] = window[:, :, 1:]
+    window[:, :, -1] = y[: 3 * P].reshape(3, P)
+    qkv = silu(xp.sum(window * w.conv, axis=-1)).reshape(3, H, K)
+    gate = sigmoid(y[3 * P : 4 * P].reshape(H, K))
+    beta = sigmoid(y[4 * P : 4 * P + H])
+    f = (w.f_b_proj @ y[4 * P + H :]).reshape(H, K)
+    alpha = xp.exp(w.lower_bound * sigmoid(w.A * (f + w.dt_bias)))
+
+    qk = qkv[:2]
+    qk = qk / xp.sqrt(xp.sum(qk * qk, axis=-1, keepdims=True) + L2NORM_EPS)
+    q, k, v = qk[0] * (1.0 / math.sqrt(K)), qk[1], qkv[2]
+    if hooks is not None:
+        q = hooks.fire(prefix + "kda.q", q)
+        k = hooks.fire(prefix + "kda.k", k)
+        v = hooks.fire(prefix + "kda.v", v)
+        beta = hooks.fire(prefix + "kda.beta", beta)
+        alpha = hooks.fire(prefix + "kda.decay", alpha)
+        gate = hooks.fire(prefix + "kda.gate", gate)
+
+    S = state.recurrent
+    delta_rule_update(S, k, v, alpha, beta)
+    if hooks is not None:
+        hooks.fire(prefix + "kda.conv", window)
+        new = hooks.fire(prefix + "kda.state", S)
+        if new is not S:
+            S[...] = new
+    o = rms_norm(delta_rule_read(S, q), w.o_norm, w.eps) * gate
+    return w.o_proj @ o.reshape(P)
+
+
+def naive_kda_step(x, w: KdaWeights, state: KdaState):
+    """Float64 reference, one head and one channel at a time. Returns (out [d], new KdaState)."""
+    f64 = lambda a: np.asarray(to_numpy(a), dtype=np.float64)  # noqa: E731
+    x = f64(x)
+    H, K = w.num_heads, w.head_dim
+    P = H * K
+    Win = f64(w.in_proj)
+    qw, kw, vw, gw = (Win[i * P : (i + 1) * P] for i in range(4))
+    bw, faw = Win[4 * P : 4 * P + H], Win[4 * P + H :]
+    conv_w, conv = f64(w.conv), f64(state.conv).copy()
+    S = f64(state.recurrent).copy()
+    new_vals = [qw @ x, kw @ x, vw @ x]
+    streams = []
+    for s in range(3):
+        conv[s] = np.concatenate([conv[s][:, 1:], new_vals[s][:, None]], axis=1)
+        pre = np.array([sum(conv_w[s, c, j] * conv[s, c, j] for j in range(conv.shape[2])) for c in range(P)])
+        streams.append(pre / (1.0 + np.exp(-pre)))
+    fa = faw @ x
+    graw = f64(w.f_b_proj) @ fa
+    A, dt = f64(w.A).reshape(H), f64(w.dt_bias).reshape(P)
+    out_heads = []
+    for h in range(H):
+        sl = slice(h * K, (h + 1) * K)
+        q, k, v = streams[0][sl], streams[1][sl], streams[2][sl]
+        q = q / math.sqrt(float(q @ q) + L2NORM_EPS) / math.sqrt(K)
+        k = k / math.sqrt(float(k @ k) + L2NORM_EPS)
+        beta = 1.0 / (1.0 + math.exp(-float(bw[h] @ x)))
+        for j in range(K):
+            z = A[h] * (graw[h * K + j] + dt[h * K + j])
+            S[h, j, :] *= math.exp(w.lower_bound / (1.0 + math.exp(-z)))
+        u = S[h].T @ k
+        S[h] += np.outer(k, beta * (v - u))
+        o = S[h].T @ q
+        o = o / math.sqrt(float(np.mean(o * o)) + w.eps) * f64(w.o_norm)
+        g = gw[sl] @ x
+        out_heads.append(o / (1.0 + np.exp(-g)))
+    out = f64(w.o_proj) @ np.concatenate(out_heads)
+    return out, KdaState(conv, S)

@@ -1,0 +1,150 @@
+"""Latent Mixture of Experts with a sigmoid router and shared experts: one token.
+
+Shapes: d = hidden, E experts, k = top-k, l = routed_expert_hidden_size (latent), I = moe_intermediate.
+
+    s     = sigmoid(x @ gate^T)                      [E]  fp32, unbiased scores
+    ids   = topk(s + e_score_correction_bias, k)          bias used for SELECTION only
+    w     = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor   (renormalise when moe_renormalize)
+    z     = routed_expert_down_proj(x)               [l]  the latent
+    y_e   = w2_e(SiTU([w1_e z | w3_e z]))            [l]  experts live in the latent space
+    u     = routed_expert_norm(sum_e w_e y_e)        [l]  ONE RMSNorm on the aggregate (if latent_moe_use_norm)
+    out   = routed_expert_up_proj(u) + shared(x)     [d]  shared experts read the full-width x, unweighted
+
+Because routed_expert_norm is an RMSNorm of the weighted sum, a factor common to all k weights
+(routed_scaling_factor, the renormalisation) cancels up to eps: check those on the recorded
+weights, not on the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._xp import array_namespace
+from .backend import to_numpy
+from .ops import naive_situ_and_mul, rms_norm, sigmoid, situ_and_mul
+
+RENORM_EPS = 1e-20
+
+
+@dataclass
+class DenseExperts:
+    """Routed experts held dequantised.
+
+    w13: [E, 2I, l]  w1 (gate) rows, then w3 (up) rows
+    w2:  [E, l, I]   down
+    """
+
+    w13: object
+    w2: object
+
+    def gather(self, ids):
+        """The selected experts' weights: ([k, 2I, l], [k, l, I]), one gather each."""
+        return self.w13[ids], self.w2[ids]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+
+@dataclass
+class LatentMoeWeights:
+    """One MoE layer.
+
+    in_proj:               [E + l + 2*Ish, d]  rows gate.weight (router) | routed_expert_down_proj | shared gate_proj | shared up_proj
+    e_score_correction_bias: [E]
+    experts:               DenseExperts (or any object with the same `gather`)
+    routed_expert_norm:    [l]
+    routed_expert_up_proj: [d, l]
+    shared_down_proj:      [d, Ish]   Ish = num_shared_experts * moe_intermediate_size (one fused MLP)
+    """
+
+    in_proj: object
+    e_score_correction_bias: object
+    experts: object
+    routed_expert_norm: object
+    routed_expert_up_proj: object
+    shared_down_proj: object
+    num_experts: int
+    top_k: int
+    latent_size: int
+    renormalize: bool
+    routed_scaling_factor: float
+    use_latent_norm: bool
+    eps: float
+    situ_beta: float
+    situ_linear_beta: float | None
+
+
+def select_experts(scores, bias, top_k: int):
+    """Top-k of the biased scores; ids ordered by unbiased score (descending)."""
+    xp = array_namespace(scores)
+    choice = scores + bias
+    if top_k < choice.shape[0]:
+        ids = xp.argpartition(-choice, top_k - 1)[:top_k]
+    else:
+        ids = xp.arange(choice.shape[0])
+    return ids[xp.argsort(-scores[ids])]
+
+
+def routing_weights(scores, ids, renormalize: bool, scaling: float):
+    w = scores[ids]
+    if renormalize:
+        w = w / (w.sum() + RENORM_EPS)
+    return w * scaling
+
+
+def latent_moe(x, w: LatentMoeWeights, hooks=None, prefix: str = ""):
+    """x: [d] (post_attention_layernorm output) -> [d]."""
+    xp = array_namespace(x)
+    E, l = w.num_experts, w.latent_size
+    y = w.in_proj @ x
+    scores = sigmoid(y[:E])
+    if hooks is not None:
+        scores = hooks.fire(prefix + "moe.router.scores", scores)
+    ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
+    if hooks is not None:
+        ids = hooks.fire(prefix + "moe.router.topk_ids", ids)
+    weights = routing_weights(scores, ids, w.renormalize, w.routed_scaling_factor)
+    if hooks is not None:
+        weights = hooks.fire(prefix + "moe.router.topk_weights", weights)
+
+    w13, w2 = w.experts.gather(ids)
+    a = situ_and_mul(xp.matmul(w13, y[E : E + l]), w.situ_beta, w.situ_linear_beta)  # [k, I]
+    u = weights @ xp.matmul(w2, a[:, :, None])[:, :, 0]  # [l]
+    if w.use_latent_norm:
+        u = rms_norm(u, w.routed_expert_norm, w.eps)
+    routed = w.routed_expert_up_proj @ u
+    shared = w.shared_down_proj @ situ_and_mul(y[E + l :], w.situ_beta, w.situ_linear_beta)
+    if hooks is not None:
+        routed = hooks.fire(prefix + "moe.routed_out", routed)
+        shared = hooks.fire(prefix + "moe.shared_out", shared)
+    return routed + shared
+
+
+def naive_latent_moe(x, w: LatentMoeWeights):
+    """Float64 reference with a Python loop over experts. Returns (out [d], ids, weights)."""
+    f64 = lambda a: np.asarray(to_numpy(a), dtype=np.float64)  # noqa: E731
+    x = f64(x)
+    E, l = w.num_experts, w.latent_size
+    Win = f64(w.in_proj)
+    gate_w, down_w, shared_w = Win[:E], Win[E : E + l], Win[E + l :]
+    scores = 1.0 / (1.0 + np.exp(-(gate_w @ x)))
+    biased = scores + f64(w.e_score_correction_bias)
+    ids = sorted(range(E), key=lambda e: -biased[e])[: w.top_k]
+    ids = sorted(ids, key=lambda e: -scores[e])
+    weights = np.array([scores[e] for e in ids])
+    if w.renormalize:
+        weights = weights / (weights.sum() + RENORM_EPS)
+    weights = weights * w.routed_scaling_factor
+    z = down_w @ x
+    u = np.zeros(l)
+    for e, we in zip(ids, weights):
+        w13, w2 = (f64(a) for a in w.experts.gather(np.array([e])))
+        u += we * (w2[0] @ naive_situ_and_mul(w13[0] @ z, w.situ_beta, w.situ_linear_beta))
+    if w.use_latent_norm:
+        u = u / np.sqrt(np.mean(u * u) + w.eps) * f64(w.routed_expert_norm)
+    routed = f64(w.routed_expert_up_proj) @ u
+    shared = f64(w.shared_down_proj) @ naive_situ_and_mul(shared_w @ x, w.situ_beta, w.situ_linear_beta)
+    return routed + shared, np.array(ids), weights

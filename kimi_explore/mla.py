@@ -1,0 +1,156 @@
+"""Gated NoPE Multi-head Latent Attention (MLA): one decode token through one MLA layer.
+
+Shapes: nh heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, dq = dn + dr.
+
+    q      = q_b_proj(rmsnorm_1e-6(q_a_proj(x)))                         [nh, dq]
+    c, kpe = kv_a_proj_with_mqa(x) split [kv_lora | dr]
+    kv     = kv_b_proj(rmsnorm_1e-6(c))                                  [nh, dn + dv]
+    k_h    = [kv_h[:dn] | kpe]  (kpe shared by all heads, NOT normalised) [nh, dq];  v_h = kv_h[dn:]
+    append (k, v) to the cache, then p_h = softmax_s(q_h . k_h(s) / sqrt(dq)) over every cached s
+    out    = o_proj( flatten(sum_s p_h(s) v_h(s)) * sigmoid(g_proj(x)) )
+
+Traps: no rotary embedding anywhere, but the dr "rope" dims are still scored and cached; the
+softmax scale is 1/sqrt(dn + dr), not 1/sqrt(dn); the q_a/kv_a norms use eps 1e-6 (the class
+default), not rms_norm_eps. The cache holds decompressed per-head K/V, as HF does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._xp import array_namespace
+from .backend import to_numpy
+from .ops import rms_norm, sigmoid, softmax
+
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass
+class MlaWeights:
+    """One MLA layer.
+
+    in_proj:        [q_lora + kv_lora + dr (+ nh*dv), d]  rows q_a_proj | kv_a_proj_with_mqa | g_proj (if gated)
+    q_a_layernorm:  [q_lora]
+    q_b_proj:       [nh*dq, q_lora]
+    kv_a_layernorm: [kv_lora]
+    kv_b_proj:      [nh*(dn+dv), kv_lora]
+    o_proj:         [d, nh*dv]
+    """
+
+    in_proj: object
+    q_a_layernorm: object
+    q_b_proj: object
+    kv_a_layernorm: object
+    kv_b_proj: object
+    o_proj: object
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    use_output_gate: bool
+
+
+@dataclass
+class MlaState:
+    """K/V cache of one MLA layer, grown by doubling.
+
+    keys:   [nh, capacity, dq];  values: [nh, capacity, dv];  length: cached positions
+    """
+
+    keys: object
+    values: object
+    length: int = 0
+
+    @classmethod
+    def empty(cls, w: MlaWeights, xp, dtype, capacity: int = 16) -> MlaState:
+        dq = w.qk_nope_head_dim + w.qk_rope_head_dim
+        return cls(xp.zeros((w.num_heads, capacity, dq), dtype), xp.zeros((w.num_heads, capacity, w.v_head_dim), dtype))
+
+    def append(self, k, v) -> None:
+        """k: [nh, dq], v: [nh, dv]."""
+        t = self.length
+        if t == self.keys.shape[1]:
+            xp = array_namespace(self.keys)
+            grow = lambda a: xp.concatenate([a, xp.zeros_like(a)], axis=1)  # noqa: E731
+            self.keys, self.values = grow(self.keys), grow(self.values)
+        self.keys[:, t] = k
+        self.values[:, t] = v
+        self.length = t + 1
+
+    def copy(self) -> MlaState:
+        """A copy holding only the used positions (plus room to grow)."""
+        n = max(self.length, 1)
+        return MlaState(self.keys[:, :n].copy(), self.values[:, :n].copy(), self.length)
+
+
+def _project(x, w: MlaWeights):
+    """x -> (q [nh, dq], k [nh, dq], v [nh, dv], gate [nh*dv] or None)."""
+    xp = array_namespace(x)
+    nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
+    ql, kl = w.q_lora_rank, w.kv_lora_rank
+    y = w.in_proj @ x
+    q = (w.q_b_proj @ rms_norm(y[:ql], w.q_a_layernorm, LATENT_NORM_EPS)).reshape(nh, dn + dr)
+    kv = (w.kv_b_proj @ rms_norm(y[ql : ql + kl], w.kv_a_layernorm, LATENT_NORM_EPS)).reshape(nh, dn + dv)
+    k = xp.concatenate([kv[:, :dn], xp.broadcast_to(y[ql + kl : ql + kl + dr], (nh, dr))], axis=1)
+    gate = sigmoid(y[ql + kl + dr :]) if w.use_output_gate else None
+    return q, k, kv[:, dn:], gate
+
+
+def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, prefix: str = ""):
+    """x: [d] (input_layernorm output) -> [d]; appends this token to `state`."""
+    xp = array_namespace(x)
+    q, k, v, gate = _project(x, w)
+    state.append(k, v)
+    T = state.length
+    scale = 1.0 / math.sqrt(w.qk_nope_head_dim + w.qk_rope_head_dim)
+    scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * scale  # [nh, T]
+    p = softmax(scores)
+    if hooks is not None:
+        p = hooks.fire(prefix + "mla.probs", p)
+    o = xp.matmul(p[:, None, :], state.values[:, :T])[:, 0].reshape(-1)  # [nh*dv]
+    if gate is not None:
+        o = o * gate
+    return w.o_proj @ o
+
+
+def naive_mla_prefill(xs, w: MlaWeights):
+    """Float64 reference: full causal attention over a whole sequence xs [T, d] -> [T, d].
+
+    Projects each token on its own, then attends head by head with an explicit causal mask.
+    """
+    f64 = lambda a: np.asarray(to_numpy(a), dtype=np.float64)  # noqa: E731
+    xs = f64(xs)
+    nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
+    ql, kl = w.q_lora_rank, w.kv_lora_rank
+    Win = f64(w.in_proj)
+
+    def norm(a, g):
+        return a / math.sqrt(float(np.mean(a * a)) + LATENT_NORM_EPS) * f64(g)
+
+    T = xs.shape[0]
+    Q, Kc, Vc, G = np.zeros((T, nh, dn + dr)), np.zeros((T, nh, dn + dr)), np.zeros((T, nh, dv)), []
+    for t in range(T):
+        y = Win @ xs[t]
+        q = f64(w.q_b_proj) @ norm(y[:ql], w.q_a_layernorm)
+        kv = f64(w.kv_b_proj) @ norm(y[ql : ql + kl], w.kv_a_layernorm)
+        kpe = y[ql + kl : ql + kl + dr]
+        for h in range(nh):
+            Q[t, h] = q[h * (dn + dr) : (h + 1) * (dn + dr)]
+            Kc[t, h] = np.concatenate([kv[h * (dn + dv) : h * (dn + dv) + dn], kpe])
+            Vc[t, h] = kv[h * (dn + dv) + dn : (h + 1) * (dn + dv)]
+        G.append(1.0 / (1.0 + np.exp(-y[ql + kl + dr :])) if w.use_output_gate else np.ones(nh * dv))
+    out = np.zeros((T, f64(w.o_proj).shape[0]))
+    for t in range(T):
+        heads = []
+        for h in range(nh):
+            s = np.array([Q[t, h] @ Kc[s, h] for s in range(t + 1)]) / math.sqrt(dn + dr)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            heads.append(sum(p[s] * Vc[s, h] for s in range(t + 1)))
+        out[t] = f64(w.o_proj) @ (np.concatenate(heads) * G[t])
+    return out

@@ -1,0 +1,85 @@
+"""Norms and activations shared by every component, plus the dense (layer-0 / shared-expert) MLP.
+
+Every function takes the array namespace from its input, so it runs on NumPy or CuPy. Scalars are
+Python floats: a NumPy float64 scalar would silently promote a float32 vector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._xp import array_namespace
+
+
+def sigmoid(x):
+    xp = array_namespace(x)
+    return 1.0 / (1.0 + xp.exp(-x))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def rms_norm(x, weight, eps: float):
+    """KimiRMSNorm: `weight * (x / sqrt(mean(x^2) + eps))` over the last axis.
+
+    HF normalises in fp32, casts back to the activation dtype, then multiplies by the weight; in a
+    float32/float64 decoder the cast is the identity.
+    """
+    xp = array_namespace(x)
+    ms = xp.mean(x * x, axis=-1, keepdims=True)
+    return x * (1.0 / xp.sqrt(ms + eps)) * weight
+
+
+def situ_and_mul(gate_up, beta: float, linear_beta: float | None):
+    """SiTU-GLU on the concatenation [gate | up] (last axis): `b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)`.
+
+    Trap: the sigmoid reads the UNCAPPED gate. `linear_beta=None` leaves `up` uncapped.
+    |output| <= beta * linear_beta.
+    """
+    xp = array_namespace(gate_up)
+    n = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :n], gate_up[..., n:]
+    a = xp.tanh(g * (1.0 / beta)) * sigmoid(g)
+    if linear_beta is None:
+        return (beta * a) * u
+    return a * xp.tanh(u * (1.0 / linear_beta)) * (beta * linear_beta)
+
+
+def naive_situ_and_mul(gate_up, beta: float, linear_beta: float | None):
+    """Float64 reference: the SiTU formula element by element, written as in the tech report (eq. 12)."""
+    import math
+
+    import numpy as np
+
+    gu = np.asarray(gate_up, dtype=np.float64)
+    n = gu.shape[-1] // 2
+    out = np.empty(gu.shape[:-1] + (n,))
+    for idx in np.ndindex(out.shape):
+        g, u = gu[idx[:-1] + (idx[-1],)], gu[idx[:-1] + (idx[-1] + n,)]
+        a = beta * math.tanh(g / beta) * (1.0 / (1.0 + math.exp(-g)))
+        out[idx] = a * (u if linear_beta is None else linear_beta * math.tanh(u / linear_beta))
+    return out
+
+
+def softmax(x, axis: int = -1):
+    xp = array_namespace(x)
+    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+    return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+@dataclass
+class DenseMlpWeights:
+    """`down(SiTU([gate(x) | up(x)]))`: the layer-0 MLP and the fused shared experts.
+
+    gate_up_proj: [2 I, d]  gate_proj rows, then up_proj rows (fused at load: both read x)
+    down_proj:    [d, I]
+    """
+
+    gate_up_proj: object
+    down_proj: object
+
+
+def dense_mlp(x, w: DenseMlpWeights, beta: float, linear_beta: float | None):
+    """x: [d] -> [d]."""
+    return w.down_proj @ situ_and_mul(w.gate_up_proj @ x, beta, linear_beta)

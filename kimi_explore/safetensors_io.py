@@ -1,0 +1,114 @@
+"""Memory-mapped safetensors reading, with errors that name the file and the tensor.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+`{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}`, then the tensor bytes.
+We map the file and hand out zero-copy views, so loading widens each tensor straight into its
+final buffer and never holds a second copy of the weights. The header is checked against the file
+size up front: a truncated download fails at open, not halfway through a load.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16),
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
+    "BOOL": np.dtype(np.bool_),
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file, index entry or tensor is missing, malformed, or not what the config implies."""
+
+
+class SafetensorsFile:
+    """One memory-mapped `.safetensors` file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: no such file") from None
+        if size < 8:
+            raise CheckpointError(f"{self.path}: not a safetensors file (only {size} bytes; truncated?)")
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(
+                    f"{self.path}: corrupt or truncated safetensors header: header length field says {n} bytes, "
+                    f"file has {size - 8} after it"
+                )
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (not valid JSON: {e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (expected a JSON object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._entries = {}
+        data_start = 8 + n
+        data_len = size - data_start
+        for name, e in header.items():
+            try:
+                dtype, shape, (begin, end) = e["dtype"], tuple(int(s) for s in e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: corrupt header entry for tensor '{name}': {e!r}") from None
+            if dtype not in DTYPES:
+                raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {dtype}")
+            expected = DTYPES[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
+            if end - begin != expected or begin < 0:
+                raise CheckpointError(
+                    f"{self.path}: tensor '{name}' header says {dtype}{list(shape)} ({expected} bytes) "
+                    f"but its data_offsets span {end - begin} bytes"
+                )
+            if end > data_len:
+                raise CheckpointError(
+                    f"{self.path}: truncated: tensor '{name}' ends at byte {end} of the data section, "
+                    f"but the file holds only {data_len} bytes of tensor data"
+                )
+            self._entries[name] = (dtype, shape, data_start + begin, data_start + end)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+
+    def keys(self):
+        return self._entries.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        dtype, shape, _, _ = self._entries[name]
+        return dtype, shape
+
+    def nbytes(self, name: str) -> int:
+        _, _, b, e = self._entries[name]
+        return e - b
+
+    def array(self, name: str) -> np.ndarray:
+        """A read-only zero-copy view of the tensor (bf16 as ml_dtypes.bfloat16)."""
+        dtype, shape, b, e = self._entries[name]
+        return self._map[b:e].view(DTYPES[dtype]).reshape(shape)
+
+    def close(self) -> None:
+        mm = getattr(self._map, "_mmap", None)
+        self._map = None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # views still alive; the OS unmaps when they go
+                pass
