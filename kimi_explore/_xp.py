@@ -6,7 +6,7 @@ import numpy as np
 
 
 def array_namespace(a):
-    if isinstance(a, np.ndarray) or np.isscalar(a):
+    if type(a) is np.ndarray or isinstance(a, (np.ndarray, np.generic, int, float)):
         return np
     mod = type(a).__module__
     if mod.startswith("cupy"):

@@ -26,7 +26,8 @@ from .ops import softmax
 def attn_res_weights(sources, score_weight, eps: float):
     """sources: [n+1, d] (stack then current) -> softmax weights [n+1]."""
     xp = array_namespace(sources)
-    rms = xp.sqrt(xp.mean(sources * sources, axis=-1) + eps)
+    inv_d = 1.0 / sources.shape[-1]
+    rms = xp.sqrt((sources * sources).sum(axis=-1) * inv_d + eps)
     return softmax((sources @ score_weight) / rms)
 
 

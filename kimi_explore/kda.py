@@ -102,14 +102,14 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     window = state.conv
     window[:, :, :-1] = window[:, :, 1:]
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
-    qkv = silu(xp.sum(window * w.conv, axis=-1)).reshape(3, H, K)
-    gate = sigmoid(y[3 * P : 4 * P].reshape(H, K))
-    beta = sigmoid(y[4 * P : 4 * P + H])
+    qkv = silu((window * w.conv).sum(axis=-1)).reshape(3, H, K)
+    gates = sigmoid(y[3 * P : 4 * P + H])  # output gate and beta logits sit side by side
+    gate, beta = gates[:P].reshape(H, K), gates[P:]
     f = (w.f_b_proj @ y[4 * P + H :]).reshape(H, K)
     alpha = xp.exp(w.lower_bound * sigmoid(w.A * (f + w.dt_bias)))
 
     qk = qkv[:2]
-    qk = qk / xp.sqrt(xp.sum(qk * qk, axis=-1, keepdims=True) + L2NORM_EPS)
+    qk = qk / xp.sqrt((qk * qk).sum(axis=-1, keepdims=True) + L2NORM_EPS)
     q, k, v = qk[0] * (1.0 / math.sqrt(K)), qk[1], qkv[2]
     if hooks is not None:
         q = hooks.fire(prefix + "kda.q", q)

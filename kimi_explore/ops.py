@@ -6,6 +6,7 @@ Python floats: a NumPy float64 scalar would silently promote a float32 vector.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ._xp import array_namespace
@@ -27,8 +28,10 @@ def rms_norm(x, weight, eps: float):
     float32/float64 decoder the cast is the identity.
     """
     xp = array_namespace(x)
-    ms = xp.mean(x * x, axis=-1, keepdims=True)
-    return x * (1.0 / xp.sqrt(ms + eps)) * weight
+    n = x.shape[-1]
+    if x.ndim == 1:  # the common case: one scalar, computed on the host side of the call
+        return x * (weight * (1.0 / math.sqrt(float(x @ x) / n + eps)))
+    return x * (weight / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / n) + eps))
 
 
 def situ_and_mul(gate_up, beta: float, linear_beta: float | None):
@@ -48,8 +51,6 @@ def situ_and_mul(gate_up, beta: float, linear_beta: float | None):
 
 def naive_situ_and_mul(gate_up, beta: float, linear_beta: float | None):
     """Float64 reference: the SiTU formula element by element, written as in the tech report (eq. 12)."""
-    import math
-
     import numpy as np
 
     gu = np.asarray(gate_up, dtype=np.float64)
@@ -63,9 +64,8 @@ def naive_situ_and_mul(gate_up, beta: float, linear_beta: float | None):
 
 
 def softmax(x, axis: int = -1):
-    xp = array_namespace(x)
-    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
-    return e / xp.sum(e, axis=axis, keepdims=True)
+    e = array_namespace(x).exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
 
 
 @dataclass

@@ -112,3 +112,25 @@ class SafetensorsFile:
                 mm.close()
             except BufferError:  # views still alive; the OS unmaps when they go
                 pass
+
+
+def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write {name: array} (bf16 as ml_dtypes.bfloat16) as a safetensors file, tensors in name order."""
+    codes = {v: k for k, v in DTYPES.items()}
+    header, blobs, offset = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in codes:
+            raise TypeError(f"tensor '{name}': dtype {a.dtype} cannot be stored in safetensors here")
+        raw = a.tobytes()
+        header[name] = {"dtype": codes[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    header["__metadata__"] = metadata or {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keep the data section 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in blobs:
+            f.write(raw)
