@@ -1,0 +1,33 @@
+"""Shared fixtures: the reference checkpoint (Moonshot's outputs) and the embedded tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DATA = Path(__file__).parent / "data"
+REFERENCE_DIR = DATA / "reference" / "tiny_k3"
+REFERENCE_NPZ = DATA / "reference" / "tiny_k3_expected.npz"
+
+
+@pytest.fixture(scope="session")
+def ref():
+    with np.load(REFERENCE_NPZ) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="session")
+def ref_weights():
+    from kimi_explore import KimiDecoderWeights
+
+    return KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_weights():
+    from kimi_explore import KimiDecoderWeights
+    from kimi_explore.tiny_model import default_checkpoint
+
+    return KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu")

@@ -1,0 +1,225 @@
+"""Each fast path against its naive float64 twin, and the decode-equals-prefill checks the math allows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kimi_explore import mxfp4
+from kimi_explore.block_residual import apply_attn_res, apply_attn_res_prescored, naive_apply_attn_res
+from kimi_explore.kda import KdaState, KdaWeights, delta_rule_read, delta_rule_update, kda_step, naive_kda_step
+from kimi_explore.latent_moe import LatentMoeWeights, latent_moe, naive_latent_moe
+from kimi_explore.mla import MlaState, MlaWeights, mla_step, naive_mla_prefill
+from kimi_explore.ops import naive_situ_and_mul, rms_norm, situ_and_mul
+
+rng = np.random.default_rng(7)
+
+
+def as64(weights_record):
+    """A float64 copy of a weight record (every array field widened)."""
+    import dataclasses
+
+    kw = {}
+    for f in dataclasses.fields(weights_record):
+        v = getattr(weights_record, f.name)
+        if isinstance(v, np.ndarray):
+            v = v.astype(np.float64) if v.dtype.kind == "f" else v
+        elif dataclasses.is_dataclass(v):
+            v = as64(v)
+        kw[f.name] = v
+    return type(weights_record)(**kw)
+
+
+def layers_of(weights, cls, attr="attention"):
+    return [getattr(layer, attr) for layer in weights.layers if isinstance(getattr(layer, attr), cls)]
+
+
+# ---------------------------------------------------------------- activations and norms
+
+
+@pytest.mark.parametrize("linear_beta", [25.0, None], ids=["capped-up", "uncapped-up"])
+def test_situ_matches_naive(linear_beta):
+    gu = rng.standard_normal((3, 40)) * 8  # well past beta = 4 and into the up cap
+    np.testing.assert_allclose(situ_and_mul(gu, 4.0, linear_beta), naive_situ_and_mul(gu, 4.0, linear_beta), rtol=1e-12, atol=1e-12)
+
+
+def test_situ_sigmoid_reads_the_uncapped_gate():
+    g = np.array([10.0, 1.0])  # gate 10: tanh-capped at ~4, sigmoid(10) not sigmoid(4)
+    out = situ_and_mul(g, 4.0, None)
+    assert out[0] == pytest.approx(4 * math.tanh(2.5) / (1 + math.exp(-10)) * 1.0)
+
+
+def test_rms_norm_matches_float64():
+    x, g = rng.standard_normal((2, 64)), rng.standard_normal(64)
+    want = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * g
+    np.testing.assert_allclose(rms_norm(x, g, 1e-5), want, rtol=1e-12)
+    np.testing.assert_allclose(rms_norm(x[0].astype(np.float32), g.astype(np.float32), 1e-5), want[0], rtol=1e-5)
+
+
+# ---------------------------------------------------------------- block residuals
+
+
+@pytest.mark.parametrize("n_blocks", [0, 1, 5])
+def test_attn_res_matches_naive(n_blocks):
+    d = 48
+    stack, prefix = rng.standard_normal((n_blocks, d)) * 3, rng.standard_normal(d)
+    g, proj = rng.standard_normal(d), rng.standard_normal((1, d))
+    out, p = apply_attn_res(prefix, stack, g, proj, 1e-5)
+    out2, p2 = naive_apply_attn_res(prefix, stack, g, proj, 1e-5)
+    np.testing.assert_allclose(p, p2, rtol=1e-12)
+    np.testing.assert_allclose(out, out2, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(apply_attn_res_prescored(prefix, stack, g * proj[0], 1e-5)[0], out, rtol=1e-15)
+    assert p.shape == (n_blocks + 1,) and p.sum() == pytest.approx(1.0)
+
+
+def test_attn_res_mixes_raw_values_not_normalised_keys():
+    """Scaling a source by c leaves its key (score) unchanged but scales its contribution by c."""
+    d = 16
+    stack, prefix = rng.standard_normal((2, d)), rng.standard_normal(d)
+    score = rng.standard_normal(d)
+    out, p = apply_attn_res_prescored(prefix, stack, score, 0.0)
+    stack2 = stack.copy()
+    stack2[0] *= 10
+    out2, p2 = apply_attn_res_prescored(prefix, stack2, score, 0.0)
+    np.testing.assert_allclose(p, p2, rtol=1e-12)
+    np.testing.assert_allclose(out2 - out, 9 * p[0] * stack[0], rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- KDA
+
+
+def test_kda_step_matches_naive_over_tokens(ref_weights):
+    w = as64(layers_of(ref_weights, KdaWeights)[1])
+    state = KdaState.zeros(w, np, np.float64)
+    naive_state = KdaState.zeros(w, np, np.float64)
+    d = w.in_proj.shape[1]
+    for _ in range(6):
+        x = rng.standard_normal(d)
+        out = kda_step(x, w, state)
+        want, naive_state = naive_kda_step(x, w, naive_state)
+        np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(state.recurrent, naive_state.recurrent, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(state.conv, naive_state.conv, rtol=0, atol=0)
+
+
+def test_delta_rule_recurrence_equals_parallel_closed_form():
+    """Token-by-token recurrence == the closed form S_T = sum_s (A_T..A_{s+1}) beta_s k_s v_s^T,
+    A_t = (I - beta_t k_t k_t^T) Diag(alpha_t) (tech report eq. 1), evaluated for all t at once."""
+    H, K, V, T = 3, 8, 6, 9
+    k = rng.standard_normal((T, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q, v = rng.standard_normal((T, H, K)), rng.standard_normal((T, H, V))
+    alpha, beta = rng.uniform(0.3, 1.0, (T, H, K)), rng.uniform(0.1, 0.9, (T, H))
+    S = np.zeros((H, K, V))
+    rec = []
+    for t in range(T):
+        delta_rule_update(S, k[t], v[t], alpha[t], beta[t])
+        rec.append(delta_rule_read(S, q[t]))
+    rec = np.stack(rec)
+    for h in range(H):
+        A = [(np.eye(K) - beta[t, h] * np.outer(k[t, h], k[t, h])) @ np.diag(alpha[t, h]) for t in range(T)]
+        B = [beta[t, h] * np.outer(k[t, h], v[t, h]) for t in range(T)]
+        for t in range(T):
+            St = np.zeros((K, V))
+            for s in range(t + 1):
+                P = np.eye(K)
+                for r in range(s + 1, t + 1):
+                    P = A[r] @ P
+                St += P @ B[s]
+            np.testing.assert_allclose(rec[t, h], St.T @ q[t, h], rtol=1e-10, atol=1e-12)
+
+
+def test_delta_rule_chunked_form_equals_recurrence():
+    """A chunked form (chunk size C): carry the state across chunks, inside a chunk apply the
+    cumulative transitions as matrices; equals the plain recurrence."""
+    H, K, V, T, C = 2, 4, 5, 10, 4
+    k = rng.standard_normal((T, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((T, H, V))
+    alpha, beta = rng.uniform(0.5, 1.0, (T, H, K)), rng.uniform(0.1, 0.9, (T, H))
+    S = np.zeros((H, K, V))
+    for t in range(T):
+        delta_rule_update(S, k[t], v[t], alpha[t], beta[t])
+    for h in range(H):
+        S_c = np.zeros((K, V))
+        for c0 in range(0, T, C):
+            P, U = np.eye(K), np.zeros((K, V))  # S_end = P S_start + U
+            for t in range(c0, min(c0 + C, T)):
+                A = (np.eye(K) - beta[t, h] * np.outer(k[t, h], k[t, h])) @ np.diag(alpha[t, h])
+                P, U = A @ P, A @ U + beta[t, h] * np.outer(k[t, h], v[t, h])
+            S_c = P @ S_c + U
+        np.testing.assert_allclose(S[h], S_c, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- MLA
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_mla_cache_decode_equals_full_causal_attention(ref_weights, which):
+    w = as64(layers_of(ref_weights, MlaWeights)[which])
+    d, T = w.in_proj.shape[1], 20  # past the initial cache capacity (16): exercises growth
+    xs = rng.standard_normal((T, d))
+    state = MlaState.empty(w, np, np.float64)
+    out = np.stack([mla_step(x, w, state) for x in xs])
+    np.testing.assert_allclose(out, naive_mla_prefill(xs, w), rtol=1e-10, atol=1e-12)
+    assert state.length == T
+
+
+# ---------------------------------------------------------------- latent MoE
+
+
+def test_latent_moe_matches_naive(ref_weights):
+    for w in layers_of(ref_weights, LatentMoeWeights, "ffn")[:4]:
+        w = as64(w)
+        seen = []
+        class Grab:
+            def fire(self, name, value):
+                seen.append((name, np.array(value)))
+                return value
+        for _ in range(4):
+            x = rng.standard_normal(w.in_proj.shape[1]) * 2
+            seen.clear()
+            out = latent_moe(x, w, Grab(), "")
+            want, ids, weights = naive_latent_moe(x, w)
+            got = dict(seen)
+            np.testing.assert_array_equal(got["moe.router.topk_ids"], ids)
+            np.testing.assert_allclose(got["moe.router.topk_weights"], weights, rtol=1e-12)
+            assert weights.sum() == pytest.approx(w.routed_scaling_factor)
+            np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_router_bias_is_for_selection_only():
+    from kimi_explore.latent_moe import routing_weights, select_experts
+
+    scores = np.array([0.9, 0.8, 0.1, 0.2])
+    bias = np.array([0.0, -1.0, 0.0, 0.5])  # drops expert 1, promotes expert 3
+    ids = select_experts(scores, bias, 2)
+    assert sorted(ids.tolist()) == [0, 3]
+    np.testing.assert_allclose(routing_weights(scores, ids, True, 2.0), np.array([0.9, 0.2]) / 1.1 * 2.0)
+
+
+# ---------------------------------------------------------------- MXFP4
+
+
+def test_mxfp4_matches_naive_on_every_code():
+    packed = rng.integers(0, 256, (8, 48), dtype=np.uint8)
+    packed[0, :8] = np.arange(0, 256, 32)  # codes 0..15 in both nibbles
+    packed[1, :16] = np.arange(16) * 17
+    scale = rng.integers(110, 135, (8, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(mxfp4.dequantize(packed, scale, dtype=np.float64), mxfp4.naive_dequantize(packed, scale))
+
+
+def test_mxfp4_low_nibble_is_the_even_column():
+    packed = np.zeros((1, 16), np.uint8)
+    packed[0, 0] = 0x2 | (0xB << 4)  # column 0: +1.0 (code 2); column 1: -1.5 (code 11)
+    scale = np.full((1, 1), 128, np.uint8)  # 2^1
+    W = mxfp4.dequantize(packed, scale)
+    assert W[0, 0] == 2.0 and W[0, 1] == -3.0 and not W[0, 2:].any()
+
+
+def test_mxfp4_quantize_round_trips_representable_values():
+    W = mxfp4.dequantize(rng.integers(0, 256, (4, 32), dtype=np.uint8), rng.integers(120, 130, (4, 2), dtype=np.uint8))
+    packed, scale = mxfp4.quantize(W)
+    np.testing.assert_array_equal(mxfp4.dequantize(packed, scale), W)
