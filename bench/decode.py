@@ -1,0 +1,185 @@
+"""Decode speed and load memory on the tiny models.
+
+    python bench/decode.py [--steps 300] [--checkpoint DIR] [--json bench/results/decode.json]
+
+Prints ms/token (median of many single-token steps after warm-up) per checkpoint and dtype, a
+per-layer-kind breakdown (each sublayer timed on its own), the number of Python-level C calls
+(NumPy ufuncs, methods, BLAS entry points) one token makes, and the peak resident memory while
+loading against the size of what is kept (measured in a fresh subprocess per load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kimi_explore import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+from kimi_explore.block_residual import attn_res_weights
+from kimi_explore.kda import KdaState, KdaWeights, kda_step
+from kimi_explore.latent_moe import LatentMoeWeights, latent_moe
+from kimi_explore.mla import MlaState, mla_step
+from kimi_explore.ops import dense_mlp, rms_norm
+from kimi_explore.tiny_model import default_checkpoint, make_text_config, write_checkpoint
+
+REFERENCE = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference" / "tiny_k3"
+
+
+def time_decode(weights, steps: int) -> list[float]:
+    state = KimiDecodeState.new(weights)
+    for t in range(10):
+        kimi_forward_token(weights, state, t)
+    out = []
+    for t in range(steps):
+        t0 = time.perf_counter()
+        kimi_forward_token(weights, state, (t * 7) % weights.config.vocab_size)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def count_c_calls(weights) -> int:
+    state = KimiDecodeState.new(weights)
+    kimi_forward_token(weights, state, 1)
+    n = 0
+
+    def prof(frame, event, arg):
+        nonlocal n
+        if event == "c_call":
+            n += 1
+
+    sys.setprofile(prof)
+    kimi_forward_token(weights, state, 2)
+    sys.setprofile(None)
+    return n
+
+
+def _median_us(fn, reps: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
+def breakdown(weights) -> dict[str, float]:
+    """Median µs of each sublayer kind, summed over the layers of that kind (one token)."""
+    cfg, xp, dt = weights.config, weights.xp, weights.dtype
+    rng = np.random.default_rng(0)
+    x = xp.asarray(rng.standard_normal(cfg.hidden_size).astype(dt))
+    total = {"kda attention": 0.0, "mla attention": 0.0, "dense mlp": 0.0, "latent moe": 0.0, "attn-res mixes": 0.0,
+             "rms norms": 0.0}
+    n_src = 1
+    for layer in weights.layers:
+        att = layer.attention
+        if isinstance(att, KdaWeights):
+            st = KdaState.zeros(att, xp, dt)
+            total["kda attention"] += _median_us(lambda: kda_step(x, att, st))
+        else:
+            st = MlaState.empty(att, xp, dt)
+            for _ in range(32):
+                mla_step(x, att, st)  # a 32-token cache, then time the next steps (cache grows)
+            total["mla attention"] += _median_us(lambda: mla_step(x, att, st), reps=50)
+        ffn = layer.ffn
+        if isinstance(ffn, LatentMoeWeights):
+            total["latent moe"] += _median_us(lambda: latent_moe(x, ffn))
+        else:
+            total["dense mlp"] += _median_us(
+                lambda: dense_mlp(x, ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta))
+        n_src += layer.is_block_boundary
+        src = xp.asarray(rng.standard_normal((n_src, cfg.hidden_size)).astype(dt))
+        total["attn-res mixes"] += 2 * _median_us(lambda: attn_res_weights(src, layer.attn_res_score, 1e-5) @ src)
+        total["rms norms"] += 2 * _median_us(lambda: rms_norm(x, layer.input_layernorm, 1e-5))
+    return {k: v / 1e3 for k, v in total.items() if v}
+
+
+_LOAD_PROBE = """
+import json, resource, sys
+from kimi_explore import KimiDecoderWeights
+def hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM'):
+            return int(line.split()[1]) * 1024
+before = hwm()
+w = KimiDecoderWeights.from_pretrained(sys.argv[1], device='cpu', dtype=sys.argv[2])
+import numpy as np
+def arrays(o, seen):
+    if id(o) in seen: return 0
+    seen.add(id(o))
+    if isinstance(o, np.ndarray): return o.nbytes
+    if hasattr(o, '__dict__'): return sum(arrays(v, seen) for v in vars(o).values())
+    if isinstance(o, (list, tuple)): return sum(arrays(v, seen) for v in o)
+    return 0
+print(json.dumps({'hwm_before': before, 'hwm_after': hwm(), 'kept': arrays(w, set())}))
+"""
+
+
+def load_memory(path: Path, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(path), dtype], capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout)
+    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    r.update(checkpoint_bytes=files, peak_increase=r["hwm_after"] - r["hwm_before"])
+    r["peak_over_kept"] = r["peak_increase"] / r["kept"]
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--json", default="bench/results/decode.json")
+    args = p.parse_args()
+
+    results = {"decode": [], "breakdown": {}, "memory": []}
+    models = {"embedded tiny (data/tiny_k3)": default_checkpoint(), "reference tiny": REFERENCE}
+    print(f"{'checkpoint':<30} {'dtype':<8} {'median ms/tok':>13} {'p10':>6} {'p90':>6} {'C calls/tok':>11}")
+    for name, path in models.items():
+        for dtype in ("float32", "float64"):
+            w = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype=dtype)
+            ts = time_decode(w, args.steps)
+            calls = count_c_calls(w)
+            q = np.percentile(ts, [10, 50, 90])
+            results["decode"].append({"checkpoint": name, "dtype": dtype, "median_ms": q[1], "p10_ms": q[0], "p90_ms": q[2],
+                                      "c_calls_per_token": calls, "layers": len(w.layers)})
+            print(f"{name:<30} {dtype:<8} {q[1]:13.3f} {q[0]:6.2f} {q[2]:6.2f} {calls:11d}")
+
+    w = KimiDecoderWeights.from_pretrained(REFERENCE, device="cpu")
+    parts = breakdown(w)
+    results["breakdown"] = parts
+    print("\nper-layer-kind breakdown, reference tiny, float32 (each sublayer timed alone, summed over its layers):")
+    for k, v in parts.items():
+        print(f"  {k:<16} {v:7.3f} ms/token")
+    print(f"  {'sum':<16} {sum(parts.values()):7.3f} ms/token (plus embedding, lm_head, Python glue)")
+
+    print(f"\n{'load (fresh process)':<34} {'dtype':<8} {'ckpt MB':>8} {'kept MB':>8} {'peak +MB':>9} {'peak/kept':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        medium = write_checkpoint(Path(tmp) / "medium", make_text_config(
+            hidden_size=1024, num_hidden_layers=4, intermediate_size=4096, num_experts=32, num_experts_per_token=4,
+            routed_expert_hidden_size=512, moe_intermediate_size=512, q_lora_rank=256, kv_lora_rank=128,
+            linear_attn_config={**make_text_config()["linear_attn_config"], "num_heads": 8, "head_dim": 128,
+                                "kda_layers": [1, 2, 3], "full_attn_layers": [4]}), shards=2)
+        for name, path in {**models, "medium synthetic (hidden 1024)": medium}.items():
+            for dtype in ("float32",):
+                r = load_memory(path, dtype)
+                r.update(checkpoint=name, dtype=dtype)
+                results["memory"].append(r)
+                print(f"{name:<34} {dtype:<8} {r['checkpoint_bytes'] / 1e6:8.1f} {r['kept'] / 1e6:8.1f} "
+                      f"{r['peak_increase'] / 1e6:9.1f} {r['peak_over_kept']:9.2f}")
+    print("(kept = bytes of the loaded float32 arrays; bf16 on disk widens 2x, MXFP4 experts widen 8x)")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
