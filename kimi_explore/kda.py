@@ -100,7 +100,7 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     P = H * K
     y = w.in_proj @ x
     window = state.conv
-    window[:, :, :-1] = window[:, :, 1:]
+    window[:, :, :-1] = window[:, :, 1:].copy()  # overlapping ranges: CuPy does not guard against aliasing
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
     qkv = silu((window * w.conv).sum(axis=-1)).reshape(3, H, K)
     gates = sigmoid(y[3 * P : 4 * P + H])  # output gate and beta logits sit side by side
