@@ -1,0 +1,392 @@
+"""Figures of what K3 did, token by token: pure functions `trace -> matplotlib.figure.Figure`.
+
+Every function reads a `kimi_explore.Trace` (what a `Recorder` collected) and returns a NEW
+`Figure` built with matplotlib's object-oriented API: no pyplot, no global state, safe under Agg, in
+threads and in a kernel without a display. `figure_png(fig)` turns one into PNG bytes for widgets
+and reports. In a notebook a Figure displays inline like any matplotlib figure.
+
+What each view reads (shapes as the Trace returns them; T tokens, L layers, S sources, E experts):
+  block residuals  trace.attn_res_weights()         [T, L, site, S]  site 0 = before attention,
+                                                    1 = before the FFN; S = [embedding, block 1..m,
+                                                    current], NaN where a block is not sealed yet
+                   trace.final_attn_res_weights()   [T, S]           the output mix before the final norm
+  KDA state        trace.kda_state_norms()          ([T, kda_layer, head], kda_layer_ids)
+  MoE routing      trace.routing()                  topk_ids / topk_weights [T, moe_layer, k],
+                                                    scores [T, moe_layer, E], moe_layers
+                   trace["layers.{i}.moe.routed_out.norm"], "...shared_out.norm"  [T]
+  predictions      trace["logits.top_ids"], trace["logits.top_probs"]             [T, k]
+
+Token t's views describe the forward pass of the t-th fed token; its predictions are for token t+1.
+
+Scale: K3 has 93 layers, 96 KDA heads and 896 experts. No axis labels every row blindly: `_ticks`
+keeps at most `MAX_TICKS` labels on a "nice" stride, cell values are written only into small
+heatmaps, and figure sizes grow with the data but stay bounded.
+"""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from ._plot_helpers import (
+    heatmap,
+    layer_position,
+    moe_layer_labels,
+    routing,
+    softmax,
+    span_inches,
+    ticks,
+    token_index,
+    token_labels,
+)
+
+__all__ = [
+    "block_residual_layer",
+    "block_residual_token",
+    "compare_predictions",
+    "expert_load",
+    "figure_png",
+    "kda_state_curves",
+    "kda_state_heatmap",
+    "kda_state_overview",
+    "moe_output_norms",
+    "moe_routing_layer",
+    "moe_routing_token",
+    "predictions",
+    "token_labels",
+]
+
+SITE_TITLES = ("before attention  (attn_res.attn)", "before the FFN  (attn_res.ffn)")
+WEIGHT_CMAP = "viridis"
+NORM_CMAP = "magma"
+SCORE_CMAP = "Blues"
+TOPK_COLOR = "#d62728"
+
+
+def figure_png(fig: Figure, dpi: int = 100) -> bytes:
+    """Render `fig` to PNG bytes (Agg, no display needed)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- block attention residuals
+
+
+def _layer_row_labels(trace) -> list[str]:
+    kda = set(getattr(trace, "kda_layers", None) or trace.kda_state_norms()[1])
+    return [f"{i} {'KDA' if i in kda else 'MLA'}" for i in trace.layer_ids]
+
+
+def _mark_blocks(ax, valid: np.ndarray) -> None:
+    """Dashed line above every layer row where a new block appears (valid: [L] sources present)."""
+    for r in np.flatnonzero(np.diff(valid) > 0) + 1:
+        ax.axhline(r - 0.5, color="white", lw=1.2, ls="--")
+
+
+def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
+    """For one token: layer x source softmax weights at both sites, plus the final output mix.
+
+    Left two panels: [L, S] heatmaps (grey = that block does not exist yet at that layer; dashed
+    lines mark where a new block was sealed). Right: the final mix over all sources as bars.
+    """
+    t = token_index(trace, token)
+    w = trace.attn_res_weights()[t]  # [L, 2, S]
+    final = np.asarray(trace.final_attn_res_weights()[t], dtype=float)  # [S]
+    sources, rows = list(trace.source_labels()), _layer_row_labels(trace)
+    n_layers = len(rows)
+    fig = Figure(figsize=(13, span_inches(n_layers, 0.3, 4.5, 13)), layout="constrained")
+    axes = fig.subplots(1, 3, width_ratios=[1, 1, 0.75])
+    valid = np.isfinite(w[:, 1, :]).sum(axis=1)
+    for site, ax in enumerate(axes[:2]):
+        im = heatmap(ax, w[:, site, :], rows=rows, cols=sources, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0)
+        _mark_blocks(ax, valid)
+        ax.set_title(SITE_TITLES[site], fontsize=10)
+        ax.set_xlabel("source")
+    axes[0].set_ylabel("layer")
+    fig.colorbar(im, ax=axes[:2], label="softmax weight", shrink=0.8)
+    ax = axes[2]
+    y = np.arange(len(sources))
+    ax.barh(y, np.nan_to_num(final), color=matplotlib.colormaps[WEIGHT_CMAP](0.55))
+    for yi, v in zip(y, final, strict=True):
+        if np.isfinite(v):
+            ax.text(min(v, 1.0) + 0.01, yi, f"{v:.2f}", va="center", fontsize=8)
+    ax.set_yticks(y, sources)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.15)
+    ax.set_xlabel("softmax weight")
+    ax.set_title("final output mix  (final.attn_res)", fontsize=10)
+    fig.suptitle(f"Block attention residuals of token {token_labels(trace.tokens, tokenizer)[t]}")
+    return fig
+
+
+def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
+    """For one layer: token x source softmax weights over the prompt, both sites side by side."""
+    j = layer_position(trace, layer)
+    w = trace.attn_res_weights()[:, j]  # [T, 2, S]
+    rows, sources = token_labels(trace.tokens, tokenizer), list(trace.source_labels())
+    fig = Figure(figsize=(11, span_inches(len(rows), 0.3, 4, 12)), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for site, ax in enumerate(axes):
+        if not np.isfinite(w[:, site]).any():
+            ax.axis("off")
+            ax.text(0.5, 0.5, f"layer {layer} has no {('attention', 'FFN')[site]}-site mix:\n"
+                    "the block stack is still empty there", ha="center", va="center", fontsize=10)
+            continue
+        im = heatmap(ax, w[:, site], rows=rows, cols=sources, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0)
+        ax.set_title(SITE_TITLES[site], fontsize=10)
+        ax.set_xlabel("source")
+        ax.set_ylabel("token")
+    fig.colorbar(im, ax=axes, label="softmax weight", shrink=0.8)
+    fig.suptitle(f"Block attention residuals at layer {layer}, over the prompt")
+    return fig
+
+
+# ---------------------------------------------------------------- KDA recurrent state
+
+
+def _kda(trace):
+    norms, ids = trace.kda_state_norms()
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("this trace has no KDA layers (trace.kda_state_norms() returned none)")
+    return np.asarray(norms, dtype=float), ids
+
+
+def _kda_position(ids: list[int], layer: int) -> int:
+    if layer not in ids:
+        raise ValueError(f"layer {layer} is not a recorded KDA layer (it has no recurrent state); KDA layers: {ids}")
+    return ids.index(layer)
+
+
+def kda_state_heatmap(trace, layer: int, tokenizer=None) -> Figure:
+    """For one KDA layer: token x head Frobenius norm of each head's recurrent state S [K, V]."""
+    norms, ids = _kda(trace)
+    data = norms[:, _kda_position(ids, layer)]  # [T, H]
+    rows = token_labels(trace.tokens, tokenizer)
+    fig = Figure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
+                 layout="constrained")
+    ax = fig.subplots()
+    im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap=NORM_CMAP, vmin=0.0)
+    fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
+    ax.set(xlabel="head", ylabel="token", title=f"KDA recurrent-state norm per head, layer {layer}")
+    return fig
+
+
+def kda_state_overview(trace, token: int = -1, tokenizer=None) -> Figure:
+    """For one token: KDA layer x head state norms, after that token's update."""
+    norms, ids = _kda(trace)
+    t = token_index(trace, token)
+    data = norms[t]  # [kda_layer, H]
+    fig = Figure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(ids), 0.3, 3.5, 12)),
+                 layout="constrained")
+    ax = fig.subplots()
+    im = heatmap(ax, data, rows=[str(i) for i in ids], cols=[str(h) for h in range(data.shape[1])],
+                 cmap=NORM_CMAP, vmin=0.0)
+    fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
+    label = token_labels(trace.tokens, tokenizer)[t]
+    ax.set(xlabel="head", ylabel="KDA layer", title=f"KDA recurrent-state norms after token {label}")
+    return fig
+
+
+def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 8) -> Figure:
+    """State norm over tokens for chosen KDA layers: mean over heads, band = min..max head.
+
+    layers: KDA layer ids; default all of them, or `max_layers` evenly spaced ones when there are more.
+    """
+    norms, ids = _kda(trace)
+    if layers is None:
+        pick = np.unique(np.linspace(0, len(ids) - 1, min(len(ids), max_layers)).round().astype(int))
+        layers = [ids[p] for p in pick]
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(norms.shape[0])
+    colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, len(layers)))
+    for layer, c in zip(layers, colors, strict=True):
+        d = norms[:, _kda_position(ids, int(layer))]  # [T, H]
+        ax.plot(x, d.mean(axis=1), color=c, lw=1.8, marker="o" if len(x) <= 40 else None, ms=3, label=f"layer {layer}")
+        ax.fill_between(x, d.min(axis=1), d.max(axis=1), color=c, alpha=0.15 if len(layers) <= 3 else 0.06, lw=0)
+    ticks(ax, "x", token_labels(trace.tokens, tokenizer), rotate=True)
+    ax.set(xlabel="token", ylabel="‖S‖, mean over heads (band: min..max)",
+           title="KDA recurrent-state norm over the prompt")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2 if len(layers) > 4 else 1, loc="best")
+    return fig
+
+
+# ---------------------------------------------------------------- MoE routing
+
+
+def _mark_topk(ax, ids: np.ndarray, weights: np.ndarray, n_experts: int, annotate: bool) -> str:
+    """Mark the chosen experts (ids/weights: [rows, k], -1 = padding); return the legend text for the title.
+
+    Few experts: a box on each chosen cell with its combine weight written in. Hundreds (K3's 896):
+    boxes would be sub-pixel, so a filled dot per chosen cell.
+    """
+    rows = np.repeat(np.arange(ids.shape[0]), ids.shape[1])
+    keep = ids.ravel() >= 0  # an ablation can shorten the top-k; the trace pads it with -1
+    rows, ids, weights = rows[keep], ids.ravel()[keep], weights.ravel()[keep]
+    if n_experts > 64:
+        ax.scatter(ids, rows, s=max(9.0, 9000 / n_experts), marker="o", color=TOPK_COLOR, linewidths=0)
+        return "red dots: the chosen top-k"
+    for r, e in zip(rows, ids, strict=True):
+        ax.add_patch(Rectangle((e - 0.5, r - 0.5), 1, 1, fill=False, edgecolor=TOPK_COLOR, lw=1.6))
+    if not annotate:
+        return "red boxes: the chosen top-k"
+    for r, e, v in zip(rows, ids, weights, strict=True):
+        ax.text(e, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="black",
+                bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
+    return "red boxes: the chosen top-k, with their combine weights"
+
+
+def _score_panel(fig, ax, scores, ids, weights, rows, n_experts) -> str:
+    cols = [str(e) for e in range(n_experts)]
+    im = heatmap(ax, scores, rows=rows, cols=cols, cmap=SCORE_CMAP, vmin=0.0, vmax=1.0, annotate=False)
+    fig.colorbar(im, ax=ax, label="router score σ(logit)  (unbiased)")
+    return _mark_topk(ax, ids, weights, n_experts, annotate=scores.size <= 600)
+
+
+def moe_routing_token(trace, token: int = -1, tokenizer=None) -> Figure:
+    """For one token: MoE layer x expert router scores, chosen top-k outlined (numbers = combine weights)."""
+    r = routing(trace)
+    t = token_index(trace, token)
+    n_experts = r["scores"].shape[2]
+    fig = Figure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(r["moe_layers"]), 0.32, 3.5, 12)),
+                 layout="constrained")
+    ax = fig.subplots()
+    key = _score_panel(fig, ax, r["scores"][t], r["topk_ids"][t], r["topk_weights"][t], moe_layer_labels(r), n_experts)
+    label = token_labels(trace.tokens, tokenizer)[t]
+    ax.set(xlabel="expert", ylabel="MoE layer", title=f"MoE routing of token {label}\n{key}")
+    return fig
+
+
+def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
+    """For one MoE layer: token x expert router scores over the prompt, chosen top-k outlined."""
+    r = routing(trace)
+    if layer not in r["moe_layers"]:
+        raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
+    j = r["moe_layers"].index(layer)
+    n_experts = r["scores"].shape[2]
+    rows = token_labels(trace.tokens, tokenizer)
+    fig = Figure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(rows), 0.32, 3.5, 12)),
+                 layout="constrained")
+    ax = fig.subplots()
+    key = _score_panel(fig, ax, r["scores"][:, j], r["topk_ids"][:, j], r["topk_weights"][:, j], rows, n_experts)
+    ax.set(xlabel="expert", ylabel="token", title=f"MoE routing at layer {layer}, over the prompt\n{key}")
+    return fig
+
+
+def expert_load(trace, layer=None) -> Figure:
+    """How often each expert was chosen over the prompt (one MoE layer, or summed over all of them).
+
+    The dashed line is the count a perfectly balanced router would give: tokens * k / E per layer.
+    """
+    r = routing(trace)
+    ids = r["topk_ids"]  # [T, M, k]
+    n_tokens, n_layers, k = ids.shape
+    n_experts = r["scores"].shape[2]
+    if layer is not None:
+        if layer not in r["moe_layers"]:
+            raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
+        ids, n_layers, where = ids[:, [r["moe_layers"].index(layer)]], 1, f"layer {layer}"
+    else:
+        where = f"all {n_layers} MoE layers"
+    chosen = ids.ravel().astype(np.int64)
+    counts = np.bincount(chosen[chosen >= 0], minlength=n_experts)  # -1 pads a shortened (ablated) top-k
+    fig = Figure(figsize=(span_inches(n_experts, 0.4, 7, 14), 4), layout="constrained")
+    ax = fig.subplots()
+    ax.bar(np.arange(n_experts), counts, width=0.85 if n_experts <= 128 else 1.0, color="#4c72b0")
+    ax.axhline(n_tokens * n_layers * k / n_experts, color="black", ls="--", lw=1, label="uniform load")
+    ticks(ax, "x", [str(e) for e in range(n_experts)])
+    ax.set_xlim(-0.6, n_experts - 0.4)
+    ax.set(xlabel="expert", ylabel="times chosen", title=f"Expert load over {n_tokens} tokens, {where}")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def moe_output_norms(trace, token=None, tokenizer=None) -> Figure:
+    """‖routed output‖ and ‖shared output‖ per MoE layer: at one token, or mean over tokens (band min..max)."""
+    layers = routing(trace)["moe_layers"]
+    fig = Figure(figsize=(span_inches(len(layers), 0.3, 8, 14), 4.2), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(layers))
+    for part, color in (("routed", "#d62728"), ("shared", "#1f77b4")):
+        d = np.stack([np.asarray(trace[f"layers.{i}.moe.{part}_out.norm"], dtype=float) for i in layers], axis=1)
+        if token is not None:
+            ax.plot(x, d[token_index(trace, token)], color=color, marker="o", ms=4, label=f"{part} experts")
+        else:
+            ax.plot(x, d.mean(axis=0), color=color, marker="o", ms=4, label=f"{part} experts (mean)")
+            ax.fill_between(x, d.min(axis=0), d.max(axis=0), color=color, alpha=0.15, lw=0)
+    ticks(ax, "x", [str(i) for i in layers])
+    when = "over the prompt" if token is None else f"for token {token_labels(trace.tokens, tokenizer)[token_index(trace, token)]}"
+    ax.set(xlabel="MoE layer", ylabel="output L2 norm", title=f"Routed vs shared expert output magnitude {when}")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+# ---------------------------------------------------------------- next-token predictions
+
+
+def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
+    """Top-k next-token probabilities after one token; the token actually fed next is highlighted."""
+    t = token_index(trace, token)
+    ids = np.asarray(trace["logits.top_ids"][t]).astype(int)
+    probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
+    fed_next = int(trace.tokens[t + 1]) if t + 1 < len(trace.tokens) else None
+    names = [token_labels([i], tokenizer, positions=False)[0] for i in ids]
+    fig = Figure(figsize=(7, span_inches(len(ids), 0.38, 3, 8)), layout="constrained")
+    ax = fig.subplots()
+    colors = [TOPK_COLOR if i == fed_next else "#4c72b0" for i in ids]
+    ax.barh(np.arange(len(ids)), probs, color=colors)
+    xmax = min(1.0, float(probs.max()) * 1.3) or 1.0
+    for y, p in enumerate(probs):
+        ax.text(p + 0.01 * xmax, y, f"{p:.3f}", va="center", fontsize=8)
+    ax.set_yticks(np.arange(len(ids)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, xmax)
+    if fed_next is None:
+        note = ""
+    elif fed_next in ids:
+        note = "\n(red: the token fed next)"
+    else:
+        note = f"\n(the token fed next, {token_labels([fed_next], tokenizer, positions=False)[0]}, is not in the top {len(ids)})"
+    label = token_labels(trace.tokens, tokenizer)[t]
+    ax.set(xlabel="probability", title=f"Next-token predictions after {label}{note}")
+    return fig
+
+
+def compare_predictions(base_logits, other_logits, tokenizer=None, k: int = 10,
+                        names=("baseline", "intervention"), title: str = "") -> Figure:
+    """Next-token distributions of two runs side by side (the union of both top-k), with their KL.
+
+    base_logits, other_logits: [vocab] host arrays (e.g. a session's logits and its ablated fork's).
+    """
+    p, q = softmax(base_logits), softmax(other_logits)
+    if p.shape != q.shape:
+        raise ValueError(f"the two logit vectors differ in shape: {p.shape} vs {q.shape}")
+    top = list(dict.fromkeys([*np.argsort(-p)[:k], *np.argsort(-q)[:k]]))
+    top.sort(key=lambda i: -max(p[i], q[i]))
+    y = np.arange(len(top))
+    fig = Figure(figsize=(8, span_inches(len(top), 0.36, 3.5, 9)), layout="constrained")
+    ax = fig.subplots()
+    ax.barh(y - 0.2, p[top], height=0.4, color="#4c72b0", label=names[0])
+    ax.barh(y + 0.2, q[top], height=0.4, color=TOPK_COLOR, label=names[1])
+    ax.set_yticks(y, [token_labels([i], tokenizer, positions=False)[0] for i in top])
+    ax.invert_yaxis()
+    kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
+    flipped = int(np.argmax(p)) != int(np.argmax(q))
+    summary = f"KL(baseline‖intervention) = {kl:.4f}" + ("; top-1 changed" if flipped else "; same top-1")
+    ax.set(xlabel="probability", title=(title + "\n" if title else "") + summary)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_xlim(0, max(p[top].max(), q[top].max()) * 1.15 + 1e-9)
+    return fig
+
