@@ -1,0 +1,431 @@
+"""Hook points: see and change the values flowing through `kimi_forward_token`, by name.
+
+    hooks = Hooks()
+    hooks.add("layers.*.moe.router.topk_ids", fn)         # exact name or fnmatch glob
+    hooks.add(names_filter=lambda n: n.endswith(".weights"), fn=fn)
+    with hooks.hooked("layers.3.kda.state", fn): ...      # removed again on exit
+    logits = kimi_forward_token(weights, state, token_id, hooks=hooks)
+
+A hook is `fn(value, *, hook) -> value | None` (TransformerLens's contract): `hook` is a `HookPoint`
+(`.name`, `.layer`, `.kind`, `.position`); returning an array replaces the value downstream, None
+keeps it. Several hooks on one site run in the order they were added, each seeing the value the
+previous one returned. The decoder calls `fire(name, value)` at every site of `hook_names(weights)`;
+with `hooks=None` each site costs one `is None` check, and a site nobody listens to costs one dict
+lookup here (the name -> functions resolution is cached and rebuilt only when hooks change).
+
+Names are checked, because a typo would otherwise record or change nothing without a word:
+`add` always checks a name or glob against the grammar of hook names (every suffix the decoder can
+fire, at any layer); once bound to a model (`hooks.bind(weights)`, done by `Session`), it checks
+against that model's exact list, so `layers.2.kda.q` on an MLA layer 2 is an error too. An unbound
+Hooks also checks its exact names after the first full token and warns about any that never fired.
+
+Token positions: `hook.position` is the 0-based index of the token being decoded. It counts the
+`embed` sites this Hooks has seen, unless `begin_token(token_id, position)` set it (Session does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+import functools
+import re
+import warnings
+from types import SimpleNamespace
+
+from .kda import KdaWeights
+from .kimi_decoder import hook_names
+from .latent_moe import LatentMoeWeights
+from .mla import MlaWeights
+from .ops import DenseMlpWeights
+
+__all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar"]
+
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+# Sites whose replacement may legitimately change shape (routing with fewer / other experts).
+_RESHAPE_OK = ("moe.router.topk_ids", "moe.router.topk_weights")
+
+
+def _grammar() -> tuple[frozenset, frozenset]:
+    """(global names, per-layer suffixes): every name `hook_names` can produce for any layer kind.
+
+    Derived from the decoder's own `hook_names` on stand-in layers of all four kinds, so a site the
+    decoder adds is known here without editing this file.
+    """
+    kinds = [(att, ffn) for att in (KdaWeights, MlaWeights) for ffn in (DenseMlpWeights, LatentMoeWeights)]
+    stand_ins = [SimpleNamespace(index=i, hook_prefix=f"layers.{i}.", is_block_boundary=True,
+                                 attention=object.__new__(att), ffn=object.__new__(ffn))
+                 for i, (att, ffn) in enumerate(kinds)]
+    names = hook_names(SimpleNamespace(layers=stand_ins))
+    suffixes = {m.group(2) for m in map(_LAYER_NAME.match, names) if m}
+    return frozenset(n for n in names if not _LAYER_NAME.match(n)), frozenset(suffixes)
+
+
+GLOBAL_NAMES, LAYER_SUFFIXES = _grammar()
+
+
+@functools.lru_cache(maxsize=8)
+def hook_grammar(max_layer: int = 127) -> tuple[str, ...]:
+    """Every syntactically valid hook name for layers 0..max_layer (a superset of any model's list)."""
+    return tuple(sorted(GLOBAL_NAMES)) + tuple(f"layers.{i}.{s}" for i in range(max_layer + 1) for s in sorted(LAYER_SUFFIXES))
+
+
+def is_glob(pattern: str) -> bool:
+    return bool(_GLOB_CHARS.search(pattern))
+
+
+class HookPoint:
+    """What a hook function learns about the site it runs at.
+
+    name:  the full site name, e.g. "layers.3.kda.state"
+    layer: the 0-based model layer (int), or None for "embed", "final.*", "logits"
+    kind:  the name without its "layers.{i}." prefix, e.g. "kda.state" (for globals: the name)
+    position: the 0-based index of the token being decoded (see module docstring)
+    token_id: that token's id when the driver told (`Hooks.begin_token`), else None
+    """
+
+    __slots__ = ("name", "layer", "kind", "_owner")
+
+    def __init__(self, name: str, owner: Hooks | None = None):
+        self.name = name
+        m = _LAYER_NAME.match(name)
+        self.layer = int(m.group(1)) if m else None
+        self.kind = m.group(2) if m else name
+        self._owner = owner
+
+    @property
+    def position(self) -> int | None:
+        return None if self._owner is None else self._owner.position
+
+    @property
+    def token_id(self) -> int | None:
+        return None if self._owner is None else self._owner.token_id
+
+    def __repr__(self) -> str:
+        return f"HookPoint({self.name!r}, layer={self.layer}, kind={self.kind!r})"
+
+
+class HookHandle:
+    """Returned by `Hooks.add`; `handle.remove()` detaches exactly that hook."""
+
+    __slots__ = ("hooks", "pattern", "names_filter", "fn")
+
+    def __init__(self, hooks: Hooks, pattern: str | None, names_filter, fn):
+        self.hooks, self.pattern, self.names_filter, self.fn = hooks, pattern, names_filter, fn
+
+    def matches(self, name: str) -> bool:
+        if self.names_filter is not None:
+            return bool(self.names_filter(name))
+        if is_glob(self.pattern):
+            return fnmatch.fnmatchcase(name, self.pattern)
+        return name == self.pattern
+
+    def remove(self) -> None:
+        self.hooks.remove(self)
+
+    def describe(self) -> str:
+        what = f"names_filter={self.names_filter!r}" if self.names_filter is not None else repr(self.pattern)
+        return f"{what} -> {getattr(self.fn, '__qualname__', self.fn)!r}"
+
+    def __repr__(self) -> str:
+        return f"HookHandle({self.describe()})"
+
+
+class Hooks:
+    """An ordered set of hook functions attached to names, globs or name filters.
+
+    Pass it as `kimi_forward_token(..., hooks=hooks)`. `len(hooks)` is the number of attached hooks.
+    """
+
+    def __init__(self):
+        self._handles: list[HookHandle] = []
+        self._cache: dict[str, tuple] = {}  # name -> ((fn, HookPoint), ...); () for un-hooked names
+        self._points: dict[str, HookPoint] = {}
+        self._known: frozenset | None = None  # the bound model's names ...
+        self._known_order: list[str] = []  # ... in firing order
+        self._marks: list[int] = []  # handle counts at each `with hooks:` entry
+        self._seen: set[str] = set()  # names fired while unbound (for the first-token check)
+        self._checked_after_first_token = False
+        self._warned: set[str] = set()
+        self.position: int | None = None
+        self.token_id: int | None = None
+        self._next: tuple | None = None  # (token_id, position) announced by begin_token
+        self.version = 0  # bumped on every add/remove: lets a Session know the hooks changed
+
+    # ------------------------------------------------------------------ attaching
+    def add(self, name_or_glob=None, fn=None, *, names_filter=None) -> HookHandle:
+        """Attach `fn` to an exact name, an fnmatch glob, or every name `names_filter(name)` accepts.
+
+        Raises ValueError when the name or glob can never fire (see module docstring).
+        """
+        if callable(name_or_glob) and fn is None and names_filter is not None:
+            name_or_glob, fn = None, name_or_glob  # add(fn, names_filter=...) reads naturally too
+        if fn is None or not callable(fn):
+            raise TypeError(f"Hooks.add: fn must be callable as fn(value, *, hook), got {fn!r}")
+        if (name_or_glob is None) == (names_filter is None):
+            raise TypeError("Hooks.add: give exactly one of a name/glob (first argument) or names_filter=callable, "
+                            f"got name_or_glob={name_or_glob!r}, names_filter={names_filter!r}")
+        if names_filter is not None and not callable(names_filter):
+            raise TypeError(f"Hooks.add: names_filter must be a callable name -> bool, got {names_filter!r}")
+        if name_or_glob is not None and not isinstance(name_or_glob, str):
+            raise TypeError(f"Hooks.add: the name must be a string (exact hook name or glob), got {name_or_glob!r}")
+        handle = HookHandle(self, name_or_glob, names_filter, fn)
+        self._validate(handle)
+        self._handles.append(handle)
+        self._changed()
+        return handle
+
+    def add_filter(self, names_filter, fn) -> HookHandle:
+        """`add(names_filter=names_filter, fn=fn)`."""
+        return self.add(names_filter=names_filter, fn=fn)
+
+    def extend(self, other: Hooks) -> list[HookHandle]:
+        """Attach every hook of `other` (in its order) to this set; returns the new handles."""
+        return [self.add(h.pattern, h.fn, names_filter=h.names_filter) for h in other._handles]
+
+    def __add__(self, other: Hooks) -> Hooks:
+        """A new plain Hooks holding this set's hooks, then `other`'s."""
+        out = Hooks()
+        out._known, out._known_order = self._known, self._known_order
+        out.extend(self)
+        out.extend(other)
+        return out
+
+    def remove(self, what) -> int:
+        """Detach by handle, by function, or by the exact pattern string it was added with. Returns how many."""
+        before = len(self._handles)
+        if isinstance(what, HookHandle):
+            self._handles = [h for h in self._handles if h is not what]
+        elif isinstance(what, str):
+            self._handles = [h for h in self._handles if h.pattern != what]
+        elif callable(what):
+            self._handles = [h for h in self._handles if h.fn is not what]
+        else:
+            raise TypeError(f"Hooks.remove: expected a HookHandle, a function or a pattern string, got {what!r}")
+        removed = before - len(self._handles)
+        if removed:
+            self._changed()
+        return removed
+
+    def clear(self) -> None:
+        """Detach every hook."""
+        self._handles.clear()
+        self._changed()
+
+    @contextlib.contextmanager
+    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None):
+        """`with hooks.hooked("layers.*.kda.state", fn):` attaches fn for the block only."""
+        handle = self.add(name_or_glob, fn, names_filter=names_filter)
+        try:
+            yield handle
+        finally:
+            self.remove(handle)
+
+    def __enter__(self) -> Hooks:
+        """`with hooks:` detaches on exit every hook added inside the block (all of them for a fresh Hooks)."""
+        self._marks.append(len(self._handles))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        mark = self._marks.pop()
+        added = self._handles[mark:]
+        if added:
+            self._handles = self._handles[:mark]
+            self._changed()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    @property
+    def handles(self) -> list[HookHandle]:
+        return list(self._handles)
+
+    def copy(self) -> Hooks:
+        """A new Hooks with the same functions attached (the functions themselves are shared)."""
+        out = type(self).__new__(type(self))
+        Hooks.__init__(out)
+        out._known, out._known_order = self._known, self._known_order
+        for h in self._handles:
+            out._handles.append(HookHandle(out, h.pattern, h.names_filter, h.fn))
+        out.position, out.token_id = self.position, self.token_id
+        return out
+
+    # ------------------------------------------------------------------ checking names
+    def bind(self, weights_or_names) -> Hooks:
+        """Check every hook against a model's names (`hook_names(weights)` or a list); later `add`s too."""
+        names = weights_or_names if isinstance(weights_or_names, (list, tuple, set, frozenset)) else hook_names(weights_or_names)
+        self._known = frozenset(names)
+        self._known_order = list(names)
+        for h in self._handles:
+            self._validate(h)
+        return self
+
+    check = bind
+
+    def _validate(self, handle: HookHandle) -> None:
+        if handle.names_filter is not None:
+            known = self._known
+            if known is not None and not any(handle.names_filter(n) for n in known):
+                raise ValueError(f"names_filter {handle.names_filter!r} accepts none of this model's {len(known)} hook names "
+                                 "(see kimi_explore.hook_names(weights)); it would never fire")
+            return
+        check_pattern(handle.pattern, self._known_order if self._known is not None else None)
+
+    def _check_first_token(self) -> None:
+        """Unbound hooks: after the first full token, warn about exact names that never fired."""
+        self._checked_after_first_token = True
+        missing = [h.pattern for h in self._handles if h.names_filter is None and not is_glob(h.pattern)
+                   and h.pattern not in self._seen and h.pattern not in self._warned]
+        if missing:
+            self._warned.update(missing)
+            warnings.warn(f"hooks on {missing} never fired during a whole token: these names are not hook points of this "
+                          "model (e.g. a KDA site on an MLA layer). Call hooks.bind(weights) to get an error at add time.",
+                          stacklevel=4)
+
+    # ------------------------------------------------------------------ firing
+    def begin_token(self, token_id=None, position=None) -> None:
+        """Announce the next token (its id and 0-based position) before `kimi_forward_token` runs."""
+        self._next = (None if token_id is None else int(token_id), None if position is None else int(position))
+
+    def _on_embed(self, value, *, hook):
+        token_id, position = self._next if self._next is not None else (None, None)
+        self._next = None
+        self.position = position if position is not None else (0 if self.position is None else self.position + 1)
+        self.token_id = token_id
+        return None
+
+    def reset_position(self) -> None:
+        """Forget the token count: the next token is position 0."""
+        self.position, self.token_id, self._next = None, None, None
+
+    def fire(self, name: str, value):
+        """Called by the decoder at every site: run the hooks attached to `name`, return the value to use."""
+        fns = self._cache.get(name)
+        if fns is None:
+            fns = self._resolve(name)
+        for fn, point in fns:
+            out = fn(value, hook=point)
+            if out is not None:
+                if out is not value:
+                    _check_replacement(point, value, out, fn)
+                value = out
+        return value
+
+    def _point(self, name: str) -> HookPoint:
+        p = self._points.get(name)
+        if p is None:
+            p = self._points[name] = HookPoint(name, self)
+        return p
+
+    def _functions(self, name: str) -> list:
+        """The functions to run at `name`, in order (subclasses add their own around the user's)."""
+        fns = [(h.fn, self._point(name)) for h in self._handles if h.matches(name)]
+        if name == "embed":
+            fns.insert(0, (self._on_embed, self._point(name)))
+        return fns
+
+    def _resolve(self, name: str) -> tuple:
+        fns = self._cache[name] = tuple(self._functions(name))
+        if self._known is None and not self._checked_after_first_token:
+            self._seen.add(name)
+            if name == "logits":
+                self._check_first_token()
+        return fns
+
+    def _changed(self) -> None:
+        self._cache.clear()
+        self._checked_after_first_token = False  # re-check new exact names at the next "logits"
+        self.version += 1
+
+    def __repr__(self) -> str:
+        body = ", ".join(h.describe() for h in self._handles)
+        return f"{type(self).__name__}([{body}])"
+
+
+class HookChain:
+    """Several hook sets fired one after another at each site (e.g. interventions, then a Recorder).
+
+    Each set sees the value the previous one returned; `begin_token` is forwarded to all.
+    """
+
+    def __init__(self, *hook_sets):
+        self.hook_sets = [h for h in hook_sets if h is not None]
+
+    def fire(self, name: str, value):
+        for h in self.hook_sets:
+            value = h.fire(name, value)
+        return value
+
+    def begin_token(self, token_id=None, position=None) -> None:
+        for h in self.hook_sets:
+            h.begin_token(token_id, position)
+
+    def bind(self, weights) -> HookChain:
+        for h in self.hook_sets:
+            h.bind(weights)
+        return self
+
+
+def _check_replacement(point: HookPoint, old, new, fn) -> None:
+    shape = getattr(new, "shape", None)
+    if shape is None:
+        raise TypeError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned {type(new).__name__}; "
+                        "return an array (or None to keep the value)")
+    if point.kind not in _RESHAPE_OK and shape != old.shape:
+        raise ValueError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned shape {tuple(shape)}; "
+                         f"this site needs shape {tuple(old.shape)}")
+
+
+def check_pattern(pattern: str, known_names=None, what: str = "hook") -> None:
+    """Raise ValueError unless `pattern` (exact name or glob) names at least one hook point.
+
+    known_names: a model's `hook_names(weights)`, or None to check against the grammar of any model.
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{what} name must be a string (exact hook name or glob), got {pattern!r}")
+    if known_names is not None:
+        if is_glob(pattern):
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in known_names):
+                raise ValueError(f"{what} glob {pattern!r} matches none of this model's {len(known_names)} hook names "
+                                 f"(see kimi_explore.hook_names(weights)); {_suggest(pattern, known_names)}")
+        elif pattern not in known_names:
+            raise ValueError(f"{pattern!r} is not a hook point of this model; {_why_not(pattern, list(known_names))}")
+        return
+    if is_glob(pattern):
+        if not fnmatch.filter(hook_grammar(_max_layer_in(pattern)), pattern):
+            raise ValueError(f"{what} glob {pattern!r} matches no possible hook name; {_suggest(pattern, hook_grammar(3))}")
+    elif not _is_valid_name(pattern):
+        raise ValueError(f"{pattern!r} is not a hook name; {_suggest(pattern, hook_grammar(max(3, _max_layer_in(pattern))))}")
+
+
+def _is_valid_name(name: str) -> bool:
+    m = _LAYER_NAME.match(name)
+    return m.group(2) in LAYER_SUFFIXES if m else name in GLOBAL_NAMES
+
+
+def _max_layer_in(pattern: str) -> int:
+    nums = [int(x) for x in re.findall(r"\d+", pattern)]
+    return max([127] + nums)
+
+
+def _suggest(pattern: str, names) -> str:
+    m = _LAYER_NAME.match(pattern)
+    if m and not is_glob(m.group(1)):  # a typo in the site: suggest sites of the same layer
+        close = difflib.get_close_matches(m.group(2), sorted(LAYER_SUFFIXES), n=3, cutoff=0.6)
+        close = [f"layers.{m.group(1)}.{c}" for c in close]
+    else:
+        close = difflib.get_close_matches(pattern, list(names), n=3, cutoff=0.6)
+    return f"did you mean {close}?" if close else "list the valid names with kimi_explore.hook_names(weights)"
+
+
+def _why_not(name: str, known_order: list[str]) -> str:
+    m = _LAYER_NAME.match(name)
+    if m and m.group(2) in LAYER_SUFFIXES:
+        layer = int(m.group(1))
+        prefix = f"layers.{layer}."
+        here = [n[len(prefix):] for n in known_order if n.startswith(prefix)]
+        if not here:
+            return f"layer {layer} is not loaded in these weights"
+        return f"layer {layer} has the sites {here}"
+    return _suggest(name, known_order)

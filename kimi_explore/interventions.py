@@ -1,0 +1,234 @@
+"""Interventions: ready-made hooks that change what K3 computes, built on the `Hooks` contract.
+
+Each function returns a `Hooks` you can pass as `hooks=`, merge (`hooks.extend(...)`, `a + b`), or
+apply for a while with `session.intervene(...)`. `positions=` (an int or a collection of 0-based token
+positions) restricts any of them to those tokens; by default they act at every token.
+
+    ablate_experts(layer, experts)        drop experts from the selected set; the decoder renormalises the
+                                          weights over the rest (all of them -> the routed output is 0)
+    force_routing(layer, expert_ids, weights=None)
+                                          use these experts (weights recomputed from their scores, or given)
+    override_attn_res(layer, site, weights)
+                                          replace a block-residual softmax: "uniform", ("one_hot", j), or a
+                                          vector over [stored blocks..., current]; layer="final" for the output mix
+    scale_kda_head(layer, head, factor)   scale a KDA head's recurrent state after each update (0 zeroes it);
+                                          the scaled state is what the next token starts from
+    patch(name, source, positions=None)   clean/corrupt patching: put a value recorded in another run
+                                          (a Trace, a Recorder, an array [T, ...] or {position: value}) in place
+
+Column j of an attn-res vector follows `Trace.source_labels()`: blocks 0..n-1, then the current
+running sum (also reachable as j = -1 or j = "current").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._xp import array_namespace
+from .hooks import Hooks
+
+__all__ = ["ablate_experts", "force_routing", "override_attn_res", "patch", "scale_kda_head", "zero_kda_head"]
+
+
+def _layers(layer) -> list[int]:
+    layers = [layer] if isinstance(layer, (int, np.integer)) else list(layer)
+    for i in layers:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
+            raise ValueError(f"layer must be a non-negative int (or a list of them), got {layer!r}")
+    return [int(i) for i in layers]
+
+
+def _at_positions(fn, positions):
+    """Wrap fn so it acts only at the given token positions (None: always)."""
+    if positions is None:
+        return fn
+    wanted = {int(positions)} if isinstance(positions, (int, np.integer)) else {int(p) for p in positions}
+
+    def at_positions(value, *, hook):
+        return fn(value, hook=hook) if hook.position in wanted else None
+
+    at_positions.__qualname__ = f"{getattr(fn, '__qualname__', 'hook')}@positions{sorted(wanted)}"
+    return at_positions
+
+
+def _named(fn, label: str):
+    fn.__qualname__ = label
+    return fn
+
+
+def ablate_experts(layer, experts, positions=None) -> Hooks:
+    """Drop `experts` ("all", or ids) from the routed selection at `layer`; weights renormalise over the rest."""
+    drop_all = isinstance(experts, str)
+    if drop_all and experts != "all":
+        raise ValueError(f"ablate_experts: experts must be 'all' or a list of expert ids, got {experts!r}")
+    drop = [] if drop_all else [int(e) for e in np.atleast_1d(experts)]
+
+    def ablate(ids, *, hook):
+        if drop_all:
+            return ids[:0]
+        xp = array_namespace(ids)
+        return ids[~xp.isin(ids, xp.asarray(drop, dtype=ids.dtype))]
+
+    hooks = Hooks()
+    for i in _layers(layer):
+        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(ablate, f"ablate_experts({experts!r})"), positions))
+    return hooks
+
+
+def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
+    """Route through `expert_ids` at `layer`. Without `weights` the decoder recomputes them from these
+    experts' scores (renormalised, scaled) as it does for its own choice; with them, they are used as given."""
+    ids_req = [int(e) for e in np.atleast_1d(expert_ids)]
+    if len(set(ids_req)) != len(ids_req):
+        raise ValueError(f"force_routing: expert_ids has duplicates: {ids_req}")
+    if weights is not None and len(np.atleast_1d(weights)) != len(ids_req):
+        raise ValueError(f"force_routing: {len(np.atleast_1d(weights))} weights for {len(ids_req)} experts")
+    seen = {}
+
+    def note_experts(scores, *, hook):
+        seen[hook.layer] = scores.shape[0]
+
+    def forced_ids(ids, *, hook):
+        E = seen.get(hook.layer)
+        bad = [e for e in ids_req if not 0 <= e < (E if E is not None else 1 << 62)]
+        if bad:
+            raise ValueError(f"force_routing at {hook.name}: expert ids {bad} are outside 0..{E - 1}")
+        return array_namespace(ids).asarray(ids_req, dtype=ids.dtype)
+
+    def forced_weights(w, *, hook):
+        return array_namespace(w).asarray(np.asarray(weights, dtype=float), dtype=w.dtype)
+
+    hooks = Hooks()
+    for i in _layers(layer):
+        hooks.add(f"layers.{i}.moe.router.scores", note_experts)
+        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(forced_ids, f"force_routing({ids_req})"), positions))
+        if weights is not None:
+            fn = _at_positions(_named(forced_weights, "force_routing.weights"), positions)
+            hooks.add(f"layers.{i}.moe.router.topk_weights", fn)
+    return hooks
+
+
+def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Hooks:
+    """Replace the block-residual softmax at (layer, site) with `weights`.
+
+    layer: int, or "final" for the output mix (then site is ignored). site: "attn" (before attention)
+    or "ffn" (before the FFN). weights: "uniform", ("one_hot", j) with j a source column (negative
+    counts from the end; "current" is the running sum), or an array over [stored blocks..., current].
+    """
+    if layer == "final":
+        name = "final.attn_res.weights"
+    else:
+        if site not in ("attn", "ffn"):
+            raise ValueError(f"override_attn_res: site must be 'attn' or 'ffn', got {site!r}")
+        name = f"layers.{_layers(layer)[0]}.attn_res.{site}.weights"
+    if isinstance(weights, str):
+        if weights != "uniform":
+            raise ValueError(f"override_attn_res: weights must be 'uniform', ('one_hot', j) or an array, got {weights!r}")
+        mode = "uniform"
+    elif isinstance(weights, tuple) and len(weights) == 2 and weights[0] == "one_hot":
+        mode, j = "one_hot", (-1 if weights[1] == "current" else int(weights[1]))
+    else:
+        mode, given = "given", np.asarray(weights, dtype=float)
+        if given.ndim != 1:
+            raise ValueError(f"override_attn_res: a weight vector must be 1-D, got shape {given.shape}")
+
+    def override(p, *, hook):
+        xp, n = array_namespace(p), p.shape[0]
+        if mode == "uniform":
+            return xp.full(n, 1.0 / n, dtype=p.dtype)
+        if mode == "one_hot":
+            if not -n <= j < n:
+                raise ValueError(f"override_attn_res at {hook.name}: source {j} does not exist, this site mixes {n} sources "
+                                 "(stored blocks..., current)")
+            out = xp.zeros(n, dtype=p.dtype)
+            out[j] = 1.0
+            return out
+        if given.shape[0] != n:
+            raise ValueError(f"override_attn_res at {hook.name}: got {given.shape[0]} weights, this site mixes {n} sources "
+                             "(stored blocks..., current)")
+        return xp.asarray(given, dtype=p.dtype)
+
+    hooks = Hooks()
+    hooks.add(name, _at_positions(_named(override, f"override_attn_res({weights!r})"), positions))
+    return hooks
+
+
+def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
+    """Multiply KDA head(s) `head`'s recurrent state by `factor` after each token's update (0 zeroes it).
+
+    The decoder reads the head's output from, and carries to the next token, the scaled state.
+    """
+    heads = [int(h) for h in np.atleast_1d(head)]
+    factor = float(factor)
+
+    def scale(S, *, hook):
+        if max(heads) >= S.shape[0] or min(heads) < -S.shape[0]:
+            raise ValueError(f"scale_kda_head at {hook.name}: heads {heads} do not exist, the layer has {S.shape[0]} heads")
+        out = S.copy()
+        out[heads] *= factor
+        return out
+
+    hooks = Hooks()
+    for i in _layers(layer):
+        hooks.add(f"layers.{i}.kda.state", _at_positions(_named(scale, f"scale_kda_head({heads}, {factor})"), positions))
+    return hooks
+
+
+def zero_kda_head(layer, head, positions=None) -> Hooks:
+    """`scale_kda_head(layer, head, 0.0)`."""
+    return scale_kda_head(layer, head, 0.0, positions)
+
+
+def patch(name: str, source, positions=None) -> Hooks:
+    """Replace the value at site `name` by the one another run recorded there, token position by position.
+
+    source: a Trace or Recorder that recorded `name` in full (Recorder(full=[name])), an array
+    [T, ...] (row p is used at position p) or a dict {position: value}. positions: where to patch
+    (default: every position the source has). Padding a Trace added to ragged records is stripped.
+    """
+    from .recorder import Recorder
+    from .trace import Trace
+
+    if isinstance(source, Recorder):
+        source = source.trace()
+    if isinstance(source, Trace):
+        rows = source[name]
+        table = {int(p): rows[t] for t, p in enumerate(source.positions)}
+    elif isinstance(source, dict):
+        table = {int(p): np.asarray(v) for p, v in source.items()}
+    else:
+        rows = np.asarray(source)
+        table = {p: rows[p] for p in range(rows.shape[0])}
+    if positions is not None:
+        wanted = [int(positions)] if isinstance(positions, (int, np.integer)) else [int(p) for p in positions]
+        missing = [p for p in wanted if p not in table]
+        if missing:
+            raise ValueError(f"patch({name!r}): the source has no value at positions {missing} (it has {sorted(table)[:10]}...)")
+        table = {p: table[p] for p in wanted}
+
+    def patch_value(value, *, hook):
+        row = table.get(hook.position)
+        if row is None:
+            return None
+        row = _unpad(row, value.shape, hook.name)
+        return array_namespace(value).array(row, dtype=value.dtype, copy=True)
+
+    hooks = Hooks()
+    hooks.add(name, _named(patch_value, f"patch({name!r}, positions={sorted(table)})"))
+    return hooks
+
+
+def _unpad(row: np.ndarray, shape: tuple, name: str) -> np.ndarray:
+    """Cut a padded trace row back to the site's shape; only padding (NaN / -1) may be cut."""
+    row = np.asarray(row)
+    if name.endswith("moe.router.topk_ids"):
+        return row[row != -1]
+    if row.shape == shape:
+        return row
+    if row.ndim == len(shape) and all(r >= s for r, s in zip(row.shape, shape, strict=True)):
+        cut = row[tuple(slice(0, s) for s in shape)]
+        rest = row.copy()
+        rest[tuple(slice(0, s) for s in shape)] = np.nan if row.dtype.kind in "fc" else -1
+        if np.all(np.isnan(rest)) if row.dtype.kind in "fc" else np.all(rest == -1):
+            return cut
+    raise ValueError(f"patch at {name}: the source value has shape {row.shape}, this site needs {tuple(shape)}")

@@ -1,0 +1,268 @@
+"""Trace: what a Recorder collected, as host arrays with named axes.
+
+    trace[name]                      that record stacked over tokens: [T, ...]
+    trace.tokens, trace.positions    [T] ints (token -1 where the id was not announced)
+    trace.layer_ids                  the model layers, in order
+    trace.attn_res_weights()         [token, layer, site (0 attn, 1 ffn), source]
+    trace.final_attn_res_weights()   [token, source]
+    trace.source_labels()            ["embedding", "block 1", ..., "current"]
+    trace.kda_state_norms()          ([token, kda_layer, head], kda_layer_ids)
+    trace.kda_conv_norms()           ([token, kda_layer, stream (q, k, v), head], kda_layer_ids)
+    trace.routing()                  topk_ids / topk_weights [token, moe_layer, k], scores [token, moe_layer, E]
+    trace.top_predictions()          (ids [T, top_k], probs [T, top_k])
+
+Source columns are fixed for the whole model: the stored blocks in push order in columns 0..m-1
+(NaN while a block is not sealed yet at that layer), the current running sum ALWAYS in the last
+column, so a column means the same thing at every layer. Records whose per-token shape varies
+(an MLA probs row grows with the position; an ablation shortens the top-k) are padded at the end:
+NaN for floats, -1 for ints.
+
+`save(path)` / `Trace.load(path)` round-trip exactly through one .npz; `meta` (layer kinds,
+expert counts, the config) travels with it so plots can label axes without the weights.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Trace"]
+
+FORMAT = "kimi_explore.trace/1"
+SITES = ("attn", "ffn")
+
+
+def stack_rows(rows: list, name: str = "") -> np.ndarray:
+    """Stack per-token arrays, padding varying shapes at the end (NaN / -1 / False)."""
+    if not rows:
+        return np.zeros((0,))
+    shapes = {r.shape for r in rows}
+    if len(shapes) == 1:
+        return np.stack(rows)
+    if len({len(s) for s in shapes}) != 1:
+        raise ValueError(f"record {name!r}: per-token values have different numbers of axes: {sorted(shapes)}")
+    full = tuple(max(s[d] for s in shapes) for d in range(len(rows[0].shape)))
+    dtype = np.result_type(*rows)
+    fill = np.nan if dtype.kind in "fc" else (False if dtype.kind == "b" else -1)
+    out = np.full((len(rows),) + full, fill, dtype=dtype)
+    for t, r in enumerate(rows):
+        out[(t,) + tuple(slice(0, n) for n in r.shape)] = r
+    return out
+
+
+class Trace:
+    """Recorded values over T tokens. Build with `Recorder.trace()` or `Trace.load(path)`."""
+
+    def __init__(self, records: dict, tokens, positions=None, meta: dict | None = None):
+        self._records = {k: np.asarray(v) for k, v in records.items()}
+        self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T = len(self.tokens)
+        self.positions = np.arange(T, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
+        self.meta = dict(meta or {})
+        for k, v in self._records.items():
+            if v.shape[:1] != (T,):
+                raise ValueError(f"Trace: record {k!r} has {v.shape[:1]} rows, expected {T} (one per token)")
+
+    @classmethod
+    def from_rows(cls, rows: dict, tokens, positions, meta) -> Trace:
+        return cls({k: stack_rows(v, k) for k, v in rows.items()}, tokens, positions, meta)
+
+    # ------------------------------------------------------------------ mapping access
+    def __getitem__(self, name: str) -> np.ndarray:
+        try:
+            return self._records[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, list(self._records), n=3, cutoff=0.6)
+            hint = f"did you mean {close}? " if close else ""
+            raise KeyError(f"{name!r} was not recorded in this trace. {hint}Full tensors are kept only for names passed "
+                           f"as Recorder(full=[...]); trace.names() lists the {len(self._records)} recorded names") from None
+
+    def __contains__(self, name) -> bool:
+        return name in self._records
+
+    def names(self) -> list[str]:
+        return list(self._records)
+
+    keys = names
+
+    def items(self):
+        return self._records.items()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self)} tokens, {len(self._records)} records, layers {self.layer_ids})"
+
+    def equals(self, other: Trace) -> bool:
+        """Exactly the same records (NaN == NaN), tokens, positions and meta."""
+        if self.names() != other.names() or self.meta != other.meta:
+            return False
+        if not (np.array_equal(self.tokens, other.tokens) and np.array_equal(self.positions, other.positions)):
+            return False
+        return all(a.dtype == other[k].dtype and np.array_equal(a, other[k], equal_nan=a.dtype.kind in "fc")
+                   for k, a in self._records.items())
+
+    # ------------------------------------------------------------------ model structure
+    def _layers_with(self, suffix: str) -> list[int]:
+        out = []
+        for name in self._records:
+            if name.startswith("layers.") and name.endswith(suffix):
+                i = int(name.split(".")[1])
+                if i not in out:
+                    out.append(i)
+        return sorted(out)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        if "layer_ids" in self.meta:
+            return list(self.meta["layer_ids"])
+        return sorted({int(n.split(".")[1]) for n in self._records if n.startswith("layers.")})
+
+    def _kind_layers(self, key: str, kind: str, fallback: str) -> list[int]:
+        if key in self.meta:
+            return [i for i, k in zip(self.meta["layer_ids"], self.meta[key], strict=True) if k == kind]
+        return self._layers_with(fallback)
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return self._kind_layers("attention_kinds", "kda", ".kda.state.norm")
+
+    @property
+    def mla_layers(self) -> list[int]:
+        return self._kind_layers("attention_kinds", "mla", ".mla.probs")
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return self._kind_layers("ffn_kinds", "moe", ".moe.router.topk_ids")
+
+    @property
+    def max_sources(self) -> int:
+        """Source columns: every block the model stores, plus the current running sum."""
+        if "max_sources" in self.meta:
+            return int(self.meta["max_sources"])
+        lens = [v.shape[1] for k, v in self._records.items() if k.endswith("attn_res.weights") or k.endswith(".attn.weights")
+                or k.endswith(".ffn.weights")]
+        if not lens:
+            raise KeyError("this trace has no block-residual weights (record 'layers.*.attn_res.*.weights')")
+        return max(lens)
+
+    def source_labels(self) -> list[str]:
+        """Labels of the source axis: ["embedding", "block 1", ..., "block m-1", "current"]."""
+        S = self.max_sources
+        bounds = self.meta.get("block_boundaries")
+        first = "embedding" if not bounds or bounds[0] == 0 else f"input of layer {bounds[0]}"
+        return ([first] if S > 1 else []) + [f"block {j}" for j in range(1, S - 1)] + ["current"]
+
+    # ------------------------------------------------------------------ named-axis views
+    def _place(self, w: np.ndarray, out: np.ndarray) -> None:
+        """Write weights [T, n+1] (stack then current) into out [T, S]: blocks first, current last."""
+        n = w.shape[1] - 1
+        out[:, :n] = w[:, :n]
+        out[:, -1] = w[:, n]
+
+    def attn_res_weights(self) -> np.ndarray:
+        """[token, layer, site (0 = before attention, 1 = before the FFN), source]; NaN where absent."""
+        layers, S = self.layer_ids, self.max_sources
+        out = np.full((len(self), len(layers), 2, S), np.nan)
+        for li, i in enumerate(layers):
+            for s, site in enumerate(SITES):
+                key = f"layers.{i}.attn_res.{site}.weights"
+                if key in self._records:
+                    self._place(self._records[key], out[:, li, s])
+        return out
+
+    def final_attn_res_weights(self) -> np.ndarray:
+        """[token, source]: the output mix before the final norm, same columns as attn_res_weights()."""
+        out = np.full((len(self), self.max_sources), np.nan)
+        self._place(self["final.attn_res.weights"], out)
+        return out
+
+    def _per_layer(self, layers, suffix: str):
+        ids = [i for i in layers if f"layers.{i}.{suffix}" in self._records]
+        if not ids:
+            return np.zeros((len(self), 0, 0)), []
+        return np.stack([self._records[f"layers.{i}.{suffix}"] for i in ids], axis=1), ids
+
+    def kda_state_norms(self):
+        """([token, kda_layer, head] Frobenius norms of each head's recurrent state, kda_layer_ids)."""
+        return self._per_layer(self.kda_layers, "kda.state.norm")
+
+    def kda_conv_norms(self):
+        """([token, kda_layer, stream (q, k, v), head] conv-window norms, kda_layer_ids)."""
+        return self._per_layer(self.kda_layers, "kda.conv.norm")
+
+    def routing(self) -> dict:
+        """MoE routing in vLLM's routed-experts layout [token, layer, top_k] (padded -1 / NaN if k varied)."""
+        layers = [i for i in self.moe_layers if f"layers.{i}.moe.router.topk_ids" in self._records]
+        out = {"moe_layers": layers}
+        for key, fill in (("topk_ids", -1), ("topk_weights", np.nan), ("scores", np.nan)):
+            rows = [self._records.get(f"layers.{i}.moe.router.{key}") for i in layers]
+            if not rows or any(r is None for r in rows):
+                continue
+            width = max(r.shape[1] for r in rows)
+            dtype = np.int64 if key == "topk_ids" else np.result_type(*rows)
+            arr = np.full((len(self), len(layers), width), fill, dtype=dtype)
+            for j, r in enumerate(rows):
+                arr[:, j, : r.shape[1]] = r
+            out[key] = arr
+        if "num_experts" in self.meta:
+            out["num_experts"] = int(self.meta["num_experts"])
+        return out
+
+    def top_predictions(self):
+        """(ids [T, top_k], probs [T, top_k]) of the next-token distribution after each token."""
+        return self["logits.top_ids"], self["logits.top_probs"]
+
+    # ------------------------------------------------------------------ files and frames
+    def save(self, path) -> Path:
+        """Write one .npz (the suffix is added if missing); `Trace.load` reads it back exactly."""
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_name(path.name + ".npz")
+        arrays = {f"record/{k}": v for k, v in self._records.items()}
+        header = {"format": FORMAT, "names": list(self._records), "meta": self.meta}
+        np.savez_compressed(path, header=np.array(json.dumps(header)), tokens=self.tokens, positions=self.positions, **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path) -> Trace:
+        with np.load(path, allow_pickle=False) as z:
+            if "header" not in z.files:
+                raise ValueError(f"{path}: not a kimi_explore trace (no 'header' entry; found {z.files[:5]}...)")
+            header = json.loads(str(z["header"]))
+            if header.get("format") != FORMAT:
+                raise ValueError(f"{path}: trace format {header.get('format')!r}, this version reads {FORMAT!r}")
+            records = {k: z[f"record/{k}"] for k in header["names"]}
+            return cls(records, z["tokens"], z["positions"], header["meta"])
+
+    def to_pandas(self, names=None):
+        """Long format, one row per recorded number: t, position, token, name, layer, index, value.
+
+        `index` is the element's index tuple inside the per-token value; padding (NaN / -1 from
+        varying shapes) is left out. Needs pandas.
+        """
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("Trace.to_pandas needs pandas: pip install pandas") from e
+        frames = []
+        for name in self.names() if names is None else list(names):
+            v = self[name]
+            flat = v.reshape(len(self), -1)
+            if v.dtype.kind in "fc":
+                keep = ~np.isnan(flat)
+            else:
+                keep = np.ones(flat.shape, bool) if v.dtype.kind == "b" else flat != -1
+            t, j = np.nonzero(keep)
+            idx = list(zip(*np.unravel_index(j, v.shape[1:]), strict=True)) if v.ndim > 1 else [()] * len(t)
+            parts = name.split(".")
+            layer = int(parts[1]) if parts[0] == "layers" else None
+            frames.append(pd.DataFrame({"t": t, "position": self.positions[t], "token": self.tokens[t], "name": name,
+                                        "layer": pd.array([layer] * len(t), dtype="Int64"), "index": idx,
+                                        "value": flat[t, j]}))
+        cols = ["t", "position", "token", "name", "layer", "index", "value"]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
