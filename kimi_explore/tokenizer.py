@@ -1,0 +1,419 @@
+"""Text <-> token ids: a byte tokenizer for the tiny models and the released K3 tokenizer.
+
+    tok = load_tokenizer(checkpoint_dir)   # KimiTokenizer if tiktoken.model is there, else ByteTokenizer
+    ids = tok.encode("Hello")              # list[int]
+    tok.decode(ids), tok.token_label(ids[0]), tok.vocab_size, tok.eos_id
+
+ByteTokenizer: vocabulary 256, id = byte value of the UTF-8 encoding; no special tokens.
+
+KimiTokenizer reproduces the release's `TikTokenTokenizer` (HF `moonshotai/Kimi-K3` at 9f62e4e9;
+see shared/docs/k3-tokenizer.md) with plain tiktoken, an optional extra:
+- `tiktoken.model`: one `<base64 bytes> <rank>` line per BPE token, ranks 0..n-1 = ids (n = 163,584).
+  We parse it ourselves: tiktoken's `load_tiktoken_bpe` caches by the *path string* and would
+  return a stale copy after the file at that path changed.
+- ids n..n+255 are all special: named from `tokenizer_config.json: added_tokens_decoder`, the gaps
+  `<|reserved_token_{id}|>` (absolute id in the name).
+- PAT_STR below is data copied verbatim; it needs class intersection (`&&`), so Python's `re`
+  cannot run it (the `regex` package can, with `regex.V1`).
+- Traps: tiktoken's default `encode` raises on any special spelling, `[BOS]` included, so we always
+  pass one of the release's two modes. The stop token is `<|end_of_msg|>` (config.json
+  `eos_token_id` = 163586), NOT tokenizer_config's `eos_token` `[EOS]` (163585). No `[BOS]` is ever
+  prepended. Long inputs are cut before BPE (`split_for_encoding`), which changes ids.
+
+`render_chat` / `chat_segments` render the release's chat prompt ("XTML", `encoding_k3.py`) for
+system / user / assistant conversations; tools are not rendered (a clear error says so).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from pathlib import Path
+
+__all__ = [
+    "PAT_STR",
+    "ByteTokenizer",
+    "KimiTokenizer",
+    "TokenizerError",
+    "chat_segments",
+    "load_tokenizer",
+    "render_chat",
+    "split_for_encoding",
+]
+
+PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+NUM_SPECIAL = 256                 # ids n..n+255, n = number of BPE ranks
+MAX_ENCODE_CHARS = 400_000        # release: TIKTOKEN_MAX_ENCODE_CHARS
+MAX_RUN_CHARS = 25_000            # release: MAX_NO_WHITESPACES_CHARS (same-class run cap)
+STOP_TOKEN = "<|end_of_msg|>"
+RELEASE_VOCAB_SHA256 = "b6c497a7469b33ced9c38afb1ad6e47f03f5e5dc05f15930799210ec050c5103"
+VOCAB_FILE, TOKENIZER_CONFIG = "tiktoken.model", "tokenizer_config.json"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or malformed, or an id/name is not in the vocabulary."""
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _label_bytes(raw: bytes) -> str:
+    """Readable label: printable text as itself, \\n/\\t/\\r, other controls as \\xNN, broken UTF-8 as <0xNN>."""
+    out = []
+    text = raw.decode("utf-8", errors="surrogateescape")   # undecodable bytes -> U+DC80..U+DCFF
+    for ch in text:
+        c = ord(ch)
+        if 0xDC80 <= c <= 0xDCFF:
+            out.append(f"<0x{c - 0xDC00:02X}>")
+        elif ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif not ch.isprintable() and ch != " ":
+            out.append(f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _as_ids(ids, vocab_size: int) -> list[int]:
+    """Plain ints from any int sequence (lists, NumPy arrays), each checked against the vocabulary."""
+    out = [int(i) for i in ids]
+    bad = [i for i in out if not 0 <= i < vocab_size]
+    if bad:
+        raise TokenizerError(f"ids: expected values in 0..{vocab_size - 1}, found {bad[:5]}")
+    return out
+
+
+class ByteTokenizer:
+    """The tiny models' tokenizer: id = byte value of the UTF-8 encoding (vocabulary 256, no specials)."""
+
+    vocab_size = 256
+    bos_id = None
+    eos_id = None
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {}
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """`allow_special` is accepted for symmetry with KimiTokenizer; there are no special tokens."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids) -> bytes:
+        return bytes(_as_ids(ids, 256))
+
+    def token_label(self, token_id: int) -> str:
+        """`a`, ` `, `\\n`, `\\x07`, `<0xE4>` (a byte that is not ASCII is never text on its own)."""
+        return _label_bytes(bytes(_as_ids([token_id], 256)))
+
+    def special_id(self, name: str) -> int:
+        raise TokenizerError(f"special token {name!r}: the byte tokenizer has no special tokens")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=256)"
+
+
+def split_for_encoding(text: str, window: int = MAX_ENCODE_CHARS, max_run: int = MAX_RUN_CHARS) -> list[str]:
+    """The release's pre-BPE cut: `window`-char windows, then a new piece inside a window whenever a
+    run of same-class characters (`str.isspace()` vs not) would exceed `max_run`. BPE never merges
+    across a cut, so this is part of the wire format. `re`'s `\\s` is `str.isspace()` on str patterns,
+    so runs are found with a regex instead of a Python loop over every character."""
+    pieces = []
+    for w in range(0, len(text), window):
+        win, start = text[w:w + window], 0
+        for run in re.finditer(r"\s+|\S+", win):
+            for cut in range(run.start() + max_run, run.end(), max_run):
+                pieces.append(win[start:cut])
+                start = cut
+        pieces.append(win[start:])
+    return pieces
+
+
+def _import_tiktoken():
+    try:
+        import tiktoken
+    except ImportError as e:
+        raise ImportError(
+            "KimiTokenizer needs tiktoken, an optional extra: pip install 'kimi-explore[tokenizer]' "
+            f"(or pip install tiktoken). Import failed: {e}"
+        ) from e
+    return tiktoken
+
+
+def read_tiktoken_model(path: str | Path) -> dict[bytes, int]:
+    """Parse a `tiktoken.model` file: `<base64> <rank>` per line; ranks must be exactly 0..n-1."""
+    path = Path(path)
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            fields = line.split()
+            if not fields:
+                continue
+            try:
+                token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
+                if len(fields) != 2:
+                    raise ValueError
+            except (ValueError, IndexError, binascii.Error):
+                raise TokenizerError(f"{path}:{lineno}: expected '<base64 bytes> <rank>', found {line[:80]!r}") from None
+            if token in ranks:
+                raise TokenizerError(f"{path}:{lineno}: token {token!r} repeated (first with rank {ranks[token]})")
+            ranks[token] = rank
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{path}: ranks must be exactly 0..{len(ranks) - 1} (they are the token ids)")
+    return ranks
+
+
+def _special_tokens(n: int, config_path: Path) -> dict[str, int]:
+    """All 256 specials n..n+255, named from `added_tokens_decoder`, `<|reserved_token_{id}|>` otherwise."""
+    try:
+        decoder = json.loads(config_path.read_text())["added_tokens_decoder"]
+        named = {int(i): e["content"] for i, e in decoder.items()}
+    except FileNotFoundError:
+        raise TokenizerError(f"{config_path}: no such file; the special-token names are read from it") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise TokenizerError(f"{config_path}: expected 'added_tokens_decoder': {{id: {{'content': name}}}} ({e!r})") from None
+    outside = sorted(i for i in named if not n <= i < n + NUM_SPECIAL)
+    if outside:
+        raise TokenizerError(f"{config_path}: special ids {outside[:5]} are outside {n}..{n + NUM_SPECIAL - 1} "
+                             f"(the vocabulary file has {n} ranks); the two files do not belong together")
+    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + NUM_SPECIAL)}
+    if len(specials) != NUM_SPECIAL:
+        raise TokenizerError(f"{config_path}: special-token names are not unique")
+    return specials
+
+
+def _int_field(path: Path, key: str):
+    """config.json's (or its text_config's) integer `key`, else None."""
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    value = raw.get(key, (raw.get("text_config") or {}).get(key))
+    return value if isinstance(value, int) else None
+
+
+class KimiTokenizer:
+    """The released K3 tokenizer on plain tiktoken (ids identical to the release's `TikTokenTokenizer`)."""
+
+    def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], *,
+                 bos_id: int | None, eos_id: int | None, vocab_sha256: str = "", name: str = "kimi_k3"):
+        tiktoken = _import_tiktoken()
+        self._enc = tiktoken.Encoding(name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks,
+                                      special_tokens=special_tokens)
+        self.special_tokens = dict(special_tokens)                      # name -> id
+        self._special_names = {i: s for s, i in special_tokens.items()}  # id -> name
+        self.num_base_tokens = len(mergeable_ranks)
+        self.vocab_size = self._enc.n_vocab
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.vocab_sha256 = vocab_sha256
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> KimiTokenizer:
+        """Build from a checkpoint directory holding `tiktoken.model` + `tokenizer_config.json`.
+
+        eos_id is the generation stop id: config.json `eos_token_id` if present, else `<|end_of_msg|>`.
+        bos_id: config.json `bos_token_id`, else `[BOS]`; nothing prepends it (the release does not)."""
+        path = Path(path)
+        vocab = path / VOCAB_FILE
+        if not vocab.is_file():
+            raise TokenizerError(f"{path}: no {VOCAB_FILE} (the BPE ranks of the released tokenizer)")
+        ranks = read_tiktoken_model(vocab)
+        specials = _special_tokens(len(ranks), path / TOKENIZER_CONFIG)
+        eos = _int_field(path / "config.json", "eos_token_id")
+        bos = _int_field(path / "config.json", "bos_token_id")
+        return cls(ranks, specials,
+                   bos_id=bos if bos is not None else specials.get("[BOS]"),
+                   eos_id=eos if eos is not None else specials.get(STOP_TOKEN),
+                   vocab_sha256=hashlib.sha256(vocab.read_bytes()).hexdigest())
+
+    @property
+    def is_release_vocab(self) -> bool:
+        """True when tiktoken.model is byte-identical to the released file (K2 and K3 share it)."""
+        return self.vocab_sha256 == RELEASE_VOCAB_SHA256
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Ids of `text`, cut as the release cuts long inputs.
+
+        allow_special=True: every special spelling (`<|open|>`, `[BOS]`, `<|reserved_token_163600|>`...)
+        becomes its id (trusted / structural text). False: they are plain BPE (untrusted text)."""
+        kw = {"allowed_special": "all"} if allow_special else {"disallowed_special": ()}
+        if len(text) <= MAX_RUN_CHARS:          # no cut possible: skip the scan
+            return self._enc.encode(text, **kw)
+        return [i for piece in split_for_encoding(text) for i in self._enc.encode(piece, **kw)]
+
+    def decode(self, ids) -> str:
+        """Text of `ids`; special ids decode to their names, broken UTF-8 to U+FFFD."""
+        return self._enc.decode(_as_ids(ids, self.vocab_size))
+
+    def decode_bytes(self, ids) -> bytes:
+        """Exact bytes (a character split across tokens survives)."""
+        return self._enc.decode_bytes(_as_ids(ids, self.vocab_size))
+
+    def token_label(self, token_id: int) -> str:
+        """A short readable label: a special's name, else the token's text with controls escaped."""
+        (i,) = _as_ids([token_id], self.vocab_size)
+        if i in self._special_names:
+            return self._special_names[i]
+        return _label_bytes(self._enc.decode_single_token_bytes(i))
+
+    def special_id(self, name: str) -> int:
+        """Id of a special token by name, e.g. `special_id("<|open|>")` -> 163587."""
+        try:
+            return self.special_tokens[name]
+        except KeyError:
+            named = [s for s in self.special_tokens if not s.startswith("<|reserved_token_")]
+            raise TokenizerError(f"special token {name!r}: not in this vocabulary; named ones: {named}") from None
+
+    def is_special(self, token_id: int) -> bool:
+        return int(token_id) in self._special_names
+
+    def render_chat(self, messages, **kw) -> str:
+        return render_chat(messages, **kw)
+
+    def encode_chat(self, messages, **kw) -> list[int]:
+        """Ids of the chat prompt, encoded segment by segment like the release (segmenting changes ids)."""
+        return [i for text, special in chat_segments(messages, **kw) for i in self.encode(text, allow_special=special)]
+
+    def __repr__(self) -> str:
+        return f"KimiTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, release_vocab={self.is_release_vocab})"
+
+
+# ---- chat prompt ("XTML", encoding_k3.py at 9f62e4e9), system / user / assistant only ----
+
+_EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+                "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+                "Now the system is invoked with `thinking_effort={}`.")
+_UNSUPPORTED_KEYS = ("tool_calls", "tools")
+
+
+def _open(tag: str, attrs: dict) -> list[tuple[str, bool]]:
+    # Each attribute is four text segments (` key`, `="`, value, `"`): the release encodes them
+    # separately, and joining them changes ids when a value starts or ends with punctuation.
+    segs = [("<|open|>", True), (tag, False)]
+    for k, v in attrs.items():
+        segs += [(f" {k}", False), ('="', False), (str(v).replace("&", "&amp;").replace('"', "&quot;"), False), ('"', False)]
+    return segs + [("<|sep|>", True)]
+
+
+def _close(tag: str) -> list[tuple[str, bool]]:
+    return [("<|close|>", True), (tag, False), ("<|sep|>", True)]
+
+
+def _message(attrs: dict, body: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    return _open("message", attrs) + body + _close("message") + [("<|end_of_msg|>", True)]
+
+
+def _content(msg: dict, where: str) -> str:
+    content = msg.get("content") or ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise ValueError(f"{where}.content: only text parts are rendered, found {part!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def chat_segments(messages, *, thinking: bool = True, add_generation_prompt: bool = True,
+                  thinking_effort: str | None = None) -> list[tuple[str, bool]]:
+    """(text, allow_special) segments of the release's chat prompt, in order; empty texts dropped.
+
+    Defaults are `build_chat_segments`'s. Note HF `apply_chat_template` defaults to
+    thinking_effort="max" (the effort system message first). Every past assistant turn keeps its
+    reasoning when thinking=True; with thinking=False the think channel is dropped everywhere."""
+    segs: list[tuple[str, bool]] = []
+    if thinking and thinking_effort is not None:
+        if thinking_effort not in ("low", "high", "max"):   # "medium" is named in the text but rejected
+            raise ValueError(f"thinking_effort: expected 'low', 'high', 'max' or None, found {thinking_effort!r}")
+        body = [(_EFFORT_BODY.format(thinking_effort).strip(), False)]
+        segs += _message({"role": "system", "type": "thinking-effort"}, body)
+    for n, msg in enumerate(messages):
+        where = f"messages[{n}]"
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"{where}: expected a dict with role 'system', 'user' or 'assistant' (tool turns are "
+                             f"not rendered here), found {msg!r}")
+        if any(msg.get(k) for k in _UNSUPPORTED_KEYS):
+            raise ValueError(f"{where}: tool declarations and tool calls are not rendered by render_chat")
+        attrs = {"role": role, **({"name": msg["name"]} if msg.get("name") else {})}
+        body = [(_content(msg, where), False)]
+        if role == "assistant":
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+            think = _open("think", {}) + [(reasoning if reasoning.strip() else "", False)] + _close("think")
+            body = (think if thinking else []) + _open("response", {}) + body + _close("response")
+        segs += _message(attrs, body)
+    if add_generation_prompt:
+        segs += _open("message", {"role": "assistant"}) + _open("think" if thinking else "response", {})
+    return [(t, s) for t, s in segs if t]
+
+
+def render_chat(messages, *, thinking: bool = True, add_generation_prompt: bool = True,
+                thinking_effort: str | None = None) -> str:
+    """The chat prompt as text (see `chat_segments`); encode it with `KimiTokenizer.encode_chat`."""
+    return "".join(t for t, _ in chat_segments(messages, thinking=thinking, add_generation_prompt=add_generation_prompt,
+                                               thinking_effort=thinking_effort))
+
+
+# ---- choosing a tokenizer for a checkpoint ----
+
+def _vocab_size(raw: dict) -> int | None:
+    text = raw.get("text_config") or raw
+    return text.get("vocab_size") if isinstance(text, dict) else None
+
+
+def load_tokenizer(path_or_config):
+    """The tokenizer of a checkpoint: KimiTokenizer if the directory has `tiktoken.model`, else
+    ByteTokenizer when the model's vocab_size is 256, else a TokenizerError naming what is missing.
+
+    Accepts a checkpoint directory (or its config.json), a KimiDecoderConfig, a raw config dict, or
+    loaded weights (their source directory is used)."""
+    obj = path_or_config
+    if hasattr(obj, "config") and hasattr(obj, "source"):       # KimiDecoderWeights
+        obj = obj.source if obj.source and Path(obj.source).is_dir() else obj.config
+    if isinstance(obj, (str, Path)):
+        path = Path(obj)
+        if path.is_file() and path.name == "config.json":
+            path = path.parent
+        if not path.is_dir():
+            raise TokenizerError(f"{path}: not a checkpoint directory (expected {VOCAB_FILE} or a config.json)")
+        cfg_path = path / "config.json"
+        try:
+            vocab = _vocab_size(json.loads(cfg_path.read_text())) if cfg_path.is_file() else None
+        except json.JSONDecodeError as e:
+            raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
+        if (path / VOCAB_FILE).is_file():
+            tok = KimiTokenizer.from_pretrained(path)
+            if vocab is not None and tok.vocab_size > vocab:
+                raise TokenizerError(f"{path}: the tokenizer has {tok.vocab_size} ids but config.json vocab_size is "
+                                     f"{vocab}; {VOCAB_FILE} does not belong to this model")
+            return tok
+        source = f"{path}: no {VOCAB_FILE}, and " + ("config.json" if cfg_path.is_file() else "no config.json, so vocab_size")
+    elif isinstance(obj, dict):
+        vocab, source = _vocab_size(obj), "config dict"
+    elif hasattr(obj, "vocab_size"):                            # KimiDecoderConfig
+        vocab, source = obj.vocab_size, "config"
+    else:
+        raise TypeError(f"path_or_config: expected a checkpoint directory, a config or weights, found {type(obj).__name__}")
+    if vocab == ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    found = "is missing" if vocab is None else f"vocab_size is {vocab}"
+    raise TokenizerError(f"{source} {found}: a byte tokenizer needs vocab_size 256, any other model needs its "
+                         f"{VOCAB_FILE} + {TOKENIZER_CONFIG} (pass the checkpoint directory that holds them)")
