@@ -21,7 +21,9 @@ see shared/docs/k3-tokenizer.md) with plain tiktoken, an optional extra:
   prepended. Long inputs are cut before BPE (`split_for_encoding`), which changes ids.
 
 `render_chat` / `chat_segments` render the release's chat prompt ("XTML", `encoding_k3.py`) for
-system / user / assistant conversations; tools are not rendered (a clear error says so).
+system / user / assistant conversations. Tools, tool turns and images are refused with a clear
+error rather than rendered approximately (argument rendering differs between upstream revisions),
+and so are unknown roles (the 9f62e4e9 renderer skips them silently).
 """
 
 from __future__ import annotations

@@ -365,16 +365,8 @@ def test_render_chat_refuses_what_it_does_not_render(kwargs, msgs, match):
 def test_byte_tokenizer_round_trip(text):
     tok = ByteTokenizer()
     ids = tok.encode(text)
-    assert ids == list(text.encode("utf-8", errors="surrogatepass"))
-    assert tok.decode(ids) == text.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace")
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.text(st.characters(exclude_categories=["Cs"])))
-def test_byte_tokenizer_exact_round_trip(text):
-    tok = ByteTokenizer()
-    assert tok.decode(tok.encode(text)) == text
-    assert all(0 <= i < tok.vocab_size for i in tok.encode(text))
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
 
 
 def test_byte_tokenizer_labels_and_errors():
