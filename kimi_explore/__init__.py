@@ -27,6 +27,7 @@ _LAZY = {
     "widgets": None,
     "Explorer": "widgets",
     "ByteTokenizer": "tokenizer",
+    "KimiTokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
     "tiny_checkpoint": "tiny_model",
 }

@@ -25,7 +25,6 @@ import numpy as np
 
 from ._xp import array_namespace
 from .backend import to_numpy
-from .ops import rms_norm, sigmoid, silu
 
 L2NORM_EPS = 1e-6
 
@@ -54,6 +53,13 @@ class KdaWeights:
     head_dim: int
     lower_bound: float
     eps: float  # o_norm eps (rms_norm_eps)
+
+    def __post_init__(self):
+        # constants folded for the decode step (derived, never loaded)
+        xp = array_namespace(self.A)
+        self.neg_A = -self.A  # [H, 1]: the GGUF `ssm_a` = -exp(A_log)
+        self.qk_scale = xp.asarray([1.0 / math.sqrt(self.head_dim), 1.0], dtype=self.A.dtype).reshape(2, 1, 1)
+        self.o_norm_scaled = self.o_norm * math.sqrt(self.head_dim)
 
 
 @dataclass
@@ -94,7 +100,12 @@ def delta_rule_read(S, q):
 
 
 def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
-    """x: [d] (input_layernorm output) -> [d]; advances `state` in place."""
+    """x: [d] (input_layernorm output) -> [d]; advances `state` in place.
+
+    Written for few array operations (on a tiny model their count, not FLOPs, is the cost): one
+    fused projection, one sigmoid for the output gate and beta together, the q scale folded into
+    the l2norm, the o_norm gain folded with the gate.
+    """
     xp = array_namespace(x)
     H, K = w.num_heads, w.head_dim
     P = H * K
@@ -102,15 +113,17 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     window = state.conv
     window[:, :, :-1] = window[:, :, 1:].copy()  # overlapping ranges: CuPy does not guard against aliasing
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
-    qkv = silu((window * w.conv).sum(axis=-1)).reshape(3, H, K)
-    gates = sigmoid(y[3 * P : 4 * P + H])  # output gate and beta logits sit side by side
+    pre = (window * w.conv).sum(axis=-1)
+    qkv = (pre / (1.0 + xp.exp(-pre))).reshape(3, H, K)  # SiLU
+    gates = 1.0 / (1.0 + xp.exp(-y[3 * P : 4 * P + H]))  # sigmoid of the output gate and beta, side by side
     gate, beta = gates[:P].reshape(H, K), gates[P:]
     f = (w.f_b_proj @ y[4 * P + H :]).reshape(H, K)
-    alpha = xp.exp(w.lower_bound * sigmoid(w.A * (f + w.dt_bias)))
+    # alpha = exp(lower_bound * sigmoid(A * (f + dt_bias)))
+    alpha = xp.exp(w.lower_bound / (1.0 + xp.exp((f + w.dt_bias) * w.neg_A)))
 
     qk = qkv[:2]
-    qk = qk / xp.sqrt((qk * qk).sum(axis=-1, keepdims=True) + L2NORM_EPS)
-    q, k, v = qk[0] * (1.0 / math.sqrt(K)), qk[1], qkv[2]
+    qk = qk * (w.qk_scale / xp.sqrt((qk * qk).sum(axis=-1, keepdims=True) + L2NORM_EPS))
+    q, k, v = qk[0], qk[1], qkv[2]
     if hooks is not None:
         q = hooks.fire(prefix + "kda.q", q)
         k = hooks.fire(prefix + "kda.k", k)
@@ -126,7 +139,9 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
         new = hooks.fire(prefix + "kda.state", S)
         if new is not S:
             S[...] = new
-    o = rms_norm(delta_rule_read(S, q), w.o_norm, w.eps) * gate
+    o = delta_rule_read(S, q)
+    # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
+    o = o * (w.o_norm_scaled * gate) / xp.sqrt((o * o).sum(axis=-1, keepdims=True) + K * w.eps)
     return w.o_proj @ o.reshape(P)
 
 
