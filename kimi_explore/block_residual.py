@@ -61,3 +61,41 @@ def naive_apply_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, e
     e = [math.exp(s - m) for s in scores]
     p = np.array(e) / sum(e)
     return sum(pi * v for pi, v in zip(p, sources)), p
+
+
+class SourceBuffer:
+    """One token's sources during the forward pass: rows 0..n-1 the sealed blocks, row n the current sum.
+
+    Each row's 1/rms is kept beside it, so a sealed block is normalised once per token rather than at
+    every later site (the keys' norms never change; only the score vector does).
+    """
+
+    def __init__(self, xp, rows: int, d: int, dtype, eps: float):
+        self.xp, self.eps, self.inv_d = xp, eps, 1.0 / d
+        self.rows = xp.empty((rows, d), dtype)
+        self.inv_rms = xp.empty(rows, dtype)
+        self.n = 0  # sealed blocks
+
+    def set_current(self, v) -> None:
+        n = self.n
+        self.rows[n] = v
+        self.inv_rms[n] = 1.0 / math.sqrt(float(v @ v) * self.inv_d + self.eps)
+
+    def weights(self, score_weight):
+        """Softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight: [n+1]."""
+        m = self.n + 1
+        s = (self.rows[:m] @ score_weight) * self.inv_rms[:m]
+        e = self.xp.exp(s - s.max())
+        return e / e.sum()
+
+    def mix(self, p):
+        """sum_i p_i V_i over the raw sources: [d]."""
+        return p @ self.rows[: self.n + 1]
+
+    def seal(self) -> None:
+        """Push: the current row becomes the newest block."""
+        self.n += 1
+
+    @property
+    def blocks(self):
+        return self.rows[: self.n]

@@ -26,7 +26,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Union
 
-from .block_residual import attn_res_weights
+from .block_residual import SourceBuffer
 from .config import KimiDecoderConfig
 from .kda import KdaState, KdaWeights, kda_step
 from .latent_moe import LatentMoeWeights, latent_moe
@@ -164,8 +164,7 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
             "make the state with KimiDecodeState.new(weights)"
         )
     xp, eps = weights.xp, cfg.rms_norm_eps
-    sources = xp.empty((weights.max_sources, cfg.hidden_size), weights.dtype)  # [stack..., current]
-    n = 0  # blocks on the stack
+    src = SourceBuffer(xp, weights.max_sources, cfg.hidden_size, weights.dtype, eps)  # the block stack + current
 
     h = weights.embed_tokens[tid]
     if hooks is not None:
@@ -173,17 +172,16 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
     for layer, layer_state in zip(weights.layers, state.layers):
         pre = layer.hook_prefix
         prefix = h
-        if n > 0:
-            sources[n] = prefix
-            p = attn_res_weights(sources[: n + 1], layer.attn_res_score, eps)
+        src.set_current(prefix)
+        if src.n > 0:
+            p = src.weights(layer.attn_res_score)
             if hooks is not None:
                 p = hooks.fire(pre + "attn_res.attn.weights", p)
-            a_in = p @ sources[: n + 1]
+            a_in = src.mix(p)
         else:
             a_in = prefix
         if layer.is_block_boundary:
-            sources[n] = prefix
-            n += 1
+            src.seal()  # pushes the RAW layer input, already in the current row
             prefix = None
 
         x = rms_norm(a_in, layer.input_layernorm, eps)
@@ -198,11 +196,11 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
             a = hooks.fire(pre + "attn.out", a)
         prefix = a if prefix is None else prefix + a
 
-        sources[n] = prefix
-        p = attn_res_weights(sources[: n + 1], layer.mlp_res_score, eps)
+        src.set_current(prefix)
+        p = src.weights(layer.mlp_res_score)
         if hooks is not None:
             p = hooks.fire(pre + "attn_res.ffn.weights", p)
-        y = rms_norm(p @ sources[: n + 1], layer.post_attention_layernorm, eps)
+        y = rms_norm(src.mix(p), layer.post_attention_layernorm, eps)
         if hooks is not None:
             y = hooks.fire(pre + "ffn.in", y)
         ffn = layer.ffn
@@ -216,12 +214,12 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
         if hooks is not None:
             h = hooks.fire(pre + "prefix_sum", h)
 
-    sources[n] = h
-    p = attn_res_weights(sources[: n + 1], weights.output_attn_res_score, eps)
+    src.set_current(h)
+    p = src.weights(weights.output_attn_res_score)
     if hooks is not None:
-        hooks.fire("final.block_residual", sources[:n])
+        hooks.fire("final.block_residual", src.blocks)
         p = hooks.fire("final.attn_res.weights", p)
-    hidden = rms_norm(p @ sources[: n + 1], weights.norm, eps)
+    hidden = rms_norm(src.mix(p), weights.norm, eps)
     if hooks is not None:
         hidden = hooks.fire("final.hidden", hidden)
     logits = weights.lm_head @ hidden
