@@ -1,0 +1,188 @@
+"""`kimi-explore report`: run a prompt, write every plot as a PNG plus one self-contained HTML page.
+
+    kimi-explore report --prompt "Kimi K3, one token at a time." --out report/
+    kimi-explore report --ids 17,203,5 --checkpoint DIR --layers 0-7 --out report/
+    write_report(session_or_trace, "report/", tokenizer=tok)        # from Python
+
+The page inlines every image as a base64 `data:` URI and its CSS in a <style> element: it has no
+script, no external link, and opens offline from a file or an e-mail attachment. The PNGs sit next
+to it for slides and issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import plots
+
+__all__ = ["main", "write_report"]
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1400px; margin: 2em auto;
+       padding: 0 1em; color: #222; line-height: 1.45; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 2em; }
+figure { margin: 1.2em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #555; font-size: .92em; max-width: 60em; }
+table { border-collapse: collapse; font-size: .9em; } td, th { border: 1px solid #ddd; padding: .25em .6em; }
+th { background: #f5f5f5; } code { background: #f3f3f3; padding: 0 .25em; }
+"""
+
+
+def _pick(ids: list[int], n: int) -> list[int]:
+    """Up to n evenly spaced entries of ids (always the first and the last)."""
+    if len(ids) <= n:
+        return list(ids)
+    return [ids[int(round(p))] for p in np.linspace(0, len(ids) - 1, n)]
+
+
+def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
+    """(section, file stem, caption, figure) for every view the trace supports."""
+    last = len(trace) - 1
+    label = plots.token_labels(trace.tokens, tokenizer)[last]
+    layer_ids = [int(i) for i in trace.layer_ids]
+    show = [i for i in (layers if layers is not None else _pick(layer_ids, 3)) if i in layer_ids]
+    out = [("Block attention residuals", "block_residuals_last_token",
+            f"Softmax weights over the sources (embedding, sealed blocks, the current running sum) at both sites of "
+            f"every layer, for the last token {label}; right: the final output mix before the last norm.",
+            plots.block_residual_token(trace, last, tokenizer))]
+    for i in show:
+        out.append(("Block attention residuals", f"block_residuals_layer{i}",
+                    f"Layer {i}: the same weights for every token of the prompt.",
+                    plots.block_residual_layer(trace, i, tokenizer)))
+    kda_norms, kda_ids = trace.kda_state_norms()
+    if len(kda_ids):
+        kda_show = [i for i in show if i in kda_ids] or _pick([int(i) for i in kda_ids], 1)
+        out += [("KDA recurrent state", "kda_state_curves",
+                 "Frobenius norm of each KDA head's recurrent state S over the prompt (mean over heads; band min..max).",
+                 plots.kda_state_curves(trace, tokenizer=tokenizer)),
+                ("KDA recurrent state", "kda_state_last_token", f"Every KDA layer and head after the last token {label}.",
+                 plots.kda_state_overview(trace, last, tokenizer))]
+        out += [("KDA recurrent state", f"kda_state_layer{i}", f"KDA layer {i}: per head, token by token.",
+                 plots.kda_state_heatmap(trace, i, tokenizer)) for i in kda_show]
+    moe = trace.routing()["moe_layers"]
+    if len(moe):
+        moe_show = [i for i in show if i in moe] or _pick([int(i) for i in moe], 1)
+        out += [("MoE routing", "moe_routing_last_token",
+                 f"Router scores of every expert at every MoE layer for the last token {label}; the chosen top-k marked.",
+                 plots.moe_routing_token(trace, last, tokenizer))]
+        out += [("MoE routing", f"moe_routing_layer{i}", f"MoE layer {i}: router scores and choices over the prompt.",
+                 plots.moe_routing_layer(trace, i, tokenizer)) for i in moe_show]
+        out += [("MoE routing", "expert_load", "How often each expert was chosen, summed over all MoE layers.",
+                 plots.expert_load(trace)),
+                ("MoE routing", "moe_output_norms", "L2 norm of the routed and the shared experts' outputs per layer.",
+                 plots.moe_output_norms(trace))]
+    out.append(("Next-token predictions", "predictions_last_token", f"Top next-token probabilities after {label}.",
+                plots.predictions(trace, last, tokenizer)))
+    return out
+
+
+def _prediction_table(trace, tokenizer, max_rows: int = 64) -> str:
+    ids, probs = trace["logits.top_ids"], trace["logits.top_probs"]
+    labels = plots.token_labels(trace.tokens, tokenizer)
+    rows = []
+    for t in range(min(len(trace), max_rows)):
+        top = ", ".join(f"{html.escape(plots.token_labels([int(i)], tokenizer, positions=False)[0])} {p:.3f}"
+                        for i, p in zip(ids[t][:5], probs[t][:5], strict=True) if i >= 0)
+        rows.append(f"<tr><td>{html.escape(labels[t])}</td><td>{top}</td></tr>")
+    more = f"<p>({len(trace) - max_rows} more tokens not shown)</p>" if len(trace) > max_rows else ""
+    return "<table><tr><th>token</th><th>top-5 next-token predictions</th></tr>" + "".join(rows) + "</table>" + more
+
+
+def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: str = "Kimi K3, token by token",
+                 dpi: int = 100, source: str = "") -> Path:
+    """Write `<out_dir>/*.png` and `<out_dir>/index.html` (self-contained); returns the HTML path.
+
+    session_or_trace: a `Session` (its trace and tokenizer are used) or a `Trace`.
+    layers: model layer ids for the per-layer views (default: up to three spread over the model).
+    """
+    trace = session_or_trace.trace() if hasattr(session_or_trace, "step") else session_or_trace
+    if tokenizer is None:
+        tokenizer = getattr(session_or_trace, "tokenizer", None)
+    if len(trace) == 0:
+        raise ValueError("write_report: the trace is empty; feed at least one token first")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sections: dict[str, list[str]] = {}
+    for section, stem, caption, fig in _figures(trace, tokenizer, layers):
+        png = plots.figure_png(fig, dpi=dpi)
+        (out / f"{stem}.png").write_bytes(png)
+        data = base64.b64encode(png).decode("ascii")
+        sections.setdefault(section, []).append(
+            f'<figure><img alt="{html.escape(stem)}" src="data:image/png;base64,{data}">'
+            f"<figcaption><code>{html.escape(stem)}.png</code> &middot; {html.escape(caption)}</figcaption></figure>")
+    prompt = " ".join(plots.token_labels(trace.tokens, tokenizer, positions=False))
+    text = ""
+    if tokenizer is not None:
+        text = f"<p>Text: <code>{html.escape(tokenizer.decode([int(t) for t in trace.tokens if t >= 0]))}</code></p>"
+    body = [f"<h1>{html.escape(title)}</h1>",
+            f"<p>{len(trace)} tokens through layers {html.escape(str(list(trace.layer_ids)))}"
+            + (f" of <code>{html.escape(str(source))}</code>" if source else "") + ".</p>",
+            text, f"<p>Tokens: <code>{html.escape(prompt)}</code></p>"]
+    for section, figs in sections.items():
+        body += [f"<h2>{html.escape(section)}</h2>", *figs]
+    body += ["<h2>Predictions at every step</h2>", _prediction_table(trace, tokenizer)]
+    page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+    path = out / "index.html"
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .cli import parse_ids, parse_layers
+
+    p = argparse.ArgumentParser(prog="kimi-explore report",
+                                description="Run a prompt through K3 one token at a time and write every plot as a PNG "
+                                "plus one self-contained HTML page (no network, no CDN).")
+    p.add_argument("--checkpoint", help="checkpoint directory or Hub repo id (default: the embedded tiny model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text, encoded with the checkpoint's tokenizer")
+    src.add_argument("--ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 17,203,5")
+    p.add_argument("--out", required=True, help="output directory (created if missing)")
+    p.add_argument("--layers", type=parse_layers, help="run only these 0-based layers, e.g. 0-3 (default: all)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="array backend (default auto)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
+    p.add_argument("--generate", type=int, default=0, metavar="N", help="then greedily generate N more tokens")
+    p.add_argument("--title", default="Kimi K3, token by token", help="page title")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kimi-explore report ...`; returns the exit status."""
+    from . import KimiDecoderWeights
+    from .session import Session
+    from .tiny_model import default_checkpoint
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    args = _parser().parse_args(argv)
+    path = args.checkpoint or default_checkpoint()
+    weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype)
+    try:
+        tokenizer = load_tokenizer(weights)
+    except TokenizerError as e:
+        if args.prompt is not None:
+            print(f"kimi-explore report: --prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead.", file=sys.stderr)
+            return 2
+        tokenizer = None
+    ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.ids
+    if not ids:
+        print("kimi-explore report: the prompt is empty", file=sys.stderr)
+        return 2
+    session = Session(weights, tokenizer=tokenizer)
+    session.feed(ids)
+    if args.generate:
+        session.generate(args.generate)
+    page = write_report(session, args.out, title=args.title, source=path)
+    pngs = sorted(p.name for p in page.parent.glob("*.png"))
+    print(f"wrote {page} and {len(pngs)} PNGs ({', '.join(pngs)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
