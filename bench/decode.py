@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_explore import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.block_residual import attn_res_weights
 from kimi_explore.kda import KdaState, KdaWeights, kda_step
 from kimi_explore.latent_moe import LatentMoeWeights, latent_moe

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from .config import ConfigError, KimiDecoderConfig
-from .kimi_decoder import KimiDecodeState, KimiDecoderWeights, hook_names, kimi_forward_token
+from .kimi_decoder import KimiDecoderWeights, KimiDecodeState, hook_names, kimi_forward_token
 from .safetensors_io import CheckpointError
 
 _LAZY = {

@@ -60,7 +60,7 @@ def naive_apply_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, e
     m = max(scores)
     e = [math.exp(s - m) for s in scores]
     p = np.array(e) / sum(e)
-    return sum(pi * v for pi, v in zip(p, sources)), p
+    return sum(pi * v for pi, v in zip(p, sources, strict=True)), p
 
 
 class SourceBuffer:

@@ -71,7 +71,7 @@ def _label(tok, i: int) -> str:
 
 
 def run(args) -> int:
-    from . import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+    from . import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
     from .tiny_model import default_checkpoint
 

@@ -169,7 +169,7 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
     h = weights.embed_tokens[tid]
     if hooks is not None:
         h = hooks.fire("embed", h)
-    for layer, layer_state in zip(weights.layers, state.layers):
+    for layer, layer_state in zip(weights.layers, state.layers, strict=True):
         pre = layer.hook_prefix
         prefix = h
         src.set_current(prefix)

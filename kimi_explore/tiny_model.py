@@ -156,18 +156,18 @@ def _tensors(text_config: dict, seed: int, experts: str) -> dict[str, np.ndarray
                 mat(A + "g_proj.weight", nh * dv, d, gain=2.0)
             mat(A + "o_proj.weight", d, nh * dv)
         if cfg.is_moe_layer(i):
-            M, E, l, I = L + "block_sparse_moe.", cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+            M, E, lat, I = L + "block_sparse_moe.", cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
             mat(M + "gate.weight", E, d, gain=2.0)
             t[M + "gate.e_score_correction_bias"] = rng.permutation(np.linspace(-0.15, 0.15, E)).astype(np.float32)
-            mat(M + "routed_expert_down_proj.weight", l, d, gain=2.0)
-            vec(M + "routed_expert_norm.weight", l)
-            mat(M + "routed_expert_up_proj.weight", d, l)
+            mat(M + "routed_expert_down_proj.weight", lat, d, gain=2.0)
+            vec(M + "routed_expert_norm.weight", lat)
+            mat(M + "routed_expert_up_proj.weight", d, lat)
             Ish = cfg.shared_intermediate_size
             mat(M + "shared_experts.gate_proj.weight", Ish, d, gain=4.0)
             mat(M + "shared_experts.up_proj.weight", Ish, d, gain=4.0)
             mat(M + "shared_experts.down_proj.weight", d, Ish)
             for e in range(E):
-                for wn, (r, c), gain in (("w1", (I, l), 4.0), ("w3", (I, l), 4.0), ("w2", (l, I), 1.0)):
+                for wn, (r, c), gain in (("w1", (I, lat), 4.0), ("w3", (I, lat), 4.0), ("w2", (lat, I), 1.0)):
                     w = rng.standard_normal((r, c)) * (gain / np.sqrt(c))
                     base = M + f"experts.{e}.{wn}."
                     if experts == "mxfp4":

@@ -28,7 +28,7 @@ def _mix(prefix, stack, score, eps):
     s = np.array([float(v @ _f64(score)) / np.sqrt(np.mean(v * v) + eps) for v in sources])
     p = np.exp(s - s.max())
     p /= p.sum()
-    return sum(pi * v for pi, v in zip(p, sources)), p
+    return sum(pi * v for pi, v in zip(p, sources, strict=True)), p
 
 
 class NaiveDecoder:

@@ -42,7 +42,8 @@ def layers_of(weights, cls, attr="attention"):
 @pytest.mark.parametrize("linear_beta", [25.0, None], ids=["capped-up", "uncapped-up"])
 def test_situ_matches_naive(linear_beta):
     gu = rng.standard_normal((3, 40)) * 8  # well past beta = 4 and into the up cap
-    np.testing.assert_allclose(situ_and_mul(gu, 4.0, linear_beta), naive_situ_and_mul(gu, 4.0, linear_beta), rtol=1e-12, atol=1e-12)
+    want = naive_situ_and_mul(gu, 4.0, linear_beta)
+    np.testing.assert_allclose(situ_and_mul(gu, 4.0, linear_beta), want, rtol=1e-12, atol=1e-12)
 
 
 def test_situ_sigmoid_reads_the_uncapped_gate():
@@ -174,10 +175,12 @@ def test_latent_moe_matches_naive(ref_weights):
     for w in layers_of(ref_weights, LatentMoeWeights, "ffn")[:4]:
         w = as64(w)
         seen = []
+
         class Grab:
-            def fire(self, name, value):
+            def fire(self, name, value, seen=seen):
                 seen.append((name, np.array(value)))
                 return value
+
         for _ in range(4):
             x = rng.standard_normal(w.in_proj.shape[1]) * 2
             seen.clear()

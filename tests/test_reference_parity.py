@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kimi_explore import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
-from kimi_explore.kda import KdaWeights
-
 from conftest import REFERENCE_DIR
+
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.kda import KdaWeights
 
 
 class Collect:
@@ -87,7 +86,8 @@ def test_kda_states(run, ref):
     w, hooks, _, state = run
     kda = [j for j, layer in enumerate(w.layers) if isinstance(layer.attention, KdaWeights)]
     assert [w.layers[j].index for j in kda] == list(ref["kda_layers"])
-    norms = np.stack([np.sqrt((hooks.stacked(f"layers.{w.layers[j].index}.kda.state") ** 2).sum(axis=(2, 3))) for j in kda], axis=1)
+    states = [hooks.stacked(f"layers.{w.layers[j].index}.kda.state") for j in kda]  # [T, H, K, V] each
+    norms = np.stack([np.sqrt((s**2).sum(axis=(2, 3))) for s in states], axis=1)
     np.testing.assert_allclose(norms, ref["kda_state_norm_decode"], atol=1e-4, rtol=0)
     for n, j in enumerate(kda):
         s = state.layers[j].attention

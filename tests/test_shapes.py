@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from naive_decoder import NaiveDecoder
 
-from kimi_explore import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.tiny_model import make_text_config, write_checkpoint
 
 VARIANTS = {
