@@ -92,8 +92,11 @@ class Recorder(Hooks):
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
         self.tokens: list[int] = []  # -1 where the token id was not announced
         self.positions: list[int] = []
-        self._pending: list = []  # (row list, device array) of the current token, GPU only
+        self._pending: list = []  # (put, device array) of the current token, GPU only
         self._windows: dict[str, object] = {}  # kda.conv window seen this token, by layer prefix
+        self._norm_stash: list = []  # (row, vector) of this token, normed together at its end
+        self._kda_stash: list = []  # (state row, conv row, S, window) of this token
+        self._on_device = False
         self.meta: dict = {}
 
     # ------------------------------------------------------------------ binding and names
@@ -104,6 +107,8 @@ class Recorder(Hooks):
             check_pattern(p, self._known_order, "Recorder pattern")
         if hasattr(weights_or_names, "layers"):
             self.meta = model_meta(weights_or_names)
+            self._on_device = weights_or_names.xp is not np
+            self._cache.clear()
         return self
 
     def _wants(self, name: str, kind: str) -> bool:
@@ -121,80 +126,92 @@ class Recorder(Hooks):
         kind = point.kind
         if name == "embed":
             fns.insert(1, (self._on_token, point))
-        if self._wants(name, kind):
-            fns.append((self._recording_fn(name, kind), point))
-        elif kind == "kda.state" and self._wants(name[: -len("state")] + "conv", "kda.conv"):
+        if self._wants(name, kind) or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
             fns.append((self._recording_fn(name, kind), point))
         if self.full is not None and self.full(name):
             row = self._row(name)
-            fns.append((lambda value, *, hook, row=row: self._emit(row, value.copy()), point))
+            fns.append((lambda value, *, hook: self._emit(row.append, value.copy()), point))
         if name == "logits":
             fns.append((self._end_token, point))
         return fns
 
     # ------------------------------------------------------------------ recording functions
-    def _emit(self, row: list, arr) -> None:
+    # Each site does as little as possible: a copy, or a reference kept until the token ends (the
+    # values referenced are not written again before then). At the end of the token ("logits") the
+    # norms are computed for all layers at once and device records move to the host together.
+    def _emit(self, put, arr) -> None:
+        """put(host array) now, or once this token's device records have been moved to the host."""
         if isinstance(arr, np.ndarray):
-            row.append(arr)
+            put(arr)
         elif isinstance(arr, np.generic):
-            row.append(np.asarray(arr))
-        else:  # a device array: moved to the host with the rest of this token's records
-            self._pending.append((row, arr))
+            put(np.asarray(arr))
+        else:
+            self._pending.append((put, arr))
 
     def _recording_fn(self, name: str, kind: str):
         how = DEFAULT_SITES[kind]
-        emit = self._emit
         if how == "copy":
             row = self._row(name)
-            return lambda value, *, hook: emit(row, value.copy())
-        if how == "norm":
-            row = self._row(name + ".norm")
-
-            def record_norm(value, *, hook):
-                emit(row, _xp(value).sqrt(value @ value))
-
-            return record_norm
+            if self._on_device:
+                pend = self._pending.append
+                return lambda value, *, hook: pend((row.append, value.copy()))
+            put = row.append
+            return lambda value, *, hook: put(value.copy())
+        if how == "norm":  # routed_out / shared_out: fresh arrays, referenced until the token ends
+            row, stash = self._row(name + ".norm"), self._norm_stash.append
+            return lambda value, *, hook: stash((row, value))
         if how == "top":
-            ids_row, probs_row, k = self._row("logits.top_ids"), self._row("logits.top_probs"), self.top_k
+            ids_row, probs_row, k, emit = self._row("logits.top_ids"), self._row("logits.top_probs"), self.top_k, self._emit
 
             def record_top(value, *, hook):
                 ids, probs = top_predictions(value, k)
-                emit(ids_row, ids)
-                emit(probs_row, probs)
+                emit(ids_row.append, ids)
+                emit(probs_row.append, probs)
 
             return record_top
-        # "kda": conv windows are stashed at kda.conv, both norms computed at kda.state
+        # "kda": the live conv window and recurrent state stay unchanged until this layer's next token
         prefix = name[: name.rindex("kda.") + 4]
         if kind == "kda.conv":
             windows = self._windows
             return lambda value, *, hook: windows.__setitem__(prefix, value)
-        want_state = self._wants(prefix + "state", "kda.state")
-        want_conv = self._wants(prefix + "conv", "kda.conv")
-        state_row = self._row(prefix + "state.norm") if want_state else None
-        conv_row = self._row(prefix + "conv.norm") if want_conv else None
-        windows = self._windows
-
-        def record_kda(value, *, hook):
-            xp, H = _xp(value), value.shape[0]
-            if state_row is not None:
-                emit(state_row, xp.sqrt((value * value).reshape(H, -1).sum(axis=1)))
-            if conv_row is not None:
-                win = windows.pop(prefix)  # [3, P, W], channel h*K + j
-                w = win.reshape(win.shape[0], H, -1)
-                emit(conv_row, xp.sqrt((w * w).sum(axis=2)))
-
-        return record_kda
+        state_row = self._row(prefix + "state.norm") if self._wants(prefix + "state", "kda.state") else None
+        conv_row = self._row(prefix + "conv.norm") if self._wants(prefix + "conv", "kda.conv") else None
+        windows, stash = self._windows, self._kda_stash.append
+        return lambda value, *, hook: stash((state_row, conv_row, value, windows.pop(prefix, None)))
 
     def _on_token(self, value, *, hook):
         self.tokens.append(-1 if self.token_id is None else self.token_id)
         self.positions.append(self.position)
+        on_device = not isinstance(value, np.ndarray)
+        if on_device != self._on_device:  # first token of an unbound recorder on a GPU: rebuild the fast paths
+            self._on_device = on_device
+            self._cache.clear()
 
     def _end_token(self, value, *, hook):
-        """Last function at "logits": move this token's device records to the host in one go per dtype."""
+        """Last function at "logits": batched norms, then device records to the host (one transfer per dtype).
+
+        The stash lists are emptied in place: the site functions hold their bound `append`.
+        """
+        emit = self._emit
+        if self._norm_stash:
+            stash = _take(self._norm_stash)
+            x = _xp(stash[0][1]).concatenate([v for _, v in stash])  # [n*d]; concatenate is faster than stack
+            emit(_spread([r.append for r, _ in stash]), _row_norms(x, len(stash)))
+        if self._kda_stash:
+            stash = _take(self._kda_stash)
+            xp, H = _xp(stash[0][2]), stash[0][2].shape[0]
+            states = [e for e in stash if e[0] is not None]
+            if states:
+                S = xp.concatenate([e[2] for e in states])  # [n*H, K, V]
+                emit(_spread([e[0].append for e in states]), _row_norms(S, len(states), H))
+            convs = [e for e in stash if e[1] is not None]
+            if convs:
+                W = xp.concatenate([e[3] for e in convs])  # [n*3, P, W], channel h*K + j
+                emit(_spread([e[1].append for e in convs]), _row_norms(W, len(convs), stash[0][3].shape[0], H))
         if self._pending:
-            pending, self._pending = self._pending, []
-            for row, host in zip([r for r, _ in pending], _to_host([a for _, a in pending]), strict=True):
-                row.append(host)
+            pending = _take(self._pending)
+            for put, host in zip([p for p, _ in pending], _to_host([a for _, a in pending]), strict=True):
+                put(host)
 
     # ------------------------------------------------------------------ results and bookkeeping
     @property
@@ -216,9 +233,14 @@ class Recorder(Hooks):
             del row[n:]
         del self.tokens[n:]
         del self.positions[n:]
+        self._drop_token_buffers()
+        self.position = self.positions[-1] if self.positions else None
+
+    def _drop_token_buffers(self) -> None:
         self._pending.clear()
         self._windows.clear()
-        self.position = self.positions[-1] if self.positions else None
+        self._norm_stash.clear()
+        self._kda_stash.clear()
 
     def clear_records(self) -> None:
         self.truncate(0)
@@ -237,8 +259,7 @@ class Recorder(Hooks):
             self._row(k)[:] = list(v)
         self.tokens[:] = d["tokens"]
         self.positions[:] = d["positions"]
-        self._pending.clear()
-        self._windows.clear()
+        self._drop_token_buffers()
         self.position = self.positions[-1] if self.positions else None
 
     def copy(self, deep: bool = True) -> Recorder:
@@ -247,6 +268,7 @@ class Recorder(Hooks):
         out.top_k, out.names_filter, out.full = self.top_k, self.names_filter, self.full
         out._filter_patterns, out._full_patterns = list(self._filter_patterns), list(self._full_patterns)
         out._rows, out.tokens, out.positions, out._pending, out._windows = {}, [], [], [], {}
+        out._norm_stash, out._kda_stash, out._on_device = [], [], self._on_device
         out.meta = json.loads(json.dumps(self.meta))
         out.load_state_dict(self.state_dict(copy_arrays=deep))
         return out
@@ -280,6 +302,33 @@ def model_meta(weights) -> dict:
         "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
         "source": str(weights.source),
     }
+
+
+def _row_norms(x, *shape):
+    """L2 norms of x viewed as [prod(shape), -1], returned as `shape`.
+
+    One einsum: on small rows it is several times cheaper than (x * x).sum(axis=-1).
+    """
+    xp, rows = _xp(x), int(np.prod(shape))
+    x = x.reshape(rows, -1)
+    return xp.sqrt(xp.einsum("ij,ij->i", x, x)).reshape(shape)
+
+
+def _take(items: list) -> list:
+    """The items, leaving the list itself (whose `append` the site functions hold) empty."""
+    out = items[:]
+    items.clear()
+    return out
+
+
+def _spread(puts: list):
+    """A put for a stacked [n, ...] result: row j of it goes to puts[j]."""
+
+    def put_rows(arr):
+        for put, row in zip(puts, arr, strict=True):
+            put(row)
+
+    return put_rows
 
 
 def _to_host(arrays: list) -> list:
