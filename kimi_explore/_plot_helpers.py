@@ -65,7 +65,10 @@ def heatmap(ax, data, *, rows, cols, cmap: str, vmin=None, vmax=None, annotate: 
         for (r, c), v in np.ndenumerate(data):
             if np.isfinite(v):
                 dark = (v - lo) / ((hi - lo) or 1.0) < 0.55 if cmap in ("viridis", "magma") else v > (lo + hi) / 2
-                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if dark else "black")
+                # in_layout=False: cell labels sit inside the axes, and measuring each one for the
+                # constrained layout would double the rendering time
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if dark else "black",
+                        in_layout=False)
     return im
 
 

@@ -114,7 +114,7 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     ax.barh(y, np.nan_to_num(final), color=matplotlib.colormaps[WEIGHT_CMAP](0.55))
     for yi, v in zip(y, final, strict=True):
         if np.isfinite(v):
-            ax.text(min(v, 1.0) + 0.01, yi, f"{v:.2f}", va="center", fontsize=8)
+            ax.text(min(v, 1.0) + 0.01, yi, f"{v:.2f}", va="center", fontsize=8, in_layout=False)
     ax.set_yticks(y, sources)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.15)
@@ -240,7 +240,7 @@ def _mark_topk(ax, ids: np.ndarray, weights: np.ndarray, n_experts: int, annotat
         return "red boxes: the chosen top-k"
     for r, e, v in zip(rows, ids, weights, strict=True):
         ax.text(e, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="black",
-                bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
+                bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7}, in_layout=False)
     return "red boxes: the chosen top-k, with their combine weights"
 
 
@@ -348,7 +348,7 @@ def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
     ax.barh(np.arange(len(ids)), probs, color=colors)
     xmax = min(1.0, float(probs.max()) * 1.3) or 1.0
     for y, p in enumerate(probs):
-        ax.text(p + 0.01 * xmax, y, f"{p:.3f}", va="center", fontsize=8)
+        ax.text(p + 0.01 * xmax, y, f"{p:.3f}", va="center", fontsize=8, in_layout=False)
     ax.set_yticks(np.arange(len(ids)), names)
     ax.invert_yaxis()
     ax.set_xlim(0, xmax)
