@@ -1,0 +1,80 @@
+"""`kimi-explore report`: PNGs plus one self-contained HTML page that needs no network."""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import sys
+
+import pytest
+from synthetic_trace import SyntheticTrace
+
+from kimi_explore.report import main, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_self_contained(page: str, out_dir) -> list[str]:
+    """Every image is an inline PNG identical to its file; nothing is fetched from anywhere."""
+    assert not re.search(r"<(script|link|iframe|object|embed)\b", page, re.I), "the page must not load anything"
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I), "external reference"
+    assert "http://" not in page and "https://" not in page
+    assert "url(" not in page  # no CSS fetches
+    srcs = re.findall(r'<img alt="([^"]+)" src="([^"]+)"', page)
+    assert srcs and len(srcs) == page.count("<img")
+    for stem, src in srcs:
+        assert src.startswith("data:image/png;base64,"), stem
+        data = base64.b64decode(src.split(",", 1)[1], validate=True)
+        assert data.startswith(PNG_MAGIC)
+        assert data == (out_dir / f"{stem}.png").read_bytes(), f"{stem}: inline image differs from the PNG file"
+    return [stem for stem, _ in srcs]
+
+
+def test_report_command_on_the_embedded_model(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["--prompt", "K3 ok!", "--out", str(out)]) == 0
+    assert "index.html" in capsys.readouterr().out
+    page = (out / "index.html").read_text(encoding="utf-8")
+    stems = check_self_contained(page, out)
+    for must in ("block_residuals_last_token", "kda_state_curves", "kda_state_last_token", "moe_routing_last_token",
+                 "expert_load", "moe_output_norms", "predictions_last_token"):
+        assert must in stems
+    assert any(s.startswith("block_residuals_layer") for s in stems)
+    assert sorted(p.stem for p in out.glob("*.png")) == sorted(stems)
+    assert "K3 ok!" in page  # the decoded prompt, via the byte tokenizer
+    assert page.count("<tr>") == 1 + len("K3 ok!")  # one prediction row per token
+
+
+def test_report_with_ids_and_a_layer_subset(tmp_path):
+    out = tmp_path / "r"
+    assert main(["--ids", "75,51", "--layers", "0-4", "--out", str(out)]) == 0
+    page = (out / "index.html").read_text(encoding="utf-8")
+    stems = check_self_contained(page, out)
+    assert "layers [0, 1, 2, 3, 4]" in page
+    assert "block_residuals_layer4" in stems and "block_residuals_layer5" not in stems
+
+
+def test_report_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path)])  # neither --prompt nor --ids
+    assert "one of the arguments --prompt --ids is required" in capsys.readouterr().err
+    assert main(["--prompt", "", "--out", str(tmp_path / "x")]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+
+
+def test_write_report_from_a_bare_trace(tmp_path):
+    """The page builder takes a Trace (here a hand-built one) as well as a Session; layers= picks the views."""
+    tr = SyntheticTrace(n_tokens=4, n_layers=12)
+    page = write_report(tr, tmp_path, layers=[1, 3], dpi=30)
+    stems = check_self_contained(page.read_text(encoding="utf-8"), tmp_path)
+    assert {"block_residuals_layer1", "block_residuals_layer3", "moe_routing_layer1", "kda_state_layer1"} <= set(stems)
+    assert "kda_state_layer3" not in stems  # layer 3 is MLA: no recurrent state
+
+
+def test_cli_dispatches_report(tmp_path):
+    out = tmp_path / "cli"
+    r = subprocess.run([sys.executable, "-m", "kimi_explore", "report", "--ids", "1,2", "--layers", "0-1", "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (out / "index.html").is_file()
