@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kimi_explore import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.hooks import Hooks
 from kimi_explore.recorder import Recorder
 from kimi_explore.tiny_model import default_checkpoint

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import naive_decoder
 import numpy as np
 import pytest
+from conftest import REFERENCE_DIR
+from naive_decoder import NaiveDecoder
 
-import naive_decoder
-from kimi_explore import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import to_numpy
 from kimi_explore.hooks import HookChain, Hooks
 from kimi_explore.interventions import (
@@ -26,9 +28,6 @@ from kimi_explore.interventions import (
 )
 from kimi_explore.ops import naive_situ_and_mul
 from kimi_explore.recorder import Recorder
-from naive_decoder import NaiveDecoder
-
-from conftest import REFERENCE_DIR
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3]
 
@@ -173,7 +172,8 @@ def test_one_hot_override_selects_exactly_that_source(ref_weights):
     decode(w, TOKENS[:4], rec)
     tr = rec.trace()
     for t in range(4):
-        np.testing.assert_allclose(tr["final.hidden"][t], rms(tr["final.block_residual"][t, 2], w.norm, eps), rtol=2e-5, atol=1e-6)
+        want = rms(tr["final.block_residual"][t, 2], w.norm, eps)
+        np.testing.assert_allclose(tr["final.hidden"][t], want, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("weights", ["uniform", [0.1, 0.2, 0.3, 0.4]], ids=["uniform", "given"])

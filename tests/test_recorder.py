@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import REFERENCE_DIR
 
-from kimi_explore import KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.recorder import Recorder
 from kimi_explore.trace import Trace
-
-from conftest import REFERENCE_DIR
 
 
 def run(w, tokens, rec):

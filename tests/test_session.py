@@ -1,0 +1,348 @@
+"""Session: stepping, generation, and exact snapshot / restore / fork / rewind / save / load.
+
+The reference for every history is a fresh, straight decode of it with `kimi_forward_token` (and a
+fresh Recorder, and the same intervention on the same steps): a session that went back and forth
+must hold bit-identical logits, records and decode state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import REFERENCE_DIR
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.hooks import HookChain, Hooks
+from kimi_explore.interventions import ablate_experts, scale_kda_head
+from kimi_explore.recorder import Recorder
+from kimi_explore.session import Session, copy_state
+
+TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
+
+
+def intervention():
+    """What "an intervened step" means in these tests: two value-changing hooks."""
+    return ablate_experts(4, "all") + scale_kda_head(1, 0, 0.5)
+
+
+_reference_cache: dict = {}
+
+
+def reference(w, history):
+    """history: tuple of (token, intervened) -> (logits [T, V], Trace, final state), decoded straight."""
+    key = (id(w), history)
+    if key not in _reference_cache:
+        state, rec, iv = KimiDecodeState.new(w), Recorder().bind(w), intervention()
+        logits = []
+        for t, (tok, intervened) in enumerate(history):
+            rec.begin_token(tok, t)
+            hooks = HookChain(iv, rec) if intervened else rec
+            logits.append(np.array(kimi_forward_token(w, state, tok, hooks=hooks)))
+        V = w.config.vocab_size
+        _reference_cache[key] = (np.stack(logits) if logits else np.zeros((0, V), np.float32), rec.trace(), state)
+    return _reference_cache[key]
+
+
+def state_arrays(state):
+    for ls in state.layers:
+        for f in dataclasses.fields(ls.attention):
+            v = getattr(ls.attention, f.name)
+            if hasattr(v, "shape"):
+                yield f.name, v
+            else:
+                yield f.name, np.asarray(v)
+
+
+def assert_matches(session, history):
+    logits, trace, state = reference(session.weights, tuple(history))
+    assert session.tokens == [t for t, _ in history]
+    assert np.array_equal(session.logits, logits)
+    assert session.trace().equals(trace)
+    assert session.state.position == state.position == len(history)
+    for (name, a), (_, b) in zip(state_arrays(session.state), state_arrays(state), strict=True):
+        assert np.array_equal(a[..., : b.shape[-2], :] if name in ("keys", "values") else a,
+                              b[..., : a.shape[-2], :] if name in ("keys", "values") else b), name
+
+
+def all_arrays(session):
+    out = [a for _, a in state_arrays(session.state)] + list(session._logits)
+    out += [a for rows in session.recorder._rows.values() for a in rows]
+    return [a for a in out if isinstance(a, np.ndarray) and a.size]
+
+
+def assert_no_shared_memory(a: Session, b: Session):
+    for x in all_arrays(a):
+        for y in all_arrays(b):
+            assert not np.shares_memory(x, y)
+
+
+# ---------------------------------------------------------------- stepping
+
+
+@pytest.mark.parametrize("recorder", [True, None], ids=["recording", "no-recorder"])
+def test_steps_equal_the_raw_decoder(ref_weights, recorder):
+    s = Session(ref_weights, recorder=recorder)
+    out = [s.step(t) for t in TOKENS[:4]] + list(s.feed(TOKENS[4:6]))
+    state = KimiDecodeState.new(ref_weights)
+    raw = np.stack([kimi_forward_token(ref_weights, state, t) for t in TOKENS[:6]])
+    assert np.array_equal(np.stack(out), raw) and np.array_equal(s.logits, raw)
+    assert s.tokens == TOKENS[:6] and len(s) == 6
+    out[0][:] = 0  # returned arrays are the caller's: the history keeps its own
+    assert np.array_equal(s.logits, raw)
+    if recorder is None:
+        with pytest.raises(ValueError, match="records nothing"):
+            s.trace()
+    else:
+        assert len(s.trace()) == 6 and list(s.trace().tokens) == TOKENS[:6]
+
+
+def test_generate_greedy_and_seeded_sampling(ref_weights):
+    s = Session(ref_weights)
+    s.feed(TOKENS[:3])
+    got = s.generate(4)
+    state, want, logits = KimiDecodeState.new(ref_weights), [], None
+    for t in TOKENS[:3]:
+        logits = kimi_forward_token(ref_weights, state, t)
+    for _ in range(4):  # greedy: each token is the argmax of the previous logits
+        want.append(int(np.argmax(logits)))
+        logits = kimi_forward_token(ref_weights, state, want[-1])
+    assert got == want and s.tokens == TOKENS[:3] + want
+    a, b = Session(ref_weights), Session(ref_weights)
+    a.feed(TOKENS[:3])
+    b.feed(TOKENS[:3])
+    sa, sb = a.generate(6, temperature=1.0, seed=7), b.generate(6, temperature=1.0, seed=7)
+    assert sa == sb and np.array_equal(a.logits, b.logits)
+    # the sampler: softmax(logits / T) drawn with default_rng(seed), one draw per token
+    rng, c = np.random.default_rng(7), Session(ref_weights)
+    c.feed(TOKENS[:3])
+    for tok in sa:
+        z = c.logits[-1].astype(np.float64)
+        p = np.exp(z - z.max())
+        assert tok == rng.choice(len(p), p=p / p.sum())
+        c.step(tok)
+    assert Session(ref_weights).feed(TOKENS[:3]) is not None
+    with pytest.raises(ValueError, match="feed a prompt first"):
+        Session(ref_weights).generate(2)
+
+
+def test_feed_text_through_a_tokenizer(ref_weights):
+    from kimi_explore.tokenizer import ByteTokenizer
+
+    s = Session(ref_weights, tokenizer=ByteTokenizer())
+    s.feed("hi!")
+    assert s.tokens == [104, 105, 33] and s.text == "hi!"
+    with pytest.raises(TypeError, match="no tokenizer"):
+        Session(ref_weights).feed("hi")
+
+
+# ---------------------------------------------------------------- going back, exactly
+
+
+@pytest.mark.parametrize("every", [1, 4, 16, 0])
+def test_rewind_then_restep_is_bit_identical(ref_weights, every):
+    s = Session(ref_weights, checkpoint_every=every)
+    s.feed(TOKENS)
+    full_logits, full_trace = s.logits, s.trace()
+    for t in [7, 3, 0]:
+        s.rewind(t)
+        assert_matches(s, [(x, False) for x in TOKENS[:t]])
+        s.feed(TOKENS[t:])
+        assert np.array_equal(s.logits, full_logits) and s.trace().equals(full_trace)
+    s.rewind(len(TOKENS))
+    assert np.array_equal(s.logits, full_logits)
+    with pytest.raises(ValueError, match=r"0\.\.10"):
+        s.rewind(11)
+
+
+def test_snapshot_restore_is_exact_and_reusable(ref_weights):
+    s = Session(ref_weights)
+    s.feed(TOKENS[:5])
+    snap = s.snapshot()
+    s.feed(TOKENS[5:])
+    s.rewind(2)
+    s.feed([1, 2, 3])
+    for _ in range(2):
+        s.restore(snap)
+        assert_matches(s, [(x, False) for x in TOKENS[:5]])
+        s.step(TOKENS[5])
+        assert_matches(s, [(x, False) for x in TOKENS[:6]])
+    other = Session(KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu"))
+    with pytest.raises(ValueError, match="other weights"):
+        other.restore(snap)
+
+
+def test_fork_is_independent_and_never_aliases(ref_weights):
+    s = Session(ref_weights)
+    s.feed(TOKENS[:4])
+    f = s.fork()
+    assert_no_shared_memory(s, f)
+    assert_matches(f, [(x, False) for x in TOKENS[:4]])
+    f.feed([9, 9])
+    with s.intervene(intervention()):
+        s.step(7)
+    assert len(f.hooks) == 0  # the parent's interventions are not the fork's
+    assert_matches(s, [(x, False) for x in TOKENS[:4]] + [(7, True)])
+    assert_matches(f, [(x, False) for x in TOKENS[:4]] + [(9, False), (9, False)])
+    assert_no_shared_memory(s, f)
+
+
+def test_rewind_across_intervened_steps_is_exact(ref_weights):
+    s = Session(ref_weights, checkpoint_every=0)  # only the checkpoints the interventions force
+    hist = [(x, False) for x in TOKENS[:2]]
+    s.feed(TOKENS[:2])
+    with s.intervene(intervention()):
+        s.feed(TOKENS[2:4])
+    hist += [(x, True) for x in TOKENS[2:4]]
+    s.feed(TOKENS[4:7])
+    hist += [(x, False) for x in TOKENS[4:7]]
+    assert_matches(s, hist)
+    for t in [6, 4, 3, 1]:
+        s.rewind(t)
+        assert_matches(s, hist[:t])
+
+
+def test_a_failing_hook_leaves_the_session_as_it_was(ref_weights):
+    s = Session(ref_weights)
+    s.feed(TOKENS[:3])
+
+    def boom(v, *, hook):
+        raise RuntimeError("hook failed")
+
+    with s.hooked("layers.6.attn.out", boom), pytest.raises(RuntimeError, match="hook failed"):
+        s.step(TOKENS[3])
+    assert_matches(s, [(x, False) for x in TOKENS[:3]])
+    s.step(TOKENS[3])
+    assert_matches(s, [(x, False) for x in TOKENS[:4]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.step(999)
+    assert_matches(s, [(x, False) for x in TOKENS[:4]])
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_save_load_round_trip_continues_bit_identically(ref_weights, tmp_path):
+    s = Session(ref_weights, recorder=Recorder(full=["layers.2.mla.probs"]), checkpoint_every=3)
+    s.feed(TOKENS[:3])
+    with s.intervene(intervention()):
+        s.step(TOKENS[3])
+    s.feed(TOKENS[4:6])
+    path = s.save_state(tmp_path / "bug")
+    assert path.name == "bug.npz"
+    t = Session.load_state(path, ref_weights)
+    assert t.tokens == s.tokens and np.array_equal(t.logits, s.logits) and t.trace().equals(s.trace())
+    for (_, a), (_, b) in zip(state_arrays(t.state), state_arrays(s.state), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert np.array_equal(t.step(TOKENS[6]), s.step(TOKENS[6]))
+    assert t.trace().equals(s.trace())
+    t.rewind(2)  # the saved checkpoints make rewinds across the intervened step exact
+    s.rewind(2)
+    assert np.array_equal(t.logits, s.logits) and t.trace().equals(s.trace())
+    assert np.array_equal(t.feed(TOKENS[2:5]), s.feed(TOKENS[2:5]))
+
+
+def test_load_without_checkpoints_refuses_inexact_rewinds(ref_weights, tmp_path):
+    s = Session(ref_weights, checkpoint_every=0)
+    s.feed(TOKENS[:2])
+    with s.intervene(intervention()):
+        s.step(TOKENS[2])
+    s.feed(TOKENS[3:5])
+    t = Session.load_state(s.save_state(tmp_path / "small.npz", checkpoints=False), ref_weights)
+    t.rewind(2)  # before the intervened step: a plain replay from the start is exact
+    s.rewind(2)
+    assert np.array_equal(t.logits, s.logits)
+    u = Session.load_state(tmp_path / "small.npz", ref_weights)
+    with pytest.raises(RuntimeError, match=r"tokens \[2\] were decoded with value-changing hooks"):
+        u.rewind(4)
+
+
+def test_loading_into_another_model_fails_clearly(ref_weights, tmp_path):
+    s = Session(ref_weights)
+    s.feed(TOKENS[:2])
+    path = s.save_state(tmp_path / "s.npz")
+    cut = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
+    with pytest.raises(ValueError, match="different model.*layer_ids"):
+        Session.load_state(path, cut)
+    w64 = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
+    with pytest.raises(ValueError, match="different model.*dtype"):
+        Session.load_state(path, w64)
+    bumped = dataclasses.replace(ref_weights, embed_tokens=ref_weights.embed_tokens * 1.01)
+    with pytest.raises(ValueError, match=r"these weights \(weights:"):
+        Session.load_state(path, bumped)
+    np.savez(tmp_path / "x.npz", a=np.zeros(2))
+    with pytest.raises(ValueError, match="not a kimi_explore session state"):
+        Session.load_state(tmp_path / "x.npz", ref_weights)
+
+
+def test_copy_state_keeps_layouts(ref_weights):
+    s = Session(ref_weights)
+    s.feed(TOKENS[:3])
+    c = copy_state(s.state)
+    for (_, a), (_, b) in zip(state_arrays(c), state_arrays(s.state), strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b) and (a.size == 0 or not np.shares_memory(a, b))
+
+
+# ---------------------------------------------------------------- random sequences of operations
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("step"), st.integers(0, 255)),
+        st.tuples(st.just("intervened step"), st.integers(0, 255)),
+        st.tuples(st.just("rewind"), st.integers(0, 8)),
+        st.tuples(st.just("fork"), st.booleans()),
+        st.tuples(st.just("snapshot"), st.just(0)),
+        st.tuples(st.just("restore"), st.integers(0, 3)),
+    ),
+    max_size=9,
+)
+
+
+@settings(max_examples=20, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, every=st.sampled_from([0, 1, 3]))
+def test_random_step_rewind_fork_sequences_stay_exact(ref_weights, ops, every):
+    s = Session(ref_weights, checkpoint_every=every)
+    hist: list = []
+    sessions = [(s, hist)]
+    snaps: list = []
+    for op, arg in ops:
+        if op == "step":
+            s.step(arg)
+            hist.append((arg, False))
+        elif op == "intervened step":
+            with s.intervene(intervention()):
+                s.step(arg)
+            hist.append((arg, True))
+        elif op == "rewind":
+            t = min(arg, len(hist))
+            s.rewind(t)
+            del hist[t:]
+        elif op == "fork":
+            f = s.fork()
+            assert_no_shared_memory(s, f)
+            sessions.append((f, list(hist)))
+            if arg:  # continue in the fork; the parent must stay as it is
+                s, hist = sessions[-1]
+        elif op == "snapshot":
+            snaps.append((s.snapshot(), list(hist)))
+        elif op == "restore" and snaps:
+            snap, h = snaps[arg % len(snaps)]
+            if snap.weights_id == id(s.weights):
+                s.restore(snap)
+                hist[:] = h
+        assert_matches(s, hist)
+    for sess, h in sessions:
+        assert_matches(sess, h)
+
+
+def test_hooks_given_to_a_session_are_checked(ref_weights):
+    h = Hooks()
+    h.add("layers.2.kda.q", lambda v, *, hook: None)  # layer 2 is MLA
+    with pytest.raises(ValueError, match="layer 2 has the sites"):
+        Session(ref_weights, hooks=h)
+    s = Session(ref_weights)
+    with pytest.raises(ValueError, match="not a hook point"):
+        s.hooks.add("layers.2.kda.q", lambda v, *, hook: None)
