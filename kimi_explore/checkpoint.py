@@ -7,8 +7,13 @@ routed experts as MXFP4 `weight_packed`/`weight_scale` pairs (dense `weight` acc
 
 Loading is planned before anything is allocated: every tensor the requested layers need is looked
 up in the index, its shard opened (headers checked against the file size) and its dtype and shape
-checked against the config. Only then are tensors widened, straight from the memory map into their
-final (fused) buffers. Any problem raises `CheckpointError` and nothing is returned half-loaded.
+checked against the config. Only then are tensors read, each straight into its final (fused)
+buffer (`tensor_reader`: no second copy, no mapped pages left resident). Any problem raises
+`CheckpointError` and nothing is returned half-loaded.
+
+Resident forms (options of `load_weights`): matrices in the compute dtype or as bf16 bits
+(`bf16_weights.Bf16Matrix`); routed experts dequantised up front (`experts.DenseExperts`) or kept
+MXFP4-packed with an LRU cache of dequantised experts (`experts.PackedExperts`).
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from .backend import resolve_device, resolve_dtype
 from .config import KimiDecoderConfig
 from .kda import KdaWeights
 from .kimi_decoder import KimiDecoderLayerWeights, KimiDecoderWeights
-from .latent_moe import DenseExperts, LatentMoeWeights
+from .bf16_weights import Bf16Matrix, WideningScratch
+from .experts import DenseExperts, PackedExperts
+from .latent_moe import LatentMoeWeights
 from .mla import MlaWeights
 from .ops import DenseMlpWeights
 from .safetensors_io import CheckpointError, SafetensorsFile
+from .tensor_reader import TensorReader
 
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,33 +154,50 @@ def _layer_of(name: str):
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
 
 
-def _check(ckpt: CheckpointDir, plan: dict[str, tuple], cfg: KimiDecoderConfig) -> None:
-    """Every planned tensor exists, in a shard that exists, with the right dtype and shape."""
+GLOBAL = -1  # stands for "the global tensors" (embedding, final norm and mix, lm_head) in shard listings
+
+
+def shards_needed(ckpt: CheckpointDir, plan: dict[str, tuple]) -> dict[str, list[int]]:
+    """{shard file: sorted layer ids whose tensors it holds (GLOBAL = -1 for the global ones)}, in shard order.
+
+    Raises if the weight map lacks any planned tensor (listing them).
+    """
     missing = [n for n in plan if not ckpt.has(n)]
     if missing:
         shown = ", ".join(ckpt.full(n) for n in missing[:12])
         more = f" (and {len(missing) - 12} more)" if len(missing) > 12 else ""
         raise CheckpointError(f"{ckpt.path}: {len(missing)} tensor(s) the config requires are not in the weight map: {shown}{more}")
-    by_shard: dict[str, list[str]] = {}
+    by_shard: dict[str, set] = {}
     for n in plan:
-        by_shard.setdefault(ckpt.shard_of(n), []).append(n)
-    absent = {s: ns for s, ns in by_shard.items() if not (ckpt.path / s).exists()}
+        layer = _layer_of(n)
+        by_shard.setdefault(ckpt.shard_of(n), set()).add(GLOBAL if layer is None else layer)
+    return {s: sorted(by_shard[s]) for s in sorted(by_shard)}
+
+
+def missing_shards_message(missing: dict[str, list[int]]) -> str:
+    """'a.safetensors (needed by layers [0, 1] and global tensors); ...' for {shard: layer ids}."""
+    lines = []
+    for s, ids in sorted(missing.items()):
+        layers = [i for i in ids if i != GLOBAL]
+        what = f"layers {layers}" if layers else "global tensors"
+        extra = " and global tensors" if layers and GLOBAL in ids else ""
+        lines.append(f"{s} (needed by {what}{extra})")
+    return "; ".join(lines)
+
+
+def _check(ckpt: CheckpointDir, plan: dict[str, tuple], cfg: KimiDecoderConfig) -> None:
+    """Every planned tensor exists, in a shard that exists, with the right dtype and shape."""
+    needed = shards_needed(ckpt, plan)
+    absent = {s: ids for s, ids in needed.items() if not (ckpt.path / s).exists()}
     if absent:
-        lines = []
-        for s, ns in sorted(absent.items()):
-            layers = sorted({_layer_of(n) for n in ns} - {None})
-            what = f"layers {layers}" if layers else "global tensors"
-            extra = " and global tensors" if layers and any(_layer_of(n) is None for n in ns) else ""
-            lines.append(f"{s} (needed by {what}{extra})")
-        raise CheckpointError(f"{ckpt.path}: shard file(s) named in the index are missing: " + "; ".join(lines))
-    for shard, names in by_shard.items():
-        f = ckpt.open(shard)
-        for n in names:
-            full = ckpt.full(n)
-            if full not in f:
-                raise CheckpointError(f"{f.path}: the index places tensor '{full}' in this shard, but it is not there")
-            dtype, shape = f.info(full)
-            _check_one(f.path, full, dtype, shape, plan[n], cfg)
+        raise CheckpointError(f"{ckpt.path}: shard file(s) named in the index are missing: " + missing_shards_message(absent))
+    for n, want in plan.items():
+        f = ckpt.open(ckpt.shard_of(n))
+        full = ckpt.full(n)
+        if full not in f:
+            raise CheckpointError(f"{f.path}: the index places tensor '{full}' in this shard, but it is not there")
+        dtype, shape = f.info(full)
+        _check_one(f.path, full, dtype, shape, want, cfg)
 
 
 def _check_one(path, full: str, dtype: str, shape: tuple, want, cfg: KimiDecoderConfig) -> None:
@@ -202,14 +227,15 @@ def _check_one(path, full: str, dtype: str, shape: tuple, want, cfg: KimiDecoder
 
 
 class _Builder:
-    def __init__(self, ckpt: CheckpointDir, xp, dtype):
+    """Reads planned tensors into device buffers in the compute dtype (or bf16 bits, `weight_dtype`)."""
+
+    def __init__(self, ckpt: CheckpointDir, xp, dtype, bf16_matrices: bool):
         self.ckpt, self.xp, self.dtype = ckpt, xp, dtype
+        self.reader = TensorReader(lambda n: (ckpt.open(ckpt.shard_of(n)), ckpt.full(n)))
+        self.scratch = WideningScratch(xp) if bf16_matrices else None
 
-    def view(self, name: str) -> np.ndarray:
-        return self.ckpt.open(self.ckpt.shard_of(name)).array(self.ckpt.full(name))
-
-    def host(self, name: str) -> np.ndarray:
-        return np.array(self.view(name), dtype=self.dtype)  # always a copy: the map is closed after loading
+    def host(self, name: str, dtype=None) -> np.ndarray:
+        return self.reader.read(name, self.dtype if dtype is None else dtype)
 
     def dev(self, a):
         return self.xp.asarray(a)
@@ -218,20 +244,25 @@ class _Builder:
         a = self.host(name)
         return self.dev(a.reshape(shape) if shape is not None else a)
 
-    def fused(self, names: list[str]):
-        """Row-concatenate 2-D tensors into one buffer, widening each straight into its slice."""
-        views = [self.view(n) for n in names]
-        out = np.empty((sum(v.shape[0] for v in views), views[0].shape[1]), self.dtype)
-        r = 0
-        for v in views:
-            out[r : r + v.shape[0]] = v
-            r += v.shape[0]
-        return self.dev(out)
+    def matrix(self, names: list[str]):
+        """A 2-D weight, row-concatenating `names` (fusion of projections that read the same input).
 
-    def expert_matrix(self, base: str, shape) -> np.ndarray:
-        if self.ckpt.has(base + "weight"):
-            return self.view(base + "weight")
-        return mxfp4.dequantize(self.view(base + "weight_packed"), self.view(base + "weight_scale"), dtype=self.dtype)
+        With weight_dtype="bfloat16" and every part BF16 on disk, kept as bf16 bits (`Bf16Matrix`);
+        otherwise in the compute dtype. Each part is read straight into its rows of the final buffer.
+        """
+        infos = [self.reader.info(n) for n in names]
+        bits = self.scratch is not None and all(code == "BF16" for code, _ in infos)
+        out = np.empty((sum(shape[0] for _, shape in infos), infos[0][1][1]), np.uint16 if bits else self.dtype)
+        r = 0
+        for n, (_, shape) in zip(names, infos):
+            self.reader.read(n, out.dtype, out=out[r : r + shape[0]])
+            r += shape[0]
+        dev = self.dev(out)
+        if not bits:
+            return dev
+        if names != ["model.embed_tokens.weight"]:  # the embedding is only ever read by rows
+            self.scratch.reserve(dev.size)
+        return Bf16Matrix(dev, self.scratch, self.dtype)
 
 
 def _kda(b: _Builder, cfg: KimiDecoderConfig, i: int) -> KdaWeights:
@@ -246,9 +277,9 @@ def _kda(b: _Builder, cfg: KimiDecoderConfig, i: int) -> KdaWeights:
     conv = np.stack([b.host(A + f"{s}_conv1d.weight")[:, 0, :] for s in "qkv"])
     names = [A + f"{s}_proj.weight" for s in ("q", "k", "v", "g", "b", "f_a")]
     return KdaWeights(
-        in_proj=b.fused(names), f_b_proj=b.one(A + "f_b_proj.weight"), conv=b.dev(conv),
+        in_proj=b.matrix(names), f_b_proj=b.matrix([A + "f_b_proj.weight"]), conv=b.dev(conv),
         A=b.dev(np.exp(a_log[:H].astype(np.float64)).astype(b.dtype).reshape(H, 1)),
-        dt_bias=b.one(A + "dt_bias", (H, K)), o_norm=b.one(A + "o_norm.weight"), o_proj=b.one(A + "o_proj.weight"),
+        dt_bias=b.one(A + "dt_bias", (H, K)), o_norm=b.one(A + "o_norm.weight"), o_proj=b.matrix([A + "o_proj.weight"]),
         num_heads=H, head_dim=K, lower_bound=float(la.gate_lower_bound), eps=cfg.rms_norm_eps,
     )
 
@@ -257,31 +288,79 @@ def _mla(b: _Builder, cfg: KimiDecoderConfig, i: int) -> MlaWeights:
     A = f"model.layers.{i}.self_attn."
     names = [A + "q_a_proj.weight", A + "kv_a_proj_with_mqa.weight"] + ([A + "g_proj.weight"] if cfg.mla_use_output_gate else [])
     return MlaWeights(
-        in_proj=b.fused(names), q_a_layernorm=b.one(A + "q_a_layernorm.weight"), q_b_proj=b.one(A + "q_b_proj.weight"),
-        kv_a_layernorm=b.one(A + "kv_a_layernorm.weight"), kv_b_proj=b.one(A + "kv_b_proj.weight"),
-        o_proj=b.one(A + "o_proj.weight"), num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
+        in_proj=b.matrix(names), q_a_layernorm=b.one(A + "q_a_layernorm.weight"), q_b_proj=b.matrix([A + "q_b_proj.weight"]),
+        kv_a_layernorm=b.one(A + "kv_a_layernorm.weight"), kv_b_proj=b.matrix([A + "kv_b_proj.weight"]),
+        o_proj=b.matrix([A + "o_proj.weight"]), num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
         kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, use_output_gate=cfg.mla_use_output_gate,
     )
 
 
-def _moe(b: _Builder, cfg: KimiDecoderConfig, i: int) -> LatentMoeWeights:
-    M = f"model.layers.{i}.block_sparse_moe."
+def _experts_packed_on_disk(ckpt: CheckpointDir, cfg: KimiDecoderConfig, i: int) -> bool:
+    M = f"model.layers.{i}.block_sparse_moe.experts."
+    return all(ckpt.has(M + f"{e}.{wn}.weight_packed") for e in range(cfg.num_experts) for wn in ("w1", "w3", "w2"))
+
+
+def _packed_experts(b: _Builder, cfg: KimiDecoderConfig, i: int, capacity: int, chunk: int = 16) -> PackedExperts:
+    """Read the MXFP4 bytes of every expert into [E, ...] uint8 banks (w1 and w3 rows stacked), `chunk` experts per upload."""
+    M = f"model.layers.{i}.block_sparse_moe.experts."
+    E, l, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    shapes = {"w13_packed": (2 * I, l // 2), "w13_scale": (2 * I, l // mxfp4.GROUP),
+              "w2_packed": (l, I // 2), "w2_scale": (l, I // mxfp4.GROUP)}
+    on_host = b.xp is np
+    banks = {k: (np.empty if on_host else b.xp.empty)((E,) + s, np.uint8) for k, s in shapes.items()}
+    for a in range(0, E, chunk):
+        experts = range(a, min(E, a + chunk))
+        for key, shape in shapes.items():
+            dst = banks[key][a : a + len(experts)] if on_host else np.empty((len(experts),) + shape, np.uint8)
+            part = "weight_packed" if key.endswith("packed") else "weight_scale"
+            for j, e in enumerate(experts):
+                if key.startswith("w13"):
+                    b.reader.read(M + f"{e}.w1.{part}", np.uint8, out=dst[j, :I])
+                    b.reader.read(M + f"{e}.w3.{part}", np.uint8, out=dst[j, I:])
+                else:
+                    b.reader.read(M + f"{e}.w2.{part}", np.uint8, out=dst[j])
+            if not on_host:
+                banks[key][a : a + len(experts)] = b.xp.asarray(dst)
+    return PackedExperts(**banks, dtype=b.dtype, capacity=capacity)
+
+
+def _dense_experts(b: _Builder, cfg: KimiDecoderConfig, i: int) -> DenseExperts:
+    """Every expert dequantised (MXFP4 through the reference `mxfp4.dequantize`) or widened (dense on disk)."""
+    M = f"model.layers.{i}.block_sparse_moe.experts."
     E, l, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     w13 = np.empty((E, 2 * I, l), b.dtype)
     w2 = np.empty((E, l, I), b.dtype)
     for e in range(E):
-        base = M + f"experts.{e}."
-        w13[e, :I] = b.expert_matrix(base + "w1.", (I, l))
-        w13[e, I:] = b.expert_matrix(base + "w3.", (I, l))
-        w2[e] = b.expert_matrix(base + "w2.", (l, I))
+        for wn, dst in (("w1", w13[e, :I]), ("w3", w13[e, I:]), ("w2", w2[e])):
+            base = M + f"{e}.{wn}."
+            if b.ckpt.has(base + "weight"):
+                b.reader.read(base + "weight", b.dtype, out=dst)
+            else:
+                mxfp4.dequantize(b.reader.read(base + "weight_packed", np.uint8), b.reader.read(base + "weight_scale", np.uint8),
+                                 out=dst, dtype=b.dtype)
+    return DenseExperts(b.dev(w13), b.dev(w2))
+
+
+def _moe(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size: int) -> LatentMoeWeights:
+    M = f"model.layers.{i}.block_sparse_moe."
+    E, l = cfg.num_experts, cfg.routed_expert_hidden_size
+    if experts == "packed":
+        if not _experts_packed_on_disk(b.ckpt, cfg, i):
+            raise CheckpointError(
+                f"{b.ckpt.path}: experts='packed' but layer {i}'s routed experts are not all MXFP4 "
+                "(weight_packed/weight_scale) on disk; load with experts='dense'"
+            )
+        bank = _packed_experts(b, cfg, i, cache_size)
+    else:
+        bank = _dense_experts(b, cfg, i)
     names = [M + "gate.weight", M + "routed_expert_down_proj.weight",
              M + "shared_experts.gate_proj.weight", M + "shared_experts.up_proj.weight"]
     return LatentMoeWeights(
-        in_proj=b.fused(names), e_score_correction_bias=b.one(M + "gate.e_score_correction_bias"),
-        experts=DenseExperts(b.dev(w13), b.dev(w2)), routed_expert_norm=b.one(M + "routed_expert_norm.weight"),
-        routed_expert_up_proj=b.one(M + "routed_expert_up_proj.weight"),
-        shared_down_proj=b.one(M + "shared_experts.down_proj.weight"), num_experts=E,
+        in_proj=b.matrix(names), e_score_correction_bias=b.one(M + "gate.e_score_correction_bias"),
+        experts=bank, routed_expert_norm=b.one(M + "routed_expert_norm.weight"),
+        routed_expert_up_proj=b.matrix([M + "routed_expert_up_proj.weight"]),
+        shared_down_proj=b.matrix([M + "shared_experts.down_proj.weight"]), num_experts=E,
         top_k=cfg.num_experts_per_token, latent_size=l, renormalize=bool(cfg.moe_renormalize),
         routed_scaling_factor=float(cfg.routed_scaling_factor), use_latent_norm=bool(cfg.latent_moe_use_norm),
         eps=cfg.rms_norm_eps, situ_beta=float(cfg.activation_situ_beta),
@@ -291,18 +370,18 @@ def _moe(b: _Builder, cfg: KimiDecoderConfig, i: int) -> LatentMoeWeights:
 
 def _score(b: _Builder, norm: str, proj: str):
     """Fuse an attn-res RMSNorm gain and its [1, d] projection into the score vector (in float64, then cast)."""
-    g = np.asarray(b.view(norm), dtype=np.float64)
-    p = np.asarray(b.view(proj), dtype=np.float64).reshape(-1)
+    g = b.host(norm, np.float64)
+    p = b.host(proj, np.float64).reshape(-1)
     return b.dev((g * p).astype(b.dtype))
 
 
-def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int) -> KimiDecoderLayerWeights:
+def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size: int) -> KimiDecoderLayerWeights:
     L = f"model.layers.{i}."
     attention = _kda(b, cfg, i) if cfg.is_kda_layer(i) else _mla(b, cfg, i)
     if cfg.is_moe_layer(i):
-        ffn = _moe(b, cfg, i)
+        ffn = _moe(b, cfg, i, experts, cache_size)
     else:
-        ffn = DenseMlpWeights(b.fused([L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"]), b.one(L + "mlp.down_proj.weight"))
+        ffn = DenseMlpWeights(b.matrix([L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"]), b.matrix([L + "mlp.down_proj.weight"]))
     return KimiDecoderLayerWeights(
         index=i, input_layernorm=b.one(L + "input_layernorm.weight"),
         post_attention_layernorm=b.one(L + "post_attention_layernorm.weight"),
@@ -310,6 +389,46 @@ def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int) -> KimiDecoderLayerWeigh
         mlp_res_score=_score(b, L + "mlp_res_norm.weight", L + "mlp_res_proj.weight"),
         attention=attention, ffn=ffn, is_block_boundary=cfg.is_block_boundary(i),
     )
+
+
+# ---------------------------------------------------------------- options
+
+EXPERT_MODES = ("auto", "packed", "dense")
+AUTO_DENSE_BYTES = 1 << 30  # experts="auto": dequantise up front when all requested experts fit in this
+AUTO_CACHE_BYTES = 256 << 20  # expert_cache_size=None: at least top_k experts per layer, more if they fit in this
+
+
+def _expert_bytes(cfg: KimiDecoderConfig, dtype) -> int:
+    return 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * np.dtype(dtype).itemsize
+
+
+def _resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, ckpt: CheckpointDir, dtype) -> str:
+    if experts not in EXPERT_MODES:
+        raise ValueError(f"experts={experts!r}: expected one of {', '.join(map(repr, EXPERT_MODES))}")
+    if experts != "auto":
+        return experts
+    moe = [i for i in layer_ids if cfg.is_moe_layer(i)]
+    if not all(_experts_packed_on_disk(ckpt, cfg, i) for i in moe):
+        return "dense"
+    return "dense" if len(moe) * cfg.num_experts * _expert_bytes(cfg, dtype) <= AUTO_DENSE_BYTES else "packed"
+
+
+def _resolve_cache_size(size, cfg: KimiDecoderConfig, dtype) -> int:
+    if size is None:
+        fit = AUTO_CACHE_BYTES // _expert_bytes(cfg, dtype)
+        return min(cfg.num_experts, max(cfg.num_experts_per_token, fit))
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+        raise ValueError(f"expert_cache_size={size!r}: expected None or a number of experts per layer >= 0")
+    return int(size)
+
+
+def _resolve_weight_dtype(weight_dtype, dtype) -> bool:
+    """True when the big matrices stay bf16-resident."""
+    if weight_dtype is None or weight_dtype == np.dtype(dtype).name:
+        return False
+    if weight_dtype in ("bfloat16", "bf16"):
+        return True
+    raise ValueError(f"weight_dtype={weight_dtype!r}: expected None (= dtype, {np.dtype(dtype).name!r}) or 'bfloat16'")
 
 
 def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
@@ -336,24 +455,50 @@ def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointD
     return plan
 
 
-def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32") -> KimiDecoderWeights:
-    """Load a K3 checkpoint directory (all layers, or the 0-based `layers` chosen) onto `device`."""
+def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32", weight_dtype: str | None = None,
+                 experts: str = "auto", expert_cache_size: int | None = None, revision: str | None = None,
+                 cache_dir=None, local_files_only: bool | None = None, token=None, progress: bool = True) -> KimiDecoderWeights:
+    """Load a K3 checkpoint (all layers, or the 0-based `layers` chosen) onto `device`.
+
+    path: a checkpoint directory, or a Hub repo id ('org/name'): then only config, index, tokenizer
+        files and the shards of the requested layers are fetched (`kimi_explore.hub`; `revision`,
+        `cache_dir`, `local_files_only`, `token` go to huggingface_hub; HF_HUB_OFFLINE=1 works).
+    dtype: compute dtype of activations and widened weights ("float32" | "float64").
+    weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the matrices stored as BF16 on
+        disk as bf16 bits, widened per use (same logits bit for bit, half the memory, slower on CPU).
+    experts: "dense" dequantises every routed expert at load; "packed" keeps the MXFP4 bytes and
+        dequantises the selected ones per token (same logits bit for bit); "auto" (default) is dense
+        when all requested experts dequantised fit in 1 GiB (the tiny models), else packed (K3).
+    expert_cache_size: with packed experts, dequantised experts kept PER LAYER in an LRU cache;
+        None = max(top_k, as many as fit in 256 MiB), capped at num_experts; 0 = no cache.
+    """
+    from .hub import resolve_checkpoint
+
     xp, dev = resolve_device(device)
     dt = resolve_dtype(dtype)
-    path = Path(path)
+    bf16 = _resolve_weight_dtype(weight_dtype, dt)
+    path = resolve_checkpoint(path, layers=layers, revision=revision, cache_dir=cache_dir,
+                              local_files_only=local_files_only, token=token, progress=progress)
     cfg = KimiDecoderConfig.from_file(path / "config.json")
     layer_ids = resolve_layers(layers, cfg.num_hidden_layers)
     ckpt = CheckpointDir(path)
+    b = None
     try:
         _check(ckpt, plan_tensors(cfg, layer_ids, ckpt), cfg)
-        b = _Builder(ckpt, xp, dt)
-        embed = b.one("model.embed_tokens.weight")
+        mode = _resolve_experts(experts, cfg, layer_ids, ckpt, dt)
+        cache_size = _resolve_cache_size(expert_cache_size, cfg, dt)
+        b = _Builder(ckpt, xp, dt, bf16)
+        embed = b.matrix(["model.embed_tokens.weight"])
         return KimiDecoderWeights(
-            config=cfg, embed_tokens=embed, layers=[_layer(b, cfg, i) for i in layer_ids],
+            config=cfg, embed_tokens=embed, layers=[_layer(b, cfg, i, mode, cache_size) for i in layer_ids],
             output_attn_res_score=_score(b, "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"),
             norm=b.one("model.norm.weight"),
-            lm_head=embed if cfg.tie_word_embeddings else b.one("lm_head.weight"),
+            lm_head=embed if cfg.tie_word_embeddings else b.matrix(["lm_head.weight"]),
             xp=xp, device=dev, dtype=dt, source=str(path),
+            extra={"experts": mode, "expert_cache_size": cache_size if mode == "packed" else None,
+                   "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name, "widening_scratch": b.scratch},
         )
     finally:
+        if b is not None:
+            b.reader.close()
         ckpt.close()

@@ -1,0 +1,112 @@
+"""bf16-resident weight matrices, widened per use (`weight_dtype="bfloat16"`).
+
+A `Bf16Matrix` keeps a [rows, cols] matrix as its bf16 bit patterns (uint16, on the weights'
+device) and behaves, for the decoder, like the float32 matrix it stands for:
+
+    W @ x        widen all of W into a shared scratch buffer, then the same `scratch @ x` call
+    W[rows]      widen only those rows (embedding lookups)
+    np.asarray(W) the widened matrix on the host (for the float64 reference code)
+
+Widening bf16 -> float32 is exact: the bf16 bits are the top half of the float32 bits. We write
+them into the high uint16 of each float32 of a zero-initialised scratch buffer (little-endian),
+so one strided copy per use and the low halves stay zero forever.
+
+Why the WHOLE matrix and one matmul, rather than row blocks: BLAS gemv results depend on the
+row count (the kernel groups rows and threads differently), so a row-blocked product differs
+from the float32-resident one in the last bits. Widening the whole matrix into a contiguous
+buffer of the same shape makes the matmul call identical, hence the logits bit-identical. The
+price is one scratch buffer the size of the largest bf16 matrix (shared by all of them) and the
+widening pass itself, which on a CPU costs more than the float32 matmul it feeds: bf16 residency
+trades speed for memory on a CPU; on a GPU the widening runs at memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ._xp import array_namespace
+from .backend import to_numpy
+
+__all__ = ["Bf16Matrix", "WideningScratch", "widen_bits"]
+
+if sys.byteorder != "little":  # pragma: no cover - every CUDA host and x86/ARM Linux is little-endian
+    raise ImportError("kimi_explore.bf16_weights assumes a little-endian host (float32 high half at the odd uint16)")
+
+
+def widen_bits(bits, dtype=np.float32):
+    """bf16 bit patterns (uint16, any shape) -> float32 (or float64) values, exactly."""
+    xp = array_namespace(bits)
+    f32 = (bits.astype(xp.uint32) << 16).view(xp.float32)
+    return f32 if np.dtype(dtype) == np.float32 else f32.astype(dtype)
+
+
+class WideningScratch:
+    """One zero-initialised float32 buffer shared by every `Bf16Matrix` of a model, grown on demand."""
+
+    def __init__(self, xp):
+        self.xp = xp
+        self._buf = xp.zeros(0, xp.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._buf.nbytes)
+
+    def reserve(self, n: int) -> None:
+        """Make room for n elements now (so the memory is there, and reported, from load time on)."""
+        if self._buf.size < n:
+            self._buf = None  # free the old buffer before allocating the larger one
+            self._buf = self.xp.zeros(n, self.xp.float32)
+
+    def widen(self, bits):
+        """A float32 view of `bits` widened, shaped like `bits` and contiguous; valid until the next call."""
+        n = bits.size
+        self.reserve(n)
+        out = self._buf[:n]
+        out.view(self.xp.uint16)[1::2] = bits.reshape(-1)
+        return out.reshape(bits.shape)
+
+
+class Bf16Matrix:
+    """A 2-D weight held as bf16 bits; `@`, row indexing and `np.asarray` give `dtype` values.
+
+    bits: uint16 [rows, cols] (numpy or cupy)
+    """
+
+    ndim = 2
+
+    def __init__(self, bits, scratch: WideningScratch, dtype=np.float32):
+        if bits.dtype != np.uint16 or bits.ndim != 2:
+            raise TypeError(f"Bf16Matrix: expected uint16 [rows, cols] bf16 bits, got {bits.dtype} {tuple(bits.shape)}")
+        self.bits = bits
+        self.scratch = scratch
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.bits.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes (the bf16 bits)."""
+        return int(self.bits.nbytes)
+
+    def widened(self):
+        """The full matrix in `dtype` (float32: a view of the shared scratch, valid until its next use)."""
+        if self.dtype == np.float32:
+            return self.scratch.widen(self.bits)
+        return widen_bits(self.bits, self.dtype)
+
+    def __matmul__(self, x):
+        return self.widened() @ x
+
+    def __getitem__(self, idx):
+        return widen_bits(self.bits[idx], self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        a = to_numpy(widen_bits(self.bits, self.dtype))
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"Bf16Matrix(shape={self.shape}, widened to {self.dtype.name})"

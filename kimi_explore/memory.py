@@ -1,0 +1,107 @@
+"""What a loaded model keeps resident, by component: `memory_report(weights)`.
+
+    >>> print(memory_report(weights))        # a table; the object is a dict {component: bytes}
+    component                                 bytes      MiB   share
+    embed_tokens                          1,048,576      1.0   12.3%
+    ...
+
+Counts the arrays the weights hold (on their device: host RAM for NumPy, GPU memory for CuPy),
+at their resident size: bf16 bits for `weight_dtype="bfloat16"` matrices, uint8 for packed
+experts, plus the dequantised-expert caches as they are now and the shared bf16 widening scratch.
+Decode state (KDA matrices, MLA caches) is not weights and is not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .experts import DenseExperts, PackedExperts
+from .kda import KdaWeights
+from .latent_moe import LatentMoeWeights
+
+__all__ = ["MemoryReport", "memory_report"]
+
+COMPONENTS = (
+    "embed_tokens",
+    "lm_head",
+    "final norm + output mix",
+    "layer norms + attn-res scores",
+    "attention (KDA)",
+    "attention (MLA)",
+    "dense MLP",
+    "MoE router + latent projections + shared experts",
+    "routed experts, MXFP4 packed",
+    "routed experts, dequantised (dense bank)",
+    "routed experts, dequantised (LRU caches)",
+    "bf16 widening scratch",
+)
+
+
+def _nbytes(obj) -> int:
+    """Resident bytes of an array, a Bf16Matrix, or every array field of a weights record."""
+    if obj is None or isinstance(obj, (int, float, bool, str)):
+        return 0
+    if dataclasses.is_dataclass(obj):
+        return sum(_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.name.startswith("_"))
+    n = getattr(obj, "nbytes", None)
+    return int(n) if n is not None else 0
+
+
+class MemoryReport(dict):
+    """{component: bytes}, printed as a table. `total` is the sum; `device` where the bytes live."""
+
+    def __init__(self, parts: dict[str, int], device: str):
+        super().__init__(parts)
+        self.device = device
+
+    @property
+    def total(self) -> int:
+        return sum(self.values())
+
+    def table(self) -> str:
+        total = self.total or 1
+        w = max(len(k) for k in self) + 2
+        lines = [f"{'component':<{w}}{'bytes':>16}{'MiB':>11}{'share':>8}"]
+        for k, v in self.items():
+            lines.append(f"{k:<{w}}{v:>16,}{v / 2**20:>11.1f}{100 * v / total:>7.1f}%")
+        lines.append(f"{'total (' + self.device + ')':<{w}}{self.total:>16,}{self.total / 2**20:>11.1f}{100.0:>7.1f}%")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython/Jupyter show the table
+        p.text(self.table())
+
+
+def memory_report(weights) -> MemoryReport:
+    """Resident bytes of `weights` (a KimiDecoderWeights) by component."""
+    parts = dict.fromkeys(COMPONENTS, 0)
+    parts["embed_tokens"] = _nbytes(weights.embed_tokens)
+    if weights.lm_head is not weights.embed_tokens:  # tied embeddings are counted once
+        parts["lm_head"] = _nbytes(weights.lm_head)
+    parts["final norm + output mix"] = _nbytes(weights.norm) + _nbytes(weights.output_attn_res_score)
+    for layer in weights.layers:
+        parts["layer norms + attn-res scores"] += sum(
+            _nbytes(a) for a in (layer.input_layernorm, layer.post_attention_layernorm, layer.attn_res_score, layer.mlp_res_score)
+        )
+        kind = "attention (KDA)" if isinstance(layer.attention, KdaWeights) else "attention (MLA)"
+        parts[kind] += _nbytes(layer.attention)
+        ffn = layer.ffn
+        if not isinstance(ffn, LatentMoeWeights):
+            parts["dense MLP"] += _nbytes(ffn)
+            continue
+        bank = ffn.experts
+        parts["MoE router + latent projections + shared experts"] += sum(
+            _nbytes(getattr(ffn, f.name)) for f in dataclasses.fields(ffn) if f.name != "experts"
+        )
+        if isinstance(bank, PackedExperts):
+            parts["routed experts, MXFP4 packed"] += bank.packed_bytes
+            parts["routed experts, dequantised (LRU caches)"] += bank.cached_bytes
+        elif isinstance(bank, DenseExperts):
+            parts["routed experts, dequantised (dense bank)"] += _nbytes(bank.w13) + _nbytes(bank.w2)
+        else:
+            parts["routed experts, dequantised (dense bank)"] += _nbytes(bank)
+    scratch = weights.extra.get("widening_scratch") if isinstance(weights.extra, dict) else None
+    parts["bf16 widening scratch"] = _nbytes(scratch)
+    return MemoryReport(parts, weights.device)

@@ -1,0 +1,175 @@
+"""MXFP4-packed experts with an LRU cache: the same values, bit for bit, as dequantising everything up front."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kimi_explore import CheckpointError, KimiDecodeState, KimiDecoderWeights, kimi_forward_token
+from kimi_explore import checkpoint, experts, mxfp4
+from kimi_explore.experts import DenseExperts, PackedExperts, dense_from_packed, dequantize_experts
+from kimi_explore.latent_moe import LatentMoeWeights, latent_moe, naive_latent_moe
+from kimi_explore.tiny_model import default_checkpoint, write_checkpoint
+
+from conftest import REFERENCE_DIR
+
+TOKENS = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99, 64, 1]
+
+
+def bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
+
+
+def random_bank(rng, E=6, I=32, l=64, dtype=np.float32, capacity=0):
+    def pair(rows, cols):
+        return rng.integers(0, 256, (E, rows, cols // 2), dtype=np.uint8), rng.integers(100, 140, (E, rows, cols // 32), dtype=np.uint8)
+
+    (p13, s13), (p2, s2) = pair(2 * I, l), pair(l, I)
+    return PackedExperts(p13, s13, p2, s2, dtype=dtype, capacity=capacity)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_dequantize_experts_is_mxfp4_dequantize_bit_for_bit(dtype):
+    rng = np.random.default_rng(1)
+    packed = np.arange(256, dtype=np.uint8).reshape(2, 4, 32)  # every byte value, both nibbles
+    # E8M0 from 2^-126 (x 0.5: a float32 subnormal) to 2^124 (x 6 stays finite in float32)
+    scale = rng.integers(1, 252, (2, 4, 2), dtype=np.uint8)
+    scale[0, 0, 0], scale[1, 3, 1] = 1, 251
+    got = dequantize_experts(packed, scale, dtype)
+    want = mxfp4.dequantize(packed, scale, dtype=dtype)
+    assert got.dtype == dtype and got.shape == (2, 4, 64)
+    np.testing.assert_array_equal(bits(got), bits(want))  # also tells -0.0 from 0.0
+    for e in range(2):
+        np.testing.assert_array_equal(got[e], mxfp4.naive_dequantize(packed[e], scale[e]))
+
+
+def test_gather_equals_the_dense_bank_for_every_cache_size():
+    rng = np.random.default_rng(2)
+    sequences = [rng.permutation(6)[:3] for _ in range(25)] + [np.array([5, 5, 1]), np.array([2]), np.arange(6)]
+    dense = dense_from_packed(random_bank(np.random.default_rng(3)))
+    for capacity in (0, 1, 2, 4, 6):
+        bank = random_bank(np.random.default_rng(3), capacity=capacity)
+        for ids in sequences:
+            w13, w2 = bank.gather(ids)
+            d13, d2 = dense.gather(ids)
+            assert w13.shape == d13.shape and w2.shape == d2.shape and w13.flags.c_contiguous
+            np.testing.assert_array_equal(bits(w13), bits(d13))
+            np.testing.assert_array_equal(bits(w2), bits(d2))
+            assert len(bank.cached_ids()) <= capacity
+
+
+def test_lru_hits_misses_evictions():
+    bank = random_bank(np.random.default_rng(4), capacity=2)
+    bank.gather([0, 1])
+    assert (bank.stats.hits, bank.stats.misses, bank.stats.evictions) == (0, 2, 0)
+    assert bank.cached_ids() == [0, 1]
+    bank.gather([1, 2])  # 1 hits; 2 is dequantised and pushes out 0, the least recently used
+    assert (bank.stats.hits, bank.stats.misses, bank.stats.evictions) == (1, 3, 1)
+    assert bank.cached_ids() == [1, 2]
+    bank.gather([2])
+    bank.gather([0])  # now 1 is the least recently used
+    assert (bank.stats.hits, bank.stats.misses, bank.stats.evictions) == (2, 4, 2)
+    assert bank.cached_ids() == [2, 0]
+    assert bank.cached_bytes == 2 * bank.expert_bytes == 2 * 3 * 32 * 64 * 4
+    bank.set_capacity(1)
+    assert bank.cached_ids() == [0] and bank.stats.evictions == 3
+    bank.set_capacity(0)
+    bank.gather([3, 4])
+    assert bank.cached_ids() == [] and bank.cached_bytes == 0
+    bank.clear()
+    assert (bank.stats.hits, bank.stats.misses, bank.stats.evictions) == (0, 0, 0)
+    with pytest.raises(IndexError, match=r"expert ids \[6\] outside 0..5"):
+        bank.gather([1, 6])
+    with pytest.raises(ValueError, match="capacity=-1"):
+        bank.set_capacity(-1)
+
+
+def test_only_the_missing_experts_are_dequantised_in_one_call(monkeypatch):
+    calls = []
+    real = experts.dequantize_experts
+
+    def spy(packed, scale, dtype=np.float32, table=None):
+        calls.append(packed.shape[0])
+        return real(packed, scale, dtype, table)
+
+    monkeypatch.setattr(experts, "dequantize_experts", spy)
+    bank = random_bank(np.random.default_rng(5), capacity=4)
+    bank.gather([3, 1, 4])
+    assert calls == [3, 3]  # one call for all w13, one for all w2
+    calls.clear()
+    bank.gather([1, 5, 3, 0])
+    assert calls == [2, 2]  # 5 and 0 only
+    calls.clear()
+    bank.gather([5, 0])
+    assert calls == []
+
+
+def test_gathered_moe_matches_the_per_expert_float64_loop():
+    """latent_moe over a packed bank (gather + batched matmuls) vs the naive per-expert loop."""
+    w = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=3)
+    rng = np.random.default_rng(6)
+    for layer in w.layers:
+        if not isinstance(layer.ffn, LatentMoeWeights):
+            continue
+        assert isinstance(layer.ffn.experts, PackedExperts)
+        x = rng.standard_normal(w.config.hidden_size).astype(np.float32)
+        want, _, _ = naive_latent_moe(x, layer.ffn)
+        np.testing.assert_allclose(latent_moe(x, layer.ffn), want, rtol=2e-4, atol=2e-4)
+
+
+def decode(w, tokens=TOKENS, hooks=None):
+    state = KimiDecodeState.new(w)
+    return np.stack([np.array(kimi_forward_token(w, state, t, hooks=hooks)) for t in tokens])
+
+
+@pytest.mark.parametrize("path", [default_checkpoint(), REFERENCE_DIR], ids=["embedded", "reference"])
+@pytest.mark.parametrize("cache", [0, 1, None], ids=["no-cache", "cache-1", "cache-default"])
+def test_packed_logits_bit_identical_to_dense(path, cache):
+    dense = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="dense")
+    packed = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", expert_cache_size=cache)
+    assert packed.extra["experts"] == "packed" and dense.extra["experts"] == "dense"
+    tokens = TOKENS if path != REFERENCE_DIR else [t % packed.config.vocab_size for t in TOKENS]
+    np.testing.assert_array_equal(bits(decode(packed, tokens)), bits(decode(dense, tokens)))
+    banks = [layer.ffn.experts for layer in packed.layers if isinstance(layer.ffn, LatentMoeWeights)]
+    k = packed.config.num_experts_per_token
+    assert all(b.stats.hits + b.stats.misses == len(tokens) * k for b in banks)  # every pick counted once
+    if cache == 0:
+        assert all(b.stats.hits == 0 and not b.cached_ids() for b in banks)
+
+
+class RerouteTo:
+    """Replaces one layer's top-k ids with fixed ones (a routing intervention)."""
+
+    def __init__(self, name, ids):
+        self.name, self.ids = name, np.array(ids)
+
+    def fire(self, name, value):
+        return self.ids if name == self.name else value
+
+
+def test_packed_and_dense_agree_under_a_routing_intervention():
+    kw = dict(device="cpu", layers=range(4))
+    dense = KimiDecoderWeights.from_pretrained(default_checkpoint(), experts="dense", **kw)
+    packed = KimiDecoderWeights.from_pretrained(default_checkpoint(), experts="packed", expert_cache_size=2, **kw)
+    hook = RerouteTo("layers.2.moe.router.topk_ids", [9, 9, 1])
+    np.testing.assert_array_equal(bits(decode(packed, hooks=hook)), bits(decode(dense, hooks=hook)))
+
+
+def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
+    tiny = default_checkpoint()
+    assert KimiDecoderWeights.from_pretrained(tiny, device="cpu").extra["experts"] == "dense"  # auto: small enough
+    monkeypatch.setattr(checkpoint, "AUTO_DENSE_BYTES", 0)
+    w = KimiDecoderWeights.from_pretrained(tiny, device="cpu", layers=[1, 2])
+    assert w.extra["experts"] == "packed" and isinstance(w.layers[0].ffn.experts, PackedExperts)
+    cfg = w.config
+    assert w.extra["expert_cache_size"] == cfg.num_experts  # default: top_k or more, as many as fit in 256 MiB
+    with pytest.raises(ValueError, match="experts='packd'"):
+        KimiDecoderWeights.from_pretrained(tiny, device="cpu", experts="packd")
+    with pytest.raises(ValueError, match="expert_cache_size=-2"):
+        KimiDecoderWeights.from_pretrained(tiny, device="cpu", experts="packed", expert_cache_size=-2)
+    bf16 = write_checkpoint(tmp_path / "bf16-experts", experts="bf16", seed=3)
+    with pytest.raises(CheckpointError, match="experts='packed' but layer 1's routed experts are not all MXFP4"):
+        KimiDecoderWeights.from_pretrained(bf16, device="cpu", experts="packed")
+    dense = KimiDecoderWeights.from_pretrained(bf16, device="cpu", layers=[1])  # auto falls back to dense
+    assert isinstance(dense.layers[0].ffn.experts, DenseExperts)
