@@ -25,11 +25,11 @@ import numpy as np
 
 from . import mxfp4
 from .backend import resolve_device, resolve_dtype
+from .bf16_weights import Bf16Matrix, WideningScratch
 from .config import KimiDecoderConfig
+from .experts import DenseExperts, PackedExperts
 from .kda import KdaWeights
 from .kimi_decoder import KimiDecoderLayerWeights, KimiDecoderWeights
-from .bf16_weights import Bf16Matrix, WideningScratch
-from .experts import DenseExperts, PackedExperts
 from .latent_moe import LatentMoeWeights
 from .mla import MlaWeights
 from .ops import DenseMlpWeights
@@ -166,7 +166,9 @@ def shards_needed(ckpt: CheckpointDir, plan: dict[str, tuple]) -> dict[str, list
     if missing:
         shown = ", ".join(ckpt.full(n) for n in missing[:12])
         more = f" (and {len(missing) - 12} more)" if len(missing) > 12 else ""
-        raise CheckpointError(f"{ckpt.path}: {len(missing)} tensor(s) the config requires are not in the weight map: {shown}{more}")
+        raise CheckpointError(
+            f"{ckpt.path}: {len(missing)} tensor(s) the config requires are not in the weight map: {shown}{more}"
+        )
     by_shard: dict[str, set] = {}
     for n in plan:
         layer = _layer_of(n)
@@ -254,7 +256,7 @@ class _Builder:
         bits = self.scratch is not None and all(code == "BF16" for code, _ in infos)
         out = np.empty((sum(shape[0] for _, shape in infos), infos[0][1][1]), np.uint16 if bits else self.dtype)
         r = 0
-        for n, (_, shape) in zip(names, infos):
+        for n, (_, shape) in zip(names, infos, strict=True):
             self.reader.read(n, out.dtype, out=out[r : r + shape[0]])
             r += shape[0]
         dev = self.dev(out)
@@ -381,7 +383,8 @@ def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size
     if cfg.is_moe_layer(i):
         ffn = _moe(b, cfg, i, experts, cache_size)
     else:
-        ffn = DenseMlpWeights(b.matrix([L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"]), b.matrix([L + "mlp.down_proj.weight"]))
+        ffn = DenseMlpWeights(b.matrix([L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"]),
+                              b.matrix([L + "mlp.down_proj.weight"]))
     return KimiDecoderLayerWeights(
         index=i, input_layernorm=b.one(L + "input_layernorm.weight"),
         post_attention_layernorm=b.one(L + "post_attention_layernorm.weight"),

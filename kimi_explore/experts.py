@@ -36,6 +36,7 @@ __all__ = ["DenseExperts", "ExpertCacheStats", "PackedExperts", "dequantize_expe
 
 # byte -> (value of the low nibble, value of the high nibble): the LOW nibble is the EVEN column
 _PAIRS = np.stack([mxfp4.E2M1[np.arange(256) & 0x0F], mxfp4.E2M1[np.arange(256) >> 4]], axis=1)  # [256, 2]
+_CHUNK = 1 << 16  # bytes per step on the host: index and output stay in cache
 
 
 def _pair_table(xp, dtype):
@@ -46,30 +47,87 @@ def _pair_table(xp, dtype):
     return xp.asarray(table)
 
 
-def dequantize_experts(packed, scale, dtype=np.float32, table=None):
+def _factors(scale, dtype):
+    """2^(scale - 127), exactly as `mxfp4.dequantize` makes them."""
+    xp = array_namespace(scale)
+    return xp.ldexp(xp.ones(scale.shape, dtype=dtype), scale.astype(xp.int32) - 127)
+
+
+def _dequantize_host(packed, scale, dtype, table, out=None):
+    """NumPy: 64 KiB of bytes at a time, `take(mode="wrap")` (bounds are known: 0..255), scale in cache."""
+    lead, half = packed.shape[:-1], packed.shape[-1]
+    out = np.empty(lead + (2 * half,), dtype) if out is None else out
+    src = np.ascontiguousarray(packed).reshape(-1)
+    fac = _factors(np.ascontiguousarray(scale).reshape(-1), dtype)  # one per 16 bytes (32 values)
+    flat = out.reshape(-1)
+    dst = flat.view(np.uint64) if table.ndim == 1 else flat.reshape(-1, 2)
+    idx = np.empty(min(_CHUNK, src.size), np.intp)
+    for a in range(0, src.size, _CHUNK):
+        n = min(_CHUNK, src.size - a)
+        i = idx[:n]
+        np.copyto(i, src[a : a + n], casting="unsafe")
+        np.take(table, i, axis=0, out=dst[a : a + n], mode="wrap")
+        groups = flat[2 * a : 2 * (a + n)].reshape(-1, mxfp4.GROUP)
+        groups *= fac[a // 16 : (a + n) // 16, None]
+    return out
+
+
+def dequantize_experts(packed, scale, dtype=np.float32, table=None, out=None):
     """packed: uint8 [..., rows, cols/2]; scale: uint8 [..., rows, cols/32] -> dtype [..., rows, cols].
 
-    The same values, bit for bit, as `mxfp4.dequantize` (tested), in two passes instead of six:
-    one table gather that turns each byte into its two values, then one in-place multiply by the
-    group's power of two. NumPy or CuPy, from the arrays' namespace.
+    The same values, bit for bit, as `mxfp4.dequantize` (tested), in fewer passes: a table gather
+    that turns each byte into its two values, then a multiply by the group's power of two (the
+    same IEEE product). NumPy or CuPy, from the arrays' namespace. `out`: a C-contiguous result buffer.
     """
     xp = array_namespace(packed)
     table = _pair_table(xp, dtype) if table is None else table
+    if packed.shape[-1] % (mxfp4.GROUP // 2):
+        raise ValueError(f"packed rows of {packed.shape[-1]} bytes: expected a multiple of {mxfp4.GROUP // 2} (whole groups)")
+    want = packed.shape[:-1] + (2 * packed.shape[-1],)
+    if out is not None and (out.shape != want or out.dtype != np.dtype(dtype)):
+        raise ValueError(f"out: expected {np.dtype(dtype).name} {want}, got {out.dtype} {out.shape}")
+    if xp is np:
+        return _dequantize_host(packed, scale, dtype, table, out)
     lead, half = packed.shape[:-1], packed.shape[-1]
     vals = table[packed]  # [..., cols/2] uint64 (float32 pairs) or [..., cols/2, 2]
     vals = vals.view(dtype).reshape(lead + (2 * half,)) if vals.dtype == np.uint64 else vals.reshape(lead + (2 * half,))
-    exp = scale.astype(xp.int32) - 127
-    factors = xp.ldexp(xp.ones(exp.shape, dtype=dtype), exp)  # exact powers of two, as mxfp4.dequantize makes them
     groups = vals.reshape(lead + (scale.shape[-1], mxfp4.GROUP))
-    groups *= factors[..., None]
+    groups *= _factors(scale, dtype)[..., None]
+    if out is not None:
+        out[...] = vals
+        return out
     return vals
 
 
 @dataclass
 class ExpertCacheStats:
+    """Per call, each distinct selected expert is a hit (found in the cache) or a miss (dequantised)."""
+
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+
+
+class _Workspace:
+    """Buffers reused for the dequantised misses of every layer (contents live for one call).
+
+    Fresh multi-GB arrays cost the kernel's page zeroing on every token; these are paid once.
+    """
+
+    def __init__(self):
+        self.bufs = {}
+
+    def take(self, name: str, xp, shape, dtype):
+        n = int(np.prod(shape))
+        buf = self.bufs.get(name)
+        if buf is None or buf.size < n or buf.dtype != np.dtype(dtype) or array_namespace(buf) is not xp:
+            self.bufs[name] = None
+            self.bufs[name] = buf = xp.empty(n, dtype)
+        return buf[:n].reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.bufs.values() if b is not None)
 
 
 @dataclass
@@ -79,6 +137,9 @@ class PackedExperts:
     w13_packed: uint8 [E, 2I, l/2];  w13_scale: uint8 [E, 2I, l/32]
     w2_packed:  uint8 [E, l, I/2];   w2_scale:  uint8 [E, l, I/32]
     capacity:   dequantised experts kept (this layer); 0 disables the cache
+
+    The cache is a slab of `capacity` slots ([capacity, 2I, l] and [capacity, l, I], allocated at
+    the first miss), so hits are read in place.
     """
 
     w13_packed: object
@@ -88,32 +149,43 @@ class PackedExperts:
     dtype: object = np.float32
     capacity: int = 0
     stats: ExpertCacheStats = field(default_factory=ExpertCacheStats)
-    _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)  # expert id -> (w13 [2I, l], w2 [l, I])
+    _slots: OrderedDict = field(default_factory=OrderedDict, repr=False)  # expert id -> slot, least recent first
+    _slab13: object = field(default=None, repr=False)
+    _slab2: object = field(default=None, repr=False)
     _table: object = field(default=None, repr=False)
+    _workspace: object = field(default=None, repr=False)
 
     def __post_init__(self):
-        if int(self.capacity) < 0:
-            raise ValueError(f"capacity={self.capacity}: expected a number of experts >= 0")
-        self.capacity = int(self.capacity)
+        self.capacity = _check_capacity(self.capacity)
         E, rows13, half13 = self.w13_packed.shape
         _, rows2, half2 = self.w2_packed.shape
-        if self.w13_scale.shape != (E, rows13, 2 * half13 // mxfp4.GROUP) or self.w2_scale.shape != (E, rows2, 2 * half2 // mxfp4.GROUP):
+        want13, want2 = (E, rows13, 2 * half13 // mxfp4.GROUP), (E, rows2, 2 * half2 // mxfp4.GROUP)
+        if self.w13_scale.shape != want13 or self.w2_scale.shape != want2:
             raise ValueError(
                 f"PackedExperts: scales {self.w13_scale.shape} / {self.w2_scale.shape} do not match packed "
                 f"{self.w13_packed.shape} / {self.w2_packed.shape} (one scale byte per 32 columns)"
             )
         self._table = _pair_table(array_namespace(self.w13_packed), self.dtype)
+        self._workspace = self._workspace or _SHARED_WORKSPACES
 
+    # ---- shapes and sizes
     @property
     def num_experts(self) -> int:
         return self.w13_packed.shape[0]
 
     @property
+    def shape13(self) -> tuple[int, int]:
+        return self.w13_packed.shape[1], 2 * self.w13_packed.shape[2]
+
+    @property
+    def shape2(self) -> tuple[int, int]:
+        return self.w2_packed.shape[1], 2 * self.w2_packed.shape[2]
+
+    @property
     def expert_bytes(self) -> int:
         """Bytes of one dequantised expert (w1, w3 and w2)."""
-        _, rows13, half13 = self.w13_packed.shape
-        _, rows2, half2 = self.w2_packed.shape
-        return (rows13 * 2 * half13 + rows2 * 2 * half2) * np.dtype(self.dtype).itemsize
+        (a, b), (c, d) = self.shape13, self.shape2
+        return (a * b + c * d) * np.dtype(self.dtype).itemsize
 
     @property
     def packed_bytes(self) -> int:
@@ -121,75 +193,132 @@ class PackedExperts:
 
     @property
     def cached_bytes(self) -> int:
-        return len(self._cache) * self.expert_bytes
+        """Bytes of the cache slab (allocated at the first miss, `capacity` experts)."""
+        return 0 if self._slab13 is None else int(self._slab13.nbytes + self._slab2.nbytes)
 
+    # ---- the cache
     def cached_ids(self) -> list[int]:
         """Expert ids in the cache, least recently used first."""
-        return list(self._cache)
+        return list(self._slots)
 
     def set_capacity(self, capacity: int) -> None:
-        """Resize the cache (evicting least recently used experts if it shrinks)."""
-        if int(capacity) < 0:
-            raise ValueError(f"capacity={capacity}: expected a number of experts >= 0")
-        self.capacity = int(capacity)
-        self._evict()
+        """Resize the cache, keeping the most recently used experts that still fit."""
+        capacity = _check_capacity(capacity)
+        keep = list(self._slots.items())[max(0, len(self._slots) - capacity) :] if capacity else []
+        self.stats.evictions += len(self._slots) - len(keep)
+        old13, old2 = self._slab13, self._slab2
+        self._slab13 = self._slab2 = None
+        self._slots = OrderedDict()
+        self.capacity = capacity
+        if keep:
+            ids = [e for e, _ in keep]
+            self._store(ids, old13[[s for _, s in keep]], old2[[s for _, s in keep]])
 
     def clear(self) -> None:
-        """Empty the cache and reset the counters."""
-        self._cache.clear()
+        """Empty the cache (keeping its memory) and reset the counters."""
+        self._slots.clear()
         self.stats = ExpertCacheStats()
 
-    def _evict(self) -> None:
-        while len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
-            self.stats.evictions += 1
-
-    def dequantize(self, ids):
-        """Dequantise experts `ids` (no cache): ([m, 2I, l], [m, l, I]), one gather + one call per matrix."""
+    def _store(self, ids: list[int], w13, w2) -> None:
+        """Put experts `ids` (rows of w13/w2) in the cache, evicting the least recently used."""
+        if self.capacity == 0:
+            return
         xp = array_namespace(self.w13_packed)
-        sel = xp.asarray(np.asarray(ids, dtype=np.int64))
-        w13 = dequantize_experts(self.w13_packed[sel], self.w13_scale[sel], self.dtype, self._table)
-        w2 = dequantize_experts(self.w2_packed[sel], self.w2_scale[sel], self.dtype, self._table)
-        return w13, w2
+        if self._slab13 is None:
+            self._slab13 = xp.empty((self.capacity,) + self.shape13, self.dtype)
+            self._slab2 = xp.empty((self.capacity,) + self.shape2, self.dtype)
+        start = max(0, len(ids) - self.capacity)
+        for j in range(start, len(ids)):
+            e = ids[j]
+            if e in self._slots:
+                slot = self._slots[e]
+            elif len(self._slots) < self.capacity:
+                slot = len(self._slots)
+            else:
+                _, slot = self._slots.popitem(last=False)
+                self.stats.evictions += 1
+            self._slab13[slot] = w13[j]
+            self._slab2[slot] = w2[j]
+            self._slots[e] = slot
+            self._slots.move_to_end(e)
 
-    def gather(self, ids):
-        """The selected experts' weights, in the order of `ids`: ([k, 2I, l], [k, l, I])."""
-        xp = array_namespace(self.w13_packed)
+    def _lookup(self, ids):
+        """(expert ids in order, ids to dequantise) with counters and recency updated."""
         order = [int(e) for e in to_numpy(ids).reshape(-1)]  # k small ints: one device->host copy on a GPU
         E = self.num_experts
         bad = [e for e in order if not 0 <= e < E]
         if bad:
             raise IndexError(f"expert ids {bad} outside 0..{E - 1} (this layer has {E} routed experts)")
-        cache = self._cache
-        missing = [e for e in dict.fromkeys(order) if e not in cache]
-        self.stats.hits += len(order) - sum(order.count(e) for e in missing)
-        self.stats.misses += len(missing)
+        missing = [e for e in dict.fromkeys(order) if e not in self._slots]
+        self.stats.misses += len(missing)  # counted per distinct expert of the call
+        self.stats.hits += len(set(order)) - len(missing)
         for e in order:
-            if e in cache:
-                cache.move_to_end(e)
-        if missing:
-            new13, new2 = self.dequantize(missing)
-            if missing == order:  # nothing cached is needed: hand the fresh arrays over as they are
-                self._remember(missing, new13, new2)
-                return new13, new2
-            fresh = {e: (new13[j], new2[j]) for j, e in enumerate(missing)}
-        else:
-            fresh = {}
-        parts = [fresh[e] if e in fresh else cache[e] for e in order]
-        w13 = xp.stack([p[0] for p in parts])
-        w2 = xp.stack([p[1] for p in parts])
-        if missing:
-            self._remember(missing, new13, new2)
+            if e in self._slots:
+                self._slots.move_to_end(e)
+        return order, missing
+
+    # ---- dequantising
+    def dequantize(self, ids, workspace: bool = False):
+        """Experts `ids` dequantised (no cache): ([m, 2I, l], [m, l, I]); one gather + one call per matrix.
+
+        workspace=True writes into a buffer shared by all layers, valid until the next such call.
+        """
+        xp = array_namespace(self.w13_packed)
+        sel = xp.asarray(np.asarray(ids, dtype=np.int64))
+        m = len(ids)
+        out13 = self._workspace.take("w13", xp, (m,) + self.shape13, self.dtype) if workspace else None
+        out2 = self._workspace.take("w2", xp, (m,) + self.shape2, self.dtype) if workspace else None
+        w13 = dequantize_experts(self.w13_packed[sel], self.w13_scale[sel], self.dtype, self._table, out=out13)
+        w2 = dequantize_experts(self.w2_packed[sel], self.w2_scale[sel], self.dtype, self._table, out=out2)
         return w13, w2
 
-    def _remember(self, ids: list[int], w13, w2) -> None:
-        if self.capacity == 0:
-            return
-        # copies: a view would keep the whole [m, ...] block alive for as long as any one entry lives
-        for j, e in enumerate(ids[-self.capacity :], start=max(0, len(ids) - self.capacity)):
-            self._cache[e] = (w13[j].copy(), w2[j].copy())
-            self._cache.move_to_end(e)
-        self._evict()
+    def gather(self, ids):
+        """The selected experts' weights, in the order of `ids`: ([k, 2I, l], [k, l, I]), fresh arrays."""
+        xp = array_namespace(self.w13_packed)
+        order, missing = self._lookup(ids)
+        new13, new2 = self.dequantize(missing) if missing else (None, None)
+        if missing == order:  # nothing cached is needed: hand the fresh arrays over as they are
+            self._store(missing, new13, new2)
+            return new13, new2
+        pos = {e: j for j, e in enumerate(missing)}
+        w13 = xp.stack([new13[pos[e]] if e in pos else self._slab13[self._slots[e]] for e in order])
+        w2 = xp.stack([new2[pos[e]] if e in pos else self._slab2[self._slots[e]] for e in order])
+        if missing:
+            self._store(missing, new13, new2)
+        return w13, w2
+
+    def outputs(self, ids, z, act):
+        """y_e = w2_e act(w13_e z) for the selected experts, [k, l]: what `latent_moe` needs.
+
+        On the host each expert is multiplied where it lies (cache slot or fresh block) through the
+        same per-expert BLAS call a batched matmul makes (bit-identical, no [k, 2I, l] copy); on a
+        GPU, one gather then batched matmuls (one launch each instead of k).
+        """
+        xp = array_namespace(self.w13_packed)
+        if xp is not np:
+            w13, w2 = self.gather(ids)
+            a = act(xp.matmul(w13, z))
+            return xp.matmul(w2, a[:, :, None])[:, :, 0]
+        order, missing = self._lookup(ids)
+        new13, new2 = self.dequantize(missing, workspace=True) if missing else (None, None)
+        pos = {e: j for j, e in enumerate(missing)}
+        pick = [(new13, new2, pos[e]) if e in pos else (self._slab13, self._slab2, self._slots[e]) for e in order]
+        # [1, ...] views go through matmul's batched loop exactly as row j of a [k, ...] stack would
+        h = xp.concatenate([xp.matmul(b13[j : j + 1], z) for b13, _, j in pick])  # [k, 2I]
+        a = act(h)  # [k, I]
+        y = xp.concatenate([xp.matmul(b2[j : j + 1], a[n : n + 1, :, None])[:, :, 0] for n, (_, b2, j) in enumerate(pick)])
+        if missing:
+            self._store(missing, new13, new2)
+        return y
+
+
+def _check_capacity(capacity) -> int:
+    if isinstance(capacity, bool) or int(capacity) != capacity or capacity < 0:
+        raise ValueError(f"capacity={capacity!r}: expected a number of experts >= 0")
+    return int(capacity)
+
+
+_SHARED_WORKSPACES = _Workspace()
 
 
 def dense_from_packed(packed: PackedExperts, chunk: int = 8) -> DenseExperts:

@@ -26,7 +26,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointDir, missing_shards_message, plan_tensors, resolve_layers, shards_needed
+from .checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointDir,
+    missing_shards_message,
+    plan_tensors,
+    resolve_layers,
+    shards_needed,
+)
 from .config import KimiDecoderConfig
 from .safetensors_io import CheckpointError
 
@@ -102,7 +110,8 @@ class DownloadPlan:
         shards = ", ".join(self.shards) if len(self.shards) <= 6 else f"{', '.join(self.shards[:3])}, ..., {self.shards[-1]}"
         size = _human(self.bytes) + (f" (+{len(self.unknown)} file(s) of unknown size)" if self.unknown else "")
         todo = self.to_fetch
-        fetch = "all cached, nothing to download" if not todo else f"{_human(self.bytes_to_fetch)} in {len(todo)} file(s) to download"
+        fetch = (f"{_human(self.bytes_to_fetch)} in {len(todo)} file(s) to download" if todo
+                 else "all cached, nothing to download")
         return (f"{self.repo_id}{at}: layers {lay} need {len(self.shards)} of {self.total_shards} weight shard(s) "
                 f"[{shards}], {len(self.files)} files, {size} in all; {fetch}")
 
@@ -182,7 +191,8 @@ def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cac
         total_shards = len(set(ckpt.weight_map.values()))
     except EntryNotFoundError as e:
         # no index: an unsharded repo, where one file holds everything (offline we can only tell from the cache)
-        if isinstance(e, LocalEntryNotFoundError) and _cached(repo_id, SINGLE_FILE, revision=revision, cache_dir=cache_dir) is None:
+        single = _cached(repo_id, SINGLE_FILE, revision=revision, cache_dir=cache_dir)
+        if isinstance(e, LocalEntryNotFoundError) and single is None:
             raise CheckpointError(
                 f"{repo_id}: neither {INDEX_FILE} nor {SINGLE_FILE} is in the local Hugging Face cache"
                 f"{' (offline mode)' if offline else ' and the Hub could not be reached'}: {e}"

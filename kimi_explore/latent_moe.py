@@ -52,9 +52,10 @@ class DenseExperts:
 class LatentMoeWeights:
     """One MoE layer.
 
-    in_proj:               [E + l + 2*Ish, d]  rows gate.weight (router) | routed_expert_down_proj | shared gate_proj | shared up_proj
+    in_proj:               [E + l + 2*Ish, d]  rows gate.weight (router) | routed_expert_down_proj |
+                                               shared gate_proj | shared up_proj
     e_score_correction_bias: [E]
-    experts:               DenseExperts (or any object with the same `gather`)
+    experts:               DenseExperts, experts.PackedExperts, or any object with the same `gather`
     routed_expert_norm:    [l]
     routed_expert_up_proj: [d, l]
     shared_down_proj:      [d, Ish]   Ish = num_shared_experts * moe_intermediate_size (one fused MLP)
@@ -95,9 +96,23 @@ def routing_weights(scores, ids, renormalize: bool, scaling: float):
     return w * scaling
 
 
+def expert_outputs(experts, ids, z, act):
+    """y_e = w2_e(act(w13_e z)) for the selected experts: [k, l] (z: the latent [l]; act: [k, 2I] -> [k, I]).
+
+    One gather and two batched matmuls; a bank with its own `outputs` (packed experts) computes
+    the same thing its way, bit for bit.
+    """
+    own = getattr(experts, "outputs", None)
+    if own is not None:
+        return own(ids, z, act)
+    xp = array_namespace(z)
+    w13, w2 = experts.gather(ids)
+    a = act(xp.matmul(w13, z))  # [k, I]
+    return xp.matmul(w2, a[:, :, None])[:, :, 0]
+
+
 def latent_moe(x, w: LatentMoeWeights, hooks=None, prefix: str = ""):
     """x: [d] (post_attention_layernorm output) -> [d]."""
-    xp = array_namespace(x)
     E, l = w.num_experts, w.latent_size
     y = w.in_proj @ x
     scores = sigmoid(y[:E])
@@ -110,9 +125,7 @@ def latent_moe(x, w: LatentMoeWeights, hooks=None, prefix: str = ""):
     if hooks is not None:
         weights = hooks.fire(prefix + "moe.router.topk_weights", weights)
 
-    w13, w2 = w.experts.gather(ids)
-    a = situ_and_mul(xp.matmul(w13, y[E : E + l]), w.situ_beta, w.situ_linear_beta)  # [k, I]
-    u = weights @ xp.matmul(w2, a[:, :, None])[:, :, 0]  # [l]
+    u = weights @ expert_outputs(w.experts, ids, y[E : E + l], lambda h: situ_and_mul(h, w.situ_beta, w.situ_linear_beta))
     if w.use_latent_norm:
         u = rms_norm(u, w.routed_expert_norm, w.eps)
     routed = w.routed_expert_up_proj @ u
@@ -140,7 +153,7 @@ def naive_latent_moe(x, w: LatentMoeWeights):
     weights = weights * w.routed_scaling_factor
     z = down_w @ x
     u = np.zeros(l)
-    for e, we in zip(ids, weights):
+    for e, we in zip(ids, weights, strict=True):
         w13, w2 = (f64(a) for a in w.experts.gather(np.array([e])))
         u += we * (w2[0] @ naive_situ_and_mul(w13[0] @ z, w.situ_beta, w.situ_linear_beta))
     if w.use_latent_norm:

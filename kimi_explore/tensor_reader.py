@@ -56,7 +56,9 @@ class TensorReader:
         begin += skip
         view = memoryview(out.reshape(-1).view(np.uint8))
         if begin + len(view) > end:
-            raise CheckpointError(f"{f.path}: tensor '{full}': asked for {len(view)} bytes at offset {skip}, it has {end - begin + skip}")
+            raise CheckpointError(
+                f"{f.path}: tensor '{full}': asked for {len(view)} bytes at offset {skip}, it has {end - begin + skip}"
+            )
         fh = self._fh(f.path)
         fh.seek(begin)
         done = 0
@@ -73,7 +75,9 @@ class TensorReader:
         dtype = np.dtype(dtype)
         out = np.empty(shape, dtype) if out is None else out
         if out.size != int(np.prod(shape, dtype=np.int64)) or not out.flags.c_contiguous:
-            raise ValueError(f"tensor '{name}' {code}{list(shape)}: output buffer {out.shape} is the wrong size or not contiguous")
+            raise ValueError(
+                f"tensor '{name}' {code}{list(shape)}: output buffer {out.shape} is the wrong size or not contiguous"
+            )
         if disk == dtype or (code == "BF16" and dtype == np.uint16):
             self._read_bytes(name, out)
             return out

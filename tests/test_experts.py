@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kimi_explore import CheckpointError, KimiDecodeState, KimiDecoderWeights, kimi_forward_token
-from kimi_explore import checkpoint, experts, mxfp4
-from kimi_explore.experts import DenseExperts, PackedExperts, dense_from_packed, dequantize_experts
-from kimi_explore.latent_moe import LatentMoeWeights, latent_moe, naive_latent_moe
-from kimi_explore.tiny_model import default_checkpoint, write_checkpoint
-
 from conftest import REFERENCE_DIR
+
+from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, checkpoint, experts, kimi_forward_token, mxfp4
+from kimi_explore.experts import DenseExperts, PackedExperts, dense_from_packed, dequantize_experts
+from kimi_explore.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
+from kimi_explore.tiny_model import default_checkpoint, write_checkpoint
 
 TOKENS = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99, 64, 1]
 
@@ -23,7 +21,8 @@ def bits(a):
 
 def random_bank(rng, E=6, I=32, l=64, dtype=np.float32, capacity=0):
     def pair(rows, cols):
-        return rng.integers(0, 256, (E, rows, cols // 2), dtype=np.uint8), rng.integers(100, 140, (E, rows, cols // 32), dtype=np.uint8)
+        packed = rng.integers(0, 256, (E, rows, cols // 2), dtype=np.uint8)
+        return packed, rng.integers(100, 140, (E, rows, cols // 32), dtype=np.uint8)
 
     (p13, s13), (p2, s2) = pair(2 * I, l), pair(l, I)
     return PackedExperts(p13, s13, p2, s2, dtype=dtype, capacity=capacity)
@@ -59,6 +58,21 @@ def test_gather_equals_the_dense_bank_for_every_cache_size():
             assert len(bank.cached_ids()) <= capacity
 
 
+def test_outputs_equal_the_dense_bank_for_every_cache_size():
+    """The decoder's path (`expert_outputs`): per-expert matmuls in place vs one gather + batched matmuls."""
+    rng = np.random.default_rng(7)
+    sequences = [rng.permutation(6)[:4] for _ in range(20)] + [np.array([3, 3]), np.arange(6)[::-1]]
+    dense = dense_from_packed(random_bank(np.random.default_rng(8)))
+    act = lambda h: np.tanh(h[:, :32]) * h[:, 32:]  # noqa: E731
+    for capacity in (0, 1, 3, 6):
+        bank = random_bank(np.random.default_rng(8), capacity=capacity)
+        for n, ids in enumerate(sequences):
+            z = rng.standard_normal(64).astype(np.float32)
+            got = expert_outputs(bank, ids, z, act)
+            np.testing.assert_array_equal(bits(got), bits(expert_outputs(dense, ids, z, act)), err_msg=f"{capacity=} {n=}")
+        assert bank.stats.hits + bank.stats.misses == sum(len(set(s.tolist())) for s in sequences)
+
+
 def test_lru_hits_misses_evictions():
     bank = random_bank(np.random.default_rng(4), capacity=2)
     bank.gather([0, 1])
@@ -89,9 +103,9 @@ def test_only_the_missing_experts_are_dequantised_in_one_call(monkeypatch):
     calls = []
     real = experts.dequantize_experts
 
-    def spy(packed, scale, dtype=np.float32, table=None):
+    def spy(packed, scale, dtype=np.float32, table=None, out=None):
         calls.append(packed.shape[0])
-        return real(packed, scale, dtype, table)
+        return real(packed, scale, dtype, table, out=out)
 
     monkeypatch.setattr(experts, "dequantize_experts", spy)
     bank = random_bank(np.random.default_rng(5), capacity=4)
@@ -103,6 +117,9 @@ def test_only_the_missing_experts_are_dequantised_in_one_call(monkeypatch):
     calls.clear()
     bank.gather([5, 0])
     assert calls == []
+    z = np.ones(64, np.float32)
+    bank.outputs([2, 5, 3], z, lambda h: h[:, :32])  # the decoder's path: 2 is the only miss
+    assert calls == [1, 1]
 
 
 def test_gathered_moe_matches_the_per_expert_float64_loop():

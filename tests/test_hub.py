@@ -17,13 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REFERENCE_DIR
 
-from kimi_explore import CheckpointError, KimiDecodeState, KimiDecoderWeights, kimi_forward_token
-from kimi_explore import hub
+from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, hub, kimi_forward_token
 from kimi_explore.safetensors_io import SafetensorsFile, write_safetensors
 from kimi_explore.tiny_model import make_text_config, write_checkpoint
-
-from conftest import REFERENCE_DIR
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "org/tiny-k3"
@@ -88,12 +86,14 @@ def cache(tmp_path, sharded):
     """A cache holding config, index, the tokenizer file and only the shards of layers 0..3."""
     needed = shards_of_layers(sharded, range(4))
     assert len(needed) == 3  # global + layers 0-1 + layers 2-3; the other 6 shards are absent
-    build_cache(tmp_path / "hub", REPO, sharded, ["config.json", "model.safetensors.index.json", "tokenizer_config.json"] + needed)
+    small_files = ["config.json", "model.safetensors.index.json", "tokenizer_config.json"]
+    build_cache(tmp_path / "hub", REPO, sharded, small_files + needed)
     return tmp_path / "hub"
 
 
 def load(repo, cache_dir, **kw):
-    return KimiDecoderWeights.from_pretrained(repo, device="cpu", cache_dir=cache_dir, local_files_only=True, progress=False, **kw)
+    return KimiDecoderWeights.from_pretrained(repo, device="cpu", cache_dir=cache_dir, local_files_only=True,
+                                              progress=False, **kw)
 
 
 def test_offline_layer_subset_equals_the_model_cut_to_those_layers(cache, tmp_path):
@@ -213,8 +213,9 @@ def test_reference_checkpoint_resharded_matches_moonshots_truncated_logits(tmp_p
     shutil.copy(REFERENCE_DIR / "config.json", src / "config.json")
     wm = {n: shard for shard, tensors in groups.items() for n in tensors}
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-    build_cache(tmp_path / "hub", "moonshot-ref/tiny-k3", src,
-                ["config.json", "model.safetensors.index.json", "global.safetensors"] + [f"layer-{i:02d}.safetensors" for i in range(4)])
+    files = ["config.json", "model.safetensors.index.json", "global.safetensors"]
+    files += [f"layer-{i:02d}.safetensors" for i in range(4)]
+    build_cache(tmp_path / "hub", "moonshot-ref/tiny-k3", src, files)
     w = load("moonshot-ref/tiny-k3", tmp_path / "hub", layers=range(4))
     logits = decode(w, [int(t) for t in ref["tokens"]])
     np.testing.assert_allclose(logits, ref["logits_decode_trunc4"], atol=1e-3, rtol=0)
