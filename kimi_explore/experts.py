@@ -40,9 +40,10 @@ _CHUNK = 1 << 16  # bytes per step on the host: index and output stay in cache
 
 
 def _pair_table(xp, dtype):
-    """The byte -> two-values table on `xp`; for float32 as one uint64 per byte (one 8-byte gather per byte)."""
+    """The byte -> two-values table on `xp`: [256, 2]; on the host, for float32, one uint64 per byte
+    (one 8-byte gather per byte; a GPU gathers the [256, 2] rows without reinterpreting dtypes)."""
     table = _PAIRS.astype(dtype)
-    if np.dtype(dtype) == np.float32:
+    if xp is np and np.dtype(dtype) == np.float32:
         table = table.view(np.uint64).reshape(256)
     return xp.asarray(table)
 
@@ -86,11 +87,16 @@ def dequantize_experts(packed, scale, dtype=np.float32, table=None, out=None):
     want = packed.shape[:-1] + (2 * packed.shape[-1],)
     if out is not None and (out.shape != want or out.dtype != np.dtype(dtype)):
         raise ValueError(f"out: expected {np.dtype(dtype).name} {want}, got {out.dtype} {out.shape}")
-    if xp is np:
+    if xp is np and table.ndim == 1:
         return _dequantize_host(packed, scale, dtype, table, out)
+    return _dequantize_device(packed, scale, dtype, table, out)
+
+
+def _dequantize_device(packed, scale, dtype, table, out=None):
+    """CuPy (or NumPy with the [256, 2] table, in tests): one gather of value pairs, one multiply."""
+    xp = array_namespace(packed)
     lead, half = packed.shape[:-1], packed.shape[-1]
-    vals = table[packed]  # [..., cols/2] uint64 (float32 pairs) or [..., cols/2, 2]
-    vals = vals.view(dtype).reshape(lead + (2 * half,)) if vals.dtype == np.uint64 else vals.reshape(lead + (2 * half,))
+    vals = table[packed.astype(xp.int32)].reshape(lead + (2 * half,))  # [..., cols/2, 2] -> [..., cols]
     groups = vals.reshape(lead + (scale.shape[-1], mxfp4.GROUP))
     groups *= _factors(scale, dtype)[..., None]
     if out is not None:
@@ -214,6 +220,14 @@ class PackedExperts:
             ids = [e for e, _ in keep]
             self._store(ids, old13[[s for _, s in keep]], old2[[s for _, s in keep]])
 
+    def warm(self, ids, chunk: int = 16) -> None:
+        """Dequantise experts `ids` into the cache now (`chunk` at a time), e.g. before timing or a sweep."""
+        ids = [int(e) for e in to_numpy(ids).reshape(-1)][-self.capacity :] if self.capacity else []
+        for a in range(0, len(ids), chunk):
+            part = [e for e in ids[a : a + chunk] if e not in self._slots]
+            if part:
+                self._store(part, *self.dequantize(part, workspace=True))
+
     def clear(self) -> None:
         """Empty the cache (keeping its memory) and reset the counters."""
         self._slots.clear()
@@ -287,6 +301,11 @@ class PackedExperts:
             self._store(missing, new13, new2)
         return w13, w2
 
+    @staticmethod
+    def _multiply_in_place(xp) -> bool:
+        """Per-expert matmuls where the experts lie (host) or one gather + batched matmuls (GPU)."""
+        return xp is np
+
     def outputs(self, ids, z, act):
         """y_e = w2_e act(w13_e z) for the selected experts, [k, l]: what `latent_moe` needs.
 
@@ -295,7 +314,7 @@ class PackedExperts:
         GPU, one gather then batched matmuls (one launch each instead of k).
         """
         xp = array_namespace(self.w13_packed)
-        if xp is not np:
+        if not self._multiply_in_place(xp):
             w13, w2 = self.gather(ids)
             a = act(xp.matmul(w13, z))
             return xp.matmul(w2, a[:, :, None])[:, :, 0]

@@ -7,7 +7,8 @@
 
 Counts the arrays the weights hold (on their device: host RAM for NumPy, GPU memory for CuPy),
 at their resident size: bf16 bits for `weight_dtype="bfloat16"` matrices, uint8 for packed
-experts, plus the dequantised-expert caches as they are now and the shared bf16 widening scratch.
+experts, plus the dequantised-expert caches as they are now, the bf16 widening scratch, and the
+workspace the packed experts of every loaded model share for the experts a token dequantises.
 Decode state (KDA matrices, MLA caches) is not weights and is not counted.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .experts import DenseExperts, PackedExperts
+from .experts import _SHARED_WORKSPACES, DenseExperts, PackedExperts
 from .kda import KdaWeights
 from .latent_moe import LatentMoeWeights
 
@@ -34,6 +35,7 @@ COMPONENTS = (
     "routed experts, dequantised (dense bank)",
     "routed experts, dequantised (LRU caches)",
     "bf16 widening scratch",
+    "dequantise workspace (shared by all models)",
 )
 
 
@@ -104,4 +106,6 @@ def memory_report(weights) -> MemoryReport:
             parts["routed experts, dequantised (dense bank)"] += _nbytes(bank)
     scratch = weights.extra.get("widening_scratch") if isinstance(weights.extra, dict) else None
     parts["bf16 widening scratch"] = _nbytes(scratch)
+    if any(isinstance(layer.ffn, LatentMoeWeights) and isinstance(layer.ffn.experts, PackedExperts) for layer in weights.layers):
+        parts["dequantise workspace (shared by all models)"] = _SHARED_WORKSPACES.nbytes
     return MemoryReport(parts, weights.device)

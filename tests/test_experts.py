@@ -43,6 +43,33 @@ def test_dequantize_experts_is_mxfp4_dequantize_bit_for_bit(dtype):
         np.testing.assert_array_equal(got[e], mxfp4.naive_dequantize(packed[e], scale[e]))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_device_dequantisation_path_on_the_host(dtype):
+    """The GPU formulation ([256, 2] table gather, one multiply), run with NumPy standing in for CuPy."""
+    rng = np.random.default_rng(11)
+    packed = rng.integers(0, 256, (3, 8, 48), dtype=np.uint8)
+    scale = rng.integers(100, 150, (3, 8, 3), dtype=np.uint8)
+    table = np.asarray(experts._PAIRS.astype(dtype))
+    want = mxfp4.dequantize(packed, scale, dtype=dtype)
+    np.testing.assert_array_equal(bits(experts._dequantize_device(packed, scale, dtype, table)), bits(want))
+    out = np.empty_like(want)
+    assert experts._dequantize_device(packed, scale, dtype, table, out=out) is out
+    np.testing.assert_array_equal(bits(out), bits(want))
+
+
+def test_device_expert_path_on_the_host(monkeypatch):
+    """`outputs` as a GPU runs it (one gather, batched matmuls), with NumPy: same values as the dense bank."""
+    monkeypatch.setattr(PackedExperts, "_multiply_in_place", staticmethod(lambda xp: False))
+    dense = dense_from_packed(random_bank(np.random.default_rng(12)))
+    bank = random_bank(np.random.default_rng(12), capacity=2)
+    act = lambda h: np.tanh(h[:, :32]) * h[:, 32:]  # noqa: E731
+    rng = np.random.default_rng(13)
+    for ids in ([1, 4, 0], [4, 1, 5], [5, 4], [2, 3, 1, 0]):
+        z = rng.standard_normal(64).astype(np.float32)
+        np.testing.assert_array_equal(bits(expert_outputs(bank, ids, z, act)), bits(expert_outputs(dense, ids, z, act)))
+    assert bank.stats.hits > 0
+
+
 def test_gather_equals_the_dense_bank_for_every_cache_size():
     rng = np.random.default_rng(2)
     sequences = [rng.permutation(6)[:3] for _ in range(25)] + [np.array([5, 5, 1]), np.array([2]), np.arange(6)]
@@ -93,6 +120,12 @@ def test_lru_hits_misses_evictions():
     assert bank.cached_ids() == [] and bank.cached_bytes == 0
     bank.clear()
     assert (bank.stats.hits, bank.stats.misses, bank.stats.evictions) == (0, 0, 0)
+    bank.set_capacity(3)
+    bank.warm([5, 1, 4, 2], chunk=2)  # only the last `capacity` fit
+    assert bank.cached_ids() == [1, 4, 2] and bank.stats.misses == 0
+    dense = dense_from_packed(random_bank(np.random.default_rng(4)))
+    np.testing.assert_array_equal(bank.gather([4, 1])[0], dense.gather([4, 1])[0])
+    assert bank.stats.hits == 2
     with pytest.raises(IndexError, match=r"expert ids \[6\] outside 0..5"):
         bank.gather([1, 6])
     with pytest.raises(ValueError, match="capacity=-1"):
