@@ -288,12 +288,11 @@ class Hooks:
         """Announce the next token (its id and 0-based position) before `kimi_forward_token` runs."""
         self._next = (None if token_id is None else int(token_id), None if position is None else int(position))
 
-    def _on_embed(self, value, *, hook):
+    def _on_embed(self, value):
         token_id, position = self._next if self._next is not None else (None, None)
         self._next = None
         self.position = position if position is not None else (0 if self.position is None else self.position + 1)
         self.token_id = token_id
-        return None
 
     def reset_position(self) -> None:
         """Forget the token count: the next token is position 0."""
@@ -302,15 +301,22 @@ class Hooks:
     def fire(self, name: str, value):
         """Called by the decoder at every site: run the hooks attached to `name`, return the value to use."""
         fns = self._cache.get(name)
-        if fns is None:
-            fns = self._resolve(name)
+        if not fns:
+            return value if fns is not None else self._fire_uncached(name, value)
         for fn, point in fns:
+            if point is None:  # internal bookkeeping: fn(value), never changes the value
+                fn(value)
+                continue
             out = fn(value, hook=point)
             if out is not None:
                 if out is not value:
                     _check_replacement(point, value, out, fn)
                 value = out
         return value
+
+    def _fire_uncached(self, name: str, value):
+        self._resolve(name)
+        return self.fire(name, value)
 
     def _point(self, name: str) -> HookPoint:
         p = self._points.get(name)
@@ -322,7 +328,7 @@ class Hooks:
         """The functions to run at `name`, in order (subclasses add their own around the user's)."""
         fns = [(h.fn, self._point(name)) for h in self._handles if h.matches(name)]
         if name == "embed":
-            fns.insert(0, (self._on_embed, self._point(name)))
+            fns.insert(0, (self._on_embed, None))  # (fn, None): internal, called as fn(value)
         return fns
 
     def _resolve(self, name: str) -> tuple:

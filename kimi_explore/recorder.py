@@ -24,36 +24,52 @@ the sites whose default values are kept; `full` (names or globs) adds full copie
 values under their own name, whatever `names_filter` says. Values are recorded after any hook of
 this set added before them has changed them, i.e. what flows downstream.
 
-Cost: values are small, so every record is one or two array calls. On the host each value is a
-NumPy copy taken at the site (the decoder reuses some buffers); on a GPU the records of a token are
-kept on the device and moved to the host in one transfer per dtype when the token ends.
+Cost (budget: 15% over no hooks on the tiny model; `bench/hooks.py`): between the decoder's array
+calls every extra call, array or Python, is expensive (the caches are cold), so a recorded site runs
+a single C-level call (`list.append` or a dict `__setitem__`) and no Python frame of its own:
+- the small arrays the decoder creates fresh at a site and never writes again (attn-res and router
+  vectors) are kept as they are, not copied;
+- the KDA states and windows are live buffers (unchanged until that layer's next token): their
+  squared norms are taken for all layers at once when the token ends;
+- the MoE output vectors and a copy of the logits wait for a batch of tokens, whose norms and top-k
+  are then computed together (and on a GPU moved to the host in one transfer per dtype). Reading
+  the records (`trace()`, `state_dict()`, `truncate()`) completes the pending batch first.
+Full records (`full=`) are copies. A hook that changes a recorded array IN PLACE after the recorder
+saw it changes the record too: return a new array instead (the contract's way anyway).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
 
+from ._recording import spread, sq_norms, stack, stacked_sq_norms, take, to_host, top_predictions
 from ._xp import array_namespace as _xp
 from .hooks import Hooks, check_pattern, is_glob
 from .kda import KdaWeights
 from .latent_moe import LatentMoeWeights
 from .trace import Trace
 
-__all__ = ["DEFAULT_SITES", "Recorder", "Trace"]
+__all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
 
-# site kind -> how it is recorded by default
+FLUSH_TOKENS = 32  # tokens whose batched records (MoE norms, top-k) are computed together
+FLUSH_BYTES = 8 << 20  # ... or fewer, when their copies (logits, small KDA buffers) reach this size
+KDA_DEFER_BYTES = 1 << 20  # a token's KDA states/windows up to this size are copied and normed with the batch
+
+# site kind -> how it is recorded by default. "fresh": the decoder makes a new small array there every
+# token and never writes it again, so the record is that array itself (no copy; style rule 8).
 DEFAULT_SITES = {
-    "attn_res.attn.weights": "copy",
-    "attn_res.ffn.weights": "copy",
-    "final.attn_res.weights": "copy",
+    "attn_res.attn.weights": "fresh",
+    "attn_res.ffn.weights": "fresh",
+    "final.attn_res.weights": "fresh",
     "kda.conv": "kda",  # computed at the kda.state site, where H is known (the window is unchanged in between)
     "kda.state": "kda",
-    "moe.router.scores": "copy",
-    "moe.router.topk_ids": "copy",
-    "moe.router.topk_weights": "copy",
+    "moe.router.scores": "fresh",
+    "moe.router.topk_ids": "fresh",
+    "moe.router.topk_weights": "fresh",
     "moe.routed_out": "norm",
     "moe.shared_out": "norm",
     "logits": "top",
@@ -92,10 +108,16 @@ class Recorder(Hooks):
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
         self.tokens: list[int] = []  # -1 where the token id was not announced
         self.positions: list[int] = []
-        self._pending: list = []  # (put, device array) of the current token, GPU only
-        self._windows: dict[str, object] = {}  # kda.conv window seen this token, by layer prefix
-        self._norm_stash: list = []  # (row, vector) of this token, normed together at its end
-        self._kda_stash: list = []  # (state row, conv row, S, window) of this token
+        # the current token's values, by record key or layer prefix (dicts keep the firing order)
+        self._norm_stash: dict[str, object] = {}  # "...moe.routed_out.norm" -> MoE output vector
+        self._state_stash: dict[str, object] = {}  # "layers.{i}.kda." -> live recurrent state [H, K, V]
+        self._conv_stash: dict[str, object] = {}  # "layers.{i}.kda." -> live conv window [3, P, W]
+        self._fresh_stash: dict[str, object] = {}  # record key -> fresh device array (GPU only)
+        self._state_norm_prefixes: set[str] = set()  # layers whose state norm is recorded
+        self._batch: list[tuple] = []  # finished tokens whose batched records are not computed yet
+        self._batch_bytes = 0
+        self._record_top = False  # set when the logits site's top-k is recorded
+        self._pending: list = []  # (put, device array) waiting for the next transfer (GPU only)
         self._on_device = False
         self.meta: dict = {}
 
@@ -121,24 +143,26 @@ class Recorder(Hooks):
         return row
 
     def _functions(self, name: str) -> list:
+        """User hooks first (super), then this recorder's functions. Entries (fn, None) are internal:
+        called as fn(value), most of them C-level (`list.append`, a dict `__setitem__` partial), so a
+        recorded site runs no Python frame of its own."""
         fns = super()._functions(name)
-        point = self._point(name)
-        kind = point.kind
-        if name == "embed":
-            fns.insert(1, (self._on_token, point))
+        kind = self._point(name).kind
         if self._wants(name, kind) or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
-            fns.append((self._recording_fn(name, kind), point))
+            fn = self._recording_fn(name, kind)
+            if fn is not None:
+                fns.append((fn, None))
         if self.full is not None and self.full(name):
-            row = self._row(name)
-            fns.append((lambda value, *, hook: self._emit(row.append, value.copy()), point))
+            put, emit = self._row(name).append, self._emit
+            fns.append((lambda value: emit(put, value.copy()), None))
         if name == "logits":
-            fns.append((self._end_token, point))
+            fns.append((self._end_token, None))
         return fns
 
     # ------------------------------------------------------------------ recording functions
-    # Each site does as little as possible: a copy, or a reference kept until the token ends (the
-    # values referenced are not written again before then). At the end of the token ("logits") the
-    # norms are computed for all layers at once and device records move to the host together.
+    # Each site does as little as possible: keep the fresh array, or a reference used when the token
+    # ends (the live buffers referenced are not written again before then). At the end of the token
+    # ("logits") the norms are computed for all layers at once and device records move to the host.
     def _emit(self, put, arr) -> None:
         """put(host array) now, or once this token's device records have been moved to the host."""
         if isinstance(arr, np.ndarray):
@@ -150,67 +174,93 @@ class Recorder(Hooks):
 
     def _recording_fn(self, name: str, kind: str):
         how = DEFAULT_SITES[kind]
-        if how == "copy":
+        if how == "fresh":
             row = self._row(name)
-            if self._on_device:
-                pend = self._pending.append
-                return lambda value, *, hook: pend((row.append, value.copy()))
-            put = row.append
-            return lambda value, *, hook: put(value.copy())
-        if how == "norm":  # routed_out / shared_out: fresh arrays, referenced until the token ends
-            row, stash = self._row(name + ".norm"), self._norm_stash.append
-            return lambda value, *, hook: stash((row, value))
-        if how == "top":
-            ids_row, probs_row, k, emit = self._row("logits.top_ids"), self._row("logits.top_probs"), self.top_k, self._emit
-
-            def record_top(value, *, hook):
-                ids, probs = top_predictions(value, k)
-                emit(ids_row.append, ids)
-                emit(probs_row.append, probs)
-
-            return record_top
+            return functools.partial(self._fresh_stash.__setitem__, name) if self._on_device else row.append
+        if how == "norm":  # routed_out / shared_out: fresh arrays, referenced until the batch is computed
+            self._row(name + ".norm")
+            return functools.partial(self._norm_stash.__setitem__, name + ".norm")
+        if how == "top":  # done by _end_token, which runs at the same site
+            self._row("logits.top_ids"), self._row("logits.top_probs")
+            self._record_top = True
+            return None
         # "kda": the live conv window and recurrent state stay unchanged until this layer's next token
         prefix = name[: name.rindex("kda.") + 4]
         if kind == "kda.conv":
-            windows = self._windows
-            return lambda value, *, hook: windows.__setitem__(prefix, value)
-        state_row = self._row(prefix + "state.norm") if self._wants(prefix + "state", "kda.state") else None
-        conv_row = self._row(prefix + "conv.norm") if self._wants(prefix + "conv", "kda.conv") else None
-        windows, stash = self._windows, self._kda_stash.append
-        return lambda value, *, hook: stash((state_row, conv_row, value, windows.pop(prefix, None)))
+            self._row(prefix + "conv.norm")
+            return functools.partial(self._conv_stash.__setitem__, prefix)
+        if self._wants(prefix + "state", "kda.state"):
+            self._row(prefix + "state.norm")
+            self._state_norm_prefixes.add(prefix)
+        return functools.partial(self._state_stash.__setitem__, prefix)  # also gives the conv norms their H
 
-    def _on_token(self, value, *, hook):
-        self.tokens.append(-1 if self.token_id is None else self.token_id)
+    def _on_embed(self, value):
+        """Start of a token (replaces Hooks._on_embed: one Python call per token instead of two)."""
+        token_id, position = self._next if self._next is not None else (None, None)
+        self._next = None
+        self.position = position if position is not None else (0 if self.position is None else self.position + 1)
+        self.token_id = token_id
+        self.tokens.append(-1 if token_id is None else token_id)
         self.positions.append(self.position)
-        on_device = not isinstance(value, np.ndarray)
-        if on_device != self._on_device:  # first token of an unbound recorder on a GPU: rebuild the fast paths
-            self._on_device = on_device
-            self._cache.clear()
+        if isinstance(value, np.ndarray) == self._on_device:  # first token of an unbound recorder on a GPU
+            self._on_device = not self._on_device
+            self._cache.clear()  # rebuild the site functions for device arrays
 
-    def _end_token(self, value, *, hook):
-        """Last function at "logits": batched norms, then device records to the host (one transfer per dtype).
+    def _end_token(self, value):
+        """Last function at "logits": take what the batch needs from this token's stashes."""
+        state = conv = None
+        state_keys, conv_keys = [], []
+        if self._state_stash:
+            prefixes, states = take(self._state_stash)
+            H = states[0].shape[0]
+            keep = [j for j, p in enumerate(prefixes) if p in self._state_norm_prefixes]
+            if keep:
+                state_keys = [prefixes[j] + "state.norm" for j in keep]
+                state = _kda_now_or_later([states[j] for j in keep], (H,))
+            if self._conv_stash:
+                cprefixes, windows = take(self._conv_stash)  # [3, P, W] each, channel h*K + j
+                conv_keys = [p + "conv.norm" for p in cprefixes]
+                conv = _kda_now_or_later(windows, (windows[0].shape[0], H))
+        norm_keys, norm_vecs = take(self._norm_stash)
+        fresh = take(self._fresh_stash)
+        logits = value.copy() if self._record_top else None  # the caller may write into the logits it gets back
+        self._batch.append((norm_keys, norm_vecs, state_keys, state, conv_keys, conv, logits, fresh))
+        self._batch_bytes += (0 if logits is None else logits.nbytes) + sum(x[1].nbytes for x in (state, conv) if x)
+        if len(self._batch) >= FLUSH_TOKENS or self._batch_bytes >= FLUSH_BYTES:
+            self.flush()
 
-        The stash lists are emptied in place: the site functions hold their bound `append`.
-        """
-        emit = self._emit
-        if self._norm_stash:
-            stash = _take(self._norm_stash)
-            x = _xp(stash[0][1]).concatenate([v for _, v in stash])  # [n*d]; concatenate is faster than stack
-            emit(_spread([r.append for r, _ in stash]), _row_norms(x, len(stash)))
-        if self._kda_stash:
-            stash = _take(self._kda_stash)
-            xp, H = _xp(stash[0][2]), stash[0][2].shape[0]
-            states = [e for e in stash if e[0] is not None]
-            if states:
-                S = xp.concatenate([e[2] for e in states])  # [n*H, K, V]
-                emit(_spread([e[0].append for e in states]), _row_norms(S, len(states), H))
-            convs = [e for e in stash if e[1] is not None]
-            if convs:
-                W = xp.concatenate([e[3] for e in convs])  # [n*3, P, W], channel h*K + j
-                emit(_spread([e[1].append for e in convs]), _row_norms(W, len(convs), stash[0][3].shape[0], H))
+    def flush(self) -> None:
+        """Compute the queued tokens' batched records and move device records to the host."""
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        rows, emit = self._rows, self._emit
+        if batch:
+            norm_keys, state_keys, conv_keys, logits = [], [], [], []
+            vecs, state_parts, conv_parts = [], [], []
+            for nk, nv, sk, st, ck, cv, lg, _ in batch:
+                norm_keys += nk
+                vecs += nv
+                state_keys += sk
+                conv_keys += ck
+                state_parts += [st] if sk else []
+                conv_parts += [cv] if ck else []
+                logits += [lg] if lg is not None else []
+            if norm_keys:  # MoE output norms: [n] scalars
+                xp = _xp(vecs[0])
+                emit(spread([rows[k].append for k in norm_keys]), xp.sqrt(sq_norms(vecs, 1).reshape(-1)))
+            for keys, parts in ((state_keys, state_parts), (conv_keys, conv_parts)):  # KDA: [n, H] and [n, 3, H]
+                if keys:
+                    emit(spread([rows[k].append for k in keys]), _kda_norms(parts))
+            if logits:
+                ids, probs = top_predictions(_xp(logits[0]).stack(logits), self.top_k)
+                emit(spread([rows["logits.top_ids"].append] * len(logits)), ids)
+                emit(spread([rows["logits.top_probs"].append] * len(logits)), probs)
+            for *_, (keys, values) in batch:  # fresh device arrays (GPU only)
+                for k, v in zip(keys, values, strict=True):
+                    emit(rows[k].append, v)
         if self._pending:
-            pending = _take(self._pending)
-            for put, host in zip([p for p, _ in pending], _to_host([a for _, a in pending]), strict=True):
+            pending = self._pending[:]
+            self._pending.clear()
+            for put, host in zip([p for p, _ in pending], to_host([a for _, a in pending]), strict=True):
                 put(host)
 
     # ------------------------------------------------------------------ results and bookkeeping
@@ -220,6 +270,7 @@ class Recorder(Hooks):
 
     def trace(self, tokens=None) -> Trace:
         """Everything recorded so far as a Trace (stacked host copies; later steps do not change it)."""
+        self.flush()
         n = self.n_tokens
         rows = {k: v[:n] for k, v in self._rows.items() if v}
         toks = list(self.tokens[:n]) if tokens is None else [int(t) for t in tokens]
@@ -229,6 +280,7 @@ class Recorder(Hooks):
 
     def truncate(self, n: int) -> None:
         """Keep the records of the first n tokens (in place)."""
+        self.flush()
         for row in self._rows.values():
             del row[n:]
         del self.tokens[n:]
@@ -237,16 +289,17 @@ class Recorder(Hooks):
         self.position = self.positions[-1] if self.positions else None
 
     def _drop_token_buffers(self) -> None:
-        self._pending.clear()
-        self._windows.clear()
-        self._norm_stash.clear()
-        self._kda_stash.clear()
+        """Forget a token in progress (after an error in the middle of one) and any unflushed batch."""
+        for buf in (self._pending, self._norm_stash, self._state_stash, self._conv_stash, self._fresh_stash, self._batch):
+            buf.clear()
+        self._batch_bytes = 0
 
     def clear_records(self) -> None:
         self.truncate(0)
 
     def state_dict(self, copy_arrays: bool = False) -> dict:
         """The records (lists of per-token host arrays). Arrays are shared unless copy_arrays."""
+        self.flush()
         cp = (lambda a: a.copy()) if copy_arrays else (lambda a: a)
         return {"rows": {k: [cp(a) for a in v] for k, v in self._rows.items()},
                 "tokens": list(self.tokens), "positions": list(self.positions)}
@@ -267,21 +320,35 @@ class Recorder(Hooks):
         out = super().copy()
         out.top_k, out.names_filter, out.full = self.top_k, self.names_filter, self.full
         out._filter_patterns, out._full_patterns = list(self._filter_patterns), list(self._full_patterns)
-        out._rows, out.tokens, out.positions, out._pending, out._windows = {}, [], [], [], {}
-        out._norm_stash, out._kda_stash, out._on_device = [], [], self._on_device
+        out._rows, out.tokens, out.positions, out._pending, out._on_device = {}, [], [], [], self._on_device
+        out._norm_stash, out._state_stash, out._conv_stash, out._fresh_stash = {}, {}, {}, {}
+        out._state_norm_prefixes, out._batch, out._batch_bytes, out._record_top = set(), [], 0, self._record_top
         out.meta = json.loads(json.dumps(self.meta))
         out.load_state_dict(self.state_dict(copy_arrays=deep))
         return out
 
 
-def top_predictions(logits, k: int):
-    """(ids [k] by probability descending, ties by id; softmax probabilities [k]) of one logits vector."""
-    xp = _xp(logits)
-    k = min(k, logits.shape[0])
-    ids = xp.sort(xp.argpartition(-logits, k - 1)[:k]) if k < logits.shape[0] else xp.arange(k)
-    ids = ids[xp.argsort(-logits[ids], kind="stable")]
-    e = xp.exp(logits - logits.max())
-    return ids, e[ids] / e.sum()
+def _kda_now_or_later(arrays: list, row_shape: tuple) -> tuple:
+    """This token's live KDA buffers -> ("raw", stacked copy) when small, normed with the batch later;
+    ("sq", squared norms [n, *row_shape]) now when large (K3: a copy of every state would be ~0.4 GB).
+
+    row_shape: the norms of one buffer: (H,) for a state [H, K, V], (3, H) for a window [3, P, W].
+    """
+    rows_each = int(np.prod(row_shape))
+    if arrays[0].nbytes * len(arrays) <= KDA_DEFER_BYTES:
+        return "raw", stack(arrays), row_shape
+    return "sq", sq_norms(arrays, rows_each), row_shape
+
+
+def _kda_norms(parts: list):
+    """Norms from the batch's (tag, array, row_shape) parts, in order: [n, *row_shape]."""
+    xp, row_shape = _xp(parts[0][1]), parts[0][2]
+    rows_each = int(np.prod(row_shape))
+    if all(p[0] == "raw" for p in parts):  # the tiny-model case: one matmul for the whole batch
+        sq = stacked_sq_norms(parts[0][1] if len(parts) == 1 else xp.concatenate([p[1] for p in parts]), rows_each)
+    else:
+        sq = xp.concatenate([stacked_sq_norms(a, rows_each) if tag == "raw" else a for tag, a, _ in parts])
+    return xp.sqrt(sq).reshape((-1,) + tuple(row_shape))
 
 
 def model_meta(weights) -> dict:
@@ -302,47 +369,3 @@ def model_meta(weights) -> dict:
         "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
         "source": str(weights.source),
     }
-
-
-def _row_norms(x, *shape):
-    """L2 norms of x viewed as [prod(shape), -1], returned as `shape`.
-
-    One einsum: on small rows it is several times cheaper than (x * x).sum(axis=-1).
-    """
-    xp, rows = _xp(x), int(np.prod(shape))
-    x = x.reshape(rows, -1)
-    return xp.sqrt(xp.einsum("ij,ij->i", x, x)).reshape(shape)
-
-
-def _take(items: list) -> list:
-    """The items, leaving the list itself (whose `append` the site functions hold) empty."""
-    out = items[:]
-    items.clear()
-    return out
-
-
-def _spread(puts: list):
-    """A put for a stacked [n, ...] result: row j of it goes to puts[j]."""
-
-    def put_rows(arr):
-        for put, row in zip(puts, arr, strict=True):
-            put(row)
-
-    return put_rows
-
-
-def _to_host(arrays: list) -> list:
-    """Device arrays -> host NumPy arrays with one transfer per dtype."""
-    xp = _xp(arrays[0])
-    out = [None] * len(arrays)
-    by_dtype: dict = {}
-    for i, a in enumerate(arrays):
-        by_dtype.setdefault(a.dtype, []).append(i)
-    for idx in by_dtype.values():
-        flat = xp.concatenate([arrays[i].reshape(-1) for i in idx]).get()
-        offset = 0
-        for i in idx:
-            n = arrays[i].size
-            out[i] = flat[offset : offset + n].reshape(arrays[i].shape)
-            offset += n
-    return out
