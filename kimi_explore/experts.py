@@ -301,17 +301,20 @@ class PackedExperts:
             self._store(missing, new13, new2)
         return w13, w2
 
-    @staticmethod
-    def _multiply_in_place(xp) -> bool:
-        """Per-expert matmuls where the experts lie (host) or one gather + batched matmuls (GPU)."""
-        return xp is np
+    IN_PLACE_BYTES = 1 << 20  # host: experts this large are multiplied where they lie rather than copied
+
+    def _multiply_in_place(self, xp) -> bool:
+        """Per-expert matmuls where the experts lie (host, big experts: a copy costs more than k calls),
+        or one gather + batched matmuls (GPU, and small experts where the calls dominate)."""
+        return xp is np and self.expert_bytes >= self.IN_PLACE_BYTES
 
     def outputs(self, ids, z, act):
         """y_e = w2_e act(w13_e z) for the selected experts, [k, l]: what `latent_moe` needs.
 
-        On the host each expert is multiplied where it lies (cache slot or fresh block) through the
-        same per-expert BLAS call a batched matmul makes (bit-identical, no [k, 2I, l] copy); on a
-        GPU, one gather then batched matmuls (one launch each instead of k).
+        On the host, experts of at least `IN_PLACE_BYTES` are multiplied where they lie (cache slot
+        or fresh block) through the same per-expert BLAS call a batched matmul makes (bit-identical,
+        no [k, 2I, l] copy: at K3 size 2 GB per token); otherwise (GPU; tiny experts) one gather
+        then batched matmuls (one launch each instead of k).
         """
         xp = array_namespace(self.w13_packed)
         if not self._multiply_in_place(xp):

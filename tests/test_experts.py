@@ -59,7 +59,7 @@ def test_device_dequantisation_path_on_the_host(dtype):
 
 def test_device_expert_path_on_the_host(monkeypatch):
     """`outputs` as a GPU runs it (one gather, batched matmuls), with NumPy: same values as the dense bank."""
-    monkeypatch.setattr(PackedExperts, "_multiply_in_place", staticmethod(lambda xp: False))
+    monkeypatch.setattr(PackedExperts, "_multiply_in_place", lambda self, xp: False)
     dense = dense_from_packed(random_bank(np.random.default_rng(12)))
     bank = random_bank(np.random.default_rng(12), capacity=2)
     act = lambda h: np.tanh(h[:, :32]) * h[:, 32:]  # noqa: E731
@@ -85,8 +85,10 @@ def test_gather_equals_the_dense_bank_for_every_cache_size():
             assert len(bank.cached_ids()) <= capacity
 
 
-def test_outputs_equal_the_dense_bank_for_every_cache_size():
-    """The decoder's path (`expert_outputs`): per-expert matmuls in place vs one gather + batched matmuls."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
+def test_outputs_equal_the_dense_bank_for_every_cache_size(in_place, monkeypatch):
+    """The decoder's path (`expert_outputs`), both ways a packed bank runs it, vs the dense bank's gather + batched."""
+    monkeypatch.setattr(PackedExperts, "_multiply_in_place", lambda self, xp: in_place)
     rng = np.random.default_rng(7)
     sequences = [rng.permutation(6)[:4] for _ in range(20)] + [np.array([3, 3]), np.arange(6)[::-1]]
     dense = dense_from_packed(random_bank(np.random.default_rng(8)))
@@ -175,7 +177,9 @@ def decode(w, tokens=TOKENS, hooks=None):
 
 @pytest.mark.parametrize("path", [default_checkpoint(), REFERENCE_DIR], ids=["embedded", "reference"])
 @pytest.mark.parametrize("cache", [0, 1, None], ids=["no-cache", "cache-1", "cache-default"])
-def test_packed_logits_bit_identical_to_dense(path, cache):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
+def test_packed_logits_bit_identical_to_dense(path, cache, in_place, monkeypatch):
+    monkeypatch.setattr(PackedExperts, "_multiply_in_place", lambda self, xp: in_place)
     dense = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="dense")
     packed = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", expert_cache_size=cache)
     assert packed.extra["experts"] == "packed" and dense.extra["experts"] == "dense"
