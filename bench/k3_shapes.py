@@ -233,14 +233,15 @@ def _sync(xp):
 
 
 def measure_bandwidth(device: str) -> dict:
-    """GB/s of a 1 GiB copy (read + write counted) and of a 1 GiB float32 gemv (read), best of 10."""
+    """GB/s of a 1 GiB copy (read + write counted) and of a 1 GiB float32 gemv (read; 7168 columns, as
+    K3's projections), best of 10."""
     from kimi_explore.backend import resolve_device
 
     xp, _ = resolve_device(device)
-    n = (1 << 30) // 4
+    n = (1 << 30) // 4 // 7168 * 7168
     a = xp.ones(n, xp.float32)
     b = xp.empty_like(a)
-    M = a.reshape(1 << 15, -1)
+    M = a.reshape(-1, 7168)
     x = xp.ones(M.shape[1], xp.float32)
 
     def best(fn):
@@ -299,6 +300,7 @@ def child(args) -> dict:
     peak, rss = _status("VmHWM"), _status("VmRSS")
     report = memory_report(w)
     layer, xp, cfg = w.layers[0], w.xp, w.config
+    bandwidth = measure_bandwidth(args.device)  # here too: the same conditions as the timing below
     attn_bytes = _nbytes(layer.attention) + _nbytes(layer.input_layernorm) + _nbytes(layer.attn_res_score)
     ffn = layer.ffn
     moe = isinstance(ffn, LatentMoeWeights)
@@ -344,7 +346,7 @@ def child(args) -> dict:
     return {
         "layer": args.layer, "kind": cfg.layer_kind(args.layer), "device": args.device, "weight_dtype": args.weight_dtype,
         "recorder": bool(args.recorder), "recorded_tokens": recorder.n_tokens if recorder is not None else 0,
-        "load_s": load_s, "rss_before_load": base, "peak_rss_load": peak, "rss_after_load": rss,
+        "bandwidth": bandwidth, "load_s": load_s, "rss_before_load": base, "peak_rss_load": peak, "rss_after_load": rss,
         "kept_bytes": report.total, "memory_report": dict(report),
         "phases": {k: {"attn_ms": float(a), "ffn_ms": float(f), "attn_bytes": attn_bytes, "ffn_bytes": int(fb)}
                    for k, (a, f, fb) in phases.items()},
@@ -384,11 +386,13 @@ def main(argv=None) -> int:
                 print(r.stderr, file=sys.stderr)
                 raise SystemExit(f"child for layer {layer} ({wd}) failed")
             runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    # measured before and after the runs, best kept: other work on a shared machine only lowers it
+    # measured before, during (in each layer's process) and after the runs, best kept: other work on a
+    # shared machine only lowers it, and a floor from a low measurement would flatter the ratios
     after = measure_bandwidth(args.device)
-    bw = {k: max(before[k], after[k]) for k in before}
+    bw = {k: max([before[k], after[k]] + [run["bandwidth"][k] for run in runs]) for k in before}
     print(f"{args.device}: memory bandwidth {bw['bandwidth_GBps']:.1f} GB/s (1 GiB copy {bw['copy_GBps']:.1f} GB/s "
-          f"read+write, 1 GiB float32 gemv {bw['gemv_read_GBps']:.1f} GB/s read; best of 10, before and after the layers)")
+          f"read+write, 1 GiB float32 gemv {bw['gemv_read_GBps']:.1f} GB/s read; best of 10, in {len(runs) + 2} "
+          "measurements before, during and after the layers)")
     B = bw["bandwidth_GBps"] * 1e9
     head = (f"{'layer kind':<10} {'weights':<8} {'phase':<5} {'part':<5} {'ms/tok':>8} {'MB/tok':>8} {'GB/s':>6} "
             f"{'floor ms':>8} {'x floor':>7}")

@@ -22,6 +22,7 @@ matmul sees the same operands as with `DenseExperts` and gives bit-identical log
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -54,6 +55,18 @@ def _factors(scale, dtype):
     return xp.ldexp(xp.ones(scale.shape, dtype=dtype), scale.astype(xp.int32) - 127)
 
 
+_THREADED_BYTES = 1 << 23  # host: split bigger jobs over the cores (take, copyto and multiply release the GIL)
+_POOL: list = []
+
+
+def _pool():
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dequant"))
+    return _POOL[0]
+
+
 def _dequantize_host(packed, scale, dtype, table, out=None):
     """NumPy: 64 KiB of bytes at a time, `take(mode="wrap")` (bounds are known: 0..255), scale in cache."""
     lead, half = packed.shape[:-1], packed.shape[-1]
@@ -62,14 +75,24 @@ def _dequantize_host(packed, scale, dtype, table, out=None):
     fac = _factors(np.ascontiguousarray(scale).reshape(-1), dtype)  # one per 16 bytes (32 values)
     flat = out.reshape(-1)
     dst = flat.view(np.uint64) if table.ndim == 1 else flat.reshape(-1, 2)
-    idx = np.empty(min(_CHUNK, src.size), np.intp)
-    for a in range(0, src.size, _CHUNK):
-        n = min(_CHUNK, src.size - a)
-        i = idx[:n]
-        np.copyto(i, src[a : a + n], casting="unsafe")
-        np.take(table, i, axis=0, out=dst[a : a + n], mode="wrap")
-        groups = flat[2 * a : 2 * (a + n)].reshape(-1, mxfp4.GROUP)
-        groups *= fac[a // 16 : (a + n) // 16, None]
+
+    def run(lo: int, hi: int) -> None:
+        idx = np.empty(min(_CHUNK, hi - lo), np.intp)
+        for a in range(lo, hi, _CHUNK):
+            n = min(_CHUNK, hi - a)
+            i = idx[:n]
+            np.copyto(i, src[a : a + n], casting="unsafe")
+            np.take(table, i, axis=0, out=dst[a : a + n], mode="wrap")
+            groups = flat[2 * a : 2 * (a + n)].reshape(-1, mxfp4.GROUP)
+            groups *= fac[a // 16 : (a + n) // 16, None]
+
+    workers = 1 if src.size < _THREADED_BYTES else _pool()._max_workers
+    if workers == 1:
+        run(0, src.size)
+        return out
+    step = -(-src.size // (workers * _CHUNK)) * _CHUNK  # whole chunks per worker (chunks are whole groups)
+    for f in [_pool().submit(run, a, min(src.size, a + step)) for a in range(0, src.size, step)]:
+        f.result()
     return out
 
 
