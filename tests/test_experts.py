@@ -28,8 +28,12 @@ def random_bank(rng, E=6, I=32, l=64, dtype=np.float32, capacity=0):
     return PackedExperts(p13, s13, p2, s2, dtype=dtype, capacity=capacity)
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "threads"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-def test_dequantize_experts_is_mxfp4_dequantize_bit_for_bit(dtype):
+def test_dequantize_experts_is_mxfp4_dequantize_bit_for_bit(dtype, threaded, monkeypatch):
+    if threaded:  # big jobs are split over the cores in whole chunks: make this small one big, in 3 chunks
+        monkeypatch.setattr(experts, "_THREADED_BYTES", 1)
+        monkeypatch.setattr(experts, "_CHUNK", 96)
     rng = np.random.default_rng(1)
     packed = np.arange(256, dtype=np.uint8).reshape(2, 4, 32)  # every byte value, both nibbles
     # E8M0 from 2^-126 (x 0.5: a float32 subnormal) to 2^124 (x 6 stays finite in float32)
