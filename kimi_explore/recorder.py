@@ -46,7 +46,7 @@ import json
 
 import numpy as np
 
-from ._recording import spread, sq_norms, stack, stacked_sq_norms, take, to_host, top_predictions
+from ._recording import RowSquares, spread, take, to_host, top_predictions
 from ._xp import array_namespace as _xp
 from .hooks import Hooks, check_pattern, is_glob
 from .kda import KdaWeights
@@ -56,8 +56,7 @@ from .trace import Trace
 __all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
 
 FLUSH_TOKENS = 32  # tokens whose batched records (MoE norms, top-k) are computed together
-FLUSH_BYTES = 8 << 20  # ... or fewer, when their copies (logits, small KDA buffers) reach this size
-KDA_DEFER_BYTES = 1 << 20  # a token's KDA states/windows up to this size are copied and normed with the batch
+FLUSH_BYTES = 8 << 20  # ... or fewer, when their logits copies reach this size (K3: a 163840 vocabulary)
 
 # site kind -> how it is recorded by default. "fresh": the decoder makes a new small array there every
 # token and never writes it again, so the record is that array itself (no copy; style rule 8).
@@ -117,6 +116,7 @@ class Recorder(Hooks):
         self._batch: list[tuple] = []  # finished tokens whose batched records are not computed yet
         self._batch_bytes = 0
         self._record_top = False  # set when the logits site's top-k is recorded
+        self._squares = RowSquares()  # per-token squared norms without per-token allocations
         self._pending: list = []  # (put, device array) waiting for the next transfer (GPU only)
         self._on_device = False
         self.meta: dict = {}
@@ -207,25 +207,27 @@ class Recorder(Hooks):
             self._cache.clear()  # rebuild the site functions for device arrays
 
     def _end_token(self, value):
-        """Last function at "logits": take what the batch needs from this token's stashes."""
-        state = conv = None
-        state_keys, conv_keys = [], []
+        """Last function at "logits": squared norms of this token's stashed vectors and live buffers, logits copy."""
+        state = conv = moe = None
+        prefixes = cprefixes = norm_keys = ()
         if self._state_stash:
             prefixes, states = take(self._state_stash)
             H = states[0].shape[0]
-            keep = [j for j, p in enumerate(prefixes) if p in self._state_norm_prefixes]
-            if keep:
-                state_keys = [prefixes[j] + "state.norm" for j in keep]
-                state = _kda_now_or_later([states[j] for j in keep], (H,))
+            if len(self._state_norm_prefixes) != len(prefixes):  # only some layers' state norms wanted
+                keep = [j for j, p in enumerate(prefixes) if p in self._state_norm_prefixes]
+                prefixes, states = [prefixes[j] for j in keep], [states[j] for j in keep]
+            if prefixes:
+                state = self._squares.of(states, H)  # [n, H]
             if self._conv_stash:
                 cprefixes, windows = take(self._conv_stash)  # [3, P, W] each, channel h*K + j
-                conv_keys = [p + "conv.norm" for p in cprefixes]
-                conv = _kda_now_or_later(windows, (windows[0].shape[0], H))
-        norm_keys, norm_vecs = take(self._norm_stash)
-        fresh = take(self._fresh_stash)
+                conv = self._squares.of(windows, windows[0].shape[0] * H)  # [n, 3H]
+        if self._norm_stash:
+            norm_keys, vecs = take(self._norm_stash)
+            moe = self._squares.of(vecs, 1)  # [n, 1]
+        fresh = take(self._fresh_stash) if self._fresh_stash else ((), ())
         logits = value.copy() if self._record_top else None  # the caller may write into the logits it gets back
-        self._batch.append((norm_keys, norm_vecs, state_keys, state, conv_keys, conv, logits, fresh))
-        self._batch_bytes += (0 if logits is None else logits.nbytes) + sum(x[1].nbytes for x in (state, conv) if x)
+        self._batch.append((norm_keys, moe, prefixes, state, cprefixes, conv, logits, fresh))
+        self._batch_bytes += value.nbytes
         if len(self._batch) >= FLUSH_TOKENS or self._batch_bytes >= FLUSH_BYTES:
             self.flush()
 
@@ -234,22 +236,27 @@ class Recorder(Hooks):
         batch, self._batch, self._batch_bytes = self._batch, [], 0
         rows, emit = self._rows, self._emit
         if batch:
-            norm_keys, state_keys, conv_keys, logits = [], [], [], []
-            vecs, state_parts, conv_parts = [], [], []
-            for nk, nv, sk, st, ck, cv, lg, _ in batch:
-                norm_keys += nk
-                vecs += nv
-                state_keys += sk
-                conv_keys += ck
-                state_parts += [st] if sk else []
-                conv_parts += [cv] if ck else []
-                logits += [lg] if lg is not None else []
-            if norm_keys:  # MoE output norms: [n] scalars
-                xp = _xp(vecs[0])
-                emit(spread([rows[k].append for k in norm_keys]), xp.sqrt(sq_norms(vecs, 1).reshape(-1)))
-            for keys, parts in ((state_keys, state_parts), (conv_keys, conv_parts)):  # KDA: [n, H] and [n, 3, H]
-                if keys:
-                    emit(spread([rows[k].append for k in keys]), _kda_norms(parts))
+            keys = {"moe": [], "state": [], "conv": []}
+            squares = {"moe": [], "state": [], "conv": []}
+            logits = []
+            for nk, moe, sp, st, cp, cv, lg, _ in batch:
+                for kind, ks, sq in (("moe", nk, moe), ("state", [p + "state.norm" for p in sp], st),
+                                     ("conv", [p + "conv.norm" for p in cp], cv)):
+                    if sq is not None:
+                        keys[kind] += ks
+                        squares[kind].append(sq)
+                if lg is not None:
+                    logits.append(lg)
+            for kind, per_row in (("moe", ()), ("state", None), ("conv", 3)):
+                if keys[kind]:  # MoE output norms: scalars; KDA state: [H]; conv: [3, H]
+                    sq = squares[kind]
+                    xp = _xp(sq[0])
+                    norms = xp.sqrt(sq[0] if len(sq) == 1 else xp.concatenate(sq))
+                    if per_row == ():
+                        norms = norms.reshape(-1)
+                    elif per_row == 3:
+                        norms = norms.reshape(norms.shape[0], 3, -1)
+                    emit(spread([rows[k].append for k in keys[kind]]), norms)
             if logits:
                 ids, probs = top_predictions(_xp(logits[0]).stack(logits), self.top_k)
                 emit(spread([rows["logits.top_ids"].append] * len(logits)), ids)
@@ -323,32 +330,10 @@ class Recorder(Hooks):
         out._rows, out.tokens, out.positions, out._pending, out._on_device = {}, [], [], [], self._on_device
         out._norm_stash, out._state_stash, out._conv_stash, out._fresh_stash = {}, {}, {}, {}
         out._state_norm_prefixes, out._batch, out._batch_bytes, out._record_top = set(), [], 0, self._record_top
+        out._squares = RowSquares()
         out.meta = json.loads(json.dumps(self.meta))
         out.load_state_dict(self.state_dict(copy_arrays=deep))
         return out
-
-
-def _kda_now_or_later(arrays: list, row_shape: tuple) -> tuple:
-    """This token's live KDA buffers -> ("raw", stacked copy) when small, normed with the batch later;
-    ("sq", squared norms [n, *row_shape]) now when large (K3: a copy of every state would be ~0.4 GB).
-
-    row_shape: the norms of one buffer: (H,) for a state [H, K, V], (3, H) for a window [3, P, W].
-    """
-    rows_each = int(np.prod(row_shape))
-    if arrays[0].nbytes * len(arrays) <= KDA_DEFER_BYTES:
-        return "raw", stack(arrays), row_shape
-    return "sq", sq_norms(arrays, rows_each), row_shape
-
-
-def _kda_norms(parts: list):
-    """Norms from the batch's (tag, array, row_shape) parts, in order: [n, *row_shape]."""
-    xp, row_shape = _xp(parts[0][1]), parts[0][2]
-    rows_each = int(np.prod(row_shape))
-    if all(p[0] == "raw" for p in parts):  # the tiny-model case: one matmul for the whole batch
-        sq = stacked_sq_norms(parts[0][1] if len(parts) == 1 else xp.concatenate([p[1] for p in parts]), rows_each)
-    else:
-        sq = xp.concatenate([stacked_sq_norms(a, rows_each) if tag == "raw" else a for tag, a, _ in parts])
-    return xp.sqrt(sq).reshape((-1,) + tuple(row_shape))
 
 
 def model_meta(weights) -> dict:

@@ -241,3 +241,56 @@ def test_to_pandas_long_format(recorded):
     # NaN padding of the growing MLA probs is left out: head x positions so far
     assert (df.name == "layers.2.mla.probs").sum() == 6 * sum(range(1, 17))
     assert df[df.name == "final.attn_res.weights"].layer.isna().all()
+
+
+# ---------------------------------------------------------------- the batched array helpers
+
+
+def test_row_squares_small_and_large_paths(monkeypatch):
+    from kimi_explore import _recording
+
+    rng = np.random.default_rng(0)
+    states = [rng.standard_normal((4, 8, 8)).astype(np.float32) for _ in range(5)]
+    want = np.stack([(s.astype(np.float64) ** 2).sum(axis=(1, 2)) for s in states])
+    rs = _recording.RowSquares()
+    for _ in range(2):  # the second call reuses the scratch buffer
+        np.testing.assert_allclose(rs.of(states, 4), want, rtol=1e-5)
+    states[0][0, 0, 0] += 1  # the scratch buffer holds no stale copy
+    want[0, 0] = (states[0][0].astype(np.float64) ** 2).sum()
+    np.testing.assert_allclose(rs.of(states, 4), want, rtol=1e-5)
+    monkeypatch.setattr(_recording, "BUFFER_BYTES", 100)  # K3-sized inputs: array by array
+    np.testing.assert_allclose(_recording.RowSquares().of(states, 4), want, rtol=1e-5)
+    windows = [rng.standard_normal((3, 32, 4)).astype(np.float32) for _ in range(3)]  # 4 heads of 8 channels
+    got = _recording.RowSquares().of(windows, 12).reshape(3, 3, 4)
+    ref = np.stack([(w.reshape(3, 4, 8 * 4).astype(np.float64) ** 2).sum(axis=2) for w in windows])
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("V", [256, 20000], ids=["full-sort", "partition"])
+def test_top_predictions_both_paths(V):
+    from kimi_explore._recording import top_predictions
+
+    rng = np.random.default_rng(V)
+    logits = rng.standard_normal((3, V)).astype(np.float32)
+    logits[1, [5, 9]] = logits[1].max() + 1  # a tie: the lower id comes first
+    ids, probs = top_predictions(logits, 7)
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    want = np.argsort(-p, axis=1, kind="stable")[:, :7]
+    np.testing.assert_array_equal(ids, want)
+    assert list(ids[1, :2]) == [5, 9]
+    np.testing.assert_allclose(probs, np.take_along_axis(p, want, axis=1), rtol=1e-5)
+    one_ids, one_probs = top_predictions(logits[0], 7)
+    np.testing.assert_array_equal(one_ids, ids[0])
+
+
+@pytest.mark.parametrize("every", [1, 3, 5])
+def test_batch_boundaries_do_not_change_records(ref_weights, ref, recorded, monkeypatch, every):
+    from kimi_explore import recorder
+
+    monkeypatch.setattr(recorder, "FLUSH_TOKENS", every)
+    rec = Recorder(full=["layers.*.kda.conv", "layers.*.kda.state", "layers.*.moe.*_out", "layers.2.mla.probs",
+                         "final.block_residual"]).bind(ref_weights)
+    run(ref_weights, ref["tokens"], rec)
+    assert rec.trace().equals(recorded[0])
