@@ -3,7 +3,8 @@
 Every function reads a `kimi_explore.Trace` (what a `Recorder` collected) and returns a NEW
 `Figure` built with matplotlib's object-oriented API: no pyplot, no global state, safe under Agg, in
 threads and in a kernel without a display. `figure_png(fig)` turns one into PNG bytes for widgets
-and reports. In a notebook a Figure displays inline like any matplotlib figure.
+and reports. The figures are `InlineFigure`s, a Figure with a `_repr_png_`, so a cell that ends with
+one shows the picture without `%matplotlib inline`.
 
 What each view reads (shapes as the Trace returns them; T tokens, L layers, S sources, E experts):
   block residuals  trace.attn_res_weights()         [T, L, site, S]  site 0 = before attention,
@@ -49,6 +50,7 @@ __all__ = [
     "block_residual_token",
     "compare_predictions",
     "expert_load",
+    "InlineFigure",
     "figure_png",
     "kda_state_curves",
     "kda_state_heatmap",
@@ -72,6 +74,16 @@ def figure_png(fig: Figure, dpi: int = 100) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
+
+
+class InlineFigure(Figure):
+    """A plain Figure that also shows itself as a PNG when it is a notebook cell's result.
+
+    A bare `Figure` (no pyplot) otherwise displays as its text repr unless `%matplotlib inline` ran.
+    """
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self)
 
 
 # ---------------------------------------------------------------- block attention residuals
@@ -99,7 +111,7 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     final = np.asarray(trace.final_attn_res_weights()[t], dtype=float)  # [S]
     sources, rows = list(trace.source_labels()), _layer_row_labels(trace)
     n_layers = len(rows)
-    fig = Figure(figsize=(13, span_inches(n_layers, 0.3, 4.5, 13)), layout="constrained")
+    fig = InlineFigure(figsize=(13, span_inches(n_layers, 0.3, 4.5, 13)), layout="constrained")
     axes = fig.subplots(1, 3, width_ratios=[1, 1, 0.75])
     valid = np.isfinite(w[:, 1, :]).sum(axis=1)
     for site, ax in enumerate(axes[:2]):
@@ -129,7 +141,7 @@ def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
     j = layer_position(trace, layer)
     w = trace.attn_res_weights()[:, j]  # [T, 2, S]
     rows, sources = token_labels(trace.tokens, tokenizer), list(trace.source_labels())
-    fig = Figure(figsize=(11, span_inches(len(rows), 0.3, 4, 12)), layout="constrained")
+    fig = InlineFigure(figsize=(11, span_inches(len(rows), 0.3, 4, 12)), layout="constrained")
     axes = fig.subplots(1, 2)
     for site, ax in enumerate(axes):
         if not np.isfinite(w[:, site]).any():
@@ -168,7 +180,7 @@ def kda_state_heatmap(trace, layer: int, tokenizer=None) -> Figure:
     norms, ids = _kda(trace)
     data = norms[:, _kda_position(ids, layer)]  # [T, H]
     rows = token_labels(trace.tokens, tokenizer)
-    fig = Figure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
+    fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
     im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap=NORM_CMAP, vmin=0.0)
@@ -182,7 +194,7 @@ def kda_state_overview(trace, token: int = -1, tokenizer=None) -> Figure:
     norms, ids = _kda(trace)
     t = token_index(trace, token)
     data = norms[t]  # [kda_layer, H]
-    fig = Figure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(ids), 0.3, 3.5, 12)),
+    fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(ids), 0.3, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
     im = heatmap(ax, data, rows=[str(i) for i in ids], cols=[str(h) for h in range(data.shape[1])],
@@ -193,7 +205,7 @@ def kda_state_overview(trace, token: int = -1, tokenizer=None) -> Figure:
     return fig
 
 
-def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 8) -> Figure:
+def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 4) -> Figure:
     """State norm over tokens for chosen KDA layers: mean over heads, band = min..max head.
 
     layers: KDA layer ids; default all of them, or `max_layers` evenly spaced ones when there are more.
@@ -202,7 +214,7 @@ def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 8) ->
     if layers is None:
         pick = np.unique(np.linspace(0, len(ids) - 1, min(len(ids), max_layers)).round().astype(int))
         layers = [ids[p] for p in pick]
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    fig = InlineFigure(figsize=(10, 4.5), layout="constrained")
     ax = fig.subplots()
     x = np.arange(norms.shape[0])
     colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, len(layers)))
@@ -256,7 +268,7 @@ def moe_routing_token(trace, token: int = -1, tokenizer=None) -> Figure:
     r = routing(trace)
     t = token_index(trace, token)
     n_experts = r["scores"].shape[2]
-    fig = Figure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(r["moe_layers"]), 0.32, 3.5, 12)),
+    fig = InlineFigure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(r["moe_layers"]), 0.32, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
     key = _score_panel(fig, ax, r["scores"][t], r["topk_ids"][t], r["topk_weights"][t], moe_layer_labels(r), n_experts)
@@ -273,7 +285,7 @@ def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
     j = r["moe_layers"].index(layer)
     n_experts = r["scores"].shape[2]
     rows = token_labels(trace.tokens, tokenizer)
-    fig = Figure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(rows), 0.32, 3.5, 12)),
+    fig = InlineFigure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(rows), 0.32, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
     key = _score_panel(fig, ax, r["scores"][:, j], r["topk_ids"][:, j], r["topk_weights"][:, j], rows, n_experts)
@@ -298,7 +310,7 @@ def expert_load(trace, layer=None) -> Figure:
         where = f"all {n_layers} MoE layers"
     chosen = ids.ravel().astype(np.int64)
     counts = np.bincount(chosen[chosen >= 0], minlength=n_experts)  # -1 pads a shortened (ablated) top-k
-    fig = Figure(figsize=(span_inches(n_experts, 0.4, 7, 14), 4), layout="constrained")
+    fig = InlineFigure(figsize=(span_inches(n_experts, 0.4, 7, 14), 4), layout="constrained")
     ax = fig.subplots()
     ax.bar(np.arange(n_experts), counts, width=0.85 if n_experts <= 128 else 1.0, color="#4c72b0")
     ax.axhline(n_tokens * n_layers * k / n_experts, color="black", ls="--", lw=1, label="uniform load")
@@ -313,7 +325,7 @@ def expert_load(trace, layer=None) -> Figure:
 def moe_output_norms(trace, token=None, tokenizer=None) -> Figure:
     """‖routed output‖ and ‖shared output‖ per MoE layer: at one token, or mean over tokens (band min..max)."""
     layers = routing(trace)["moe_layers"]
-    fig = Figure(figsize=(span_inches(len(layers), 0.3, 8, 14), 4.2), layout="constrained")
+    fig = InlineFigure(figsize=(span_inches(len(layers), 0.3, 8, 14), 4.2), layout="constrained")
     ax = fig.subplots()
     x = np.arange(len(layers))
     for part, color in (("routed", "#d62728"), ("shared", "#1f77b4")):
@@ -342,7 +354,7 @@ def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
     probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
     fed_next = int(trace.tokens[t + 1]) if t + 1 < len(trace.tokens) else None
     names = [token_labels([i], tokenizer, positions=False)[0] for i in ids]
-    fig = Figure(figsize=(7, span_inches(len(ids), 0.38, 3, 8)), layout="constrained")
+    fig = InlineFigure(figsize=(7, span_inches(len(ids), 0.38, 3, 8)), layout="constrained")
     ax = fig.subplots()
     colors = [TOPK_COLOR if i == fed_next else "#4c72b0" for i in ids]
     ax.barh(np.arange(len(ids)), probs, color=colors)
@@ -375,7 +387,7 @@ def compare_predictions(base_logits, other_logits, tokenizer=None, k: int = 10,
     top = list(dict.fromkeys([*np.argsort(-p)[:k], *np.argsort(-q)[:k]]))
     top.sort(key=lambda i: -max(p[i], q[i]))
     y = np.arange(len(top))
-    fig = Figure(figsize=(8, span_inches(len(top), 0.36, 3.5, 9)), layout="constrained")
+    fig = InlineFigure(figsize=(8, span_inches(len(top), 0.36, 3.5, 9)), layout="constrained")
     ax = fig.subplots()
     ax.barh(y - 0.2, p[top], height=0.4, color="#4c72b0", label=names[0])
     ax.barh(y + 0.2, q[top], height=0.4, color=TOPK_COLOR, label=names[1])
@@ -383,7 +395,7 @@ def compare_predictions(base_logits, other_logits, tokenizer=None, k: int = 10,
     ax.invert_yaxis()
     kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
     flipped = int(np.argmax(p)) != int(np.argmax(q))
-    summary = f"KL(baseline‖intervention) = {kl:.4f}" + ("; top-1 changed" if flipped else "; same top-1")
+    summary = f"KL({names[0]} ‖ {names[1]}) = {kl:.4f}" + ("; top-1 changed" if flipped else "; same top-1")
     ax.set(xlabel="probability", title=(title + "\n" if title else "") + summary)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)

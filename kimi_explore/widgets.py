@@ -32,7 +32,7 @@ import numpy as np
 
 from . import interventions, plots
 
-__all__ = ["Explorer", "parse_experts", "parse_ids"]
+__all__ = ["Explorer", "parse_experts", "parse_ids", "rerun", "rerun_token"]
 
 TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")
 
@@ -59,6 +59,29 @@ def parse_experts(text: str, chosen) -> str | list[int]:
     return parse_ids(text)
 
 
+def rerun(session, *hook_sets, start: int = 0, stop: int | None = None):
+    """A fork of `session` that decodes tokens[start:stop] again with `hook_sets` attached.
+
+    The fork is rewound exactly to the state before token `start` (see `Session.rewind`), so its
+    trace and logits answer "what would the model have done from there under this intervention";
+    `session` itself is never touched. Returns the fork (a Session with tokens[:stop]).
+    """
+    n = len(session)
+    stop = n if stop is None else stop
+    if not 0 <= start < stop <= n:
+        raise IndexError(f"rerun: need 0 <= start < stop <= {n} (the session's history), got start={start}, stop={stop}")
+    fork = session.fork()
+    fork.rewind(start)
+    with fork.intervene(*hook_sets):
+        fork.feed(session.tokens[start:stop])
+    return fork
+
+
+def rerun_token(session, t: int, *hook_sets):
+    """Logits [vocab] of token t decoded again, with `hook_sets` attached, on a fork (see `rerun`)."""
+    return rerun(session, *hook_sets, start=t, stop=t + 1).logits[-1]
+
+
 def _image() -> widgets.Image:
     return widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto"))
 
@@ -81,11 +104,13 @@ class Explorer(widgets.VBox):
         self.moe_layers = [i for i in weights.layer_ids if cfg.is_moe_layer(i)]
 
         has_tok = self.tokenizer is not None
-        self.mode = widgets.ToggleButtons(options=["text", "ids"] if has_tok else ["ids"], value="text" if has_tok else "ids",
-                                          description="prompt as", style={"button_width": "60px"})
+        modes = ["text", "ids"] if has_tok else ["ids"]
+        tips = {"text": "encode the prompt with the tokenizer", "ids": "the prompt is comma-separated token ids"}
+        self.mode = widgets.ToggleButtons(options=modes, value=modes[0], tooltips=[tips[m] for m in modes],
+                                          style={"button_width": "48px"})
         if prompt is not None and not isinstance(prompt, str):
             prompt, self.mode.value = ", ".join(str(int(i)) for i in prompt), "ids"
-        self.prompt = widgets.Text(value=prompt or "", placeholder="text, or ids like 17,203,5",
+        self.prompt = widgets.Text(value=prompt or "", placeholder="text, or ids like 17,203,5", description="prompt",
                                    layout=widgets.Layout(width="60%"))
         self.step_button = widgets.Button(description="Step", icon="step-forward", button_style="primary",
                                           tooltip="decode one token")
@@ -94,8 +119,8 @@ class Explorer(widgets.VBox):
                                           tooltip="feed the rest of the prompt, then generate")
         self.reset_button = widgets.Button(description="Reset", icon="undo", tooltip="rewind to an empty session")
         self.status = widgets.HTML()
-        self.token = widgets.IntSlider(min=0, max=0, value=0, description="token", continuous_update=False,
-                                       layout=widgets.Layout(width="60%"))
+        self.token = widgets.IntSlider(min=0, max=0, value=0, description="token", continuous_update=False, readout=False,
+                                       layout=widgets.Layout(width="50%"))  # token_label reads it out, with the text
         self.token_label = widgets.HTML()
         self.layer = widgets.Dropdown(options=[(f"{i}  {kinds[i]}", i) for i in weights.layer_ids],
                                       value=self.moe_layers[0] if self.moe_layers else weights.layer_ids[0],
@@ -131,12 +156,12 @@ class Explorer(widgets.VBox):
         self.mode.observe(lambda _: self._update_status(), names="value")
 
         super().__init__([
-            widgets.HBox([self.mode, self.prompt]),
+            widgets.HBox([self.prompt, self.mode]),
             widgets.HBox([self.step_button, self.back_button, self.play_button, self.reset_button, self.status]),
             widgets.HBox([self.token, self.token_label, self.layer]),
             self.tabs,
         ])
-        self._sync()
+        self._sync(show_last=True)
 
     # ------------------------------------------------------------------ the prompt
     def prompt_ids(self) -> list[int]:
@@ -209,10 +234,7 @@ class Explorer(widgets.VBox):
         except ValueError as e:
             note.value = f"<span style='color:#b00'>{e}</span>"
             return None
-        fork = self.session.fork()  # the main session stays exactly as it is
-        fork.rewind(t)
-        with fork.intervene(interventions.ablate_experts(layer, experts, positions=t)):
-            ablated = fork.step(self.session.tokens[t])
+        ablated = rerun_token(self.session, t, interventions.ablate_experts(layer, experts, positions=t))
         name = f"without experts {experts} at layer {layer}" if experts != "all" else f"without routed experts at layer {layer}"
         fig = plots.compare_predictions(self.session.logits[t], ablated, tokenizer=self.tokenizer,
                                         names=("as run", name),

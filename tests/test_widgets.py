@@ -11,7 +11,7 @@ import pytest
 
 from kimi_explore import Session, interventions
 from kimi_explore.tokenizer import ByteTokenizer
-from kimi_explore.widgets import TABS, Explorer, parse_experts, parse_ids
+from kimi_explore.widgets import TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
 
 PROMPT = "Hi K3!"
 
@@ -188,3 +188,27 @@ def test_ablation_control_errors(explorer):
     assert ex.ablate() is None and "dense FFN" in ex.notes["ablation"].value
     ex.layer.value, ex.experts.value = 5, "3, x"
     assert ex.ablate() is None and "'x' is not an integer" in ex.notes["ablation"].value
+
+
+def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
+    tok = ByteTokenizer()
+    s = Session(tiny_weights, tokenizer=tok)
+    s.feed(tok.encode("abcde"))
+    tokens, logits, state = s.tokens, s.logits, state_arrays(s)
+    fork = rerun(s, interventions.zero_kda_head(1, 2), start=1)
+    assert s.tokens == tokens  # untouched
+    np.testing.assert_array_equal(s.logits, logits)
+    assert_same_state(state_arrays(s), state)
+    ref = Session(tiny_weights, recorder=False)
+    ref.step(tokens[0])
+    with ref.intervene(interventions.zero_kda_head(1, 2)):
+        ref.feed(tokens[1:])
+    np.testing.assert_allclose(fork.logits, ref.logits, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(fork.logits[0], logits[0])  # before `start` nothing changes
+    assert np.abs(fork.logits[-1] - logits[-1]).max() > 1e-4
+    norms = fork.trace()["layers.1.kda.state.norm"]
+    assert np.all(norms[1:, 2] == 0) and norms[0, 2] > 0  # the head is silenced from `start` on
+    np.testing.assert_array_equal(rerun_token(s, 4, interventions.zero_kda_head(1, 2)), rerun(
+        s, interventions.zero_kda_head(1, 2), start=4).logits[-1])
+    with pytest.raises(IndexError, match="0 <= start < stop <= 5"):
+        rerun(s, start=5)
