@@ -171,6 +171,7 @@ class Recorder(Hooks):
             put(np.asarray(arr))
         else:
             self._pending.append((put, arr))
+            self._batch_bytes += arr.nbytes  # device memory held until the next transfer
 
     def _recording_fn(self, name: str, kind: str):
         how = DEFAULT_SITES[kind]
@@ -247,28 +248,28 @@ class Recorder(Hooks):
                         squares[kind].append(sq)
                 if lg is not None:
                     logits.append(lg)
-            for kind, per_row in (("moe", ()), ("state", None), ("conv", 3)):
-                if keys[kind]:  # MoE output norms: scalars; KDA state: [H]; conv: [3, H]
+            # squared norms -> norms, one row per record: MoE outputs [n, 1] -> scalars, KDA states [n, H],
+            # KDA conv windows [n, 3H] -> [n, 3 (q, k, v), H]
+            for kind, shaped in (("moe", lambda x: x.reshape(-1)), ("state", lambda x: x),
+                                 ("conv", lambda x: x.reshape(x.shape[0], 3, -1))):
+                if keys[kind]:
                     sq = squares[kind]
                     xp = _xp(sq[0])
-                    norms = xp.sqrt(sq[0] if len(sq) == 1 else xp.concatenate(sq))
-                    if per_row == ():
-                        norms = norms.reshape(-1)
-                    elif per_row == 3:
-                        norms = norms.reshape(norms.shape[0], 3, -1)
+                    norms = shaped(xp.sqrt(sq[0] if len(sq) == 1 else xp.concatenate(sq)))
                     emit(spread([rows[k].append for k in keys[kind]]), norms)
             if logits:
                 ids, probs = top_predictions(_xp(logits[0]).stack(logits), self.top_k)
                 emit(spread([rows["logits.top_ids"].append] * len(logits)), ids)
                 emit(spread([rows["logits.top_probs"].append] * len(logits)), probs)
-            for *_, (keys, values) in batch:  # fresh device arrays (GPU only)
-                for k, v in zip(keys, values, strict=True):
+            for *_, (fresh_keys, fresh_values) in batch:  # fresh device arrays (GPU only)
+                for k, v in zip(fresh_keys, fresh_values, strict=True):
                     emit(rows[k].append, v)
         if self._pending:
             pending = self._pending[:]
             self._pending.clear()
             for put, host in zip([p for p, _ in pending], to_host([a for _, a in pending]), strict=True):
                 put(host)
+        self._batch_bytes = 0
 
     # ------------------------------------------------------------------ results and bookkeeping
     @property
@@ -324,17 +325,16 @@ class Recorder(Hooks):
 
     def copy(self, deep: bool = True) -> Recorder:
         """A Recorder with the same settings, hooks and records (copied arrays when deep)."""
-        out = super().copy()
-        out.top_k, out.names_filter, out.full = self.top_k, self.names_filter, self.full
-        out._filter_patterns, out._full_patterns = list(self._filter_patterns), list(self._full_patterns)
-        out._rows, out.tokens, out.positions, out._pending, out._on_device = {}, [], [], [], self._on_device
-        out._norm_stash, out._state_stash, out._conv_stash, out._fresh_stash = {}, {}, {}, {}
-        out._state_norm_prefixes, out._batch, out._batch_bytes, out._record_top = set(), [], 0, self._record_top
-        out._squares = RowSquares()
+        out = type(self)(top_k=self.top_k)
+        out.names_filter, out._filter_patterns = self.names_filter, list(self._filter_patterns)
+        out.full, out._full_patterns = self.full, list(self._full_patterns)
+        out._known, out._known_order, out._on_device = self._known, self._known_order, self._on_device
         out.meta = json.loads(json.dumps(self.meta))
+        for h in self._handles:
+            out.add(h.pattern, h.fn, names_filter=h.names_filter)
         out.load_state_dict(self.state_dict(copy_arrays=deep))
+        out.token_id = self.token_id
         return out
-
 
 def model_meta(weights) -> dict:
     """What plots need to label a trace without the weights (JSON-able)."""
