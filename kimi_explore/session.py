@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +33,7 @@ from .hooks import HookChain, Hooks
 from .kimi_decoder import KimiDecodeState, KimiLayerState, kimi_forward_token
 from .recorder import Recorder
 
-__all__ = ["Session", "SessionSnapshot", "copy_state", "weights_fingerprint"]
-
-FORMAT = "kimi_explore.session/1"
+__all__ = ["Session", "SessionSnapshot", "copy_state"]
 
 
 def copy_state(state: KimiDecodeState) -> KimiDecodeState:
@@ -254,130 +250,13 @@ class Session:
         checkpoints=False leaves the kept state copies out (smaller file; a loaded session can then
         rewind exactly only over tokens decoded without value-changing hooks).
         """
-        path = Path(path)
-        if path.suffix != ".npz":
-            path = path.with_name(path.name + ".npz")
-        arrays, layout = {}, {}
-        states = [("state", self.state)] + ([(f"ckpt{t}", s) for t, s in self._checkpoints.items()] if checkpoints else [])
-        for key, state in states:
-            layout[key] = _put_state(arrays, key, state)
-        rec = None
-        if self.recorder is not None:
-            rec = {"top_k": self.recorder.top_k, "tokens": self.recorder.tokens, "positions": self.recorder.positions,
-                   "filter": _patterns(self.recorder, "_filter_patterns", "names_filter"),
-                   "full": _patterns(self.recorder, "_full_patterns", "full"), "keys": []}
-            for k, rows in self.recorder.state_dict()["rows"].items():
-                if rows:
-                    rec["keys"].append(k)
-                    arrays[f"rec/{k}/flat"] = np.concatenate([np.asarray(r).reshape(-1) for r in rows])
-                    arrays[f"rec/{k}/shapes"] = np.array([np.shape(r) for r in rows], dtype=np.int64).reshape(len(rows), -1)
-        header = {"format": FORMAT, "fingerprint": weights_fingerprint(self.weights), "tokens": self._tokens,
-                  "modified": self._modified, "layout": layout, "checkpoint_every": self.checkpoint_every, "recorder": rec}
-        arrays["logits"] = self.logits
-        np.savez_compressed(path, header=np.array(json.dumps(header)), **arrays)
-        return path
+        from ._session_io import save_session
+
+        return save_session(self, path, checkpoints)
 
     @classmethod
     def load_state(cls, path, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None) -> Session:
         """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs)."""
-        with np.load(path, allow_pickle=False) as z:
-            if "header" not in z.files:
-                raise ValueError(f"{path}: not a kimi_explore session state (no 'header' entry)")
-            header = json.loads(str(z["header"]))
-            if header.get("format") != FORMAT:
-                raise ValueError(f"{path}: session format {header.get('format')!r}, this version reads {FORMAT!r}")
-            _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
-            saved = header["recorder"]
-            if recorder is True and saved:
-                recorder = Recorder(top_k=saved["top_k"], names_filter=saved["filter"], full=saved["full"] or ())
-            s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=header["checkpoint_every"])
-            s.state = _get_state(z, "state", header["layout"]["state"], weights)
-            s._checkpoints = {int(k[4:]): _get_state(z, k, lay, weights) for k, lay in header["layout"].items() if k != "state"}
-            s._tokens, s._modified = [int(t) for t in header["tokens"]], [bool(m) for m in header["modified"]]
-            s._logits = list(z["logits"])
-            if s.recorder is not None and saved:
-                rows = {}
-                for k in saved["keys"]:
-                    flat, shapes = z[f"rec/{k}/flat"], z[f"rec/{k}/shapes"]
-                    sizes = np.prod(shapes, axis=1).astype(int) if shapes.shape[1] else np.ones(len(shapes), int)
-                    parts = np.split(flat, np.cumsum(sizes)[:-1])
-                    rows[k] = [p.reshape(tuple(sh)) for p, sh in zip(parts, shapes, strict=True)]
-                s.recorder.load_state_dict({"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]})
-        return s
+        from ._session_io import load_session
 
-
-def _patterns(rec: Recorder, attr: str, what: str):
-    pats = getattr(rec, attr)
-    if getattr(rec, what) is not None and not pats:
-        return None  # a callable filter cannot be saved; the loaded session records with the default
-    return pats or None
-
-
-def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
-    layers = []
-    for j, ls in enumerate(state.layers):
-        att = ls.attention
-        scalars = {}
-        for f in dataclasses.fields(att):
-            v = getattr(att, f.name)
-            if hasattr(v, "shape"):
-                arrays[f"{key}/{j}/{f.name}"] = to_numpy(v)
-            else:
-                scalars[f.name] = v
-        layers.append({"type": type(att).__name__, "scalars": scalars})
-    return {"position": state.position, "layers": layers}
-
-
-def _get_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
-    fresh = KimiDecodeState.new(weights)
-    if len(layout["layers"]) != len(fresh.layers):
-        raise ValueError(f"saved state has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
-    layers = []
-    for j, (lay, ls) in enumerate(zip(layout["layers"], fresh.layers, strict=True)):
-        att = ls.attention
-        if type(att).__name__ != lay["type"]:
-            raise ValueError(f"saved layer {j} state is {lay['type']}, these weights need {type(att).__name__}")
-        kw = dict(lay["scalars"])
-        for f in dataclasses.fields(att):
-            v = getattr(att, f.name)
-            if hasattr(v, "shape"):
-                a = z[f"{key}/{j}/{f.name}"]
-                if a.dtype != v.dtype or a.shape[0] != v.shape[0]:
-                    raise ValueError(f"saved {key} layer {j} {f.name}: {a.dtype}{a.shape}, these weights need {v.dtype}{v.shape}")
-                kw[f.name] = weights.xp.asarray(a)
-        layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
-    return KimiDecodeState(layers, int(layout["position"]))
-
-
-def weights_fingerprint(weights) -> dict:
-    """Config, layer ids, dtype and a hash of a sample of every weight tensor (cheap even for K3)."""
-    cfg = json.dumps(dataclasses.asdict(weights.config), sort_keys=True, default=str)
-    h = hashlib.sha256()
-    for a in _weight_arrays(weights):
-        flat = a.reshape(-1)
-        sample = to_numpy(flat[:: max(1, flat.shape[0] // 64)][:64])
-        h.update(np.ascontiguousarray(sample).tobytes())
-    return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "layer_ids": [int(i) for i in weights.layer_ids],
-            "dtype": np.dtype(weights.dtype).name, "weights": h.hexdigest()[:16]}
-
-
-def _weight_arrays(weights):
-    for name in ("embed_tokens", "output_attn_res_score", "norm", "lm_head"):
-        yield getattr(weights, name)
-    stack = list(weights.layers)
-    while stack:
-        obj = stack.pop(0)
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if hasattr(v, "shape") and hasattr(v, "reshape"):
-                yield v
-            elif dataclasses.is_dataclass(v):
-                stack.append(v)
-
-
-def _check_fingerprint(path, saved: dict, here: dict) -> None:
-    diff = [k for k in ("config", "layer_ids", "dtype", "weights") if saved.get(k) != here.get(k)]
-    if diff:
-        parts = "; ".join(f"{k}: file {saved.get(k)!r}, weights {here.get(k)!r}" for k in diff)
-        raise ValueError(f"{path} was saved from a different model than these weights ({parts}). "
-                         "Load it with the same checkpoint, layers= and dtype= it was saved with.")
+        return load_session(cls, path, weights, recorder, tokenizer, hooks)

@@ -1,0 +1,107 @@
+"""The grammar of hook names, and the checks that turn a typo into an error instead of silence.
+
+Every name `kimi_forward_token` can fire is "embed", "final.*", "logits", or "layers.{i}.{suffix}"
+for a fixed set of suffixes. The set is derived from the decoder's own `hook_names` (run on
+stand-in layers of all four kinds), so a site the decoder adds is known here without an edit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import re
+from types import SimpleNamespace
+
+from .kda import KdaWeights
+from .kimi_decoder import hook_names
+from .latent_moe import LatentMoeWeights
+from .mla import MlaWeights
+from .ops import DenseMlpWeights
+
+__all__ = ["GLOBAL_NAMES", "LAYER_NAME", "LAYER_SUFFIXES", "check_pattern", "hook_grammar", "is_glob"]
+
+LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _grammar() -> tuple[frozenset, frozenset]:
+    """(global names, per-layer suffixes): every name `hook_names` can produce for any layer kind.
+
+    Derived from the decoder's own `hook_names` on stand-in layers of all four kinds, so a site the
+    decoder adds is known here without editing this file.
+    """
+    kinds = [(att, ffn) for att in (KdaWeights, MlaWeights) for ffn in (DenseMlpWeights, LatentMoeWeights)]
+    stand_ins = [SimpleNamespace(index=i, hook_prefix=f"layers.{i}.", is_block_boundary=True,
+                                 attention=object.__new__(att), ffn=object.__new__(ffn))
+                 for i, (att, ffn) in enumerate(kinds)]
+    names = hook_names(SimpleNamespace(layers=stand_ins))
+    suffixes = {m.group(2) for m in map(LAYER_NAME.match, names) if m}
+    return frozenset(n for n in names if not LAYER_NAME.match(n)), frozenset(suffixes)
+
+
+GLOBAL_NAMES, LAYER_SUFFIXES = _grammar()
+
+
+@functools.lru_cache(maxsize=8)
+def hook_grammar(max_layer: int = 127) -> tuple[str, ...]:
+    """Every syntactically valid hook name for layers 0..max_layer (a superset of any model's list)."""
+    return tuple(sorted(GLOBAL_NAMES)) + tuple(f"layers.{i}.{s}" for i in range(max_layer + 1) for s in sorted(LAYER_SUFFIXES))
+
+
+def is_glob(pattern: str) -> bool:
+    return bool(_GLOB_CHARS.search(pattern))
+
+
+def check_pattern(pattern: str, known_names=None, what: str = "hook") -> None:
+    """Raise ValueError unless `pattern` (exact name or glob) names at least one hook point.
+
+    known_names: a model's `hook_names(weights)`, or None to check against the grammar of any model.
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{what} name must be a string (exact hook name or glob), got {pattern!r}")
+    if known_names is not None:
+        if is_glob(pattern):
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in known_names):
+                raise ValueError(f"{what} glob {pattern!r} matches none of this model's {len(known_names)} hook names "
+                                 f"(see kimi_explore.hook_names(weights)); {_suggest(pattern, known_names)}")
+        elif pattern not in known_names:
+            raise ValueError(f"{pattern!r} is not a hook point of this model; {_why_not(pattern, list(known_names))}")
+        return
+    if is_glob(pattern):
+        if not fnmatch.filter(hook_grammar(_max_layer_in(pattern)), pattern):
+            raise ValueError(f"{what} glob {pattern!r} matches no possible hook name; {_suggest(pattern, hook_grammar(3))}")
+    elif not _is_valid_name(pattern):
+        raise ValueError(f"{pattern!r} is not a hook name; {_suggest(pattern, hook_grammar(max(3, _max_layer_in(pattern))))}")
+
+
+def _is_valid_name(name: str) -> bool:
+    m = LAYER_NAME.match(name)
+    return m.group(2) in LAYER_SUFFIXES if m else name in GLOBAL_NAMES
+
+
+def _max_layer_in(pattern: str) -> int:
+    nums = [int(x) for x in re.findall(r"\d+", pattern)]
+    return max([127] + nums)
+
+
+def _suggest(pattern: str, names) -> str:
+    m = LAYER_NAME.match(pattern)
+    if m and not is_glob(m.group(1)):  # a typo in the site: suggest sites of the same layer
+        close = difflib.get_close_matches(m.group(2), sorted(LAYER_SUFFIXES), n=3, cutoff=0.6)
+        close = [f"layers.{m.group(1)}.{c}" for c in close]
+    else:
+        close = difflib.get_close_matches(pattern, list(names), n=3, cutoff=0.6)
+    return f"did you mean {close}?" if close else "list the valid names with kimi_explore.hook_names(weights)"
+
+
+def _why_not(name: str, known_order: list[str]) -> str:
+    m = LAYER_NAME.match(name)
+    if m and m.group(2) in LAYER_SUFFIXES:
+        layer = int(m.group(1))
+        prefix = f"layers.{layer}."
+        here = [n[len(prefix):] for n in known_order if n.startswith(prefix)]
+        if not here:
+            return f"layer {layer} is not loaded in these weights"
+        return f"layer {layer} has the sites {here}"
+    return _suggest(name, known_order)
