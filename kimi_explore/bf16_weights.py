@@ -29,7 +29,7 @@ import numpy as np
 from ._xp import array_namespace
 from .backend import to_numpy
 
-__all__ = ["Bf16Matrix", "WideningScratch", "widen_bits"]
+__all__ = ["Bf16Array", "Bf16Matrix", "WideningScratch", "widen_bits"]
 
 if sys.byteorder != "little":  # pragma: no cover - every CUDA host and x86/ARM Linux is little-endian
     raise ImportError("kimi_explore.bf16_weights assumes a little-endian host (float32 high half at the odd uint16)")
@@ -68,38 +68,34 @@ class WideningScratch:
         return out.reshape(bits.shape)
 
 
-class Bf16Matrix:
-    """A 2-D weight held as bf16 bits; `@`, row indexing and `np.asarray` give `dtype` values.
+class Bf16Array:
+    """bf16 bits standing for an array of `dtype` values: indexing and `np.asarray` widen what they return.
 
-    bits: uint16 [rows, cols] (numpy or cupy)
+    bits: uint16 [...] (numpy or cupy)
     """
 
-    ndim = 2
-
-    def __init__(self, bits, scratch: WideningScratch, dtype=np.float32):
-        if bits.dtype != np.uint16 or bits.ndim != 2:
-            raise TypeError(f"Bf16Matrix: expected uint16 [rows, cols] bf16 bits, got {bits.dtype} {tuple(bits.shape)}")
+    def __init__(self, bits, dtype=np.float32):
+        if bits.dtype != np.uint16:
+            raise TypeError(f"{type(self).__name__}: expected uint16 bf16 bits, got {bits.dtype} {tuple(bits.shape)}")
         self.bits = bits
-        self.scratch = scratch
         self.dtype = np.dtype(dtype)
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def shape(self) -> tuple[int, ...]:
         return tuple(self.bits.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.bits.ndim
 
     @property
     def nbytes(self) -> int:
         """Resident bytes (the bf16 bits)."""
         return int(self.bits.nbytes)
 
-    def widened(self):
-        """The full matrix in `dtype` (float32: a view of the shared scratch, valid until its next use)."""
-        if self.dtype == np.float32:
-            return self.scratch.widen(self.bits)
-        return widen_bits(self.bits, self.dtype)
-
-    def __matmul__(self, x):
-        return self.widened() @ x
+    def reshape(self, *shape) -> Bf16Array:
+        """A view with another shape (still bits: e.g. `w.reshape(-1)[::n]` widens only what it picks)."""
+        return Bf16Array(self.bits.reshape(*shape), self.dtype)
 
     def __getitem__(self, idx):
         return widen_bits(self.bits[idx], self.dtype)
@@ -109,4 +105,26 @@ class Bf16Matrix:
         return a if dtype is None else a.astype(dtype)
 
     def __repr__(self) -> str:
-        return f"Bf16Matrix(shape={self.shape}, widened to {self.dtype.name})"
+        return f"{type(self).__name__}(shape={self.shape}, widened to {self.dtype.name})"
+
+
+class Bf16Matrix(Bf16Array):
+    """A 2-D weight held as bf16 bits; `@`, row indexing and `np.asarray` give `dtype` values.
+
+    bits: uint16 [rows, cols] (numpy or cupy)
+    """
+
+    def __init__(self, bits, scratch: WideningScratch, dtype=np.float32):
+        if bits.dtype != np.uint16 or bits.ndim != 2:
+            raise TypeError(f"Bf16Matrix: expected uint16 [rows, cols] bf16 bits, got {bits.dtype} {tuple(bits.shape)}")
+        super().__init__(bits, dtype)
+        self.scratch = scratch
+
+    def widened(self):
+        """The full matrix in `dtype` (float32: a view of the shared scratch, valid until its next use)."""
+        if self.dtype == np.float32:
+            return self.scratch.widen(self.bits)
+        return widen_bits(self.bits, self.dtype)
+
+    def __matmul__(self, x):
+        return self.widened() @ x

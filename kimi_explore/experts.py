@@ -178,13 +178,14 @@ class PackedExperts:
     dtype: object = np.float32
     capacity: int = 0
     stats: ExpertCacheStats = field(default_factory=ExpertCacheStats)
-    _slots: OrderedDict = field(default_factory=OrderedDict, repr=False)  # expert id -> slot, least recent first
-    _slab13: object = field(default=None, repr=False)
-    _slab2: object = field(default=None, repr=False)
-    _table: object = field(default=None, repr=False)
-    _workspace: object = field(default=None, repr=False)
 
     def __post_init__(self):
+        # cache state is not a dataclass field: code that walks the weights' fields (fingerprints,
+        # memory counts) must see the same arrays whatever the cache holds
+        self._slots: OrderedDict = OrderedDict()  # expert id -> slot, least recently used first
+        self._slab13 = self._slab2 = None  # [capacity, 2I, l], [capacity, l, I] once the first miss is stored
+        self._workspace = _SHARED_WORKSPACES
+        self.dtype = np.dtype(self.dtype)
         self.capacity = _check_capacity(self.capacity)
         E, rows13, half13 = self.w13_packed.shape
         _, rows2, half2 = self.w2_packed.shape
@@ -195,7 +196,6 @@ class PackedExperts:
                 f"{self.w13_packed.shape} / {self.w2_packed.shape} (one scale byte per 32 columns)"
             )
         self._table = _pair_table(array_namespace(self.w13_packed), self.dtype)
-        self._workspace = self._workspace or _SHARED_WORKSPACES
 
     # ---- shapes and sizes
     @property

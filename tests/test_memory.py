@@ -139,3 +139,16 @@ def test_memory_report_dense_experts():
     assert report["routed experts, dequantised (dense bank)"] == n_moe * cfg.num_experts * 3 * cfg.moe_intermediate_size \
         * cfg.routed_expert_hidden_size * 4
     assert report["routed experts, MXFP4 packed"] == 0 and report["bf16 widening scratch"] == 0
+
+
+def test_session_fingerprint_sees_the_same_weights_whatever_their_resident_form():
+    """bf16 bits widen to the float32 values, and a packed bank's cache state is not part of the weights."""
+    from kimi_explore._session_io import weights_fingerprint
+
+    path = default_checkpoint()
+    f32 = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", expert_cache_size=2)
+    bf16 = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", weight_dtype="bfloat16")
+    before = weights_fingerprint(f32)
+    assert weights_fingerprint(bf16) == before
+    decode(f32, TOKENS[:3])  # fills the expert caches
+    assert weights_fingerprint(f32) == before
