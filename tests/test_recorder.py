@@ -7,6 +7,7 @@ import pytest
 from conftest import REFERENCE_DIR
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.backend import gpu_available, to_numpy
 from kimi_explore.recorder import Recorder
 from kimi_explore.trace import Trace
 
@@ -16,7 +17,7 @@ def run(w, tokens, rec):
     out = []
     for t in tokens:
         rec.begin_token(t)
-        out.append(np.array(kimi_forward_token(w, state, int(t), hooks=rec)))
+        out.append(to_numpy(kimi_forward_token(w, state, int(t), hooks=rec)).copy())
     return np.stack(out)
 
 
@@ -294,3 +295,26 @@ def test_batch_boundaries_do_not_change_records(ref_weights, ref, recorded, monk
                          "final.block_residual"]).bind(ref_weights)
     run(ref_weights, ref["tokens"], rec)
     assert rec.trace().equals(recorded[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="no usable CUDA GPU (CuPy absent or no device)")
+def test_recorder_on_the_gpu_matches_the_host(ref, recorded):
+    """Device records (moved to the host in batches) equal the host recorder's, and the reference."""
+    wg = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="gpu")
+    rec = Recorder(full=["layers.*.kda.conv", "layers.*.kda.state", "layers.*.moe.*_out", "layers.2.mla.probs",
+                         "final.block_residual"]).bind(wg)
+    run(wg, ref["tokens"], rec)
+    gpu, cpu = rec.trace(), recorded[0]
+    assert gpu.names() == cpu.names() and np.array_equal(gpu.tokens, cpu.tokens)
+    for name in cpu.names():
+        assert isinstance(gpu[name], np.ndarray) and gpu[name].shape == cpu[name].shape, name
+        if cpu[name].dtype.kind in "iu":
+            np.testing.assert_array_equal(gpu[name], cpu[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(gpu[name], cpu[name], atol=1e-4, rtol=1e-4, equal_nan=True, err_msg=name)
+    norms, _ = gpu.kda_state_norms()
+    np.testing.assert_allclose(norms, ref["kda_state_norm_decode"], atol=1e-4, rtol=0)
+    unbound = Recorder()  # learns it is on a device from the first value it sees
+    run(wg, ref["tokens"][:3], unbound)
+    np.testing.assert_allclose(unbound.trace()["final.attn_res.weights"], cpu["final.attn_res.weights"][:3], atol=1e-5)

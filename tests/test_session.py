@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.backend import gpu_available, to_numpy
 from kimi_explore.hooks import HookChain, Hooks
 from kimi_explore.interventions import ablate_experts, scale_kda_head
 from kimi_explore.recorder import Recorder
@@ -346,3 +347,33 @@ def test_hooks_given_to_a_session_are_checked(ref_weights):
     s = Session(ref_weights)
     with pytest.raises(ValueError, match="not a hook point"):
         s.hooks.add("layers.2.kda.q", lambda v, *, hook: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="no usable CUDA GPU (CuPy absent or no device)")
+def test_session_on_the_gpu(ref_weights, tmp_path):
+    """On a device: interventions run, rewind/fork/save/load stay bit-identical, results match the host."""
+    wg = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="gpu")
+    g, c = Session(wg, checkpoint_every=3), Session(ref_weights, checkpoint_every=3)
+    for s in (g, c):
+        s.feed(TOKENS[:3])
+        with s.intervene(intervention()):
+            s.step(TOKENS[3])
+        s.feed(TOKENS[4:7])
+    np.testing.assert_allclose(g.logits, c.logits, atol=1e-3)
+    assert (g.logits.argmax(-1) == c.logits.argmax(-1)).all()
+    full, trace = g.logits, g.trace()
+    f = g.fork()
+    g.rewind(2)
+    with g.intervene(intervention()):
+        g.feed(TOKENS[2:4])
+    g.rewind(3)
+    g.step(TOKENS[3])  # rewound to before the intervened step: decoded plainly this time
+    assert np.array_equal(g.logits[:3], full[:3]) and not np.array_equal(g.logits[3], full[3])
+    f.rewind(4)
+    f.feed(TOKENS[4:7])
+    assert np.array_equal(f.logits, full) and f.trace().equals(trace)
+    h = Session.load_state(f.save_state(tmp_path / "gpu.npz"), wg)
+    assert np.array_equal(h.logits, full) and h.trace().equals(trace)
+    assert np.array_equal(h.step(9), f.step(9))
+    assert isinstance(to_numpy(h.state.layers[0].attention.recurrent), np.ndarray)
