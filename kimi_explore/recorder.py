@@ -29,10 +29,11 @@ calls every extra call, array or Python, is expensive (the caches are cold), so 
 a single C-level call (`list.append` or a dict `__setitem__`) and no Python frame of its own:
 - the small arrays the decoder creates fresh at a site and never writes again (attn-res and router
   vectors) are kept as they are, not copied;
-- the KDA states and windows are live buffers (unchanged until that layer's next token): their
-  squared norms are taken for all layers at once when the token ends;
-- the MoE output vectors and a copy of the logits wait for a batch of tokens, whose norms and top-k
-  are then computed together (and on a GPU moved to the host in one transfer per dtype). Reading
+- the KDA states and windows (live buffers, unchanged until that layer's next token) and the MoE
+  output vectors are referenced at their sites; when the token ends, each kind's squared norms are
+  taken for all layers at once (one copy into a reused scratch buffer, one batched matmul);
+- a copy of the logits waits for a batch of tokens whose top-k and square roots are then computed
+  together (on a GPU the batch's records then move to the host in one transfer per dtype). Reading
   the records (`trace()`, `state_dict()`, `truncate()`) completes the pending batch first.
 Full records (`full=`) are copies. A hook that changes a recorded array IN PLACE after the recorder
 saw it changes the record too: return a new array instead (the contract's way anyway).
@@ -41,6 +42,7 @@ saw it changes the record too: return a new array instead (the contract's way an
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import json
 
@@ -55,7 +57,7 @@ from .trace import Trace
 
 __all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
 
-FLUSH_TOKENS = 32  # tokens whose batched records (MoE norms, top-k) are computed together
+FLUSH_TOKENS = 32  # tokens whose batched records (top-k, square roots, device transfers) are done together
 FLUSH_BYTES = 8 << 20  # ... or fewer, when their logits copies reach this size (K3: a 163840 vocabulary)
 
 # site kind -> how it is recorded by default. "fresh": the decoder makes a new small array there every
@@ -64,7 +66,7 @@ DEFAULT_SITES = {
     "attn_res.attn.weights": "fresh",
     "attn_res.ffn.weights": "fresh",
     "final.attn_res.weights": "fresh",
-    "kda.conv": "kda",  # computed at the kda.state site, where H is known (the window is unchanged in between)
+    "kda.conv": "kda",  # normed with the layer's state, whose shape gives H
     "kda.state": "kda",
     "moe.router.scores": "fresh",
     "moe.router.topk_ids": "fresh",
@@ -77,8 +79,6 @@ DEFAULT_SITES = {
 
 def _predicate(spec, what: str):
     """None | name | glob | list of them | callable -> (name -> bool, patterns to check)."""
-    import fnmatch
-
     if spec is None:
         return None, []
     if callable(spec):
