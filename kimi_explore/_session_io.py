@@ -68,7 +68,7 @@ def load_session(cls, path, weights, recorder=True, tokenizer=None, hooks=None):
         s.state = _get_state(z, "state", header["layout"]["state"], weights)
         s._checkpoints = {int(k[4:]): _get_state(z, k, lay, weights) for k, lay in header["layout"].items() if k != "state"}
         s._tokens, s._modified = [int(t) for t in header["tokens"]], [bool(m) for m in header["modified"]]
-        s._logits = list(z["logits"])
+        s._logits, s._stacked = list(z["logits"]), None
         if s.recorder is not None and saved:
             rows = {}
             for k in saved["keys"]:

@@ -82,6 +82,7 @@ class Session:
         self.state = KimiDecodeState.new(weights)
         self._tokens: list[int] = []
         self._logits: list[np.ndarray] = []  # host copies, never written after they are stored
+        self._stacked = None  # `logits` as one read-only array, until the history changes
         self._modified: list[bool] = []  # per token: decoded with hooks that may change values
         self._checkpoints: dict[int, KimiDecodeState] = {}  # t -> state after t tokens; never written either
 
@@ -92,10 +93,16 @@ class Session:
 
     @property
     def logits(self) -> np.ndarray:
-        """[T, vocab] host array (a copy)."""
-        if not self._logits:
-            return np.zeros((0, self.weights.config.vocab_size), dtype=self.weights.dtype)
-        return np.stack(self._logits)
+        """[T, vocab] host array, read-only; built once per change of the history (`logits_at(t)`: one row)."""
+        if self._stacked is None or self._stacked.shape[0] != len(self._logits):
+            V = self.weights.config.vocab_size
+            self._stacked = np.stack(self._logits) if self._logits else np.zeros((0, V), dtype=self.weights.dtype)
+            self._stacked.flags.writeable = False
+        return self._stacked
+
+    def logits_at(self, t: int) -> np.ndarray:
+        """A copy of token t's logits [vocab] (negative t counts from the end)."""
+        return self._logits[t].copy()
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -134,6 +141,7 @@ class Session:
             raise
         self._tokens.append(int(token_id))
         self._logits.append(host)
+        self._stacked = None
         self._modified.append(modified)
         if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
             self._checkpoints[t + 1] = copy_state(self.state)
@@ -209,6 +217,7 @@ class Session:
         t = int(t)
         self.state = self._state_after(t)
         del self._tokens[t:], self._logits[t:], self._modified[t:]
+        self._stacked = None
         self._checkpoints = {k: v for k, v in self._checkpoints.items() if k <= t}
         if self.recorder is not None:
             self.recorder.truncate(t)
@@ -225,6 +234,7 @@ class Session:
             raise ValueError("Session.restore: this snapshot was taken from a session over other weights")
         self.state = copy_state(snap.state)
         self._tokens, self._logits, self._modified = list(snap.tokens), list(snap.logits), list(snap.modified)
+        self._stacked = None
         self._checkpoints = dict(snap.checkpoints)
         if self.recorder is not None:
             if snap.records is None:
@@ -239,7 +249,7 @@ class Session:
         other.hooks = self.hooks.copy()
         other.state = copy_state(self.state)
         other._tokens, other._modified = list(self._tokens), list(self._modified)
-        other._logits = [a.copy() for a in self._logits]
+        other._logits, other._stacked = [a.copy() for a in self._logits], None
         other._checkpoints = {k: copy_state(v) for k, v in self._checkpoints.items()}
         return other
 

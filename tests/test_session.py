@@ -94,6 +94,14 @@ def test_steps_equal_the_raw_decoder(ref_weights, recorder):
     assert s.tokens == TOKENS[:6] and len(s) == 6
     out[0][:] = 0  # returned arrays are the caller's: the history keeps its own
     assert np.array_equal(s.logits, raw)
+    with pytest.raises(ValueError, match="read-only"):
+        s.logits[0, 0] = 1.0
+    row = s.logits_at(-1)
+    row[:] = 0
+    assert np.array_equal(s.logits_at(-1), raw[-1])
+    s.rewind(5)
+    s.step(3)  # same length as before the rewind: the cached stack must not be reused
+    assert s.logits.shape == raw.shape and not np.array_equal(s.logits[-1], raw[-1])
     if recorder is None:
         with pytest.raises(ValueError, match="records nothing"):
             s.trace()
