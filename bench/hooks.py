@@ -10,8 +10,9 @@ token by token (each steps the same token in turn) so machine noise hits them al
     recorder      the default Recorder (attn-res weights, KDA norms, routing, top-10 predictions)
     full          Recorder(full="*"): a host copy of every value at every site
 
-Reports the median ms/token of each and its overhead over `none` (median over rounds of the ratio of
-round times, the recorder's batched work included). The default recorder's budget is 15%.
+Reports the median ms/token of each, its overhead over `none` (median over rounds of the ratio of
+round times, the recorder's batched work included; the default recorder's budget is 15%), and the
+Python-level calls per token (functions and C calls: the work added, free of timing noise).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +45,27 @@ def configurations():
         "recorder": Recorder,
         "full": lambda: Recorder(full="*"),
     }
+
+
+def calls_per_token(weights, hooks, tokens) -> float:
+    """Python-level calls (Python functions + C functions/methods) per token: a noise-free measure of work."""
+    state = KimiDecodeState.new(weights)
+    kimi_forward_token(weights, state, tokens[0], hooks=hooks)  # resolve and cache hook names first
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        n += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        for t in tokens:
+            kimi_forward_token(weights, state, t, hooks=hooks)
+        if isinstance(hooks, Recorder):
+            hooks.flush()
+    finally:
+        sys.setprofile(None)
+    return n / len(tokens)
 
 
 def bench(weights, rounds: int, block: int) -> dict:
@@ -90,6 +113,9 @@ def bench(weights, rounds: int, block: int) -> dict:
         med = statistics.median(steps[name])
         ratio = statistics.median(a / b for a, b in zip(rounds_total[name], rounds_total["none"], strict=True))
         rows[name] = {"ms_per_token": med, "tokens_per_s": 1e3 / med, "overhead": ratio - 1.0, "steps": len(steps[name])}
+    for name, make in configurations().items():
+        h = make()
+        rows[name]["calls_per_token"] = calls_per_token(weights, h.bind(weights) if h is not None else None, tokens)
     return rows
 
 
@@ -109,9 +135,10 @@ def main(argv=None) -> int:
         rows = bench(weights, args.rounds, args.block)
         results["models"][label] = {"layers": len(weights.layers), "hidden": weights.config.hidden_size, "rows": rows}
         print(f"\n{label}: {len(weights.layers)} layers, hidden {weights.config.hidden_size}, device {weights.device}")
-        print(f"{'configuration':<14} {'ms/token':>9} {'tok/s':>8} {'overhead':>9}")
+        print(f"{'configuration':<14} {'ms/token':>9} {'tok/s':>8} {'overhead':>9} {'calls/token':>12}")
         for name, row in rows.items():
-            print(f"{name:<14} {row['ms_per_token']:9.3f} {row['tokens_per_s']:8.1f} {row['overhead'] * 100:8.1f}%")
+            print(f"{name:<14} {row['ms_per_token']:9.3f} {row['tokens_per_s']:8.1f} {row['overhead'] * 100:8.1f}%"
+                  f" {row['calls_per_token']:12.0f}")
         over = rows["recorder"]["overhead"]
         ok &= over <= BUDGET
         print(f"default recorder overhead {over * 100:.1f}% (budget {BUDGET * 100:.0f}%): {'OK' if over <= BUDGET else 'OVER'}")
