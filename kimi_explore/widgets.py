@@ -82,8 +82,15 @@ def rerun_token(session, t: int, *hook_sets):
     return rerun(session, *hook_sets, start=t, stop=t + 1).logits[-1]
 
 
+TAB_VIEWS = (("block_residual_token", "block_residual_layer"), ("kda_overview", "kda_layer"), ("moe_token", "moe_layer"),
+             ("predictions", "ablation"))
+
+
 def _image() -> widgets.Image:
-    return widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto"))
+    # Natural size, shrunk to fit (a VBox would otherwise stretch every image to its full width);
+    # hidden until it has a picture, so an empty view never shows a broken-image icon.
+    return widgets.Image(format="png", layout=widgets.Layout(width="auto", max_width="100%", height="auto",
+                                                             align_self="flex-start", display="none"))
 
 
 class Explorer(widgets.VBox):
@@ -240,6 +247,7 @@ class Explorer(widgets.VBox):
                                         names=("as run", name),
                                         title=f"Next token after {self._label(t)}: ablation at layer {layer}")
         self.views["ablation"].value = plots.figure_png(fig, dpi=self.dpi)
+        self.views["ablation"].layout.display = None
         self.renders += 1
         note.value = f"forked at token {t}; the main session still has {len(self.session)} tokens"
         return ablated
@@ -267,13 +275,25 @@ class Explorer(widgets.VBox):
         if note:
             img.value, img.layout.display = b"", "none"
             return
-        img.layout.display = None
         img.value = self._png((name, *key), make)
+        img.layout.display = None
 
     def refresh(self, tab: int | None = None) -> None:
-        """Draw the views of the visible tab (or of `tab`) for the selected token and layer."""
+        """Draw the views of the visible tab (or of `tab`) for the selected token and layer.
+
+        Refreshing the visible tab hides the other tabs' pictures: they show another token or an older
+        history now, and are drawn again (from the cache when possible) when their tab is opened.
+        """
         n = len(self.session)
+        if tab is None:
+            for other, names in enumerate(TAB_VIEWS):
+                if other != self.tabs.selected_index:
+                    for name in names:
+                        if name != "ablation":
+                            self.views[name].layout.display = "none"
         if n == 0:
+            for name in self.views:
+                self.views[name].layout.display = "none"
             return
         tr, t, layer, tok = self.trace(), min(self.token.value, n - 1), self.layer.value, self.tokenizer
         tab = self.tabs.selected_index if tab is None else tab
@@ -313,6 +333,7 @@ class Explorer(widgets.VBox):
         self.back_button.disabled = n == 0
         if show_last and self.views["ablation"].value:
             self.views["ablation"].value, self.notes["ablation"].value = b"", ""
+            self.views["ablation"].layout.display = "none"
         self._update_status()
         self.refresh()
 

@@ -83,7 +83,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 ALL_RUN = """() => {
-  const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.innerText);
+  // textContent, not innerText: JupyterLab skips laying out cells off screen, whose innerText is ''
+  const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent);
   return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p));
 }"""
 VIEW = ".widget-tab .widget-image"  # the Explorer's Block residuals tab, first figure (per-token view)
@@ -121,6 +122,16 @@ def drive(page, url: str, shot, seen: dict) -> None:
         seen["view_sha256"].append(hashlib.sha256(view.screenshot()).hexdigest())
         shot(f"after_step_{k}")
         shot(f"block_residual_view_{k}", view)
+    # the other tabs, as a user would open them (drawn on demand in the kernel)
+    explorer = page.locator(".widget-tab").first
+    for title in ("KDA state", "MoE routing", "Predictions"):
+        page.locator(".widget-tab .lm-TabBar-tab", has_text=title).first.click()
+        img = page.locator(".widget-tab .widget-image:visible").first  # the other tabs' images are hidden now
+        img.wait_for(state="visible")
+        page.wait_for_function(KERNEL_READY)  # idle again: every picture of this tab has been sent
+        page.wait_for_function("() => [...document.querySelectorAll('.widget-tab .widget-image')]"
+                               ".filter(i => i.offsetParent !== null).every(i => i.complete && i.naturalWidth > 0)")
+        shot(f"tab_{title.split()[0].lower()}", explorer)
 
 
 def run(artifacts: Path) -> dict:

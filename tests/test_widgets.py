@@ -217,3 +217,19 @@ def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
         s, interventions.zero_kda_head(1, 2), start=4).logits[-1])
     with pytest.raises(IndexError, match="0 <= start < stop <= 5"):
         rerun(s, start=5)
+
+
+def test_views_of_hidden_tabs_are_hidden_until_redrawn(explorer):
+    """After a Step, a hidden tab's picture belongs to an older token: it must not show until redrawn."""
+    ex = explorer
+    assert all(img.layout.display == "none" for img in ex.views.values())  # nothing to show yet
+    ex.step_button.click()
+    ex.refresh_all()
+    assert all(ex.views[n].layout.display is None for n in ex.views if n != "ablation")
+    assert ex.views["ablation"].layout.display == "none"  # no broken-image icon before an ablation ran
+    ex.step_button.click()  # the Block residuals tab is visible
+    assert ex.views["block_residual_token"].layout.display is None
+    assert ex.views["kda_overview"].layout.display == "none" and ex.views["moe_token"].layout.display == "none"
+    ex.tabs.selected_index = 1
+    assert ex.views["kda_overview"].layout.display is None
+    assert ex.token_label.value == "<code>1 'i'</code>"
