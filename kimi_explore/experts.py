@@ -13,11 +13,16 @@ The decoder asks a bank for the k experts the router picked, in the router's ord
 and dequantises only the selected experts that are not in its LRU cache: one gather of their
 packed bytes and one dequantise call for all of them (no Python loop over experts). The cache
 holds up to `capacity` dequantised experts of THIS layer (the size is per layer: a model with n
-MoE layers holds at most n * capacity dequantised experts, `expert_bytes` each).
+MoE layers holds at most n * capacity dequantised experts, `expert_bytes` each, in one slab).
+The decoder calls `outputs(ids, z, act)` (see `latent_moe.expert_outputs`): on a GPU one gather
+and batched matmuls; on the host, for big experts, each expert is multiplied where it lies (cache
+slot or the shared dequantise workspace) instead of being copied into a [k, 2I, l] stack (2 GB per
+token at K3 size).
 
 Exactness: MXFP4 value x power-of-two scale is the same IEEE product whichever way it is
-computed, and the gathered [k, 2I, l] array is contiguous either way, so the decoder's batched
-matmul sees the same operands as with `DenseExperts` and gives bit-identical logits (tested).
+computed, and every matmul sees the same operands with the same strides as `DenseExperts`'
+batched one (a [1, 2I, l] view goes through the same per-item BLAS call as row j of a stack), so
+the logits are bit-identical (tested, both ways, on the embedded and the reference model).
 """
 
 from __future__ import annotations
