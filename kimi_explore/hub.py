@@ -178,7 +178,7 @@ def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cac
         raise CheckpointError(
             f"{repo_id}: {CONFIG_FILE} is not in the local Hugging Face cache"
             f"{' and the Hub is not reachable (offline mode)' if offline else ''}; cache dir "
-            f"{cache_dir or 'default (HF_HUB_CACHE)'}: {e}"
+            f"{cache_dir or 'default (HF_HUB_CACHE)'}; nor is {repo_id!r} a local directory: {e}"
         ) from None
     snapshot = config_path.parent
     cfg = KimiDecoderConfig.from_file(config_path)
