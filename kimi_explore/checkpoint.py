@@ -398,7 +398,7 @@ def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size
 
 EXPERT_MODES = ("auto", "packed", "dense")
 AUTO_DENSE_BYTES = 1 << 30  # experts="auto": dequantise up front when all requested experts fit in this
-AUTO_CACHE_BYTES = 256 << 20  # expert_cache_size=None: at least top_k experts per layer, more if they fit in this
+AUTO_CACHE_BYTES = 512 << 20  # expert_cache_size=None: the experts per layer whose dequantised copies fit in this
 
 
 def _expert_bytes(cfg: KimiDecoderConfig, dtype) -> int:
@@ -417,9 +417,8 @@ def _resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, ckpt: Chec
 
 
 def _resolve_cache_size(size, cfg: KimiDecoderConfig, dtype) -> int:
-    if size is None:
-        fit = AUTO_CACHE_BYTES // _expert_bytes(cfg, dtype)
-        return min(cfg.num_experts, max(cfg.num_experts_per_token, fit))
+    if size is None:  # bounded memory, not speed: at K3 size an expert is 132 MB dequantised (3 per layer)
+        return min(cfg.num_experts, AUTO_CACHE_BYTES // _expert_bytes(cfg, dtype))
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
         raise ValueError(f"expert_cache_size={size!r}: expected None or a number of experts per layer >= 0")
     return int(size)
@@ -473,7 +472,8 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         dequantises the selected ones per token (same logits bit for bit); "auto" (default) is dense
         when all requested experts dequantised fit in 1 GiB (the tiny models), else packed (K3).
     expert_cache_size: with packed experts, dequantised experts kept PER LAYER in an LRU cache;
-        None = max(top_k, as many as fit in 256 MiB), capped at num_experts; 0 = no cache.
+        None = as many as fit in 512 MiB per layer (all of a tiny model's; 3 of K3's, whose top-16
+        then mostly miss: raise it for speed on a CPU when memory allows); 0 = no cache.
     """
     from .hub import resolve_checkpoint
 

@@ -221,7 +221,10 @@ def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
     w = KimiDecoderWeights.from_pretrained(tiny, device="cpu", layers=[1, 2])
     assert w.extra["experts"] == "packed" and isinstance(w.layers[0].ffn.experts, PackedExperts)
     cfg = w.config
-    assert w.extra["expert_cache_size"] == cfg.num_experts  # default: top_k or more, as many as fit in 256 MiB
+    assert w.extra["expert_cache_size"] == cfg.num_experts  # default: as many as fit in 512 MiB per layer
+    assert checkpoint._resolve_cache_size(None, cfg, np.float64) == cfg.num_experts
+    monkeypatch.setattr(checkpoint, "AUTO_CACHE_BYTES", 5 * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 4)
+    assert checkpoint._resolve_cache_size(None, cfg, np.float32) == 5
     with pytest.raises(ValueError, match="experts='packd'"):
         KimiDecoderWeights.from_pretrained(tiny, device="cpu", experts="packd")
     with pytest.raises(ValueError, match="expert_cache_size=-2"):
