@@ -114,6 +114,7 @@ class Hooks:
         self.token_id: int | None = None
         self._next: tuple | None = None  # (token_id, position) announced by begin_token
         self.version = 0  # bumped on every add/remove: lets a Session know the hooks changed
+        self._active = None  # (version, active_names())
 
     # ------------------------------------------------------------------ attaching
     def add(self, name_or_glob=None, fn=None, *, names_filter=None) -> HookHandle:
@@ -198,6 +199,17 @@ class Hooks:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    def active_names(self) -> frozenset | None:
+        """The names at which `fire` does anything (None while unbound: then every name may).
+
+        For a decoder that wants to skip the un-hooked sites: `fire` is then needed only at these.
+        """
+        if self._known is None:
+            return None
+        if self._active is None or self._active[0] != self.version:
+            self._active = (self.version, frozenset(n for n in self._known_order if self._functions(n)))
+        return self._active[1]
 
     @property
     def handles(self) -> list[HookHandle]:
