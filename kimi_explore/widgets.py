@@ -96,7 +96,10 @@ def _image() -> widgets.Image:
 class Explorer(widgets.VBox):
     """A step-through view of a `Session` (see module docstring)."""
 
-    def __init__(self, session, prompt=None, tokenizer=None, play_tokens: int = 8, dpi: int = 80):
+    def __init__(self, session, prompt=None, tokenizer=None, tab: int | str = 0, layer: int | None = None,
+                 play_tokens: int = 8, dpi: int = 80):
+        """prompt: text or ids for Step/Play; tab: the tab to open (index or title); layer: the layer
+        of the per-layer views (default: the first MoE layer); dpi: resolution of the pictures."""
         self.session = session
         self.tokenizer = tokenizer if tokenizer is not None else getattr(session, "tokenizer", None)
         self.play_tokens, self.dpi = int(play_tokens), int(dpi)
@@ -168,6 +171,16 @@ class Explorer(widgets.VBox):
             widgets.HBox([self.token, self.token_label, self.layer]),
             self.tabs,
         ])
+        if isinstance(tab, str):
+            if tab not in TABS:
+                raise ValueError(f"Explorer: tab={tab!r} is not one of {TABS}")
+            tab = TABS.index(tab)
+        if layer is not None and layer not in weights.layer_ids:
+            raise ValueError(f"Explorer: layer={layer} is not loaded; the layers are {weights.layer_ids}")
+        with self.hold_trait_notifications(), self.tabs.hold_trait_notifications(), self.layer.hold_trait_notifications():
+            self.tabs.selected_index = tab  # observers fire once, at the end, for this tab only
+            if layer is not None:
+                self.layer.value = layer
         self._sync(show_last=True)
 
     # ------------------------------------------------------------------ the prompt

@@ -233,3 +233,15 @@ def test_views_of_hidden_tabs_are_hidden_until_redrawn(explorer):
     ex.tabs.selected_index = 1
     assert ex.views["kda_overview"].layout.display is None
     assert ex.token_label.value == "<code>1 'i'</code>"
+
+
+def test_constructor_options(tiny_weights):
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    s.feed([72, 105])
+    ex = Explorer(s, tab="Predictions", layer=6, dpi=40)
+    assert ex.tabs.selected_index == 3 and ex.layer.value == 6 and ex.token.value == 1  # shows the last token
+    assert ex.views["predictions"].value and not ex.views["block_residual_token"].value  # only that tab drawn
+    with pytest.raises(ValueError, match="tab='Nope' is not one of"):
+        Explorer(s, tab="Nope")
+    with pytest.raises(ValueError, match="layer=99 is not loaded"):
+        Explorer(s, layer=99)
