@@ -27,6 +27,8 @@ plots both next-token distributions. The main session is never touched.
 
 from __future__ import annotations
 
+import html
+
 import ipywidgets as widgets
 import numpy as np
 
@@ -177,7 +179,7 @@ class Explorer(widgets.VBox):
             tab = TABS.index(tab)
         if layer is not None and layer not in weights.layer_ids:
             raise ValueError(f"Explorer: layer={layer} is not loaded; the layers are {weights.layer_ids}")
-        with self.hold_trait_notifications(), self.tabs.hold_trait_notifications(), self.layer.hold_trait_notifications():
+        with self.tabs.hold_trait_notifications(), self.layer.hold_trait_notifications():
             self.tabs.selected_index = tab  # observers fire once, at the end, for this tab only
             if layer is not None:
                 self.layer.value = layer
@@ -186,9 +188,13 @@ class Explorer(widgets.VBox):
     # ------------------------------------------------------------------ the prompt
     def prompt_ids(self) -> list[int]:
         """The prompt box as token ids (raises ValueError naming what is wrong)."""
-        if self.mode.value == "ids":
-            return parse_ids(self.prompt.value)
-        return list(self.tokenizer.encode(self.prompt.value))
+        if self.mode.value == "text":
+            return list(self.tokenizer.encode(self.prompt.value))
+        ids, vocab = parse_ids(self.prompt.value), self.session.weights.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        return ids
 
     def _next_token(self) -> int | None:
         """The next prompt token, else the greedy continuation; None if there is nothing to continue from."""
@@ -252,7 +258,7 @@ class Explorer(widgets.VBox):
         try:
             experts = parse_experts(self.experts.value, r["topk_ids"][t, r["moe_layers"].index(layer)])
         except ValueError as e:
-            note.value = f"<span style='color:#b00'>{e}</span>"
+            note.value = f"<span style='color:#b00'>{html.escape(str(e), quote=False)}</span>"
             return None
         ablated = rerun_token(self.session, t, interventions.ablate_experts(layer, experts, positions=t))
         name = f"without experts {experts} at layer {layer}" if experts != "all" else f"without routed experts at layer {layer}"
@@ -326,8 +332,7 @@ class Explorer(widgets.VBox):
             self._show("predictions", (t, t + 1 < n), lambda: plots.predictions(tr, t, tok))
 
     def _on_token(self) -> None:
-        n = len(self.session)
-        self.token_label.value = f"<code>{self._label(min(self.token.value, n - 1))}</code>" if n else ""
+        self._show_token_label()
         self.refresh()
 
     def refresh_all(self) -> None:
@@ -352,17 +357,22 @@ class Explorer(widgets.VBox):
 
     def _update_status(self) -> None:
         n = len(self.session)
-        self.token_label.value = f"<code>{self._label(self.token.value)}</code>" if n else ""
+        self._show_token_label()
         try:
             ids = self.prompt_ids()
         except ValueError as e:
             return self._error(str(e))
         if n < len(ids):
             nxt = plots.token_labels([ids[n]], self.tokenizer, positions=False)[0]
-            what = f"prompt {n}/{len(ids)} tokens in; Step feeds {nxt}"
+            what = f"prompt {n}/{len(ids)} tokens in; Step feeds {html.escape(nxt, quote=False)}"
         else:
             what = f"prompt done ({len(ids)} tokens); Step continues greedily" if n else "type a prompt, then Step"
         self.status.value = f"{n} tokens decoded &middot; {what}"
 
+    def _show_token_label(self) -> None:
+        n = len(self.session)
+        label = self._label(min(self.token.value, n - 1)) if n else ""
+        self.token_label.value = f"<code>{html.escape(label, quote=False)}</code>" if n else ""
+
     def _error(self, message: str) -> None:
-        self.status.value = f"<span style='color:#b00'>{message}</span>"
+        self.status.value = f"<span style='color:#b00'>{html.escape(message, quote=False)}</span>"

@@ -245,3 +245,13 @@ def test_constructor_options(tiny_weights):
         Explorer(s, tab="Nope")
     with pytest.raises(ValueError, match="layer=99 is not loaded"):
         Explorer(s, layer=99)
+
+
+def test_labels_are_escaped_and_ids_checked(tiny_weights):
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="<b>", dpi=40)
+    ex.tabs.selected_index = 3
+    ex.step_button.click()
+    assert ex.token_label.value == "<code>0 '&lt;'</code>" and "Step feeds 'b'" in ex.status.value
+    ex.mode.value, ex.prompt.value = "ids", "60, 256"
+    assert "token ids [256] are outside the vocabulary (0..255)" in ex.status.value
