@@ -49,6 +49,7 @@ __all__ = [
     "block_residual_layer",
     "block_residual_token",
     "compare_predictions",
+    "escape_mathtext",
     "expert_load",
     "InlineFigure",
     "figure_png",
@@ -61,6 +62,16 @@ __all__ = [
     "predictions",
     "token_labels",
 ]
+
+def escape_mathtext(text: str) -> str:
+    """Text for a matplotlib label: a `$` pair would otherwise be typeset as math."""
+    return text.replace("$", r"\$")
+
+
+def _labels(ids, tokenizer=None, positions: bool = True) -> list[str]:
+    """`token_labels`, safe to draw."""
+    return [escape_mathtext(s) for s in token_labels(ids, tokenizer, positions)]
+
 
 SITE_TITLES = ("before attention  (attn_res.attn)", "before the FFN  (attn_res.ffn)")
 WEIGHT_CMAP = "viridis"
@@ -132,7 +143,7 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     ax.set_xlim(0, 1.15)
     ax.set_xlabel("softmax weight")
     ax.set_title("final output mix  (final.attn_res)", fontsize=10)
-    fig.suptitle(f"Block attention residuals of token {token_labels(trace.tokens, tokenizer)[t]}")
+    fig.suptitle(f"Block attention residuals of token {_labels(trace.tokens, tokenizer)[t]}")
     return fig
 
 
@@ -140,7 +151,7 @@ def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
     """For one layer: token x source softmax weights over the prompt, both sites side by side."""
     j = layer_position(trace, layer)
     w = trace.attn_res_weights()[:, j]  # [T, 2, S]
-    rows, sources = token_labels(trace.tokens, tokenizer), list(trace.source_labels())
+    rows, sources = _labels(trace.tokens, tokenizer), list(trace.source_labels())
     fig = InlineFigure(figsize=(11, span_inches(len(rows), 0.3, 4, 12)), layout="constrained")
     axes = fig.subplots(1, 2)
     for site, ax in enumerate(axes):
@@ -179,7 +190,7 @@ def kda_state_heatmap(trace, layer: int, tokenizer=None) -> Figure:
     """For one KDA layer: token x head Frobenius norm of each head's recurrent state S [K, V]."""
     norms, ids = _kda(trace)
     data = norms[:, _kda_position(ids, layer)]  # [T, H]
-    rows = token_labels(trace.tokens, tokenizer)
+    rows = _labels(trace.tokens, tokenizer)
     fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
@@ -200,7 +211,7 @@ def kda_state_overview(trace, token: int = -1, tokenizer=None) -> Figure:
     im = heatmap(ax, data, rows=[str(i) for i in ids], cols=[str(h) for h in range(data.shape[1])],
                  cmap=NORM_CMAP, vmin=0.0)
     fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = _labels(trace.tokens, tokenizer)[t]
     ax.set(xlabel="head", ylabel="KDA layer", title=f"KDA recurrent-state norms after token {label}")
     return fig
 
@@ -222,7 +233,7 @@ def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 4) ->
         d = norms[:, _kda_position(ids, int(layer))]  # [T, H]
         ax.plot(x, d.mean(axis=1), color=c, lw=1.8, marker="o" if len(x) <= 40 else None, ms=3, label=f"layer {layer}")
         ax.fill_between(x, d.min(axis=1), d.max(axis=1), color=c, alpha=0.15 if len(layers) <= 3 else 0.06, lw=0)
-    ticks(ax, "x", token_labels(trace.tokens, tokenizer), rotate=True)
+    ticks(ax, "x", _labels(trace.tokens, tokenizer), rotate=True)
     ax.set(xlabel="token", ylabel="‖S‖, mean over heads (band: min..max)",
            title="KDA recurrent-state norm over the prompt")
     ax.set_ylim(bottom=0)
@@ -272,7 +283,7 @@ def moe_routing_token(trace, token: int = -1, tokenizer=None) -> Figure:
                  layout="constrained")
     ax = fig.subplots()
     key = _score_panel(fig, ax, r["scores"][t], r["topk_ids"][t], r["topk_weights"][t], moe_layer_labels(r), n_experts)
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = _labels(trace.tokens, tokenizer)[t]
     ax.set(xlabel="expert", ylabel="MoE layer", title=f"MoE routing of token {label}\n{key}")
     return fig
 
@@ -284,7 +295,7 @@ def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
         raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
     j = r["moe_layers"].index(layer)
     n_experts = r["scores"].shape[2]
-    rows = token_labels(trace.tokens, tokenizer)
+    rows = _labels(trace.tokens, tokenizer)
     fig = InlineFigure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(rows), 0.32, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
@@ -336,7 +347,7 @@ def moe_output_norms(trace, token=None, tokenizer=None) -> Figure:
             ax.plot(x, d.mean(axis=0), color=color, marker="o", ms=4, label=f"{part} experts (mean)")
             ax.fill_between(x, d.min(axis=0), d.max(axis=0), color=color, alpha=0.15, lw=0)
     ticks(ax, "x", [str(i) for i in layers])
-    when = "over the prompt" if token is None else f"for token {token_labels(trace.tokens, tokenizer)[token_index(trace, token)]}"
+    when = "over the prompt" if token is None else f"for token {_labels(trace.tokens, tokenizer)[token_index(trace, token)]}"
     ax.set(xlabel="MoE layer", ylabel="output L2 norm", title=f"Routed vs shared expert output magnitude {when}")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -353,7 +364,7 @@ def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
     ids = np.asarray(trace["logits.top_ids"][t]).astype(int)
     probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
     fed_next = int(trace.tokens[t + 1]) if t + 1 < len(trace.tokens) else None
-    names = [token_labels([i], tokenizer, positions=False)[0] for i in ids]
+    names = [_labels([i], tokenizer, positions=False)[0] for i in ids]
     fig = InlineFigure(figsize=(7, span_inches(len(ids), 0.38, 3, 8)), layout="constrained")
     ax = fig.subplots()
     colors = [TOPK_COLOR if i == fed_next else "#4c72b0" for i in ids]
@@ -369,8 +380,8 @@ def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
     elif fed_next in ids:
         note = "\n(red: the token fed next)"
     else:
-        note = f"\n(the token fed next, {token_labels([fed_next], tokenizer, positions=False)[0]}, is not in the top {len(ids)})"
-    label = token_labels(trace.tokens, tokenizer)[t]
+        note = f"\n(the token fed next, {_labels([fed_next], tokenizer, positions=False)[0]}, is not in the top {len(ids)})"
+    label = _labels(trace.tokens, tokenizer)[t]
     ax.set(xlabel="probability", title=f"Next-token predictions after {label}{note}")
     return fig
 
@@ -391,7 +402,7 @@ def compare_predictions(base_logits, other_logits, tokenizer=None, k: int = 10,
     ax = fig.subplots()
     ax.barh(y - 0.2, p[top], height=0.4, color="#4c72b0", label=names[0])
     ax.barh(y + 0.2, q[top], height=0.4, color=TOPK_COLOR, label=names[1])
-    ax.set_yticks(y, [token_labels([i], tokenizer, positions=False)[0] for i in top])
+    ax.set_yticks(y, [_labels([i], tokenizer, positions=False)[0] for i in top])
     ax.invert_yaxis()
     kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
     flipped = int(np.argmax(p)) != int(np.argmax(q))

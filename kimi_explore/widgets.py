@@ -262,9 +262,9 @@ class Explorer(widgets.VBox):
             return None
         ablated = rerun_token(self.session, t, interventions.ablate_experts(layer, experts, positions=t))
         name = f"without experts {experts} at layer {layer}" if experts != "all" else f"without routed experts at layer {layer}"
-        fig = plots.compare_predictions(self.session.logits[t], ablated, tokenizer=self.tokenizer,
-                                        names=("as run", name),
-                                        title=f"Next token after {self._label(t)}: ablation at layer {layer}")
+        title = f"Next token after {plots.escape_mathtext(self._label(t))}: ablation at layer {layer}"
+        fig = plots.compare_predictions(self.session.logits[t], ablated, tokenizer=self.tokenizer, names=("as run", name),
+                                        title=title)
         self.views["ablation"].value = plots.figure_png(fig, dpi=self.dpi)
         self.views["ablation"].layout.display = None
         self.renders += 1

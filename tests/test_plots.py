@@ -231,3 +231,15 @@ def test_plots_never_touch_pyplot():
             "plots.figure_png(plots.block_residual_token(tr)); plots.figure_png(plots.moe_routing_token(tr)); "
             "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+def test_dollar_signs_in_tokens_are_not_mathtext():
+    tr = SyntheticTrace(n_tokens=3, seed=5)
+    tr.tokens[:] = [36, 36, 36]  # '$' three times: '$...$' pairs would be parsed as mathtext
+    tok = ByteTokenizer()
+    for fig in (plots.block_residual_layer(tr, 5, tok), plots.predictions(tr, 0, tok), plots.kda_state_curves(tr, tokenizer=tok)):
+        texts = [fig.get_suptitle()] + [t for ax in fig.axes for t in
+                                        (ax.get_title(), *visible_ticks(ax, "x"), *visible_ticks(ax, "y"))]
+        assert any("$" in t for t in texts)
+        assert all("$" not in t.replace(r"\$", "") for t in texts), [t for t in texts if "$" in t]
+    assert plots.token_labels([36], tok) == ["0 '$'"]  # the public labels (HTML, widgets) stay plain
