@@ -30,6 +30,9 @@ _LAZY = {
     "KimiTokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
     "tiny_checkpoint": "tiny_model",
+    "memory_report": "memory",
+    "hub": None,
+    "plan_download": "hub",
 }
 
 __all__ = [

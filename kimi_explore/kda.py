@@ -31,7 +31,8 @@ L2NORM_EPS = 1e-6
 
 @dataclass
 class KdaWeights:
-    """One KDA layer. Projections that read x are fused at load (exact: each row is its own dot).
+    """One KDA layer. Projections that read x are fused into one matmul at load
+    (the same math; BLAS may round the last bit differently than six separate matmuls).
 
     in_proj: [4P + H + K, d]  rows q_proj | k_proj | v_proj | g_proj | b_proj | f_a_proj
     f_b_proj: [P, K]

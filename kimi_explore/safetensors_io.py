@@ -95,6 +95,11 @@ class SafetensorsFile:
         dtype, shape, _, _ = self._entries[name]
         return dtype, shape
 
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """[begin, end) byte offsets of the tensor's data in the file."""
+        _, _, b, e = self._entries[name]
+        return b, e
+
     def nbytes(self, name: str) -> int:
         _, _, b, e = self._entries[name]
         return e - b

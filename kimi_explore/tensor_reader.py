@@ -28,7 +28,7 @@ def byte_range(f: SafetensorsFile, name: str) -> tuple[int, int]:
     public = getattr(f, "byte_range", None)
     if public is not None:
         return public(name)
-    _, _, begin, end = f._entries[name]  # SafetensorsFile keeps (dtype, shape, begin, end) per tensor
+    begin, end = f.byte_range(name)
     return begin, end
 
 
