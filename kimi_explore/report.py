@@ -135,14 +135,14 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import parse_ids, parse_layers
+    from .cli import DEFAULT_PROMPT, parse_ids, parse_layers
 
     p = argparse.ArgumentParser(prog="kimi-explore report",
                                 description="Run a prompt through K3 one token at a time and write every plot as a PNG "
                                 "plus one self-contained HTML page (no network, no CDN).")
     p.add_argument("--checkpoint", help="checkpoint directory or Hub repo id (default: the embedded tiny model)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text, encoded with the checkpoint's tokenizer")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 17,203,5")
     p.add_argument("--out", required=True, help="output directory (created if missing)")
     p.add_argument("--layers", type=parse_layers, help="run only these 0-based layers, e.g. 0-3 (default: all)")
@@ -156,11 +156,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`kimi-explore report ...`; returns the exit status."""
     from . import KimiDecoderWeights
+    from .cli import DEFAULT_PROMPT
     from .session import Session
     from .tiny_model import default_checkpoint
     from .tokenizer import TokenizerError, load_tokenizer
 
     args = _parser().parse_args(argv)
+    if args.prompt is None and args.ids is None:
+        args.prompt = DEFAULT_PROMPT
     path = args.checkpoint or default_checkpoint()
     weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype)
     try:
@@ -179,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.generate:
         session.generate(args.generate)
     page = write_report(session, args.out, title=args.title, source=path)
-    pngs = sorted(p.name for p in page.parent.glob("*.png"))
-    print(f"wrote {page} and {len(pngs)} PNGs ({', '.join(pngs)})")
+    print(f"wrote {page} (open it in any browser, offline) and its figures as PNGs in {page.parent}")
     return 0
 
 

@@ -57,8 +57,11 @@ def test_report_with_ids_and_a_layer_subset(tmp_path):
 
 def test_report_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["--out", str(tmp_path)])  # neither --prompt nor --ids
-    assert "one of the arguments --prompt --ids is required" in capsys.readouterr().err
+        main(["--prompt", "a", "--ids", "1"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--prompt", "a"])
+    assert "the following arguments are required: --out" in capsys.readouterr().err
     assert main(["--prompt", "", "--out", str(tmp_path / "x")]) == 2
     assert "prompt is empty" in capsys.readouterr().err
 
