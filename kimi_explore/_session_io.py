@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._xp import array_namespace
+
 from .backend import to_numpy
 from .kimi_decoder import KimiDecodeState, KimiLayerState
 from .recorder import Recorder
@@ -143,7 +145,10 @@ def _weight_arrays(weights):
         obj = stack.pop(0)
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
-            if hasattr(v, "shape") and hasattr(v, "reshape"):
+            if f.name == "experts":  # hash dequantised values, so packed and dense banks agree
+                xp = array_namespace(weights.embed_tokens)
+                yield from v.gather(xp.asarray([0, v.num_experts - 1]))
+            elif hasattr(v, "shape") and hasattr(v, "reshape"):
                 yield v
             elif dataclasses.is_dataclass(v):
                 stack.append(v)

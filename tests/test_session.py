@@ -254,6 +254,16 @@ def test_save_load_round_trip_continues_bit_identically(ref_weights, tmp_path):
     assert np.array_equal(t.feed(TOKENS[2:5]), s.feed(TOKENS[2:5]))
 
 
+def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
+    """The fingerprint hashes dequantised expert values, so the resident form does not matter."""
+    dense = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", experts="dense")
+    packed = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", experts="packed")
+    s = Session(dense)
+    s.feed(TOKENS[:4])
+    t = Session.load_state(s.save_state(tmp_path / "dense"), packed)
+    assert np.array_equal(t.step(TOKENS[4]), s.step(TOKENS[4]))
+
+
 def test_load_without_checkpoints_refuses_inexact_rewinds(ref_weights, tmp_path):
     s = Session(ref_weights, checkpoint_every=0)
     s.feed(TOKENS[:2])
