@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from ._xp import array_namespace
-
 from .backend import to_numpy
 from .kimi_decoder import KimiDecodeState, KimiLayerState
 from .recorder import Recorder
