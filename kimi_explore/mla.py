@@ -71,14 +71,16 @@ class MlaState:
         dq = w.qk_nope_head_dim + w.qk_rope_head_dim
         return cls(xp.zeros((w.num_heads, capacity, dq), dtype), xp.zeros((w.num_heads, capacity, w.v_head_dim), dtype))
 
-    def append(self, k, v) -> None:
-        """k: [nh, dq], v: [nh, dv]."""
+    def append(self, k_nope, k_pe, v) -> None:
+        """k_nope: [nh, dn]; k_pe: [dr], shared by every head; v: [nh, dv]. Keys are stored [k_nope | k_pe]."""
         t = self.length
         if t == self.keys.shape[1]:
             xp = array_namespace(self.keys)
             grow = lambda a: xp.concatenate([a, xp.zeros_like(a)], axis=1)  # noqa: E731
             self.keys, self.values = grow(self.keys), grow(self.values)
-        self.keys[:, t] = k
+        dn = k_nope.shape[-1]
+        self.keys[:, t, :dn] = k_nope
+        self.keys[:, t, dn:] = k_pe  # broadcast over heads
         self.values[:, t] = v
         self.length = t + 1
 
@@ -88,24 +90,16 @@ class MlaState:
         return MlaState(self.keys[:, :n].copy(), self.values[:, :n].copy(), self.length)
 
 
-def _project(x, w: MlaWeights):
-    """x -> (q [nh, dq], k [nh, dq], v [nh, dv], gate [nh*dv] or None)."""
+def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, prefix: str = ""):
+    """x: [d] (input_layernorm output) -> [d]; appends this token to `state`."""
     xp = array_namespace(x)
     nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
     ql, kl = w.q_lora_rank, w.kv_lora_rank
     y = w.in_proj @ x
     q = (w.q_b_proj @ rms_norm(y[:ql], w.q_a_layernorm, LATENT_NORM_EPS)).reshape(nh, dn + dr)
     kv = (w.kv_b_proj @ rms_norm(y[ql : ql + kl], w.kv_a_layernorm, LATENT_NORM_EPS)).reshape(nh, dn + dv)
-    k = xp.concatenate([kv[:, :dn], xp.broadcast_to(y[ql + kl : ql + kl + dr], (nh, dr))], axis=1)
     gate = sigmoid(y[ql + kl + dr :]) if w.use_output_gate else None
-    return q, k, kv[:, dn:], gate
-
-
-def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, prefix: str = ""):
-    """x: [d] (input_layernorm output) -> [d]; appends this token to `state`."""
-    xp = array_namespace(x)
-    q, k, v, gate = _project(x, w)
-    state.append(k, v)
+    state.append(kv[:, :dn], y[ql + kl : ql + kl + dr], kv[:, dn:])  # k_pe is NOT normalised
     T = state.length
     scale = 1.0 / math.sqrt(w.qk_nope_head_dim + w.qk_rope_head_dim)
     scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * scale  # [nh, T]

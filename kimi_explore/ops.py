@@ -43,9 +43,9 @@ def situ_and_mul(gate_up, beta: float, linear_beta: float | None):
     xp = array_namespace(gate_up)
     n = gate_up.shape[-1] // 2
     g, u = gate_up[..., :n], gate_up[..., n:]
-    a = xp.tanh(g * (1.0 / beta)) * sigmoid(g)
+    a = xp.tanh(g * (1.0 / beta)) / (1.0 + xp.exp(-g))  # tanh-capped gate times sigmoid(uncapped gate)
     if linear_beta is None:
-        return (beta * a) * u
+        return a * u * beta
     return a * xp.tanh(u * (1.0 / linear_beta)) * (beta * linear_beta)
 
 
