@@ -67,7 +67,7 @@ def _tokenizer(path):
 
 
 def _label(tok, i: int) -> str:
-    return repr(tok.token_label(i)) if tok is not None else str(i)
+    return f"'{tok.token_label(i)}'" if tok is not None else str(i)  # labels are already escaped
 
 
 def run(args) -> int:
