@@ -134,9 +134,6 @@ class KimiDecoderConfig:
             raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def _required(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]

@@ -90,7 +90,7 @@ class KimiDecoderWeights:
     device: str
     dtype: object
     source: str = ""
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # how it was loaded: experts mode, cache size, weight_dtype, ...
 
     @classmethod
     def from_pretrained(cls, path, *, layers=None, device: str = "auto", dtype: str = "float32", **kwargs):

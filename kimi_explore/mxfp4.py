@@ -18,19 +18,6 @@ GROUP = 32
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
-def check_shapes(packed_shape, scale_shape, rows: int, cols: int) -> str | None:
-    """None if the pair encodes a [rows, cols] weight, else a description of what is wrong."""
-    want_p, want_s = (rows, cols // 2), (rows, cols // GROUP)
-    if cols % GROUP:
-        return f"the logical width {cols} is not a multiple of the MXFP4 group size {GROUP}"
-    if tuple(packed_shape) != want_p or tuple(scale_shape) != want_s:
-        return (
-            f"expected weight_packed {list(want_p)} and weight_scale {list(want_s)} for a [{rows}, {cols}] weight, "
-            f"found {list(packed_shape)} and {list(scale_shape)}"
-        )
-    return None
-
-
 def dequantize(packed, scale, out=None, dtype=np.float32):
     """packed: uint8 [..., rows, cols/2]; scale: uint8 [..., rows, cols/32] -> [..., rows, cols].
 

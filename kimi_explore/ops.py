@@ -17,10 +17,6 @@ def sigmoid(x):
     return 1.0 / (1.0 + xp.exp(-x))
 
 
-def silu(x):
-    return x * sigmoid(x)
-
-
 def rms_norm(x, weight, eps: float):
     """KimiRMSNorm: `weight * (x / sqrt(mean(x^2) + eps))` over the last axis.
 
