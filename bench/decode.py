@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-from kimi_explore.block_residual import attn_res_weights
+from kimi_explore.block_residual import SourceBuffer
 from kimi_explore.kda import KdaState, KdaWeights, kda_step
 from kimi_explore.latent_moe import LatentMoeWeights, latent_moe
 from kimi_explore.mla import MlaState, mla_step
@@ -96,8 +96,11 @@ def breakdown(weights) -> dict[str, float]:
             total["dense mlp"] += _median_us(
                 lambda: dense_mlp(x, ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta))
         n_src += layer.is_block_boundary
-        src = xp.asarray(rng.standard_normal((n_src, cfg.hidden_size)).astype(dt))
-        total["attn-res mixes"] += 2 * _median_us(lambda: attn_res_weights(src, layer.attn_res_score, 1e-5) @ src)
+        src = SourceBuffer(xp, n_src, cfg.hidden_size, dt, 1e-5)
+        for _ in range(n_src - 1):  # the blocks sealed by this layer
+            src.set_current(xp.asarray(rng.standard_normal(cfg.hidden_size).astype(dt)))
+            src.seal()
+        total["attn-res mixes"] += 2 * _median_us(lambda: (src.set_current(x), src.mix(src.weights(layer.attn_res_score))))
         total["rms norms"] += 2 * _median_us(lambda: rms_norm(x, layer.input_layernorm, 1e-5))
     return {k: v / 1e3 for k, v in total.items() if v}
 

@@ -23,6 +23,7 @@ from ._xp import array_namespace
 from .backend import to_numpy
 from .kimi_decoder import KimiDecodeState, KimiLayerState
 from .recorder import Recorder
+from .trace import read_npz_header
 
 __all__ = ["load_session", "save_session", "weights_fingerprint"]
 
@@ -56,11 +57,7 @@ def save_session(session, path, checkpoints: bool = True) -> Path:
 
 def load_session(cls, path, weights, recorder=True, tokenizer=None, hooks=None):
     with np.load(path, allow_pickle=False) as z:
-        if "header" not in z.files:
-            raise ValueError(f"{path}: not a kimi_explore session state (no 'header' entry)")
-        header = json.loads(str(z["header"]))
-        if header.get("format") != FORMAT:
-            raise ValueError(f"{path}: session format {header.get('format')!r}, this version reads {FORMAT!r}")
+        header = read_npz_header(z, path, FORMAT, "session state")
         _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
         saved = header["recorder"]
         if recorder is True and saved:

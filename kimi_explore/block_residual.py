@@ -20,27 +20,23 @@ import numpy as np
 
 from ._xp import array_namespace
 from .backend import to_numpy
-from .ops import softmax
-
-
-def attn_res_weights(sources, score_weight, eps: float):
-    """sources: [n+1, d] (stack then current) -> softmax weights [n+1]."""
-    xp = array_namespace(sources)
-    inv_d = 1.0 / sources.shape[-1]
-    rms = xp.sqrt((sources * sources).sum(axis=-1) * inv_d + eps)
-    return softmax((sources @ score_weight) / rms)
 
 
 def apply_attn_res_prescored(prefix_sum, block_residual, score_weight, eps: float):
     """The GGUF form, with the fused score vector `norm_weight * proj_weight`.
 
     prefix_sum: [d]; block_residual: [n, d] (n may be 0); score_weight: [d].
-    Returns (blended [d], weights [n+1] over [checkpoints..., current]).
+    Returns (blended [d], weights [n+1] over [checkpoints..., current]). Runs the decoder's own
+    `SourceBuffer`, so what is tested here is what `kimi_forward_token` computes.
     """
     xp = array_namespace(prefix_sum)
-    sources = xp.concatenate([block_residual, prefix_sum[None]], axis=0)
-    p = attn_res_weights(sources, score_weight, eps)
-    return p @ sources, p
+    src = SourceBuffer(xp, block_residual.shape[0] + 1, prefix_sum.shape[-1], prefix_sum.dtype, eps)
+    for block in block_residual:
+        src.set_current(block)
+        src.seal()
+    src.set_current(prefix_sum)
+    p = src.weights(score_weight)
+    return src.mix(p), p
 
 
 def apply_attn_res(prefix_sum, block_residual, norm_weight, proj_weight, eps: float):

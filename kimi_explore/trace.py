@@ -53,6 +53,16 @@ def stack_rows(rows: list, name: str = "") -> np.ndarray:
     return out
 
 
+
+def read_npz_header(z, path, fmt: str, what: str) -> dict:
+    """The JSON header of a kimi_explore .npz file, checked to be a `what` in format `fmt`."""
+    if "header" not in z.files:
+        raise ValueError(f"{path}: not a kimi_explore {what} (no 'header' entry; found {z.files[:5]}...)")
+    header = json.loads(str(z["header"]))
+    if header.get("format") != fmt:
+        raise ValueError(f"{path}: {what} format {header.get('format')!r}, this version reads {fmt!r}")
+    return header
+
 class Trace:
     """Recorded values over T tokens. Build with `Recorder.trace()` or `Trace.load(path)`."""
 
@@ -231,11 +241,7 @@ class Trace:
     @classmethod
     def load(cls, path) -> Trace:
         with np.load(path, allow_pickle=False) as z:
-            if "header" not in z.files:
-                raise ValueError(f"{path}: not a kimi_explore trace (no 'header' entry; found {z.files[:5]}...)")
-            header = json.loads(str(z["header"]))
-            if header.get("format") != FORMAT:
-                raise ValueError(f"{path}: trace format {header.get('format')!r}, this version reads {FORMAT!r}")
+            header = read_npz_header(z, path, FORMAT, "trace")
             records = {k: z[f"record/{k}"] for k in header["names"]}
             return cls(records, z["tokens"], z["positions"], header["meta"])
 
