@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import mxfp4
+from . import mxfp4, mxfp4_matvec
 from .backend import resolve_device, resolve_dtype
 from .bf16_weights import Bf16Matrix, WideningScratch
 from .config import KimiDecoderConfig
@@ -416,9 +416,14 @@ def _resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, ckpt: Chec
     return "dense" if len(moe) * cfg.num_experts * _expert_bytes(cfg, dtype) <= AUTO_DENSE_BYTES else "packed"
 
 
-def _resolve_cache_size(size, cfg: KimiDecoderConfig, dtype) -> int:
-    if size is None:  # bounded memory, not speed: at K3 size an expert is 132 MB dequantised (3 per layer)
-        return min(cfg.num_experts, AUTO_CACHE_BYTES // _expert_bytes(cfg, dtype))
+def _resolve_cache_size(size, cfg: KimiDecoderConfig, dtype, xp) -> int:
+    if size is None:  # bounded memory: at K3 size an expert is 132 MB dequantised (3 fit per layer)
+        fit = AUTO_CACHE_BYTES // _expert_bytes(cfg, dtype)
+        if fit >= cfg.num_experts:
+            return cfg.num_experts
+        # a cache holding a few of the layer's experts mostly misses: on the host the fused kernel
+        # multiplies straight from the packed bytes instead (capacity 0 selects it)
+        return 0 if xp is np and np.dtype(dtype) == np.float32 and mxfp4_matvec.AVAILABLE else fit
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
         raise ValueError(f"expert_cache_size={size!r}: expected None or a number of experts per layer >= 0")
     return int(size)
@@ -469,11 +474,15 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the matrices stored as BF16 on
         disk as bf16 bits, widened per use (same logits bit for bit, half the memory, slower on CPU).
     experts: "dense" dequantises every routed expert at load; "packed" keeps the MXFP4 bytes and
-        dequantises the selected ones per token (same logits bit for bit); "auto" (default) is dense
+        dequantises the selected ones per token (same logits bit for bit) or, with no cache on the
+        CPU, multiplies them fused (see expert_cache_size); "auto" (default) is dense
         when all requested experts dequantised fit in 1 GiB (the tiny models), else packed (K3).
     expert_cache_size: with packed experts, dequantised experts kept PER LAYER in an LRU cache;
-        None = as many as fit in 512 MiB per layer (all of a tiny model's; 3 of K3's, whose top-16
-        then mostly miss: raise it for speed on a CPU when memory allows); 0 = no cache.
+        0 = no cache: on the CPU in float32 the selected experts are then multiplied straight from
+        their packed bytes by the compiled kernel (`mxfp4_matvec`, when built; the same weights,
+        float32 sums in another order), else dequantised per token. None = all of a layer's
+        experts if they fit in 512 MiB (the tiny models); otherwise 0 on the CPU with the kernel
+        (K3: reading 280 MB packed beats reading 2.1 GB dequantised), else as many as fit (3 of K3's).
     """
     from .hub import resolve_checkpoint
 
@@ -489,7 +498,7 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     try:
         _check(ckpt, plan_tensors(cfg, layer_ids, ckpt), cfg)
         mode = _resolve_experts(experts, cfg, layer_ids, ckpt, dt)
-        cache_size = _resolve_cache_size(expert_cache_size, cfg, dt)
+        cache_size = _resolve_cache_size(expert_cache_size, cfg, dt, xp)
         b = _Builder(ckpt, xp, dt, bf16)
         embed = b.matrix(["model.embed_tokens.weight"])
         return KimiDecoderWeights(

@@ -14,15 +14,21 @@ and dequantises only the selected experts that are not in its LRU cache: one gat
 packed bytes and one dequantise call for all of them (no Python loop over experts). The cache
 holds up to `capacity` dequantised experts of THIS layer (the size is per layer: a model with n
 MoE layers holds at most n * capacity dequantised experts, `expert_bytes` each, in one slab).
-The decoder calls `outputs(ids, z, act)` (see `latent_moe.expert_outputs`): on a GPU one gather
-and batched matmuls; on the host, for big experts, each expert is multiplied where it lies (cache
-slot or the shared dequantise workspace) instead of being copied into a [k, 2I, l] stack (2 GB per
-token at K3 size).
+The decoder calls `outputs(ids, z, act)` (see `latent_moe.expert_outputs`), which takes one of
+three routes:
 
-Exactness: MXFP4 value x power-of-two scale is the same IEEE product whichever way it is
-computed, and every matmul sees the same operands with the same strides as `DenseExperts`'
-batched one (a [1, 2I, l] view goes through the same per-item BLAS call as row j of a stack), so
-the logits are bit-identical (tested, both ways, on the embedded and the reference model).
+- fused (host, float32, no cache, the compiled kernel built): `mxfp4_matvec.expert_matvec`
+  multiplies straight from the packed bytes; nothing is dequantised into memory. Each weight is
+  its exact dequantised value; only the float32 summation order differs from BLAS (~1e-7, tested).
+- host, big experts: each selected expert is dequantised (or found in the cache) and multiplied
+  where it lies instead of being copied into a [k, 2I, l] stack (2 GB per token at K3 size).
+- GPU, and small experts where the calls dominate: one gather and batched matmuls.
+
+Exactness of the two dequantising routes: MXFP4 value x power-of-two scale is the same IEEE
+product whichever way it is computed, and every matmul sees the same operands with the same
+strides as `DenseExperts`' batched one (a [1, 2I, l] view goes through the same per-item BLAS
+call as row j of a stack), so the logits are bit-identical to dense experts (tested, both ways,
+on the embedded and the reference model).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import mxfp4
+from . import mxfp4, mxfp4_matvec
 from ._xp import array_namespace
 from .backend import to_numpy
 from .latent_moe import DenseExperts
@@ -171,9 +177,12 @@ class PackedExperts:
     w13_packed: uint8 [E, 2I, l/2];  w13_scale: uint8 [E, 2I, l/32]
     w2_packed:  uint8 [E, l, I/2];   w2_scale:  uint8 [E, l, I/32]
     capacity:   dequantised experts kept (this layer); 0 disables the cache
+    fused:      multiply straight from the packed bytes (`mxfp4_matvec`); None (default) = whenever
+                it can: host arrays, float32, capacity 0 and the kernel built. False keeps the
+                dequantising route (bit-identical to dense experts); True requires the kernel.
 
     The cache is a slab of `capacity` slots ([capacity, 2I, l] and [capacity, l, I], allocated at
-    the first miss), so hits are read in place.
+    the first miss), so hits are read in place. The fused route keeps no cache and counts no stats.
     """
 
     w13_packed: object
@@ -182,6 +191,7 @@ class PackedExperts:
     w2_scale: object
     dtype: object = np.float32
     capacity: int = 0
+    fused: bool | None = None
     stats: ExpertCacheStats = field(default_factory=ExpertCacheStats)
 
     def __post_init__(self):
@@ -201,6 +211,12 @@ class PackedExperts:
                 f"{self.w13_packed.shape} / {self.w2_packed.shape} (one scale byte per 32 columns)"
             )
         self._table = _pair_table(array_namespace(self.w13_packed), self.dtype)
+        if self.fused and not self.can_fuse():
+            raise ValueError(
+                "PackedExperts(fused=True) needs host (NumPy) C-contiguous arrays, float32, capacity=0 and the compiled "
+                f"kernel (built: {mxfp4_matvec.AVAILABLE}); got {type(self.w13_packed).__module__} arrays, "
+                f"{self.dtype.name}, capacity={self.capacity}"
+            )
 
     # ---- shapes and sizes
     @property
@@ -329,6 +345,16 @@ class PackedExperts:
             self._store(missing, new13, new2)
         return w13, w2
 
+    def can_fuse(self) -> bool:
+        """Whether the fused kernel can run this bank (see `fused`)."""
+        arrays = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        return (mxfp4_matvec.AVAILABLE and self.capacity == 0 and self.dtype == np.float32
+                and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays))
+
+    @property
+    def uses_fused(self) -> bool:
+        return self.fused is not False and self.can_fuse()
+
     IN_PLACE_BYTES = 1 << 20  # host: experts this large are multiplied where they lie rather than copied
 
     def _multiply_in_place(self, xp) -> bool:
@@ -339,11 +365,15 @@ class PackedExperts:
     def outputs(self, ids, z, act):
         """y_e = w2_e act(w13_e z) for the selected experts, [k, l]: what `latent_moe` needs.
 
-        On the host, experts of at least `IN_PLACE_BYTES` are multiplied where they lie (cache slot
-        or fresh block) through the same per-expert BLAS call a batched matmul makes (bit-identical,
-        no [k, 2I, l] copy: at K3 size 2 GB per token); otherwise (GPU; tiny experts) one gather
-        then batched matmuls (one launch each instead of k).
+        Fused (see `uses_fused`): two kernel calls on the packed bytes. Otherwise, on the host,
+        experts of at least `IN_PLACE_BYTES` are multiplied where they lie (cache slot or fresh
+        block) through the same per-expert BLAS call a batched matmul makes (bit-identical, no
+        [k, 2I, l] copy: at K3 size 2 GB per token); otherwise (GPU; tiny experts) one gather then
+        batched matmuls (one launch each instead of k).
         """
+        if self.uses_fused:
+            h = mxfp4_matvec.expert_matvec(self.w13_packed, self.w13_scale, ids, z)  # [k, 2I]
+            return mxfp4_matvec.expert_matvec(self.w2_packed, self.w2_scale, ids, act(h))
         xp = array_namespace(self.w13_packed)
         if not self._multiply_in_place(xp):
             w13, w2 = self.gather(ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,3 +32,13 @@ def tiny_weights():
     from kimi_explore.tiny_model import default_checkpoint
 
     return KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu")
+
+
+def require_kernel():
+    """Skip without the compiled MXFP4 kernel, unless KIMI_EXPLORE_REQUIRE_KERNEL=1 (.ci/run): then fail."""
+    from kimi_explore import mxfp4_matvec
+
+    if not mxfp4_matvec.AVAILABLE:
+        if os.environ.get("KIMI_EXPLORE_REQUIRE_KERNEL") == "1":
+            pytest.fail("kimi_explore._mxfp4_matvec was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
+        pytest.skip("the compiled MXFP4 kernel was not built (no C compiler at install)")

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, checkpoint, experts, kimi_forward_token, mxfp4
+from kimi_explore import (
+    CheckpointError,
+    KimiDecoderWeights,
+    KimiDecodeState,
+    checkpoint,
+    experts,
+    kimi_forward_token,
+    mxfp4,
+    mxfp4_matvec,
+)
 from kimi_explore.experts import DenseExperts, PackedExperts, dense_from_packed, dequantize_experts
 from kimi_explore.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
 from kimi_explore.tiny_model import default_checkpoint, write_checkpoint
@@ -19,13 +28,13 @@ def bits(a):
     return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
 
 
-def random_bank(rng, E=6, I=32, l=64, dtype=np.float32, capacity=0):
+def random_bank(rng, E=6, I=32, l=64, dtype=np.float32, capacity=0, fused=False):
     def pair(rows, cols):
         packed = rng.integers(0, 256, (E, rows, cols // 2), dtype=np.uint8)
         return packed, rng.integers(100, 140, (E, rows, cols // 32), dtype=np.uint8)
 
     (p13, s13), (p2, s2) = pair(2 * I, l), pair(l, I)
-    return PackedExperts(p13, s13, p2, s2, dtype=dtype, capacity=capacity)
+    return PackedExperts(p13, s13, p2, s2, dtype=dtype, capacity=capacity, fused=fused)
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "threads"])
@@ -183,6 +192,8 @@ def decode(w, tokens=TOKENS, hooks=None):
 @pytest.mark.parametrize("cache", [0, 1, None], ids=["no-cache", "cache-1", "cache-default"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
 def test_packed_logits_bit_identical_to_dense(path, cache, in_place, monkeypatch):
+    """The dequantising routes (the fused kernel sums in another order: test_mxfp4_matvec.py)."""
+    monkeypatch.setattr(mxfp4_matvec, "AVAILABLE", False)
     monkeypatch.setattr(PackedExperts, "_multiply_in_place", lambda self, xp: in_place)
     dense = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="dense")
     packed = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", expert_cache_size=cache)
@@ -222,9 +233,13 @@ def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
     assert w.extra["experts"] == "packed" and isinstance(w.layers[0].ffn.experts, PackedExperts)
     cfg = w.config
     assert w.extra["expert_cache_size"] == cfg.num_experts  # default: as many as fit in 512 MiB per layer
-    assert checkpoint._resolve_cache_size(None, cfg, np.float64) == cfg.num_experts
+    assert checkpoint._resolve_cache_size(None, cfg, np.float64, np) == cfg.num_experts
     monkeypatch.setattr(checkpoint, "AUTO_CACHE_BYTES", 5 * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 4)
-    assert checkpoint._resolve_cache_size(None, cfg, np.float32) == 5
+    assert checkpoint._resolve_cache_size(None, cfg, np.float64, np) == 2  # float64 experts: twice the bytes
+    # a cache that cannot hold the layer: fused on the CPU when the kernel is built, else as many as fit
+    assert checkpoint._resolve_cache_size(None, cfg, np.float32, np) == (0 if mxfp4_matvec.AVAILABLE else 5)
+    monkeypatch.setattr(mxfp4_matvec, "AVAILABLE", False)
+    assert checkpoint._resolve_cache_size(None, cfg, np.float32, np) == 5
     with pytest.raises(ValueError, match="experts='packd'"):
         KimiDecoderWeights.from_pretrained(tiny, device="cpu", experts="packd")
     with pytest.raises(ValueError, match="expert_cache_size=-2"):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import REFERENCE_DIR
+from conftest import REFERENCE_DIR, require_kernel
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.kda import KdaWeights
+from kimi_explore.latent_moe import LatentMoeWeights
 
 
 class Collect:
@@ -29,9 +30,14 @@ def decode(weights, tokens, hooks=None):
     return np.stack([kimi_forward_token(weights, state, int(t), hooks=hooks) for t in tokens]), state
 
 
-@pytest.fixture(scope="module", params=["float32", "float64"])
+@pytest.fixture(scope="module", params=["float32", "float64", "float32-fused"])
 def run(request, ref):
-    w = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", dtype=request.param)
+    if request.param == "float32-fused":  # MXFP4 experts multiplied from their packed bytes (mxfp4_matvec)
+        require_kernel()
+        w = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", experts="packed", expert_cache_size=0)
+        assert all(layer.ffn.experts.uses_fused for layer in w.layers if isinstance(layer.ffn, LatentMoeWeights))
+    else:
+        w = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", dtype=request.param)
     hooks = Collect()
     logits, state = decode(w, ref["tokens"], hooks)
     return w, hooks, logits, state

@@ -1,0 +1,75 @@
+"""Selected MXFP4 experts times a vector, straight from the packed bytes (CPU, compiled kernel).
+
+    y[n, r] = sum_c W_{ids[n]}[r, c] * x[n, c]      W: the dequantised expert (mxfp4.py)
+
+At K3 size the 16 experts a token picks are 280 MB packed and 2.1 GB dequantised; dequantising
+them into memory and reading them back costs ~20x the packed bytes. The kernel
+(`_mxfp4_matvec.c`) decodes each 16-byte group in registers instead: every weight is its exact
+dequantised value, the group's power of two scales the group's partial sum, and only the float32
+summation order differs from BLAS on the dequantised matrix (|error| ~1e-7 of sum |W x|, tested
+against float64). It is built at install when a C compiler is present (`setup.py`, optional);
+without it `AVAILABLE` is False and `experts.PackedExperts` dequantises instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from . import _mxfp4_matvec as _ext
+except ImportError:  # no compiler at install time
+    _ext = None
+
+AVAILABLE = _ext is not None
+_MIN_ROWS_PER_THREAD = 256
+
+
+def isas() -> tuple[str, ...]:
+    """Kernels this CPU can run, best last ('portable', 'avx2', 'avx512f'); () without the extension."""
+    return _ext.isas() if AVAILABLE else ()
+
+
+def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threads: int | None = None):
+    """packed: uint8 [E, R, C/2]; scale: uint8 [E, R, C/32]; ids: [k] expert ids;
+    x: float32 [C] (the same input for every expert) or [k, C] -> float32 [k, R].
+
+    isa: one of `isas()` (default: the best). threads: how many host threads share the rows
+    (default: `experts`' pool size); the kernel releases the GIL.
+    """
+    if not AVAILABLE:
+        raise RuntimeError("kimi_explore._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
+    for name, a in (("packed", packed), ("scale", scale)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous uint8 NumPy array [E, R, n], got {_describe(a)}")
+    E, R, H = packed.shape
+    if H % 16 or scale.shape != (E, R, H // 16):
+        raise ValueError(f"packed {packed.shape} / scale {scale.shape}: expected [E, R, C/2] / [E, R, C/32], C a multiple of 32")
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    x = np.asarray(x)
+    if x.dtype != np.float32 or x.shape[-1] != 2 * H or x.ndim not in (1, 2) or (x.ndim == 2 and x.shape[0] != len(ids)):
+        raise ValueError(f"x: expected float32 [{2 * H}] or [{len(ids)}, {2 * H}], got {_describe(x)}")
+    xeo = np.empty((1 if x.ndim == 1 else len(ids), 2, H), np.float32)
+    xeo[:, 0] = x[..., 0::2]
+    xeo[:, 1] = x[..., 1::2]
+    k = len(ids)
+    out = np.empty((k, R), np.float32) if out is None else out
+    if out.shape != (k, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out: expected a C-contiguous float32 [{k}, {R}], got {_describe(out)}")
+    rows = k * R
+    from .experts import _pool
+
+    n = max(1, min(threads or _pool()._max_workers, rows // _MIN_ROWS_PER_THREAD))
+    run = lambda a, b: _ext.expert_matvec(packed, scale, ids, xeo, out, R, H, a, b, isa or "")  # noqa: E731
+    if n == 1:
+        run(0, rows)
+    else:
+        cuts = [rows * i // n for i in range(n + 1)]
+        for f in [_pool().submit(run, a, b) for a, b in zip(cuts, cuts[1:])]:
+            f.result()
+    return out
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype} {a.shape}{'' if a.flags.c_contiguous else ' (not C-contiguous)'}"
+    return type(a).__name__
