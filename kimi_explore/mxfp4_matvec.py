@@ -64,7 +64,7 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
         run(0, rows)
     else:
         cuts = [rows * i // n for i in range(n + 1)]
-        for f in [_pool().submit(run, a, b) for a, b in zip(cuts, cuts[1:])]:
+        for f in [_pool().submit(run, a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]:
             f.result()
     return out
 
