@@ -8,6 +8,8 @@ allocation).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 DEVICES = ("auto", "cpu", "gpu")
@@ -63,3 +65,16 @@ def to_numpy(a) -> np.ndarray:
 
 def gpu_available() -> bool:
     return _cupy_status()[0] is not None
+
+
+HOST_THREADS = max(1, min(4, os.cpu_count() or 1))  # host work split over threads (the kernels release the GIL)
+_POOL: list = []
+
+
+def host_pool():
+    """The shared thread pool for host work that releases the GIL (dequantising, the MXFP4 kernel)."""
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(max_workers=HOST_THREADS, thread_name_prefix="kimi-host"))
+    return _POOL[0]

@@ -33,7 +33,6 @@ on the embedded and the reference model).
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -41,7 +40,7 @@ import numpy as np
 
 from . import mxfp4, mxfp4_matvec
 from ._xp import array_namespace
-from .backend import to_numpy
+from .backend import HOST_THREADS, host_pool, to_numpy
 from .latent_moe import DenseExperts
 
 __all__ = ["DenseExperts", "ExpertCacheStats", "PackedExperts", "dequantize_experts"]
@@ -67,15 +66,6 @@ def _factors(scale, dtype):
 
 
 _THREADED_BYTES = 1 << 23  # host: split bigger jobs over the cores (take, copyto and multiply release the GIL)
-_POOL: list = []
-
-
-def _pool():
-    if not _POOL:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL.append(ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dequant"))
-    return _POOL[0]
 
 
 def _dequantize_host(packed, scale, dtype, table, out=None):
@@ -97,12 +87,12 @@ def _dequantize_host(packed, scale, dtype, table, out=None):
             groups = flat[2 * a : 2 * (a + n)].reshape(-1, mxfp4.GROUP)
             groups *= fac[a // 16 : (a + n) // 16, None]
 
-    workers = 1 if src.size < _THREADED_BYTES else _pool()._max_workers
+    workers = 1 if src.size < _THREADED_BYTES else HOST_THREADS
     if workers == 1:
         run(0, src.size)
         return out
     step = -(-src.size // (workers * _CHUNK)) * _CHUNK  # whole chunks per worker (chunks are whole groups)
-    for f in [_pool().submit(run, a, min(src.size, a + step)) for a in range(0, src.size, step)]:
+    for f in [host_pool().submit(run, a, min(src.size, a + step)) for a in range(0, src.size, step)]:
         f.result()
     return out
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backend import HOST_THREADS, host_pool
+
 try:
     from . import _mxfp4_matvec as _ext
 except ImportError:  # no compiler at install time
@@ -34,7 +36,7 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
     x: float32 [C] (the same input for every expert) or [k, C] -> float32 [k, R].
 
     isa: one of `isas()` (default: the best). threads: how many host threads share the rows
-    (default: `experts`' pool size); the kernel releases the GIL.
+    (default: `backend.HOST_THREADS`); the kernel releases the GIL.
     """
     if not AVAILABLE:
         raise RuntimeError("kimi_explore._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
@@ -56,15 +58,13 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
     if out.shape != (k, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{k}, {R}], got {_describe(out)}")
     rows = k * R
-    from .experts import _pool
-
-    n = max(1, min(threads or _pool()._max_workers, rows // _MIN_ROWS_PER_THREAD))
+    n = max(1, min(threads or HOST_THREADS, rows // _MIN_ROWS_PER_THREAD))
     run = lambda a, b: _ext.expert_matvec(packed, scale, ids, xeo, out, R, H, a, b, isa or "")  # noqa: E731
     if n == 1:
         run(0, rows)
     else:
         cuts = [rows * i // n for i in range(n + 1)]
-        for f in [_pool().submit(run, a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]:
+        for f in [host_pool().submit(run, a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]:
             f.result()
     return out
 
