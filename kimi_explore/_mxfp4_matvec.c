@@ -130,6 +130,7 @@ PyDoc_STRVAR(expert_matvec_doc,
              "from isas() or '' for the best this CPU has.");
 
 static PyObject *expert_matvec(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer packed, scale, ids, xeo, out;
     Py_ssize_t R, H, start, stop;
     const char *isa_name;
@@ -181,6 +182,7 @@ done:
 }
 
 static PyObject *isas(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
     int best = best_isa();
     PyObject *names = PyTuple_New(best + 1);
     if (names == NULL) return NULL;
@@ -194,7 +196,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mxfp4_matvec", "MXFP4 expert matvec kernels.", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_mxfp4_matvec", .m_doc = "MXFP4 expert matvec kernels.", .m_size = -1, .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__mxfp4_matvec(void) {
     for (int s = 0; s < 256; s++) POW2[s] = ldexpf(1.0f, s - 127);

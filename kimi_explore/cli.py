@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=parse_layers, help="run only these 0-based layers, e.g. 0-3 (default: all)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="array backend (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
+    p.add_argument("--weight-dtype", choices=["bfloat16"], help="keep BF16 matrices as bf16 bits (half the memory)")
+    p.add_argument("--experts", default="auto", choices=["auto", "packed", "dense"],
+                   help="routed experts: MXFP4-packed or dequantised at load (default auto: dense when small)")
+    p.add_argument("--expert-cache-size", type=int, metavar="N",
+                   help="packed experts: dequantised experts kept per layer (0: none; on the CPU the fused kernel)")
     return p
 
 
@@ -77,7 +82,9 @@ def run(args) -> int:
 
     path = args.checkpoint or default_checkpoint()
     t0 = time.perf_counter()
-    weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype)
+    weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype,
+                                                 weight_dtype=args.weight_dtype, experts=args.experts,
+                                                 expert_cache_size=args.expert_cache_size)
     load_s = time.perf_counter() - t0
     cfg = weights.config
     tok = _tokenizer(weights.source) if args.ids is None else None
@@ -93,6 +100,8 @@ def run(args) -> int:
           f"{len(kinds) - n_moe} dense, {n_moe} MoE with {cfg.num_experts} experts top-{cfg.num_experts_per_token}), "
           f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; {weights.device}, {np.dtype(weights.dtype).name}; "
           f"loaded in {load_s:.2f} s")
+    if weights.extra.get("expert_route"):
+        print(f"  routed experts: {weights.extra['expert_route']}")
     print(f"\n{'step':>4}  {'input':<14} {'ms':>7}   top-{args.top} next tokens (probability)")
     state = KimiDecodeState.new(weights)
     times = []

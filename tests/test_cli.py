@@ -13,7 +13,8 @@ from kimi_explore.cli import main, parse_layers
 
 def test_help_explains_itself():
     out = subprocess.run([sys.executable, "-m", "kimi_explore", "--help"], capture_output=True, text=True, check=True).stdout
-    for word in ("--checkpoint", "--prompt", "--ids", "--layers", "--device", "embedded tiny"):
+    words = ("--checkpoint", "--prompt", "--ids", "--layers", "--device", "--experts", "--expert-cache-size", "embedded tiny")
+    for word in words:
         assert word in out
 
 
@@ -35,3 +36,24 @@ def test_layer_argument_forms():
     assert list(parse_layers("0-3")) == [0, 1, 2, 3]
     assert list(parse_layers("2:4")) == [2, 3]
     assert parse_layers("1,5") == [1, 5]
+
+
+def test_expert_options_reach_the_loader(capsys):
+    """Packed experts print how they are multiplied, and predict what the dense ones predict."""
+    from kimi_explore import mxfp4_matvec
+
+    first = {}  # top-1 prediction per step, per option set
+    for argv in ([], ["--experts", "packed", "--expert-cache-size", "2"], ["--experts", "packed", "--expert-cache-size", "0"]):
+        assert main(["--ids", "72,101", "--top", "1", *argv]) == 0
+        out = capsys.readouterr().out
+        route = [line for line in out.splitlines() if "routed experts:" in line]
+        steps = [line for line in out.splitlines() if line.startswith("   ") and line[:4].strip().isdigit()]
+        first[tuple(argv)] = [line.split()[3] for line in steps]
+        if not argv:
+            assert route == ["  routed experts: dequantised at load"]
+        elif argv[-1] == "2":
+            assert route == ["  routed experts: dequantised per token, LRU cache of 2 per layer"]
+        else:
+            want = f"fused MXFP4 kernel ({mxfp4_matvec.isas()[-1]})" if mxfp4_matvec.AVAILABLE else "dequantised per token"
+            assert route[0].startswith(f"  routed experts: {want}")
+    assert len(set(map(tuple, first.values()))) == 1  # the same top-1 predictions every way
