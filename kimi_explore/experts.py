@@ -117,7 +117,12 @@ def dequantize_experts(packed, scale, dtype=np.float32, table=None, out=None):
 
 
 def _dequantize_device(packed, scale, dtype, table, out=None):
-    """CuPy (or NumPy with the [256, 2] table, in tests): one gather of value pairs, one multiply."""
+    """CuPy (or NumPy with the [256, 2] table, in tests): one gather of value pairs, one multiply.
+
+    CuPy builds its elementwise kernels with -ftz=true: in float32 a product below 2^-126 (a scale
+    byte <= 2) becomes 0 on the GPU where the host keeps the subnormal. Released scales sit far
+    above that (the tiny checkpoints' smallest is 123); float64 is unaffected.
+    """
     xp = array_namespace(packed)
     lead, half = packed.shape[:-1], packed.shape[-1]
     vals = table[packed.astype(xp.int32)].reshape(lead + (2 * half,))  # [..., cols/2, 2] -> [..., cols]
@@ -324,6 +329,8 @@ class PackedExperts:
         """The selected experts' weights, in the order of `ids`: ([k, 2I, l], [k, l, I]), fresh arrays."""
         xp = array_namespace(self.w13_packed)
         order, missing = self._lookup(ids)
+        if not order:
+            return xp.empty((0,) + self.shape13, self.dtype), xp.empty((0,) + self.shape2, self.dtype)
         new13, new2 = self.dequantize(missing) if missing else (None, None)
         if missing == order:  # nothing cached is needed: hand the fresh arrays over as they are
             self._store(missing, new13, new2)
@@ -361,6 +368,8 @@ class PackedExperts:
         [k, 2I, l] copy: at K3 size 2 GB per token); otherwise (GPU; tiny experts) one gather then
         batched matmuls (one launch each instead of k).
         """
+        if len(ids) == 0:  # every expert ablated: no routed output (as a dense bank's empty matmuls give)
+            return array_namespace(self.w13_packed).zeros((0, self.shape2[0]), self.dtype)
         if self.uses_fused:
             h = mxfp4_matvec.expert_matvec(self.w13_packed, self.w13_scale, ids, z)  # [k, 2I]
             return mxfp4_matvec.expert_matvec(self.w2_packed, self.w2_scale, ids, act(h))

@@ -347,11 +347,20 @@ class HookChain:
         return self
 
 
+def _on_gpu(a) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
 def _check_replacement(point: HookPoint, old, new, fn) -> None:
     shape = getattr(new, "shape", None)
     if shape is None:
         raise TypeError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned {type(new).__name__}; "
                         "return an array (or None to keep the value)")
+    if _on_gpu(new) != _on_gpu(old):
+        where = {True: "a CuPy (GPU) array", False: "a host array"}
+        raise TypeError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned {where[_on_gpu(new)]}, but "
+                        f"this site's value is {where[_on_gpu(old)]}: return it where the value lives "
+                        "(cupy.asarray(...) on a GPU, cupy.asnumpy(...) on the host)")
     if point.kind not in _RESHAPE_OK and shape != old.shape:
         raise ValueError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned shape {tuple(shape)}; "
                          f"this site needs shape {tuple(old.shape)}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._xp import array_namespace
+from .backend import to_numpy
 from .hooks import Hooks
 
 __all__ = ["ablate_experts", "force_routing", "override_attn_res", "patch", "scale_kda_head", "zero_kda_head"]
@@ -61,7 +62,7 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
     drop_all = isinstance(experts, str)
     if drop_all and experts != "all":
         raise ValueError(f"ablate_experts: experts must be 'all' or a list of expert ids, got {experts!r}")
-    drop = [] if drop_all else [int(e) for e in np.atleast_1d(experts)]
+    drop = [] if drop_all else [int(e) for e in np.atleast_1d(to_numpy(experts))]
 
     def ablate(ids, *, hook):
         if drop_all:
@@ -78,11 +79,12 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
 def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     """Route through `expert_ids` at `layer`. Without `weights` the decoder recomputes them from these
     experts' scores (renormalised, scaled) as it does for its own choice; with them, they are used as given."""
-    ids_req = [int(e) for e in np.atleast_1d(expert_ids)]
+    ids_req = [int(e) for e in np.atleast_1d(to_numpy(expert_ids))]
     if len(set(ids_req)) != len(ids_req):
         raise ValueError(f"force_routing: expert_ids has duplicates: {ids_req}")
-    if weights is not None and len(np.atleast_1d(weights)) != len(ids_req):
-        raise ValueError(f"force_routing: {len(np.atleast_1d(weights))} weights for {len(ids_req)} experts")
+    weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # a GPU array is fine too
+    if weights is not None and len(weights) != len(ids_req):
+        raise ValueError(f"force_routing: {len(weights)} weights for {len(ids_req)} experts")
     seen = {}
 
     def note_experts(scores, *, hook):
@@ -96,7 +98,7 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
         return array_namespace(ids).asarray(ids_req, dtype=ids.dtype)
 
     def forced_weights(w, *, hook):
-        return array_namespace(w).asarray(np.asarray(weights, dtype=float), dtype=w.dtype)
+        return array_namespace(w).asarray(weights, dtype=w.dtype)
 
     hooks = Hooks()
     for i in _layers(layer):
@@ -128,7 +130,7 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     elif isinstance(weights, tuple) and len(weights) == 2 and weights[0] == "one_hot":
         mode, j = "one_hot", (-1 if weights[1] == "current" else int(weights[1]))
     else:
-        mode, given = "given", np.asarray(weights, dtype=float)
+        mode, given = "given", np.asarray(to_numpy(weights), dtype=float)
         if given.ndim != 1:
             raise ValueError(f"override_attn_res: a weight vector must be 1-D, got shape {given.shape}")
 
@@ -158,7 +160,7 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
 
     The decoder reads the head's output from, and carries to the next token, the scaled state.
     """
-    heads = [int(h) for h in np.atleast_1d(head)]
+    heads = [int(h) for h in np.atleast_1d(to_numpy(head))]
     factor = float(factor)
 
     def scale(S, *, hook):
@@ -195,9 +197,9 @@ def patch(name: str, source, positions=None) -> Hooks:
         rows = source[name]
         table = {int(p): rows[t] for t, p in enumerate(source.positions)}
     elif isinstance(source, dict):
-        table = {int(p): np.asarray(v) for p, v in source.items()}
+        table = {int(p): to_numpy(v) for p, v in source.items()}
     else:
-        rows = np.asarray(source)
+        rows = to_numpy(source)
         table = {p: rows[p] for p in range(rows.shape[0])}
     if positions is not None:
         wanted = [int(positions)] if isinstance(positions, (int, np.integer)) else [int(p) for p in positions]

@@ -227,6 +227,22 @@ def test_bad_hook_returns_are_reported(ref_weights):
         Hooks().add("logits", "not a function")
 
 
+class DeviceArray:
+    """Stands in for a CuPy array (the check goes by the type's module): what a hook on a host model must not return."""
+
+    __module__ = "cupy._core.core"
+
+    def __init__(self, a):
+        self.shape = a.shape
+
+
+def test_a_replacement_on_the_wrong_device_is_reported(ref_weights):
+    hooks = Hooks()
+    hooks.add("layers.2.attn.out", lambda v, *, hook: DeviceArray(v))
+    with pytest.raises(TypeError, match=r"layers\.2\.attn\.out.*returned a CuPy \(GPU\) array, but this site's value is a host"):
+        decode(ref_weights, TOKENS[:1], hooks)
+
+
 def test_active_names_are_the_sites_that_do_something(ref_weights):
     from kimi_explore.recorder import Recorder
 

@@ -99,6 +99,18 @@ def test_ablating_every_routed_expert_zeroes_the_routed_output(w64, ref_weights,
     np.testing.assert_array_equal(decode(ref_weights, TOKENS, ablate_experts(layer, range(8))), decode(ref_weights, TOKENS, zero))
 
 
+@pytest.mark.parametrize("route", ["fused", "dequantise", "cached"])
+def test_ablating_every_expert_of_a_packed_bank(ref_weights, route):
+    """An empty selection through packed experts, every way they run: the same bits as dense experts."""
+    packed = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", experts="packed",
+                                                expert_cache_size=2 if route == "cached" else 0)
+    if route == "dequantise":
+        for layer in packed.layers[1:]:  # layer 0 is dense
+            layer.ffn.experts.fused = False
+    hooks = lambda: ablate_experts(range(1, 14), "all")  # noqa: E731  (no routed expert runs at all)
+    np.testing.assert_array_equal(decode(packed, TOKENS[:5], hooks()), decode(ref_weights, TOKENS[:5], hooks()))
+
+
 def test_ablating_some_experts_renormalises_over_the_rest(w64, ref):
     layer = 5
     top1 = ref[f"router_L{layer:02d}_topk_idx_decode"][:, 0]  # each token's first choice
