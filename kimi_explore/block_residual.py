@@ -66,8 +66,10 @@ class SourceBuffer:
     every later site (the keys' norms never change; only the score vector does).
     """
 
-    def __init__(self, xp, rows: int, d: int, dtype, eps: float):
+    def __init__(self, xp, rows: int, d: int, dtype, eps: float, host_scalars: bool | None = None):
         self.xp, self.eps, self.inv_d = xp, eps, 1.0 / d
+        # 1/rms as a Python float (NumPy), or kept on the device (a GPU: float() would wait for it)
+        self.host_scalars = xp is np if host_scalars is None else host_scalars
         self.rows = xp.empty((rows, d), dtype)
         self.inv_rms = xp.empty(rows, dtype)
         self.n = 0  # sealed blocks
@@ -75,7 +77,10 @@ class SourceBuffer:
     def set_current(self, v) -> None:
         n = self.n
         self.rows[n] = v
-        self.inv_rms[n] = 1.0 / math.sqrt(float(v @ v) * self.inv_d + self.eps)
+        if self.host_scalars:
+            self.inv_rms[n] = 1.0 / math.sqrt(float(v @ v) * self.inv_d + self.eps)
+        else:
+            self.inv_rms[n] = 1.0 / self.xp.sqrt((v @ v) * self.inv_d + self.eps)
 
     def weights(self, score_weight):
         """Softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight: [n+1]."""

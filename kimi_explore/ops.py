@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._xp import array_namespace
 
 
@@ -25,8 +27,9 @@ def rms_norm(x, weight, eps: float):
     """
     xp = array_namespace(x)
     n = x.shape[-1]
-    if x.ndim == 1:  # the common case: one scalar, computed on the host side of the call
+    if x.ndim == 1 and xp is np:  # the common case: one scalar, computed on the host side of the call
         return x * (weight * (1.0 / math.sqrt(float(x @ x) / n + eps)))
+    # rows, or a GPU (where float() would wait for the device): everything stays in arrays
     return x * (weight / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / n) + eps))
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kimi_explore import mxfp4
-from kimi_explore.block_residual import apply_attn_res, apply_attn_res_prescored, naive_apply_attn_res
+from kimi_explore.block_residual import SourceBuffer, apply_attn_res, apply_attn_res_prescored, naive_apply_attn_res
 from kimi_explore.kda import KdaState, KdaWeights, delta_rule_read, delta_rule_update, kda_step, naive_kda_step
 from kimi_explore.latent_moe import LatentMoeWeights, latent_moe, naive_latent_moe
 from kimi_explore.mla import MlaState, MlaWeights, mla_step, naive_mla_prefill
@@ -73,6 +73,23 @@ def test_attn_res_matches_naive(n_blocks):
     np.testing.assert_allclose(out, out2, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(apply_attn_res_prescored(prefix, stack, g * proj[0], 1e-5)[0], out, rtol=1e-15)
     assert p.shape == (n_blocks + 1,) and p.sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("host_scalars", [True, False], ids=["host-scalars", "device-scalars"])
+def test_source_buffer_both_ways_matches_naive(host_scalars):
+    """The decoder's SourceBuffer with 1/rms as Python floats (NumPy) or kept in arrays (what a GPU runs)."""
+    d = 40
+    stack, prefix = rng.standard_normal((3, d)) * 2, rng.standard_normal(d)
+    g, proj = rng.standard_normal(d), rng.standard_normal((1, d))
+    src = SourceBuffer(np, 4, d, np.float64, 1e-5, host_scalars=host_scalars)
+    for block in stack:
+        src.set_current(block)
+        src.seal()
+    src.set_current(prefix)
+    p = src.weights(g * proj[0])
+    out, want_p = naive_apply_attn_res(prefix, stack, g, proj, 1e-5)
+    np.testing.assert_allclose(p, want_p, rtol=1e-12)
+    np.testing.assert_allclose(src.mix(p), out, rtol=1e-12, atol=1e-12)
 
 
 def test_attn_res_mixes_raw_values_not_normalised_keys():
