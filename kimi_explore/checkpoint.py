@@ -423,23 +423,10 @@ def _resolve_cache_size(size, cfg: KimiDecoderConfig, dtype, xp) -> int:
             return cfg.num_experts
         # a cache holding a few of the layer's experts mostly misses: on the host the fused kernel
         # multiplies straight from the packed bytes instead (capacity 0 selects it)
-        return 0 if xp is np and np.dtype(dtype) == np.float32 and mxfp4_matvec.AVAILABLE else fit
+        return 0 if mxfp4_matvec.runs(xp, dtype) else fit
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
         raise ValueError(f"expert_cache_size={size!r}: expected None or a number of experts per layer >= 0")
     return int(size)
-
-
-def _expert_route(layers) -> str | None:
-    """How the loaded routed experts are multiplied, in words (None: no MoE layer loaded)."""
-    banks = [layer.ffn.experts for layer in layers if isinstance(layer.ffn, LatentMoeWeights)]
-    if not banks:
-        return None
-    bank = banks[0]
-    if isinstance(bank, DenseExperts):
-        return "dequantised at load"
-    if bank.uses_fused:
-        return f"fused MXFP4 kernel ({mxfp4_matvec.isas()[-1]}), no cache"
-    return "dequantised per token" + (f", LRU cache of {bank.capacity} per layer" if bank.capacity else ", no cache")
 
 
 def _resolve_weight_dtype(weight_dtype, dtype) -> bool:
@@ -514,15 +501,13 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         cache_size = _resolve_cache_size(expert_cache_size, cfg, dt, xp)
         b = _Builder(ckpt, xp, dt, bf16)
         embed = b.matrix(["model.embed_tokens.weight"])
-        layers = [_layer(b, cfg, i, mode, cache_size) for i in layer_ids]
         return KimiDecoderWeights(
-            config=cfg, embed_tokens=embed, layers=layers,
+            config=cfg, embed_tokens=embed, layers=[_layer(b, cfg, i, mode, cache_size) for i in layer_ids],
             output_attn_res_score=_score(b, "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"),
             norm=b.one("model.norm.weight"),
             lm_head=embed if cfg.tie_word_embeddings else b.matrix(["lm_head.weight"]),
             xp=xp, device=dev, dtype=dt, source=str(path),
             extra={"experts": mode, "expert_cache_size": cache_size if mode == "packed" else None,
-                   "expert_route": _expert_route(layers),
                    "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name, "widening_scratch": b.scratch},
         )
     finally:

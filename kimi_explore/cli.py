@@ -78,6 +78,7 @@ def _label(tok, i: int) -> str:
 def run(args) -> int:
     from . import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
+    from .latent_moe import LatentMoeWeights
     from .tiny_model import default_checkpoint
 
     path = args.checkpoint or default_checkpoint()
@@ -100,8 +101,9 @@ def run(args) -> int:
           f"{len(kinds) - n_moe} dense, {n_moe} MoE with {cfg.num_experts} experts top-{cfg.num_experts_per_token}), "
           f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; {weights.device}, {np.dtype(weights.dtype).name}; "
           f"loaded in {load_s:.2f} s")
-    if weights.extra.get("expert_route"):
-        print(f"  routed experts: {weights.extra['expert_route']}")
+    banks = [layer.ffn.experts for layer in weights.layers if isinstance(layer.ffn, LatentMoeWeights)]
+    if banks:
+        print(f"  routed experts: {banks[0].route}")
     print(f"\n{'step':>4}  {'input':<14} {'ms':>7}   top-{args.top} next tokens (probability)")
     state = KimiDecodeState.new(weights)
     times = []

@@ -345,12 +345,19 @@ class PackedExperts:
     def can_fuse(self) -> bool:
         """Whether the fused kernel can run this bank (see `fused`)."""
         arrays = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
-        return (mxfp4_matvec.AVAILABLE and self.capacity == 0 and self.dtype == np.float32
-                and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays))
+        return (self.capacity == 0 and mxfp4_matvec.runs(array_namespace(self.w13_packed), self.dtype)
+                and all(a.flags.c_contiguous for a in arrays))
 
     @property
     def uses_fused(self) -> bool:
         return self.fused is not False and self.can_fuse()
+
+    @property
+    def route(self) -> str:
+        """How the selected experts are multiplied, in words."""
+        if self.uses_fused:
+            return f"fused MXFP4 kernel ({mxfp4_matvec.isas()[-1]}), no cache"
+        return "dequantised per token" + (f", LRU cache of {self.capacity} per layer" if self.capacity else ", no cache")
 
     IN_PLACE_BYTES = 1 << 20  # host: experts this large are multiplied where they lie rather than copied
 

@@ -103,7 +103,7 @@ class KimiDecoderWeights:
         Further keyword arguments (see `checkpoint.load_weights`): weight_dtype=None | "bfloat16"
         (keep BF16 matrices as bf16 bits, widened per use), experts="auto" | "packed" | "dense",
         expert_cache_size (dequantised experts kept per layer; 0 on the CPU: the fused MXFP4
-        kernel; `weights.extra["expert_route"]` says which route was taken), revision, cache_dir,
+        kernel; each layer's `ffn.experts.route` says how it runs), revision, cache_dir,
         local_files_only, token, progress.
         """
         from .checkpoint import load_weights

@@ -39,6 +39,8 @@ class DenseExperts:
     w13: object
     w2: object
 
+    route = "dequantised at load"
+
     def gather(self, ids):
         """The selected experts' weights: ([k, 2I, l], [k, l, I]), one gather each."""
         return self.w13[ids], self.w2[ids]

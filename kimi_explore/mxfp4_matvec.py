@@ -26,6 +26,11 @@ AVAILABLE = _ext is not None
 _MIN_ROWS_PER_THREAD = 256
 
 
+def runs(xp, dtype) -> bool:
+    """Whether the kernel can take arrays of namespace `xp` computing in `dtype` (host, float32, built)."""
+    return AVAILABLE and xp is np and np.dtype(dtype) == np.float32
+
+
 def isas() -> tuple[str, ...]:
     """Kernels this CPU can run, best last ('portable', 'avx2', 'avx512f'); () without the extension."""
     return _ext.isas() if AVAILABLE else ()
