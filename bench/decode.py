@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-from kimi_explore.block_residual import SourceBuffer
-from kimi_explore.kda import KdaState, KdaWeights, kda_step
-from kimi_explore.latent_moe import LatentMoeWeights, latent_moe
-from kimi_explore.mla import MlaState, mla_step
-from kimi_explore.ops import dense_mlp, rms_norm
-from kimi_explore.tiny_model import default_checkpoint, make_text_config, write_checkpoint
+from kimi_explore.model.block_residual import SourceBuffer
+from kimi_explore.model.kda import KdaState, KdaWeights, kda_step
+from kimi_explore.model.latent_moe import LatentMoeWeights, latent_moe
+from kimi_explore.model.mla import MlaState, mla_step
+from kimi_explore.model.ops import dense_mlp, rms_norm
+from kimi_explore.weights.tiny_model import default_checkpoint, make_text_config, write_checkpoint
 
 REFERENCE = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference" / "tiny_k3"
 

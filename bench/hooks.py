@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-from kimi_explore.hooks import Hooks
-from kimi_explore.recorder import Recorder
-from kimi_explore.tiny_model import default_checkpoint
+from kimi_explore.inspection.hooks import Hooks
+from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.weights.tiny_model import default_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "tests" / "data" / "reference" / "tiny_k3"

@@ -291,9 +291,9 @@ class _Marks:
 def child(args) -> dict:
     """Load one layer, decode, report (runs in its own process)."""
     from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-    from kimi_explore import experts as experts_mod
-    from kimi_explore.latent_moe import LatentMoeWeights
-    from kimi_explore.memory import _nbytes, memory_report
+    from kimi_explore.model.latent_moe import LatentMoeWeights
+    from kimi_explore.weights import experts as experts_mod
+    from kimi_explore.weights.memory import _nbytes, memory_report
 
     base = _status("VmRSS")
     t0 = time.perf_counter()

@@ -11,28 +11,34 @@ imported lazily on first use, so `import kimi_explore` stays light.
 from __future__ import annotations
 
 import importlib
+import sys
 
-from .config import ConfigError, KimiDecoderConfig
-from .kimi_decoder import KimiDecoderWeights, KimiDecodeState, hook_names, kimi_forward_token
-from .safetensors_io import CheckpointError
+from .model import block_residual, kimi_decoder
+from .model.config import ConfigError, KimiDecoderConfig
+from .model.kimi_decoder import KimiDecoderWeights, KimiDecodeState, hook_names, kimi_forward_token
+from .weights.safetensors_io import CheckpointError
 
-_LAZY = {
-    "Hooks": "hooks",
-    "HookPoint": "hooks",
-    "Recorder": "recorder",
-    "Trace": "recorder",
-    "Session": "session",
-    "interventions": None,
-    "plots": None,
-    "widgets": None,
-    "Explorer": "widgets",
-    "ByteTokenizer": "tokenizer",
-    "KimiTokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
-    "tiny_checkpoint": "tiny_model",
-    "memory_report": "memory",
-    "hub": None,
-    "plan_download": "hub",
+# The seed module names stay importable: `kimi_explore.kimi_decoder` is `kimi_explore.model.kimi_decoder`.
+sys.modules[__name__ + ".kimi_decoder"] = kimi_decoder
+sys.modules[__name__ + ".block_residual"] = block_residual
+
+_LAZY = {  # name -> (module, attribute or None for the module itself)
+    "Hooks": ("inspection.hooks", "Hooks"),
+    "HookPoint": ("inspection.hooks", "HookPoint"),
+    "Recorder": ("inspection.recorder", "Recorder"),
+    "Trace": ("inspection.recorder", "Trace"),
+    "Session": ("inspection.session", "Session"),
+    "interventions": ("inspection.interventions", None),
+    "plots": ("views.plots", None),
+    "widgets": ("views.widgets", None),
+    "Explorer": ("views.widgets", "Explorer"),
+    "ByteTokenizer": ("tokenizer", "ByteTokenizer"),
+    "KimiTokenizer": ("tokenizer", "KimiTokenizer"),
+    "load_tokenizer": ("tokenizer", "load_tokenizer"),
+    "tiny_checkpoint": ("weights.tiny_model", "tiny_checkpoint"),
+    "memory_report": ("weights.memory", "memory_report"),
+    "hub": ("weights.hub", None),
+    "plan_download": ("weights.hub", "plan_download"),
 }
 
 __all__ = [
@@ -50,5 +56,6 @@ __all__ = [
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'kimi_explore' has no attribute {name!r}")
-    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
-    return module if _LAZY[name] is None else getattr(module, name)
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(f".{module_name}", __name__)
+    return module if attr is None else getattr(module, attr)

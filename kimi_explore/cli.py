@@ -78,8 +78,8 @@ def _label(tok, i: int) -> str:
 def run(args) -> int:
     from . import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
-    from .latent_moe import LatentMoeWeights
-    from .tiny_model import default_checkpoint
+    from .model.latent_moe import LatentMoeWeights
+    from .weights.tiny_model import default_checkpoint
 
     path = args.checkpoint or default_checkpoint()
     t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "report":
-        from .report import main as report_main
+        from .views.report import main as report_main
 
         return report_main(argv[1:])
     args = _parser().parse_args(argv)

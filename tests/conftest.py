@@ -29,16 +29,16 @@ def ref_weights():
 @pytest.fixture(scope="session")
 def tiny_weights():
     from kimi_explore import KimiDecoderWeights
-    from kimi_explore.tiny_model import default_checkpoint
+    from kimi_explore.weights.tiny_model import default_checkpoint
 
     return KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu")
 
 
 def require_kernel():
     """Skip without the compiled MXFP4 kernel, unless KIMI_EXPLORE_REQUIRE_KERNEL=1 (.ci/run): then fail."""
-    from kimi_explore import mxfp4_matvec
+    from kimi_explore.weights import mxfp4_matvec
 
     if not mxfp4_matvec.AVAILABLE:
         if os.environ.get("KIMI_EXPLORE_REQUIRE_KERNEL") == "1":
-            pytest.fail("kimi_explore._mxfp4_matvec was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
+            pytest.fail("kimi_explore.weights._mxfp4_matvec was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
         pytest.skip("the compiled MXFP4 kernel was not built (no C compiler at install)")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from kimi_explore.backend import to_numpy
-from kimi_explore.kda import KdaState, KdaWeights, naive_kda_step
-from kimi_explore.latent_moe import LatentMoeWeights, naive_latent_moe
-from kimi_explore.mla import naive_mla_prefill
-from kimi_explore.ops import naive_situ_and_mul
+from kimi_explore.model.kda import KdaState, KdaWeights, naive_kda_step
+from kimi_explore.model.latent_moe import LatentMoeWeights, naive_latent_moe
+from kimi_explore.model.mla import naive_mla_prefill
+from kimi_explore.model.ops import naive_situ_and_mul
 
 
 def _f64(a):

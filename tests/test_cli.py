@@ -40,7 +40,7 @@ def test_layer_argument_forms():
 
 def test_expert_options_reach_the_loader(capsys):
     """Packed experts print how they are multiplied, and predict what the dense ones predict."""
-    from kimi_explore import mxfp4_matvec
+    from kimi_explore.weights import mxfp4_matvec
 
     first = {}  # top-1 prediction per step, per option set
     for argv in ([], ["--experts", "packed", "--expert-cache-size", "2"], ["--experts", "packed", "--expert-cache-size", "0"]):

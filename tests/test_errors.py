@@ -10,8 +10,8 @@ import pytest
 
 from kimi_explore import CheckpointError, ConfigError, KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import BackendError, gpu_available
-from kimi_explore.safetensors_io import SafetensorsFile, write_safetensors
-from kimi_explore.tiny_model import default_checkpoint, make_text_config, write_checkpoint
+from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
+from kimi_explore.weights.tiny_model import default_checkpoint, make_text_config, write_checkpoint
 
 
 @pytest.fixture

@@ -6,19 +6,11 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import (
-    CheckpointError,
-    KimiDecoderWeights,
-    KimiDecodeState,
-    checkpoint,
-    experts,
-    kimi_forward_token,
-    mxfp4,
-    mxfp4_matvec,
-)
-from kimi_explore.experts import DenseExperts, PackedExperts, dense_from_packed, dequantize_experts
-from kimi_explore.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
-from kimi_explore.tiny_model import default_checkpoint, write_checkpoint
+from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
+from kimi_explore.weights import checkpoint, experts, mxfp4, mxfp4_matvec
+from kimi_explore.weights.experts import DenseExperts, PackedExperts, dense_from_packed, dequantize_experts
+from kimi_explore.weights.tiny_model import default_checkpoint, write_checkpoint
 
 TOKENS = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99, 64, 1]
 

@@ -12,11 +12,11 @@ from conftest import REFERENCE_DIR
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import gpu_available, to_numpy
-from kimi_explore.bf16_weights import Bf16Matrix
-from kimi_explore.experts import PackedExperts
-from kimi_explore.latent_moe import LatentMoeWeights
-from kimi_explore.memory import memory_report
-from kimi_explore.tiny_model import default_checkpoint
+from kimi_explore.model.latent_moe import LatentMoeWeights
+from kimi_explore.weights.bf16_weights import Bf16Matrix
+from kimi_explore.weights.experts import PackedExperts
+from kimi_explore.weights.memory import memory_report
+from kimi_explore.weights.tiny_model import default_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no usable CUDA GPU (CuPy absent or no device)")]
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kimi_explore import KimiDecodeState, hook_names, kimi_forward_token
-from kimi_explore.hooks import HookChain, HookPoint, Hooks
+from kimi_explore.inspection.hooks import HookChain, HookPoint, Hooks
 
 TOKENS = [17, 203, 5, 88]
 
@@ -244,7 +244,7 @@ def test_a_replacement_on_the_wrong_device_is_reported(ref_weights):
 
 
 def test_active_names_are_the_sites_that_do_something(ref_weights):
-    from kimi_explore.recorder import Recorder
+    from kimi_explore.inspection.recorder import Recorder
 
     assert Hooks().active_names() is None  # unbound: any name may fire
     hooks = Hooks().bind(ref_weights)

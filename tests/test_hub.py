@@ -20,8 +20,8 @@ import pytest
 from conftest import REFERENCE_DIR
 
 from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, hub, kimi_forward_token
-from kimi_explore.safetensors_io import SafetensorsFile, write_safetensors
-from kimi_explore.tiny_model import make_text_config, write_checkpoint
+from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
+from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "org/tiny-k3"

@@ -17,8 +17,8 @@ from naive_decoder import NaiveDecoder
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import to_numpy
-from kimi_explore.hooks import HookChain, Hooks
-from kimi_explore.interventions import (
+from kimi_explore.inspection.hooks import HookChain, Hooks
+from kimi_explore.inspection.interventions import (
     ablate_experts,
     force_routing,
     override_attn_res,
@@ -26,8 +26,8 @@ from kimi_explore.interventions import (
     scale_kda_head,
     zero_kda_head,
 )
-from kimi_explore.ops import naive_situ_and_mul
-from kimi_explore.recorder import Recorder
+from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.model.ops import naive_situ_and_mul
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3]
 

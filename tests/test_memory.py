@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token, tensor_reader
-from kimi_explore.bf16_weights import Bf16Matrix, WideningScratch, widen_bits
-from kimi_explore.experts import PackedExperts
-from kimi_explore.latent_moe import LatentMoeWeights
-from kimi_explore.memory import memory_report
-from kimi_explore.tiny_model import default_checkpoint
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.model.latent_moe import LatentMoeWeights
+from kimi_explore.weights import tensor_reader
+from kimi_explore.weights.bf16_weights import Bf16Matrix, WideningScratch, widen_bits
+from kimi_explore.weights.experts import PackedExperts
+from kimi_explore.weights.memory import memory_report
+from kimi_explore.weights.tiny_model import default_checkpoint
 
 TOKENS = [1, 200, 33, 33, 90, 7, 254, 12]
 
@@ -143,7 +144,7 @@ def test_memory_report_dense_experts():
 
 def test_session_fingerprint_sees_the_same_weights_whatever_their_resident_form():
     """bf16 bits widen to the float32 values, and a packed bank's cache state is not part of the weights."""
-    from kimi_explore._session_io import weights_fingerprint
+    from kimi_explore.inspection._session_io import weights_fingerprint
 
     path = default_checkpoint()
     f32 = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", expert_cache_size=2)

@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from kimi_explore import mxfp4
-from kimi_explore.block_residual import SourceBuffer, apply_attn_res, apply_attn_res_prescored, naive_apply_attn_res
-from kimi_explore.kda import KdaState, KdaWeights, delta_rule_read, delta_rule_update, kda_step, naive_kda_step
-from kimi_explore.latent_moe import LatentMoeWeights, latent_moe, naive_latent_moe
-from kimi_explore.mla import MlaState, MlaWeights, mla_step, naive_mla_prefill
-from kimi_explore.ops import naive_situ_and_mul, rms_norm, situ_and_mul
+from kimi_explore.model.block_residual import SourceBuffer, apply_attn_res, apply_attn_res_prescored, naive_apply_attn_res
+from kimi_explore.model.kda import KdaState, KdaWeights, delta_rule_read, delta_rule_update, kda_step, naive_kda_step
+from kimi_explore.model.latent_moe import LatentMoeWeights, latent_moe, naive_latent_moe
+from kimi_explore.model.mla import MlaState, MlaWeights, mla_step, naive_mla_prefill
+from kimi_explore.model.ops import naive_situ_and_mul, rms_norm, situ_and_mul
+from kimi_explore.weights import mxfp4
 
 rng = np.random.default_rng(7)
 
@@ -211,7 +211,7 @@ def test_latent_moe_matches_naive(ref_weights):
 
 
 def test_router_bias_is_for_selection_only():
-    from kimi_explore.latent_moe import routing_weights, select_experts
+    from kimi_explore.model.latent_moe import routing_weights, select_experts
 
     scores = np.array([0.9, 0.8, 0.1, 0.2])
     bias = np.array([0.0, -1.0, 0.0, 0.5])  # drops expert 1, promotes expert 3

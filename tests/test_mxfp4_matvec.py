@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from conftest import require_kernel
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token, mxfp4, mxfp4_matvec
-from kimi_explore.experts import PackedExperts, dense_from_packed
-from kimi_explore.latent_moe import LatentMoeWeights, expert_outputs
-from kimi_explore.mxfp4_matvec import expert_matvec
-from kimi_explore.tiny_model import default_checkpoint
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs
+from kimi_explore.weights import mxfp4, mxfp4_matvec
+from kimi_explore.weights.experts import PackedExperts, dense_from_packed
+from kimi_explore.weights.mxfp4_matvec import expert_matvec
+from kimi_explore.weights.tiny_model import default_checkpoint
 
 pytestmark = pytest.mark.usefixtures("kernel")
 

@@ -14,8 +14,8 @@ from matplotlib.patches import Rectangle
 from synthetic_trace import SyntheticTrace, k3_sized
 
 from kimi_explore import plots
-from kimi_explore._plot_helpers import MAX_TICKS, nice_stride
 from kimi_explore.tokenizer import ByteTokenizer
+from kimi_explore.views._plot_helpers import MAX_TICKS, nice_stride
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

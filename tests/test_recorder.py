@@ -8,8 +8,8 @@ from conftest import REFERENCE_DIR
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import gpu_available, to_numpy
-from kimi_explore.recorder import Recorder
-from kimi_explore.trace import Trace
+from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.inspection.trace import Trace
 
 
 def run(w, tokens, rec):
@@ -168,7 +168,7 @@ def test_attn_res_weights_layout(recorded, ref):
 
 
 def test_ragged_records_are_padded(ref_weights, ref):
-    from kimi_explore.interventions import ablate_experts
+    from kimi_explore.inspection.interventions import ablate_experts
 
     rec = Recorder(full=["layers.2.mla.probs"])
     rec.extend(ablate_experts(5, [int(ref["router_L05_topk_idx_decode"][1][0])], positions=1))
@@ -248,7 +248,7 @@ def test_to_pandas_long_format(recorded):
 
 
 def test_row_squares_small_and_large_paths(monkeypatch):
-    from kimi_explore import _recording
+    from kimi_explore.inspection import _recording
 
     rng = np.random.default_rng(0)
     states = [rng.standard_normal((4, 8, 8)).astype(np.float32) for _ in range(5)]
@@ -269,7 +269,7 @@ def test_row_squares_small_and_large_paths(monkeypatch):
 
 @pytest.mark.parametrize("V", [256, 20000], ids=["full-sort", "partition"])
 def test_top_predictions_both_paths(V):
-    from kimi_explore._recording import top_predictions
+    from kimi_explore.inspection._recording import top_predictions
 
     rng = np.random.default_rng(V)
     logits = rng.standard_normal((3, V)).astype(np.float32)
@@ -288,7 +288,7 @@ def test_top_predictions_both_paths(V):
 
 @pytest.mark.parametrize("every", [1, 3, 5])
 def test_batch_boundaries_do_not_change_records(ref_weights, ref, recorded, monkeypatch, every):
-    from kimi_explore import recorder
+    from kimi_explore.inspection import recorder
 
     monkeypatch.setattr(recorder, "FLUSH_TOKENS", every)
     rec = Recorder(full=["layers.*.kda.conv", "layers.*.kda.state", "layers.*.moe.*_out", "layers.2.mla.probs",

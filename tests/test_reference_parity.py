@@ -7,8 +7,8 @@ import pytest
 from conftest import REFERENCE_DIR, require_kernel
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-from kimi_explore.kda import KdaWeights
-from kimi_explore.latent_moe import LatentMoeWeights
+from kimi_explore.model.kda import KdaWeights
+from kimi_explore.model.latent_moe import LatentMoeWeights
 
 
 class Collect:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from synthetic_trace import SyntheticTrace
 
-from kimi_explore.report import main, write_report
+from kimi_explore.views.report import main, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

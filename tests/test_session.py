@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import gpu_available, to_numpy
-from kimi_explore.hooks import HookChain, Hooks
-from kimi_explore.interventions import ablate_experts, scale_kda_head
-from kimi_explore.recorder import Recorder
-from kimi_explore.session import Session, copy_state
+from kimi_explore.inspection.hooks import HookChain, Hooks
+from kimi_explore.inspection.interventions import ablate_experts, scale_kda_head
+from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.inspection.session import Session, copy_state
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
 

@@ -7,7 +7,7 @@ import pytest
 from naive_decoder import NaiveDecoder
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-from kimi_explore.tiny_model import make_text_config, write_checkpoint
+from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
 
 VARIANTS = {
     # v_head_dim != qk_nope_head_dim, P != hidden, two dense layers, 6 experts top-3, scaling != 1, block size 5

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kimi_explore.tiny_model import EMBEDDED_SEED, EMBEDDED_SHARDS, default_checkpoint, write_checkpoint
+from kimi_explore.weights.tiny_model import EMBEDDED_SEED, EMBEDDED_SHARDS, default_checkpoint, write_checkpoint
 
 
 def test_embedded_model_is_reproducible(tmp_path):

@@ -22,7 +22,7 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kimi_explore.config import KimiDecoderConfig
+from kimi_explore.model.config import KimiDecoderConfig
 from kimi_explore.tokenizer import (
     PAT_STR,
     ByteTokenizer,

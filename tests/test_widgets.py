@@ -11,7 +11,7 @@ import pytest
 
 from kimi_explore import Session, interventions
 from kimi_explore.tokenizer import ByteTokenizer
-from kimi_explore.widgets import TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
+from kimi_explore.views.widgets import TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
 
 PROMPT = "Hi K3!"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import HOST_THREADS, host_pool
+from ..backend import HOST_THREADS, host_pool
 
 try:
     from . import _mxfp4_matvec as _ext
@@ -44,7 +44,7 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
     (default: `backend.HOST_THREADS`); the kernel releases the GIL.
     """
     if not AVAILABLE:
-        raise RuntimeError("kimi_explore._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
+        raise RuntimeError("kimi_explore.weights._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
     for name, a in (("packed", packed), ("scale", scale)):
         if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous uint8 NumPy array [E, R, n], got {_describe(a)}")

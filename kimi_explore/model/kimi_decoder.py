@@ -106,13 +106,13 @@ class KimiDecoderWeights:
         kernel; each layer's `ffn.experts.route` says how it runs), revision, cache_dir,
         local_files_only, token, progress.
         """
-        from .checkpoint import load_weights
+        from ..weights.checkpoint import load_weights
 
         return load_weights(path, layers=layers, device=device, dtype=dtype, **kwargs)
 
     def memory_report(self):
-        """Resident bytes by component (see `kimi_explore.memory`)."""
-        from .memory import memory_report
+        """Resident bytes by component (see `kimi_explore.weights.memory`)."""
+        from ..weights.memory import memory_report
 
         return memory_report(self)
 
@@ -170,7 +170,7 @@ def _token_index(token_id, vocab_size: int) -> int:
 def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, token_id, hooks=None):
     """Run one token through every loaded layer; advance `state` in place; return logits [vocab].
 
-    `hooks`: None, or an object with `fire(name, value) -> value` (see `kimi_explore.hooks.Hooks`);
+    `hooks`: None, or an object with `fire(name, value) -> value` (see `kimi_explore.inspection.hooks.Hooks`);
     the names are listed by `hook_names(weights)`.
     """
     cfg = weights.config

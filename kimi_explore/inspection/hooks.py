@@ -29,8 +29,8 @@ import contextlib
 import fnmatch
 import warnings
 
+from ..model.kimi_decoder import hook_names
 from ._hook_grammar import LAYER_NAME, check_pattern, hook_grammar, is_glob
-from .kimi_decoder import hook_names
 
 __all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar", "is_glob"]
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._xp import array_namespace
-from .backend import to_numpy
+from .._xp import array_namespace
+from ..backend import to_numpy
 from .hooks import Hooks
 
 __all__ = ["ablate_experts", "force_routing", "override_attn_res", "patch", "scale_kda_head", "zero_kda_head"]

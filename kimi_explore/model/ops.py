@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._xp import array_namespace
+from .._xp import array_namespace
 
 
 def sigmoid(x):

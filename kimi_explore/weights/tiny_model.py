@@ -1,6 +1,6 @@
 """Deterministic tiny K3 checkpoints in the released layout (random weights, MXFP4 experts).
 
-`python -m kimi_explore.tiny_model --out data/tiny_k3` wrote the embedded model in `data/`; tests
+`python -m kimi_explore.weights.tiny_model --out data/tiny_k3` wrote the embedded model in `data/`; tests
 use `write_checkpoint` with other shapes to make sure the decoder assumes nothing the released
 config does not. The layout is the real one: the `kimi_k3` config shell, `language_model.` names,
 BF16 matrices, F32 small vectors, `A_log` head_dim wide and zero-padded, MXFP4 routed experts,
@@ -17,8 +17,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..model.config import KimiDecoderConfig
 from . import mxfp4
-from .config import KimiDecoderConfig
 from .safetensors_io import write_safetensors
 
 BF16 = ml_dtypes.bfloat16
@@ -170,10 +170,7 @@ def _tensors(text_config: dict, seed: int, experts: str) -> dict[str, np.ndarray
                 for wn, (r, c), gain in (("w1", (I, lat), 4.0), ("w3", (I, lat), 4.0), ("w2", (lat, I), 1.0)):
                     w = rng.standard_normal((r, c)) * (gain / np.sqrt(c))
                     base = M + f"experts.{e}.{wn}."
-                    if experts == "mxfp4":
-                        t[base + "weight_packed"], t[base + "weight_scale"] = mxfp4.quantize(w)
-                    else:
-                        t[base + "weight"] = w.astype(BF16)
+                    t[base + "weight"] = w if experts == "mxfp4" else w.astype(BF16)  # float: packed on save
         else:
             I = cfg.intermediate_size
             mat(L + "mlp.gate_proj.weight", I, d, gain=4.0)
@@ -192,15 +189,42 @@ def _shard_key(name: str, n_layers: int, shards: int) -> int:
 
 def write_checkpoint(path, text_config: dict | None = None, *, seed: int = 0, shards: int = 1,
                      experts: str = "mxfp4", prefix: str = "language_model.", index: bool = True) -> Path:
-    """Write a checkpoint directory; returns its path. `experts` is "mxfp4" or "bf16"."""
+    """Write a checkpoint of random weights; returns its path. `experts` is "mxfp4" or "bf16"."""
     text_config = make_text_config() if text_config is None else text_config
     if experts not in ("mxfp4", "bf16"):
         raise ValueError(f"experts={experts!r}: expected 'mxfp4' or 'bf16'")
+    return save_checkpoint(path, text_config, _tensors(text_config, seed, experts), shards=shards, prefix=prefix,
+                           index=index)
+
+
+F32_SUFFIXES = ("A_log", "dt_bias", "_conv1d.weight", "o_norm.weight", "e_score_correction_bias")  # F32 on disk
+
+
+def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, shards: int = 1,
+                    prefix: str = "language_model.", index: bool = True) -> Path:
+    """Write `tensors` (unprefixed released names -> arrays in their on-disk shapes) in the released layout.
+
+    Each float tensor is cast to its released dtype (F32 for the small vectors, BF16 for the rest);
+    a routed expert given dense as `...experts.{e}.w{1,2,3}.weight` (float) is packed to MXFP4
+    (`weight_packed` / `weight_scale`) when the experts are quantised (no `experts="bf16"` marker:
+    pass BF16 arrays to keep them dense). Writes config.json (the `kimi_k3` shell with
+    `quantization_config` when any expert is MXFP4), the shards and `model.safetensors.index.json`.
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {prefix + k: v for k, v in _tensors(text_config, seed, experts).items()}
+    out: dict[str, np.ndarray] = {}
+    for name, a in tensors.items():
+        a = np.asarray(a)
+        if ".experts." in name and name.endswith(".weight") and a.dtype != BF16:
+            out[name[: -len("weight")] + "weight_packed"], out[name[: -len("weight")] + "weight_scale"] = mxfp4.quantize(a)
+        elif a.dtype == np.uint8:
+            out[name] = a
+        else:
+            out[name] = a.astype(np.float32 if name.endswith(F32_SUFFIXES) else BF16)
+    quantised = any(n.endswith("weight_packed") for n in out)
+    tensors = {prefix + k: v for k, v in out.items()}
     tc = dict(text_config)
-    if experts == "mxfp4":
+    if quantised:
         tc["quantization_config"] = QUANTIZATION_CONFIG
     config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "dtype": "bfloat16",
               "bos_token_id": tc.get("bos_token_id"), "eos_token_id": tc.get("eos_token_id"),

@@ -23,16 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backend import resolve_device, resolve_dtype
+from ..model.config import KimiDecoderConfig
+from ..model.kda import KdaWeights
+from ..model.kimi_decoder import KimiDecoderLayerWeights, KimiDecoderWeights
+from ..model.latent_moe import LatentMoeWeights
+from ..model.mla import MlaWeights
+from ..model.ops import DenseMlpWeights
 from . import mxfp4, mxfp4_matvec
-from .backend import resolve_device, resolve_dtype
 from .bf16_weights import Bf16Matrix, WideningScratch
-from .config import KimiDecoderConfig
 from .experts import DenseExperts, PackedExperts
-from .kda import KdaWeights
-from .kimi_decoder import KimiDecoderLayerWeights, KimiDecoderWeights
-from .latent_moe import LatentMoeWeights
-from .mla import MlaWeights
-from .ops import DenseMlpWeights
 from .safetensors_io import CheckpointError, SafetensorsFile
 from .tensor_reader import TensorReader
 
@@ -468,7 +468,7 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     """Load a K3 checkpoint (all layers, or the 0-based `layers` chosen) onto `device`.
 
     path: a checkpoint directory, or a Hub repo id ('org/name'): then only config, index, tokenizer
-        files and the shards of the requested layers are fetched (`kimi_explore.hub`; `revision`,
+        files and the shards of the requested layers are fetched (`kimi_explore.weights.hub`; `revision`,
         `cache_dir`, `local_files_only`, `token` go to huggingface_hub; HF_HUB_OFFLINE=1 works).
     dtype: compute dtype of activations and widened weights ("float32" | "float64").
     weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the matrices stored as BF16 on

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._xp import array_namespace
-from .backend import to_numpy
+from .._xp import array_namespace
+from ..backend import to_numpy
 from .ops import naive_situ_and_mul, rms_norm, sigmoid, situ_and_mul
 
 RENORM_EPS = 1e-20

@@ -23,7 +23,7 @@ def dequantize(packed, scale, out=None, dtype=np.float32):
 
     Works on NumPy or CuPy arrays alike; writes into `out` when given.
     """
-    from ._xp import array_namespace
+    from .._xp import array_namespace
 
     xp = array_namespace(packed)
     lut = xp.asarray(E2M1, dtype=dtype)

@@ -31,7 +31,7 @@ import numpy as np
 
 __all__ = ["Trace"]
 
-FORMAT = "kimi_explore.trace/1"
+FORMAT = "kimi_explore.inspection.trace/1"
 SITES = ("attn", "ffn")
 
 

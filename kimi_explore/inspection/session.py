@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import to_numpy
+from ..backend import to_numpy
+from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, kimi_forward_token
 from .hooks import HookChain, Hooks
-from .kimi_decoder import KimiDecodeState, KimiLayerState, kimi_forward_token
 from .recorder import Recorder
 
 __all__ = ["Session", "SessionSnapshot", "copy_state"]
@@ -182,7 +182,7 @@ class Session:
     # ------------------------------------------------------------------ interventions
     @contextlib.contextmanager
     def intervene(self, *hook_sets: Hooks):
-        """Attach these hook sets (e.g. from `kimi_explore.interventions`) for the `with` block."""
+        """Attach these hook sets (e.g. from `kimi_explore.inspection.interventions`) for the `with` block."""
         with self.hooks:
             for h in hook_sets:
                 self.hooks.extend(h)

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..model.config import KimiDecoderConfig
 from .checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -35,7 +36,6 @@ from .checkpoint import (
     resolve_layers,
     shards_needed,
 )
-from .config import KimiDecoderConfig
 from .safetensors_io import CheckpointError
 
 __all__ = ["DownloadPlan", "TOKENIZER_FILES", "fetch", "is_repo_id", "plan_download", "resolve_checkpoint"]

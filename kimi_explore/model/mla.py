@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._xp import array_namespace
-from .backend import to_numpy
+from .._xp import array_namespace
+from ..backend import to_numpy
 from .ops import rms_norm, sigmoid, softmax
 
 LATENT_NORM_EPS = 1e-6

@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from ._xp import array_namespace
-from .backend import to_numpy
+from .._xp import array_namespace
+from ..backend import to_numpy
 
 
 def apply_attn_res_prescored(prefix_sum, block_residual, score_weight, eps: float):

@@ -48,11 +48,11 @@ import json
 
 import numpy as np
 
+from .._xp import array_namespace as _xp
+from ..model.kda import KdaWeights
+from ..model.latent_moe import LatentMoeWeights
 from ._recording import RowSquares, spread, take, to_host, top_predictions
-from ._xp import array_namespace as _xp
 from .hooks import Hooks, check_pattern, is_glob
-from .kda import KdaWeights
-from .latent_moe import LatentMoeWeights
 from .trace import Trace
 
 __all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]

@@ -32,7 +32,8 @@ import html
 import ipywidgets as widgets
 import numpy as np
 
-from . import interventions, plots
+from ..inspection import interventions
+from . import plots
 
 __all__ = ["Explorer", "parse_experts", "parse_ids", "rerun", "rerun_token"]
 

@@ -135,7 +135,7 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import DEFAULT_PROMPT, parse_ids, parse_layers
+    from ..cli import DEFAULT_PROMPT, parse_ids, parse_layers
 
     p = argparse.ArgumentParser(prog="kimi-explore report",
                                 description="Run a prompt through K3 one token at a time and write every plot as a PNG "
@@ -155,11 +155,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`kimi-explore report ...`; returns the exit status."""
-    from . import KimiDecoderWeights
-    from .cli import DEFAULT_PROMPT
-    from .session import Session
-    from .tiny_model import default_checkpoint
-    from .tokenizer import TokenizerError, load_tokenizer
+    from .. import KimiDecoderWeights
+    from ..cli import DEFAULT_PROMPT
+    from ..inspection.session import Session
+    from ..tokenizer import TokenizerError, load_tokenizer
+    from ..weights.tiny_model import default_checkpoint
 
     args = _parser().parse_args(argv)
     if args.prompt is None and args.ids is None:

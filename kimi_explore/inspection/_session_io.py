@@ -19,15 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ._xp import array_namespace
-from .backend import to_numpy
-from .kimi_decoder import KimiDecodeState, KimiLayerState
+from .._xp import array_namespace
+from ..backend import to_numpy
+from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
 from .recorder import Recorder
 from .trace import read_npz_header
 
 __all__ = ["load_session", "save_session", "weights_fingerprint"]
 
-FORMAT = "kimi_explore.session/1"
+FORMAT = "kimi_explore.inspection.session/1"
 
 
 def save_session(session, path, checkpoints: bool = True) -> Path:

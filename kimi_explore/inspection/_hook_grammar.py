@@ -13,11 +13,11 @@ import functools
 import re
 from types import SimpleNamespace
 
-from .kda import KdaWeights
-from .kimi_decoder import hook_names
-from .latent_moe import LatentMoeWeights
-from .mla import MlaWeights
-from .ops import DenseMlpWeights
+from ..model.kda import KdaWeights
+from ..model.kimi_decoder import hook_names
+from ..model.latent_moe import LatentMoeWeights
+from ..model.mla import MlaWeights
+from ..model.ops import DenseMlpWeights
 
 __all__ = ["GLOBAL_NAMES", "LAYER_NAME", "LAYER_SUFFIXES", "check_pattern", "hook_grammar", "is_glob"]
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._xp import array_namespace
+from ..backend import HOST_THREADS, host_pool, to_numpy
+from ..model.latent_moe import DenseExperts
 from . import mxfp4, mxfp4_matvec
-from ._xp import array_namespace
-from .backend import HOST_THREADS, host_pool, to_numpy
-from .latent_moe import DenseExperts
 
 __all__ = ["DenseExperts", "ExpertCacheStats", "PackedExperts", "dequantize_experts"]
 

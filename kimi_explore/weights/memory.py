@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..model.kda import KdaWeights
+from ..model.latent_moe import LatentMoeWeights
 from .experts import _SHARED_WORKSPACES, DenseExperts, PackedExperts
-from .kda import KdaWeights
-from .latent_moe import LatentMoeWeights
 
 __all__ = ["MemoryReport", "memory_report"]
 

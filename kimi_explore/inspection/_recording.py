@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._xp import array_namespace
+from .._xp import array_namespace
 
 BUFFER_BYTES = 4 << 20  # reuse one scratch buffer per shape up to this size; larger inputs go array by array
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._xp import array_namespace
-from .backend import to_numpy
+from .._xp import array_namespace
+from ..backend import to_numpy
 
 L2NORM_EPS = 1e-6
 

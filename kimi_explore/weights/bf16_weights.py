@@ -26,13 +26,13 @@ import sys
 
 import numpy as np
 
-from ._xp import array_namespace
-from .backend import to_numpy
+from .._xp import array_namespace
+from ..backend import to_numpy
 
 __all__ = ["Bf16Array", "Bf16Matrix", "WideningScratch", "widen_bits"]
 
 if sys.byteorder != "little":  # pragma: no cover - every CUDA host and x86/ARM Linux is little-endian
-    raise ImportError("kimi_explore.bf16_weights assumes a little-endian host (float32 high half at the odd uint16)")
+    raise ImportError("kimi_explore.weights.bf16_weights assumes a little-endian host (float32 high half at the odd uint16)")
 
 
 def widen_bits(bits, dtype=np.float32):
