@@ -39,6 +39,14 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "memory_report": ("weights.memory", "memory_report"),
     "hub": ("weights.hub", None),
     "plan_download": ("weights.hub", "plan_download"),
+    "logit_lens": ("analysis.logit_lens", "logit_lens"),
+    "LogitLens": ("analysis.logit_lens", "LogitLens"),
+    "logit_attribution": ("analysis.attribution", "logit_attribution"),
+    "Attribution": ("analysis.attribution", "Attribution"),
+    "diff": ("analysis.diff", "diff"),
+    "RunDiff": ("analysis.diff", "RunDiff"),
+    "routing_stats": ("analysis.routing_stats", "routing_stats"),
+    "RoutingStats": ("analysis.routing_stats", "RoutingStats"),
 }
 
 __all__ = [

@@ -1,0 +1,9 @@
+"""The analyses a K3 researcher runs on a session, built on its trace and hooks only.
+
+    lens = ke.logit_lens(session, top=5, targets="next")   # logit_lens.py: the prediction after every layer
+    attr = ke.logit_attribution(session, t, token=None)    # attribution.py: an exact split of one logit
+    d = ke.diff(session, fork)                             # diff.py: what changed, site by site
+    stats = ke.routing_stats(weights, texts)               # routing_stats.py: what each expert does over a corpus
+
+Views: `kimi_explore.views.analysis_plots`.
+"""

@@ -1,0 +1,146 @@
+"""Run diffs: what changed, site by site, between two runs (a session and its fork under an intervention, or two prompts).
+
+Both runs are compared token position by position over their common length T = min(T_a, T_b),
+every difference as b - a:
+
+    attn_res        [T, L, site, S]  Δ block-residual softmax weights (site 0 attention, 1 FFN; NaN where absent)
+    final_attn_res  [T, S]           Δ output-mix weights
+    kda_state       [T, K, H]        Δ Frobenius norms of each KDA head's recurrent state (K KDA layers)
+    jaccard         [T, M]           |A ∩ B| / |A ∪ B| of the top-k expert sets per MoE layer (1 when both empty)
+    routing_changes list of (t, layer, removed ids, added ids) wherever the sets differ
+    kl              [T]              KL(P_a || P_b) of the next-token distributions, in nats
+    top1_a, top1_b  [T]; flips [T] bool: the top-1 prediction changed
+
+KL is exact when both runs have full logits (a `Session`, or a Trace that recorded "logits" in
+full). From Traces holding only the top-k predictions it is the KL of the coarse-grained
+distributions over the ids in BOTH top-k sets (the only ones whose probability both runs know)
+plus one "everything else" bucket: by the data processing inequality a LOWER bound of the true
+KL (`kl_exact` says which).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .logit_lens import log_softmax
+
+__all__ = ["RunDiff", "diff"]
+
+SITES = ("attn", "ffn")
+
+
+@dataclass
+class RunDiff:
+    """Differences b - a over the common T tokens (see module docstring for the fields)."""
+
+    tokens_a: np.ndarray
+    tokens_b: np.ndarray
+    layers: list
+    source_labels: list
+    attn_res: np.ndarray
+    final_attn_res: np.ndarray
+    kda_layers: list
+    kda_state: np.ndarray
+    moe_layers: list
+    jaccard: np.ndarray
+    routing_changes: list = field(default_factory=list)
+    kl: np.ndarray | None = None
+    kl_exact: bool = False
+    top1_a: np.ndarray | None = None
+    top1_b: np.ndarray | None = None
+
+    @property
+    def flips(self) -> np.ndarray:
+        return self.top1_a != self.top1_b
+
+    def __len__(self) -> int:
+        return len(self.tokens_a)
+
+    def summary(self) -> dict:
+        """A few numbers: largest |Δ| of each kind, mean Jaccard per MoE layer, mean KL, top-1 flips."""
+        def peak(x):
+            return float(np.nanmax(np.abs(x))) if x.size and np.isfinite(x).any() else 0.0
+
+        jaccard = np.mean(self.jaccard, axis=0).tolist() if len(self) else [1.0] * len(self.moe_layers)
+        return {"tokens": len(self), "max_abs_d_attn_res": peak(self.attn_res),
+                "max_abs_d_final_attn_res": peak(self.final_attn_res), "max_abs_d_kda_state": peak(self.kda_state),
+                "mean_jaccard": dict(zip(self.moe_layers, jaccard, strict=True)),
+                "routing_changes": len(self.routing_changes), "mean_kl": float(np.mean(self.kl)) if len(self) else 0.0,
+                "kl_exact": self.kl_exact, "top1_flips": int(self.flips.sum())}
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (f"RunDiff({s['tokens']} tokens, {s['routing_changes']} routing changes, mean KL {s['mean_kl']:.4g}"
+                f"{'' if self.kl_exact else ' (lower bound)'}, {s['top1_flips']} top-1 flips)")
+
+
+def _run(x):
+    """(trace, full logits [T, V] or None) of a Session or a Trace."""
+    if hasattr(x, "trace") and callable(x.trace):
+        return x.trace(), np.asarray(x.logits)
+    if hasattr(x, "attn_res_weights"):
+        return x, (np.asarray(x["logits"]) if "logits" in x else None)
+    raise TypeError(f"diff: expected a Session or a Trace, got {type(x).__name__}")
+
+
+def diff(a, b) -> RunDiff:
+    """Compare two runs (each a `Session` or a `Trace` of the same model) site by site: b - a."""
+    ta, la = _run(a)
+    tb, lb = _run(b)
+    if list(ta.layer_ids) != list(tb.layer_ids):
+        raise ValueError(f"diff: the runs have different layers ({list(ta.layer_ids)} vs {list(tb.layer_ids)}); "
+                         "compare runs of the same model")
+    T = min(len(ta), len(tb))
+    final = tb.final_attn_res_weights()[:T] - ta.final_attn_res_weights()[:T]
+    sa, kda_a = ta.kda_state_norms()
+    sb, kda_b = tb.kda_state_norms()
+    if kda_a != kda_b:
+        raise ValueError(f"diff: KDA state norms were recorded at layers {kda_a} in a and {kda_b} in b")
+    jac, changes, moe = _routing(ta.routing(), tb.routing(), T)
+    kl, exact = (_kl_full(la[:T], lb[:T]), True) if la is not None and lb is not None else (_kl_top(ta, tb, T), False)
+    top_a = np.argmax(la[:T], axis=-1) if la is not None else ta["logits.top_ids"][:T, 0]
+    top_b = np.argmax(lb[:T], axis=-1) if lb is not None else tb["logits.top_ids"][:T, 0]
+    return RunDiff(ta.tokens[:T], tb.tokens[:T], list(ta.layer_ids), ta.source_labels(),
+                   tb.attn_res_weights()[:T] - ta.attn_res_weights()[:T], final, kda_a, sb[:T] - sa[:T], moe, jac,
+                   changes, kl, exact, top_a.astype(np.int64), top_b.astype(np.int64))
+
+
+def _routing(ra: dict, rb: dict, T: int):
+    """Jaccard [T, M] of the top-k sets, and the changes, per token and MoE layer."""
+    layers = list(ra["moe_layers"])
+    if layers != list(rb["moe_layers"]):
+        raise ValueError(f"diff: routing was recorded at layers {layers} in a and {list(rb['moe_layers'])} in b")
+    jac = np.ones((T, len(layers)))
+    changes = []
+    if not layers:
+        return jac, changes, layers
+    ids_a, ids_b = ra["topk_ids"], rb["topk_ids"]
+    for t in range(T):
+        for j, layer in enumerate(layers):
+            A, B = set(ids_a[t, j][ids_a[t, j] >= 0].tolist()), set(ids_b[t, j][ids_b[t, j] >= 0].tolist())
+            if A != B:
+                jac[t, j] = len(A & B) / len(A | B)
+                changes.append((t, int(layer), sorted(A - B), sorted(B - A)))
+    return jac, changes, layers
+
+
+def _kl_full(la: np.ndarray, lb: np.ndarray) -> np.ndarray:
+    pa, pb = log_softmax(la), log_softmax(lb)
+    return np.sum(np.exp(pa) * (pa - pb), axis=-1)
+
+
+def _kl_top(ta, tb, T: int) -> np.ndarray:
+    """KL of the distributions coarse-grained to (union of both top-k sets, the rest): a lower bound."""
+    ia, pa = ta.top_predictions()
+    ib, pb = tb.top_predictions()
+    out = np.zeros(T)
+    for t in range(T):
+        qa, qb = dict(zip(ia[t].tolist(), pa[t].tolist(), strict=True)), dict(zip(ib[t].tolist(), pb[t].tolist(), strict=True))
+        support = sorted(set(qa) & set(qb))  # known in both; an id in only one top-k goes to "the rest" for both
+        xa = np.array([qa[i] for i in support] + [max(0.0, 1.0 - sum(qa[i] for i in support))])
+        xb = np.array([qb[i] for i in support] + [max(0.0, 1.0 - sum(qb[i] for i in support))])
+        keep = xa > 0
+        out[t] = float(np.sum(xa[keep] * (np.log(xa[keep]) - np.log(np.maximum(xb[keep], 1e-300)))))
+    return out

@@ -1,0 +1,135 @@
+"""A logit lens through K3's block attention residuals: what the model would predict if it stopped after layer i.
+
+K3 has no single residual stream: after layer i a token's state is the block stack (the sealed
+blocks b_0..b_{n_i - 1}: the RAW inputs of the block-boundary layers <= i) plus the current running
+sum h_i (the `layers.{i}.prefix_sum` value). The model reads its output from them with the output
+mix; the lens applies the same formula after every layer:
+
+    V      = [b_0, ..., b_{n_i - 1}, h_i]                        sources after layer i (raw)
+    p      = softmax_j((V_j / rms(V_j)) . w_out)                 w_out = output_attn_res_score: keys normalised
+    logits = lm_head @ norm(sum_j p_j V_j)                        ... values raw; then the final RMSNorm
+
+At the last layer this is exactly what `kimi_forward_token` computes (V is then the final stack and
+h), so `lens.logits(last) == model logits` up to float rounding of the batched lm_head product.
+Blocks are pushed by the decoder's rule: a layer with `is_block_boundary` pushes its raw input
+(the previous layer's h, or the embedding for layer 0) before its attention.
+
+The values come from replaying the session's history with capture hooks at `embed` and every
+`layers.{i}.prefix_sum` (see `_replay`), so values changed by `session.hooks` are what the lens
+reads. Hooks on the final sites (`final.attn_res.weights`, ...) do not change the lens: it applies
+the model's own output formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._xp import array_namespace
+from ..backend import to_numpy
+from ..model.block_residual import apply_attn_res_prescored
+from ..model.ops import rms_norm
+from ._replay import replay
+
+__all__ = ["LogitLens", "lens_logits", "logit_lens"]
+
+
+@dataclass
+class LogitLens:
+    """Lens predictions over T tokens and L layers (the session's token t predicts token t+1).
+
+    layers:      [L] model layer ids
+    tokens:      [T] the fed token ids
+    top_ids:     [T, L, top] by probability, descending
+    top_probs:   [T, L, top] softmax probabilities
+    final_ids:   [T] the model's own top-1 (argmax of the session's logits)
+    target_ids:  [T] or None: the chosen tokens whose log-probs were asked for (-1: none)
+    target_logprobs: [T, L] or None: log p_layer(target) (NaN where target_ids is -1)
+    """
+
+    layers: list
+    tokens: np.ndarray
+    top_ids: np.ndarray
+    top_probs: np.ndarray
+    final_ids: np.ndarray
+    target_ids: np.ndarray | None = None
+    target_logprobs: np.ndarray | None = None
+
+    def agreement(self) -> np.ndarray:
+        """[L]: fraction of tokens whose lens top-1 at each layer equals the model's final top-1."""
+        return (self.top_ids[:, :, 0] == self.final_ids[:, None]).mean(axis=0)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"LogitLens({len(self)} tokens x {len(self.layers)} layers, top {self.top_ids.shape[-1]})"
+
+
+def lens_logits(weights, values: dict):
+    """One token's lens logits [L, vocab] (the weights' device) from its `embed` and `layers.{i}.prefix_sum` values."""
+    eps = weights.config.rms_norm_eps
+    h = values["embed"]
+    xp = array_namespace(h)
+    blocks, rows = [], []
+    for layer in weights.layers:
+        if layer.is_block_boundary:
+            blocks.append(h)  # the raw input of this layer
+        h = values[layer.hook_prefix + "prefix_sum"]
+        stack = xp.stack(blocks) if blocks else xp.zeros((0, h.shape[0]), h.dtype)
+        mixed, _ = apply_attn_res_prescored(h, stack, weights.output_attn_res_score, eps)
+        rows.append(rms_norm(mixed, weights.norm, eps))
+    return (weights.lm_head @ xp.stack(rows).T).T
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis (host arrays)."""
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def logit_lens(session, top: int = 5, targets=None) -> LogitLens:
+    """The lens for every token of `session`'s history and every loaded layer.
+
+    top: predictions kept per (token, layer). targets: None; "next" (the token fed after each one;
+    -1 for the last); or token ids [T] (-1 skips a token): their log-prob at every layer is returned.
+    """
+    if not (isinstance(top, int) and top >= 1):
+        raise ValueError(f"logit_lens: top must be a positive int, got {top!r}")
+    w = session.weights
+    tokens = np.asarray(session.tokens, dtype=np.int64)
+    T, V = len(tokens), w.config.vocab_size
+    target_ids = _targets(targets, tokens, V)
+    names = ["embed"] + [layer.hook_prefix + "prefix_sum" for layer in w.layers]
+    k = min(top, V)
+    top_ids = np.empty((T, len(w.layers), k), np.int64)
+    top_probs = np.empty((T, len(w.layers), k))
+    target_lp = None if target_ids is None else np.full((T, len(w.layers)), np.nan)
+    for t, values, _ in replay(session, names):
+        logp = log_softmax(to_numpy(lens_logits(w, values)))  # [L, V]
+        ids = np.argsort(-logp, axis=-1, kind="stable")[:, :k]  # ties: lower id first, as the Recorder
+        top_ids[t] = ids
+        top_probs[t] = np.exp(np.take_along_axis(logp, ids, axis=-1))
+        if target_ids is not None and target_ids[t] >= 0:
+            target_lp[t] = logp[:, target_ids[t]]
+    final_ids = np.argmax(session.logits, axis=-1).astype(np.int64)
+    return LogitLens(list(w.layer_ids), tokens, top_ids, top_probs, final_ids, target_ids, target_lp)
+
+
+def _targets(targets, tokens: np.ndarray, V: int):
+    if targets is None:
+        return None
+    if isinstance(targets, str):
+        if targets != "next":
+            raise ValueError(f"logit_lens: targets must be None, 'next' or token ids [T], got {targets!r}")
+        return np.append(tokens[1:], -1)
+    ids = np.asarray(to_numpy(targets)).reshape(-1)
+    if ids.shape[0] != tokens.shape[0] or ids.dtype.kind not in "iu":
+        raise ValueError(f"logit_lens: targets must be {tokens.shape[0]} integer token ids (one per token, -1 to skip), "
+                         f"got shape {ids.shape} dtype {ids.dtype}")
+    bad = ids[(ids < -1) | (ids >= V)]
+    if bad.size:
+        raise ValueError(f"logit_lens: target ids {bad[:5].tolist()} are outside the vocabulary 0..{V - 1} (-1 skips)")
+    return ids.astype(np.int64)

@@ -1,0 +1,271 @@
+"""Corpus routing statistics: what each expert does over whole texts.
+
+`routing_stats(weights, texts)` decodes every text from a fresh state through a `Session` whose
+Recorder keeps the router sites (`layers.*.moe.router.*`, the default Recorder's routing records)
+and accumulates, per MoE layer (M) x expert (E), over N routed tokens:
+
+    counts[m, e]          tokens whose top-k set holds e
+    weight_sum[m, e]      sum of e's combine weight over those tokens; mean_weight = weight_sum / counts
+    coactivation[m, e, f] tokens whose top-k set holds both e and f (diagonal: counts)
+    class_top1[m, c, e]   tokens of class c whose top-1 expert (highest score in the set) is e
+
+Load statistics per layer, with load_e = counts[m, e] (a perfectly balanced router gives N k / E):
+
+    max_over_mean = max_e load_e / mean_e load_e        1 when balanced, E / k when one set takes all
+    cv            = std_e load_e / mean_e load_e        coefficient of variation (population std)
+    dead          = {e : load_e = 0}
+
+Mutual information between the token class C and the top-1 expert X, in bits, by the plug-in
+estimate from the joint counts n(c, x) (biased upwards when counts are small):
+
+    I(C; X) = sum_{c,x} p(c,x) log2( p(c,x) / (p(c) p(x)) ),   p = n / N
+
+A token's class is that of the INPUT token at its position (the one whose routing it is). The
+default classing, for byte models, is letters / space / digits / punctuation / newline / other;
+pass `classes=` (a function token id -> label) for another one.
+
+Checkpoints: with `checkpoint=path` the partial result is saved (atomically) after each text once
+`checkpoint_every` tokens have accumulated, and at the end; calling again with the same path and
+the same (or a longer) list of texts resumes after the texts already done. Texts are the unit:
+split a long corpus into documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import string
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["BYTE_CLASSES", "RoutingStats", "byte_class", "routing_stats"]
+
+FORMAT = "kimi_explore.analysis.routing_stats/1"
+BYTE_CLASSES = ("letter", "space", "digit", "punctuation", "newline", "other")
+_PUNCT = frozenset(string.punctuation.encode())
+
+
+def byte_class(token_id: int) -> str:
+    """The default classing of byte ids: letter, space (space or tab), digit, punctuation, newline, other."""
+    b = int(token_id)
+    if 65 <= b <= 90 or 97 <= b <= 122:
+        return "letter"
+    if b in (32, 9):
+        return "space"
+    if 48 <= b <= 57:
+        return "digit"
+    if b in _PUNCT:
+        return "punctuation"
+    if b in (10, 13):
+        return "newline"
+    return "other"
+
+
+@dataclasses.dataclass
+class RoutingStats:
+    """Accumulated routing over a corpus (see module docstring). Arrays are over `moe_layers` x experts."""
+
+    moe_layers: list
+    num_experts: int
+    top_k: int
+    class_names: list
+    counts: np.ndarray  # [M, E] int64
+    weight_sum: np.ndarray  # [M, E] float64
+    coactivation: np.ndarray  # [M, E, E] int64
+    class_top1: np.ndarray  # [M, C, E] int64
+    tokens: int = 0
+    texts: list = dataclasses.field(default_factory=list)  # sha1 of each text done, in order
+    model: str = ""  # fingerprint of the model the counts come from
+
+    @classmethod
+    def empty(cls, weights, model: str) -> RoutingStats:
+        from ..model.kimi_decoder import hook_names
+
+        moe = [int(n.split(".")[1]) for n in hook_names(weights) if n.endswith(".moe.router.topk_ids")]
+        M, E = len(moe), int(weights.config.num_experts)
+        return cls(moe, E, int(weights.config.num_experts_per_token), [], np.zeros((M, E), np.int64), np.zeros((M, E)),
+                   np.zeros((M, E, E), np.int64), np.zeros((M, 0, E), np.int64), 0, [], model)
+
+    # ------------------------------------------------------------------ derived statistics
+    @property
+    def mean_weight(self) -> np.ndarray:
+        """[M, E] mean combine weight of each expert over the tokens that selected it (NaN if none)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.counts > 0, self.weight_sum / np.maximum(self.counts, 1), np.nan)
+
+    @property
+    def max_over_mean(self) -> np.ndarray:
+        return self.counts.max(axis=1) / np.maximum(self.counts.mean(axis=1), 1e-300)
+
+    @property
+    def cv(self) -> np.ndarray:
+        return self.counts.std(axis=1) / np.maximum(self.counts.mean(axis=1), 1e-300)
+
+    @property
+    def dead_experts(self) -> dict:
+        """{moe layer: [expert ids never selected]}."""
+        return {layer: np.flatnonzero(row == 0).tolist() for layer, row in zip(self.moe_layers, self.counts, strict=True)}
+
+    def mutual_information(self) -> np.ndarray:
+        """[M] I(class; top-1 expert) in bits (plug-in estimate)."""
+        joint = self.class_top1.astype(np.float64)
+        n = joint.sum(axis=(1, 2), keepdims=True)
+        p = joint / np.maximum(n, 1)
+        pc, px = p.sum(axis=2, keepdims=True), p.sum(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(p > 0, p * np.log2(p / (pc * px)), 0.0)
+        return terms.sum(axis=(1, 2))
+
+    def table(self) -> list[dict]:
+        """One row per MoE layer: load max/mean, CV, dead experts, MI (bits)."""
+        mi = self.mutual_information()
+        return [{"layer": layer, "max/mean": float(self.max_over_mean[j]), "cv": float(self.cv[j]),
+                 "dead": len(self.dead_experts[layer]), "mi_bits": float(mi[j])} for j, layer in enumerate(self.moe_layers)]
+
+    def __repr__(self) -> str:
+        return (f"RoutingStats({self.tokens} tokens from {len(self.texts)} texts, "
+                f"{len(self.moe_layers)} MoE layers x {self.num_experts} experts)")
+
+    # ------------------------------------------------------------------ accumulating
+    def _class_index(self, label: str) -> int:
+        if label not in self.class_names:
+            self.class_names.append(label)
+            M, _, E = self.class_top1.shape
+            self.class_top1 = np.concatenate([self.class_top1, np.zeros((M, 1, E), np.int64)], axis=1)
+        return self.class_names.index(label)
+
+    def add(self, routing: dict, token_classes: list[str]) -> None:
+        """Accumulate one text's `trace.routing()` ([T, M, k] ids and weights; -1 / NaN padding is skipped)."""
+        ids, wts = routing["topk_ids"], routing["topk_weights"]
+        T = ids.shape[0]
+        cls = np.array([self._class_index(c) for c in token_classes], np.int64)
+        for j in range(len(self.moe_layers)):
+            sel, w = ids[:, j], wts[:, j]
+            valid = sel >= 0
+            np.add.at(self.counts[j], sel[valid], 1)
+            np.add.at(self.weight_sum[j], sel[valid], w[valid])
+            onehot = np.zeros((T, self.num_experts), np.int64)
+            rows = np.nonzero(valid)[0]
+            onehot[rows, sel[valid]] = 1
+            self.coactivation[j] += onehot.T @ onehot
+            has = valid[:, 0] if sel.shape[1] else np.zeros(T, bool)
+            np.add.at(self.class_top1[j], (cls[has], sel[has, 0]), 1)
+        self.tokens += T
+
+    # ------------------------------------------------------------------ files
+    def save(self, path) -> Path:
+        """Write one .npz atomically (a partial result survives an interrupted save)."""
+        path = Path(path)
+        header = {"format": FORMAT, "moe_layers": self.moe_layers, "num_experts": self.num_experts, "top_k": self.top_k,
+                  "class_names": self.class_names, "tokens": self.tokens, "texts": self.texts, "model": self.model}
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, header=np.array(json.dumps(header)), counts=self.counts, weight_sum=self.weight_sum,
+                 coactivation=self.coactivation, class_top1=self.class_top1)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path) -> RoutingStats:
+        with np.load(path, allow_pickle=False) as z:
+            header = json.loads(str(z["header"])) if "header" in z.files else {}
+            if header.get("format") != FORMAT:
+                raise ValueError(f"{path}: not a routing-stats checkpoint (format {header.get('format')!r}, expected {FORMAT!r})")
+            return cls(header["moe_layers"], header["num_experts"], header["top_k"], header["class_names"], z["counts"],
+                       z["weight_sum"], z["coactivation"], z["class_top1"], header["tokens"], header["texts"], header["model"])
+
+
+def model_fingerprint(weights) -> str:
+    """Config + every router's correction bias: tells two models apart without hashing their experts."""
+    from ..backend import to_numpy
+
+    h = hashlib.sha1(json.dumps(dataclasses.asdict(weights.config), default=str, sort_keys=True).encode())
+    h.update(json.dumps(weights.layer_ids).encode())
+    for layer in weights.layers:
+        bias = getattr(layer.ffn, "e_score_correction_bias", None)
+        if bias is not None:
+            h.update(np.ascontiguousarray(to_numpy(bias), dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def _text_ids(text, tokenizer, vocab: int) -> list[int]:
+    if isinstance(text, str):
+        if tokenizer is not None:
+            return list(tokenizer.encode(text))
+        if vocab != 256:
+            raise ValueError(f"routing_stats: got a string but no tokenizer, and the model's vocabulary ({vocab}) is not "
+                             "bytes: pass tokenizer=ke.load_tokenizer(...) or token ids")
+        return list(text.encode("utf-8"))
+    return [int(i) for i in text]
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha1(np.asarray(ids, np.int64).tobytes()).hexdigest()
+
+
+def _resume(path, weights, model: str, digests: list[str]) -> RoutingStats:
+    if path is None or not Path(path).exists():
+        return RoutingStats.empty(weights, model)
+    stats = RoutingStats.load(path)
+    if stats.model != model:
+        raise ValueError(f"{path}: this routing-stats checkpoint was made with another model (fingerprint "
+                         f"{stats.model[:12]}..., these weights {model[:12]}...); use another checkpoint path")
+    done = stats.texts
+    if digests[: len(done)] != done:
+        first = next((i for i, (a, b) in enumerate(zip(digests, done, strict=False)) if a != b), len(digests))
+        raise ValueError(f"{path}: the checkpoint holds {len(done)} texts, but text {first} of this call differs from "
+                         "the one it counted (or the call has fewer texts): resume with the same texts, in the same order")
+    return stats
+
+
+def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: bool = True, checkpoint=None,
+                  checkpoint_every: int = 4096) -> RoutingStats:
+    """Routing statistics of `weights` over `texts` (a string, or a list of strings / token-id lists).
+
+    classes: token id -> label (default: `byte_class` for a byte vocabulary). progress: a tqdm bar
+    over tokens. checkpoint: a path to save the partial result to and resume from (see module docstring).
+    """
+    from ..inspection.recorder import Recorder
+    from ..inspection.session import Session
+
+    vocab = int(weights.config.vocab_size)
+    if classes is None:
+        if vocab != 256:
+            raise ValueError(f"routing_stats: the default token classing is for byte models (vocabulary 256); this one has "
+                             f"{vocab} tokens: pass classes=fn(token_id) -> label")
+        classes = byte_class
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    ids = [_text_ids(x, tokenizer, vocab) for x in texts]
+    digests = [_digest(x) for x in ids]
+    stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
+    start, since_save = len(stats.texts), 0
+    bar = _progress(progress, sum(len(x) for x in ids), sum(len(x) for x in ids[:start]))
+    try:
+        for text_ids, digest in zip(ids[start:], digests[start:], strict=True):
+            if text_ids:
+                session = Session(weights, recorder=Recorder(names_filter="layers.*.moe.router.*"), checkpoint_every=0)
+                session.feed(text_ids)
+                stats.add(session.trace().routing(), [classes(i) for i in text_ids])
+            stats.texts.append(digest)
+            since_save += len(text_ids)
+            if bar is not None:
+                bar.update(len(text_ids))
+            if checkpoint is not None and since_save >= checkpoint_every:
+                stats.save(checkpoint)
+                since_save = 0
+    finally:
+        if bar is not None:
+            bar.close()
+    if checkpoint is not None:
+        stats.save(checkpoint)
+    return stats
+
+
+def _progress(enabled: bool, total: int, done: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm  # a dependency of huggingface-hub
+
+    return tqdm(total=total, initial=done, unit="tok", desc="routing_stats")
