@@ -1,0 +1,136 @@
+"""Direct logit attribution: the leaves add up to the decoder's logit, and each leaf is what it claims.
+
+Independent references: the session's logits; values recorded by a Recorder in full (not the
+replay the attribution uses) put through the frozen final norm by hand; a per-expert float64 loop
+over the expert weights (`gather`, `naive_situ_and_mul`) for the routed experts' split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kimi_explore as ke
+from kimi_explore.backend import to_numpy
+from kimi_explore.inspection import interventions
+from kimi_explore.model.ops import naive_situ_and_mul
+
+TEXT = list(b"Hello, attribution 7!\n")
+STEPS = [0, 5, -1]
+
+
+def f64(a):
+    return np.asarray(to_numpy(a), dtype=np.float64)
+
+
+@pytest.fixture(scope="module", params=["reference", "embedded"])
+def model(request, ref_weights, tiny_weights):
+    w = ref_weights if request.param == "reference" else tiny_weights
+    last = w.layers[-1].hook_prefix + "prefix_sum"
+    rec = ke.Recorder(full=["final.block_residual", last, "layers.*.ffn.in", "layers.*.attn.out", "embed"])
+    s = ke.Session(w, recorder=rec)
+    s.feed(TEXT)
+    return w, s
+
+
+@pytest.mark.parametrize("t", STEPS)
+@pytest.mark.parametrize("which", ["top1", "given"])
+def test_leaves_sum_to_the_logit_and_the_logit_is_the_decoders(model, t, which):
+    w, s = model
+    token = None if which == "top1" else 101
+    a = ke.logit_attribution(s, t, token=token)
+    expected_token = int(np.argmax(s.logits[t])) if token is None else token
+    assert a.token == expected_token and a.t == t % len(TEXT)
+    assert abs(a.logit - float(s.logits[t, expected_token])) <= 1e-4
+    assert abs(sum(a.contributions.values()) - a.logit) <= 1e-4
+    assert abs(sum(a.by_source().values()) - a.logit) <= 1e-4
+    assert abs(sum(a.by_layer().values()) - a.logit) <= 1e-4
+    values = list(a.contributions.values())
+    assert all(abs(x) >= abs(y) for x, y in zip(values, values[1:], strict=False))
+
+
+def test_the_leaves_are_the_model_structure(model):
+    w, s = model
+    t = 6
+    a = ke.logit_attribution(s, t)
+    routing = s.trace().routing()
+    expected = {"embed"}
+    for layer in w.layers:
+        pre = layer.hook_prefix
+        expected.add(pre + "attn.out")
+        if layer.index in routing["moe_layers"]:
+            j = routing["moe_layers"].index(layer.index)
+            expected |= {f"{pre}moe.experts.{e}" for e in routing["topk_ids"][t, j]} | {pre + "moe.shared"}
+        else:
+            expected.add(pre + "ffn.out")
+    assert set(a.contributions) == expected
+    df = a.to_pandas()
+    assert len(df) == len(expected) and abs(df["value"].sum() - a.logit) <= 1e-4
+    assert set(df["part"]) == {"embed", "attn", "ffn", "expert", "shared"}
+
+
+def test_by_source_is_the_frozen_norm_applied_to_each_recorded_source(model):
+    """p_j * (lm_head[c] * g / rms(m)) . V_j, from the sources the Recorder kept in full."""
+    w, s = model
+    tr, t = s.trace(), 9
+    a = ke.logit_attribution(s, t)
+    V = np.concatenate([tr["final.block_residual"][t], tr[w.layers[-1].hook_prefix + "prefix_sum"][t][None]]).astype(np.float64)
+    p = tr["final.attn_res.weights"][t].astype(np.float64)
+    m = p @ V
+    u = f64(w.lm_head[a.token]) * f64(w.norm) / np.sqrt(np.mean(m * m) + w.config.rms_norm_eps)
+    by_hand = p * (V @ u)
+    np.testing.assert_allclose(list(a.by_source().values()), by_hand, atol=1e-5)
+    assert list(a.source_weights) == tr.source_labels()
+
+
+def test_each_routed_expert_leaf_is_its_frozen_norm_share(model):
+    """A float64 loop over the selected experts: up_proj(g_l * w_e y_e / rms(sum_e w_e y_e)), dotted with u."""
+    w, s = model
+    tr, t = s.trace(), 4
+    a = ke.logit_attribution(s, t)
+    routing = tr.routing()
+    m = tr["final.attn_res.weights"][t].astype(np.float64)
+    V = np.concatenate([tr["final.block_residual"][t], tr[w.layers[-1].hook_prefix + "prefix_sum"][t][None]]).astype(np.float64)
+    mix = m @ V
+    u = f64(w.lm_head[a.token]) * f64(w.norm) / np.sqrt(np.mean(mix * mix) + w.config.rms_norm_eps)
+    source = {layer.index: sum(x.is_block_boundary for x in w.layers if x.index <= layer.index) for layer in w.layers}
+    for j, i in enumerate(routing["moe_layers"][:3]):
+        f = w.layers[w.layer_ids.index(i)].ffn
+        E, l = f.num_experts, f.latent_size
+        z = f64(f.in_proj)[E : E + l] @ tr[f"layers.{i}.ffn.in"][t].astype(np.float64)
+        ids, wts = routing["topk_ids"][t, j], routing["topk_weights"][t, j].astype(np.float64)
+        ys = []
+        for e, we in zip(ids, wts, strict=True):
+            w13, w2 = (f64(x)[0] for x in f.experts.gather(np.array([e])))
+            ys.append(we * (w2 @ naive_situ_and_mul(w13 @ z, f.situ_beta, f.situ_linear_beta)))
+        agg = np.sum(ys, axis=0)
+        scale = f64(f.routed_expert_norm) / np.sqrt(np.mean(agg * agg) + f.eps)
+        for e, y in zip(ids, ys, strict=True):
+            by_hand = m[source[i]] * (u @ (f64(f.routed_expert_up_proj) @ (y * scale)))
+            assert abs(a.contributions[f"layers.{i}.moe.experts.{e}"] - by_hand) <= 1e-5
+
+
+def test_attribution_follows_persistent_interventions_and_refuses_rewritten_sums(ref_weights):
+    s = ke.Session(ref_weights, hooks=interventions.ablate_experts(2, "all"))
+    s.feed(TEXT[:6])
+    a = ke.logit_attribution(s, -1)
+    assert not any(k.startswith("layers.2.moe.experts.") for k in a.contributions)
+    assert abs(sum(a.contributions.values()) - a.logit) <= 1e-4 and abs(a.logit - s.logits[-1].max()) <= 1e-4
+
+    def double(v, *, hook):
+        return v * 2.0
+
+    bent = ke.Session(ref_weights, hooks=ke.Hooks().bind(ref_weights))
+    bent.hooks.add("layers.3.moe.routed_out", double)
+    bent.feed(TEXT[:4])
+    with pytest.raises(ValueError, match=r"leaves of layers\.3\.moe\.routed_out add up"):
+        ke.logit_attribution(bent, -1)
+
+
+def test_attribution_arguments_are_checked(ref_weights):
+    s = ke.Session(ref_weights)
+    s.feed(TEXT[:3])
+    with pytest.raises(IndexError, match="outside the session's history of 3 tokens"):
+        ke.logit_attribution(s, 3)
+    with pytest.raises(ValueError, match=r"token must be an id in 0\.\.255"):
+        ke.logit_attribution(s, 0, token=256)
