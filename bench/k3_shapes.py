@@ -95,87 +95,41 @@ class _Pools:
         return out
 
 
-def _layer_specs(cfg: dict, i: int, pools: _Pools) -> list[tuple]:
-    """(name, safetensors dtype, shape, make(n) -> flat array) for every tensor of layer i."""
-    d, L, A = cfg["hidden_size"], f"language_model.model.layers.{i}.", f"language_model.model.layers.{i}.self_attn."
-    la = cfg["linear_attn_config"]
-    specs = []
-
-    def mat(name, rows, cols, gain=1.0):
-        std = gain / float(np.sqrt(cols))
-        specs.append((name, "BF16", (rows, cols), lambda n: pools.fill(pools.bf16(std), n)))
-
-    def vec(name, n_, dtype="BF16", mean=1.0, spread=0.1):
-        def make(n):
-            v = mean + spread * pools.rng.standard_normal(n)
-            return v.astype(BF16).view(np.uint16) if dtype == "BF16" else v.astype(np.float32)
-        specs.append((name, dtype, (n_,), make))
-
-    for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
-        vec(L + n + ".weight", d)
-    mat(L + "self_attention_res_proj.weight", 1, d, 3.0)
-    mat(L + "mlp_res_proj.weight", 1, d, 3.0)
-    if (i + 1) in la["kda_layers"]:
-        H, K, W = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
-        P = H * K
-        for s in "qkv":
-            mat(A + f"{s}_proj.weight", P, d, 1.5)
-            specs.append((A + f"{s}_conv1d.weight", "F32", (P, 1, W), lambda n: (0.6 * pools.fill(pools.normal, n))))
-        mat(A + "f_a_proj.weight", K, d)
-        mat(A + "f_b_proj.weight", P, K, 2.0)
-        mat(A + "b_proj.weight", H, d, 2.0)
-        mat(A + "g_proj.weight", P, d, 2.0)
-        mat(A + "o_proj.weight", d, P)
-        vec(A + "o_norm.weight", K, "F32")
-        a_log = np.r_[pools.rng.uniform(-1, 1.5, H), np.zeros(K - H)].astype(np.float32)  # per head, zero-padded
-        specs.append((A + "A_log", "F32", (K,), lambda n: a_log))
-        vec(A + "dt_bias", P, "F32", 0.0, 0.5)
-    else:
-        nh, ql, kl, dn, dr, dv = 96, cfg["q_lora_rank"], cfg["kv_lora_rank"], 128, 64, 128
-        mat(A + "q_a_proj.weight", ql, d)
-        vec(A + "q_a_layernorm.weight", ql)
-        mat(A + "q_b_proj.weight", nh * (dn + dr), ql, 2.0)
-        mat(A + "kv_a_proj_with_mqa.weight", kl + dr, d, 2.0)
-        vec(A + "kv_a_layernorm.weight", kl)
-        mat(A + "kv_b_proj.weight", nh * (dn + dv), kl, 1.5)
-        mat(A + "g_proj.weight", nh * dv, d, 2.0)
-        mat(A + "o_proj.weight", d, nh * dv)
-    if i >= cfg["first_k_dense_replace"]:
-        M, E, l, I = L + "block_sparse_moe.", cfg["num_experts"], cfg["routed_expert_hidden_size"], cfg["moe_intermediate_size"]
-        Ish = cfg["num_shared_experts"] * I
-        mat(M + "gate.weight", E, d, 2.0)
-        specs.append((M + "gate.e_score_correction_bias", "F32", (E,), lambda n: np.zeros(n, np.float32)))
-        mat(M + "routed_expert_down_proj.weight", l, d, 2.0)
-        vec(M + "routed_expert_norm.weight", l)
-        mat(M + "routed_expert_up_proj.weight", d, l)
-        mat(M + "shared_experts.gate_proj.weight", Ish, d, 4.0)
-        mat(M + "shared_experts.up_proj.weight", Ish, d, 4.0)
-        mat(M + "shared_experts.down_proj.weight", d, Ish)
-        for e in range(E):
-            for wn, (r, c) in (("w1", (I, l)), ("w3", (I, l)), ("w2", (l, I))):
-                base = M + f"experts.{e}.{wn}."
-                specs.append((base + "weight_packed", "U8", (r, c // 2), lambda n: pools.fill(pools.bytes, n)))
-                # E8M0 120 = 2^-7: uniform E2M1 codes (rms ~2.9) give rms ~0.02 ~ 1/sqrt(3584), like real K3 scales
-                specs.append((base + "weight_scale", "U8", (r, c // 32),
-                               lambda n: pools.rng.integers(119, 122, n, dtype=np.uint8)))
-    else:
-        I = cfg["intermediate_size"]
-        mat(L + "mlp.gate_proj.weight", I, d, 4.0)
-        mat(L + "mlp.up_proj.weight", I, d, 4.0)
-        mat(L + "mlp.down_proj.weight", d, I)
-    return specs
+def _make(t, d, pools: _Pools, heads: int):
+    """make(n) -> n flat values of on-disk tensor `d` (of planned tensor `t`), from the table's `init`."""
+    if d.mxfp4_of is not None:
+        if d.name.endswith("_packed"):
+            return lambda n: pools.fill(pools.bytes, n)
+        # E8M0 120 = 2^-7: uniform E2M1 codes (rms ~2.9) give rms ~0.02 ~ 1/sqrt(3584), like real K3 scales
+        return lambda n: pools.rng.integers(119, 122, n, dtype=np.uint8)
+    kind, *args = t.row.init
+    bf16 = d.dtype == "BF16"
+    cast = (lambda v: v.astype(BF16).view(np.uint16)) if bf16 else (lambda v: v.astype(np.float32))
+    if kind in ("normal", "std"):  # tiled from a pool: generating 4 G fresh normals would dominate the write
+        std = args[0] / float(np.sqrt(d.shape[-1])) if kind == "normal" else args[0]
+        return (lambda n: pools.fill(pools.bf16(std), n)) if bf16 else (lambda n: std * pools.fill(pools.normal, n))
+    if kind == "gain":
+        return lambda n: cast(1.0 + 0.1 * pools.rng.standard_normal(n))
+    if kind == "uniform":
+        return lambda n: cast(pools.rng.uniform(args[0], args[1], n))
+    if kind == "per_head":  # per head, zero-padded
+        return lambda n: cast(np.r_[pools.rng.uniform(args[0], args[1], heads), np.zeros(n - heads)])
+    if kind == "spread":
+        return lambda n: cast(pools.rng.permutation(np.linspace(-args[0], args[0], n)))
+    raise ValueError(f"unknown init {t.row.init!r} for {t.name}")
 
 
-def _global_specs(cfg: dict, pools: _Pools) -> list[tuple]:
-    d, V, G = cfg["hidden_size"], cfg["vocab_size"], "language_model."
-    std = 1.0 / float(np.sqrt(d))
-    return [
-        (G + "model.embed_tokens.weight", "BF16", (V, d), lambda n: pools.fill(pools.bf16(1.0), n)),
-        (G + "lm_head.weight", "BF16", (V, d), lambda n: pools.fill(pools.bf16(2.0 * std), n)),
-        (G + "model.norm.weight", "BF16", (d,), lambda n: np.ones(n, BF16).view(np.uint16)),
-        (G + "model.output_attn_res_norm.weight", "BF16", (d,), lambda n: np.ones(n, BF16).view(np.uint16)),
-        (G + "model.output_attn_res_proj.weight", "BF16", (1, d), lambda n: pools.fill(pools.bf16(3.0 * std), n)),
-    ]
+def _specs(cfg: dict, layer: int | None, pools: _Pools) -> list[tuple]:
+    """(name, safetensors dtype, shape, make(n) -> flat array) for every tensor of `layer` (None: the
+    global ones), from the checkpoint table."""
+    from kimi_explore.model.config import KimiDecoderConfig
+    from kimi_explore.weights import checkpoint_table as table
+
+    c = KimiDecoderConfig.from_dict(cfg)
+    heads = c.linear_attn_config.num_heads
+    planned = [t for t in table.plan(c, [] if layer is None else [layer]) if t.layer == layer]
+    return [("language_model." + d.name, d.dtype, d.shape, _make(t, d, pools, heads))
+            for t in planned for d in table.on_disk(t)]
 
 
 _ITEMSIZE = {"BF16": 2, "F32": 4, "U8": 1}
@@ -205,13 +159,13 @@ def write_streaming(path: Path, specs: list[tuple]) -> int:
 def ensure_checkpoint(ckpt: Path, layers: list[int], num_experts: int, vocab: int) -> Path:
     """Write the synthetic checkpoint unless a complete one with the same settings is there."""
     cfg = k3_text_config(num_experts, vocab)
-    stamp = {"layers": layers, "num_experts": num_experts, "vocab": vocab, "version": 1}
+    stamp = {"layers": layers, "num_experts": num_experts, "vocab": vocab, "version": 2}
     done = ckpt / "complete.json"
     if done.exists() and json.loads(done.read_text()) == stamp:
         return ckpt
     ckpt.mkdir(parents=True, exist_ok=True)
     pools = _Pools()
-    groups = [("global", _global_specs(cfg, pools))] + [(f"layer {i}", _layer_specs(cfg, i, pools)) for i in layers]
+    groups = [("global", _specs(cfg, None, pools))] + [(f"layer {i}", _specs(cfg, i, pools)) for i in layers]
     weight_map, total, t0 = {}, 0, time.perf_counter()
     for k, (what, specs) in enumerate(groups):
         name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"

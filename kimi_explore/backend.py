@@ -9,8 +9,11 @@ allocation).
 from __future__ import annotations
 
 import os
+import types
 
 import numpy as np
+
+from ._xp import array_namespace
 
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -61,6 +64,16 @@ def to_numpy(a) -> np.ndarray:
         return a
     get = getattr(a, "get", None)
     return get() if get is not None else np.asarray(a)
+
+
+def on_host(x) -> bool:
+    """Whether `x` (an array namespace, or an array) is on the host: THE device test of the package.
+
+    True for NumPy and NumPy arrays (and anything not CuPy), False for CuPy and its arrays.
+    """
+    if isinstance(x, types.ModuleType):
+        return x is np
+    return array_namespace(x) is np
 
 
 def gpu_available() -> bool:

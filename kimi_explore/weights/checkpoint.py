@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import backend
 from ..backend import resolve_device, resolve_dtype
 from ..model.config import KimiDecoderConfig
 from ..model.kda import KdaWeights
@@ -30,8 +31,10 @@ from ..model.kimi_decoder import KimiDecoderLayerWeights, KimiDecoderWeights
 from ..model.latent_moe import LatentMoeWeights
 from ..model.mla import MlaWeights
 from ..model.ops import DenseMlpWeights
+from . import checkpoint_table as table
 from . import mxfp4, mxfp4_matvec
 from .bf16_weights import Bf16Matrix, WideningScratch
+from .checkpoint_table import DiskTensor
 from .experts import DenseExperts, PackedExperts
 from .safetensors_io import CheckpointError, SafetensorsFile
 from .tensor_reader import TensorReader
@@ -91,62 +94,19 @@ class CheckpointDir:
         self._files.clear()
 
 
-# ---------------------------------------------------------------- the plan: names and shapes
+# ---------------------------------------------------------------- the plan: names and shapes (checkpoint_table)
 
 
-def _layer_tensors(cfg: KimiDecoderConfig, i: int, ckpt: CheckpointDir) -> dict[str, tuple]:
-    """{name (without prefix): expected shape} for layer i. A_log's shape is checked on its own."""
-    d, L = cfg.hidden_size, f"model.layers.{i}."
-    t = {L + n: (d,) for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                "self_attention_res_norm.weight", "mlp_res_norm.weight")}
-    t[L + "self_attention_res_proj.weight"] = (1, d)
-    t[L + "mlp_res_proj.weight"] = (1, d)
-    A = L + "self_attn."
-    if cfg.is_kda_layer(i):
-        la = cfg.linear_attn_config
-        H, K, W, P = la.num_heads, la.head_dim, la.short_conv_kernel_size, cfg.kda_proj_width
-        for s in "qkv":
-            t[A + f"{s}_proj.weight"] = (P, d)
-            t[A + f"{s}_conv1d.weight"] = (P, 1, W)
-        t.update({A + "f_a_proj.weight": (K, d), A + "f_b_proj.weight": (P, K), A + "b_proj.weight": (H, d),
-                  A + "g_proj.weight": (P, d), A + "o_norm.weight": (K,), A + "o_proj.weight": (d, P),
-                  A + "dt_bias": (P,), A + "A_log": None})
-    else:
-        nh, dq, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
-        ql, kl = cfg.q_lora_rank, cfg.kv_lora_rank
-        t.update({A + "q_a_proj.weight": (ql, d), A + "q_a_layernorm.weight": (ql,), A + "q_b_proj.weight": (nh * dq, ql),
-                  A + "kv_a_proj_with_mqa.weight": (kl + cfg.qk_rope_head_dim, d), A + "kv_a_layernorm.weight": (kl,),
-                  A + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + dv), kl), A + "o_proj.weight": (d, nh * dv)})
-        if cfg.mla_use_output_gate:
-            t[A + "g_proj.weight"] = (nh * dv, d)
-    if cfg.is_moe_layer(i):
-        M, E, l, I = L + "block_sparse_moe.", cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-        Ish = cfg.shared_intermediate_size
-        t.update({M + "gate.weight": (E, d), M + "gate.e_score_correction_bias": (E,),
-                  M + "routed_expert_down_proj.weight": (l, d), M + "routed_expert_norm.weight": (l,),
-                  M + "routed_expert_up_proj.weight": (d, l), M + "shared_experts.gate_proj.weight": (Ish, d),
-                  M + "shared_experts.up_proj.weight": (Ish, d), M + "shared_experts.down_proj.weight": (d, Ish)})
-        for e in range(E):
-            for wn, shape in (("w1", (I, l)), ("w3", (I, l)), ("w2", (l, I))):
-                base = M + f"experts.{e}.{wn}."
-                if ckpt.has(base + "weight_packed") or not ckpt.has(base + "weight"):
-                    t[base + "weight_packed"] = ("mxfp4", shape)
-                    t[base + "weight_scale"] = ("mxfp4-scale", shape)
-                else:
-                    t[base + "weight"] = shape
-    else:
-        I = cfg.intermediate_size
-        t.update({L + "mlp.gate_proj.weight": (I, d), L + "mlp.up_proj.weight": (I, d), L + "mlp.down_proj.weight": (d, I)})
-    return t
+def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointDir) -> dict[str, DiskTensor]:
+    """{unprefixed name: what it must be on disk} for the global tensors and layers `layer_ids`.
 
-
-def _global_tensors(cfg: KimiDecoderConfig) -> dict[str, tuple]:
-    d, V = cfg.hidden_size, cfg.vocab_size
-    t = {"model.embed_tokens.weight": (V, d), "model.norm.weight": (d,),
-         "model.output_attn_res_norm.weight": (d,), "model.output_attn_res_proj.weight": (1, d)}
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = (V, d)
-    return t
+    A routed expert is planned as its MXFP4 pair unless only its dense `weight` is on disk.
+    """
+    out: dict[str, DiskTensor] = {}
+    for t in table.plan(cfg, layer_ids):
+        packed = t.dtype == table.MXFP4 and (ckpt.has(table.mxfp4_names(t.name)[0]) or not ckpt.has(t.name))
+        out.update((d.name, d) for d in table.on_disk(t, packed))
+    return out
 
 
 def _layer_of(name: str):
@@ -187,7 +147,7 @@ def missing_shards_message(missing: dict[str, list[int]]) -> str:
     return "; ".join(lines)
 
 
-def _check(ckpt: CheckpointDir, plan: dict[str, tuple], cfg: KimiDecoderConfig) -> None:
+def _check(ckpt: CheckpointDir, plan: dict[str, DiskTensor]) -> None:
     """Every planned tensor exists, in a shard that exists, with the right dtype and shape."""
     needed = shards_needed(ckpt, plan)
     absent = {s: ids for s, ids in needed.items() if not (ckpt.path / s).exists()}
@@ -199,30 +159,30 @@ def _check(ckpt: CheckpointDir, plan: dict[str, tuple], cfg: KimiDecoderConfig) 
         if full not in f:
             raise CheckpointError(f"{f.path}: the index places tensor '{full}' in this shard, but it is not there")
         dtype, shape = f.info(full)
-        _check_one(f.path, full, dtype, shape, want, cfg)
+        check_tensor(f.path, full, dtype, shape, want)
 
 
-def _check_one(path, full: str, dtype: str, shape: tuple, want, cfg: KimiDecoderConfig) -> None:
+def check_tensor(path, full: str, dtype: str, shape: tuple, want: DiskTensor) -> None:
+    """Raise CheckpointError unless a tensor of `dtype` and `shape` is what the table plans (`want`).
+
+    Floats load from any float dtype (BF16/F16/F32/F64); the halves of an MXFP4 pair must be U8.
+    """
     def bad(expected: str):
         raise CheckpointError(f"{path}: tensor '{full}': expected {expected}, found {dtype}{list(shape)}")
 
-    if want is None:  # A_log: per head, stored head_dim wide on disk
-        la = cfg.linear_attn_config
-        if dtype not in FLOAT_DTYPES or len(shape) != 1 or shape[0] not in (la.num_heads, la.head_dim):
-            bad(f"a float vector of {la.num_heads} (num_heads) or {la.head_dim} (head_dim, zero-padded) entries")
-        return
-    if want[0] in ("mxfp4", "mxfp4-scale"):
-        rows, cols = want[1]
-        per = 2 if want[0] == "mxfp4" else mxfp4.GROUP
+    if want.mxfp4_of is not None:
+        rows, cols = want.mxfp4_of
         if cols % mxfp4.GROUP:
             bad(f"an MXFP4 pair, but the logical width {cols} is not a multiple of {mxfp4.GROUP}")
-        if dtype != "U8" or tuple(shape) != (rows, cols // per):
-            bad(f"U8{[rows, cols // per]} (MXFP4 of a [{rows}, {cols}] weight)")
+        if dtype != "U8" or tuple(shape) != want.shape:
+            bad(f"U8{list(want.shape)} (MXFP4 of a [{rows}, {cols}] weight)")
         return
+    shapes = [want.shape] + ([want.also] if want.also is not None and want.also != want.shape else [])
+    expected = " or ".join(str(list(s)) for s in shapes)
     if dtype not in FLOAT_DTYPES:
-        bad(f"a float tensor (BF16/F16/F32) of shape {list(want)}")
-    if tuple(shape) != tuple(want):
-        bad(f"shape {list(want)}")
+        bad(f"a float tensor (released as {want.dtype}) of shape {expected}")
+    if tuple(shape) not in shapes:
+        bad(f"shape {expected}")
 
 
 # ---------------------------------------------------------------- building the records
@@ -231,8 +191,8 @@ def _check_one(path, full: str, dtype: str, shape: tuple, want, cfg: KimiDecoder
 class _Builder:
     """Reads planned tensors into device buffers in the compute dtype (or bf16 bits, `weight_dtype`)."""
 
-    def __init__(self, ckpt: CheckpointDir, xp, dtype, bf16_matrices: bool):
-        self.ckpt, self.xp, self.dtype = ckpt, xp, dtype
+    def __init__(self, ckpt: CheckpointDir, cfg: KimiDecoderConfig, xp, dtype, bf16_matrices: bool):
+        self.ckpt, self.cfg, self.xp, self.dtype = ckpt, cfg, xp, dtype
         self.reader = TensorReader(lambda n: (ckpt.open(ckpt.shard_of(n)), ckpt.full(n)))
         self.scratch = WideningScratch(xp) if bf16_matrices else None
 
@@ -246,11 +206,12 @@ class _Builder:
         a = self.host(name)
         return self.dev(a.reshape(shape) if shape is not None else a)
 
-    def matrix(self, names: list[str]):
+    def matrix(self, names: list[str], by_rows: bool = False):
         """A 2-D weight, row-concatenating `names` (fusion of projections that read the same input).
 
         With weight_dtype="bfloat16" and every part BF16 on disk, kept as bf16 bits (`Bf16Matrix`);
         otherwise in the compute dtype. Each part is read straight into its rows of the final buffer.
+        by_rows: the matrix is only ever read by rows (the embedding), so it needs no widening scratch.
         """
         infos = [self.reader.info(n) for n in names]
         bits = self.scratch is not None and all(code == "BF16" for code, _ in infos)
@@ -262,91 +223,121 @@ class _Builder:
         dev = self.dev(out)
         if not bits:
             return dev
-        if names != ["model.embed_tokens.weight"]:  # the embedding is only ever read by rows
+        if not by_rows:
             self.scratch.reserve(dev.size)
         return Bf16Matrix(dev, self.scratch, self.dtype)
 
 
+class _At:
+    """The builder's reads for one table at one layer, by row key or fused record field."""
+
+    def __init__(self, b: _Builder, kind: table.Kind, i: int | None = None):
+        self.b, self.kind, self.i = b, kind, i
+
+    def name(self, key: str, e: int | None = None) -> str:
+        return self.kind.name(key, self.i, e)
+
+    def host(self, key: str, dtype=None) -> np.ndarray:
+        return self.b.host(self.name(key), dtype)
+
+    def one(self, key: str, shape=None):
+        return self.b.one(self.name(key), shape)
+
+    def matrix(self, field: str, by_rows: bool = False):
+        return self.b.matrix(self.kind.parts(self.b.cfg, field, self.i), by_rows)
+
+    def score(self, field: str):
+        """An attn-res score vector: the RMSNorm gain times its [1, d] projection (float64, then cast)."""
+        norm, proj = self.kind.parts(self.b.cfg, field, self.i)
+        g = self.b.host(norm, np.float64)
+        p = self.b.host(proj, np.float64).reshape(-1)
+        return self.b.dev((g * p).astype(self.b.dtype))
+
+
 def _kda(b: _Builder, cfg: KimiDecoderConfig, i: int) -> KdaWeights:
-    la, A = cfg.linear_attn_config, f"model.layers.{i}.self_attn."
+    la, t = cfg.linear_attn_config, _At(b, table.KDA, i)
     H, K = la.num_heads, la.head_dim
-    a_log = b.host(A + "A_log")
+    a_log = t.host("A_log")
     if a_log.shape[0] != H and np.any(a_log[H:] != 0):
         raise CheckpointError(
-            f"{b.ckpt.path}: tensor '{b.ckpt.full(A + 'A_log')}' is stored {a_log.shape[0]} wide with non-zero entries "
-            f"past num_heads={H}; K3 stores one value per head, zero-padded to head_dim. Refusing to guess its layout."
+            f"{b.ckpt.path}: tensor '{b.ckpt.full(t.name('A_log'))}' is stored {a_log.shape[0]} wide with non-zero "
+            f"entries past num_heads={H}; K3 stores one value per head, zero-padded to head_dim. Refusing to guess its layout."
         )
-    conv = np.stack([b.host(A + f"{s}_conv1d.weight")[:, 0, :] for s in "qkv"])
-    names = [A + f"{s}_proj.weight" for s in ("q", "k", "v", "g", "b", "f_a")]
+    conv = np.stack([b.host(n)[:, 0, :] for n in table.KDA.parts(cfg, "conv", i)])  # [3, P, W]: q, k, v
     return KdaWeights(
-        in_proj=b.matrix(names), f_b_proj=b.matrix([A + "f_b_proj.weight"]), conv=b.dev(conv),
+        in_proj=t.matrix("in_proj"), f_b_proj=t.matrix("f_b_proj"), conv=b.dev(conv),
         A=b.dev(np.exp(a_log[:H].astype(np.float64)).astype(b.dtype).reshape(H, 1)),
-        dt_bias=b.one(A + "dt_bias", (H, K)), o_norm=b.one(A + "o_norm.weight"), o_proj=b.matrix([A + "o_proj.weight"]),
+        dt_bias=t.one("dt_bias", (H, K)), o_norm=t.one("o_norm"), o_proj=t.matrix("o_proj"),
         num_heads=H, head_dim=K, lower_bound=float(la.gate_lower_bound), eps=cfg.rms_norm_eps,
     )
 
 
 def _mla(b: _Builder, cfg: KimiDecoderConfig, i: int) -> MlaWeights:
-    A = f"model.layers.{i}.self_attn."
-    names = [A + "q_a_proj.weight", A + "kv_a_proj_with_mqa.weight"] + ([A + "g_proj.weight"] if cfg.mla_use_output_gate else [])
+    t = _At(b, table.MLA, i)
     return MlaWeights(
-        in_proj=b.matrix(names), q_a_layernorm=b.one(A + "q_a_layernorm.weight"), q_b_proj=b.matrix([A + "q_b_proj.weight"]),
-        kv_a_layernorm=b.one(A + "kv_a_layernorm.weight"), kv_b_proj=b.matrix([A + "kv_b_proj.weight"]),
-        o_proj=b.matrix([A + "o_proj.weight"]), num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
+        in_proj=t.matrix("in_proj"), q_a_layernorm=t.one("q_a_layernorm"), q_b_proj=t.matrix("q_b_proj"),
+        kv_a_layernorm=t.one("kv_a_layernorm"), kv_b_proj=t.matrix("kv_b_proj"),
+        o_proj=t.matrix("o_proj"), num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
         kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, use_output_gate=cfg.mla_use_output_gate,
     )
 
 
+EXPERT_BANKS = ("w13", "w2")  # the banks' fields: w13 = rows of w1 (gate) then w3 (up); w2 (down)
+
+
 def _experts_packed_on_disk(ckpt: CheckpointDir, cfg: KimiDecoderConfig, i: int) -> bool:
-    M = f"model.layers.{i}.block_sparse_moe.experts."
-    return all(ckpt.has(M + f"{e}.{wn}.weight_packed") for e in range(cfg.num_experts) for wn in ("w1", "w3", "w2"))
+    M = table.MOE
+    return all(ckpt.has(table.mxfp4_names(M.name(k, i, e))[0]) for e in range(cfg.num_experts) for k in M.expert_keys)
 
 
 def _packed_experts(b: _Builder, cfg: KimiDecoderConfig, i: int, capacity: int, chunk: int = 16) -> PackedExperts:
-    """Read the MXFP4 bytes of every expert into [E, ...] uint8 banks (w1 and w3 rows stacked), `chunk` experts per upload."""
-    M = f"model.layers.{i}.block_sparse_moe.experts."
-    E, l, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    shapes = {"w13_packed": (2 * I, l // 2), "w13_scale": (2 * I, l // mxfp4.GROUP),
-              "w2_packed": (l, I // 2), "w2_scale": (l, I // mxfp4.GROUP)}
-    on_host = b.xp is np
-    banks = {k: (np.empty if on_host else b.xp.empty)((E,) + s, np.uint8) for k, s in shapes.items()}
-    for a in range(0, E, chunk):
-        experts = range(a, min(E, a + chunk))
-        for key, shape in shapes.items():
-            dst = banks[key][a : a + len(experts)] if on_host else np.empty((len(experts),) + shape, np.uint8)
-            part = "weight_packed" if key.endswith("packed") else "weight_scale"
-            for j, e in enumerate(experts):
-                if key.startswith("w13"):
-                    b.reader.read(M + f"{e}.w1.{part}", np.uint8, out=dst[j, :I])
-                    b.reader.read(M + f"{e}.w3.{part}", np.uint8, out=dst[j, I:])
-                else:
-                    b.reader.read(M + f"{e}.w2.{part}", np.uint8, out=dst[j])
-            if not on_host:
-                banks[key][a : a + len(experts)] = b.xp.asarray(dst)
+    """Read the MXFP4 bytes of every expert into [E, rows, ...] uint8 banks, `chunk` experts per upload."""
+    t, E, on_host = _At(b, table.MOE, i), cfg.num_experts, backend.on_host(b.xp)
+    banks = {}
+    for field in EXPERT_BANKS:
+        keys = table.MOE.keys(field)
+        rows = [table.MOE.shape(cfg, k)[0] for k in keys]
+        cols = table.MOE.shape(cfg, keys[0])[1]
+        for half, width in ((0, cols // 2), (1, cols // mxfp4.GROUP)):  # weight_packed, weight_scale
+            bank = (np.empty if on_host else b.xp.empty)((E, sum(rows), width), np.uint8)
+            for a in range(0, E, chunk):
+                experts = range(a, min(E, a + chunk))
+                dst = bank[a : a + len(experts)] if on_host else np.empty((len(experts), sum(rows), width), np.uint8)
+                for j, e in enumerate(experts):
+                    r = 0
+                    for k, n in zip(keys, rows, strict=True):
+                        b.reader.read(table.mxfp4_names(t.name(k, e))[half], np.uint8, out=dst[j, r : r + n])
+                        r += n
+                if not on_host:
+                    bank[a : a + len(experts)] = b.xp.asarray(dst)
+            banks[f"{field}_{('packed', 'scale')[half]}"] = bank
     return PackedExperts(**banks, dtype=b.dtype, capacity=capacity)
 
 
 def _dense_experts(b: _Builder, cfg: KimiDecoderConfig, i: int) -> DenseExperts:
     """Every expert dequantised (MXFP4 through the reference `mxfp4.dequantize`) or widened (dense on disk)."""
-    M = f"model.layers.{i}.block_sparse_moe.experts."
-    E, l, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    w13 = np.empty((E, 2 * I, l), b.dtype)
-    w2 = np.empty((E, l, I), b.dtype)
-    for e in range(E):
-        for wn, dst in (("w1", w13[e, :I]), ("w3", w13[e, I:]), ("w2", w2[e])):
-            base = M + f"{e}.{wn}."
-            if b.ckpt.has(base + "weight"):
-                b.reader.read(base + "weight", b.dtype, out=dst)
-            else:
-                mxfp4.dequantize(b.reader.read(base + "weight_packed", np.uint8), b.reader.read(base + "weight_scale", np.uint8),
-                                 out=dst, dtype=b.dtype)
-    return DenseExperts(b.dev(w13), b.dev(w2))
+    t, E = _At(b, table.MOE, i), cfg.num_experts
+    banks = {}
+    for field in EXPERT_BANKS:
+        keys = table.MOE.keys(field)
+        shapes = [table.MOE.shape(cfg, k) for k in keys]
+        bank = banks[field] = np.empty((E, sum(r for r, _ in shapes), shapes[0][1]), b.dtype)
+        for e in range(E):
+            r = 0
+            for k, (n, _) in zip(keys, shapes, strict=True):
+                name, dst = t.name(k, e), bank[e, r : r + n]
+                if b.ckpt.has(name):
+                    b.reader.read(name, b.dtype, out=dst)
+                else:
+                    packed, scale = (b.reader.read(x, np.uint8) for x in table.mxfp4_names(name))
+                    mxfp4.dequantize(packed, scale, out=dst, dtype=b.dtype)
+                r += n
+    return DenseExperts(b.dev(banks["w13"]), b.dev(banks["w2"]))
 
 
 def _moe(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size: int) -> LatentMoeWeights:
-    M = f"model.layers.{i}.block_sparse_moe."
-    E, l = cfg.num_experts, cfg.routed_expert_hidden_size
+    t = _At(b, table.MOE, i)
     if experts == "packed":
         if not _experts_packed_on_disk(b.ckpt, cfg, i):
             raise CheckpointError(
@@ -356,41 +347,29 @@ def _moe(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size: 
         bank = _packed_experts(b, cfg, i, cache_size)
     else:
         bank = _dense_experts(b, cfg, i)
-    names = [M + "gate.weight", M + "routed_expert_down_proj.weight",
-             M + "shared_experts.gate_proj.weight", M + "shared_experts.up_proj.weight"]
     return LatentMoeWeights(
-        in_proj=b.matrix(names), e_score_correction_bias=b.one(M + "gate.e_score_correction_bias"),
-        experts=bank, routed_expert_norm=b.one(M + "routed_expert_norm.weight"),
-        routed_expert_up_proj=b.matrix([M + "routed_expert_up_proj.weight"]),
-        shared_down_proj=b.matrix([M + "shared_experts.down_proj.weight"]), num_experts=E,
-        top_k=cfg.num_experts_per_token, latent_size=l, renormalize=bool(cfg.moe_renormalize),
+        in_proj=t.matrix("in_proj"), e_score_correction_bias=t.one("bias"), experts=bank,
+        routed_expert_norm=t.one("latent_norm"), routed_expert_up_proj=t.matrix("latent_up"),
+        shared_down_proj=t.matrix("shared_down"), num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_token, latent_size=cfg.routed_expert_hidden_size, renormalize=bool(cfg.moe_renormalize),
         routed_scaling_factor=float(cfg.routed_scaling_factor), use_latent_norm=bool(cfg.latent_moe_use_norm),
         eps=cfg.rms_norm_eps, situ_beta=float(cfg.activation_situ_beta),
         situ_linear_beta=None if cfg.activation_situ_linear_beta is None else float(cfg.activation_situ_linear_beta),
     )
 
 
-def _score(b: _Builder, norm: str, proj: str):
-    """Fuse an attn-res RMSNorm gain and its [1, d] projection into the score vector (in float64, then cast)."""
-    g = b.host(norm, np.float64)
-    p = b.host(proj, np.float64).reshape(-1)
-    return b.dev((g * p).astype(b.dtype))
-
-
 def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size: int) -> KimiDecoderLayerWeights:
-    L = f"model.layers.{i}."
-    attention = _kda(b, cfg, i) if cfg.is_kda_layer(i) else _mla(b, cfg, i)
-    if cfg.is_moe_layer(i):
-        ffn = _moe(b, cfg, i, experts, cache_size)
+    _, attn, ffn = table.layer_kinds(cfg, i)
+    t = _At(b, table.LAYER, i)
+    if ffn is table.MOE:
+        mlp = _moe(b, cfg, i, experts, cache_size)
     else:
-        ffn = DenseMlpWeights(b.matrix([L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"]),
-                              b.matrix([L + "mlp.down_proj.weight"]))
+        d = _At(b, table.DENSE_MLP, i)
+        mlp = DenseMlpWeights(d.matrix("gate_up"), d.matrix("down_proj"))
     return KimiDecoderLayerWeights(
-        index=i, input_layernorm=b.one(L + "input_layernorm.weight"),
-        post_attention_layernorm=b.one(L + "post_attention_layernorm.weight"),
-        attn_res_score=_score(b, L + "self_attention_res_norm.weight", L + "self_attention_res_proj.weight"),
-        mlp_res_score=_score(b, L + "mlp_res_norm.weight", L + "mlp_res_proj.weight"),
-        attention=attention, ffn=ffn, is_block_boundary=cfg.is_block_boundary(i),
+        index=i, input_layernorm=t.one("input_layernorm"), post_attention_layernorm=t.one("post_attention_layernorm"),
+        attn_res_score=t.score("attn_res_score"), mlp_res_score=t.score("mlp_res_score"),
+        attention=(_kda if attn is table.KDA else _mla)(b, cfg, i), ffn=mlp, is_block_boundary=cfg.is_block_boundary(i),
     )
 
 
@@ -455,13 +434,6 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
     return ids
 
 
-def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointDir) -> dict[str, tuple]:
-    plan = _global_tensors(cfg)
-    for i in layer_ids:
-        plan.update(_layer_tensors(cfg, i, ckpt))
-    return plan
-
-
 def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32", weight_dtype: str | None = None,
                  experts: str = "auto", expert_cache_size: int | None = None, revision: str | None = None,
                  cache_dir=None, local_files_only: bool | None = None, token=None, progress: bool = True) -> KimiDecoderWeights:
@@ -496,16 +468,16 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     ckpt = CheckpointDir(path)
     b = None
     try:
-        _check(ckpt, plan_tensors(cfg, layer_ids, ckpt), cfg)
+        _check(ckpt, plan_tensors(cfg, layer_ids, ckpt))
         mode = _resolve_experts(experts, cfg, layer_ids, ckpt, dt)
         cache_size = _resolve_cache_size(expert_cache_size, cfg, dt, xp)
-        b = _Builder(ckpt, xp, dt, bf16)
-        embed = b.matrix(["model.embed_tokens.weight"])
+        b = _Builder(ckpt, cfg, xp, dt, bf16)
+        g = _At(b, table.GLOBAL)
+        embed = g.matrix("embed_tokens", by_rows=True)
         return KimiDecoderWeights(
             config=cfg, embed_tokens=embed, layers=[_layer(b, cfg, i, mode, cache_size) for i in layer_ids],
-            output_attn_res_score=_score(b, "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"),
-            norm=b.one("model.norm.weight"),
-            lm_head=embed if cfg.tie_word_embeddings else b.matrix(["lm_head.weight"]),
+            output_attn_res_score=g.score("output_attn_res_score"), norm=g.one("norm"),
+            lm_head=embed if cfg.tie_word_embeddings else g.matrix("lm_head"),
             xp=xp, device=dev, dtype=dt, source=str(path),
             extra={"experts": mode, "expert_cache_size": cache_size if mode == "packed" else None,
                    "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name, "widening_scratch": b.scratch},

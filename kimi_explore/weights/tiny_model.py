@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from ..model.config import KimiDecoderConfig
+from . import checkpoint_table as table
 from . import mxfp4
 from .safetensors_io import write_safetensors
 
@@ -103,79 +104,36 @@ def make_text_config(**overrides) -> dict:
     return cfg
 
 
+def _draw(rng: np.random.Generator, init: tuple, shape: tuple, heads: int) -> np.ndarray:
+    """Float64 values for a table row's `init` (see `checkpoint_table`); the writer casts them to the disk dtype."""
+    kind, *args = init
+    if kind == "normal":  # std gain / sqrt(fan-in): unit-scale outputs for unit-scale inputs
+        return rng.standard_normal(shape) * (args[0] / np.sqrt(shape[-1]))
+    if kind == "std":
+        return rng.standard_normal(shape) * args[0]
+    if kind == "gain":
+        return 1.0 + 0.1 * rng.standard_normal(shape)
+    if kind == "uniform":
+        return rng.uniform(args[0], args[1], shape)
+    if kind == "per_head":  # one value per head, zero-padded to the stored width (A_log as released)
+        a = np.zeros(shape)
+        a[:heads] = rng.uniform(args[0], args[1], heads)
+        return a
+    if kind == "spread":  # distinct values, so the router bias changes which experts win
+        return rng.permutation(np.linspace(-args[0], args[0], shape[0]))
+    raise ValueError(f"unknown init {init!r} in the checkpoint table")
+
+
 def _tensors(text_config: dict, seed: int, experts: str) -> dict[str, np.ndarray]:
-    """Every language-model tensor (unprefixed names), with scales that exercise each nonlinearity."""
+    """Every language-model tensor of the table (unprefixed names), drawn in table order, with scales
+    that exercise each nonlinearity. Routed experts are float (packed on save) or BF16 (kept dense)."""
     cfg = KimiDecoderConfig.from_dict(text_config)
     rng = np.random.default_rng(seed)
-    d, V = cfg.hidden_size, cfg.vocab_size
+    heads = cfg.linear_attn_config.num_heads
     t: dict[str, np.ndarray] = {}
-
-    def mat(name, rows, cols, gain=1.0):
-        t[name] = (rng.standard_normal((rows, cols)) * (gain / np.sqrt(cols))).astype(BF16)
-
-    def vec(name, n, mean=1.0, spread=0.1, dtype=BF16):
-        t[name] = (mean + spread * rng.standard_normal(n)).astype(dtype)
-
-    mat("model.embed_tokens.weight", V, d, gain=np.sqrt(d))
-    mat("lm_head.weight", V, d, gain=2.0)
-    vec("model.norm.weight", d)
-    vec("model.output_attn_res_norm.weight", d)
-    mat("model.output_attn_res_proj.weight", 1, d, gain=3.0)
-    la = cfg.linear_attn_config
-    H, K, W, P = la.num_heads, la.head_dim, la.short_conv_kernel_size, cfg.kda_proj_width
-    for i in range(cfg.num_hidden_layers):
-        L = f"model.layers.{i}."
-        for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
-            vec(L + n + ".weight", d)
-        mat(L + "self_attention_res_proj.weight", 1, d, gain=3.0)
-        mat(L + "mlp_res_proj.weight", 1, d, gain=3.0)
-        A = L + "self_attn."
-        if cfg.is_kda_layer(i):
-            for s in "qkv":
-                mat(A + f"{s}_proj.weight", P, d, gain=1.5)
-                t[A + f"{s}_conv1d.weight"] = (rng.standard_normal((P, 1, W)) * 0.6).astype(np.float32)
-            mat(A + "f_a_proj.weight", K, d)
-            mat(A + "f_b_proj.weight", P, K, gain=2.0)
-            mat(A + "b_proj.weight", H, d, gain=2.0)
-            mat(A + "g_proj.weight", P, d, gain=2.0)
-            mat(A + "o_proj.weight", d, P)
-            vec(A + "o_norm.weight", K, dtype=np.float32)
-            a_log = np.zeros(K, np.float32)  # per head, zero-padded to head_dim as released
-            a_log[:H] = rng.uniform(-1.0, 1.5, H)
-            t[A + "A_log"] = a_log
-            t[A + "dt_bias"] = rng.uniform(-1.0, 1.0, P).astype(np.float32)
-        else:
-            nh, dq, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
-            mat(A + "q_a_proj.weight", cfg.q_lora_rank, d)
-            vec(A + "q_a_layernorm.weight", cfg.q_lora_rank)
-            mat(A + "q_b_proj.weight", nh * dq, cfg.q_lora_rank, gain=2.0)
-            mat(A + "kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + cfg.qk_rope_head_dim, d, gain=2.0)
-            vec(A + "kv_a_layernorm.weight", cfg.kv_lora_rank)
-            mat(A + "kv_b_proj.weight", nh * (cfg.qk_nope_head_dim + dv), cfg.kv_lora_rank, gain=1.5)
-            if cfg.mla_use_output_gate:
-                mat(A + "g_proj.weight", nh * dv, d, gain=2.0)
-            mat(A + "o_proj.weight", d, nh * dv)
-        if cfg.is_moe_layer(i):
-            M, E, lat, I = L + "block_sparse_moe.", cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-            mat(M + "gate.weight", E, d, gain=2.0)
-            t[M + "gate.e_score_correction_bias"] = rng.permutation(np.linspace(-0.15, 0.15, E)).astype(np.float32)
-            mat(M + "routed_expert_down_proj.weight", lat, d, gain=2.0)
-            vec(M + "routed_expert_norm.weight", lat)
-            mat(M + "routed_expert_up_proj.weight", d, lat)
-            Ish = cfg.shared_intermediate_size
-            mat(M + "shared_experts.gate_proj.weight", Ish, d, gain=4.0)
-            mat(M + "shared_experts.up_proj.weight", Ish, d, gain=4.0)
-            mat(M + "shared_experts.down_proj.weight", d, Ish)
-            for e in range(E):
-                for wn, (r, c), gain in (("w1", (I, lat), 4.0), ("w3", (I, lat), 4.0), ("w2", (lat, I), 1.0)):
-                    w = rng.standard_normal((r, c)) * (gain / np.sqrt(c))
-                    base = M + f"experts.{e}.{wn}."
-                    t[base + "weight"] = w if experts == "mxfp4" else w.astype(BF16)  # float: packed on save
-        else:
-            I = cfg.intermediate_size
-            mat(L + "mlp.gate_proj.weight", I, d, gain=4.0)
-            mat(L + "mlp.up_proj.weight", I, d, gain=4.0)
-            mat(L + "mlp.down_proj.weight", d, I)
+    for x in table.plan(cfg):
+        a = _draw(rng, x.row.init, x.shape, heads)
+        t[x.name] = a.astype(BF16) if x.dtype == table.MXFP4 and experts == "bf16" else a
     return t
 
 
@@ -197,30 +155,64 @@ def write_checkpoint(path, text_config: dict | None = None, *, seed: int = 0, sh
                            index=index)
 
 
-F32_SUFFIXES = ("A_log", "dt_bias", "_conv1d.weight", "o_norm.weight", "e_score_correction_bias")  # F32 on disk
+_NUMPY_DTYPES = {table.BF16: BF16, table.F32: np.float32}
+
+
+def _released(cfg: KimiDecoderConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`tensors` checked against the table and cast to their disk dtypes; MXFP4 experts given dense packed."""
+    out, problems, used = {}, [], set()
+
+    def take(name: str, want: tuple, what: str = "a float array"):
+        a = np.asarray(tensors[name])
+        used.add(name)
+        is_float = a.dtype.kind == "f" or a.dtype == BF16
+        if (what == "uint8" and a.dtype != np.uint8) or (what != "uint8" and not is_float) or a.shape != want:
+            problems.append(f"'{name}': expected {what} of shape {list(want)}, got {a.dtype} {list(a.shape)}")
+        return a
+
+    for t in table.plan(cfg):
+        if t.dtype != table.MXFP4:
+            if t.name not in tensors:
+                problems.append(f"'{t.name}': missing ({t.dtype} {list(t.shape)})")
+                continue
+            a = np.asarray(tensors[t.name])
+            want = t.also if t.also is not None and a.shape == t.also else t.shape
+            out[t.name] = take(t.name, want).astype(_NUMPY_DTYPES[t.dtype])
+        elif t.name in tensors:  # dense: packed to MXFP4, unless BF16 (kept dense, as a bf16-experts checkpoint)
+            a = take(t.name, t.shape)
+            if a.dtype == BF16:
+                out[t.name] = a
+            elif a.shape == t.shape:
+                packed, scale = table.mxfp4_names(t.name)
+                out[packed], out[scale] = mxfp4.quantize(a)
+        else:  # already packed: the U8 pair as released
+            for d in table.on_disk(t):
+                if d.name not in tensors:
+                    problems.append(f"'{t.name}': missing (a float {list(t.shape)} or its MXFP4 pair {d.name})")
+                    break
+                out[d.name] = take(d.name, d.shape, "uint8")
+    problems += [f"'{n}': not a tensor of this config (no such row in checkpoint_table)" for n in sorted(set(tensors) - used)]
+    if problems:
+        shown = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+        raise ValueError(f"save_checkpoint: {len(problems)} problem(s) with the tensors for this config: {shown}")
+    return out
 
 
 def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, shards: int = 1,
                     prefix: str = "language_model.", index: bool = True) -> Path:
     """Write `tensors` (unprefixed released names -> arrays in their on-disk shapes) in the released layout.
 
-    Each float tensor is cast to its released dtype (F32 for the small vectors, BF16 for the rest);
-    a routed expert given dense as `...experts.{e}.w{1,2,3}.weight` (float) is packed to MXFP4
-    (`weight_packed` / `weight_scale`) when the experts are quantised (no `experts="bf16"` marker:
-    pass BF16 arrays to keep them dense). Writes config.json (the `kimi_k3` shell with
+    The names, shapes and disk dtypes are those of `checkpoint_table` for `text_config`: every
+    tensor must be there, with its shape, and nothing else (else ValueError listing each problem).
+    Each float tensor is cast to its released dtype (F32 for KDA's small tensors and the router
+    bias, BF16 for the rest); a routed expert given dense as `...experts.{e}.w{1,2,3}.weight`
+    (float) is packed to MXFP4 (`weight_packed` / `weight_scale`), unless given as BF16 (kept
+    dense); a given U8 pair is written as it is. Writes config.json (the `kimi_k3` shell with
     `quantization_config` when any expert is MXFP4), the shards and `model.safetensors.index.json`.
     """
+    out = _released(KimiDecoderConfig.from_dict(text_config), tensors)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    out: dict[str, np.ndarray] = {}
-    for name, a in tensors.items():
-        a = np.asarray(a)
-        if ".experts." in name and name.endswith(".weight") and a.dtype != BF16:
-            out[name[: -len("weight")] + "weight_packed"], out[name[: -len("weight")] + "weight_scale"] = mxfp4.quantize(a)
-        elif a.dtype == np.uint8:
-            out[name] = a
-        else:
-            out[name] = a.astype(np.float32 if name.endswith(F32_SUFFIXES) else BF16)
     quantised = any(n.endswith("weight_packed") for n in out)
     tensors = {prefix + k: v for k, v in out.items()}
     tc = dict(text_config)
