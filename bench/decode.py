@@ -23,8 +23,8 @@ import numpy as np
 
 from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.model.block_residual import SourceBuffer
-from kimi_explore.model.kda import KdaState, KdaWeights, kda_step
-from kimi_explore.model.latent_moe import LatentMoeWeights, latent_moe
+from kimi_explore.model.kda import KdaState, kda_step
+from kimi_explore.model.latent_moe import latent_moe
 from kimi_explore.model.mla import MlaState, mla_step
 from kimi_explore.model.ops import dense_mlp, rms_norm
 from kimi_explore.weights.tiny_model import default_checkpoint, make_text_config, write_checkpoint
@@ -81,7 +81,7 @@ def breakdown(weights) -> dict[str, float]:
     n_src = 1
     for layer in weights.layers:
         att = layer.attention
-        if isinstance(att, KdaWeights):
+        if att.kind == "kda":
             st = KdaState.zeros(att, xp, dt)
             total["kda attention"] += _median_us(lambda: kda_step(x, att, st))
         else:
@@ -90,7 +90,7 @@ def breakdown(weights) -> dict[str, float]:
                 mla_step(x, att, st)  # a 32-token cache, then time the next steps (cache grows)
             total["mla attention"] += _median_us(lambda: mla_step(x, att, st), reps=50)
         ffn = layer.ffn
-        if isinstance(ffn, LatentMoeWeights):
+        if ffn.kind == "moe":
             total["latent moe"] += _median_us(lambda: latent_moe(x, ffn))
         else:
             total["dense mlp"] += _median_us(

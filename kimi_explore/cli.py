@@ -78,7 +78,6 @@ def _label(tok, i: int) -> str:
 def run(args) -> int:
     from . import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
-    from .model.latent_moe import LatentMoeWeights
     from .weights.tiny_model import default_checkpoint
 
     path = args.checkpoint or default_checkpoint()
@@ -101,7 +100,7 @@ def run(args) -> int:
           f"{len(kinds) - n_moe} dense, {n_moe} MoE with {cfg.num_experts} experts top-{cfg.num_experts_per_token}), "
           f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; {weights.device}, {np.dtype(weights.dtype).name}; "
           f"loaded in {load_s:.2f} s")
-    banks = [layer.ffn.experts for layer in weights.layers if isinstance(layer.ffn, LatentMoeWeights)]
+    banks = [layer.ffn.experts for layer in weights.layers if layer.ffn.kind == "moe"]
     if banks:
         print(f"  routed experts: {banks[0].route}")
     print(f"\n{'step':>4}  {'input':<14} {'ms':>7}   top-{args.top} next tokens (probability)")

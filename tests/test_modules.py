@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kimi_explore.model.block_residual import SourceBuffer, apply_attn_res, apply_attn_res_prescored, naive_apply_attn_res
-from kimi_explore.model.kda import KdaState, KdaWeights, delta_rule_read, delta_rule_update, kda_step, naive_kda_step
-from kimi_explore.model.latent_moe import LatentMoeWeights, latent_moe, naive_latent_moe
-from kimi_explore.model.mla import MlaState, MlaWeights, mla_step, naive_mla_prefill
+from kimi_explore.model.kda import KdaState, delta_rule_read, delta_rule_update, kda_step, naive_kda_step
+from kimi_explore.model.latent_moe import latent_moe, naive_latent_moe
+from kimi_explore.model.mla import MlaState, mla_step, naive_mla_prefill
 from kimi_explore.model.ops import naive_situ_and_mul, rms_norm, situ_and_mul
 from kimi_explore.weights import mxfp4
 
@@ -32,8 +32,8 @@ def as64(weights_record):
     return type(weights_record)(**kw)
 
 
-def layers_of(weights, cls, attr="attention"):
-    return [getattr(layer, attr) for layer in weights.layers if isinstance(getattr(layer, attr), cls)]
+def layers_of(weights, kind, attr="attention"):
+    return [getattr(layer, attr) for layer in weights.layers if getattr(layer, attr).kind == kind]
 
 
 # ---------------------------------------------------------------- activations and norms
@@ -109,7 +109,7 @@ def test_attn_res_mixes_raw_values_not_normalised_keys():
 
 
 def test_kda_step_matches_naive_over_tokens(ref_weights):
-    w = as64(layers_of(ref_weights, KdaWeights)[1])
+    w = as64(layers_of(ref_weights, "kda")[1])
     state = KdaState.zeros(w, np, np.float64)
     naive_state = KdaState.zeros(w, np, np.float64)
     d = w.in_proj.shape[1]
@@ -176,7 +176,7 @@ def test_delta_rule_chunked_form_equals_recurrence():
 
 @pytest.mark.parametrize("which", [0, -1])
 def test_mla_cache_decode_equals_full_causal_attention(ref_weights, which):
-    w = as64(layers_of(ref_weights, MlaWeights)[which])
+    w = as64(layers_of(ref_weights, "mla")[which])
     d, T = w.in_proj.shape[1], 20  # past the initial cache capacity (16): exercises growth
     xs = rng.standard_normal((T, d))
     state = MlaState.empty(w, np, np.float64)
@@ -189,7 +189,7 @@ def test_mla_cache_decode_equals_full_causal_attention(ref_weights, which):
 
 
 def test_latent_moe_matches_naive(ref_weights):
-    for w in layers_of(ref_weights, LatentMoeWeights, "ffn")[:4]:
+    for w in layers_of(ref_weights, "moe", "ffn")[:4]:
         w = as64(w)
         seen = []
 
@@ -243,3 +243,41 @@ def test_mxfp4_quantize_round_trips_representable_values():
     W = mxfp4.dequantize(rng.integers(0, 256, (4, 32), dtype=np.uint8), rng.integers(120, 130, (4, 2), dtype=np.uint8))
     packed, scale = mxfp4.quantize(W)
     np.testing.assert_array_equal(mxfp4.dequantize(packed, scale), W)
+
+
+# ---------------------------------------------------------------- decode state
+
+
+def _state_fields(state):
+    """(layer, field, value) of every field of every layer's attention state, arrays and lengths alike."""
+    import dataclasses
+
+    return [(i, f.name, getattr(ls.attention, f.name)) for i, ls in enumerate(state.layers)
+            for f in dataclasses.fields(ls.attention)]
+
+
+def test_state_copy_is_exact_and_shares_nothing(ref_weights):
+    """`KimiDecodeState.copy()` keeps every field (MLA length and cache capacity included), shares no
+    array, and decoding on from the copy gives the original's logits bit for bit."""
+    from kimi_explore.model.kimi_decoder import KimiDecodeState, kimi_forward_token
+
+    state = KimiDecodeState.new(ref_weights)
+    for t in (3, 17, 200, 5, 42):  # 5 tokens: the MLA caches hold 5 of their 16 rows
+        kimi_forward_token(ref_weights, state, t)
+    copy = state.copy()
+    assert copy.position == state.position == 5
+    assert {ls.attention.kind for ls in copy.layers} == {"kda", "mla"}
+    for (i, name, a), (_, _, b) in zip(_state_fields(copy), _state_fields(state), strict=True):
+        if hasattr(b, "shape"):
+            assert a.shape == b.shape and a.dtype == b.dtype, (i, name)
+            assert np.array_equal(a, b) and not np.shares_memory(a, b), (i, name)
+        else:
+            assert a == b, (i, name)  # e.g. an MLA cache's length
+
+    frozen = [np.array(v, copy=True) for _, _, v in _state_fields(copy)]
+    ahead = [kimi_forward_token(ref_weights, state, t) for t in (9, 77, 1)]
+    # stepping the original left the copy as it was ...
+    assert all(np.array_equal(np.asarray(v), f) for (_, _, v), f in zip(_state_fields(copy), frozen, strict=True))
+    # ... and the copy decodes on exactly as the original did
+    for t, want in zip((9, 77, 1), ahead, strict=True):
+        assert np.array_equal(kimi_forward_token(ref_weights, copy, t), want)

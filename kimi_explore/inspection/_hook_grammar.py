@@ -2,7 +2,7 @@
 
 Every name `kimi_forward_token` can fire is "embed", "final.*", "logits", or "layers.{i}.{suffix}"
 for a fixed set of suffixes. The set is derived from the decoder's own `hook_names` (run on
-stand-in layers of all four kinds), so a site the decoder adds is known here without an edit.
+stand-in layers of every kind), so a site the decoder adds is known here without an edit.
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ import functools
 import re
 from types import SimpleNamespace
 
-from ..model.kda import KdaWeights
-from ..model.kimi_decoder import hook_names
-from ..model.latent_moe import LatentMoeWeights
-from ..model.mla import MlaWeights
-from ..model.ops import DenseMlpWeights
+from ..model.kimi_decoder import ATTENTION_SITES, FFN_SITES, hook_names
 
 __all__ = ["GLOBAL_NAMES", "LAYER_NAME", "LAYER_SUFFIXES", "check_pattern", "hook_grammar", "is_glob"]
 
@@ -28,12 +24,12 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 def _grammar() -> tuple[frozenset, frozenset]:
     """(global names, per-layer suffixes): every name `hook_names` can produce for any layer kind.
 
-    Derived from the decoder's own `hook_names` on stand-in layers of all four kinds, so a site the
+    Derived from the decoder's own `hook_names` on stand-in layers of every kind, so a site the
     decoder adds is known here without editing this file.
     """
-    kinds = [(att, ffn) for att in (KdaWeights, MlaWeights) for ffn in (DenseMlpWeights, LatentMoeWeights)]
+    kinds = [(att, ffn) for att in ATTENTION_SITES for ffn in FFN_SITES]
     stand_ins = [SimpleNamespace(index=i, hook_prefix=f"layers.{i}.", is_block_boundary=True,
-                                 attention=object.__new__(att), ffn=object.__new__(ffn))
+                                 attention=SimpleNamespace(kind=att), ffn=SimpleNamespace(kind=ffn))
                  for i, (att, ffn) in enumerate(kinds)]
     names = hook_names(SimpleNamespace(layers=stand_ins))
     suffixes = {m.group(2) for m in map(LAYER_NAME.match, names) if m}

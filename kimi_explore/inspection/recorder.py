@@ -49,8 +49,6 @@ import json
 import numpy as np
 
 from .._xp import array_namespace as _xp
-from ..model.kda import KdaWeights
-from ..model.latent_moe import LatentMoeWeights
 from ._recording import RowSquares, spread, take, to_host, top_predictions
 from .hooks import Hooks, check_pattern, is_glob
 from .trace import Trace
@@ -341,8 +339,8 @@ def model_meta(weights) -> dict:
     cfg = weights.config
     return {
         "layer_ids": [int(i) for i in weights.layer_ids],
-        "attention_kinds": ["kda" if isinstance(layer.attention, KdaWeights) else "mla" for layer in weights.layers],
-        "ffn_kinds": ["moe" if isinstance(layer.ffn, LatentMoeWeights) else "dense" for layer in weights.layers],
+        "attention_kinds": [layer.attention.kind for layer in weights.layers],
+        "ffn_kinds": [layer.ffn.kind for layer in weights.layers],
         "block_boundaries": [int(layer.index) for layer in weights.layers if layer.is_block_boundary],
         "max_sources": int(weights.max_sources),
         "num_experts": int(cfg.num_experts),

@@ -73,9 +73,12 @@ class SourceBuffer:
         self.rows = xp.empty((rows, d), dtype)
         self.inv_rms = xp.empty(rows, dtype)
         self.n = 0  # sealed blocks
+        self.current = None  # the running sum last given to set_current
 
     def set_current(self, v) -> None:
+        """Make v [d] the current running sum (row n), the array itself kept as `self.current`."""
         n = self.n
+        self.current = v
         self.rows[n] = v
         if self.host_scalars:
             self.inv_rms[n] = 1.0 / math.sqrt(float(v @ v) * self.inv_d + self.eps)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,6 +44,7 @@ class KdaWeights:
     o_proj:   [d, P]
     """
 
+    kind: ClassVar[str] = "kda"
     in_proj: object
     f_b_proj: object
     conv: object
@@ -71,6 +73,7 @@ class KdaState:
     recurrent: [H, K, V]  S_h[k, v]; the HF/fla layout is the transpose, [H, V, K]
     """
 
+    kind: ClassVar[str] = "kda"
     conv: object
     recurrent: object
 

@@ -2,15 +2,16 @@
 
 Per token (spec section 6.2), starting with h = embed(token) and an EMPTY block stack:
 
-    for each layer i:
-        prefix = h
-        a_in = attn_res(prefix, stack, self_attention_res) if stack else h
-        if i % attn_res_block_size == 0: push prefix (the RAW input); prefix = None
-        a = Attn_i(input_layernorm(a_in))                         KDA or MLA, advances its state
-        prefix = a if prefix is None else prefix + a
-        f_in = attn_res(prefix, stack, mlp_res)
-        h = prefix + FFN_i(post_attention_layernorm(f_in))       dense MLP or latent MoE
+    for each layer i (`decoder_layer`):
+        x = attn_res(h, stack, self_attention_res) if stack else h
+        a = Attn_i(input_layernorm(x))                            KDA or MLA, advances its state
+        if i % attn_res_block_size == 0: push h (the RAW input); h = a    the running sum restarts
+        else:                                                    h = h + a
+        h = h + FFN_i(post_attention_layernorm(attn_res(h, stack, mlp_res)))   dense MLP or latent MoE
     logits = lm_head(norm(attn_res(h, stack, output_attn_res)))
+
+(The push happens after the attention-site mix and before the attention, which does not read
+the stack, so the order between the push and the attention does not matter.)
 
 Only the attention layers carry state across tokens (KDA windows + recurrent matrix, MLA K/V
 cache); the block stack runs over depth and is rebuilt for every token.
@@ -23,7 +24,7 @@ lm_head: for layers 0..N-1 this is exactly the model cut to N layers.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Union
 
 from .block_residual import SourceBuffer
@@ -45,6 +46,7 @@ __all__ = [
     "KimiLayerAttention",
     "KimiLayerFfn",
     "KimiLayerState",
+    "decoder_layer",
     "hook_names",
     "kimi_forward_token",
 ]
@@ -71,6 +73,11 @@ class KimiDecoderLayerWeights:
     @property
     def hook_prefix(self) -> str:
         return f"layers.{self.index}."
+
+    @property
+    def kind(self) -> str:
+        """'kda+dense', 'kda+moe', 'mla+moe', ... (as `KimiDecoderConfig.layer_kind`)."""
+        return f"{self.attention.kind}+{self.ffn.kind}"
 
 
 @dataclass
@@ -125,6 +132,15 @@ class KimiDecoderWeights:
         """Rows of the per-token source buffer: every push, plus the current running sum."""
         return sum(layer.is_block_boundary for layer in self.layers) + 1
 
+    def __repr__(self) -> str:
+        """One line: the dataclass default prints every array (~350,000 characters for the tiny model)."""
+        cfg, kinds = self.config, [self.config.layer_kind(i) for i in self.layer_ids]
+        n_kda, n_moe = sum(k.startswith("kda") for k in kinds), sum(k.endswith("moe") for k in kinds)
+        return (f"KimiDecoderWeights({len(kinds)} of {cfg.num_hidden_layers} layers ({n_kda} KDA, {len(kinds) - n_kda} MLA; "
+                f"{n_moe} MoE, {cfg.num_experts} experts top-{cfg.num_experts_per_token}), hidden {cfg.hidden_size}, "
+                f"vocab {cfg.vocab_size}, {self.device} {_dtype_name(self.dtype)}, "
+                f"{self.memory_report().total / 2**20:.1f} MiB, source {str(self.source)!r})")
+
 
 @dataclass
 class KimiLayerState:
@@ -145,17 +161,36 @@ class KimiDecodeState:
 
     @classmethod
     def new(cls, weights: KimiDecoderWeights) -> KimiDecodeState:
-        xp, dt = weights.xp, weights.dtype
-        states = []
-        for layer in weights.layers:
-            att = layer.attention
-            s = KdaState.zeros(att, xp, dt) if isinstance(att, KdaWeights) else MlaState.empty(att, xp, dt)
-            states.append(KimiLayerState(s))
-        return cls(states, 0)
+        new = {"kda": KdaState.zeros, "mla": MlaState.empty}
+        return cls([KimiLayerState(new[layer.attention.kind](layer.attention, weights.xp, weights.dtype))
+                    for layer in weights.layers], 0)
 
     def copy(self) -> KimiDecodeState:
-        """A deep copy that shares no array with this state."""
+        """An exact deep copy: it shares no array with this state and keeps every array's shape (an MLA
+        cache keeps its capacity), so decoding on from the copy repeats the same arithmetic on the same
+        layouts, bit for bit (what Session's checkpoints, rewinds and forks rely on)."""
         return KimiDecodeState([s.copy() for s in self.layers], self.position)
+
+    def _arrays(self) -> list:
+        """Every array the state holds, layer by layer."""
+        return [a for ls in self.layers for f in fields(ls.attention) if hasattr(a := getattr(ls.attention, f.name), "nbytes")]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array (an MLA cache counts its whole capacity)."""
+        return sum(int(a.nbytes) for a in self._arrays())
+
+    def __repr__(self) -> str:
+        """One line: the dataclass default prints every array."""
+        n_mla = sum(ls.attention.kind == "mla" for ls in self.layers)
+        first = self._arrays()[:1]
+        where = f"{type(first[0]).__module__.split('.')[0]} {_dtype_name(first[0].dtype)}, " if first else ""
+        return (f"KimiDecodeState(position {self.position}, {len(self.layers)} layers ({len(self.layers) - n_mla} KDA, "
+                f"{n_mla} MLA), {where}{self.nbytes / 2**20:.2f} MiB)")
+
+
+def _dtype_name(dtype) -> str:
+    return getattr(dtype, "name", None) or getattr(dtype, "__name__", str(dtype))
 
 
 def _token_index(token_id, vocab_size: int) -> int:
@@ -180,70 +215,65 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
             f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
             "make the state with KimiDecodeState.new(weights)"
         )
-    xp, eps = weights.xp, cfg.rms_norm_eps
-    src = SourceBuffer(xp, weights.max_sources, cfg.hidden_size, weights.dtype, eps)  # the block stack + current
-
-    h = weights.embed_tokens[tid]
-    if hooks is not None:
-        h = hooks.fire("embed", h)
+    eps, fire = cfg.rms_norm_eps, _unhooked if hooks is None else hooks.fire
+    stack = SourceBuffer(weights.xp, weights.max_sources, cfg.hidden_size, weights.dtype, eps)
+    stack.set_current(fire("embed", weights.embed_tokens[tid]))
     for layer, layer_state in zip(weights.layers, state.layers, strict=True):
-        pre = layer.hook_prefix
-        prefix = h
-        src.set_current(prefix)
-        if src.n > 0:
-            p = src.weights(layer.attn_res_score)
-            if hooks is not None:
-                p = hooks.fire(pre + "attn_res.attn.weights", p)
-            a_in = src.mix(p)
-        else:
-            a_in = prefix
-        if layer.is_block_boundary:
-            src.seal()  # pushes the RAW layer input, already in the current row
-            prefix = None
+        decoder_layer(layer, layer_state, stack, cfg, hooks)
 
-        x = rms_norm(a_in, layer.input_layernorm, eps)
-        if hooks is not None:
-            x = hooks.fire(pre + "attn.in", x)
-        att = layer.attention
-        if isinstance(att, KdaWeights):
-            a = kda_step(x, att, layer_state.attention, hooks, pre)
-        else:
-            a = mla_step(x, att, layer_state.attention, hooks, pre)
-        if hooks is not None:
-            a = hooks.fire(pre + "attn.out", a)
-        prefix = a if prefix is None else prefix + a
-
-        src.set_current(prefix)
-        p = src.weights(layer.mlp_res_score)
-        if hooks is not None:
-            p = hooks.fire(pre + "attn_res.ffn.weights", p)
-        y = rms_norm(src.mix(p), layer.post_attention_layernorm, eps)
-        if hooks is not None:
-            y = hooks.fire(pre + "ffn.in", y)
-        ffn = layer.ffn
-        if isinstance(ffn, LatentMoeWeights):
-            f = latent_moe(y, ffn, hooks, pre)
-        else:
-            f = dense_mlp(y, ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        if hooks is not None:
-            f = hooks.fire(pre + "ffn.out", f)
-        h = prefix + f
-        if hooks is not None:
-            h = hooks.fire(pre + "prefix_sum", h)
-
-    src.set_current(h)
-    p = src.weights(weights.output_attn_res_score)
+    p = stack.weights(weights.output_attn_res_score)
     if hooks is not None:
-        hooks.fire("final.block_residual", src.blocks)
-        p = hooks.fire("final.attn_res.weights", p)
-    hidden = rms_norm(src.mix(p), weights.norm, eps)
-    if hooks is not None:
-        hidden = hooks.fire("final.hidden", hidden)
-    logits = weights.lm_head @ hidden
-    if hooks is not None:
-        logits = hooks.fire("logits", logits)
+        hooks.fire("final.block_residual", stack.blocks)
+    p = fire("final.attn_res.weights", p)
+    hidden = fire("final.hidden", rms_norm(stack.mix(p), weights.norm, eps))
+    logits = fire("logits", weights.lm_head @ hidden)
     state.position += 1
     return logits
+
+
+def decoder_layer(layer: KimiDecoderLayerWeights, state: KimiLayerState, stack: SourceBuffer, cfg: KimiDecoderConfig,
+                  hooks=None) -> None:
+    """One layer on one token. The running sum h is `stack.current`, replaced by this layer's output;
+    a block boundary pushes h onto the stack; `state` (this layer's attention state) advances.
+
+    mix(score) is the stack's softmax mix of [blocks..., h] (`SourceBuffer`); `fire` passes each value
+    through the hooks at its site (the identity without hooks).
+    """
+    fire, pre, eps = _unhooked if hooks is None else hooks.fire, layer.hook_prefix, cfg.rms_norm_eps
+    h = stack.current
+    x = stack.mix(fire(pre + "attn_res.attn.weights", stack.weights(layer.attn_res_score))) if stack.n else h
+    if layer.is_block_boundary:
+        stack.seal()  # pushes the RAW input h, already the stack's current row
+    x = fire(pre + "attn.in", rms_norm(x, layer.input_layernorm, eps))
+    a = fire(pre + "attn.out", _attention(x, layer, state, hooks))
+    stack.set_current(a if layer.is_block_boundary else h + a)  # a block boundary restarts the running sum
+
+    y = stack.mix(fire(pre + "attn_res.ffn.weights", stack.weights(layer.mlp_res_score)))
+    y = fire(pre + "ffn.in", rms_norm(y, layer.post_attention_layernorm, eps))
+    f = fire(pre + "ffn.out", _ffn(y, layer, cfg, hooks))
+    stack.set_current(fire(pre + "prefix_sum", stack.current + f))
+
+
+def _unhooked(name: str, value):
+    return value
+
+
+def _attention(x, layer: KimiDecoderLayerWeights, state: KimiLayerState, hooks):
+    step = kda_step if layer.attention.kind == "kda" else mla_step
+    return step(x, layer.attention, state.attention, hooks, layer.hook_prefix)
+
+
+def _ffn(y, layer: KimiDecoderLayerWeights, cfg: KimiDecoderConfig, hooks):
+    if layer.ffn.kind == "moe":
+        return latent_moe(y, layer.ffn, hooks, layer.hook_prefix)
+    return dense_mlp(y, layer.ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+
+# the sites each component fires, in firing order, by kind (hook_names, and the grammar of hook names)
+ATTENTION_SITES = {"kda": tuple(f"kda.{s}" for s in ("q", "k", "v", "beta", "decay", "gate", "conv", "state")),
+                   "mla": ("mla.probs",)}
+FFN_SITES = {"dense": (), "moe": ("moe.router.scores", "moe.router.topk_ids", "moe.router.topk_weights",
+                                  "moe.routed_out", "moe.shared_out")}
 
 
 def hook_names(weights: KimiDecoderWeights) -> list[str]:
@@ -256,14 +286,9 @@ def hook_names(weights: KimiDecoderWeights) -> list[str]:
             names.append(pre + "attn_res.attn.weights")
         stacked += layer.is_block_boundary
         names.append(pre + "attn.in")
-        if isinstance(layer.attention, KdaWeights):
-            names += [pre + f"kda.{s}" for s in ("q", "k", "v", "beta", "decay", "gate", "conv", "state")]
-        else:
-            names.append(pre + "mla.probs")
+        names += [pre + s for s in ATTENTION_SITES[layer.attention.kind]]
         names += [pre + "attn.out", pre + "attn_res.ffn.weights", pre + "ffn.in"]
-        if isinstance(layer.ffn, LatentMoeWeights):
-            names += [pre + f"moe.{s}" for s in ("router.scores", "router.topk_ids", "router.topk_weights")]
-            names += [pre + "moe.routed_out", pre + "moe.shared_out"]
+        names += [pre + s for s in FFN_SITES[layer.ffn.kind]]
         names += [pre + "ffn.out", pre + "prefix_sum"]
     names += ["final.block_residual", "final.attn_res.weights", "final.hidden", "logits"]
     return names

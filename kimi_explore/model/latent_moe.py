@@ -18,6 +18,7 @@ weights, not on the logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -63,6 +64,7 @@ class LatentMoeWeights:
     shared_down_proj:      [d, Ish]   Ish = num_shared_experts * moe_intermediate_size (one fused MLP)
     """
 
+    kind: ClassVar[str] = "moe"
     in_proj: object
     e_score_correction_bias: object
     experts: object

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -40,6 +41,7 @@ class MlaWeights:
     o_proj:         [d, nh*dv]
     """
 
+    kind: ClassVar[str] = "mla"
     in_proj: object
     q_a_layernorm: object
     q_b_proj: object
@@ -62,6 +64,7 @@ class MlaState:
     keys:   [nh, capacity, dq];  values: [nh, capacity, dv];  length: cached positions
     """
 
+    kind: ClassVar[str] = "mla"
     keys: object
     values: object
     length: int = 0
@@ -85,9 +88,9 @@ class MlaState:
         self.length = t + 1
 
     def copy(self) -> MlaState:
-        """A copy holding only the used positions (plus room to grow)."""
-        n = max(self.length, 1)
-        return MlaState(self.keys[:, :n].copy(), self.values[:, :n].copy(), self.length)
+        """An exact copy: the whole capacity, not just the used positions. A compacted cache would give
+        the score and mix matmuls other strides, which may round differently: replays must be exact."""
+        return MlaState(self.keys.copy(), self.values.copy(), self.length)
 
 
 def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, prefix: str = ""):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -75,6 +76,7 @@ class DenseMlpWeights:
     down_proj:    [d, I]
     """
 
+    kind: ClassVar[str] = "dense"
     gate_up_proj: object
     down_proj: object
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..model.kda import KdaWeights
-from ..model.latent_moe import LatentMoeWeights
 from .experts import _SHARED_WORKSPACES, DenseExperts, PackedExperts
 
 __all__ = ["MemoryReport", "memory_report"]
@@ -87,10 +85,10 @@ def memory_report(weights) -> MemoryReport:
         parts["layer norms + attn-res scores"] += sum(
             _nbytes(a) for a in (layer.input_layernorm, layer.post_attention_layernorm, layer.attn_res_score, layer.mlp_res_score)
         )
-        kind = "attention (KDA)" if isinstance(layer.attention, KdaWeights) else "attention (MLA)"
+        kind = f"attention ({layer.attention.kind.upper()})"
         parts[kind] += _nbytes(layer.attention)
         ffn = layer.ffn
-        if not isinstance(ffn, LatentMoeWeights):
+        if ffn.kind != "moe":
             parts["dense MLP"] += _nbytes(ffn)
             continue
         bank = ffn.experts
@@ -106,6 +104,6 @@ def memory_report(weights) -> MemoryReport:
             parts["routed experts, dequantised (dense bank)"] += _nbytes(bank)
     scratch = weights.extra.get("widening_scratch") if isinstance(weights.extra, dict) else None
     parts["bf16 widening scratch"] = _nbytes(scratch)
-    if any(isinstance(layer.ffn, LatentMoeWeights) and isinstance(layer.ffn.experts, PackedExperts) for layer in weights.layers):
+    if any(layer.ffn.kind == "moe" and isinstance(layer.ffn.experts, PackedExperts) for layer in weights.layers):
         parts["dequantise workspace (shared by all models)"] = _SHARED_WORKSPACES.nbytes
     return MemoryReport(parts, weights.device)
