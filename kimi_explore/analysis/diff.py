@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..inspection.trace import Trace
 from .logit_lens import log_softmax
 
 __all__ = ["RunDiff", "diff"]
@@ -78,10 +79,10 @@ class RunDiff:
 
 def _run(x):
     """(trace, full logits [T, V] or None) of a Session or a Trace."""
-    if hasattr(x, "trace") and callable(x.trace):
-        return x.trace(), np.asarray(x.logits)
-    if hasattr(x, "attn_res_weights"):
+    if isinstance(x, Trace):
         return x, (np.asarray(x["logits"]) if "logits" in x else None)
+    if hasattr(x, "trace") and hasattr(x, "tokens") and hasattr(x, "logits"):  # a Session, or a driver like one
+        return x.trace(), np.asarray(x.logits)
     raise TypeError(f"diff: expected a Session or a Trace, got {type(x).__name__}")
 
 
