@@ -5,18 +5,19 @@
 Corpus: the values of `pydoc_data.topics.topics` joined in sorted key order, UTF-8 bytes (PSF
 licence; in every CPython). The last 5% is the validation split and is never trained on.
 
-Schedule: a fixed number of steps (AdamW, warmup then cosine), random windows of the training
+Schedule: AdamW, warmup, constant LR, then a final cosine decay over `--decay-steps`; random windows of the training
 split drawn from a seeded generator; every `--eval-every` steps the model is evaluated on the whole
 validation split *as it will be exported* (BF16 matrices, MXFP4 experts) and the best such model
-is kept. The last `--qat-frac` of the steps train the experts through fake MXFP4 quantisation
-(straight-through). After every step each router's selection bias moves against its expert's load
+is kept. The decay phase trains the experts through fake MXFP4 quantisation (straight-through). After every step each router's selection bias moves against its expert's load
 (auxiliary-loss-free balancing, DeepSeek-V3).
 
-Reproducibility: everything is seeded and the step count is fixed, so a rerun with the same seed,
-torch version and thread count gives the same model. Thread nondeterminism: torch's CPU kernels
+Reproducibility: everything is seeded. With `--steps N` the run is fixed, so a rerun with the same
+seed, torch version and thread count gives the same model. `--time-budget M` instead starts the
+final decay when M minutes are nearly spent (the machine's speed picks N); the log records N, and
+`--steps N` replays exactly that schedule. Thread nondeterminism: torch's CPU kernels
 split reductions by thread count, so a different `--threads` (or another CPU's BLAS kernel) changes
-the last bits of the gradients and, through training, the weights; `--time-limit` (a safety stop)
-also makes the result depend on the machine's speed when it triggers, and the log says so.
+the last bits of the gradients and, through training, the weights. The shipped model used one
+thread (on a shared 2-core machine one thread is much faster than two fighting other jobs).
 
 Writes into --out: the checkpoint (config.json, shards, index), train_log.json, loss_curve.png.
 """
@@ -93,10 +94,13 @@ def exported_copy(model: KimiK3) -> KimiK3:
     return m
 
 
-def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+def lr_at(step: int, decay_start: int | None, decay_steps: int, lr: float, warmup: int) -> float:
+    """Warmup, constant, then a cosine decay to 10% over the last `decay_steps` (from `decay_start`)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
+    if decay_start is None or step < decay_start:
+        return lr
+    t = min(1.0, (step - decay_start) / max(1, decay_steps))
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
@@ -112,8 +116,8 @@ def plot_log(log: dict, path: Path) -> None:
             label="train (running, with dropout)")
     ax.plot([e["step"] for e in ev], [e["train_bpb"] for e in ev], "o-", ms=3, label="train slice (exported weights)")
     ax.plot([e["step"] for e in ev], [e["val_bpb"] for e in ev], "o-", ms=3, label="validation (exported weights)")
-    if log.get("qat_start") is not None:
-        ax.axvline(log["qat_start"], color="gray", ls=":", label="fake MXFP4 from here")
+    if log.get("decay_start") is not None:
+        ax.axvline(log["decay_start"], color="gray", ls=":", label="LR decay + fake MXFP4 from here")
     best = log.get("best")
     if best:
         ax.axhline(best["val_bpb"], color="C2", ls="--", lw=0.8)
@@ -132,18 +136,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=None, help="total steps (reproducible); else --time-budget decides")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="minutes: start the final decay when the budget is nearly spent (the log records the step count "
+                        "to pass as --steps for an exact rerun)")
+    p.add_argument("--max-steps", type=int, default=20000)
+    p.add_argument("--decay-steps", type=int, default=300, help="final LR decay (and fake-quant) phase")
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--bias-rate", type=float, default=2e-3, help="router bias step per update (aux-loss-free)")
-    p.add_argument("--qat-frac", type=float, default=0.15, help="last fraction of steps with fake MXFP4 experts")
+    p.add_argument("--no-qat", action="store_true", help="no fake MXFP4 in the decay phase")
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--time-limit", type=float, default=None, help="safety stop in minutes (breaks reproducibility)")
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--shards", type=int, default=3)
@@ -156,7 +164,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     train, val = split(corpus_bytes())
-    train_slice = train[-len(val) :]  # a fixed train slice as long as the validation split
+    train_slice = train[-len(val) // 4 :]  # a fixed train slice (a quarter of the validation length)
     cfg = Cfg(hidden_size=args.hidden, num_hidden_layers=args.layers)
     model = KimiK3(cfg, dropout=args.dropout)
     decay, no_decay = [], []
@@ -165,25 +173,31 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     n_params = sum(prm.numel() for prm in model.parameters())
-    qat_start = int(args.steps * (1.0 - args.qat_frac)) if args.qat_frac > 0 else None
+    if (args.steps is None) == (args.time_budget is None):
+        p.error("give exactly one of --steps and --time-budget")
+    decay_start = None if args.steps is None else max(0, args.steps - args.decay_steps)
+    total = args.steps if args.steps is not None else args.max_steps
     log = {"args": vars(args), "text_config": cfg.text_config(), "params": n_params, "train_bytes": int(len(train)),
-           "val_bytes": int(len(val)), "torch": torch.__version__, "qat_start": qat_start, "train": [], "evals": [],
-           "best": None, "stopped_by_time_limit": False}
+           "val_bytes": int(len(val)), "torch": torch.__version__, "threads": args.threads, "decay_start": decay_start, "train": [],
+           "evals": [], "best": None}
 
     try:
         from tqdm import tqdm
     except ImportError:  # the bar is a convenience
         tqdm = None
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True) if tqdm else range(args.steps)
+    bar = tqdm(range(total), desc="train", dynamic_ncols=True) if tqdm else range(total)
     t0 = time.time()
     running, best_state = None, None
-    print(f"tiny K3: {n_params:,} parameters, {len(train):,} train / {len(val):,} validation bytes, {args.steps} steps")
+    print(f"tiny K3: {n_params:,} parameters, {len(train):,} train / {len(val):,} validation bytes")
     T, B = args.seq, args.batch
     for step in bar:
-        if qat_start is not None and step == qat_start:
+        if decay_start is None and time.time() - t0 > args.time_budget * 60 - args.decay_steps * (time.time() - t0) / max(step, 1):
+            decay_start = step  # the budget is nearly spent: decay from here (a rerun passes --steps)
+            log["decay_start"] = step
+        if decay_start is not None and step == decay_start and not args.no_qat:
             model.set_fake_quant(True)
         for gr in opt.param_groups:
-            gr["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            gr["lr"] = lr_at(step, decay_start, args.decay_steps, args.lr, args.warmup)
         starts = rng.integers(0, len(train) - T - 1, size=B)
         batch = torch.from_numpy(np.stack([train[s : s + T + 1] for s in starts]).astype(np.int64))
         model.train()
@@ -201,13 +215,11 @@ def main(argv=None) -> int:
             bar.set_postfix(loss=f"{bpb:.3f}", run=f"{running:.3f}", Bps=f"{(step + 1) * B * T / elapsed:.0f}")
         if step % 10 == 0:
             log["train"].append({"step": step, "train_bpb": bpb, "train_bpb_running": running, "seconds": elapsed})
-        last = step == args.steps - 1
-        over = args.time_limit is not None and elapsed > args.time_limit * 60
-        if (step + 1) % args.eval_every == 0 or last or over:
+        last = step == total - 1 or (decay_start is not None and step == decay_start + args.decay_steps - 1)
+        if (step + 1) % args.eval_every == 0 or last:
             q = exported_copy(model)
             ev = {"step": step + 1, "seconds": time.time() - t0, "val_bpb": bits_per_byte(q, val, T),
-                  "train_bpb": bits_per_byte(q, train_slice, T),
-                  "val_bpb_float": bits_per_byte(model, val, T), "fake_quant": bool(model.moe_layers()[0].fake_quant)}
+                  "train_bpb": bits_per_byte(q, train_slice, T), "fake_quant": bool(model.moe_layers()[0].fake_quant)}
             log["evals"].append(ev)
             if log["best"] is None or ev["val_bpb"] < log["best"]["val_bpb"]:
                 log["best"] = dict(ev)
@@ -215,10 +227,13 @@ def main(argv=None) -> int:
             msg = f"step {ev['step']}: val {ev['val_bpb']:.4f} train {ev['train_bpb']:.4f} bits/byte ({ev['seconds']:.0f} s)"
             (bar.write if tqdm else print)(msg)
             (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-        if over:
-            log["stopped_by_time_limit"] = True
+        if last:
             break
+    log["steps"] = step + 1
     log["train_seconds"] = time.time() - t0
+    # the quantisation loss: the final float model against its exported rounding
+    log["final"] = {"val_bpb_float": bits_per_byte(model, val, T), "val_bpb_exported": log["evals"][-1]["val_bpb"],
+                    "fake_quant": bool(model.moe_layers()[0].fake_quant)}
 
     best = KimiK3(cfg)
     best.load_state_dict(best_state)
