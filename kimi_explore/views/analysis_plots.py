@@ -1,0 +1,167 @@
+"""Figures of the analyses (`kimi_explore.analysis`): pure functions `result -> matplotlib Figure`.
+
+    lens_grid(lens)                layer x token top-1 predictions of the logit lens, coloured by probability,
+                                   with each layer's agreement with the final prediction beside it
+    attribution_waterfall(attr)    the top contributors to one logit, cumulated from 0 to the logit
+    diff_overview(d)               a run diff: Δ weights, Δ KDA state norms, routing Jaccard, KL and flips
+    routing_stats_overview(stats)  corpus load per layer x expert (log2 of load / balanced), CV and MI per layer
+
+Differences are drawn on symmetric diverging scales (blue < 0 < red, white at 0); panels showing
+the same quantity (Δ softmax weights) share one scale so their colours compare. Same conventions
+as `plots`: object-oriented matplotlib, no pyplot, `InlineFigure`s that show themselves in a notebook.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._plot_helpers import heatmap, span_inches, ticks, token_labels
+from .plots import InlineFigure, escape_mathtext
+
+__all__ = ["attribution_waterfall", "diff_overview", "lens_grid", "routing_stats_overview"]
+
+DIVERGING = "RdBu_r"
+PROB_CMAP = "viridis"
+ANNOTATE_CELLS = 640  # write the top-1 token into lens cells up to this many
+
+
+def _names(ids, tokenizer, positions: bool = True) -> list[str]:
+    return [escape_mathtext(s) for s in token_labels(ids, tokenizer, positions)]
+
+
+def _symmetric(*arrays) -> float:
+    """One half-range for a diverging scale shared by all `arrays` (NaN ignored; 1e-12 if all zero)."""
+    peaks = [float(np.nanmax(np.abs(a))) for a in arrays if np.size(a) and np.isfinite(a).any()]
+    return max(peaks + [1e-12])
+
+
+def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
+    """Left: [layer, token] top-1 probability, each cell labelled with its top-1 token (bold: it is
+    the model's final top-1). Right: the agreement with the final prediction per layer."""
+    T = len(lens)
+    t0 = max(0, T - max_tokens)
+    probs = lens.top_probs[t0:, :, 0].T  # [L, T']
+    ids = lens.top_ids[t0:, :, 0].T
+    cols = _names(lens.tokens[t0:], tokenizer)
+    for c in range(len(cols)):
+        cols[c] = f"{t0 + c}{cols[c][cols[c].index(' '):]}"
+    rows = [str(i) for i in lens.layers]
+    fig = InlineFigure(figsize=(span_inches(len(cols), 0.42, 7, 18) + 2.5, span_inches(len(rows), 0.32, 4, 14)),
+                       layout="constrained")
+    ax, side = fig.subplots(1, 2, width_ratios=[max(4, len(cols) / 6), 1], sharey=True)
+    im = heatmap(ax, probs, rows=rows, cols=cols, cmap=PROB_CMAP, vmin=0.0, vmax=1.0, annotate=False)
+    if probs.size <= ANNOTATE_CELLS:
+        final = lens.final_ids[t0:]
+        for (r, c), p in np.ndenumerate(probs):
+            label = _names([ids[r, c]], tokenizer, positions=False)[0]
+            ax.text(c, r, label, ha="center", va="center", fontsize=6.5, color="white" if p < 0.55 else "black",
+                    fontweight="bold" if ids[r, c] == final[c] else "normal", in_layout=False)
+    ax.set(xlabel="token (its lens predicts the next one)", ylabel="layer")
+    fig.colorbar(im, ax=ax, label="top-1 probability", shrink=0.8, location="left")
+    agree = lens.agreement()
+    side.barh(np.arange(len(rows)), agree, color="#4c72b0")
+    side.set_xlim(0, 1)
+    side.set_xlabel("agrees with final\ntop-1 (all tokens)")
+    side.grid(axis="x", alpha=0.3)
+    ax.set_title("Logit lens through the block residuals: top-1 after each layer")
+    return fig
+
+
+def attribution_waterfall(attr, top: int = 12, tokenizer=None):
+    """Bars from 0 to the logit: the `top` largest leaves by |value|, then the rest as one bar."""
+    items = list(attr.contributions.items())[:top]
+    rest = list(attr.contributions.values())[top:]
+    if rest:
+        items.append((f"{len(rest)} other leaves", float(sum(rest))))
+    labels = [k for k, _ in items] + ["logit"]
+    values = np.array([v for _, v in items])
+    starts = np.concatenate([[0.0], np.cumsum(values)[:-1]])
+    fig = InlineFigure(figsize=(8, span_inches(len(labels), 0.36, 3.5, 9)), layout="constrained")
+    ax = fig.subplots()
+    y = np.arange(len(labels))
+    colors = ["#b2182b" if v > 0 else "#2166ac" for v in values]
+    ax.barh(y[:-1], values, left=starts, color=colors)
+    ax.barh(y[-1], attr.logit, color="#444444")
+    for yi, (s, v) in enumerate(zip(starts, values, strict=True)):
+        ax.text(s + v, yi, f" {v:+.3f}", va="center", ha="left" if v >= 0 else "right", fontsize=7, in_layout=False)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.margins(x=0.12)  # room for the value labels
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    name = _names([attr.token], tokenizer, positions=False)[0]
+    ax.set(xlabel="contribution to the logit (frozen final norm)",
+           title=f"Direct logit attribution of {name} after token {attr.t}: logit {attr.logit:.3f}\n"
+                 "red pushes it up, blue down; leaves add up to the logit")
+    return fig
+
+
+def diff_overview(d, token=None, tokenizer=None):
+    """A run diff (b - a) in five panels; `token` (default: the largest KL) picks the per-layer panel."""
+    T = len(d)
+    if T == 0:
+        raise ValueError("diff_overview: the diff covers no tokens")
+    t = int(np.argmax(d.kl)) if token is None else int(token) % T
+    cols = _names(d.tokens_a, tokenizer)
+    fig = InlineFigure(figsize=(14, 9.5), layout="constrained")
+    grid = fig.subplots(2, 3)
+    w = _symmetric(d.final_attn_res, d.attn_res[t, :, 1])  # one scale for the softmax-weight panels
+    ax = grid[0, 0]
+    im = heatmap(ax, d.final_attn_res.T, rows=d.source_labels, cols=cols, cmap=DIVERGING, vmin=-w, vmax=w, annotate=False)
+    ax.set_title("Δ output-mix weights (token x source)", fontsize=10)
+    ax = grid[0, 1]
+    heatmap(ax, d.attn_res[t, :, 1], rows=[str(i) for i in d.layers], cols=d.source_labels, cmap=DIVERGING,
+            vmin=-w, vmax=w, annotate=False)
+    ax.set_title(f"Δ FFN-site block weights at token {cols[t]}", fontsize=10)
+    ax.set(xlabel="source", ylabel="layer")
+    fig.colorbar(im, ax=list(grid[0, :2]), label="Δ softmax weight (b - a)", shrink=0.8)
+    ax = grid[0, 2]
+    kda = d.kda_state.sum(axis=2).T if d.kda_state.size else np.zeros((0, T))
+    s = _symmetric(kda)
+    im = heatmap(ax, kda, rows=[str(i) for i in d.kda_layers], cols=cols, cmap=DIVERGING, vmin=-s, vmax=s, annotate=False)
+    ax.set_title("Δ KDA state norm, summed over heads", fontsize=10)
+    ax.set_ylabel("KDA layer")
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    ax = grid[1, 0]
+    im = heatmap(ax, d.jaccard.T, rows=[str(i) for i in d.moe_layers], cols=cols, cmap="Greys_r", vmin=0.0, vmax=1.0,
+                 annotate=False)
+    ax.set_title(f"routing: Jaccard of the top-k sets ({len(d.routing_changes)} changes)", fontsize=10)
+    ax.set_ylabel("MoE layer")
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    ax = grid[1, 1]
+    x = np.arange(T)
+    ax.plot(x, d.kl, marker="o", ms=3, color="#444444")
+    flips = np.flatnonzero(d.flips)
+    ax.plot(flips, d.kl[flips], "o", color="#b2182b", ms=6, label="top-1 flipped")
+    ticks(ax, "x", cols)
+    ax.set(ylabel="KL(a ‖ b), nats" + ("" if d.kl_exact else " (lower bound)"), title="Δ predictions")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    grid[1, 2].axis("off")
+    summary = d.summary()
+    grid[1, 2].text(0, 1, "\n".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()
+                                    if k != "mean_jaccard"), va="top", fontsize=9, family="monospace")
+    fig.suptitle("Run diff (b - a)")
+    return fig
+
+
+def routing_stats_overview(stats):
+    """Load per MoE layer x expert as log2(count / balanced count) (red: overloaded; grey: dead), CV and MI."""
+    balanced = stats.tokens * stats.top_k / stats.num_experts
+    with np.errstate(divide="ignore"):
+        ratio = np.where(stats.counts > 0, np.log2(stats.counts / max(balanced, 1e-300)), np.nan)
+    rows = [str(i) for i in stats.moe_layers]
+    fig = InlineFigure(figsize=(span_inches(stats.num_experts, 0.35, 8, 16) + 3, span_inches(len(rows), 0.3, 4, 12)),
+                       layout="constrained")
+    ax, side = fig.subplots(1, 2, width_ratios=[4, 1], sharey=True)
+    s = _symmetric(ratio)
+    im = heatmap(ax, ratio, rows=rows, cols=[str(e) for e in range(stats.num_experts)], cmap=DIVERGING, vmin=-s, vmax=s,
+                 annotate=False)
+    fig.colorbar(im, ax=ax, label="log2(load / balanced load)", shrink=0.8, location="left")
+    ax.set(xlabel="expert", ylabel="MoE layer", title=f"Expert load over {stats.tokens} tokens ({len(stats.texts)} texts)")
+    y = np.arange(len(rows))
+    side.barh(y, stats.mutual_information(), color="#4c72b0", label="I(class; top-1), bits")
+    side.plot(stats.cv, y, "o-", color="#b2182b", ms=3, label="load CV")
+    side.legend(fontsize=7, loc="lower right")
+    side.grid(axis="x", alpha=0.3)
+    return fig
