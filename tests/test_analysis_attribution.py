@@ -134,3 +134,12 @@ def test_attribution_arguments_are_checked(ref_weights):
         ke.logit_attribution(s, 3)
     with pytest.raises(ValueError, match=r"token must be an id in 0\.\.255"):
         ke.logit_attribution(s, 0, token=256)
+
+
+def test_a_list_of_steps_is_one_replay_with_the_same_results(model):
+    w, s = model
+    many = ke.logit_attribution(s, [7, 2, -1], token=32)
+    assert [a.t for a in many] == [2, 7, len(TEXT) - 1]
+    for a in many:
+        one = ke.logit_attribution(s, a.t, token=32)
+        assert a.contributions == one.contributions and a.logit == one.logit

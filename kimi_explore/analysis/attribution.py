@@ -122,18 +122,25 @@ def _f64(a) -> np.ndarray:
     return np.asarray(to_numpy(a), dtype=np.float64)
 
 
-def logit_attribution(session, t: int = -1, token=None) -> Attribution:
-    """Split the logit of `token` (default: the top-1) at step `t` of `session`'s history into leaves."""
-    w = session.weights
-    names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
-    ((t, values, logits),) = list(replay(session, names, positions=[t]))
-    V = w.config.vocab_size
-    if token is None:
-        token = int(np.argmax(logits))
-    elif isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < V:
-        raise ValueError(f"logit_attribution: token must be an id in 0..{V - 1} (or None for the top-1), got {token!r}")
-    token = int(token)
+def logit_attribution(session, t=-1, token=None):
+    """Split the logit of `token` (default: each step's top-1) at step `t` of `session`'s history into leaves.
 
+    t: a step (negative counts from the end) -> an Attribution; or a list of steps -> a list of
+    Attributions in time order, from ONE replay of the history.
+    """
+    w = session.weights
+    V = w.config.vocab_size
+    if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < V):
+        raise ValueError(f"logit_attribution: token must be an id in 0..{V - 1} (or None for the top-1), got {token!r}")
+    many = not isinstance(t, (int, np.integer))
+    names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
+    steps = list(t) if many else [t]
+    out = [_attribute(w, step, values, logits, token) for step, values, logits in replay(session, names, steps)]
+    return out if many else out[0]
+
+
+def _attribute(w, t: int, values: dict, logits: np.ndarray, token) -> Attribution:
+    token = int(np.argmax(logits)) if token is None else int(token)
     sources = _sources(w, values)  # [(label, [(leaf, vector)])], blocks in push order, current last
     p = _f64(values["final.attn_res.weights"])
     eps = w.config.rms_norm_eps
