@@ -40,6 +40,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from kimi_explore.backend import on_host
+
 ROOT = Path(__file__).resolve().parent.parent
 BF16 = ml_dtypes.bfloat16
 TOP_K = 16
@@ -185,7 +187,7 @@ def ensure_checkpoint(ckpt: Path, layers: list[int], num_experts: int, vocab: in
 
 
 def _sync(xp):
-    if xp is not np:
+    if not on_host(xp):
         xp.cuda.get_current_stream().synchronize()
 
 
@@ -246,7 +248,6 @@ def child(args) -> dict:
     """Load one layer, decode, report (runs in its own process)."""
     from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
     from kimi_explore.model.latent_moe import LatentMoeWeights
-    from kimi_explore.weights import experts as experts_mod
     from kimi_explore.weights.memory import _nbytes, memory_report
 
     base = _status("VmRSS")
@@ -294,7 +295,7 @@ def child(args) -> dict:
         bank.fused = False  # dequantise the selected experts every token
         (attn_ms, ffn_ms), med = run(args.tokens)
         phases["cold"] = (attn_ms, ffn_ms, trunk + TOP_K * per_packed, med)
-        experts_mod._SHARED_WORKSPACES.bufs.clear()  # the warm phase dequantises nothing
+        w.workspace.dequantised.clear()  # the warm phase dequantises nothing
         ids = xp.asarray(np.arange(TOP_K))
         bank.set_capacity(TOP_K)
         bank.warm(ids)

@@ -13,8 +13,6 @@ import types
 
 import numpy as np
 
-from ._xp import array_namespace
-
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
@@ -73,7 +71,7 @@ def on_host(x) -> bool:
     """
     if isinstance(x, types.ModuleType):
         return x is np
-    return array_namespace(x) is np
+    return not type(x).__module__.startswith("cupy")  # (without importing CuPy)
 
 
 def gpu_available() -> bool:
@@ -81,13 +79,3 @@ def gpu_available() -> bool:
 
 
 HOST_THREADS = max(1, min(4, os.cpu_count() or 1))  # host work split over threads (the kernels release the GIL)
-_POOL: list = []
-
-
-def host_pool():
-    """The shared thread pool for host work that releases the GIL (dequantising, the MXFP4 kernel)."""
-    if not _POOL:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL.append(ThreadPoolExecutor(max_workers=HOST_THREADS, thread_name_prefix="kimi-host"))
-    return _POOL[0]

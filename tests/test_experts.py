@@ -8,9 +8,10 @@ from conftest import REFERENCE_DIR
 
 from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, kimi_forward_token
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
-from kimi_explore.weights import checkpoint, experts, mxfp4, mxfp4_matvec
-from kimi_explore.weights.experts import DenseExperts, PackedExperts, dense_from_packed, dequantize_experts
+from kimi_explore.weights import checkpoint, mxfp4, mxfp4_matvec
+from kimi_explore.weights.experts import DenseExperts, PackedExperts, dense_from_packed
 from kimi_explore.weights.tiny_model import default_checkpoint, write_checkpoint
+from kimi_explore.weights.workspace import Workspace
 
 TOKENS = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99, 64, 1]
 
@@ -29,37 +30,48 @@ def random_bank(rng, E=6, I=32, l=64, dtype=np.float32, capacity=0, fused=False)
     return PackedExperts(p13, s13, p2, s2, dtype=dtype, capacity=capacity, fused=fused)
 
 
+def _naive_bits(packed, scale):
+    """The float64 reference, as bits (so -0.0 and 0.0 differ); every MXFP4 value is exact in float32."""
+    return bits(np.stack([mxfp4.naive_dequantize(p, s) for p, s in zip(packed, scale, strict=True)]))
+
+
+@pytest.mark.parametrize("pool", [None, "workspace"], ids=["own-pool", "workspace-pool"])
 @pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "threads"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-def test_dequantize_experts_is_mxfp4_dequantize_bit_for_bit(dtype, threaded, monkeypatch):
+def test_mxfp4_dequantize_is_the_naive_reference_bit_for_bit(dtype, threaded, pool, monkeypatch):
     if threaded:  # big jobs are split over the cores in whole chunks: make this small one big, in 3 chunks
-        monkeypatch.setattr(experts, "_THREADED_BYTES", 1)
-        monkeypatch.setattr(experts, "_CHUNK", 96)
+        monkeypatch.setattr(mxfp4, "_THREADED_BYTES", 1)
+        monkeypatch.setattr(mxfp4, "_CHUNK", 96)
     rng = np.random.default_rng(1)
     packed = np.arange(256, dtype=np.uint8).reshape(2, 4, 32)  # every byte value, both nibbles
     # E8M0 from 2^-126 (x 0.5: a float32 subnormal) to 2^124 (x 6 stays finite in float32)
     scale = rng.integers(1, 252, (2, 4, 2), dtype=np.uint8)
     scale[0, 0, 0], scale[1, 3, 1] = 1, 251
-    got = dequantize_experts(packed, scale, dtype)
-    want = mxfp4.dequantize(packed, scale, dtype=dtype)
+    got = mxfp4.dequantize(packed, scale, dtype=dtype, pool=Workspace(np).pool() if pool else None)
     assert got.dtype == dtype and got.shape == (2, 4, 64)
-    np.testing.assert_array_equal(bits(got), bits(want))  # also tells -0.0 from 0.0
-    for e in range(2):
-        np.testing.assert_array_equal(got[e], mxfp4.naive_dequantize(packed[e], scale[e]))
+    np.testing.assert_array_equal(bits(got.astype(np.float64)), _naive_bits(packed, scale))
+    out = np.empty_like(got)[:, :, :]
+    assert mxfp4.dequantize(packed, scale, out=out, dtype=dtype) is out
+    np.testing.assert_array_equal(bits(out), bits(got))
+    strided = np.empty((2, 4, 128), dtype)[:, :, ::2]  # a non-contiguous out is filled too
+    assert mxfp4.dequantize(packed, scale, out=strided, dtype=dtype) is strided
+    np.testing.assert_array_equal(bits(np.ascontiguousarray(strided)), bits(got))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-def test_device_dequantisation_path_on_the_host(dtype):
+def test_device_dequantisation_path_on_the_host(dtype, monkeypatch):
     """The GPU formulation ([256, 2] table gather, one multiply), run with NumPy standing in for CuPy."""
     rng = np.random.default_rng(11)
     packed = rng.integers(0, 256, (3, 8, 48), dtype=np.uint8)
     scale = rng.integers(100, 150, (3, 8, 3), dtype=np.uint8)
-    table = np.asarray(experts._PAIRS.astype(dtype))
-    want = mxfp4.dequantize(packed, scale, dtype=dtype)
-    np.testing.assert_array_equal(bits(experts._dequantize_device(packed, scale, dtype, table)), bits(want))
-    out = np.empty_like(want)
-    assert experts._dequantize_device(packed, scale, dtype, table, out=out) is out
-    np.testing.assert_array_equal(bits(out), bits(want))
+    monkeypatch.setattr(mxfp4, "on_host", lambda xp: False)
+    table = mxfp4.pair_table(np, dtype)
+    assert table.shape == (256, 2)
+    got = mxfp4.dequantize(packed, scale, dtype=dtype, table=table)
+    np.testing.assert_array_equal(bits(got.astype(np.float64)), _naive_bits(packed, scale))
+    out = np.empty_like(got)
+    assert mxfp4.dequantize(packed, scale, out=out, dtype=dtype, table=table) is out
+    np.testing.assert_array_equal(bits(out), bits(got))
 
 
 def test_device_expert_path_on_the_host(monkeypatch):
@@ -141,13 +153,13 @@ def test_lru_hits_misses_evictions():
 
 def test_only_the_missing_experts_are_dequantised_in_one_call(monkeypatch):
     calls = []
-    real = experts.dequantize_experts
+    real = mxfp4.dequantize
 
-    def spy(packed, scale, dtype=np.float32, table=None, out=None):
+    def spy(packed, scale, *args, **kwargs):
         calls.append(packed.shape[0])
-        return real(packed, scale, dtype, table, out=out)
+        return real(packed, scale, *args, **kwargs)
 
-    monkeypatch.setattr(experts, "dequantize_experts", spy)
+    monkeypatch.setattr(mxfp4, "dequantize", spy)
     bank = random_bank(np.random.default_rng(5), capacity=4)
     bank.gather([3, 1, 4])
     assert calls == [3, 3]  # one call for all w13, one for all w2

@@ -6,9 +6,8 @@ array calls: on a tiny model each call costs more than the arithmetic it does.
 
 from __future__ import annotations
 
-import numpy as np
-
 from .._xp import array_namespace
+from ..backend import on_host
 
 BUFFER_BYTES = 4 << 20  # reuse one scratch buffer per shape up to this size; larger inputs go array by array
 
@@ -49,7 +48,7 @@ class RowSquares:
 def stable_argsort(a, axis: int = -1):
     """NumPy needs kind="stable"; CuPy's argsort is always stable and takes no `kind`."""
     xp = array_namespace(a)
-    return xp.argsort(a, axis=axis, kind="stable") if xp is np else xp.argsort(a, axis=axis)
+    return xp.argsort(a, axis=axis, kind="stable") if on_host(xp) else xp.argsort(a, axis=axis)
 
 
 def top_predictions(logits, k: int):

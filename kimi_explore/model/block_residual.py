@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from .._xp import array_namespace
-from ..backend import to_numpy
+from ..backend import on_host, to_numpy
 
 
 def apply_attn_res_prescored(prefix_sum, block_residual, score_weight, eps: float):
@@ -69,7 +69,7 @@ class SourceBuffer:
     def __init__(self, xp, rows: int, d: int, dtype, eps: float, host_scalars: bool | None = None):
         self.xp, self.eps, self.inv_d = xp, eps, 1.0 / d
         # 1/rms as a Python float (NumPy), or kept on the device (a GPU: float() would wait for it)
-        self.host_scalars = xp is np if host_scalars is None else host_scalars
+        self.host_scalars = on_host(xp) if host_scalars is None else host_scalars
         self.rows = xp.empty((rows, d), dtype)
         self.inv_rms = xp.empty(rows, dtype)
         self.n = 0  # sealed blocks

@@ -98,6 +98,7 @@ class KimiDecoderWeights:
     dtype: object
     source: str = ""
     extra: dict = field(default_factory=dict)  # how it was loaded: experts mode, cache size, weight_dtype, ...
+    workspace: object = None  # weights.workspace.Workspace: this model's scratch (bf16 widening, dequantised experts, threads)
 
     @classmethod
     def from_pretrained(cls, path, *, layers=None, device: str = "auto", dtype: str = "float32", **kwargs):

@@ -10,9 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from .._xp import array_namespace
+from ..backend import on_host
 
 
 def sigmoid(x):
@@ -28,7 +27,7 @@ def rms_norm(x, weight, eps: float):
     """
     xp = array_namespace(x)
     n = x.shape[-1]
-    if x.ndim == 1 and xp is np:  # the common case: one scalar, computed on the host side of the call
+    if x.ndim == 1 and on_host(xp):  # the common case: one scalar, computed on the host side of the call
         return x * (weight * (1.0 / math.sqrt(float(x @ x) / n + eps)))
     # rows, or a GPU (where float() would wait for the device): everything stays in arrays
     return x * (weight / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / n) + eps))

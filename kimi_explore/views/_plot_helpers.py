@@ -8,6 +8,8 @@ from __future__ import annotations
 import matplotlib
 import numpy as np
 
+from ..backend import to_numpy
+
 MAX_TICKS = 40  # labels per axis before thinning; ~40 stays readable at 100 dpi
 ANNOTATE_MAX = 160  # write cell values only into heatmaps this small
 _NICE_STRIDES = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 250, 500, 1000, 2000, 5000)
@@ -107,6 +109,6 @@ def moe_layer_labels(r: dict) -> list[str]:
 
 def softmax(logits) -> np.ndarray:
     """float64 softmax of a host or device [vocab] vector."""
-    x = np.asarray(logits.get() if hasattr(logits, "get") else logits, dtype=np.float64).reshape(-1)
+    x = np.asarray(to_numpy(logits), dtype=np.float64).reshape(-1)
     e = np.exp(x - x.max())
     return e / e.sum()

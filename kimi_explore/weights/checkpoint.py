@@ -38,6 +38,7 @@ from .checkpoint_table import DiskTensor
 from .experts import DenseExperts, PackedExperts
 from .safetensors_io import CheckpointError, SafetensorsFile
 from .tensor_reader import TensorReader
+from .workspace import Workspace
 
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 INDEX_FILE = "model.safetensors.index.json"
@@ -194,7 +195,8 @@ class _Builder:
     def __init__(self, ckpt: CheckpointDir, cfg: KimiDecoderConfig, xp, dtype, bf16_matrices: bool):
         self.ckpt, self.cfg, self.xp, self.dtype = ckpt, cfg, xp, dtype
         self.reader = TensorReader(lambda n: (ckpt.open(ckpt.shard_of(n)), ckpt.full(n)))
-        self.scratch = WideningScratch(xp) if bf16_matrices else None
+        self.workspace = Workspace(xp, widening=WideningScratch(xp) if bf16_matrices else None)
+        self.scratch = self.workspace.widening
 
     def host(self, name: str, dtype=None) -> np.ndarray:
         return self.reader.read(name, self.dtype if dtype is None else dtype)
@@ -312,7 +314,7 @@ def _packed_experts(b: _Builder, cfg: KimiDecoderConfig, i: int, capacity: int, 
                 if not on_host:
                     bank[a : a + len(experts)] = b.xp.asarray(dst)
             banks[f"{field}_{('packed', 'scale')[half]}"] = bank
-    return PackedExperts(**banks, dtype=b.dtype, capacity=capacity)
+    return PackedExperts(**banks, dtype=b.dtype, capacity=capacity, workspace=b.workspace)
 
 
 def _dense_experts(b: _Builder, cfg: KimiDecoderConfig, i: int) -> DenseExperts:
@@ -478,9 +480,9 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
             config=cfg, embed_tokens=embed, layers=[_layer(b, cfg, i, mode, cache_size) for i in layer_ids],
             output_attn_res_score=g.score("output_attn_res_score"), norm=g.one("norm"),
             lm_head=embed if cfg.tie_word_embeddings else g.matrix("lm_head"),
-            xp=xp, device=dev, dtype=dt, source=str(path),
+            xp=xp, device=dev, dtype=dt, source=str(path), workspace=b.workspace,
             extra={"experts": mode, "expert_cache_size": cache_size if mode == "packed" else None,
-                   "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name, "widening_scratch": b.scratch},
+                   "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name},
         )
     finally:
         if b is not None:

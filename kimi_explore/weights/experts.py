@@ -34,105 +34,17 @@ on the embedded and the reference model).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
 from .._xp import array_namespace
-from ..backend import HOST_THREADS, host_pool, to_numpy
+from ..backend import on_host, to_numpy
 from ..model.latent_moe import DenseExperts
 from . import mxfp4, mxfp4_matvec
+from .workspace import Workspace
 
-__all__ = ["DenseExperts", "ExpertCacheStats", "PackedExperts", "dequantize_experts"]
-
-# byte -> (value of the low nibble, value of the high nibble): the LOW nibble is the EVEN column
-_PAIRS = np.stack([mxfp4.E2M1[np.arange(256) & 0x0F], mxfp4.E2M1[np.arange(256) >> 4]], axis=1)  # [256, 2]
-_CHUNK = 1 << 16  # bytes per step on the host: index and output stay in cache
-
-
-def _pair_table(xp, dtype):
-    """The byte -> two-values table on `xp`: [256, 2]; on the host, for float32, one uint64 per byte
-    (one 8-byte gather per byte; a GPU gathers the [256, 2] rows without reinterpreting dtypes)."""
-    table = _PAIRS.astype(dtype)
-    if xp is np and np.dtype(dtype) == np.float32:
-        table = table.view(np.uint64).reshape(256)
-    return xp.asarray(table)
-
-
-def _factors(scale, dtype):
-    """2^(scale - 127), exactly as `mxfp4.dequantize` makes them."""
-    xp = array_namespace(scale)
-    return xp.ldexp(xp.ones(scale.shape, dtype=dtype), scale.astype(xp.int32) - 127)
-
-
-_THREADED_BYTES = 1 << 23  # host: split bigger jobs over the cores (take, copyto and multiply release the GIL)
-
-
-def _dequantize_host(packed, scale, dtype, table, out=None):
-    """NumPy: 64 KiB of bytes at a time, `take(mode="wrap")` (bounds are known: 0..255), scale in cache."""
-    lead, half = packed.shape[:-1], packed.shape[-1]
-    out = np.empty(lead + (2 * half,), dtype) if out is None else out
-    src = np.ascontiguousarray(packed).reshape(-1)
-    fac = _factors(np.ascontiguousarray(scale).reshape(-1), dtype)  # one per 16 bytes (32 values)
-    flat = out.reshape(-1)
-    dst = flat.view(np.uint64) if table.ndim == 1 else flat.reshape(-1, 2)
-
-    def run(lo: int, hi: int) -> None:
-        idx = np.empty(min(_CHUNK, hi - lo), np.intp)
-        for a in range(lo, hi, _CHUNK):
-            n = min(_CHUNK, hi - a)
-            i = idx[:n]
-            np.copyto(i, src[a : a + n], casting="unsafe")
-            np.take(table, i, axis=0, out=dst[a : a + n], mode="wrap")
-            groups = flat[2 * a : 2 * (a + n)].reshape(-1, mxfp4.GROUP)
-            groups *= fac[a // 16 : (a + n) // 16, None]
-
-    workers = 1 if src.size < _THREADED_BYTES else HOST_THREADS
-    if workers == 1:
-        run(0, src.size)
-        return out
-    step = -(-src.size // (workers * _CHUNK)) * _CHUNK  # whole chunks per worker (chunks are whole groups)
-    for f in [host_pool().submit(run, a, min(src.size, a + step)) for a in range(0, src.size, step)]:
-        f.result()
-    return out
-
-
-def dequantize_experts(packed, scale, dtype=np.float32, table=None, out=None):
-    """packed: uint8 [..., rows, cols/2]; scale: uint8 [..., rows, cols/32] -> dtype [..., rows, cols].
-
-    The same values, bit for bit, as `mxfp4.dequantize` (tested), in fewer passes: a table gather
-    that turns each byte into its two values, then a multiply by the group's power of two (the
-    same IEEE product). NumPy or CuPy, from the arrays' namespace. `out`: a C-contiguous result buffer.
-    """
-    xp = array_namespace(packed)
-    table = _pair_table(xp, dtype) if table is None else table
-    if packed.shape[-1] % (mxfp4.GROUP // 2):
-        raise ValueError(f"packed rows of {packed.shape[-1]} bytes: expected a multiple of {mxfp4.GROUP // 2} (whole groups)")
-    want = packed.shape[:-1] + (2 * packed.shape[-1],)
-    if out is not None and (out.shape != want or out.dtype != np.dtype(dtype)):
-        raise ValueError(f"out: expected {np.dtype(dtype).name} {want}, got {out.dtype} {out.shape}")
-    if xp is np and table.ndim == 1:
-        return _dequantize_host(packed, scale, dtype, table, out)
-    return _dequantize_device(packed, scale, dtype, table, out)
-
-
-def _dequantize_device(packed, scale, dtype, table, out=None):
-    """CuPy (or NumPy with the [256, 2] table, in tests): one gather of value pairs, one multiply.
-
-    CuPy builds its elementwise kernels with -ftz=true: in float32 a product below 2^-126 (a scale
-    byte <= 2) becomes 0 on the GPU where the host keeps the subnormal. Released scales sit far
-    above that (the tiny checkpoints' smallest is 123); float64 is unaffected.
-    """
-    xp = array_namespace(packed)
-    lead, half = packed.shape[:-1], packed.shape[-1]
-    vals = table[packed.astype(xp.int32)].reshape(lead + (2 * half,))  # [..., cols/2, 2] -> [..., cols]
-    groups = vals.reshape(lead + (scale.shape[-1], mxfp4.GROUP))
-    groups *= _factors(scale, dtype)[..., None]
-    if out is not None:
-        out[...] = vals
-        return out
-    return vals
-
+__all__ = ["DenseExperts", "ExpertCacheStats", "PackedExperts"]
 
 @dataclass
 class ExpertCacheStats:
@@ -141,28 +53,6 @@ class ExpertCacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-
-
-class _Workspace:
-    """Buffers reused for the dequantised misses of every layer (contents live for one call).
-
-    Fresh multi-GB arrays cost the kernel's page zeroing on every token; these are paid once.
-    """
-
-    def __init__(self):
-        self.bufs = {}
-
-    def take(self, name: str, xp, shape, dtype):
-        n = int(np.prod(shape))
-        buf = self.bufs.get(name)
-        if buf is None or buf.size < n or buf.dtype != np.dtype(dtype) or array_namespace(buf) is not xp:
-            self.bufs[name] = None
-            self.bufs[name] = buf = xp.empty(n, dtype)
-        return buf[:n].reshape(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(b.nbytes) for b in self.bufs.values() if b is not None)
 
 
 @dataclass
@@ -188,13 +78,15 @@ class PackedExperts:
     capacity: int = 0
     fused: bool | None = None
     stats: ExpertCacheStats = field(default_factory=ExpertCacheStats)
+    workspace: InitVar[Workspace | None] = None  # the model's (`weights.workspace`); None: one of its own
 
-    def __post_init__(self):
+    def __post_init__(self, workspace):
         # cache state is not a dataclass field: code that walks the weights' fields (fingerprints,
         # memory counts) must see the same arrays whatever the cache holds
         self._slots: OrderedDict = OrderedDict()  # expert id -> slot, least recently used first
         self._slab13 = self._slab2 = None  # [capacity, 2I, l], [capacity, l, I] once the first miss is stored
-        self._workspace = _SHARED_WORKSPACES
+        xp = array_namespace(self.w13_packed)
+        self._workspace = Workspace(xp) if workspace is None else workspace
         self.dtype = np.dtype(self.dtype)
         self.capacity = _check_capacity(self.capacity)
         E, rows13, half13 = self.w13_packed.shape
@@ -205,7 +97,7 @@ class PackedExperts:
                 f"PackedExperts: scales {self.w13_scale.shape} / {self.w2_scale.shape} do not match packed "
                 f"{self.w13_packed.shape} / {self.w2_packed.shape} (one scale byte per 32 columns)"
             )
-        self._table = _pair_table(array_namespace(self.w13_packed), self.dtype)
+        self._table = mxfp4.pair_table(xp, self.dtype)
         if self.fused and not self.can_fuse():
             raise ValueError(
                 "PackedExperts(fused=True) needs host (NumPy) C-contiguous arrays, float32, capacity=0 and the compiled "
@@ -314,15 +206,16 @@ class PackedExperts:
     def dequantize(self, ids, workspace: bool = False):
         """Experts `ids` dequantised (no cache): ([m, 2I, l], [m, l, I]); one gather + one call per matrix.
 
-        workspace=True writes into a buffer shared by all layers, valid until the next such call.
+        workspace=True writes into the model's workspace (shared by its layers), valid until the next such call.
         """
-        xp = array_namespace(self.w13_packed)
+        xp, ws = array_namespace(self.w13_packed), self._workspace
         sel = xp.asarray(np.asarray(ids, dtype=np.int64))
         m = len(ids)
-        out13 = self._workspace.take("w13", xp, (m,) + self.shape13, self.dtype) if workspace else None
-        out2 = self._workspace.take("w2", xp, (m,) + self.shape2, self.dtype) if workspace else None
-        w13 = dequantize_experts(self.w13_packed[sel], self.w13_scale[sel], self.dtype, self._table, out=out13)
-        w2 = dequantize_experts(self.w2_packed[sel], self.w2_scale[sel], self.dtype, self._table, out=out2)
+        out13 = ws.take("w13", (m,) + self.shape13, self.dtype) if workspace else None
+        out2 = ws.take("w2", (m,) + self.shape2, self.dtype) if workspace else None
+        pool = ws.pool() if on_host(xp) else None
+        w13 = mxfp4.dequantize(self.w13_packed[sel], self.w13_scale[sel], out13, self.dtype, pool, self._table)
+        w2 = mxfp4.dequantize(self.w2_packed[sel], self.w2_scale[sel], out2, self.dtype, pool, self._table)
         return w13, w2
 
     def gather(self, ids):
@@ -364,7 +257,7 @@ class PackedExperts:
     def _multiply_in_place(self, xp) -> bool:
         """Per-expert matmuls where the experts lie (host, big experts: a copy costs more than k calls),
         or one gather + batched matmuls (GPU, and small experts where the calls dominate)."""
-        return xp is np and self.expert_bytes >= self.IN_PLACE_BYTES
+        return on_host(xp) and self.expert_bytes >= self.IN_PLACE_BYTES
 
     def outputs(self, ids, z, act):
         """y_e = w2_e act(w13_e z) for the selected experts, [k, l]: what `latent_moe` needs.
@@ -378,8 +271,9 @@ class PackedExperts:
         if len(ids) == 0:  # every expert ablated: no routed output (as a dense bank's empty matmuls give)
             return array_namespace(self.w13_packed).zeros((0, self.shape2[0]), self.dtype)
         if self.uses_fused:
-            h = mxfp4_matvec.expert_matvec(self.w13_packed, self.w13_scale, ids, z)  # [k, 2I]
-            return mxfp4_matvec.expert_matvec(self.w2_packed, self.w2_scale, ids, act(h))
+            pool = self._workspace.pool()
+            h = mxfp4_matvec.expert_matvec(self.w13_packed, self.w13_scale, ids, z, pool=pool)  # [k, 2I]
+            return mxfp4_matvec.expert_matvec(self.w2_packed, self.w2_scale, ids, act(h), pool=pool)
         xp = array_namespace(self.w13_packed)
         if not self._multiply_in_place(xp):
             w13, w2 = self.gather(ids)
@@ -402,9 +296,6 @@ def _check_capacity(capacity) -> int:
     if isinstance(capacity, bool) or int(capacity) != capacity or capacity < 0:
         raise ValueError(f"capacity={capacity!r}: expected a number of experts >= 0")
     return int(capacity)
-
-
-_SHARED_WORKSPACES = _Workspace()
 
 
 def dense_from_packed(packed: PackedExperts, chunk: int = 8) -> DenseExperts:

@@ -7,8 +7,8 @@
 
 Counts the arrays the weights hold (on their device: host RAM for NumPy, GPU memory for CuPy),
 at their resident size: bf16 bits for `weight_dtype="bfloat16"` matrices, uint8 for packed
-experts, plus the dequantised-expert caches as they are now, the bf16 widening scratch, and the
-workspace the packed experts of every loaded model share for the experts a token dequantises.
+experts, plus the dequantised-expert caches as they are now, and the model's workspace
+(`weights.workspace`): the bf16 widening scratch and the buffers of the experts a token dequantises.
 Decode state (KDA matrices, MLA caches) is not weights and is not counted.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .experts import _SHARED_WORKSPACES, DenseExperts, PackedExperts
+from .experts import DenseExperts, PackedExperts
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -33,7 +33,7 @@ COMPONENTS = (
     "routed experts, dequantised (dense bank)",
     "routed experts, dequantised (LRU caches)",
     "bf16 widening scratch",
-    "dequantise workspace (shared by all models)",
+    "dequantise workspace",
 )
 
 
@@ -102,8 +102,8 @@ def memory_report(weights) -> MemoryReport:
             parts["routed experts, dequantised (dense bank)"] += _nbytes(bank.w13) + _nbytes(bank.w2)
         else:
             parts["routed experts, dequantised (dense bank)"] += _nbytes(bank)
-    scratch = weights.extra.get("widening_scratch") if isinstance(weights.extra, dict) else None
-    parts["bf16 widening scratch"] = _nbytes(scratch)
-    if any(layer.ffn.kind == "moe" and isinstance(layer.ffn.experts, PackedExperts) for layer in weights.layers):
-        parts["dequantise workspace (shared by all models)"] = _SHARED_WORKSPACES.nbytes
+    ws = weights.workspace
+    if ws is not None:
+        parts["bf16 widening scratch"] = ws.widening_bytes
+        parts["dequantise workspace"] = ws.dequantised_bytes
     return MemoryReport(parts, weights.device)

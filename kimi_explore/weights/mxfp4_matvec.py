@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import HOST_THREADS, host_pool
+from ..backend import HOST_THREADS, on_host
+from .workspace import run_parts
 
 try:
     from . import _mxfp4_matvec as _ext
@@ -28,7 +29,7 @@ _MIN_ROWS_PER_THREAD = 256
 
 def runs(xp, dtype) -> bool:
     """Whether the kernel can take arrays of namespace `xp` computing in `dtype` (host, float32, built)."""
-    return AVAILABLE and xp is np and np.dtype(dtype) == np.float32
+    return AVAILABLE and on_host(xp) and np.dtype(dtype) == np.float32
 
 
 def isas() -> tuple[str, ...]:
@@ -36,12 +37,13 @@ def isas() -> tuple[str, ...]:
     return _ext.isas() if AVAILABLE else ()
 
 
-def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threads: int | None = None):
+def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
     """packed: uint8 [E, R, C/2]; scale: uint8 [E, R, C/32]; ids: [k] expert ids;
     x: float32 [C] (the same input for every expert) or [k, C] -> float32 [k, R].
 
     isa: one of `isas()` (default: the best). threads: how many host threads share the rows
-    (default: `backend.HOST_THREADS`); the kernel releases the GIL.
+    (default: `backend.HOST_THREADS`); the kernel releases the GIL. pool: the executor they run on
+    (the model's `workspace.pool()`; None: a pool just for this call).
     """
     if not AVAILABLE:
         raise RuntimeError("kimi_explore.weights._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
@@ -65,12 +67,8 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
     rows = k * R
     n = max(1, min(threads or HOST_THREADS, rows // _MIN_ROWS_PER_THREAD))
     run = lambda a, b: _ext.expert_matvec(packed, scale, ids, xeo, out, R, H, a, b, isa or "")  # noqa: E731
-    if n == 1:
-        run(0, rows)
-    else:
-        cuts = [rows * i // n for i in range(n + 1)]
-        for f in [host_pool().submit(run, a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]:
-            f.result()
+    cuts = [rows * i // n for i in range(n + 1)]
+    run_parts(pool, run, list(zip(cuts[:-1], cuts[1:], strict=True)))
     return out
 
 

@@ -1,0 +1,78 @@
+"""The scratch of one loaded model in one plain record (llama2.c's `RunState`): `weights.workspace`.
+
+Owned by the weights and shared by their layers, never by two models: loading a second model
+(another size, another device) cannot resize or free the first one's buffers. Like the decode
+state, one model is not meant to run from two threads at once: every call reuses these buffers.
+
+    widening:     float32 [largest bf16-resident matrix]   `Bf16Matrix @ x` widens into it
+                  (weight_dtype="bfloat16"; None otherwise)
+    dequantised:  {"w13": [m, 2I, l], "w2": [m, l, I]}      the experts one call dequantises
+                  (packed banks), grown to the largest m seen, valid until the next call
+    threads:      host threads for dequantising and the MXFP4 kernel (`pool()`, started at first use)
+
+Fresh multi-GB arrays would cost the kernel's page zeroing on every token; these are paid once.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backend import HOST_THREADS
+from .bf16_weights import WideningScratch
+
+__all__ = ["Workspace", "run_parts"]
+
+
+@dataclass(repr=False)
+class Workspace:
+    xp: object  # the weights' array namespace
+    widening: WideningScratch | None = None  # float32 [largest bf16 matrix]
+    dequantised: dict = field(default_factory=dict)  # name -> flat buffer, viewed as [m, rows, cols]
+    threads: int = HOST_THREADS
+    _pool: ThreadPoolExecutor | None = None
+
+    def take(self, name: str, shape: tuple, dtype):
+        """A [shape] view of buffer `name` (grown when too small); its contents live until the next take."""
+        n = int(np.prod(shape))
+        buf = self.dequantised.get(name)
+        if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
+            self.dequantised[name] = None  # free the old buffer before allocating the larger one
+            self.dequantised[name] = buf = self.xp.empty(n, dtype)
+        return buf[:n].reshape(shape)
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The host thread pool of this model (its threads end when the workspace is dropped)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kimi-host")
+        return self._pool
+
+    @property
+    def dequantised_bytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.dequantised.values() if b is not None)
+
+    @property
+    def widening_bytes(self) -> int:
+        return 0 if self.widening is None else self.widening.nbytes
+
+    def __repr__(self) -> str:
+        return (f"Workspace(widening {self.widening_bytes:,} B, dequantised {self.dequantised_bytes:,} B, "
+                f"{self.threads} host threads)")
+
+
+def run_parts(pool: Executor | None, fn, bounds: list[tuple[int, int]]) -> None:
+    """fn(a, b) for every [a, b) in `bounds`, on `pool` (None: a pool just for this call); waits for all.
+
+    The callers' kernels release the GIL, so the parts run in parallel.
+    """
+    if len(bounds) == 1:
+        fn(*bounds[0])
+        return
+    if pool is None:
+        with ThreadPoolExecutor(max_workers=len(bounds)) as own:
+            run_parts(own, fn, bounds)
+        return
+    for f in [pool.submit(fn, a, b) for a, b in bounds]:
+        f.result()
