@@ -143,3 +143,17 @@ def test_a_list_of_steps_is_one_replay_with_the_same_results(model):
     for a in many:
         one = ke.logit_attribution(s, a.t, token=32)
         assert a.contributions == one.contributions and a.logit == one.logit
+
+
+def test_a_layer_subset_that_starts_inside_a_block(ref_weights):
+    """Layers 2..6: the embedding then stays in the running sum until the first push (layer 3)."""
+    from conftest import REFERENCE_DIR
+
+    w = ke.KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(2, 7))
+    s = ke.Session(w)
+    s.feed(TEXT[:6])
+    a = ke.logit_attribution(s, -1)
+    assert abs(sum(a.contributions.values()) - a.logit) <= 1e-4 and abs(a.logit - s.logits[-1].max()) <= 1e-4
+    assert list(a.source_weights) == s.trace().source_labels() and a.source_of["embed"] == "input of layer 3"
+    lens = ke.logit_lens(s, top=1)
+    np.testing.assert_array_equal(lens.top_ids[:, -1, 0], np.argmax(s.logits, axis=-1))

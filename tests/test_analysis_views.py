@@ -63,3 +63,12 @@ def test_routing_stats_overview(ref_weights):
     expected = np.where(st.counts > 0, np.log2(np.maximum(st.counts, 1) / balanced), np.nan)
     np.testing.assert_allclose(np.ma.filled(img, np.nan), expected)
     assert figure_png(fig).startswith(PNG)
+
+
+def test_the_report_of_a_session_has_the_lens_and_the_waterfall(runs, tmp_path):
+    from kimi_explore.views.report import write_report
+
+    _, a, _ = runs
+    page = write_report(a, tmp_path).read_text(encoding="utf-8")
+    for stem in ("logit_lens", "attribution_last_token"):
+        assert f'alt="{stem}"' in page and (tmp_path / f"{stem}.png").read_bytes().startswith(PNG)

@@ -18,7 +18,7 @@ import numpy as np
 from ._plot_helpers import heatmap, span_inches, ticks, token_labels
 from .plots import InlineFigure, escape_mathtext
 
-__all__ = ["attribution_waterfall", "diff_overview", "lens_grid", "routing_stats_overview"]
+__all__ = ["attribution_waterfall", "diff_overview", "lens_grid", "report_figures", "routing_stats_overview"]
 
 DIVERGING = "RdBu_r"
 PROB_CMAP = "viridis"
@@ -165,3 +165,20 @@ def routing_stats_overview(stats):
     side.legend(fontsize=7, loc="lower right")
     side.grid(axis="x", alpha=0.3)
     return fig
+
+
+def report_figures(session, tokenizer=None) -> list:
+    """(section, file stem, caption, figure) of the analyses for `kimi-explore report` (they replay the session)."""
+    from ..analysis.attribution import logit_attribution
+    from ..analysis.logit_lens import logit_lens
+
+    lens = logit_lens(session, top=1)
+    attr = logit_attribution(session, -1)
+    agree = lens.agreement()
+    return [("Logit lens", "logit_lens",
+             "Top-1 prediction after every layer through the block residuals (the output mix, final norm and lm_head "
+             f"applied to the stack so far); agreement with the final top-1: {agree[0]:.2f} after the first layer, "
+             f"{agree[len(agree) // 2]:.2f} mid-depth, {agree[-1]:.2f} at the last.", lens_grid(lens, tokenizer)),
+            ("Direct logit attribution", "attribution_last_token",
+             f"The last token's top-1 logit ({attr.logit:.3f}) split exactly into the embedding, attention, FFN, "
+             "routed-expert and shared-expert leaves (final norm frozen).", attribution_waterfall(attr, tokenizer=tokenizer))]

@@ -109,7 +109,12 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections: dict[str, list[str]] = {}
-    for section, stem, caption, fig in _figures(trace, tokenizer, layers):
+    figures = _figures(trace, tokenizer, layers)
+    if hasattr(session_or_trace, "step"):  # the analyses replay a session's history; a bare trace cannot
+        from .analysis_plots import report_figures
+
+        figures += report_figures(session_or_trace, tokenizer)
+    for section, stem, caption, fig in figures:
         png = plots.figure_png(fig, dpi=dpi)
         (out / f"{stem}.png").write_bytes(png)
         data = base64.b64encode(png).decode("ascii")
