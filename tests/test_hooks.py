@@ -241,26 +241,3 @@ def test_a_replacement_on_the_wrong_device_is_reported(ref_weights):
     hooks.add("layers.2.attn.out", lambda v, *, hook: DeviceArray(v))
     with pytest.raises(TypeError, match=r"layers\.2\.attn\.out.*returned a CuPy \(GPU\) array, but this site's value is a host"):
         decode(ref_weights, TOKENS[:1], hooks)
-
-
-def test_active_names_are_the_sites_that_do_something(ref_weights):
-    from kimi_explore.inspection.recorder import Recorder
-
-    assert Hooks().active_names() is None  # unbound: any name may fire
-    hooks = Hooks().bind(ref_weights)
-    assert hooks.active_names() == {"embed"}  # the token counter
-    hooks.add("layers.*.moe.router.topk_ids", lambda v, *, hook: None)
-    assert hooks.active_names() == {"embed"} | {f"layers.{i}.moe.router.topk_ids" for i in range(1, 14)}
-    rec = Recorder().bind(ref_weights)
-    active = rec.active_names()
-    assert "layers.3.kda.state" in active and "layers.3.attn.in" not in active and "logits" in active
-    # a decoder that fired only the active names would record exactly the same
-    fired = Recorder().bind(ref_weights)
-
-    class OnlyActive:
-        def fire(self, name, value):
-            return fired.fire(name, value) if name in active else value
-
-    decode(ref_weights, TOKENS, OnlyActive())
-    decode(ref_weights, TOKENS, rec)
-    assert fired.trace().equals(rec.trace())

@@ -116,6 +116,23 @@ def test_tokens_positions_and_records_are_copies(ref_weights, ref):
     np.testing.assert_array_equal(later.positions, np.arange(6))
 
 
+def test_recorder_copies_logits(ref_weights, ref):
+    """The caller owns the logits it gets back and may write into them: what the recorder keeps
+    (the top-k of the default record, a full record) must be what the step returned, not a view."""
+    rec = Recorder(full=["logits"]).bind(ref_weights)
+    state = KimiDecodeState.new(ref_weights)
+    returned = []
+    for t in ref["tokens"][:3]:
+        logits = kimi_forward_token(ref_weights, state, int(t), hooks=rec)
+        returned.append(np.array(logits, copy=True))
+        logits *= -1.0  # in place: the lowest logits become the highest
+    trace = rec.trace()
+    z = np.stack(returned).astype(np.float64)
+    want = np.argsort(-z, axis=1, kind="stable")[:, : rec.top_k]
+    np.testing.assert_array_equal(trace["logits.top_ids"], want)
+    np.testing.assert_array_equal(trace["logits"], np.stack(returned))
+
+
 # ---------------------------------------------------------------- selection
 
 

@@ -21,6 +21,11 @@ Hooks also checks its exact names after the first full token and warns about any
 
 Token positions: `hook.position` is the 0-based index of the token being decoded. It counts the
 `embed` sites this Hooks has seen, unless `begin_token(token_id, position)` set it (Session does).
+
+Observers: `Hooks(observer=obj)` also runs, at each site and after every hook there, the functions
+`obj.site_functions(name)` lists; each is called as `fn(value)` and cannot change the value. A
+Recorder records this way, through a Hooks it holds; the functions may be C-level (`list.append`),
+so a recorded site adds no Python frame.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import contextlib
 import fnmatch
 import warnings
 
+from ..backend import on_host
 from ..model.kimi_decoder import hook_names
 from ._hook_grammar import LAYER_NAME, check_pattern, hook_grammar, is_glob
 
@@ -98,9 +104,11 @@ class Hooks:
     """An ordered set of hook functions attached to names, globs or name filters.
 
     Pass it as `kimi_forward_token(..., hooks=hooks)`. `len(hooks)` is the number of attached hooks.
+    `observer`: see the module docstring.
     """
 
-    def __init__(self):
+    def __init__(self, observer=None):
+        self.observer = observer
         self._handles: list[HookHandle] = []
         self._cache: dict[str, tuple] = {}  # name -> ((fn, HookPoint), ...); () for un-hooked names
         self._points: dict[str, HookPoint] = {}
@@ -113,8 +121,6 @@ class Hooks:
         self.position: int | None = None
         self.token_id: int | None = None
         self._next: tuple | None = None  # (token_id, position) announced by begin_token
-        self.version = 0  # bumped on every add/remove: lets a Session know the hooks changed
-        self._active = None  # (version, active_names())
 
     # ------------------------------------------------------------------ attaching
     def add(self, name_or_glob=None, fn=None, *, names_filter=None) -> HookHandle:
@@ -139,16 +145,12 @@ class Hooks:
         self._changed()
         return handle
 
-    def add_filter(self, names_filter, fn) -> HookHandle:
-        """`add(names_filter=names_filter, fn=fn)`."""
-        return self.add(names_filter=names_filter, fn=fn)
-
     def extend(self, other: Hooks) -> list[HookHandle]:
         """Attach every hook of `other` (in its order) to this set; returns the new handles."""
         return [self.add(h.pattern, h.fn, names_filter=h.names_filter) for h in other._handles]
 
     def __add__(self, other: Hooks) -> Hooks:
-        """A new plain Hooks holding this set's hooks, then `other`'s."""
+        """A new Hooks holding this set's hooks, then `other`'s (e.g. two interventions at once)."""
         out = Hooks()
         out._known, out._known_order = self._known, self._known_order
         out.extend(self)
@@ -200,25 +202,10 @@ class Hooks:
     def __len__(self) -> int:
         return len(self._handles)
 
-    def active_names(self) -> frozenset | None:
-        """The names at which `fire` does anything (None while unbound: then every name may).
-
-        For a decoder that wants to skip the un-hooked sites: `fire` is then needed only at these.
-        """
-        if self._known is None:
-            return None
-        if self._active is None or self._active[0] != self.version:
-            self._active = (self.version, frozenset(n for n in self._known_order if self._functions(n)))
-        return self._active[1]
-
-    @property
-    def handles(self) -> list[HookHandle]:
-        return list(self._handles)
-
-    def copy(self) -> Hooks:
-        """A new Hooks with the same functions attached (the functions themselves are shared)."""
-        out = type(self).__new__(type(self))
-        Hooks.__init__(out)
+    def copy(self, observer=None) -> Hooks:
+        """A new Hooks with the same functions attached (the functions themselves are shared), bound
+        to the same names, at the same position; `observer` for the copy (an observer is not copied)."""
+        out = Hooks(observer)
         out._known, out._known_order = self._known, self._known_order
         for h in self._handles:
             out._handles.append(HookHandle(out, h.pattern, h.names_filter, h.fn))
@@ -235,7 +222,10 @@ class Hooks:
             self._validate(h)
         return self
 
-    check = bind
+    @property
+    def names(self) -> list[str] | None:
+        """The bound model's hook names in firing order (None while unbound)."""
+        return self._known_order if self._known is not None else None
 
     def _validate(self, handle: HookHandle) -> None:
         if handle.names_filter is not None:
@@ -268,10 +258,6 @@ class Hooks:
         self.position = position if position is not None else (0 if self.position is None else self.position + 1)
         self.token_id = token_id
 
-    def reset_position(self) -> None:
-        """Forget the token count: the next token is position 0."""
-        self.position, self.token_id, self._next = None, None, None
-
     def fire(self, name: str, value):
         """Called by the decoder at every site: run the hooks attached to `name`, return the value to use."""
         fns = self._cache.get(name)
@@ -299,10 +285,13 @@ class Hooks:
         return p
 
     def _functions(self, name: str) -> list:
-        """The functions to run at `name`, in order (subclasses add their own around the user's)."""
+        """The functions to run at `name`, in order: (fn, HookPoint) for hooks; (fn, None) for the
+        internal ones, called as fn(value) (the token counter, then the observer's)."""
         fns = [(h.fn, self._point(name)) for h in self._handles if h.matches(name)]
         if name == "embed":
-            fns.insert(0, (self._on_embed, None))  # (fn, None): internal, called as fn(value)
+            fns.insert(0, (self._on_embed, None))
+        if self.observer is not None:
+            fns += [(fn, None) for fn in self.observer.site_functions(name)]
         return fns
 
     def _resolve(self, name: str) -> tuple:
@@ -313,10 +302,13 @@ class Hooks:
                 self._check_first_token()
         return fns
 
+    def refresh(self) -> None:
+        """Resolve every name's functions again at its next `fire` (after the observer's choices changed)."""
+        self._cache.clear()
+
     def _changed(self) -> None:
         self._cache.clear()
         self._checked_after_first_token = False  # re-check new exact names at the next "logits"
-        self.version += 1
 
     def __repr__(self) -> str:
         body = ", ".join(h.describe() for h in self._handles)
@@ -348,7 +340,7 @@ class HookChain:
 
 
 def _on_gpu(a) -> bool:
-    return type(a).__module__.startswith("cupy")
+    return not on_host(a)
 
 
 def _check_replacement(point: HookPoint, old, new, fn) -> None:

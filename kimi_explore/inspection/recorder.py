@@ -45,10 +45,13 @@ import dataclasses
 import fnmatch
 import functools
 import json
+from typing import NamedTuple
 
 import numpy as np
 
 from .._xp import array_namespace as _xp
+from ..backend import on_host
+from ._hook_grammar import LAYER_NAME
 from ._recording import RowSquares, spread, take, to_host, top_predictions
 from .hooks import Hooks, check_pattern, is_glob
 from .trace import Trace
@@ -75,6 +78,22 @@ DEFAULT_SITES = {
 }
 
 
+class TokenRecords(NamedTuple):
+    """One finished token's records whose array work waits for the batch (`Recorder.flush`).
+
+    Squared norms are [n, rows] for the n keys or layer prefixes beside them (None: none recorded).
+    """
+
+    moe_keys: list  # "layers.{i}.moe.{routed,shared}_out.norm"
+    moe_squares: object  # [n, 1]
+    state_prefixes: list  # "layers.{i}.kda."
+    state_squares: object  # [n, H]
+    conv_prefixes: list
+    conv_squares: object  # [n, 3H]
+    logits: object  # a copy of the logits [V] (the caller may write into the ones it got), or None
+    fresh: tuple  # (record keys, fresh device arrays): GPU only
+
+
 def _predicate(spec, what: str):
     """None | name | glob | list of them | callable -> (name -> bool, patterns to check)."""
     if spec is None:
@@ -89,14 +108,17 @@ def _predicate(spec, what: str):
     return (lambda n: n in exact or any(fnmatch.fnmatchcase(n, g) for g in globs)), patterns
 
 
-class Recorder(Hooks):
+class Recorder:
     """Records what `kimi_forward_token` computes, token by token (see module docstring).
 
-    Usable wherever a Hooks is: user hooks added to it run before its own recording.
+    Pass it as `hooks=`: it holds a `Hooks` (`self.hooks`) that it observes (`site_functions`), and
+    hooks added to it (`add`, `extend`, `hooked`, ...) run before its recording, so it records what
+    flows downstream.
     """
 
     def __init__(self, names_filter=None, full=(), top_k: int = 10):
-        super().__init__()
+        self.hooks = Hooks(observer=self)
+        self.fire = self.hooks.fire  # the decoder calls rec.fire: straight into the Hooks
         if not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"Recorder: top_k must be a positive int, got {top_k!r}")
         self.top_k = top_k
@@ -111,7 +133,7 @@ class Recorder(Hooks):
         self._conv_stash: dict[str, object] = {}  # "layers.{i}.kda." -> live conv window [3, P, W]
         self._fresh_stash: dict[str, object] = {}  # record key -> fresh device array (GPU only)
         self._state_norm_prefixes: set[str] = set()  # layers whose state norm is recorded
-        self._batch: list[tuple] = []  # finished tokens whose batched records are not computed yet
+        self._batch: list[TokenRecords] = []  # finished tokens whose batched records are not computed yet
         self._batch_bytes = 0
         self._record_top = False  # set when the logits site's top-k is recorded
         self._squares = RowSquares()  # per-token squared norms without per-token allocations
@@ -119,16 +141,41 @@ class Recorder(Hooks):
         self._on_device = False
         self.meta: dict = {}
 
+    # ------------------------------------------------------------------ the Hooks it holds
+    def add(self, name_or_glob=None, fn=None, *, names_filter=None):
+        """`Hooks.add`: a hook that runs before the recording at its sites."""
+        return self.hooks.add(name_or_glob, fn, names_filter=names_filter)
+
+    def extend(self, other: Hooks) -> list:
+        return self.hooks.extend(other)
+
+    def remove(self, what) -> int:
+        return self.hooks.remove(what)
+
+    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None):
+        return self.hooks.hooked(name_or_glob, fn, names_filter=names_filter)
+
+    def begin_token(self, token_id=None, position=None) -> None:
+        self.hooks.begin_token(token_id, position)
+
+    def __len__(self) -> int:
+        """The number of hooks added to this recorder (its own recording is not a hook)."""
+        return len(self.hooks)
+
+    @property
+    def position(self) -> int | None:
+        return self.hooks.position
+
     # ------------------------------------------------------------------ binding and names
     def bind(self, weights_or_names) -> Recorder:
         """Check names against a model and keep what a Trace needs to label its axes without the weights."""
-        super().bind(weights_or_names)
+        self.hooks.bind(weights_or_names)
         for p in self._filter_patterns + self._full_patterns:
-            check_pattern(p, self._known_order, "Recorder pattern")
+            check_pattern(p, self.hooks.names, "Recorder pattern")
         if hasattr(weights_or_names, "layers"):
             self.meta = model_meta(weights_or_names)
-            self._on_device = weights_or_names.xp is not np
-            self._cache.clear()
+            self._on_device = not on_host(weights_or_names.xp)
+            self.hooks.refresh()
         return self
 
     def _wants(self, name: str, kind: str) -> bool:
@@ -140,21 +187,24 @@ class Recorder(Hooks):
             row = self._rows[key] = []
         return row
 
-    def _functions(self, name: str) -> list:
-        """User hooks first (super), then this recorder's functions. Entries (fn, None) are internal:
-        called as fn(value), most of them C-level (`list.append`, a dict `__setitem__` partial), so a
-        recorded site runs no Python frame of its own."""
-        fns = super()._functions(name)
-        kind = self._point(name).kind
+    def site_functions(self, name: str) -> list:
+        """What the Hooks runs at `name` after its hooks (the observer protocol): functions called as
+        fn(value), most of them C-level (`list.append`, a dict `__setitem__` partial), so a recorded
+        site runs no Python frame of its own."""
+        fns = []
+        if name == "embed":
+            fns.append(self._start_token)
+        m = LAYER_NAME.match(name)
+        kind = m.group(2) if m else name
         if self._wants(name, kind) or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
             fn = self._recording_fn(name, kind)
             if fn is not None:
-                fns.append((fn, None))
+                fns.append(fn)
         if self.full is not None and self.full(name):
             put, emit = self._row(name).append, self._emit
-            fns.append((lambda value: emit(put, value.copy()), None))
+            fns.append(lambda value: emit(put, value.copy()))
         if name == "logits":
-            fns.append((self._end_token, None))
+            fns.append(self._end_token)
         return fns
 
     # ------------------------------------------------------------------ recording functions
@@ -193,17 +243,14 @@ class Recorder(Hooks):
             self._state_norm_prefixes.add(prefix)
         return functools.partial(self._state_stash.__setitem__, prefix)  # also gives the conv norms their H
 
-    def _on_embed(self, value):
-        """Start of a token (replaces Hooks._on_embed: one Python call per token instead of two)."""
-        token_id, position = self._next if self._next is not None else (None, None)
-        self._next = None
-        self.position = position if position is not None else (0 if self.position is None else self.position + 1)
-        self.token_id = token_id
+    def _start_token(self, value):
+        """At "embed", after the Hooks has counted the token."""
+        token_id = self.hooks.token_id
         self.tokens.append(-1 if token_id is None else token_id)
-        self.positions.append(self.position)
-        if isinstance(value, np.ndarray) == self._on_device:  # first token of an unbound recorder on a GPU
+        self.positions.append(self.hooks.position)
+        if on_host(value) == self._on_device:  # first token of an unbound recorder on a GPU
             self._on_device = not self._on_device
-            self._cache.clear()  # rebuild the site functions for device arrays
+            self.hooks.refresh()  # rebuild the site functions for device arrays
 
     def _end_token(self, value):
         """Last function at "logits": squared norms of this token's stashed vectors and live buffers, logits copy."""
@@ -225,7 +272,7 @@ class Recorder(Hooks):
             moe = self._squares.of(vecs, 1)  # [n, 1]
         fresh = take(self._fresh_stash) if self._fresh_stash else ((), ())
         logits = value.copy() if self._record_top else None  # the caller may write into the logits it gets back
-        self._batch.append((norm_keys, moe, prefixes, state, cprefixes, conv, logits, fresh))
+        self._batch.append(TokenRecords(norm_keys, moe, prefixes, state, cprefixes, conv, logits, fresh))
         self._batch_bytes += value.nbytes
         if len(self._batch) >= FLUSH_TOKENS or self._batch_bytes >= FLUSH_BYTES:
             self.flush()
@@ -238,14 +285,15 @@ class Recorder(Hooks):
             keys = {"moe": [], "state": [], "conv": []}
             squares = {"moe": [], "state": [], "conv": []}
             logits = []
-            for nk, moe, sp, st, cp, cv, lg, _ in batch:
-                for kind, ks, sq in (("moe", nk, moe), ("state", [p + "state.norm" for p in sp], st),
-                                     ("conv", [p + "conv.norm" for p in cp], cv)):
+            for tok in batch:
+                for kind, ks, sq in (("moe", tok.moe_keys, tok.moe_squares),
+                                     ("state", [p + "state.norm" for p in tok.state_prefixes], tok.state_squares),
+                                     ("conv", [p + "conv.norm" for p in tok.conv_prefixes], tok.conv_squares)):
                     if sq is not None:
                         keys[kind] += ks
                         squares[kind].append(sq)
-                if lg is not None:
-                    logits.append(lg)
+                if tok.logits is not None:
+                    logits.append(tok.logits)
             # squared norms -> norms, one row per record: MoE outputs [n, 1] -> scalars, KDA states [n, H],
             # KDA conv windows [n, 3H] -> [n, 3 (q, k, v), H]
             for kind, shaped in (("moe", lambda x: x.reshape(-1)), ("state", lambda x: x),
@@ -259,8 +307,8 @@ class Recorder(Hooks):
                 ids, probs = top_predictions(_xp(logits[0]).stack(logits), self.top_k)
                 emit(spread([rows["logits.top_ids"].append] * len(logits)), ids)
                 emit(spread([rows["logits.top_probs"].append] * len(logits)), probs)
-            for *_, (fresh_keys, fresh_values) in batch:  # fresh device arrays (GPU only)
-                for k, v in zip(fresh_keys, fresh_values, strict=True):
+            for tok in batch:  # fresh device arrays (GPU only)
+                for k, v in zip(*tok.fresh, strict=True):
                     emit(rows[k].append, v)
         if self._pending:
             pending = self._pending[:]
@@ -292,7 +340,7 @@ class Recorder(Hooks):
         del self.tokens[n:]
         del self.positions[n:]
         self._drop_token_buffers()
-        self.position = self.positions[-1] if self.positions else None
+        self.hooks.position = self.positions[-1] if self.positions else None
 
     def _drop_token_buffers(self) -> None:
         """Forget a token in progress (after an error in the middle of one) and any unflushed batch."""
@@ -319,19 +367,17 @@ class Recorder(Hooks):
         self.tokens[:] = d["tokens"]
         self.positions[:] = d["positions"]
         self._drop_token_buffers()
-        self.position = self.positions[-1] if self.positions else None
+        self.hooks.position = self.positions[-1] if self.positions else None
 
     def copy(self, deep: bool = True) -> Recorder:
         """A Recorder with the same settings, hooks and records (copied arrays when deep)."""
         out = type(self)(top_k=self.top_k)
         out.names_filter, out._filter_patterns = self.names_filter, list(self._filter_patterns)
         out.full, out._full_patterns = self.full, list(self._full_patterns)
-        out._known, out._known_order, out._on_device = self._known, self._known_order, self._on_device
+        out.hooks = self.hooks.copy(observer=out)
+        out.fire, out._on_device = out.hooks.fire, self._on_device
         out.meta = json.loads(json.dumps(self.meta))
-        for h in self._handles:
-            out.add(h.pattern, h.fn, names_filter=h.names_filter)
         out.load_state_dict(self.state_dict(copy_arrays=deep))
-        out.token_id = self.token_id
         return out
 
 def model_meta(weights) -> dict:

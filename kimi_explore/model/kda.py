@@ -63,6 +63,7 @@ class KdaWeights:
         self.neg_A = -self.A  # [H, 1]: the GGUF `ssm_a` = -exp(A_log)
         self.qk_scale = xp.asarray([1.0 / math.sqrt(self.head_dim), 1.0], dtype=self.A.dtype).reshape(2, 1, 1)
         self.o_norm_scaled = self.o_norm * math.sqrt(self.head_dim)
+        self.taps_ones = xp.ones(self.conv.shape[-1], self.conv.dtype)  # [W]: the conv's sum over taps as a matvec
 
 
 @dataclass
@@ -81,6 +82,11 @@ class KdaState:
     def zeros(cls, w: KdaWeights, xp, dtype) -> KdaState:
         H, K = w.num_heads, w.head_dim
         return cls(xp.zeros(w.conv.shape, dtype), xp.zeros((H, K, K), dtype))
+
+    def __post_init__(self):
+        # kda_step shifts the window through a flat view (one contiguous copy), which needs C order
+        if not self.conv.flags.c_contiguous:
+            self.conv = array_namespace(self.conv).ascontiguousarray(self.conv)
 
     def copy(self) -> KdaState:
         return KdaState(self.conv.copy(), self.recurrent.copy())
@@ -106,18 +112,23 @@ def delta_rule_read(S, q):
 def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     """x: [d] (input_layernorm output) -> [d]; advances `state` in place.
 
-    Written for few array operations (on a tiny model their count, not FLOPs, is the cost): one
-    fused projection, one sigmoid for the output gate and beta together, the q scale folded into
-    the l2norm, the o_norm gain folded with the gate.
+    Written for few array operations (on a tiny model their count and kind, not FLOPs, are the
+    cost): one fused projection, the window shifted as one flat contiguous copy, the conv's and the
+    norms' sums over short axes as matmuls (a NumPy reduction over a short last axis is slow), one
+    sigmoid for the output gate and beta together, the q scale folded into the l2norm, the o_norm
+    gain folded with the gate.
     """
     xp = array_namespace(x)
     H, K = w.num_heads, w.head_dim
     P = H * K
     y = w.in_proj @ x
     window = state.conv
-    window[:, :, :-1] = window[:, :, 1:].copy()  # overlapping ranges: CuPy does not guard against aliasing
+    flat = window.reshape(-1)  # a view: KdaState keeps the window C-contiguous
+    # shift every channel left by one tap: flat[i] <- flat[i + 1]; the taps that cross into the next
+    # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
+    flat[:-1] = flat[1:].copy()
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
-    pre = (window * w.conv).sum(axis=-1)
+    pre = (window * w.conv) @ w.taps_ones  # [3, P]
     qkv = (pre / (1.0 + xp.exp(-pre))).reshape(3, H, K)  # SiLU
     gates = 1.0 / (1.0 + xp.exp(-y[3 * P : 4 * P + H]))  # sigmoid of the output gate and beta, side by side
     gate, beta = gates[:P].reshape(H, K), gates[P:]
@@ -126,7 +137,8 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     alpha = xp.exp(w.lower_bound / (1.0 + xp.exp((f + w.dt_bias) * w.neg_A)))
 
     qk = qkv[:2]
-    qk = qk * (w.qk_scale / xp.sqrt((qk * qk).sum(axis=-1, keepdims=True) + L2NORM_EPS))
+    sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head
+    qk = qk * (w.qk_scale / xp.sqrt(sq + L2NORM_EPS))
     q, k, v = qk[0], qk[1], qkv[2]
     if hooks is not None:
         q = hooks.fire(prefix + "kda.q", q)
@@ -145,7 +157,8 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
             S[...] = new
     o = delta_rule_read(S, q)
     # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt((o * o).sum(axis=-1, keepdims=True) + K * w.eps)
+    sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
+    o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + K * w.eps)
     return w.o_proj @ o.reshape(P)
 
 
