@@ -23,59 +23,77 @@ from .._xp import array_namespace
 from ..backend import to_numpy
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
 from .recorder import Recorder
+from .session import SessionSnapshot
 from .trace import read_npz_header
 
-__all__ = ["load_session", "save_session", "weights_fingerprint"]
+__all__ = ["SavedSettings", "load_session", "save_session", "weights_fingerprint"]
 
 FORMAT = "kimi_explore.inspection.session/1"
 
 
-def save_session(session, path, checkpoints: bool = True) -> Path:
+@dataclasses.dataclass
+class SavedSettings:
+    """What a session file says about how to continue, besides the history itself."""
+
+    checkpoint_every: int
+    recorder: dict | None  # Recorder(**recorder) records as the saved session did; None: it recorded nothing
+
+
+def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, recorder: Recorder | None,
+                 checkpoints: bool = True) -> Path:
+    """Write `snap` (a `Session.snapshot()`) and the settings to continue it as one .npz."""
     path = Path(path)
     if path.suffix != ".npz":
         path = path.with_name(path.name + ".npz")
     arrays, layout = {}, {}
-    states = [("state", session.state)] + ([(f"ckpt{t}", s) for t, s in session._checkpoints.items()] if checkpoints else [])
+    states = [("state", snap.state)] + ([(f"ckpt{t}", s) for t, s in snap.checkpoints.items()] if checkpoints else [])
     for key, state in states:
         layout[key] = _put_state(arrays, key, state)
     rec = None
-    if session.recorder is not None:
-        rec = {"top_k": session.recorder.top_k, "tokens": session.recorder.tokens, "positions": session.recorder.positions,
-               "filter": _patterns(session.recorder, "_filter_patterns", "names_filter"),
-               "full": _patterns(session.recorder, "_full_patterns", "full"), "keys": []}
-        for k, rows in session.recorder.state_dict()["rows"].items():
+    if snap.records is not None:
+        rec = {**_recorder_settings(recorder), "tokens": snap.records["tokens"], "positions": snap.records["positions"],
+               "keys": []}
+        for k, rows in snap.records["rows"].items():
             if rows:
                 rec["keys"].append(k)
                 arrays[f"rec/{k}/flat"] = np.concatenate([np.asarray(r).reshape(-1) for r in rows])
                 arrays[f"rec/{k}/shapes"] = np.array([np.shape(r) for r in rows], dtype=np.int64).reshape(len(rows), -1)
-    header = {"format": FORMAT, "fingerprint": weights_fingerprint(session.weights), "tokens": session._tokens,
-              "modified": session._modified, "layout": layout, "checkpoint_every": session.checkpoint_every, "recorder": rec}
-    arrays["logits"] = session.logits
+    header = {"format": FORMAT, "fingerprint": weights_fingerprint(weights), "tokens": snap.tokens,
+              "modified": snap.modified, "layout": layout, "checkpoint_every": checkpoint_every, "recorder": rec}
+    V = weights.config.vocab_size
+    arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
     np.savez_compressed(path, header=np.array(json.dumps(header)), **arrays)
     return path
 
 
-def load_session(cls, path, weights, recorder=True, tokenizer=None, hooks=None):
+def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
+    """The history in a `save_session` file, checked to belong to `weights`, and the settings to continue it."""
     with np.load(path, allow_pickle=False) as z:
         header = read_npz_header(z, path, FORMAT, "session state")
         _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
-        saved = header["recorder"]
-        if recorder is True and saved:
-            recorder = Recorder(top_k=saved["top_k"], names_filter=saved["filter"], full=saved["full"] or ())
-        s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=header["checkpoint_every"])
-        s.state = _get_state(z, "state", header["layout"]["state"], weights)
-        s._checkpoints = {int(k[4:]): _get_state(z, k, lay, weights) for k, lay in header["layout"].items() if k != "state"}
-        s._tokens, s._modified = [int(t) for t in header["tokens"]], [bool(m) for m in header["modified"]]
-        s._logits, s._stacked = list(z["logits"]), None
-        if s.recorder is not None and saved:
+        saved, records = header["recorder"], None
+        if saved is not None:
             rows = {}
             for k in saved["keys"]:
                 flat, shapes = z[f"rec/{k}/flat"], z[f"rec/{k}/shapes"]
                 sizes = np.prod(shapes, axis=1).astype(int) if shapes.shape[1] else np.ones(len(shapes), int)
                 parts = np.split(flat, np.cumsum(sizes)[:-1])
                 rows[k] = [p.reshape(tuple(sh)) for p, sh in zip(parts, shapes, strict=True)]
-            s.recorder.load_state_dict({"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]})
-    return s
+            records = {"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]}
+        snap = SessionSnapshot(
+            weights_id=id(weights), state=_get_state(z, "state", header["layout"]["state"], weights),
+            tokens=[int(t) for t in header["tokens"]], logits=list(z["logits"]),
+            modified=[bool(m) for m in header["modified"]],
+            checkpoints={int(k[4:]): _get_state(z, k, lay, weights) for k, lay in header["layout"].items() if k != "state"},
+            records=records)
+    settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
+    return snap, SavedSettings(header["checkpoint_every"], settings)
+
+
+def _recorder_settings(rec: Recorder) -> dict:
+    """What the recorder records, as the header keeps it (a callable filter cannot be saved: the default then)."""
+    return {"top_k": rec.top_k, "filter": _patterns(rec, "_filter_patterns", "names_filter"),
+            "full": _patterns(rec, "_full_patterns", "full")}
 
 
 def _patterns(rec: Recorder, attr: str, what: str):

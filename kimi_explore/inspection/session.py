@@ -1,23 +1,33 @@
-"""Session: step through K3 token by token, with a history you can rewind, fork, save and reload exactly.
+"""Session: step through K3 token by token, with a history you can truncate, fork, save and reload exactly.
 
     s = Session(weights)                      # records with a default Recorder
     s.feed([17, 203, 5]); s.step(88)          # logits of each step, host NumPy
     s.generate(8)                             # greedy (temperature=0) or seeded sampling
     s.tokens, s.logits, s.trace()             # history: [T] ids, [T, V] logits, the Recorder's Trace
+    s.back()                                  # drop the last token (s.back(3): the last 3)
+    s.truncate(2); s.step(5)                  # keep the first 2 tokens, then a different third
     snap = s.snapshot(); ...; s.restore(snap)
-    s.rewind(2); s.step(5)                    # back to the first 2 tokens, then a different third
     other = s.fork()                          # an independent copy (shares only the weights)
     with s.intervene(interventions.ablate_experts(3, "all")): s.step(7)
     s.save_state("bug.npz"); Session.load_state("bug.npz", weights)
 
+Going back has two spellings that cannot be confused: `truncate(n_tokens)` keeps the first
+n_tokens (like `file.truncate(size)`), `back(k)` drops the last k. (`rewind(t)` meant "keep t",
+read as "go back t", and is gone.)
+
 Exactness: every restore is bit-identical. The session keeps copies of the decode state
 ("checkpoints") after every `checkpoint_every`-th token and after every token decoded while hooks
-that may change values (`session.hooks`, or hooks added to the recorder) were attached; `rewind(t)`
-copies the nearest checkpoint at or before t and re-decodes the tokens after it without hooks.
-Those tokens were decoded without value-changing hooks, so the replay repeats the same arithmetic
-on the same inputs. State copies keep every array's shape (an MLA cache keeps its capacity), so
-the replayed arithmetic runs on the same layouts too. Memory: one checkpoint is one decode state
-(KDA matrices + MLA caches); lower `checkpoint_every` for faster rewinds, raise it to save memory.
+that may change values (`session.hooks`, or hooks added to the recorder) were attached;
+`truncate(n)` drops the checkpoints after n, copies the nearest one at or before n and re-decodes
+the tokens after it without hooks. Those tokens were decoded without value-changing hooks, so the
+replay repeats the same arithmetic on the same inputs. State copies keep every array's shape (an
+MLA cache keeps its capacity), so the replayed arithmetic runs on the same layouts too. Memory: one
+checkpoint is one decode state (KDA matrices + MLA caches); lower `checkpoint_every` for faster
+truncates, raise it to save memory.
+
+The whole history is one explicit record, `SessionSnapshot`: `snapshot()` returns it, `restore()`
+takes it, `fork()` builds a new Session and restores a copy into it, and a session file
+(`_session_io`) holds one.
 """
 
 from __future__ import annotations
@@ -29,26 +39,25 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import to_numpy
-from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, kimi_forward_token
+from ..model.kimi_decoder import KimiDecodeState, kimi_forward_token
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
 
-__all__ = ["Session", "SessionSnapshot", "copy_state"]
-
-
-def copy_state(state: KimiDecodeState) -> KimiDecodeState:
-    """A deep copy that keeps every array's shape (unlike a compacting copy), so replays are exact."""
-    return KimiDecodeState([KimiLayerState(_copy_arrays(ls.attention)) for ls in state.layers], state.position)
-
-
-def _copy_arrays(record):
-    arrays = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-    return dataclasses.replace(record, **{k: v.copy() for k, v in arrays.items() if hasattr(v, "shape")})
+__all__ = ["Session", "SessionSnapshot"]
 
 
 @dataclasses.dataclass
 class SessionSnapshot:
-    """What `Session.snapshot()` returns: a private copy of the decode state plus the history lengths' contents."""
+    """A session's whole history: what `snapshot()` returns, `restore()` takes and a session file holds.
+
+    weights_id:  id() of the weights the history was decoded with (restore checks it)
+    state:       the decode state after all `tokens` (a private copy)
+    tokens:      [T] token ids
+    logits:      T host arrays [vocab]; never written after they are stored
+    modified:    [T] bools: token t was decoded with hooks that may change values
+    checkpoints: {t: decode state after the first t tokens}; never written either
+    records:     the recorder's `state_dict()`, or None when the session records nothing
+    """
 
     weights_id: int
     state: KimiDecodeState
@@ -60,6 +69,10 @@ class SessionSnapshot:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def __repr__(self) -> str:
+        records = "on" if self.records is not None else "off"
+        return f"SessionSnapshot({len(self)} tokens, {len(self.checkpoints)} checkpoints, records {records})"
 
 
 class Session:
@@ -119,7 +132,10 @@ class Session:
         return self.recorder.trace()
 
     def __repr__(self) -> str:
-        return f"Session({len(self)} tokens, recorder={'on' if self.recorder is not None else 'off'}, hooks={len(self.hooks)})"
+        state = self.state.nbytes * (1 + len(self._checkpoints)) + sum(a.nbytes for a in self._logits)
+        return (f"Session({len(self)} tokens, {len(self._checkpoints)} checkpoints, {state / 2**20:.1f} MiB of state "
+                f"and logits; recorder {'on' if self.recorder is not None else 'off'}, {len(self.hooks)} hooks; "
+                f"{self.weights.device} {np.dtype(self.weights.dtype).name})")
 
     # ------------------------------------------------------------------ decoding
     def _may_modify(self) -> bool:
@@ -144,7 +160,7 @@ class Session:
         self._stacked = None
         self._modified.append(modified)
         if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
-            self._checkpoints[t + 1] = copy_state(self.state)
+            self._checkpoints[t + 1] = self.state.copy()
         return host.copy()
 
     def feed(self, token_ids) -> np.ndarray:
@@ -196,7 +212,7 @@ class Session:
     def _state_after(self, t: int) -> KimiDecodeState:
         """The exact decode state after the first t tokens of the history."""
         c = max([k for k in self._checkpoints if k <= t], default=0)
-        state = copy_state(self._checkpoints[c]) if c else KimiDecodeState.new(self.weights)
+        state = self._checkpoints[c].copy() if c else KimiDecodeState.new(self.weights)
         changed = [s for s in range(c, t) if self._modified[s]]
         if changed:
             raise RuntimeError(f"cannot rebuild the state after {t} tokens exactly: tokens {changed} were decoded with "
@@ -210,47 +226,66 @@ class Session:
         if self.recorder is not None:
             self.recorder.truncate(t)
 
-    def rewind(self, t: int) -> None:
-        """Keep the first t tokens (0 <= t <= len): state, logits and records as they were then."""
-        if not (isinstance(t, (int, np.integer)) and 0 <= t <= len(self._tokens)):
-            raise ValueError(f"Session.rewind: t must be an int in 0..{len(self._tokens)}, got {t!r}")
-        t = int(t)
-        self.state = self._state_after(t)
-        del self._tokens[t:], self._logits[t:], self._modified[t:]
+    def truncate(self, n_tokens: int) -> None:
+        """Keep the first `n_tokens` tokens (0 <= n_tokens <= len) and drop the rest: state, logits, records
+        and checkpoints as they were after token n_tokens - 1. `truncate(0)` empties the session."""
+        T = len(self._tokens)
+        if isinstance(n_tokens, bool) or not (isinstance(n_tokens, (int, np.integer)) and 0 <= n_tokens <= T):
+            raise ValueError(f"Session.truncate: n_tokens (how many tokens to keep) must be an int in 0..{T}, "
+                             f"got {n_tokens!r}; session.back(k) drops the last k")
+        n = int(n_tokens)
+        self.state = self._state_after(n)
+        del self._tokens[n:], self._logits[n:], self._modified[n:]
         self._stacked = None
-        self._checkpoints = {k: v for k, v in self._checkpoints.items() if k <= t}
+        # a checkpoint after n belongs to the discarded future: kept, it would seed a later replay of a new history
+        self._checkpoints = {k: v for k, v in self._checkpoints.items() if k <= n}
         if self.recorder is not None:
-            self.recorder.truncate(t)
+            self.recorder.truncate(n)
 
-    def snapshot(self) -> SessionSnapshot:
-        """A restorable copy of where the session is now (cheap: the state is copied, history arrays shared)."""
-        return SessionSnapshot(id(self.weights), copy_state(self.state), list(self._tokens), list(self._logits),
-                               list(self._modified), dict(self._checkpoints),
-                               self.recorder.state_dict() if self.recorder is not None else None)
+    def back(self, k: int = 1) -> None:
+        """Drop the last `k` tokens (0 <= k <= len): `truncate(len(self) - k)`."""
+        T = len(self._tokens)
+        if isinstance(k, bool) or not (isinstance(k, (int, np.integer)) and 0 <= k <= T):
+            raise ValueError(f"Session.back: k (how many tokens to drop) must be an int in 0..{T}, got {k!r}")
+        self.truncate(T - int(k))
+
+    def rewind(self, *args, **kwargs):
+        """Removed: it kept the first t tokens, which read as "go back t". Use `truncate` or `back`."""
+        raise AttributeError("Session.rewind is gone (rewind(t) kept the first t tokens, which read as 'go back t'): "
+                             "use session.truncate(n_tokens) to keep the first n_tokens, or session.back(k) to drop "
+                             "the last k")
+
+    def snapshot(self, copy_arrays: bool = False) -> SessionSnapshot:
+        """The whole history as a `SessionSnapshot` (the state is copied; logits, checkpoints and records are
+        shared, which is safe because the session never writes them, unless copy_arrays)."""
+        records = self.recorder.state_dict(copy_arrays=copy_arrays) if self.recorder is not None else None
+        if copy_arrays:
+            logits, checkpoints = [a.copy() for a in self._logits], {k: v.copy() for k, v in self._checkpoints.items()}
+        else:
+            logits, checkpoints = list(self._logits), dict(self._checkpoints)
+        return SessionSnapshot(id(self.weights), self.state.copy(), list(self._tokens), logits,
+                               list(self._modified), checkpoints, records)
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Go back (or forward) to `snap` exactly; the snapshot stays usable."""
         if snap.weights_id != id(self.weights):
             raise ValueError("Session.restore: this snapshot was taken from a session over other weights")
-        self.state = copy_state(snap.state)
+        if self.recorder is not None and snap.records is None:
+            raise ValueError("Session.restore: the snapshot holds no records (its session recorded nothing) but this "
+                             "session has a recorder; create it with recorder=False")
+        self.state = snap.state.copy()
         self._tokens, self._logits, self._modified = list(snap.tokens), list(snap.logits), list(snap.modified)
         self._stacked = None
         self._checkpoints = dict(snap.checkpoints)
         if self.recorder is not None:
-            if snap.records is None:
-                raise ValueError("Session.restore: the snapshot was taken without a recorder, this session has one")
             self.recorder.load_state_dict(snap.records)
 
     def fork(self) -> Session:
         """An independent session with the same weights, history, hooks and records (all arrays copied)."""
-        other = Session.__new__(Session)
-        other.weights, other.tokenizer, other.checkpoint_every = self.weights, self.tokenizer, self.checkpoint_every
-        other.recorder = self.recorder.copy(deep=True) if self.recorder is not None else None
-        other.hooks = self.hooks.copy()
-        other.state = copy_state(self.state)
-        other._tokens, other._modified = list(self._tokens), list(self._modified)
-        other._logits, other._stacked = [a.copy() for a in self._logits], None
-        other._checkpoints = {k: copy_state(v) for k, v in self._checkpoints.items()}
+        recorder = self.recorder.copy(deep=False) if self.recorder is not None else False
+        other = Session(self.weights, recorder=recorder, tokenizer=self.tokenizer, hooks=self.hooks.copy(),
+                        checkpoint_every=self.checkpoint_every)
+        other.restore(self.snapshot(copy_arrays=True))
         return other
 
     # ------------------------------------------------------------------ files
@@ -258,15 +293,22 @@ class Session:
         """One .npz with the decode state, tokens, logits, records and the weights' fingerprint.
 
         checkpoints=False leaves the kept state copies out (smaller file; a loaded session can then
-        rewind exactly only over tokens decoded without value-changing hooks).
+        truncate exactly only over tokens decoded without value-changing hooks).
         """
         from ._session_io import save_session
 
-        return save_session(self, path, checkpoints)
+        return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints)
 
     @classmethod
     def load_state(cls, path, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None) -> Session:
-        """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs)."""
+        """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs).
+
+        recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
         from ._session_io import load_session
 
-        return load_session(cls, path, weights, recorder, tokenizer, hooks)
+        snap, saved = load_session(path, weights)
+        if recorder is True:
+            recorder = Recorder(**saved.recorder) if saved.recorder is not None else False
+        s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
+        s.restore(snap)
+        return s

@@ -105,7 +105,14 @@ class Trace:
         return len(self.tokens)
 
     def __repr__(self) -> str:
-        return f"Trace({len(self)} tokens, {len(self._records)} records, layers {self.layer_ids})"
+        """One line, however many layers (K3: 93) and records."""
+        ids = self.layer_ids
+        if ids and ids == list(range(ids[0], ids[-1] + 1)):
+            layers = f"layers {ids[0]}-{ids[-1]}"
+        else:
+            layers = f"layers {ids}" if len(ids) <= 8 else f"{len(ids)} layers in {ids[0]}..{ids[-1]}"
+        nbytes = sum(a.nbytes for a in self._records.values())
+        return f"Trace({len(self)} tokens, {len(self._records)} records, {layers}, {nbytes / 2**20:.2f} MiB)"
 
     def equals(self, other: Trace) -> bool:
         """Exactly the same records (NaN == NaN), tokens, positions and meta."""
