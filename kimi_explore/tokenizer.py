@@ -28,6 +28,7 @@ and so are unknown roles (the 9f62e4e9 renderer skips them silently).
 
 from __future__ import annotations
 
+import argparse
 import base64
 import binascii
 import hashlib
@@ -38,10 +39,12 @@ from pathlib import Path
 __all__ = [
     "PAT_STR",
     "ByteTokenizer",
+    "IdsError",
     "KimiTokenizer",
     "TokenizerError",
     "chat_segments",
     "load_tokenizer",
+    "parse_ids",
     "render_chat",
     "split_for_encoding",
 ]
@@ -87,6 +90,26 @@ def _label_bytes(raw: bytes) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+class IdsError(ValueError, argparse.ArgumentTypeError):
+    """Text that is not a list of token ids: a ValueError, and argparse shows its message as it is."""
+
+
+def parse_ids(text: str, what: str = "token ids") -> list[int]:
+    """'17, 203,5' -> [17, 203, 5] (the CLI's --ids, the Explorer's prompt field, expert lists).
+
+    Names the first piece that is not an integer and what the field holds (`what`). Also an
+    argparse `type=`: its IdsError is an ArgumentTypeError, so the message is shown as written.
+    """
+    ids = []
+    for piece in text.replace(" ", "").split(","):
+        if not piece:
+            continue
+        if not piece.lstrip("-").isdigit():
+            raise IdsError(f"{what}: {piece!r} is not an integer (expected comma-separated integers like 17,203,5)")
+        ids.append(int(piece))
+    return ids
 
 
 def _as_ids(ids, vocab_size: int) -> list[int]:

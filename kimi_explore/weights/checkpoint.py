@@ -318,7 +318,7 @@ def _packed_experts(b: _Builder, cfg: KimiDecoderConfig, i: int, capacity: int, 
 
 
 def _dense_experts(b: _Builder, cfg: KimiDecoderConfig, i: int) -> DenseExperts:
-    """Every expert dequantised (MXFP4 through the reference `mxfp4.dequantize`) or widened (dense on disk)."""
+    """Every expert dequantised (MXFP4 through `mxfp4.dequantize`) or widened (dense on disk)."""
     t, E = _At(b, table.MOE, i), cfg.num_experts
     banks = {}
     for field in EXPERT_BANKS:

@@ -299,7 +299,7 @@ def _check_capacity(capacity) -> int:
 
 
 def dense_from_packed(packed: PackedExperts, chunk: int = 8) -> DenseExperts:
-    """Dequantise every expert up front with the reference `mxfp4.dequantize`, `chunk` experts at a time."""
+    """Dequantise every expert up front with `mxfp4.dequantize`, `chunk` experts at a time."""
     xp = array_namespace(packed.w13_packed)
     E = packed.num_experts
     w13 = xp.empty((E,) + packed.w13_packed.shape[1:-1] + (2 * packed.w13_packed.shape[-1],), packed.dtype)
