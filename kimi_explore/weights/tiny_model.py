@@ -241,9 +241,14 @@ def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, 
     return path
 
 
+REPO_DATA = Path(__file__).resolve().parents[2] / "data"
+TRAINED_NAME = "tiny_k3_pydoc"
+
+
 def default_checkpoint() -> Path:
-    """The embedded tiny model: `data/tiny_k3` in a source checkout, else generated once into a cache dir."""
-    repo = Path(__file__).resolve().parent.parent / "data" / "tiny_k3"
+    """The random-weight tiny model (the tests' fixture): `data/tiny_k3` in a source checkout, else
+    generated once into a cache dir. Users get the trained model: `tiny_checkpoint()`."""
+    repo = REPO_DATA / "tiny_k3"
     if (repo / "config.json").exists():
         return repo
     cache = Path.home() / ".cache" / "kimi_explore" / "tiny_k3"
@@ -252,7 +257,33 @@ def default_checkpoint() -> Path:
     return cache
 
 
-tiny_checkpoint = default_checkpoint
+random_checkpoint = default_checkpoint
+
+
+def trained_checkpoint() -> Path:
+    """The embedded default: a tiny K3 trained on Python's `pydoc_data.topics` (`data/tiny_k3_pydoc`,
+    built by `python -m training.train_tiny`; its README.md is the model card). Falls back to the
+    random-weight model, with a warning, where the trained one is not on disk."""
+    path = REPO_DATA / TRAINED_NAME
+    if (path / "config.json").exists():
+        return path
+    import warnings
+
+    warnings.warn(f"the trained tiny model is not at {path}; using the random-weight tiny model instead", stacklevel=2)
+    return default_checkpoint()
+
+
+def describe_checkpoint(path) -> str:
+    """One line saying what a tiny checkpoint is, from its `model_card.json` when it has one."""
+    card = Path(path) / "model_card.json"
+    if card.exists():
+        c = json.loads(card.read_text())
+        return (f"{c['name']}: a tiny K3 trained on {c['corpus']} ({c['params']:,} parameters), "
+                f"{c['val_bits_per_byte']:.2f} bits/byte on its held-out validation split")
+    return f"{Path(path).name}: random weights (no model card)"
+
+
+tiny_checkpoint = trained_checkpoint
 EMBEDDED_SEED = 2026
 EMBEDDED_SHARDS = 5
 
