@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import REFERENCE_DIR
 
 import kimi_explore as ke
 from kimi_explore.analysis._replay import replay
@@ -17,16 +16,14 @@ from kimi_explore.analysis.logit_lens import lens_logits, log_softmax
 from kimi_explore.inspection import interventions
 
 TEXT = list(b"The cat sat. 42 cats!\n")
-MODELS = {"reference": REFERENCE_DIR, "embedded": None}
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=["reference", "embedded"])
 def model(request, ref_weights, tiny_weights):
     w = ref_weights if request.param == "reference" else tiny_weights
-    path = MODELS[request.param] or ke.tiny_checkpoint()
     s = ke.Session(w)
     s.feed(TEXT)
-    return w, path, s
+    return w, w.source, s  # the cut models are loaded from the same checkpoint
 
 
 def test_the_lens_at_the_last_layer_is_the_models_logits(model):
