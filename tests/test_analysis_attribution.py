@@ -157,3 +157,18 @@ def test_a_layer_subset_that_starts_inside_a_block(ref_weights):
     assert list(a.source_weights) == s.trace().source_labels() and a.source_of["embed"] == "input of layer 3"
     lens = ke.logit_lens(s, top=1)
     np.testing.assert_array_equal(lens.top_ids[:, -1, 0], np.argmax(s.logits, axis=-1))
+
+
+def test_packed_experts_give_the_same_split(tiny_weights):
+    """Experts multiplied from their MXFP4 bytes (the bank's own `outputs`) split the logit as the dense bank does."""
+    packed = ke.KimiDecoderWeights.from_pretrained(tiny_weights.source, device="cpu", experts="packed")
+    runs = []
+    for w in (tiny_weights, packed):
+        s = ke.Session(w)
+        s.feed(TEXT[:8])
+        runs.append(ke.logit_attribution(s, -1, token=32))
+    dense, bytes_ = runs
+    assert abs(sum(bytes_.contributions.values()) - bytes_.logit) <= 1e-4
+    assert set(dense.contributions) == set(bytes_.contributions)
+    for leaf, v in dense.contributions.items():
+        assert bytes_.contributions[leaf] == pytest.approx(v, abs=1e-4)
