@@ -87,3 +87,10 @@ def test_lens_arguments_are_checked(ref_weights):
         ke.logit_lens(s, targets=[1, 2])
     with pytest.raises(ValueError, match=r"outside the vocabulary 0\.\.255"):
         ke.logit_lens(s, targets=[1, 2, 999])
+
+
+def test_top_k_of_a_large_vocabulary_is_the_full_sort():
+    from kimi_explore.analysis.logit_lens import _top
+
+    logp = np.random.default_rng(0).standard_normal((3, 20000))
+    np.testing.assert_array_equal(_top(logp, 7), np.argsort(-logp, axis=-1)[:, :7])

@@ -109,13 +109,24 @@ def logit_lens(session, top: int = 5, targets=None) -> LogitLens:
     target_lp = None if target_ids is None else np.full((T, len(w.layers)), np.nan)
     for t, values, _ in replay(session, names):
         logp = log_softmax(to_numpy(lens_logits(w, values)))  # [L, V]
-        ids = np.argsort(-logp, axis=-1, kind="stable")[:, :k]  # ties: lower id first, as the Recorder
+        ids = _top(logp, k)
         top_ids[t] = ids
         top_probs[t] = np.exp(np.take_along_axis(logp, ids, axis=-1))
         if target_ids is not None and target_ids[t] >= 0:
             target_lp[t] = logp[:, target_ids[t]]
     final_ids = np.argmax(session.logits, axis=-1).astype(np.int64)
     return LogitLens(list(w.layer_ids), tokens, top_ids, top_probs, final_ids, target_ids, target_lp)
+
+
+def _top(logp: np.ndarray, k: int) -> np.ndarray:
+    """[L, V] -> the k largest ids per row, descending, ties by lower id (as the Recorder).
+
+    A large vocabulary (K3's 163840) is partitioned first: a full sort of every layer's row would cost more than the lens."""
+    if logp.shape[-1] <= 8192:
+        return np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    part = np.sort(np.argpartition(-logp, k - 1, axis=-1)[:, :k], axis=-1)
+    order = np.argsort(-np.take_along_axis(logp, part, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(part, order, axis=-1)
 
 
 def _targets(targets, tokens: np.ndarray, V: int):

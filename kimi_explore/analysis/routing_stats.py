@@ -147,10 +147,9 @@ class RoutingStats:
             valid = sel >= 0
             np.add.at(self.counts[j], sel[valid], 1)
             np.add.at(self.weight_sum[j], sel[valid], w[valid])
-            onehot = np.zeros((T, self.num_experts), np.int64)
-            rows = np.nonzero(valid)[0]
-            onehot[rows, sel[valid]] = 1
-            self.coactivation[j] += onehot.T @ onehot
+            onehot = np.zeros((T, self.num_experts))
+            onehot[np.nonzero(valid)[0], sel[valid]] = 1.0
+            self.coactivation[j] += np.rint(onehot.T @ onehot).astype(np.int64)  # BLAS; exact below 2**53
             has = valid[:, 0] if sel.shape[1] else np.zeros(T, bool)
             np.add.at(self.class_top1[j], (cls[has], sel[has, 0]), 1)
         self.tokens += T
