@@ -35,29 +35,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kimi_explore.analysis import learned
+
 from .export import round_to_released, save
 from .model import Cfg, KimiK3
 
 LN2 = math.log(2.0)
 
 
-def corpus_bytes() -> bytes:
-    from pydoc_data.topics import topics
-
-    return "".join(topics[k] for k in sorted(topics)).encode("utf-8")
-
-
-def split(data: bytes, val_frac: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation): the last `val_frac` of the bytes is validation."""
-    a = np.frombuffer(data, np.uint8)
-    n_val = int(round(len(a) * val_frac))
-    return a[: len(a) - n_val], a[len(a) - n_val :]
-
-
-def windows(a: np.ndarray, T: int) -> np.ndarray:
-    """Consecutive non-overlapping windows of T+1 bytes (inputs [:T], targets [1:]): [n, T+1]."""
-    n = (len(a) - 1) // T
-    return np.stack([a[i * T : i * T + T + 1] for i in range(n)])
+# one definition of the corpus, the split and the windows: the package's (the card and the tests use it)
+corpus_bytes, split, windows = learned.pydoc_corpus, learned.split_corpus, learned.windows
 
 
 @torch.no_grad()
