@@ -4,6 +4,11 @@
     kimi-explore --prompt "Hello" --top 5          text (needs the checkpoint's tokenizer)
     kimi-explore --ids 17,203,5 --checkpoint DIR   token ids on a checkpoint directory or Hub repo id
     kimi-explore report --prompt "Hello" --out DIR plots + a self-contained HTML page
+
+Errors are one line, `kimi-explore: error: ...`, with exit status 2 (argparse's convention);
+`--debug` shows the traceback instead. The arguments shared with `report` (the model, the prompt,
+the backend) are defined once here, in `add_model_arguments`, and checked before anything is
+decoded: a token id outside the vocabulary is reported before step 0, not after it.
 """
 
 from __future__ import annotations
@@ -11,10 +16,25 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+from .tokenizer import parse_ids
+
 DEFAULT_PROMPT = "Kimi K3, one token at a time."
+RANDOM_NOTE = "tiny K3-shaped model, random weights: its predictions mean nothing; --checkpoint loads a real one"
+
+
+class CliError(ValueError):
+    """A mistake in the command line that only shows once the model is loaded (printed as one line)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, with its errors on one line (no usage block): `prog: error: ...`, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the arguments)\n")
 
 
 def parse_layers(text: str | None):
@@ -23,61 +43,68 @@ def parse_layers(text: str | None):
         return None
     try:
         if "-" in text:
-            a, b = text.split("-")
-            return range(int(a), int(b) + 1)
-        if ":" in text:
-            a, b = text.split(":")
-            return range(int(a), int(b))
-        return [int(x) for x in text.split(",")]
+            a, b = (int(x) for x in text.split("-"))
+            out = range(a, b + 1)
+        elif ":" in text:
+            a, b = (int(x) for x in text.split(":"))
+            out = range(a, b)
+        else:
+            return [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers {text!r}: expected '0-3', '0:4' or '1,5,9'") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected '0-3', '0:4' or '1,5,9'") from None
+    sep = "-" if "-" in text else ":"
+    if a > b:
+        raise argparse.ArgumentTypeError(f"{text!r}: the range is reversed ({a} > {b}); did you mean {b}{sep}{a}?")
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: {a}:{b} selects no layer (it stops where it starts); "
+                                         f"{a}:{a + 1} is layer {a}")
+    return out
 
 
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ids {text!r}: expected comma-separated integers like 17,203,5") from None
+def _at_least(low: int):
+    """An argparse `type=` for ints >= low."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {n}")
+        return n
+
+    return parse
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kimi-explore",
-        description="Feed a prompt through Kimi K3 one token at a time (exact NumPy/CuPy decoder) and print, per "
-        "step, the top next-token predictions and the time the step took. Without --checkpoint it runs the tiny "
-        "K3-shaped model embedded in the package (random weights, byte-level vocabulary).",
-        epilog="Subcommand: 'kimi-explore report --help' writes plots and an offline HTML page for a prompt.",
-    )
+def _prompt_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the prompt is empty: give some text, or token ids with --ids")
+    return text
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, prompt and backend arguments of `kimi-explore` and `kimi-explore report`."""
     p.add_argument("--checkpoint", help="checkpoint directory or Hugging Face repo id (default: the embedded tiny model)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("--prompt", type=_prompt_text,
+                     help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 17,203,5")
-    p.add_argument("--generate", type=int, default=0, metavar="N", help="then greedily generate N more tokens")
-    p.add_argument("--top", type=int, default=5, metavar="K", help="how many next-token predictions to show (default 5)")
+    p.add_argument("--generate", type=_at_least(0), default=0, metavar="N", help="then greedily generate N more tokens")
+    p.add_argument("--top", type=_at_least(1), default=5, metavar="K", help="next-token predictions shown per step (default 5)")
     p.add_argument("--layers", type=parse_layers, help="run only these 0-based layers, e.g. 0-3 (default: all)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="array backend (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
     p.add_argument("--weight-dtype", choices=["bfloat16"], help="keep BF16 matrices as bf16 bits (half the memory)")
     p.add_argument("--experts", default="auto", choices=["auto", "packed", "dense"],
                    help="routed experts: MXFP4-packed or dequantised at load (default auto: dense when small)")
-    p.add_argument("--expert-cache-size", type=int, metavar="N",
+    p.add_argument("--expert-cache-size", type=_at_least(0), metavar="N",
                    help="packed experts: dequantised experts kept per layer (0: none; on the CPU the fused kernel)")
-    return p
+    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
 
 
-def _tokenizer(path):
-    from .tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
-
-
-def _label(tok, i: int) -> str:
-    return f"'{tok.token_label(i)}'" if tok is not None else str(i)  # labels are already escaped
-
-
-def run(args) -> int:
-    from . import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-    from .backend import to_numpy
+def load_model(args):
+    """(weights, checkpoint path, seconds to load) for the parsed model arguments."""
+    from . import KimiDecoderWeights
     from .weights.tiny_model import default_checkpoint
 
     path = args.checkpoint or default_checkpoint()
@@ -85,22 +112,59 @@ def run(args) -> int:
     weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype,
                                                  weight_dtype=args.weight_dtype, experts=args.experts,
                                                  expert_cache_size=args.expert_cache_size)
-    load_s = time.perf_counter() - t0
-    cfg = weights.config
-    tok = _tokenizer(weights.source) if args.ids is None else None
-    ids = args.ids if args.ids is not None else tok.encode(args.prompt or DEFAULT_PROMPT)
+    return weights, path, time.perf_counter() - t0
+
+
+def prompt_ids(args, weights, tokenizer) -> list[int]:
+    """The prompt as token ids (--ids, or --prompt / the default through `tokenizer`), checked against the vocabulary."""
+    if args.ids is not None:
+        ids = list(args.ids)
+    elif tokenizer is None:
+        raise CliError(f"--prompt needs the checkpoint's tokenizer and {weights.source} has none; pass --ids instead")
+    else:
+        ids = tokenizer.encode(args.prompt or DEFAULT_PROMPT)
     if not ids:
-        print("kimi-explore: the prompt encodes to no tokens", file=sys.stderr)
-        return 2
+        raise CliError("--ids is empty: give at least one token id" if args.ids is not None
+                       else "the prompt is empty: it encodes to no tokens")
+    V = weights.config.vocab_size
+    bad = [i for i in ids if not 0 <= i < V]
+    if bad:
+        raise CliError(f"--ids: {', '.join(map(str, bad[:5]))} outside the vocabulary of {weights.source}: "
+                       f"expected ids in 0..{V - 1}")
+    return ids
+
+
+def model_note(path) -> str:
+    """What to say about the weights: the default model's are random."""
+    from .weights.tiny_model import default_checkpoint
+
+    return RANDOM_NOTE if Path(path).resolve() == default_checkpoint().resolve() else ""
+
+
+def _label(tok, i: int) -> str:
+    return f"'{tok.token_label(i)}'" if tok is not None else str(i)  # labels are already escaped
+
+
+def run(args) -> int:
+    from . import KimiDecodeState, kimi_forward_token
+    from .backend import to_numpy
+    from .model.latent_moe import LatentMoeWeights
+    from .tokenizer import load_tokenizer
+
+    weights, path, load_s = load_model(args)
+    cfg = weights.config
+    tok = load_tokenizer(weights.source) if args.ids is None else None
+    ids = prompt_ids(args, weights, tok)
     kinds = [cfg.layer_kind(i) for i in weights.layer_ids]
     n_kda = sum(k.startswith("kda") for k in kinds)
     n_moe = sum(k.endswith("moe") for k in kinds)
-    print(f"kimi-explore: {weights.source}")
+    note = model_note(path)
+    print(f"kimi-explore: {weights.source}" + (f" ({note})" if note else ""))
     print(f"  {len(kinds)} of {cfg.num_hidden_layers} layers ({n_kda} KDA, {len(kinds) - n_kda} MLA; "
           f"{len(kinds) - n_moe} dense, {n_moe} MoE with {cfg.num_experts} experts top-{cfg.num_experts_per_token}), "
           f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; {weights.device}, {np.dtype(weights.dtype).name}; "
           f"loaded in {load_s:.2f} s")
-    banks = [layer.ffn.experts for layer in weights.layers if layer.ffn.kind == "moe"]
+    banks = [layer.ffn.experts for layer in weights.layers if isinstance(layer.ffn, LatentMoeWeights)]
     if banks:
         print(f"  routed experts: {banks[0].route}")
     print(f"\n{'step':>4}  {'input':<14} {'ms':>7}   top-{args.top} next tokens (probability)")
@@ -127,14 +191,50 @@ def run(args) -> int:
     return 0
 
 
+def guarded(prog: str, fn, args) -> int:
+    """fn(args) with every error as one line on stderr and exit status 2 (the traceback with --debug)."""
+    try:
+        return fn(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the command line's boundary: a person reads this, --debug shows the rest
+        from .backend import BackendError
+
+        if getattr(args, "debug", False):
+            raise
+        msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or "(no message)"
+        if not isinstance(e, (ValueError, OSError, BackendError)):  # not a bad input: say what it is and how to see more
+            msg = f"{type(e).__name__}: {msg} (--debug shows the traceback)"
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="kimi-explore",
+        description="Feed a prompt through Kimi K3 one token at a time (exact NumPy/CuPy decoder) and print, per "
+        "step, the top next-token predictions and the time the step took. Without --checkpoint it runs the tiny "
+        "K3-shaped model embedded in the package (random weights, byte-level vocabulary).",
+        epilog="Subcommands: 'kimi-explore report --help' writes plots and an offline HTML page for a prompt; "
+        "'kimi-explore make-tiny --help' writes a random K3-depth checkpoint (93 layers, 896 experts) to try the views.",
+    )
+    add_model_arguments(p)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "report":
         from .views.report import main as report_main
 
         return report_main(argv[1:])
+    if argv and argv[0] == "make-tiny":
+        from .weights.k3_depth import main as make_tiny_main
+
+        return make_tiny_main(argv[1:])
     args = _parser().parse_args(argv)
-    return run(args)
+    return guarded("kimi-explore", run, args)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import numpy as np
+import pytest
+from conftest import REFERENCE_DIR
 
-from kimi_explore import KimiDecodeState, kimi_forward_token
-from kimi_explore.cli import main, parse_layers
+from kimi_explore import CheckpointError, KimiDecodeState, kimi_forward_token
+from kimi_explore.cli import RANDOM_NOTE, CliError, main, parse_layers
 
 
 def test_help_explains_itself():
     out = subprocess.run([sys.executable, "-m", "kimi_explore", "--help"], capture_output=True, text=True, check=True).stdout
-    words = ("--checkpoint", "--prompt", "--ids", "--layers", "--device", "--experts", "--expert-cache-size", "embedded tiny")
+    words = ("--checkpoint", "--prompt", "--ids", "--layers", "--device", "--experts", "--expert-cache-size", "--debug",
+             "embedded tiny")
     for word in words:
         assert word in out
 
@@ -57,3 +61,68 @@ def test_expert_options_reach_the_loader(capsys):
             want = f"fused MXFP4 kernel ({mxfp4_matvec.isas()[-1]})" if mxfp4_matvec.AVAILABLE else "dequantised per token"
             assert route[0].startswith(f"  routed experts: {want}")
     assert len(set(map(tuple, first.values()))) == 1  # the same top-1 predictions every way
+
+
+def run_main(argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `main(argv)`, whether it returns or argparse exits."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+BAD_ARGS = {
+    "reversed-range": (["--layers", "5-2"], "argument --layers: '5-2': the range is reversed (5 > 2); did you mean 2-5?"),
+    "empty-range": (["--layers", "3:3"], "3:3 selects no layer"),
+    "bad-layers": (["--layers", "a-b"], "expected '0-3', '0:4' or '1,5,9'"),
+    "id-outside-vocab": (["--ids", "72,300"], "--ids: 300 outside the vocabulary of"),
+    "negative-id": (["--ids=-1,5"], "--ids: -1 outside the vocabulary"),
+    "not-an-id": (["--ids", "7,x"], "'x' is not an integer"),
+    "empty-ids": (["--ids", ""], "--ids is empty"),
+    "empty-prompt": (["--prompt", ""], "argument --prompt: the prompt is empty"),
+    "negative-generate": (["--generate", "-1"], "argument --generate: expected an integer >= 0, got -1"),
+    "zero-top": (["--top", "0"], "argument --top: expected an integer >= 1, got 0"),
+    "unknown-flag": (["--bogus"], "unrecognized arguments: --bogus"),
+}
+
+
+@pytest.mark.parametrize("argv, expected", list(BAD_ARGS.values()), ids=list(BAD_ARGS))
+def test_bad_arguments_are_one_line_and_exit_2_before_decoding(argv, expected, capsys):
+    code, out, err = run_main(argv, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("kimi-explore: error: "), err
+    assert expected in err
+    assert "step" not in out  # nothing was decoded (the 72 of '72,300' included)
+
+
+def test_a_missing_checkpoint_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    argv = ["--checkpoint", str(tmp_path / "nowhere" / "deeper"), "--ids", "1"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and "not a checkpoint directory" in err
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        main([*argv, "--debug"])
+    with pytest.raises(CliError, match="300 outside the vocabulary"):
+        main(["--ids", "72,300", "--debug"])
+
+
+def test_the_installed_command_prints_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kimi_explore", "--layers", "5-2"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == ["kimi-explore: error: argument --layers: '5-2': the range is reversed (5 > 2); "
+                                     "did you mean 2-5? (--help lists the arguments)"]
+
+
+def test_the_header_says_when_the_weights_are_random(capsys):
+    assert main(["--ids", "72"]) == 0
+    assert RANDOM_NOTE in capsys.readouterr().out.splitlines()[0]
+    assert main(["--ids", "72", "--checkpoint", str(REFERENCE_DIR)]) == 0
+    assert RANDOM_NOTE not in capsys.readouterr().out  # Moonshot's reference checkpoint is not the random default
+
+
+def test_layer_ranges_that_select_nothing():
+    for text in ("5-2", "4:2", "3:3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="reversed|selects no layer"):
+            parse_layers(text)
+    assert list(parse_layers("3-3")) == [3]

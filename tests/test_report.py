@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from synthetic_trace import SyntheticTrace
 
+from kimi_explore import KimiDecodeState, kimi_forward_token
+from kimi_explore.cli import RANDOM_NOTE
 from kimi_explore.views.report import main, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -62,8 +65,33 @@ def test_report_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--prompt", "a"])
     assert "the following arguments are required: --out" in capsys.readouterr().err
-    assert main(["--prompt", "", "--out", str(tmp_path / "x")]) == 2
-    assert "prompt is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--prompt", "", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "the prompt is empty" in capsys.readouterr().err
+    assert main(["--ids", "1,300", "--out", str(tmp_path / "y")]) == 2  # checked before decoding or writing
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kimi-explore report: error: --ids: 300 outside the vocabulary")
+    assert not (tmp_path / "y").exists()
+
+
+def test_report_takes_the_model_options_and_top(tmp_path, monkeypatch, tiny_weights):
+    """--experts and --weight-dtype reach the loader; --top sets how many predictions each table row shows."""
+    import kimi_explore as ke
+
+    seen, load = [], ke.KimiDecoderWeights.from_pretrained
+    monkeypatch.setattr(ke.KimiDecoderWeights, "from_pretrained",
+                        lambda path, **kw: seen.append(kw) or load(path, **kw))
+    out = tmp_path / "r"
+    assert main(["--ids", "72,101", "--experts", "packed", "--weight-dtype", "bfloat16", "--top", "12", "--out", str(out)]) == 0
+    assert seen[0]["experts"] == "packed" and seen[0]["weight_dtype"] == "bfloat16"
+    page = (out / "index.html").read_text(encoding="utf-8")
+    rows = re.findall(r"<tr><td>.*?</td><td>(.*?)</td></tr>", page)
+    assert len(rows) == 2 and all(r.count(" 0.") + r.count(" 1.0") == 12 for r in rows)
+    state = KimiDecodeState.new(tiny_weights)  # the first row's best probability is the decoder's
+    z = np.asarray(kimi_forward_token(tiny_weights, state, 72), dtype=np.float64)
+    p = np.exp(z - z.max())
+    assert f" {p.max() / p.sum():.3f}" in rows[0].split(",")[0]
+    assert "top-12 next-token predictions" in page and RANDOM_NOTE in page
 
 
 def test_write_report_from_a_bare_trace(tmp_path):

@@ -1,7 +1,7 @@
 """`kimi-explore report`: run a prompt, write every plot as a PNG plus one self-contained HTML page.
 
     kimi-explore report --prompt "Kimi K3, one token at a time." --out report/
-    kimi-explore report --ids 17,203,5 --checkpoint DIR --layers 0-7 --out report/
+    kimi-explore report --ids 17,203,5 --checkpoint DIR --layers 0-7 --top 10 --out report/
     write_report(session_or_trace, "report/", tokenizer=tok)        # from Python
 
 The page inlines every image as a base64 `data:` URI and its CSS in a <style> element: it has no
@@ -11,7 +11,6 @@ to it for slides and issues.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import sys
@@ -82,24 +81,26 @@ def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
     return out
 
 
-def _prediction_table(trace, tokenizer, max_rows: int = 64) -> str:
+def _prediction_table(trace, tokenizer, top: int = 5, max_rows: int = 64) -> str:
     ids, probs = trace["logits.top_ids"], trace["logits.top_probs"]
     labels = plots.token_labels(trace.tokens, tokenizer)
     rows = []
     for t in range(min(len(trace), max_rows)):
-        top = ", ".join(f"{html.escape(plots.token_labels([int(i)], tokenizer, positions=False)[0])} {p:.3f}"
-                        for i, p in zip(ids[t][:5], probs[t][:5], strict=True) if i >= 0)
-        rows.append(f"<tr><td>{html.escape(labels[t])}</td><td>{top}</td></tr>")
+        preds = ", ".join(f"{html.escape(plots.token_labels([int(i)], tokenizer, positions=False)[0])} {p:.3f}"
+                          for i, p in zip(ids[t][:top], probs[t][:top], strict=True) if i >= 0)
+        rows.append(f"<tr><td>{html.escape(labels[t])}</td><td>{preds}</td></tr>")
     more = f"<p>({len(trace) - max_rows} more tokens not shown)</p>" if len(trace) > max_rows else ""
-    return "<table><tr><th>token</th><th>top-5 next-token predictions</th></tr>" + "".join(rows) + "</table>" + more
+    head = f"<table><tr><th>token</th><th>top-{min(top, ids.shape[1])} next-token predictions</th></tr>"
+    return head + "".join(rows) + "</table>" + more
 
 
 def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: str = "Kimi K3, token by token",
-                 dpi: int = 100, source: str = "") -> Path:
+                 dpi: int = 100, source: str = "", top: int = 5) -> Path:
     """Write `<out_dir>/*.png` and `<out_dir>/index.html` (self-contained); returns the HTML path.
 
     session_or_trace: a `Session` (its trace and tokenizer are used) or a `Trace`.
     layers: model layer ids for the per-layer views (default: up to three spread over the model).
+    top: predictions per token in the table (at most the recorder's `top_k`).
     """
     trace = session_or_trace.trace() if hasattr(session_or_trace, "step") else session_or_trace
     if tokenizer is None:
@@ -131,7 +132,7 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
             text, f"<p>Tokens: <code>{html.escape(prompt)}</code></p>"]
     for section, figs in sections.items():
         body += [f"<h2>{html.escape(section)}</h2>", *figs]
-    body += ["<h2>Predictions at every step</h2>", _prediction_table(trace, tokenizer)]
+    body += ["<h2>Predictions at every step</h2>", _prediction_table(trace, tokenizer, top)]
     page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
     path = out / "index.html"
@@ -139,56 +140,47 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     return path
 
 
-def _parser() -> argparse.ArgumentParser:
-    from ..cli import DEFAULT_PROMPT, parse_ids, parse_layers
+def _parser():
+    from ..cli import ArgumentParser, add_model_arguments
 
-    p = argparse.ArgumentParser(prog="kimi-explore report",
-                                description="Run a prompt through K3 one token at a time and write every plot as a PNG "
-                                "plus one self-contained HTML page (no network, no CDN).")
-    p.add_argument("--checkpoint", help="checkpoint directory or Hub repo id (default: the embedded tiny model)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
-    src.add_argument("--ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 17,203,5")
+    p = ArgumentParser(prog="kimi-explore report",
+                       description="Run a prompt through K3 one token at a time and write every plot as a PNG "
+                       "plus one self-contained HTML page (no network, no CDN).")
+    add_model_arguments(p)
     p.add_argument("--out", required=True, help="output directory (created if missing)")
-    p.add_argument("--layers", type=parse_layers, help="run only these 0-based layers, e.g. 0-3 (default: all)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="array backend (default auto)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
-    p.add_argument("--generate", type=int, default=0, metavar="N", help="then greedily generate N more tokens")
     p.add_argument("--title", default="Kimi K3, token by token", help="page title")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`kimi-explore report ...`; returns the exit status."""
-    from .. import KimiDecoderWeights
-    from ..cli import DEFAULT_PROMPT
+def _run(args) -> int:
+    from ..cli import load_model, model_note, prompt_ids
+    from ..inspection.recorder import Recorder
     from ..inspection.session import Session
     from ..tokenizer import TokenizerError, load_tokenizer
-    from ..weights.tiny_model import default_checkpoint
 
-    args = _parser().parse_args(argv)
-    if args.prompt is None and args.ids is None:
-        args.prompt = DEFAULT_PROMPT
-    path = args.checkpoint or default_checkpoint()
-    weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype)
+    weights, path, _ = load_model(args)
     try:
         tokenizer = load_tokenizer(weights)
     except TokenizerError as e:
-        if args.prompt is not None:
-            print(f"kimi-explore report: --prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead.", file=sys.stderr)
-            return 2
+        if args.ids is None:
+            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
         tokenizer = None
-    ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.ids
-    if not ids:
-        print("kimi-explore report: the prompt is empty", file=sys.stderr)
-        return 2
-    session = Session(weights, tokenizer=tokenizer)
+    ids = prompt_ids(args, weights, tokenizer)
+    session = Session(weights, recorder=Recorder(top_k=max(10, args.top)), tokenizer=tokenizer)
     session.feed(ids)
     if args.generate:
         session.generate(args.generate)
-    page = write_report(session, args.out, title=args.title, source=path)
+    note = model_note(path)
+    page = write_report(session, args.out, title=args.title, source=f"{path} ({note})" if note else path, top=args.top)
     print(f"wrote {page} (open it in any browser, offline) and its figures as PNGs in {page.parent}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kimi-explore report ...`; returns the exit status (2 with a one-line error, the traceback with --debug)."""
+    from ..cli import guarded
+
+    return guarded("kimi-explore report", _run, _parser().parse_args(argv))
 
 
 if __name__ == "__main__":
