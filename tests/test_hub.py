@@ -118,8 +118,7 @@ def test_env_offline_and_hf_home(cache, tmp_path):
         "s = KimiDecodeState.new(w)\n"
         f"np.save(sys.argv[1], np.stack([kimi_forward_token(w, s, t) for t in {TOKENS!r}]))\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(home))
+    env = clean_env(HF_HUB_OFFLINE="1", HF_HOME=str(home))
     out = tmp_path / "logits.npy"
     r = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=120,
                        cwd=Path(__file__).parent)
@@ -136,14 +135,57 @@ def test_missing_shards_are_listed_with_the_layers_that_need_them(cache, sharded
     assert len(absent) == 2
     assert f"{absent[0]} (needed by layers [4, 5])" in msg
     assert f"{absent[1]} (needed by layers [6, 7])" in msg
-    assert "2 shard file(s)" in msg and "offline" in msg
+    assert "2 shard file(s)" in msg and f"not in the Hugging Face cache at {cache}, and local_files_only=True" in msg
     for present in shards_of_layers(sharded, range(4)):
         assert present not in msg
 
 
-def test_nothing_cached_names_the_repo(tmp_path):
-    with pytest.raises(CheckpointError, match="org/absent: config.json is not in the local Hugging Face cache"):
+def test_nothing_cached_names_the_repo_the_cache_and_why(tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError) as e:
         load("org/absent", tmp_path, layers=[0])
+    assert str(e.value).startswith(f"org/absent: config.json is not in the Hugging Face cache at {tmp_path} and "
+                                   "local_files_only=True")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at call time
+    with pytest.raises(CheckpointError) as e:
+        KimiDecoderWeights.from_pretrained("org/absent", device="cpu", cache_dir=tmp_path, progress=False)
+    assert f"cache at {tmp_path} and HF_HUB_OFFLINE is set" in str(e.value) and "local_files_only" not in str(e.value)
+
+
+def clean_env(**kw) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    return {**env, **kw}
+
+
+def test_an_unreachable_hub_is_asked_once_then_the_cache_is_used(cache, tmp_path):
+    """A closed loopback port as the endpoint: the load goes to the cache at once and says why (huggingface_hub
+    alone retries every file with backoff); a repo that is not cached fails with the path and the reason."""
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    shutil.copytree(cache, home / "hub", symlinks=True)
+    env = clean_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(home))
+    code = (f"from kimi_explore import KimiDecoderWeights\n"
+            f"w = KimiDecoderWeights.from_pretrained({REPO!r}, layers=range(0, 4), device='cpu')\n"
+            "print(w.layer_ids)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[0, 1, 2, 3]"
+    assert "cache only: the Hub at http://127.0.0.1:9 is not reachable" in r.stderr and "Retry" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kimi_explore", "--checkpoint", "org/absent"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Retry" not in r.stderr
+    assert r.stderr.splitlines() == [
+        f"kimi-explore: error: org/absent: config.json is not in the Hugging Face cache at {home / 'hub'} and the Hub "
+        "at http://127.0.0.1:9 is not reachable (ConnectError: [Errno 111] Connection refused); nor is 'org/absent' "
+        "a local directory"]
+
+
+def test_the_cli_offline_message_names_the_cache_not_local_files_only(tmp_path):
+    env = clean_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "kimi_explore", "--checkpoint", "org/absent"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"not in the Hugging Face cache at {tmp_path / 'hub'} and HF_HUB_OFFLINE is set" in r.stderr
+    assert "local_files_only" not in r.stderr
 
 
 def test_byte_estimate_offline_counts_the_cached_files(cache, sharded):
@@ -167,7 +209,7 @@ def test_byte_estimate_online_uses_hub_sizes(cache, sharded, monkeypatch):
         return {f: 1000 + i for i, f in enumerate(files) if (sharded / f).exists()}, True
 
     monkeypatch.setattr(hub, "_remote_sizes", fake_sizes)
-    monkeypatch.setattr(hub, "_offline", lambda local_files_only: False)
+    monkeypatch.setattr(hub, "_offline", lambda local_files_only: "")
     real = hub._download
     monkeypatch.setattr(hub, "_download", lambda *a, **kw: real(*a, **{**kw, "offline": True}))
     plan = hub.plan_download(REPO, layers=[4, 5, 6], cache_dir=cache)

@@ -11,7 +11,11 @@ from the index's `weight_map` entries of exactly the tensors the loader will rea
 tensors plus the requested layers' ones; never constructed from a naming pattern). Tokenizer
 files are fetched when the repo has them. Sizes come from the Hub (`get_paths_info`) when online,
 from the cached files when offline. Downloads go through `hf_hub_download` (its cache, its tqdm
-progress bars, `HF_HUB_OFFLINE=1`, `revision=`, `token=`).
+progress bars, `revision=`, `token=`).
+
+Offline means the cache only: `local_files_only=True`, `HF_HUB_OFFLINE=1` (read at call time), or a
+Hub that does not answer one HEAD request within PROBE_TIMEOUT_S (huggingface_hub alone would
+retry it for ~25 s per file). Every message names the reason and the cache directory it read.
 
 A shard that cannot be had (offline and not cached, or a partial cache) is reported in one
 `CheckpointError` that lists every missing file and the layers that need it.
@@ -54,12 +58,37 @@ def is_repo_id(s) -> bool:
     return isinstance(s, str) and bool(_REPO_ID.match(s)) and ".." not in s
 
 
-def _offline(local_files_only) -> bool:
-    """Offline if asked, or if HF_HUB_OFFLINE is set now (read at call time, not at import)."""
+PROBE_TIMEOUT_S = 3.0  # one HEAD request to the endpoint; huggingface_hub alone retries an unreachable Hub for ~25 s
+
+
+def _offline(local_files_only) -> str:
+    """Why this load runs from the cache only ("" when the Hub is used): asked to, HF_HUB_OFFLINE is set
+    (read now, not at import), or one quick request to the endpoint failed."""
     from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
-    return bool(local_files_only) or env or bool(constants.HF_HUB_OFFLINE)
+    if local_files_only:
+        return "local_files_only=True"
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    return _unreachable(constants.ENDPOINT)
+
+
+def _unreachable(endpoint: str) -> str:
+    """"" if `endpoint` answers one HEAD request (any status) within PROBE_TIMEOUT_S, else why not."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=PROBE_TIMEOUT_S)  # the Hub's own client: its proxies and headers
+    except Exception as e:  # noqa: BLE001 - any failure to connect means the same: use the cache, say why
+        return f"the Hub at {endpoint} is not reachable ({type(e).__name__}: {e})"
+    return ""
+
+
+def _cache_path(cache_dir=None) -> str:
+    """The Hugging Face cache directory this load reads (cache_dir=, else HF_HUB_CACHE / HF_HOME's hub/)."""
+    from huggingface_hub import constants
+
+    return str(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
 
 
 @dataclass
@@ -84,7 +113,7 @@ class DownloadPlan:
     cached: set[str]
     needed_by: dict[str, list[int]]
     total_shards: int
-    offline: bool
+    offline: str  # why the load runs from the cache only ("" when it uses the Hub)
     cache_dir: str | None = None
     token: object = field(default=None, repr=False)
 
@@ -112,8 +141,9 @@ class DownloadPlan:
         todo = self.to_fetch
         fetch = (f"{_human(self.bytes_to_fetch)} in {len(todo)} file(s) to download" if todo
                  else "all cached, nothing to download")
+        source = f" (cache only: {self.offline})" if self.offline else ""
         return (f"{self.repo_id}{at}: layers {lay} need {len(self.shards)} of {self.total_shards} weight shard(s) "
-                f"[{shards}], {len(self.files)} files, {size} in all; {fetch}")
+                f"[{shards}], {len(self.files)} files, {size} in all; {fetch}{source}")
 
 
 def _ranges(ids: list[int]) -> str:
@@ -138,7 +168,8 @@ def _human(n: int) -> str:
 def _download(repo_id, filename, *, revision, cache_dir, offline, token) -> Path:
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, local_files_only=offline, token=token))
+    return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, local_files_only=bool(offline),
+                                token=token))
 
 
 def _cached(repo_id, filename, *, revision, cache_dir) -> Path | None:
@@ -174,11 +205,11 @@ def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cac
     kw = dict(revision=revision, cache_dir=cache_dir, offline=offline, token=token)
     try:
         config_path = _download(repo_id, CONFIG_FILE, **kw)
-    except LocalEntryNotFoundError as e:
+    except LocalEntryNotFoundError:
+        why = f"and {offline}" if offline else "and could not be downloaded"
         raise CheckpointError(
-            f"{repo_id}: {CONFIG_FILE} is not in the local Hugging Face cache"
-            f"{' and the Hub is not reachable (offline mode)' if offline else ''}; cache dir "
-            f"{cache_dir or 'default (HF_HUB_CACHE)'}; nor is {repo_id!r} a local directory: {e}"
+            f"{repo_id}: {CONFIG_FILE} is not in the Hugging Face cache at {_cache_path(cache_dir)} {why}; "
+            f"nor is {repo_id!r} a local directory"
         ) from None
     snapshot = config_path.parent
     cfg = KimiDecoderConfig.from_file(config_path)
@@ -194,8 +225,8 @@ def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cac
         single = _cached(repo_id, SINGLE_FILE, revision=revision, cache_dir=cache_dir)
         if isinstance(e, LocalEntryNotFoundError) and single is None:
             raise CheckpointError(
-                f"{repo_id}: neither {INDEX_FILE} nor {SINGLE_FILE} is in the local Hugging Face cache"
-                f"{' (offline mode)' if offline else ' and the Hub could not be reached'}: {e}"
+                f"{repo_id}: neither {INDEX_FILE} nor {SINGLE_FILE} is in the Hugging Face cache at "
+                f"{_cache_path(cache_dir)} {f'and {offline}' if offline else 'and the Hub could not be reached'}: {e}"
             ) from None
         needed_by = {SINGLE_FILE: [-1] + layer_ids}
         total_shards = 1
@@ -246,8 +277,8 @@ def fetch(plan: DownloadPlan, *, progress: bool = True) -> Path:
             raise
         snapshot = snapshot or p.parent
     if missing:
-        why = ("offline (HF_HUB_OFFLINE or local_files_only) and not in the local cache" if plan.offline
-               else "not in the local cache and the Hub could not be reached")
+        why = (f"not in the Hugging Face cache at {_cache_path(plan.cache_dir)}, and {plan.offline}" if plan.offline
+               else f"not in the Hugging Face cache at {_cache_path(plan.cache_dir)} and the Hub could not be reached")
         where = snapshot if snapshot is not None else plan.repo_id
         raise CheckpointError(
             f"{plan.repo_id}: {len(missing)} shard file(s) the requested layers need are missing ({why}): "
