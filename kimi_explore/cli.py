@@ -105,9 +105,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def load_model(args):
     """(weights, checkpoint path, seconds to load) for the parsed model arguments."""
     from . import KimiDecoderWeights
-    from .weights.tiny_model import default_checkpoint
+    from .weights.tiny_model import tiny_checkpoint
 
-    path = args.checkpoint or default_checkpoint()
+    path = args.checkpoint or tiny_checkpoint()
     t0 = time.perf_counter()
     weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype,
                                                  weight_dtype=args.weight_dtype, experts=args.experts,
@@ -135,10 +135,12 @@ def prompt_ids(args, weights, tokenizer) -> list[int]:
 
 
 def model_note(path) -> str:
-    """What to say about the weights: the default model's are random."""
-    from .weights.tiny_model import default_checkpoint
+    """What to say about the weights: the random tiny model's mean nothing; a trained tiny model says what it is."""
+    from .weights.tiny_model import default_checkpoint, describe_checkpoint
 
-    return RANDOM_NOTE if Path(path).resolve() == default_checkpoint().resolve() else ""
+    if Path(path).resolve() == default_checkpoint().resolve():
+        return RANDOM_NOTE
+    return describe_checkpoint(path) if (Path(path) / "model_card.json").exists() else ""
 
 
 def _label(tok, i: int) -> str:
@@ -215,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kimi-explore",
         description="Feed a prompt through Kimi K3 one token at a time (exact NumPy/CuPy decoder) and print, per "
         "step, the top next-token predictions and the time the step took. Without --checkpoint it runs the tiny "
-        "K3-shaped model embedded in the package (random weights, byte-level vocabulary).",
+        "K3 embedded in the package (trained on Python's pydoc_data.topics, byte-level vocabulary).",
         epilog="Subcommands: 'kimi-explore report --help' writes plots and an offline HTML page for a prompt; "
         "'kimi-explore make-tiny --help' writes a random K3-depth checkpoint (93 layers, 896 experts) to try the views.",
     )

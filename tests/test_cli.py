@@ -12,6 +12,7 @@ from conftest import REFERENCE_DIR
 
 from kimi_explore import CheckpointError, KimiDecodeState, kimi_forward_token
 from kimi_explore.cli import RANDOM_NOTE, CliError, main, parse_layers
+from kimi_explore.weights.tiny_model import default_checkpoint
 
 
 def test_help_explains_itself():
@@ -23,7 +24,7 @@ def test_help_explains_itself():
 
 
 def test_main_job_prints_the_decoder_predictions(capsys, tiny_weights):
-    assert main(["--ids", "72,101,108", "--top", "3", "--generate", "2"]) == 0
+    assert main(["--ids", "72,101,108", "--top", "3", "--generate", "2", "--checkpoint", str(default_checkpoint())]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit() and line.startswith("   ")]
     assert len(rows) == 5
@@ -115,7 +116,7 @@ def test_the_installed_command_prints_one_line(tmp_path):
 
 
 def test_the_header_says_when_the_weights_are_random(capsys):
-    assert main(["--ids", "72"]) == 0
+    assert main(["--ids", "72", "--checkpoint", str(default_checkpoint())]) == 0
     assert RANDOM_NOTE in capsys.readouterr().out.splitlines()[0]
     assert main(["--ids", "72", "--checkpoint", str(REFERENCE_DIR)]) == 0
     assert RANDOM_NOTE not in capsys.readouterr().out  # Moonshot's reference checkpoint is not the random default

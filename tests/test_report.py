@@ -14,6 +14,7 @@ from synthetic_trace import SyntheticTrace
 from kimi_explore import KimiDecodeState, kimi_forward_token
 from kimi_explore.cli import RANDOM_NOTE
 from kimi_explore.views.report import main, write_report
+from kimi_explore.weights.tiny_model import default_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -82,7 +83,8 @@ def test_report_takes_the_model_options_and_top(tmp_path, monkeypatch, tiny_weig
     monkeypatch.setattr(ke.KimiDecoderWeights, "from_pretrained",
                         lambda path, **kw: seen.append(kw) or load(path, **kw))
     out = tmp_path / "r"
-    assert main(["--ids", "72,101", "--experts", "packed", "--weight-dtype", "bfloat16", "--top", "12", "--out", str(out)]) == 0
+    assert main(["--ids", "72,101", "--experts", "packed", "--weight-dtype", "bfloat16", "--top", "12", "--out", str(out),
+                 "--checkpoint", str(default_checkpoint())]) == 0  # the random model: the `tiny_weights` fixture
     assert seen[0]["experts"] == "packed" and seen[0]["weight_dtype"] == "bfloat16"
     page = (out / "index.html").read_text(encoding="utf-8")
     rows = re.findall(r"<tr><td>.*?</td><td>(.*?)</td></tr>", page)
