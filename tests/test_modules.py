@@ -46,6 +46,18 @@ def test_situ_matches_naive(linear_beta):
     np.testing.assert_allclose(situ_and_mul(gu, 4.0, linear_beta), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_situ_with_inv_caps_is_bit_identical(dtype):
+    """One tanh over [gate | up] scaled by the precomputed 1/caps is the two-tanh formula, bit for bit."""
+    from kimi_explore.model.ops import situ_inv_caps
+
+    gu = (rng.standard_normal((3, 64)) * 12).astype(dtype)  # past both caps (4 and 25)
+    inv = situ_inv_caps(np, 32, 4.0, 25.0, dtype)
+    np.testing.assert_array_equal(situ_and_mul(gu, 4.0, 25.0, inv), situ_and_mul(gu, 4.0, 25.0))
+    np.testing.assert_allclose(situ_and_mul(gu, 4.0, 25.0, inv), naive_situ_and_mul(gu, 4.0, 25.0),
+                               rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5 if dtype == np.float32 else 1e-12)
+
+
 def test_situ_sigmoid_reads_the_uncapped_gate():
     g = np.array([10.0, 1.0])  # gate 10: tanh-capped at ~4, sigmoid(10) not sigmoid(4)
     out = situ_and_mul(g, 4.0, None)
@@ -218,6 +230,29 @@ def test_router_bias_is_for_selection_only():
     ids = select_experts(scores, bias, 2)
     assert sorted(ids.tolist()) == [0, 3]
     np.testing.assert_allclose(routing_weights(scores, ids, True, 2.0), np.array([0.9, 0.2]) / 1.1 * 2.0)
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["python-router", "array-router"])
+@pytest.mark.parametrize("E,k", [(16, 4), (8, 8), (200, 8)], ids=["E16k4", "all-experts", "E200k8"])
+def test_routing_both_ways_matches_naive(monkeypatch, small, E, k):
+    """Routing as Python floats (few experts, on the host) and as arrays (many experts, or a GPU)."""
+    from kimi_explore.model import latent_moe as moe
+
+    monkeypatch.setattr(moe, "SMALL_ROUTER", 10**6 if small else 0)
+    for _ in range(5):
+        scores = rng.random(E).astype(np.float32)
+        bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+        biased = (scores + bias).tolist()  # the selection compares these float32 sums
+        want = sorted(sorted(range(E), key=lambda e: -biased[e])[:k], key=lambda e: -float(scores[e]))
+        ids = moe.select_experts(scores, bias, k)
+        assert ids.tolist() == want
+        w = moe.routing_weights(scores, ids, True, 2.5)
+        assert w.dtype == np.float32
+        s = scores[want].astype(np.float64)
+        np.testing.assert_allclose(w, s / (s.sum() + moe.RENORM_EPS) * 2.5, rtol=1e-6)
+    tied = np.full(E, 0.5, np.float32)  # the Python router breaks ties by lower id, as the naive twin does
+    if small:
+        assert moe.select_experts(tied, np.zeros(E, np.float32), k).tolist() == list(range(k))
 
 
 # ---------------------------------------------------------------- MXFP4

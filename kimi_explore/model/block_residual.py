@@ -64,14 +64,18 @@ class SourceBuffer:
 
     Each row's 1/rms is kept beside it, so a sealed block is normalised once per token rather than at
     every later site (the keys' norms never change; only the score vector does).
+
+    Two formulations of the same math. On the host (NumPy) the 1/rms values and the softmax over the
+    n+1 <= ~10 scores are Python floats (double precision, rounded once into p): on vectors this short
+    each NumPy call costs more than the arithmetic. On a GPU everything stays in device arrays
+    (a float() would wait for the device). Both are tested against the naive twin.
     """
 
     def __init__(self, xp, rows: int, d: int, dtype, eps: float, host_scalars: bool | None = None):
-        self.xp, self.eps, self.inv_d = xp, eps, 1.0 / d
-        # 1/rms as a Python float (NumPy), or kept on the device (a GPU: float() would wait for it)
+        self.xp, self.eps, self.inv_d, self.dtype = xp, eps, 1.0 / d, dtype
         self.host_scalars = on_host(xp) if host_scalars is None else host_scalars
         self.rows = xp.empty((rows, d), dtype)
-        self.inv_rms = xp.empty(rows, dtype)
+        self.inv_rms = [0.0] * rows if self.host_scalars else xp.empty(rows, dtype)  # 1/rms of each row
         self.n = 0  # sealed blocks
         self.current = None  # the running sum last given to set_current
 
@@ -86,9 +90,16 @@ class SourceBuffer:
             self.inv_rms[n] = 1.0 / self.xp.sqrt((v @ v) * self.inv_d + self.eps)
 
     def weights(self, score_weight):
-        """Softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight: [n+1]."""
+        """Softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight: [n+1] (a new array)."""
         m = self.n + 1
-        s = (self.rows[:m] @ score_weight) * self.inv_rms[:m]
+        s = self.rows[:m] @ score_weight
+        if self.host_scalars:
+            z = [a * b for a, b in zip(s.tolist(), self.inv_rms, strict=False)]  # inv_rms has spare rows
+            top = max(z)
+            e = [math.exp(v - top) for v in z]
+            total = sum(e)
+            return np.array([v / total for v in e], dtype=self.dtype)
+        s = s * self.inv_rms[:m]
         e = self.xp.exp(s - s.max())
         return e / e.sum()
 

@@ -60,7 +60,6 @@ class KdaWeights:
     def __post_init__(self):
         # constants folded for the decode step (derived, never loaded)
         xp = array_namespace(self.A)
-        self.neg_A = -self.A  # [H, 1]: the GGUF `ssm_a` = -exp(A_log)
         self.qk_scale = xp.asarray([1.0 / math.sqrt(self.head_dim), 1.0], dtype=self.A.dtype).reshape(2, 1, 1)
         self.o_norm_scaled = self.o_norm * math.sqrt(self.head_dim)
         self.taps_ones = xp.ones(self.conv.shape[-1], self.conv.dtype)  # [W]: the conv's sum over taps as a matvec
@@ -115,8 +114,8 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     Written for few array operations (on a tiny model their count and kind, not FLOPs, are the
     cost): one fused projection, the window shifted as one flat contiguous copy, the conv's and the
     norms' sums over short axes as matmuls (a NumPy reduction over a short last axis is slow), one
-    sigmoid for the output gate and beta together, the q scale folded into the l2norm, the o_norm
-    gain folded with the gate.
+    sigmoid for the conv outputs, the output gate, beta and the decay together, the q scale folded
+    into the l2norm, the o_norm gain folded with the gate.
     """
     xp = array_namespace(x)
     H, K = w.num_heads, w.head_dim
@@ -129,12 +128,13 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     flat[:-1] = flat[1:].copy()
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
     pre = (window * w.conv) @ w.taps_ones  # [3, P]
-    qkv = (pre / (1.0 + xp.exp(-pre))).reshape(3, H, K)  # SiLU
-    gates = 1.0 / (1.0 + xp.exp(-y[3 * P : 4 * P + H]))  # sigmoid of the output gate and beta, side by side
-    gate, beta = gates[:P].reshape(H, K), gates[P:]
-    f = (w.f_b_proj @ y[4 * P + H :]).reshape(H, K)
-    # alpha = exp(lower_bound * sigmoid(A * (f + dt_bias)))
-    alpha = xp.exp(w.lower_bound / (1.0 + xp.exp((f + w.dt_bias) * w.neg_A)))
+    decay_in = ((w.f_b_proj @ y[4 * P + H :]).reshape(H, K) + w.dt_bias) * w.A  # A (f + dt_bias)  [H, K]
+    # one sigmoid for all four: the conv outputs (SiLU(c) = c sigmoid(c)), the output gate, beta, the decay
+    z = xp.concatenate((pre.reshape(-1), y[3 * P : 4 * P + H], decay_in.reshape(-1)))
+    sig = 1.0 / (1.0 + xp.exp(-z))
+    qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
+    gate, beta = sig[3 * P : 4 * P].reshape(H, K), sig[4 * P : 4 * P + H]
+    alpha = xp.exp(w.lower_bound * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
 
     qk = qkv[:2]
     sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head

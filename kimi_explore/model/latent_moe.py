@@ -23,8 +23,8 @@ from typing import ClassVar
 import numpy as np
 
 from .._xp import array_namespace
-from ..backend import to_numpy
-from .ops import naive_situ_and_mul, rms_norm, sigmoid, situ_and_mul
+from ..backend import on_host, to_numpy
+from .ops import naive_situ_and_mul, rms_norm, sigmoid, situ_and_mul, situ_inv_caps
 
 RENORM_EPS = 1e-20
 
@@ -81,19 +81,54 @@ class LatentMoeWeights:
     situ_beta: float
     situ_linear_beta: float | None
 
+    def __post_init__(self):
+        self._inv_caps: dict = {}  # (width, dtype) -> situ_inv_caps (derived, never loaded)
+
+    def situ(self, gate_up):
+        """SiTU-GLU with this layer's caps, the routed experts' [k, 2I] or the shared experts' [2 Ish]."""
+        lb = self.situ_linear_beta
+        if lb is None:
+            return situ_and_mul(gate_up, self.situ_beta, None)
+        key = (gate_up.shape[-1], gate_up.dtype)
+        inv = self._inv_caps.get(key)
+        if inv is None:
+            xp = array_namespace(gate_up)
+            inv = self._inv_caps[key] = situ_inv_caps(xp, key[0] // 2, self.situ_beta, lb, gate_up.dtype)
+        return situ_and_mul(gate_up, self.situ_beta, lb, inv)
+
+
+# Below this many experts, routing on the host runs as Python floats: sorting a dozen numbers costs
+# less than the NumPy calls (argpartition, argsort, fancy indexing, ...) that would do it.
+SMALL_ROUTER = 64
+
 
 def select_experts(scores, bias, top_k: int):
-    """Top-k of the biased scores; ids ordered by unbiased score (descending)."""
+    """Top-k of the biased scores; ids ordered by unbiased score (descending), ties by lower id.
+
+    The biased scores are summed in the scores' dtype either way, so the selection sees the same
+    numbers as an array implementation (a double-precision sum could break a float32 near-tie the
+    other way).
+    """
     xp = array_namespace(scores)
     choice = scores + bias
-    if top_k < choice.shape[0]:
+    E = choice.shape[0]
+    if on_host(scores) and E <= SMALL_ROUTER:
+        top = sorted(range(E), key=choice.tolist().__getitem__, reverse=True)[:top_k]  # sorted is stable
+        return np.array(sorted(top, key=scores.tolist().__getitem__, reverse=True), dtype=np.intp)
+    if top_k < E:
         ids = xp.argpartition(-choice, top_k - 1)[:top_k]
     else:
-        ids = xp.arange(choice.shape[0])
+        ids = xp.arange(E)
     return ids[xp.argsort(-scores[ids])]
 
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float):
+    """scores[ids], renormalised to sum 1 (+ RENORM_EPS) when asked, times `scaling`: [k]."""
+    if on_host(scores) and scores.shape[0] <= SMALL_ROUTER:
+        s = scores.tolist()
+        w = [s[i] for i in ids.tolist()]
+        c = scaling / (sum(w) + RENORM_EPS) if renormalize else scaling
+        return np.array([v * c for v in w], dtype=scores.dtype)
     w = scores[ids]
     if renormalize:
         w = w / (w.sum() + RENORM_EPS)
@@ -129,11 +164,11 @@ def latent_moe(x, w: LatentMoeWeights, hooks=None, prefix: str = ""):
     if hooks is not None:
         weights = hooks.fire(prefix + "moe.router.topk_weights", weights)
 
-    u = weights @ expert_outputs(w.experts, ids, y[E : E + l], lambda h: situ_and_mul(h, w.situ_beta, w.situ_linear_beta))
+    u = weights @ expert_outputs(w.experts, ids, y[E : E + l], w.situ)
     if w.use_latent_norm:
         u = rms_norm(u, w.routed_expert_norm, w.eps)
     routed = w.routed_expert_up_proj @ u
-    shared = w.shared_down_proj @ situ_and_mul(y[E + l :], w.situ_beta, w.situ_linear_beta)
+    shared = w.shared_down_proj @ w.situ(y[E + l :])
     if hooks is not None:
         routed = hooks.fire(prefix + "moe.routed_out", routed)
         shared = hooks.fire(prefix + "moe.shared_out", shared)

@@ -33,19 +33,30 @@ def rms_norm(x, weight, eps: float):
     return x * (weight / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / n) + eps))
 
 
-def situ_and_mul(gate_up, beta: float, linear_beta: float | None):
+def situ_and_mul(gate_up, beta: float, linear_beta: float | None, inv_caps=None):
     """SiTU-GLU on the concatenation [gate | up] (last axis): `b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)`.
 
     Trap: the sigmoid reads the UNCAPPED gate. `linear_beta=None` leaves `up` uncapped.
     |output| <= beta * linear_beta.
+    inv_caps: optional [2n] = [1/beta]*n + [1/linear_beta]*n in gate_up's dtype (`situ_inv_caps`):
+    both tanh in one call, bit for bit the same result.
     """
     xp = array_namespace(gate_up)
     n = gate_up.shape[-1] // 2
     g, u = gate_up[..., :n], gate_up[..., n:]
+    if inv_caps is not None and linear_beta is not None:
+        t = xp.tanh(gate_up * inv_caps)
+        return t[..., :n] / (1.0 + xp.exp(-g)) * t[..., n:] * (beta * linear_beta)
     a = xp.tanh(g * (1.0 / beta)) / (1.0 + xp.exp(-g))  # tanh-capped gate times sigmoid(uncapped gate)
     if linear_beta is None:
         return a * u * beta
     return a * xp.tanh(u * (1.0 / linear_beta)) * (beta * linear_beta)
+
+
+def situ_inv_caps(xp, n: int, beta: float, linear_beta: float, dtype):
+    """[2n]: 1/beta for the gate half, 1/linear_beta for the up half (each rounded to dtype once, as
+    a Python scalar times an array is)."""
+    return xp.asarray([1.0 / beta] * n + [1.0 / linear_beta] * n, dtype=dtype)
 
 
 def naive_situ_and_mul(gate_up, beta: float, linear_beta: float | None):
