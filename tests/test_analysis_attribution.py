@@ -125,6 +125,11 @@ def test_attribution_follows_persistent_interventions_and_refuses_rewritten_sums
     bent.feed(TEXT[:4])
     with pytest.raises(ValueError, match=r"leaves of layers\.3\.moe\.routed_out add up"):
         ke.logit_attribution(bent, -1)
+    late = ke.Session(ref_weights, hooks=ke.Hooks().bind(ref_weights))
+    late.hooks.add("final.hidden", double)
+    late.feed(TEXT[:4])
+    with pytest.raises(ValueError, match="changed a value after the output mix"):
+        ke.logit_attribution(late, -1)
 
 
 def test_attribution_arguments_are_checked(ref_weights):

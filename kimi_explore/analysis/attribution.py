@@ -155,9 +155,13 @@ def _attribute(w, t: int, values: dict, logits: np.ndarray, token) -> Attributio
         for leaf, vec in leaves:
             contributions[leaf] = float(pj * (u @ vec))
             source_of[leaf] = label
+    logit, total = float(logits[token]), sum(contributions.values())
+    if not abs(total - logit) <= CHECK_RTOL * (1.0 + abs(logit)):
+        raise ValueError(f"logit_attribution: the leaves add up to {total:.6g} but the decoder's logit is {logit:.6g}: a hook in "
+                         "session.hooks changed a value after the output mix (final.hidden or logits), so no exact split exists")
     ordered = dict(sorted(contributions.items(), key=lambda kv: -abs(kv[1])))
     weights = {label: float(pj) for (label, _), pj in zip(sources, p, strict=True)}
-    return Attribution(t, token, float(logits[token]), ordered, source_of, weights)
+    return Attribution(t, token, logit, ordered, source_of, weights)
 
 
 def _sources(w, values: dict) -> list:
