@@ -1,10 +1,15 @@
-"""Array helpers of the Recorder: batched norms, top-k predictions, device -> host in one transfer.
+"""Helpers of the Recorder: batched norms, top-k predictions, device -> host in one transfer, the
+per-token records waiting for their batch, and the model description a Trace carries.
 
 Everything here works on NumPy or CuPy arrays alike (through `array_namespace`). Written for few
 array calls: on a tiny model each call costs more than the arithmetic it does.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
+from typing import NamedTuple
 
 from .._xp import array_namespace
 from ..backend import on_host
@@ -99,3 +104,72 @@ def to_host(arrays: list) -> list:
             out[i] = flat[offset : offset + n].reshape(arrays[i].shape)
             offset += n
     return out
+
+
+class TokenRecords(NamedTuple):
+    """One finished token's records whose array work waits for the batch (`Recorder.flush`).
+
+    Squared norms are [n, rows] for the n keys or layer prefixes beside them (None: none recorded).
+    """
+
+    moe_keys: list  # "layers.{i}.moe.{routed,shared}_out.norm"
+    moe_squares: object  # [n, 1]
+    state_prefixes: list  # "layers.{i}.kda."
+    state_squares: object  # [n, H]
+    conv_prefixes: list
+    conv_squares: object  # [n, 3H]
+    logits: object  # a copy of the logits [V] (the caller may write into the ones it got), or None
+    fresh: tuple  # (record keys, fresh device arrays): GPU only
+
+
+def emit_batch(batch: list[TokenRecords], rows: dict, emit, top_k: int) -> None:
+    """The batched records of finished tokens: squared norms -> norms and logits -> top-k, computed
+    for the whole batch at once, each row then handed to `emit(rows[key].append, array)`."""
+    keys = {"moe": [], "state": [], "conv": []}
+    squares = {"moe": [], "state": [], "conv": []}
+    logits = []
+    for tok in batch:
+        for kind, ks, sq in (("moe", tok.moe_keys, tok.moe_squares),
+                             ("state", [p + "state.norm" for p in tok.state_prefixes], tok.state_squares),
+                             ("conv", [p + "conv.norm" for p in tok.conv_prefixes], tok.conv_squares)):
+            if sq is not None:
+                keys[kind] += ks
+                squares[kind].append(sq)
+        if tok.logits is not None:
+            logits.append(tok.logits)
+    # squared norms -> norms, one row per record: MoE outputs [n, 1] -> scalars, KDA states [n, H],
+    # KDA conv windows [n, 3H] -> [n, 3 (q, k, v), H]
+    for kind, shaped in (("moe", lambda x: x.reshape(-1)), ("state", lambda x: x),
+                         ("conv", lambda x: x.reshape(x.shape[0], 3, -1))):
+        if keys[kind]:
+            sq = squares[kind]
+            xp = array_namespace(sq[0])
+            norms = shaped(xp.sqrt(sq[0] if len(sq) == 1 else xp.concatenate(sq)))
+            emit(spread([rows[k].append for k in keys[kind]]), norms)
+    if logits:
+        ids, probs = top_predictions(array_namespace(logits[0]).stack(logits), top_k)
+        emit(spread([rows["logits.top_ids"].append] * len(logits)), ids)
+        emit(spread([rows["logits.top_probs"].append] * len(logits)), probs)
+    for tok in batch:  # fresh device arrays (GPU only)
+        for k, v in zip(*tok.fresh, strict=True):
+            emit(rows[k].append, v)
+
+
+def model_meta(weights) -> dict:
+    """What plots need to label a trace without the weights (JSON-able)."""
+    cfg = weights.config
+    return {
+        "layer_ids": [int(i) for i in weights.layer_ids],
+        "attention_kinds": [layer.attention.kind for layer in weights.layers],
+        "ffn_kinds": [layer.ffn.kind for layer in weights.layers],
+        "block_boundaries": [int(layer.index) for layer in weights.layers if layer.is_block_boundary],
+        "max_sources": int(weights.max_sources),
+        "num_experts": int(cfg.num_experts),
+        "top_k": int(cfg.num_experts_per_token),
+        "kda_heads": int(cfg.linear_attn_config.num_heads),
+        "mla_heads": int(cfg.num_attention_heads),
+        "vocab_size": int(cfg.vocab_size),
+        "hidden_size": int(cfg.hidden_size),
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
+        "source": str(weights.source),
+    }

@@ -41,18 +41,15 @@ saw it changes the record too: return a new array instead (the contract's way an
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import functools
 import json
-from typing import NamedTuple
 
 import numpy as np
 
-from .._xp import array_namespace as _xp
 from ..backend import on_host
 from ._hook_grammar import LAYER_NAME
-from ._recording import RowSquares, spread, take, to_host, top_predictions
+from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host, top_predictions
 from .hooks import Hooks, check_pattern, is_glob
 from .trace import Trace
 
@@ -76,22 +73,6 @@ DEFAULT_SITES = {
     "moe.shared_out": "norm",
     "logits": "top",
 }
-
-
-class TokenRecords(NamedTuple):
-    """One finished token's records whose array work waits for the batch (`Recorder.flush`).
-
-    Squared norms are [n, rows] for the n keys or layer prefixes beside them (None: none recorded).
-    """
-
-    moe_keys: list  # "layers.{i}.moe.{routed,shared}_out.norm"
-    moe_squares: object  # [n, 1]
-    state_prefixes: list  # "layers.{i}.kda."
-    state_squares: object  # [n, H]
-    conv_prefixes: list
-    conv_squares: object  # [n, 3H]
-    logits: object  # a copy of the logits [V] (the caller may write into the ones it got), or None
-    fresh: tuple  # (record keys, fresh device arrays): GPU only
 
 
 def _predicate(spec, what: str):
@@ -282,34 +263,7 @@ class Recorder:
         batch, self._batch, self._batch_bytes = self._batch, [], 0
         rows, emit = self._rows, self._emit
         if batch:
-            keys = {"moe": [], "state": [], "conv": []}
-            squares = {"moe": [], "state": [], "conv": []}
-            logits = []
-            for tok in batch:
-                for kind, ks, sq in (("moe", tok.moe_keys, tok.moe_squares),
-                                     ("state", [p + "state.norm" for p in tok.state_prefixes], tok.state_squares),
-                                     ("conv", [p + "conv.norm" for p in tok.conv_prefixes], tok.conv_squares)):
-                    if sq is not None:
-                        keys[kind] += ks
-                        squares[kind].append(sq)
-                if tok.logits is not None:
-                    logits.append(tok.logits)
-            # squared norms -> norms, one row per record: MoE outputs [n, 1] -> scalars, KDA states [n, H],
-            # KDA conv windows [n, 3H] -> [n, 3 (q, k, v), H]
-            for kind, shaped in (("moe", lambda x: x.reshape(-1)), ("state", lambda x: x),
-                                 ("conv", lambda x: x.reshape(x.shape[0], 3, -1))):
-                if keys[kind]:
-                    sq = squares[kind]
-                    xp = _xp(sq[0])
-                    norms = shaped(xp.sqrt(sq[0] if len(sq) == 1 else xp.concatenate(sq)))
-                    emit(spread([rows[k].append for k in keys[kind]]), norms)
-            if logits:
-                ids, probs = top_predictions(_xp(logits[0]).stack(logits), self.top_k)
-                emit(spread([rows["logits.top_ids"].append] * len(logits)), ids)
-                emit(spread([rows["logits.top_probs"].append] * len(logits)), probs)
-            for tok in batch:  # fresh device arrays (GPU only)
-                for k, v in zip(*tok.fresh, strict=True):
-                    emit(rows[k].append, v)
+            emit_batch(batch, rows, emit, self.top_k)
         if self._pending:
             pending = self._pending[:]
             self._pending.clear()
@@ -379,22 +333,3 @@ class Recorder:
         out.meta = json.loads(json.dumps(self.meta))
         out.load_state_dict(self.state_dict(copy_arrays=deep))
         return out
-
-def model_meta(weights) -> dict:
-    """What plots need to label a trace without the weights (JSON-able)."""
-    cfg = weights.config
-    return {
-        "layer_ids": [int(i) for i in weights.layer_ids],
-        "attention_kinds": [layer.attention.kind for layer in weights.layers],
-        "ffn_kinds": [layer.ffn.kind for layer in weights.layers],
-        "block_boundaries": [int(layer.index) for layer in weights.layers if layer.is_block_boundary],
-        "max_sources": int(weights.max_sources),
-        "num_experts": int(cfg.num_experts),
-        "top_k": int(cfg.num_experts_per_token),
-        "kda_heads": int(cfg.linear_attn_config.num_heads),
-        "mla_heads": int(cfg.num_attention_heads),
-        "vocab_size": int(cfg.vocab_size),
-        "hidden_size": int(cfg.hidden_size),
-        "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
-        "source": str(weights.source),
-    }
