@@ -31,12 +31,13 @@ def decode(w, tokens=TOKENS):
 
 
 def test_bf16_matrix_behaves_like_its_float32_matrix():
+    """The widening route (kernel=False): bit for bit the float32 matrix (the kernel: test_bf16_matvec)."""
     rng = np.random.default_rng(0)
     W = rng.standard_normal((777, 300)).astype(ml_dtypes.bfloat16)
     W32 = W.astype(np.float32)
     scratch = WideningScratch(np)
-    M = Bf16Matrix(W.view(np.uint16), scratch)
-    small = Bf16Matrix(W[:5, :7].copy().view(np.uint16), scratch)
+    M = Bf16Matrix(W.view(np.uint16), scratch, kernel=False)
+    small = Bf16Matrix(W[:5, :7].copy().view(np.uint16), scratch, kernel=False)
     x = rng.standard_normal(300).astype(np.float32)
     assert M.shape == (777, 300) and M.nbytes == 777 * 300 * 2
     np.testing.assert_array_equal(bits(M @ x), bits(W32 @ x))
@@ -59,9 +60,9 @@ def test_bf16_matrix_behaves_like_its_float32_matrix():
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_bf16_resident_logits_bit_identical(path, dtype):
     f = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype=dtype)
-    b = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype=dtype, weight_dtype="bfloat16")
+    b = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype=dtype, weight_dtype="bfloat16", bf16_matvec="widen")
     assert isinstance(b.lm_head, Bf16Matrix) and isinstance(b.layers[0].attention.in_proj, Bf16Matrix)
-    assert b.extra["weight_dtype"] == "bfloat16" and f.extra["weight_dtype"] == dtype
+    assert b.extra["weight_dtype"] == "bfloat16" and f.extra["weight_dtype"] == dtype and b.extra["bf16_matvec"] == "widen"
     tokens = [t % f.config.vocab_size for t in TOKENS]
     np.testing.assert_array_equal(bits(decode(b, tokens)), bits(decode(f, tokens)))
 
@@ -109,7 +110,7 @@ def expected_bytes(cfg, layer_ids, itemsize: int) -> dict:
 @pytest.mark.parametrize("weight_dtype,itemsize", [(None, 4), ("bfloat16", 2)], ids=["float32", "bf16"])
 def test_memory_report_counts_what_is_resident(weight_dtype, itemsize):
     w = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=3,
-                                           weight_dtype=weight_dtype)
+                                           weight_dtype=weight_dtype, bf16_matvec="widen")
     report = memory_report(w)
     for key, value in expected_bytes(w.config, w.layer_ids, itemsize).items():
         assert report[key] == value, key

@@ -17,7 +17,7 @@ def _packed(**kw):
 
 
 def test_each_model_owns_its_workspace_and_the_report_counts_it():
-    a, b = _packed(), _packed(weight_dtype="bfloat16")
+    a, b = _packed(), _packed(weight_dtype="bfloat16", bf16_matvec="widen")  # widening: the scratch is reserved
     assert isinstance(a.workspace, Workspace) and a.workspace is not b.workspace
     banks = [layer.ffn.experts for layer in a.layers if layer.ffn.kind == "moe"]
     assert banks and all(bank._workspace is a.workspace for bank in banks)  # shared by the layers of ONE model

@@ -12,19 +12,21 @@
    the LOW nibble of byte j (column 2j) meets xe[j] and the HIGH nibble (column 2j + 1) meets xo[j].
 
    Kernels: AVX-512F (16-entry float table in one register, vpermps), AVX2+FMA (8-entry magnitude
-   table plus the sign bit), portable C. The best one this CPU has is used unless one is asked for.
-   The GIL is released while computing; callers split [start, stop) over threads. */
+   table plus the sign bit), portable C (_kernel_isa.h picks). The GIL is released while computing;
+   callers split [start, stop) over threads.
+
+   Two entry points, the same row kernels: `expert_matvec` reads experts from [E, R, H] banks (the
+   bytes copied into RAM at load); `parts_matvec` reads each selected expert from its own buffers,
+   one per row block (w1 and w3 of w13), wherever they lie: views of the memory-mapped shards
+   (experts="mapped"). The same bytes through the same row kernel give the same floats, bit for bit.
+   Every size is checked here, before any byte is read. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KX_X86 1
-#include <immintrin.h>
-#endif
+#include "_kernel_isa.h"
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -98,29 +100,12 @@ __attribute__((target("avx512f"))) static void row_avx512(const uint8_t *row, co
 }
 #endif
 
-static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512f"};
-
-static int best_isa(void) {
-#ifdef KX_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-#endif
-    return 0;
-}
-
 static row_fn kernel_for(int isa) {
 #ifdef KX_X86
     if (isa == 2) return row_avx512;
     if (isa == 1) return row_avx2;
 #endif
     return row_portable;
-}
-
-static int isa_index(const char *name) {
-    for (int i = 0; i < 3; i++)
-        if (strcmp(name, ISA_NAMES[i]) == 0) return i;
-    return -1;
 }
 
 PyDoc_STRVAR(expert_matvec_doc,
@@ -139,9 +124,9 @@ static PyObject *expert_matvec(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const char *err = NULL;
     Py_ssize_t k = ids.len / 8, G = H / 16, E = 0, nx = 0;
-    int isa = *isa_name ? isa_index(isa_name) : best_isa();
+    int isa = isa_index(isa_name);
     if (R <= 0 || H <= 0 || H % 16) err = "R must be > 0 and H a positive multiple of 16 (whole 32-value groups)";
-    else if (isa < 0 || isa > best_isa()) err = "isa: not one of isas() on this CPU";
+    else if (isa < 0) err = "isa: not one of isas() on this CPU";
     else if (ids.len % 8 || k == 0) err = "ids: expected a non-empty int64 buffer";
     else if (packed.len % (R * H) || (E = packed.len / (R * H)) == 0) err = "packed: size is not E * R * H bytes";
     else if (scale.len != E * R * G) err = "scale: size is not E * R * H/16 bytes";
@@ -181,17 +166,104 @@ done:
     return result;
 }
 
-static PyObject *isas(PyObject *self, PyObject *noargs) {
-    (void)self, (void)noargs;
-    int best = best_isa();
-    PyObject *names = PyTuple_New(best + 1);
-    if (names == NULL) return NULL;
-    for (int i = 0; i <= best; i++) PyTuple_SET_ITEM(names, i, PyUnicode_FromString(ISA_NAMES[i]));
-    return names;
+#define MAX_PARTS 8 /* row blocks per expert matrix (w13 has 2) */
+
+PyDoc_STRVAR(parts_matvec_doc,
+             "parts_matvec(packed, scale, rows, xeo, out, H, start, stop, isa)\n\n"
+             "packed, scale: sequences of k * P buffers, selected expert n's row block p at n * P + p: uint8\n"
+             "[rows[p], H] and [rows[p], H/16], C-contiguous (e.g. read-only views of a mapped shard);\n"
+             "rows: the P block heights (R = their sum); xeo float32 [1 or k, 2, H]; out float32 [k, R]\n"
+             "(written at flat rows start..stop-1). isa: a name from isas() or '' for the best.");
+
+static PyObject *parts_matvec(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *packed_seq, *scale_seq, *rows_seq;
+    Py_buffer xeo, out;
+    Py_ssize_t H, start, stop;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "OOOy*w*nnns", &packed_seq, &scale_seq, &rows_seq, &xeo, &out, &H, &start, &stop, &isa_name))
+        return NULL;
+    PyObject *result = NULL, *pf = NULL, *sf = NULL, *rf = NULL;
+    Py_buffer *bufs = NULL; /* [2 * k * P]: packed blocks, then scale blocks */
+    Py_ssize_t acquired = 0, rows[MAX_PARTS], off[MAX_PARTS + 1] = {0}, P = 0, k = 0, R = 0, G = H / 16, nx = 0;
+    const char *err = NULL;
+    int isa = isa_index(isa_name);
+    if (!(pf = PySequence_Fast(packed_seq, "packed: expected a sequence of buffers")) ||
+        !(sf = PySequence_Fast(scale_seq, "scale: expected a sequence of buffers")) ||
+        !(rf = PySequence_Fast(rows_seq, "rows: expected a sequence of ints")))
+        goto done;
+    P = PySequence_Fast_GET_SIZE(rf);
+    if (P < 1 || P > MAX_PARTS) {
+        PyErr_Format(PyExc_ValueError, "rows: expected 1..%d row blocks, got %zd", MAX_PARTS, P);
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < P; p++) {
+        rows[p] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(rf, p));
+        if (rows[p] == -1 && PyErr_Occurred()) goto done;
+        if (rows[p] <= 0) err = "rows: every block needs at least one row";
+        off[p + 1] = off[p] + rows[p];
+    }
+    R = off[P];
+    k = PySequence_Fast_GET_SIZE(pf) / P;
+    if (err != NULL) {
+    } else if (H <= 0 || H % 16) err = "H must be a positive multiple of 16 (whole 32-value groups)";
+    else if (isa < 0) err = "isa: not one of isas() on this CPU";
+    else if (k == 0 || PySequence_Fast_GET_SIZE(pf) != k * P || PySequence_Fast_GET_SIZE(sf) != k * P)
+        err = "packed/scale: expected k * P buffers each (k >= 1 selected experts, P row blocks)";
+    else if (xeo.len % (8 * H) || ((nx = xeo.len / (8 * H)) != 1 && nx != k)) err = "xeo: expected float32 [1 or k, 2, H]";
+    else if (out.len != 4 * k * R) err = "out: expected float32 [k, R]";
+    else if (start < 0 || start > stop || stop > k * R) err = "start/stop: outside 0..k*R";
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    bufs = PyMem_Calloc(2 * k * P, sizeof(Py_buffer));
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < 2 * k * P; j++) {
+        const int is_scale = j >= k * P;
+        const Py_ssize_t i = j % (k * P), p = i % P, want = rows[p] * (is_scale ? G : H);
+        PyObject *obj = PySequence_Fast_GET_ITEM(is_scale ? sf : pf, i);
+        if (PyObject_GetBuffer(obj, &bufs[j], PyBUF_SIMPLE) < 0) goto done; /* NumPy refuses non-contiguous */
+        acquired++;
+        if (bufs[j].len != want) {
+            PyErr_Format(PyExc_ValueError, "%s block %zd of expert %zd: %zd bytes, expected %zd ([%zd, %zd] uint8)",
+                         is_scale ? "scale" : "packed", p, i / P, bufs[j].len, want, rows[p], is_scale ? G : H);
+            goto done;
+        }
+    }
+    row_fn row = kernel_for(isa);
+    const float *X = (const float *)xeo.buf;
+    float *Y = (float *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = start; t < stop; t++) {
+        const Py_ssize_t n = t / R, r = t - n * R;
+        Py_ssize_t p = 0;
+        while (r >= off[p + 1]) p++;
+        const Py_ssize_t rr = r - off[p];
+        const float *xe = X + (nx == 1 ? 0 : n) * 2 * H;
+        row((const uint8_t *)bufs[n * P + p].buf + rr * H, (const uint8_t *)bufs[k * P + n * P + p].buf + rr * G, xe, xe + H,
+            G, Y + t);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t j = 0; j < acquired; j++) PyBuffer_Release(&bufs[j]);
+    PyMem_Free(bufs);
+    Py_XDECREF(pf);
+    Py_XDECREF(sf);
+    Py_XDECREF(rf);
+    PyBuffer_Release(&xeo);
+    PyBuffer_Release(&out);
+    return result;
 }
 
 static PyMethodDef methods[] = {
     {"expert_matvec", expert_matvec, METH_VARARGS, expert_matvec_doc},
+    {"parts_matvec", parts_matvec, METH_VARARGS, parts_matvec_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

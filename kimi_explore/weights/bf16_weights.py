@@ -1,9 +1,12 @@
-"""bf16-resident weight matrices, widened per use (`weight_dtype="bfloat16"`).
+"""bf16-resident weight matrices (`weight_dtype="bfloat16"`): the compiled kernel, or widened per use.
 
 A `Bf16Matrix` keeps a [rows, cols] matrix as its bf16 bit patterns (uint16, on the weights'
 device) and behaves, for the decoder, like the float32 matrix it stands for:
 
-    W @ x        widen all of W into a shared scratch buffer, then the same `scratch @ x` call
+    W @ x        kernel route (host, float32, x a vector, `bf16_matvec` built; the default there):
+                 the compiled matvec reads the bits once (float32 sums in another order than BLAS);
+                 widening route (otherwise, or kernel=False): widen all of W into a shared scratch
+                 buffer, then the same `scratch @ x` call as the float32 matrix (bit-identical)
     W[rows]      widen only those rows (embedding lookups)
     np.asarray(W) the widened matrix on the host (for the float64 reference code)
 
@@ -16,8 +19,9 @@ row count (the kernel groups rows and threads differently), so a row-blocked pro
 from the float32-resident one in the last bits. Widening the whole matrix into a contiguous
 buffer of the same shape makes the matmul call identical, hence the logits bit-identical. The
 price is one scratch buffer the size of the largest bf16 matrix (shared by all of them) and the
-widening pass itself, which on a CPU costs more than the float32 matmul it feeds: bf16 residency
-trades speed for memory on a CPU; on a GPU the widening runs at memory bandwidth.
+widening pass itself, which on a CPU costs more than the float32 matmul it feeds; on a GPU the
+widening runs at memory bandwidth. Hence the kernel route on the CPU (`bf16_matvec`): it reads
+the 2-byte bits once and needs no scratch, at the price of another float32 summation order.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
+from . import bf16_matvec
 
 __all__ = ["Bf16Array", "Bf16Matrix", "WideningScratch", "widen_bits"]
 
@@ -111,14 +116,29 @@ class Bf16Array:
 class Bf16Matrix(Bf16Array):
     """A 2-D weight held as bf16 bits; `@`, row indexing and `np.asarray` give `dtype` values.
 
-    bits: uint16 [rows, cols] (numpy or cupy)
+    bits:    uint16 [rows, cols] (numpy or cupy)
+    kernel:  None (default) = the compiled matvec whenever it can run (host, float32, built) and x
+             is a vector; False = always widen (bit-identical to the float32 matrix); True requires it
+    pool:    a callable giving the executor the kernel's rows run on (the model's `workspace.pool`)
     """
 
-    def __init__(self, bits, scratch: WideningScratch, dtype=np.float32):
+    def __init__(self, bits, scratch: WideningScratch, dtype=np.float32, kernel: bool | None = None, pool=None):
         if bits.dtype != np.uint16 or bits.ndim != 2:
             raise TypeError(f"Bf16Matrix: expected uint16 [rows, cols] bf16 bits, got {bits.dtype} {tuple(bits.shape)}")
         super().__init__(bits, dtype)
         self.scratch = scratch
+        self.kernel, self._pool = kernel, pool
+        if kernel and not self.can_use_kernel():
+            raise ValueError(f"Bf16Matrix(kernel=True) needs host C-contiguous bits, float32 and the compiled kernel (built: "
+                             f"{bf16_matvec.AVAILABLE}); got {type(bits).__module__} bits, {self.dtype.name}")
+
+    def can_use_kernel(self) -> bool:
+        return bf16_matvec.runs(array_namespace(self.bits), self.dtype) and self.bits.flags.c_contiguous
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether `W @ vector` runs the compiled kernel (else the widening route)."""
+        return self.kernel is not False and self.can_use_kernel()
 
     def widened(self):
         """The full matrix in `dtype` (float32: a view of the shared scratch, valid until its next use)."""
@@ -127,4 +147,6 @@ class Bf16Matrix(Bf16Array):
         return widen_bits(self.bits, self.dtype)
 
     def __matmul__(self, x):
+        if getattr(x, "ndim", 0) == 1 and x.dtype == np.float32 and self.uses_kernel:
+            return bf16_matvec.bf16_matvec(self.bits, x, pool=None if self._pool is None else self._pool())
         return self.widened() @ x

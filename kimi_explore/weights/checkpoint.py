@@ -12,8 +12,9 @@ buffer (`tensor_reader`: no second copy, no mapped pages left resident). Any pro
 `CheckpointError` and nothing is returned half-loaded.
 
 Resident forms (options of `load_weights`): matrices in the compute dtype or as bf16 bits
-(`bf16_weights.Bf16Matrix`); routed experts dequantised up front (`experts.DenseExperts`) or kept
-MXFP4-packed with an LRU cache of dequantised experts (`experts.PackedExperts`).
+(`bf16_weights.Bf16Matrix`); routed experts dequantised up front (`experts.DenseExperts`), kept
+MXFP4-packed with an LRU cache of dequantised experts (`experts.PackedExperts`), or left in the
+shard files as read-only memory maps (`mapped_experts.MappedExperts`: nothing of them copied).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from ..model.mla import MlaWeights
 from ..model.ops import DenseMlpWeights
 from . import checkpoint_table as table
 from . import mxfp4, mxfp4_matvec
+from .bf16_matvec import runs as bf16_kernel_runs
 from .bf16_weights import Bf16Matrix, WideningScratch
 from .checkpoint_table import DiskTensor
 from .experts import DenseExperts, PackedExperts
+from .mapped_experts import ExpertViews, MappedExperts
 from .safetensors_io import CheckpointError, SafetensorsFile
 from .tensor_reader import TensorReader
 from .workspace import Workspace
@@ -192,11 +195,16 @@ def check_tensor(path, full: str, dtype: str, shape: tuple, want: DiskTensor) ->
 class _Builder:
     """Reads planned tensors into device buffers in the compute dtype (or bf16 bits, `weight_dtype`)."""
 
-    def __init__(self, ckpt: CheckpointDir, cfg: KimiDecoderConfig, xp, dtype, bf16_matrices: bool):
-        self.ckpt, self.cfg, self.xp, self.dtype = ckpt, cfg, xp, dtype
+    def __init__(self, ckpt: CheckpointDir, cfg: KimiDecoderConfig, xp, dtype, bf16_matrices: bool, bf16_kernel=None):
+        self.ckpt, self.cfg, self.xp, self.dtype, self.bf16_kernel = ckpt, cfg, xp, dtype, bf16_kernel
         self.reader = TensorReader(lambda n: (ckpt.open(ckpt.shard_of(n)), ckpt.full(n)))
         self.workspace = Workspace(xp, widening=WideningScratch(xp) if bf16_matrices else None)
         self.scratch = self.workspace.widening
+
+    def mapped(self, name: str) -> np.ndarray:
+        """A read-only uint8 view of the tensor's bytes in its shard's memory map (nothing read now);
+        the view keeps the map alive after the loader closes the checkpoint."""
+        return np.asarray(self.ckpt.open(self.ckpt.shard_of(name)).array(self.ckpt.full(name)))
 
     def host(self, name: str, dtype=None) -> np.ndarray:
         return self.reader.read(name, self.dtype if dtype is None else dtype)
@@ -225,9 +233,10 @@ class _Builder:
         dev = self.dev(out)
         if not bits:
             return dev
-        if not by_rows:
+        m = Bf16Matrix(dev, self.scratch, self.dtype, kernel=self.bf16_kernel, pool=self.workspace.pool)
+        if not by_rows and not m.uses_kernel:  # the widening route needs the scratch; reserve it now
             self.scratch.reserve(dev.size)
-        return Bf16Matrix(dev, self.scratch, self.dtype)
+        return m
 
 
 class _At:
@@ -317,6 +326,18 @@ def _packed_experts(b: _Builder, cfg: KimiDecoderConfig, i: int, capacity: int, 
     return PackedExperts(**banks, dtype=b.dtype, capacity=capacity, workspace=b.workspace)
 
 
+def _mapped_experts(b: _Builder, cfg: KimiDecoderConfig, i: int, capacity: int) -> MappedExperts:
+    """Views of every expert's MXFP4 tensors in the mapped shards: nothing is read or copied."""
+    t = _At(b, table.MOE, i)
+    views = {}
+    for field in EXPERT_BANKS:
+        keys = table.MOE.keys(field)
+        for half, what in ((0, "packed"), (1, "scale")):
+            blocks = [[b.mapped(table.mxfp4_names(t.name(k, e))[half]) for k in keys] for e in range(cfg.num_experts)]
+            views[f"{field}_{what}"] = ExpertViews(blocks, b.xp)
+    return MappedExperts(**views, dtype=b.dtype, capacity=capacity, workspace=b.workspace)
+
+
 def _dense_experts(b: _Builder, cfg: KimiDecoderConfig, i: int) -> DenseExperts:
     """Every expert dequantised (MXFP4 through `mxfp4.dequantize`) or widened (dense on disk)."""
     t, E = _At(b, table.MOE, i), cfg.num_experts
@@ -340,13 +361,13 @@ def _dense_experts(b: _Builder, cfg: KimiDecoderConfig, i: int) -> DenseExperts:
 
 def _moe(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size: int) -> LatentMoeWeights:
     t = _At(b, table.MOE, i)
-    if experts == "packed":
+    if experts in ("packed", "mapped"):
         if not _experts_packed_on_disk(b.ckpt, cfg, i):
             raise CheckpointError(
-                f"{b.ckpt.path}: experts='packed' but layer {i}'s routed experts are not all MXFP4 "
+                f"{b.ckpt.path}: experts={experts!r} but layer {i}'s routed experts are not all MXFP4 "
                 "(weight_packed/weight_scale) on disk; load with experts='dense'"
             )
-        bank = _packed_experts(b, cfg, i, cache_size)
+        bank = (_packed_experts if experts == "packed" else _mapped_experts)(b, cfg, i, cache_size)
     else:
         bank = _dense_experts(b, cfg, i)
     return LatentMoeWeights(
@@ -377,7 +398,8 @@ def _layer(b: _Builder, cfg: KimiDecoderConfig, i: int, experts: str, cache_size
 
 # ---------------------------------------------------------------- options
 
-EXPERT_MODES = ("auto", "packed", "dense")
+EXPERT_MODES = ("auto", "packed", "mapped", "dense")
+BF16_MATVECS = ("auto", "kernel", "widen")
 AUTO_DENSE_BYTES = 1 << 30  # experts="auto": dequantise up front when all requested experts fit in this
 AUTO_CACHE_BYTES = 512 << 20  # expert_cache_size=None: the experts per layer whose dequantised copies fit in this
 
@@ -419,6 +441,13 @@ def _resolve_weight_dtype(weight_dtype, dtype) -> bool:
     raise ValueError(f"weight_dtype={weight_dtype!r}: expected None (= dtype, {np.dtype(dtype).name!r}) or 'bfloat16'")
 
 
+def _resolve_bf16_matvec(route: str) -> bool | None:
+    """Bf16Matrix's `kernel`: None = the compiled kernel where it runs, True = required, False = widen."""
+    if route not in BF16_MATVECS:
+        raise ValueError(f"bf16_matvec={route!r}: expected one of {', '.join(map(repr, BF16_MATVECS))}")
+    return {"auto": None, "kernel": True, "widen": False}[route]
+
+
 def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
     if layers is None:
         return list(range(num_hidden_layers))
@@ -437,7 +466,8 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
 
 
 def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32", weight_dtype: str | None = None,
-                 experts: str = "auto", expert_cache_size: int | None = None, revision: str | None = None,
+                 experts: str = "auto", expert_cache_size: int | None = None, bf16_matvec: str = "auto",
+                 revision: str | None = None,
                  cache_dir=None, local_files_only: bool | None = None, token=None, progress: bool = True) -> KimiDecoderWeights:
     """Load a K3 checkpoint (all layers, or the 0-based `layers` chosen) onto `device`.
 
@@ -446,11 +476,18 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         `cache_dir`, `local_files_only`, `token` go to huggingface_hub; HF_HUB_OFFLINE=1 works).
     dtype: compute dtype of activations and widened weights ("float32" | "float64").
     weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the matrices stored as BF16 on
-        disk as bf16 bits, widened per use (same logits bit for bit, half the memory, slower on CPU).
+        disk as bf16 bits (half the memory), multiplied as `bf16_matvec` says.
+    bf16_matvec: with weight_dtype="bfloat16": "auto" (default) = the compiled bf16 kernel where it
+        runs (CPU, float32, built; float32 sums in another order than BLAS, ~1e-7), else widening;
+        "widen" = widen each matrix per use, then BLAS (logits bit-identical to the float32 trunk,
+        slower on the CPU); "kernel" = require the kernel.
     experts: "dense" dequantises every routed expert at load; "packed" keeps the MXFP4 bytes and
         dequantises the selected ones per token (same logits bit for bit) or, with no cache on the
-        CPU, multiplies them fused (see expert_cache_size); "auto" (default) is dense
-        when all requested experts dequantised fit in 1 GiB (the tiny models), else packed (K3).
+        CPU, multiplies them fused (see expert_cache_size); "mapped" is "packed" with the bytes left
+        in the shard files as read-only memory maps, nothing copied at load, paged in by the OS on
+        first use (bit-identical to "packed" with the same cache size; on a GPU the selected
+        experts are copied to the device per use); "auto" (default) is dense when all requested
+        experts dequantised fit in 1 GiB (the tiny models), else packed (K3).
     expert_cache_size: with packed experts, dequantised experts kept PER LAYER in an LRU cache;
         0 = no cache: on the CPU in float32 the selected experts are then multiplied straight from
         their packed bytes by the compiled kernel (`mxfp4_matvec`, when built; the same weights,
@@ -463,6 +500,7 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     xp, dev = resolve_device(device)
     dt = resolve_dtype(dtype)
     bf16 = _resolve_weight_dtype(weight_dtype, dt)
+    bf16_kernel = _resolve_bf16_matvec(bf16_matvec)
     path = resolve_checkpoint(path, layers=layers, revision=revision, cache_dir=cache_dir,
                               local_files_only=local_files_only, token=token, progress=progress)
     cfg = KimiDecoderConfig.from_file(path / "config.json")
@@ -473,7 +511,7 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         _check(ckpt, plan_tensors(cfg, layer_ids, ckpt))
         mode = _resolve_experts(experts, cfg, layer_ids, ckpt, dt)
         cache_size = _resolve_cache_size(expert_cache_size, cfg, dt, xp)
-        b = _Builder(ckpt, cfg, xp, dt, bf16)
+        b = _Builder(ckpt, cfg, xp, dt, bf16, bf16_kernel)
         g = _At(b, table.GLOBAL)
         embed = g.matrix("embed_tokens", by_rows=True)
         return KimiDecoderWeights(
@@ -481,8 +519,10 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
             output_attn_res_score=g.score("output_attn_res_score"), norm=g.one("norm"),
             lm_head=embed if cfg.tie_word_embeddings else g.matrix("lm_head"),
             xp=xp, device=dev, dtype=dt, source=str(path), workspace=b.workspace,
-            extra={"experts": mode, "expert_cache_size": cache_size if mode == "packed" else None,
-                   "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name},
+            extra={"experts": mode, "expert_cache_size": cache_size if mode in ("packed", "mapped") else None,
+                   "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name,
+                   "bf16_matvec": (("kernel" if bf16_kernel is not False and bf16_kernel_runs(xp, dt) else "widen")
+                                   if bf16 else None)},
         )
     finally:
         if b is not None:

@@ -85,7 +85,7 @@ class PackedExperts:
         # memory counts) must see the same arrays whatever the cache holds
         self._slots: OrderedDict = OrderedDict()  # expert id -> slot, least recently used first
         self._slab13 = self._slab2 = None  # [capacity, 2I, l], [capacity, l, I] once the first miss is stored
-        xp = array_namespace(self.w13_packed)
+        xp = self.xp
         self._workspace = Workspace(xp) if workspace is None else workspace
         self.dtype = np.dtype(self.dtype)
         self.capacity = _check_capacity(self.capacity)
@@ -106,6 +106,11 @@ class PackedExperts:
             )
 
     # ---- shapes and sizes
+    @property
+    def xp(self):
+        """The array namespace of the bank (numpy or cupy): where dequantised experts live."""
+        return array_namespace(self.w13_packed)
+
     @property
     def num_experts(self) -> int:
         return self.w13_packed.shape[0]
@@ -168,7 +173,7 @@ class PackedExperts:
         """Put experts `ids` (rows of w13/w2) in the cache, evicting the least recently used."""
         if self.capacity == 0:
             return
-        xp = array_namespace(self.w13_packed)
+        xp = self.xp
         if self._slab13 is None:
             self._slab13 = xp.empty((self.capacity,) + self.shape13, self.dtype)
             self._slab2 = xp.empty((self.capacity,) + self.shape2, self.dtype)
@@ -208,7 +213,7 @@ class PackedExperts:
 
         workspace=True writes into the model's workspace (shared by its layers), valid until the next such call.
         """
-        xp, ws = array_namespace(self.w13_packed), self._workspace
+        xp, ws = self.xp, self._workspace
         sel = xp.asarray(np.asarray(ids, dtype=np.int64))
         m = len(ids)
         out13 = ws.take("w13", (m,) + self.shape13, self.dtype) if workspace else None
@@ -220,7 +225,7 @@ class PackedExperts:
 
     def gather(self, ids):
         """The selected experts' weights, in the order of `ids`: ([k, 2I, l], [k, l, I]), fresh arrays."""
-        xp = array_namespace(self.w13_packed)
+        xp = self.xp
         order, missing = self._lookup(ids)
         if not order:
             return xp.empty((0,) + self.shape13, self.dtype), xp.empty((0,) + self.shape2, self.dtype)
@@ -238,7 +243,7 @@ class PackedExperts:
     def can_fuse(self) -> bool:
         """Whether the fused kernel can run this bank (see `fused`)."""
         arrays = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
-        return (self.capacity == 0 and mxfp4_matvec.runs(array_namespace(self.w13_packed), self.dtype)
+        return (self.capacity == 0 and mxfp4_matvec.runs(self.xp, self.dtype)
                 and all(a.flags.c_contiguous for a in arrays))
 
     @property
@@ -269,12 +274,10 @@ class PackedExperts:
         batched matmuls (one launch each instead of k).
         """
         if len(ids) == 0:  # every expert ablated: no routed output (as a dense bank's empty matmuls give)
-            return array_namespace(self.w13_packed).zeros((0, self.shape2[0]), self.dtype)
+            return self.xp.zeros((0, self.shape2[0]), self.dtype)
         if self.uses_fused:
-            pool = self._workspace.pool()
-            h = mxfp4_matvec.expert_matvec(self.w13_packed, self.w13_scale, ids, z, pool=pool)  # [k, 2I]
-            return mxfp4_matvec.expert_matvec(self.w2_packed, self.w2_scale, ids, act(h), pool=pool)
-        xp = array_namespace(self.w13_packed)
+            return self._fused(ids, z, act)
+        xp = self.xp
         if not self._multiply_in_place(xp):
             w13, w2 = self.gather(ids)
             a = act(xp.matmul(w13, z))
@@ -290,6 +293,13 @@ class PackedExperts:
         if missing:
             self._store(missing, new13, new2)
         return y
+
+
+    def _fused(self, ids, z, act):
+        """The fused route: two kernel calls on the packed bytes, w13 then w2."""
+        pool = self._workspace.pool()
+        h = mxfp4_matvec.expert_matvec(self.w13_packed, self.w13_scale, ids, z, pool=pool)  # [k, 2I]
+        return mxfp4_matvec.expert_matvec(self.w2_packed, self.w2_scale, ids, act(h), pool=pool)
 
 
 def _check_capacity(capacity) -> int:

@@ -10,6 +10,10 @@ at their resident size: bf16 bits for `weight_dtype="bfloat16"` matrices, uint8 
 experts, plus the dequantised-expert caches as they are now, and the model's workspace
 (`weights.workspace`): the bf16 widening scratch and the buffers of the experts a token dequantises.
 Decode state (KDA matrices, MLA caches) is not weights and is not counted.
+
+Mapped experts (experts="mapped") are not resident: their bytes stay in the shard files and the
+OS pages them in and out. They are listed apart, in `report.mapped` ({component: bytes}) and
+below the total in the table, never in `total`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from .experts import DenseExperts, PackedExperts
+from .mapped_experts import MappedExperts
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -35,6 +40,7 @@ COMPONENTS = (
     "bf16 widening scratch",
     "dequantise workspace",
 )
+MAPPED = "routed experts, MXFP4 mapped from the shard files"
 
 
 def _nbytes(obj) -> int:
@@ -48,11 +54,17 @@ def _nbytes(obj) -> int:
 
 
 class MemoryReport(dict):
-    """{component: bytes}, printed as a table. `total` is the sum; `device` where the bytes live."""
+    """{component: resident bytes}, printed as a table. `total` is their sum; `device` where they live;
+    `mapped`: {component: bytes} left in the checkpoint files (memory-mapped, paged by the OS)."""
 
-    def __init__(self, parts: dict[str, int], device: str):
+    def __init__(self, parts: dict[str, int], device: str, mapped: dict[str, int] | None = None):
         super().__init__(parts)
         self.device = device
+        self.mapped = dict(mapped or {})
+
+    @property
+    def mapped_total(self) -> int:
+        return sum(self.mapped.values())
 
     @property
     def total(self) -> int:
@@ -60,11 +72,13 @@ class MemoryReport(dict):
 
     def table(self) -> str:
         total = self.total or 1
-        w = max(len(k) for k in self) + 2
+        extra = {f"+ {k} (not resident)": v for k, v in self.mapped.items()}
+        w = max(len(k) for k in list(self) + list(extra)) + 2
         lines = [f"{'component':<{w}}{'bytes':>16}{'MiB':>11}{'share':>8}"]
         for k, v in self.items():
             lines.append(f"{k:<{w}}{v:>16,}{v / 2**20:>11.1f}{100 * v / total:>7.1f}%")
         lines.append(f"{'total (' + self.device + ')':<{w}}{self.total:>16,}{self.total / 2**20:>11.1f}{100.0:>7.1f}%")
+        lines += [f"{k:<{w}}{v:>16,}{v / 2**20:>11.1f}" for k, v in extra.items()]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -76,7 +90,7 @@ class MemoryReport(dict):
 
 def memory_report(weights) -> MemoryReport:
     """Resident bytes of `weights` (a KimiDecoderWeights) by component."""
-    parts = dict.fromkeys(COMPONENTS, 0)
+    parts, mapped = dict.fromkeys(COMPONENTS, 0), {}
     parts["embed_tokens"] = _nbytes(weights.embed_tokens)
     if weights.lm_head is not weights.embed_tokens:  # tied embeddings are counted once
         parts["lm_head"] = _nbytes(weights.lm_head)
@@ -95,6 +109,8 @@ def memory_report(weights) -> MemoryReport:
         parts["MoE router + latent projections + shared experts"] += sum(
             _nbytes(getattr(ffn, f.name)) for f in dataclasses.fields(ffn) if f.name != "experts"
         )
+        if isinstance(bank, MappedExperts):
+            mapped[MAPPED] = mapped.get(MAPPED, 0) + bank.mapped_bytes
         if isinstance(bank, PackedExperts):
             parts["routed experts, MXFP4 packed"] += bank.packed_bytes
             parts["routed experts, dequantised (LRU caches)"] += bank.cached_bytes
@@ -106,4 +122,4 @@ def memory_report(weights) -> MemoryReport:
     if ws is not None:
         parts["bf16 widening scratch"] = ws.widening_bytes
         parts["dequantise workspace"] = ws.dequantised_bytes
-    return MemoryReport(parts, weights.device)
+    return MemoryReport(parts, weights.device, mapped)

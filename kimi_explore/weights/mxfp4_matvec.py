@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
-from .workspace import run_parts
+from .workspace import run_rows
 
 try:
     from . import _mxfp4_matvec as _ext
@@ -45,8 +45,7 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
     (default: `backend.HOST_THREADS`); the kernel releases the GIL. pool: the executor they run on
     (the model's `workspace.pool()`; None: a pool just for this call).
     """
-    if not AVAILABLE:
-        raise RuntimeError("kimi_explore.weights._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
+    _require()
     for name, a in (("packed", packed), ("scale", scale)):
         if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous uint8 NumPy array [E, R, n], got {_describe(a)}")
@@ -54,22 +53,52 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
     if H % 16 or scale.shape != (E, R, H // 16):
         raise ValueError(f"packed {packed.shape} / scale {scale.shape}: expected [E, R, C/2] / [E, R, C/32], C a multiple of 32")
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    xeo, out = _inputs(x, len(ids), R, H, out)
+    run = lambda a, b: _ext.expert_matvec(packed, scale, ids, xeo, out, R, H, a, b, isa or "")  # noqa: E731
+    run_rows(pool, run, len(ids) * R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
+    return out
+
+
+def parts_matvec(packed, scale, rows, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
+    """The same product for k experts that are not one array: each selected expert's matrix given as
+    row blocks wherever they lie (views of memory-mapped shards: `mapped_experts`).
+
+    packed, scale: k sequences (one per selected expert, in order) of P uint8 arrays, block p
+    [rows[p], C/2] and [rows[p], C/32]; rows: the P block heights (w13: (I, I), w1 then w3);
+    x: float32 [C] or [k, C] -> float32 [k, sum(rows)]. Bit for bit what `expert_matvec` gives on
+    the same bytes stacked into a bank (the same row kernel); the sizes are checked in C.
+    """
+    _require()
+    rows = tuple(int(r) for r in rows)
+    k = len(packed)
+    if k == 0 or len(scale) != k or any(len(p) != len(rows) or len(s) != len(rows) for p, s in zip(packed, scale, strict=True)):
+        raise ValueError(f"packed/scale: expected as many experts (>= 1; got {k} and {len(scale)}), "
+                         f"each {len(rows)} row blocks")
+    H = np.shape(packed[0][0])[-1]  # C/2; every block's size is checked against it in C
+    xeo, out = _inputs(x, k, sum(rows), H, out)
+    flat_p, flat_s = [a for p in packed for a in p], [a for s in scale for a in s]
+    run = lambda a, b: _ext.parts_matvec(flat_p, flat_s, rows, xeo, out, H, a, b, isa or "")  # noqa: E731
+    run_rows(pool, run, k * sum(rows), threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
+    return out
+
+
+def _require() -> None:
+    if not AVAILABLE:
+        raise RuntimeError("kimi_explore.weights._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
+
+
+def _inputs(x, k: int, R: int, H: int, out):
+    """x deinterleaved for the kernel, [1 or k, 2, H] = [x[0::2] | x[1::2]] per input; `out` checked or made."""
     x = np.asarray(x)
-    if x.dtype != np.float32 or x.shape[-1] != 2 * H or x.ndim not in (1, 2) or (x.ndim == 2 and x.shape[0] != len(ids)):
-        raise ValueError(f"x: expected float32 [{2 * H}] or [{len(ids)}, {2 * H}], got {_describe(x)}")
-    xeo = np.empty((1 if x.ndim == 1 else len(ids), 2, H), np.float32)
+    if x.dtype != np.float32 or x.shape[-1] != 2 * H or x.ndim not in (1, 2) or (x.ndim == 2 and x.shape[0] != k):
+        raise ValueError(f"x: expected float32 [{2 * H}] or [{k}, {2 * H}], got {_describe(x)}")
+    xeo = np.empty((1 if x.ndim == 1 else k, 2, H), np.float32)
     xeo[:, 0] = x[..., 0::2]
     xeo[:, 1] = x[..., 1::2]
-    k = len(ids)
     out = np.empty((k, R), np.float32) if out is None else out
     if out.shape != (k, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{k}, {R}], got {_describe(out)}")
-    rows = k * R
-    n = max(1, min(threads or HOST_THREADS, rows // _MIN_ROWS_PER_THREAD))
-    run = lambda a, b: _ext.expert_matvec(packed, scale, ids, xeo, out, R, H, a, b, isa or "")  # noqa: E731
-    cuts = [rows * i // n for i in range(n + 1)]
-    run_parts(pool, run, list(zip(cuts[:-1], cuts[1:], strict=True)))
-    return out
+    return xeo, out
 
 
 def _describe(a) -> str:

@@ -110,13 +110,12 @@ class SafetensorsFile:
         return self._map[b:e].view(DTYPES[dtype]).reshape(shape)
 
     def close(self) -> None:
-        mm = getattr(self._map, "_mmap", None)
+        """Drop this file's map; it is unmapped when the last view of it goes (`array()` views stay valid).
+
+        Not `mmap.close()`: NumPy holds no buffer export on the map, so closing it under a live view
+        (experts="mapped" keeps them for the model's lifetime) unmaps the pages and the view segfaults.
+        """
         self._map = None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # views still alive; the OS unmaps when they go
-                pass
 
 
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:

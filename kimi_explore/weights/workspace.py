@@ -23,7 +23,7 @@ import numpy as np
 from ..backend import HOST_THREADS
 from .bf16_weights import WideningScratch
 
-__all__ = ["Workspace", "run_parts"]
+__all__ = ["Workspace", "run_parts", "run_rows"]
 
 
 @dataclass(repr=False)
@@ -76,3 +76,10 @@ def run_parts(pool: Executor | None, fn, bounds: list[tuple[int, int]]) -> None:
         return
     for f in [pool.submit(fn, a, b) for a, b in bounds]:
         f.result()
+
+
+def run_rows(pool: Executor | None, fn, rows: int, threads: int, min_rows: int) -> None:
+    """fn(a, b) over [0, rows) cut into at most `threads` equal parts of at least `min_rows` rows (`run_parts`)."""
+    n = max(1, min(threads, rows // min_rows))
+    cuts = [rows * i // n for i in range(n + 1)]
+    run_parts(pool, fn, list(zip(cuts[:-1], cuts[1:], strict=True)))

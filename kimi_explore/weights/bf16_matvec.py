@@ -1,0 +1,67 @@
+"""A bf16-resident matrix times a float32 vector, straight from the bf16 bits (CPU, compiled kernel).
+
+    y[r] = sum_c f32(W[r, c]) * x[c]        W: uint16 bf16 bits [R, C];  x, y: float32
+
+f32(b) is exact (bf16 is the high half of a float32), so every product is the one BLAS sees on the
+widened matrix; only the float32 summation order differs (|error| ~1e-7 of sum |W||x|, tested
+against float64). The kernel (`_bf16_matvec.c`) reads 2 bytes per weight once: half the bytes of a
+float32-resident trunk, where the widening route (`bf16_weights.Bf16Matrix`, kernel off) reads
+2 + 4 + 4 (widen into a scratch, then BLAS) and is the one bit-identical to the float32 trunk.
+Built at install when a C compiler is present (`setup.py`, optional); `AVAILABLE` says.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import HOST_THREADS, on_host
+
+try:
+    from . import _bf16_matvec as _ext
+except ImportError:  # no compiler at install time
+    _ext = None
+
+AVAILABLE = _ext is not None
+_MIN_ROWS_PER_THREAD = 64
+
+
+def runs(xp, dtype) -> bool:
+    """Whether the kernel can take arrays of namespace `xp` computing in `dtype` (host, float32, built)."""
+    return AVAILABLE and on_host(xp) and np.dtype(dtype) == np.float32
+
+
+def isas() -> tuple[str, ...]:
+    """Kernels this CPU can run, best last ('portable', 'avx2', 'avx512f'); () without the extension."""
+    return _ext.isas() if AVAILABLE else ()
+
+
+def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
+    """bits: uint16 [R, C] (bf16 bit patterns, C-contiguous); x: float32 [C] -> float32 [R].
+
+    isa: one of `isas()` (default: the best). threads: host threads sharing the rows (default
+    `backend.HOST_THREADS`; the kernel releases the GIL); pool: their executor (the model's
+    `workspace.pool()`; None: a pool just for this call).
+    """
+    if not AVAILABLE:
+        raise RuntimeError("kimi_explore.weights._bf16_matvec was not built (no C compiler at install); reinstall with one")
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16 or bits.ndim != 2 or not bits.flags.c_contiguous:
+        raise ValueError(f"bits: expected a C-contiguous uint16 NumPy array [R, C] (bf16 bits), got {_describe(bits)}")
+    R, C = bits.shape
+    x = np.asarray(x)
+    if x.dtype != np.float32 or x.shape != (C,):
+        raise ValueError(f"x: expected float32 [{C}], got {_describe(x)}")
+    x = np.ascontiguousarray(x)
+    out = np.empty(R, np.float32) if out is None else out
+    if out.shape != (R,) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out: expected a C-contiguous float32 [{R}], got {_describe(out)}")
+    from .workspace import run_rows  # here: workspace -> bf16_weights -> this module at import time
+
+    run = lambda a, b: _ext.bf16_matvec(bits, x, out, R, C, a, b, isa or "")  # noqa: E731
+    run_rows(pool, run, R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
+    return out
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype} {a.shape}{'' if a.flags.c_contiguous else ' (not C-contiguous)'}"
+    return type(a).__name__
