@@ -1,37 +1,76 @@
 """End to end in a real browser: JupyterLab on 127.0.0.1 + headless Chromium driven by Playwright.
 
-    python tests/browser_e2e.py [ARTIFACTS_DIR]      # standalone; pytest runs it from test_browser.py
+    python tests/browser_e2e.py [ARTIFACTS_DIR]      # standalone (prints what it saw); pytest runs it too
 
-Copies the notebooks to a temporary root, serves them with JupyterLab (random free port, empty token,
-isolated Jupyter config/data/runtime dirs, no news or update checks), opens 01_tour.ipynb, runs all
-cells, clicks the Explorer's Step button twice and checks that the block-residual view changed each
-time. Screenshots (whole page and the view itself) go to ARTIFACTS_DIR (default artifacts/browser/).
+One JupyterLab (random free port, empty token, isolated Jupyter dirs, no news or update checks)
+serves two generated notebooks that open the Explorer: on the embedded model and on a K3-depth
+synthetic model (93 layers, 896 experts top-16, written first with `write_k3_depth`). On each:
+run all cells; Step on every tab, timing click -> every visible view of the tab redrawn (in the
+page, `performance.now()`); hover an MoE top-k cell and the full expert map and read the tooltips;
+click a token in the text and a layer in a map, and read every visible view's selection back from
+its plotly layout (`layout.meta`); type a new prompt and Step. Screenshots (1400 x 900) go to
+ARTIFACTS_DIR (default artifacts/browser/); nothing is fetched from outside 127.0.0.1.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-NOTEBOOK = "01_tour.ipynb"
-KERNEL_READY = """() => {
+VIEWPORT = {"width": 1400, "height": 900}
+PROMPT = "Kimi K3, one token at a time."
+TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")
+KERNEL_IDLE = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
   return !!k && k.connectionStatus === 'connected' && k.status === 'idle';
 }"""
+# every visible view drew the Explorer's last refresh, and no step is running
+SETTLED = """() => {
+  const done = document.querySelector('.kimi-done');
+  if (!done || document.querySelector('.kimi-busy')) return false;
+  const rev = Number(done.dataset.rev);
+  const plots = [...document.querySelectorAll('.kimi-plot')].filter(e => e.offsetParent !== null && e.dataset.rendered);
+  return plots.length > 0 && plots.every(p => Number(p.dataset.rendered) >= rev);
+}"""
+# click Step, resolve with the ms until every visible view drew the new history (polled every frame)
+TIMED_STEP = """async () => {
+  const done = () => document.querySelector('.kimi-done');
+  const n = Number(done().dataset.tokens), before = Number(done().dataset.rev);
+  const step = [...document.querySelectorAll('.widget-button')].find(b => b.textContent.trim() === 'Step');
+  const t0 = performance.now();
+  step.click();
+  return await new Promise((resolve, reject) => {
+    const check = () => {
+      const d = done(), rev = Number(d.dataset.rev);
+      const plots = [...document.querySelectorAll('.kimi-plot')].filter(e => e.offsetParent !== null && e.dataset.rendered);
+      if (rev > before && Number(d.dataset.tokens) === n + 1 && !document.querySelector('.kimi-busy')
+          && plots.length && plots.every(p => Number(p.dataset.rendered) >= rev)) return resolve(performance.now() - t0);
+      if (performance.now() - t0 > 60000) return reject(new Error('Step did not finish within 60 s'));
+      requestAnimationFrame(check);
+    };
+    requestAnimationFrame(check);
+  });
+}"""
+# what each visible view says it shows: {name: layout.meta}
+VISIBLE_META = """() => Object.fromEntries([...document.querySelectorAll('.kimi-plot')]
+  .filter(e => e.offsetParent !== null && e.dataset.rendered)
+  .map(e => [e.dataset.name, (e.querySelector('.js-plotly-plot') || {}).layout?.meta || null]))"""
 
 
 def free_port() -> int:
@@ -45,8 +84,7 @@ def start_lab(root: Path, home: Path) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
                JUPYTER_RUNTIME_DIR=str(home / "runtime"), IPYTHONDIR=str(home / "ipython"), JUPYTER_PLATFORM_DIRS="1")
-    # No announcement/news toast over the notebook, and nothing that would reach for the network.
-    labconfig = home / "config" / "labconfig"
+    labconfig = home / "config" / "labconfig"  # no announcement toast over the notebook, nothing reaching out
     labconfig.mkdir(parents=True)
     (labconfig / "page_config.json").write_text(json.dumps(
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
@@ -82,85 +120,137 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-ALL_RUN = """() => {
-  // textContent, not innerText: JupyterLab skips laying out cells off screen, whose innerText is ''
-  const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent);
-  return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p));
-}"""
-VIEW = ".widget-tab .widget-image"  # the Explorer's Block residuals tab, first figure (per-token view)
+def write_notebook(path: Path, checkpoint: str) -> None:
+    """A notebook that opens the Explorer on `checkpoint` ('' = the embedded model) after four Steps."""
+    load = f"ke.KimiDecoderWeights.from_pretrained({checkpoint!r})" if checkpoint else \
+        "ke.KimiDecoderWeights.from_pretrained(ke.tiny_checkpoint())"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(f"import kimi_explore as ke\nweights = {load}\n"
+                                          "session = ke.Session(weights, tokenizer=ke.load_tokenizer(weights.source))"),
+                nbformat.v4.new_code_cell(f"explorer = ke.Explorer(session, prompt={PROMPT!r})\n"
+                                          "for _ in range(4):\n    explorer.step()\nexplorer")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
 
 
-def drive(page, url: str, shot, seen: dict) -> None:
-    """Open the tour, run all cells, press Step twice; record the view after each stage."""
-    page.goto(f"{url}/lab/tree/{NOTEBOOK}", wait_until="domcontentloaded")
+def hover_text(page, view: str, fx: float = 0.5, fy: float = 0.5, subplot: str = "xy") -> str:
+    """Move the mouse over a point of a view's plot area and return its tooltip's text."""
+    drag = page.locator(f".kimi-plot[data-name='{view}'] .nsewdrag[data-subplot='{subplot}']").first
+    box = drag.bounding_box()
+    page.mouse.move(box["x"] + 1, box["y"] + 1)
+    page.mouse.move(box["x"] + fx * box["width"], box["y"] + fy * box["height"], steps=4)
+    tip = page.locator(f".kimi-plot[data-name='{view}'] .hoverlayer .hovertext").first
+    tip.wait_for(state="attached", timeout=10_000)
+    return tip.text_content()
+
+
+def open_tab(page, title: str) -> None:
+    page.locator(".widget-tab .lm-TabBar-tab", has_text=title).first.click()
+    page.wait_for_function(SETTLED, timeout=60_000)
+
+
+def drive(page, url: str, name: str, shot, seen: dict) -> None:
+    """The whole scenario on one notebook; records into seen[name]."""
+    out = seen.setdefault(name, {"latency_ms": {}})
+    page.goto(f"{url}/lab/tree/{name}.ipynb", wait_until="domcontentloaded")
     page.wait_for_selector(".jp-Notebook .jp-Cell")
-    page.wait_for_function(KERNEL_READY, timeout=90_000)  # connected and idle
-    shot("opened")
-    # Run > Run All Cells, through the command the menu item runs. Not awaited: `evaluate` has no
-    # timeout, and the command's promise need not settle when the cells are done.
+    page.wait_for_function(KERNEL_IDLE, timeout=90_000)
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-    page.wait_for_function(ALL_RUN, timeout=120_000)
-    page.wait_for_function(KERNEL_READY, timeout=120_000)
-    step = page.locator(".widget-button", has_text="Step").first
-    view = page.locator(VIEW).first
-    status = page.locator(".widget-html", has_text="tokens decoded").first
-    page.wait_for_function(f"() => {{ const i = document.querySelector('{VIEW}'); return i && i.naturalWidth > 0 }}")
-    step.scroll_into_view_if_needed()
-    seen["status"].append(status.inner_text())
-    seen["view_sha256"].append(hashlib.sha256(view.screenshot()).hexdigest())
-    shot("after_run_all")
-    shot("block_residual_view_0", view)
-    n0 = int(seen["status"][0].split()[0])
-    for k in (1, 2):
-        before = view.get_attribute("src")
-        step.click()
-        page.wait_for_function(f"""(old) => {{ const i = document.querySelector('{VIEW}');
-                                    return i && i.src !== old && i.complete && i.naturalWidth > 0 }}""", arg=before)
-        page.wait_for_function("(n) => [...document.querySelectorAll('.widget-html')]"
-                               ".some(e => e.innerText.startsWith(n + ' tokens decoded'))", arg=str(n0 + k))
-        seen["status"].append(status.inner_text())
-        seen["view_sha256"].append(hashlib.sha256(view.screenshot()).hexdigest())
-        shot(f"after_step_{k}")
-        shot(f"block_residual_view_{k}", view)
-    # the other tabs, as a user would open them (drawn on demand in the kernel)
-    explorer = page.locator(".widget-tab").first
-    for title in ("KDA state", "MoE routing", "Predictions"):
-        page.locator(".widget-tab .lm-TabBar-tab", has_text=title).first.click()
-        img = page.locator(".widget-tab .widget-image:visible").first  # the other tabs' images are hidden now
-        img.wait_for(state="visible")
-        page.wait_for_function(KERNEL_READY)  # idle again: every picture of this tab has been sent
-        page.wait_for_function("() => [...document.querySelectorAll('.widget-tab .widget-image')]"
-                               ".filter(i => i.offsetParent !== null).every(i => i.complete && i.naturalWidth > 0)")
-        shot(f"tab_{title.split()[0].lower()}", explorer)
+    page.wait_for_selector(".kimi-done", state="attached", timeout=180_000)
+    page.wait_for_function(KERNEL_IDLE, timeout=180_000)
+    page.wait_for_function(SETTLED, timeout=60_000)
+    page.locator(".widget-button", has_text="Step").first.scroll_into_view_if_needed()
+    # the Explorer's top at the top of the viewport: what a user sees after scrolling to it
+    page.evaluate("() => document.querySelector('.kimi-text').closest('.widget-vbox').scrollIntoView()")
+    out["status_start"] = page.locator(".kimi-status").first.text_content()
+    shot(f"{name}_block_residuals")
+    for title in TABS:
+        open_tab(page, title)
+        times = [page.evaluate(TIMED_STEP) for _ in range(3)]
+        out["latency_ms"][title] = times
+        shot(f"{name}_{title.split()[0].lower()}")
+    out["status_after_steps"] = page.locator(".kimi-status").first.text_content()
+
+    open_tab(page, "MoE routing")
+    out["topk_tooltip"] = hover_text(page, "moe_topk", 0.3, 0.3)
+    shot(f"{name}_moe_topk_hover")
+    page.locator(".widget-checkbox", has_text="full layer x expert map").locator("input").check()
+    page.wait_for_function(SETTLED, timeout=60_000)
+    page.locator(".kimi-plot[data-name='moe_full']").scroll_into_view_if_needed()
+    out["full_map_tooltip"] = hover_text(page, "moe_full", 0.4, 0.4)
+    shot(f"{name}_moe_full_map_hover")
+    page.evaluate("() => document.querySelector('.kimi-text').closest('.widget-vbox').scrollIntoView()")
+
+    # a click on a token in the text selects it in every view
+    open_tab(page, "Block residuals")
+    page.locator(".kimi-text .kimi-token[data-t='2']").click()
+    page.wait_for_function("() => document.querySelector('.kimi-token.kimi-selected')?.dataset.t === '2'")
+    page.wait_for_function(f"() => Object.values(({VISIBLE_META})()).every(m => m && m.token === 2)", timeout=30_000)
+    page.wait_for_function(SETTLED, timeout=30_000)
+    out["after_token_click"] = page.evaluate(VISIBLE_META)
+    out["token_label"] = page.locator(".widget-html code").first.text_content()
+    shot(f"{name}_token_clicked")
+    # a click on a layer column of the per-token map selects that layer in every view
+    before = out["after_token_click"]["block_token"]["layer"]
+    drag = page.locator(".kimi-plot[data-name='block_token'] .nsewdrag[data-subplot='x2y2']").first.bounding_box()
+    page.mouse.click(drag["x"] + drag["width"] * 0.1, drag["y"] + drag["height"] * 0.5)
+    page.wait_for_function(f"() => {{ const m = Object.values(({VISIBLE_META})()); "
+                           f"return m.length && m.every(x => x && x.layer !== {before} && x.layer === m[0].layer); }}",
+                           timeout=30_000)
+    page.wait_for_function(SETTLED, timeout=30_000)
+    out["after_layer_click"] = page.evaluate(VISIBLE_META)
+    out["layer_dropdown"] = page.locator(".widget-dropdown", has_text="layer").locator("select").first.input_value()
+    shot(f"{name}_layer_clicked")
+
+    # a new prompt resets the history
+    box = page.locator(".widget-text input").first
+    box.fill("The quick brown fox")
+    page.wait_for_function("() => document.querySelector('.kimi-status')?.textContent.includes('new prompt')")
+    out["status_new_prompt"] = page.locator(".kimi-status").first.text_content()
+    page.evaluate(TIMED_STEP)
+    out["status_after_new_prompt"] = page.locator(".kimi-status").first.text_content()
+    out["text_after_new_prompt"] = page.locator(".kimi-text").first.text_content()
+    shot(f"{name}_new_prompt")
 
 
 def run(artifacts: Path) -> dict:
-    """Serve, drive, stop; returns what it saw (hashes of the view, status lines, screenshot paths)."""
+    """Write the K3-depth model, serve, drive both notebooks, stop; returns what it saw."""
     from playwright.sync_api import sync_playwright
+
+    from kimi_explore.weights.k3_depth import write_k3_depth
 
     artifacts.mkdir(parents=True, exist_ok=True)
     for old in artifacts.glob("*.png"):
         old.unlink()
-    seen: dict = {"screenshots": [], "view_sha256": [], "status": [], "page_errors": []}
+    seen: dict = {"screenshots": [], "page_errors": [], "requests_elsewhere": []}
     with tempfile.TemporaryDirectory(prefix="kimi-browser-") as tmp:
         tmp = Path(tmp)
         root = tmp / "notebooks"
-        shutil.copytree(ROOT / "notebooks", root)
+        root.mkdir()
+        k3 = tmp / "k3_depth_model"
+        writer = threading.Thread(target=write_k3_depth, args=(k3,))  # while JupyterLab starts
+        writer.start()
+        write_notebook(root / "embedded.ipynb", "")
+        write_notebook(root / "k3_depth.ipynb", str(k3))
         proc, url, log = start_lab(root, tmp / "home")
+        writer.join()
         try:
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                page = browser.new_page(viewport={"width": 1500, "height": 1100})
+                page = browser.new_page(viewport=VIEWPORT)
                 page.set_default_timeout(60_000)
                 page.on("pageerror", lambda e: seen["page_errors"].append(str(e)))
+                page.on("request", lambda r: None if r.url.startswith(("http://127.0.0.1", "data:", "blob:", "ws://127.0.0.1"))
+                        else seen["requests_elsewhere"].append(r.url))
 
-                def shot(name: str, locator=None) -> None:
+                def shot(name: str) -> None:
                     path = artifacts / f"{len(seen['screenshots']):02d}_{name}.png"
-                    (locator or page).screenshot(path=str(path))
+                    page.screenshot(path=str(path))
                     seen["screenshots"].append(str(path))
 
                 try:
-                    drive(page, url, shot, seen)
+                    for name in ("embedded", "k3_depth"):
+                        drive(page, url, name, shot, seen)
                 except Exception:  # noqa: BLE001 - keep a picture of the failure, then re-raise it
                     page.screenshot(path=str(artifacts / "failure.png"))
                     raise
@@ -172,6 +262,15 @@ def run(artifacts: Path) -> dict:
     return seen
 
 
+def latency_table(seen: dict) -> str:
+    rows = ["model      tab               Step -> views redrawn, ms (median / max of 3)"]
+    for model in ("embedded", "k3_depth"):
+        for tab, ms in seen.get(model, {}).get("latency_ms", {}).items():
+            rows.append(f"{model:<10} {tab:<17} {statistics.median(ms):7.0f} / {max(ms):.0f}")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     out = run(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "artifacts" / "browser")
     print(json.dumps({k: v for k, v in out.items() if k != "lab_log_tail"}, indent=1))
+    print(latency_table(out))

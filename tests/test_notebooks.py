@@ -1,5 +1,5 @@
 """Every notebook runs headlessly in a real kernel (nbclient), without errors, and the executed
-notebook holds its figures: PNG outputs, and for the Explorer, PNGs in the saved widget state."""
+notebook holds its figures: PNG outputs, and for the Explorer, plot specs in the saved widget state."""
 
 from __future__ import annotations
 
@@ -29,19 +29,11 @@ def png_outputs(nb) -> list[bytes]:
             for o in c.outputs if "image/png" in o.get("data", {})]
 
 
-def widget_images(nb) -> dict[str, bytes]:
-    """model id -> PNG bytes of every Image widget in the saved widget state."""
+def widget_plots(nb) -> dict[str, dict]:
+    """model id -> plotly spec of every Explorer view (an anywidget `PlotView`) in the saved widget state."""
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-    out = {}
-    for mid, model in state.items():
-        if model["model_name"] != "ImageModel":
-            continue
-        for buf in model.get("buffers", []):
-            if buf["path"] == ["value"]:
-                data = base64.b64decode(buf["data"]) if buf.get("encoding", "base64") == "base64" else buf["data"]
-                if data:
-                    out[mid] = data
-    return out
+    return {mid: model["state"]["spec"] for mid, model in state.items()
+            if model["model_name"] == "AnyModel" and model["state"].get("spec", {}).get("data")}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -57,12 +49,12 @@ def test_notebook_executes_and_shows_figures(path, tmp_path):
     pngs = png_outputs(nb)
     assert pngs and all(p.startswith(PNG_MAGIC) for p in pngs), f"{path.name}: no figure outputs"
     if any("ke.Explorer(" in c.source for c in nb.cells):
-        images = widget_images(nb)
-        assert images and all(p.startswith(PNG_MAGIC) for p in images.values()), f"{path.name}: Explorer drew nothing"
+        plots = widget_plots(nb)
+        assert plots, f"{path.name}: Explorer drew nothing"
         view_mime = "application/vnd.jupyter.widget-view+json"
         views = [o for c in nb.cells for o in c.get("outputs", []) if view_mime in o.get("data", {})]
         assert views, f"{path.name}: the Explorer was not displayed"
     if path.name.startswith("01_"):
-        # the tour draws every tab: 7 views (the ablation view stays empty until used)
-        assert len(widget_images(nb)) == 7
+        # the tour draws every tab: 8 views (the full expert map and the ablation stay empty until asked for)
+        assert len(widget_plots(nb)) == 8
     json.dumps(nb)  # the executed notebook is plain JSON (no stray objects in outputs)

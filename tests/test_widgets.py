@@ -1,6 +1,7 @@
-"""Explorer behaviour in plain pytest (no browser): Step grows the session and updates every view,
-Back restores exactly, slider moves never run the model, the ablation forks and leaves the main
-session untouched and matches an independent intervened decode."""
+"""Explorer behaviour in plain pytest (no browser): Step grows the session and updates every view of the
+open tab in place, selection is shared by every view, Back restores exactly, a new prompt starts over,
+the ablation forks, leaves the main session untouched, matches an independent intervened decode, and
+never shows a result that no longer matches what is selected."""
 
 from __future__ import annotations
 
@@ -11,25 +12,26 @@ import pytest
 
 from kimi_explore import Session, interventions
 from kimi_explore.tokenizer import ByteTokenizer
-from kimi_explore.views.widgets import TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
+from kimi_explore.views.widgets import BUSY, TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
 
 PROMPT = "Hi K3!"
+TAB_OF = {"block_token": 0, "block_layer": 0, "kda_token": 1, "kda_layer": 1, "moe_topk": 2, "moe_layers": 2,
+          "moe_sorted": 2, "moe_full": 2, "predictions": 3}
 
 
 @pytest.fixture
 def explorer(tiny_weights):
-    return Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=PROMPT, dpi=40)
+    return Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=PROMPT)
 
 
-def tab_images(ex: Explorer) -> dict[str, bytes]:
-    """Select each tab in turn (as a user would) and collect every view's PNG bytes."""
-    out = {}
-    for tab in range(len(TABS)):
-        ex.tabs.selected_index = tab
-        for name, img in ex.views.items():
-            if img.value and name != "ablation":
-                out[name] = bytes(img.value)
-    return out
+def shown(ex: Explorer) -> dict[str, dict]:
+    """name -> layout.meta of every view that has content."""
+    return {name: v.spec["layout"]["meta"] for name, v in ex.views.items() if v.spec}
+
+
+def click(view, **point) -> None:
+    """What the browser sends when a point of a plot is clicked."""
+    view._on_msg(view, {"event": "click", "curve": 0, "index": None, **point}, [])
 
 
 def state_arrays(session) -> list[np.ndarray]:
@@ -54,93 +56,132 @@ def test_parsers():
     assert parse_experts("all", [1, 2]) == "all"
     assert parse_experts("chosen", np.array([4, 1, -1])) == [4, 1]
     assert parse_experts("3, 7", []) == [3, 7]
+    with pytest.raises(ValueError, match=r"^experts: 'x' is not an integer.*'chosen' or 'all'"):
+        parse_experts("3, x", [])
+    with pytest.raises(ValueError, match=r"experts \[16\] do not exist: expert ids run 0..15"):
+        parse_experts("3, 16", [], n_experts=16)
 
 
-def test_step_grows_the_session_and_updates_every_view(explorer):
+def test_step_updates_every_view_of_the_open_tab_in_place(explorer):
     ex, s = explorer, explorer.session
-    assert len(s) == 0 and "Step feeds 'H'" in ex.status.value
+    assert len(s) == 0 and "Step feeds 'H'" in ex.status.value and not shown(ex)
     ex.step_button.click()
     ex.step_button.click()
     assert s.tokens == list(b"Hi")
-    before = tab_images(ex)
-    assert set(before) == {"block_residual_token", "block_residual_layer", "kda_overview", "kda_layer", "moe_token",
-                           "moe_layer", "predictions"}
-    ex.tabs.selected_index = 0
+    assert set(shown(ex)) == {"block_token", "block_layer"}  # only the open tab is drawn
+    views = dict(ex.views)
+    revs = {n: ex.views[n].spec["rev"] for n in ("block_token", "block_layer")}
     ex.step_button.click()
-    assert s.tokens == list(b"Hi ") and len(s.logits) == 3
-    assert (ex.token.max, ex.token.value) == (2, 2)
-    assert "<code>2 ' '</code>" in ex.token_label.value
-    after = tab_images(ex)
-    changed = {k for k in before if after[k] != before[k]}
-    assert changed == set(before), f"views not updated by Step: {set(before) - changed}"
+    assert ex.views == views  # the same widgets: their data changed, not the figures
+    assert all(ex.views[n].spec["rev"] > revs[n] for n in revs)
+    assert all(m == {"token": 2, "layer": ex.layer.value, "tokens": 3} for m in shown(ex).values())
+    for tab in range(len(TABS)):
+        ex.tabs.selected_index = tab  # opening a tab brings its views up to date
+    assert {n for n, m in shown(ex).items() if m["tokens"] == 3} == set(TAB_OF) - {"moe_full"}
+    assert (ex.token.max, ex.token.value) == (2, 2) and "<code>2 ' '</code>" in ex.token_label.value
+    assert ex.text.labels == ["H", "i", " "] and ex.text.selected == 2
 
 
-def test_only_the_visible_tab_is_drawn_and_slider_moves_reuse_the_cache(explorer, monkeypatch):
+def test_busy_indicator_while_a_step_runs(explorer, monkeypatch):
     ex, s = explorer, explorer.session
-    for _ in range(2):
-        ex.step_button.click()
-    drawn = ex.renders
-    ex.tabs.selected_index = 2  # MoE tab: two new figures, nothing else
-    assert ex.renders == drawn + 2
-    shown = bytes(ex.views["moe_token"].value)
-
-    def no_model(*a, **k):
-        raise AssertionError("a slider move ran the model")
-
-    monkeypatch.setattr(s, "step", no_model)
-    ex.token.value = 0  # new token for this tab: one figure (the per-layer view is unchanged)
-    assert ex.renders == drawn + 3
-    assert bytes(ex.views["moe_token"].value) != shown
-    ex.token.value = 1  # back to a token already drawn: from the cache
-    assert ex.renders == drawn + 3
-    assert bytes(ex.views["moe_token"].value) == shown
-
-
-def test_layer_selector_and_notes_for_layers_without_a_view(explorer):
-    ex = explorer
+    seen = []
+    real = s.step
+    monkeypatch.setattr(s, "step", lambda tid: seen.append((ex.busy.value, ex.step_button.disabled)) or real(tid))
     ex.step_button.click()
-    ex.tabs.selected_index = 1
-    ex.layer.value = 3  # an MLA layer: no recurrent state to show
-    assert "MLA layer" in ex.notes["kda_layer"].value and ex.views["kda_layer"].layout.display == "none"
-    ex.layer.value = 1
-    assert ex.notes["kda_layer"].value == "" and ex.views["kda_layer"].value
+    assert seen == [(BUSY, True)] and ex.busy.value == "" and not ex.step_button.disabled
+
+
+def test_default_layer_has_something_in_every_view(explorer):
+    ex = explorer
+    assert ex.layer.value in ex.kda_layers and ex.layer.value in ex.moe_layers
+    assert ex.layer.value == max(set(ex.kda_layers) & set(ex.moe_layers))
+
+
+def test_a_click_selects_a_token_or_a_layer_in_every_view(explorer):
+    ex = explorer
+    for _ in range(4):
+        ex.step()
+    kda = ex.kda_layers[0]
+    click(ex.views["block_layer"], x="1 'i'", y="current")
+    assert ex.token.value == 1 and ex.text.selected == 1
+    click(ex.views["block_token"], x=f"{kda} KDA", y="current")
+    assert ex.layer.value == kda
+    assert all(m["token"] == 1 and m["layer"] == kda for m in shown(ex).values())
     ex.tabs.selected_index = 2
-    ex.layer.value = 0  # layer 0 is dense
-    assert "dense FFN" in ex.notes["moe_layer"].value
+    moe = ex.moe_layers[-1]
+    click(ex.views["moe_topk"], x="1", y=f"{moe} MLA")
+    assert ex.layer.value == moe and all(m["layer"] == moe for n, m in shown(ex).items() if TAB_OF[n] == 2)
+    ex.text.selected = 3  # a click on a token of the text
+    assert ex.token.value == 3 and all(m["token"] == 3 for n, m in shown(ex).items() if TAB_OF[n] == 2)
+    click(ex.views["block_token"], x="output", y="current")  # the final-mix column has no layer: nothing happens
+    assert ex.layer.value == moe
+
+
+def test_new_prompt_starts_over_from_the_shared_prefix(explorer):
+    ex, s = explorer, explorer.session
+    for _ in range(4):
+        ex.step()
+    ex.prompt.value = "Hi there"
+    assert "new prompt: Step starts over from the 3 tokens it shares" in ex.status.value  # 'Hi '
+    ex.step()
+    assert s.tokens == list(b"Hi t") and "truncated to the 3 tokens" in ex.status.value
+    ex.prompt.value = "The quick brown fox"
+    ex.step()
+    assert s.tokens == list(b"T") and ex.text.labels == ["T"]
+    ex.play()
+    assert s.tokens == list(b"The quick brown fox")
+    ex.play()  # prompt done: generate, the continuation is kept on the next Step
+    assert len(s) == 19 + ex.play_tokens and ex.text.generated_from == 19
+    ex.step()
+    assert len(s) == 20 + ex.play_tokens
+
+
+def test_mode_toggle_converts_the_prompt(explorer):
+    ex = explorer
+    ex.mode.value = "ids"
+    assert ex.prompt.value == ", ".join(str(b) for b in PROMPT.encode())
+    assert "Step feeds 'H'" in ex.status.value
+    ex.mode.value = "text"
+    assert ex.prompt.value == PROMPT
+    ex.mode.value = "ids"
+    ex.prompt.value = "72, x"
+    ex.mode.value = "text"  # cannot convert: stays on ids and says why
+    assert ex.mode.value == "ids" and "'x' is not an integer" in ex.status.value
+
+
+def test_status_line_never_wraps(explorer):
+    ex = explorer
+    ex.prompt.value = "x" * 500
+    assert "white-space:nowrap" in ex.status.value and "text-overflow:ellipsis" in ex.status.value
 
 
 def test_back_restores_exactly(explorer):
     ex, s = explorer, explorer.session
     for _ in range(3):
         ex.step_button.click()
-    assert ex.renders == 6  # two figures per Step (the visible tab), nothing else
-    ex.tabs.selected_index = 3  # from here on only the (one-figure) Predictions tab is drawn
     tokens, logits, state = s.tokens, s.logits, state_arrays(s)
     trace = s.trace()
-    images = {"predictions": bytes(ex.views["predictions"].value)}  # the visible tab
+    before = ex.views["block_token"].spec["data"]
     ex.step_button.click()
     fourth = s.logits[-1]
-    assert len(s) == 4
     ex.back_button.click()
     assert s.tokens == tokens
     np.testing.assert_array_equal(s.logits, logits)
     assert_same_state(state_arrays(s), state)
     assert s.trace().equals(trace)
     assert (ex.token.max, ex.token.value) == (2, 2)
-    # the views are those of the same history again (redrawn after the cache was dropped: same pixels)
-    assert {k: bytes(ex.views[k].value) for k in images} == images
+    assert ex.views["block_token"].spec["data"] == before  # the views are those of the same history again
     ex.step_button.click()
     np.testing.assert_array_equal(s.logits[-1], fourth)  # re-stepping is bit-identical
     ex.reset_button.click()
-    assert len(s) == 0 and ex.back_button.disabled
+    assert len(s) == 0 and ex.back_button.disabled and not shown(ex)
 
 
 def test_play_feeds_the_prompt_then_generates(explorer):
     ex, s = explorer, explorer.session
-    ex.tabs.selected_index = 3  # the cheapest tab to draw: views are not under test here
+    ex.tabs.selected_index = 3
     ex.play_button.click()
-    assert s.tokens == list(PROMPT.encode())
-    assert "prompt done" in ex.status.value
+    assert s.tokens == list(PROMPT.encode()) and "prompt done" in ex.status.value
     ex.play_button.click()
     assert len(s) == len(PROMPT) + ex.play_tokens
     greedy = [int(np.argmax(row)) for row in s.logits[len(PROMPT) - 1:-1]]
@@ -149,50 +190,71 @@ def test_play_feeds_the_prompt_then_generates(explorer):
 
 def test_ids_mode_and_bad_input(tiny_weights):
     s = Session(tiny_weights)  # no tokenizer: ids only, labels are ids
-    ex = Explorer(s, prompt=[72, 105], dpi=40)
+    ex = Explorer(s, prompt=[72, 105])
     assert ex.mode.options == ("ids",) and ex.prompt.value == "72, 105"
     ex.step_button.click()
     assert s.tokens == [72] and "<code>0 #72</code>" in ex.token_label.value
     ex.prompt.value = "72, x"
-    assert "'x' is not an integer" in ex.status.value
+    assert "token ids: 'x' is not an integer" in ex.status.value
     ex.step_button.click()
     assert s.tokens == [72]  # nothing decoded from a bad prompt
     ex.prompt.value = ""
-    ex.step_button.click()  # prompt exhausted: continue greedily from the last logits
+    ex.step_button.click()  # an empty prompt: continue greedily from the last logits
     assert s.tokens == [72, int(np.argmax(s.logits[0]))]
 
 
 def test_ablation_forks_without_touching_the_main_session(explorer, tiny_weights):
     ex, s = explorer, explorer.session
-    ex.tabs.selected_index = 3  # the Predictions tab, where the ablation control lives
+    ex.tabs.selected_index = 3
     for _ in range(4):
         ex.step_button.click()
     tokens, logits, state, trace = s.tokens, s.logits, state_arrays(s), s.trace()
-    ex.token.value, ex.layer.value, ex.experts.value = 2, 5, "chosen"
-    chosen = [int(e) for e in trace.routing()["topk_ids"][2, trace.routing()["moe_layers"].index(5)]]
+    layer = ex.moe_layers[1]
+    ex.token.value, ex.layer.value, ex.ablation.experts.value = 2, layer, "chosen"
+    r = trace.routing()
+    chosen = [int(e) for e in r["topk_ids"][2, r["moe_layers"].index(layer)]]
     ablated = ex.ablate()
-    # the main session is exactly as it was
     assert s.tokens == tokens
     np.testing.assert_array_equal(s.logits, logits)
     assert_same_state(state_arrays(s), state)
     assert s.trace().equals(trace)
-    assert ex.views["ablation"].value and "forked at token 2" in ex.notes["ablation"].value
-    # an independent run: a fresh session fed tokens 0..1, then token 2 without the chosen experts
+    assert ex.ablation.view.spec and "forked at token 2" in ex.ablation.note.value
     ref = Session(tiny_weights, recorder=False)
     ref.feed(tokens[:2])
-    with ref.intervene(interventions.ablate_experts(5, chosen)):
+    with ref.intervene(interventions.ablate_experts(layer, chosen)):
         expected = ref.step(tokens[2])
     np.testing.assert_allclose(ablated, expected, rtol=0, atol=1e-6)
-    assert np.abs(ablated - logits[2]).max() > 1e-4  # dropping every chosen expert changes the prediction
+    assert np.abs(ablated - logits[2]).max() > 1e-4
+    # the result goes as soon as it no longer matches what is selected
+    ex.token.value = 1
+    assert not ex.ablation.view.spec and ex.ablation.note.value == ""
 
 
-def test_ablation_control_errors(explorer):
+def test_ablation_messages_and_stale_results(explorer):
     ex = explorer
     ex.step_button.click()
-    ex.layer.value = 0
-    assert ex.ablate() is None and "dense FFN" in ex.notes["ablation"].value
-    ex.layer.value, ex.experts.value = 5, "3, x"
-    assert ex.ablate() is None and "'x' is not an integer" in ex.notes["ablation"].value
+    ex.step_button.click()
+    layer = ex.moe_layers[0]
+    ex.layer.value = layer
+    assert ex.ablate() is not None and ex.ablation.view.spec
+    ex.ablation.experts.value = "3, x"  # an edit clears the old result; the error names the field
+    assert not ex.ablation.view.spec
+    assert ex.ablate() is None and "experts: 'x' is not an integer" in ex.ablation.note.value
+    assert "token ids" not in ex.ablation.note.value
+    ex.ablation.experts.value = "chosen"
+    ex.ablate()
+    dense = next(i for i in ex.session.weights.layer_ids if i not in ex.moe_layers)
+    ex.layer.value = dense
+    assert not ex.ablation.view.spec
+    assert ex.ablate() is None and "dense FFN" in ex.ablation.note.value and not ex.ablation.view.spec
+    ex.layer.value = layer
+    r = ex.trace().routing()
+    chosen = {int(e) for e in r["topk_ids"][1, r["moe_layers"].index(layer)]}
+    other = next(e for e in range(ex.session.weights.config.num_experts) if e not in chosen)
+    ex.ablation.experts.value = str(other)
+    ex.ablate()
+    assert "did not choose" in ex.ablation.note.value and "KL = 0" in ex.ablation.note.value
+    assert ex.ablation.button.layout.width == "auto"  # the label is never cut
 
 
 def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
@@ -201,7 +263,7 @@ def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
     s.feed(tok.encode("abcde"))
     tokens, logits, state = s.tokens, s.logits, state_arrays(s)
     fork = rerun(s, interventions.zero_kda_head(1, 2), start=1)
-    assert s.tokens == tokens  # untouched
+    assert s.tokens == tokens
     np.testing.assert_array_equal(s.logits, logits)
     assert_same_state(state_arrays(s), state)
     ref = Session(tiny_weights, recorder=False)
@@ -209,49 +271,40 @@ def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
     with ref.intervene(interventions.zero_kda_head(1, 2)):
         ref.feed(tokens[1:])
     np.testing.assert_allclose(fork.logits, ref.logits, rtol=0, atol=1e-6)
-    np.testing.assert_array_equal(fork.logits[0], logits[0])  # before `start` nothing changes
+    np.testing.assert_array_equal(fork.logits[0], logits[0])
     assert np.abs(fork.logits[-1] - logits[-1]).max() > 1e-4
     norms = fork.trace()["layers.1.kda.state.norm"]
-    assert np.all(norms[1:, 2] == 0) and norms[0, 2] > 0  # the head is silenced from `start` on
+    assert np.all(norms[1:, 2] == 0) and norms[0, 2] > 0
     np.testing.assert_array_equal(rerun_token(s, 4, interventions.zero_kda_head(1, 2)), rerun(
         s, interventions.zero_kda_head(1, 2), start=4).logits[-1])
     with pytest.raises(IndexError, match="0 <= start < stop <= 5"):
         rerun(s, start=5)
 
 
-def test_views_of_hidden_tabs_are_hidden_until_redrawn(explorer):
-    """After a Step, a hidden tab's picture belongs to an older token: it must not show until redrawn."""
-    ex = explorer
-    assert all(img.layout.display == "none" for img in ex.views.values())  # nothing to show yet
-    ex.step_button.click()
-    ex.refresh_all()
-    assert all(ex.views[n].layout.display is None for n in ex.views if n != "ablation")
-    assert ex.views["ablation"].layout.display == "none"  # no broken-image icon before an ablation ran
-    ex.step_button.click()  # the Block residuals tab is visible
-    assert ex.views["block_residual_token"].layout.display is None
-    assert ex.views["kda_overview"].layout.display == "none" and ex.views["moe_token"].layout.display == "none"
-    ex.tabs.selected_index = 1
-    assert ex.views["kda_overview"].layout.display is None
-    assert ex.token_label.value == "<code>1 'i'</code>"
-
-
 def test_constructor_options(tiny_weights):
     s = Session(tiny_weights, tokenizer=ByteTokenizer())
     s.feed([72, 105])
-    ex = Explorer(s, tab="Predictions", layer=6, dpi=40)
-    assert ex.tabs.selected_index == 3 and ex.layer.value == 6 and ex.token.value == 1  # shows the last token
-    assert ex.views["predictions"].value and not ex.views["block_residual_token"].value  # only that tab drawn
+    ex = Explorer(s, tab="Predictions", layer=6)
+    assert ex.tabs.selected_index == 3 and ex.layer.value == 6 and ex.token.value == 1
+    assert ex.views["predictions"].spec and not ex.views["block_token"].spec  # only that tab drawn
     with pytest.raises(ValueError, match="tab='Nope' is not one of"):
         Explorer(s, tab="Nope")
     with pytest.raises(ValueError, match="layer=99 is not loaded"):
         Explorer(s, layer=99)
 
 
-def test_labels_are_escaped_and_ids_checked(tiny_weights):
+def test_text_measures_and_labels_are_escaped(tiny_weights):
     s = Session(tiny_weights, tokenizer=ByteTokenizer())
-    ex = Explorer(s, prompt="<b>", dpi=40)
+    ex = Explorer(s, prompt="<b>")
     ex.tabs.selected_index = 3
     ex.step_button.click()
-    assert ex.token_label.value == "<code>0 '&lt;'</code>" and "Step feeds 'b'" in ex.status.value
+    ex.step_button.click()
+    assert ex.token_label.value == "<code>1 'b'</code>" and "Step feeds '&gt;'" in ex.status.value
+    assert ex.text.labels == ["<", "b"]  # the strip sets textContent: no HTML is interpreted
+    for measure in ("surprisal", "routing entropy", "embedding weight", "KDA state change"):
+        ex.measure.value = measure
+        assert len(ex.text.colors) == 2 and measure in ex.text.titles[1]
+    ex.measure.value = "surprisal"
+    assert ex.text.colors[0] == "transparent"  # no surprisal for the first token
     ex.mode.value, ex.prompt.value = "ids", "60, 256"
     assert "token ids [256] are outside the vocabulary (0..255)" in ex.status.value

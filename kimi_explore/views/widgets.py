@@ -3,26 +3,21 @@
     session = Session(weights, tokenizer=load_tokenizer(weights))
     Explorer(session, prompt="Kimi K3, one token at a time.")      # the last expression of a cell
 
-Controls (ipywidgets 8):
-  prompt      text (encoded with the session's tokenizer) or comma-separated ids; Step feeds it one
-              token at a time, then continues greedily (argmax of the last logits)
-  Step        decode one token: the only place the model runs (plus Play and the ablation)
-  Back        rewind the session by one token (exact: `Session.rewind`)
-  Play        feed the rest of the prompt (or, once it is all in, generate `play_tokens` more)
-  Reset       rewind to the empty session
-  token       slider over the history: which token the per-token views show
-  layer       which layer the per-layer views show (token x source, token x head, token x expert)
+Controls (ipywidgets 8; the figures are plotly.js views, see `_plotly_view.py`):
+  prompt      text (encoded with the session's tokenizer) or comma-separated ids; the toggle converts
+              the box between the two. Step feeds the prompt one token at a time, then continues
+              greedily. A prompt the history does not start with starts over: the session is
+              truncated to the tokens both share (exact), and the status line says so
+  Step        decode one token (busy indicator while it runs); Back drops the last token (exact);
+              Play feeds the rest of the prompt, or generates `play_tokens` more; Reset empties it
+  text        the decoded tokens, coloured by a per-token measure (`summaries.MEASURES`); click one
+  token       slider over the history; layer: the layer of the per-layer views (default: the
+              deepest KDA + MoE layer, where every view has something to show)
   tabs        Block residuals | KDA state | MoE routing | Predictions (+ expert ablation)
 
-Figures are inline PNGs in `widgets.Image` (they work in JupyterLab, classic Notebook, VS Code and
-static exports with widget state; no ipympl needed). Only the visible tab is drawn, and every drawn
-PNG is cached under what it depends on (view, token, layer, history length), so moving the slider
-back over tokens already seen costs nothing and the model never runs on a slider move. Back/Reset
-drop the cache (the history behind those keys changed).
-
-The ablation control forks the session (`Session.fork()`), rewinds the fork to just before the
-selected token, decodes that token again with `interventions.ablate_experts(layer, experts)`, and
-plots both next-token distributions. The main session is never touched.
+Every view marks the selected token and layer, and a click on a token or a layer in any view
+selects it everywhere. Only the open tab is updated (in place); the others when they are opened.
+The model runs only on Step, Play and the ablation (which forks: the main session is never touched).
 """
 
 from __future__ import annotations
@@ -32,148 +27,88 @@ import html
 import ipywidgets as widgets
 import numpy as np
 
-from ..inspection import interventions
-from . import plots
+from . import plots, summaries
+from ._ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
+from ._explorer_views import TABS, CachedTrace, Tabs, bias_vectors
+from ._plotly_view import PlotlyJS
+from ._token_text import TokenText
 
-__all__ = ["Explorer", "parse_experts", "parse_ids", "rerun", "rerun_token"]
+__all__ = ["Explorer", "TABS", "parse_experts", "parse_ids", "rerun", "rerun_token"]
 
-TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")
-
-
-def parse_ids(text: str) -> list[int]:
-    """'17, 203,5' -> [17, 203, 5]; names the first piece that is not an integer."""
-    ids = []
-    for piece in text.replace(" ", "").split(","):
-        if not piece:
-            continue
-        if not piece.lstrip("-").isdigit():
-            raise ValueError(f"token ids: {piece!r} is not an integer (expected comma-separated ids like 17,203,5)")
-        ids.append(int(piece))
-    return ids
-
-
-def parse_experts(text: str, chosen) -> str | list[int]:
-    """The ablation field: 'all', 'chosen' (this token's top-k at that layer) or ids like '3, 7'."""
-    text = text.strip().lower()
-    if text == "all":
-        return "all"
-    if text in ("chosen", "topk", "top-k", ""):
-        return [int(e) for e in chosen if e >= 0]
-    return parse_ids(text)
-
-
-def rerun(session, *hook_sets, start: int = 0, stop: int | None = None):
-    """A fork of `session` that decodes tokens[start:stop] again with `hook_sets` attached.
-
-    The fork is rewound exactly to the state before token `start` (see `Session.rewind`), so its
-    trace and logits answer "what would the model have done from there under this intervention";
-    `session` itself is never touched. Returns the fork (a Session with tokens[:stop]).
-    """
-    n = len(session)
-    stop = n if stop is None else stop
-    if not 0 <= start < stop <= n:
-        raise IndexError(f"rerun: need 0 <= start < stop <= {n} (the session's history), got start={start}, stop={stop}")
-    fork = session.fork()
-    fork.rewind(start)
-    with fork.intervene(*hook_sets):
-        fork.feed(session.tokens[start:stop])
-    return fork
-
-
-def rerun_token(session, t: int, *hook_sets):
-    """Logits [vocab] of token t decoded again, with `hook_sets` attached, on a fork (see `rerun`)."""
-    return rerun(session, *hook_sets, start=t, stop=t + 1).logits[-1]
-
-
-TAB_VIEWS = (("block_residual_token", "block_residual_layer"), ("kda_overview", "kda_layer"), ("moe_token", "moe_layer"),
-             ("predictions", "ablation"))
-
-
-def _image() -> widgets.Image:
-    # Natural size, shrunk to fit (a VBox would otherwise stretch every image to its full width);
-    # hidden until it has a picture, so an empty view never shows a broken-image icon.
-    return widgets.Image(format="png", layout=widgets.Layout(width="auto", max_width="100%", height="auto",
-                                                             align_self="flex-start", display="none"))
+STATUS_CSS = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;display:block;width:100%"
+BUSY = "<span class='kimi-busy' style='color:#b35900;font-weight:600'>&#9203; running&hellip;</span>"
 
 
 class Explorer(widgets.VBox):
     """A step-through view of a `Session` (see module docstring)."""
 
     def __init__(self, session, prompt=None, tokenizer=None, tab: int | str = 0, layer: int | None = None,
-                 play_tokens: int = 8, dpi: int = 80):
-        """prompt: text or ids for Step/Play; tab: the tab to open (index or title); layer: the layer
-        of the per-layer views (default: the first MoE layer); dpi: resolution of the pictures."""
+                 play_tokens: int = 8, measure: str = "surprisal"):
         self.session = session
         self.tokenizer = tokenizer if tokenizer is not None else getattr(session, "tokenizer", None)
-        self.play_tokens, self.dpi = int(play_tokens), int(dpi)
-        self._cache: dict = {}
-        self._trace, self._trace_len = None, -1
-        self.renders = 0  # PNGs drawn so far (tests use it to see that cached views are reused)
-        weights = session.weights
-        cfg = weights.config
-        kinds = {i: ("KDA" if cfg.is_kda_layer(i) else "MLA") + (" + MoE" if cfg.is_moe_layer(i) else " + dense")
-                 for i in weights.layer_ids}
+        self.play_tokens = int(play_tokens)
+        weights, cfg = session.weights, session.weights.config
         self.kda_layers = [i for i in weights.layer_ids if cfg.is_kda_layer(i)]
         self.moe_layers = [i for i in weights.layer_ids if cfg.is_moe_layer(i)]
+        self.bias = bias_vectors(weights)
+        self.history_id, self._memo, self._trace, self._surprisal = 0, {}, None, {}
+        self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
 
-        has_tok = self.tokenizer is not None
-        modes = ["text", "ids"] if has_tok else ["ids"]
-        tips = {"text": "encode the prompt with the tokenizer", "ids": "the prompt is comma-separated token ids"}
-        self.mode = widgets.ToggleButtons(options=modes, value=modes[0], tooltips=[tips[m] for m in modes],
-                                          style={"button_width": "48px"})
+        modes = ["text", "ids"] if self.tokenizer is not None else ["ids"]
+        self.mode = widgets.ToggleButtons(options=modes, value=modes[0], style={"button_width": "46px"},
+                                          tooltips=["the prompt is text", "the prompt is comma-separated token ids"][:len(modes)])
         if prompt is not None and not isinstance(prompt, str):
             prompt, self.mode.value = ", ".join(str(int(i)) for i in prompt), "ids"
         self.prompt = widgets.Text(value=prompt or "", placeholder="text, or ids like 17,203,5", description="prompt",
-                                   layout=widgets.Layout(width="60%"))
-        self.step_button = widgets.Button(description="Step", icon="step-forward", button_style="primary",
-                                          tooltip="decode one token")
-        self.back_button = widgets.Button(description="Back", icon="step-backward", tooltip="rewind one token")
-        self.play_button = widgets.Button(description="Play", icon="play",
-                                          tooltip="feed the rest of the prompt, then generate")
-        self.reset_button = widgets.Button(description="Reset", icon="undo", tooltip="rewind to an empty session")
-        self.status = widgets.HTML()
+                                   layout=widgets.Layout(flex="1 1 auto", width="auto"))
+        button = lambda d, icon, tip, **kw: widgets.Button(description=d, icon=icon, tooltip=tip,
+                                                           layout=widgets.Layout(width="84px"), **kw)
+        self.step_button = button("Step", "step-forward", "decode one token", button_style="primary")
+        self.back_button = button("Back", "step-backward", "drop the last token")
+        self.play_button = button("Play", "play", "feed the rest of the prompt, then generate")
+        self.reset_button = button("Reset", "undo", "empty the session")
+        self.busy = widgets.HTML(layout=widgets.Layout(width="110px"))
+        self.status = widgets.HTML(layout=widgets.Layout(width="100%", height="22px", overflow="hidden"))
+        self.text = TokenText(layout=widgets.Layout(flex="1 1 auto", width="auto"))
+        self.measure = widgets.Dropdown(options=summaries.MEASURES, value=measure, description="colour",
+                                        layout=widgets.Layout(width="230px"))
+        self.legend = widgets.HTML(layout=widgets.Layout(width="230px"))
         self.token = widgets.IntSlider(min=0, max=0, value=0, description="token", continuous_update=False, readout=False,
-                                       layout=widgets.Layout(width="50%"))  # token_label reads it out, with the text
-        self.token_label = widgets.HTML()
+                                       layout=widgets.Layout(width="45%"))
+        self.token_label = widgets.HTML(layout=widgets.Layout(width="180px", overflow="hidden"))
+        kinds = {i: ("KDA" if i in self.kda_layers else "MLA") + (" + MoE" if i in self.moe_layers else " + dense")
+                 for i in weights.layer_ids}
+        both = [i for i in self.kda_layers if i in self.moe_layers]
         self.layer = widgets.Dropdown(options=[(f"{i}  {kinds[i]}", i) for i in weights.layer_ids],
-                                      value=self.moe_layers[0] if self.moe_layers else weights.layer_ids[0],
-                                      description="layer")
-        self.views = {name: _image() for name in
-                      ("block_residual_token", "block_residual_layer", "kda_overview", "kda_layer",
-                       "moe_token", "moe_layer", "predictions", "ablation")}
-        self.notes = {name: widgets.HTML() for name in ("kda_layer", "moe_layer", "ablation")}
-        self.experts = widgets.Text(value="chosen", description="experts", placeholder="chosen | all | 3,7",
-                                    layout=widgets.Layout(width="260px"))
-        self.ablate_button = widgets.Button(description="Ablate & compare", icon="scissors",
-                                            tooltip="fork the session and re-decode this token without these experts")
-        v = self.views
-        self.tabs = widgets.Tab(children=[
-            widgets.VBox([v["block_residual_token"], v["block_residual_layer"]]),
-            widgets.VBox([v["kda_overview"], self.notes["kda_layer"], v["kda_layer"]]),
-            widgets.VBox([v["moe_token"], self.notes["moe_layer"], v["moe_layer"]]),
-            widgets.VBox([v["predictions"],
-                          widgets.HTML("<b>Expert ablation</b> at the selected layer and token: 'chosen' drops the "
-                                       "experts this token was routed to, 'all' every routed expert, or list ids."),
-                          widgets.HBox([self.experts, self.ablate_button]), self.notes["ablation"], v["ablation"]]),
-        ], titles=TABS)
+                                      value=(both or self.moe_layers or weights.layer_ids)[-1], description="layer",
+                                      layout=widgets.Layout(width="240px"))
+        self.done = widgets.HTML(layout=widgets.Layout(display="none"))  # last refresh's revision (for browser tests)
+        self.ablation = Ablation(self)
+        self.ablation_box = self.ablation.widget
+        self.tab_views = Tabs(self)
+        self.tabs, self.views = self.tab_views.widget, self.tab_views.views
 
-        self.step_button.on_click(lambda _: self.step())
-        self.back_button.on_click(lambda _: self.back())
-        self.play_button.on_click(lambda _: self.play())
-        self.reset_button.on_click(lambda _: self.reset())
-        self.ablate_button.on_click(lambda _: self.ablate())
-        self.token.observe(lambda _: self._on_token(), names="value")
-        self.layer.observe(lambda _: self.refresh(), names="value")
+        self.step_button.on_click(lambda _: self._busy(self.step))
+        self.back_button.on_click(lambda _: self._busy(self.back))
+        self.play_button.on_click(lambda _: self._busy(self.play))
+        self.reset_button.on_click(lambda _: self._busy(self.reset))
+        self.token.observe(lambda _: self._selection_changed(), names="value")
+        self.layer.observe(lambda _: self._selection_changed(), names="value")
+        self.text.observe(lambda ch: self.select(token=ch["new"]) if ch["new"] >= 0 else None, names="selected")
         self.tabs.observe(lambda _: self.refresh(), names="selected_index")
+        self.measure.observe(lambda _: self._show_text(), names="value")
         self.prompt.observe(lambda _: self._update_status(), names="value")
-        self.mode.observe(lambda _: self._update_status(), names="value")
+        self.mode.observe(self._convert_prompt, names="value")
 
         super().__init__([
-            widgets.HBox([self.prompt, self.mode]),
-            widgets.HBox([self.step_button, self.back_button, self.play_button, self.reset_button, self.status]),
+            PlotlyJS.shared(),
+            widgets.HBox([self.prompt, self.mode, self.step_button, self.back_button, self.play_button,
+                          self.reset_button, self.busy], layout=widgets.Layout(width="100%")),
+            self.status,
+            widgets.HBox([self.text, widgets.VBox([self.measure, self.legend])], layout=widgets.Layout(width="100%")),
             widgets.HBox([self.token, self.token_label, self.layer]),
-            self.tabs,
-        ])
+            self.tabs, self.done,
+        ], layout=widgets.Layout(width="100%"))
         if isinstance(tab, str):
             if tab not in TABS:
                 raise ValueError(f"Explorer: tab={tab!r} is not one of {TABS}")
@@ -181,47 +116,92 @@ class Explorer(widgets.VBox):
         if layer is not None and layer not in weights.layer_ids:
             raise ValueError(f"Explorer: layer={layer} is not loaded; the layers are {weights.layer_ids}")
         with self.tabs.hold_trait_notifications(), self.layer.hold_trait_notifications():
-            self.tabs.selected_index = tab  # observers fire once, at the end, for this tab only
+            self.tabs.selected_index = tab
             if layer is not None:
                 self.layer.value = layer
-        self._sync(show_last=True)
+        self._history_changed()
 
     # ------------------------------------------------------------------ the prompt
     def prompt_ids(self) -> list[int]:
         """The prompt box as token ids (raises ValueError naming what is wrong)."""
         if self.mode.value == "text":
             return list(self.tokenizer.encode(self.prompt.value))
-        ids, vocab = parse_ids(self.prompt.value), self.session.weights.config.vocab_size
+        ids, vocab = parse_ids(self.prompt.value, "token ids"), self.session.weights.config.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         return ids
 
-    def _next_token(self) -> int | None:
-        """The next prompt token, else the greedy continuation; None if there is nothing to continue from."""
-        ids, n = self.prompt_ids(), len(self.session)
+    def _convert_prompt(self, change) -> None:
+        """The text/ids toggle converts what is in the box (text -> its ids, ids -> their text)."""
+        if change["old"] == "text" and change["new"] == "ids":
+            self.prompt.value = ", ".join(str(i) for i in self.tokenizer.encode(self.prompt.value))
+        elif change["old"] == "ids" and change["new"] == "text":
+            try:
+                self.prompt.value = self.tokenizer.decode(parse_ids(self.prompt.value, "token ids"))
+            except ValueError as e:
+                self.mode.value = "ids"
+                return self._error(f"{e}; fix the ids before switching to text")
+        self._update_status()
+
+    def _shared_prefix(self, ids: list[int]) -> int:
+        """How many tokens of the history continue this prompt (all of them when the prompt is done)."""
+        hist = self.session.tokens
+        n = 0
+        while n < min(len(hist), len(ids)) and hist[n] == ids[n]:
+            n += 1
+        return len(hist) if n == len(ids) else n
+
+    def _start_over_if_new_prompt(self, ids: list[int]) -> None:
+        keep = self._shared_prefix(ids)
+        if keep < len(self.session):
+            self.session.truncate(keep)
+            self._note = f"new prompt: the history was truncated to the {keep} tokens it shares with it"
+        self._prompt_len = len(ids)
+
+    def _next_token(self, ids: list[int]) -> int | None:
+        n = len(self.session)
         if n < len(ids):
             return ids[n]
-        return int(np.argmax(self.session.logits[-1])) if n else None
+        return int(np.argmax(self.session.logits_at(-1))) if n else None
 
     # ------------------------------------------------------------------ actions
+    def _busy(self, action) -> None:
+        """Run a button's action with the busy indicator on and the buttons off."""
+        buttons = (self.step_button, self.back_button, self.play_button, self.reset_button)
+        self.busy.value = BUSY
+        for b in buttons:
+            b.disabled = True
+        try:
+            action()
+        finally:
+            for b in buttons:
+                b.disabled = False
+            self.back_button.disabled = len(self.session) == 0
+            self.busy.value = ""
+
     def step(self) -> None:
         """Decode one token (the next prompt token, or greedy) and show it."""
-        try:
-            tid = self._next_token()
-        except ValueError as e:
-            return self._error(str(e))
-        if tid is None:
-            return self._error("type a prompt first: there is nothing to decode yet")
-        self.session.step(tid)
-        self._sync(show_last=True)
-
-    def play(self) -> None:
-        """Feed the rest of the prompt; if it is all in already, generate `play_tokens` greedily."""
+        self._note = ""
         try:
             ids = self.prompt_ids()
         except ValueError as e:
             return self._error(str(e))
+        self._start_over_if_new_prompt(ids)
+        tid = self._next_token(ids)
+        if tid is None:
+            return self._error("type a prompt first: there is nothing to decode yet")
+        self.session.step(tid)
+        self._history_changed()
+
+    def play(self) -> None:
+        """Feed the rest of the prompt; if it is all in already, generate `play_tokens` greedily."""
+        self._note = ""
+        try:
+            ids = self.prompt_ids()
+        except ValueError as e:
+            return self._error(str(e))
+        self._start_over_if_new_prompt(ids)
         n = len(self.session)
         if n < len(ids):
             self.session.feed(ids[n:])
@@ -229,132 +209,118 @@ class Explorer(widgets.VBox):
             self.session.generate(self.play_tokens)
         else:
             return self._error("type a prompt first: there is nothing to decode yet")
-        self._sync(show_last=True)
+        self._history_changed()
 
     def back(self) -> None:
-        """Rewind the session by one token (exact)."""
+        """Drop the session's last token (exact)."""
+        self._note = ""
         if len(self.session):
-            self.session.rewind(len(self.session) - 1)
-            self._cache.clear()
-        self._sync(show_last=True)
+            self.session.back()
+        self._history_changed()
 
     def reset(self) -> None:
-        self.session.rewind(0)
-        self._cache.clear()
-        self._sync(show_last=True)
+        self._note = ""
+        self.session.truncate(0)
+        self._history_changed()
 
     def ablate(self):
         """Fork, re-decode the selected token without the chosen experts, plot both distributions.
+        Returns the fork's logits for that token (None when the input is invalid)."""
+        return self.ablation.run()
 
-        Returns the fork's logits for that token (None when the control's input is invalid)."""
-        t, layer, n = self.token.value, self.layer.value, len(self.session)
-        note = self.notes["ablation"]
-        if not n:
-            note.value = "<i>step at least one token first</i>"
-            return None
-        if layer not in self.moe_layers:
-            note.value = f"<i>layer {layer} has a dense FFN, no experts: pick an MoE layer</i>"
-            return None
-        r = self.trace().routing()
-        try:
-            experts = parse_experts(self.experts.value, r["topk_ids"][t, r["moe_layers"].index(layer)])
-        except ValueError as e:
-            note.value = f"<span style='color:#b00'>{html.escape(str(e), quote=False)}</span>"
-            return None
-        ablated = rerun_token(self.session, t, interventions.ablate_experts(layer, experts, positions=t))
-        name = f"without experts {experts} at layer {layer}" if experts != "all" else f"without routed experts at layer {layer}"
-        title = f"Next token after {plots.escape_mathtext(self._label(t))}: ablation at layer {layer}"
-        fig = plots.compare_predictions(self.session.logits[t], ablated, tokenizer=self.tokenizer, names=("as run", name),
-                                        title=title)
-        self.views["ablation"].value = plots.figure_png(fig, dpi=self.dpi)
-        self.views["ablation"].layout.display = None
-        self.renders += 1
-        note.value = f"forked at token {t}; the main session still has {len(self.session)} tokens"
-        return ablated
+    def select(self, token: int | None = None, layer: int | None = None) -> None:
+        """Select a token and/or a layer in every view (what a click on one does)."""
+        with self.token.hold_trait_notifications(), self.layer.hold_trait_notifications():
+            if token is not None:
+                self.token.value = int(token)
+            if layer is not None:
+                self.layer.value = int(layer)
 
-    # ------------------------------------------------------------------ views
+    # ------------------------------------------------------------------ state shared by the views
     def trace(self):
-        """The session's Trace, rebuilt only when the history changed."""
-        if self._trace is None or self._trace_len != len(self.session) or len(self._trace) != len(self.session):
-            self._trace, self._trace_len = self.session.trace(), len(self.session)
+        """The session's Trace (array accessors cached), rebuilt only when the history changed."""
+        if self._trace is None:
+            self._trace = CachedTrace(self.session.trace())
         return self._trace
 
-    def _label(self, t: int) -> str:
-        return plots.token_labels(self.session.tokens, self.tokenizer)[t]
+    def history_memo(self, name: str, make):
+        """A value computed once per history (dropped when the history changes)."""
+        if name not in self._memo:
+            self._memo[name] = make()
+        return self._memo[name]
 
-    def _png(self, key: tuple, make) -> bytes:
-        if key not in self._cache:
-            self._cache[key] = plots.figure_png(make(), dpi=self.dpi)
-            self.renders += 1
-        return self._cache[key]
-
-    def _show(self, name: str, key: tuple, make, note: str = "") -> None:
-        img = self.views[name]
-        if name in self.notes:
-            self.notes[name].value = note
-        if note:
-            img.value, img.layout.display = b"", "none"
-            return
-        img.value = self._png((name, *key), make)
-        img.layout.display = None
-
-    def refresh(self, tab: int | None = None) -> None:
-        """Draw the views of the visible tab (or of `tab`) for the selected token and layer.
-
-        Refreshing the visible tab hides the other tabs' pictures: they show another token or an older
-        history now, and are drawn again (from the cache when possible) when their tab is opened.
-        """
+    def _history_changed(self) -> None:
         n = len(self.session)
-        if tab is None:
-            for other, names in enumerate(TAB_VIEWS):
-                if other != self.tabs.selected_index:
-                    for name in names:
-                        if name != "ablation":
-                            self.views[name].layout.display = "none"
-        if n == 0:
-            for name in self.views:
-                self.views[name].layout.display = "none"
-            return
-        tr, t, layer, tok = self.trace(), min(self.token.value, n - 1), self.layer.value, self.tokenizer
-        tab = self.tabs.selected_index if tab is None else tab
-        if tab == 0:
-            self._show("block_residual_token", (t,), lambda: plots.block_residual_token(tr, t, tok))
-            self._show("block_residual_layer", (layer, n), lambda: plots.block_residual_layer(tr, layer, tok))
-        elif tab == 1:
-            self._show("kda_overview", (t,), lambda: plots.kda_state_overview(tr, t, tok))
-            note = "" if layer in self.kda_layers else (f"<i>layer {layer} is an MLA layer: it keeps a K/V cache, "
-                                                        "not a recurrent state. Pick a KDA layer to see its heads.</i>")
-            self._show("kda_layer", (layer, n), lambda: plots.kda_state_heatmap(tr, layer, tok), note)
-        elif tab == 2:
-            self._show("moe_token", (t,), lambda: plots.moe_routing_token(tr, t, tok))
-            note = "" if layer in self.moe_layers else f"<i>layer {layer} has a dense FFN (no router). Pick an MoE layer.</i>"
-            self._show("moe_layer", (layer, n), lambda: plots.moe_routing_layer(tr, layer, tok), note)
-        elif tab == 3:
-            self._show("predictions", (t, t + 1 < n), lambda: plots.predictions(tr, t, tok))
-
-    def _on_token(self) -> None:
-        self._show_token_label()
+        self.history_id += 1
+        self._memo.clear()
+        self._trace = None
+        self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == self.session.tokens[t]}
+        with self.token.hold_trait_notifications():
+            self.token.max = max(n - 1, 0)
+            self.token.value = max(n - 1, 0)
+        self.token.disabled = self.back_button.disabled = n == 0
+        self.ablation.clear()
+        self._update_status()
+        self._show_text()
         self.refresh()
 
+    def _selection_changed(self) -> None:
+        self.ablation.clear()
+        self._show_token_label()
+        self.text.selected = min(self.token.value, len(self.session) - 1)
+        self.refresh()
+
+    def refresh(self, tab: int | None = None) -> None:
+        """Update the open tab's views (or `tab`'s) for the selected token and layer."""
+        n = len(self.session)
+        if n == 0:
+            self.tab_views.clear()
+        else:
+            tab = self.tabs.selected_index if tab is None else tab
+            self.tab_views.refresh(tab, self.trace(), min(self.token.value, n - 1), self.layer.value)
+        rev = self.tab_views.tab_rev.get(self.tabs.selected_index, 0)  # what the open tab's views must show
+        self.done.value = f"<span class='kimi-done' data-rev='{rev}' data-tokens='{n}'></span>"
+
     def refresh_all(self) -> None:
-        """Draw every tab now (for static exports, where hidden tabs are never selected)."""
+        """Draw every tab now (for exports, where hidden tabs are never opened)."""
         for tab in range(len(TABS)):
             self.refresh(tab)
 
-    def _sync(self, show_last: bool = False) -> None:
-        """Bring slider, labels and status in line with the session, then redraw the visible tab."""
+    # ------------------------------------------------------------------ text, labels, status
+    def labels(self, positions: bool = True) -> list[str]:
+        return plots.token_labels(self.session.tokens, self.tokenizer, positions=positions)
+
+    def _surprisals(self) -> np.ndarray:
+        toks, out = self.session.tokens, np.full(len(self.session), np.nan)
+        for t in range(1, len(toks)):
+            if t not in self._surprisal:
+                self._surprisal[t] = (toks[t], summaries.surprisal_bits(self.session.logits_at(t - 1), toks[t]))
+            out[t] = self._surprisal[t][1]
+        return out
+
+    def _show_text(self) -> None:
         n = len(self.session)
-        with self.token.hold_trait_notifications():
-            self.token.max = max(n - 1, 0)
-            if show_last:
-                self.token.value = max(n - 1, 0)
-        self.token.disabled = n == 0
-        self.back_button.disabled = n == 0
-        if show_last and self.views["ablation"].value:
-            self.views["ablation"].value, self.notes["ablation"].value = b"", ""
-            self.views["ablation"].layout.display = "none"
-        self._update_status()
-        self.refresh()
+        if not n:
+            self.text.set_tokens([], [], [])
+            self.legend.value = ""
+            return
+        measures = self.history_memo("measures", lambda: summaries.token_measures(self.trace(), self._surprisals()))
+        name = self.measure.value
+        values = measures[name]
+        shown = [self.tokenizer.decode([t]) if self.tokenizer is not None else f"#{t} " for t in self.session.tokens]
+        colors, lo, hi = measure_colors(values)
+        titles = [f"token {t} {lab}: {name} " + (f"{v:.4g}" if np.isfinite(v) else "n/a") + "; click to select"
+                  for t, (lab, v) in enumerate(zip(self.labels(positions=False), values, strict=True))]
+        gen = self._prompt_len if self._prompt_len is not None and self._prompt_len < n else -1
+        self.text.set_tokens(shown, colors, titles, generated_from=gen)
+        self.text.selected = min(self.token.value, n - 1)
+        self.legend.value = (f"<small>{html.escape(name)}: light {lo:.3g} &rarr; dark {hi:.3g}"
+                             + ("; dotted = generated" if gen >= 0 else "") + "</small>")
+
+    def _show_token_label(self) -> None:
+        n = len(self.session)
+        label = self.labels()[min(self.token.value, n - 1)] if n else ""
+        self.token_label.value = f"<code>{html.escape(label, quote=False)}</code>" if n else ""
 
     def _update_status(self) -> None:
         n = len(self.session)
@@ -363,17 +329,33 @@ class Explorer(widgets.VBox):
             ids = self.prompt_ids()
         except ValueError as e:
             return self._error(str(e))
-        if n < len(ids):
+        keep = self._shared_prefix(ids)
+        if keep < n:
+            what = f"new prompt: Step starts over from the {keep} tokens it shares with the history"
+        elif n < len(ids):
             nxt = plots.token_labels([ids[n]], self.tokenizer, positions=False)[0]
-            what = f"prompt {n}/{len(ids)} tokens in; Step feeds {html.escape(nxt, quote=False)}"
+            what = f"prompt {n}/{len(ids)} tokens in; Step feeds {nxt}"
         else:
             what = f"prompt done ({len(ids)} tokens); Step continues greedily" if n else "type a prompt, then Step"
-        self.status.value = f"{n} tokens decoded &middot; {what}"
+        note = getattr(self, "_note", "")
+        self._set_status(f"{n} tokens decoded &middot; {html.escape(what, quote=False)}"
+                         + (f" &middot; <i>{html.escape(note, quote=False)}</i>" if note else ""))
 
-    def _show_token_label(self) -> None:
-        n = len(self.session)
-        label = self._label(min(self.token.value, n - 1)) if n else ""
-        self.token_label.value = f"<code>{html.escape(label, quote=False)}</code>" if n else ""
+    def _set_status(self, inner: str) -> None:
+        self.status.value = f"<span class='kimi-status' style='{STATUS_CSS}'>{inner}</span>"
 
     def _error(self, message: str) -> None:
-        self.status.value = f"<span style='color:#b00'>{html.escape(message, quote=False)}</span>"
+        self._set_status(f"<span style='color:#b00'>{html.escape(message, quote=False)}</span>")
+
+
+def measure_colors(values: np.ndarray) -> tuple[list[str], float, float]:
+    """Light-to-dark blue backgrounds for values (NaN: none), scaled to their finite range."""
+    v = np.asarray(values, dtype=float)
+    ok = np.isfinite(v)
+    lo, hi = (float(v[ok].min()), float(v[ok].max())) if ok.any() else (0.0, 1.0)
+    x = np.clip((v - lo) / ((hi - lo) or 1.0), 0, 1)
+    out = []
+    for good, s in zip(ok, x, strict=True):
+        # from #f4f8ff to #6fa8ff: dark enough to see, light enough for black text
+        out.append(f"rgb({int(244 - 133 * s)},{int(248 - 80 * s)},255)" if good else "transparent")
+    return out, lo, hi

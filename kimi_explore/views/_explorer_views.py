@@ -1,0 +1,181 @@
+"""The Explorer's tabs: which interactive figures each shows, and how they are refreshed.
+
+`Tabs(explorer)` builds the views once; `refresh(tab, t, layer)` recomputes that tab's figures for
+the selected token and layer and sends them (each view redraws in place, Plotly.react). Numbers
+shared by several views are computed once per history (`CachedTrace`). Clicks on a view select a
+token or a layer: the label under the pointer starts with its id ("12 MLA", "3 'a'").
+"""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+import numpy as np
+
+from ..backend import to_numpy
+from . import figures, figures_moe, summaries
+from ._plot_helpers import routing
+from ._plotly_view import PlotView
+
+TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")
+
+# view name -> (tab, height px, width, what a click selects and from which coordinate)
+VIEWS = {
+    "block_token": (0, 300, "100%", ("layer", "x")),
+    "block_layer": (0, 270, "100%", ("token", "x")),
+    "kda_token": (1, 300, "100%", ("layer", "x")),
+    "kda_layer": (1, 270, "100%", ("token", "x")),
+    "moe_topk": (2, 380, "46%", ("layer", "y")),
+    "moe_layers": (2, 380, "54%", ("layer", "x")),
+    "moe_sorted": (2, 250, "100%", ("layer", "y")),
+    "moe_full": (2, 420, "100%", ("layer", "y")),
+    "predictions": (3, 340, "42%", None),
+}
+
+
+class CachedTrace:
+    """A Trace whose array accessors are computed once (several views read the same arrays)."""
+
+    def __init__(self, trace):
+        self._trace, self._memo = trace, {}
+
+    def _get(self, name):
+        if name not in self._memo:
+            self._memo[name] = getattr(self._trace, name)()
+        return self._memo[name]
+
+    def attn_res_weights(self):
+        return self._get("attn_res_weights")
+
+    def final_attn_res_weights(self):
+        return self._get("final_attn_res_weights")
+
+    def kda_state_norms(self):
+        return self._get("kda_state_norms")
+
+    def source_labels(self):
+        return self._get("source_labels")
+
+    def routing(self):
+        if "routing" not in self._memo:
+            self._memo["routing"] = routing(self._trace) if len(self._trace.routing().get("moe_layers", [])) else {}
+        return self._memo["routing"]
+
+    def __getitem__(self, name):
+        return self._trace[name]
+
+    def __len__(self):
+        return len(self._trace)
+
+    @property
+    def tokens(self):
+        return self._trace.tokens
+
+    @property
+    def layer_ids(self):
+        return self._trace.layer_ids
+
+
+def first_int(label) -> int:
+    """The id a category label starts with: '12 MLA' -> 12, "3 'a'" -> 3."""
+    return int(str(label).split()[0])
+
+
+class Tabs:
+    """The tab widget, its figures, and the per-history numbers behind them."""
+
+    def __init__(self, ex):
+        self.ex = ex
+        self.views = {name: PlotView(height=h, name=name, layout=widgets.Layout(width=w))
+                      for name, (_, h, w, _) in VIEWS.items()}
+        for name, (_, _, _, sel) in VIEWS.items():
+            if sel is not None:
+                self.views[name].on_click(lambda p, sel=sel: self._clicked(p, *sel))
+        self.full_map = widgets.Checkbox(value=False, description="full layer x expert map (zoomable)", indent=False)
+        self.full_map.observe(lambda _: self._full_map_toggled(), names="value")
+        self.views["moe_full"].layout.display = "none"
+        v = self.views
+        self.widget = widgets.Tab(children=[
+            widgets.VBox([v["block_token"], v["block_layer"]]),
+            widgets.VBox([v["kda_token"], v["kda_layer"]]),
+            widgets.VBox([widgets.HBox([v["moe_topk"], v["moe_layers"]]), v["moe_sorted"], self.full_map, v["moe_full"]]),
+            widgets.HBox([v["predictions"], ex.ablation_box]),
+        ], titles=TABS)
+        self.drawn: dict[int, tuple] = {}  # tab -> what its views show now (history length, token, layer, ...)
+        self.rev = 0  # revision counter: every refresh that sends figures takes the next one
+        self.tab_rev: dict[int, int] = {}  # tab -> the revision its views were last sent with
+
+    def _clicked(self, point: dict, what: str, coord: str) -> None:
+        try:
+            value = first_int(point.get(coord))
+        except (TypeError, ValueError):
+            return  # a click on something without an id (the final-mix column)
+        if what == "token" and 0 <= value < len(self.ex.session):
+            self.ex.select(token=value)
+        elif what == "layer" and value in self.ex.session.weights.layer_ids:
+            self.ex.select(layer=value)
+
+    def _full_map_toggled(self) -> None:
+        self.views["moe_full"].layout.display = None if self.full_map.value else "none"
+        self.drawn.pop(2, None)
+        if self.widget.selected_index == 2:
+            self.ex.refresh()
+
+    def clear(self) -> None:
+        for v in self.views.values():
+            v.clear()
+        self.drawn.clear()
+        self.tab_rev.clear()
+
+    def refresh(self, tab: int, tr: CachedTrace, t: int, layer: int) -> bool:
+        """Send tab `tab`'s figures for token t and `layer`; False when they already show exactly that."""
+        key = (len(tr), t, layer, self.full_map.value if tab == 2 else None, self.ex.history_id)
+        if self.drawn.get(tab) == key:
+            return False
+        self.rev += 1
+        meta = {"token": t, "layer": layer, "tokens": len(tr)}
+        tok, show = self.ex.tokenizer, lambda name, fig: self.views[name].show(fig[0], fig[1], self.rev, meta)
+        if tab == 0:
+            show("block_token", figures.block_token(tr, t, layer, tok))
+            show("block_layer", figures.block_layer(tr, layer, t, tok))
+        elif tab == 1:
+            if tr.kda_state_norms()[1]:
+                vmax = figures.kda_vmax(tr)  # one colour scale for both views of the tab
+                show("kda_token", figures.kda_token(tr, t, layer, tok, vmax))
+                show("kda_layer", figures.kda_layer(tr, layer, t, tok, vmax))
+            else:
+                for name in ("kda_token", "kda_layer"):
+                    show(name, figures.empty("no KDA layer is loaded"))
+        elif tab == 2:
+            self._refresh_moe(tr, t, layer, show)
+        elif tab == 3:
+            show("predictions", figures_moe.predictions(tr, t, tok))
+        self.drawn[tab], self.tab_rev[tab] = key, self.rev
+        return True
+
+    def _refresh_moe(self, tr: CachedTrace, t: int, layer: int, show) -> None:
+        r = tr.routing()
+        if not r:
+            for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_full"):
+                show(name, figures.empty("no MoE layer is loaded"))
+            return
+        tok, bias, k = self.ex.tokenizer, self.ex.bias, r["topk_ids"].shape[2]
+        table = summaries.topk_table(r, t, bias)
+        stats = self.ex.history_memo("load_stats", lambda: summaries.load_stats(r))
+        entropy = self.ex.history_memo("routing_entropy", lambda: summaries.routing_entropy(r))
+        counts, order = self.ex.history_memo("sorted_counts", lambda: summaries.sorted_counts(stats["counts"]))
+        layers = list(r["moe_layers"])
+        show("moe_topk", figures_moe.moe_topk(table, tr, layer, tok, t))
+        show("moe_layers", figures_moe.moe_layers(entropy[t], stats, tr, layers, layer, k))
+        show("moe_sorted", figures_moe.moe_sorted(stats, order, counts, tr, layers, layer, k))
+        if self.full_map.value:
+            show("moe_full", figures_moe.moe_full(r, t, tr, layer, bias, tok))
+
+
+def bias_vectors(weights) -> dict[int, np.ndarray]:
+    """{MoE layer id: selection bias [E]} on the host, read from the loaded router weights."""
+    out = {}
+    for layer in weights.layers:
+        b = getattr(layer.ffn, "e_score_correction_bias", None)
+        if b is not None:
+            out[int(layer.index)] = np.asarray(to_numpy(b), dtype=np.float64)
+    return out

@@ -1,0 +1,186 @@
+"""Interactive figures in a notebook: plotly.js driven by small anywidgets, updated in place.
+
+    view = PlotView(height=320)
+    view.show(data, layout)             # browser: Plotly.react on the same div (a diff, not a new plot)
+    view.on_click(fn)                   # fn({"curve": 0, "x": .., "y": .., "index": ..}) on a click
+
+Why not plotly's own `FigureWidget`: in plotly >= 6 it is an anywidget too, but every instance ships
+the whole 5 MB bundle as its module source, and every 2-D array goes through plotly.py's validators
+and out as a JSON list of lists (~25 ms of Python for one 92 x 896 map, before the wire). Here one
+hidden `PlotlyJS` widget per kernel carries `plotly.min.js` from the installed `plotly` wheel (no
+CDN, no network: it is injected as a script once per page), each view is a ~60-line module, and
+arrays travel as plotly.js typed-array specs (`typed`: dtype + base64 bytes + shape; NaN stays a gap).
+
+Each rendered view tags its element `kimi-plot` and sets `data-rendered` to the `rev` of the spec
+it last drew: a browser test waits on that to measure how long an update takes to reach the screen.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import anywidget
+import numpy as np
+import traitlets
+
+__all__ = ["PlotView", "PlotlyJS", "plotly_js_source", "typed"]
+
+_READY = """
+function plotlyReady() {  // one promise per page, resolved when the PlotlyJS widget injected the library
+  if (!globalThis.__kimiPlotly) {
+    let resolve;
+    const promise = new Promise((r) => (resolve = r));
+    globalThis.__kimiPlotly = { promise, resolve };
+  }
+  return globalThis.__kimiPlotly;
+}
+"""
+
+LOADER_ESM = _READY + """
+export default {
+  render({ model }) {
+    const ready = plotlyReady();
+    if (!globalThis.Plotly) {  // a classic script: plotly.min.js is a UMD bundle that sets window.Plotly
+      const s = document.createElement("script");
+      s.textContent = model.get("source");
+      document.head.appendChild(s);
+    }
+    ready.resolve(globalThis.Plotly);
+  },
+};
+"""
+
+VIEW_ESM = _READY + """
+const CONFIG = { responsive: true, displaylogo: false, scrollZoom: false,
+                 modeBarButtonsToRemove: ["toImage", "lasso2d", "select2d", "autoScale2d"] };
+
+export default {
+  async render({ model, el }) {
+    el.classList.add("kimi-plot");
+    const div = document.createElement("div");
+    div.style.width = "100%";
+    div.style.height = model.get("height") + "px";  // fixed: the page never grows with the data
+    el.appendChild(div);
+    const Plotly = await plotlyReady().promise;
+    let queue = Promise.resolve(), listening = false;
+    el.dataset.name = model.get("name");
+    // Draw only into an attached, visible div: plotly sized against a detached one (anywidget renders
+    // before the view is attached; hidden tabs have no width) never answers hovers. A spec that
+    // arrives meanwhile waits until the ResizeObserver sees the div get a size.
+    let pending = false;
+    const visible = () => div.isConnected && div.offsetWidth > 0;
+    const draw = () => {
+      if (!visible()) { pending = true; return; }
+      pending = false;
+      const spec = model.get("spec");
+      if (!spec || !spec.data) {  // cleared: nothing drawn, nothing to wait for
+        queue = queue.then(() => { Plotly.purge(div); listening = false; delete el.dataset.rendered; });
+        return;
+      }
+      queue = queue.then(() => Plotly.react(div, spec.data, spec.layout, CONFIG)).then(() => {
+        el.dataset.rendered = String(spec.rev ?? 0);
+        if (listening) return;
+        listening = true;  // div.on exists once plotly drew into the div
+        div.on("plotly_click", (ev) => {
+          const p = ev.points && ev.points[0];
+          if (!p) return;
+          const index = Array.isArray(p.pointIndex) ? p.pointIndex : (p.pointNumber ?? null);
+          model.send({ event: "click", curve: p.curveNumber, x: p.x ?? null, y: p.y ?? null, index });
+        });
+      });
+    };
+    const resize = new ResizeObserver(() => {
+      if (!visible()) return;
+      // resizes queue behind draws: a relayout interleaved with a react leaves plotly deaf to hovers
+      if (pending) draw(); else if (el.dataset.rendered) queue = queue.then(() => Plotly.Plots.resize(div));
+    });
+    resize.observe(div);
+    model.on("change:spec", draw);
+    model.on("change:height", () => { div.style.height = model.get("height") + "px"; });
+    draw();
+    return () => { resize.disconnect(); model.off("change:spec", draw); Plotly.purge(div); };
+  },
+};
+"""
+
+
+def plotly_js_source() -> str:
+    """plotly.js as shipped inside the installed `plotly` wheel (read once)."""
+    global _SOURCE
+    if _SOURCE is None:
+        import plotly
+
+        path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: the Explorer needs plotly.js from the plotly wheel "
+                                    "(pip install 'plotly>=6')")
+        _SOURCE = path.read_text(encoding="utf-8")
+    return _SOURCE
+
+
+_SOURCE: str | None = None
+
+
+class PlotlyJS(anywidget.AnyWidget):
+    """Hidden: carries plotly.js to the page once; `PlotlyJS.shared()` is the kernel's one instance."""
+
+    _esm = LOADER_ESM
+    source = traitlets.Unicode("").tag(sync=True)
+    _shared: PlotlyJS | None = None
+
+    @classmethod
+    def shared(cls) -> PlotlyJS:
+        if cls._shared is None:
+            import ipywidgets
+
+            cls._shared = cls(source=plotly_js_source(), layout=ipywidgets.Layout(display="none"))
+        return cls._shared
+
+
+class PlotView(anywidget.AnyWidget):
+    """One plotly.js figure of fixed height; `show(data, layout)` redraws it in place."""
+
+    _esm = VIEW_ESM
+    spec = traitlets.Dict().tag(sync=True)
+    height = traitlets.Int(300).tag(sync=True)
+    name = traitlets.Unicode("").tag(sync=True)  # `data-name` of the element (tests find views by it)
+
+    def __init__(self, height: int = 300, name: str = "", **kwargs):
+        super().__init__(height=int(height), name=name, **kwargs)
+        self._click_handlers: list = []
+        self.on_msg(self._on_msg)
+
+    def show(self, data: list, layout: dict, rev: int = 0, meta: dict | None = None) -> None:
+        """New content. Only a changed spec is sent; `layout.uirevision` keeps the user's zoom.
+        meta: what the view shows (e.g. the selected token and layer), readable in the browser as
+        the plot's `layout.meta`."""
+        layout = {"height": self.height, "margin": {"l": 60, "r": 20, "t": 36, "b": 40}, **layout}
+        if meta is not None:
+            layout["meta"] = meta
+        self.spec = {"data": data, "layout": layout, "rev": int(rev)}
+
+    def clear(self) -> None:
+        self.spec = {}
+
+    def on_click(self, fn) -> None:
+        """fn(point) on a click; point = {"curve", "x", "y", "index"} (index: [row, col] on heatmaps)."""
+        self._click_handlers.append(fn)
+
+    def _on_msg(self, _widget, content, _buffers) -> None:
+        if isinstance(content, dict) and content.get("event") == "click":
+            for fn in self._click_handlers:
+                fn(content)
+
+
+_DTYPES = {np.dtype(np.float32): "f4", np.dtype(np.float64): "f8", np.dtype(np.int32): "i4", np.dtype(np.int16): "i2",
+           np.dtype(np.uint8): "u1", np.dtype(np.int8): "i1", np.dtype(np.uint16): "u2", np.dtype(np.uint32): "u4"}
+
+
+def typed(a, dtype=np.float32) -> dict:
+    """A host array as plotly.js's typed-array spec {dtype, bdata, shape} (1-3 axes; NaN kept)."""
+    a = np.ascontiguousarray(np.asarray(a, dtype=dtype))
+    if not 1 <= a.ndim <= 3:
+        raise ValueError(f"typed: plotly.js reads 1-3 axes, got shape {a.shape}")
+    return {"dtype": _DTYPES[a.dtype], "bdata": base64.b64encode(a.tobytes()).decode("ascii"),
+            "shape": ",".join(str(n) for n in a.shape)}

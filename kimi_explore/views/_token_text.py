@@ -1,0 +1,76 @@
+"""TokenText: the decoded text, token by token, each coloured by a measure and clickable (an anywidget).
+
+    text = TokenText()
+    text.set_tokens(labels, colors, titles)    # one entry per token: shown text, CSS colour, hover title
+    text.observe(fn, names="selected")         # a click on token t sets `selected = t`
+
+The strip has a fixed height and scrolls inside itself (never the page) to keep the selected token
+in view. Prompt tokens and generated ones differ by underline (`generated_from`).
+"""
+
+from __future__ import annotations
+
+import anywidget
+import traitlets
+
+__all__ = ["TokenText"]
+
+ESM = """
+export default {
+  render({ model, el }) {
+    el.classList.add("kimi-text");
+    const box = document.createElement("div");
+    box.style.cssText = "height:58px;overflow-y:auto;border:1px solid #ddd;border-radius:4px;padding:3px 4px;" +
+      "font:13px/1.9 ui-monospace,SFMono-Regular,Menlo,monospace;white-space:pre-wrap;word-break:break-all;background:#fff";
+    el.appendChild(box);
+    const draw = () => {
+      const labels = model.get("labels"), colors = model.get("colors"), titles = model.get("titles");
+      const sel = model.get("selected"), gen = model.get("generated_from");
+      box.replaceChildren();
+      labels.forEach((label, t) => {
+        const s = document.createElement("span");
+        s.textContent = label;
+        s.dataset.t = String(t);
+        s.title = titles[t] || "";
+        s.className = "kimi-token" + (t === sel ? " kimi-selected" : "");
+        s.style.cssText = "cursor:pointer;border-radius:2px;padding:1px 0;background:" + (colors[t] || "transparent") +
+          (t === sel ? ";outline:2px solid #d62728;outline-offset:0" : "") +
+          (gen >= 0 && t >= gen ? ";text-decoration:underline dotted" : "");
+        box.appendChild(s);
+      });
+      const cur = box.querySelector(".kimi-selected");
+      if (cur) {  // scroll the strip only (scrollIntoView would move the page too)
+        const top = cur.offsetTop - box.offsetTop;
+        if (top < box.scrollTop || top + cur.offsetHeight > box.scrollTop + box.clientHeight)
+          box.scrollTop = Math.max(0, top - box.clientHeight / 2);
+      }
+    };
+    box.addEventListener("click", (ev) => {
+      const t = ev.target && ev.target.dataset ? ev.target.dataset.t : undefined;
+      if (t === undefined) return;
+      model.set("selected", Number(t));
+      model.save_changes();
+    });
+    model.on("change:labels change:colors change:titles change:selected change:generated_from", draw);
+    draw();
+  },
+};
+"""
+
+
+class TokenText(anywidget.AnyWidget):
+    """Clickable, coloured tokens (see module docstring)."""
+
+    _esm = ESM
+    labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    colors = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    titles = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    selected = traitlets.Int(-1).tag(sync=True)
+    generated_from = traitlets.Int(-1).tag(sync=True)  # first generated token (-1: none)
+
+    def set_tokens(self, labels: list[str], colors: list[str], titles: list[str], generated_from: int = -1) -> None:
+        if not len(labels) == len(colors) == len(titles):
+            raise ValueError(f"TokenText: {len(labels)} labels, {len(colors)} colours, {len(titles)} titles")
+        with self.hold_sync():
+            self.labels, self.colors, self.titles = list(labels), list(colors), list(titles)
+            self.generated_from = int(generated_from)

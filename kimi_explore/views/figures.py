@@ -1,0 +1,199 @@
+"""Interactive figures of a Trace as plotly.js specs: pure functions returning (data, layout).
+
+The Explorer shows them in `PlotView`s (`_plotly_view.py`); tests read the dicts directly. Every
+view has a fixed height, whatever the number of tokens or layers; tokens run along x in a window of
+`WINDOW` tokens that follows the selected token (pan to scroll); layers run along x (per-token views)
+with the MLA layers named on the axis at K3 depth; the selected token or layer is outlined in red.
+Hover texts say what a cell is (layer, site, source, head, expert, score, ...), with exact values.
+
+Block-residual and KDA views are here; MoE routing and predictions are in `figures_moe.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._plot_helpers import token_labels
+from ._plotly_view import typed
+
+__all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window"]
+
+WINDOW = 40  # tokens shown at once along x (cells keep their width as the prompt grows)
+SELECT = "#d62728"
+FONT = {"size": 11}
+SITE_NAMES = ("before attention (attn_res.attn)", "before the FFN (attn_res.ffn)")
+GAP_NOTE = "<br>no weight: that block is not sealed yet here"
+GAP_COLOR = "#e4e4e4"  # the plot background, seen through NaN cells
+
+
+def layer_labels(trace, layers=None) -> list[str]:
+    """'12 MLA' / '13 KDA' for each layer id (default: every layer of the trace)."""
+    kda = {int(i) for i in trace.kda_state_norms()[1]}
+    return [f"{i} {'KDA' if i in kda else 'MLA'}" for i in (trace.layer_ids if layers is None else layers)]
+
+
+def layer_axis(labels: list[str], title: str = "layer") -> dict:
+    """A categorical layer axis; past 32 layers only the MLA layers (and the first/last) get a tick label."""
+    axis = {"type": "category", "title": {"text": title}, "tickfont": {"size": 10}, "fixedrange": True}
+    if len(labels) > 32:
+        ticks = [s for j, s in enumerate(labels) if s.endswith("MLA") or j in (0, len(labels) - 1)]
+        axis.update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
+    return axis
+
+
+def token_window(n_tokens: int, t: int, window: int = WINDOW) -> list[float]:
+    """x range (category units) of `window` tokens that shows token t; fixed width from the first token."""
+    if n_tokens <= window:
+        return [-0.5, window - 0.5]
+    end = min(n_tokens - 1, max(window - 1, t + window // 4))
+    return [end - window + 0.5, end + 0.5]
+
+
+def token_axis(trace, t: int, tokenizer=None) -> dict:
+    return {"type": "category", "title": {"text": "token (drag to scroll)"}, "range": token_window(len(trace), t),
+            "tickfont": {"size": 10}, "tickangle": -60, "automargin": True}
+
+
+def outline(col: float, xref: str = "x", yref: str = "y domain") -> dict:
+    """A red frame around column `col` (category index) over the whole height of an axis."""
+    return {"type": "rect", "xref": xref, "yref": yref, "x0": col - 0.5, "x1": col + 0.5, "y0": 0, "y1": 1,
+            "line": {"color": SELECT, "width": 2}, "fillcolor": "rgba(0,0,0,0)", "layer": "above"}
+
+
+def empty(message: str, height_title: str = "") -> tuple[list, dict]:
+    """A figure with only a message (a layer this view has nothing for)."""
+    return [], {"title": {"text": height_title, "font": FONT}, "xaxis": {"visible": False}, "yaxis": {"visible": False},
+                "annotations": [{"text": message, "showarrow": False, "xref": "paper", "yref": "paper", "x": 0.5,
+                                 "y": 0.5, "font": {"size": 13, "color": "#555"}}]}
+
+
+def _heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showscale=True, colorbar=None,
+          customdata=None, gaps: bool = False) -> dict:
+    """A heatmap trace; NaN cells are gaps (the grey plot background), hoverable and clickable if `gaps`."""
+    trace = {"type": "heatmap", "z": typed(z), "x": list(x), "y": list(y), "colorscale": colorscale, "zmin": float(zmin),
+             "zmax": float(zmax), "hovertemplate": hover + "<extra></extra>", "xaxis": xaxis, "yaxis": yaxis,
+             "showscale": showscale, "hoverongaps": gaps, "xgap": 0.5, "ygap": 0.5}
+    if colorbar:
+        trace["colorbar"] = colorbar
+    if customdata is not None:
+        trace["customdata"] = customdata
+    return trace
+
+
+def _gap_notes(w: np.ndarray) -> list[list[str]]:
+    """Per cell: '' or why there is no weight (the hover text of a gap)."""
+    return [[GAP_NOTE if not np.isfinite(v) else "" for v in row] for row in w]
+
+
+def _block_lines(w: np.ndarray, xref: str, yref: str) -> list[dict]:
+    """Dashed lines before each column of `w` [S, X] where more sources exist than in the previous one."""
+    present = np.isfinite(w).sum(axis=0)
+    return [{"type": "line", "xref": xref, "yref": yref, "x0": c - 0.5, "x1": c - 0.5, "y0": 0, "y1": 1,
+             "line": {"color": "white", "width": 1.5, "dash": "dash"}}
+            for c in np.flatnonzero(np.diff(present) > 0) + 1]
+
+
+def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tuple[list, dict]:
+    """Token t: softmax weight of every source at both sites of every layer (x = layer), and the final mix.
+
+    Grey: that block is not sealed yet at that layer. Dashed: a new block appears (per site: the one
+    before attention sees a block one layer later than the one before the FFN of a boundary layer).
+    """
+    w = trace.attn_res_weights()[t]  # [L, site, S]
+    final = np.asarray(trace.final_attn_res_weights()[t], dtype=float)  # [S]
+    sources, layers = list(trace.source_labels()), layer_labels(trace)
+    data, shapes = [], []
+    for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
+        data.append(_heat(w[:, site, :].T, layers, sources, colorscale="Viridis", zmin=0, zmax=1,
+                          hover="layer %{x}, " + SITE_NAMES[site] + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}",
+                          customdata=_gap_notes(w[:, site, :].T), gaps=True, xaxis=xa, yaxis=ya, showscale=site == 0,
+                          colorbar={"title": {"text": "softmax weight"}, "len": 0.9, "x": 1.0}))
+        shapes += _block_lines(w[:, site, :].T, xa, ya + " domain")
+        if layer is not None and layer in trace.layer_ids:
+            shapes.append(outline(list(trace.layer_ids).index(layer), xa, ya + " domain"))
+    data.append(_heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
+                      hover="final output mix (final.attn_res)<br>source: %{y}<br>weight: %{z:.4f}", showscale=False))
+    label = token_labels(trace.tokens, tokenizer)[t]
+    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
+    layout = {"title": {"text": f"Block attention residuals of token {label}  (click a layer to select it)", "font": FONT},
+              "xaxis": {**layer_axis(layers, ""), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
+              "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
+              "xaxis2": {**layer_axis(layers), "domain": [0, 0.9], "anchor": "y2"},
+              "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
+              "xaxis3": {"type": "category", "domain": [0.92, 0.96], "anchor": "y3", "fixedrange": True,
+                         "tickfont": {"size": 10}},
+              "yaxis3": {**axis_y, "domain": [0, 0.44], "anchor": "x3", "showticklabels": False},
+              "shapes": shapes, "plot_bgcolor": GAP_COLOR, "margin": {"l": 80, "r": 20, "t": 30, "b": 70}}
+    return data, layout
+
+
+def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
+    """Layer `layer`: softmax weight of every source at both sites, token by token (x = token)."""
+    j = list(trace.layer_ids).index(layer)
+    w = trace.attn_res_weights()[:, j]  # [T, site, S]
+    sources, toks = list(trace.source_labels()), token_labels(trace.tokens, tokenizer)
+    data, notes, shapes = [], [], []
+    for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
+        data.append(_heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
+                          hover="token %{x}, layer " + f"{layer}, {SITE_NAMES[site]}"
+                          + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}", customdata=_gap_notes(w[:, site, :].T),
+                          gaps=True,
+                          showscale=site == 0, colorbar={"title": {"text": "softmax weight"}, "len": 0.9}))
+        shapes.append(outline(t, xa, ya + " domain"))
+        if not np.isfinite(w[:, site]).any():
+            notes.append({"text": f"layer {layer} has no mix here: its block stack is still empty", "showarrow": False,
+                          "xref": xa + " domain", "yref": ya + " domain", "x": 0.5, "y": 0.5, "font": {"color": "#555"}})
+    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
+    axis_x = token_axis(trace, t, tokenizer)
+    layout = {"title": {"text": f"Block attention residuals at layer {layer}, token by token  (click a token)", "font": FONT},
+              "xaxis": {**axis_x, "anchor": "y", "showticklabels": False, "title": None, "matches": "x2"},
+              "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
+              "xaxis2": {**axis_x, "anchor": "y2"},
+              "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
+              "shapes": shapes, "annotations": notes, "dragmode": "pan", "margin": {"l": 80, "r": 20, "t": 30, "b": 80}}
+    return data, layout
+
+
+def kda_vmax(trace) -> float:
+    """One colour scale for every KDA view of a tab: the largest state norm recorded so far."""
+    norms, _ = trace.kda_state_norms()
+    finite = np.asarray(norms, dtype=float)
+    return float(np.nanmax(finite)) if finite.size and np.isfinite(finite).any() else 1.0
+
+
+def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None) -> tuple[list, dict]:
+    """Token t: ‖S‖ of every head of every KDA layer after that token (x = KDA layer, y = head)."""
+    norms, ids = trace.kda_state_norms()
+    ids = [int(i) for i in ids]
+    d = np.asarray(norms[t], dtype=float)  # [kda_layer, H]
+    labels = layer_labels(trace, ids)
+    vmax = kda_vmax(trace) if vmax is None else vmax
+    data = [_heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+                  hover="layer %{x}, head %{y}<br>‖S‖ = %{z:.4f}", colorbar={"title": {"text": "‖S‖"}})]
+    shapes = [outline(ids.index(layer))] if layer in ids else []
+    label = token_labels(trace.tokens, tokenizer)[t]
+    layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer)", "font": FONT},
+              "xaxis": layer_axis(labels, "KDA layer"),
+              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True},
+              "shapes": shapes, "margin": {"l": 50, "r": 20, "t": 30, "b": 70}}
+    return data, layout
+
+
+def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[list, dict]:
+    """KDA layer `layer`: ‖S‖ of every head, token by token (x = token, y = head)."""
+    norms, ids = trace.kda_state_norms()
+    ids = [int(i) for i in ids]
+    if layer not in ids:
+        return empty(f"layer {layer} is an MLA layer: it keeps a K/V cache, not a recurrent state. "
+                     "Pick a KDA layer to see its heads.")
+    d = np.asarray(norms[:, ids.index(layer)], dtype=float)  # [T, H]
+    vmax = kda_vmax(trace) if vmax is None else vmax
+    toks = token_labels(trace.tokens, tokenizer)
+    data = [_heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+                  hover="token %{x}, layer " + str(layer) + ", head %{y}<br>‖S‖ = %{z:.4f}", showscale=False)]
+    layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",
+                        "font": FONT},
+              "xaxis": token_axis(trace, t, tokenizer),
+              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True},
+              "shapes": [outline(t)], "dragmode": "pan", "margin": {"l": 50, "r": 20, "t": 30, "b": 80}}
+    return data, layout

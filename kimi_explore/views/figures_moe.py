@@ -1,0 +1,206 @@
+"""Interactive MoE-routing and prediction figures (plotly.js specs; see `figures.py` for the conventions).
+
+At K3's 92 MoE layers x 896 experts a score map is unreadable, so the tab leads with summaries
+(`summaries.py`): the top-k table (expert ids in the cells; a `*` marks an expert chosen only through
+the selection bias), per-layer routing entropy and load statistics, and each layer's expert counts
+sorted. The full layer x expert score map is there for whoever zooms into it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._plot_helpers import softmax, token_labels
+from ._plotly_view import typed
+from .figures import FONT, SELECT, _heat, layer_labels, outline
+
+__all__ = ["compare", "moe_full", "moe_layers", "moe_sorted", "moe_topk", "predictions", "ROWS"]
+
+ROWS = 24  # MoE layers shown at once in the tall views (pan to scroll)
+
+
+def _row_window(n: int, j: int | None, rows: int = ROWS) -> list[float] | None:
+    """y range (category units, top row first) of `rows` rows around row j; None when all fit."""
+    if n <= rows:
+        return None
+    j = 0 if j is None else j
+    lo = min(max(0, j - rows // 2), n - rows)
+    return [lo + rows - 0.5, lo - 0.5]
+
+
+def _row_outline(j: int) -> dict:
+    return {"type": "rect", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1, "y0": j - 0.5, "y1": j + 0.5,
+            "line": {"color": SELECT, "width": 2}, "fillcolor": "rgba(0,0,0,0)", "layer": "above"}
+
+
+def _y_layers(labels: list[str], j: int | None) -> dict:
+    axis = {"type": "category", "title": {"text": "MoE layer"}, "tickfont": {"size": 10}}
+    window = _row_window(len(labels), j)
+    if window is None:
+        axis["autorange"] = "reversed"
+        axis["fixedrange"] = True
+    else:
+        axis["range"] = window
+    return axis
+
+
+def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) -> tuple[list, dict]:
+    """Token t at every MoE layer: its k experts by unbiased score (cell text = expert id, colour = weight)."""
+    ids, w, layers = table["ids"], table["weights"], table["moe_layers"]
+    M, k = ids.shape
+    labels = layer_labels(trace, layers)
+    text, hover = [], []
+    for j in range(M):
+        gone = ", ".join(f"{e} ({s:.4f})" for e, s in table["displaced"][j])
+        row_t, row_h = [], []
+        for c in range(k):
+            e = int(ids[j, c])
+            if e < 0:
+                row_t.append("")
+                row_h.append(f"layer {labels[j]}, slot {c + 1}: no expert (ablated)")
+                continue
+            star = bool(table["by_bias"][j, c])
+            bias = table["bias"][j, c]
+            row_t.append(f"{e}*" if star else str(e))
+            row_h.append(
+                f"layer {labels[j]}, expert <b>{e}</b> (chosen, slot {c + 1})<br>combine weight {w[j, c]:.4f}<br>"
+                f"unbiased score {table['scores'][j, c]:.4f} (rank {table['rank'][j, c]} of all experts)"
+                + (f"<br>selection bias {bias:+.4f}" if np.isfinite(bias) else "")
+                + ("<br><b>chosen only through the bias</b>" if star else "")
+                + (f"<br>bias pushed out: {gone}" if gone else ""))
+        text.append(row_t)
+        hover.append(row_h)
+    j_sel = layers.index(layer) if layer in layers else None
+    heat = _heat(np.where(ids >= 0, w, np.nan), [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=0,
+                 zmax=max(float(np.nanmax(w)) if np.isfinite(w).any() else 1.0, 1e-9), hover="%{customdata}",
+                 customdata=hover, colorbar={"title": {"text": "combine weight"}})
+    heat.update(text=text, texttemplate="%{text}", textfont={"size": 10})
+    n_bias = int(table["by_bias"].sum())
+    label = token_labels(trace.tokens, tokenizer)[t]
+    layout = {"title": {"text": f"Experts of token {label} per layer (by unbiased score); * = chosen only through "
+                        f"the bias ({n_bias} here)", "font": FONT},
+              "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10}},
+              "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
+              "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+    return [heat], layout
+
+
+def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer: int | None, k: int) -> tuple[list, dict]:
+    """Per MoE layer: routing entropy of the selected token; over the tokens so far: max/mean, CV, dead experts."""
+    labels = layer_labels(trace, layers)
+    rows = (("routing entropy (bits)", entropy, f"routing entropy %{{y:.3f}} bits (max log2 {k} = {np.log2(k):.2f})"),
+            ("max / mean load", stats["max_over_mean"], "max/mean load %{y:.2f} (1 = balanced)"),
+            ("load CV", stats["cv"], "coefficient of variation %{y:.3f}"),
+            ("dead experts", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
+    data, layout = [], {"margin": {"l": 70, "r": 10, "t": 30, "b": 70}, "showlegend": False,
+                        "title": {"text": f"Per MoE layer: this token's routing entropy; load over {stats['tokens']} "
+                                  "tokens  (click a layer)", "font": FONT}}
+    gap = 0.04
+    h = (1 - gap * (len(rows) - 1)) / len(rows)
+    for r, (name, y, hover) in enumerate(rows):
+        ax = "" if r == 0 else str(r + 1)
+        data.append({"type": "scatter", "mode": "lines+markers", "x": labels, "y": typed(np.asarray(y, float)),
+                     "xaxis": "x" + ax, "yaxis": "y" + ax, "marker": {"size": 4}, "line": {"width": 1.5},
+                     "hovertemplate": "layer %{x}<br>" + hover + "<extra></extra>"})
+        top = 1 - r * (h + gap)
+        layout["yaxis" + ax] = {"domain": [top - h, top], "title": {"text": name, "font": {"size": 9}}, "fixedrange": True,
+                                "tickfont": {"size": 9}, "anchor": "x" + ax, "rangemode": "tozero"}
+        layout["xaxis" + ax] = {"type": "category", "anchor": "y" + ax, "fixedrange": True, "tickfont": {"size": 9},
+                                "showticklabels": r == len(rows) - 1, "matches": "x" if r else None}
+        if len(labels) > 32:
+            ticks = [s for s in labels if s.endswith("MLA")]
+            layout["xaxis" + ax].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
+    layout["shapes"] = [outline(layers.index(layer), "x", "paper")] if layer in layers else []
+    return data, layout
+
+
+def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers: list[int], layer: int | None,
+               k: int) -> tuple[list, dict]:
+    """Each MoE layer's expert counts over the tokens so far, sorted descending (a balanced router: flat rows)."""
+    labels = layer_labels(trace, layers)
+    n = max(1, min(counts.shape[1], stats["tokens"] * k))  # at most T*k experts can have been chosen
+    j_sel = layers.index(layer) if layer in layers else None
+    heat = _heat(counts[:, :n], list(range(1, n + 1)), labels, colorscale="Viridis", zmin=0,
+                 zmax=max(1, int(counts.max()) if counts.size else 1), customdata=typed(order[:, :n], np.int32),
+                 hover="layer %{y}<br>rank %{x}: expert %{customdata}<br>chosen %{z} times",
+                 colorbar={"title": {"text": "count"}})
+    layout = {"title": {"text": f"Expert counts per layer over {stats['tokens']} tokens, sorted (rank 1 = busiest)",
+                        "font": FONT},
+              "xaxis": {"title": {"text": "expert rank in its layer"}, "tickfont": {"size": 10}},
+              "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
+              "dragmode": "zoom", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+    return [heat], layout
+
+
+def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None, tokenizer=None) -> tuple[list, dict]:
+    """Token t: every expert's unbiased score at every MoE layer; chosen experts boxed. Zoom with the mouse."""
+    layers = list(r["moe_layers"])
+    labels = layer_labels(trace, layers)
+    scores = np.asarray(r["scores"][t], dtype=np.float32)  # [M, E]
+    M, E = scores.shape
+    hover = "layer %{y}, expert %{x}<br>unbiased score %{z:.4f}"
+    custom = None
+    if bias:
+        b = np.stack([np.asarray(bias.get(i, np.full(E, np.nan)), dtype=np.float32) for i in layers])
+        custom, hover = typed(b), hover + "<br>selection bias %{customdata:+.4f}"
+    heat = _heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
+                 customdata=custom, colorbar={"title": {"text": "score σ(logit)"}})
+    heat.update(xgap=0, ygap=0)
+    ids, w = np.asarray(r["topk_ids"][t]), np.asarray(r["topk_weights"][t], dtype=float)
+    jj, cc = np.nonzero(ids >= 0)
+    chosen = {"type": "scatter", "mode": "markers", "x": typed(ids[jj, cc], np.int32), "y": [labels[j] for j in jj],
+              "marker": {"symbol": "square-open", "color": SELECT, "size": 7, "line": {"width": 1.5}},
+              "customdata": typed(np.stack([w[jj, cc], scores[jj, ids[jj, cc]]], axis=1)),
+              "hovertemplate": "layer %{y}, expert %{x}: <b>chosen</b><br>combine weight %{customdata[0]:.4f}<br>"
+                               "unbiased score %{customdata[1]:.4f}<extra></extra>"}
+    j_sel = layers.index(layer) if layer in layers else None
+    label = token_labels(trace.tokens, tokenizer)[t]
+    layout = {"title": {"text": f"All {E} experts x {M} MoE layers for token {label}: drag a box to zoom, double-click "
+                        "to reset", "font": FONT},
+              "xaxis": {"title": {"text": "expert id"}, "range": [-0.5, E - 0.5], "tickfont": {"size": 10}},
+              "yaxis": {**_y_layers(labels, j_sel), "range": [M - 0.5, -0.5]},
+              "shapes": [_row_outline(j_sel)] if j_sel is not None else [], "dragmode": "zoom", "uirevision": "full",
+              "showlegend": False, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+    return [heat, chosen], layout
+
+
+def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
+    """Top next-token probabilities after token t; the token actually fed next in red."""
+    ids = np.asarray(trace["logits.top_ids"][t]).astype(int)
+    probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
+    keep = ids >= 0
+    ids, probs = ids[keep], probs[keep]
+    fed = int(trace.tokens[t + 1]) if t + 1 < len(trace.tokens) else None
+    names = [f"{s} ({i})" for s, i in zip(token_labels(ids, tokenizer, positions=False), ids, strict=True)]
+    bar = {"type": "bar", "orientation": "h", "x": typed(probs), "y": names,
+           "marker": {"color": [SELECT if i == fed else "#4c72b0" for i in ids]},
+           "hovertemplate": "next token %{y}<br>p = %{x:.4f}<extra></extra>", "texttemplate": "%{x:.3f}",
+           "textposition": "outside", "cliponaxis": False}
+    note = "" if fed is None else (" (red: fed next)" if fed in ids else " (the token fed next is not in this top-k)")
+    label = token_labels(trace.tokens, tokenizer)[t]
+    layout = {"title": {"text": f"Next-token predictions after {label}{note}", "font": FONT},
+              "xaxis": {"title": {"text": "probability"}, "range": [0, min(1.0, float(probs.max(initial=0)) * 1.25) or 1],
+                        "fixedrange": True},
+              "yaxis": {"type": "category", "autorange": "reversed", "fixedrange": True, "tickfont": {"size": 10}},
+              "margin": {"l": 110, "r": 30, "t": 30, "b": 40}}
+    return [bar], layout
+
+
+def compare(base_logits, other_logits, tokenizer=None, names=("as run", "ablated"), title: str = "",
+            k: int = 10) -> tuple[list, dict, float]:
+    """Two next-token distributions side by side over the union of their top-k; returns (data, layout, KL)."""
+    p, q = softmax(base_logits), softmax(other_logits)
+    top = list(dict.fromkeys([*np.argsort(-p)[:k], *np.argsort(-q)[:k]]))
+    top.sort(key=lambda i: -max(p[i], q[i]))
+    labels = [f"{s} ({i})" for s, i in zip(token_labels(top, tokenizer, positions=False), top, strict=True)]
+    kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
+    data = [{"type": "bar", "orientation": "h", "name": name, "x": typed(dist[top]), "y": labels,
+             "marker": {"color": color}, "hovertemplate": name + ": %{y}<br>p = %{x:.4f}<extra></extra>"}
+            for name, dist, color in ((names[0], p, "#4c72b0"), (names[1], q, SELECT))]
+    flipped = int(np.argmax(p)) != int(np.argmax(q))
+    layout = {"title": {"text": (title + "<br>" if title else "") + f"KL({names[0]} ‖ {names[1]}) = {kl:.4f}"
+                        + ("; top-1 changed" if flipped else "; same top-1"), "font": FONT},
+              "barmode": "group", "xaxis": {"title": {"text": "probability"}, "fixedrange": True},
+              "yaxis": {"type": "category", "autorange": "reversed", "fixedrange": True, "tickfont": {"size": 10}},
+              "legend": {"orientation": "h", "y": -0.15}, "margin": {"l": 110, "r": 20, "t": 50, "b": 60}}
+    return data, layout, kl

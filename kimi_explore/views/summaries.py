@@ -1,0 +1,127 @@
+"""Numbers that stay readable at K3 scale (93 layers, 896 experts top-16), for the Explorer and the report.
+
+Pure NumPy on host arrays from a Trace; shapes: T tokens, M MoE layers, k top-k, E experts.
+
+MoE routing (r = `_plot_helpers.routing(trace)`):
+  topk_table(r, t, bias)   per MoE layer, the k chosen experts of token t: ids, combine weights,
+                           unbiased scores σ(logit), bias, unbiased rank (1 = highest score), and
+                           `by_bias`: chosen only because of the selection bias (unbiased rank > k);
+                           `displaced`: the unbiased top-k experts the bias pushed out
+  routing_entropy(r)       [T, M] entropy (bits) of the combine weights: 0 = one expert carries the
+                           token, log2 k = all k equal (4 bits at K3)
+  load_stats(r)            over the tokens so far, per layer: counts [M, E], max/mean, coefficient
+                           of variation std/mean, dead experts (never chosen). A balanced router has
+                           max/mean near 1 and CV near 0; with T tokens at most T*k experts can be alive
+  sorted_counts(counts)    each layer's counts sorted descending, with the expert ids in that order
+
+Per-token measures (`token_measures`), one number per token, for colouring the text:
+  surprisal         -log2 p(token t | tokens < t) from the previous step's logits (NaN at t = 0)
+  routing entropy   routing_entropy averaged over MoE layers
+  embedding weight  the block-residual softmax weight on the embedding source, averaged over layers
+                    and both sites (where it exists)
+  KDA state change  mean over KDA layers and heads of | ‖S‖ after t - ‖S‖ before t | (S starts at 0)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["MEASURES", "load_stats", "routing_entropy", "sorted_counts", "surprisal_bits", "token_measures",
+           "topk_table"]
+
+MEASURES = ("surprisal", "routing entropy", "embedding weight", "KDA state change")
+
+
+def topk_table(r: dict, t: int, bias: dict | None = None) -> dict:
+    """Token t's choice at every MoE layer (see module docstring); arrays [M, k], padding id -1."""
+    ids = np.asarray(r["topk_ids"][t], dtype=np.int64)  # [M, k]
+    scores = np.asarray(r["scores"][t], dtype=np.float64)  # [M, E]
+    M, k = ids.shape
+    valid = ids >= 0
+    safe = np.where(valid, ids, 0)
+    chosen_scores = np.where(valid, np.take_along_axis(scores, safe, axis=1), np.nan)
+    rank = (scores[:, None, :] > np.nan_to_num(chosen_scores, nan=np.inf)[:, :, None]).sum(axis=2) + 1
+    rank = np.where(valid, rank, -1)
+    b = np.full((M, k), np.nan)
+    if bias:
+        for j, layer in enumerate(r["moe_layers"]):
+            if layer in bias:
+                b[j] = np.where(valid[j], np.asarray(bias[layer], dtype=np.float64)[safe[j]], np.nan)
+    n_top = valid.sum(axis=1)  # an ablation may shorten the top-k
+    displaced = []
+    for j in range(M):
+        top = np.argsort(-scores[j], kind="stable")[: n_top[j]]
+        gone = [int(e) for e in top if e not in set(ids[j][valid[j]].tolist())]
+        displaced.append([(e, float(scores[j, e])) for e in gone])
+    return {"ids": ids, "weights": np.asarray(r["topk_weights"][t], dtype=np.float64), "scores": chosen_scores,
+            "bias": b, "rank": rank, "by_bias": valid & (rank > n_top[:, None]), "displaced": displaced,
+            "moe_layers": list(r["moe_layers"])}
+
+
+def routing_entropy(r: dict) -> np.ndarray:
+    """[T, M] entropy in bits of each token's combine weights at each MoE layer (padding ignored)."""
+    w = np.asarray(r["topk_weights"], dtype=np.float64)
+    w = np.where(np.asarray(r["topk_ids"]) >= 0, np.nan_to_num(w, nan=0.0), 0.0)
+    total = w.sum(axis=2, keepdims=True)
+    p = np.divide(w, total, out=np.zeros_like(w), where=total > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=2)
+    return np.where(total[..., 0] > 0, h, np.nan)
+
+
+def load_stats(r: dict, upto: int | None = None) -> dict:
+    """Expert load over tokens [0, upto) per MoE layer: counts [M, E], max_over_mean, cv, dead [M]."""
+    ids = np.asarray(r["topk_ids"][:upto], dtype=np.int64)  # [T, M, k]
+    T, M, _ = ids.shape
+    E = int(r["scores"].shape[2])
+    counts = np.zeros((M, E), dtype=np.int64)
+    for j in range(M):
+        chosen = ids[:, j].ravel()
+        counts[j] = np.bincount(chosen[chosen >= 0], minlength=E)
+    mean = counts.mean(axis=1)
+    ok = mean > 0
+    max_over_mean = np.divide(counts.max(axis=1), mean, out=np.full(M, np.nan), where=ok)
+    cv = np.divide(counts.std(axis=1), mean, out=np.full(M, np.nan), where=ok)
+    return {"counts": counts, "max_over_mean": max_over_mean, "cv": cv, "dead": (counts == 0).sum(axis=1),
+            "tokens": T, "experts": E}
+
+
+def sorted_counts(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(counts sorted descending per row [M, E], expert ids in that order [M, E]); ties by id."""
+    order = np.argsort(-counts, axis=1, kind="stable")
+    return np.take_along_axis(counts, order, axis=1), order
+
+
+def surprisal_bits(prev_logits, token: int) -> float:
+    """-log2 softmax(prev_logits)[token], in float64."""
+    x = np.asarray(prev_logits, dtype=np.float64).reshape(-1)
+    m = x.max()
+    return float((m + np.log(np.exp(x - m).sum()) - x[int(token)]) / np.log(2.0))
+
+
+def token_measures(trace, surprisal=None) -> dict[str, np.ndarray]:
+    """{measure: [T]} for `MEASURES`; surprisal: [T] precomputed (the trace alone has only the top-k)."""
+    T = len(trace)
+    out = {"surprisal": np.full(T, np.nan) if surprisal is None else np.asarray(surprisal, dtype=np.float64)}
+    r = dict(trace.routing())
+    has_moe = len(r.get("moe_layers", [])) and "topk_weights" in r
+    with np.errstate(invalid="ignore"):
+        out["routing entropy"] = _nanmean(routing_entropy(r), axis=1) if has_moe else np.full(T, np.nan)
+        w = trace.attn_res_weights()  # [T, L, site, S]; source 0 is the embedding
+        out["embedding weight"] = _nanmean(w[..., 0].reshape(T, -1), axis=1) if w.shape[-1] > 1 else np.full(T, np.nan)
+        norms, kda_ids = trace.kda_state_norms()
+        if len(kda_ids):
+            n = np.asarray(norms, dtype=np.float64)  # [T, kda_layer, H]
+            prev = np.concatenate([np.zeros_like(n[:1]), n[:-1]])
+            out["KDA state change"] = np.abs(n - prev).reshape(T, -1).mean(axis=1)
+        else:
+            out["KDA state change"] = np.full(T, np.nan)
+    return out
+
+
+def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
+    """nanmean without the all-NaN warning: NaN where a row has no value."""
+    ok = np.isfinite(a)
+    n = ok.sum(axis=axis)
+    s = np.where(ok, a, 0.0).sum(axis=axis)
+    return np.divide(s, n, out=np.full(s.shape, np.nan), where=n > 0)

@@ -1,0 +1,110 @@
+"""The K3-scale summaries (views/summaries.py) against plain-Python recomputations of their definitions."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from synthetic_trace import SyntheticTrace
+
+from kimi_explore.views import summaries
+
+
+def biased_routing(n_tokens=5, n_layers=3, E=12, k=3, seed=0):
+    """Routing as the router makes it: top-k of score + bias, ids ordered by unbiased score; plus the bias."""
+    rng = np.random.default_rng(seed)
+    scores = 1 / (1 + np.exp(-rng.normal(size=(n_tokens, n_layers, E))))
+    bias = {10 + j: rng.normal(0, 0.3, E) for j in range(n_layers)}
+    ids = np.zeros((n_tokens, n_layers, k), dtype=np.int64)
+    for t in range(n_tokens):
+        for j in range(n_layers):
+            chosen = sorted(range(E), key=lambda e: -(scores[t, j, e] + bias[10 + j][e]))[:k]
+            ids[t, j] = sorted(chosen, key=lambda e: -scores[t, j, e])
+    w = np.take_along_axis(scores, ids, axis=2)
+    r = {"topk_ids": ids, "topk_weights": w / w.sum(axis=2, keepdims=True), "scores": scores,
+         "moe_layers": [10 + j for j in range(n_layers)]}
+    return r, bias
+
+
+def test_topk_table_ranks_bias_and_displaced_experts():
+    r, bias = biased_routing()
+    E, k = r["scores"].shape[2], r["topk_ids"].shape[2]
+    seen_bias_choice = False
+    for t in range(r["scores"].shape[0]):
+        table = summaries.topk_table(r, t, bias)
+        for j, layer in enumerate(r["moe_layers"]):
+            s = r["scores"][t, j]
+            unbiased_top = set(sorted(range(E), key=lambda e: -s[e])[:k])
+            chosen = [int(e) for e in r["topk_ids"][t, j]]
+            for c, e in enumerate(chosen):
+                assert table["ids"][j, c] == e
+                assert table["scores"][j, c] == pytest.approx(s[e])
+                assert table["bias"][j, c] == pytest.approx(bias[layer][e])
+                assert table["rank"][j, c] == 1 + sum(1 for x in range(E) if s[x] > s[e])
+                assert table["by_bias"][j, c] == (e not in unbiased_top)
+                seen_bias_choice |= e not in unbiased_top
+            assert sorted(e for e, _ in table["displaced"][j]) == sorted(unbiased_top - set(chosen))
+    assert seen_bias_choice, "the fixture should contain choices the bias changed"
+
+
+def test_topk_table_handles_an_ablated_shorter_top_k():
+    r, _ = biased_routing()
+    r["topk_ids"] = r["topk_ids"].copy()
+    r["topk_ids"][0, 0, -1] = -1  # the trace pads a shortened top-k with -1
+    table = summaries.topk_table(r, 0)
+    assert table["rank"][0, -1] == -1 and not table["by_bias"][0, -1] and np.isnan(table["scores"][0, -1])
+    assert len(table["displaced"][0]) == sum(e not in set(r["topk_ids"][0, 0, :-1]) for e in
+                                             np.argsort(-r["scores"][0, 0])[:2])
+
+
+def test_routing_entropy_is_the_entropy_of_the_combine_weights():
+    r, _ = biased_routing()
+    h = summaries.routing_entropy(r)
+    for (t, j), v in np.ndenumerate(h):
+        w = r["topk_weights"][t, j]
+        p = w / w.sum()
+        assert v == pytest.approx(-sum(x * math.log2(x) for x in p))
+    assert h.max() <= math.log2(r["topk_ids"].shape[2]) + 1e-12
+
+
+def test_load_stats_count_every_choice():
+    r, _ = biased_routing(n_tokens=7)
+    stats = summaries.load_stats(r)
+    E = r["scores"].shape[2]
+    for j in range(len(r["moe_layers"])):
+        c = Counter(int(e) for e in r["topk_ids"][:, j].ravel())
+        counts = [c.get(e, 0) for e in range(E)]
+        mean = sum(counts) / E
+        assert list(stats["counts"][j]) == counts
+        assert stats["max_over_mean"][j] == pytest.approx(max(counts) / mean)
+        assert stats["cv"][j] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in counts) / E) / mean)
+        assert stats["dead"][j] == counts.count(0)
+    upto = summaries.load_stats(r, upto=2)
+    assert upto["tokens"] == 2 and upto["counts"].sum() == 2 * len(r["moe_layers"]) * r["topk_ids"].shape[2]
+    ordered, ids = summaries.sorted_counts(stats["counts"])
+    assert np.all(np.diff(ordered, axis=1) <= 0)
+    np.testing.assert_array_equal(np.take_along_axis(stats["counts"], ids, axis=1), ordered)
+
+
+def test_surprisal_bits():
+    logits = np.array([2.0, 0.5, -1.0, 3.0])
+    p = np.exp(logits) / np.exp(logits).sum()
+    assert summaries.surprisal_bits(logits, 1) == pytest.approx(-math.log2(p[1]))
+
+
+def test_token_measures_on_a_synthetic_trace():
+    tr = SyntheticTrace(n_tokens=5, n_layers=8, block_size=4)
+    m = summaries.token_measures(tr, surprisal=[np.nan, 1, 2, 3, 4])
+    assert set(m) == set(summaries.MEASURES) and all(len(v) == 5 for v in m.values())
+    w = tr.attn_res_weights()
+    for t in range(5):
+        emb = [w[t, j, s, 0] for j in range(8) for s in range(2) if np.isfinite(w[t, j, s, 0])]
+        assert m["embedding weight"][t] == pytest.approx(sum(emb) / len(emb))
+        norms, _ = tr.kda_state_norms()
+        prev = norms[t - 1] if t else np.zeros_like(norms[0])
+        assert m["KDA state change"][t] == pytest.approx(np.abs(norms[t] - prev).mean())
+    h = summaries.routing_entropy(tr.routing())
+    np.testing.assert_allclose(m["routing entropy"], h.mean(axis=1))
+    assert np.isnan(m["surprisal"][0]) and m["surprisal"][4] == 4
