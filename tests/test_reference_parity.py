@@ -40,12 +40,13 @@ def refset(request):
     return request.param, SETS[request.param] / "tiny_k3", load_set(request.param)
 
 
-@pytest.fixture(scope="module", params=["float32", "float64", "float32-fused"])
+@pytest.fixture(scope="module", params=["float32", "float64", "float32-fused", "float32-mapped"])
 def run(request, refset):
     name, path, ref = refset
-    if request.param == "float32-fused":  # MXFP4 experts multiplied from their packed bytes (mxfp4_matvec)
-        require_kernel()
-        w = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", expert_cache_size=0)
+    if request.param in ("float32-fused", "float32-mapped"):  # MXFP4 experts multiplied from their packed bytes
+        require_kernel()  # (mxfp4_matvec), copied into RAM at load or read in place from the mapped shards
+        experts = "packed" if request.param == "float32-fused" else "mapped"
+        w = KimiDecoderWeights.from_pretrained(path, device="cpu", experts=experts, expert_cache_size=0)
         assert all(layer.ffn.experts.uses_fused for layer in w.layers if isinstance(layer.ffn, LatentMoeWeights))
     else:
         w = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype=request.param)

@@ -1,0 +1,121 @@
+"""The compiled bf16 matvec (weight_dtype="bfloat16" on the CPU), against float64."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore.weights import bf16_matvec
+from kimi_explore.weights.bf16_matvec import bf16_matvec as matvec
+from kimi_explore.weights.bf16_weights import Bf16Matrix, WideningScratch
+from kimi_explore.weights.tiny_model import default_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def kernel():
+    if not bf16_matvec.AVAILABLE:
+        if os.environ.get("KIMI_EXPLORE_REQUIRE_KERNEL") == "1":
+            pytest.fail("kimi_explore.weights._bf16_matvec was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
+        pytest.skip("the compiled bf16 kernel was not built (no C compiler at install)")
+
+
+def isas():
+    return bf16_matvec.isas() or ("portable",)
+
+
+def matrix(rng, R, C):
+    W = (rng.standard_normal((R, C)) * rng.uniform(0.1, 10, (R, 1))).astype(ml_dtypes.bfloat16)
+    return W.view(np.uint16), W.astype(np.float64)
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("C", [1, 7, 15, 16, 17, 63, 64, 65, 129, 1001], ids=lambda c: f"C{c}")
+def test_every_kernel_against_float64(isa, C):
+    """|error| <= 1e-6 sum |W||x| at odd widths (every tail: past the 64-, 32-, 16- and 8-column loops)."""
+    rng = np.random.default_rng(C)
+    bits, W = matrix(rng, 37, C)
+    bits[0, : min(C, 4)] = [0x0000, 0x8000, 0x0001, 0x7E00][: min(C, 4)]  # +-0, a subnormal, 2^125
+    W = bits.view(ml_dtypes.bfloat16).astype(np.float64)
+    x = rng.standard_normal(C).astype(np.float32)
+    got = matvec(bits, x, isa=isa)
+    want, mag = W @ x.astype(np.float64), np.abs(W) @ np.abs(x.astype(np.float64))
+    assert got.dtype == np.float32 and got.shape == (37,)
+    assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-43), np.max(np.abs(got - want) / (mag + 1e-300))
+
+
+def test_small_integers_are_exact_in_every_kernel():
+    """Every product and partial sum an integer below 2^24: no rounding, so every order gives the same bits."""
+    rng = np.random.default_rng(1)
+    W = rng.integers(-8, 9, (50, 333)).astype(ml_dtypes.bfloat16)
+    x = rng.integers(-8, 9, 333).astype(np.float32)
+    want = (W.astype(np.float64) @ x.astype(np.float64)).astype(np.float32)
+    for isa in isas():
+        np.testing.assert_array_equal(matvec(W.view(np.uint16), x, isa=isa), want)
+
+
+def test_threads_split_rows_without_changing_a_bit():
+    rng = np.random.default_rng(2)
+    bits, _ = matrix(rng, 1000, 300)
+    x = rng.standard_normal(300).astype(np.float32)
+    one = matvec(bits, x, threads=1)
+    for threads in (2, 3, 7):
+        np.testing.assert_array_equal(matvec(bits, x, threads=threads), one)
+    out = np.full(1000, np.nan, np.float32)
+    assert matvec(bits, x, out=out) is out
+    np.testing.assert_array_equal(out, one)
+
+
+def test_bad_arguments_are_named():
+    bits = np.zeros((4, 8), np.uint16)
+    x = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match=r"bits: expected a C-contiguous uint16 .* got uint16 \(8, 4\) \(not C"):
+        matvec(bits.T, np.ones(4, np.float32))
+    with pytest.raises(ValueError, match=r"bits: .* got float32"):
+        matvec(bits.astype(np.float32), x)
+    with pytest.raises(ValueError, match=r"x: expected float32 \[8\], got float64 \(8,\)"):
+        matvec(bits, x.astype(np.float64))
+    with pytest.raises(ValueError, match=r"out: expected a C-contiguous float32 \[4\]"):
+        matvec(bits, x, out=np.empty(5, np.float32))
+    with pytest.raises(ValueError, match="isa: not one of isas"):
+        matvec(bits, x, isa="sse9")
+    with pytest.raises(ValueError, match="w: size is not R \\* C"):  # the C side checks on its own
+        bf16_matvec._ext.bf16_matvec(bits, x, np.empty(4, np.float32), 4, 9, 0, 4, "")
+    with pytest.raises(ValueError, match="start/stop"):
+        bf16_matvec._ext.bf16_matvec(bits, x, np.empty(4, np.float32), 4, 8, 0, 5, "")
+
+
+def test_bf16_matrix_takes_the_kernel_for_vectors_only():
+    rng = np.random.default_rng(3)
+    bits, W = matrix(rng, 70, 40)
+    M = Bf16Matrix(bits, WideningScratch(np))
+    x = rng.standard_normal(40).astype(np.float32)
+    assert M.uses_kernel and not Bf16Matrix(bits, WideningScratch(np), kernel=False).uses_kernel
+    np.testing.assert_array_equal(M @ x, matvec(bits, x))
+    X = rng.standard_normal((40, 3)).astype(np.float32)
+    np.testing.assert_array_equal(M @ X, W.astype(np.float32) @ X)  # a matrix operand: widened, then BLAS
+    assert not Bf16Matrix(bits, WideningScratch(np), np.float64).uses_kernel  # float64 compute: widening
+    with pytest.raises(ValueError, match=r"kernel=True\) needs .* float32 .* got numpy bits, float64"):
+        Bf16Matrix(bits, WideningScratch(np), np.float64, kernel=True)
+
+
+def test_decoder_with_the_kernel_matches_the_float32_trunk():
+    """The embedded model, bf16 trunk through the kernel vs the float32 trunk: float32 rounding, same argmax."""
+    tokens = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99]
+
+    def decode(w):
+        state = KimiDecodeState.new(w)
+        return np.stack([np.array(kimi_forward_token(w, state, t)) for t in tokens])
+
+    f32 = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu")
+    bf16 = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16")
+    assert bf16.extra["bf16_matvec"] == "kernel" and bf16.lm_head.uses_kernel
+    assert bf16.memory_report()["bf16 widening scratch"] == 0  # the kernel needs none
+    got, want = decode(bf16), decode(f32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    with pytest.raises(ValueError, match="bf16_matvec='fast': expected one of 'auto', 'kernel', 'widen'"):
+        KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")
