@@ -47,8 +47,11 @@ __all__ = [
     "KimiLayerFfn",
     "KimiLayerState",
     "decoder_layer",
+    "embed_token",
+    "finish_token",
     "hook_names",
     "kimi_forward_token",
+    "run_layers",
 ]
 
 
@@ -207,29 +210,56 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
     """Run one token through every loaded layer; advance `state` in place; return logits [vocab].
 
     `hooks`: None, or an object with `fire(name, value) -> value` (see `kimi_explore.inspection.hooks.Hooks`);
-    the names are listed by `hook_names(weights)`.
+    the names are listed by `hook_names(weights)`. The three parts (`embed_token`, `run_layers`,
+    `finish_token`) are what a pipeline stage runs a share of (`kimi_explore.distributed`): the same
+    operations in the same order, so a staged decode is bit-identical to this one.
+    """
+    _check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
+    stack = embed_token(weights, token_id, hooks)
+    run_layers(weights, state, stack, hooks)
+    logits = finish_token(weights, stack, hooks)
+    state.position += 1
+    return logits
+
+
+def embed_token(weights: KimiDecoderWeights, token_id, hooks=None, rows: int | None = None) -> SourceBuffer:
+    """The stack a token starts with: no sealed block, the running sum its embedding.
+
+    rows: the stack's capacity (default `weights.max_sources`; a pipeline stage holding only some
+    layers passes the whole model's).
     """
     cfg = weights.config
     tid = _token_index(token_id, cfg.vocab_size)
+    fire = _unhooked if hooks is None else hooks.fire
+    stack = SourceBuffer(weights.xp, rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
+    stack.set_current(fire("embed", weights.embed_tokens[tid]))
+    return stack
+
+
+def run_layers(weights: KimiDecoderWeights, state: KimiDecodeState, stack: SourceBuffer, hooks=None) -> None:
+    """Every loaded layer on one token, from the stack as the previous layer (or the embedding) left it."""
+    _check_state(weights, state)
+    for layer, layer_state in zip(weights.layers, state.layers, strict=True):
+        decoder_layer(layer, layer_state, stack, weights.config, hooks)
+
+
+def _check_state(weights: KimiDecoderWeights, state: KimiDecodeState) -> None:
     if len(state.layers) != len(weights.layers):
         raise ValueError(
             f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
             "make the state with KimiDecodeState.new(weights)"
         )
-    eps, fire = cfg.rms_norm_eps, _unhooked if hooks is None else hooks.fire
-    stack = SourceBuffer(weights.xp, weights.max_sources, cfg.hidden_size, weights.dtype, eps)
-    stack.set_current(fire("embed", weights.embed_tokens[tid]))
-    for layer, layer_state in zip(weights.layers, state.layers, strict=True):
-        decoder_layer(layer, layer_state, stack, cfg, hooks)
 
+
+def finish_token(weights: KimiDecoderWeights, stack: SourceBuffer, hooks=None):
+    """The output mix over the stack, the final norm and lm_head: logits [vocab]."""
+    fire = _unhooked if hooks is None else hooks.fire
     p = stack.weights(weights.output_attn_res_score)
     if hooks is not None:
         hooks.fire("final.block_residual", stack.blocks)
     p = fire("final.attn_res.weights", p)
-    hidden = fire("final.hidden", rms_norm(stack.mix(p), weights.norm, eps))
-    logits = fire("logits", weights.lm_head @ hidden)
-    state.position += 1
-    return logits
+    hidden = fire("final.hidden", rms_norm(stack.mix(p), weights.norm, weights.config.rms_norm_eps))
+    return fire("logits", weights.lm_head @ hidden)
 
 
 def decoder_layer(layer: KimiDecoderLayerWeights, state: KimiLayerState, stack: SourceBuffer, cfg: KimiDecoderConfig,
