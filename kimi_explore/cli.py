@@ -95,8 +95,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="array backend (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
     p.add_argument("--weight-dtype", choices=["bfloat16"], help="keep BF16 matrices as bf16 bits (half the memory)")
-    p.add_argument("--experts", default="auto", choices=["auto", "packed", "dense"],
-                   help="routed experts: MXFP4-packed or dequantised at load (default auto: dense when small)")
+    p.add_argument("--experts", default="auto", choices=["auto", "packed", "mapped", "dense"],
+                   help="routed experts: MXFP4-packed, left mapped in the shard files, or dequantised at load "
+                        "(default auto: dense when small)")
     p.add_argument("--expert-cache-size", type=_at_least(0), metavar="N",
                    help="packed experts: dequantised experts kept per layer (0: none; on the CPU the fused kernel)")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
