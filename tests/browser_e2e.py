@@ -59,7 +59,7 @@ TIMED_STEP = """async () => {
     const check = () => {
       const d = done(), rev = Number(d.dataset.rev);
       const plots = [...document.querySelectorAll('.kimi-plot')].filter(e => e.offsetParent !== null && e.dataset.rendered);
-      if (rev > before && Number(d.dataset.tokens) === n + 1 && !document.querySelector('.kimi-busy')
+      if (rev > before && Number(d.dataset.tokens) !== n && !document.querySelector('.kimi-busy')
           && plots.length && plots.every(p => Number(p.dataset.rendered) >= rev)) return resolve(performance.now() - t0);
       if (performance.now() - t0 > 60000) return reject(new Error('Step did not finish within 60 s'));
       requestAnimationFrame(check);
@@ -152,8 +152,11 @@ def open_tab(page, title: str) -> None:
 def drive(page, url: str, name: str, shot, seen: dict) -> None:
     """The whole scenario on one notebook; records into seen[name]."""
     out = seen.setdefault(name, {"latency_ms": {}})
-    page.goto(f"{url}/lab/tree/{name}.ipynb", wait_until="domcontentloaded")
+    # a workspace of its own, reset: only this notebook is open (no tab restored from the last one)
+    page.goto(f"{url}/lab/workspaces/{name}/tree/{name}.ipynb?reset", wait_until="domcontentloaded")
     page.wait_for_selector(".jp-Notebook .jp-Cell")
+    page.wait_for_function("(path) => window.jupyterapp?.shell.currentWidget?.context?.path === path",
+                           arg=f"{name}.ipynb", timeout=90_000)
     page.wait_for_function(KERNEL_IDLE, timeout=90_000)
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
     page.wait_for_selector(".kimi-done", state="attached", timeout=180_000)
@@ -193,7 +196,9 @@ def drive(page, url: str, name: str, shot, seen: dict) -> None:
     # a click on a layer column of the per-token map selects that layer in every view
     before = out["after_token_click"]["block_token"]["layer"]
     drag = page.locator(".kimi-plot[data-name='block_token'] .nsewdrag[data-subplot='x2y2']").first.bounding_box()
-    page.mouse.click(drag["x"] + drag["width"] * 0.1, drag["y"] + drag["height"] * 0.5)
+    page.mouse.move(drag["x"] + drag["width"] * 0.1, drag["y"] + drag["height"] * 0.9, steps=4)  # 'current' row
+    page.mouse.down()
+    page.mouse.up()
     page.wait_for_function(f"() => {{ const m = Object.values(({VISIBLE_META})()); "
                            f"return m.length && m.every(x => x && x.layer !== {before} && x.layer === m[0].layer); }}",
                            timeout=30_000)

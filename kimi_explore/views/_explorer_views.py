@@ -24,9 +24,9 @@ VIEWS = {
     "block_layer": (0, 270, "100%", ("token", "x")),
     "kda_token": (1, 300, "100%", ("layer", "x")),
     "kda_layer": (1, 270, "100%", ("token", "x")),
-    "moe_topk": (2, 380, "46%", ("layer", "y")),
-    "moe_layers": (2, 380, "54%", ("layer", "x")),
-    "moe_sorted": (2, 250, "100%", ("layer", "y")),
+    "moe_topk": (2, 360, "100%", ("layer", "y")),
+    "moe_layers": (2, 330, "55%", ("layer", "x")),
+    "moe_sorted": (2, 330, "45%", ("layer", "y")),
     "moe_full": (2, 420, "100%", ("layer", "y")),
     "predictions": (3, 340, "42%", None),
 }
@@ -97,7 +97,7 @@ class Tabs:
         self.widget = widgets.Tab(children=[
             widgets.VBox([v["block_token"], v["block_layer"]]),
             widgets.VBox([v["kda_token"], v["kda_layer"]]),
-            widgets.VBox([widgets.HBox([v["moe_topk"], v["moe_layers"]]), v["moe_sorted"], self.full_map, v["moe_full"]]),
+            widgets.VBox([v["moe_topk"], widgets.HBox([v["moe_layers"], v["moe_sorted"]]), self.full_map, v["moe_full"]]),
             widgets.HBox([v["predictions"], ex.ablation_box]),
         ], titles=TABS)
         self.drawn: dict[int, tuple] = {}  # tab -> what its views show now (history length, token, layer, ...)

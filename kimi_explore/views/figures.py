@@ -36,7 +36,9 @@ def layer_axis(labels: list[str], title: str = "layer") -> dict:
     """A categorical layer axis; past 32 layers only the MLA layers (and the first/last) get a tick label."""
     axis = {"type": "category", "title": {"text": title}, "tickfont": {"size": 10}, "fixedrange": True}
     if len(labels) > 32:
-        ticks = [s for j, s in enumerate(labels) if s.endswith("MLA") or j in (0, len(labels) - 1)]
+        mla = [j for j, s in enumerate(labels) if s.endswith("MLA")]
+        ends = [j for j in (0, len(labels) - 1) if all(abs(j - m) > 2 for m in mla)]  # unless an MLA tick is next to it
+        ticks = [labels[j] for j in sorted(set(mla) | set(ends))]
         axis.update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     return axis
 
@@ -51,7 +53,7 @@ def token_window(n_tokens: int, t: int, window: int = WINDOW) -> list[float]:
 
 def token_axis(trace, t: int, tokenizer=None) -> dict:
     return {"type": "category", "title": {"text": "token (drag to scroll)"}, "range": token_window(len(trace), t),
-            "tickfont": {"size": 10}, "tickangle": -60, "automargin": True}
+            "tickfont": {"size": 10}, "tickangle": -60}  # no automargin: it costs plotly a second layout pass
 
 
 def outline(col: float, xref: str = "x", yref: str = "y domain") -> dict:

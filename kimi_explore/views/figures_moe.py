@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import figures
 from ._plot_helpers import softmax, token_labels
 from ._plotly_view import typed
 from .figures import FONT, SELECT, _heat, layer_labels, outline
@@ -49,9 +50,17 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     ids, w, layers = table["ids"], table["weights"], table["moe_layers"]
     M, k = ids.shape
     labels = layer_labels(trace, layers)
+    j_sel = layers.index(layer) if layer in layers else None
+    window = _row_window(M, j_sel)
+    rows_shown = range(M) if window is None else range(int(window[1] + 0.5), int(window[0] + 0.5) + 1)
     text, hover = [], []
     for j in range(M):
-        gone = ", ".join(f"{e} ({s:.4f})" for e, s in table["displaced"][j])
+        if j not in rows_shown:  # cell labels only where they can be seen: plotly draws each one
+            text.append([""] * k)
+            hover.append([f"layer {labels[j]}: select it to see its experts"] * k)
+            continue
+        out = table["displaced"][j]
+        gone = ", ".join(f"{e} ({s:.4f})" for e, s in out[:4]) + (f" and {len(out) - 4} more" if len(out) > 4 else "")
         row_t, row_h = [], []
         for c in range(k):
             e = int(ids[j, c])
@@ -70,15 +79,13 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
                 + (f"<br>bias pushed out: {gone}" if gone else ""))
         text.append(row_t)
         hover.append(row_h)
-    j_sel = layers.index(layer) if layer in layers else None
     heat = _heat(np.where(ids >= 0, w, np.nan), [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=0,
                  zmax=max(float(np.nanmax(w)) if np.isfinite(w).any() else 1.0, 1e-9), hover="%{customdata}",
                  customdata=hover, colorbar={"title": {"text": "combine weight"}})
-    heat.update(text=text, texttemplate="%{text}", textfont={"size": 10})
+    heat.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True)  # light = small
     n_bias = int(table["by_bias"].sum())
     label = token_labels(trace.tokens, tokenizer)[t]
-    layout = {"title": {"text": f"Experts of token {label} per layer (by unbiased score); * = chosen only through "
-                        f"the bias ({n_bias} here)", "font": FONT},
+    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias})", "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
@@ -88,13 +95,13 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
 def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer: int | None, k: int) -> tuple[list, dict]:
     """Per MoE layer: routing entropy of the selected token; over the tokens so far: max/mean, CV, dead experts."""
     labels = layer_labels(trace, layers)
-    rows = (("routing entropy (bits)", entropy, f"routing entropy %{{y:.3f}} bits (max log2 {k} = {np.log2(k):.2f})"),
-            ("max / mean load", stats["max_over_mean"], "max/mean load %{y:.2f} (1 = balanced)"),
-            ("load CV", stats["cv"], "coefficient of variation %{y:.3f}"),
-            ("dead experts", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
+    rows = (("entropy", entropy, f"routing entropy %{{y:.3f}} bits (max log2 {k} = {np.log2(k):.2f})"),
+            ("max/mean", stats["max_over_mean"], "max/mean load %{y:.2f} (1 = balanced)"),
+            ("CV", stats["cv"], "load coefficient of variation %{y:.3f}"),
+            ("dead", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
     data, layout = [], {"margin": {"l": 70, "r": 10, "t": 30, "b": 70}, "showlegend": False,
-                        "title": {"text": f"Per MoE layer: this token's routing entropy; load over {stats['tokens']} "
-                                  "tokens  (click a layer)", "font": FONT}}
+                        "title": {"text": f"Per MoE layer: this token's routing entropy (bits); expert load over "
+                                  f"{stats['tokens']} tokens", "font": FONT}}
     gap = 0.04
     h = (1 - gap * (len(rows) - 1)) / len(rows)
     for r, (name, y, hover) in enumerate(rows):
@@ -108,7 +115,7 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
         layout["xaxis" + ax] = {"type": "category", "anchor": "y" + ax, "fixedrange": True, "tickfont": {"size": 9},
                                 "showticklabels": r == len(rows) - 1, "matches": "x" if r else None}
         if len(labels) > 32:
-            ticks = [s for s in labels if s.endswith("MLA")]
+            ticks = figures.layer_axis(labels)["tickvals"]
             layout["xaxis" + ax].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     layout["shapes"] = [outline(layers.index(layer), "x", "paper")] if layer in layers else []
     return data, layout

@@ -167,17 +167,11 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ actions
     def _busy(self, action) -> None:
-        """Run a button's action with the busy indicator on and the buttons off."""
-        buttons = (self.step_button, self.back_button, self.play_button, self.reset_button)
+        """Run a button's action with the busy indicator on (clicks meanwhile wait in the kernel's queue)."""
         self.busy.value = BUSY
-        for b in buttons:
-            b.disabled = True
         try:
             action()
         finally:
-            for b in buttons:
-                b.disabled = False
-            self.back_button.disabled = len(self.session) == 0
             self.busy.value = ""
 
     def step(self) -> None:
