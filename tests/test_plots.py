@@ -67,6 +67,36 @@ def test_every_view_renders_and_keeps_ticks_readable(size, tiny, k3):
             assert plots.figure_png(fig, dpi=40).startswith(PNG_MAGIC)
 
 
+def test_at_k3_depth_the_mla_layers_are_labelled(k3):
+    fig = plots.block_residual_token(k3, 0)
+    mla = [f"{i} MLA" for i in k3.layer_ids if i not in k3.kda_ids]
+    for ax in fig.axes[:2]:
+        assert visible_ticks(ax, "y") == mla
+
+
+def test_kda_views_take_one_colour_scale(k3):
+    a = plots.kda_state_overview(k3, 0, vmax=50.0).axes[0].images[0]
+    b = plots.kda_state_heatmap(k3, k3.kda_ids[3], vmax=50.0).axes[0].images[0]
+    assert a.norm.vmax == b.norm.vmax == 50.0
+
+
+def test_moe_summaries_at_k3_size(k3):
+    from kimi_explore.views import plots_summary, summaries
+    from kimi_explore.views._plot_helpers import routing
+
+    r = routing(k3)
+    stats = summaries.load_stats(r)
+    fig = plots_summary.moe_layer_stats(k3, 4)
+    np.testing.assert_allclose(fig.axes[3].lines[0].get_ydata(), stats["dead"])
+    np.testing.assert_allclose(fig.axes[0].lines[0].get_ydata(), summaries.routing_entropy(r)[4])
+    img = plots_summary.moe_sorted_counts(k3).axes[0].images[0].get_array()
+    np.testing.assert_array_equal(img, summaries.sorted_counts(stats["counts"])[0][:, : 30 * 16])
+    table = plots_summary.topk_table_html(k3, 4)
+    assert table.count("<tr>") == 1 + len(r["moe_layers"]) and f"<b>{int(r['topk_ids'][4, 0, 0])}" in table
+    for f in (fig, plots_summary.moe_sorted_counts(k3)):
+        assert plots.figure_png(f, dpi=30).startswith(PNG_MAGIC)
+
+
 def test_nice_stride_thins_k3_axes():
     assert nice_stride(16) == 1
     assert nice_stride(93) == 4  # K3 layers: 24 labels
@@ -92,6 +122,11 @@ def test_block_residual_token_shows_the_trace_weights(tiny):
     # a dashed line marks every layer where a new block appears (layers 0, 4, 8, 12 -> rows 4, 8, 12)
     lines = sorted(round(line.get_ydata()[0] + 0.5) for line in ffn_ax.lines)
     assert lines == [4, 8, 12]
+    # ... at each site where that site's sources grow: before attention, a boundary layer's block shows one layer later
+    for site, ax in enumerate((attn_ax, ffn_ax)):
+        present = np.isfinite(w[:, site]).sum(axis=1)
+        expected = [r for r in range(1, len(present)) if present[r] > present[r - 1]]
+        assert sorted(round(line.get_ydata()[0] + 0.5) for line in ax.lines) == expected
     assert len(fig.axes) == 4  # three panels + one colour bar
 
 

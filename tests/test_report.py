@@ -42,12 +42,17 @@ def test_report_command_on_the_embedded_model(tmp_path, capsys):
     page = (out / "index.html").read_text(encoding="utf-8")
     stems = check_self_contained(page, out)
     for must in ("block_residuals_last_token", "kda_state_curves", "kda_state_last_token", "moe_routing_last_token",
-                 "expert_load", "moe_output_norms", "predictions_last_token"):
+                 "moe_layer_stats", "moe_sorted_counts", "moe_output_norms", "predictions_last_token"):
         assert must in stems
+    # a table of contents that links every figure, and the per-layer views on layers with every view
+    nav = page.split("<nav>", 1)[1].split("</nav>", 1)[0]
+    assert all(f"href='#{s}'" in nav for s in stems) and all(f'id="{s}"' in page for s in stems)
+    assert "Experts of token" in page and "pushed out" in page  # the top-k table of the last token
     assert any(s.startswith("block_residuals_layer") for s in stems)
     assert sorted(p.stem for p in out.glob("*.png")) == sorted(stems)
     assert "K3 ok!" in page  # the decoded prompt, via the byte tokenizer
-    assert page.count("<tr>") == 1 + len("K3 ok!")  # one prediction row per token
+    predictions = page.split("Predictions at every step</h2>", 1)[1]
+    assert predictions.count("<tr>") == 1 + len("K3 ok!")  # one prediction row per token
 
 
 def test_report_with_ids_and_a_layer_subset(tmp_path):
@@ -103,6 +108,15 @@ def test_write_report_from_a_bare_trace(tmp_path):
     stems = check_self_contained(page.read_text(encoding="utf-8"), tmp_path)
     assert {"block_residuals_layer1", "block_residuals_layer3", "moe_routing_layer1", "kda_state_layer1"} <= set(stems)
     assert "kda_state_layer3" not in stems  # layer 3 is MLA: no recurrent state
+
+
+def test_default_layers_end_at_the_deepest_kda_moe_layer():
+    from kimi_explore.views.report import default_layers
+
+    tr = SyntheticTrace(n_tokens=2, n_layers=16)
+    both = [i for i in tr.kda_ids if i in tr.moe_ids]
+    picked = default_layers(tr)
+    assert picked[-1] == both[-1] and len(picked) == 3 and 0 not in picked and set(picked) <= set(both)
 
 
 def test_cli_dispatches_report(tmp_path):

@@ -34,6 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ._plot_helpers import (
+    MAX_TICKS,
     heatmap,
     layer_position,
     moe_layer_labels,
@@ -106,9 +107,17 @@ def _layer_row_labels(trace) -> list[str]:
 
 
 def _mark_blocks(ax, valid: np.ndarray) -> None:
-    """Dashed line above every layer row where a new block appears (valid: [L] sources present)."""
+    """Dashed line above every layer row where a new block appears (valid: [L] sources present at this
+    site: the site before attention sees a sealed block one layer later than the one before the FFN)."""
     for r in np.flatnonzero(np.diff(valid) > 0) + 1:
         ax.axhline(r - 0.5, color="white", lw=1.2, ls="--")
+
+
+def _label_mla_rows(ax, rows: list[str]) -> None:
+    """At K3 depth the thinned stride would label only KDA layers: label the MLA rows instead."""
+    if len(rows) > MAX_TICKS:
+        pos = [j for j, s in enumerate(rows) if s.endswith("MLA")] or list(range(0, len(rows), 8))
+        ax.set_yticks(pos, [rows[j] for j in pos], fontsize=7)
 
 
 def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
@@ -124,10 +133,10 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     n_layers = len(rows)
     fig = InlineFigure(figsize=(13, span_inches(n_layers, 0.3, 4.5, 13)), layout="constrained")
     axes = fig.subplots(1, 3, width_ratios=[1, 1, 0.75])
-    valid = np.isfinite(w[:, 1, :]).sum(axis=1)
     for site, ax in enumerate(axes[:2]):
         im = heatmap(ax, w[:, site, :], rows=rows, cols=sources, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0)
-        _mark_blocks(ax, valid)
+        _mark_blocks(ax, np.isfinite(w[:, site, :]).sum(axis=1))
+        _label_mla_rows(ax, rows)
         ax.set_title(SITE_TITLES[site], fontsize=10)
         ax.set_xlabel("source")
     axes[0].set_ylabel("layer")
@@ -186,22 +195,23 @@ def _kda_position(ids: list[int], layer: int) -> int:
     return ids.index(layer)
 
 
-def kda_state_heatmap(trace, layer: int, tokenizer=None) -> Figure:
-    """For one KDA layer: token x head Frobenius norm of each head's recurrent state S [K, V]."""
+def kda_state_heatmap(trace, layer: int, tokenizer=None, vmax=None) -> Figure:
+    """For one KDA layer: token x head Frobenius norm of each head's recurrent state S [K, V].
+    vmax: the top of the colour scale (pass one value to several KDA figures to compare them)."""
     norms, ids = _kda(trace)
     data = norms[:, _kda_position(ids, layer)]  # [T, H]
     rows = _labels(trace.tokens, tokenizer)
     fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
-    im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap=NORM_CMAP, vmin=0.0)
+    im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap=NORM_CMAP, vmin=0.0, vmax=vmax)
     fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
     ax.set(xlabel="head", ylabel="token", title=f"KDA recurrent-state norm per head, layer {layer}")
     return fig
 
 
-def kda_state_overview(trace, token: int = -1, tokenizer=None) -> Figure:
-    """For one token: KDA layer x head state norms, after that token's update."""
+def kda_state_overview(trace, token: int = -1, tokenizer=None, vmax=None) -> Figure:
+    """For one token: KDA layer x head state norms, after that token's update (vmax: as kda_state_heatmap)."""
     norms, ids = _kda(trace)
     t = token_index(trace, token)
     data = norms[t]  # [kda_layer, H]
@@ -209,7 +219,7 @@ def kda_state_overview(trace, token: int = -1, tokenizer=None) -> Figure:
                  layout="constrained")
     ax = fig.subplots()
     im = heatmap(ax, data, rows=[str(i) for i in ids], cols=[str(h) for h in range(data.shape[1])],
-                 cmap=NORM_CMAP, vmin=0.0)
+                 cmap=NORM_CMAP, vmin=0.0, vmax=vmax)
     fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
     label = _labels(trace.tokens, tokenizer)[t]
     ax.set(xlabel="head", ylabel="KDA layer", title=f"KDA recurrent-state norms after token {label}")

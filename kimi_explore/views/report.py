@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import plots
+from . import plots, plots_summary
 
 __all__ = ["main", "write_report"]
 
@@ -30,6 +30,7 @@ figure { margin: 1.2em 0; } figure img { max-width: 100%; height: auto; border: 
 figcaption { color: #555; font-size: .92em; max-width: 60em; }
 table { border-collapse: collapse; font-size: .9em; } td, th { border: 1px solid #ddd; padding: .25em .6em; }
 th { background: #f5f5f5; } code { background: #f3f3f3; padding: 0 .25em; }
+nav ol { columns: 2; font-size: .92em; } .wide { max-width: 100%; overflow-x: auto; }
 """
 
 
@@ -40,12 +41,21 @@ def _pick(ids: list[int], n: int) -> list[int]:
     return [ids[int(round(p))] for p in np.linspace(0, len(ids) - 1, n)]
 
 
+def default_layers(trace) -> list[int]:
+    """Up to three layers for the per-layer views, ending at the deepest KDA + MoE layer (every view has
+    something there; the first layers have few sealed blocks to show)."""
+    moe = {int(i) for i in trace.routing()["moe_layers"]}
+    both = [int(i) for i in trace.kda_state_norms()[1] if int(i) in moe]
+    ids = both or [int(i) for i in trace.layer_ids]
+    return _pick(ids[len(ids) // 3:], 3)
+
+
 def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
     """(section, file stem, caption, figure) for every view the trace supports."""
     last = len(trace) - 1
     label = plots.token_labels(trace.tokens, tokenizer)[last]
     layer_ids = [int(i) for i in trace.layer_ids]
-    show = [i for i in (layers if layers is not None else _pick(layer_ids, 3)) if i in layer_ids]
+    show = [i for i in (layers if layers is not None else default_layers(trace)) if i in layer_ids]
     out = [("Block attention residuals", "block_residuals_last_token",
             f"Softmax weights over the sources (embedding, sealed blocks, the current running sum) at both sites of "
             f"every layer, for the last token {label}; right: the final output mix before the last norm.",
@@ -62,8 +72,11 @@ def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
                  plots.kda_state_curves(trace, tokenizer=tokenizer)),
                 ("KDA recurrent state", "kda_state_last_token", f"Every KDA layer and head after the last token {label}.",
                  plots.kda_state_overview(trace, last, tokenizer))]
-        out += [("KDA recurrent state", f"kda_state_layer{i}", f"KDA layer {i}: per head, token by token.",
-                 plots.kda_state_heatmap(trace, i, tokenizer)) for i in kda_show]
+        vmax = float(np.nanmax(kda_norms)) if np.isfinite(kda_norms).any() else None  # one scale for the section
+        out[-1] = (*out[-1][:3], plots.kda_state_overview(trace, last, tokenizer, vmax=vmax))
+        out += [("KDA recurrent state", f"kda_state_layer{i}", f"KDA layer {i}: per head, token by token "
+                 "(same colour scale as the figure above).", plots.kda_state_heatmap(trace, i, tokenizer, vmax=vmax))
+                for i in kda_show]
     moe = trace.routing()["moe_layers"]
     if len(moe):
         moe_show = [i for i in show if i in moe] or _pick([int(i) for i in moe], 1)
@@ -72,13 +85,37 @@ def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
                  plots.moe_routing_token(trace, last, tokenizer))]
         out += [("MoE routing", f"moe_routing_layer{i}", f"MoE layer {i}: router scores and choices over the prompt.",
                  plots.moe_routing_layer(trace, i, tokenizer)) for i in moe_show]
-        out += [("MoE routing", "expert_load", "How often each expert was chosen, summed over all MoE layers.",
-                 plots.expert_load(trace)),
+        out += [("MoE routing", "moe_layer_stats", "Per MoE layer: the entropy of the combine weights (last token and "
+                 "mean), and the load over the prompt: max/mean count, coefficient of variation, experts never chosen.",
+                 plots_summary.moe_layer_stats(trace, last, tokenizer)),
+                ("MoE routing", "moe_sorted_counts", "Each MoE layer's expert counts over the prompt, sorted: a balanced "
+                 "router gives flat rows.", plots_summary.moe_sorted_counts(trace)),
                 ("MoE routing", "moe_output_norms", "L2 norm of the routed and the shared experts' outputs per layer.",
                  plots.moe_output_norms(trace))]
     out.append(("Next-token predictions", "predictions_last_token", f"Top next-token probabilities after {label}.",
                 plots.predictions(trace, last, tokenizer)))
     return out
+
+
+def _contents(sections: dict[str, list[str]]) -> str:
+    """The table of contents: every section, and the figures in it by file name."""
+    items = []
+    for n, (section, parts) in enumerate(sections.items()):
+        stems = [p.split('alt="', 1)[1].split('"', 1)[0] for p in parts if p.startswith("<figure")]
+        sub = ", ".join(f"<a href='#{html.escape(st)}'>{html.escape(st)}</a>" for st in stems)
+        items.append(f"<li><a href='#s{n}'>{html.escape(section)}</a>" + (f"<br><small>{sub}</small>" if sub else "")
+                     + "</li>")
+    return "<nav><h2>Contents</h2><ol>" + "".join(items) + "</ol></nav>"
+
+
+def _bias(session_or_trace) -> dict | None:
+    """The routers' selection bias by layer, when the report is made from a session (a trace lacks it)."""
+    weights = getattr(session_or_trace, "weights", None)
+    if weights is None:
+        return None
+    from ._explorer_views import bias_vectors
+
+    return bias_vectors(weights)
 
 
 def _prediction_table(trace, tokenizer, top: int = 5, max_rows: int = 64) -> str:
@@ -99,7 +136,8 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     """Write `<out_dir>/*.png` and `<out_dir>/index.html` (self-contained); returns the HTML path.
 
     session_or_trace: a `Session` (its trace and tokenizer are used) or a `Trace`.
-    layers: model layer ids for the per-layer views (default: up to three spread over the model).
+    layers: model layer ids for the per-layer views (default: `default_layers`, up to three ending at the
+    deepest KDA + MoE layer).
     top: predictions per token in the table (at most the recorder's `top_k`).
     """
     trace = session_or_trace.trace() if hasattr(session_or_trace, "step") else session_or_trace
@@ -120,7 +158,7 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
         (out / f"{stem}.png").write_bytes(png)
         data = base64.b64encode(png).decode("ascii")
         sections.setdefault(section, []).append(
-            f'<figure><img alt="{html.escape(stem)}" src="data:image/png;base64,{data}">'
+            f'<figure id="{html.escape(stem)}"><img alt="{html.escape(stem)}" src="data:image/png;base64,{data}">'
             f"<figcaption><code>{html.escape(stem)}.png</code> &middot; {html.escape(caption)}</figcaption></figure>")
     prompt = " ".join(plots.token_labels(trace.tokens, tokenizer, positions=False))
     text = ""
@@ -130,9 +168,13 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
             f"<p>{len(trace)} tokens through layers {html.escape(str(list(trace.layer_ids)))}"
             + (f" of <code>{html.escape(str(source))}</code>" if source else "") + ".</p>",
             text, f"<p>Tokens: <code>{html.escape(prompt)}</code></p>"]
-    for section, figs in sections.items():
-        body += [f"<h2>{html.escape(section)}</h2>", *figs]
-    body += ["<h2>Predictions at every step</h2>", _prediction_table(trace, tokenizer, top)]
+    if len(trace.routing()["moe_layers"]):
+        bias = _bias(session_or_trace)
+        sections.setdefault("MoE routing", []).insert(0, plots_summary.topk_table_html(trace, -1, bias, tokenizer))
+    sections["Predictions at every step"] = [_prediction_table(trace, tokenizer, top)]
+    body.append(_contents(sections))
+    for n, (section, figs) in enumerate(sections.items()):
+        body += [f"<h2 id='s{n}'>{html.escape(section)}</h2>", *figs]
     page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
     path = out / "index.html"

@@ -1,0 +1,93 @@
+"""Static figures (and one HTML table) of the K3-scale MoE summaries, for the report, nbconvert and scripts.
+
+The same numbers as the Explorer's MoE tab (`summaries.py`), drawn with matplotlib's object API:
+  moe_layer_stats(trace, token)   per MoE layer: routing entropy (that token, and the mean over the
+                                  prompt), max/mean load, coefficient of variation, dead experts
+  moe_sorted_counts(trace)        layer x rank heatmap of each layer's expert counts, sorted
+  topk_table_html(trace, token)   per MoE layer, the chosen experts of one token with their combine
+                                  weights and unbiased scores; '*' marks a choice the selection bias made
+"""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+
+from . import summaries
+from ._plot_helpers import heatmap, routing, span_inches, ticks, token_index, token_labels
+from .plots import InlineFigure, escape_mathtext
+
+__all__ = ["moe_layer_stats", "moe_sorted_counts", "topk_table_html"]
+
+
+def moe_layer_stats(trace, token: int = -1, tokenizer=None):
+    """Four stacked panels over the MoE layers: entropy, max/mean load, CV, dead experts."""
+    r = routing(trace)
+    t = token_index(trace, token)
+    layers, k = r["moe_layers"], r["topk_ids"].shape[2]
+    h = summaries.routing_entropy(r)
+    stats = summaries.load_stats(r)
+    fig = InlineFigure(figsize=(span_inches(len(layers), 0.12, 8, 14), 7), layout="constrained")
+    axes = fig.subplots(4, 1, sharex=True)
+    x = np.arange(len(layers))
+    label = escape_mathtext(token_labels(trace.tokens, tokenizer)[t])
+    axes[0].plot(x, h[t], marker="o", ms=3, color="#1f77b4", label=f"token {label}")
+    axes[0].plot(x, np.nanmean(h, axis=0), color="#999", lw=1.2, label="mean over the prompt")
+    axes[0].axhline(np.log2(k), color="black", ls=":", lw=1, label=f"log2 k = {np.log2(k):.1f} (all equal)")
+    axes[0].legend(fontsize=7, loc="lower right", ncol=3)
+    rows = ((axes[0], "entropy (bits)", None), (axes[1], "max / mean", stats["max_over_mean"]),
+            (axes[2], "CV", stats["cv"]), (axes[3], f"dead (of {stats['experts']})", stats["dead"]))
+    for ax, name, y in rows:
+        if y is not None:
+            ax.plot(x, y, marker="o", ms=3, color="#d62728")
+        ax.set_ylabel(name, fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    ticks(axes[3], "x", [str(i) for i in layers])
+    axes[3].set_xlabel("MoE layer")
+    axes[0].set_title(f"Routing entropy of the combine weights, and expert load over {stats['tokens']} tokens, per MoE layer")
+    return fig
+
+
+def moe_sorted_counts(trace):
+    """Each MoE layer's expert counts over the prompt, sorted descending (balanced: flat rows)."""
+    r = routing(trace)
+    stats = summaries.load_stats(r)
+    counts, _ = summaries.sorted_counts(stats["counts"])
+    n = max(1, min(counts.shape[1], stats["tokens"] * r["topk_ids"].shape[2]))  # at most T*k can be non-zero
+    fig = InlineFigure(figsize=(11, span_inches(len(r["moe_layers"]), 0.08, 3.5, 9)), layout="constrained")
+    ax = fig.subplots()
+    im = heatmap(ax, counts[:, :n], rows=[str(i) for i in r["moe_layers"]], cols=[str(c + 1) for c in range(n)],
+                 cmap="viridis", vmin=0, annotate=False)
+    fig.colorbar(im, ax=ax, label="times chosen")
+    ax.set(xlabel="expert rank in its layer (1 = busiest)", ylabel="MoE layer",
+           title=f"Expert counts per layer over {stats['tokens']} tokens, sorted ({stats['experts']} experts per layer)")
+    return fig
+
+
+def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=None) -> str:
+    """An HTML table: one row per MoE layer, one cell per chosen expert ('id weight / score', '*' = by the bias)."""
+    r = routing(trace)
+    t = token_index(trace, token)
+    tab = summaries.topk_table(r, t, bias)
+    k = tab["ids"].shape[1]
+    head = "".join(f"<th>{c + 1}</th>" for c in range(k))
+    rows = []
+    for j, layer in enumerate(tab["moe_layers"]):
+        cells = []
+        for c in range(k):
+            e = int(tab["ids"][j, c])
+            if e < 0:
+                cells.append("<td></td>")
+                continue
+            star = "*" if tab["by_bias"][j, c] else ""
+            cells.append(f"<td title='rank {tab['rank'][j, c]} by unbiased score'><b>{e}{star}</b> "
+                         f"{tab['weights'][j, c]:.3f} / {tab['scores'][j, c]:.3f}</td>")
+        rows.append(f"<tr><th>{layer}</th>{''.join(cells)}<td>{len(tab['displaced'][j])}</td></tr>")
+    label = html.escape(token_labels(trace.tokens, tokenizer)[t])
+    n_bias = int(tab["by_bias"].sum())
+    return (f"<p>Experts of token {label} at every MoE layer, by unbiased score: <b>id</b> combine weight / unbiased "
+            f"score; <b>*</b> = chosen only through the selection bias ({n_bias} of {int((tab['ids'] >= 0).sum())}); "
+            "last column: experts of the unbiased top-k that the bias pushed out.</p>"
+            f"<div class='wide'><table><tr><th>layer</th>{head}<th>pushed out</th></tr>{''.join(rows)}</table></div>")
