@@ -1,0 +1,45 @@
+"""`kimi-explore make-tiny`: a random checkpoint with K3's layer pattern at any depth, in the released layout."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kimi_explore import KimiDecoderWeights, Session
+from kimi_explore.cli import main
+from kimi_explore.weights.k3_depth import k3_depth_config
+
+
+def test_k3_depth_config_has_k3s_layer_pattern():
+    cfg = k3_depth_config()
+    la = cfg["linear_attn_config"]
+    # K3's lists (1-based): MLA every 4th layer and the last one, KDA the rest (docs/k3-architecture.md)
+    assert la["full_attn_layers"] == [*range(4, 93, 4), 93] and len(la["kda_layers"]) == 69
+    assert sorted(la["full_attn_layers"] + la["kda_layers"]) == list(range(1, 94))
+    assert (cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_token"], cfg["attn_res_block_size"]) == \
+        (93, 896, 16, 12)
+    assert la["head_dim"] >= la["num_heads"]  # A_log is stored head_dim wide
+
+
+def test_make_tiny_writes_a_model_that_decodes(tmp_path, capsys):
+    out = tmp_path / "k3d"
+    assert main(["make-tiny", "--layers", "14", "--experts", "40", "--top-k", "5", "--out", str(out), "--shards", "3"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3" and config["text_config"]["num_experts"] == 40
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert any(".experts.39.w2.weight" in n for n in index["weight_map"])
+    w = KimiDecoderWeights.from_pretrained(out)
+    assert [w.config.is_kda_layer(i) for i in range(14)] == [(i + 1) % 4 != 0 and i != 13 for i in range(14)]
+    s = Session(w)
+    s.feed([1, 2, 3])
+    r = s.trace().routing()
+    assert r["topk_ids"].shape == (3, 13, 5) and np.isfinite(s.logits).all()
+
+
+def test_make_tiny_refuses_bad_sizes(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["make-tiny", "--top-k", "50", "--experts", "40", "--out", str(tmp_path / "x")])
+    assert "--top-k must be in 1..--experts (40), got 50" in capsys.readouterr().err
