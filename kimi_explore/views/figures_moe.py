@@ -82,7 +82,8 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     heat = _heat(np.where(ids >= 0, w, np.nan), [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=0,
                  zmax=max(float(np.nanmax(w)) if np.isfinite(w).any() else 1.0, 1e-9), hover="%{customdata}",
                  customdata=hover, colorbar={"title": {"text": "combine weight"}})
-    heat.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True)  # light = small
+    heat.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # light = small
+                xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
     n_bias = int(table["by_bias"].sum())
     label = token_labels(trace.tokens, tokenizer)[t]
     layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias})", "font": FONT},
@@ -131,6 +132,7 @@ def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers
                  zmax=max(1, int(counts.max()) if counts.size else 1), customdata=typed(order[:, :n], np.int32),
                  hover="layer %{y}<br>rank %{x}: expert %{customdata}<br>chosen %{z} times",
                  colorbar={"title": {"text": "count"}})
+    heat.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
     layout = {"title": {"text": f"Expert counts per layer over {stats['tokens']} tokens, sorted (rank 1 = busiest)",
                         "font": FONT},
               "xaxis": {"title": {"text": "expert rank in its layer"}, "tickfont": {"size": 10}},
@@ -152,7 +154,7 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
         custom, hover = typed(b), hover + "<br>selection bias %{customdata:+.4f}"
     heat = _heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
                  customdata=custom, colorbar={"title": {"text": "score σ(logit)"}})
-    heat.update(xgap=0, ygap=0)
+    heat.update(xgap=0, ygap=0)  # one image, not 82k cells
     ids, w = np.asarray(r["topk_ids"][t]), np.asarray(r["topk_weights"][t], dtype=float)
     jj, cc = np.nonzero(ids >= 0)
     chosen = {"type": "scatter", "mode": "markers", "x": typed(ids[jj, cc], np.int32), "y": [labels[j] for j in jj],
