@@ -11,9 +11,10 @@ in view. Prompt tokens and generated ones differ by underline (`generated_from`)
 from __future__ import annotations
 
 import anywidget
+import numpy as np
 import traitlets
 
-__all__ = ["TokenText"]
+__all__ = ["TokenText", "measure_colors"]
 
 ESM = """
 export default {
@@ -74,3 +75,16 @@ class TokenText(anywidget.AnyWidget):
         with self.hold_sync():
             self.labels, self.colors, self.titles = list(labels), list(colors), list(titles)
             self.generated_from = int(generated_from)
+
+
+def measure_colors(values: np.ndarray) -> tuple[list[str], float, float]:
+    """Light-to-dark blue backgrounds for values (NaN: none), scaled to their finite range."""
+    v = np.asarray(values, dtype=float)
+    ok = np.isfinite(v)
+    lo, hi = (float(v[ok].min()), float(v[ok].max())) if ok.any() else (0.0, 1.0)
+    x = np.clip((v - lo) / ((hi - lo) or 1.0), 0, 1)
+    out = []
+    for good, s in zip(ok, x, strict=True):
+        # from #f4f8ff to #6fa8ff: dark enough to see, light enough for black text
+        out.append(f"rgb({int(244 - 133 * s)},{int(248 - 80 * s)},255)" if good else "transparent")
+    return out, lo, hi

@@ -79,8 +79,11 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
                 + (f"<br>bias pushed out: {gone}" if gone else ""))
         text.append(row_t)
         hover.append(row_h)
-    heat = _heat(np.where(ids >= 0, w, np.nan), [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=0,
-                 zmax=max(float(np.nanmax(w)) if np.isfinite(w).any() else 1.0, 1e-9), hover="%{customdata}",
+    shown = np.where(ids >= 0, w, np.nan)
+    lo, hi = (float(np.nanmin(shown)), float(np.nanmax(shown))) if np.isfinite(shown).any() else (0.0, 1.0)
+    # the weights' own range: at top-16 they sit near 1/16, and a scale from 0 would paint them all alike
+    heat = _heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=lo, zmax=max(hi, lo + 1e-9),
+                 hover="%{customdata}",
                  customdata=hover, colorbar={"title": {"text": "combine weight"}})
     heat.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # light = small
                 xgap=0, ygap=0)  # gaps would make plotly draw cell by cell

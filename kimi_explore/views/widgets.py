@@ -31,7 +31,7 @@ from . import plots, summaries
 from ._ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
 from ._explorer_views import TABS, CachedTrace, Tabs, bias_vectors
 from ._plotly_view import PlotlyJS
-from ._token_text import TokenText
+from ._token_text import TokenText, measure_colors
 
 __all__ = ["Explorer", "TABS", "parse_experts", "parse_ids", "rerun", "rerun_token"]
 
@@ -53,6 +53,7 @@ class Explorer(widgets.VBox):
         self.bias = bias_vectors(weights)
         self.history_id, self._memo, self._trace, self._surprisal = 0, {}, None, {}
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
+        self._note = ""  # what the last action did to the history, for the status line
 
         modes = ["text", "ids"] if self.tokenizer is not None else ["ids"]
         self.mode = widgets.ToggleButtons(options=modes, value=modes[0], style={"button_width": "46px"},
@@ -331,7 +332,7 @@ class Explorer(widgets.VBox):
             what = f"prompt {n}/{len(ids)} tokens in; Step feeds {nxt}"
         else:
             what = f"prompt done ({len(ids)} tokens); Step continues greedily" if n else "type a prompt, then Step"
-        note = getattr(self, "_note", "")
+        note = self._note
         self._set_status(f"{n} tokens decoded &middot; {html.escape(what, quote=False)}"
                          + (f" &middot; <i>{html.escape(note, quote=False)}</i>" if note else ""))
 
@@ -341,15 +342,3 @@ class Explorer(widgets.VBox):
     def _error(self, message: str) -> None:
         self._set_status(f"<span style='color:#b00'>{html.escape(message, quote=False)}</span>")
 
-
-def measure_colors(values: np.ndarray) -> tuple[list[str], float, float]:
-    """Light-to-dark blue backgrounds for values (NaN: none), scaled to their finite range."""
-    v = np.asarray(values, dtype=float)
-    ok = np.isfinite(v)
-    lo, hi = (float(v[ok].min()), float(v[ok].max())) if ok.any() else (0.0, 1.0)
-    x = np.clip((v - lo) / ((hi - lo) or 1.0), 0, 1)
-    out = []
-    for good, s in zip(ok, x, strict=True):
-        # from #f4f8ff to #6fa8ff: dark enough to see, light enough for black text
-        out.append(f"rgb({int(244 - 133 * s)},{int(248 - 80 * s)},255)" if good else "transparent")
-    return out, lo, hi
