@@ -57,7 +57,8 @@ def test_explorer_in_jupyterlab(seen, model, capsys):
     assert out["token_label"].startswith("2 "), out["token_label"]
     # a click on a layer column: every visible view shows that layer, as does the layer menu
     layers = {m["layer"] for m in out["after_layer_click"].values()}
-    assert len(layers) == 1 and str(layers.pop()) == out["layer_dropdown"], (out["after_layer_click"], out["layer_dropdown"])
+    menu = out["layer_dropdown"].split()[0]  # the option text: '9  KDA + MoE'
+    assert len(layers) == 1 and str(layers.pop()) == menu, (out["after_layer_click"], out["layer_dropdown"])
     # a new prompt starts over: one token of it, not the old history plus one
     assert "new prompt" in out["status_new_prompt"], out["status_new_prompt"]
     assert tokens_decoded(out["status_after_new_prompt"]) == 1, out["status_after_new_prompt"]
