@@ -309,7 +309,8 @@ class Explorer(widgets.VBox):
         gen = self._prompt_len if self._prompt_len is not None and self._prompt_len < n else -1
         self.text.set_tokens(shown, colors, titles, generated_from=gen)
         self.text.selected = min(self.token.value, n - 1)
-        self.legend.value = (f"<small>{html.escape(name)}: light {lo:.3g} &rarr; dark {hi:.3g}"
+        scale = f"light {lo:.3g} &rarr; dark {hi:.3g}" if np.isfinite(values).any() else "no value yet"
+        self.legend.value = (f"<small>{html.escape(name)}: {scale}"
                              + ("; dotted = generated" if gen >= 0 else "") + "</small>")
 
     def _show_token_label(self) -> None:
@@ -333,7 +334,7 @@ class Explorer(widgets.VBox):
         else:
             what = f"prompt done ({len(ids)} tokens); Step continues greedily" if n else "type a prompt, then Step"
         note = self._note
-        self._set_status(f"{n} tokens decoded &middot; {html.escape(what, quote=False)}"
+        self._set_status(f"{n} token{'' if n == 1 else 's'} decoded &middot; {html.escape(what, quote=False)}"
                          + (f" &middot; <i>{html.escape(note, quote=False)}</i>" if note else ""))
 
     def _set_status(self, inner: str) -> None:
