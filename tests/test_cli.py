@@ -122,6 +122,13 @@ def test_the_header_says_when_the_weights_are_random(capsys):
     assert RANDOM_NOTE not in capsys.readouterr().out  # Moonshot's reference checkpoint is not the random default
 
 
+def test_the_header_says_what_the_default_model_is(capsys):
+    """The default is the trained tiny K3: the header names it, its corpus and its bits/byte."""
+    assert main(["--ids", "72"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "trained on Python's pydoc_data.topics" in first and "bits/byte" in first and RANDOM_NOTE not in first
+
+
 def test_layer_ranges_that_select_nothing():
     for text in ("5-2", "4:2", "3:3"):
         with pytest.raises(argparse.ArgumentTypeError, match="reversed|selects no layer"):
