@@ -41,7 +41,7 @@ def test_chunk_kda_gradients_match_naive():
     for a in ops:
         a.grad = None
     chunk_kda(*ops, chunk=8)[0].square().sum().backward()
-    for a, r in zip(ops, ref):
+    for a, r in zip(ops, ref, strict=True):
         assert (a.grad - r).abs().max() < 1e-9
 
 

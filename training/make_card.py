@@ -14,8 +14,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 SLICE_WINDOWS = 2  # the short slice the tests recompute: the first 2 windows of each split
 WINDOW = 256
 
@@ -75,7 +73,8 @@ def write_card(checkpoint, fig: dict) -> None:
     (path / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
     bal = fig["balance_val"]
     epochs = log["steps"] * log["args"]["batch"] * log["args"]["seq"] / log["train_bytes"]
-    rows = "\n".join(f"| {b['layer']} | {b['max_over_mean']:.2f} | {b['dead']} | {b['cv']:.2f} | {b['mi_bits']:.3f} |" for b in bal)
+    rows = "\n".join(f"| {b['layer']} | {b['max_over_mean']:.2f} | {b['dead']} | {b['cv']:.2f} | {b['mi_bits']:.3f} |"
+                     for b in bal)
     kda = la["kda_layers"]
     text = f"""# {path.name}: a tiny Kimi K3 trained on Python's documentation
 
@@ -132,8 +131,9 @@ newline, other) and the top-1 expert, in bits.
 
 hidden {tc['hidden_size']}, {tc['num_hidden_layers']} layers: KDA layers (1-based) {kda}, MLA layers
 {la['full_attn_layers']} (K3's 3:1 pattern, the last layer MLA); layer 0 dense (SiTU MLP, width
-{tc['intermediate_size']}), layers 1-{tc['num_hidden_layers'] - 1} latent MoE: {tc['num_experts']} routed experts, top-{tc['num_experts_per_token']},
-{tc['num_shared_experts']} shared expert, latent width {tc['routed_expert_hidden_size']}, expert width {tc['moe_intermediate_size']},
+{tc['intermediate_size']}), layers 1-{tc['num_hidden_layers'] - 1} latent MoE: {tc['num_experts']} routed experts,
+top-{tc['num_experts_per_token']}, {tc['num_shared_experts']} shared expert, latent width {tc['routed_expert_hidden_size']},
+expert width {tc['moe_intermediate_size']},
 sigmoid router with selection-only bias, routed_scaling_factor {tc['routed_scaling_factor']}; KDA {la['num_heads']} heads x
 {la['head_dim']} (short conv {la['short_conv_kernel_size']}, lower-bounded gate {la['gate_lower_bound']}); gated NoPE MLA
 {tc['num_attention_heads']} heads (q_lora {tc['q_lora_rank']}, kv_lora {tc['kv_lora_rank']}, nope {tc['qk_nope_head_dim']} + rope

@@ -8,7 +8,8 @@ licence; in every CPython). The last 5% is the validation split and is never tra
 Schedule: AdamW, warmup, constant LR, then a final cosine decay over `--decay-steps`; random windows of the training
 split drawn from a seeded generator; every `--eval-every` steps the model is evaluated on the whole
 validation split *as it will be exported* (BF16 matrices, MXFP4 experts) and the best such model
-is kept. The decay phase trains the experts through fake MXFP4 quantisation (straight-through). After every step each router's selection bias moves against its expert's load
+is kept. The decay phase trains the experts through fake MXFP4 quantisation (straight-through).
+After every step each router's selection bias moves against its expert's load
 (auxiliary-loss-free balancing, DeepSeek-V3).
 
 Reproducibility: everything is seeded. With `--steps N` the run is fixed, so a rerun with the same
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
     decay_start = None if args.steps is None else max(0, args.steps - args.decay_steps)
     total = args.steps if args.steps is not None else args.max_steps
     log = {"args": vars(args), "text_config": cfg.text_config(), "params": n_params, "train_bytes": int(len(train)),
-           "val_bytes": int(len(val)), "torch": torch.__version__, "threads": args.threads, "decay_start": decay_start, "train": [],
+           "val_bytes": int(len(val)), "torch": torch.__version__, "threads": args.threads, "decay_start": decay_start,
+           "train": [],
            "evals": [], "best": None}
 
     try:
@@ -178,7 +180,8 @@ def main(argv=None) -> int:
     print(f"tiny K3: {n_params:,} parameters, {len(train):,} train / {len(val):,} validation bytes")
     T, B = args.seq, args.batch
     for step in bar:
-        if decay_start is None and time.time() - t0 > args.time_budget * 60 - args.decay_steps * (time.time() - t0) / max(step, 1):
+        spent = time.time() - t0
+        if decay_start is None and spent > args.time_budget * 60 - args.decay_steps * spent / max(step, 1):
             decay_start = step  # the budget is nearly spent: decay from here (a rerun passes --steps)
             log["decay_start"] = step
         if decay_start is not None and step == decay_start and not args.no_qat:

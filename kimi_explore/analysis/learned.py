@@ -26,7 +26,8 @@ import math
 
 import numpy as np
 
-__all__ = ["Inside", "look_inside", "attn_res_reads", "bits_per_byte", "kda_decay_rates", "kda_state_norms", "pydoc_corpus", "random_twin",
+__all__ = ["Inside", "look_inside", "attn_res_reads", "bits_per_byte", "kda_decay_rates", "kda_state_norms", "pydoc_corpus",
+           "random_twin",
            "source_labels", "split_corpus", "windows"]
 
 VAL_FRACTION = 0.05
@@ -67,8 +68,8 @@ def _log_softmax(logits) -> np.ndarray:
 
 def bits_per_byte(weights, data, window: int = 256, max_windows: int | None = None) -> float:
     """Mean -log2 p(next byte) over the windows of `data` (bytes, str or ids), each from a fresh state."""
-    from ..model.kimi_decoder import KimiDecodeState, kimi_forward_token
     from ..backend import to_numpy
+    from ..model.kimi_decoder import KimiDecodeState, kimi_forward_token
 
     w = windows(np.asarray(_ids(data)), window)
     if max_windows is not None:
@@ -252,8 +253,8 @@ def look_inside(weights, text, classes=None) -> Inside:
         elif name.endswith(".moe.router.topk_weights"):
             wts.setdefault(int(name.split(".")[1]), []).append(np.asarray(v, np.float64).copy())
 
-    wanted = (lambda n: (n.endswith(".weights") and "attn_res" in n) or n.endswith((".kda.state", ".kda.decay", ".moe.router.topk_ids",
-                                    ".moe.router.topk_weights")))
+    suffixes = (".kda.state", ".kda.decay", ".moe.router.topk_ids", ".moe.router.topk_weights")
+    wanted = (lambda n: (n.endswith(".weights") and "attn_res" in n) or n.endswith(suffixes))
     _decode(weights, ids, _Probe(wanted, take))
     T = max(len(ids), 1)
     reads: dict = {"attn": {}, "ffn": {}, "final": sums.get("final.attn_res.weights", np.zeros(0)) / T}
