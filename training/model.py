@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kimi_explore.weights.tiny_model import make_text_config
+
 L2NORM_EPS = 1e-6  # KDA q/k l2norm: inside the sqrt of the SUM of squares
 LATENT_NORM_EPS = 1e-6  # MLA q_a / kv_a RMSNorms use the class default, not rms_norm_eps
 RENORM_EPS = 1e-20
@@ -75,61 +77,28 @@ class Cfg:
         return i >= 1  # first_k_dense_replace = 1, moe_layer_freq = 1
 
     def text_config(self) -> dict:
+        """The released `text_config` of this model: the package's tiny-model config with these sizes."""
         n = self.num_hidden_layers
-        kda = [i + 1 for i in range(n) if self.is_kda(i)]
-        return {
-            "architectures": ["KimiLinearForCausalLM"],
-            "model_type": "kimi_linear",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": n,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_attention_heads,
-            "hidden_act": "situ",
-            "activation_situ_beta": self.situ_beta,
-            "activation_situ_linear_beta": self.situ_linear_beta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": False,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "mla_use_nope": True,
-            "mla_use_output_gate": True,
-            "num_experts": self.num_experts,
-            "num_experts_per_token": self.num_experts_per_token,
-            "num_shared_experts": self.num_shared_experts,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "routed_expert_hidden_size": self.routed_expert_hidden_size,
-            "latent_moe_use_norm": True,
-            "moe_renormalize": True,
-            "moe_router_activation_func": "sigmoid",
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "num_expert_group": 1,
-            "topk_group": 1,
-            "use_grouped_topk": True,
-            "topk_method": "noaux_tc",
-            "first_k_dense_replace": 1,
-            "moe_layer_freq": 1,
-            "num_nextn_predict_layers": 0,
-            "attn_res_block_size": self.attn_res_block_size,
-            "max_position_embeddings": 4096,
-            "bos_token_id": None,
-            "eos_token_id": None,
-            "pad_token_id": 0,
-            "linear_attn_config": {
+        return make_text_config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=n,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_attention_heads,
+            activation_situ_beta=self.situ_beta, activation_situ_linear_beta=self.situ_linear_beta,
+            rms_norm_eps=self.rms_norm_eps, vocab_size=self.vocab_size, q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, num_experts=self.num_experts,
+            num_experts_per_token=self.num_experts_per_token, num_shared_experts=self.num_shared_experts,
+            moe_intermediate_size=self.moe_intermediate_size, routed_expert_hidden_size=self.routed_expert_hidden_size,
+            routed_scaling_factor=self.routed_scaling_factor, attn_res_block_size=self.attn_res_block_size,
+            linear_attn_config={
                 "full_attn_layers": [i + 1 for i in range(n) if not self.is_kda(i)],
-                "kda_layers": kda,
+                "kda_layers": [i + 1 for i in range(n) if self.is_kda(i)],
                 "num_heads": self.kda_heads,
                 "head_dim": self.kda_head_dim,
                 "short_conv_kernel_size": self.conv_size,
                 "use_full_rank_gate": True,
                 "gate_lower_bound": self.gate_lower_bound,
             },
-            "dtype": "bfloat16",
-        }
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,13 +80,6 @@ __attribute__((target("avx512f"))) static void row_avx512(const uint16_t *w, con
 }
 #endif
 
-static row_fn kernel_for(int isa) {
-#ifdef KX_X86
-    if (isa == 2) return row_avx512;
-    if (isa == 1) return row_avx2;
-#endif
-    return row_portable;
-}
 
 PyDoc_STRVAR(bf16_matvec_doc,
              "bf16_matvec(w, x, out, R, C, start, stop, isa)\n\n"
@@ -111,7 +104,7 @@ static PyObject *bf16_matvec(PyObject *self, PyObject *args) {
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
     } else {
-        row_fn row = kernel_for(isa);
+        row_fn row = KX_ROW_KERNEL(isa);
         const uint16_t *W = (const uint16_t *)w.buf;
         const float *X = (const float *)x.buf;
         float *Y = (float *)out.buf;

@@ -9,6 +9,14 @@
 #include <immintrin.h>
 #endif
 
+/* The row kernel for isa index `isa`: each including file defines row_portable, and on x86
+   row_avx2 and row_avx512, all of its own row_fn type. */
+#ifdef KX_X86
+#define KX_ROW_KERNEL(isa) ((isa) == 2 ? row_avx512 : (isa) == 1 ? row_avx2 : row_portable)
+#else
+#define KX_ROW_KERNEL(isa) row_portable
+#endif
+
 static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512f"};
 
 static int best_isa(void) {

@@ -100,12 +100,14 @@ __attribute__((target("avx512f"))) static void row_avx512(const uint8_t *row, co
 }
 #endif
 
-static row_fn kernel_for(int isa) {
-#ifdef KX_X86
-    if (isa == 2) return row_avx512;
-    if (isa == 1) return row_avx2;
-#endif
-    return row_portable;
+
+/* The checks both entry points make of x, out and the flat row range (NULL: all good; *nx: rows of x). */
+static const char *check_x_out(const Py_buffer *xeo, const Py_buffer *out, Py_ssize_t H, Py_ssize_t k, Py_ssize_t R,
+                               Py_ssize_t start, Py_ssize_t stop, Py_ssize_t *nx) {
+    if (xeo->len % (8 * H) || ((*nx = xeo->len / (8 * H)) != 1 && *nx != k)) return "xeo: expected float32 [1 or k, 2, H]";
+    if (out->len != 4 * k * R) return "out: expected float32 [k, R]";
+    if (start < 0 || start > stop || stop > k * R) return "start/stop: outside 0..k*R";
+    return NULL;
 }
 
 PyDoc_STRVAR(expert_matvec_doc,
@@ -130,9 +132,7 @@ static PyObject *expert_matvec(PyObject *self, PyObject *args) {
     else if (ids.len % 8 || k == 0) err = "ids: expected a non-empty int64 buffer";
     else if (packed.len % (R * H) || (E = packed.len / (R * H)) == 0) err = "packed: size is not E * R * H bytes";
     else if (scale.len != E * R * G) err = "scale: size is not E * R * H/16 bytes";
-    else if (xeo.len % (8 * H) || ((nx = xeo.len / (8 * H)) != 1 && nx != k)) err = "xeo: expected float32 [1 or k, 2, H]";
-    else if (out.len != 4 * k * R) err = "out: expected float32 [k, R]";
-    else if (start < 0 || start > stop || stop > k * R) err = "start/stop: outside 0..k*R";
+    else err = check_x_out(&xeo, &out, H, k, R, start, stop, &nx);
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
         goto done;
@@ -144,7 +144,7 @@ static PyObject *expert_matvec(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    row_fn row = kernel_for(isa);
+    row_fn row = KX_ROW_KERNEL(isa);
     const uint8_t *P = (const uint8_t *)packed.buf, *S = (const uint8_t *)scale.buf;
     const float *X = (const float *)xeo.buf;
     float *Y = (float *)out.buf;
@@ -210,9 +210,7 @@ static PyObject *parts_matvec(PyObject *self, PyObject *args) {
     else if (isa < 0) err = "isa: not one of isas() on this CPU";
     else if (k == 0 || PySequence_Fast_GET_SIZE(pf) != k * P || PySequence_Fast_GET_SIZE(sf) != k * P)
         err = "packed/scale: expected k * P buffers each (k >= 1 selected experts, P row blocks)";
-    else if (xeo.len % (8 * H) || ((nx = xeo.len / (8 * H)) != 1 && nx != k)) err = "xeo: expected float32 [1 or k, 2, H]";
-    else if (out.len != 4 * k * R) err = "out: expected float32 [k, R]";
-    else if (start < 0 || start > stop || stop > k * R) err = "start/stop: outside 0..k*R";
+    else err = check_x_out(&xeo, &out, H, k, R, start, stop, &nx);
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
         goto done;
@@ -234,7 +232,7 @@ static PyObject *parts_matvec(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    row_fn row = kernel_for(isa);
+    row_fn row = KX_ROW_KERNEL(isa);
     const float *X = (const float *)xeo.buf;
     float *Y = (float *)out.buf;
     Py_BEGIN_ALLOW_THREADS
