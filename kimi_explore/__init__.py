@@ -47,6 +47,8 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "RunDiff": ("analysis.diff", "RunDiff"),
     "routing_stats": ("analysis.routing_stats", "routing_stats"),
     "RoutingStats": ("analysis.routing_stats", "RoutingStats"),
+    "RayPipeline": ("distributed.pipeline", "RayPipeline"),
+    "StageLostError": ("distributed.pipeline", "StageLostError"),
 }
 
 __all__ = [

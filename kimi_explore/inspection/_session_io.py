@@ -22,6 +22,7 @@ import numpy as np
 from .._xp import array_namespace
 from ..backend import to_numpy
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
+from ._decoding import host_state, model_state, new_state
 from .recorder import Recorder
 from .session import SessionSnapshot
 from .trace import read_npz_header
@@ -48,7 +49,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
     arrays, layout = {}, {}
     states = [("state", snap.state)] + ([(f"ckpt{t}", s) for t, s in snap.checkpoints.items()] if checkpoints else [])
     for key, state in states:
-        layout[key] = _put_state(arrays, key, state)
+        layout[key] = _put_state(arrays, key, host_state(weights, state))
     rec = None
     if snap.records is not None:
         rec = {**_recorder_settings(recorder), "tokens": snap.records["tokens"], "positions": snap.records["positions"],
@@ -118,8 +119,8 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
     return {"position": state.position, "layers": layers}
 
 
-def _get_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
-    fresh = KimiDecodeState.new(weights)
+def _get_state(z, key: str, layout: dict, weights):
+    fresh = host_state(weights, new_state(weights))
     if len(layout["layers"]) != len(fresh.layers):
         raise ValueError(f"saved state has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
     layers = []
@@ -136,31 +137,46 @@ def _get_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
                     raise ValueError(f"saved {key} layer {j} {f.name}: {a.dtype}{a.shape}, these weights need {v.dtype}{v.shape}")
                 kw[f.name] = weights.xp.asarray(a)
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
-    return KimiDecodeState(layers, int(layout["position"]))
+    return model_state(weights, KimiDecodeState(layers, int(layout["position"])))
+
+
+GLOBAL_TENSORS = ("embed_tokens", "output_attn_res_score", "norm", "lm_head")  # in the fingerprint's order
 
 
 def weights_fingerprint(weights) -> dict:
-    """Config, layer ids, dtype and a hash of a sample of every weight tensor (cheap even for K3)."""
+    """Config, layer ids, dtype and a hash of a sample of every weight tensor (cheap even for K3).
+
+    A pipeline (`weights.weight_samples()` gathered from its stages) fingerprints as the same
+    checkpoint loaded in one process, so a session file moves between the two."""
     cfg = json.dumps(dataclasses.asdict(weights.config), sort_keys=True, default=str)
+    global_samples, layer_samples = weights.weight_samples() if hasattr(weights, "stages") else weight_samples(weights)
     h = hashlib.sha256()
-    for a in _weight_arrays(weights):
-        flat = a.reshape(-1)
-        sample = to_numpy(flat[:: max(1, flat.shape[0] // 64)][:64])
-        h.update(np.ascontiguousarray(sample).tobytes())
+    for sample in [global_samples[k] for k in GLOBAL_TENSORS] + layer_samples:
+        h.update(sample)
     return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "layer_ids": [int(i) for i in weights.layer_ids],
             "dtype": np.dtype(weights.dtype).name, "weights": h.hexdigest()[:16]}
 
 
-def _weight_arrays(weights):
-    for name in ("embed_tokens", "output_attn_res_score", "norm", "lm_head"):
-        yield getattr(weights, name)
-    stack = list(weights.layers)
+def weight_samples(weights) -> tuple[dict, list]:
+    """({global tensor: sample bytes} for those loaded, [sample bytes of each layer tensor, layer by layer])."""
+    xp = array_namespace(weights.layers[0].input_layernorm)
+    globals_ = {k: _sample(getattr(weights, k)) for k in GLOBAL_TENSORS if getattr(weights, k) is not None}
+    return globals_, [_sample(a) for layer in weights.layers for a in _arrays_of(layer, xp)]
+
+
+def _sample(a) -> bytes:
+    flat = a.reshape(-1)
+    return np.ascontiguousarray(to_numpy(flat[:: max(1, flat.shape[0] // 64)][:64])).tobytes()
+
+
+def _arrays_of(layer, xp):
+    """Every weight array of one layer (a layer at a time, so a pipeline's stages concatenate)."""
+    stack = [layer]
     while stack:
         obj = stack.pop(0)
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
             if f.name == "experts":  # hash dequantised values, so packed and dense banks agree
-                xp = array_namespace(weights.embed_tokens)
                 yield from v.gather(xp.asarray([0, v.num_experts - 1]))
             elif hasattr(v, "shape") and hasattr(v, "reshape"):
                 yield v

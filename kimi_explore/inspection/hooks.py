@@ -252,6 +252,12 @@ class Hooks:
         """Announce the next token (its id and 0-based position) before `kimi_forward_token` runs."""
         self._next = (None if token_id is None else int(token_id), None if position is None else int(position))
 
+    def start_token(self, token_id=None, position=None) -> None:
+        """Start a token where "embed" does not fire (a pipeline stage after the first): `begin_token`
+        and the embed site's bookkeeping at once."""
+        self.begin_token(token_id, position)
+        self._on_embed(None)
+
     def _on_embed(self, value):
         token_id, position = self._next if self._next is not None else (None, None)
         self._next = None
@@ -332,6 +338,10 @@ class HookChain:
     def begin_token(self, token_id=None, position=None) -> None:
         for h in self.hook_sets:
             h.begin_token(token_id, position)
+
+    def start_token(self, token_id=None, position=None) -> None:
+        for h in self.hook_sets:
+            h.start_token(token_id, position)
 
     def bind(self, weights) -> HookChain:
         for h in self.hook_sets:

@@ -139,6 +139,15 @@ class Recorder:
     def begin_token(self, token_id=None, position=None) -> None:
         self.hooks.begin_token(token_id, position)
 
+    def start_token(self, token_id=None, position=None) -> None:
+        """Start a token where "embed" does not fire (a pipeline stage after the first)."""
+        self.hooks.start_token(token_id, position)
+        self._start_token(None)
+
+    def end_token(self) -> None:
+        """End a token where "logits" does not fire (a pipeline stage before the last)."""
+        self._end_token(None)
+
     def __len__(self) -> int:
         """The number of hooks added to this recorder (its own recording is not a hook)."""
         return len(self.hooks)
@@ -229,7 +238,7 @@ class Recorder:
         token_id = self.hooks.token_id
         self.tokens.append(-1 if token_id is None else token_id)
         self.positions.append(self.hooks.position)
-        if on_host(value) == self._on_device:  # first token of an unbound recorder on a GPU
+        if value is not None and on_host(value) == self._on_device:  # first token of an unbound recorder on a GPU
             self._on_device = not self._on_device
             self.hooks.refresh()  # rebuild the site functions for device arrays
 
@@ -252,9 +261,9 @@ class Recorder:
             norm_keys, vecs = take(self._norm_stash)
             moe = self._squares.of(vecs, 1)  # [n, 1]
         fresh = take(self._fresh_stash) if self._fresh_stash else ((), ())
-        logits = value.copy() if self._record_top else None  # the caller may write into the logits it gets back
+        logits = value.copy() if self._record_top and value is not None else None  # the caller may write into its logits
         self._batch.append(TokenRecords(norm_keys, moe, prefixes, state, cprefixes, conv, logits, fresh))
-        self._batch_bytes += value.nbytes
+        self._batch_bytes += 0 if value is None else value.nbytes
         if len(self._batch) >= FLUSH_TOKENS or self._batch_bytes >= FLUSH_BYTES:
             self.flush()
 
@@ -301,6 +310,29 @@ class Recorder:
         for buf in (self._pending, self._norm_stash, self._state_stash, self._conv_stash, self._fresh_stash, self._batch):
             buf.clear()
         self._batch_bytes = 0
+
+    def take_records(self) -> dict:
+        """{key: per-token arrays} recorded so far, removed from this recorder: what a pipeline stage
+        hands the driver after each token (whose Recorder takes them with `add_token`)."""
+        self.flush()
+        out = {k: v[:] for k, v in self._rows.items() if v}
+        for v in self._rows.values():
+            v.clear()
+        self.tokens.clear()
+        self.positions.clear()
+        return out
+
+    def add_token(self, token_id, position: int, records: dict) -> None:
+        """Append one token's records made elsewhere ({key: [array]} from each pipeline stage's `take_records`)."""
+        self.tokens.append(-1 if token_id is None else int(token_id))
+        self.positions.append(int(position))
+        for k, rows in records.items():
+            self._row(k).extend(rows)
+
+    def settings(self) -> dict:
+        """Constructor arguments that record as this recorder does (a pipeline stage's copy)."""
+        return {"names_filter": self._filter_patterns or self.names_filter, "full": self._full_patterns or self.full or (),
+                "top_k": self.top_k}
 
     def clear_records(self) -> None:
         self.truncate(0)

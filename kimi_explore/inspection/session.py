@@ -39,7 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import to_numpy
-from ..model.kimi_decoder import KimiDecodeState, kimi_forward_token
+from ..distributed.pipeline import StageLostError
+from ..model.kimi_decoder import KimiDecodeState
+from ._decoding import forward, is_pipeline, new_state
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
 
@@ -92,7 +94,7 @@ class Session:
         if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
             raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every
-        self.state = KimiDecodeState.new(weights)
+        self.state = new_state(weights)
         self._tokens: list[int] = []
         self._logits: list[np.ndarray] = []  # host copies, never written after they are stored
         self._stacked = None  # `logits` as one read-only array, until the history changes
@@ -150,8 +152,12 @@ class Session:
             hooks.begin_token(token_id if isinstance(token_id, (int, np.integer)) else None, t)
         modified = self._may_modify()
         try:
-            logits = kimi_forward_token(self.weights, self.state, token_id, hooks=hooks)
+            logits = forward(self.weights, self.state, token_id, hooks)
             host = np.array(to_numpy(logits), copy=True)
+        except StageLostError:
+            if self.recorder is not None:  # the history stays as it was before this token; `recover()` rebuilds the state
+                self.recorder.truncate(t)
+            raise
         except BaseException:
             self._recover(t)  # a failed step leaves the state half-advanced: put it back as it was
             raise
@@ -212,13 +218,13 @@ class Session:
     def _state_after(self, t: int) -> KimiDecodeState:
         """The exact decode state after the first t tokens of the history."""
         c = max([k for k in self._checkpoints if k <= t], default=0)
-        state = self._checkpoints[c].copy() if c else KimiDecodeState.new(self.weights)
+        state = self._checkpoints[c].copy() if c else new_state(self.weights)
         changed = [s for s in range(c, t) if self._modified[s]]
         if changed:
             raise RuntimeError(f"cannot rebuild the state after {t} tokens exactly: tokens {changed} were decoded with "
                                f"value-changing hooks and no checkpoint after them is kept (nearest: {c})")
         for s in range(c, t):
-            kimi_forward_token(self.weights, state, self._tokens[s])
+            forward(self.weights, state, self._tokens[s])
         return state
 
     def _recover(self, t: int) -> None:
@@ -235,6 +241,10 @@ class Session:
                              f"got {n_tokens!r}; session.back(k) drops the last k")
         n = int(n_tokens)
         self.state = self._state_after(n)
+        self._drop_after(n)
+
+    def _drop_after(self, n: int) -> None:
+        """Forget tokens n.. (the state is already the one after n tokens)."""
         del self._tokens[n:], self._logits[n:], self._modified[n:]
         self._stacked = None
         # a checkpoint after n belongs to the discarded future: kept, it would seed a later replay of a new history
@@ -248,6 +258,43 @@ class Session:
         if isinstance(k, bool) or not (isinstance(k, (int, np.integer)) and 0 <= k <= T):
             raise ValueError(f"Session.back: k (how many tokens to drop) must be an int in 0..{T}, got {k!r}")
         self.truncate(T - int(k))
+
+    def recover(self) -> list[int]:
+        """After a pipeline stage was lost (`StageLostError`): restart it from its shards and rebuild the
+        decode state and the kept checkpoints by replaying the token history through the pipeline,
+        with the session's hooks (`session.hooks` and the recorder's). Every replayed token's logits
+        must equal the stored ones bit for bit, so the session continues exactly as if nothing had
+        happened; records are the driver's and are kept. Returns the restarted stages' numbers."""
+        if not is_pipeline(self.weights):
+            raise TypeError("Session.recover is for sessions over a RayPipeline; these weights live in this process")
+        restarted = self.weights.restart_lost_stages()
+        sets = [h for h in (self.hooks, self.recorder.hooks.copy() if self.recorder is not None else None) if h]
+        hooks = HookChain(*sets) if sets else None
+        keep = set(self._checkpoints)
+        self._checkpoints.clear()  # their handles on a restarted stage are gone
+        state, checkpoints, bad = self._replay(hooks, len(self._tokens), keep)
+        if bad is not None:
+            state, checkpoints, _ = self._replay(hooks, bad, keep)
+        self.state, self._checkpoints = state, checkpoints
+        if bad is not None:
+            self._drop_after(bad)
+            raise RuntimeError(f"Session.recover: replaying token {bad} gives other logits than the session stored: it "
+                               "was decoded under hooks the session no longer holds (a temporary intervention), so the "
+                               f"history from it on cannot be rebuilt; the session now holds its first {bad} tokens")
+        return restarted
+
+    def _replay(self, hooks, n: int, keep: set):
+        """Decode the first n tokens from a fresh state: (state, {t in keep: state copy}, first token whose
+        logits differ from the stored ones, or None)."""
+        state, checkpoints = new_state(self.weights), {}
+        for t, token in enumerate(self._tokens[:n]):
+            if hooks is not None:
+                hooks.begin_token(token, t)
+            if not np.array_equal(to_numpy(forward(self.weights, state, token, hooks)), self._logits[t]):
+                return state, checkpoints, t
+            if t + 1 in keep:
+                checkpoints[t + 1] = state.copy()
+        return state, checkpoints, None
 
     def rewind(self, *args, **kwargs):
         """Removed: it kept the first t tokens, which read as "go back t". Use `truncate` or `back`."""

@@ -101,13 +101,14 @@ class CheckpointDir:
 # ---------------------------------------------------------------- the plan: names and shapes (checkpoint_table)
 
 
-def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointDir) -> dict[str, DiskTensor]:
-    """{unprefixed name: what it must be on disk} for the global tensors and layers `layer_ids`.
+def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointDir, embedding: bool = True,
+                 head: bool = True) -> dict[str, DiskTensor]:
+    """{unprefixed name: what it must be on disk} for the global tensors (see `table.plan`) and layers `layer_ids`.
 
     A routed expert is planned as its MXFP4 pair unless only its dense `weight` is on disk.
     """
     out: dict[str, DiskTensor] = {}
-    for t in table.plan(cfg, layer_ids):
+    for t in table.plan(cfg, layer_ids, embedding, head):
         packed = t.dtype == table.MXFP4 and (ckpt.has(table.mxfp4_names(t.name)[0]) or not ckpt.has(t.name))
         out.update((d.name, d) for d in table.on_disk(t, packed))
     return out
@@ -467,7 +468,7 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
 
 def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32", weight_dtype: str | None = None,
                  experts: str = "auto", expert_cache_size: int | None = None, bf16_matvec: str = "auto",
-                 revision: str | None = None,
+                 embedding: bool = True, head: bool = True, revision: str | None = None,
                  cache_dir=None, local_files_only: bool | None = None, token=None, progress: bool = True) -> KimiDecoderWeights:
     """Load a K3 checkpoint (all layers, or the 0-based `layers` chosen) onto `device`.
 
@@ -494,6 +495,9 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         float32 sums in another order), else dequantised per token. None = all of a layer's
         experts if they fit in 512 MiB (the tiny models); otherwise 0 on the CPU with the kernel
         (K3: reading 280 MB packed beats reading 2.1 GB dequantised), else as many as fit (3 of K3's).
+    embedding=False / head=False: leave out the token embedding (`embed_tokens` is None) / the output
+        mix, final norm and lm_head (None): a pipeline stage after the first / before the last, which
+        then reads neither those tensors nor a shard that holds only them.
     """
     from .hub import resolve_checkpoint
 
@@ -502,22 +506,25 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     bf16 = _resolve_weight_dtype(weight_dtype, dt)
     bf16_kernel = _resolve_bf16_matvec(bf16_matvec)
     path = resolve_checkpoint(path, layers=layers, revision=revision, cache_dir=cache_dir,
-                              local_files_only=local_files_only, token=token, progress=progress)
+                              local_files_only=local_files_only, token=token, progress=progress,
+                              embedding=embedding, head=head)
     cfg = KimiDecoderConfig.from_file(path / "config.json")
     layer_ids = resolve_layers(layers, cfg.num_hidden_layers)
     ckpt = CheckpointDir(path)
     b = None
     try:
-        _check(ckpt, plan_tensors(cfg, layer_ids, ckpt))
+        _check(ckpt, plan_tensors(cfg, layer_ids, ckpt, embedding, head))
         mode = _resolve_experts(experts, cfg, layer_ids, ckpt, dt)
         cache_size = _resolve_cache_size(expert_cache_size, cfg, dt, xp)
         b = _Builder(ckpt, cfg, xp, dt, bf16, bf16_kernel)
         g = _At(b, table.GLOBAL)
-        embed = g.matrix("embed_tokens", by_rows=True)
+        tied = cfg.tie_word_embeddings
+        embed = g.matrix("embed_tokens", by_rows=True) if embedding or (head and tied) else None
         return KimiDecoderWeights(
             config=cfg, embed_tokens=embed, layers=[_layer(b, cfg, i, mode, cache_size) for i in layer_ids],
-            output_attn_res_score=g.score("output_attn_res_score"), norm=g.one("norm"),
-            lm_head=embed if cfg.tie_word_embeddings else g.matrix("lm_head"),
+            output_attn_res_score=g.score("output_attn_res_score") if head else None,
+            norm=g.one("norm") if head else None,
+            lm_head=None if not head else embed if tied else g.matrix("lm_head"),
             xp=xp, device=dev, dtype=dt, source=str(path), workspace=b.workspace,
             extra={"experts": mode, "expert_cache_size": cache_size if mode in ("packed", "mapped") else None,
                    "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name,

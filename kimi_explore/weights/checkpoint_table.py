@@ -220,10 +220,19 @@ def _kind_tensors(kind: Kind, cfg: KimiDecoderConfig, i: int | None, sym: dict) 
             for r, e in [(r, None) for r in rows if r not in experts] + per_expert]
 
 
-def plan(cfg: KimiDecoderConfig, layer_ids=None) -> list[Tensor]:
-    """Every released tensor of the global part and of layers `layer_ids` (None = all), in table order."""
+HEAD_ROWS = ("lm_head", "norm", "output_res_norm", "output_res_proj")  # what `finish_token` reads
+
+
+def plan(cfg: KimiDecoderConfig, layer_ids=None, embedding: bool = True, head: bool = True) -> list[Tensor]:
+    """Every released tensor of the global part and of layers `layer_ids` (None = all), in table order.
+
+    embedding=False / head=False leave out the token embedding / the output mix, final norm and
+    lm_head (a pipeline stage after the first / before the last); tied embeddings are the head's too.
+    """
     sym = dims(cfg)
-    out = _kind_tensors(GLOBAL, cfg, None, sym)
+    wanted = {"embed_tokens"} if embedding or (head and cfg.tie_word_embeddings) else set()
+    wanted |= set(HEAD_ROWS) if head else set()
+    out = [t for t in _kind_tensors(GLOBAL, cfg, None, sym) if t.row.key in wanted]
     for i in range(cfg.num_hidden_layers) if layer_ids is None else layer_ids:
         for kind in layer_kinds(cfg, i):
             out += _kind_tensors(kind, cfg, i, sym)

@@ -191,33 +191,45 @@ def _remote_sizes(repo_id, files, *, revision, token) -> tuple[dict[str, int], b
     return {i.path: int(i.size) for i in infos if getattr(i, "size", None) is not None}, True
 
 
-def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cache_dir=None,
-                  local_files_only: bool | None = None, token=None) -> DownloadPlan:
-    """Which files loading `layers` (0-based; None = all) needs, and how many bytes they are.
-
-    Fetches `config.json` and the index (or uses the cached ones), nothing else.
-    """
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+def fetch_config(repo_id: str, *, revision: str | None = None, cache_dir=None, local_files_only: bool | None = None,
+                 token=None) -> Path:
+    """The local path of `repo_id`'s config.json (fetched, or from the cache), and nothing else."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     if not is_repo_id(repo_id):
         raise ValueError(f"{repo_id!r} is not a Hub repo id ('org/name')")
     offline = _offline(local_files_only)
-    kw = dict(revision=revision, cache_dir=cache_dir, offline=offline, token=token)
     try:
-        config_path = _download(repo_id, CONFIG_FILE, **kw)
+        return _download(repo_id, CONFIG_FILE, revision=revision, cache_dir=cache_dir, offline=offline, token=token)
     except LocalEntryNotFoundError:
         why = f"and {offline}" if offline else "and could not be downloaded"
         raise CheckpointError(
             f"{repo_id}: {CONFIG_FILE} is not in the Hugging Face cache at {_cache_path(cache_dir)} {why}; "
             f"nor is {repo_id!r} a local directory"
         ) from None
+
+
+def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cache_dir=None,
+                  local_files_only: bool | None = None, token=None, embedding: bool = True,
+                  head: bool = True) -> DownloadPlan:
+    """Which files loading `layers` (0-based; None = all) needs, and how many bytes they are
+    (embedding=False / head=False: without the embedding / the output head, as a pipeline stage loads).
+
+    Fetches `config.json` and the index (or uses the cached ones), nothing else.
+    """
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    offline = _offline(local_files_only)
+    kw = dict(revision=revision, cache_dir=cache_dir, offline=offline, token=token)
+    config_path = fetch_config(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                               token=token)
     snapshot = config_path.parent
     cfg = KimiDecoderConfig.from_file(config_path)
     layer_ids = resolve_layers(layers, cfg.num_hidden_layers)
     try:
         _download(repo_id, INDEX_FILE, **kw)
         ckpt = CheckpointDir(snapshot)
-        plan = plan_tensors(cfg, layer_ids, ckpt)
+        plan = plan_tensors(cfg, layer_ids, ckpt, embedding, head)
         needed_by = shards_needed(ckpt, plan)  # raises, listing them, if the index lacks tensors we need
         total_shards = len(set(ckpt.weight_map.values()))
     except EntryNotFoundError as e:
@@ -289,7 +301,7 @@ def fetch(plan: DownloadPlan, *, progress: bool = True) -> Path:
 
 
 def resolve_checkpoint(path, *, layers=None, revision=None, cache_dir=None, local_files_only=None, token=None,
-                       progress: bool = True) -> Path:
+                       progress: bool = True, embedding: bool = True, head: bool = True) -> Path:
     """A local checkpoint directory for `path`: itself if it is a directory, else the fetched Hub snapshot."""
     p = Path(path)
     if p.is_dir():
@@ -301,5 +313,5 @@ def resolve_checkpoint(path, *, layers=None, revision=None, cache_dir=None, loca
             f"{path}: not a checkpoint directory (expected config.json + safetensors) and not a Hub repo id ('org/name')"
         )
     plan = plan_download(str(path), layers=layers, revision=revision, cache_dir=cache_dir,
-                         local_files_only=local_files_only, token=token)
+                         local_files_only=local_files_only, token=token, embedding=embedding, head=head)
     return fetch(plan, progress=progress)

@@ -1,0 +1,161 @@
+"""One pipeline stage: a share of K3's layers, their decode states, hooks and recorder, in one process.
+
+`RayPipeline` runs each `Stage` as a Ray actor; nothing here imports Ray. Per token a stage runs
+exactly what `kimi_forward_token` runs for its layers (`embed_token` first if it is the first
+stage, `run_layers`, `finish_token` last if it is the last), so a staged decode repeats a single
+process's arithmetic on the same inputs: the stack that arrives is the one the previous layer left,
+rows, 1/rms values and all (`pack_stack` / `unpack_stack`).
+
+States live here, under integer ids the driver allocates (`PipelineState` holds one per stage):
+new, copy, drop, fetch to the host, put from the host. They never travel through the driver unless
+asked (`get_state`, for a session file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from ..backend import to_numpy
+from ..inspection.hooks import HookChain, Hooks
+from ..inspection.recorder import Recorder
+from ..model.block_residual import SourceBuffer
+from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, embed_token, finish_token, run_layers
+
+__all__ = ["Stage", "pack_stack", "unpack_stack"]
+
+
+def pack_stack(stack: SourceBuffer) -> tuple:
+    """What the next stage needs of a token's stack: (rows [n+1, d] host copy, their 1/rms [n+1], n)."""
+    n = stack.n
+    inv = stack.inv_rms[: n + 1]
+    return to_numpy(stack.rows[: n + 1]).copy(), list(inv) if stack.host_scalars else to_numpy(inv).copy(), n
+
+
+def unpack_stack(packed: tuple, weights, rows: int) -> SourceBuffer:
+    """The stack as the previous stage left it, with the whole model's capacity `rows`."""
+    cfg, xp = weights.config, weights.xp
+    values, inv, n = packed
+    stack = SourceBuffer(xp, rows, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
+    stack.rows[: n + 1] = xp.asarray(values)
+    stack.inv_rms[: n + 1] = inv if stack.host_scalars else xp.asarray(inv)
+    stack.n = n
+    stack.current = stack.rows[n].copy()
+    return stack
+
+
+class Stage:
+    """Layers `layer_ids` of the checkpoint at `path` (with the embedding if `first`, the head if `last`).
+
+    rows: the whole pipeline's block-stack capacity (`max_sources` of all its layers).
+    load_kwargs: `from_pretrained`'s (device, dtype, experts, weight_dtype, ...).
+    """
+
+    def __init__(self, number: int, path: str, layer_ids: list[int], last: bool, rows: int, names: list[str],
+                 load_kwargs: dict):
+        self.number, self.first, self.last, self.rows = number, number == 0, last, rows
+        self.names = names  # the whole pipeline's hook names: hooks and recorder patterns are checked against them
+        self._load = (path, layer_ids, load_kwargs)
+        self.weights = None
+        self.states: dict[int, KimiDecodeState] = {}
+        self.hooks: Hooks | None = None  # the session's interventions on this stage's sites
+        self.recorder: Recorder | None = None
+        self.chain = None  # what the decoder fires: hooks, recorder, both or None
+
+    def load(self) -> None:
+        """Load the layers (a method, not the constructor, so a bad checkpoint raises its own error)."""
+        from ..weights.checkpoint import load_weights
+
+        path, layer_ids, kwargs = self._load
+        self.weights = load_weights(path, layers=layer_ids, embedding=self.first, head=self.last, **kwargs)
+
+    def describe(self) -> dict:
+        from ..weights.memory import memory_report
+
+        w = self.weights
+        return {"layers": w.layer_ids, "device": w.device, "pid": os.getpid(), "memory": memory_report(w)}
+
+    # ------------------------------------------------------------------ states, by id
+    def new_state(self, sid: int) -> None:
+        self.states[sid] = KimiDecodeState.new(self.weights)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self.states[dst] = self.states[src].copy()
+
+    def drop_state(self, sid: int) -> None:
+        self.states.pop(sid, None)
+
+    def get_state(self, sid: int) -> KimiDecodeState:
+        """A host copy (NumPy arrays)."""
+        state = self.states[sid]
+        host = lambda a: np.array(to_numpy(a), copy=True)  # noqa: E731
+        return KimiDecodeState([KimiLayerState(_converted(ls.attention, host)) for ls in state.layers], state.position)
+
+    def put_state(self, sid: int, state: KimiDecodeState) -> None:
+        # a copy: arrays Ray hands over are read-only views of its object store, and states are written in place
+        own = self.weights.xp.array
+        self.states[sid] = KimiDecodeState([KimiLayerState(_converted(ls.attention, own)) for ls in state.layers],
+                                           state.position)
+
+    def state_nbytes(self, sid: int) -> int:
+        return self.states[sid].nbytes
+
+    def weight_samples(self) -> tuple[dict, list]:
+        from ..inspection._session_io import weight_samples
+
+        return weight_samples(self.weights)
+
+    # ------------------------------------------------------------------ hooks and recording
+    def configure(self, hooks: list, recorder: tuple | None) -> None:
+        """hooks: [(pattern, names_filter, fn)] on this stage's sites; recorder: None or (settings, its hooks)."""
+        self.hooks = _with_hooks(Hooks().bind(self.names), hooks) if hooks else None
+        self.recorder = None
+        if recorder is not None:
+            settings, recorder_hooks = recorder
+            self.recorder = _with_hooks(Recorder(**settings).bind(self.names), recorder_hooks)
+        parts = [h for h in (self.hooks, self.recorder) if h is not None]
+        self.chain = parts[0] if len(parts) == 1 else HookChain(*parts) if parts else None
+
+    # ------------------------------------------------------------------ one token
+    def run(self, token: tuple, previous: tuple | None = None):
+        """This stage's share of one token. token: (every stage's state id, token id, position);
+        previous: the previous stage's result. Returns (the packed stack, or the logits on the last
+        stage; this token's records {key: [array]}, or None without a recorder)."""
+        w, hooks = self.weights, self.chain
+        ids, token_id, position = token
+        sid, packed = ids[self.number], None if previous is None else previous[0]
+        try:
+            if hooks is not None:
+                (hooks.begin_token if self.first else hooks.start_token)(token_id, position)
+            stack = embed_token(w, token_id, hooks, rows=self.rows) if self.first else unpack_stack(packed, w, self.rows)
+            state = self.states[sid]
+            run_layers(w, state, stack, hooks)
+            out = to_numpy(finish_token(w, stack, hooks)).copy() if self.last else pack_stack(stack)
+            state.position += 1
+            if self.recorder is None:
+                return out, None
+            if not self.last:
+                self.recorder.end_token()
+            return out, self.recorder.take_records()
+        except BaseException:
+            if self.recorder is not None:
+                self.recorder.truncate(0)  # forget the half-recorded token
+            raise
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+def _converted(attention, convert):
+    """A copy of an attention state (KdaState / MlaState) with every array passed through `convert`."""
+    arrays = {f.name: convert(v) for f in dataclasses.fields(attention) if hasattr(v := getattr(attention, f.name), "shape")}
+    return dataclasses.replace(attention, **arrays)
+
+
+def _with_hooks(hooks, specs: list):
+    """`hooks` (a Hooks or a Recorder) with the hooks [(pattern, names_filter, fn)] added."""
+    for pattern, names_filter, fn in specs:
+        hooks.add(pattern, fn, names_filter=names_filter)
+    return hooks

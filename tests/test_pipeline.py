@@ -1,0 +1,241 @@
+"""RayPipeline: a session over 2-4 Ray stage actors equals a single-process session bit for bit.
+
+Every test compares against the same checkpoint decoded in this process (`KimiDecoderWeights` +
+`Session`), token by token: logits, every recorded array, generated tokens, saved states. Ray is a
+real local Ray started here (num_cpus=2, no dashboard), shut down at the end of the module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kimi_explore as ke
+from kimi_explore.inspection.interventions import ablate_experts, scale_kda_head
+from kimi_explore.weights.tiny_model import default_checkpoint
+
+ray = pytest.importorskip("ray")
+
+TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199, 7, 7, 31, 120]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def path():
+    return default_checkpoint()  # 16 layers (KDA and MLA, a dense layer 0, MoE), one shard per 4 layers
+
+
+@pytest.fixture(scope="module")
+def weights(path):
+    return ke.KimiDecoderWeights.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def pipe3(path):
+    with ke.RayPipeline(path, stages=3) as pipe:
+        yield pipe
+
+
+def intervention():
+    """Value-changing hooks on layers held by different stages (3 stages: 0-5, 6-10, 11-15)."""
+    return ablate_experts(4, "all") + scale_kda_head(9, 0, 0.5) + ablate_experts(13, [0, 1])
+
+
+def assert_same_session(a: ke.Session, b: ke.Session) -> None:
+    assert a.tokens == b.tokens
+    assert np.array_equal(a.logits, b.logits), "logits differ"
+    if a.recorder is not None:
+        ta, tb = a.trace(), b.trace()
+        assert sorted(ta.keys()) == sorted(tb.keys())
+        for k in ta.keys():
+            nan = ta[k].dtype.kind == "f"  # a record whose shape changes (an ablated routing) is NaN-padded
+            assert ta[k].dtype == tb[k].dtype and np.array_equal(ta[k], tb[k], equal_nan=nan), k
+        assert ta.equals(tb)
+
+
+@pytest.mark.parametrize("stages", [2, 4, [range(0, 3), range(3, 12), range(12, 16)]])
+def test_pipeline_decodes_as_one_process(path, weights, stages):
+    one = ke.Session(weights)
+    with ke.RayPipeline(path, stages=stages) as pipe:
+        staged = ke.Session(pipe)
+        assert np.array_equal(staged.feed(TOKENS), one.feed(TOKENS))
+        assert staged.generate(6) == one.generate(6)
+        assert_same_session(staged, one)
+
+
+def test_interventions_run_on_the_stage_that_owns_their_site(pipe3, weights):
+    one, staged = ke.Session(weights), ke.Session(pipe3)
+    plain = ke.Session(weights).feed(TOKENS)
+    for s in (one, staged):
+        s.feed(TOKENS[:4])
+        with s.intervene(intervention()):
+            s.feed(TOKENS[4:9])
+        s.feed(TOKENS[9:])
+    assert_same_session(staged, one)
+    assert not np.array_equal(staged.logits[4:9], plain[4:9])  # the hooks did change the decode
+    assert np.array_equal(staged.logits[:4], plain[:4])
+
+    # persistent hooks, a recorder with its own hook and full records, a names_filter hook
+    def double_probs(value, *, hook):
+        return value * 2.0 if hook.position % 2 else None
+
+    runs = []
+    for w in (weights, pipe3):
+        rec = ke.Recorder(full=["layers.14.ffn.out", "layers.2.kda.state"])
+        rec.add("layers.7.moe.router.topk_weights", lambda v, *, hook: v[::-1].copy())
+        s = ke.Session(w, recorder=rec, hooks=scale_kda_head(12, 1, 0.0))
+        s.hooks.add(double_probs, names_filter=lambda n: n.endswith("mla.probs") and n.startswith("layers.11."))
+        s.feed(TOKENS)
+        runs.append(s)
+    assert_same_session(runs[1], runs[0])
+
+
+def test_history_truncate_fork_snapshot_and_files(pipe3, weights, tmp_path):
+    one, staged = ke.Session(weights, checkpoint_every=4), ke.Session(pipe3, checkpoint_every=4)
+    for s in (one, staged):
+        s.feed(TOKENS[:10])
+        s.truncate(6)
+        s.step(99)
+        s.back(2)
+        snap = s.snapshot()
+        s.feed([5, 6, 7])
+        fork = s.fork()
+        fork.feed([1, 2])
+        s.restore(snap)
+        s.feed([42])
+        s.fork_ = fork
+    assert_same_session(staged, one)
+    assert_same_session(staged.fork_, one.fork_)
+    assert staged.state.ids != staged.fork_.state.ids  # a fork holds its own states on the stages
+
+    # a file saved from the pipeline continues in one process, and the other way round
+    f1, f2 = staged.save_state(tmp_path / "staged.npz"), one.save_state(tmp_path / "one.npz")
+    in_one, in_pipe = ke.Session.load_state(f1, weights), ke.Session.load_state(f2, pipe3)
+    for s in (in_one, in_pipe, one):
+        s.feed([3, 4])
+    assert_same_session(in_pipe, one)
+    assert_same_session(in_one, one)
+
+
+def test_a_hook_error_in_a_stage_leaves_the_session_as_before(pipe3, weights):
+    staged, one = ke.Session(pipe3), ke.Session(weights)
+    staged.feed(TOKENS[:5])
+    one.feed(TOKENS[:6])
+
+    def bad(value, *, hook):
+        raise ArithmeticError("boom in layer 13")
+
+    with pytest.raises(ArithmeticError, match="boom in layer 13"), staged.hooked("layers.13.ffn.in", bad):
+        staged.step(TOKENS[5])
+    assert len(staged) == 5
+    staged.step(TOKENS[5])
+    assert_same_session(staged, one)
+
+
+def test_stages_load_only_their_layers_and_shards(path, tmp_path):
+    """Stage 1 of 4 (layers 4-7) needs model-00003 alone: loading it from a copy without the other
+    shards (nor the one with the embedding and head) works; the pipeline's stages hold what they own."""
+    part = tmp_path / "only_layers_4_7"
+    part.mkdir()
+    for f in ("config.json", "model.safetensors.index.json", "model-00003-of-00005.safetensors"):
+        shutil.copy(path / f, part / f)
+    w = ke.KimiDecoderWeights.from_pretrained(part, layers=range(4, 8), embedding=False, head=False)
+    assert w.embed_tokens is None and w.lm_head is None and w.layer_ids == [4, 5, 6, 7]
+    with pytest.raises(ke.CheckpointError, match="model-00001-of-00005"):
+        ke.KimiDecoderWeights.from_pretrained(part, layers=range(4, 8))  # the head's shard is not there
+
+    with ke.RayPipeline(path, stages=4) as pipe:
+        reports = pipe.memory_reports()
+    parts = reports  # MemoryReport: {component: bytes}
+    assert parts[0]["embed_tokens"] > 0 and parts[0]["lm_head"] == 0
+    assert all(p["embed_tokens"] == 0 and p["lm_head"] == 0 for p in parts[1:3])
+    assert parts[3]["lm_head"] > 0 and parts[3]["embed_tokens"] == 0
+
+
+def test_kill_a_stage_mid_feed_then_recover(path, weights):
+    """ray.kill a stage while `feed` runs in another thread: the error names the stage and its layers,
+    the history decoded so far is kept, and after `recover()` the session continues exactly."""
+    tokens = (TOKENS * 20)[:200]
+    expected = ke.Session(weights)
+    expected.feed(tokens)
+    with ke.RayPipeline(path, stages=3) as pipe:
+        s = ke.Session(pipe, checkpoint_every=8)
+        errors = []
+        feeder = threading.Thread(target=lambda: _catch(errors, s.feed, tokens))
+        feeder.start()
+        while len(s) < 12:
+            time.sleep(0.001)
+        ray.kill(pipe.stages[1].actor)
+        feeder.join()
+        assert len(errors) == 1 and isinstance(errors[0], ke.StageLostError), errors
+        assert "stage 1 (layers 6-10)" in str(errors[0]) and "recover()" in str(errors[0])
+        done = len(s)
+        assert 12 <= done < len(tokens)
+        with pytest.raises(ke.StageLostError, match="stage 1"):
+            s.step(tokens[done])
+        assert s.recover() == [1]
+        s.feed(tokens[done:])
+        assert_same_session(s, expected)
+
+
+def test_a_stage_crashing_inside_a_token_is_recovered(path, weights):
+    """The stage's process exits in the middle of its layers (a hook calls os._exit)."""
+    expected = ke.Session(weights)
+    expected.feed(TOKENS)
+
+    def crash(value, *, hook):
+        if hook.position == 7:
+            os._exit(1)
+
+    with ke.RayPipeline(path, stages=2) as pipe:
+        s = ke.Session(pipe)
+        with pytest.raises(ke.StageLostError, match=r"stage 1 \(layers 8-15\).*token 3 at position 7"):
+            with s.intervene(_hook("layers.12.attn.out", crash)):
+                s.feed(TOKENS)
+        assert len(s) == 7
+        assert s.recover() == [1]
+        s.feed(TOKENS[7:])
+        assert_same_session(s, expected)
+
+
+def test_bad_arguments_are_named(path):
+    with pytest.raises(ValueError, match="stages=0"):
+        ke.RayPipeline(path, stages=0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ke.RayPipeline(path, stages=[range(0, 4), range(3, 8)])
+    with pytest.raises(ValueError, match="device"):
+        ke.RayPipeline(path, device="tpu")
+    with pytest.raises(TypeError, match="RayPipeline"):
+        ke.Session(ke.KimiDecoderWeights.from_pretrained(path, layers=[0])).recover()
+
+
+def test_a_stage_that_cannot_load_is_named(path, tmp_path):
+    broken = tmp_path / "no_layers_8_11"
+    shutil.copytree(path, broken)
+    (broken / "model-00004-of-00005.safetensors").unlink()
+    with pytest.raises(ke.CheckpointError, match=r"stage 1 \(layers 8-15\) .* could not load: .*model-00004-of-00005"):
+        ke.RayPipeline(broken, stages=2)
+
+
+def _hook(name, fn):
+    h = ke.Hooks()
+    h.add(name, fn)
+    return h
+
+
+def _catch(errors, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        errors.append(e)
