@@ -239,3 +239,27 @@ def _catch(errors, fn, *args):
         fn(*args)
     except Exception as e:  # noqa: BLE001 - the test inspects it
         errors.append(e)
+
+
+def test_analyses_on_a_pipeline_session(pipe3, weights):
+    texts = ["def f(x):\n    return x", "The quick brown fox"]
+    a, b = ke.routing_stats(pipe3, texts, progress=False), ke.routing_stats(weights, texts, progress=False)
+    assert np.array_equal(a.counts, b.counts) and np.array_equal(a.weight_sum, b.weight_sum)
+    assert np.array_equal(a.coactivation, b.coactivation) and np.array_equal(a.class_top1, b.class_top1)
+
+    runs = []
+    for w in (pipe3, weights):
+        s = ke.Session(w)
+        s.feed(TOKENS)
+        fork = s.fork()
+        fork.truncate(5)
+        with fork.intervene(ablate_experts(9, "all")):
+            fork.feed(TOKENS[5:])
+        runs.append((s, ke.diff(s, fork)))
+    (_, d_pipe), (_, d_one) = runs
+    for f in ("attn_res", "final_attn_res", "kda_state", "jaccard", "kl", "top1_a", "top1_b"):
+        x, y = getattr(d_pipe, f), getattr(d_one, f)
+        assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), f
+    assert d_pipe.routing_changes == d_one.routing_changes and d_pipe.flips.any()
+    with pytest.raises(TypeError, match="RayPipeline.*load_state"):
+        ke.logit_lens(runs[0][0])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
+from ..inspection._decoding import is_pipeline
 from ..inspection.hooks import Hooks
 from ..model.kimi_decoder import KimiDecodeState, hook_names, kimi_forward_token
 
@@ -41,6 +42,11 @@ def replay(session, names, positions=None):
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
     weights = session.weights
+    if is_pipeline(weights):
+        raise TypeError("this analysis reads the model's weights (the output head) in this process, and this session "
+                        "decodes over a RayPipeline. Save the session (session.save_state(path)) and load it over "
+                        "in-process weights of the same checkpoint (Session.load_state(path, weights)); ke.diff and "
+                        "ke.routing_stats work on pipeline sessions")
     hooks = session.hooks.copy() if len(session.hooks) else Hooks()
     hooks.bind(weights)
     box = [{}]
