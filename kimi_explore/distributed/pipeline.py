@@ -40,6 +40,7 @@ from ..backend import resolve_dtype
 from ..model.config import KimiDecoderConfig
 from ..model.kimi_decoder import KimiDecodeState, hook_names
 from ..weights.checkpoint import resolve_layers
+from .stage import Stage, unpack_records
 
 __all__ = ["PipelineState", "RayPipeline", "StageLostError", "split_layers"]
 
@@ -133,8 +134,6 @@ class RayPipeline:
                  actor_options: dict | None = None, layers=None, **load_kwargs):
         import ray
 
-        from .stage import Stage
-
         if device not in ("cpu", "gpu"):
             raise ValueError(f"RayPipeline: device must be 'cpu' or 'gpu', got {device!r}")
         self.source, self.device = str(path), device
@@ -163,6 +162,7 @@ class RayPipeline:
         self._ids = itertools.count(1)
         self._configured = None  # what the stages' hooks and recorders were last set to
         self._graph = None  # the compiled Ray graph of one token through every stage
+        self._garbage: list = []  # (state ids, epochs) of collected PipelineStates, to drop on their stages
         self._start(self.stages)
 
     # ------------------------------------------------------------------ the model, as Session and Recorder see it
@@ -207,11 +207,17 @@ class RayPipeline:
         token_id, position = int(token_id), state.position
         refs = self._compiled().execute((tuple(state.ids), token_id, position))
         outs = self._get(refs, self.stages, f"token {token_id} at position {position}")
+        stale = [s.describe() for s, out in zip(self.stages, outs, strict=True) if out[2] != position]
+        if stale:  # never seen; it would mean a channel handed over another token's values
+            self._teardown()
+            raise RuntimeError(f"RayPipeline: {', '.join(stale)} returned the result of another position than {position}")
         state.position += 1
         # copies: what a compiled graph returns may be views of its channel buffers, reused by the next token
         if recorder is not None:
-            recorder.add_token(token_id, position, {k: [np.array(a, copy=True) for a in v]
-                                                    for _, records in outs for k, v in records.items()})
+            records = {}
+            for _, packed, _ in outs:
+                unpack_records(packed, records)
+            recorder.add_token(token_id, position, records)
         return np.array(outs[-1][0], copy=True)
 
     def _compiled(self):
@@ -276,17 +282,17 @@ class RayPipeline:
                              self.stages))
 
     def _drop_states(self, ids: list[int], epochs: list[int]) -> None:
-        """A PipelineState's finalizer: forget its arrays on the stages that still hold them."""
-        import ray
+        """A PipelineState's finalizer: note its ids, dropped from the stages at the next driver call.
+        (A finalizer may run in any thread, e.g. Ray's own gc thread, in the middle of a Ray call:
+        it must not call Ray itself. list.append is atomic.)"""
+        self._garbage.append((ids, epochs))
 
-        if not ray.is_initialized():
-            return
-        for s, sid, epoch in zip(self.stages, ids, epochs, strict=True):
-            if s.epoch == epoch and not s.lost and s.actor is not None:
-                try:
-                    s.actor.drop_state.remote(sid)
-                except Exception:  # the actor or Ray is going away; the state goes with it
-                    pass
+    def _drop_garbage(self) -> None:
+        garbage, self._garbage[:] = self._garbage[:], []
+        for k, s in enumerate(self.stages):
+            sids = [ids[k] for ids, epochs in garbage if epochs[k] == s.epoch]
+            if sids and not s.lost and s.actor is not None:
+                s.actor.drop_states.remote(sids)
 
     # ------------------------------------------------------------------ hooks on the stages
     def _configure(self, hooks):
@@ -367,8 +373,13 @@ class RayPipeline:
         """ray.get, with a lost actor reported as the stage it was (and marked lost)."""
         import ray
 
+        token = doing.startswith("token")
         try:
-            return ray.get(refs, timeout=-1 if self._graph is not None and doing.startswith("token") else None)
+            return ray.get(refs, timeout=-1 if token else None)
+        except ray.exceptions.RayTaskError:
+            if token:  # a hook raised in a stage: rebuild the graph, whose channels may still hold that token's values
+                self._teardown()
+            raise
         except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as e:
             self._teardown()
             dead = [s for s in stages if _is_dead(s.actor)]
@@ -381,6 +392,8 @@ class RayPipeline:
                                  "session.recover() restarts the stage from its shards and replays it") from e
 
     def _check_alive(self) -> None:
+        if self._garbage:
+            self._drop_garbage()
         lost = [s.describe() for s in self.stages if s.lost]
         if lost:
             raise StageLostError(f"{', '.join(lost)} of {self.source!r} is lost: call session.recover() (or "

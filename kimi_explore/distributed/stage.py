@@ -24,7 +24,7 @@ from ..inspection.recorder import Recorder
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, embed_token, finish_token, run_layers
 
-__all__ = ["Stage", "pack_stack", "unpack_stack"]
+__all__ = ["Stage", "pack_records", "pack_stack", "unpack_records", "unpack_stack"]
 
 
 def pack_stack(stack: SourceBuffer) -> tuple:
@@ -44,6 +44,29 @@ def unpack_stack(packed: tuple, weights, rows: int) -> SourceBuffer:
     stack.n = n
     stack.current = stack.rows[n].copy()
     return stack
+
+
+def pack_records(records: dict) -> tuple:
+    """{key: [array]} -> (spec, {dtype: one flat array}): one buffer per dtype crosses the process
+    boundary instead of ~50 small arrays (each costs more to (de)serialize than its bytes)."""
+    spec, flat, sizes = [], {}, {}
+    for key, rows in records.items():
+        for a in rows:
+            a = np.asarray(a)
+            dt = a.dtype.str
+            spec.append((key, dt, a.shape, sizes.get(dt, 0)))
+            sizes[dt] = sizes.get(dt, 0) + a.size
+            flat.setdefault(dt, []).append(a.reshape(-1))
+    return spec, {dt: np.concatenate(parts) for dt, parts in flat.items()}
+
+
+def unpack_records(packed: tuple, into: dict) -> None:
+    """`pack_records`' inverse, appending each array (a view of a private copy of its buffer) to into[key]."""
+    spec, flat = packed
+    own = {dt: np.array(a, copy=True) for dt, a in flat.items()}  # the received buffers may be reused
+    for key, dt, shape, offset in spec:
+        n = int(np.prod(shape)) if shape else 1
+        into.setdefault(key, []).append(own[dt][offset:offset + n].reshape(shape))
 
 
 class Stage:
@@ -84,8 +107,9 @@ class Stage:
     def copy_state(self, src: int, dst: int) -> None:
         self.states[dst] = self.states[src].copy()
 
-    def drop_state(self, sid: int) -> None:
-        self.states.pop(sid, None)
+    def drop_states(self, sids: list[int]) -> None:
+        for sid in sids:
+            self.states.pop(sid, None)
 
     def get_state(self, sid: int) -> KimiDecodeState:
         """A host copy (NumPy arrays)."""
@@ -114,7 +138,7 @@ class Stage:
         self.recorder = None
         if recorder is not None:
             settings, recorder_hooks = recorder
-            self.recorder = _with_hooks(Recorder(**settings).bind(self.names), recorder_hooks)
+            self.recorder = _with_hooks(Recorder(**settings).bind(self.weights, names=self.names), recorder_hooks)
         parts = [h for h in (self.hooks, self.recorder) if h is not None]
         self.chain = parts[0] if len(parts) == 1 else HookChain(*parts) if parts else None
 
@@ -122,10 +146,13 @@ class Stage:
     def run(self, token: tuple, previous: tuple | None = None):
         """This stage's share of one token. token: (every stage's state id, token id, position);
         previous: the previous stage's result. Returns (the packed stack, or the logits on the last
-        stage; this token's records {key: [array]}, or None without a recorder)."""
+        stage; this token's records (`pack_records`), or None without a recorder; the position, which the
+        driver checks: each result must be this token's)."""
         w, hooks = self.weights, self.chain
         ids, token_id, position = token
         sid, packed = ids[self.number], None if previous is None else previous[0]
+        if previous is not None and previous[2] != position:
+            raise RuntimeError(f"pipeline stage {self.number}: got the stack of position {previous[2]} for position {position}")
         try:
             if hooks is not None:
                 (hooks.begin_token if self.first else hooks.start_token)(token_id, position)
@@ -135,10 +162,10 @@ class Stage:
             out = to_numpy(finish_token(w, stack, hooks)).copy() if self.last else pack_stack(stack)
             state.position += 1
             if self.recorder is None:
-                return out, None
+                return out, None, position
             if not self.last:
                 self.recorder.end_token()
-            return out, self.recorder.take_records()
+            return out, pack_records(self.recorder.take_records()), position
         except BaseException:
             if self.recorder is not None:
                 self.recorder.truncate(0)  # forget the half-recorded token

@@ -157,9 +157,11 @@ class Recorder:
         return self.hooks.position
 
     # ------------------------------------------------------------------ binding and names
-    def bind(self, weights_or_names) -> Recorder:
-        """Check names against a model and keep what a Trace needs to label its axes without the weights."""
-        self.hooks.bind(weights_or_names)
+    def bind(self, weights_or_names, names=None) -> Recorder:
+        """Check names against a model and keep what a Trace needs to label its axes without the weights.
+
+        names: check against these instead (a pipeline stage: the whole pipeline's hook names)."""
+        self.hooks.bind(weights_or_names if names is None else names)
         for p in self._filter_patterns + self._full_patterns:
             check_pattern(p, self.hooks.names, "Recorder pattern")
         if hasattr(weights_or_names, "layers"):
