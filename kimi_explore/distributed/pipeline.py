@@ -38,7 +38,7 @@ import numpy as np
 
 from ..backend import resolve_dtype
 from ..model.config import KimiDecoderConfig
-from ..model.kimi_decoder import KimiDecodeState, hook_names
+from ..model.kimi_decoder import KimiDecodeState, hook_names, token_index
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
@@ -147,18 +147,18 @@ class RayPipeline:
             raise ValueError(f"RayPipeline: the stages' layers {flat} are not layers={ids}")
         self.layers = [layer_outline(self.config, i) for i in flat]
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=address, include_dashboard=False)  # stages' prints (a hook's) reach this process
         options = {"num_gpus": 1} if device == "gpu" else {"num_cpus": 0}
         self._actor_class = ray.remote(Stage).options(**{**options, **(actor_options or {})})
         names = hook_names(self)
         kw = {**load_kwargs, "device": device, "progress": False}
         self.stages = []
-        for k, ids in enumerate(parts):
+        for k, stage_ids in enumerate(parts):
             first, last = k == 0, k == len(parts) - 1
-            own = {n for n in names if _site_layer(n) in ids or (first and n == "embed")
+            own = {n for n in names if _site_layer(n) in stage_ids or (first and n == "embed")
                    or (last and _site_layer(n) is None and n != "embed")}
-            spec = (k, str(path), ids, last, self.max_sources, names, kw)
-            self.stages.append(_StageRef(k, ids, spec, names=frozenset(own)))
+            spec = (k, str(path), stage_ids, last, self.max_sources, names, kw)
+            self.stages.append(_StageRef(k, stage_ids, spec, names=frozenset(own)))
         self._ids = itertools.count(1)
         self._configured = None  # what the stages' hooks and recorders were last set to
         self._graph = None  # the compiled Ray graph of one token through every stage
@@ -203,8 +203,8 @@ class RayPipeline:
         """One token through every stage; `state` advanced; logits [vocab] (host). `hooks`: what
         `Session` would pass `kimi_forward_token` (None, Hooks, a Recorder, or a HookChain of them)."""
         self._check(state)
+        token_id, position = token_index(token_id, self.config.vocab_size), state.position  # checked here, not in a stage
         recorder = self._configure(hooks)
-        token_id, position = int(token_id), state.position
         refs = self._compiled().execute((tuple(state.ids), token_id, position))
         outs = self._get(refs, self.stages, f"token {token_id} at position {position}")
         stale = [s.describe() for s, out in zip(self.stages, outs, strict=True) if out[2] != position]

@@ -54,8 +54,9 @@ def pack_records(records: dict) -> tuple:
         for a in rows:
             a = np.asarray(a)
             dt = a.dtype.str
-            spec.append((key, dt, a.shape, sizes.get(dt, 0)))
-            sizes[dt] = sizes.get(dt, 0) + a.size
+            start = sizes.get(dt, 0)
+            spec.append((key, dt, a.shape, start, start + a.size))
+            sizes[dt] = start + a.size
             flat.setdefault(dt, []).append(a.reshape(-1))
     return spec, {dt: np.concatenate(parts) for dt, parts in flat.items()}
 
@@ -64,13 +65,16 @@ def unpack_records(packed: tuple, into: dict) -> None:
     """`pack_records`' inverse, appending each array (a view of a private copy of its buffer) to into[key]."""
     spec, flat = packed
     own = {dt: np.array(a, copy=True) for dt, a in flat.items()}  # the received buffers may be reused
-    for key, dt, shape, offset in spec:
-        n = int(np.prod(shape)) if shape else 1
-        into.setdefault(key, []).append(own[dt][offset:offset + n].reshape(shape))
+    for key, dt, shape, start, stop in spec:
+        row = into.get(key)
+        if row is None:
+            row = into[key] = []
+        row.append(own[dt][start:stop].reshape(shape))
 
 
 class Stage:
-    """Layers `layer_ids` of the checkpoint at `path` (with the embedding if `first`, the head if `last`).
+    """Stage `number`: layers `layer_ids` of the checkpoint at `path` (stage 0 also loads the embedding,
+    the `last` one the output head), loaded by `load()`.
 
     rows: the whole pipeline's block-stack capacity (`max_sources` of all its layers).
     load_kwargs: `from_pretrained`'s (device, dtype, experts, weight_dtype, ...).

@@ -197,7 +197,7 @@ def _dtype_name(dtype) -> str:
     return getattr(dtype, "name", None) or getattr(dtype, "__name__", str(dtype))
 
 
-def _token_index(token_id, vocab_size: int) -> int:
+def token_index(token_id, vocab_size: int) -> int:
     if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
         raise TypeError(f"token_id must be an integer, got {token_id!r} ({type(token_id).__name__})")
     t = int(token_id)
@@ -229,7 +229,7 @@ def embed_token(weights: KimiDecoderWeights, token_id, hooks=None, rows: int | N
     layers passes the whole model's).
     """
     cfg = weights.config
-    tid = _token_index(token_id, cfg.vocab_size)
+    tid = token_index(token_id, cfg.vocab_size)
     fire = _unhooked if hooks is None else hooks.fire
     stack = SourceBuffer(weights.xp, rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
     stack.set_current(fire("embed", weights.embed_tokens[tid]))
