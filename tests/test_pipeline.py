@@ -265,3 +265,13 @@ def test_analyses_on_a_pipeline_session(pipe3, weights):
     assert d_pipe.routing_changes == d_one.routing_changes and d_pipe.flips.any()
     with pytest.raises(TypeError, match="RayPipeline.*load_state"):
         ke.logit_lens(runs[0][0])
+
+
+def test_ray_is_imported_only_when_a_pipeline_is_made(path):
+    import subprocess
+    import sys
+
+    code = ("import sys, kimi_explore as ke; s = ke.Session(ke.KimiDecoderWeights.from_pretrained(sys.argv[1])); "
+            "s.feed([1, 2]); s.fork(); print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
