@@ -38,7 +38,7 @@ import numpy as np
 
 from ..backend import resolve_dtype
 from ..model.config import KimiDecoderConfig
-from ..model.kimi_decoder import KimiDecodeState, hook_names, token_index
+from ..model.kimi_decoder import KimiDecodeState, LayerSequence, hook_names, token_index
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
@@ -115,7 +115,7 @@ def layer_outline(cfg: KimiDecoderConfig, i: int) -> SimpleNamespace:
                            ffn=SimpleNamespace(kind="moe" if cfg.is_moe_layer(i) else "dense"))
 
 
-class RayPipeline:
+class RayPipeline(LayerSequence):
     """K3 over Ray actors, one per stage (see module docstring).
 
     path: a checkpoint directory (on every node, at the same path) or a Hub repo id.
@@ -166,14 +166,6 @@ class RayPipeline:
         self._start(self.stages)
 
     # ------------------------------------------------------------------ the model, as Session and Recorder see it
-    @property
-    def layer_ids(self) -> list[int]:
-        return [layer.index for layer in self.layers]
-
-    @property
-    def max_sources(self) -> int:
-        return sum(layer.is_block_boundary for layer in self.layers) + 1
-
     def memory_reports(self) -> list:
         """Each stage's `memory_report()` (bytes resident in that stage's process or GPU)."""
         return [d["memory"] for d in self._get([s.actor.describe.remote() for s in self.stages], self.stages)]

@@ -83,8 +83,23 @@ class KimiDecoderLayerWeights:
         return f"{self.attention.kind}+{self.ffn.kind}"
 
 
+class LayerSequence:
+    """What a model's `layers` say, wherever their arrays are (here, or in a pipeline's stages)."""
+
+    layers: list
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [layer.index for layer in self.layers]
+
+    @property
+    def max_sources(self) -> int:
+        """Rows of the per-token source buffer: every push, plus the current running sum."""
+        return sum(layer.is_block_boundary for layer in self.layers) + 1
+
+
 @dataclass
-class KimiDecoderWeights:
+class KimiDecoderWeights(LayerSequence):
     """The loaded model: global tensors, the chosen layers, and the array backend they live on.
 
     embed_tokens: [vocab, d];  output_attn_res_score: [d];  norm: [d];  lm_head: [vocab, d]
@@ -126,15 +141,6 @@ class KimiDecoderWeights:
         from ..weights.memory import memory_report
 
         return memory_report(self)
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return [layer.index for layer in self.layers]
-
-    @property
-    def max_sources(self) -> int:
-        """Rows of the per-token source buffer: every push, plus the current running sum."""
-        return sum(layer.is_block_boundary for layer in self.layers) + 1
 
     def __repr__(self) -> str:
         """One line: the dataclass default prints every array (~350,000 characters for the tiny model)."""
