@@ -263,8 +263,20 @@ def test_analyses_on_a_pipeline_session(pipe3, weights):
         x, y = getattr(d_pipe, f), getattr(d_one, f)
         assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), f
     assert d_pipe.routing_changes == d_one.routing_changes and d_pipe.flips.any()
+    (s_pipe, _), (s_one, _) = runs
+    for targets in (None, "next"):
+        lp, lo = ke.logit_lens(s_pipe, top=4, targets=targets), ke.logit_lens(s_one, top=4, targets=targets)
+        for f in ("top_ids", "top_probs", "final_ids", "target_logprobs"):
+            x, y = getattr(lp, f), getattr(lo, f)
+            assert (x is None and y is None) or np.array_equal(x, y, equal_nan=True), f
+    lenses = []
+    for w in (pipe3, weights):  # the lens replays with the session's hooks, which run in the stages
+        s = ke.Session(w, hooks=ablate_experts(9, "all"))
+        s.feed(TOKENS[:6])
+        lenses.append(ke.logit_lens(s).top_probs)
+    assert np.array_equal(*lenses)
     with pytest.raises(TypeError, match="RayPipeline.*load_state"):
-        ke.logit_lens(runs[0][0])
+        ke.logit_attribution(s_pipe, -1)
 
 
 def test_ray_is_imported_only_when_a_pipeline_is_made(path):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
-from ..inspection._decoding import is_pipeline
-from ..inspection.hooks import Hooks
+from ..inspection._decoding import is_pipeline, new_state
+from ..inspection.hooks import HookChain, Hooks
 from ..model.kimi_decoder import KimiDecodeState, hook_names, kimi_forward_token
 
 REPLAY_RTOL = 1e-5  # replays are bit-exact; this only absorbs a non-deterministic device reduction
@@ -43,10 +43,8 @@ def replay(session, names, positions=None):
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
     weights = session.weights
     if is_pipeline(weights):
-        raise TypeError("this analysis reads the model's weights (the output head) in this process, and this session "
-                        "decodes over a RayPipeline. Save the session (session.save_state(path)) and load it over "
-                        "in-process weights of the same checkpoint (Session.load_state(path, weights)); ke.diff and "
-                        "ke.routing_stats work on pipeline sessions")
+        yield from _replay_pipeline(session, names, wanted)
+        return
     hooks = session.hooks.copy() if len(session.hooks) else Hooks()
     hooks.bind(weights)
     box = [{}]
@@ -66,6 +64,23 @@ def replay(session, names, positions=None):
         _check_replay(logits, recorded[t], t)
         if t in wanted:
             yield t, box[0], logits
+
+
+def _replay_pipeline(session, names, wanted: set):
+    """`replay` over a RayPipeline: the hooks run in the stages, so the values come back as a
+    Recorder's full records (copies of what flowed at each site, after the session's hooks)."""
+    from ..inspection.recorder import Recorder
+
+    pipe, tokens, recorded = session.weights, session.tokens, session.logits
+    capture = Recorder(names_filter=lambda name: False, full=list(names)).bind(pipe)
+    hooks = HookChain(session.hooks, capture) if len(session.hooks) else capture
+    state = new_state(pipe)
+    for t in range(max(wanted) + 1):
+        logits = pipe.forward_token(state, tokens[t], hooks)
+        _check_replay(logits, recorded[t], t)
+        values = {k: rows[0] for k, rows in capture.take_records().items()}
+        if t in wanted:
+            yield t, values, logits
 
 
 def _position(p, T: int) -> int:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import to_numpy
+from ..inspection._decoding import is_pipeline
 from ..model.latent_moe import expert_outputs
 from ..model.ops import situ_and_mul
 from ._replay import replay, site_names
@@ -129,6 +130,11 @@ def logit_attribution(session, t=-1, token=None):
     Attributions in time order, from ONE replay of the history.
     """
     w = session.weights
+    if is_pipeline(w):
+        raise TypeError("logit_attribution reads every layer's weights (experts, norms, lm_head) in this process, and "
+                        "this session decodes over a RayPipeline. Save it (session.save_state(path)) and load it over "
+                        "in-process weights of the same checkpoint (Session.load_state(path, weights)), or of the "
+                        "layers you attribute; ke.logit_lens, ke.diff and ke.routing_stats work on pipeline sessions")
     V = w.config.vocab_size
     if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < V):
         raise ValueError(f"logit_attribution: token must be an id in 0..{V - 1} (or None for the top-1), got {token!r}")

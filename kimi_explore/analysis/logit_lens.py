@@ -28,6 +28,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
+from ..inspection._decoding import is_pipeline
 from ..model.block_residual import apply_attn_res_prescored
 from ..model.ops import rms_norm
 from ._replay import replay
@@ -107,8 +108,9 @@ def logit_lens(session, top: int = 5, targets=None) -> LogitLens:
     top_ids = np.empty((T, len(w.layers), k), np.int64)
     top_probs = np.empty((T, len(w.layers), k))
     target_lp = None if target_ids is None else np.full((T, len(w.layers)), np.nan)
+    head = w.head_weights() if is_pipeline(w) else w  # a pipeline's head lives in its last stage
     for t, values, _ in replay(session, names):
-        logp = log_softmax(to_numpy(lens_logits(w, values)))  # [L, V]
+        logp = log_softmax(to_numpy(lens_logits(head, values)))  # [L, V]
         ids = _top(logp, k)
         top_ids[t] = ids
         top_probs[t] = np.exp(np.take_along_axis(logp, ids, axis=-1))

@@ -179,6 +179,14 @@ class RayPipeline(LayerSequence):
             layers += lay
         return globals_, layers
 
+    def head_weights(self) -> SimpleNamespace:
+        """The output head (output mix score, final norm, lm_head) copied to this process, with the
+        config and layers: what the logit lens reads (`analysis.logit_lens.lens_logits`)."""
+        last = self.stages[-1]
+        score, norm, lm_head = self._get([last.actor.head.remote()], [last])[0]
+        return SimpleNamespace(config=self.config, layers=self.layers, output_attn_res_score=score, norm=norm,
+                               lm_head=lm_head)
+
     def __repr__(self) -> str:
         parts = ", ".join(s.describe() + (" LOST" if s.lost else "") for s in self.stages)
         return f"RayPipeline({len(self.stages)} stages on {self.device}: {parts}; source {self.source!r})"

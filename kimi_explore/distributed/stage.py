@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..backend import on_host, to_numpy
 from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..model.block_residual import SourceBuffer
@@ -129,6 +129,12 @@ class Stage:
 
     def state_nbytes(self, sid: int) -> int:
         return self.states[sid].nbytes
+
+    def head(self) -> tuple:
+        """The output head as host float arrays (the last stage): (output_attn_res_score, norm, lm_head)."""
+        w = self.weights
+        return tuple(np.array(to_numpy(np.asarray(a) if on_host(w.xp) else a), copy=True)
+                     for a in (w.output_attn_res_score, w.norm, w.lm_head))
 
     def weight_samples(self) -> tuple[dict, list]:
         from ..inspection._session_io import weight_samples
