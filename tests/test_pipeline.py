@@ -287,3 +287,22 @@ def test_ray_is_imported_only_when_a_pipeline_is_made(path):
             "s.feed([1, 2]); s.fork(); print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_recover_stops_at_a_token_decoded_under_a_temporary_intervention(path, weights):
+    """Such a token cannot be replayed: recover() keeps the history before it, says so, and the
+    session then continues exactly from there."""
+    with ke.RayPipeline(path, stages=2) as pipe:
+        s = ke.Session(pipe)
+        s.feed(TOKENS[:3])
+        with s.intervene(ablate_experts(12, "all")):
+            s.feed(TOKENS[3:5])
+        s.feed(TOKENS[5:8])
+        ray.kill(pipe.stages[1].actor)
+        with pytest.raises(RuntimeError, match="replaying token 3 .* first 3 tokens"):
+            s.recover()
+        assert len(s) == 3
+        s.feed(TOKENS[3:8])
+        expected = ke.Session(weights)
+        expected.feed(TOKENS[:8])
+        assert_same_session(s, expected)

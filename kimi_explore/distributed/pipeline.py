@@ -288,7 +288,9 @@ class RayPipeline(LayerSequence):
         self._garbage.append((ids, epochs))
 
     def _drop_garbage(self) -> None:
-        garbage, self._garbage[:] = self._garbage[:], []
+        garbage = []
+        while self._garbage:  # pop, not copy-and-clear: a finalizer may append meanwhile
+            garbage.append(self._garbage.pop())
         for k, s in enumerate(self.stages):
             sids = [ids[k] for ids, epochs in garbage if epochs[k] == s.epoch]
             if sids and not s.lost and s.actor is not None:

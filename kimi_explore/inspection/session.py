@@ -10,6 +10,7 @@
     other = s.fork()                          # an independent copy (shares only the weights)
     with s.intervene(interventions.ablate_experts(3, "all")): s.step(7)
     s.save_state("bug.npz"); Session.load_state("bug.npz", weights)
+    Session(ke.RayPipeline(path, stages=4))   # the same over pipeline stages; s.recover() after a lost stage
 
 Going back has two spellings that cannot be confused: `truncate(n_tokens)` keeps the first
 n_tokens (like `file.truncate(size)`), `back(k)` drops the last k. (`rewind(t)` meant "keep t",
