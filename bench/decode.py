@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.model.block_residual import SourceBuffer
 from kimi_explore.model.kda import KdaState, kda_step
@@ -126,13 +126,13 @@ def breakdown(weights) -> dict[str, float]:
 
 _LOAD_PROBE = """
 import json, resource, sys
-from kimi_explore import KimiDecoderWeights
+from kimi_explore import from_pretrained
 def hwm():
     for line in open('/proc/self/status'):
         if line.startswith('VmHWM'):
             return int(line.split()[1]) * 1024
 before = hwm()
-w = KimiDecoderWeights.from_pretrained(sys.argv[1], device='cpu', dtype=sys.argv[2])
+w = from_pretrained(sys.argv[1], device='cpu', dtype=sys.argv[2])
 import numpy as np
 def arrays(o, seen):
     if id(o) in seen: return 0
@@ -166,7 +166,7 @@ def main() -> int:
           f"{'NumPy calls/tok':>15}")
     for name, path in models.items():
         for dtype in ("float32", "float64"):
-            w = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype=dtype)
+            w = from_pretrained(path, device="cpu", dtype=dtype)
             ts = time_decode(w, args.steps)
             rec = Recorder().bind(w)
             rec_ms = float(np.mean(time_decode(w, args.steps, rec)))  # the mean: the batched flushes included
@@ -176,7 +176,7 @@ def main() -> int:
                                       "recorder_mean_ms": rec_ms, "c_calls_per_token": calls, "layers": len(w.layers)})
             print(f"{name:<30} {dtype:<8} {q[1]:13.3f} {q[0]:6.2f} {q[2]:6.2f} {rec_ms:15.3f} {calls:15d}")
 
-    w = KimiDecoderWeights.from_pretrained(REFERENCE, device="cpu")
+    w = from_pretrained(REFERENCE, device="cpu")
     parts = breakdown(w)
     results["breakdown"] = parts
     print("\nper-layer-kind breakdown, reference tiny, float32 (each sublayer timed alone, summed over its layers):")

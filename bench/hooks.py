@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.inspection.hooks import Hooks
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.weights.tiny_model import default_checkpoint
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                "rounds": args.rounds, "block": args.block, "budget": BUDGET, "models": {}}
     ok = True
     for label, path in (("embedded tiny (data/tiny_k3)", default_checkpoint()), ("reference tiny_k3", REFERENCE)):
-        weights = KimiDecoderWeights.from_pretrained(path, device=args.device)
+        weights = from_pretrained(path, device=args.device)
         rows = bench(weights, args.rounds, args.block)
         results["models"][label] = {"layers": len(weights.layers), "hidden": weights.config.hidden_size, "rows": rows}
         print(f"\n{label}: {len(weights.layers)} layers, hidden {weights.config.hidden_size}, device {weights.device}")

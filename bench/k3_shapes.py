@@ -246,13 +246,13 @@ class _Marks:
 
 def child(args) -> dict:
     """Load one layer, decode, report (runs in its own process)."""
-    from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+    from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
     from kimi_explore.model.latent_moe import LatentMoeWeights
     from kimi_explore.weights.memory import _nbytes, memory_report
 
     base = _status("VmRSS")
     t0 = time.perf_counter()
-    w = KimiDecoderWeights.from_pretrained(args.ckpt, layers=[args.layer], device=args.device, weight_dtype=args.weight_dtype,
+    w = from_pretrained(args.ckpt, layers=[args.layer], device=args.device, weight_dtype=args.weight_dtype,
                                            experts="packed", expert_cache_size=0)
     load_s = time.perf_counter() - t0
     peak, rss = _status("VmHWM"), _status("VmRSS")

@@ -63,11 +63,11 @@ def drop_from_memory(bank, files) -> None:
 
 
 def child(args) -> dict:
-    from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+    from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 
     base = _status("VmRSS")
     t0 = time.perf_counter()
-    w = KimiDecoderWeights.from_pretrained(args.ckpt, layers=[LAYER], device=args.device, experts=args.mode,
+    w = from_pretrained(args.ckpt, layers=[LAYER], device=args.device, experts=args.mode,
                                            expert_cache_size=0)
     load_s = time.perf_counter() - t0
     peak, rss = _status("VmHWM"), _status("VmRSS")

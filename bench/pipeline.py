@@ -45,7 +45,7 @@ def measure(path, stage_counts, tokens: int) -> list[dict]:
     import kimi_explore as ke
 
     ids = list(np.random.default_rng(0).integers(0, 256, tokens + 8))
-    weights = ke.KimiDecoderWeights.from_pretrained(path)
+    weights = ke.from_pretrained(path)
     rows = []
 
     def per_token(model, recorder: bool) -> float:

@@ -54,7 +54,7 @@ def main() -> int:
             os.environ[var] = str(args.threads)
     import kimi_explore as ke  # after the thread settings: BLAS reads them when NumPy loads
 
-    weights = ke.KimiDecoderWeights.from_pretrained(ke.tiny_checkpoint(), device="cpu")
+    weights = ke.from_pretrained(ke.tiny_checkpoint(), device="cpu")
     text = (CORPUS * (args.text_len // len(CORPUS) + 1))[: args.text_len]
     texts = [text] * max(1, args.tokens // args.text_len)
     n = sum(len(t) for t in texts)

@@ -1,6 +1,6 @@
 """kimi_explore: look inside Moonshot AI's Kimi K3 one token at a time.
 
-    weights = KimiDecoderWeights.from_pretrained(path, layers=None, device="auto", dtype="float32")
+    weights = from_pretrained(path, layers=None, device="auto", dtype="float32")
     state = KimiDecodeState.new(weights)
     logits = kimi_forward_token(weights, state, token_id, hooks=None)
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .errors import BackendError, CheckpointError, ConfigError, StageLostError
 from .model import block_residual, kimi_decoder
-from .model.config import ConfigError, KimiDecoderConfig
+from .model.config import KimiDecoderConfig
 from .model.kimi_decoder import KimiDecoderWeights, KimiDecodeState, hook_names, kimi_forward_token
-from .weights.safetensors_io import CheckpointError
 
 # The seed module names stay importable: `kimi_explore.kimi_decoder` is `kimi_explore.model.kimi_decoder`.
 sys.modules[__name__ + ".kimi_decoder"] = kimi_decoder
@@ -48,15 +48,17 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "routing_stats": ("analysis.routing_stats", "routing_stats"),
     "RoutingStats": ("analysis.routing_stats", "RoutingStats"),
     "RayPipeline": ("distributed.pipeline", "RayPipeline"),
-    "StageLostError": ("distributed.pipeline", "StageLostError"),
+    "from_pretrained": ("weights.checkpoint", "load_weights"),
 }
 
 __all__ = [
+    "BackendError",
     "CheckpointError",
     "ConfigError",
     "KimiDecodeState",
     "KimiDecoderConfig",
     "KimiDecoderWeights",
+    "StageLostError",
     "hook_names",
     "kimi_forward_token",
     *_LAZY,

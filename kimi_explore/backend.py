@@ -13,12 +13,10 @@ import types
 
 import numpy as np
 
+from .errors import BackendError
+
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = {"float32": np.float32, "float64": np.float64}
-
-
-class BackendError(RuntimeError):
-    """The requested device or dtype cannot be used."""
 
 
 def _cupy_status():

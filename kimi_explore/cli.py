@@ -105,12 +105,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_model(args):
     """(weights, checkpoint path, seconds to load) for the parsed model arguments."""
-    from . import KimiDecoderWeights
+    from .weights.checkpoint import load_weights as from_pretrained
     from .weights.tiny_model import tiny_checkpoint
 
     path = args.checkpoint or tiny_checkpoint()
     t0 = time.perf_counter()
-    weights = KimiDecoderWeights.from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype,
+    weights = from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype,
                                                  weight_dtype=args.weight_dtype, experts=args.experts,
                                                  expert_cache_size=args.expert_cache_size)
     return weights, path, time.perf_counter() - t0
@@ -202,7 +202,7 @@ def guarded(prog: str, fn, args) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the command line's boundary: a person reads this, --debug shows the rest
-        from .backend import BackendError
+        from .errors import BackendError
 
         if getattr(args, "debug", False):
             raise

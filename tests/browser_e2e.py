@@ -122,8 +122,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 def write_notebook(path: Path, checkpoint: str) -> None:
     """A notebook that opens the Explorer on `checkpoint` ('' = the embedded model) after four Steps."""
-    load = f"ke.KimiDecoderWeights.from_pretrained({checkpoint!r})" if checkpoint else \
-        "ke.KimiDecoderWeights.from_pretrained(ke.tiny_checkpoint())"
+    load = f"ke.from_pretrained({checkpoint!r})" if checkpoint else \
+        "ke.from_pretrained(ke.tiny_checkpoint())"
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(f"import kimi_explore as ke\nweights = {load}\n"
                                           "session = ke.Session(weights, tokenizer=ke.load_tokenizer(weights.source))"),

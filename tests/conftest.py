@@ -21,17 +21,17 @@ def ref():
 
 @pytest.fixture(scope="session")
 def ref_weights():
-    from kimi_explore import KimiDecoderWeights
+    from kimi_explore import from_pretrained
 
-    return KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu")
+    return from_pretrained(REFERENCE_DIR, device="cpu")
 
 
 @pytest.fixture(scope="session")
 def tiny_weights():
-    from kimi_explore import KimiDecoderWeights
+    from kimi_explore import from_pretrained
     from kimi_explore.weights.tiny_model import default_checkpoint
 
-    return KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu")
+    return from_pretrained(default_checkpoint(), device="cpu")
 
 
 def require_kernel():

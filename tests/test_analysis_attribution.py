@@ -154,7 +154,7 @@ def test_a_layer_subset_that_starts_inside_a_block(ref_weights):
     """Layers 2..6: the embedding then stays in the running sum until the first push (layer 3)."""
     from conftest import REFERENCE_DIR
 
-    w = ke.KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(2, 7))
+    w = ke.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(2, 7))
     s = ke.Session(w)
     s.feed(TEXT[:6])
     a = ke.logit_attribution(s, -1)
@@ -166,7 +166,7 @@ def test_a_layer_subset_that_starts_inside_a_block(ref_weights):
 
 def test_packed_experts_give_the_same_split(tiny_weights):
     """Experts multiplied from their MXFP4 bytes (the bank's own `outputs`) split the logit as the dense bank does."""
-    packed = ke.KimiDecoderWeights.from_pretrained(tiny_weights.source, device="cpu", experts="packed")
+    packed = ke.from_pretrained(tiny_weights.source, device="cpu", experts="packed")
     runs = []
     for w in (tiny_weights, packed):
         s = ke.Session(w)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.analysis import learned
 from kimi_explore.analysis.routing_stats import routing_stats
 from kimi_explore.views import learned_plots
@@ -84,7 +84,7 @@ def test_random_twin_has_the_same_shape(tiny_weights, tmp_path):
     b = json.loads((Path(tiny_weights.source) / "config.json").read_text())["text_config"]
     drop = lambda c: {k: v for k, v in c.items() if k != "quantization_config"}  # noqa: E731
     assert drop(a) == drop(b)
-    twin = KimiDecoderWeights.from_pretrained(path, device="cpu")
+    twin = from_pretrained(path, device="cpu")
     assert twin.layer_ids == tiny_weights.layer_ids
 
 

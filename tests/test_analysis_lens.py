@@ -54,7 +54,7 @@ def test_public_lens_last_layer_matches_predictions_and_logprobs(model):
 def test_the_lens_at_layer_i_is_the_model_cut_after_layer_i(model, cut):
     w, path, s = model
     i = {"first": 0, "boundary": w.config.attn_res_block_size, "middle": len(w.layers) // 2 + 1}[cut]
-    short = ke.KimiDecoderWeights.from_pretrained(path, device="cpu", layers=range(i + 1))
+    short = ke.from_pretrained(path, device="cpu", layers=range(i + 1))
     cut_session = ke.Session(short, recorder=False)
     cut_logits = cut_session.feed(TEXT)
     lens = ke.logit_lens(s, top=3, targets=np.array(TEXT[1:] + [0]))

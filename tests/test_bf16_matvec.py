@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.weights import bf16_matvec
 from kimi_explore.weights.bf16_matvec import bf16_matvec as matvec
 from kimi_explore.weights.bf16_weights import Bf16Matrix, WideningScratch
@@ -110,12 +110,12 @@ def test_decoder_with_the_kernel_matches_the_float32_trunk():
         state = KimiDecodeState.new(w)
         return np.stack([np.array(kimi_forward_token(w, state, t)) for t in tokens])
 
-    f32 = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu")
-    bf16 = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16")
+    f32 = from_pretrained(default_checkpoint(), device="cpu")
+    bf16 = from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16")
     assert bf16.extra["bf16_matvec"] == "kernel" and bf16.lm_head.uses_kernel
     assert bf16.memory_report()["bf16 widening scratch"] == 0  # the kernel needs none
     got, want = decode(bf16), decode(f32)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
     with pytest.raises(ValueError, match="bf16_matvec='fast': expected one of 'auto', 'kernel', 'widen'"):
-        KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")
+        from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")

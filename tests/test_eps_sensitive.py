@@ -21,7 +21,7 @@ import pytest
 from conftest import REFERENCE_DIR
 from naive_decoder import Collect, NaiveDecoder
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.model import kda, mla
 
 EPS_SET = REFERENCE_DIR.parent / "eps_sensitive"
@@ -35,7 +35,7 @@ def ref():
 
 @pytest.fixture(scope="module", params=["float32", "float64"])
 def run(request, ref):
-    w = KimiDecoderWeights.from_pretrained(EPS_SET / "tiny_k3", device="cpu", dtype=request.param)
+    w = from_pretrained(EPS_SET / "tiny_k3", device="cpu", dtype=request.param)
     state, hooks = KimiDecodeState.new(w), Collect()
     logits = np.stack([kimi_forward_token(w, state, int(t), hooks=hooks) for t in ref["tokens"]])
     return hooks, logits

@@ -8,8 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from kimi_explore import CheckpointError, ConfigError, KimiDecoderWeights, KimiDecodeState, kimi_forward_token
-from kimi_explore.backend import BackendError, gpu_available
+from kimi_explore import CheckpointError, ConfigError, KimiDecodeState, from_pretrained, kimi_forward_token
+from kimi_explore.backend import gpu_available
+from kimi_explore.errors import BackendError
 from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
 from kimi_explore.weights.tiny_model import default_checkpoint, make_text_config, write_checkpoint
 
@@ -23,7 +24,7 @@ def ckpt(tmp_path):
 
 
 def load(path, **kw):
-    return KimiDecoderWeights.from_pretrained(path, device="cpu", **kw)
+    return from_pretrained(path, device="cpu", **kw)
 
 
 def edit_config(path, fn):
@@ -182,12 +183,12 @@ def test_state_from_another_model(tiny_weights, ref_weights):
 
 def test_unknown_device_and_dtype(ckpt):
     with pytest.raises(BackendError, match="device='tpu' is not one of 'auto', 'cpu', 'gpu'"):
-        KimiDecoderWeights.from_pretrained(ckpt, device="tpu")
+        from_pretrained(ckpt, device="tpu")
     with pytest.raises(BackendError, match="dtype='float16' is not one of 'float32', 'float64'"):
-        KimiDecoderWeights.from_pretrained(ckpt, dtype="float16")
+        from_pretrained(ckpt, dtype="float16")
 
 
 @pytest.mark.skipif(gpu_available(), reason="a GPU is usable here")
 def test_gpu_requested_without_one(ckpt):
     with pytest.raises(BackendError, match="device='gpu' was requested but no GPU can be used"):
-        KimiDecoderWeights.from_pretrained(ckpt, device="gpu")
+        from_pretrained(ckpt, device="gpu")

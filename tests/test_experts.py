@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import CheckpointError, KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
 from kimi_explore.weights import checkpoint, mxfp4, mxfp4_matvec
 from kimi_explore.weights.experts import DenseExperts, PackedExperts, dense_from_packed
@@ -176,7 +176,7 @@ def test_only_the_missing_experts_are_dequantised_in_one_call(monkeypatch):
 
 def test_gathered_moe_matches_the_per_expert_float64_loop():
     """latent_moe over a packed bank (gather + batched matmuls) vs the naive per-expert loop."""
-    w = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=3)
+    w = from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=3)
     rng = np.random.default_rng(6)
     for layer in w.layers:
         if not isinstance(layer.ffn, LatentMoeWeights):
@@ -199,8 +199,8 @@ def test_packed_logits_bit_identical_to_dense(path, cache, in_place, monkeypatch
     """The dequantising routes (the fused kernel sums in another order: test_mxfp4_matvec.py)."""
     monkeypatch.setattr(mxfp4_matvec, "AVAILABLE", False)
     monkeypatch.setattr(PackedExperts, "_multiply_in_place", lambda self, xp: in_place)
-    dense = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="dense")
-    packed = KimiDecoderWeights.from_pretrained(path, device="cpu", experts="packed", expert_cache_size=cache)
+    dense = from_pretrained(path, device="cpu", experts="dense")
+    packed = from_pretrained(path, device="cpu", experts="packed", expert_cache_size=cache)
     assert packed.extra["experts"] == "packed" and dense.extra["experts"] == "dense"
     tokens = TOKENS if path != REFERENCE_DIR else [t % packed.config.vocab_size for t in TOKENS]
     np.testing.assert_array_equal(bits(decode(packed, tokens)), bits(decode(dense, tokens)))
@@ -223,17 +223,17 @@ class RerouteTo:
 
 def test_packed_and_dense_agree_under_a_routing_intervention():
     kw = dict(device="cpu", layers=range(4))
-    dense = KimiDecoderWeights.from_pretrained(default_checkpoint(), experts="dense", **kw)
-    packed = KimiDecoderWeights.from_pretrained(default_checkpoint(), experts="packed", expert_cache_size=2, **kw)
+    dense = from_pretrained(default_checkpoint(), experts="dense", **kw)
+    packed = from_pretrained(default_checkpoint(), experts="packed", expert_cache_size=2, **kw)
     hook = RerouteTo("layers.2.moe.router.topk_ids", [9, 9, 1])
     np.testing.assert_array_equal(bits(decode(packed, hooks=hook)), bits(decode(dense, hooks=hook)))
 
 
 def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
     tiny = default_checkpoint()
-    assert KimiDecoderWeights.from_pretrained(tiny, device="cpu").extra["experts"] == "dense"  # auto: small enough
+    assert from_pretrained(tiny, device="cpu").extra["experts"] == "dense"  # auto: small enough
     monkeypatch.setattr(checkpoint, "AUTO_DENSE_BYTES", 0)
-    w = KimiDecoderWeights.from_pretrained(tiny, device="cpu", layers=[1, 2])
+    w = from_pretrained(tiny, device="cpu", layers=[1, 2])
     assert w.extra["experts"] == "packed" and isinstance(w.layers[0].ffn.experts, PackedExperts)
     cfg = w.config
     assert w.extra["expert_cache_size"] == cfg.num_experts  # default: as many as fit in 512 MiB per layer
@@ -245,11 +245,11 @@ def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(mxfp4_matvec, "AVAILABLE", False)
     assert checkpoint._resolve_cache_size(None, cfg, np.float32, np) == 5
     with pytest.raises(ValueError, match="experts='packd'"):
-        KimiDecoderWeights.from_pretrained(tiny, device="cpu", experts="packd")
+        from_pretrained(tiny, device="cpu", experts="packd")
     with pytest.raises(ValueError, match="expert_cache_size=-2"):
-        KimiDecoderWeights.from_pretrained(tiny, device="cpu", experts="packed", expert_cache_size=-2)
+        from_pretrained(tiny, device="cpu", experts="packed", expert_cache_size=-2)
     bf16 = write_checkpoint(tmp_path / "bf16-experts", experts="bf16", seed=3)
     with pytest.raises(CheckpointError, match="experts='packed' but layer 1's routed experts are not all MXFP4"):
-        KimiDecoderWeights.from_pretrained(bf16, device="cpu", experts="packed")
-    dense = KimiDecoderWeights.from_pretrained(bf16, device="cpu", layers=[1])  # auto falls back to dense
+        from_pretrained(bf16, device="cpu", experts="packed")
+    dense = from_pretrained(bf16, device="cpu", layers=[1])  # auto falls back to dense
     assert isinstance(dense.layers[0].ffn.experts, DenseExperts)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.backend import gpu_available, to_numpy
 from kimi_explore.model.latent_moe import LatentMoeWeights
 from kimi_explore.weights.bf16_weights import Bf16Matrix
@@ -46,7 +46,7 @@ def bits(a):
 
 @pytest.fixture(scope="module", params=["float32", "float64"])
 def gpu_run(request, ref):
-    w = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="gpu", dtype=request.param)
+    w = from_pretrained(REFERENCE_DIR, device="gpu", dtype=request.param)
     assert w.device == "gpu" and w.xp is not np
     hooks = Collect()
     return w, hooks, decode(w, ref["tokens"], hooks)
@@ -68,13 +68,13 @@ def test_reference_internals_on_gpu(gpu_run, ref):
 
 @pytest.mark.parametrize("n", [4, 8])
 def test_layer_subset_on_gpu(ref, n):
-    w = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="gpu", layers=range(n))
+    w = from_pretrained(REFERENCE_DIR, device="gpu", layers=range(n))
     np.testing.assert_allclose(decode(w, ref["tokens"]), ref[f"logits_decode_trunc{n}"], atol=1e-3, rtol=0)
 
 
 def test_gpu_matches_cpu():
-    cpu = decode(KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu"), range(0, 256, 23))
-    gpu = decode(KimiDecoderWeights.from_pretrained(default_checkpoint(), device="gpu"), range(0, 256, 23))
+    cpu = decode(from_pretrained(default_checkpoint(), device="cpu"), range(0, 256, 23))
+    gpu = decode(from_pretrained(default_checkpoint(), device="gpu"), range(0, 256, 23))
     np.testing.assert_allclose(gpu, cpu, atol=2e-3, rtol=1e-4)
 
 
@@ -82,11 +82,11 @@ def test_gpu_matches_cpu():
 def test_packed_and_bf16_bit_identical_on_gpu(path):
     """On one device the resident forms give the same logits bit for bit (same kernels on the same operands)."""
     tokens = [t % 256 for t in (0, 255, 17, 17, 42, 128, 7)]
-    dense = KimiDecoderWeights.from_pretrained(path, device="gpu", experts="dense")
+    dense = from_pretrained(path, device="gpu", experts="dense")
     base = decode(dense, tokens)
     for kw in (dict(experts="packed", expert_cache_size=0), dict(experts="packed", expert_cache_size=2),
                dict(weight_dtype="bfloat16"), dict(weight_dtype="bfloat16", experts="packed")):
-        w = KimiDecoderWeights.from_pretrained(path, device="gpu", **kw)
+        w = from_pretrained(path, device="gpu", **kw)
         if "experts" in kw:
             banks = [layer.ffn.experts for layer in w.layers if isinstance(layer.ffn, LatentMoeWeights)]
             assert banks and all(isinstance(b, PackedExperts) for b in banks)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, hub, kimi_forward_token
+from kimi_explore import CheckpointError, KimiDecodeState, from_pretrained, hub, kimi_forward_token
 from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
 from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
 
@@ -92,7 +92,7 @@ def cache(tmp_path, sharded):
 
 
 def load(repo, cache_dir, **kw):
-    return KimiDecoderWeights.from_pretrained(repo, device="cpu", cache_dir=cache_dir, local_files_only=True,
+    return from_pretrained(repo, device="cpu", cache_dir=cache_dir, local_files_only=True,
                                               progress=False, **kw)
 
 
@@ -101,7 +101,7 @@ def test_offline_layer_subset_equals_the_model_cut_to_those_layers(cache, tmp_pa
     assert w.layer_ids == [0, 1, 2, 3]
     # the same seed written as a 4-layer model: the generator draws globals, then layers in order
     small = write_checkpoint(tmp_path / "four", truncated_text_config(4), seed=0)
-    expected = decode(KimiDecoderWeights.from_pretrained(small, device="cpu"))
+    expected = decode(from_pretrained(small, device="cpu"))
     got = decode(w)
     np.testing.assert_array_equal(got, expected)
 
@@ -113,8 +113,8 @@ def test_env_offline_and_hf_home(cache, tmp_path):
     shutil.copytree(cache, home / "hub", symlinks=True)
     code = (
         "import numpy as np, sys\n"
-        "from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token\n"
-        f"w = KimiDecoderWeights.from_pretrained({REPO!r}, layers=range(0, 4), device='cpu')\n"
+        "from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token\n"
+        f"w = from_pretrained({REPO!r}, layers=range(0, 4), device='cpu')\n"
         "s = KimiDecodeState.new(w)\n"
         f"np.save(sys.argv[1], np.stack([kimi_forward_token(w, s, t) for t in {TOKENS!r}]))\n"
     )
@@ -147,7 +147,7 @@ def test_nothing_cached_names_the_repo_the_cache_and_why(tmp_path, monkeypatch):
                                    "local_files_only=True")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at call time
     with pytest.raises(CheckpointError) as e:
-        KimiDecoderWeights.from_pretrained("org/absent", device="cpu", cache_dir=tmp_path, progress=False)
+        from_pretrained("org/absent", device="cpu", cache_dir=tmp_path, progress=False)
     assert f"cache at {tmp_path} and HF_HUB_OFFLINE is set" in str(e.value) and "local_files_only" not in str(e.value)
 
 
@@ -163,8 +163,8 @@ def test_an_unreachable_hub_is_asked_once_then_the_cache_is_used(cache, tmp_path
     home.mkdir()
     shutil.copytree(cache, home / "hub", symlinks=True)
     env = clean_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(home))
-    code = (f"from kimi_explore import KimiDecoderWeights\n"
-            f"w = KimiDecoderWeights.from_pretrained({REPO!r}, layers=range(0, 4), device='cpu')\n"
+    code = ("from kimi_explore import from_pretrained\n"
+            f"w = from_pretrained({REPO!r}, layers=range(0, 4), device='cpu')\n"
             "print(w.layer_ids)\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -235,7 +235,7 @@ def test_shard_names_come_from_the_index(tmp_path, sharded):
     needed = shards_of_layers(src, [2, 3])
     build_cache(tmp_path / "hub", REPO, src, ["config.json", "model.safetensors.index.json"] + needed)
     w = load(REPO, tmp_path / "hub", layers=[2, 3])
-    np.testing.assert_array_equal(decode(w), decode(KimiDecoderWeights.from_pretrained(sharded, device="cpu", layers=[2, 3])))
+    np.testing.assert_array_equal(decode(w), decode(from_pretrained(sharded, device="cpu", layers=[2, 3])))
     assert hub.plan_download(REPO, layers=[2, 3], cache_dir=tmp_path / "hub", local_files_only=True).shards == needed
 
 
@@ -261,7 +261,7 @@ def test_reference_checkpoint_resharded_matches_moonshots_truncated_logits(tmp_p
     w = load("moonshot-ref/tiny-k3", tmp_path / "hub", layers=range(4))
     logits = decode(w, [int(t) for t in ref["tokens"]])
     np.testing.assert_allclose(logits, ref["logits_decode_trunc4"], atol=1e-3, rtol=0)
-    local = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
+    local = from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
     np.testing.assert_array_equal(logits, decode(local, [int(t) for t in ref["tokens"]]))
 
 
@@ -272,7 +272,7 @@ def test_single_file_repo(tmp_path):
     plan = hub.plan_download("org/single", cache_dir=tmp_path / "hub", local_files_only=True)
     assert plan.shards == ["model.safetensors"] and plan.files == ["config.json", "model.safetensors"]
     w = load("org/single", tmp_path / "hub")
-    np.testing.assert_array_equal(decode(w), decode(KimiDecoderWeights.from_pretrained(src, device="cpu")))
+    np.testing.assert_array_equal(decode(w), decode(from_pretrained(src, device="cpu")))
 
 
 def test_paths_and_repo_ids(tmp_path, sharded):
@@ -281,4 +281,4 @@ def test_paths_and_repo_ids(tmp_path, sharded):
     with pytest.raises(CheckpointError, match="not a checkpoint directory .* and not a Hub repo id"):
         hub.resolve_checkpoint(tmp_path / "nowhere" / "deeper")
     with pytest.raises(ValueError, match="revision='v1' applies to Hub repo ids"):
-        KimiDecoderWeights.from_pretrained(sharded, device="cpu", revision="v1")
+        from_pretrained(sharded, device="cpu", revision="v1")

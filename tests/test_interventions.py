@@ -15,7 +15,7 @@ import pytest
 from conftest import REFERENCE_DIR
 from naive_decoder import NaiveDecoder
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.backend import to_numpy
 from kimi_explore.inspection.hooks import HookChain, Hooks
 from kimi_explore.inspection.interventions import (
@@ -34,7 +34,7 @@ TOKENS = [17, 203, 5, 88, 88, 141, 250, 3]
 
 @pytest.fixture(scope="module")
 def w64():
-    return KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
+    return from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
 
 
 def f64(a):
@@ -102,7 +102,7 @@ def test_ablating_every_routed_expert_zeroes_the_routed_output(w64, ref_weights,
 @pytest.mark.parametrize("route", ["fused", "dequantise", "cached"])
 def test_ablating_every_expert_of_a_packed_bank(ref_weights, route):
     """An empty selection through packed experts, every way they run: the same bits as dense experts."""
-    packed = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", experts="packed",
+    packed = from_pretrained(REFERENCE_DIR, device="cpu", experts="packed",
                                                 expert_cache_size=2 if route == "cached" else 0)
     if route == "dequantise":
         for layer in packed.layers[1:]:  # layer 0 is dense

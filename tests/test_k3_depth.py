@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kimi_explore import KimiDecoderWeights, Session
+from kimi_explore import Session, from_pretrained
 from kimi_explore.cli import main
 from kimi_explore.weights.k3_depth import k3_depth_config
 
@@ -31,7 +31,7 @@ def test_make_tiny_writes_a_model_that_decodes(tmp_path, capsys):
     assert config["model_type"] == "kimi_k3" and config["text_config"]["num_experts"] == 40
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert any(".experts.39.w2.weight" in n for n in index["weight_map"])
-    w = KimiDecoderWeights.from_pretrained(out)
+    w = from_pretrained(out)
     assert [w.config.is_kda_layer(i) for i in range(14)] == [(i + 1) % 4 != 0 and i != 13 for i in range(14)]
     s = Session(w)
     s.feed([1, 2, 3])

@@ -10,7 +10,7 @@ import pytest
 from conftest import REFERENCE_DIR, require_kernel
 from naive_decoder import Collect
 
-from kimi_explore import CheckpointError, KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import CheckpointError, KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs
 from kimi_explore.weights import mxfp4_matvec
 from kimi_explore.weights.mapped_experts import ExpertViews, MappedExperts
@@ -45,8 +45,8 @@ def test_mapped_is_packed_bit_for_bit(path, route):
         require_kernel()
     cache = 3 if route == "lru" else 0
     kw = dict(device="cpu", expert_cache_size=cache)
-    packed = KimiDecoderWeights.from_pretrained(path, experts="packed", **kw)
-    mapped = KimiDecoderWeights.from_pretrained(path, experts="mapped", **kw)
+    packed = from_pretrained(path, experts="packed", **kw)
+    mapped = from_pretrained(path, experts="mapped", **kw)
     assert mapped.extra["experts"] == "mapped" and all(isinstance(b, MappedExperts) for b in banks(mapped))
     for a, b in zip(banks(packed), banks(mapped), strict=True):
         a.fused = b.fused = route == "fused"
@@ -63,8 +63,8 @@ def test_mapped_is_packed_bit_for_bit(path, route):
 
 
 def test_nothing_is_copied_and_the_report_says_mapped():
-    packed = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="packed")
-    mapped = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="mapped")
+    packed = from_pretrained(default_checkpoint(), device="cpu", experts="packed")
+    mapped = from_pretrained(default_checkpoint(), device="cpu", experts="mapped")
     for bank in banks(mapped):
         for views in (bank.w13_packed, bank.w13_scale, bank.w2_packed, bank.w2_scale):
             for block in (b for expert in views.blocks for b in expert):
@@ -82,7 +82,7 @@ def test_truncated_shard_is_refused_at_plan_time(tmp_path):
     shard = sorted(ckpt.glob("*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-1000])
     with pytest.raises(CheckpointError, match=f"{shard.name}: truncated: tensor '.*' ends at byte"):
-        KimiDecoderWeights.from_pretrained(ckpt, device="cpu", experts="mapped")
+        from_pretrained(ckpt, device="cpu", experts="mapped")
 
 
 def test_mapped_needs_mxfp4_on_disk(tmp_path):
@@ -90,13 +90,13 @@ def test_mapped_needs_mxfp4_on_disk(tmp_path):
 
     dense = write_checkpoint(tmp_path / "bf16-experts", experts="bf16", seed=3)  # dense experts on disk
     with pytest.raises(CheckpointError, match="experts='mapped' but layer 1's routed experts are not all MXFP4"):
-        KimiDecoderWeights.from_pretrained(dense, device="cpu", experts="mapped")
+        from_pretrained(dense, device="cpu", experts="mapped")
 
 
 def test_device_route_copies_only_the_selected_experts(monkeypatch):
     """As a GPU runs it (one gather of the selected experts, then batched matmuls), with NumPy."""
-    w = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="mapped", expert_cache_size=2)
-    p = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=2)
+    w = from_pretrained(default_checkpoint(), device="cpu", experts="mapped", expert_cache_size=2)
+    p = from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=2)
     bank, ref = banks(w)[0], banks(p)[0]
     monkeypatch.setattr(MappedExperts, "_multiply_in_place", lambda self, xp: False)
     monkeypatch.setattr(type(ref), "_multiply_in_place", lambda self, xp: False)

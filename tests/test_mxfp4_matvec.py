@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import require_kernel
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs
 from kimi_explore.weights import mxfp4, mxfp4_matvec
 from kimi_explore.weights.experts import PackedExperts, dense_from_packed
@@ -139,8 +139,8 @@ def decode(w, tokens):
 def test_fused_decoder_matches_dense_experts():
     """The embedded model, packed with no cache (fused) vs dense: same argmax, logits to float32 rounding."""
     tokens = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99]
-    dense = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="dense")
-    fused = KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=0)
+    dense = from_pretrained(default_checkpoint(), device="cpu", experts="dense")
+    fused = from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=0)
     banks = [layer.ffn.experts for layer in fused.layers if isinstance(layer.ffn, LatentMoeWeights)]
     assert banks and all(b.uses_fused for b in banks)
     got, want = decode(fused, tokens), decode(dense, tokens)

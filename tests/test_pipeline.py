@@ -40,7 +40,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def weights(path):
-    return ke.KimiDecoderWeights.from_pretrained(path)
+    return ke.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +152,10 @@ def test_stages_load_only_their_layers_and_shards(path, tmp_path):
     part.mkdir()
     for f in ("config.json", "model.safetensors.index.json", "model-00003-of-00005.safetensors"):
         shutil.copy(path / f, part / f)
-    w = ke.KimiDecoderWeights.from_pretrained(part, layers=range(4, 8), embedding=False, head=False)
+    w = ke.from_pretrained(part, layers=range(4, 8), embedding=False, head=False)
     assert w.embed_tokens is None and w.lm_head is None and w.layer_ids == [4, 5, 6, 7]
     with pytest.raises(ke.CheckpointError, match="model-00001-of-00005"):
-        ke.KimiDecoderWeights.from_pretrained(part, layers=range(4, 8))  # the head's shard is not there
+        ke.from_pretrained(part, layers=range(4, 8))  # the head's shard is not there
 
     with ke.RayPipeline(path, stages=4) as pipe:
         reports = pipe.memory_reports()
@@ -219,7 +219,7 @@ def test_bad_arguments_are_named(path):
     with pytest.raises(ValueError, match="device"):
         ke.RayPipeline(path, device="tpu")
     with pytest.raises(TypeError, match="RayPipeline"):
-        ke.Session(ke.KimiDecoderWeights.from_pretrained(path, layers=[0])).recover()
+        ke.Session(ke.from_pretrained(path, layers=[0])).recover()
 
 
 def test_a_stage_that_cannot_load_is_named(path, tmp_path):
@@ -283,7 +283,7 @@ def test_ray_is_imported_only_when_a_pipeline_is_made(path):
     import subprocess
     import sys
 
-    code = ("import sys, kimi_explore as ke; s = ke.Session(ke.KimiDecoderWeights.from_pretrained(sys.argv[1])); "
+    code = ("import sys, kimi_explore as ke; s = ke.Session(ke.from_pretrained(sys.argv[1])); "
             "s.feed([1, 2]); s.fork(); print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.backend import gpu_available, to_numpy
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.inspection.trace import Trace
@@ -201,7 +201,7 @@ def test_ragged_records_are_padded(ref_weights, ref):
 
 
 def test_layer_subset_trace(ref):
-    w = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
+    w = from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
     rec = Recorder().bind(w)
     run(w, ref["tokens"][:4], rec)
     trace = rec.trace()
@@ -318,7 +318,7 @@ def test_batch_boundaries_do_not_change_records(ref_weights, ref, recorded, monk
 @pytest.mark.skipif(not gpu_available(), reason="no usable CUDA GPU (CuPy absent or no device)")
 def test_recorder_on_the_gpu_matches_the_host(ref, recorded):
     """Device records (moved to the host in batches) equal the host recorder's, and the reference."""
-    wg = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="gpu")
+    wg = from_pretrained(REFERENCE_DIR, device="gpu")
     rec = Recorder(full=["layers.*.kda.conv", "layers.*.kda.state", "layers.*.moe.*_out", "layers.2.mla.probs",
                          "final.block_residual"]).bind(wg)
     run(wg, ref["tokens"], rec)

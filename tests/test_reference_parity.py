@@ -17,7 +17,7 @@ import pytest
 from conftest import REFERENCE_DIR, require_kernel
 from naive_decoder import Collect, NaiveDecoder, assert_matches_naive
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.model.latent_moe import LatentMoeWeights
 
 SETS = {"ordinary": REFERENCE_DIR.parent, "eps_sensitive": REFERENCE_DIR.parent / "eps_sensitive"}
@@ -46,10 +46,10 @@ def run(request, refset):
     if request.param in ("float32-fused", "float32-mapped"):  # MXFP4 experts multiplied from their packed bytes
         require_kernel()  # (mxfp4_matvec), copied into RAM at load or read in place from the mapped shards
         experts = "packed" if request.param == "float32-fused" else "mapped"
-        w = KimiDecoderWeights.from_pretrained(path, device="cpu", experts=experts, expert_cache_size=0)
+        w = from_pretrained(path, device="cpu", experts=experts, expert_cache_size=0)
         assert all(layer.ffn.experts.uses_fused for layer in w.layers if isinstance(layer.ffn, LatentMoeWeights))
     else:
-        w = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype=request.param)
+        w = from_pretrained(path, device="cpu", dtype=request.param)
     hooks = Collect()
     logits, _ = decode(w, ref["tokens"], hooks)
     return ref, hooks, logits
@@ -137,7 +137,7 @@ def test_float64_matches_the_naive_float64_decoder(refset):
     """float64 against float64, so 1e-9 (measured ~1e-13), on every value the naive decoder records:
     logits, layer outputs, attn-res weights, router ids and weights, KDA states and windows."""
     _, path, ref = refset
-    w = KimiDecoderWeights.from_pretrained(path, device="cpu", dtype="float64")
+    w = from_pretrained(path, device="cpu", dtype="float64")
     hooks = Collect()
     logits, _ = decode(w, ref["tokens"], hooks)
     naive = NaiveDecoder(path)
@@ -146,7 +146,7 @@ def test_float64_matches_the_naive_float64_decoder(refset):
 
 @pytest.mark.parametrize("n", [4, 8])
 def test_layer_subset_is_the_truncated_model(ref, n):
-    w = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(n))
+    w = from_pretrained(REFERENCE_DIR, device="cpu", layers=range(n))
     hooks = Collect()
     logits, _ = decode(w, ref["tokens"], hooks)
     np.testing.assert_allclose(logits, ref[f"logits_decode_trunc{n}"], atol=1e-3, rtol=0)

@@ -83,10 +83,10 @@ def test_report_errors(tmp_path, capsys):
 def test_report_takes_the_model_options_and_top(tmp_path, monkeypatch, tiny_weights):
     """--experts and --weight-dtype reach the loader; --top sets how many predictions each table row shows."""
     import kimi_explore as ke
+    from kimi_explore.weights import checkpoint
 
-    seen, load = [], ke.KimiDecoderWeights.from_pretrained
-    monkeypatch.setattr(ke.KimiDecoderWeights, "from_pretrained",
-                        lambda path, **kw: seen.append(kw) or load(path, **kw))
+    seen, load = [], ke.from_pretrained
+    monkeypatch.setattr(checkpoint, "load_weights", lambda path, **kw: seen.append(kw) or load(path, **kw))
     out = tmp_path / "r"
     assert main(["--ids", "72,101", "--experts", "packed", "--weight-dtype", "bfloat16", "--top", "12", "--out", str(out),
                  "--checkpoint", str(default_checkpoint())]) == 0  # the random model: the `tiny_weights` fixture

@@ -15,7 +15,7 @@ import pytest
 from conftest import REFERENCE_DIR
 from numpy.lib.array_utils import byte_bounds
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.backend import gpu_available, to_numpy
 from kimi_explore.inspection.hooks import HookChain, Hooks
 from kimi_explore.inspection.interventions import ablate_experts, scale_kda_head
@@ -236,7 +236,7 @@ def test_snapshot_restore_is_exact_and_reusable(ref_weights):
         assert_matches(s, [(x, False) for x in TOKENS[:5]])
         s.step(TOKENS[5])
         assert_matches(s, [(x, False) for x in TOKENS[:6]])
-    other = Session(KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu"))
+    other = Session(from_pretrained(REFERENCE_DIR, device="cpu"))
     with pytest.raises(ValueError, match="other weights"):
         other.restore(snap)
 
@@ -313,8 +313,8 @@ def test_save_load_round_trip_continues_bit_identically(ref_weights, tmp_path):
 
 def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
     """The fingerprint hashes dequantised expert values, so the resident form does not matter."""
-    dense = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", experts="dense")
-    packed = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", experts="packed")
+    dense = from_pretrained(REFERENCE_DIR, device="cpu", experts="dense")
+    packed = from_pretrained(REFERENCE_DIR, device="cpu", experts="packed")
     s = Session(dense)
     s.feed(TOKENS[:4])
     t = Session.load_state(s.save_state(tmp_path / "dense"), packed)
@@ -340,10 +340,10 @@ def test_loading_into_another_model_fails_clearly(ref_weights, tmp_path):
     s = Session(ref_weights)
     s.feed(TOKENS[:2])
     path = s.save_state(tmp_path / "s.npz")
-    cut = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
+    cut = from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
     with pytest.raises(ValueError, match="different model.*layer_ids"):
         Session.load_state(path, cut)
-    w64 = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
+    w64 = from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
     with pytest.raises(ValueError, match="different model.*dtype"):
         Session.load_state(path, w64)
     bumped = dataclasses.replace(ref_weights, embed_tokens=ref_weights.embed_tokens * 1.01)
@@ -460,7 +460,7 @@ def test_hooks_given_to_a_session_are_checked(ref_weights):
 @pytest.mark.skipif(not gpu_available(), reason="no usable CUDA GPU (CuPy absent or no device)")
 def test_session_on_the_gpu(ref_weights, tmp_path):
     """On a device: interventions run, rewind/fork/save/load stay bit-identical, results match the host."""
-    wg = KimiDecoderWeights.from_pretrained(REFERENCE_DIR, device="gpu")
+    wg = from_pretrained(REFERENCE_DIR, device="gpu")
     g, c = Session(wg, checkpoint_every=3), Session(ref_weights, checkpoint_every=3)
     for s in (g, c):
         s.feed(TOKENS[:3])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from naive_decoder import Collect, NaiveDecoder, assert_matches_naive
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
 
 VARIANTS = {
@@ -48,8 +48,8 @@ def variant(request, tmp_path_factory):
 
 def test_fast_path_matches_naive_float64_decoder(variant):
     """float64 vs the float64 naive decoder (which reads the files itself): every value to 1e-9; float32 to 1e-3."""
-    w64 = KimiDecoderWeights.from_pretrained(variant, device="cpu", dtype="float64")
-    w32 = KimiDecoderWeights.from_pretrained(variant, device="cpu", dtype="float32")
+    w64 = from_pretrained(variant, device="cpu", dtype="float64")
+    w32 = from_pretrained(variant, device="cpu", dtype="float32")
     naive = NaiveDecoder(variant)  # reads the files itself: a loader mistake is not shared
     s64, s32 = KimiDecodeState.new(w64), KimiDecodeState.new(w32)
     tokens = [5, 200, 17, 17, 99, 3, 250]
@@ -65,7 +65,7 @@ def test_loader_builds_the_naive_decoders_operands(variant):
     """Per module, at the operands the kernels take: every field the naive twins read, as the fast
     loader built it (float64) == as the naive decoder built it from the raw files, exactly. Names
     the layer and field of a loader mistake (rows of a fused projection swapped, A_log sliced wrong)."""
-    fast = KimiDecoderWeights.from_pretrained(variant, device="cpu", dtype="float64")
+    fast = from_pretrained(variant, device="cpu", dtype="float64")
     naive = NaiveDecoder(variant)
     for mine, theirs in zip(naive.layers, fast.layers, strict=True):
         for part in ("attention", "ffn"):
@@ -85,9 +85,9 @@ def test_layer_subset_equals_a_model_with_only_those_layers(variant, tmp_path):
     """layers=range(n) on the full checkpoint == a checkpoint whose config has n layers."""
     import json
 
-    full = KimiDecoderWeights.from_pretrained(variant, device="cpu", dtype="float64")
+    full = from_pretrained(variant, device="cpu", dtype="float64")
     n = full.config.num_hidden_layers - 1
-    cut = KimiDecoderWeights.from_pretrained(variant, device="cpu", dtype="float64", layers=range(n))
+    cut = from_pretrained(variant, device="cpu", dtype="float64", layers=range(n))
     # the same files with the config cut to n layers
     cfg = json.loads((variant / "config.json").read_text())
     tc = cfg["text_config"]
@@ -99,7 +99,7 @@ def test_layer_subset_equals_a_model_with_only_those_layers(variant, tmp_path):
         (tmp_path / f.name).symlink_to(f)
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    small = KimiDecoderWeights.from_pretrained(tmp_path, device="cpu", dtype="float64")
+    small = from_pretrained(tmp_path, device="cpu", dtype="float64")
     sa, sb = KimiDecodeState.new(cut), KimiDecodeState.new(small)
     for t in [1, 2, 3, 4]:
         np.testing.assert_array_equal(kimi_forward_token(cut, sa, t), kimi_forward_token(small, sb, t))

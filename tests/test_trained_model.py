@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kimi_explore import KimiDecoderConfig, KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecoderConfig, KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.analysis import learned
 from kimi_explore.weights.tiny_model import describe_checkpoint, tiny_checkpoint
 
@@ -20,7 +20,7 @@ PARITY_NPZ = Path(__file__).parent / "data" / "trained_tiny_logits.npz"
 
 @pytest.fixture(scope="module")
 def trained():
-    return KimiDecoderWeights.from_pretrained(SHIPPED, device="cpu")
+    return from_pretrained(SHIPPED, device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kimi_explore import KimiDecoderWeights, KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.backend import on_host
 from kimi_explore.weights.memory import memory_report
 from kimi_explore.weights.tiny_model import default_checkpoint
@@ -12,7 +12,7 @@ from kimi_explore.weights.workspace import Workspace, run_parts
 
 
 def _packed(**kw):
-    return KimiDecoderWeights.from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=0,
+    return from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=0,
                                               **kw)
 
 

@@ -24,7 +24,7 @@ def measure(checkpoint, max_windows: int | None = None) -> dict:
     from kimi_explore.analysis.routing_stats import routing_stats
 
     path = Path(checkpoint)
-    w = ke.KimiDecoderWeights.from_pretrained(str(path), device="cpu")
+    w = ke.from_pretrained(str(path), device="cpu")
     train, val = learned.split_corpus(learned.pydoc_corpus())
     train_slice = train[-len(val) :]
     t0 = time.time()

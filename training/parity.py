@@ -31,7 +31,7 @@ def trainer_logits(checkpoint, ids: np.ndarray) -> np.ndarray:
 def package_logits(checkpoint, ids: np.ndarray) -> np.ndarray:
     import kimi_explore as ke
 
-    w = ke.KimiDecoderWeights.from_pretrained(str(checkpoint))
+    w = ke.from_pretrained(str(checkpoint))
     state = ke.KimiDecodeState.new(w)
     return np.stack([np.asarray(ke.kimi_forward_token(w, state, int(t))) for t in ids])
 

@@ -37,16 +37,13 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..backend import resolve_dtype
+from ..errors import StageLostError
 from ..model.config import KimiDecoderConfig
 from ..model.kimi_decoder import KimiDecodeState, LayerSequence, hook_names, token_index
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
 __all__ = ["PipelineState", "RayPipeline", "StageLostError", "split_layers"]
-
-
-class StageLostError(RuntimeError):
-    """A pipeline stage's process is gone (killed, crashed, its node lost). `session.recover()` rebuilds it."""
 
 
 def split_layers(layer_ids: list[int], stages) -> list[list[int]]:

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import to_numpy
-from ..distributed.pipeline import StageLostError
+from ..errors import StageLostError
 from ..model.kimi_decoder import KimiDecodeState
 from ._decoding import forward, is_pipeline, new_state
 from .hooks import HookChain, Hooks

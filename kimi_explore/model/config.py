@@ -15,9 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class ConfigError(ValueError):
-    """config.json is missing keys or describes a model this decoder does not implement."""
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

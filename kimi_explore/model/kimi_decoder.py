@@ -118,24 +118,6 @@ class KimiDecoderWeights(LayerSequence):
     extra: dict = field(default_factory=dict)  # how it was loaded: experts mode, cache size, weight_dtype, ...
     workspace: object = None  # weights.workspace.Workspace: this model's scratch (bf16 widening, dequantised experts, threads)
 
-    @classmethod
-    def from_pretrained(cls, path, *, layers=None, device: str = "auto", dtype: str = "float32", **kwargs):
-        """Load a K3 checkpoint in the released Hugging Face layout.
-
-        path: a checkpoint directory, or a Hub repo id ("moonshotai/Kimi-K3"): then only config.json,
-            the index, the tokenizer files and the shards of the requested layers are fetched.
-        layers: None (all) or 0-based layer indices, e.g. range(0, 4).
-        device: "auto" | "cpu" | "gpu";  dtype: "float32" | "float64" (compute dtype).
-        Further keyword arguments (see `checkpoint.load_weights`): weight_dtype=None | "bfloat16"
-        (keep BF16 matrices as bf16 bits, widened per use), experts="auto" | "packed" | "dense",
-        expert_cache_size (dequantised experts kept per layer; 0 on the CPU: the fused MXFP4
-        kernel; each layer's `ffn.experts.route` says how it runs), revision, cache_dir,
-        local_files_only, token, progress.
-        """
-        from ..weights.checkpoint import load_weights
-
-        return load_weights(path, layers=layers, device=device, dtype=dtype, **kwargs)
-
     def memory_report(self):
         """Resident bytes by component (see `kimi_explore.weights.memory`)."""
         from ..weights.memory import memory_report

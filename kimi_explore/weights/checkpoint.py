@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import backend
 from ..backend import resolve_device, resolve_dtype
+from ..errors import CheckpointError
 from ..model.config import KimiDecoderConfig
 from ..model.kda import KdaWeights
 from ..model.kimi_decoder import KimiDecoderLayerWeights, KimiDecoderWeights
@@ -39,7 +40,7 @@ from .bf16_weights import Bf16Matrix, WideningScratch
 from .checkpoint_table import DiskTensor
 from .experts import DenseExperts, PackedExperts
 from .mapped_experts import ExpertViews, MappedExperts
-from .safetensors_io import CheckpointError, SafetensorsFile
+from .safetensors_io import SafetensorsFile
 from .tensor_reader import TensorReader
 from .workspace import Workspace
 

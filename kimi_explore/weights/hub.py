@@ -5,7 +5,7 @@
     files, nbytes = plan                      # unpacks as (files, bytes)
     path = fetch(plan)                        # the local snapshot directory, ready for the loader
 
-`KimiDecoderWeights.from_pretrained("org/name", layers=...)` does both. The plan reads
+`from_pretrained("org/name", layers=...)` does both. The plan reads
 `config.json` and `model.safetensors.index.json` first (small files), then takes the shard names
 from the index's `weight_map` entries of exactly the tensors the loader will read (the global
 tensors plus the requested layers' ones; never constructed from a naming pattern). Tokenizer
@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import CheckpointError
 from ..model.config import KimiDecoderConfig
 from .checkpoint import (
     INDEX_FILE,
@@ -40,7 +41,6 @@ from .checkpoint import (
     resolve_layers,
     shards_needed,
 )
-from .safetensors_io import CheckpointError
 
 __all__ = ["DownloadPlan", "TOKENIZER_FILES", "fetch", "is_repo_id", "plan_download", "resolve_checkpoint"]
 

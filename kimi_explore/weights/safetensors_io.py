@@ -16,6 +16,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..errors import CheckpointError
+
 DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype(np.float16),
@@ -29,10 +31,6 @@ DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file, index entry or tensor is missing, malformed, or not what the config implies."""
 
 
 class SafetensorsFile:

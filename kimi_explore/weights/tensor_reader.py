@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .safetensors_io import DTYPES, CheckpointError, SafetensorsFile
+from ..errors import CheckpointError
+from .safetensors_io import DTYPES, SafetensorsFile
 
 BOUNCE_BYTES = 64 * 1024 * 1024
 

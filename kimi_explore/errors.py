@@ -1,0 +1,25 @@
+"""Every error kimi_explore raises on purpose, in one place (each module imports its own from here).
+
+All of them say, in their message, which file, tensor, key or argument is wrong, what was expected
+and what was found.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BackendError", "CheckpointError", "ConfigError", "StageLostError"]
+
+
+class ConfigError(ValueError):
+    """config.json is missing keys or describes a model this decoder does not implement."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file, index entry or tensor is missing, malformed, or not what the config implies."""
+
+
+class BackendError(RuntimeError):
+    """The requested device or dtype cannot be used."""
+
+
+class StageLostError(RuntimeError):
+    """A pipeline stage's process is gone (killed, crashed, its node lost). `session.recover()` rebuilds it."""
