@@ -30,7 +30,7 @@ def test_the_lens_at_the_last_layer_is_the_models_logits(model):
     w, _, s = model
     names = ["embed"] + [layer.hook_prefix + "prefix_sum" for layer in w.layers]
     for t, values, _ in replay(s, names):
-        lens = lens_logits(w, values)
+        lens = lens_logits(w, w.head(), values)
         assert lens.shape == (len(w.layers), w.config.vocab_size)
         assert np.max(np.abs(lens[-1] - s.logits[t])) <= 1e-5
 
@@ -87,10 +87,3 @@ def test_lens_arguments_are_checked(ref_weights):
         ke.logit_lens(s, targets=[1, 2])
     with pytest.raises(ValueError, match=r"outside the vocabulary 0\.\.255"):
         ke.logit_lens(s, targets=[1, 2, 999])
-
-
-def test_top_k_of_a_large_vocabulary_is_the_full_sort():
-    from kimi_explore.analysis.logit_lens import _top
-
-    logp = np.random.default_rng(0).standard_normal((3, 20000))
-    np.testing.assert_array_equal(_top(logp, 7), np.argsort(-logp, axis=-1)[:, :7])

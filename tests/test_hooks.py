@@ -32,11 +32,14 @@ class Seen:
 def test_hook_names_pinned_for_the_reference_model(ref_weights):
     names = hook_names(ref_weights)
     # 14 layers (9 KDA, 5 MLA; layer 0 dense, 13 MoE): per layer attn.in, attn.out, attn_res.ffn.weights,
-    # ffn.in, ffn.out, prefix_sum (6 x 14) + attn_res.attn.weights (13, none at layer 0) + 8 KDA sites
-    # (x 9) + mla.probs (x 5) + 5 MoE sites (x 13); plus embed and 4 final sites.
-    assert len(names) == 6 * 14 + 13 + 8 * 9 + 5 + 5 * 13 + 5 == 244
+    # ffn.in, ffn.out, prefix_sum (6 x 14) + attn_res.attn.weights (13, none at layer 0) + 10 KDA sites
+    # (x 9) + 4 MLA sites (x 5) + 6 MoE sites (x 13); plus embed and 4 final sites.
+    assert len(names) == 6 * 14 + 13 + 10 * 9 + 4 * 5 + 6 * 13 + 5 == 290
     assert len(set(names)) == len(names)
-    assert names[:4] == ["embed", "layers.0.attn.in", "layers.0.kda.q", "layers.0.kda.k"]
+    assert names[:6] == ["embed", "layers.0.attn.in", "layers.0.kda.conv", "layers.0.kda.conv_out", "layers.0.kda.q",
+                         "layers.0.kda.k"]
+    assert names[names.index("layers.2.attn.in"):names.index("layers.2.attn.out")] == [
+        "layers.2.attn.in", "layers.2.mla.q_latent", "layers.2.mla.kv_latent", "layers.2.mla.probs", "layers.2.mla.o"]
     assert names[-4:] == ["final.block_residual", "final.attn_res.weights", "final.hidden", "logits"]
     for present in ["layers.1.attn_res.attn.weights", "layers.2.mla.probs", "layers.13.moe.router.topk_ids",
                     "layers.0.kda.state", "layers.11.kda.conv", "layers.0.prefix_sum"]:
@@ -69,6 +72,32 @@ def test_catch_all_hook_returning_none_is_bit_identical(ref_weights, how):
             hooks.add(n, lambda v, *, hook: None)
     got = decode(ref_weights, TOKENS, hooks)
     assert np.array_equal(got, base)
+
+
+def _changed(value, num_experts: int):
+    """A different value of the same shape and kind: other expert ids, or a non-uniform rescaling (a
+    uniform one could cancel in a norm downstream, e.g. the latent MoE's RMSNorm)."""
+    if value.dtype.kind in "iu":
+        return (value + 1) % num_experts
+    pattern = 1.0 + 0.5 * np.cos(np.arange(value.size)).reshape(value.shape)
+    return (value * pattern).astype(value.dtype)
+
+
+def test_every_site_honours_a_returned_value(ref_weights):
+    """The hook contract, site by site: a hook that returns a changed value at any name of hook_names
+    changes what comes after (here: the logits of the token or the next ones); none is dropped."""
+    tokens = TOKENS[:3]
+    base = decode(ref_weights, tokens)
+    E = ref_weights.config.num_experts
+    dropped = []
+    for name in hook_names(ref_weights):
+        hooks = Hooks().bind(ref_weights)
+        hooks.add(name, lambda v, *, hook: _changed(v, E) if hook.position == 1 else None)
+        got = decode(ref_weights, tokens, hooks)
+        np.testing.assert_array_equal(got[0], base[0], err_msg=name)  # token 0 untouched
+        if not np.abs(got[1:] - base[1:]).max() > 1e-5:
+            dropped.append(name)
+    assert dropped == []
 
 
 def test_returned_array_replaces_the_value_downstream(ref_weights):

@@ -145,7 +145,7 @@ def test_memory_report_dense_experts():
 
 def test_session_fingerprint_sees_the_same_weights_whatever_their_resident_form():
     """bf16 bits widen to the float32 values, and a packed bank's cache state is not part of the weights."""
-    from kimi_explore.inspection._session_io import weights_fingerprint
+    from kimi_explore.inspection.session_io import weights_fingerprint
 
     path = default_checkpoint()
     f32 = from_pretrained(path, device="cpu", experts="packed", expert_cache_size=2)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kimi_explore.model.block_residual import SourceBuffer, apply_attn_res, apply_attn_res_prescored, naive_apply_attn_res
+from kimi_explore.model.config import FFN_SITES
 from kimi_explore.model.kda import KdaState, delta_rule_read, delta_rule_update, kda_step, naive_kda_step
 from kimi_explore.model.latent_moe import latent_moe, naive_latent_moe
 from kimi_explore.model.mla import MlaState, mla_step, naive_mla_prefill
@@ -213,7 +214,7 @@ def test_latent_moe_matches_naive(ref_weights):
         for _ in range(4):
             x = rng.standard_normal(w.in_proj.shape[1]) * 2
             seen.clear()
-            out = latent_moe(x, w, Grab(), "")
+            out = latent_moe(x, w, Grab(), {k: k for k in FFN_SITES["moe"]})
             want, ids, weights = naive_latent_moe(x, w)
             got = dict(seen)
             np.testing.assert_array_equal(got["moe.router.topk_ids"], ids)

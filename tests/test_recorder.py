@@ -286,7 +286,7 @@ def test_row_squares_small_and_large_paths(monkeypatch):
 
 @pytest.mark.parametrize("V", [256, 20000], ids=["full-sort", "partition"])
 def test_top_predictions_both_paths(V):
-    from kimi_explore.inspection._recording import top_predictions
+    from kimi_explore.inspection.topk import top_predictions
 
     rng = np.random.default_rng(V)
     logits = rng.standard_normal((3, V)).astype(np.float32)

@@ -17,23 +17,24 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
-from ..inspection._decoding import is_pipeline, new_state
-from ..inspection.hooks import HookChain, Hooks
-from ..model.kimi_decoder import KimiDecodeState, hook_names, kimi_forward_token
+from ..inspection.hooks import HookChain
+from ..inspection.recorder import Recorder
+from ..model.kimi_decoder import hook_names
 
 REPLAY_RTOL = 1e-5  # replays are bit-exact; this only absorbs a non-deterministic device reduction
 
 
-def site_names(weights, suffixes, globals_=()) -> list[str]:
+def site_names(model, suffixes, globals_=()) -> list[str]:
     """This model's hook names ending in one of `suffixes` (layer sites), plus the global ones asked for."""
     suffixes = tuple(suffixes)
-    return [n for n in hook_names(weights) if n in globals_ or (n.startswith("layers.") and n.endswith(suffixes))]
+    return [n for n in hook_names(model) if n in globals_ or (n.startswith("layers.") and n.endswith(suffixes))]
 
 
 def replay(session, names, positions=None):
     """Yield (t, values, logits) for the tokens t of `session`'s history in `positions` (default: all).
 
-    values: {site name: a copy of the value that flowed there at token t} (device arrays on a GPU);
+    values: {site name: a copy of the value that flowed there at token t}, on the model's backend
+    (captured as a Recorder's full records, so over a pipeline they come back from the stages);
     logits: the replayed logits [vocab] (host). Stops after the last wanted position.
     """
     tokens = session.tokens
@@ -41,46 +42,17 @@ def replay(session, names, positions=None):
     if T == 0:
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
-    weights = session.weights
-    if is_pipeline(weights):
-        yield from _replay_pipeline(session, names, wanted)
-        return
-    hooks = session.hooks.copy() if len(session.hooks) else Hooks()
-    hooks.bind(weights)
-    box = [{}]
-
-    def keep(value, *, hook):
-        if hook.position in wanted:
-            box[0][hook.name] = value.copy()
-
-    for name in names:
-        hooks.add(name, keep)
-    state = KimiDecodeState.new(weights)
-    recorded = session.logits
+    model, recorded = session.weights, session.logits
+    capture = Recorder(names_filter=lambda name: False, full=list(names)).bind(model)
+    hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
+    state = model.new_state()
     for t in range(max(wanted) + 1):
-        box[0] = {}
         hooks.begin_token(tokens[t], t)
-        logits = to_numpy(kimi_forward_token(weights, state, tokens[t], hooks=hooks))
+        logits = to_numpy(model.forward_token(state, tokens[t], hooks))
         _check_replay(logits, recorded[t], t)
+        records = capture.take_records()
         if t in wanted:
-            yield t, box[0], logits
-
-
-def _replay_pipeline(session, names, wanted: set):
-    """`replay` over a RayPipeline: the hooks run in the stages, so the values come back as a
-    Recorder's full records (copies of what flowed at each site, after the session's hooks)."""
-    from ..inspection.recorder import Recorder
-
-    pipe, tokens, recorded = session.weights, session.tokens, session.logits
-    capture = Recorder(names_filter=lambda name: False, full=list(names)).bind(pipe)
-    hooks = HookChain(session.hooks, capture) if len(session.hooks) else capture
-    state = new_state(pipe)
-    for t in range(max(wanted) + 1):
-        logits = pipe.forward_token(state, tokens[t], hooks)
-        _check_replay(logits, recorded[t], t)
-        values = {k: rows[0] for k, rows in capture.take_records().items()}
-        if t in wanted:
-            yield t, values, logits
+            yield t, {k: model.xp.asarray(rows[0]) for k, rows in records.items()}, logits
 
 
 def _position(p, T: int) -> int:

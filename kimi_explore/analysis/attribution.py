@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import to_numpy
-from ..inspection._decoding import is_pipeline
+from ..model.block_residual import source_labels, source_of_layers
 from ..model.latent_moe import expert_outputs
 from ..model.ops import situ_and_mul
 from ._replay import replay, site_names
@@ -129,12 +129,7 @@ def logit_attribution(session, t=-1, token=None):
     t: a step (negative counts from the end) -> an Attribution; or a list of steps -> a list of
     Attributions in time order, from ONE replay of the history.
     """
-    w = session.weights
-    if is_pipeline(w):
-        raise TypeError("logit_attribution reads every layer's weights (experts, norms, lm_head) in this process, and "
-                        "this session decodes over a RayPipeline. Save it (session.save_state(path)) and load it over "
-                        "in-process weights of the same checkpoint (Session.load_state(path, weights)), or of the "
-                        "layers you attribute; ke.logit_lens, ke.diff and ke.routing_stats work on pipeline sessions")
+    w = session.weights.local_weights()  # every layer's arrays (a pipeline says how to get them)
     V = w.config.vocab_size
     if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < V):
         raise ValueError(f"logit_attribution: token must be an id in 0..{V - 1} (or None for the top-1), got {token!r}")
@@ -171,23 +166,18 @@ def _attribute(w, t: int, values: dict, logits: np.ndarray, token) -> Attributio
 
 
 def _sources(w, values: dict) -> list:
-    """The output mix's sources as lists of (leaf, float64 vector), following the decoder's push rule."""
-    sources, current = [], [("embed", _f64(values["embed"]))]
-    for layer in w.layers:
+    """The output mix's sources as (label, [(leaf, float64 vector)]), by the decoder's push rule."""
+    where = source_of_layers(w.specs)
+    sources = [[] for _ in range(where[-1] + 1)]
+    sources[where[0]].append(("embed", _f64(values["embed"])))
+    for layer, j in zip(w.layers, where[1:], strict=True):
         pre = layer.hook_prefix
-        if layer.is_block_boundary:
-            sources.append(current)
-            current = []
-        current.append((pre + "attn.out", _f64(values[pre + "attn.out"])))
+        sources[j].append((pre + "attn.out", _f64(values[pre + "attn.out"])))
         if pre + "moe.router.topk_ids" in values:
-            current += _moe_leaves(layer, values, pre)
+            sources[j] += _moe_leaves(layer, values, pre)
         else:
-            current.append((pre + "ffn.out", _f64(values[pre + "ffn.out"])))
-    sources.append(current)
-    bounds = [layer.index for layer in w.layers if layer.is_block_boundary]  # labels as Trace.source_labels()
-    labels = [f"block {j}" for j in range(len(bounds))] + ["current"]
-    if bounds:
-        labels[0] = "embedding" if bounds[0] == 0 else f"input of layer {bounds[0]}"
+            sources[j].append((pre + "ffn.out", _f64(values[pre + "ffn.out"])))
+    labels = source_labels([spec.index for spec in w.specs if spec.is_block_boundary])
     return list(zip(labels, sources, strict=True))
 
 

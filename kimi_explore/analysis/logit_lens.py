@@ -28,9 +28,9 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from ..inspection._decoding import is_pipeline
-from ..model.block_residual import apply_attn_res_prescored
-from ..model.ops import rms_norm
+from ..inspection.topk import top_ids
+from ..model.block_residual import SourceBuffer
+from ..model.kimi_decoder import OutputHead, output_hidden
 from ._replay import replay
 
 __all__ = ["LogitLens", "lens_logits", "logit_lens"]
@@ -68,20 +68,21 @@ class LogitLens:
         return f"LogitLens({len(self)} tokens x {len(self.layers)} layers, top {self.top_ids.shape[-1]})"
 
 
-def lens_logits(weights, values: dict):
-    """One token's lens logits [L, vocab] (the weights' device) from its `embed` and `layers.{i}.prefix_sum` values."""
-    eps = weights.config.rms_norm_eps
+def lens_logits(model, head: OutputHead, values: dict):
+    """One token's lens logits [L, vocab] (on the head's backend) from its `embed` and `layers.{i}.prefix_sum`
+    values: the decoder's own stack (`SourceBuffer`, its push rule) and output mix (`output_hidden`)
+    after every layer of `model`, then one lm_head product for all layers."""
     h = values["embed"]
     xp = array_namespace(h)
-    blocks, rows = [], []
-    for layer in weights.layers:
-        if layer.is_block_boundary:
-            blocks.append(h)  # the raw input of this layer
-        h = values[layer.hook_prefix + "prefix_sum"]
-        stack = xp.stack(blocks) if blocks else xp.zeros((0, h.shape[0]), h.dtype)
-        mixed, _ = apply_attn_res_prescored(h, stack, weights.output_attn_res_score, eps)
-        rows.append(rms_norm(mixed, weights.norm, eps))
-    return (weights.lm_head @ xp.stack(rows).T).T
+    stack = SourceBuffer(xp, model.max_sources, h.shape[-1], h.dtype, head.eps)
+    stack.set_current(h)
+    rows = []
+    for spec in model.specs:
+        if spec.is_block_boundary:
+            stack.seal()  # pushes the raw input of this layer, as the decoder does
+        stack.set_current(values[spec.hook_prefix + "prefix_sum"])
+        rows.append(output_hidden(head, stack))
+    return (head.lm_head @ xp.stack(rows).T).T
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -103,32 +104,21 @@ def logit_lens(session, top: int = 5, targets=None) -> LogitLens:
     tokens = np.asarray(session.tokens, dtype=np.int64)
     T, V = len(tokens), w.config.vocab_size
     target_ids = _targets(targets, tokens, V)
-    names = ["embed"] + [layer.hook_prefix + "prefix_sum" for layer in w.layers]
+    names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
     k = min(top, V)
-    top_ids = np.empty((T, len(w.layers), k), np.int64)
-    top_probs = np.empty((T, len(w.layers), k))
-    target_lp = None if target_ids is None else np.full((T, len(w.layers)), np.nan)
-    head = w.head_weights() if is_pipeline(w) else w  # a pipeline's head lives in its last stage
+    lens_ids = np.empty((T, len(w.specs), k), np.int64)
+    top_probs = np.empty((T, len(w.specs), k))
+    target_lp = None if target_ids is None else np.full((T, len(w.specs)), np.nan)
+    head = w.head()  # a pipeline copies its head from its last stage
     for t, values, _ in replay(session, names):
-        logp = log_softmax(to_numpy(lens_logits(head, values)))  # [L, V]
-        ids = _top(logp, k)
-        top_ids[t] = ids
+        logp = log_softmax(to_numpy(lens_logits(w, head, values)))  # [L, V]
+        ids = top_ids(logp, k)
+        lens_ids[t] = ids
         top_probs[t] = np.exp(np.take_along_axis(logp, ids, axis=-1))
         if target_ids is not None and target_ids[t] >= 0:
             target_lp[t] = logp[:, target_ids[t]]
     final_ids = np.argmax(session.logits, axis=-1).astype(np.int64)
-    return LogitLens(list(w.layer_ids), tokens, top_ids, top_probs, final_ids, target_ids, target_lp)
-
-
-def _top(logp: np.ndarray, k: int) -> np.ndarray:
-    """[L, V] -> the k largest ids per row, descending, ties by lower id (as the Recorder).
-
-    A large vocabulary (K3's 163840) is partitioned first: a full sort of every layer's row would cost more than the lens."""
-    if logp.shape[-1] <= 8192:
-        return np.argsort(-logp, axis=-1, kind="stable")[:, :k]
-    part = np.sort(np.argpartition(-logp, k - 1, axis=-1)[:, :k], axis=-1)
-    order = np.argsort(-np.take_along_axis(logp, part, axis=-1), axis=-1, kind="stable")
-    return np.take_along_axis(part, order, axis=-1)
+    return LogitLens(list(w.layer_ids), tokens, lens_ids, top_probs, final_ids, target_ids, target_lp)
 
 
 def _targets(targets, tokens: np.ndarray, V: int):

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..inspection.session_io import weights_fingerprint
+
 __all__ = ["BYTE_CLASSES", "RoutingStats", "byte_class", "routing_stats"]
 
 FORMAT = "kimi_explore.analysis.routing_stats/1"
@@ -176,17 +178,9 @@ class RoutingStats:
                        z["weight_sum"], z["coactivation"], z["class_top1"], header["tokens"], header["texts"], header["model"])
 
 
-def model_fingerprint(weights) -> str:
-    """Config + every router's correction bias: tells two models apart without hashing their experts."""
-    from ..backend import to_numpy
-
-    h = hashlib.sha1(json.dumps(dataclasses.asdict(weights.config), default=str, sort_keys=True).encode())
-    h.update(json.dumps(weights.layer_ids).encode())
-    for layer in weights.layers:
-        bias = getattr(layer.ffn, "e_score_correction_bias", None)
-        if bias is not None:
-            h.update(np.ascontiguousarray(to_numpy(bias), dtype=np.float32).tobytes())
-    return h.hexdigest()
+def model_fingerprint(model) -> str:
+    """Which model the counts come from (config, layer ids, dtype, weight samples: `weights_fingerprint`)."""
+    return json.dumps(weights_fingerprint(model), sort_keys=True)
 
 
 def _text_ids(text, tokenizer, vocab: int) -> list[int]:

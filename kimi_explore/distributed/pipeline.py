@@ -32,14 +32,13 @@ import itertools
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from ..backend import resolve_dtype
 from ..errors import StageLostError
 from ..model.config import KimiDecoderConfig
-from ..model.kimi_decoder import KimiDecodeState, LayerSequence, hook_names, token_index
+from ..model.kimi_decoder import KimiDecodeState, LayerSequence, OutputHead, hook_names, token_index
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
@@ -105,13 +104,6 @@ class PipelineState:
         return f"PipelineState(position {self.position}, {len(self.ids)} stages, ids {self.ids})"
 
 
-def layer_outline(cfg: KimiDecoderConfig, i: int) -> SimpleNamespace:
-    """What layer i is without its arrays: what `hook_names` and a Trace's labels read of a layer."""
-    return SimpleNamespace(index=i, hook_prefix=f"layers.{i}.", is_block_boundary=cfg.is_block_boundary(i),
-                           attention=SimpleNamespace(kind="kda" if cfg.is_kda_layer(i) else "mla"),
-                           ffn=SimpleNamespace(kind="moe" if cfg.is_moe_layer(i) else "dense"))
-
-
 class RayPipeline(LayerSequence):
     """K3 over Ray actors, one per stage (see module docstring).
 
@@ -124,8 +116,6 @@ class RayPipeline(LayerSequence):
     Further keyword arguments go to each stage's `from_pretrained` (layers= picks the layers to
     split; dtype, experts, weight_dtype, expert_cache_size, revision, cache_dir, token, ...).
     """
-
-    is_pipeline = True
 
     def __init__(self, path, *, stages=2, device: str = "cpu", address: str | None = None,
                  actor_options: dict | None = None, layers=None, **load_kwargs):
@@ -142,7 +132,7 @@ class RayPipeline(LayerSequence):
         flat = resolve_layers([i for p in parts for i in p], self.config.num_hidden_layers)  # checks the range
         if layers is not None and flat != ids:
             raise ValueError(f"RayPipeline: the stages' layers {flat} are not layers={ids}")
-        self.layers = [layer_outline(self.config, i) for i in flat]
+        self.specs = [self.config.layer_spec(i) for i in flat]
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False)  # stages' prints (a hook's) reach this process
         options = {"num_gpus": 1} if device == "gpu" else {"num_cpus": 0}
@@ -176,13 +166,18 @@ class RayPipeline(LayerSequence):
             layers += lay
         return globals_, layers
 
-    def head_weights(self) -> SimpleNamespace:
-        """The output head (output mix score, final norm, lm_head) copied to this process, with the
-        config and layers: what the logit lens reads (`analysis.logit_lens.lens_logits`)."""
+    def head(self) -> OutputHead:
+        """The output head (output mix score, final norm, lm_head) copied from the last stage to this
+        process, as host arrays: what the logit lens reads."""
         last = self.stages[-1]
         score, norm, lm_head = self._get([last.actor.head.remote()], [last])[0]
-        return SimpleNamespace(config=self.config, layers=self.layers, output_attn_res_score=score, norm=norm,
-                               lm_head=lm_head)
+        return OutputHead(score, norm, lm_head, self.config.rms_norm_eps)
+
+    def local_weights(self):
+        """An exact attribution reads every layer's weights in one process, which a pipeline does not have."""
+        raise TypeError("this analysis reads every layer's weights in this process, and a RayPipeline keeps them in "
+                        "its stages: save the session (session.save_state(path)), load it over in-process weights "
+                        "(Session.load_state(path, ke.from_pretrained(...))) and run it there")
 
     def __repr__(self) -> str:
         parts = ", ".join(s.describe() + (" LOST" if s.lost else "") for s in self.stages)
@@ -246,7 +241,7 @@ class RayPipeline(LayerSequence):
                 log.setLevel(level)
             self._graph = None
 
-    def fetch_state(self, state: PipelineState) -> KimiDecodeState:
+    def host_state(self, state: PipelineState) -> KimiDecodeState:
         """The whole decode state in this process (host arrays), layer by layer."""
         self._check(state)
         parts = self._get([s.actor.get_state.remote(sid) for s, sid in zip(self.stages, state.ids, strict=True)],
@@ -254,9 +249,9 @@ class RayPipeline(LayerSequence):
         return KimiDecodeState([ls for p in parts for ls in p.layers], state.position)
 
     def put_state(self, host: KimiDecodeState) -> PipelineState:
-        """A pipeline state holding `host`'s layers (as `fetch_state` gives them), each on its stage."""
-        if len(host.layers) != len(self.layers):
-            raise ValueError(f"RayPipeline.put_state: the state has {len(host.layers)} layers, the pipeline {len(self.layers)}")
+        """A pipeline state holding `host`'s layers (as `host_state` gives them), each on its stage."""
+        if len(host.layers) != len(self.specs):
+            raise ValueError(f"RayPipeline.put_state: the state has {len(host.layers)} layers, the pipeline {len(self.specs)}")
         self._check_alive()
         ids, at, calls = [next(self._ids) for _ in self.stages], 0, []
         for s, sid in zip(self.stages, ids, strict=True):
@@ -302,8 +297,8 @@ class RayPipeline(LayerSequence):
         sets = [] if hooks is None else list(getattr(hooks, "hook_sets", [hooks]))
         recorder = next((h for h in sets if isinstance(h, Recorder)), None)
         plain = [h for h in sets if not isinstance(h, Recorder)]
-        handles = [h for hs in plain for h in hs._handles]
-        rec_handles = list(recorder.hooks._handles) if recorder is not None else []
+        handles = [h for hs in plain for h in hs.handles()]
+        rec_handles = recorder.hooks.handles() if recorder is not None else []
         key = (handles, recorder, rec_handles)
         last = self._configured
         if last is None or not (_same(last[0], handles) and last[1] is recorder and _same(last[2], rec_handles)):

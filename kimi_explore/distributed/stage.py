@@ -4,7 +4,7 @@
 exactly what `kimi_forward_token` runs for its layers (`embed_token` first if it is the first
 stage, `run_layers`, `finish_token` last if it is the last), so a staged decode repeats a single
 process's arithmetic on the same inputs: the stack that arrives is the one the previous layer left,
-rows, 1/rms values and all (`pack_stack` / `unpack_stack`).
+rows, 1/rms values and all (`SourceBuffer.pack` / `unpack`).
 
 States live here, under integer ids the driver allocates (`PipelineState` holds one per stage):
 new, copy, drop, fetch to the host, put from the host. They never travel through the driver unless
@@ -24,26 +24,7 @@ from ..inspection.recorder import Recorder
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, embed_token, finish_token, run_layers
 
-__all__ = ["Stage", "pack_records", "pack_stack", "unpack_records", "unpack_stack"]
-
-
-def pack_stack(stack: SourceBuffer) -> tuple:
-    """What the next stage needs of a token's stack: (rows [n+1, d] host copy, their 1/rms [n+1], n)."""
-    n = stack.n
-    inv = stack.inv_rms[: n + 1]
-    return to_numpy(stack.rows[: n + 1]).copy(), list(inv) if stack.host_scalars else to_numpy(inv).copy(), n
-
-
-def unpack_stack(packed: tuple, weights, rows: int) -> SourceBuffer:
-    """The stack as the previous stage left it, with the whole model's capacity `rows`."""
-    cfg, xp = weights.config, weights.xp
-    values, inv, n = packed
-    stack = SourceBuffer(xp, rows, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
-    stack.rows[: n + 1] = xp.asarray(values)
-    stack.inv_rms[: n + 1] = inv if stack.host_scalars else xp.asarray(inv)
-    stack.n = n
-    stack.current = stack.rows[n].copy()
-    return stack
+__all__ = ["Stage", "pack_records", "unpack_records"]
 
 
 def pack_records(records: dict) -> tuple:
@@ -137,9 +118,7 @@ class Stage:
                      for a in (w.output_attn_res_score, w.norm, w.lm_head))
 
     def weight_samples(self) -> tuple[dict, list]:
-        from ..inspection._session_io import weight_samples
-
-        return weight_samples(self.weights)
+        return self.weights.weight_samples()
 
     # ------------------------------------------------------------------ hooks and recording
     def configure(self, hooks: list, recorder: tuple | None) -> None:
@@ -166,10 +145,11 @@ class Stage:
         try:
             if hooks is not None:
                 (hooks.begin_token if self.first else hooks.start_token)(token_id, position)
-            stack = embed_token(w, token_id, hooks, rows=self.rows) if self.first else unpack_stack(packed, w, self.rows)
+            stack = embed_token(w, token_id, hooks, rows=self.rows) if self.first else \
+                SourceBuffer.unpack(packed, w.xp, self.rows, w.dtype, w.config.rms_norm_eps)
             state = self.states[sid]
             run_layers(w, state, stack, hooks)
-            out = to_numpy(finish_token(w, stack, hooks)).copy() if self.last else pack_stack(stack)
+            out = to_numpy(finish_token(w.head(), stack, hooks)).copy() if self.last else stack.pack()
             state.position += 1
             if self.recorder is None:
                 return out, None, position

@@ -1,8 +1,8 @@
 """The grammar of hook names, and the checks that turn a typo into an error instead of silence.
 
 Every name `kimi_forward_token` can fire is "embed", "final.*", "logits", or "layers.{i}.{suffix}"
-for a fixed set of suffixes. The set is derived from the decoder's own `hook_names` (run on
-stand-in layers of every kind), so a site the decoder adds is known here without an edit.
+for a fixed set of suffixes: those of `LayerSpec.site_kinds` for every layer kind (the decoder's own
+site table, `model.config`), so a site the decoder adds is known here without an edit.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import difflib
 import fnmatch
 import functools
 import re
-from types import SimpleNamespace
 
-from ..model.kimi_decoder import ATTENTION_SITES, FFN_SITES, hook_names
+from ..model.config import ATTENTION_SITES, FFN_SITES, FINAL_SITES, FIRST_SITES, LayerSpec
 
 __all__ = ["GLOBAL_NAMES", "LAYER_NAME", "LAYER_SUFFIXES", "check_pattern", "hook_grammar", "is_glob"]
 
@@ -22,18 +21,9 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 def _grammar() -> tuple[frozenset, frozenset]:
-    """(global names, per-layer suffixes): every name `hook_names` can produce for any layer kind.
-
-    Derived from the decoder's own `hook_names` on stand-in layers of every kind, so a site the
-    decoder adds is known here without editing this file.
-    """
-    kinds = [(att, ffn) for att in ATTENTION_SITES for ffn in FFN_SITES]
-    stand_ins = [SimpleNamespace(index=i, hook_prefix=f"layers.{i}.", is_block_boundary=True,
-                                 attention=SimpleNamespace(kind=att), ffn=SimpleNamespace(kind=ffn))
-                 for i, (att, ffn) in enumerate(kinds)]
-    names = hook_names(SimpleNamespace(layers=stand_ins))
-    suffixes = {m.group(2) for m in map(LAYER_NAME.match, names) if m}
-    return frozenset(n for n in names if not LAYER_NAME.match(n)), frozenset(suffixes)
+    """(global names, per-layer suffixes): every name any layer kind can fire."""
+    suffixes = {s for att in ATTENTION_SITES for ffn in FFN_SITES for s in LayerSpec(0, att, ffn, True).site_kinds(True)}
+    return frozenset(FIRST_SITES + FINAL_SITES), frozenset(suffixes)
 
 
 GLOBAL_NAMES, LAYER_SUFFIXES = _grammar()

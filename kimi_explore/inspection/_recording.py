@@ -12,7 +12,7 @@ import json
 from typing import NamedTuple
 
 from .._xp import array_namespace
-from ..backend import on_host
+from .topk import top_predictions
 
 BUFFER_BYTES = 4 << 20  # reuse one scratch buffer per shape up to this size; larger inputs go array by array
 
@@ -48,28 +48,6 @@ class RowSquares:
         buf, left, right = views
         xp.concatenate(arrays, out=buf)
         return xp.matmul(left, right).reshape(n, rows_each)
-
-
-def stable_argsort(a, axis: int = -1):
-    """NumPy needs kind="stable"; CuPy's argsort is always stable and takes no `kind`."""
-    xp = array_namespace(a)
-    return xp.argsort(a, axis=axis, kind="stable") if on_host(xp) else xp.argsort(a, axis=axis)
-
-
-def top_predictions(logits, k: int):
-    """logits [..., V] -> (ids [..., k] by probability descending, ties by lower id; softmax probabilities [..., k]).
-
-    A full stable sort for small vocabularies (fewest calls), a partition first for large ones.
-    """
-    xp, V = array_namespace(logits), logits.shape[-1]
-    k = min(k, V)
-    if V <= 8192:
-        ids = stable_argsort(-logits)[..., :k]
-    else:
-        part = xp.sort(xp.argpartition(-logits, k - 1, axis=-1)[..., :k], axis=-1)
-        ids = xp.take_along_axis(part, stable_argsort(-xp.take_along_axis(logits, part, axis=-1)), axis=-1)
-    e = xp.exp(logits - xp.take_along_axis(logits, ids[..., :1], axis=-1))  # the top logit is the max
-    return ids, xp.take_along_axis(e, ids, axis=-1) / e.sum(axis=-1, keepdims=True)
 
 
 def take(stash: dict) -> tuple[list, list]:
@@ -160,9 +138,9 @@ def model_meta(weights) -> dict:
     cfg = weights.config
     return {
         "layer_ids": [int(i) for i in weights.layer_ids],
-        "attention_kinds": [layer.attention.kind for layer in weights.layers],
-        "ffn_kinds": [layer.ffn.kind for layer in weights.layers],
-        "block_boundaries": [int(layer.index) for layer in weights.layers if layer.is_block_boundary],
+        "attention_kinds": [spec.attention for spec in weights.specs],
+        "ffn_kinds": [spec.ffn for spec in weights.specs],
+        "block_boundaries": [int(spec.index) for spec in weights.specs if spec.is_block_boundary],
         "max_sources": int(weights.max_sources),
         "num_experts": int(cfg.num_experts),
         "top_k": int(cfg.num_experts_per_token),

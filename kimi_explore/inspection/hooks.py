@@ -8,8 +8,18 @@
 
 A hook is `fn(value, *, hook) -> value | None` (TransformerLens's contract): `hook` is a `HookPoint`
 (`.name`, `.layer`, `.kind`, `.position`); returning an array replaces the value downstream, None
-keeps it. Several hooks on one site run in the order they were added, each seeing the value the
-previous one returned. The decoder calls `fire(name, value)` at every site of `hook_names(weights)`;
+keeps it.
+
+The rule, for every site of `hook_names(weights)` (tests/test_hooks.py walks them all): a returned
+value is what the rest of the forward pass reads, never dropped. Where the value is state, the state
+keeps it (`kda.conv`: the window, which the short conv then reads; `kda.state`: the recurrent
+matrix, which the read-out then reads); `final.block_residual` replaces the sealed blocks the output
+mix reads; new `moe.router.topk_ids` are re-weighted from the scores. A replacement must have the
+value's shape (only the routing sites may change k), live where the value lives (host or GPU), and
+be an array: anything else raises at once, naming the hook and the site.
+
+Several hooks on one site run in the order they were added, each seeing the value the previous one
+returned. The decoder calls `fire(name, value)` at every site of `hook_names(weights)`;
 with `hooks=None` each site costs one `is None` check, and a site nobody listens to costs one dict
 lookup here (the name -> functions resolution is cached and rebuilt only when hooks change).
 
@@ -147,7 +157,7 @@ class Hooks:
 
     def extend(self, other: Hooks) -> list[HookHandle]:
         """Attach every hook of `other` (in its order) to this set; returns the new handles."""
-        return [self.add(h.pattern, h.fn, names_filter=h.names_filter) for h in other._handles]
+        return [self.add(h.pattern, h.fn, names_filter=h.names_filter) for h in other.handles()]
 
     def __add__(self, other: Hooks) -> Hooks:
         """A new Hooks holding this set's hooks, then `other`'s (e.g. two interventions at once)."""
@@ -201,6 +211,10 @@ class Hooks:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    def handles(self) -> list[HookHandle]:
+        """The attached hooks, in order (a new list; each handle has `.pattern`, `.names_filter`, `.fn`)."""
+        return list(self._handles)
 
     def copy(self, observer=None) -> Hooks:
         """A new Hooks with the same functions attached (the functions themselves are shared), bound

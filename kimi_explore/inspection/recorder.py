@@ -49,8 +49,9 @@ import numpy as np
 
 from ..backend import on_host
 from ._hook_grammar import LAYER_NAME
-from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host, top_predictions
+from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host
 from .hooks import Hooks, check_pattern, is_glob
+from .topk import top_predictions
 from .trace import Trace
 
 __all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
@@ -164,7 +165,7 @@ class Recorder:
         self.hooks.bind(weights_or_names if names is None else names)
         for p in self._filter_patterns + self._full_patterns:
             check_pattern(p, self.hooks.names, "Recorder pattern")
-        if hasattr(weights_or_names, "layers"):
+        if hasattr(weights_or_names, "specs"):
             self.meta = model_meta(weights_or_names)
             self._on_device = not on_host(weights_or_names.xp)
             self.hooks.refresh()

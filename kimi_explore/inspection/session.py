@@ -28,13 +28,12 @@ truncates, raise it to save memory.
 
 The whole history is one explicit record, `SessionSnapshot`: `snapshot()` returns it, `restore()`
 takes it, `fork()` builds a new Session and restores a copy into it, and a session file
-(`_session_io`) holds one.
+(`session_io`) holds one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -42,40 +41,11 @@ import numpy as np
 from ..backend import to_numpy
 from ..errors import StageLostError
 from ..model.kimi_decoder import KimiDecodeState
-from ._decoding import forward, is_pipeline, new_state
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
+from .session_io import SessionSnapshot, load_session, save_session
 
 __all__ = ["Session", "SessionSnapshot"]
-
-
-@dataclasses.dataclass
-class SessionSnapshot:
-    """A session's whole history: what `snapshot()` returns, `restore()` takes and a session file holds.
-
-    weights_id:  id() of the weights the history was decoded with (restore checks it)
-    state:       the decode state after all `tokens` (a private copy)
-    tokens:      [T] token ids
-    logits:      T host arrays [vocab]; never written after they are stored
-    modified:    [T] bools: token t was decoded with hooks that may change values
-    checkpoints: {t: decode state after the first t tokens}; never written either
-    records:     the recorder's `state_dict()`, or None when the session records nothing
-    """
-
-    weights_id: int
-    state: KimiDecodeState
-    tokens: list
-    logits: list
-    modified: list
-    checkpoints: dict
-    records: dict | None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __repr__(self) -> str:
-        records = "on" if self.records is not None else "off"
-        return f"SessionSnapshot({len(self)} tokens, {len(self.checkpoints)} checkpoints, records {records})"
 
 
 class Session:
@@ -95,7 +65,7 @@ class Session:
         if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
             raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every
-        self.state = new_state(weights)
+        self.state = weights.new_state()
         self._tokens: list[int] = []
         self._logits: list[np.ndarray] = []  # host copies, never written after they are stored
         self._stacked = None  # `logits` as one read-only array, until the history changes
@@ -153,7 +123,7 @@ class Session:
             hooks.begin_token(token_id if isinstance(token_id, (int, np.integer)) else None, t)
         modified = self._may_modify()
         try:
-            logits = forward(self.weights, self.state, token_id, hooks)
+            logits = self.weights.forward_token(self.state, token_id, hooks)
             host = np.array(to_numpy(logits), copy=True)
         except StageLostError:
             if self.recorder is not None:  # the history stays as it was before this token; `recover()` rebuilds the state
@@ -219,13 +189,13 @@ class Session:
     def _state_after(self, t: int) -> KimiDecodeState:
         """The exact decode state after the first t tokens of the history."""
         c = max([k for k in self._checkpoints if k <= t], default=0)
-        state = self._checkpoints[c].copy() if c else new_state(self.weights)
+        state = self._checkpoints[c].copy() if c else self.weights.new_state()
         changed = [s for s in range(c, t) if self._modified[s]]
         if changed:
             raise RuntimeError(f"cannot rebuild the state after {t} tokens exactly: tokens {changed} were decoded with "
                                f"value-changing hooks and no checkpoint after them is kept (nearest: {c})")
         for s in range(c, t):
-            forward(self.weights, state, self._tokens[s])
+            self.weights.forward_token(state, self._tokens[s])
         return state
 
     def _recover(self, t: int) -> None:
@@ -266,8 +236,6 @@ class Session:
         with the session's hooks (`session.hooks` and the recorder's). Every replayed token's logits
         must equal the stored ones bit for bit, so the session continues exactly as if nothing had
         happened; records are the driver's and are kept. Returns the restarted stages' numbers."""
-        if not is_pipeline(self.weights):
-            raise TypeError("Session.recover is for sessions over a RayPipeline; these weights live in this process")
         restarted = self.weights.restart_lost_stages()
         sets = [h for h in (self.hooks, self.recorder.hooks.copy() if self.recorder is not None else None) if h]
         hooks = HookChain(*sets) if sets else None
@@ -287,11 +255,11 @@ class Session:
     def _replay(self, hooks, n: int, keep: set):
         """Decode the first n tokens from a fresh state: (state, {t in keep: state copy}, first token whose
         logits differ from the stored ones, or None)."""
-        state, checkpoints = new_state(self.weights), {}
+        state, checkpoints = self.weights.new_state(), {}
         for t, token in enumerate(self._tokens[:n]):
             if hooks is not None:
                 hooks.begin_token(token, t)
-            if not np.array_equal(to_numpy(forward(self.weights, state, token, hooks)), self._logits[t]):
+            if not np.array_equal(to_numpy(self.weights.forward_token(state, token, hooks)), self._logits[t]):
                 return state, checkpoints, t
             if t + 1 in keep:
                 checkpoints[t + 1] = state.copy()
@@ -343,8 +311,6 @@ class Session:
         checkpoints=False leaves the kept state copies out (smaller file; a loaded session can then
         truncate exactly only over tokens decoded without value-changing hooks).
         """
-        from ._session_io import save_session
-
         return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints)
 
     @classmethod
@@ -352,8 +318,6 @@ class Session:
         """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs).
 
         recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
-        from ._session_io import load_session
-
         snap, saved = load_session(path, weights)
         if recorder is True:
             recorder = Recorder(**saved.recorder) if saved.recorder is not None else False

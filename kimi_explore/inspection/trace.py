@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..model.block_residual import source_labels
+
 __all__ = ["Trace"]
 
 FORMAT = "kimi_explore.inspection.trace/1"
@@ -169,10 +171,10 @@ class Trace:
 
     def source_labels(self) -> list[str]:
         """Labels of the source axis: ["embedding", "block 1", ..., "block m-1", "current"]."""
-        S = self.max_sources
         bounds = self.meta.get("block_boundaries")
-        first = "embedding" if not bounds or bounds[0] == 0 else f"input of layer {bounds[0]}"
-        return ([first] if S > 1 else []) + [f"block {j}" for j in range(1, S - 1)] + ["current"]
+        if bounds is None:  # a trace made without the model's description: as if layer 0 pushed first
+            bounds = list(range(self.max_sources - 1))
+        return source_labels(bounds)
 
     # ------------------------------------------------------------------ named-axis views
     def _place(self, w: np.ndarray, out: np.ndarray) -> None:

@@ -22,6 +22,26 @@ from .._xp import array_namespace
 from ..backend import on_host, to_numpy
 
 
+def source_labels(block_boundaries: list[int]) -> list[str]:
+    """Names of the sources the output mix reads, in stack order: the first block ("embedding", or the
+    input of the first pushing layer of a layer subset), "block 1", ..., and the running sum "current"."""
+    if not block_boundaries:
+        return ["current"]
+    first = "embedding" if block_boundaries[0] == 0 else f"input of layer {block_boundaries[0]}"
+    return [first] + [f"block {j}" for j in range(1, len(block_boundaries))] + ["current"]
+
+
+def source_of_layers(specs) -> list[int]:
+    """The push rule as indices into the final stack: [source of the embedding] + [source layer i's outputs
+    land in, for each layer]. A pushing layer seals the running sum before its attention, so its own
+    outputs start the next source."""
+    out, n = [0], 0
+    for spec in specs:
+        n += spec.is_block_boundary
+        out.append(n)
+    return out
+
+
 def apply_attn_res_prescored(prefix_sum, block_residual, score_weight, eps: float):
     """The GGUF form, with the fused score vector `norm_weight * proj_weight`.
 
@@ -114,3 +134,31 @@ class SourceBuffer:
     @property
     def blocks(self):
         return self.rows[: self.n]
+
+    def replace_blocks(self, blocks) -> None:
+        """Make `blocks` [n, d] the sealed blocks (a hook's replacement), their 1/rms recomputed."""
+        n, current = self.n, self.current
+        self.n = 0
+        for b in blocks:
+            self.set_current(b)
+            self.seal()
+        self.n = n
+        self.set_current(current)
+
+    def pack(self) -> tuple:
+        """What another process needs to continue this token: (rows [n+1, d] host copy, their 1/rms [n+1], n)."""
+        n = self.n
+        inv = self.inv_rms[: n + 1]
+        return to_numpy(self.rows[: n + 1]).copy(), list(inv) if self.host_scalars else to_numpy(inv).copy(), n
+
+    @classmethod
+    def unpack(cls, packed: tuple, xp, rows: int, dtype, eps: float) -> SourceBuffer:
+        """`pack`'s inverse with capacity `rows`: the stack exactly as it was, rows, 1/rms values and all."""
+        values, inv, n = packed
+        d = values.shape[-1]
+        stack = cls(xp, rows, d, dtype, eps)
+        stack.rows[: n + 1] = xp.asarray(values)
+        stack.inv_rms[: n + 1] = inv if stack.host_scalars else xp.asarray(inv)
+        stack.n = n
+        stack.current = stack.rows[n].copy()
+        return stack

@@ -17,6 +17,55 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
+# The hook sites each component fires, in firing order (the decoder fires exactly these; `hook_names`,
+# the grammar of hook names and every outline of a layer derive from this table).
+ATTENTION_SITES = {
+    "kda": ("kda.conv", "kda.conv_out", "kda.q", "kda.k", "kda.v", "kda.beta", "kda.decay", "kda.gate", "kda.state", "kda.o"),
+    "mla": ("mla.q_latent", "mla.kv_latent", "mla.probs", "mla.o"),
+}
+FFN_SITES = {
+    "dense": (),
+    "moe": ("moe.router.scores", "moe.router.topk_ids", "moe.router.topk_weights", "moe.experts_out", "moe.routed_out",
+            "moe.shared_out"),
+}
+FIRST_SITES = ("embed",)
+FINAL_SITES = ("final.block_residual", "final.attn_res.weights", "final.hidden", "logits")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's outline: what a model (weights here, or a pipeline's stages) says of layer `index`
+    without its arrays. The decoder, `hook_names`, a Trace's labels and a pipeline all read it."""
+
+    index: int  # 0-based layer index in the full model
+    attention: str  # "kda" | "mla"
+    ffn: str  # "dense" | "moe"
+    is_block_boundary: bool  # pushes its raw input onto the block stack (after its attention-site mix)
+
+    @property
+    def kind(self) -> str:
+        """'kda+dense', 'kda+moe', 'mla+moe', ..."""
+        return f"{self.attention}+{self.ffn}"
+
+    @property
+    def hook_prefix(self) -> str:
+        return f"layers.{self.index}."
+
+    def site_kinds(self, mixes_attention: bool) -> tuple[str, ...]:
+        """The layer's sites (without the "layers.{i}." prefix), in firing order. `mixes_attention`: a block
+        is sealed before this layer, so its attention-site mix runs (every layer after the first pushing one)."""
+        return (("attn_res.attn.weights",) if mixes_attention else ()) + ("attn.in",) + ATTENTION_SITES[self.attention] + \
+            ("attn.out", "attn_res.ffn.weights", "ffn.in") + FFN_SITES[self.ffn] + ("ffn.out", "prefix_sum")
+
+
+def site_names(specs) -> list[str]:
+    """Every hook site a model with these layer specs fires, in firing order."""
+    names, sealed = list(FIRST_SITES), False
+    for spec in specs:
+        names += [spec.hook_prefix + s for s in spec.site_kinds(sealed)]
+        sealed = sealed or spec.is_block_boundary
+    return names + list(FINAL_SITES)
+
 
 @dataclass(frozen=True)
 class LinearAttnConfig:
@@ -72,6 +121,11 @@ class KimiDecoderConfig:
     pad_token_id: int | None = None
 
     # ---- the one place that maps a 0-based layer index to its kind ----
+    def layer_spec(self, i: int) -> LayerSpec:
+        """What layer i is, without its arrays: its kinds, whether it seals a block, its hook sites."""
+        return LayerSpec(i, "kda" if self.is_kda_layer(i) else "mla", "moe" if self.is_moe_layer(i) else "dense",
+                         self.is_block_boundary(i))
+
     def is_kda_layer(self, i: int) -> bool:
         return (i + 1) in self.linear_attn_config.kda_layers
 
@@ -84,8 +138,7 @@ class KimiDecoderConfig:
 
     def layer_kind(self, i: int) -> str:
         """'kda+dense', 'kda+moe', 'mla+moe', ... for tables and plots."""
-        attn = "kda" if self.is_kda_layer(i) else "mla"
-        return f"{attn}+{'moe' if self.is_moe_layer(i) else 'dense'}"
+        return self.layer_spec(i).kind
 
     # ---- derived widths ----
     @property

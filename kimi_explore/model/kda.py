@@ -108,8 +108,13 @@ def delta_rule_read(S, q):
     return array_namespace(S).matmul(q[:, None, :], S)[:, 0]
 
 
-def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
+def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     """x: [d] (input_layernorm output) -> [d]; advances `state` in place.
+
+    hooks/names: `hooks.fire(names[site], value)` at each site of `ATTENTION_SITES["kda"]`, in that order;
+    a returned value is used downstream: the window (`kda.conv`, kept in the state), the conv outputs
+    before the L2 norm (`kda.conv_out` [3, H, K]), q, k, v, beta, decay, gate, the updated state
+    (`kda.state`, kept), the read-out o = S^T q before the gated norm (`kda.o` [H, V]).
 
     Written for few array operations (on a tiny model their count and kind, not FLOPs, are the
     cost): one fused projection, the window shifted as one flat contiguous copy, the conv's and the
@@ -127,6 +132,10 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
     flat[:-1] = flat[1:].copy()
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
+    if hooks is not None:
+        new = hooks.fire(names["kda.conv"], window)
+        if new is not window:
+            window[...] = new
     pre = (window * w.conv) @ w.taps_ones  # [3, P]
     decay_in = ((w.f_b_proj @ y[4 * P + H :]).reshape(H, K) + w.dt_bias) * w.A  # A (f + dt_bias)  [H, K]
     # one sigmoid for all four: the conv outputs (SiLU(c) = c sigmoid(c)), the output gate, beta, the decay
@@ -135,27 +144,30 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, prefix: str = ""):
     qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
     gate, beta = sig[3 * P : 4 * P].reshape(H, K), sig[4 * P : 4 * P + H]
     alpha = xp.exp(w.lower_bound * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
+    if hooks is not None:
+        qkv = hooks.fire(names["kda.conv_out"], qkv)
 
     qk = qkv[:2]
     sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head
     qk = qk * (w.qk_scale / xp.sqrt(sq + L2NORM_EPS))
     q, k, v = qk[0], qk[1], qkv[2]
     if hooks is not None:
-        q = hooks.fire(prefix + "kda.q", q)
-        k = hooks.fire(prefix + "kda.k", k)
-        v = hooks.fire(prefix + "kda.v", v)
-        beta = hooks.fire(prefix + "kda.beta", beta)
-        alpha = hooks.fire(prefix + "kda.decay", alpha)
-        gate = hooks.fire(prefix + "kda.gate", gate)
+        q = hooks.fire(names["kda.q"], q)
+        k = hooks.fire(names["kda.k"], k)
+        v = hooks.fire(names["kda.v"], v)
+        beta = hooks.fire(names["kda.beta"], beta)
+        alpha = hooks.fire(names["kda.decay"], alpha)
+        gate = hooks.fire(names["kda.gate"], gate)
 
     S = state.recurrent
     delta_rule_update(S, k, v, alpha, beta)
     if hooks is not None:
-        hooks.fire(prefix + "kda.conv", window)
-        new = hooks.fire(prefix + "kda.state", S)
+        new = hooks.fire(names["kda.state"], S)
         if new is not S:
             S[...] = new
     o = delta_rule_read(S, q)
+    if hooks is not None:
+        o = hooks.fire(names["kda.o"], o)
     # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
     sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
     o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + K * w.eps)

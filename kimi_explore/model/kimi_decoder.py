@@ -1,6 +1,6 @@
 """The K3 decoder: weights, decode state, and `kimi_forward_token` (one token through every layer).
 
-Per token (spec section 6.2), starting with h = embed(token) and an EMPTY block stack:
+Per token, starting with h = embed(token) and an EMPTY block stack (HF's `_forward_attn_residual`):
 
     for each layer i (`decoder_layer`):
         x = attn_res(h, stack, self_attention_res) if stack else h
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Union
 
 from .block_residual import SourceBuffer
-from .config import KimiDecoderConfig
+from .config import KimiDecoderConfig, LayerSpec, site_names
 from .kda import KdaState, KdaWeights, kda_step
 from .latent_moe import LatentMoeWeights, latent_moe
 from .mla import MlaState, MlaWeights, mla_step
@@ -46,9 +46,11 @@ __all__ = [
     "KimiLayerAttention",
     "KimiLayerFfn",
     "KimiLayerState",
+    "OutputHead",
     "decoder_layer",
     "embed_token",
     "finish_token",
+    "output_hidden",
     "hook_names",
     "kimi_forward_token",
     "run_layers",
@@ -73,29 +75,46 @@ class KimiDecoderLayerWeights:
     ffn: KimiLayerFfn
     is_block_boundary: bool
 
+    def __post_init__(self):
+        self.spec = LayerSpec(self.index, self.attention.kind, self.ffn.kind, self.is_block_boundary)
+        # every site's full name, bound once (the hot path never builds a name): site kind -> "layers.{i}.kind"
+        self.names = {kind: self.spec.hook_prefix + kind for kind in self.spec.site_kinds(True)}
+
     @property
     def hook_prefix(self) -> str:
-        return f"layers.{self.index}."
+        return self.spec.hook_prefix
 
     @property
     def kind(self) -> str:
         """'kda+dense', 'kda+moe', 'mla+moe', ... (as `KimiDecoderConfig.layer_kind`)."""
-        return f"{self.attention.kind}+{self.ffn.kind}"
+        return self.spec.kind
 
 
 class LayerSequence:
-    """What a model's `layers` say, wherever their arrays are (here, or in a pipeline's stages)."""
+    """What a model's layer outlines (`specs`, one `LayerSpec` per loaded layer) say, wherever their
+    arrays are (here, or in a pipeline's stages)."""
 
-    layers: list
+    specs: list
 
     @property
     def layer_ids(self) -> list[int]:
-        return [layer.index for layer in self.layers]
+        return [spec.index for spec in self.specs]
 
     @property
     def max_sources(self) -> int:
         """Rows of the per-token source buffer: every push, plus the current running sum."""
-        return sum(layer.is_block_boundary for layer in self.layers) + 1
+        return sum(spec.is_block_boundary for spec in self.specs) + 1
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """What turns a token's block stack into logits: the output mix's score vector [d], the final
+    RMSNorm's weight [d] and eps, lm_head [vocab, d] (on the model's array backend)."""
+
+    attn_res_score: object
+    norm: object
+    lm_head: object
+    eps: float
 
 
 @dataclass
@@ -118,6 +137,48 @@ class KimiDecoderWeights(LayerSequence):
     extra: dict = field(default_factory=dict)  # how it was loaded: experts mode, cache size, weight_dtype, ...
     workspace: object = None  # weights.workspace.Workspace: this model's scratch (bf16 widening, dequantised experts, threads)
 
+    @property
+    def specs(self) -> list[LayerSpec]:
+        return [layer.spec for layer in self.layers]
+
+    # ---- the model interface: a `RayPipeline` answers the same calls, so callers never ask which they hold ----
+    def new_state(self) -> KimiDecodeState:
+        """An empty decode state."""
+        return KimiDecodeState.new(self)
+
+    def forward_token(self, state: KimiDecodeState, token_id, hooks=None):
+        """`kimi_forward_token`: logits [vocab] on this model's backend; `state` advanced in place."""
+        return kimi_forward_token(self, state, token_id, hooks)
+
+    def head(self) -> OutputHead:
+        """The output head (what a logit lens reads after every layer)."""
+        if self.lm_head is None:
+            raise ValueError("these weights were loaded with head=False: they have no output head")
+        return OutputHead(self.output_attn_res_score, self.norm, self.lm_head, self.config.rms_norm_eps)
+
+    def local_weights(self) -> KimiDecoderWeights:
+        """Every layer's arrays in this process (what an exact attribution reads): these weights."""
+        return self
+
+    def host_state(self, state: KimiDecodeState) -> KimiDecodeState:
+        """The state in this process (its arrays on the weights' backend), e.g. to save it."""
+        return state
+
+    def put_state(self, state: KimiDecodeState) -> KimiDecodeState:
+        """A decode state for these weights from `host_state`'s form (the arrays already on the backend)."""
+        return state
+
+    def restart_lost_stages(self) -> list[int]:
+        """A RayPipeline restarts its lost stages here; weights in this process have none to lose."""
+        raise TypeError("Session.recover() is for sessions over a RayPipeline, whose stages can be lost; these "
+                        "weights live in this process")
+
+    def weight_samples(self) -> tuple[dict, list]:
+        """Samples of every weight tensor for a session file's fingerprint (`model.fingerprint`)."""
+        from .fingerprint import weight_samples
+
+        return weight_samples(self)
+
     def memory_report(self):
         """Resident bytes by component (see `kimi_explore.weights.memory`)."""
         from ..weights.memory import memory_report
@@ -126,7 +187,7 @@ class KimiDecoderWeights(LayerSequence):
 
     def __repr__(self) -> str:
         """One line: the dataclass default prints every array (~350,000 characters for the tiny model)."""
-        cfg, kinds = self.config, [self.config.layer_kind(i) for i in self.layer_ids]
+        cfg, kinds = self.config, [spec.kind for spec in self.specs]
         n_kda, n_moe = sum(k.startswith("kda") for k in kinds), sum(k.endswith("moe") for k in kinds)
         return (f"KimiDecoderWeights({len(kinds)} of {cfg.num_hidden_layers} layers ({n_kda} KDA, {len(kinds) - n_kda} MLA; "
                 f"{n_moe} MoE, {cfg.num_experts} experts top-{cfg.num_experts_per_token}), hidden {cfg.hidden_size}, "
@@ -205,7 +266,7 @@ def kimi_forward_token(weights: KimiDecoderWeights, state: KimiDecodeState, toke
     _check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
     stack = embed_token(weights, token_id, hooks)
     run_layers(weights, state, stack, hooks)
-    logits = finish_token(weights, stack, hooks)
+    logits = finish_token(weights.head(), stack, hooks)
     state.position += 1
     return logits
 
@@ -218,9 +279,9 @@ def embed_token(weights: KimiDecoderWeights, token_id, hooks=None, rows: int | N
     """
     cfg = weights.config
     tid = token_index(token_id, cfg.vocab_size)
-    fire = _unhooked if hooks is None else hooks.fire
     stack = SourceBuffer(weights.xp, rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
-    stack.set_current(fire("embed", weights.embed_tokens[tid]))
+    h = weights.embed_tokens[tid]
+    stack.set_current(h if hooks is None else hooks.fire("embed", h))
     return stack
 
 
@@ -239,15 +300,25 @@ def _check_state(weights: KimiDecoderWeights, state: KimiDecodeState) -> None:
         )
 
 
-def finish_token(weights: KimiDecoderWeights, stack: SourceBuffer, hooks=None):
+def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
     """The output mix over the stack, the final norm and lm_head: logits [vocab]."""
+    logits = head.lm_head @ output_hidden(head, stack, hooks)
+    return logits if hooks is None else hooks.fire("logits", logits)
+
+
+def output_hidden(head: OutputHead, stack: SourceBuffer, hooks=None):
+    """The output mix over the stack and the final norm: the hidden vector lm_head reads [d].
+
+    `final.block_residual` ([n, d], the sealed blocks) fires first: a returned array replaces the
+    blocks the output mix reads. (A logit lens runs this on the stack after every layer.)"""
     fire = _unhooked if hooks is None else hooks.fire
-    p = stack.weights(weights.output_attn_res_score)
     if hooks is not None:
-        hooks.fire("final.block_residual", stack.blocks)
-    p = fire("final.attn_res.weights", p)
-    hidden = fire("final.hidden", rms_norm(stack.mix(p), weights.norm, weights.config.rms_norm_eps))
-    return fire("logits", weights.lm_head @ hidden)
+        blocks = stack.blocks
+        new = hooks.fire("final.block_residual", blocks)
+        if new is not blocks:
+            stack.replace_blocks(new)
+    p = fire("final.attn_res.weights", stack.weights(head.attn_res_score))
+    return fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
 
 
 def decoder_layer(layer: KimiDecoderLayerWeights, state: KimiLayerState, stack: SourceBuffer, cfg: KimiDecoderConfig,
@@ -258,19 +329,19 @@ def decoder_layer(layer: KimiDecoderLayerWeights, state: KimiLayerState, stack: 
     mix(score) is the stack's softmax mix of [blocks..., h] (`SourceBuffer`); `fire` passes each value
     through the hooks at its site (the identity without hooks).
     """
-    fire, pre, eps = _unhooked if hooks is None else hooks.fire, layer.hook_prefix, cfg.rms_norm_eps
+    fire, names, eps = _unhooked if hooks is None else hooks.fire, layer.names, cfg.rms_norm_eps
     h = stack.current
-    x = stack.mix(fire(pre + "attn_res.attn.weights", stack.weights(layer.attn_res_score))) if stack.n else h
+    x = stack.mix(fire(names["attn_res.attn.weights"], stack.weights(layer.attn_res_score))) if stack.n else h
     if layer.is_block_boundary:
         stack.seal()  # pushes the RAW input h, already the stack's current row
-    x = fire(pre + "attn.in", rms_norm(x, layer.input_layernorm, eps))
-    a = fire(pre + "attn.out", _attention(x, layer, state, hooks))
+    x = fire(names["attn.in"], rms_norm(x, layer.input_layernorm, eps))
+    a = fire(names["attn.out"], _attention(x, layer, state, hooks))
     stack.set_current(a if layer.is_block_boundary else h + a)  # a block boundary restarts the running sum
 
-    y = stack.mix(fire(pre + "attn_res.ffn.weights", stack.weights(layer.mlp_res_score)))
-    y = fire(pre + "ffn.in", rms_norm(y, layer.post_attention_layernorm, eps))
-    f = fire(pre + "ffn.out", _ffn(y, layer, cfg, hooks))
-    stack.set_current(fire(pre + "prefix_sum", stack.current + f))
+    y = stack.mix(fire(names["attn_res.ffn.weights"], stack.weights(layer.mlp_res_score)))
+    y = fire(names["ffn.in"], rms_norm(y, layer.post_attention_layernorm, eps))
+    f = fire(names["ffn.out"], _ffn(y, layer, cfg, hooks))
+    stack.set_current(fire(names["prefix_sum"], stack.current + f))
 
 
 def _unhooked(name: str, value):
@@ -279,35 +350,15 @@ def _unhooked(name: str, value):
 
 def _attention(x, layer: KimiDecoderLayerWeights, state: KimiLayerState, hooks):
     step = kda_step if layer.attention.kind == "kda" else mla_step
-    return step(x, layer.attention, state.attention, hooks, layer.hook_prefix)
+    return step(x, layer.attention, state.attention, hooks, layer.names)
 
 
 def _ffn(y, layer: KimiDecoderLayerWeights, cfg: KimiDecoderConfig, hooks):
     if layer.ffn.kind == "moe":
-        return latent_moe(y, layer.ffn, hooks, layer.hook_prefix)
+        return latent_moe(y, layer.ffn, hooks, layer.names)
     return dense_mlp(y, layer.ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
 
-# the sites each component fires, in firing order, by kind (hook_names, and the grammar of hook names)
-ATTENTION_SITES = {"kda": tuple(f"kda.{s}" for s in ("q", "k", "v", "beta", "decay", "gate", "conv", "state")),
-                   "mla": ("mla.probs",)}
-FFN_SITES = {"dense": (), "moe": ("moe.router.scores", "moe.router.topk_ids", "moe.router.topk_weights",
-                                  "moe.routed_out", "moe.shared_out")}
-
-
-def hook_names(weights: KimiDecoderWeights) -> list[str]:
-    """Every hook point `kimi_forward_token` fires for these weights, in firing order."""
-    names = ["embed"]
-    stacked = 0
-    for layer in weights.layers:
-        pre = layer.hook_prefix
-        if stacked:
-            names.append(pre + "attn_res.attn.weights")
-        stacked += layer.is_block_boundary
-        names.append(pre + "attn.in")
-        names += [pre + s for s in ATTENTION_SITES[layer.attention.kind]]
-        names += [pre + "attn.out", pre + "attn_res.ffn.weights", pre + "ffn.in"]
-        names += [pre + s for s in FFN_SITES[layer.ffn.kind]]
-        names += [pre + "ffn.out", pre + "prefix_sum"]
-    names += ["final.block_residual", "final.attn_res.weights", "final.hidden", "logits"]
-    return names
+def hook_names(model) -> list[str]:
+    """Every hook point `kimi_forward_token` fires for this model (weights or a pipeline), in firing order."""
+    return site_names(model.specs)

@@ -150,28 +150,35 @@ def expert_outputs(experts, ids, z, act):
     return xp.matmul(w2, a[:, :, None])[:, :, 0]
 
 
-def latent_moe(x, w: LatentMoeWeights, hooks=None, prefix: str = ""):
-    """x: [d] (post_attention_layernorm output) -> [d]."""
+def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
+    """x: [d] (post_attention_layernorm output) -> [d].
+
+    hooks/names: `hooks.fire(names[site], value)` at each site of `FFN_SITES["moe"]`; a returned value is
+    used downstream (new `topk_ids` are re-weighted from the scores; `experts_out` [l] is the weighted
+    sum of the experts' outputs before the latent norm).
+    """
     E, l = w.num_experts, w.latent_size
     y = w.in_proj @ x
     scores = sigmoid(y[:E])
     if hooks is not None:
-        scores = hooks.fire(prefix + "moe.router.scores", scores)
+        scores = hooks.fire(names["moe.router.scores"], scores)
     ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
     if hooks is not None:
-        ids = hooks.fire(prefix + "moe.router.topk_ids", ids)
+        ids = hooks.fire(names["moe.router.topk_ids"], ids)
     weights = routing_weights(scores, ids, w.renormalize, w.routed_scaling_factor)
     if hooks is not None:
-        weights = hooks.fire(prefix + "moe.router.topk_weights", weights)
+        weights = hooks.fire(names["moe.router.topk_weights"], weights)
 
     u = weights @ expert_outputs(w.experts, ids, y[E : E + l], w.situ)
+    if hooks is not None:
+        u = hooks.fire(names["moe.experts_out"], u)
     if w.use_latent_norm:
         u = rms_norm(u, w.routed_expert_norm, w.eps)
     routed = w.routed_expert_up_proj @ u
     shared = w.shared_down_proj @ w.situ(y[E + l :])
     if hooks is not None:
-        routed = hooks.fire(prefix + "moe.routed_out", routed)
-        shared = hooks.fire(prefix + "moe.shared_out", shared)
+        routed = hooks.fire(names["moe.routed_out"], routed)
+        shared = hooks.fire(names["moe.shared_out"], shared)
     return routed + shared
 
 

@@ -93,14 +93,25 @@ class MlaState:
         return MlaState(self.keys.copy(), self.values.copy(), self.length)
 
 
-def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, prefix: str = ""):
-    """x: [d] (input_layernorm output) -> [d]; appends this token to `state`."""
+def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
+    """x: [d] (input_layernorm output) -> [d]; appends this token to `state`.
+
+    hooks/names: `hooks.fire(names[site], value)` at each site of `ATTENTION_SITES["mla"]`; a returned value
+    is used downstream: the normalised latents (`mla.q_latent` [q_lora], `mla.kv_latent` [kv_lora]), the
+    attention probabilities over the cache (`mla.probs` [nh, T]), the heads' output before the gate
+    (`mla.o` [nh, dv]).
+    """
     xp = array_namespace(x)
     nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
     ql, kl = w.q_lora_rank, w.kv_lora_rank
     y = w.in_proj @ x
-    q = (w.q_b_proj @ rms_norm(y[:ql], w.q_a_layernorm, LATENT_NORM_EPS)).reshape(nh, dn + dr)
-    kv = (w.kv_b_proj @ rms_norm(y[ql : ql + kl], w.kv_a_layernorm, LATENT_NORM_EPS)).reshape(nh, dn + dv)
+    q_lat = rms_norm(y[:ql], w.q_a_layernorm, LATENT_NORM_EPS)
+    kv_lat = rms_norm(y[ql : ql + kl], w.kv_a_layernorm, LATENT_NORM_EPS)
+    if hooks is not None:
+        q_lat = hooks.fire(names["mla.q_latent"], q_lat)
+        kv_lat = hooks.fire(names["mla.kv_latent"], kv_lat)
+    q = (w.q_b_proj @ q_lat).reshape(nh, dn + dr)
+    kv = (w.kv_b_proj @ kv_lat).reshape(nh, dn + dv)
     gate = sigmoid(y[ql + kl + dr :]) if w.use_output_gate else None
     state.append(kv[:, :dn], y[ql + kl : ql + kl + dr], kv[:, dn:])  # k_pe is NOT normalised
     T = state.length
@@ -108,8 +119,11 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, prefix: str = ""):
     scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * scale  # [nh, T]
     p = softmax(scores)
     if hooks is not None:
-        p = hooks.fire(prefix + "mla.probs", p)
-    o = xp.matmul(p[:, None, :], state.values[:, :T])[:, 0].reshape(-1)  # [nh*dv]
+        p = hooks.fire(names["mla.probs"], p)
+    o = xp.matmul(p[:, None, :], state.values[:, :T])[:, 0]  # [nh, dv]
+    if hooks is not None:
+        o = hooks.fire(names["mla.o"], o)
+    o = o.reshape(-1)
     if gate is not None:
         o = o * gate
     return w.o_proj @ o

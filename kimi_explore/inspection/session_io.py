@@ -1,4 +1,5 @@
-"""Session files: one .npz that lets another user continue a decode exactly (`Session.save_state`).
+"""A session's history as one record (`SessionSnapshot`), and session files: one .npz that lets another
+user continue a decode exactly (`Session.save_state`).
 
 Layout: a JSON `header` (format, the weights' fingerprint, tokens, which steps ran with
 value-changing hooks, the array layout of every saved decode state, the recorder's settings),
@@ -19,17 +20,44 @@ from pathlib import Path
 
 import numpy as np
 
-from .._xp import array_namespace
 from ..backend import to_numpy
+from ..model.fingerprint import GLOBAL_TENSORS
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
-from ._decoding import host_state, model_state, new_state
 from .recorder import Recorder
-from .session import SessionSnapshot
 from .trace import read_npz_header
 
-__all__ = ["SavedSettings", "load_session", "save_session", "weights_fingerprint"]
+__all__ = ["SavedSettings", "SessionSnapshot", "load_session", "save_session", "weights_fingerprint"]
 
 FORMAT = "kimi_explore.inspection.session/1"
+
+
+@dataclasses.dataclass
+class SessionSnapshot:
+    """A session's whole history: what `snapshot()` returns, `restore()` takes and a session file holds.
+
+    weights_id:  id() of the weights the history was decoded with (restore checks it)
+    state:       the decode state after all `tokens` (a private copy)
+    tokens:      [T] token ids
+    logits:      T host arrays [vocab]; never written after they are stored
+    modified:    [T] bools: token t was decoded with hooks that may change values
+    checkpoints: {t: decode state after the first t tokens}; never written either
+    records:     the recorder's `state_dict()`, or None when the session records nothing
+    """
+
+    weights_id: int
+    state: KimiDecodeState
+    tokens: list
+    logits: list
+    modified: list
+    checkpoints: dict
+    records: dict | None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        records = "on" if self.records is not None else "off"
+        return f"SessionSnapshot({len(self)} tokens, {len(self.checkpoints)} checkpoints, records {records})"
 
 
 @dataclasses.dataclass
@@ -49,7 +77,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
     arrays, layout = {}, {}
     states = [("state", snap.state)] + ([(f"ckpt{t}", s) for t, s in snap.checkpoints.items()] if checkpoints else [])
     for key, state in states:
-        layout[key] = _put_state(arrays, key, host_state(weights, state))
+        layout[key] = _put_state(arrays, key, weights.host_state(state))
     rec = None
     if snap.records is not None:
         rec = {**_recorder_settings(recorder), "tokens": snap.records["tokens"], "positions": snap.records["positions"],
@@ -93,15 +121,9 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
 
 def _recorder_settings(rec: Recorder) -> dict:
     """What the recorder records, as the header keeps it (a callable filter cannot be saved: the default then)."""
-    return {"top_k": rec.top_k, "filter": _patterns(rec, "_filter_patterns", "names_filter"),
-            "full": _patterns(rec, "_full_patterns", "full")}
-
-
-def _patterns(rec: Recorder, attr: str, what: str):
-    pats = getattr(rec, attr)
-    if getattr(rec, what) is not None and not pats:
-        return None  # a callable filter cannot be saved; the loaded session records with the default
-    return pats or None
+    settings = rec.settings()
+    portable = lambda v: None if callable(v) or not v else list(v)  # noqa: E731
+    return {"top_k": settings["top_k"], "filter": portable(settings["names_filter"]), "full": portable(settings["full"])}
 
 
 def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
@@ -120,7 +142,7 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
 
 
 def _get_state(z, key: str, layout: dict, weights):
-    fresh = host_state(weights, new_state(weights))
+    fresh = weights.host_state(weights.new_state())
     if len(layout["layers"]) != len(fresh.layers):
         raise ValueError(f"saved state has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
     layers = []
@@ -137,51 +159,21 @@ def _get_state(z, key: str, layout: dict, weights):
                     raise ValueError(f"saved {key} layer {j} {f.name}: {a.dtype}{a.shape}, these weights need {v.dtype}{v.shape}")
                 kw[f.name] = weights.xp.asarray(a)
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
-    return model_state(weights, KimiDecodeState(layers, int(layout["position"])))
-
-
-GLOBAL_TENSORS = ("embed_tokens", "output_attn_res_score", "norm", "lm_head")  # in the fingerprint's order
+    return weights.put_state(KimiDecodeState(layers, int(layout["position"])))
 
 
 def weights_fingerprint(weights) -> dict:
     """Config, layer ids, dtype and a hash of a sample of every weight tensor (cheap even for K3).
 
-    A pipeline (`weights.weight_samples()` gathered from its stages) fingerprints as the same
-    checkpoint loaded in one process, so a session file moves between the two."""
+    A pipeline's samples (gathered from its stages) equal those of the same checkpoint loaded in one
+    process, so a session file moves between the two."""
     cfg = json.dumps(dataclasses.asdict(weights.config), sort_keys=True, default=str)
-    global_samples, layer_samples = weights.weight_samples() if hasattr(weights, "stages") else weight_samples(weights)
+    global_samples, layer_samples = weights.weight_samples()
     h = hashlib.sha256()
     for sample in [global_samples[k] for k in GLOBAL_TENSORS] + layer_samples:
         h.update(sample)
     return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "layer_ids": [int(i) for i in weights.layer_ids],
             "dtype": np.dtype(weights.dtype).name, "weights": h.hexdigest()[:16]}
-
-
-def weight_samples(weights) -> tuple[dict, list]:
-    """({global tensor: sample bytes} for those loaded, [sample bytes of each layer tensor, layer by layer])."""
-    xp = array_namespace(weights.layers[0].input_layernorm)
-    globals_ = {k: _sample(getattr(weights, k)) for k in GLOBAL_TENSORS if getattr(weights, k) is not None}
-    return globals_, [_sample(a) for layer in weights.layers for a in _arrays_of(layer, xp)]
-
-
-def _sample(a) -> bytes:
-    flat = a.reshape(-1)
-    return np.ascontiguousarray(to_numpy(flat[:: max(1, flat.shape[0] // 64)][:64])).tobytes()
-
-
-def _arrays_of(layer, xp):
-    """Every weight array of one layer (a layer at a time, so a pipeline's stages concatenate)."""
-    stack = [layer]
-    while stack:
-        obj = stack.pop(0)
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if f.name == "experts":  # hash dequantised values, so packed and dense banks agree
-                yield from v.gather(xp.asarray([0, v.num_experts - 1]))
-            elif hasattr(v, "shape") and hasattr(v, "reshape"):
-                yield v
-            elif dataclasses.is_dataclass(v):
-                stack.append(v)
 
 
 def _check_fingerprint(path, saved: dict, here: dict) -> None:

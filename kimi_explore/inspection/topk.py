@@ -1,0 +1,37 @@
+"""Top-k of scores with a deterministic order: descending, ties by the lower id (the Recorder's
+predictions, the logit lens). Works on NumPy or CuPy arrays alike."""
+
+from __future__ import annotations
+
+from .._xp import array_namespace
+from ..backend import on_host
+
+__all__ = ["stable_argsort", "top_ids", "top_predictions"]
+
+
+def stable_argsort(a, axis: int = -1):
+    """NumPy needs kind="stable"; CuPy's argsort is always stable and takes no `kind`."""
+    xp = array_namespace(a)
+    return xp.argsort(a, axis=axis, kind="stable") if on_host(xp) else xp.argsort(a, axis=axis)
+
+
+def top_ids(scores, k: int):
+    """scores [..., V] -> the k largest ids [..., k], descending, ties by lower id.
+
+    A full stable sort for small vocabularies (fewest calls); a partition first for large ones (K3's
+    163840: a full sort would cost more than everything else), where exact ties that straddle the k-th
+    place are broken by the partition (deterministically, not by id)."""
+    xp, V = array_namespace(scores), scores.shape[-1]
+    k = min(k, V)
+    if V <= 8192:
+        return stable_argsort(-scores)[..., :k]
+    part = xp.sort(xp.argpartition(-scores, k - 1, axis=-1)[..., :k], axis=-1)
+    return xp.take_along_axis(part, stable_argsort(-xp.take_along_axis(scores, part, axis=-1)), axis=-1)
+
+
+def top_predictions(logits, k: int):
+    """logits [..., V] -> (top_ids, their softmax probabilities [..., k])."""
+    xp = array_namespace(logits)
+    ids = top_ids(logits, k)
+    e = xp.exp(logits - xp.take_along_axis(logits, ids[..., :1], axis=-1))  # the top logit is the max
+    return ids, xp.take_along_axis(e, ids, axis=-1) / e.sum(axis=-1, keepdims=True)
