@@ -190,18 +190,19 @@ def test_mutation_each_expert_leaf_carries_that_experts_own_share(ref_weights, o
     hooks = ke.Hooks().bind(ref_weights)
     if order == "forced-descending":
         hooks = interventions.force_routing(list(range(1, 14)), [6, 2, 0])  # 3 experts, against id order
-    rec = ke.Recorder(full=["final.block_residual", ref_weights.layers[-1].hook_prefix + "prefix_sum", "layers.*.ffn.in"])
-    s = ke.Session(ref_weights, recorder=rec, hooks=hooks)
+    w, last = ref_weights, ref_weights.layers[-1].hook_prefix + "prefix_sum"
+    rec = ke.Recorder(full=["final.block_residual", last, "layers.*.ffn.in"])
+    s = ke.Session(w, recorder=rec, hooks=hooks)
     s.feed(TEXT)
     tr = s.trace()
     unsorted = 0
     for t in (2, 4, 9, 15):
         a = ke.logit_attribution(s, t)
         p = tr["final.attn_res.weights"][t].astype(np.float64)
-        V = np.concatenate([tr["final.block_residual"][t], tr[ref_weights.layers[-1].hook_prefix + "prefix_sum"][t][None]])
-        mix = p @ V.astype(np.float64)
-        u = f64(ref_weights.lm_head[a.token]) * f64(ref_weights.norm) / np.sqrt(np.mean(mix * mix) + ref_weights.config.rms_norm_eps)
-        for layer in ref_weights.layers:
+        V = np.concatenate([tr["final.block_residual"][t], tr[last][t][None]]).astype(np.float64)
+        mix = p @ V
+        u = f64(w.lm_head[a.token]) * f64(w.norm) / np.sqrt(np.mean(mix * mix) + w.config.rms_norm_eps)
+        for layer in w.layers:
             i, f = layer.index, layer.ffn
             if f.kind != "moe":
                 continue
@@ -216,7 +217,7 @@ def test_mutation_each_expert_leaf_carries_that_experts_own_share(ref_weights, o
                 ys.append(we * (w2 @ naive_situ_and_mul(w13 @ z, f.situ_beta, f.situ_linear_beta)))
             agg = np.sum(ys, axis=0)
             scale = f64(f.routed_expert_norm) / np.sqrt(np.mean(agg * agg) + f.eps)
-            j = sum(x.is_block_boundary for x in ref_weights.layers if x.index <= i)  # the output-mix source it lives in
+            j = sum(x.is_block_boundary for x in w.layers if x.index <= i)  # the output-mix source it lives in
             want = np.array([p[j] * (u @ (f64(f.routed_expert_up_proj) @ (y * scale))) for y in ys])
             got = np.array([a.contributions[f"layers.{i}.moe.experts.{e}"] for e in ids])
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=f"step {t}, layer {i}: {ids}")
