@@ -177,3 +177,48 @@ def test_packed_experts_give_the_same_split(tiny_weights):
     assert set(dense.contributions) == set(bytes_.contributions)
     for leaf, v in dense.contributions.items():
         assert bytes_.contributions[leaf] == pytest.approx(v, abs=1e-4)
+
+
+# mutation: attribution's expert leaves labelled in id order instead of routing order (shares given to the
+# wrong experts)
+@pytest.mark.parametrize("order", ["as-routed", "forced-descending"])
+def test_mutation_each_expert_leaf_carries_that_experts_own_share(ref_weights, order):
+    """Every routed-expert leaf of every MoE layer at several steps, against a float64 loop over the recorded
+    routing (ids in the order the router returned them, each with its own combine weight). Routing order is
+    not id order at many of these (layer, step) pairs; `force_routing` in descending id order makes it so at
+    every one. Compared relative to the layer's largest share, so that small shares count too."""
+    hooks = ke.Hooks().bind(ref_weights)
+    if order == "forced-descending":
+        hooks = interventions.force_routing(list(range(1, 14)), [6, 2, 0])  # 3 experts, against id order
+    w, last = ref_weights, ref_weights.layers[-1].hook_prefix + "prefix_sum"
+    rec = ke.Recorder(full=["final.block_residual", last, "layers.*.ffn.in"])
+    s = ke.Session(w, recorder=rec, hooks=hooks)
+    s.feed(TEXT)
+    tr = s.trace()
+    unsorted = 0
+    for t in (2, 4, 9, 15):
+        a = ke.logit_attribution(s, t)
+        p = tr["final.attn_res.weights"][t].astype(np.float64)
+        V = np.concatenate([tr["final.block_residual"][t], tr[last][t][None]]).astype(np.float64)
+        mix = p @ V
+        u = f64(w.lm_head[a.token]) * f64(w.norm) / np.sqrt(np.mean(mix * mix) + w.config.rms_norm_eps)
+        for layer in w.layers:
+            i, f = layer.index, layer.ffn
+            if f.kind != "moe":
+                continue
+            ids = [int(e) for e in tr[f"layers.{i}.moe.router.topk_ids"][t]]
+            wts = tr[f"layers.{i}.moe.router.topk_weights"][t].astype(np.float64)
+            unsorted += ids != sorted(ids)
+            E, l = f.num_experts, f.latent_size
+            z = f64(f.in_proj)[E : E + l] @ tr[f"layers.{i}.ffn.in"][t].astype(np.float64)
+            ys = []
+            for e, we in zip(ids, wts, strict=True):
+                w13, w2 = (f64(x)[0] for x in f.experts.gather(np.array([e])))
+                ys.append(we * (w2 @ naive_situ_and_mul(w13 @ z, f.situ_beta, f.situ_linear_beta)))
+            agg = np.sum(ys, axis=0)
+            scale = f64(f.routed_expert_norm) / np.sqrt(np.mean(agg * agg) + f.eps)
+            j = sum(x.is_block_boundary for x in w.layers if x.index <= i)  # the output-mix source it lives in
+            want = np.array([p[j] * (u @ (f64(f.routed_expert_up_proj) @ (y * scale))) for y in ys])
+            got = np.array([a.contributions[f"layers.{i}.moe.experts.{e}"] for e in ids])
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=f"step {t}, layer {i}: {ids}")
+    assert unsorted >= 10  # routing order differs from id order often enough to tell the two labellings apart

@@ -113,6 +113,24 @@ def test_a_log_with_a_non_zero_tail_is_refused(ckpt):
         load(ckpt)
 
 
+
+# mutation: the A_log padding check fired only when ALL padding entries were non-zero (np.all instead of np.any)
+@pytest.mark.parametrize("where", ["first", "last"], ids=["first-padding-entry", "last-padding-entry"])
+def test_mutation_a_log_padding_any_nonzero_entry_is_refused(ckpt, where):
+    """The released A_log: H per-head values, zeros up to head_dim. ONE non-zero padding entry is already a
+    layout the loader cannot read safely (which entries are the heads?): refused, naming tensor and num_heads."""
+    name = "language_model.model.layers.1.self_attn.A_log"
+    f = SafetensorsFile(ckpt / shard_of(ckpt, name))
+    a_log = np.array(f.array(name))
+    f.close()
+    H = json.loads((ckpt / "config.json").read_text())["text_config"]["linear_attn_config"]["num_heads"]
+    assert a_log.shape == (32,) and H == 4 and not np.any(a_log[H:])  # as released: the padding is all zeros
+    a_log[H if where == "first" else -1] = 0.25
+    rewrite_tensor(ckpt, name, a_log)
+    with pytest.raises(CheckpointError, match=r"layers\.1\.self_attn\.A_log.*non-zero entries past num_heads=4"):
+        load(ckpt)
+
+
 def test_truncated_shard(ckpt):
     shard = ckpt / shard_of(ckpt, "language_model.model.layers.13.self_attn.q_proj.weight")
     data = shard.read_bytes()

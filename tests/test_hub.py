@@ -282,3 +282,46 @@ def test_paths_and_repo_ids(tmp_path, sharded):
         hub.resolve_checkpoint(tmp_path / "nowhere" / "deeper")
     with pytest.raises(ValueError, match="revision='v1' applies to Hub repo ids"):
         from_pretrained(sharded, device="cpu", revision="v1")
+
+
+@pytest.fixture(scope="module")
+def globals_split(tmp_path_factory, sharded):
+    """`sharded` with its global shard split in two: the token embedding alone in one file, the output head
+    (output mix, final norm, lm_head) in another; the layer shards as they are."""
+    src = tmp_path_factory.mktemp("split") / "ckpt"
+    shutil.copytree(sharded, src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    wm = index["weight_map"]
+    (embed_name,) = [n for n in wm if n.endswith("embed_tokens.weight")]
+    head_names = [n for n in wm if ".layers." not in n and n != embed_name]
+    assert {wm[n] for n in head_names} == {wm[embed_name]}  # one global shard, as the fixture writes it
+    f = SafetensorsFile(src / wm[embed_name])
+    tensors = {k: np.array(f.array(k)) for k in f.keys()}
+    f.close()
+    write_safetensors(src / "embedding.safetensors", {embed_name: tensors.pop(embed_name)})
+    write_safetensors(src / wm[embed_name], tensors)  # what is left: the head
+    wm[embed_name] = "embedding.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    return src
+
+
+# mutation: a Hub plan that ignored embedding=False / head=False (a pipeline stage then downloads the embedding
+# or lm_head shards)
+@pytest.mark.parametrize("layers,embedding,head", [((2, 3), False, False), ((0, 1), True, False), ((14, 15), False, True)],
+                         ids=["middle-stage", "first-stage", "last-stage"])
+def test_mutation_stage_plan_leaves_out_embedding_and_head_shards(tmp_path, globals_split, layers, embedding, head):
+    """A stage's plan lists exactly the shards holding its layers' tensors, plus the embedding's shard only
+    with embedding=True and the head's only with head=True; a cache holding just those loads the stage."""
+    wm = weight_map(globals_split)
+    want = {shard for name, shard in wm.items() if any(f".layers.{i}." in name for i in layers)}
+    want |= {wm[n] for n in wm if n.endswith("embed_tokens.weight")} if embedding else set()
+    want |= {wm[n] for n in wm if ".layers." not in n and not n.endswith("embed_tokens.weight")} if head else set()
+    assert len(want) == 1 + embedding + head  # the split keeps each part in a shard of its own
+    build_cache(tmp_path / "hub", REPO, globals_split, ["config.json", "model.safetensors.index.json", *sorted(want)])
+    plan = hub.plan_download(REPO, layers=list(layers), cache_dir=tmp_path / "hub", local_files_only=True,
+                             embedding=embedding, head=head)
+    assert set(plan.shards) == want
+    assert plan.to_fetch == [] and plan.total_shards == 10
+    w = load(REPO, tmp_path / "hub", layers=list(layers), embedding=embedding, head=head)
+    assert w.layer_ids == list(layers)
+    assert (w.embed_tokens is not None) == embedding and (w.lm_head is not None) == head

@@ -281,6 +281,35 @@ def test_patching_one_position_changes_only_what_depends_on_it(ref_weights):
         patch("layers.3.attn.out", rec_a.trace())
 
 
+
+# mutation: patch("...topk_ids", trace) from a padded trace kept the -1 padding (-1 routes to the last expert)
+def test_mutation_patching_routing_from_a_padded_trace_drops_the_padding(ref_weights):
+    """Run A ablates one chosen expert of layer 6 at position 3, so its recorded top-k there is one id short
+    and the Trace pads it with -1. Patching run B's routing at layer 6 from that trace routes B exactly as A
+    was routed: the ids at position 3 are the clean ones without the ablated expert, and the logits are A's."""
+    name, p = "layers.6.moe.router.topk_ids", 3
+    rec_clean = Recorder().bind(ref_weights)
+    logits_clean = decode(ref_weights, TOKENS, rec_clean)
+    clean_ids = rec_clean.trace()[name]  # [T, k], no padding: every position chose k experts
+    dropped = int(clean_ids[p, 0])
+    rec_a = Recorder().bind(ref_weights)
+    logits_a = decode(ref_weights, TOKENS, ablate_experts(6, [dropped], positions=[p]), rec_a)
+    padded = rec_a.trace()[name]
+    assert padded[p].tolist() == [int(e) for e in clean_ids[p] if e != dropped] + [-1]  # the trace's padding
+    assert not np.array_equal(logits_a[p], logits_clean[p])
+
+    rec_b = Recorder().bind(ref_weights)
+    patched = decode(ref_weights, TOKENS, patch(name, rec_a.trace()), rec_b)
+    got = rec_b.trace()[name]
+    assert got[p].tolist() == [int(e) for e in clean_ids[p] if e != dropped] + [-1]  # k - 1 experts, padded by the trace
+    np.testing.assert_array_equal(np.delete(got, p, axis=0), np.delete(clean_ids, p, axis=0))
+    # one combine weight at position 3 (NaN-padded), the one A used: no weight went to a padding "expert"
+    w_name = "layers.6.moe.router.topk_weights"
+    np.testing.assert_array_equal(rec_b.trace()[w_name][p], rec_a.trace()[w_name][p])
+    assert np.isnan(rec_a.trace()[w_name][p, -1]) and np.isfinite(rec_a.trace()[w_name][p, :-1]).all()
+    np.testing.assert_array_equal(patched, logits_a)
+
+
 def test_interventions_restricted_to_positions(ref_weights):
     base = decode(ref_weights, TOKENS[:5])
     got = decode(ref_weights, TOKENS[:5], ablate_experts(2, "all", positions=[2]))

@@ -306,3 +306,38 @@ def test_recover_stops_at_a_token_decoded_under_a_temporary_intervention(path, w
         expected = ke.Session(weights)
         expected.feed(TOKENS[:8])
         assert_same_session(s, expected)
+
+
+# mutation: a restarted stage was not re-configured, so its hooks and recorder were missing after `recover()`
+def test_mutation_a_restarted_stage_gets_the_sessions_hooks_and_recorder_again(path, weights):
+    """The driver must not take a restarted stage for one that still holds the hooks it was given. Two ways
+    the replay alone does not give them back: a session whose replay configures the stages exactly as before
+    (no recorder: the same hook set), and one whose history is empty when it recovers (nothing replayed)."""
+    with ke.RayPipeline(path, stages=2) as pipe:  # stage 1: layers 8-15, where the hooks below act
+        # no recorder, persistent value-changing hooks on stage 1's layers: the replay must run them there
+        s = ke.Session(pipe, recorder=False, hooks=intervention())
+        expected = ke.Session(weights, recorder=False, hooks=intervention())
+        plain = ke.Session(weights, recorder=False)
+        s.feed(TOKENS[:6])
+        ray.kill(pipe.stages[1].actor)
+        assert s.recover() == [1]
+        s.feed(TOKENS[6:])
+        expected.feed(TOKENS)
+        assert_same_session(s, expected)
+        assert not np.array_equal(plain.feed(TOKENS), expected.logits)  # the hooks do change these logits
+
+        # a recorder with a hook of its own, and full records; the stage is lost while the history is empty
+        def session(w):
+            rec = ke.Recorder(full=["layers.12.ffn.out"])
+            rec.add("layers.11.moe.router.topk_weights", lambda v, *, hook: v[::-1].copy())  # by value to the stage
+            return ke.Session(w, recorder=rec, hooks=scale_kda_head(9, 1, 0.0))
+
+        s, expected = session(pipe), session(weights)
+        s.feed(TOKENS[:3])
+        s.truncate(0)
+        ray.kill(pipe.stages[1].actor)
+        assert s.recover() == [1]
+        s.feed(TOKENS)
+        expected.feed(TOKENS)
+        assert_same_session(s, expected)
+        assert s.trace()["layers.12.ffn.out"].shape == (len(TOKENS), weights.config.hidden_size)

@@ -271,6 +271,29 @@ def test_rewind_across_intervened_steps_is_exact(ref_weights):
         assert_matches(s, hist[:t])
 
 
+
+# mutation: a token decoded with a hook added to the RECORDER was not marked as modified, so `truncate`
+# replayed it without the hook
+def test_mutation_a_recorder_hook_marks_its_tokens_modified(ref_weights):
+    """Value-changing hooks added to the session's recorder (not to session.hooks) count as an intervention:
+    truncating across the tokens they changed restores the state they left, exactly, as a straight decode
+    with the same hooks on the same steps gives it."""
+    s = Session(ref_weights, checkpoint_every=0)  # only the checkpoints that intervened tokens force
+    s.feed(TOKENS[:2])
+    with s.recorder.hooks:  # removed again at the end of the block
+        s.recorder.extend(intervention())
+        assert len(s.hooks) == 0 and len(s.recorder) > 0
+        s.feed(TOKENS[2:4])
+    s.feed(TOKENS[4:7])
+    hist = [(x, False) for x in TOKENS[:2]] + [(x, True) for x in TOKENS[2:4]] + [(x, False) for x in TOKENS[4:7]]
+    assert_matches(s, hist)
+    for t in [6, 4, 3]:
+        s.truncate(t)
+        assert_matches(s, hist[:t])
+    s.feed(TOKENS[3:5])  # decoded from the restored state, without hooks now
+    assert_matches(s, hist[:3] + [(x, False) for x in TOKENS[3:5]])
+
+
 def test_a_failing_hook_leaves_the_session_as_it_was(ref_weights):
     s = Session(ref_weights)
     s.feed(TOKENS[:3])

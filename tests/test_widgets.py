@@ -308,3 +308,68 @@ def test_text_measures_and_labels_are_escaped(tiny_weights):
     assert ex.text.colors[0] == "transparent"  # no surprisal for the first token
     ex.mode.value, ex.prompt.value = "ids", "60, 256"
     assert "token ids [256] are outside the vocabulary (0..255)" in ex.status.value
+
+
+def view_spec(ex: Explorer, name: str) -> tuple[list, dict]:
+    spec = ex.views[name].spec
+    return spec["data"], spec["layout"]
+
+
+def decode(spec: dict) -> np.ndarray:
+    """A plotly.js typed-array spec (dtype, base64 bytes, shape) back to an array."""
+    import base64
+
+    dtypes = {"f4": np.float32, "f8": np.float64, "i4": np.int32}
+    a = np.frombuffer(base64.b64decode(spec["bdata"]), dtype=dtypes[spec["dtype"]])
+    return a.reshape([int(n) for n in spec["shape"].split(",")])
+
+
+# mutation: the KDA-by-layer view outlined column = layer id instead of the layer's index among the KDA layers
+def test_mutation_kda_view_outlines_the_selected_layers_own_column(tiny_weights):
+    """The per-token KDA view has one column per KDA layer (x = "i KDA"); selecting a layer frames its column,
+    whose index counts only KDA layers (the config's 1-based `kda_layers`: MLA layers have no column)."""
+    la = tiny_weights.config.linear_attn_config
+    kda = sorted(i - 1 for i in la.kda_layers)
+    assert kda != list(range(len(kda)))  # MLA layers in between: a column index differs from the layer id
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=PROMPT, tab="KDA state")
+    for _ in range(3):
+        ex.step()
+    for layer in kda:
+        ex.select(token=1, layer=layer)
+        (heat,), layout = view_spec(ex, "kda_token")
+        col = kda.index(layer)
+        assert heat["x"] == [f"{i} KDA" for i in kda] and heat["x"][col] == f"{layer} KDA"
+        frames = [(s["x0"], s["x1"]) for s in layout["shapes"] if s["type"] == "rect"]
+        assert frames == [(col - 0.5, col + 0.5)], f"layer {layer}: column {col}"
+    mla = next(i for i in tiny_weights.layer_ids if i not in kda)
+    ex.select(layer=mla)
+    assert [s for s in view_spec(ex, "kda_token")[1]["shapes"] if s["type"] == "rect"] == []  # no column to frame
+
+
+# mutation: the MoE top-k hover showed the unbiased score as the combine weight
+def test_mutation_moe_topk_hover_shows_each_experts_combine_weight_and_score(tiny_weights):
+    """Every cell of the top-k view (row = MoE layer, column = slot) says its expert's combine weight (the
+    router's topk_weights, as recorded) and, separately, its unbiased score; the colour is the weight."""
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=PROMPT, tab="MoE routing")
+    for _ in range(4):
+        ex.step()
+    t = 2
+    ex.select(token=t)
+    tr = ex.session.trace()
+    moe = [i for i in tiny_weights.layer_ids if tiny_weights.config.is_moe_layer(i)]
+    (heat,), _ = view_spec(ex, "moe_topk")
+    z = decode(heat["z"])
+    differ = 0
+    for j, i in enumerate(moe):
+        ids = tr[f"layers.{i}.moe.router.topk_ids"][t]
+        weights = tr[f"layers.{i}.moe.router.topk_weights"][t].astype(np.float64)
+        scores = tr[f"layers.{i}.moe.router.scores"][t].astype(np.float64)
+        np.testing.assert_allclose(z[j], weights, rtol=1e-6, err_msg=f"layer {i}")
+        for c, e in enumerate(ids):
+            hover = heat["customdata"][j][c]
+            assert f"expert <b>{e}</b>" in hover, hover
+            assert f"combine weight {weights[c]:.4f}" in hover, hover
+            assert f"unbiased score {scores[e]:.4f}" in hover, hover
+            differ += f"{weights[c]:.4f}" != f"{scores[e]:.4f}"
+    assert differ >= len(moe)  # weight and score read differently: a swap shows
+
