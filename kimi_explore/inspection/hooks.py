@@ -41,74 +41,16 @@ so a recorded site adds no Python frame.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import warnings
 
-from ..backend import on_host
+import numpy as np
+
+from .._xp import array_namespace
 from ..model.kimi_decoder import hook_names
-from ._hook_grammar import LAYER_NAME, check_pattern, hook_grammar, is_glob
+from ._hook_grammar import check_pattern, hook_grammar, is_glob
+from .hook_sites import SEQUENTIAL_SITES, HookChain, HookHandle, HookPoint, check_replacement
 
 __all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar", "is_glob"]
-
-# Sites whose replacement may legitimately change shape (routing with fewer / other experts).
-_RESHAPE_OK = ("moe.router.topk_ids", "moe.router.topk_weights")
-
-class HookPoint:
-    """What a hook function learns about the site it runs at.
-
-    name:  the full site name, e.g. "layers.3.kda.state"
-    layer: the 0-based model layer (int), or None for "embed", "final.*", "logits"
-    kind:  the name without its "layers.{i}." prefix, e.g. "kda.state" (for globals: the name)
-    position: the 0-based index of the token being decoded (see module docstring)
-    token_id: that token's id when the driver told (`Hooks.begin_token`), else None
-    """
-
-    __slots__ = ("name", "layer", "kind", "_owner")
-
-    def __init__(self, name: str, owner: Hooks | None = None):
-        self.name = name
-        m = LAYER_NAME.match(name)
-        self.layer = int(m.group(1)) if m else None
-        self.kind = m.group(2) if m else name
-        self._owner = owner
-
-    @property
-    def position(self) -> int | None:
-        return None if self._owner is None else self._owner.position
-
-    @property
-    def token_id(self) -> int | None:
-        return None if self._owner is None else self._owner.token_id
-
-    def __repr__(self) -> str:
-        return f"HookPoint({self.name!r}, layer={self.layer}, kind={self.kind!r})"
-
-
-class HookHandle:
-    """Returned by `Hooks.add`; `handle.remove()` detaches exactly that hook."""
-
-    __slots__ = ("hooks", "pattern", "names_filter", "fn")
-
-    def __init__(self, hooks: Hooks, pattern: str | None, names_filter, fn):
-        self.hooks, self.pattern, self.names_filter, self.fn = hooks, pattern, names_filter, fn
-
-    def matches(self, name: str) -> bool:
-        if self.names_filter is not None:
-            return bool(self.names_filter(name))
-        if is_glob(self.pattern):
-            return fnmatch.fnmatchcase(name, self.pattern)
-        return name == self.pattern
-
-    def remove(self) -> None:
-        self.hooks.remove(self)
-
-    def describe(self) -> str:
-        what = f"names_filter={self.names_filter!r}" if self.names_filter is not None else repr(self.pattern)
-        return f"{what} -> {getattr(self.fn, '__qualname__', self.fn)!r}"
-
-    def __repr__(self) -> str:
-        return f"HookHandle({self.describe()})"
-
 
 class Hooks:
     """An ordered set of hook functions attached to names, globs or name filters.
@@ -131,11 +73,19 @@ class Hooks:
         self.position: int | None = None
         self.token_id: int | None = None
         self._next: tuple | None = None  # (token_id, position) announced by begin_token
+        self.positions = None  # the current chunk's positions [T] on the sequence path, else None
+        self._chunk_tokens = None  # ... and its token ids
+        self._chunk_cache: dict[str, tuple] = {}  # name -> ((fn, HookPoint, chunks), ...)
 
     # ------------------------------------------------------------------ attaching
-    def add(self, name_or_glob=None, fn=None, *, names_filter=None) -> HookHandle:
+    def add(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False) -> HookHandle:
         """Attach `fn` to an exact name, an fnmatch glob, or every name `names_filter(name)` accepts.
 
+        chunks=True: fn also takes whole chunks on the sequence path (`kimi_forward_sequence`): it is
+        then called once per chunk with the site's values of every token stacked on a leading axis
+        [T, ...] and `hook.positions` [T] (and `hook.position` None); in the token form it is called as
+        any hook. Without it, the sequence path calls fn token by token, exactly as stepping would
+        (a layer with such a hook runs token by token). See the module docstring of `kimi_sequence`.
         Raises ValueError when the name or glob can never fire (see module docstring).
         """
         if callable(name_or_glob) and fn is None and names_filter is not None:
@@ -149,7 +99,7 @@ class Hooks:
             raise TypeError(f"Hooks.add: names_filter must be a callable name -> bool, got {names_filter!r}")
         if name_or_glob is not None and not isinstance(name_or_glob, str):
             raise TypeError(f"Hooks.add: the name must be a string (exact hook name or glob), got {name_or_glob!r}")
-        handle = HookHandle(self, name_or_glob, names_filter, fn)
+        handle = HookHandle(self, name_or_glob, names_filter, fn, bool(chunks))
         self._validate(handle)
         self._handles.append(handle)
         self._changed()
@@ -157,7 +107,7 @@ class Hooks:
 
     def extend(self, other: Hooks) -> list[HookHandle]:
         """Attach every hook of `other` (in its order) to this set; returns the new handles."""
-        return [self.add(h.pattern, h.fn, names_filter=h.names_filter) for h in other.handles()]
+        return [self.add(h.pattern, h.fn, names_filter=h.names_filter, chunks=h.chunks) for h in other.handles()]
 
     def __add__(self, other: Hooks) -> Hooks:
         """A new Hooks holding this set's hooks, then `other`'s (e.g. two interventions at once)."""
@@ -222,7 +172,7 @@ class Hooks:
         out = Hooks(observer)
         out._known, out._known_order = self._known, self._known_order
         for h in self._handles:
-            out._handles.append(HookHandle(out, h.pattern, h.names_filter, h.fn))
+            out._handles.append(HookHandle(out, h.pattern, h.names_filter, h.fn, h.chunks))
         out.position, out.token_id = self.position, self.token_id
         return out
 
@@ -290,13 +240,77 @@ class Hooks:
             out = fn(value, hook=point)
             if out is not None:
                 if out is not value:
-                    _check_replacement(point, value, out, fn)
+                    check_replacement(point, value, out, fn)
                 value = out
         return value
 
     def _fire_uncached(self, name: str, value):
         self._resolve(name)
         return self.fire(name, value)
+
+    # ------------------------------------------------------------------ whole chunks (the sequence path)
+    def begin_chunk(self, token_ids, positions) -> None:
+        """The next `fire_chunk`s carry these tokens (ids [T], positions [T])."""
+        self._chunk_tokens, self.positions = list(token_ids), np.asarray(positions, dtype=np.int64)
+        self.position = self.token_id = None
+        self._next = None
+
+    def token_in_chunk(self, t: int) -> None:
+        """Token t of the chunk is the one being decoded (a layer run token by token, a per-token hook)."""
+        self.position, self.token_id = int(self.positions[t]), self._chunk_tokens[t]
+
+    def end_chunk(self) -> None:
+        """Back to the token form; the position counter continues after the chunk's last token."""
+        if self.positions is not None and len(self.positions):
+            self.token_in_chunk(len(self.positions) - 1)
+        self.positions = self._chunk_tokens = None
+
+    def needs_tokens(self, names) -> bool:
+        """Whether a layer firing these names must run token by token: a hook there takes single tokens
+        only, or is chunk-aware at a site whose chunked form cannot honour a changed value (the
+        recurrent state and conv window, `SEQUENTIAL_SITES`)."""
+        return any(h.matches(n) and (not h.chunks or n.endswith(SEQUENTIAL_SITES)) for h in self._handles for n in names)
+
+    def fire_hooks(self, name: str, value):
+        """`fire` without the internal functions (the token counter, the observer's): the hooks alone,
+        each called with this one token's value."""
+        for fn, point, _ in self._chunk_functions(name):
+            out = fn(value, hook=point)
+            if out is not None and out is not value:
+                check_replacement(point, value, out, fn)
+                value = out
+        return value
+
+    def _chunk_functions(self, name: str) -> tuple:
+        fns = self._chunk_cache.get(name)
+        if fns is None:
+            point = self._point(name)
+            fns = self._chunk_cache[name] = tuple((h.fn, point, h.chunks) for h in self._handles if h.matches(name))
+        return fns
+
+    def fire_chunk(self, name: str, value):
+        """`fire` for a whole chunk: value [T, ...]. Chunk-aware hooks get the chunk; the others are
+        called token by token (the sequence path only lets that happen at the global sites, whose
+        values have the same shape at every token) and their values stacked again."""
+        for fn, point, chunks in self._chunk_functions(name):
+            if chunks:
+                out = fn(value, hook=point)
+                if out is not None and out is not value:
+                    check_replacement(point, value, out, fn, chunk=True)
+                    value = out
+                continue
+            rows, changed = [], False
+            for t in range(value.shape[0]):
+                self.token_in_chunk(t)
+                out = fn(value[t], hook=point)
+                if out is not None and out is not value[t]:
+                    check_replacement(point, value[t], out, fn)
+                    changed = True
+                rows.append(value[t] if out is None else out)
+            self.position = self.token_id = None
+            if changed:
+                value = array_namespace(value).stack(rows)
+        return value
 
     def _point(self, name: str) -> HookPoint:
         p = self._points.get(name)
@@ -328,55 +342,14 @@ class Hooks:
 
     def _changed(self) -> None:
         self._cache.clear()
+        self._chunk_cache.clear()
         self._checked_after_first_token = False  # re-check new exact names at the next "logits"
+
+    def observe_chunk(self, name: str, value) -> None:
+        """A chunk's summary of a site that is not fired whole on the sequence path (a Recorder records it)."""
 
     def __repr__(self) -> str:
         body = ", ".join(h.describe() for h in self._handles)
         return f"{type(self).__name__}([{body}])"
 
 
-class HookChain:
-    """Several hook sets fired one after another at each site (e.g. interventions, then a Recorder).
-
-    Each set sees the value the previous one returned; `begin_token` is forwarded to all.
-    """
-
-    def __init__(self, *hook_sets):
-        self.hook_sets = [h for h in hook_sets if h is not None]
-
-    def fire(self, name: str, value):
-        for h in self.hook_sets:
-            value = h.fire(name, value)
-        return value
-
-    def begin_token(self, token_id=None, position=None) -> None:
-        for h in self.hook_sets:
-            h.begin_token(token_id, position)
-
-    def start_token(self, token_id=None, position=None) -> None:
-        for h in self.hook_sets:
-            h.start_token(token_id, position)
-
-    def bind(self, weights) -> HookChain:
-        for h in self.hook_sets:
-            h.bind(weights)
-        return self
-
-
-def _on_gpu(a) -> bool:
-    return not on_host(a)
-
-
-def _check_replacement(point: HookPoint, old, new, fn) -> None:
-    shape = getattr(new, "shape", None)
-    if shape is None:
-        raise TypeError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned {type(new).__name__}; "
-                        "return an array (or None to keep the value)")
-    if _on_gpu(new) != _on_gpu(old):
-        where = {True: "a CuPy (GPU) array", False: "a host array"}
-        raise TypeError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned {where[_on_gpu(new)]}, but "
-                        f"this site's value is {where[_on_gpu(old)]}: return it where the value lives "
-                        "(cupy.asarray(...) on a GPU, cupy.asnumpy(...) on the host)")
-    if point.kind not in _RESHAPE_OK and shape != old.shape:
-        raise ValueError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned shape {tuple(shape)}; "
-                         f"this site needs shape {tuple(old.shape)}")

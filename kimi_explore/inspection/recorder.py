@@ -50,6 +50,8 @@ import numpy as np
 from ..backend import on_host
 from ._hook_grammar import LAYER_NAME
 from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host
+from .chunk_records import ChunkRecording
+from .hook_sites import SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
 from .topk import top_predictions
 from .trace import Trace
@@ -122,6 +124,7 @@ class Recorder:
         self._pending: list = []  # (put, device array) waiting for the next transfer (GPU only)
         self._on_device = False
         self.meta: dict = {}
+        self._chunks = ChunkRecording(self)  # how whole chunks of the sequence path are recorded
 
     # ------------------------------------------------------------------ the Hooks it holds
     def add(self, name_or_glob=None, fn=None, *, names_filter=None):
@@ -199,6 +202,65 @@ class Recorder:
         if name == "logits":
             fns.append(self._end_token)
         return fns
+
+    # ------------------------------------------------------------------ whole chunks (the sequence path)
+    def begin_chunk(self, token_ids, positions) -> None:
+        """The next sites fire whole chunks of these tokens (`chunk_records`); records stay per token."""
+        self.flush()  # the token form's pending records come first
+        self.hooks.begin_chunk(token_ids, positions)
+        self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
+        self.positions.extend(int(p) for p in positions)
+        self.fire = self._fire_in_chunk
+
+    def token_in_chunk(self, t: int) -> None:
+        self.hooks.token_in_chunk(t)
+
+    def end_chunk(self) -> None:
+        self.hooks.end_chunk()
+        self.fire = self.hooks.fire
+        if self._batch_bytes >= FLUSH_BYTES:
+            self.flush()
+
+    def needs_tokens(self, names) -> bool:
+        """A hook added to this recorder needs single tokens there, or a full record of a recurrent site is
+        asked for (its chunked form never builds the per-token states)."""
+        return self.hooks.needs_tokens(names) or (self.full is not None and any(
+            self.full(n) for n in names if n.endswith(SEQUENTIAL_SITES)))
+
+    def fire_chunk(self, name: str, value):
+        value = self.hooks.fire_chunk(name, value)
+        self._chunks.record(name, value)
+        return value
+
+    def observe_chunk(self, name: str, value) -> None:
+        self._chunks.observe(name, value)
+
+    def _fire_in_chunk(self, name: str, value):
+        """`fire` while a chunk runs (a layer run token by token): the hooks, then the value recorded as one row."""
+        value = self.hooks.fire_hooks(name, value)
+        self._chunks.record(name, value[None])
+        return value
+
+    # what chunk_records reads
+    on_device = property(lambda self: self._on_device)
+
+    def recorded_kind(self, name: str, kind: str) -> str | None:
+        """How the site's default record is made ("fresh", "norm", "top", "kda.state", "kda.conv"), or None."""
+        if not self._wants(name, kind):
+            return None
+        how = DEFAULT_SITES[kind]
+        return kind if how == "kda" else how
+
+    def row(self, key: str) -> list:
+        return self._row(key)
+
+    def emit(self, put, arr) -> None:
+        self._emit(put, arr)
+
+    def emit_top(self, put_ids, put_probs, logits) -> None:
+        ids, probs = top_predictions(logits, self.top_k)
+        self._emit(put_ids, ids)
+        self._emit(put_probs, probs)
 
     # ------------------------------------------------------------------ recording functions
     # Each site does as little as possible: keep the fresh array, or a reference used when the token

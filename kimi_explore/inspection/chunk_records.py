@@ -1,0 +1,115 @@
+"""How a Recorder records a whole chunk of the sequence path: the same per-token records as stepping.
+
+On the sequence path (`kimi_forward_sequence`) each site fires once per chunk with the values of its
+T tokens stacked on a leading axis. `ChunkRecording` turns each into T records, exactly the keys,
+shapes and (to float rounding) values the token form records:
+
+    kind (recorder.DEFAULT_SITES)   chunk value            records appended
+    fresh                           [T, ...]               its T rows (views of the fresh chunk array)
+    norm (moe.*_out)                [T, d]                 T norms
+    top (logits)                    [T, V]                 T top-k ids and probabilities
+    kda.state / kda.conv            their norms [T, H] / [T, 3, H], given by the decoder
+                                    (`observe_chunk`): the full per-token states are never built
+    full= records                   [T, ...]               T copies
+
+Routing ids with -1 (an expert dropped by a chunk-aware intervention at some tokens, e.g.
+`ablate_experts`) are recorded without the -1 entries, and the same tokens' weights without
+theirs: what stepping records, where a dropped expert is simply absent.
+A layer that runs token by token inside a chunk (a per-token hook there) records through
+`record(name, value[None])`, one row at a time, in order.
+"""
+
+from __future__ import annotations
+
+from .._xp import array_namespace
+from ._hook_grammar import LAYER_NAME
+
+__all__ = ["ChunkRecording"]
+
+
+class ChunkRecording:
+    """The chunk-recording functions of one Recorder, by site name (built once per name)."""
+
+    def __init__(self, recorder):
+        self.rec = recorder
+        self._fns: dict[str, tuple] = {}
+        self._dropped: dict[str, object] = {}  # "layers.{i}." -> [T, k] mask of ids kept, while -1 entries are present
+
+    def record(self, name: str, value) -> None:
+        """Record a chunk `value` [T, ...] that flowed at `name`."""
+        for fn in self._functions(name):
+            fn(value)
+
+    def clear(self) -> None:
+        self._fns.clear()
+
+    def _functions(self, name: str) -> tuple:
+        fns = self._fns.get(name)
+        if fns is None:
+            fns = self._fns[name] = tuple(self._build(name))
+        return fns
+
+    def _build(self, name: str):
+        rec = self.rec
+        m = LAYER_NAME.match(name)
+        kind = m.group(2) if m else name
+        how = rec.recorded_kind(name, kind)
+        if how == "fresh":
+            put = rec.row(name).extend
+            if kind == "moe.router.topk_ids":
+                yield lambda ids: self._ids(name, put, ids)
+            elif kind == "moe.router.topk_weights":
+                yield lambda w: self._weights(name, put, w)
+            else:
+                yield lambda v: rec.emit(put, v)
+        elif how == "norm":
+            put = rec.row(name + ".norm").extend
+            yield lambda v: rec.emit(put, _norms(v.reshape(v.shape[0], 1, -1))[:, 0])
+        elif how == "top":
+            ids, probs = rec.row("logits.top_ids").extend, rec.row("logits.top_probs").extend
+            yield lambda v: rec.emit_top(ids, probs, v)
+        elif how in ("kda.state", "kda.conv"):  # full values (a layer run token by token): their norms
+            put = rec.row(name + ".norm").extend
+            if kind == "kda.state":
+                yield lambda s: rec.emit(put, _norms(s.reshape(s.shape[0], s.shape[1], -1)))
+            else:
+                heads = rec.meta["kda_heads"]
+                yield lambda w: rec.emit(put, _norms(w.reshape(w.shape[0], 3 * heads, -1)).reshape(w.shape[0], 3, heads))
+        if rec.full is not None and rec.full(name):
+            put = rec.row(name).extend
+            yield lambda v: rec.emit(put, v.copy())
+
+    def observe(self, name: str, norms) -> None:
+        """The decoder's per-token norms of a site it does not fire whole (kda.state [T, H], kda.conv [T, 3, H])."""
+        m = LAYER_NAME.match(name)
+        if m and self.rec.recorded_kind(name, m.group(2)) is not None:
+            self.rec.emit(self.rec.row(name + ".norm").extend, norms)
+
+    def _ids(self, name: str, put, ids) -> None:
+        prefix = name[: -len("moe.router.topk_ids")]
+        keep = ids >= 0
+        if not self.rec.on_device and keep.all():  # the common case (on a GPU, always compacted: no device sync)
+            self._dropped.pop(prefix, None)
+            self.rec.emit(put, ids)
+            return
+        self._dropped[prefix] = keep
+        self._emit_rows(put, ids, keep)
+
+    def _weights(self, name: str, put, w) -> None:
+        keep = self._dropped.pop(name[: -len("moe.router.topk_weights")], None)
+        if keep is None:
+            self.rec.emit(put, w)
+        else:
+            self._emit_rows(put, w, keep)
+
+    def _emit_rows(self, put, a, keep) -> None:
+        """Row t of a [T, k] without its dropped entries, one record each (a ragged chunk)."""
+        append = put.__self__.append  # the rows list itself
+        for row, k in zip(a, keep, strict=True):
+            self.rec.emit(append, row[k])
+
+
+def _norms(x):
+    """[T, rows, n] -> L2 norm of each row [T, rows] (one batched matmul)."""
+    xp = array_namespace(x)
+    return xp.sqrt(xp.matmul(x[:, :, None, :], x[:, :, :, None])[:, :, 0, 0])
