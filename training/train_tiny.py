@@ -1,6 +1,6 @@
 """Train the embedded tiny K3 on Python's own documentation and export it in the released layout.
 
-    python -m training.train_tiny --out data/tiny_k3_pydoc
+    python -m training.train_tiny --out kimi_explore/data/tiny_k3_pydoc
 
 Corpus: the values of `pydoc_data.topics.topics` joined in sorted key order, UTF-8 bytes (PSF
 licence; in every CPython). The last 5% is the validation split and is never trained on.
