@@ -14,7 +14,7 @@ from kimi_explore.model.latent_moe import LatentMoeWeights
 from kimi_explore.weights import tensor_reader
 from kimi_explore.weights.bf16_weights import Bf16Matrix, WideningScratch, widen_bits
 from kimi_explore.weights.experts import PackedExperts
-from kimi_explore.weights.memory import memory_report
+from kimi_explore.weights.memory import layer_bytes, memory_report
 from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 TOKENS = [1, 200, 33, 33, 90, 7, 254, 12]
@@ -131,6 +131,20 @@ def test_memory_report_counts_what_is_resident(weight_dtype, itemsize):
     assert after["routed experts, dequantised (LRU caches)"] == len(banks) * 3 * banks[0].expert_bytes
     table = str(after)
     assert "routed experts, MXFP4 packed" in table and f"{after.total:,}" in table and "total (cpu)" in table
+
+
+@pytest.mark.parametrize("weight_dtype,itemsize", [(None, 4), ("bfloat16", 2)], ids=["float32", "bf16"])
+def test_layer_bytes_splits_each_layer_into_the_halves_a_token_reads(weight_dtype, itemsize):
+    """bench/k3_shapes.py's bytes per token: each half's norm and attn-res score (float32 [d] each) and its
+    attention or FFN trunk, from the config alone; the routed experts are not in either half."""
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", weight_dtype=weight_dtype,
+                        bf16_matvec="widen")
+    vectors = 2 * w.config.hidden_size * 4
+    for layer in w.layers:
+        e = expected_bytes(w.config, [layer.index], itemsize)
+        assert layer_bytes(layer) == {
+            "attention": vectors + e["attention (KDA)"] + e["attention (MLA)"],
+            "ffn trunk": vectors + e["dense MLP"] + e["MoE router + latent projections + shared experts"]}, layer.index
 
 
 def test_memory_report_dense_experts():

@@ -153,7 +153,7 @@ def _shard_key(name: str, n_layers: int, shards: int) -> int:
 
 
 def write_checkpoint(path, text_config: dict | None = None, *, seed: int = 0, shards: int = 1,
-                     experts: str = "mxfp4", prefix: str = "language_model.", index: bool = True) -> Path:
+                     experts: str = "mxfp4", prefix: str = table.RELEASE_PREFIX, index: bool = True) -> Path:
     """Write a checkpoint of random weights; returns its path. `experts` is "mxfp4" or "bf16"."""
     text_config = make_text_config() if text_config is None else text_config
     if experts not in ("mxfp4", "bf16"):
@@ -206,7 +206,7 @@ def _released(cfg: KimiDecoderConfig, tensors: dict[str, np.ndarray]) -> dict[st
 
 
 def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, shards: int = 1,
-                    prefix: str = "language_model.", index: bool = True) -> Path:
+                    prefix: str = table.RELEASE_PREFIX, index: bool = True) -> Path:
     """Write `tensors` (unprefixed released names -> arrays in their on-disk shapes) in the released layout.
 
     The names, shapes and disk dtypes are those of `checkpoint_table` for `text_config`: every
