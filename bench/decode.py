@@ -32,7 +32,7 @@ from kimi_explore.model.kda import KdaState, kda_step
 from kimi_explore.model.latent_moe import latent_moe
 from kimi_explore.model.mla import MlaState, mla_step
 from kimi_explore.model.ops import dense_mlp, rms_norm
-from kimi_explore.weights.tiny_model import default_checkpoint, make_text_config, write_checkpoint
+from kimi_explore.weights.tiny_model import make_text_config, random_tiny_checkpoint, write_checkpoint
 
 REFERENCE = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference" / "tiny_k3"
 
@@ -161,7 +161,7 @@ def main() -> int:
     args = p.parse_args()
 
     results = {"decode": [], "breakdown": {}, "memory": []}
-    models = {"embedded tiny (data/tiny_k3)": default_checkpoint(), "reference tiny": REFERENCE}
+    models = {"random tiny (tests/data/tiny_k3)": random_tiny_checkpoint(), "reference tiny": REFERENCE}
     print(f"{'checkpoint':<30} {'dtype':<8} {'median ms/tok':>13} {'p10':>6} {'p90':>6} {'recorder ms/tok':>15} "
           f"{'NumPy calls/tok':>15}")
     for name, path in models.items():

@@ -28,7 +28,7 @@ from pathlib import Path
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.inspection.hooks import Hooks
 from kimi_explore.inspection.recorder import Recorder
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "tests" / "data" / "reference" / "tiny_k3"
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     results = {"machine": platform.platform(), "processor": platform.processor(), "device": args.device,
                "rounds": args.rounds, "block": args.block, "budget": BUDGET, "models": {}}
     ok = True
-    for label, path in (("embedded tiny (data/tiny_k3)", default_checkpoint()), ("reference tiny_k3", REFERENCE)):
+    for label, path in (("random tiny (tests/data/tiny_k3)", random_tiny_checkpoint()), ("reference tiny_k3", REFERENCE)):
         weights = from_pretrained(path, device=args.device)
         rows = bench(weights, args.rounds, args.block)
         results["models"][label] = {"layers": len(weights.layers), "hidden": weights.config.hidden_size, "rows": rows}

@@ -41,6 +41,10 @@ import ml_dtypes
 import numpy as np
 
 from kimi_explore.backend import on_host
+from kimi_explore.weights import checkpoint_table as table
+from kimi_explore.weights import k3_depth
+from kimi_explore.weights.memory import layer_bytes, memory_report
+from kimi_explore.weights.tiny_model import QUANTIZATION_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16 = ml_dtypes.bfloat16
@@ -51,24 +55,10 @@ TOP_K = 16
 
 
 def k3_text_config(num_experts: int = 32, vocab: int = 8192) -> dict:
-    """K3's text_config (spec section 1) with fewer experts and a smaller vocabulary."""
-    mla = {i for i in range(93) if i % 4 == 3 or i == 92}  # 0-based MLA layers
-    return {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": vocab,
-        "hidden_size": 7168, "intermediate_size": 33792, "num_hidden_layers": 93, "num_attention_heads": 96,
-        "num_key_value_heads": 96, "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-        "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
-        "mla_use_output_gate": True, "num_experts": num_experts, "num_experts_per_token": TOP_K, "num_shared_experts": 2,
-        "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
-        "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 1.0,
-        "num_expert_group": 1, "topk_group": 1, "use_grouped_topk": True, "topk_method": "noaux_tc",
-        "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_nextn_predict_layers": 0, "attn_res_block_size": 12,
-        "max_position_embeddings": 1048576, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-        "linear_attn_config": {"full_attn_layers": sorted(i + 1 for i in mla),
-                               "kda_layers": [i + 1 for i in range(93) if i not in mla], "num_heads": 96, "head_dim": 128,
-                               "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
-    }
+    """K3's text_config (the package's one copy) with fewer experts and a smaller vocabulary (too small
+    for K3's special-token ids, so they are left out)."""
+    return k3_depth.k3_text_config(num_experts=num_experts, vocab_size=vocab, bos_token_id=None, eos_token_id=None,
+                                   pad_token_id=None)
 
 
 class _Pools:
@@ -125,12 +115,11 @@ def _specs(cfg: dict, layer: int | None, pools: _Pools) -> list[tuple]:
     """(name, safetensors dtype, shape, make(n) -> flat array) for every tensor of `layer` (None: the
     global ones), from the checkpoint table."""
     from kimi_explore.model.config import KimiDecoderConfig
-    from kimi_explore.weights import checkpoint_table as table
 
     c = KimiDecoderConfig.from_dict(cfg)
     heads = c.linear_attn_config.num_heads
     planned = [t for t in table.plan(c, [] if layer is None else [layer]) if t.layer == layer]
-    return [("language_model." + d.name, d.dtype, d.shape, _make(t, d, pools, heads))
+    return [(table.RELEASE_PREFIX + d.name, d.dtype, d.shape, _make(t, d, pools, heads))
             for t in planned for d in table.on_disk(t)]
 
 
@@ -174,9 +163,8 @@ def ensure_checkpoint(ckpt: Path, layers: list[int], num_experts: int, vocab: in
         total += write_streaming(ckpt / name, specs)
         weight_map.update({s[0]: name for s in specs})
         print(f"  wrote {name} ({what}), {total / 1e9:.1f} GB so far, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    quant = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
     config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "dtype": "bfloat16",
-              "text_config": {**cfg, "quantization_config": quant}, "vision_config": None}
+              "text_config": {**cfg, "quantization_config": QUANTIZATION_CONFIG}, "vision_config": None}
     (ckpt / "config.json").write_text(json.dumps(config, indent=1))
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     done.write_text(json.dumps(stamp))
@@ -247,8 +235,6 @@ class _Marks:
 def child(args) -> dict:
     """Load one layer, decode, report (runs in its own process)."""
     from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
-    from kimi_explore.model.latent_moe import LatentMoeWeights
-    from kimi_explore.weights.memory import _nbytes, memory_report
 
     base = _status("VmRSS")
     t0 = time.perf_counter()
@@ -259,16 +245,10 @@ def child(args) -> dict:
     report = memory_report(w)
     layer, xp, cfg = w.layers[0], w.xp, w.config
     bandwidth = measure_bandwidth(args.device)  # here too: the same conditions as the timing below
-    attn_bytes = _nbytes(layer.attention) + _nbytes(layer.input_layernorm) + _nbytes(layer.attn_res_score)
-    ffn = layer.ffn
-    moe = isinstance(ffn, LatentMoeWeights)
-    trunk = _nbytes(layer.post_attention_layernorm) + _nbytes(layer.mlp_res_score)
-    if moe:
-        bank = ffn.experts
-        trunk += sum(_nbytes(getattr(ffn, n)) for n in ("in_proj", "e_score_correction_bias", "routed_expert_norm",
-                                                         "routed_expert_up_proj", "shared_down_proj"))
-    else:
-        trunk += _nbytes(ffn)
+    parts = layer_bytes(layer)  # what one token reads of the layer's resident weights, by half
+    attn_bytes, trunk = parts["attention"], parts["ffn trunk"]
+    moe = layer.ffn.kind == "moe"
+    bank = layer.ffn.experts if moe else None
     recorder = None
     if args.recorder:
         from kimi_explore import Recorder

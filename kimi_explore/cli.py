@@ -3,12 +3,14 @@
     kimi-explore                                   the embedded tiny model, a default prompt
     kimi-explore --prompt "Hello" --top 5          text (needs the checkpoint's tokenizer)
     kimi-explore --ids 17,203,5 --checkpoint DIR   token ids on a checkpoint directory or Hub repo id
-    kimi-explore report --prompt "Hello" --out DIR plots + a self-contained HTML page
+    kimi-explore report --prompt "Hello" --out DIR plots + a self-contained HTML page (views/report.py)
+    kimi-explore make-tiny --out DIR               a random checkpoint at K3 depth (weights/k3_depth.py)
 
 Errors are one line, `kimi-explore: error: ...`, with exit status 2 (argparse's convention);
 `--debug` shows the traceback instead. The arguments shared with `report` (the model, the prompt,
 the backend) are defined once here, in `add_model_arguments`, and checked before anything is
-decoded: a token id outside the vocabulary is reported before step 0, not after it.
+decoded: a token id outside the vocabulary is reported before step 0, not after it. `parse_ids`
+reads every comma-separated id list (--ids here, the Explorer's prompt field and expert lists).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from .tokenizer import parse_ids
 
 DEFAULT_PROMPT = "Kimi K3, one token at a time."
 RANDOM_NOTE = "tiny K3-shaped model, random weights: its predictions mean nothing; --checkpoint loads a real one"
@@ -35,6 +35,26 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the arguments)\n")
+
+
+class IdsError(ValueError, argparse.ArgumentTypeError):
+    """Text that is not a list of token ids: a ValueError, and argparse shows its message as it is."""
+
+
+def parse_ids(text: str, what: str = "token ids") -> list[int]:
+    """'17, 203,5' -> [17, 203, 5] (the CLI's --ids, the Explorer's prompt field, expert lists).
+
+    Names the first piece that is not an integer and what the field holds (`what`). Also an
+    argparse `type=`: its IdsError is an ArgumentTypeError, so the message is shown as written.
+    """
+    ids = []
+    for piece in text.replace(" ", "").split(","):
+        if not piece:
+            continue
+        if not piece.lstrip("-").isdigit():
+            raise IdsError(f"{what}: {piece!r} is not an integer (expected comma-separated integers like 17,203,5)")
+        ids.append(int(piece))
+    return ids
 
 
 def parse_layers(text: str | None):
@@ -137,9 +157,9 @@ def prompt_ids(args, weights, tokenizer) -> list[int]:
 
 def model_note(path) -> str:
     """What to say about the weights: the random tiny model's mean nothing; a trained tiny model says what it is."""
-    from .weights.tiny_model import default_checkpoint, describe_checkpoint
+    from .weights.tiny_model import RANDOM_TINY_DIR, describe_checkpoint
 
-    if Path(path).resolve() == default_checkpoint().resolve():
+    if Path(path).resolve() == RANDOM_TINY_DIR.resolve():
         return RANDOM_NOTE
     return describe_checkpoint(path) if (Path(path) / "model_card.json").exists() else ""
 
@@ -173,10 +193,10 @@ def run(args) -> int:
     print(f"\n{'step':>4}  {'input':<14} {'ms':>7}   top-{args.top} next tokens (probability)")
     state = KimiDecodeState.new(weights)
     times = []
-    feed = list(ids)
+    history = list(ids)  # the prompt, then each generated token
     step = 0
-    while feed:
-        t = feed.pop(0)
+    while step < len(history):
+        t = history[step]
         t1 = time.perf_counter()
         logits = to_numpy(kimi_forward_token(weights, state, t))
         times.append((time.perf_counter() - t1) * 1e3)
@@ -187,11 +207,22 @@ def run(args) -> int:
         mark = "" if step < len(ids) else "+"
         print(f"{step:>4}{mark:1} {_label(tok, t):<14} {times[-1]:7.2f}   {preds}")
         step += 1
-        if not feed and step < len(ids) + args.generate:
-            feed.append(int(top[0]))
+        if step == len(history) and step < len(ids) + args.generate:
+            history.append(int(top[0]))
     print(f"\n{len(times)} tokens, median {np.median(times):.2f} ms/token "
           f"(first {times[0]:.2f} ms){'; + marks generated tokens' if args.generate else ''}")
+    if args.generate:
+        print(generated_line(history, len(ids), tok))
     return 0
+
+
+def generated_line(history: list[int], n_prompt: int, tok) -> str:
+    """The generated tokens as one string after the table: decoded together (a character split over
+    several byte tokens comes out whole), or as an --ids list when the ids were given without text."""
+    new = history[n_prompt:]
+    if tok is None:
+        return f"generated ids ({len(new)} after the prompt): {','.join(map(str, new))}"
+    return f"generated text ({len(new)} tokens after the prompt): {tok.decode(new)!r}"
 
 
 def guarded(prog: str, fn, args) -> int:
@@ -226,12 +257,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _report_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="kimi-explore report",
+                       description="Run a prompt through K3 one token at a time and write every plot as a PNG "
+                       "plus one self-contained HTML page (no network, no CDN).")
+    add_model_arguments(p)
+    p.add_argument("--out", required=True, help="output directory (created if missing)")
+    p.add_argument("--title", default="Kimi K3, token by token", help="page title")
+    return p
+
+
+def run_report(args) -> int:
+    """`kimi-explore report`: decode the prompt in a recorded Session, then `views.report.write_report`."""
+    from .inspection.recorder import Recorder
+    from .inspection.session import Session
+    from .tokenizer import TokenizerError, load_tokenizer
+    from .views.report import write_report
+
+    weights, path, _ = load_model(args)
+    try:
+        tokenizer = load_tokenizer(weights)
+    except TokenizerError as e:
+        if args.ids is None:
+            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
+        tokenizer = None
+    ids = prompt_ids(args, weights, tokenizer)
+    session = Session(weights, recorder=Recorder(top_k=max(10, args.top)), tokenizer=tokenizer)
+    session.feed(ids)
+    if args.generate:
+        session.generate(args.generate)
+    note = model_note(path)
+    page = write_report(session, args.out, title=args.title, source=f"{path} ({note})" if note else path, top=args.top)
+    print(f"wrote {page} (open it in any browser, offline) and its figures as PNGs in {page.parent}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "report":
-        from .views.report import main as report_main
-
-        return report_main(argv[1:])
+        return guarded("kimi-explore report", run_report, _report_parser().parse_args(argv[1:]))
     if argv and argv[0] == "make-tiny":
         from .weights.k3_depth import main as make_tiny_main
 

@@ -6,8 +6,8 @@
 
 ByteTokenizer: vocabulary 256, id = byte value of the UTF-8 encoding; no special tokens.
 
-KimiTokenizer reproduces the release's `TikTokenTokenizer` (HF `moonshotai/Kimi-K3` at 9f62e4e9;
-see shared/docs/k3-tokenizer.md) with plain tiktoken, an optional extra:
+KimiTokenizer reproduces the release's `TikTokenTokenizer` (HF `moonshotai/Kimi-K3` at 9f62e4e9,
+`tokenization_kimi.py`) with plain tiktoken, an optional extra:
 - `tiktoken.model`: one `<base64 bytes> <rank>` line per BPE token, ranks 0..n-1 = ids (n = 163,584).
   We parse it ourselves: tiktoken's `load_tiktoken_bpe` caches by the *path string* and would
   return a stale copy after the file at that path changed.
@@ -20,15 +20,12 @@ see shared/docs/k3-tokenizer.md) with plain tiktoken, an optional extra:
   `eos_token_id` = 163586), NOT tokenizer_config's `eos_token` `[EOS]` (163585). No `[BOS]` is ever
   prepended. Long inputs are cut before BPE (`split_for_encoding`), which changes ids.
 
-`render_chat` / `chat_segments` render the release's chat prompt ("XTML", `encoding_k3.py`) for
-system / user / assistant conversations. Tools, tool turns and images are refused with a clear
-error rather than rendered approximately (argument rendering differs between upstream revisions),
-and so are unknown roles (the 9f62e4e9 renderer skips them silently).
+The release's chat prompt is rendered in `chat_template.py`; `KimiTokenizer.encode_chat` encodes
+it segment by segment, as the release does.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import hashlib
@@ -36,16 +33,14 @@ import json
 import re
 from pathlib import Path
 
+from .chat_template import chat_segments, render_chat
+
 __all__ = [
     "PAT_STR",
     "ByteTokenizer",
-    "IdsError",
     "KimiTokenizer",
     "TokenizerError",
-    "chat_segments",
     "load_tokenizer",
-    "parse_ids",
-    "render_chat",
     "split_for_encoding",
 ]
 
@@ -90,26 +85,6 @@ def _label_bytes(raw: bytes) -> str:
         else:
             out.append(ch)
     return "".join(out)
-
-
-class IdsError(ValueError, argparse.ArgumentTypeError):
-    """Text that is not a list of token ids: a ValueError, and argparse shows its message as it is."""
-
-
-def parse_ids(text: str, what: str = "token ids") -> list[int]:
-    """'17, 203,5' -> [17, 203, 5] (the CLI's --ids, the Explorer's prompt field, expert lists).
-
-    Names the first piece that is not an integer and what the field holds (`what`). Also an
-    argparse `type=`: its IdsError is an ArgumentTypeError, so the message is shown as written.
-    """
-    ids = []
-    for piece in text.replace(" ", "").split(","):
-        if not piece:
-            continue
-        if not piece.lstrip("-").isdigit():
-            raise IdsError(f"{what}: {piece!r} is not an integer (expected comma-separated integers like 17,203,5)")
-        ids.append(int(piece))
-    return ids
 
 
 def _as_ids(ids, vocab_size: int) -> list[int]:
@@ -318,83 +293,6 @@ class KimiTokenizer:
 
     def __repr__(self) -> str:
         return f"KimiTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, release_vocab={self.is_release_vocab})"
-
-
-# ---- chat prompt ("XTML", encoding_k3.py at 9f62e4e9), system / user / assistant only ----
-
-_EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
-                "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
-                "Now the system is invoked with `thinking_effort={}`.")
-_UNSUPPORTED_KEYS = ("tool_calls", "tools")
-
-
-def _open(tag: str, attrs: dict) -> list[tuple[str, bool]]:
-    # Each attribute is four text segments (` key`, `="`, value, `"`): the release encodes them
-    # separately, and joining them changes ids when a value starts or ends with punctuation.
-    segs = [("<|open|>", True), (tag, False)]
-    for k, v in attrs.items():
-        segs += [(f" {k}", False), ('="', False), (str(v).replace("&", "&amp;").replace('"', "&quot;"), False), ('"', False)]
-    return segs + [("<|sep|>", True)]
-
-
-def _close(tag: str) -> list[tuple[str, bool]]:
-    return [("<|close|>", True), (tag, False), ("<|sep|>", True)]
-
-
-def _message(attrs: dict, body: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
-    return _open("message", attrs) + body + _close("message") + [("<|end_of_msg|>", True)]
-
-
-def _content(msg: dict, where: str) -> str:
-    content = msg.get("content") or ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            raise ValueError(f"{where}.content: only text parts are rendered, found {part!r}")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def chat_segments(messages, *, thinking: bool = True, add_generation_prompt: bool = True,
-                  thinking_effort: str | None = None) -> list[tuple[str, bool]]:
-    """(text, allow_special) segments of the release's chat prompt, in order; empty texts dropped.
-
-    Defaults are `build_chat_segments`'s. Note HF `apply_chat_template` defaults to
-    thinking_effort="max" (the effort system message first). Every past assistant turn keeps its
-    reasoning when thinking=True; with thinking=False the think channel is dropped everywhere."""
-    segs: list[tuple[str, bool]] = []
-    if thinking and thinking_effort is not None:
-        if thinking_effort not in ("low", "high", "max"):   # "medium" is named in the text but rejected
-            raise ValueError(f"thinking_effort: expected 'low', 'high', 'max' or None, found {thinking_effort!r}")
-        body = [(_EFFORT_BODY.format(thinking_effort).strip(), False)]
-        segs += _message({"role": "system", "type": "thinking-effort"}, body)
-    for n, msg in enumerate(messages):
-        where = f"messages[{n}]"
-        role = msg.get("role") if isinstance(msg, dict) else None
-        if role not in ("system", "user", "assistant"):
-            raise ValueError(f"{where}: expected a dict with role 'system', 'user' or 'assistant' (tool turns are "
-                             f"not rendered here), found {msg!r}")
-        if any(msg.get(k) for k in _UNSUPPORTED_KEYS):
-            raise ValueError(f"{where}: tool declarations and tool calls are not rendered by render_chat")
-        attrs = {"role": role, **({"name": msg["name"]} if msg.get("name") else {})}
-        body = [(_content(msg, where), False)]
-        if role == "assistant":
-            reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
-            think = _open("think", {}) + [(reasoning if reasoning.strip() else "", False)] + _close("think")
-            body = (think if thinking else []) + _open("response", {}) + body + _close("response")
-        segs += _message(attrs, body)
-    if add_generation_prompt:
-        segs += _open("message", {"role": "assistant"}) + _open("think" if thinking else "response", {})
-    return [(t, s) for t, s in segs if t]
-
-
-def render_chat(messages, *, thinking: bool = True, add_generation_prompt: bool = True,
-                thinking_effort: str | None = None) -> str:
-    """The chat prompt as text (see `chat_segments`); encode it with `KimiTokenizer.encode_chat`."""
-    return "".join(t for t, _ in chat_segments(messages, thinking=thinking, add_generation_prompt=add_generation_prompt,
-                                               thinking_effort=thinking_effort))
 
 
 # ---- choosing a tokenizer for a checkpoint ----

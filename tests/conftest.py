@@ -1,4 +1,4 @@
-"""Shared fixtures: the reference checkpoint (Moonshot's outputs) and the embedded tiny model."""
+"""Shared fixtures: the reference checkpoint (Moonshot's outputs) and the random tiny model (`tiny_weights`)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def ref_weights():
 @pytest.fixture(scope="session")
 def tiny_weights():
     from kimi_explore import from_pretrained
-    from kimi_explore.weights.tiny_model import default_checkpoint
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
-    return from_pretrained(default_checkpoint(), device="cpu")
+    return from_pretrained(random_tiny_checkpoint(), device="cpu")
 
 
 def require_kernel():

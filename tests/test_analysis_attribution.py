@@ -23,7 +23,7 @@ def f64(a):
     return np.asarray(to_numpy(a), dtype=np.float64)
 
 
-@pytest.fixture(scope="module", params=["reference", "embedded"])
+@pytest.fixture(scope="module", params=["reference", "random_tiny"])
 def model(request, ref_weights, tiny_weights):
     w = ref_weights if request.param == "reference" else tiny_weights
     last = w.layers[-1].hook_prefix + "prefix_sum"

@@ -17,7 +17,7 @@ PREFIX, REST = list(b"Hello "), list(b"world, hello diff!")
 LAYER = 3  # the ablated MoE layer (both models)
 
 
-@pytest.fixture(scope="module", params=["reference", "embedded"])
+@pytest.fixture(scope="module", params=["reference", "random_tiny"])
 def runs(request, ref_weights, tiny_weights):
     w = ref_weights if request.param == "reference" else tiny_weights
     a = ke.Session(w)

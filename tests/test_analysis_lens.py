@@ -18,7 +18,7 @@ from kimi_explore.inspection import interventions
 TEXT = list(b"The cat sat. 42 cats!\n")
 
 
-@pytest.fixture(scope="module", params=["reference", "embedded"])
+@pytest.fixture(scope="module", params=["reference", "random_tiny"])
 def model(request, ref_weights, tiny_weights):
     w = ref_weights if request.param == "reference" else tiny_weights
     s = ke.Session(w)

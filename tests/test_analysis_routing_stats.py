@@ -41,7 +41,7 @@ def by_hand(w, texts):
     return counts, weights, pairs, joint, n
 
 
-@pytest.fixture(scope="module", params=["reference", "embedded"])
+@pytest.fixture(scope="module", params=["reference", "random_tiny"])
 def model(request, ref_weights, tiny_weights):
     w = ref_weights if request.param == "reference" else tiny_weights
     return w, ke.routing_stats(w, TEXTS, progress=False), by_hand(w, TEXTS)

@@ -12,7 +12,7 @@ from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.weights import bf16_matvec
 from kimi_explore.weights.bf16_matvec import bf16_matvec as matvec
 from kimi_explore.weights.bf16_weights import Bf16Matrix, WideningScratch
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -103,19 +103,19 @@ def test_bf16_matrix_takes_the_kernel_for_vectors_only():
 
 
 def test_decoder_with_the_kernel_matches_the_float32_trunk():
-    """The embedded model, bf16 trunk through the kernel vs the float32 trunk: float32 rounding, same argmax."""
+    """The random tiny model, bf16 trunk through the kernel vs the float32 trunk: float32 rounding, same argmax."""
     tokens = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99]
 
     def decode(w):
         state = KimiDecodeState.new(w)
         return np.stack([np.array(kimi_forward_token(w, state, t)) for t in tokens])
 
-    f32 = from_pretrained(default_checkpoint(), device="cpu")
-    bf16 = from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16")
+    f32 = from_pretrained(random_tiny_checkpoint(), device="cpu")
+    bf16 = from_pretrained(random_tiny_checkpoint(), device="cpu", weight_dtype="bfloat16")
     assert bf16.extra["bf16_matvec"] == "kernel" and bf16.lm_head.uses_kernel
     assert bf16.memory_report()["bf16 widening scratch"] == 0  # the kernel needs none
     got, want = decode(bf16), decode(f32)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
     with pytest.raises(ValueError, match="bf16_matvec='fast': expected one of 'auto', 'kernel', 'widen'"):
-        from_pretrained(default_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")
+        from_pretrained(random_tiny_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 
 def raw_tensor(path, name: str) -> np.ndarray:
@@ -28,7 +28,7 @@ def raw_tensor(path, name: str) -> np.ndarray:
 def test_mutation_kda_decay_rate_is_exp_in_float64_then_rounded(tiny_weights):
     """A[h] = float32(exp(float64(A_log[h]))) for h < H, bit for bit, in every KDA layer of a float32 load.
     NumPy's float32 exp is not correctly rounded: on the embedded model it is 1 ulp off on many heads."""
-    path = default_checkpoint()
+    path = random_tiny_checkpoint()
     kda = [layer for layer in tiny_weights.layers if layer.attention.kind == "kda"]
     la = json.loads((path / "config.json").read_text())["text_config"]["linear_attn_config"]
     assert [layer.index + 1 for layer in kda] == la["kda_layers"]  # 1-based in the config

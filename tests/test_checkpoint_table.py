@@ -12,7 +12,7 @@ import pytest
 from kimi_explore.model.config import KimiDecoderConfig
 from kimi_explore.weights import checkpoint_table as table
 from kimi_explore.weights.safetensors_io import SafetensorsFile
-from kimi_explore.weights.tiny_model import _tensors, default_checkpoint, make_text_config, save_checkpoint
+from kimi_explore.weights.tiny_model import _tensors, make_text_config, random_tiny_checkpoint, save_checkpoint, tiny_checkpoint
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 TORCH_TO_SAFETENSORS = {"bfloat16": "BF16", "float32": "F32", "uint8": "U8"}
@@ -46,8 +46,9 @@ def test_table_plans_exactly_the_released_names_dtypes_and_shapes_of_the_referen
     assert _on_disk(REFERENCE / "tiny_k3") == listed  # and the list is what the reference file holds
 
 
-def test_embedded_model_has_exactly_the_planned_tensors():
-    path = default_checkpoint()
+@pytest.mark.parametrize("which", ["random_tiny", "trained_tiny"])
+def test_tiny_models_have_exactly_the_planned_tensors(which):
+    path = random_tiny_checkpoint() if which == "random_tiny" else tiny_checkpoint()
     cfg = KimiDecoderConfig.from_file(path / "config.json")
     assert _on_disk(path) == _planned(cfg)
 

@@ -12,7 +12,7 @@ from conftest import REFERENCE_DIR
 
 from kimi_explore import CheckpointError, KimiDecodeState, kimi_forward_token
 from kimi_explore.cli import RANDOM_NOTE, CliError, main, parse_layers
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 
 def test_help_explains_itself():
@@ -24,7 +24,7 @@ def test_help_explains_itself():
 
 
 def test_main_job_prints_the_decoder_predictions(capsys, tiny_weights):
-    assert main(["--ids", "72,101,108", "--top", "3", "--generate", "2", "--checkpoint", str(default_checkpoint())]) == 0
+    assert main(["--ids", "72,101,108", "--top", "3", "--generate", "2", "--checkpoint", str(random_tiny_checkpoint())]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit() and line.startswith("   ")]
     assert len(rows) == 5
@@ -116,7 +116,7 @@ def test_the_installed_command_prints_one_line(tmp_path):
 
 
 def test_the_header_says_when_the_weights_are_random(capsys):
-    assert main(["--ids", "72", "--checkpoint", str(default_checkpoint())]) == 0
+    assert main(["--ids", "72", "--checkpoint", str(random_tiny_checkpoint())]) == 0
     assert RANDOM_NOTE in capsys.readouterr().out.splitlines()[0]
     assert main(["--ids", "72", "--checkpoint", str(REFERENCE_DIR)]) == 0
     assert RANDOM_NOTE not in capsys.readouterr().out  # Moonshot's reference checkpoint is not the random default
@@ -134,3 +134,32 @@ def test_layer_ranges_that_select_nothing():
         with pytest.raises(argparse.ArgumentTypeError, match="reversed|selects no layer"):
             parse_layers(text)
     assert list(parse_layers("3-3")) == [3]
+
+
+def _greedy(weights, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt`, decoded here with the decoder alone."""
+    state = KimiDecodeState.new(weights)
+    for t in prompt[:-1]:
+        kimi_forward_token(weights, state, t)
+    out, t = [], prompt[-1]
+    for _ in range(n):
+        t = int(np.argmax(np.asarray(kimi_forward_token(weights, state, t))))
+        out.append(t)
+    return out
+
+
+def test_generate_prints_the_generated_text_as_one_string(capsys):
+    from kimi_explore import from_pretrained
+    from kimi_explore.weights.tiny_model import tiny_checkpoint
+
+    assert main(["--prompt", "The ", "--generate", "12", "--top", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = bytes(_greedy(from_pretrained(tiny_checkpoint(), device="cpu"), list(b"The "), 12)).decode("utf-8", "replace")
+    assert lines[-1] == f"generated text (12 tokens after the prompt): {expected!r}"
+    assert "ms/token" in lines[-2]  # after the table and its summary
+    # given as ids (no text), the generated ids come back as an --ids list
+    assert main(["--ids", "84,104", "--generate", "3", "--checkpoint", str(REFERENCE_DIR)]) == 0
+    ids = _greedy(from_pretrained(REFERENCE_DIR, device="cpu"), [84, 104], 3)
+    assert capsys.readouterr().out.splitlines()[-1] == f"generated ids (3 after the prompt): {','.join(map(str, ids))}"
+    assert main(["--ids", "84"]) == 0
+    assert "generated" not in capsys.readouterr().out  # nothing generated, nothing printed

@@ -12,14 +12,14 @@ from kimi_explore import CheckpointError, ConfigError, KimiDecodeState, from_pre
 from kimi_explore.backend import gpu_available
 from kimi_explore.errors import BackendError
 from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
-from kimi_explore.weights.tiny_model import default_checkpoint, make_text_config, write_checkpoint
+from kimi_explore.weights.tiny_model import make_text_config, random_tiny_checkpoint, write_checkpoint
 
 
 @pytest.fixture
 def ckpt(tmp_path):
-    """A private copy of the embedded model (5 shards) to break."""
+    """A private copy of the random tiny model (5 shards) to break."""
     dst = tmp_path / "ckpt"
-    shutil.copytree(default_checkpoint(), dst)
+    shutil.copytree(random_tiny_checkpoint(), dst)
     return dst
 
 

@@ -10,7 +10,7 @@ from kimi_explore import CheckpointError, KimiDecodeState, from_pretrained, kimi
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
 from kimi_explore.weights import checkpoint, mxfp4, mxfp4_matvec
 from kimi_explore.weights.experts import DenseExperts, PackedExperts, dense_from_packed
-from kimi_explore.weights.tiny_model import default_checkpoint, write_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint, write_checkpoint
 from kimi_explore.weights.workspace import Workspace
 
 TOKENS = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99, 64, 1]
@@ -176,7 +176,7 @@ def test_only_the_missing_experts_are_dequantised_in_one_call(monkeypatch):
 
 def test_gathered_moe_matches_the_per_expert_float64_loop():
     """latent_moe over a packed bank (gather + batched matmuls) vs the naive per-expert loop."""
-    w = from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=3)
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", expert_cache_size=3)
     rng = np.random.default_rng(6)
     for layer in w.layers:
         if not isinstance(layer.ffn, LatentMoeWeights):
@@ -192,7 +192,7 @@ def decode(w, tokens=TOKENS, hooks=None):
     return np.stack([np.array(kimi_forward_token(w, state, t, hooks=hooks)) for t in tokens])
 
 
-@pytest.mark.parametrize("path", [default_checkpoint(), REFERENCE_DIR], ids=["embedded", "reference"])
+@pytest.mark.parametrize("path", [random_tiny_checkpoint(), REFERENCE_DIR], ids=["random_tiny", "reference"])
 @pytest.mark.parametrize("cache", [0, 1, None], ids=["no-cache", "cache-1", "cache-default"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
 def test_packed_logits_bit_identical_to_dense(path, cache, in_place, monkeypatch):
@@ -223,14 +223,14 @@ class RerouteTo:
 
 def test_packed_and_dense_agree_under_a_routing_intervention():
     kw = dict(device="cpu", layers=range(4))
-    dense = from_pretrained(default_checkpoint(), experts="dense", **kw)
-    packed = from_pretrained(default_checkpoint(), experts="packed", expert_cache_size=2, **kw)
+    dense = from_pretrained(random_tiny_checkpoint(), experts="dense", **kw)
+    packed = from_pretrained(random_tiny_checkpoint(), experts="packed", expert_cache_size=2, **kw)
     hook = RerouteTo("layers.2.moe.router.topk_ids", [9, 9, 1])
     np.testing.assert_array_equal(bits(decode(packed, hooks=hook)), bits(decode(dense, hooks=hook)))
 
 
 def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
-    tiny = default_checkpoint()
+    tiny = random_tiny_checkpoint()
     assert from_pretrained(tiny, device="cpu").extra["experts"] == "dense"  # auto: small enough
     monkeypatch.setattr(checkpoint, "AUTO_DENSE_BYTES", 0)
     w = from_pretrained(tiny, device="cpu", layers=[1, 2])

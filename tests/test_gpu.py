@@ -16,7 +16,7 @@ from kimi_explore.model.latent_moe import LatentMoeWeights
 from kimi_explore.weights.bf16_weights import Bf16Matrix
 from kimi_explore.weights.experts import PackedExperts
 from kimi_explore.weights.memory import memory_report
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no usable CUDA GPU (CuPy absent or no device)")]
 
@@ -73,12 +73,12 @@ def test_layer_subset_on_gpu(ref, n):
 
 
 def test_gpu_matches_cpu():
-    cpu = decode(from_pretrained(default_checkpoint(), device="cpu"), range(0, 256, 23))
-    gpu = decode(from_pretrained(default_checkpoint(), device="gpu"), range(0, 256, 23))
+    cpu = decode(from_pretrained(random_tiny_checkpoint(), device="cpu"), range(0, 256, 23))
+    gpu = decode(from_pretrained(random_tiny_checkpoint(), device="gpu"), range(0, 256, 23))
     np.testing.assert_allclose(gpu, cpu, atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", [default_checkpoint(), REFERENCE_DIR], ids=["embedded", "reference"])
+@pytest.mark.parametrize("path", [random_tiny_checkpoint(), REFERENCE_DIR], ids=["random_tiny", "reference"])
 def test_packed_and_bf16_bit_identical_on_gpu(path):
     """On one device the resident forms give the same logits bit for bit (same kernels on the same operands)."""
     tokens = [t % 256 for t in (0, 255, 17, 17, 42, 128, 7)]

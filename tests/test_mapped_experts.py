@@ -15,10 +15,10 @@ from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs
 from kimi_explore.weights import mxfp4_matvec
 from kimi_explore.weights.mapped_experts import ExpertViews, MappedExperts
 from kimi_explore.weights.memory import MAPPED, memory_report
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 TOKENS = [1, 200, 33, 33, 90, 7, 254, 12, 0, 128]
-PATHS = {"embedded": default_checkpoint(), "reference": REFERENCE_DIR}
+PATHS = {"random_tiny": random_tiny_checkpoint(), "reference": REFERENCE_DIR}
 
 
 def bits(a):
@@ -63,8 +63,8 @@ def test_mapped_is_packed_bit_for_bit(path, route):
 
 
 def test_nothing_is_copied_and_the_report_says_mapped():
-    packed = from_pretrained(default_checkpoint(), device="cpu", experts="packed")
-    mapped = from_pretrained(default_checkpoint(), device="cpu", experts="mapped")
+    packed = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed")
+    mapped = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="mapped")
     for bank in banks(mapped):
         for views in (bank.w13_packed, bank.w13_scale, bank.w2_packed, bank.w2_scale):
             for block in (b for expert in views.blocks for b in expert):
@@ -78,7 +78,7 @@ def test_nothing_is_copied_and_the_report_says_mapped():
 
 def test_truncated_shard_is_refused_at_plan_time(tmp_path):
     ckpt = tmp_path / "tiny"
-    shutil.copytree(default_checkpoint(), ckpt)
+    shutil.copytree(random_tiny_checkpoint(), ckpt)
     shard = sorted(ckpt.glob("*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-1000])
     with pytest.raises(CheckpointError, match=f"{shard.name}: truncated: tensor '.*' ends at byte"):
@@ -95,8 +95,8 @@ def test_mapped_needs_mxfp4_on_disk(tmp_path):
 
 def test_device_route_copies_only_the_selected_experts(monkeypatch):
     """As a GPU runs it (one gather of the selected experts, then batched matmuls), with NumPy."""
-    w = from_pretrained(default_checkpoint(), device="cpu", experts="mapped", expert_cache_size=2)
-    p = from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=2)
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="mapped", expert_cache_size=2)
+    p = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", expert_cache_size=2)
     bank, ref = banks(w)[0], banks(p)[0]
     monkeypatch.setattr(MappedExperts, "_multiply_in_place", lambda self, xp: False)
     monkeypatch.setattr(type(ref), "_multiply_in_place", lambda self, xp: False)

@@ -14,8 +14,8 @@ from kimi_explore.model.latent_moe import LatentMoeWeights
 from kimi_explore.weights import tensor_reader
 from kimi_explore.weights.bf16_weights import Bf16Matrix, WideningScratch, widen_bits
 from kimi_explore.weights.experts import PackedExperts
-from kimi_explore.weights.memory import memory_report
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.memory import layer_bytes, memory_report
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 TOKENS = [1, 200, 33, 33, 90, 7, 254, 12]
 
@@ -56,7 +56,7 @@ def test_bf16_matrix_behaves_like_its_float32_matrix():
         Bf16Matrix(W32, scratch)
 
 
-@pytest.mark.parametrize("path", [default_checkpoint(), REFERENCE_DIR], ids=["embedded", "reference"])
+@pytest.mark.parametrize("path", [random_tiny_checkpoint(), REFERENCE_DIR], ids=["random_tiny", "reference"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_bf16_resident_logits_bit_identical(path, dtype):
     f = from_pretrained(path, device="cpu", dtype=dtype)
@@ -69,14 +69,14 @@ def test_bf16_resident_logits_bit_identical(path, dtype):
 
 def test_weight_dtype_errors():
     with pytest.raises(ValueError, match=r"weight_dtype='float16': expected None \(= dtype, 'float32'\) or 'bfloat16'"):
-        from_pretrained(default_checkpoint(), device="cpu", weight_dtype="float16")
+        from_pretrained(random_tiny_checkpoint(), device="cpu", weight_dtype="float16")
 
 
 def test_streaming_reader_through_a_tiny_bounce_buffer(monkeypatch):
     """Widening in many small chunks (1000 bytes) gives the same weights as in one."""
-    ref = from_pretrained(default_checkpoint(), device="cpu", layers=[0, 3])
+    ref = from_pretrained(random_tiny_checkpoint(), device="cpu", layers=[0, 3])
     monkeypatch.setattr(tensor_reader, "BOUNCE_BYTES", 1000)
-    w = from_pretrained(default_checkpoint(), device="cpu", layers=[0, 3])
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", layers=[0, 3])
     np.testing.assert_array_equal(w.embed_tokens, ref.embed_tokens)
     np.testing.assert_array_equal(w.layers[0].attention.in_proj, ref.layers[0].attention.in_proj)
     np.testing.assert_array_equal(bits(decode(w)), bits(decode(ref)))
@@ -109,7 +109,7 @@ def expected_bytes(cfg, layer_ids, itemsize: int) -> dict:
 
 @pytest.mark.parametrize("weight_dtype,itemsize", [(None, 4), ("bfloat16", 2)], ids=["float32", "bf16"])
 def test_memory_report_counts_what_is_resident(weight_dtype, itemsize):
-    w = from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=3,
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", expert_cache_size=3,
                                            weight_dtype=weight_dtype, bf16_matvec="widen")
     report = memory_report(w)
     for key, value in expected_bytes(w.config, w.layer_ids, itemsize).items():
@@ -133,8 +133,22 @@ def test_memory_report_counts_what_is_resident(weight_dtype, itemsize):
     assert "routed experts, MXFP4 packed" in table and f"{after.total:,}" in table and "total (cpu)" in table
 
 
+@pytest.mark.parametrize("weight_dtype,itemsize", [(None, 4), ("bfloat16", 2)], ids=["float32", "bf16"])
+def test_layer_bytes_splits_each_layer_into_the_halves_a_token_reads(weight_dtype, itemsize):
+    """bench/k3_shapes.py's bytes per token: each half's norm and attn-res score (float32 [d] each) and its
+    attention or FFN trunk, from the config alone; the routed experts are not in either half."""
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", weight_dtype=weight_dtype,
+                        bf16_matvec="widen")
+    vectors = 2 * w.config.hidden_size * 4
+    for layer in w.layers:
+        e = expected_bytes(w.config, [layer.index], itemsize)
+        assert layer_bytes(layer) == {
+            "attention": vectors + e["attention (KDA)"] + e["attention (MLA)"],
+            "ffn trunk": vectors + e["dense MLP"] + e["MoE router + latent projections + shared experts"]}, layer.index
+
+
 def test_memory_report_dense_experts():
-    w = from_pretrained(default_checkpoint(), device="cpu", experts="dense")
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="dense")
     cfg = w.config
     n_moe = sum(cfg.is_moe_layer(i) for i in w.layer_ids)
     report = memory_report(w)
@@ -147,7 +161,7 @@ def test_session_fingerprint_sees_the_same_weights_whatever_their_resident_form(
     """bf16 bits widen to the float32 values, and a packed bank's cache state is not part of the weights."""
     from kimi_explore.inspection.session_io import weights_fingerprint
 
-    path = default_checkpoint()
+    path = random_tiny_checkpoint()
     f32 = from_pretrained(path, device="cpu", experts="packed", expert_cache_size=2)
     bf16 = from_pretrained(path, device="cpu", experts="packed", weight_dtype="bfloat16")
     before = weights_fingerprint(f32)

@@ -11,7 +11,7 @@ from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs
 from kimi_explore.weights import mxfp4, mxfp4_matvec
 from kimi_explore.weights.experts import PackedExperts, dense_from_packed
 from kimi_explore.weights.mxfp4_matvec import expert_matvec
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("kernel")
 
@@ -137,10 +137,10 @@ def decode(w, tokens):
 
 
 def test_fused_decoder_matches_dense_experts():
-    """The embedded model, packed with no cache (fused) vs dense: same argmax, logits to float32 rounding."""
+    """The random tiny model, packed with no cache (fused) vs dense: same argmax, logits to float32 rounding."""
     tokens = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99]
-    dense = from_pretrained(default_checkpoint(), device="cpu", experts="dense")
-    fused = from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=0)
+    dense = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="dense")
+    fused = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", expert_cache_size=0)
     banks = [layer.ffn.experts for layer in fused.layers if isinstance(layer.ffn, LatentMoeWeights)]
     assert banks and all(b.uses_fused for b in banks)
     got, want = decode(fused, tokens), decode(dense, tokens)

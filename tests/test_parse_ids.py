@@ -1,4 +1,4 @@
-"""One parser of token-id lists (`tokenizer.parse_ids`) for the CLI, the report and the Explorer."""
+"""One parser of token-id lists (`cli.parse_ids`) for the CLI, the report and the Explorer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kimi_explore import cli
-from kimi_explore.tokenizer import IdsError, parse_ids
+from kimi_explore.cli import IdsError, parse_ids
 from kimi_explore.views import _ablation
 
 
@@ -18,7 +18,7 @@ def test_parse_ids_reads_lists_and_names_the_bad_piece():
 
 
 def test_the_cli_and_the_explorer_use_the_one_parser():
-    assert cli.parse_ids is parse_ids and _ablation.parse_ids is parse_ids
+    assert _ablation.parse_ids is cli.parse_ids
     p = argparse.ArgumentParser()
     p.add_argument("--ids", type=parse_ids)
     assert p.parse_args(["--ids", "1,2"]).ids == [1, 2]

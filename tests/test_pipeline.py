@@ -18,7 +18,7 @@ import pytest
 
 import kimi_explore as ke
 from kimi_explore.inspection.interventions import ablate_experts, scale_kda_head
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 ray = pytest.importorskip("ray")
 
@@ -35,7 +35,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def path():
-    return default_checkpoint()  # 16 layers (KDA and MLA, a dense layer 0, MoE), one shard per 4 layers
+    return random_tiny_checkpoint()  # 16 layers (KDA and MLA, a dense layer 0, MoE), one shard per 4 layers
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,17 @@ import numpy as np
 import pytest
 from synthetic_trace import SyntheticTrace
 
-from kimi_explore import KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, cli, kimi_forward_token
 from kimi_explore.cli import RANDOM_NOTE
-from kimi_explore.views.report import main, write_report
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.views.report import write_report
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def main(argv: list[str]) -> int:
+    """`kimi-explore report ARGV...` (the command-line entry is the CLI's)."""
+    return cli.main(["report", *argv])
 
 
 def check_self_contained(page: str, out_dir) -> list[str]:
@@ -89,7 +94,7 @@ def test_report_takes_the_model_options_and_top(tmp_path, monkeypatch, tiny_weig
     monkeypatch.setattr(checkpoint, "load_weights", lambda path, **kw: seen.append(kw) or load(path, **kw))
     out = tmp_path / "r"
     assert main(["--ids", "72,101", "--experts", "packed", "--weight-dtype", "bfloat16", "--top", "12", "--out", str(out),
-                 "--checkpoint", str(default_checkpoint())]) == 0  # the random model: the `tiny_weights` fixture
+                 "--checkpoint", str(random_tiny_checkpoint())]) == 0  # the random model: the `tiny_weights` fixture
     assert seen[0]["experts"] == "packed" and seen[0]["weight_dtype"] == "bfloat16"
     page = (out / "index.html").read_text(encoding="utf-8")
     rows = re.findall(r"<tr><td>.*?</td><td>(.*?)</td></tr>", page)

@@ -187,7 +187,7 @@ def test_truncate_then_restep_is_bit_identical(ref_weights, every):
         s.truncate(11)
 
 
-def test_back_drops_the_last_tokens_and_rewind_is_gone(ref_weights):
+def test_back_drops_the_last_tokens(ref_weights):
     s = Session(ref_weights)
     s.feed(TOKENS[:5])
     s.back()
@@ -201,16 +201,14 @@ def test_back_drops_the_last_tokens_and_rewind_is_gone(ref_weights):
             s.back(bad)
     with pytest.raises(ValueError, match="Session.truncate"):
         s.truncate(-1)
-    with pytest.raises(AttributeError, match=r"truncate\(n_tokens\) to keep the first n_tokens, or session.back\(k\)"):
-        s.rewind(0)
     assert s.tokens == TOKENS[:1]
 
 
 @pytest.mark.parametrize("every", [0, 4, 16])
 def test_truncate_discards_future_checkpoints(ref_weights, every):
     """A truncate that kept the checkpoints of the discarded future (here the one after the intervened
-    token 4) would later replay a new history from the old history's state (the mutation-run bug; old
-    name `rewind`). Every checkpoint_every leaves that stale checkpoint nearest to 6."""
+    token 4) would later replay a new history from the old history's state (a bug the mutation run
+    planted). Every checkpoint_every leaves that stale checkpoint nearest to 6."""
     s = Session(ref_weights, checkpoint_every=every)
     s.feed(TOKENS[:4])
     with s.intervene(intervention()):
@@ -256,7 +254,7 @@ def test_fork_is_independent_and_never_aliases(ref_weights):
     assert_no_shared_memory(s, f)
 
 
-def test_rewind_across_intervened_steps_is_exact(ref_weights):
+def test_truncate_across_intervened_steps_is_exact(ref_weights):
     s = Session(ref_weights, checkpoint_every=0)  # only the checkpoints the interventions force
     hist = [(x, False) for x in TOKENS[:2]]
     s.feed(TOKENS[:2])
@@ -328,7 +326,7 @@ def test_save_load_round_trip_continues_bit_identically(ref_weights, tmp_path):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     assert np.array_equal(t.step(TOKENS[6]), s.step(TOKENS[6]))
     assert t.trace().equals(s.trace())
-    t.truncate(2)  # the saved checkpoints make rewinds across the intervened step exact
+    t.truncate(2)  # the saved checkpoints make truncates across the intervened step exact
     s.truncate(2)
     assert np.array_equal(t.logits, s.logits) and t.trace().equals(s.trace())
     assert np.array_equal(t.feed(TOKENS[2:5]), s.feed(TOKENS[2:5]))
@@ -344,7 +342,7 @@ def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
     assert np.array_equal(t.step(TOKENS[4]), s.step(TOKENS[4]))
 
 
-def test_load_without_checkpoints_refuses_inexact_rewinds(ref_weights, tmp_path):
+def test_load_without_checkpoints_refuses_inexact_truncates(ref_weights, tmp_path):
     s = Session(ref_weights, checkpoint_every=0)
     s.feed(TOKENS[:2])
     with s.intervene(intervention()):
@@ -482,7 +480,7 @@ def test_hooks_given_to_a_session_are_checked(ref_weights):
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="no usable CUDA GPU (CuPy absent or no device)")
 def test_session_on_the_gpu(ref_weights, tmp_path):
-    """On a device: interventions run, rewind/fork/save/load stay bit-identical, results match the host."""
+    """On a device: interventions run, truncate/fork/save/load stay bit-identical, results match the host."""
     wg = from_pretrained(REFERENCE_DIR, device="gpu")
     g, c = Session(wg, checkpoint_every=3), Session(ref_weights, checkpoint_every=3)
     for s in (g, c):

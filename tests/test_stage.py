@@ -8,7 +8,7 @@ import pytest
 
 import kimi_explore as ke
 from kimi_explore.distributed.stage import Stage
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 TOKENS = [17, 203, 5]
 
@@ -16,7 +16,7 @@ TOKENS = [17, 203, 5]
 def two_stages(weights):
     """Stages 0 (layers 0-7, with the embedding) and 1 (layers 8-15, with the head) of the embedded model,
     each holding one decode state under id 1."""
-    path, names = str(default_checkpoint()), ke.hook_names(weights)
+    path, names = str(random_tiny_checkpoint()), ke.hook_names(weights)
     stages = [Stage(0, path, list(range(0, 8)), False, weights.max_sources, names, {"device": "cpu"}),
               Stage(1, path, list(range(8, 16)), True, weights.max_sources, names, {"device": "cpu"})]
     for s in stages:

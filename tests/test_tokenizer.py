@@ -3,8 +3,8 @@
 The real 2.8 MB `tiktoken.model` is not available offline, so the public K3 id vectors cannot be
 checked here. Instead the K3 tokenizer is checked against
 - an independent naive BPE (the `regex` package running PAT_STR + textbook lowest-rank merging),
-- the release facts in shared/docs/k3-tokenizer.md: PAT_STR's pinned text, its documented piece
-  splits, the special-token layout, the release's chunking loop and the chat texts/ids it printed.
+- facts read from the release (HF `moonshotai/Kimi-K3` at 9f62e4e9): PAT_STR's text, the piece
+  splits it documents, the special-token layout, its chunking loop and the chat ids it printed.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import pytest
 import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_chat_template import SYSTEM_USER
 
+from kimi_explore.chat_template import render_chat
 from kimi_explore.model.config import KimiDecoderConfig
 from kimi_explore.tokenizer import (
     PAT_STR,
     ByteTokenizer,
     KimiTokenizer,
     TokenizerError,
-    chat_segments,
     load_tokenizer,
-    render_chat,
     split_for_encoding,
 )
 
@@ -42,7 +42,7 @@ _spec = importlib.util.spec_from_file_location("make_synthetic", ROOT / "data" /
 make_synthetic = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_synthetic)
 
-# The joined pattern as pinned (332 characters) by the RIV vectors (doc section 2).
+# The joined pattern (332 characters) as the release's tokenizer code spells it.
 RELEASE_PAT_STR = (
     r"""[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}"""
@@ -273,19 +273,8 @@ def test_window_cut_matches_release_count(tok):
     assert len(tok._enc.encode(text, allowed_special="all")) == 100_001
 
 
-# ---- chat prompt (texts and ids printed by the release, doc section 5.3) ----
+# ---- chat prompt: the ids the release printed (its texts: test_chat_template.py) ----
 
-SYSTEM_USER = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi!"}]
-EFFORT_MAX_TEXT = (
-    '<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to think in your '
-    "thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and "
-    "`max`.\nNow the system is invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>"
-)
-SYSTEM_USER_TEXT = (
-    '<|open|>message role="system"<|sep|>You are a helpful assistant.<|close|>message<|sep|><|end_of_msg|>'
-    '<|open|>message role="user"<|sep|>Hi!<|close|>message<|sep|><|end_of_msg|>'
-    '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
-)
 # Release ids (SIM default_system_user, last 40; SIM non_thinking) and the text of each id.
 RELEASE_IDS_SYSTEM_USER = [
     163587, 2778, 6244, 878, 14062, 1, 163589, 3900, 554, 261, 13205, 26626, 13, 163588, 2778, 163589, 163586,
@@ -302,14 +291,6 @@ RELEASE_PIECES = {2778: "message", 6244: " role", 878: '="', 14062: "system", 1:
 def _to_synthetic(tok, release_ids):
     """Release ids -> the synthetic vocabulary's ids for the same tokens (specials by offset)."""
     return [i - 163584 + tok.num_base_tokens if i >= 163584 else tok.encode(RELEASE_PIECES[i])[0] for i in release_ids]
-
-
-def test_render_chat_matches_release_text():
-    assert render_chat(SYSTEM_USER, thinking_effort="max") == EFFORT_MAX_TEXT + SYSTEM_USER_TEXT
-    assert render_chat(SYSTEM_USER) == SYSTEM_USER_TEXT
-    assert render_chat([{"role": "user", "content": "no thinking"}], thinking=False) == (
-        '<|open|>message role="user"<|sep|>no thinking<|close|>message<|sep|><|end_of_msg|>'
-        '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
 
 
 def test_encode_chat_matches_release_ids(tok):
@@ -329,33 +310,6 @@ def test_chat_segments_change_ids_and_block_injection(tok, n):
     # User text spelling a marker is plain BPE: only the structural markers are special.
     assert [i for i in ids if i >= n] == [n + 3, n + 5, n + 4, n + 5, n + 2]
     assert tok.decode(ids) == render_chat(msgs, add_generation_prompt=False)
-
-
-def test_render_chat_assistant_history_and_escaping():
-    msgs = [{"role": "user", "content": "q", "name": 'a"b&c'},
-            {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
-            {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "2"}],
-             "reasoning": "  "}]
-    text = render_chat(msgs, add_generation_prompt=False)
-    assert text == (
-        '<|open|>message role="user" name="a&quot;b&amp;c"<|sep|>q<|close|>message<|sep|><|end_of_msg|>'
-        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>R1<|close|>think<|sep|>'
-        "<|open|>response<|sep|>A1<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
-        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|>'
-        "<|open|>response<|sep|>A2<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
-    assert "think" not in render_chat(msgs, thinking=False)
-    assert all(isinstance(t, str) and t for t, _ in chat_segments(msgs))
-
-
-@pytest.mark.parametrize("kwargs, msgs, match", [
-    ({"thinking_effort": "medium"}, SYSTEM_USER, "thinking_effort"),
-    ({}, [{"role": "tool", "content": "18C"}], r"messages\[0\]"),
-    ({}, [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "tool"),
-    ({}, [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "text parts"),
-], ids=["medium_effort", "tool_role", "tool_calls", "image_part"])
-def test_render_chat_refuses_what_it_does_not_render(kwargs, msgs, match):
-    with pytest.raises(ValueError, match=match):
-        render_chat(msgs, **kwargs)
 
 
 # ---- byte tokenizer ----

@@ -1,4 +1,4 @@
-"""The shipped trained tiny K3 (data/tiny_k3_pydoc): it loads, it is K3, the package reproduces the
+"""The shipped trained tiny K3 (kimi_explore/data/tiny_k3_pydoc): it loads, it is K3, the package reproduces the
 trainer's logits, and its model card's figures hold. No torch: the trainer's logits are stored."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kimi_explore.analysis import learned
 from kimi_explore.weights.tiny_model import describe_checkpoint, tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "data" / "tiny_k3_pydoc"
+SHIPPED = ROOT / "kimi_explore" / "data" / "tiny_k3_pydoc"
 PARITY_NPZ = Path(__file__).parent / "data" / "trained_tiny_logits.npz"
 
 

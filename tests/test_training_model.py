@@ -1,5 +1,6 @@
-"""The trainer's K3 (training/model.py): its fast paths against their naive twins. Skips without torch."""
+"""The trainer's K3 (training/model.py): its fast paths against their naive twins, its config. Skips without torch."""
 
+import json
 import subprocess
 import sys
 
@@ -8,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from training.model import Cfg, KimiK3, chunk_kda, mxfp4_round, naive_recurrent_kda  # noqa: E402
+from kimi_explore.weights.tiny_model import tiny_checkpoint  # noqa: E402
+from training.model import KimiK3, chunk_kda, mxfp4_round, naive_recurrent_kda, text_config  # noqa: E402
 
 
 def _operands(B, H, T, K, V, seed, strong_decay=False):
@@ -45,11 +47,30 @@ def test_chunk_kda_gradients_match_naive():
         assert (a.grad - r).abs().max() < 1e-9
 
 
+def small_config() -> dict:
+    return text_config(hidden_size=64, num_hidden_layers=4, intermediate_size=96, linear_attn_config={"num_heads": 2},
+                       num_experts=16, moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2)
+
+
+def test_the_default_config_is_the_shipped_models():
+    """`python -m training.train_tiny` with its defaults rebuilds the shipped model's config (no quantisation
+    block: the writer adds it)."""
+    shipped = json.loads((tiny_checkpoint() / "config.json").read_text())["text_config"]
+    shipped.pop("quantization_config")
+    assert text_config() == shipped
+
+
+def test_layer_kinds_follow_the_config():
+    """KDA, MLA, dense and MoE layers as the config's lists say (K3's pattern: the last layer MLA)."""
+    model = KimiK3(small_config())
+    assert [type(layer.self_attn).__name__ for layer in model.model.layers] == ["KDA", "KDA", "KDA", "MLA"]
+    assert [hasattr(layer, "block_sparse_moe") for layer in model.model.layers] == [False, True, True, True]
+    assert model.model.layers[0].self_attn.H == 2
+
+
 def test_model_chunked_equals_naive_prefill():
     torch.manual_seed(0)
-    cfg = Cfg(hidden_size=64, num_hidden_layers=4, intermediate_size=96, kda_heads=2, kda_head_dim=32,
-              num_experts=16, moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2)
-    model = KimiK3(cfg).double().eval()
+    model = KimiK3(small_config()).double().eval()
     ids = torch.randint(0, 256, (2, 40))
     with torch.no_grad():
         a, b = model(ids), model(ids, naive=True)

@@ -7,12 +7,12 @@ import numpy as np
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.backend import on_host
 from kimi_explore.weights.memory import memory_report
-from kimi_explore.weights.tiny_model import default_checkpoint
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 from kimi_explore.weights.workspace import Workspace, run_parts
 
 
 def _packed(**kw):
-    return from_pretrained(default_checkpoint(), device="cpu", experts="packed", expert_cache_size=0,
+    return from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", expert_cache_size=0,
                                               **kw)
 
 

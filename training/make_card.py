@@ -1,6 +1,6 @@
 """Measure an exported tiny K3 through `kimi_explore` and write its model card.
 
-    python -m training.make_card --checkpoint data/tiny_k3_pydoc
+    python -m training.make_card --checkpoint kimi_explore/data/tiny_k3_pydoc
 
 Every figure is decoded by `kimi_forward_token` from the checkpoint on disk (never the trainer's
 float weights). Writes model_card.json (the figures; tests recompute the short-slice ones) and
@@ -78,8 +78,8 @@ def write_card(checkpoint, fig: dict) -> None:
     kda = la["kda_layers"]
     text = f"""# {path.name}: a tiny Kimi K3 trained on Python's documentation
 
-The embedded default model of `kimi_explore` (`ke.tiny_checkpoint()`): the Kimi K3 architecture at
-toy scale, trained on the text of Python's own `pydoc_data.topics`, in the released checkpoint layout
+The default model of `kimi_explore` (`ke.tiny_checkpoint()`, shipped inside the package): the Kimi
+K3 architecture at toy scale, trained on the text of Python's own `pydoc_data.topics`, in the released checkpoint layout
 (`kimi_k3` config shell, `language_model.` names, BF16 matrices, F32 small vectors, MXFP4 routed
 experts in the compressed-tensors packing, a sharded index), loaded by the same `from_pretrained`
 as the real model. Every figure below was decoded by `kimi_explore` from these files
@@ -153,9 +153,9 @@ Copyright (c) Python Software Foundation, under the PSF License Agreement
 ## Rebuild
 
     pip install -e ".[train]"          # torch (a CPU wheel is enough) and tqdm
-    python -m training.train_tiny --out data/{path.name} --steps {log['steps']} --seed {log['args']['seed']}
-    python -m training.parity --checkpoint data/{path.name} --npz tests/data/trained_tiny_logits.npz
-    python -m training.make_card --checkpoint data/{path.name}
+    python -m training.train_tiny --out kimi_explore/data/{path.name} --steps {log['steps']} --seed {log['args']['seed']}
+    python -m training.parity --checkpoint kimi_explore/data/{path.name} --npz tests/data/trained_tiny_logits.npz
+    python -m training.make_card --checkpoint kimi_explore/data/{path.name}
 
 The shipped run used `--time-budget {log['args'].get('time_budget')}` (minutes), which picked {log['steps']} steps on that
 machine; `--steps {log['steps']}` replays the same schedule. A rerun with the same seed, torch version

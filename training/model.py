@@ -1,14 +1,18 @@
 """A second, independent implementation of the K3 text model, in PyTorch and in sequence (prefill) form.
 
-It is written from /work/shared/docs/k3-architecture.md, not from `kimi_explore`'s decode code, so
-that agreement between the two (tests/test_training_parity.py) is evidence that both are K3.
+Its math is written from the released model's description (Hugging Face `modeling_kimi_linear.py`),
+not from `kimi_explore`'s decode code, so that agreement between the two is evidence that both are
+K3: `python -m training.parity` compares them on an exported checkpoint and stores the trainer's
+logits, which tests/test_trained_model.py checks the package against without torch. What it shares
+with the package is data, not math: the config record (`KimiDecoderConfig`, the `config.json` keys)
+and K3's layer pattern (`kimi_explore.weights.k3_depth.k3_layer_lists`).
 Parameter names are the released tensor names (without `language_model.`), so export is a rename-free
 walk over `state_dict()` (the routed experts are stacked here and split per expert at export).
 
 Shapes: B batch, T time, d hidden, H KDA heads, K = V KDA head dim, P = H K, nh MLA heads,
 E routed experts, l latent width, I expert width.
 
-Per layer i (block attention residuals, spec 6.2):
+Per layer i (block attention residuals, as the release's decoder layer runs them):
     prefix = h; a_in = attn_res(prefix, stack) if stack else h
     if i % block_size == 0: push prefix; prefix = None
     a = Attn_i(input_layernorm(a_in)); prefix = a if prefix is None else prefix + a
@@ -23,82 +27,31 @@ is the per-step twin the tests compare it against.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kimi_explore.model.config import KimiDecoderConfig
+from kimi_explore.weights.k3_depth import k3_layer_lists
 from kimi_explore.weights.tiny_model import make_text_config
 
 L2NORM_EPS = 1e-6  # KDA q/k l2norm: inside the sqrt of the SUM of squares
 LATENT_NORM_EPS = 1e-6  # MLA q_a / kv_a RMSNorms use the class default, not rms_norm_eps
 RENORM_EPS = 1e-20
 
+# The shipped model's sizes where they differ from the package's tiny config (`make_text_config`).
+PYDOC_SIZES = {"intermediate_size": 384, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 64,
+               "routed_scaling_factor": 2.5, "attn_res_block_size": 3}
 
-@dataclass(frozen=True)
-class Cfg:
-    """The fields of text_config this implementation reads (see `text_config()` for the full JSON)."""
 
-    vocab_size: int = 256
-    hidden_size: int = 128
-    num_hidden_layers: int = 8
-    intermediate_size: int = 384
-    # KDA
-    kda_heads: int = 4
-    kda_head_dim: int = 32
-    conv_size: int = 4
-    gate_lower_bound: float = -5.0
-    # MLA
-    num_attention_heads: int = 4
-    q_lora_rank: int = 64
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 16
-    v_head_dim: int = 32
-    # MoE
-    num_experts: int = 16
-    num_experts_per_token: int = 2
-    num_shared_experts: int = 1
-    moe_intermediate_size: int = 64
-    routed_expert_hidden_size: int = 64
-    routed_scaling_factor: float = 2.5
-    # the rest
-    attn_res_block_size: int = 3
-    rms_norm_eps: float = 1e-5
-    situ_beta: float = 4.0
-    situ_linear_beta: float = 25.0
-
-    def is_kda(self, i: int) -> bool:
-        """K3's 3:1 pattern: every 4th layer MLA (1-based 4, 8, ...), and the last layer MLA."""
-        return (i + 1) % 4 != 0 and i != self.num_hidden_layers - 1
-
-    def is_moe(self, i: int) -> bool:
-        return i >= 1  # first_k_dense_replace = 1, moe_layer_freq = 1
-
-    def text_config(self) -> dict:
-        """The released `text_config` of this model: the package's tiny-model config with these sizes."""
-        n = self.num_hidden_layers
-        return make_text_config(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=n,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_attention_heads,
-            activation_situ_beta=self.situ_beta, activation_situ_linear_beta=self.situ_linear_beta,
-            rms_norm_eps=self.rms_norm_eps, vocab_size=self.vocab_size, q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, num_experts=self.num_experts,
-            num_experts_per_token=self.num_experts_per_token, num_shared_experts=self.num_shared_experts,
-            moe_intermediate_size=self.moe_intermediate_size, routed_expert_hidden_size=self.routed_expert_hidden_size,
-            routed_scaling_factor=self.routed_scaling_factor, attn_res_block_size=self.attn_res_block_size,
-            linear_attn_config={
-                "full_attn_layers": [i + 1 for i in range(n) if not self.is_kda(i)],
-                "kda_layers": [i + 1 for i in range(n) if self.is_kda(i)],
-                "num_heads": self.kda_heads,
-                "head_dim": self.kda_head_dim,
-                "short_conv_kernel_size": self.conv_size,
-                "use_full_rank_gate": True,
-                "gate_lower_bound": self.gate_lower_bound,
-            },
-        )
+def text_config(num_hidden_layers: int = 8, linear_attn_config: dict | None = None, **overrides) -> dict:
+    """The released `text_config` of a trainer model: the package's tiny config with the shipped model's
+    sizes, K3's layer pattern at this depth, then `overrides` (top-level keys; `linear_attn_config`
+    entries are merged into the KDA part). The defaults are the shipped model's config."""
+    base = make_text_config()
+    la = {**base["linear_attn_config"], **k3_layer_lists(num_hidden_layers), **(linear_attn_config or {})}
+    return make_text_config(**{**PYDOC_SIZES, **overrides}, num_hidden_layers=num_hidden_layers, linear_attn_config=la)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,11 +180,12 @@ def chunk_kda(q, k, v, g, beta, chunk: int = 16):
 
 
 class KDA(nn.Module):
-    def __init__(self, c: Cfg):
+    def __init__(self, c: KimiDecoderConfig):
         super().__init__()
-        d, H, K, W = c.hidden_size, c.kda_heads, c.kda_head_dim, c.conv_size
+        la = c.linear_attn_config
+        d, H, K, W = c.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size
         P = H * K
-        self.H, self.K, self.lb, self.eps = H, K, c.gate_lower_bound, c.rms_norm_eps
+        self.H, self.K, self.lb, self.eps = H, K, la.gate_lower_bound, c.rms_norm_eps
         self.q_proj, self.k_proj, self.v_proj = linear(d, P), linear(d, P), linear(d, P)
         for s in "qkv":  # depthwise causal conv [P, 1, W]; w = W-1 multiplies the current token
             w = torch.zeros(P, 1, W)
@@ -289,7 +243,7 @@ class KDA(nn.Module):
 
 
 class MLA(nn.Module):
-    def __init__(self, c: Cfg):
+    def __init__(self, c: KimiDecoderConfig):
         super().__init__()
         d, nh = c.hidden_size, c.num_attention_heads
         self.nh, self.dn, self.dr, self.dv = nh, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -326,18 +280,18 @@ class MLA(nn.Module):
 class MLP(nn.Module):
     """down(SiTU(gate(x), up(x))): the dense layer-0 MLP and the fused shared experts."""
 
-    def __init__(self, d: int, inter: int, c: Cfg):
+    def __init__(self, d: int, inter: int, c: KimiDecoderConfig):
         super().__init__()
         self.gate_proj, self.up_proj = linear(d, inter), linear(d, inter)
         self.down_proj = linear(inter, d, std=0.5 / math.sqrt(inter))
-        self.b1, self.b2 = c.situ_beta, c.situ_linear_beta
+        self.b1, self.b2 = c.activation_situ_beta, c.activation_situ_linear_beta
 
     def forward(self, x):
         return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.b1, self.b2))
 
 
 class Gate(nn.Module):
-    def __init__(self, c: Cfg):
+    def __init__(self, c: KimiDecoderConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(c.num_experts, c.hidden_size) / math.sqrt(c.hidden_size))
         # selection-only bias, trained without gradients (auxiliary-loss-free balancing)
@@ -348,11 +302,11 @@ class LatentMoE(nn.Module):
     """Sigmoid router (bias for selection only), experts in a latent space, one RMSNorm on the
     aggregate, shared experts on the full-width input added unweighted."""
 
-    def __init__(self, c: Cfg):
+    def __init__(self, c: KimiDecoderConfig):
         super().__init__()
         d, E, lat, inter = c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size
         self.E, self.k, self.scale = E, c.num_experts_per_token, c.routed_scaling_factor
-        self.b1, self.b2 = c.situ_beta, c.situ_linear_beta
+        self.b1, self.b2 = c.activation_situ_beta, c.activation_situ_linear_beta
         self.gate = Gate(c)
         self.routed_expert_down_proj = linear(d, lat)
         self.routed_expert_norm = RMSNorm(lat, c.rms_norm_eps)
@@ -424,14 +378,14 @@ class AttnRes(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, c: Cfg, i: int):
+    def __init__(self, c: KimiDecoderConfig, i: int):
         super().__init__()
         d = c.hidden_size
         self.i, self.boundary = i, i % c.attn_res_block_size == 0
         self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
-        self.self_attn = KDA(c) if c.is_kda(i) else MLA(c)
-        if c.is_moe(i):
+        self.self_attn = KDA(c) if c.is_kda_layer(i) else MLA(c)
+        if c.is_moe_layer(i):
             self.block_sparse_moe = LatentMoE(c)
         else:
             self.mlp = MLP(d, c.intermediate_size, c)
@@ -462,9 +416,11 @@ class Layer(nn.Module):
 
 
 class KimiK3(nn.Module):
-    def __init__(self, c: Cfg, dropout: float = 0.0):
+    def __init__(self, text_config: dict, dropout: float = 0.0):
+        """text_config: the released `text_config` (see `text_config()`); exported as it is."""
         super().__init__()
-        self.cfg = c
+        self.text_config = text_config
+        self.cfg = c = KimiDecoderConfig.from_dict(text_config, source="text_config")
         d = c.hidden_size
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(c.vocab_size, d)

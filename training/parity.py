@@ -2,7 +2,7 @@
 byte-by-byte decode must agree (max |diff| <= 1e-3). Writes the bytes and the trainer's logits as a
 small .npz, so CI checks the package against the trainer without torch.
 
-    python -m training.parity --checkpoint data/tiny_k3_pydoc --npz tests/data/trained_tiny_logits.npz
+    python -m training.parity --checkpoint kimi_explore/data/tiny_k3_pydoc --npz tests/data/trained_tiny_logits.npz
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train the embedded tiny K3 on Python's own documentation and export it in the released layout.
 
-    python -m training.train_tiny --out data/tiny_k3_pydoc
+    python -m training.train_tiny --out kimi_explore/data/tiny_k3_pydoc
 
 Corpus: the values of `pydoc_data.topics.topics` joined in sorted key order, UTF-8 bytes (PSF
 licence; in every CPython). The last 5% is the validation split and is never trained on.
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from kimi_explore.analysis import learned
 
 from .export import round_to_released, save
-from .model import Cfg, KimiK3
+from .model import KimiK3, text_config
 
 LN2 = math.log(2.0)
 
@@ -153,8 +153,8 @@ def main(argv=None) -> int:
 
     train, val = split(corpus_bytes())
     train_slice = train[-len(val) // 4 :]  # a fixed train slice (a quarter of the validation length)
-    cfg = Cfg(hidden_size=args.hidden, num_hidden_layers=args.layers)
-    model = KimiK3(cfg, dropout=args.dropout)
+    tc = text_config(num_hidden_layers=args.layers, hidden_size=args.hidden)
+    model = KimiK3(tc, dropout=args.dropout)
     decay, no_decay = [], []
     for n, prm in model.named_parameters():
         (decay if prm.ndim >= 2 and "res_proj" not in n and "embed" not in n else no_decay).append(prm)
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         p.error("give exactly one of --steps and --time-budget")
     decay_start = None if args.steps is None else max(0, args.steps - args.decay_steps)
     total = args.steps if args.steps is not None else args.max_steps
-    log = {"args": vars(args), "text_config": cfg.text_config(), "params": n_params, "train_bytes": int(len(train)),
+    log = {"args": vars(args), "text_config": tc, "params": n_params, "train_bytes": int(len(train)),
            "val_bytes": int(len(val)), "torch": torch.__version__, "threads": args.threads, "decay_start": decay_start,
            "train": [],
            "evals": [], "best": None}
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     log["final"] = {"val_bpb_float": bits_per_byte(model, val, T), "val_bpb_exported": log["evals"][-1]["val_bpb"],
                     "fake_quant": bool(model.moe_layers()[0].fake_quant)}
 
-    best = KimiK3(cfg)
+    best = KimiK3(tc)
     best.load_state_dict(best_state)
     best.eval()
     log["best"]["expert_loads_val"] = expert_loads(best, val, T)

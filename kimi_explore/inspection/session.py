@@ -13,8 +13,7 @@
     Session(ke.RayPipeline(path, stages=4))   # the same over pipeline stages; s.recover() after a lost stage
 
 Going back has two spellings that cannot be confused: `truncate(n_tokens)` keeps the first
-n_tokens (like `file.truncate(size)`), `back(k)` drops the last k. (`rewind(t)` meant "keep t",
-read as "go back t", and is gone.)
+n_tokens (like `file.truncate(size)`), `back(k)` drops the last k.
 
 Exactness: every restore is bit-identical. The session keeps copies of the decode state
 ("checkpoints") after every `checkpoint_every`-th token and after every token decoded while hooks
@@ -264,12 +263,6 @@ class Session:
             if t + 1 in keep:
                 checkpoints[t + 1] = state.copy()
         return state, checkpoints, None
-
-    def rewind(self, *args, **kwargs):
-        """Removed: it kept the first t tokens, which read as "go back t". Use `truncate` or `back`."""
-        raise AttributeError("Session.rewind is gone (rewind(t) kept the first t tokens, which read as 'go back t'): "
-                             "use session.truncate(n_tokens) to keep the first n_tokens, or session.back(k) to drop "
-                             "the last k")
 
     def snapshot(self, copy_arrays: bool = False) -> SessionSnapshot:
         """The whole history as a `SessionSnapshot` (the state is copied; logits, checkpoints and records are

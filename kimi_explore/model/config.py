@@ -153,16 +153,6 @@ class KimiDecoderConfig:
     def shared_intermediate_size(self) -> int:
         return self.num_shared_experts * self.moe_intermediate_size
 
-    def truncated(self, n: int) -> KimiDecoderConfig:
-        """The config of a model made of the first n layers (layer lists cut to 1..n)."""
-        la = self.linear_attn_config
-        la = dataclasses.replace(
-            la,
-            kda_layers=tuple(x for x in la.kda_layers if x <= n),
-            full_attn_layers=tuple(x for x in la.full_attn_layers if x <= n),
-        )
-        return dataclasses.replace(self, num_hidden_layers=n, linear_attn_config=la)
-
     # ---- construction ----
     @classmethod
     def from_dict(cls, raw: dict, *, source: str = "config.json") -> KimiDecoderConfig:

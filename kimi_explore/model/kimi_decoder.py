@@ -221,7 +221,7 @@ class KimiDecodeState:
     def copy(self) -> KimiDecodeState:
         """An exact deep copy: it shares no array with this state and keeps every array's shape (an MLA
         cache keeps its capacity), so decoding on from the copy repeats the same arithmetic on the same
-        layouts, bit for bit (what Session's checkpoints, rewinds and forks rely on)."""
+        layouts, bit for bit (what Session's checkpoints, truncates and forks rely on)."""
         return KimiDecodeState([s.copy() for s in self.layers], self.position)
 
     def _arrays(self) -> list:

@@ -13,8 +13,8 @@ import html
 
 import ipywidgets as widgets
 
+from ..cli import parse_ids
 from ..inspection import interventions
-from ..tokenizer import parse_ids
 from . import figures_moe
 from ._plotly_view import PlotView
 

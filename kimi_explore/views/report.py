@@ -1,8 +1,7 @@
-"""`kimi-explore report`: run a prompt, write every plot as a PNG plus one self-contained HTML page.
+"""The offline report: every plot of a session as a PNG plus one self-contained HTML page.
 
-    kimi-explore report --prompt "Kimi K3, one token at a time." --out report/
-    kimi-explore report --ids 17,203,5 --checkpoint DIR --layers 0-7 --top 10 --out report/
-    write_report(session_or_trace, "report/", tokenizer=tok)        # from Python
+    write_report(session_or_trace, "report/", tokenizer=tok)
+    kimi-explore report --prompt "Kimi K3, one token at a time." --out report/    # the CLI's entry (cli.py)
 
 The page inlines every image as a base64 `data:` URI and its CSS in a <style> element: it has no
 script, no external link, and opens offline from a file or an e-mail attachment. The PNGs sit next
@@ -13,14 +12,13 @@ from __future__ import annotations
 
 import base64
 import html
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from . import plots, plots_summary
 
-__all__ = ["main", "write_report"]
+__all__ = ["default_layers", "write_report"]
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1400px; margin: 2em auto;
@@ -180,50 +178,3 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     path = out / "index.html"
     path.write_text(page, encoding="utf-8")
     return path
-
-
-def _parser():
-    from ..cli import ArgumentParser, add_model_arguments
-
-    p = ArgumentParser(prog="kimi-explore report",
-                       description="Run a prompt through K3 one token at a time and write every plot as a PNG "
-                       "plus one self-contained HTML page (no network, no CDN).")
-    add_model_arguments(p)
-    p.add_argument("--out", required=True, help="output directory (created if missing)")
-    p.add_argument("--title", default="Kimi K3, token by token", help="page title")
-    return p
-
-
-def _run(args) -> int:
-    from ..cli import load_model, model_note, prompt_ids
-    from ..inspection.recorder import Recorder
-    from ..inspection.session import Session
-    from ..tokenizer import TokenizerError, load_tokenizer
-
-    weights, path, _ = load_model(args)
-    try:
-        tokenizer = load_tokenizer(weights)
-    except TokenizerError as e:
-        if args.ids is None:
-            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
-        tokenizer = None
-    ids = prompt_ids(args, weights, tokenizer)
-    session = Session(weights, recorder=Recorder(top_k=max(10, args.top)), tokenizer=tokenizer)
-    session.feed(ids)
-    if args.generate:
-        session.generate(args.generate)
-    note = model_note(path)
-    page = write_report(session, args.out, title=args.title, source=f"{path} ({note})" if note else path, top=args.top)
-    print(f"wrote {page} (open it in any browser, offline) and its figures as PNGs in {page.parent}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`kimi-explore report ...`; returns the exit status (2 with a one-line error, the traceback with --debug)."""
-    from ..cli import guarded
-
-    return guarded("kimi-explore report", _run, _parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,7 @@ Everything else derives from these tables, as mlx-lm's one `sanitize` per archit
 plan, its checks and the reads into fused buffers (`checkpoint.py`), and every writer
 (`tiny_model.save_checkpoint` and its random generator, `bench/k3_shapes.py`). A new tensor is
 one row. Rows are in the order the tiny-model generator draws them: reordering them changes the
-embedded `data/tiny_k3` (test_tiny_model says so).
+random tiny fixture `tests/data/tiny_k3` (test_tiny_model says so).
 
 Traps: A_log is per head but stored head_dim wide, zero-padded (a head-wide one loads too);
 `kv_a_proj_with_mqa` holds the latent AND the shared rope key (kl + dr rows); the attn-res
@@ -32,6 +32,7 @@ from ..model.config import KimiDecoderConfig
 from . import mxfp4
 
 BF16, F32, MXFP4 = "BF16", "F32", "MXFP4"
+RELEASE_PREFIX = "language_model."  # before every released name (the multimodal shell's language model)
 LAYER_PREFIX = "model.layers.{i}."
 
 

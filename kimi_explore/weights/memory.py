@@ -23,7 +23,7 @@ import dataclasses
 from .experts import DenseExperts, PackedExperts
 from .mapped_experts import MappedExperts
 
-__all__ = ["MemoryReport", "memory_report"]
+__all__ = ["MemoryReport", "layer_bytes", "memory_report"]
 
 COMPONENTS = (
     "embed_tokens",
@@ -51,6 +51,27 @@ def _nbytes(obj) -> int:
         return sum(_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.name.startswith("_"))
     n = getattr(obj, "nbytes", None)
     return int(n) if n is not None else 0
+
+
+# a layer's small vectors, by the half of the layer that reads them
+ATTENTION_NORMS = ("input_layernorm", "attn_res_score")
+FFN_NORMS = ("post_attention_layernorm", "mlp_res_score")
+
+
+def _moe_trunk(ffn) -> int:
+    """A MoE layer's router, latent projections and shared experts: every field but the routed experts."""
+    return sum(_nbytes(getattr(ffn, f.name)) for f in dataclasses.fields(ffn) if f.name != "experts")
+
+
+def layer_bytes(layer) -> dict[str, int]:
+    """Resident bytes of one decoder layer that every token reads, by half of the layer:
+    "attention": its norm, attn-res score and the attention (KDA or MLA);
+    "ffn trunk": its norm, attn-res score and the dense MLP, or the MoE's router, latent projections and
+    shared experts. The routed experts are apart: a token reads only the ones it selects."""
+    ffn = layer.ffn
+    return {"attention": sum(_nbytes(getattr(layer, n)) for n in ATTENTION_NORMS) + _nbytes(layer.attention),
+            "ffn trunk": sum(_nbytes(getattr(layer, n)) for n in FFN_NORMS)
+            + (_moe_trunk(ffn) if ffn.kind == "moe" else _nbytes(ffn))}
 
 
 class MemoryReport(dict):
@@ -96,9 +117,7 @@ def memory_report(weights) -> MemoryReport:
         parts["lm_head"] = _nbytes(weights.lm_head)
     parts["final norm + output mix"] = _nbytes(weights.norm) + _nbytes(weights.output_attn_res_score)
     for layer in weights.layers:
-        parts["layer norms + attn-res scores"] += sum(
-            _nbytes(a) for a in (layer.input_layernorm, layer.post_attention_layernorm, layer.attn_res_score, layer.mlp_res_score)
-        )
+        parts["layer norms + attn-res scores"] += sum(_nbytes(getattr(layer, n)) for n in ATTENTION_NORMS + FFN_NORMS)
         kind = f"attention ({layer.attention.kind.upper()})"
         parts[kind] += _nbytes(layer.attention)
         ffn = layer.ffn
@@ -106,9 +125,7 @@ def memory_report(weights) -> MemoryReport:
             parts["dense MLP"] += _nbytes(ffn)
             continue
         bank = ffn.experts
-        parts["MoE router + latent projections + shared experts"] += sum(
-            _nbytes(getattr(ffn, f.name)) for f in dataclasses.fields(ffn) if f.name != "experts"
-        )
+        parts["MoE router + latent projections + shared experts"] += _moe_trunk(ffn)
         if isinstance(bank, MappedExperts):
             mapped[MAPPED] = mapped.get(MAPPED, 0) + bank.mapped_bytes
         if isinstance(bank, PackedExperts):

@@ -1,6 +1,11 @@
-"""Deterministic tiny K3 checkpoints in the released layout (random weights, MXFP4 experts).
+"""Tiny K3 checkpoints in the released layout: the writer, the random generator, and the two tiny models.
 
-`python -m kimi_explore.weights.tiny_model --out data/tiny_k3` wrote the embedded model in `data/`; tests
+    tiny_checkpoint()          the TRAINED tiny K3, shipped in the package (the CLI's, notebooks' default)
+    random_tiny_checkpoint()   the RANDOM-weight tiny K3: the tests' fixture, `tests/data/tiny_k3`
+    save_checkpoint(dir, text_config, tensors)   given weights -> the released layout (the trainer's export)
+    write_checkpoint(dir, text_config, seed=0)   deterministic random weights -> the released layout
+
+`python -m kimi_explore.weights.tiny_model --out tests/data/tiny_k3` wrote the random fixture; tests
 use `write_checkpoint` with other shapes to make sure the decoder assumes nothing the released
 config does not. The layout is the real one: the `kimi_k3` config shell, `language_model.` names,
 BF16 matrices, F32 small vectors, `A_log` head_dim wide and zero-padded, MXFP4 routed experts,
@@ -17,6 +22,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..errors import CheckpointError
 from ..model.config import KimiDecoderConfig
 from . import checkpoint_table as table
 from . import mxfp4
@@ -24,8 +30,9 @@ from .safetensors_io import write_safetensors
 
 BF16 = ml_dtypes.bfloat16
 
-# The embedded model: K3's layer pattern (MLA every 4th layer plus a final MLA pair, a dense first
-# layer, block size 4) at toy widths, with a byte-level vocabulary.
+# The random tiny fixture's text_config, and the base every other tiny config overrides: K3's layer
+# pattern with a final MLA pair as K3 ends (layers 15 and 16; K3's 92 and 93), a dense first layer,
+# block size 4, at toy widths, with a byte-level vocabulary.
 TINY_TEXT_CONFIG = {
     "architectures": ["KimiLinearForCausalLM"],
     "model_type": "kimi_linear",
@@ -98,7 +105,7 @@ QUANTIZATION_CONFIG = {
 
 
 def make_text_config(**overrides) -> dict:
-    """The embedded model's text_config with `overrides` (use `linear_attn_config=` for the KDA part)."""
+    """The random tiny fixture's text_config with `overrides` (use `linear_attn_config=` for the KDA part)."""
     cfg = copy.deepcopy(TINY_TEXT_CONFIG)
     cfg.update(copy.deepcopy(overrides))
     return cfg
@@ -146,7 +153,7 @@ def _shard_key(name: str, n_layers: int, shards: int) -> int:
 
 
 def write_checkpoint(path, text_config: dict | None = None, *, seed: int = 0, shards: int = 1,
-                     experts: str = "mxfp4", prefix: str = "language_model.", index: bool = True) -> Path:
+                     experts: str = "mxfp4", prefix: str = table.RELEASE_PREFIX, index: bool = True) -> Path:
     """Write a checkpoint of random weights; returns its path. `experts` is "mxfp4" or "bf16"."""
     text_config = make_text_config() if text_config is None else text_config
     if experts not in ("mxfp4", "bf16"):
@@ -199,7 +206,7 @@ def _released(cfg: KimiDecoderConfig, tensors: dict[str, np.ndarray]) -> dict[st
 
 
 def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, shards: int = 1,
-                    prefix: str = "language_model.", index: bool = True) -> Path:
+                    prefix: str = table.RELEASE_PREFIX, index: bool = True) -> Path:
     """Write `tensors` (unprefixed released names -> arrays in their on-disk shapes) in the released layout.
 
     The names, shapes and disk dtypes are those of `checkpoint_table` for `text_config`: every
@@ -241,36 +248,33 @@ def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, 
     return path
 
 
-REPO_DATA = Path(__file__).resolve().parents[2] / "data"
-TRAINED_NAME = "tiny_k3_pydoc"
+# The trained model ships inside the package (package data: a wheel carries it). The random one is the
+# tests' and benchmarks' fixture, in the source tree only: its predictions mean nothing to a user.
+TRAINED_TINY_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny_k3_pydoc"
+RANDOM_TINY_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny_k3"
+RANDOM_TINY_SEED = 2026
+RANDOM_TINY_SHARDS = 5
 
 
-def default_checkpoint() -> Path:
-    """The random-weight tiny model (the tests' fixture): `data/tiny_k3` in a source checkout, else
-    generated once into a cache dir. Users get the trained model: `tiny_checkpoint()`."""
-    repo = REPO_DATA / "tiny_k3"
-    if (repo / "config.json").exists():
-        return repo
-    cache = Path.home() / ".cache" / "kimi_explore" / "tiny_k3"
-    if not (cache / "config.json").exists():
-        write_checkpoint(cache, seed=EMBEDDED_SEED, shards=EMBEDDED_SHARDS)
-    return cache
+def tiny_checkpoint() -> Path:
+    """The package's default model: a tiny K3 trained on Python's `pydoc_data.topics`
+    (`kimi_explore/data/tiny_k3_pydoc`, built by `python -m training.train_tiny`; its README.md is
+    the model card). Never a random stand-in: if it is missing the install is broken, and this says so."""
+    if not (TRAINED_TINY_DIR / "config.json").is_file():
+        raise CheckpointError(f"{TRAINED_TINY_DIR}: the trained tiny model is not there (expected its config.json "
+                              "and shards as package data); reinstall kimi-explore, or pass a checkpoint explicitly")
+    return TRAINED_TINY_DIR
 
 
-random_checkpoint = default_checkpoint
-
-
-def trained_checkpoint() -> Path:
-    """The embedded default: a tiny K3 trained on Python's `pydoc_data.topics` (`data/tiny_k3_pydoc`,
-    built by `python -m training.train_tiny`; its README.md is the model card). Falls back to the
-    random-weight model, with a warning, where the trained one is not on disk."""
-    path = REPO_DATA / TRAINED_NAME
-    if (path / "config.json").exists():
-        return path
-    import warnings
-
-    warnings.warn(f"the trained tiny model is not at {path}; using the random-weight tiny model instead", stacklevel=2)
-    return default_checkpoint()
+def random_tiny_checkpoint() -> Path:
+    """The random-weight tiny model (16 layers, K3's layer pattern): the tests' and benchmarks' fixture,
+    `tests/data/tiny_k3` in a source checkout. It is not installed with the package; outside a
+    checkout write the same bytes with `python -m kimi_explore.weights.tiny_model --out DIR`."""
+    if not (RANDOM_TINY_DIR / "config.json").is_file():
+        raise CheckpointError(f"{RANDOM_TINY_DIR}: the random tiny model is a fixture of the source checkout, not "
+                              "installed with the package; write it with `python -m kimi_explore.weights.tiny_model "
+                              "--out DIR`")
+    return RANDOM_TINY_DIR
 
 
 def describe_checkpoint(path) -> str:
@@ -283,16 +287,12 @@ def describe_checkpoint(path) -> str:
     return f"{Path(path).name}: random weights (no model card)"
 
 
-tiny_checkpoint = trained_checkpoint
-EMBEDDED_SEED = 2026
-EMBEDDED_SHARDS = 5
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Write the embedded tiny K3 checkpoint (deterministic random weights).")
+    p = argparse.ArgumentParser(description="Write the random-weight tiny K3 (the tests' fixture, tests/data/tiny_k3; "
+                                "deterministic: the same bytes on every machine).")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=EMBEDDED_SEED)
-    p.add_argument("--shards", type=int, default=EMBEDDED_SHARDS)
+    p.add_argument("--seed", type=int, default=RANDOM_TINY_SEED)
+    p.add_argument("--shards", type=int, default=RANDOM_TINY_SHARDS)
     args = p.parse_args(argv)
     out = write_checkpoint(args.out, seed=args.seed, shards=args.shards)
     print(f"wrote {out}")

@@ -1,0 +1,55 @@
+"""The release's chat prompt (chat_template.py): the texts the release's renderer printed for these
+messages, assistant history, escaping, and what it refuses. The ids it printed: test_tokenizer.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kimi_explore.chat_template import chat_segments, render_chat
+
+SYSTEM_USER = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi!"}]
+EFFORT_MAX_TEXT = (
+    '<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to think in your '
+    "thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and "
+    "`max`.\nNow the system is invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>"
+)
+SYSTEM_USER_TEXT = (
+    '<|open|>message role="system"<|sep|>You are a helpful assistant.<|close|>message<|sep|><|end_of_msg|>'
+    '<|open|>message role="user"<|sep|>Hi!<|close|>message<|sep|><|end_of_msg|>'
+    '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+)
+
+
+def test_render_chat_matches_release_text():
+    assert render_chat(SYSTEM_USER, thinking_effort="max") == EFFORT_MAX_TEXT + SYSTEM_USER_TEXT
+    assert render_chat(SYSTEM_USER) == SYSTEM_USER_TEXT
+    assert render_chat([{"role": "user", "content": "no thinking"}], thinking=False) == (
+        '<|open|>message role="user"<|sep|>no thinking<|close|>message<|sep|><|end_of_msg|>'
+        '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+
+
+def test_render_chat_assistant_history_and_escaping():
+    msgs = [{"role": "user", "content": "q", "name": 'a"b&c'},
+            {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+            {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "2"}],
+             "reasoning": "  "}]
+    text = render_chat(msgs, add_generation_prompt=False)
+    assert text == (
+        '<|open|>message role="user" name="a&quot;b&amp;c"<|sep|>q<|close|>message<|sep|><|end_of_msg|>'
+        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>R1<|close|>think<|sep|>'
+        "<|open|>response<|sep|>A1<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|>'
+        "<|open|>response<|sep|>A2<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
+    assert "think" not in render_chat(msgs, thinking=False)
+    assert all(isinstance(t, str) and t for t, _ in chat_segments(msgs))
+
+
+@pytest.mark.parametrize("kwargs, msgs, match", [
+    ({"thinking_effort": "medium"}, SYSTEM_USER, "thinking_effort"),
+    ({}, [{"role": "tool", "content": "18C"}], r"messages\[0\]"),
+    ({}, [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "tool"),
+    ({}, [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "text parts"),
+], ids=["medium_effort", "tool_role", "tool_calls", "image_part"])
+def test_render_chat_refuses_what_it_does_not_render(kwargs, msgs, match):
+    with pytest.raises(ValueError, match=match):
+        render_chat(msgs, **kwargs)
