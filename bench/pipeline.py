@@ -77,7 +77,6 @@ def k3_bytes_per_token() -> dict:
     """Bytes one K3 token moves: per hop (after layer i), the records per layer kind, the logits."""
     from k3_shapes import k3_text_config
 
-    from kimi_explore.distributed.stage import pack_stack
     from kimi_explore.model.block_residual import SourceBuffer
     from kimi_explore.model.config import KimiDecoderConfig
 
@@ -90,7 +89,7 @@ def k3_bytes_per_token() -> dict:
             stack.set_current(np.ones(d, np.float32))
             stack.seal()
         stack.set_current(np.ones(d, np.float32))
-        hop[n] = len(pickle.dumps(pack_stack(stack), protocol=5))
+        hop[n] = len(pickle.dumps(stack.pack(), protocol=5))
     f = 4  # float32 records
     records = {  # the default Recorder, per token (see kimi_explore.inspection.recorder)
         "attn-res weights, per layer (2 sites x up to 9 sources)": 2 * 9 * f,
