@@ -48,7 +48,7 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "routing_stats": ("analysis.routing_stats", "routing_stats"),
     "RoutingStats": ("analysis.routing_stats", "RoutingStats"),
     "RayPipeline": ("distributed.pipeline", "RayPipeline"),
-    "from_pretrained": ("weights.checkpoint", "load_weights"),
+    "from_pretrained": ("weights.load", "load_weights"),
 }
 
 __all__ = [

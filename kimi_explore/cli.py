@@ -125,7 +125,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_model(args):
     """(weights, checkpoint path, seconds to load) for the parsed model arguments."""
-    from .weights.checkpoint import load_weights as from_pretrained
+    from .weights.load import load_weights as from_pretrained
     from .weights.tiny_model import tiny_checkpoint
 
     path = args.checkpoint or tiny_checkpoint()

@@ -1,6 +1,6 @@
 """A float64 decoder that reads the checkpoint itself and runs the naive_* reference functions.
 
-Nothing of the fast path's loading is used (`kimi_explore.weights.checkpoint`, `safetensors_io`,
+Nothing of the fast path's loading is used (`kimi_explore.weights.load`, `records`, `safetensors_io`,
 `tensor_reader`, `model.config`): the safetensors files are parsed here (bf16 is the top half of
 an f32), the released names are spelled here, the routed experts go through
 `mxfp4.naive_dequantize`, and config.json is read as plain JSON. From those raw tensors it builds

@@ -8,7 +8,7 @@ from conftest import REFERENCE_DIR
 
 from kimi_explore import CheckpointError, KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
-from kimi_explore.weights import checkpoint, mxfp4, mxfp4_matvec
+from kimi_explore.weights import load_options, mxfp4, mxfp4_matvec
 from kimi_explore.weights.experts import DenseExperts, PackedExperts, dense_from_packed
 from kimi_explore.weights.tiny_model import random_tiny_checkpoint, write_checkpoint
 from kimi_explore.weights.workspace import Workspace
@@ -232,18 +232,18 @@ def test_packed_and_dense_agree_under_a_routing_intervention():
 def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
     tiny = random_tiny_checkpoint()
     assert from_pretrained(tiny, device="cpu").extra["experts"] == "dense"  # auto: small enough
-    monkeypatch.setattr(checkpoint, "AUTO_DENSE_BYTES", 0)
+    monkeypatch.setattr(load_options, "AUTO_DENSE_BYTES", 0)
     w = from_pretrained(tiny, device="cpu", layers=[1, 2])
     assert w.extra["experts"] == "packed" and isinstance(w.layers[0].ffn.experts, PackedExperts)
     cfg = w.config
     assert w.extra["expert_cache_size"] == cfg.num_experts  # default: as many as fit in 512 MiB per layer
-    assert checkpoint._resolve_cache_size(None, cfg, np.float64, np) == cfg.num_experts
-    monkeypatch.setattr(checkpoint, "AUTO_CACHE_BYTES", 5 * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 4)
-    assert checkpoint._resolve_cache_size(None, cfg, np.float64, np) == 2  # float64 experts: twice the bytes
+    assert load_options.resolve_cache_size(None, cfg, np.float64, np) == cfg.num_experts
+    monkeypatch.setattr(load_options, "AUTO_CACHE_BYTES", 5 * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 4)
+    assert load_options.resolve_cache_size(None, cfg, np.float64, np) == 2  # float64 experts: twice the bytes
     # a cache that cannot hold the layer: fused on the CPU when the kernel is built, else as many as fit
-    assert checkpoint._resolve_cache_size(None, cfg, np.float32, np) == (0 if mxfp4_matvec.AVAILABLE else 5)
+    assert load_options.resolve_cache_size(None, cfg, np.float32, np) == (0 if mxfp4_matvec.AVAILABLE else 5)
     monkeypatch.setattr(mxfp4_matvec, "AVAILABLE", False)
-    assert checkpoint._resolve_cache_size(None, cfg, np.float32, np) == 5
+    assert load_options.resolve_cache_size(None, cfg, np.float32, np) == 5
     with pytest.raises(ValueError, match="experts='packd'"):
         from_pretrained(tiny, device="cpu", experts="packd")
     with pytest.raises(ValueError, match="expert_cache_size=-2"):

@@ -88,10 +88,10 @@ def test_report_errors(tmp_path, capsys):
 def test_report_takes_the_model_options_and_top(tmp_path, monkeypatch, tiny_weights):
     """--experts and --weight-dtype reach the loader; --top sets how many predictions each table row shows."""
     import kimi_explore as ke
-    from kimi_explore.weights import checkpoint
+    from kimi_explore.weights import load as load_module
 
     seen, load = [], ke.from_pretrained
-    monkeypatch.setattr(checkpoint, "load_weights", lambda path, **kw: seen.append(kw) or load(path, **kw))
+    monkeypatch.setattr(load_module, "load_weights", lambda path, **kw: seen.append(kw) or load(path, **kw))
     out = tmp_path / "r"
     assert main(["--ids", "72,101", "--experts", "packed", "--weight-dtype", "bfloat16", "--top", "12", "--out", str(out),
                  "--checkpoint", str(random_tiny_checkpoint())]) == 0  # the random model: the `tiny_weights` fixture

@@ -74,7 +74,7 @@ class Stage:
 
     def load(self) -> None:
         """Load the layers (a method, not the constructor, so a bad checkpoint raises its own error)."""
-        from ..weights.checkpoint import load_weights
+        from ..weights.load import load_weights
 
         path, layer_ids, kwargs = self._load
         self.weights = load_weights(path, layers=layer_ids, embedding=self.first, head=self.last, **kwargs)

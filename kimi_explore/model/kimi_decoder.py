@@ -180,10 +180,11 @@ class KimiDecoderWeights(LayerSequence):
         return weight_samples(self)
 
     def memory_report(self):
-        """Resident bytes by component (see `kimi_explore.weights.memory`)."""
-        from ..weights.memory import memory_report
-
-        return memory_report(self)
+        """Resident bytes by component (`kimi_explore.weights.memory`, reached through the workspace the
+        loader gave these weights: the model records import nothing from `weights/`)."""
+        if self.workspace is None:
+            raise ValueError("memory_report: these weights have no workspace (they were not built by from_pretrained)")
+        return self.workspace.memory_report(self)
 
     def __repr__(self) -> str:
         """One line: the dataclass default prints every array (~350,000 characters for the tiny model)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
+from .workspace import run_rows
 
 try:
     from . import _bf16_matvec as _ext
@@ -54,8 +55,6 @@ def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None =
     out = np.empty(R, np.float32) if out is None else out
     if out.shape != (R,) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{R}], got {_describe(out)}")
-    from .workspace import run_rows  # here: workspace -> bf16_weights -> this module at import time
-
     run = lambda a, b: _ext.bf16_matvec(bits, x, out, R, C, a, b, isa or "")  # noqa: E731
     run_rows(pool, run, R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
     return out

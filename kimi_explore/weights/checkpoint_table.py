@@ -13,7 +13,7 @@ Each kind's `fused` says which rows are concatenated into one buffer of its weig
 order: KDA `in_proj` = rows of q, k, v, g, b, f_a (one matmul reads the layer input once).
 
 Everything else derives from these tables, as mlx-lm's one `sanitize` per architecture: the load
-plan, its checks and the reads into fused buffers (`checkpoint.py`), and every writer
+plan and its checks (`checkpoint.py`), the reads into fused buffers (`records.py`), and every writer
 (`tiny_model.save_checkpoint` and its random generator, `bench/k3_shapes.py`). A new tensor is
 one row. Rows are in the order the tiny-model generator draws them: reordering them changes the
 random tiny fixture `tests/data/tiny_k3` (test_tiny_model says so).

@@ -19,7 +19,7 @@ array. `MappedExperts` is a `PackedExperts` over such views, with the same three
 - GPU: the same copy goes to the device (selected experts only, per use; LRU hits copy nothing).
 
 Traps: a mapped shard must not change or shrink while the model is alive (a truncated file is
-refused at load, `_check`; one cut afterwards faults on the first read of a missing page, SIGBUS).
+refused at load, `checkpoint.check_checkpoint`; one cut afterwards faults on the first read of a missing page, SIGBUS).
 `memory_report` counts these bytes apart (`MemoryReport.mapped`): they are file-backed, shared
 with the page cache, and show in the process's RSS only while their pages are resident.
 """

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from .experts import DenseExperts, PackedExperts
-from .mapped_experts import MappedExperts
-
 __all__ = ["MemoryReport", "layer_bytes", "memory_report"]
 
 COMPONENTS = (
@@ -126,14 +123,12 @@ def memory_report(weights) -> MemoryReport:
             continue
         bank = ffn.experts
         parts["MoE router + latent projections + shared experts"] += _moe_trunk(ffn)
-        if isinstance(bank, MappedExperts):
+        if getattr(bank, "mapped_bytes", 0):  # MXFP4 left in the checkpoint files
             mapped[MAPPED] = mapped.get(MAPPED, 0) + bank.mapped_bytes
-        if isinstance(bank, PackedExperts):
+        if hasattr(bank, "packed_bytes"):  # an MXFP4 bank (experts.PackedExperts and its kinds)
             parts["routed experts, MXFP4 packed"] += bank.packed_bytes
             parts["routed experts, dequantised (LRU caches)"] += bank.cached_bytes
-        elif isinstance(bank, DenseExperts):
-            parts["routed experts, dequantised (dense bank)"] += _nbytes(bank.w13) + _nbytes(bank.w2)
-        else:
+        else:  # dequantised up front (latent_moe.DenseExperts: w13, w2)
             parts["routed experts, dequantised (dense bank)"] += _nbytes(bank)
     ws = weights.workspace
     if ws is not None:

@@ -9,7 +9,7 @@ then what is kept plus one bounce buffer (`BOUNCE_BYTES`); the file bytes go thr
 cache only (measured in `bench/k3_shapes.py`).
 
 The shard headers are parsed and checked by `safetensors_io.SafetensorsFile` (the loader's
-`_check`); we take each tensor's byte range from it.
+`checkpoint.check_checkpoint`); we take each tensor's byte range from it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backend import HOST_THREADS
-from .bf16_weights import WideningScratch
+from .memory import memory_report
 
 __all__ = ["Workspace", "run_parts", "run_rows"]
 
@@ -29,7 +29,7 @@ __all__ = ["Workspace", "run_parts", "run_rows"]
 @dataclass(repr=False)
 class Workspace:
     xp: object  # the weights' array namespace
-    widening: WideningScratch | None = None  # float32 [largest bf16 matrix]
+    widening: object = None  # bf16_weights.WideningScratch: float32 [largest bf16 matrix]; None without bf16 matrices
     dequantised: dict = field(default_factory=dict)  # name -> flat buffer, viewed as [m, rows, cols]
     threads: int = HOST_THREADS
     _pool: ThreadPoolExecutor | None = None
@@ -56,6 +56,13 @@ class Workspace:
     @property
     def widening_bytes(self) -> int:
         return 0 if self.widening is None else self.widening.nbytes
+
+    def memory_report(self, weights):
+        """Resident bytes of `weights` (the model that owns this workspace) by component (`memory.py`).
+
+        Here, so that the model record (`KimiDecoderWeights.memory_report`) reaches it through the
+        object the loader gave it, without importing from `weights/`."""
+        return memory_report(weights)
 
     def __repr__(self) -> str:
         return (f"Workspace(widening {self.widening_bytes:,} B, dequantised {self.dequantised_bytes:,} B, "

@@ -1,0 +1,94 @@
+"""`from_pretrained(path, ...)`: open a checkpoint as a `TensorSource`, check it, build the weight records.
+
+    path  a safetensors checkpoint directory (`safetensors_source`), a Hub repo id 'org/name'
+          (only the shards the requested layers need are fetched: `hub.py`), or a llama.cpp GGUF
+          file, split or not (`gguf_source`)
+
+Order, so that nothing is returned half-loaded: options checked, config read, layers resolved, the
+whole plan checked against the files (`source.check`: names, dtypes, shapes, file sizes), expert
+mode and cache size resolved (`load_options`), and only then anything allocated and read
+(`records.build_weights`). Every problem raises `CheckpointError` / `ConfigError` / `ValueError`
+naming the file, tensor, key or argument.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import resolve_device, resolve_dtype
+from ..model.config import KimiDecoderConfig
+from ..model.kimi_decoder import KimiDecoderWeights
+from . import load_options as opts
+from .bf16_matvec import runs as bf16_kernel_runs
+from .checkpoint import resolve_layers
+from .hub import resolve_checkpoint
+from .records import BuildOptions, build_weights
+from .safetensors_source import SafetensorsSource
+from .tensor_source import TensorSource
+
+__all__ = ["load_weights", "open_source"]
+
+
+def open_source(path, *, layers=None, revision=None, cache_dir=None, local_files_only=None, token=None,
+                progress: bool = True, embedding: bool = True, head: bool = True) -> TensorSource:
+    """The checkpoint at `path` (directory or Hub repo id) opened as a `TensorSource`, its config read."""
+    path = resolve_checkpoint(path, layers=layers, revision=revision, cache_dir=cache_dir,
+                              local_files_only=local_files_only, token=token, progress=progress,
+                              embedding=embedding, head=head)
+    return SafetensorsSource(path, KimiDecoderConfig.from_file(path / "config.json"))
+
+
+def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32", weight_dtype: str | None = None,
+                 experts: str = "auto", expert_cache_size: int | None = None, bf16_matvec: str = "auto",
+                 embedding: bool = True, head: bool = True, revision: str | None = None,
+                 cache_dir=None, local_files_only: bool | None = None, token=None, progress: bool = True) -> KimiDecoderWeights:
+    """Load a K3 checkpoint (all layers, or the 0-based `layers` chosen) onto `device`.
+
+    path: a checkpoint directory, or a Hub repo id ('org/name'): then only config, index, tokenizer
+        files and the shards of the requested layers are fetched (`kimi_explore.weights.hub`; `revision`,
+        `cache_dir`, `local_files_only`, `token` go to huggingface_hub; HF_HUB_OFFLINE=1 works).
+    dtype: compute dtype of activations and widened weights ("float32" | "float64").
+    weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the matrices stored as BF16 on
+        disk as bf16 bits (half the memory), multiplied as `bf16_matvec` says.
+    bf16_matvec: with weight_dtype="bfloat16": "auto" (default) = the compiled bf16 kernel where it
+        runs (CPU, float32, built; float32 sums in another order than BLAS, ~1e-7), else widening;
+        "widen" = widen each matrix per use, then BLAS (logits bit-identical to the float32 trunk,
+        slower on the CPU); "kernel" = require the kernel.
+    experts: "dense" dequantises every routed expert at load; "packed" keeps the MXFP4 bytes and
+        dequantises the selected ones per token (same logits bit for bit) or, with no cache on the
+        CPU, multiplies them fused (see expert_cache_size); "mapped" is "packed" with the bytes left
+        in the shard files as read-only memory maps, nothing copied at load, paged in by the OS on
+        first use (bit-identical to "packed" with the same cache size; on a GPU the selected
+        experts are copied to the device per use); "auto" (default) is dense when all requested
+        experts dequantised fit in 1 GiB (the tiny models), else packed (K3).
+    expert_cache_size: with packed experts, dequantised experts kept PER LAYER in an LRU cache;
+        0 = no cache: on the CPU in float32 the selected experts are then multiplied straight from
+        their packed bytes by the compiled kernel (`mxfp4_matvec`, when built; the same weights,
+        float32 sums in another order), else dequantised per token. None = all of a layer's
+        experts if they fit in 512 MiB (the tiny models); otherwise 0 on the CPU with the kernel
+        (K3: reading 280 MB packed beats reading 2.1 GB dequantised), else as many as fit (3 of K3's).
+    embedding=False / head=False: leave out the token embedding (`embed_tokens` is None) / the output
+        mix, final norm and lm_head (None): a pipeline stage after the first / before the last, which
+        then reads neither those tensors nor a shard that holds only them.
+    """
+    xp, dev = resolve_device(device)
+    dt = resolve_dtype(dtype)
+    bf16 = opts.resolve_weight_dtype(weight_dtype, dt)
+    bf16_kernel = opts.resolve_bf16_matvec(bf16_matvec)
+    source = open_source(path, layers=layers, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                         token=token, progress=progress, embedding=embedding, head=head)
+    try:
+        cfg = source.config
+        layer_ids = resolve_layers(layers, cfg.num_hidden_layers)
+        source.check(layer_ids, embedding, head)
+        mode = opts.resolve_experts(experts, cfg, layer_ids, source, dt)
+        cache_size = opts.resolve_cache_size(expert_cache_size, cfg, dt, xp)
+        extra = {"experts": mode, "expert_cache_size": cache_size if mode in ("packed", "mapped") else None,
+                 "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name,
+                 "bf16_matvec": (("kernel" if bf16_kernel is not False and bf16_kernel_runs(xp, dt) else "widen")
+                                 if bf16 else None)}
+        o = BuildOptions(xp=xp, device=dev, dtype=dt, bf16=bf16, bf16_kernel=bf16_kernel, experts=mode,
+                         cache_size=cache_size, embedding=embedding, head=head)
+        return build_weights(source, layer_ids, o, extra)
+    finally:
+        source.close()
