@@ -18,6 +18,11 @@ plan and its checks (`checkpoint.py`), the reads into fused buffers (`records.py
 one row. Rows are in the order the tiny-model generator draws them: reordering them changes the
 random tiny fixture `tests/data/tiny_k3` (test_tiny_model says so).
 
+Each row also names the tensor in llama.cpp's GGUF (`kimi-k3`, after `blk.{i}.`): the same tensor
+in ggml's reversed axis order, except where the converter changed it (`gguf_source.py` says how):
+the attn-res norm and projection are ONE fused score, kv_b_proj is split into attn_k_b/attn_v_b,
+A_log is stored as -exp(A_log[:H]), and the routed experts are stacked [E, ...].
+
 Traps: A_log is per head but stored head_dim wide, zero-padded (a head-wide one loads too);
 `kv_a_proj_with_mqa` holds the latent AND the shared rope key (kl + dr rows); the attn-res
 `*_res_proj` are [1, d] rows that the loader folds into their norm gains.
@@ -71,6 +76,7 @@ class Row:
     init: tuple = ("normal", 1.0)
     when: Callable[[KimiDecoderConfig], bool] | None = None  # released only when when(cfg)
     also: tuple | None = None  # another shape the loader accepts
+    gguf: str | tuple = ""  # llama.cpp's `kimi-k3` name after the kind's `gguf_prefix` (`gguf_source` says how it differs)
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Kind:
     prefix: str  # LAYER_PREFIX, or "" for the global tensors
     rows: tuple[Row, ...]
     fused: dict  # record field -> keys of the rows concatenated into it, in order (attn-res: gain x row)
+    gguf_prefix: str = "blk.{i}."  # GGUF names: "blk.{i}." + row.gguf ("" for the global tensors)
 
     def row(self, key: str) -> Row:
         for r in self.rows:
@@ -112,71 +119,74 @@ class Kind:
 
 
 LAYER = Kind("per-layer norms and attn-res", LAYER_PREFIX, (
-    Row("input_layernorm", "input_layernorm.weight", ("d",), BF16, GAIN),
-    Row("post_attention_layernorm", "post_attention_layernorm.weight", ("d",), BF16, GAIN),
-    Row("attn_res_norm", "self_attention_res_norm.weight", ("d",), BF16, GAIN),
-    Row("mlp_res_norm", "mlp_res_norm.weight", ("d",), BF16, GAIN),
-    Row("attn_res_proj", "self_attention_res_proj.weight", (1, "d"), BF16, N(3.0)),
-    Row("mlp_res_proj", "mlp_res_proj.weight", (1, "d"), BF16, N(3.0)),
+    Row("input_layernorm", "input_layernorm.weight", ("d",), BF16, GAIN, gguf="attn_norm.weight"),
+    Row("post_attention_layernorm", "post_attention_layernorm.weight", ("d",), BF16, GAIN, gguf="ffn_norm.weight"),
+    Row("attn_res_norm", "self_attention_res_norm.weight", ("d",), BF16, GAIN, gguf="attn_res_score.weight"),
+    Row("mlp_res_norm", "mlp_res_norm.weight", ("d",), BF16, GAIN, gguf="ffn_res_score.weight"),
+    Row("attn_res_proj", "self_attention_res_proj.weight", (1, "d"), BF16, N(3.0), gguf="attn_res_score.weight"),
+    Row("mlp_res_proj", "mlp_res_proj.weight", (1, "d"), BF16, N(3.0), gguf="ffn_res_score.weight"),
 ), fused={"attn_res_score": ("attn_res_norm", "attn_res_proj"), "mlp_res_score": ("mlp_res_norm", "mlp_res_proj")})
 
 KDA = Kind("KDA attention", LAYER_PREFIX, (
-    Row("q_proj", "self_attn.q_proj.weight", ("P", "d"), BF16, N(1.5)),
-    Row("q_conv", "self_attn.q_conv1d.weight", ("P", 1, "W"), F32, ("std", 0.6)),
-    Row("k_proj", "self_attn.k_proj.weight", ("P", "d"), BF16, N(1.5)),
-    Row("k_conv", "self_attn.k_conv1d.weight", ("P", 1, "W"), F32, ("std", 0.6)),
-    Row("v_proj", "self_attn.v_proj.weight", ("P", "d"), BF16, N(1.5)),
-    Row("v_conv", "self_attn.v_conv1d.weight", ("P", 1, "W"), F32, ("std", 0.6)),
-    Row("f_a_proj", "self_attn.f_a_proj.weight", ("K", "d"), BF16),
-    Row("f_b_proj", "self_attn.f_b_proj.weight", ("P", "K"), BF16, N(2.0)),
-    Row("b_proj", "self_attn.b_proj.weight", ("H", "d"), BF16, N(2.0)),
-    Row("g_proj", "self_attn.g_proj.weight", ("P", "d"), BF16, N(2.0)),
-    Row("o_proj", "self_attn.o_proj.weight", ("d", "P"), BF16),
-    Row("o_norm", "self_attn.o_norm.weight", ("K",), F32, GAIN),
-    Row("A_log", "self_attn.A_log", ("K",), F32, ("per_head", -1.0, 1.5), also=("H",)),
-    Row("dt_bias", "self_attn.dt_bias", ("P",), F32, ("uniform", -1.0, 1.0)),
+    Row("q_proj", "self_attn.q_proj.weight", ("P", "d"), BF16, N(1.5), gguf="attn_q.weight"),
+    Row("q_conv", "self_attn.q_conv1d.weight", ("P", 1, "W"), F32, ("std", 0.6), gguf="ssm_conv1d_q.weight"),
+    Row("k_proj", "self_attn.k_proj.weight", ("P", "d"), BF16, N(1.5), gguf="attn_k.weight"),
+    Row("k_conv", "self_attn.k_conv1d.weight", ("P", 1, "W"), F32, ("std", 0.6), gguf="ssm_conv1d_k.weight"),
+    Row("v_proj", "self_attn.v_proj.weight", ("P", "d"), BF16, N(1.5), gguf="attn_v.weight"),
+    Row("v_conv", "self_attn.v_conv1d.weight", ("P", 1, "W"), F32, ("std", 0.6), gguf="ssm_conv1d_v.weight"),
+    Row("f_a_proj", "self_attn.f_a_proj.weight", ("K", "d"), BF16, gguf="ssm_f_a.weight"),
+    Row("f_b_proj", "self_attn.f_b_proj.weight", ("P", "K"), BF16, N(2.0), gguf="ssm_f_b.weight"),
+    Row("b_proj", "self_attn.b_proj.weight", ("H", "d"), BF16, N(2.0), gguf="ssm_beta.weight"),
+    Row("g_proj", "self_attn.g_proj.weight", ("P", "d"), BF16, N(2.0), gguf="ssm_g.weight"),
+    Row("o_proj", "self_attn.o_proj.weight", ("d", "P"), BF16, gguf="attn_output.weight"),
+    Row("o_norm", "self_attn.o_norm.weight", ("K",), F32, GAIN, gguf="ssm_norm.weight"),
+    Row("A_log", "self_attn.A_log", ("K",), F32, ("per_head", -1.0, 1.5), also=("H",), gguf="ssm_a"),
+    Row("dt_bias", "self_attn.dt_bias", ("P",), F32, ("uniform", -1.0, 1.0), gguf="ssm_dt.bias"),
 ), fused={"in_proj": ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj"),
           "conv": ("q_conv", "k_conv", "v_conv")})
 
 MLA = Kind("MLA attention", LAYER_PREFIX, (
-    Row("q_a_proj", "self_attn.q_a_proj.weight", ("ql", "d"), BF16),
-    Row("q_a_layernorm", "self_attn.q_a_layernorm.weight", ("ql",), BF16, GAIN),
-    Row("q_b_proj", "self_attn.q_b_proj.weight", ("q", "ql"), BF16, N(2.0)),
-    Row("kv_a_proj", "self_attn.kv_a_proj_with_mqa.weight", ("kv_a", "d"), BF16, N(2.0)),
-    Row("kv_a_layernorm", "self_attn.kv_a_layernorm.weight", ("kl",), BF16, GAIN),
-    Row("kv_b_proj", "self_attn.kv_b_proj.weight", ("kv_b", "kl"), BF16, N(1.5)),
-    Row("g_proj", "self_attn.g_proj.weight", ("o", "d"), BF16, N(2.0), when=lambda c: c.mla_use_output_gate),
-    Row("o_proj", "self_attn.o_proj.weight", ("d", "o"), BF16),
+    Row("q_a_proj", "self_attn.q_a_proj.weight", ("ql", "d"), BF16, gguf="attn_q_a.weight"),
+    Row("q_a_layernorm", "self_attn.q_a_layernorm.weight", ("ql",), BF16, GAIN, gguf="attn_q_a_norm.weight"),
+    Row("q_b_proj", "self_attn.q_b_proj.weight", ("q", "ql"), BF16, N(2.0), gguf="attn_q_b.weight"),
+    Row("kv_a_proj", "self_attn.kv_a_proj_with_mqa.weight", ("kv_a", "d"), BF16, N(2.0), gguf="attn_kv_a_mqa.weight"),
+    Row("kv_a_layernorm", "self_attn.kv_a_layernorm.weight", ("kl",), BF16, GAIN, gguf="attn_kv_a_norm.weight"),
+    Row("kv_b_proj", "self_attn.kv_b_proj.weight", ("kv_b", "kl"), BF16, N(1.5), gguf=("attn_k_b.weight", "attn_v_b.weight")),
+    Row("g_proj", "self_attn.g_proj.weight", ("o", "d"), BF16, N(2.0), when=lambda c: c.mla_use_output_gate,
+        gguf="attn_gate.weight"),
+    Row("o_proj", "self_attn.o_proj.weight", ("d", "o"), BF16, gguf="attn_output.weight"),
 ), fused={"in_proj": ("q_a_proj", "kv_a_proj", "g_proj")})
 
 DENSE_MLP = Kind("dense MLP", LAYER_PREFIX, (
-    Row("gate_proj", "mlp.gate_proj.weight", ("I", "d"), BF16, N(4.0)),
-    Row("up_proj", "mlp.up_proj.weight", ("I", "d"), BF16, N(4.0)),
-    Row("down_proj", "mlp.down_proj.weight", ("d", "I"), BF16),
+    Row("gate_proj", "mlp.gate_proj.weight", ("I", "d"), BF16, N(4.0), gguf="ffn_gate.weight"),
+    Row("up_proj", "mlp.up_proj.weight", ("I", "d"), BF16, N(4.0), gguf="ffn_up.weight"),
+    Row("down_proj", "mlp.down_proj.weight", ("d", "I"), BF16, gguf="ffn_down.weight"),
 ), fused={"gate_up": ("gate_proj", "up_proj")})
 
 MOE = Kind("latent MoE", LAYER_PREFIX, (
-    Row("gate", "block_sparse_moe.gate.weight", ("E", "d"), BF16, N(2.0)),
-    Row("bias", "block_sparse_moe.gate.e_score_correction_bias", ("E",), F32, ("spread", 0.15)),
-    Row("latent_down", "block_sparse_moe.routed_expert_down_proj.weight", ("l", "d"), BF16, N(2.0)),
-    Row("latent_norm", "block_sparse_moe.routed_expert_norm.weight", ("l",), BF16, GAIN),
-    Row("latent_up", "block_sparse_moe.routed_expert_up_proj.weight", ("d", "l"), BF16),
-    Row("shared_gate", "block_sparse_moe.shared_experts.gate_proj.weight", ("Ish", "d"), BF16, N(4.0)),
-    Row("shared_up", "block_sparse_moe.shared_experts.up_proj.weight", ("Ish", "d"), BF16, N(4.0)),
-    Row("shared_down", "block_sparse_moe.shared_experts.down_proj.weight", ("d", "Ish"), BF16),
+    Row("gate", "block_sparse_moe.gate.weight", ("E", "d"), BF16, N(2.0), gguf="ffn_gate_inp.weight"),
+    Row("bias", "block_sparse_moe.gate.e_score_correction_bias", ("E",), F32, ("spread", 0.15), gguf="exp_probs_b.bias"),
+    Row("latent_down", "block_sparse_moe.routed_expert_down_proj.weight", ("l", "d"), BF16, N(2.0),
+        gguf="ffn_routed_down.weight"),
+    Row("latent_norm", "block_sparse_moe.routed_expert_norm.weight", ("l",), BF16, GAIN, gguf="ffn_routed_norm.weight"),
+    Row("latent_up", "block_sparse_moe.routed_expert_up_proj.weight", ("d", "l"), BF16, gguf="ffn_routed_up.weight"),
+    Row("shared_gate", "block_sparse_moe.shared_experts.gate_proj.weight", ("Ish", "d"), BF16, N(4.0),
+        gguf="ffn_gate_shexp.weight"),
+    Row("shared_up", "block_sparse_moe.shared_experts.up_proj.weight", ("Ish", "d"), BF16, N(4.0), gguf="ffn_up_shexp.weight"),
+    Row("shared_down", "block_sparse_moe.shared_experts.down_proj.weight", ("d", "Ish"), BF16, gguf="ffn_down_shexp.weight"),
     # per expert (the "{e}" rows come last: the generator draws them expert by expert)
-    Row("w1", "block_sparse_moe.experts.{e}.w1.weight", ("Ie", "l"), MXFP4, N(4.0)),
-    Row("w3", "block_sparse_moe.experts.{e}.w3.weight", ("Ie", "l"), MXFP4, N(4.0)),
-    Row("w2", "block_sparse_moe.experts.{e}.w2.weight", ("l", "Ie"), MXFP4),
+    Row("w1", "block_sparse_moe.experts.{e}.w1.weight", ("Ie", "l"), MXFP4, N(4.0), gguf="ffn_gate_exps.weight"),
+    Row("w3", "block_sparse_moe.experts.{e}.w3.weight", ("Ie", "l"), MXFP4, N(4.0), gguf="ffn_up_exps.weight"),
+    Row("w2", "block_sparse_moe.experts.{e}.w2.weight", ("l", "Ie"), MXFP4, gguf="ffn_down_exps.weight"),
 ), fused={"in_proj": ("gate", "latent_down", "shared_gate", "shared_up"), "w13": ("w1", "w3")})
 
 GLOBAL = Kind("global", "", (
-    Row("embed_tokens", "model.embed_tokens.weight", ("V", "d"), BF16, ("std", 1.0)),
-    Row("lm_head", "lm_head.weight", ("V", "d"), BF16, N(2.0), when=lambda c: not c.tie_word_embeddings),
-    Row("norm", "model.norm.weight", ("d",), BF16, GAIN),
-    Row("output_res_norm", "model.output_attn_res_norm.weight", ("d",), BF16, GAIN),
-    Row("output_res_proj", "model.output_attn_res_proj.weight", (1, "d"), BF16, N(3.0)),
-), fused={"output_attn_res_score": ("output_res_norm", "output_res_proj")})
+    Row("embed_tokens", "model.embed_tokens.weight", ("V", "d"), BF16, ("std", 1.0), gguf="token_embd.weight"),
+    Row("lm_head", "lm_head.weight", ("V", "d"), BF16, N(2.0), when=lambda c: not c.tie_word_embeddings, gguf="output.weight"),
+    Row("norm", "model.norm.weight", ("d",), BF16, GAIN, gguf="output_norm.weight"),
+    Row("output_res_norm", "model.output_attn_res_norm.weight", ("d",), BF16, GAIN, gguf="output_res_score.weight"),
+    Row("output_res_proj", "model.output_attn_res_proj.weight", (1, "d"), BF16, N(3.0), gguf="output_res_score.weight"),
+), fused={"output_attn_res_score": ("output_res_norm", "output_res_proj")}, gguf_prefix="")
 
 
 def layer_kinds(cfg: KimiDecoderConfig, i: int) -> tuple[Kind, Kind, Kind]:
