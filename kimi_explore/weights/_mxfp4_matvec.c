@@ -259,9 +259,87 @@ done:
     return result;
 }
 
+/* ggml's MXFP4 block layout (llama.cpp GGUF): per 32 values one 17-byte block, e (the E8M0 scale
+   byte, as compressed-tensors') then qs[16], byte j holding value j's code in its LOW nibble and
+   value j + 16's in its HIGH nibble. The row is read in place from the bank (or the mapped file);
+   its nibbles are put in compressed-tensors order (byte m = values 2m | 2m + 1) in a row-sized
+   scratch of G * 17 bytes that stays in L1, and the SAME row kernel runs on it: the same products
+   in the same order as `expert_matvec` on the compressed-tensors bytes of the same weights, so
+   the same floats, bit for bit. */
+static void ggml_row_to_ct(const uint8_t *blocks, Py_ssize_t G, uint8_t *qs, uint8_t *sc) {
+    for (Py_ssize_t g = 0; g < G; g++) {
+        const uint8_t *b = blocks + 17 * g, *q = b + 1;
+        uint8_t *o = qs + 16 * g;
+        sc[g] = b[0];
+        for (int m = 0; m < 8; m++) o[m] = (uint8_t)((q[2 * m] & 15) | ((q[2 * m + 1] & 15) << 4));
+        for (int m = 8; m < 16; m++) o[m] = (uint8_t)((q[2 * m - 16] >> 4) | (q[2 * m - 15] & 0xF0));
+    }
+}
+
+PyDoc_STRVAR(ggml_matvec_doc,
+             "ggml_matvec(blocks, ids, xeo, out, R, H, start, stop, isa)\n\n"
+             "blocks uint8 [E, R, H/16, 17] (ggml MXFP4 blocks of R rows of 2H values), ids int64 [k],\n"
+             "xeo float32 [1 or k, 2, H] (as expert_matvec), out float32 [k, R] (written at flat rows\n"
+             "start..stop-1): C-contiguous buffers. isa: a name from isas() or '' for the best.");
+
+static PyObject *ggml_matvec(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer blocks, ids, xeo, out;
+    Py_ssize_t R, H, start, stop;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnns", &blocks, &ids, &xeo, &out, &R, &H, &start, &stop, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    uint8_t *scratch = NULL;
+    Py_ssize_t k = ids.len / 8, G = H / 16, E = 0, nx = 0;
+    int isa = isa_index(isa_name);
+    if (R <= 0 || H <= 0 || H % 16) err = "R must be > 0 and H a positive multiple of 16 (whole 32-value blocks)";
+    else if (isa < 0) err = "isa: not one of isas() on this CPU";
+    else if (ids.len % 8 || k == 0) err = "ids: expected a non-empty int64 buffer";
+    else if (blocks.len % (R * G * 17) || (E = blocks.len / (R * G * 17)) == 0) err = "blocks: size is not E * R * H/16 * 17 bytes";
+    else err = check_x_out(&xeo, &out, H, k, R, start, stop, &nx);
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    const int64_t *id = (const int64_t *)ids.buf;
+    for (Py_ssize_t n = 0; n < k; n++) {
+        if (id[n] < 0 || id[n] >= E) {
+            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[n], E - 1);
+            goto done;
+        }
+    }
+    if ((scratch = PyMem_Malloc((size_t)G * 17)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    row_fn row = KX_ROW_KERNEL(isa);
+    const uint8_t *B = (const uint8_t *)blocks.buf;
+    const float *X = (const float *)xeo.buf;
+    float *Y = (float *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = start; t < stop; t++) {
+        const Py_ssize_t n = t / R, r = t - n * R, e = (Py_ssize_t)id[n];
+        const float *xe = X + (nx == 1 ? 0 : n) * 2 * H;
+        ggml_row_to_ct(B + (e * R + r) * G * 17, G, scratch, scratch + 16 * G);
+        row(scratch, scratch + 16 * G, xe, xe + H, G, Y + t);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(scratch);
+    PyBuffer_Release(&blocks);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&xeo);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"expert_matvec", expert_matvec, METH_VARARGS, expert_matvec_doc},
     {"parts_matvec", parts_matvec, METH_VARARGS, parts_matvec_doc},
+    {"ggml_matvec", ggml_matvec, METH_VARARGS, ggml_matvec_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

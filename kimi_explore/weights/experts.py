@@ -89,6 +89,17 @@ class PackedExperts:
         self._workspace = Workspace(xp) if workspace is None else workspace
         self.dtype = np.dtype(self.dtype)
         self.capacity = _check_capacity(self.capacity)
+        self._check_shapes()
+        self._table = mxfp4.pair_table(xp, self.dtype)
+        if self.fused and not self.can_fuse():
+            raise ValueError(
+                "PackedExperts(fused=True) needs host (NumPy) C-contiguous arrays, float32, capacity=0 and the compiled "
+                f"kernel (built: {mxfp4_matvec.AVAILABLE}); got {type(self.w13_packed).__module__} arrays, "
+                f"{self.dtype.name}, capacity={self.capacity}"
+            )
+
+    def _check_shapes(self) -> None:
+        """The banks agree with each other (a subclass with another byte layout checks its own)."""
         E, rows13, half13 = self.w13_packed.shape
         _, rows2, half2 = self.w2_packed.shape
         want13, want2 = (E, rows13, 2 * half13 // mxfp4.GROUP), (E, rows2, 2 * half2 // mxfp4.GROUP)
@@ -96,13 +107,6 @@ class PackedExperts:
             raise ValueError(
                 f"PackedExperts: scales {self.w13_scale.shape} / {self.w2_scale.shape} do not match packed "
                 f"{self.w13_packed.shape} / {self.w2_packed.shape} (one scale byte per 32 columns)"
-            )
-        self._table = mxfp4.pair_table(xp, self.dtype)
-        if self.fused and not self.can_fuse():
-            raise ValueError(
-                "PackedExperts(fused=True) needs host (NumPy) C-contiguous arrays, float32, capacity=0 and the compiled "
-                f"kernel (built: {mxfp4_matvec.AVAILABLE}); got {type(self.w13_packed).__module__} arrays, "
-                f"{self.dtype.name}, capacity={self.capacity}"
             )
 
     # ---- shapes and sizes

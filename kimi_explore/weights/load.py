@@ -21,6 +21,7 @@ from ..model.kimi_decoder import KimiDecoderWeights
 from . import load_options as opts
 from .bf16_matvec import runs as bf16_kernel_runs
 from .checkpoint import resolve_layers
+from .gguf_source import GgufSource, is_gguf
 from .hub import resolve_checkpoint
 from .records import BuildOptions, build_weights
 from .safetensors_source import SafetensorsSource
@@ -31,7 +32,11 @@ __all__ = ["load_weights", "open_source"]
 
 def open_source(path, *, layers=None, revision=None, cache_dir=None, local_files_only=None, token=None,
                 progress: bool = True, embedding: bool = True, head: bool = True) -> TensorSource:
-    """The checkpoint at `path` (directory or Hub repo id) opened as a `TensorSource`, its config read."""
+    """The checkpoint at `path` (directory, Hub repo id or GGUF file) opened as a `TensorSource`, its config read."""
+    if is_gguf(path):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repo ids, but {path} is a GGUF file")
+        return GgufSource(path)
     path = resolve_checkpoint(path, layers=layers, revision=revision, cache_dir=cache_dir,
                               local_files_only=local_files_only, token=token, progress=progress,
                               embedding=embedding, head=head)
@@ -46,7 +51,9 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
 
     path: a checkpoint directory, or a Hub repo id ('org/name'): then only config, index, tokenizer
         files and the shards of the requested layers are fetched (`kimi_explore.weights.hub`; `revision`,
-        `cache_dir`, `local_files_only`, `token` go to huggingface_hub; HF_HUB_OFFLINE=1 works).
+        `cache_dir`, `local_files_only`, `token` go to huggingface_hub; HF_HUB_OFFLINE=1 works);
+        or a llama.cpp `kimi-k3` GGUF file ('model.gguf', or any split '...-00001-of-00003.gguf'):
+        the weights llama.cpp runs (`kimi_explore.weights.gguf_source`).
     dtype: compute dtype of activations and widened weights ("float32" | "float64").
     weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the matrices stored as BF16 on
         disk as bf16 bits (half the memory), multiplied as `bf16_matvec` says.

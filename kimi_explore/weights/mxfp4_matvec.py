@@ -82,6 +82,26 @@ def parts_matvec(packed, scale, rows, x, out=None, isa: str | None = None, threa
     return out
 
 
+def ggml_expert_matvec(blocks, ids, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
+    """The same product from ggml's MXFP4 block layout (llama.cpp GGUF), read in place.
+
+    blocks: uint8 [E, R, C/32, 17] (C-contiguous: a bank, or a view of the mapped GGUF); ids: [k];
+    x: float32 [C] or [k, C] -> float32 [k, R]. Bit for bit what `expert_matvec` gives on the
+    compressed-tensors bytes of the same weights (the C kernel puts each row's nibbles in that
+    order in an L1 scratch and runs the same row kernel; `ggml_quants` has the layout).
+    """
+    _require()
+    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 17 \
+            or not blocks.flags.c_contiguous:
+        raise ValueError(f"blocks: expected a C-contiguous uint8 NumPy array [E, R, C/32, 17], got {_describe(blocks)}")
+    E, R, G, _ = blocks.shape
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    xeo, out = _inputs(x, len(ids), R, 16 * G, out)
+    run = lambda a, b: _ext.ggml_matvec(blocks, ids, xeo, out, R, 16 * G, a, b, isa or "")  # noqa: E731
+    run_rows(pool, run, len(ids) * R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
+    return out
+
+
 def _require() -> None:
     if not AVAILABLE:
         raise RuntimeError("kimi_explore.weights._mxfp4_matvec was not built (no C compiler at install); reinstall with one")
