@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
-from .ggml_quants import TYPES, TYPE_IDS
+from .ggml_quants import TYPE_IDS, TYPES
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -213,14 +213,13 @@ def write_gguf(path: str | Path, metadata: dict, types: dict, tensors: list[tupl
         vtype = types[key]
         out += [_pack_value(STRING, key), struct.pack("<I", vtype[0] if isinstance(vtype, tuple) else vtype),
                 _pack_value(vtype, value)]
-    offset, layout = 0, []
+    offset = 0  # each tensor's data is padded to the alignment, so the offsets are the running sums
     for name, ne, tname, raw in tensors:
-        layout.append(offset)
         out += [_pack_value(STRING, name), struct.pack("<I", len(ne)), struct.pack(f"<{len(ne)}Q", *ne),
                 struct.pack("<IQ", TYPE_IDS[tname], offset)]
         offset += -(-len(raw) // alignment) * alignment
     head = b"".join(out)
     with open(path, "wb") as f:
         f.write(head + b"\0" * (-len(head) % alignment))
-        for (_, _, _, raw), at in zip(tensors, layout, strict=True):
+        for _, _, _, raw in tensors:
             f.write(raw + b"\0" * (-len(raw) % alignment))
