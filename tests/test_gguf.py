@@ -217,6 +217,18 @@ def test_kda_decay_recovered_as_the_checkpoint_computes_it(s):
 
 
 @pytest.mark.parametrize("s", SETS)
+def test_float64_gguf_is_the_checkpoint_but_for_a_recovered_a_log(s):
+    """In float64 A keeps every bit of the recovered A_log: exact on set d; on set e one head's A_log is
+    1 float32 ulp off (the GGUF stores only -exp(A_log) in float32), which moves the logits by ~2e-8."""
+    g = decode(ke.from_pretrained(mxfp4_gguf(s), device="cpu", dtype="float64"), tokens(s))
+    w = decode(ke.from_pretrained(ENGINES / s / "tiny_k3", device="cpu", dtype="float64"), tokens(s))
+    if s == "d":
+        np.testing.assert_array_equal(g, w)
+    else:
+        assert 0 < np.abs(g - w).max() < 1e-7
+
+
+@pytest.mark.parametrize("s", SETS)
 def test_f32_experts_gguf_is_the_dense_checkpoint(s):
     """gguf-py's F32 experts are the dequantised MXFP4 values, except that it writes code 8 (-0) as +0;
     the runs are still the same bits (measured: every logit and hooked value)."""

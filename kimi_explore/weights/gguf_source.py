@@ -14,7 +14,10 @@ ne [d, P]. Where llama.cpp's converter changed a tensor, this source undoes it:
                       A_log = f32(log(-ssm_a)) and returns exp(A_log) in float64, as the safetensors
                       path computes A (float64 exp, then cast). On the engine sets this gives A
                       bit-identical to the released checkpoint's on all 108 heads; -ssm_a itself
-                      (what llama.cpp multiplies by) is 1 ulp off on one head of set `e`
+                      (what llama.cpp multiplies by) is 1 ulp off on one head of set `e`. Trap: the
+                      recovered A_log can be 1 float32 ulp off when |A_log| < 1 (one head of set
+                      `e`); rounded to float32 A is the same, but with dtype="float64" that head's A
+                      differs (logits by 2e-8 there); the GGUF does not hold A_log itself
     attn_k_b          [nh, kl, dn]: the key half of kv_b_proj, TRANSPOSED per head; attn_v_b
                       [nh, dv, kl] the value half: kv_b_proj [nh (dn + dv), kl] is reassembled
     ssm_conv1d_{q,k,v}  ne [W, 1, P, 1]: the released [P, 1, W] values, reshaped
