@@ -23,6 +23,7 @@ from kimi_explore import CheckpointError, ConfigError, KimiDecodeState, kimi_for
 from kimi_explore.model.config import KimiDecoderConfig
 from kimi_explore.weights import ggml_quants, mxfp4, mxfp4_matvec
 from kimi_explore.weights.gguf_io import GgufFile, write_gguf
+from kimi_explore.weights.load import read_config
 from kimi_explore.weights.memory import MAPPED, memory_report
 
 ENGINES = DATA / "engines"
@@ -172,6 +173,7 @@ def test_metadata_gives_the_config_json_config(s):
     cfg = config_from_gguf(f.metadata, f.types, {n: f.info(n) for n in f.tensors}, str(f.path))
     assert cfg == KimiDecoderConfig.from_file(ENGINES / s / "tiny_k3" / "config.json")
     assert cfg.rms_norm_eps == 1e-5 and f.metadata["kimi-k3.attention.layer_norm_rms_epsilon"] != 1e-5  # stored as F32
+    assert read_config(mxfp4_gguf(s)) == cfg  # what a pipeline reads before it starts its stages
 
 
 # ---------------------------------------------------------------- the same numbers as the released checkpoint

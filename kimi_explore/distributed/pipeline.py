@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -439,11 +438,8 @@ def _is_dead(actor) -> bool:
 
 
 def _config(path, load_kwargs: dict) -> KimiDecoderConfig:
-    """The checkpoint's config, read here (a local directory, or config.json alone from the Hub)."""
-    p = Path(path)
-    if p.is_dir():
-        return KimiDecoderConfig.from_file(p / "config.json")
-    from ..weights.hub import fetch_config
+    """The checkpoint's config, read here (a local directory, a GGUF's header, or config.json alone from the Hub)."""
+    from ..weights.load import read_config
 
     hub = {k: load_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in load_kwargs}
-    return KimiDecoderConfig.from_file(fetch_config(str(path), **hub))
+    return read_config(path, **hub)

@@ -13,6 +13,8 @@ naming the file, tensor, key or argument.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from ..backend import resolve_device, resolve_dtype
@@ -22,12 +24,12 @@ from . import load_options as opts
 from .bf16_matvec import runs as bf16_kernel_runs
 from .checkpoint import resolve_layers
 from .gguf_source import GgufSource, is_gguf
-from .hub import resolve_checkpoint
+from .hub import fetch_config, resolve_checkpoint
 from .records import BuildOptions, build_weights
 from .safetensors_source import SafetensorsSource
 from .tensor_source import TensorSource
 
-__all__ = ["load_weights", "open_source"]
+__all__ = ["load_weights", "open_source", "read_config"]
 
 
 def open_source(path, *, layers=None, revision=None, cache_dir=None, local_files_only=None, token=None,
@@ -41,6 +43,19 @@ def open_source(path, *, layers=None, revision=None, cache_dir=None, local_files
                               local_files_only=local_files_only, token=token, progress=progress,
                               embedding=embedding, head=head)
     return SafetensorsSource(path, KimiDecoderConfig.from_file(path / "config.json"))
+
+
+def read_config(path, *, revision=None, cache_dir=None, local_files_only=None, token=None) -> KimiDecoderConfig:
+    """The config of the checkpoint at `path` without loading it: a directory's config.json, a GGUF's
+    metadata (its header only), or config.json alone from the Hub."""
+    if is_gguf(path):
+        source = GgufSource(path)
+        source.close()
+        return source.config
+    if Path(path).is_dir():
+        return KimiDecoderConfig.from_file(Path(path) / "config.json")
+    return KimiDecoderConfig.from_file(fetch_config(str(path), revision=revision, cache_dir=cache_dir,
+                                                    local_files_only=local_files_only, token=token))
 
 
 def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32", weight_dtype: str | None = None,
