@@ -239,7 +239,7 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
         for text_ids, digest in zip(ids[start:], digests[start:], strict=True):
             if text_ids:
                 session = Session(weights, recorder=Recorder(names_filter="layers.*.moe.router.*"), checkpoint_every=0)
-                session.feed(text_ids)
+                session.feed(text_ids, progress=False)
                 stats.add(session.trace().routing(), [classes(i) for i in text_ids])
             stats.texts.append(digest)
             since_save += len(text_ids)

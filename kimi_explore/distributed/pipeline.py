@@ -38,6 +38,7 @@ from ..backend import resolve_dtype
 from ..errors import StageLostError
 from ..model.config import KimiDecoderConfig
 from ..model.kimi_decoder import KimiDecodeState, LayerSequence, OutputHead, hook_names, token_index
+from ..model.kimi_sequence import DEFAULT_CHUNK
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
@@ -193,23 +194,41 @@ class RayPipeline(LayerSequence):
     def forward_token(self, state: PipelineState, token_id, hooks=None) -> np.ndarray:
         """One token through every stage; `state` advanced; logits [vocab] (host). `hooks`: what
         `Session` would pass `kimi_forward_token` (None, Hooks, a Recorder, or a HookChain of them)."""
+        return self._run(state, token_index(token_id, self.config.vocab_size), hooks)  # checked here, not in a stage
+
+    def _run(self, state: PipelineState, what, hooks):
+        """One token (an id) or one chunk (a list of ids) through the compiled graph."""
         self._check(state)
-        token_id, position = token_index(token_id, self.config.vocab_size), state.position  # checked here, not in a stage
+        position = state.position
         recorder = self._configure(hooks)
-        refs = self._compiled().execute((tuple(state.ids), token_id, position))
-        outs = self._get(refs, self.stages, f"token {token_id} at position {position}")
+        doing = f"token {what} at position {position}" if isinstance(what, int) else \
+            f"tokens {position}..{position + len(what) - 1}"
+        refs = self._compiled().execute((tuple(state.ids), what, position))
+        outs = self._get(refs, self.stages, doing)
         stale = [s.describe() for s, out in zip(self.stages, outs, strict=True) if out[2] != position]
         if stale:  # never seen; it would mean a channel handed over another token's values
             self._teardown()
             raise RuntimeError(f"RayPipeline: {', '.join(stale)} returned the result of another position than {position}")
-        state.position += 1
+        n = 1 if isinstance(what, int) else len(what)
+        state.position += n
         # copies: what a compiled graph returns may be views of its channel buffers, reused by the next token
         if recorder is not None:
             records = {}
             for _, packed, _ in outs:
                 unpack_records(packed, records)
-            recorder.add_token(token_id, position, records)
+            recorder.add_tokens([what] if n == 1 and isinstance(what, int) else what, range(position, position + n), records)
         return np.array(outs[-1][0], copy=True)
+
+    def forward_sequence(self, state: PipelineState, token_ids, hooks=None, chunk: int | None = None) -> np.ndarray:
+        """T tokens through every stage, `chunk` at a time (one hop per chunk and stage, carrying the
+        chunk's [T, sources, d] stack); `state` advanced; logits [T, vocab] (host)."""
+        V = self.config.vocab_size
+        ids = [token_index(t, V) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids))]
+        chunk = DEFAULT_CHUNK if chunk is None else chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"RayPipeline.forward_sequence: chunk must be a positive int, got {chunk!r}")
+        out = [self._run(state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
+        return np.concatenate(out) if out else np.zeros((0, V), self.dtype)
 
     def _compiled(self):
         """One token through every stage as a compiled Ray graph: the stages' channels stay open, so a

@@ -1,10 +1,11 @@
 """One pipeline stage: a share of K3's layers, their decode states, hooks and recorder, in one process.
 
 `RayPipeline` runs each `Stage` as a Ray actor; nothing here imports Ray. Per token a stage runs
-exactly what `kimi_forward_token` runs for its layers (`embed_token` first if it is the first
-stage, `run_layers`, `finish_token` last if it is the last), so a staged decode repeats a single
+exactly what `kimi_forward_token` runs for its layers (`embed_token` first if it is the first stage,
+`run_layers`, `finish_token` last if it is the last), and per chunk what `kimi_forward_sequence`
+runs (`embed_chunk`, `run_layers_chunk`, `finish_sequence`), so a staged decode repeats a single
 process's arithmetic on the same inputs: the stack that arrives is the one the previous layer left,
-rows, 1/rms values and all (`SourceBuffer.pack` / `unpack`).
+rows, 1/rms values and all (`SourceBuffer.pack` / `SequenceSources.pack`).
 
 States live here, under integer ids the driver allocates (`PipelineState` holds one per stage):
 new, copy, drop, fetch to the host, put from the host. They never travel through the driver unless
@@ -23,6 +24,7 @@ from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, embed_token, finish_token, run_layers
+from ..model.kimi_sequence import SequenceSources, embed_chunk, finish_sequence, run_layers_chunk
 
 __all__ = ["Stage", "pack_records", "unpack_records"]
 
@@ -131,30 +133,45 @@ class Stage:
         parts = [h for h in (self.hooks, self.recorder) if h is not None]
         self.chain = parts[0] if len(parts) == 1 else HookChain(*parts) if parts else None
 
-    # ------------------------------------------------------------------ one token
+    # ------------------------------------------------------------------ one token, or one chunk
     def run(self, token: tuple, previous: tuple | None = None):
-        """This stage's share of one token. token: (every stage's state id, token id, position);
-        previous: the previous stage's result. Returns (the packed stack, or the logits on the last
-        stage; this token's records (`pack_records`), or None without a recorder; the position, which the
-        driver checks: each result must be this token's)."""
+        """This stage's share of one token or one chunk. token: (every stage's state id, a token id or
+        a list of them (a chunk of the sequence path), the (first) position); previous: the previous
+        stage's result. Returns (the packed stack, or the logits on the last stage; the records
+        (`pack_records`), or None without a recorder; the position, which the driver checks: each result
+        must be this token's)."""
         w, hooks = self.weights, self.chain
         ids, token_id, position = token
         sid, packed = ids[self.number], None if previous is None else previous[0]
         if previous is not None and previous[2] != position:
             raise RuntimeError(f"pipeline stage {self.number}: got the stack of position {previous[2]} for position {position}")
+        chunk = isinstance(token_id, list)
+        state, eps = self.states[sid], w.config.rms_norm_eps
         try:
-            if hooks is not None:
-                (hooks.begin_token if self.first else hooks.start_token)(token_id, position)
-            stack = embed_token(w, token_id, hooks, rows=self.rows) if self.first else \
-                SourceBuffer.unpack(packed, w.xp, self.rows, w.dtype, w.config.rms_norm_eps)
-            state = self.states[sid]
-            run_layers(w, state, stack, hooks)
-            out = to_numpy(finish_token(w.head(), stack, hooks)).copy() if self.last else stack.pack()
-            state.position += 1
+            if chunk:
+                if hooks is not None:
+                    hooks.begin_chunk(token_id, range(position, position + len(token_id)))
+                try:
+                    stack = embed_chunk(w, token_id, hooks, rows=self.rows) if self.first else \
+                        SequenceSources.unpack(packed, w.xp, self.rows, w.dtype, eps)
+                    run_layers_chunk(w, state, stack, hooks)
+                    out = to_numpy(finish_sequence(w.head(), stack, hooks)).copy() if self.last else stack.pack()
+                finally:
+                    if hooks is not None:
+                        hooks.end_chunk()
+                state.position += len(token_id)
+            else:
+                if hooks is not None:
+                    (hooks.begin_token if self.first else hooks.start_token)(token_id, position)
+                stack = embed_token(w, token_id, hooks, rows=self.rows) if self.first else \
+                    SourceBuffer.unpack(packed, w.xp, self.rows, w.dtype, eps)
+                run_layers(w, state, stack, hooks)
+                out = to_numpy(finish_token(w.head(), stack, hooks)).copy() if self.last else stack.pack()
+                state.position += 1
+                if self.recorder is not None and not self.last:
+                    self.recorder.end_token()
             if self.recorder is None:
                 return out, None, position
-            if not self.last:
-                self.recorder.end_token()
             return out, pack_records(self.recorder.take_records()), position
         except BaseException:
             if self.recorder is not None:

@@ -18,6 +18,12 @@ positions) restricts any of them to those tokens; by default they act at every t
 
 Column j of an attn-res vector follows `Trace.source_labels()`: blocks 0..n-1, then the current
 running sum (also reachable as j = -1 or j = "current").
+
+On the sequence path each takes whole chunks (`Hooks.add(..., chunks=True)`): the chunk's rows at the
+wanted positions are changed at once. Routing ids of a chunk are [T, k] with -1 where a token has
+fewer experts (the MoE gives -1 no weight); a Recorder records each token's ids without them, as
+stepping does. `scale_kda_head` changes the recurrent state, which the chunked form never builds per
+token: its layer runs token by token there.
 """
 
 from __future__ import annotations
@@ -40,15 +46,20 @@ def _layers(layer) -> list[int]:
 
 
 def _at_positions(fn, positions):
-    """Wrap fn so it acts only at the given token positions (None: always)."""
-    if positions is None:
-        return fn
-    wanted = {int(positions)} if isinstance(positions, (int, np.integer)) else {int(p) for p in positions}
+    """Wrap fn so it acts only at the given token positions (None: always). In the token form fn gets
+    the value; on a chunk, fn(value [T, ...], rows [T] bool mask of the rows to change, hook)."""
+    wanted = None
+    if positions is not None:
+        wanted = {int(positions)} if isinstance(positions, (int, np.integer)) else {int(p) for p in positions}
 
     def at_positions(value, *, hook):
-        return fn(value, hook=hook) if hook.position in wanted else None
+        if hook.positions is None:  # one token
+            return fn(value, None, hook) if wanted is None or hook.position in wanted else None
+        xp = array_namespace(value)
+        rows = np.ones(len(hook.positions), bool) if wanted is None else np.isin(hook.positions, sorted(wanted))
+        return fn(value, xp.asarray(rows), hook) if rows.any() else None
 
-    at_positions.__qualname__ = f"{getattr(fn, '__qualname__', 'hook')}@positions{sorted(wanted)}"
+    at_positions.__qualname__ = f"{getattr(fn, '__qualname__', 'hook')}@positions{sorted(wanted) if wanted else 'all'}"
     return at_positions
 
 
@@ -64,15 +75,17 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
         raise ValueError(f"ablate_experts: experts must be 'all' or a list of expert ids, got {experts!r}")
     drop = [] if drop_all else [int(e) for e in np.atleast_1d(to_numpy(experts))]
 
-    def ablate(ids, *, hook):
-        if drop_all:
-            return ids[:0]
+    def ablate(ids, rows, hook):
         xp = array_namespace(ids)
-        return ids[~xp.isin(ids, xp.asarray(drop, dtype=ids.dtype))]
+        dropped = xp.ones(ids.shape, bool) if drop_all else xp.isin(ids, xp.asarray(drop, dtype=ids.dtype))
+        if rows is None:
+            return ids[~dropped]
+        return xp.where(dropped & rows[:, None], -1, ids)
 
     hooks = Hooks()
     for i in _layers(layer):
-        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(ablate, f"ablate_experts({experts!r})"), positions))
+        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(ablate, f"ablate_experts({experts!r})"), positions),
+                  chunks=True)
     return hooks
 
 
@@ -88,26 +101,42 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     seen = {}
 
     def note_experts(scores, *, hook):
-        seen[hook.layer] = scores.shape[0]
+        seen[hook.layer] = scores.shape[-1]
 
-    def forced_ids(ids, *, hook):
+    def forced_ids(ids, rows, hook):
         E = seen.get(hook.layer)
         bad = [e for e in ids_req if not 0 <= e < (E if E is not None else 1 << 62)]
         if bad:
             raise ValueError(f"force_routing at {hook.name}: expert ids {bad} are outside 0..{E - 1}")
-        return array_namespace(ids).asarray(ids_req, dtype=ids.dtype)
+        return _put_rows(ids, ids_req, rows, -1)
 
-    def forced_weights(w, *, hook):
-        return array_namespace(w).asarray(weights, dtype=w.dtype)
+    def forced_weights(w, rows, hook):
+        return _put_rows(w, weights, rows, 0)
 
     hooks = Hooks()
     for i in _layers(layer):
-        hooks.add(f"layers.{i}.moe.router.scores", note_experts)
-        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(forced_ids, f"force_routing({ids_req})"), positions))
+        hooks.add(f"layers.{i}.moe.router.scores", note_experts, chunks=True)
+        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(forced_ids, f"force_routing({ids_req})"), positions),
+                  chunks=True)
         if weights is not None:
             fn = _at_positions(_named(forced_weights, "force_routing.weights"), positions)
-            hooks.add(f"layers.{i}.moe.router.topk_weights", fn)
+            hooks.add(f"layers.{i}.moe.router.topk_weights", fn, chunks=True)
     return hooks
+
+
+def _put_rows(value, given, rows, fill):
+    """`given` [k'] as the value (one token, rows None), or in the masked rows of a chunk [T, k]: the
+    chunk widened to max(k, k') with `fill` where a row has fewer entries."""
+    xp = array_namespace(value)
+    given = xp.asarray(given, dtype=value.dtype)
+    if rows is None:
+        return given
+    T, k, k2 = value.shape[0], value.shape[1], given.shape[0]
+    out = xp.full((T, max(k, k2)), fill, dtype=value.dtype)
+    out[:, :k] = value
+    out[rows] = fill
+    out[rows, :k2] = given
+    return out
 
 
 def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Hooks:
@@ -134,24 +163,29 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
         if given.ndim != 1:
             raise ValueError(f"override_attn_res: a weight vector must be 1-D, got shape {given.shape}")
 
-    def override(p, *, hook):
-        xp, n = array_namespace(p), p.shape[0]
+    def override(p, rows, hook):
+        xp, n = array_namespace(p), p.shape[-1]
         if mode == "uniform":
-            return xp.full(n, 1.0 / n, dtype=p.dtype)
-        if mode == "one_hot":
+            new = xp.full(n, 1.0 / n, dtype=p.dtype)
+        elif mode == "one_hot":
             if not -n <= j < n:
                 raise ValueError(f"override_attn_res at {hook.name}: source {j} does not exist, this site mixes {n} sources "
                                  "(stored blocks..., current)")
-            out = xp.zeros(n, dtype=p.dtype)
-            out[j] = 1.0
-            return out
-        if given.shape[0] != n:
-            raise ValueError(f"override_attn_res at {hook.name}: got {given.shape[0]} weights, this site mixes {n} sources "
-                             "(stored blocks..., current)")
-        return xp.asarray(given, dtype=p.dtype)
+            new = xp.zeros(n, dtype=p.dtype)
+            new[j] = 1.0
+        else:
+            if given.shape[0] != n:
+                raise ValueError(f"override_attn_res at {hook.name}: got {given.shape[0]} weights, this site mixes {n} "
+                                 "sources (stored blocks..., current)")
+            new = xp.asarray(given, dtype=p.dtype)
+        if rows is None:
+            return new
+        out = p.copy()
+        out[rows] = new
+        return out
 
     hooks = Hooks()
-    hooks.add(name, _at_positions(_named(override, f"override_attn_res({weights!r})"), positions))
+    hooks.add(name, _at_positions(_named(override, f"override_attn_res({weights!r})"), positions), chunks=True)
     return hooks
 
 
@@ -163,7 +197,7 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
     heads = [int(h) for h in np.atleast_1d(to_numpy(head))]
     factor = float(factor)
 
-    def scale(S, *, hook):
+    def scale(S, rows, hook):
         if max(heads) >= S.shape[0] or min(heads) < -S.shape[0]:
             raise ValueError(f"scale_kda_head at {hook.name}: heads {heads} do not exist, the layer has {S.shape[0]} heads")
         out = S.copy()
@@ -208,15 +242,31 @@ def patch(name: str, source, positions=None) -> Hooks:
             raise ValueError(f"patch({name!r}): the source has no value at positions {missing} (it has {sorted(table)[:10]}...)")
         table = {p: table[p] for p in wanted}
 
+    ids_site = name.endswith("moe.router.topk_ids")
+
     def patch_value(value, *, hook):
-        row = table.get(hook.position)
-        if row is None:
+        xp = array_namespace(value)
+        if hook.positions is None:
+            row = table.get(hook.position)
+            return None if row is None else xp.array(_unpad(row, value.shape, hook.name), dtype=value.dtype, copy=True)
+        todo = [(t, table[int(p)]) for t, p in enumerate(hook.positions) if int(p) in table]
+        if not todo:
             return None
-        row = _unpad(row, value.shape, hook.name)
-        return array_namespace(value).array(row, dtype=value.dtype, copy=True)
+        rows = [(t, _unpad(row, value.shape[1:], hook.name)) for t, row in todo]
+        width = max([value.shape[-1]] + [r.shape[-1] for _, r in rows]) if ids_site else value.shape[-1]
+        out = xp.full((value.shape[0], width), -1, dtype=value.dtype) if ids_site else value.copy()
+        if ids_site:
+            out[:, : value.shape[1]] = value
+        for t, row in rows:
+            if ids_site:
+                out[t] = -1
+                out[t, : row.shape[0]] = xp.asarray(row, dtype=value.dtype)
+            else:
+                out[t] = xp.asarray(row, dtype=value.dtype)
+        return out
 
     hooks = Hooks()
-    hooks.add(name, _named(patch_value, f"patch({name!r}, positions={sorted(table)})"))
+    hooks.add(name, _named(patch_value, f"patch({name!r}, positions={sorted(table)})"), chunks=True)
     return hooks
 
 

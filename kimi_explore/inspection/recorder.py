@@ -378,7 +378,7 @@ class Recorder:
 
     def take_records(self) -> dict:
         """{key: per-token arrays} recorded so far, removed from this recorder: what a pipeline stage
-        hands the driver after each token (whose Recorder takes them with `add_token`)."""
+        hands the driver after each token or chunk (whose Recorder takes them with `add_tokens`)."""
         self.flush()
         out = {k: v[:] for k, v in self._rows.items() if v}
         for v in self._rows.values():
@@ -387,10 +387,11 @@ class Recorder:
         self.positions.clear()
         return out
 
-    def add_token(self, token_id, position: int, records: dict) -> None:
-        """Append one token's records made elsewhere ({key: [array]} from each pipeline stage's `take_records`)."""
-        self.tokens.append(-1 if token_id is None else int(token_id))
-        self.positions.append(int(position))
+    def add_tokens(self, token_ids, positions, records: dict) -> None:
+        """Append tokens' records made elsewhere ({key: [one array per token]} from each pipeline stage's
+        `take_records`)."""
+        self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
+        self.positions.extend(int(p) for p in positions)
         for k, rows in records.items():
             self._row(k).extend(rows)
 

@@ -40,6 +40,8 @@ class SessionSnapshot:
     tokens:      [T] token ids
     logits:      T host arrays [vocab]; never written after they are stored
     modified:    [T] bools: token t was decoded with hooks that may change values
+    chunk_of:    [T] the first token of the fed chunk token t was decoded in (-1: stepped); replays
+                 re-decode each chunk as one (None: every token stepped)
     checkpoints: {t: decode state after the first t tokens}; never written either
     records:     the recorder's `state_dict()`, or None when the session records nothing
     """
@@ -51,6 +53,7 @@ class SessionSnapshot:
     modified: list
     checkpoints: dict
     records: dict | None
+    chunk_of: list | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -88,7 +91,8 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
                 arrays[f"rec/{k}/flat"] = np.concatenate([np.asarray(r).reshape(-1) for r in rows])
                 arrays[f"rec/{k}/shapes"] = np.array([np.shape(r) for r in rows], dtype=np.int64).reshape(len(rows), -1)
     header = {"format": FORMAT, "fingerprint": weights_fingerprint(weights), "tokens": snap.tokens,
-              "modified": snap.modified, "layout": layout, "checkpoint_every": checkpoint_every, "recorder": rec}
+              "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
+              "checkpoint_every": checkpoint_every, "recorder": rec}
     V = weights.config.vocab_size
     arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
     np.savez_compressed(path, header=np.array(json.dumps(header)), **arrays)
@@ -114,7 +118,7 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
             tokens=[int(t) for t in header["tokens"]], logits=list(z["logits"]),
             modified=[bool(m) for m in header["modified"]],
             checkpoints={int(k[4:]): _get_state(z, k, lay, weights) for k, lay in header["layout"].items() if k != "state"},
-            records=records)
+            records=records, chunk_of=header.get("chunk_of"))
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
     return snap, SavedSettings(header["checkpoint_every"], settings)
 

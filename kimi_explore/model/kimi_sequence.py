@@ -1,0 +1,247 @@
+"""Whole texts at once: `kimi_forward_sequence(weights, state, token_ids)`, T tokens through every layer.
+
+The sequence (prefill) form of `kimi_forward_token`: the same layers on a chunk of T tokens at a
+time, layer by layer, each component in its batched form (one projection for all rows, KDA's delta
+rule in chunked form, MLA's causal attention over the cache plus the chunk, the MoE with tokens
+grouped by expert, the block residuals vectorised over T). It advances `state` exactly as T calls of
+`kimi_forward_token` would (KDA conv windows and recurrent matrices, MLA caches), so prefill, step
+and prefill again mix freely.
+
+Exactness: the chunked sums are ordered differently from the token form, so float32 results agree
+with stepping to rounding (logits to ~1e-5, routing ids identical), float64 to ~1e-12; the result
+does not depend on the chunk size beyond that rounding.
+
+Hooks on the sequence path (what a hook written for the token form gets is unchanged):
+- A hook added with `chunks=True` (the Recorder's recording, the built-in interventions) is called
+  once per chunk and site with the T tokens' values stacked, [T, ...], and `hook.positions` [T].
+- Any other hook is called token by token with the token form's values: at a layer's site, that
+  layer runs token by token (`decoder_layer`, exactly as stepping); at a global site (embed, final.*,
+  logits) it is called per token on the chunk's rows.
+- `kda.conv` and `kda.state` are not built per token in the chunked form (K3: 6 MB of state per token
+  and layer): a hook there, chunk-aware or not, makes its layer run token by token; the Recorder gets
+  their per-token norms (`observe_chunk`).
+- Sites fire layer by layer: every token of the chunk at layer i before layer i + 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import to_numpy
+from .block_residual import SourceBuffer
+from .kda import kda_sequence
+from .kimi_token import OutputHead, check_state, decoder_layer, token_index
+from .latent_moe import latent_moe_sequence
+from .mla import mla_sequence
+from .ops import dense_mlp_sequence, rms_norm
+
+__all__ = ["DEFAULT_CHUNK", "SequenceSources", "embed_chunk", "finish_sequence", "forward_chunk", "kimi_forward_sequence",
+           "run_layers_chunk", "sequence_layer"]
+
+DEFAULT_CHUNK = 256  # tokens per chunk (bench/prefill.py: the embedded model's tokens/s level off by 256)
+
+
+class SequenceSources:
+    """`SourceBuffer` for T tokens at once: rows [T, S, d] (token t's sealed blocks, then its running
+    sum), their 1/rms [T, S]. The 1/rms values and the softmax are taken in float64, as the token
+    form's Python floats are, then rounded once to the activation dtype."""
+
+    def __init__(self, xp, T: int, rows: int, d: int, dtype, eps: float):
+        self.xp, self.eps, self.inv_d, self.dtype = xp, eps, 1.0 / d, dtype
+        self.rows = xp.empty((T, rows, d), dtype)
+        self.inv_rms = xp.empty((T, rows), np.float64)
+        self.n = 0
+        self.current = None
+
+    def set_current(self, v) -> None:
+        """v [T, d] is the running sum (column n)."""
+        self.current = v
+        self.rows[:, self.n] = v
+        self.inv_rms[:, self.n] = self._inv_rms(v)
+
+    def _inv_rms(self, v):
+        xp = self.xp
+        sq = xp.matmul(v[:, None, :], v[:, :, None])[:, 0, 0]  # each row's v . v, as the token form's dot
+        return 1.0 / xp.sqrt(sq.astype(np.float64) * self.inv_d + self.eps)
+
+    def weights(self, score_weight):
+        """[T, n+1]: each token's softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight."""
+        m, xp = self.n + 1, self.xp
+        s = xp.matmul(self.rows[:, :m], score_weight).astype(np.float64) * self.inv_rms[:, :m]
+        e = xp.exp(s - s.max(axis=1, keepdims=True))
+        return (e / e.sum(axis=1, keepdims=True)).astype(self.dtype)
+
+    def mix(self, p):
+        """[T, d]: each token's sum_i p_i V_i over its raw sources."""
+        return self.xp.matmul(p[:, None, :], self.rows[:, : self.n + 1])[:, 0]
+
+    def seal(self) -> None:
+        self.n += 1
+
+    @property
+    def blocks(self):
+        """[T, n, d] (a view)."""
+        return self.rows[:, : self.n]
+
+    def replace_blocks(self, blocks) -> None:
+        """Make `blocks` [T, n, d] every token's sealed blocks (a hook's replacement)."""
+        for j in range(self.n):
+            self.rows[:, j] = blocks[:, j]
+            self.inv_rms[:, j] = self._inv_rms(blocks[:, j])
+
+    def token(self, t: int) -> SourceBuffer:
+        """Token t's stack as the token form holds it (what `decoder_layer` runs on)."""
+        d = self.rows.shape[-1]
+        buf = SourceBuffer(self.xp, self.rows.shape[1], d, self.dtype, self.eps)
+        for j in range(self.n):
+            buf.set_current(self.rows[t, j])
+            buf.seal()
+        buf.set_current(self.rows[t, self.n].copy())
+        return buf
+
+    def pack(self) -> tuple:
+        """What another process needs to continue the chunk: (rows [T, n+1, d] host copy, their 1/rms, n)."""
+        m = self.n + 1
+        return to_numpy(self.rows[:, :m]).copy(), to_numpy(self.inv_rms[:, :m]).copy(), self.n
+
+    @classmethod
+    def unpack(cls, packed: tuple, xp, rows: int, dtype, eps: float) -> SequenceSources:
+        """`pack`'s inverse with capacity `rows`."""
+        values, inv, n = packed
+        stack = cls(xp, values.shape[0], rows, values.shape[-1], dtype, eps)
+        stack.rows[:, : n + 1] = xp.asarray(values)
+        stack.inv_rms[:, : n + 1] = xp.asarray(inv)
+        stack.n = n
+        stack.current = stack.rows[:, n].copy()
+        return stack
+
+    def put_token(self, t: int, buf: SourceBuffer) -> None:
+        """Token t's stack back from `buf` after a layer ran on it (it may have sealed one more block)."""
+        m = buf.n + 1
+        self.rows[t, :m] = buf.rows[:m]
+        self.inv_rms[t, :m] = self.xp.asarray(buf.inv_rms[:m], dtype=np.float64) if not buf.host_scalars else buf.inv_rms[:m]
+        self.n = buf.n
+        self.current = self.rows[:, self.n]
+
+
+def kimi_forward_sequence(weights, state, token_ids, hooks=None,
+                          chunk: int | None = None):
+    """Run T tokens through every loaded layer, `chunk` tokens at a time; advance `state` in place as T
+    calls of `kimi_forward_token` would; return logits [T, vocab] (row t: after token t).
+
+    hooks: as for `kimi_forward_token`, with the chunk protocol (`begin_chunk`, `fire_chunk`,
+    `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`; see `inspection.hooks.Hooks`).
+    """
+    check_state(weights, state)
+    V = weights.config.vocab_size
+    ids = [token_index(t, V) for t in _as_list(token_ids)]
+    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"kimi_forward_sequence: chunk must be a positive int (tokens per chunk), got {chunk!r}")
+    xp = weights.xp
+    if not ids:
+        return xp.zeros((0, V), weights.dtype)
+    out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
+    return out[0] if len(out) == 1 else xp.concatenate(out)
+
+
+def _as_list(token_ids) -> list:
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"token_ids must be a sequence of token ids, got {type(token_ids).__name__}")
+    return token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+
+
+def forward_chunk(weights, state, ids: list[int], hooks=None):
+    """One chunk of already-checked token ids: logits [T, vocab]; `state` advanced. The three parts
+    (`embed_chunk`, `run_layers_chunk`, `finish_sequence`) are what a pipeline stage runs a share of."""
+    if hooks is not None:
+        hooks.begin_chunk(ids, range(state.position, state.position + len(ids)))
+    try:
+        stack = embed_chunk(weights, ids, hooks)
+        run_layers_chunk(weights, state, stack, hooks)
+        logits = finish_sequence(weights.head(), stack, hooks)
+    finally:
+        if hooks is not None:
+            hooks.end_chunk()
+    state.position += len(ids)
+    return logits
+
+
+def embed_chunk(weights, ids: list[int], hooks=None, rows: int | None = None) -> SequenceSources:
+    """The chunk's stack to start with: no sealed block, the running sums its embeddings [T, d]."""
+    cfg, xp = weights.config, weights.xp
+    stack = SequenceSources(xp, len(ids), rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
+    h = weights.embed_tokens[xp.asarray(ids)]
+    stack.set_current(h if hooks is None else hooks.fire_chunk("embed", h))
+    return stack
+
+
+def run_layers_chunk(weights, state, stack: SequenceSources, hooks=None) -> None:
+    """Every loaded layer on a chunk, from the stack as the previous layer (or the embedding) left it."""
+    check_state(weights, state)
+    for layer, layer_state in zip(weights.layers, state.layers, strict=True):
+        if hooks is not None and hooks.needs_tokens(layer.names.values()):
+            _layer_by_tokens(layer, layer_state, stack, weights.config, hooks)
+        else:
+            sequence_layer(layer, layer_state, stack, weights.config, hooks)
+
+
+def _layer_by_tokens(layer, layer_state, stack: SequenceSources, cfg, hooks) -> None:
+    """The token form of one layer, token after token (a per-token hook listens there)."""
+    for t in range(stack.rows.shape[0]):
+        hooks.token_in_chunk(t)
+        buf = stack.token(t)
+        decoder_layer(layer, layer_state, buf, cfg, hooks)
+        stack.put_token(t, buf)
+
+
+def sequence_layer(layer, state, stack: SequenceSources, cfg, hooks=None) -> None:
+    """`decoder_layer` for a chunk: the same steps on [T, d] rows (see `kimi_decoder.decoder_layer`)."""
+    fire, names, eps = _unhooked if hooks is None else hooks.fire_chunk, layer.names, cfg.rms_norm_eps
+    h = stack.current
+    x = stack.mix(fire(names["attn_res.attn.weights"], stack.weights(layer.attn_res_score))) if stack.n else h
+    if layer.is_block_boundary:
+        stack.seal()
+    x = fire(names["attn.in"], rms_norm(x, layer.input_layernorm, eps))
+    a = fire(names["attn.out"], _attention(x, layer, state, hooks))
+    stack.set_current(a if layer.is_block_boundary else h + a)
+
+    y = stack.mix(fire(names["attn_res.ffn.weights"], stack.weights(layer.mlp_res_score)))
+    y = fire(names["ffn.in"], rms_norm(y, layer.post_attention_layernorm, eps))
+    f = fire(names["ffn.out"], _ffn(y, layer, cfg, hooks))
+    stack.set_current(fire(names["prefix_sum"], stack.current + f))
+
+
+def finish_sequence(head: OutputHead, stack: SequenceSources, hooks=None):
+    """`finish_token` for a chunk: logits [T, vocab]."""
+    fire = _unhooked if hooks is None else hooks.fire_chunk
+    if hooks is not None:
+        blocks = stack.blocks
+        new = hooks.fire_chunk("final.block_residual", blocks)
+        if new is not blocks:
+            stack.replace_blocks(new)
+    p = fire("final.attn_res.weights", stack.weights(head.attn_res_score))
+    hidden = fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
+    return fire("logits", hidden @ head.lm_head.T)
+
+
+def _unhooked(name: str, value):
+    return value
+
+
+def _attention(x, layer, state, hooks):
+    names, att = layer.names, layer.attention
+    fire = None if hooks is None else hooks.fire_chunk
+    if att.kind == "mla":
+        return mla_sequence(x, att, state.attention, fire=fire, names=names)
+    out, norms = kda_sequence(x, att, state.attention, fire=fire, names=names, state_norms=hooks is not None)
+    if hooks is not None:  # the recurrent sites reach a recorder as their per-token norms
+        hooks.observe_chunk(names["kda.conv"], norms["kda.conv"])
+        hooks.observe_chunk(names["kda.state"], norms["kda.state"])
+    return out
+
+
+def _ffn(y, layer, cfg, hooks):
+    if layer.ffn.kind == "moe":
+        return latent_moe_sequence(y, layer.ffn, fire=None if hooks is None else hooks.fire_chunk, names=layer.names)
+    return dense_mlp_sequence(y, layer.ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)

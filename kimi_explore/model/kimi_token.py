@@ -1,0 +1,163 @@
+"""The token form of the K3 decoder: `kimi_forward_token`, one token through every layer.
+
+Per token, starting with h = embed(token) and an EMPTY block stack (HF's `_forward_attn_residual`):
+
+    for each layer i (`decoder_layer`):
+        x = attn_res(h, stack, self_attention_res) if stack else h
+        a = Attn_i(input_layernorm(x))                            KDA or MLA, advances its state
+        if i % attn_res_block_size == 0: push h (the RAW input); h = a    the running sum restarts
+        else:                                                    h = h + a
+        h = h + FFN_i(post_attention_layernorm(attn_res(h, stack, mlp_res)))   dense MLP or latent MoE
+    logits = lm_head(norm(attn_res(h, stack, output_attn_res)))
+
+(The push happens after the attention-site mix and before the attention, which does not read
+the stack, so the order between the push and the attention does not matter.)
+
+Only the attention layers carry state across tokens (KDA windows + recurrent matrix, MLA K/V
+cache); the block stack runs over depth and is rebuilt for every token.
+
+With `layers=` a subset, the stack runs those layers (keeping their own indices, so their kinds,
+block boundaries and hook names are those of the full model), then the output mix, final norm and
+lm_head: for layers 0..N-1 this is exactly the model cut to N layers.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from .block_residual import SourceBuffer
+from .config import KimiDecoderConfig
+from .kda import kda_step
+from .latent_moe import latent_moe
+from .mla import mla_step
+from .ops import dense_mlp, rms_norm
+
+__all__ = ["OutputHead", "check_state", "decoder_layer", "embed_token", "finish_token", "kimi_forward_token",
+           "output_hidden", "run_layers", "token_index"]
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """What turns a token's block stack into logits: the output mix's score vector [d], the final
+    RMSNorm's weight [d] and eps, lm_head [vocab, d] (on the model's array backend)."""
+
+    attn_res_score: object
+    norm: object
+    lm_head: object
+    eps: float
+
+
+def token_index(token_id, vocab_size: int) -> int:
+    if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+        raise TypeError(f"token_id must be an integer, got {token_id!r} ({type(token_id).__name__})")
+    t = int(token_id)
+    if not 0 <= t < vocab_size:
+        raise ValueError(f"token_id={t} is outside the vocabulary: expected 0 <= token_id < {vocab_size}")
+    return t
+
+
+def kimi_forward_token(weights, state, token_id, hooks=None):
+    """Run one token through every loaded layer; advance `state` in place; return logits [vocab].
+
+    `hooks`: None, or an object with `fire(name, value) -> value` (see `kimi_explore.inspection.hooks.Hooks`);
+    the names are listed by `hook_names(weights)`. The three parts (`embed_token`, `run_layers`,
+    `finish_token`) are what a pipeline stage runs a share of (`kimi_explore.distributed`): the same
+    operations in the same order, so a staged decode is bit-identical to this one.
+    """
+    check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
+    stack = embed_token(weights, token_id, hooks)
+    run_layers(weights, state, stack, hooks)
+    logits = finish_token(weights.head(), stack, hooks)
+    state.position += 1
+    return logits
+
+
+def embed_token(weights, token_id, hooks=None, rows: int | None = None) -> SourceBuffer:
+    """The stack a token starts with: no sealed block, the running sum its embedding.
+
+    rows: the stack's capacity (default `weights.max_sources`; a pipeline stage holding only some
+    layers passes the whole model's).
+    """
+    cfg = weights.config
+    tid = token_index(token_id, cfg.vocab_size)
+    stack = SourceBuffer(weights.xp, rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
+    h = weights.embed_tokens[tid]
+    stack.set_current(h if hooks is None else hooks.fire("embed", h))
+    return stack
+
+
+def run_layers(weights, state, stack: SourceBuffer, hooks=None) -> None:
+    """Every loaded layer on one token, from the stack as the previous layer (or the embedding) left it."""
+    check_state(weights, state)
+    for layer, layer_state in zip(weights.layers, state.layers, strict=True):
+        decoder_layer(layer, layer_state, stack, weights.config, hooks)
+
+
+def check_state(weights, state) -> None:
+    if len(state.layers) != len(weights.layers):
+        raise ValueError(
+            f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
+            "make the state with KimiDecodeState.new(weights)"
+        )
+
+
+def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
+    """The output mix over the stack, the final norm and lm_head: logits [vocab]."""
+    logits = head.lm_head @ output_hidden(head, stack, hooks)
+    return logits if hooks is None else hooks.fire("logits", logits)
+
+
+def output_hidden(head: OutputHead, stack: SourceBuffer, hooks=None):
+    """The output mix over the stack and the final norm: the hidden vector lm_head reads [d].
+
+    `final.block_residual` ([n, d], the sealed blocks) fires first: a returned array replaces the
+    blocks the output mix reads. (A logit lens runs this on the stack after every layer.)"""
+    fire = _unhooked if hooks is None else hooks.fire
+    if hooks is not None:
+        blocks = stack.blocks
+        new = hooks.fire("final.block_residual", blocks)
+        if new is not blocks:
+            stack.replace_blocks(new)
+    p = fire("final.attn_res.weights", stack.weights(head.attn_res_score))
+    return fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
+
+
+def decoder_layer(layer, state, stack: SourceBuffer, cfg: KimiDecoderConfig,
+                  hooks=None) -> None:
+    """One layer on one token. The running sum h is `stack.current`, replaced by this layer's output;
+    a block boundary pushes h onto the stack; `state` (this layer's attention state) advances.
+
+    mix(score) is the stack's softmax mix of [blocks..., h] (`SourceBuffer`); `fire` passes each value
+    through the hooks at its site (the identity without hooks).
+    """
+    fire, names, eps = _unhooked if hooks is None else hooks.fire, layer.names, cfg.rms_norm_eps
+    h = stack.current
+    x = stack.mix(fire(names["attn_res.attn.weights"], stack.weights(layer.attn_res_score))) if stack.n else h
+    if layer.is_block_boundary:
+        stack.seal()  # pushes the RAW input h, already the stack's current row
+    x = fire(names["attn.in"], rms_norm(x, layer.input_layernorm, eps))
+    a = fire(names["attn.out"], _attention(x, layer, state, hooks))
+    stack.set_current(a if layer.is_block_boundary else h + a)  # a block boundary restarts the running sum
+
+    y = stack.mix(fire(names["attn_res.ffn.weights"], stack.weights(layer.mlp_res_score)))
+    y = fire(names["ffn.in"], rms_norm(y, layer.post_attention_layernorm, eps))
+    f = fire(names["ffn.out"], _ffn(y, layer, cfg, hooks))
+    stack.set_current(fire(names["prefix_sum"], stack.current + f))
+
+
+def _unhooked(name: str, value):
+    return value
+
+
+def _attention(x, layer, state, hooks):
+    step = kda_step if layer.attention.kind == "kda" else mla_step
+    return step(x, layer.attention, state.attention, hooks, layer.names)
+
+
+def _ffn(y, layer, cfg: KimiDecoderConfig, hooks):
+    if layer.ffn.kind == "moe":
+        return latent_moe(y, layer.ffn, hooks, layer.names)
+    return dense_mlp(y, layer.ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+

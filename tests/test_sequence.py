@@ -1,0 +1,311 @@
+"""The sequence path (`kimi_forward_sequence`, `Session.feed`): against Moonshot's reference prefill and
+mixed outputs, and against stepping (`kimi_forward_token`) on logits, state and every recorded value,
+for several chunk sizes, in float32 and float64, with hooks, interventions and the session's history."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import REFERENCE_DIR
+
+import kimi_explore as ke
+from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
+from kimi_explore.inspection import interventions
+from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+
+SETS = {"ordinary": REFERENCE_DIR.parent, "eps_sensitive": REFERENCE_DIR.parent / "eps_sensitive"}
+TEXT = b"def f(x):\n    return x * 2  # the sequence path, checked against stepping\n" * 3
+
+
+def reference(name):
+    with np.load(SETS[name] / "tiny_k3_expected.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def step_all(weights, tokens, hooks=None, state=None):
+    state = KimiDecodeState.new(weights) if state is None else state
+    out = []
+    for t in tokens:
+        if hooks is not None:
+            hooks.begin_token(int(t), state.position)
+        out.append(np.array(kimi_forward_token(weights, state, int(t), hooks=hooks)))
+    return np.stack(out), state
+
+
+def assert_states_close(a: KimiDecodeState, b: KimiDecodeState, tol: float) -> None:
+    assert a.position == b.position
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        x, y = la.attention, lb.attention
+        if x.kind == "kda":
+            np.testing.assert_allclose(x.conv, y.conv, atol=tol, rtol=tol)
+            np.testing.assert_allclose(x.recurrent, y.recurrent, atol=tol, rtol=tol)
+        else:
+            assert x.length == y.length
+            n = x.length
+            np.testing.assert_allclose(x.keys[:, :n], y.keys[:, :n], atol=tol, rtol=tol)
+            np.testing.assert_allclose(x.values[:, :n], y.values[:, :n], atol=tol, rtol=tol)
+
+
+def assert_traces_close(a, b, tol: float) -> None:
+    assert sorted(a.keys()) == sorted(b.keys())
+    assert list(a.tokens) == list(b.tokens) and list(a.positions) == list(b.positions)
+    for k in a.keys():
+        x, y = a[k], b[k]
+        assert x.shape == y.shape and x.dtype == y.dtype, k
+        if x.dtype.kind in "iu":
+            if k == "logits.top_ids":  # near-ties in a top-10 may swap at float rounding: compare the top-1
+                np.testing.assert_array_equal(x[:, 0], y[:, 0], err_msg=k)
+            else:
+                np.testing.assert_array_equal(x, y, err_msg=k)
+        else:
+            np.testing.assert_allclose(x, y, atol=tol, rtol=tol, equal_nan=True, err_msg=k)
+
+
+# ---------------------------------------------------------------- against Moonshot's reference
+
+
+@pytest.mark.parametrize("name", list(SETS))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_whole_sequence_matches_the_reference_prefill(name, dtype):
+    ref = reference(name)
+    w = from_pretrained(SETS[name] / "tiny_k3", device="cpu", dtype=dtype)
+    rec = ke.Recorder().bind(w)
+    state = KimiDecodeState.new(w)
+    logits = np.asarray(kimi_forward_sequence(w, state, ref["tokens"], hooks=rec))
+    np.testing.assert_allclose(logits, ref["logits_prefill"], atol=1e-3, rtol=0)
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits_prefill"].argmax(-1))
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :5]
+    want = np.argsort(-ref["logits_prefill"], axis=-1, kind="stable")[:, :5]
+    assert (top == want).mean() > 0.97  # the top-5 order of near-ties may swap within float32 rounding
+    trace = rec.trace()
+    for i in w.layer_ids:
+        for site, key in (("attn", "attn"), ("ffn", "mlp")):
+            ref_key = f"attnres_L{i:02d}_{key}_prefill"
+            if ref_key in ref:
+                np.testing.assert_allclose(trace[f"layers.{i}.attn_res.{site}.weights"], ref[ref_key], atol=1e-4)
+        if f"router_L{i:02d}_topk_idx_prefill" in ref:
+            got = np.sort(trace[f"layers.{i}.moe.router.topk_ids"], axis=-1)
+            np.testing.assert_array_equal(got, np.sort(ref[f"router_L{i:02d}_topk_idx_prefill"], axis=-1))
+            np.testing.assert_allclose(np.sort(trace[f"layers.{i}.moe.router.topk_weights"], axis=-1),
+                                       np.sort(ref[f"router_L{i:02d}_topk_w_prefill"], axis=-1), atol=1e-4)
+    np.testing.assert_allclose(trace["final.attn_res.weights"], ref["attnres_output_prefill"], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_prefill_then_decode_matches_the_reference_mixed_run(name):
+    ref = reference(name)
+    w = from_pretrained(SETS[name] / "tiny_k3", device="cpu")
+    n = int(ref["mixed_prefill_len"])
+    state = KimiDecodeState.new(w)
+    first = np.asarray(kimi_forward_sequence(w, state, ref["tokens"][:n]))
+    rest, _ = step_all(w, ref["tokens"][n:], state=state)
+    logits = np.concatenate([first, rest])
+    np.testing.assert_allclose(logits, ref["logits_mixed"], atol=1e-3, rtol=0)
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits_mixed"].argmax(-1))
+
+
+# ---------------------------------------------------------------- against stepping
+
+
+@pytest.fixture(scope="module", params=["reference", "trained"])
+def model_path(request):
+    return REFERENCE_DIR if request.param == "reference" else ke.tiny_checkpoint()
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float64", 1e-9)])
+@pytest.mark.parametrize("chunk", [1, 7, 64, None], ids=["1", "7", "64", "T"])
+def test_sequence_equals_stepping(model_path, dtype, tol, chunk):
+    w = from_pretrained(model_path, device="cpu", dtype=dtype)
+    tokens = list(TEXT[:100]) if w.config.vocab_size == 256 else [int(t) % w.config.vocab_size for t in TEXT[:100]]
+    step_rec, seq_rec = ke.Recorder().bind(w), ke.Recorder().bind(w)
+    want, want_state = step_all(w, tokens, step_rec)
+    state = KimiDecodeState.new(w)
+    got = np.asarray(kimi_forward_sequence(w, state, tokens, hooks=seq_rec, chunk=chunk or len(tokens)))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
+    assert_states_close(state, want_state, tol * 10)
+    assert_traces_close(seq_rec.trace(), step_rec.trace(), tol * 10)
+    # the state it leaves decodes on as stepping does
+    more = tokens[:9]
+    a, _ = step_all(w, more, state=state)
+    b, _ = step_all(w, more, state=want_state)
+    np.testing.assert_allclose(a, b, atol=tol * scale * 10, rtol=0)
+
+
+def test_prefill_step_prefill_mixes(tiny_weights):
+    w, tokens = tiny_weights, list(TEXT[:60])
+    want, want_state = step_all(w, tokens)
+    state = KimiDecodeState.new(w)
+    parts = [np.asarray(kimi_forward_sequence(w, state, tokens[:20], chunk=8))]
+    parts.append(step_all(w, tokens[20:25], state=state)[0])
+    parts.append(np.asarray(kimi_forward_sequence(w, state, tokens[25:], chunk=16)))
+    np.testing.assert_allclose(np.concatenate(parts), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    assert_states_close(state, want_state, 2e-4)
+
+
+def test_bad_arguments_are_named(tiny_weights):
+    state = KimiDecodeState.new(tiny_weights)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        kimi_forward_sequence(tiny_weights, state, [1, 2, 999])
+    assert state.position == 0  # checked before anything ran
+    with pytest.raises(ValueError, match="chunk must be a positive int"):
+        kimi_forward_sequence(tiny_weights, state, [1, 2], chunk=0)
+    with pytest.raises(TypeError, match="sequence of token ids"):
+        kimi_forward_sequence(tiny_weights, state, "abc")
+    assert np.asarray(kimi_forward_sequence(tiny_weights, state, [])).shape == (0, 256)
+
+
+# ---------------------------------------------------------------- hooks on the sequence path
+
+
+def test_a_per_token_hook_sees_what_stepping_shows_it(tiny_weights):
+    """A hook written for single tokens runs its layer token by token: same calls, same values, same result."""
+    w, tokens = tiny_weights, list(TEXT[:30])
+
+    def run(forward):
+        seen, hooks = [], ke.Hooks().bind(w)
+
+        def grab(v, *, hook):
+            seen.append((hook.name, hook.position, np.array(v)))
+            return v * 1.5 if hook.name == "layers.2.attn.out" else None
+
+        hooks.add("layers.2.*", grab)
+        hooks.add("embed", grab)
+        return forward(hooks), sorted(seen, key=lambda r: (r[0], r[1]))
+
+    want, want_seen = run(lambda h: step_all(w, tokens, h)[0])
+    got, got_seen = run(lambda h: np.asarray(kimi_forward_sequence(w, KimiDecodeState.new(w), tokens, hooks=h, chunk=11)))
+    assert [(n, p) for n, p, _ in got_seen] == [(n, p) for n, p, _ in want_seen]
+    for (n, p, a), (_, _, b) in zip(got_seen, want_seen, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"{n} at {p}")
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
+INTERVENTIONS = {
+    "ablate_experts": lambda: interventions.ablate_experts([2, 5], [3, 7], positions=range(4, 20)),
+    "ablate_all": lambda: interventions.ablate_experts(3, "all"),
+    "force_routing": lambda: interventions.force_routing(4, [1, 2, 3], positions=[5, 9]),
+    "force_routing_weights": lambda: interventions.force_routing(4, [6], weights=[1.0], positions=[5]),
+    "override_attn_res": lambda: interventions.override_attn_res(3, "ffn", ("one_hot", 0), positions=range(10)),
+    "override_final": lambda: interventions.override_attn_res("final", weights="uniform"),
+    "scale_kda_head": lambda: interventions.scale_kda_head(1, [0, 2], 0.5),
+}
+
+
+@pytest.mark.parametrize("which", list(INTERVENTIONS))
+def test_interventions_give_stepping_results(tiny_weights, which):
+    w, tokens = tiny_weights, list(TEXT[:40])
+    base, _ = step_all(w, tokens)
+    step_rec, seq_rec = ke.Recorder().bind(w), ke.Recorder().bind(w)
+    step_hooks = ke.inspection.hooks.HookChain(INTERVENTIONS[which]().bind(w), step_rec)
+    want, _ = step_all(w, tokens, step_hooks)
+    assert np.abs(want - base).max() > 1e-3  # the intervention changes the run
+    seq_hooks = ke.inspection.hooks.HookChain(INTERVENTIONS[which]().bind(w), seq_rec)
+    got = np.asarray(kimi_forward_sequence(w, KimiDecodeState.new(w), tokens, hooks=seq_hooks, chunk=16))
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    assert_traces_close(seq_rec.trace(), step_rec.trace(), 1e-4)
+
+
+def test_patch_from_a_padded_trace_on_chunks(tiny_weights):
+    """Routing patched from a trace whose ids were padded (an ablated run) equals stepping with the same patch."""
+    w, tokens = tiny_weights, list(TEXT[:24])
+    rec = ke.Recorder().bind(w)
+    step_all(w, tokens, ke.inspection.hooks.HookChain(interventions.ablate_experts(2, [int(i) for i in range(8)]).bind(w), rec))
+    source = rec.trace()
+    assert (source["layers.2.moe.router.topk_ids"] == -1).any()
+    want, _ = step_all(w, tokens, interventions.patch("layers.2.moe.router.topk_ids", source).bind(w))
+    got = np.asarray(kimi_forward_sequence(w, KimiDecodeState.new(w), tokens,
+                                           hooks=interventions.patch("layers.2.moe.router.topk_ids", source).bind(w), chunk=10))
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_a_chunk_aware_hook_gets_whole_chunks(tiny_weights):
+    w, tokens, calls = tiny_weights, list(TEXT[:20]), []
+
+    def whole(v, *, hook):
+        calls.append((hook.positions.tolist() if hook.positions is not None else hook.position, v.shape))
+
+    hooks = ke.Hooks().bind(w)
+    hooks.add("layers.1.moe.router.scores", whole, chunks=True)
+    kimi_forward_sequence(w, KimiDecodeState.new(w), tokens, hooks=hooks, chunk=8)
+    assert calls == [(list(range(0, 8)), (8, 16)), (list(range(8, 16)), (8, 16)), (list(range(16, 20)), (4, 16))]
+
+
+# ---------------------------------------------------------------- the session
+
+
+def test_feed_is_the_sequence_path_and_the_history_stays_exact(tiny_weights):
+    w, tokens = tiny_weights, list(TEXT[:90])
+    fed = ke.Session(w)
+    fed.feed(tokens, chunk=32)
+    stepped = ke.Session(w)
+    for t in tokens:
+        stepped.step(t)
+    np.testing.assert_allclose(fed.logits, stepped.logits, atol=2e-5 * np.abs(stepped.logits).max(), rtol=0)
+    assert_traces_close(fed.trace(), stepped.trace(), 1e-4)
+    assert {32, 64, 90} <= set(fed.snapshot().checkpoints)  # checkpoints at the chunk ends
+
+    # a cut inside a chunk: the state equals a session fed exactly those tokens in the same chunks
+    for n in (40, 64, 7, 0):
+        f = fed.fork()
+        f.truncate(n)
+        g = ke.Session(w)
+        g.feed(tokens[:n], chunk=32)
+        assert f.tokens == g.tokens
+        np.testing.assert_array_equal(f.logits, fed.logits[:n])
+        for la, lb in zip(f.state.layers, g.state.layers, strict=True):
+            for x, y in zip(vars(la.attention).values(), vars(lb.attention).values(), strict=True):
+                assert np.array_equal(x, y) if hasattr(x, "shape") else x == y
+        np.testing.assert_array_equal(f.step(65), g.step(65))
+
+
+def test_truncate_inside_a_chunk_then_continue_bit_for_bit(tiny_weights, tmp_path):
+    """Cuts inside chunks, steps and feeds mixed; a saved, reloaded, forked or restored history truncates to
+    the same state bit for bit."""
+    w, tokens = tiny_weights, list(TEXT[:70])
+    s = ke.Session(w)
+    s.feed(tokens, chunk=25)
+    snap = s.snapshot()
+    s.back(10)  # inside the third chunk
+    s.step(tokens[60])
+    s.truncate(45)  # inside the second chunk
+    assert s.feed(tokens[45:], chunk=25).shape == (25, 256)
+    loaded = ke.Session.load_state(s.save_state(tmp_path / "s"), w)
+    forked = s.fork()
+    for other in (loaded, forked):
+        assert other.tokens == s.tokens
+        np.testing.assert_array_equal(other.logits, s.logits)
+    cuts = []
+    for sess in (s, loaded, forked):
+        sess.truncate(50)
+        cuts.append(sess.step(9))
+    np.testing.assert_array_equal(cuts[0], cuts[1])
+    np.testing.assert_array_equal(cuts[0], cuts[2])
+    s.restore(snap)
+    np.testing.assert_array_equal(s.logits, np.stack(snap.logits))
+    s.truncate(30)
+    again = ke.Session(w)
+    again.feed(tokens[:30], chunk=25)
+    np.testing.assert_array_equal(s.step(3), again.step(3))
+
+
+def test_feed_with_a_value_changing_hook_steps_token_by_token(tiny_weights):
+    s = ke.Session(w := tiny_weights)
+    with s.intervene(interventions.ablate_experts(3, "all")):
+        s.feed(list(TEXT[:12]))
+    assert s.snapshot().chunk_of == [-1] * 12  # stepped: every modified token keeps a checkpoint
+    assert set(range(1, 13)) <= set(s.snapshot().checkpoints)
+    s.truncate(5)
+    want = ke.Session(w)
+    with want.intervene(interventions.ablate_experts(3, "all")):
+        for t in TEXT[:5]:
+            want.step(t)
+    np.testing.assert_array_equal(s.logits, want.logits)
+
+
+def test_long_feeds_show_progress(tiny_weights, capsys):
+    s = ke.Session(tiny_weights, recorder=False)
+    s.feed(list(TEXT[:50]), chunk=8, progress=True)
+    assert "feed" in capsys.readouterr().err
+    s.feed(list(TEXT[:10]), chunk=8)  # short: no bar
+    assert capsys.readouterr().err == ""
