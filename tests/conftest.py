@@ -34,6 +34,15 @@ def tiny_weights():
     return from_pretrained(random_tiny_checkpoint(), device="cpu")
 
 
+@pytest.fixture(scope="session")
+def trained_weights():
+    """The embedded trained tiny model (package data), float32 on the host."""
+    from kimi_explore import from_pretrained
+    from kimi_explore.weights.tiny_model import tiny_checkpoint
+
+    return from_pretrained(tiny_checkpoint(), device="cpu")
+
+
 def require_kernel():
     """Skip without the compiled MXFP4 kernel, unless KIMI_EXPLORE_REQUIRE_KERNEL=1 (.ci/run): then fail."""
     from kimi_explore.weights import mxfp4_matvec

@@ -119,3 +119,56 @@ def test_decoder_with_the_kernel_matches_the_float32_trunk():
     assert (got.argmax(-1) == want.argmax(-1)).all()
     with pytest.raises(ValueError, match="bf16_matvec='fast': expected one of 'auto', 'kernel', 'widen'"):
         from_pretrained(random_tiny_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")
+
+
+# ---------------------------------------------------------------- several input rows per pass (the sequence path)
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("C", [1, 7, 16, 17, 65, 1001], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("n", [1, 3, 4, 9], ids=lambda n: f"n{n}")
+def test_matmat_against_float64(isa, C, n):
+    """Tiles of 4 rows x 4 inputs and every remainder (37 rows, 1..9 inputs), every column tail."""
+    rng = np.random.default_rng(C * 10 + n)
+    bits, W = matrix(rng, 37, C)
+    x = rng.standard_normal((n, C)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    for threads in (1, 2):
+        got = bf16_matvec.bf16_matmat(bits, x, isa=isa, threads=threads)
+        want, mag = x64 @ W.T, np.abs(x64) @ np.abs(W).T
+        assert got.dtype == np.float32 and got.shape == (n, 37)
+        assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-43), np.max(np.abs(got - want) / (mag + 1e-300))
+
+
+def test_matmat_small_integers_are_exact_in_every_kernel():
+    rng = np.random.default_rng(4)
+    W = rng.integers(-8, 9, (50, 333)).astype(ml_dtypes.bfloat16)
+    x = rng.integers(-8, 9, (6, 333)).astype(np.float32)
+    want = (x.astype(np.float64) @ W.astype(np.float64).T).astype(np.float32)
+    for isa in isas():
+        for threads in (1, 3):
+            np.testing.assert_array_equal(bf16_matvec.bf16_matmat(W.view(np.uint16), x, isa=isa, threads=threads), want)
+    assert bf16_matvec.bf16_matmat(W.view(np.uint16), x[:0]).shape == (0, 50)
+
+
+def test_matmat_bad_arguments_are_named():
+    bits = np.zeros((4, 8), np.uint16)
+    with pytest.raises(ValueError, match=r"x: expected float32 \[n, 8\], got float32 \(8,\)"):
+        bf16_matvec.bf16_matmat(bits, np.ones(8, np.float32))
+    with pytest.raises(ValueError, match=r"out: expected a C-contiguous float32 \[2, 4\]"):
+        bf16_matvec.bf16_matmat(bits, np.ones((2, 8), np.float32), out=np.empty((4, 2), np.float32))
+    with pytest.raises(ValueError, match="x: expected float32 \\[n, C\\]"):  # the C side checks on its own
+        bf16_matvec._ext.bf16_matmat(bits, np.ones((2, 8), np.float32), np.empty((3, 4), np.float32), 4, 8, 3, 0, 4, "")
+
+
+def test_bf16_matrix_rows_through_the_kernel_or_widened():
+    """`matmul_rows` (what `ops.linear` calls): the multi-row kernel for float32 rows, else widened then BLAS."""
+    rng = np.random.default_rng(5)
+    bits, W = matrix(rng, 70, 40)
+    x = rng.standard_normal((5, 40)).astype(np.float32)
+    M = Bf16Matrix(bits, WideningScratch(np))
+    np.testing.assert_array_equal(M.matmul_rows(x), bf16_matvec.bf16_matmat(bits, x))
+    np.testing.assert_array_equal(Bf16Matrix(bits, WideningScratch(np), kernel=False).matmul_rows(x),
+                                  x @ W.astype(np.float32).T)
+    np.testing.assert_array_equal(Bf16Matrix(bits, WideningScratch(np), np.float64).matmul_rows(x.astype(np.float64)),
+                                  x.astype(np.float64) @ W.T)

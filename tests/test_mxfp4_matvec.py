@@ -146,3 +146,82 @@ def test_fused_decoder_matches_dense_experts():
     got, want = decode(fused, tokens), decode(dense, tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+# ---------------------------------------------------------------- several input rows per weight pass
+
+
+def float64_grouped(packed, scale, experts, bounds, x):
+    """The definition, group by group: dequantise (float64) then multiply in float64; and the error scale."""
+    want, mag = np.zeros((len(x), packed.shape[1])), np.zeros((len(x), packed.shape[1]))
+    for j, e in enumerate(experts):
+        W = mxfp4.naive_dequantize(packed[e], scale[e])
+        xs = x[bounds[j] : bounds[j + 1]].astype(np.float64)
+        want[bounds[j] : bounds[j + 1]], mag[bounds[j] : bounds[j + 1]] = xs @ W.T, np.abs(xs) @ np.abs(W).T
+    return want, mag
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("C", [32, 96, 3 * 32 * 7], ids=["one-group", "three-groups", "21-groups"])
+@pytest.mark.parametrize("R", [1, 6, 43], ids=lambda r: f"R{r}")
+def test_grouped_matmat_against_float64(isa, C, R):
+    """Groups of 0, 1, 3, 4, 5 and 9 input rows (tiles of 4 rows x 4 inputs and every remainder), any expert order,
+    an expert twice, extreme scales; 1 to 3 threads cut the (group, row) range by work."""
+    rng = np.random.default_rng(C + R)
+    packed, scale = bank(rng, E=6, R=R, C=C)
+    packed[0].reshape(-1)[: min(256, packed[0].size)] = np.arange(min(256, packed[0].size))
+    scale[0, 0, 0], scale[1, 0, -1] = 1, 200
+    experts, sizes = [3, 0, 5, 1, 3, 2], [5, 1, 9, 0, 4, 3]
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    x = rng.standard_normal((bounds[-1], C)).astype(np.float32)
+    want, mag = float64_grouped(packed, scale, experts, bounds, x)
+    for threads in (1, 2, 3):
+        got = mxfp4_matvec.grouped_matmat(packed, scale, experts, bounds, x, isa=isa, threads=threads)
+        assert got.dtype == np.float32 and got.shape == (bounds[-1], R)
+        assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-43), np.max(np.abs(got - want) / (mag + 1e-300))
+
+
+def test_grouped_matmat_is_exact_on_small_integers_in_every_kernel():
+    """Scale 127 (factor 1), integer inputs: every partial sum exact, so all kernels and thread counts agree bit for bit."""
+    rng = np.random.default_rng(8)
+    packed, scale = bank(rng, E=3, R=50, C=256)
+    scale[:] = 127
+    bounds = np.array([0, 7, 7, 18])
+    x = rng.integers(-8, 9, (18, 256)).astype(np.float32)
+    want = float64_grouped(packed, scale, [2, 0, 1], bounds, x)[0].astype(np.float32)
+    for isa in isas():
+        for threads in (1, 2):
+            np.testing.assert_array_equal(mxfp4_matvec.grouped_matmat(packed, scale, [2, 0, 1], bounds, x, isa=isa,
+                                                                      threads=threads), want)
+        scaled = mxfp4_matvec.grouped_matmat(packed, np.full_like(scale, 130), [2, 0, 1], bounds, x, isa=isa)
+        np.testing.assert_array_equal(scaled, want * 8)
+
+
+def test_grouped_parts_matmat_is_the_bank_kernel_on_blocks():
+    """The same bytes given as row blocks (w1 | w3, as mapped experts hold them): bit for bit the bank's result."""
+    rng = np.random.default_rng(9)
+    packed, scale = bank(rng, E=4, R=40, C=96)
+    experts, bounds = [2, 0, 3], np.array([0, 6, 7, 12])
+    x = rng.standard_normal((12, 96)).astype(np.float32)
+    blocks = lambda a: [(np.ascontiguousarray(a[e, :24]), np.ascontiguousarray(a[e, 24:])) for e in experts]  # noqa: E731
+    for isa in isas():
+        want = mxfp4_matvec.grouped_matmat(packed, scale, experts, bounds, x, isa=isa)
+        got = mxfp4_matvec.grouped_parts_matmat(blocks(packed), blocks(scale), (24, 16), bounds, x, isa=isa, threads=2)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_grouped_bad_arguments_are_named():
+    rng = np.random.default_rng(10)
+    packed, scale = bank(rng)
+    x = np.ones((3, 96), np.float32)
+    with pytest.raises(ValueError, match=r"bounds: expected \[0, \.\.\., n\] non-decreasing, one more than the 2 groups"):
+        mxfp4_matvec.grouped_matmat(packed, scale, [0, 1], [0, 3], x)
+    with pytest.raises(ValueError, match=r"bounds: expected .* got \[0, 2, 1\]"):
+        mxfp4_matvec.grouped_matmat(packed, scale, [0, 1], [0, 2, 1], x)
+    with pytest.raises(ValueError, match=r"x: expected float32 \[4, 96\] \(n = bounds\[-1\]\), got float32 \(3, 96\)"):
+        mxfp4_matvec.grouped_matmat(packed, scale, [0, 1], [0, 2, 4], x)
+    with pytest.raises(IndexError, match=r"expert id 7 outside 0..4"):
+        mxfp4_matvec.grouped_matmat(packed, scale, [0, 7], [0, 2, 3], x)
+    with pytest.raises(ValueError, match=r"packed block 1 of group 0: 32 bytes, expected 48"):
+        mxfp4_matvec.grouped_parts_matmat([(packed[0, :20], packed[0, 20:21, :32].copy())], [(scale[0, :20], scale[0, 20:21])],
+                                          (20, 1), [0, 3], x)

@@ -29,6 +29,7 @@ history, and `session.recover()` restarts the stage from its shards and replays 
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -136,6 +137,9 @@ class RayPipeline(LayerSequence):
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False)  # stages' prints (a hook's) reach this process
         options = {"num_gpus": 1} if device == "gpu" else {"num_cpus": 0}
+        # BLAS's matrix products (the sequence path) round differently with another thread count: the stages
+        # use this process's, which Ray would otherwise set to 1, so that chunks decode as in one process
+        options["runtime_env"] = {"env_vars": blas_threads_env()}
         self._actor_class = ray.remote(Stage).options(**{**options, **(actor_options or {})})
         names = hook_names(self)
         kw = {**load_kwargs, "device": device, "progress": False}
@@ -436,6 +440,13 @@ class RayPipeline(LayerSequence):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def blas_threads_env() -> dict:
+    """The BLAS thread count of this process as environment variables for a stage's process: what the user
+    set (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS), else OpenBLAS's default, one thread per core."""
+    n = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+    return {"OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
 
 
 def _same(a: list, b: list) -> bool:

@@ -14,6 +14,11 @@ Shapes: d = hidden, H = heads, K = V = head_dim, P = H*K, W = short-conv width.
 Traps: A_log is per HEAD (stored head_dim wide on disk, use the first H entries); the decay acts
 on key rows BEFORE the read; the output reads the UPDATED state; the l2norm eps sits inside the
 sqrt of the SUM (not the mean); the o_norm eps is rms_norm_eps.
+
+`kda_sequence` runs T tokens at once ([T, d] rows): the same equations, the projections as one
+matmul over all rows, the conv over the stored window followed by the T new rows, the delta rule
+compiled token by token (`kda_recurrence`, host float32) or in chunked form (`kda_chunk`). Sums run
+in another order than T `kda_step` calls: float32 results agree to rounding, float64 ones to ~1e-12.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
+from . import kda_recurrence
+from .kda_chunk import LOG_DECAY_FLOOR, chunked_delta_rule
+from .ops import linear
 
 L2NORM_EPS = 1e-6
 
@@ -172,6 +180,79 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
     o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + K * w.eps)
     return w.o_proj @ o.reshape(P)
+
+
+RULES = ("auto", "recurrent", "chunked")
+
+
+def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=None, names=None, state_norms: bool = False,
+                 rule: str = "auto"):
+    """x: [T, d] (input_layernorm outputs) -> (out [T, d], norms or None); advances `state` in place as T
+    `kda_step` calls would.
+
+    rule: how the delta rule runs over the T tokens: "recurrent" (`kda_recurrence`, compiled, token by
+    token: host float32 only), "chunked" (`kda_chunk`, matmuls over chunks of `chunk` tokens: any backend
+    and dtype), "auto" (recurrent where it runs, else chunked: on the CPU the compiled recurrence was
+    the faster at both the embedded model's and K3's widths, bench/kda_rule.py).
+
+    fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
+    order, named names[kind] (a layer's bound `names`; None: the kinds themselves): kda.conv_out
+    [T, 3, H, K], kda.q, kda.k, kda.v [T, H, K], kda.beta [T, H], kda.decay [T, H, K] (alpha = exp(g); a
+    different array returned is used through its log, floored at LOG_DECAY_FLOOR), kda.gate [T, H, K],
+    kda.o [T, H, V]; a returned array is used downstream. The recurrent sites kda.conv and kda.state
+    (`SEQUENTIAL_SITES`: a changed value must reach the next token) are not fired; with
+    state_norms=True, norms = {"kda.state": ||S_h||_F after every token [T, H], "kda.conv": each head's
+    window norm after every token [T, 3, H]}, what a recorder keeps of them.
+    """
+    xp = array_namespace(x)
+    site = (lambda kind: kind) if names is None else names.__getitem__  # noqa: E731
+    H, K = w.num_heads, w.head_dim
+    P, W, T = H * K, w.conv.shape[-1], x.shape[0]
+    y = linear(x, w.in_proj)  # [T, 4P + H + K]
+    # the conv input over time: the W stored rows (oldest first), then the T new ones
+    ext = xp.concatenate((xp.moveaxis(state.conv, -1, 0), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
+    pre = ext[1 : 1 + T] * w.conv[:, :, 0]  # token t's window is ext[t + 1 : t + 1 + W]
+    for j in range(1, W):
+        pre += ext[1 + j : 1 + j + T] * w.conv[:, :, j]
+    qkv = (pre / (1.0 + xp.exp(-pre))).reshape(T, 3, H, K)  # SiLU
+    gate = 1.0 / (1.0 + xp.exp(-y[:, 3 * P : 4 * P].reshape(T, H, K)))
+    beta = 1.0 / (1.0 + xp.exp(-y[:, 4 * P : 4 * P + H]))
+    decay_in = (linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K) + w.dt_bias) * w.A
+    g = w.lower_bound / (1.0 + xp.exp(-decay_in))  # log alpha: lower_bound * sigmoid(A (f + dt_bias))
+    if fire is not None:
+        qkv = fire(site("kda.conv_out"), qkv)
+    qk = qkv[:, :2]
+    qk = qk * (w.qk_scale / xp.sqrt((qk * qk).sum(axis=-1, keepdims=True) + L2NORM_EPS))
+    q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+    if fire is not None:
+        q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
+        beta = fire(site("kda.beta"), beta)
+        alpha = xp.exp(g)
+        hooked = fire(site("kda.decay"), alpha)
+        if hooked is not alpha:
+            with np.errstate(divide="ignore"):
+                g = xp.maximum(xp.log(hooked), LOG_DECAY_FLOOR)
+        gate = fire(site("kda.gate"), gate)
+    if rule not in RULES:
+        raise ValueError(f"kda_sequence: rule={rule!r}, expected one of {RULES}")
+    recurrent = rule == "recurrent" or (rule == "auto" and kda_recurrence.runs(xp, state.recurrent.dtype)
+                                        and state.recurrent.flags.c_contiguous)
+    if recurrent:
+        o, state_norms = kda_recurrence.recurrent_delta_rule(q, k, v, g, beta, state.recurrent, state_norms)
+    else:
+        o, state_norms = chunked_delta_rule(q, k, v, g, beta, state.recurrent, chunk, state_norms)
+    norms = None
+    if state_norms is not None:  # each head's [K, W] block of each stream's window, after every token
+        sq = ext * ext
+        win = sq[1 : 1 + T].copy()
+        for j in range(1, W):
+            win += sq[1 + j : 1 + j + T]
+        norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win.reshape(T, 3, H, K).sum(axis=-1))}
+    state.conv[...] = xp.moveaxis(ext[T:], 0, -1)
+    if fire is not None:
+        o = fire(site("kda.o"), o)
+    o = o * (w.o_norm_scaled * gate) / xp.sqrt((o * o).sum(axis=-1, keepdims=True) + K * w.eps)
+    return linear(o.reshape(T, P), w.o_proj), norms
 
 
 def naive_kda_step(x, w: KdaWeights, state: KdaState):

@@ -31,7 +31,7 @@ from ..backend import to_numpy
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
 from .kimi_token import OutputHead, check_state, decoder_layer, token_index
-from .latent_moe import latent_moe_sequence
+from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
 from .ops import dense_mlp_sequence, rms_norm
 

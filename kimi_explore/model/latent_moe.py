@@ -42,6 +42,22 @@ class DenseExperts:
 
     route = "dequantised at load"
 
+    def outputs_grouped(self, ids, z, act):
+        """y[t, j] = w2_e act(w13_e z[t]) for e = ids[t, j]: [T, k, l] (z [T, l]), the selections grouped by
+        expert so that each selected expert's weights are read once (`group_selections`)."""
+        xp = array_namespace(z)
+        groups = group_selections(ids)
+        dtype = xp.result_type(z.dtype, self.w13.dtype)
+        zs = z[xp.asarray(groups.rows)]  # [n, l], sorted by expert
+        h = xp.empty((groups.n, self.w13.shape[1]), dtype)
+        for e, a, b in groups:
+            h[a:b] = zs[a:b] @ self.w13[e].T
+        h = act(h)
+        y = xp.empty((groups.n, self.w2.shape[1]), dtype)
+        for e, a, b in groups:
+            y[a:b] = h[a:b] @ self.w2[e].T
+        return groups.scatter(y)
+
     def gather(self, ids):
         """The selected experts' weights: ([k, 2I, l], [k, l, I]), one gather each."""
         return self.w13[ids], self.w2[ids]
@@ -49,6 +65,54 @@ class DenseExperts:
     @property
     def num_experts(self) -> int:
         return self.w13.shape[0]
+
+
+@dataclass
+class ExpertGroups:
+    """The selections of a chunk (ids [T, k]) grouped by expert, for banks that read each expert once. An id
+    of -1 is a dropped selection (a chunk-aware hook's): not grouped, its output row is 0.
+
+    order:   [n] flat selection indices (t*k + j) sorted by expert, tokens ascending within an expert
+    rows:    [n] the token of each sorted selection (order // k)
+    experts: the distinct selected experts, ascending; bounds: their segments of `order` (len m + 1)
+    """
+
+    order: np.ndarray
+    rows: np.ndarray
+    experts: list
+    bounds: list
+    shape: tuple  # (T, k)
+
+    @property
+    def n(self) -> int:
+        return len(self.order)
+
+    def __iter__(self):
+        """(expert, a, b): expert's selections are the sorted ones a..b-1."""
+        return iter(zip(self.experts, self.bounds[:-1], self.bounds[1:], strict=True))
+
+    def scatter(self, y):
+        """Per-selection rows in sorted order [n, ...] -> [T, k, ...] in the selections' order."""
+        xp = array_namespace(y)
+        T, k = self.shape
+        out = (xp.empty if self.n == T * k else xp.zeros)((T * k,) + tuple(y.shape[1:]), y.dtype)
+        out[xp.asarray(self.order)] = y
+        return out.reshape(self.shape + tuple(y.shape[1:]))
+
+
+def group_selections(ids) -> ExpertGroups:
+    """Group the selections ids [T, k] by expert (on the host: T*k small ints)."""
+    ids = np.asarray(to_numpy(ids))
+    if ids.ndim != 2:
+        raise ValueError(f"expert ids: expected [T, k], got shape {ids.shape}")
+    flat = ids.reshape(-1).astype(np.int64)
+    order = np.argsort(flat, kind="stable")
+    order = order[np.count_nonzero(flat < 0) :]  # dropped selections (-1) sort first: left out
+    sorted_ids = flat[order]
+    cuts = np.flatnonzero(np.diff(sorted_ids)) + 1
+    bounds = [0, *cuts.tolist(), len(order)] if len(order) else [0]
+    experts = sorted_ids[bounds[:-1]].tolist() if len(order) else []
+    return ExpertGroups(order, order // max(ids.shape[1], 1), experts, bounds, tuple(ids.shape))
 
 
 @dataclass

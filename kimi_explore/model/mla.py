@@ -12,6 +12,11 @@ Shapes: nh heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim,
 Traps: no rotary embedding anywhere, but the dr "rope" dims are still scored and cached; the
 softmax scale is 1/sqrt(dn + dr), not 1/sqrt(dn); the q_a/kv_a norms use eps 1e-6 (the class
 default), not rms_norm_eps. The cache holds decompressed per-head K/V, as HF does.
+
+`mla_sequence` runs T tokens at once: the projections for all rows, the T positions appended in one
+go (`MlaState.append_many`, the same doubling, so the same capacity as T appends), then causal
+attention of the T queries over the L0 cached positions plus the chunk: query t sees positions
+0..L0+t, the later ones masked to -inf (probability exactly 0).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from .ops import rms_norm, sigmoid, softmax
+from .ops import linear, rms_norm, sigmoid, softmax
 
 LATENT_NORM_EPS = 1e-6
 
@@ -87,6 +92,24 @@ class MlaState:
         self.values[:, t] = v
         self.length = t + 1
 
+    def append_many(self, k_nope, k_pe, v) -> None:
+        """k_nope: [T, nh, dn]; k_pe: [T, dr], shared by every head; v: [T, nh, dv]: T positions at once, the
+        capacity doubled (as often as T `append` calls would) until they fit."""
+        t, T = self.length, k_nope.shape[0]
+        cap = self.keys.shape[1]
+        if t + T > cap:
+            xp = array_namespace(self.keys)
+            new = max(cap, 1)
+            while new < t + T:
+                new *= 2
+            grow = lambda a: xp.concatenate([a, xp.zeros((a.shape[0], new - cap, a.shape[2]), a.dtype)], axis=1)  # noqa: E731
+            self.keys, self.values = grow(self.keys), grow(self.values)
+        dn = k_nope.shape[-1]
+        self.keys[:, t : t + T, :dn] = k_nope.swapaxes(0, 1)
+        self.keys[:, t : t + T, dn:] = k_pe[None]  # broadcast over heads
+        self.values[:, t : t + T] = v.swapaxes(0, 1)
+        self.length = t + T
+
     def copy(self) -> MlaState:
         """An exact copy: the whole capacity, not just the used positions. A compacted cache would give
         the score and mix matmuls other strides, which may round differently: replays must be exact."""
@@ -127,6 +150,44 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     if gate is not None:
         o = o * gate
     return w.o_proj @ o
+
+
+def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
+    """x: [T, d] (input_layernorm outputs) -> [T, d]; appends the T tokens to `state`.
+
+    fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
+    order, named names[kind] (None: the kinds): mla.q_latent [T, q_lora], mla.kv_latent [T, kv_lora],
+    mla.probs [T, nh, L0 + T] (token t's row is the token form's [nh, L0 + t + 1] followed by zeros, the
+    masked positions), mla.o [T, nh, dv]. A returned array is used downstream as it is.
+    """
+    xp = array_namespace(x)
+    site = (lambda kind: kind) if names is None else names.__getitem__  # noqa: E731
+    nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
+    ql, kl, T = w.q_lora_rank, w.kv_lora_rank, x.shape[0]
+    y = linear(x, w.in_proj)
+    q_lat = rms_norm(y[:, :ql], w.q_a_layernorm, LATENT_NORM_EPS)
+    kv_lat = rms_norm(y[:, ql : ql + kl], w.kv_a_layernorm, LATENT_NORM_EPS)
+    if fire is not None:
+        q_lat, kv_lat = fire(site("mla.q_latent"), q_lat), fire(site("mla.kv_latent"), kv_lat)
+    q = linear(q_lat, w.q_b_proj).reshape(T, nh, dn + dr)
+    kv = linear(kv_lat, w.kv_b_proj).reshape(T, nh, dn + dv)
+    gate = sigmoid(y[:, ql + kl + dr :]) if w.use_output_gate else None
+    L0 = state.length
+    state.append_many(kv[:, :, :dn], y[:, ql + kl : ql + kl + dr], kv[:, :, dn:])  # k_pe is NOT normalised
+    L = L0 + T
+    scale = 1.0 / math.sqrt(dn + dr)
+    scores = xp.matmul(q.swapaxes(0, 1), state.keys[:, :L].swapaxes(1, 2)) * scale  # [nh, T, L]
+    future = xp.arange(L)[None, :] > (L0 + xp.arange(T))[:, None]  # [T, L]: query t sees 0..L0+t
+    p = softmax(xp.where(future, -math.inf, scores))
+    if fire is not None:
+        p = fire(site("mla.probs"), p.swapaxes(0, 1)).swapaxes(0, 1)
+    o = xp.matmul(p, state.values[:, :L]).swapaxes(0, 1)  # [T, nh, dv]
+    if fire is not None:
+        o = fire(site("mla.o"), o)
+    o = o.reshape(T, nh * dv)
+    if gate is not None:
+        o = o * gate
+    return linear(o, w.o_proj)
 
 
 def naive_mla_prefill(xs, w: MlaWeights):

@@ -14,6 +14,13 @@ from .._xp import array_namespace
 from ..backend import on_host
 
 
+def linear(x, weight):
+    """Rows through a weight: x [..., C], weight [R, C] -> [..., R] (`x @ weight^T`), the sequence form of
+    `weight @ x`. A weight object with its own `matmul_rows` (bf16 bits: `Bf16Matrix`) multiplies its way."""
+    own = getattr(weight, "matmul_rows", None)
+    return own(x) if own is not None else x @ weight.T
+
+
 def sigmoid(x):
     xp = array_namespace(x)
     return 1.0 / (1.0 + xp.exp(-x))
@@ -94,3 +101,8 @@ class DenseMlpWeights:
 def dense_mlp(x, w: DenseMlpWeights, beta: float, linear_beta: float | None):
     """x: [d] -> [d]."""
     return w.down_proj @ situ_and_mul(w.gate_up_proj @ x, beta, linear_beta)
+
+
+def dense_mlp_sequence(x, w: DenseMlpWeights, beta: float, linear_beta: float | None):
+    """x: [T, d] -> [T, d], every row as `dense_mlp` (each weight read once for all rows)."""
+    return linear(situ_and_mul(linear(x, w.gate_up_proj), beta, linear_beta), w.down_proj)

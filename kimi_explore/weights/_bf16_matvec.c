@@ -9,7 +9,11 @@
    then summed pairwise, the columns past the last whole vector added one by one.
 
    Kernels: AVX-512F (16 columns per vector), AVX2+FMA (8), portable C, chosen at run time
-   (_kernel_isa.h). The GIL is released; callers split the rows [start, stop) over threads. */
+   (_kernel_isa.h). The GIL is released; callers split the rows [start, stop) over threads.
+
+   `bf16_matmat` (the sequence path) multiplies n input rows at once, out[i, r] = W[r] . x[i]: tiles of
+   4 weight rows x 4 inputs, each weight vector widened once per tile and multiplied into the 4 inputs
+   (16 accumulators), so W's bytes come from memory once per call. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -120,8 +124,152 @@ static PyObject *bf16_matvec(PyObject *self, PyObject *args) {
     return result;
 }
 
+
+/* ---------------------------------------------------------------- several input rows per pass over W */
+
+#define MM_ROWS 4
+#define MM_INPUTS 4
+
+/* out[i * ldo + a] = W[a] . x_i for a < nr <= MM_ROWS, i < ni <= MM_INPUTS (W rows at w + a * C, inputs at X + i * C). */
+typedef void (*tile_fn)(const uint16_t *w, int nr, const float *X, int ni, Py_ssize_t C, float *out, Py_ssize_t ldo);
+
+static void tile_portable(const uint16_t *w, int nr, const float *X, int ni, Py_ssize_t C, float *out, Py_ssize_t ldo) {
+    float acc[MM_ROWS][MM_INPUTS][4] = {{{0.0f}}};
+    Py_ssize_t c = 0;
+    for (; c + 4 <= C; c += 4)
+        for (int a = 0; a < nr; a++) {
+            float v[4];
+            for (int j = 0; j < 4; j++) v[j] = widen(w[a * C + c + j]);
+            for (int i = 0; i < ni; i++)
+                for (int j = 0; j < 4; j++) acc[a][i][j] += v[j] * X[i * C + c + j];
+        }
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) {
+            float s = (acc[a][i][0] + acc[a][i][1]) + (acc[a][i][2] + acc[a][i][3]);
+            for (Py_ssize_t k = c; k < C; k++) s += widen(w[a * C + k]) * X[i * C + k];
+            out[i * ldo + a] = s;
+        }
+}
+
+#ifdef KX_X86
+__attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_n(const uint16_t *w, const int nr, const float *X,
+                                                                                const int ni, Py_ssize_t C, float *out, Py_ssize_t ldo) {
+    __m256 acc[MM_ROWS][MM_INPUTS];
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) acc[a][i] = _mm256_setzero_ps();
+    Py_ssize_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        __m256 v[MM_ROWS];
+        for (int a = 0; a < nr; a++) v[a] = widen8(w + a * C + c);
+        for (int i = 0; i < ni; i++) {
+            const __m256 x = _mm256_loadu_ps(X + i * C + c);
+            for (int a = 0; a < nr; a++) acc[a][i] = _mm256_fmadd_ps(v[a], x, acc[a][i]);
+        }
+    }
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) {
+            __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[a][i]), _mm256_extractf128_ps(acc[a][i], 1));
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            float s = _mm_cvtss_f32(t);
+            for (Py_ssize_t k = c; k < C; k++) s += widen(w[a * C + k]) * X[i * C + k];
+            out[i * ldo + a] = s;
+        }
+}
+
+__attribute__((target("avx2,fma"))) static void tile_avx2(const uint16_t *w, int nr, const float *X, int ni, Py_ssize_t C,
+                                                         float *out, Py_ssize_t ldo) {
+    /* 2 rows x 4 inputs: 8 accumulators, 2 weights and an input in the 16 ymm registers */
+    for (int a = 0; a < nr; a += 2) {
+        const int two = nr - a >= 2;
+        if (two && ni == MM_INPUTS) tile_avx2_n(w + a * C, 2, X, MM_INPUTS, C, out + a, ldo);
+        else if (two) for (int i = 0; i < ni; i++) tile_avx2_n(w + a * C, 2, X + i * C, 1, C, out + i * ldo + a, ldo);
+        else if (ni == MM_INPUTS) tile_avx2_n(w + a * C, 1, X, MM_INPUTS, C, out + a, ldo);
+        else for (int i = 0; i < ni; i++) tile_avx2_n(w + a * C, 1, X + i * C, 1, C, out + i * ldo + a, ldo);
+    }
+}
+
+__attribute__((always_inline, target("avx512f"))) static inline void tile_avx512_n(const uint16_t *w, const int nr, const float *X,
+                                                                                  const int ni, Py_ssize_t C, float *out,
+                                                                                  Py_ssize_t ldo) {
+    __m512 acc[MM_ROWS][MM_INPUTS];
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) acc[a][i] = _mm512_setzero_ps();
+    Py_ssize_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        __m512 v[MM_ROWS];
+        for (int a = 0; a < nr; a++) v[a] = widen16(w + a * C + c);
+        for (int i = 0; i < ni; i++) {
+            const __m512 x = _mm512_loadu_ps(X + i * C + c);
+            for (int a = 0; a < nr; a++) acc[a][i] = _mm512_fmadd_ps(v[a], x, acc[a][i]);
+        }
+    }
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) {
+            float s = _mm512_reduce_add_ps(acc[a][i]);
+            for (Py_ssize_t k = c; k < C; k++) s += widen(w[a * C + k]) * X[i * C + k];
+            out[i * ldo + a] = s;
+        }
+}
+
+__attribute__((target("avx512f"))) static void tile_avx512(const uint16_t *w, int nr, const float *X, int ni, Py_ssize_t C,
+                                                          float *out, Py_ssize_t ldo) {
+    if (nr == MM_ROWS && ni == MM_INPUTS) tile_avx512_n(w, MM_ROWS, X, MM_INPUTS, C, out, ldo);
+    else if (nr == MM_ROWS) for (int i = 0; i < ni; i++) tile_avx512_n(w, MM_ROWS, X + i * C, 1, C, out + i * ldo, ldo);
+    else if (ni == MM_INPUTS) for (int a = 0; a < nr; a++) tile_avx512_n(w + a * C, 1, X, MM_INPUTS, C, out + a, ldo);
+    else for (int a = 0; a < nr; a++) for (int i = 0; i < ni; i++) tile_avx512_n(w + a * C, 1, X + i * C, 1, C, out + i * ldo + a, ldo);
+}
+#define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
+#else
+#define KX_TILE_KERNEL(isa) tile_portable
+#endif
+
+PyDoc_STRVAR(bf16_matmat_doc,
+             "bf16_matmat(w, x, out, R, C, n, start, stop, isa)\n\n"
+             "w uint16 [R, C] (bf16 bits), x float32 [n, C], out float32 [n, R] (columns start..stop-1, i.e. the\n"
+             "weight rows, written): C-contiguous buffers. isa: a name from isas() or '' for the best.");
+
+static PyObject *bf16_matmat(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer w, x, out;
+    Py_ssize_t R, C, n, start, stop;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnnns", &w, &x, &out, &R, &C, &n, &start, &stop, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    int isa = isa_index(isa_name);
+    if (R <= 0 || C <= 0 || n < 0) err = "R and C must be > 0, n >= 0";
+    else if (isa < 0) err = "isa: not one of isas() on this CPU";
+    else if (w.len != 2 * R * C) err = "w: size is not R * C uint16";
+    else if (x.len != 4 * n * C) err = "x: expected float32 [n, C]";
+    else if (out.len != 4 * n * R) err = "out: expected float32 [n, R]";
+    else if (start < 0 || start > stop || stop > R) err = "start/stop: outside 0..R";
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+    } else {
+        tile_fn tile = KX_TILE_KERNEL(isa);
+        const uint16_t *W = (const uint16_t *)w.buf;
+        const float *X = (const float *)x.buf;
+        float *Y = (float *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = start; r < stop; r += MM_ROWS) {
+            const int nr = stop - r < MM_ROWS ? (int)(stop - r) : MM_ROWS;
+            for (Py_ssize_t i = 0; i < n; i += MM_INPUTS)
+                tile(W + r * C, nr, X + i * C, n - i < MM_INPUTS ? (int)(n - i) : MM_INPUTS, C, Y + i * R + r, R);
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"bf16_matvec", bf16_matvec, METH_VARARGS, bf16_matvec_doc},
+    {"bf16_matmat", bf16_matmat, METH_VARARGS, bf16_matmat_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

@@ -19,7 +19,11 @@
    bytes copied into RAM at load); `parts_matvec` reads each selected expert from its own buffers,
    one per row block (w1 and w3 of w13), wherever they lie: views of the memory-mapped shards
    (experts="mapped"). The same bytes through the same row kernel give the same floats, bit for bit.
-   Every size is checked here, before any byte is read. */
+   Every size is checked here, before any byte is read.
+
+   Two more (the sequence path, at the end of this file): `grouped_matmat` and `grouped_parts_matmat`
+   multiply GROUPS of input rows, each by its own expert, decoding every weight once per tile of
+   input rows (the expert's bytes come from memory once per call). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -259,6 +263,347 @@ done:
     return result;
 }
 
+
+/* ---------------------------------------------------------------- several input rows per weight pass
+
+   For group j (expert e = experts[j], input rows i = bounds[j] .. bounds[j+1]-1):
+
+       out[i, r] = sum_c Wd_e[r, c] * x[i, c],     Wd = E2M1 value * 2^(scale - 127)
+
+   Here the power of two multiplies each decoded weight (exactly the float32 `mxfp4.dequantize` value:
+   the product of a power of two and a 2-bit-mantissa value is exact down to 2^-149), so each output is
+   an ordinary float32 dot product with the dequantised matrix, in the kernel's own order. A tile is up
+   to 4 weight rows x 4 input rows: each 16-byte group of each row is decoded once, then multiplied
+   into every input of the tile (16 accumulators in AVX-512 registers); the rows stay in L1 while the
+   next tiles of inputs pass. Threads split the flat (group, row) range [start, stop). */
+
+#define MM_ROWS 4   /* weight rows per tile */
+#define MM_INPUTS 4 /* input rows per tile */
+
+/* out[i * ldo + a] = row a . input i, for a < nr <= MM_ROWS and every i < ni (inputs at X + i * ldx: [xe | xo],
+   H floats each), MM_INPUTS inputs at a time. */
+typedef void (*tile_fn)(const uint8_t *const *rows, const uint8_t *const *srows, int nr, const float *X, Py_ssize_t ldx,
+                        int ni, Py_ssize_t H, float *out, Py_ssize_t ldo);
+
+static void tile_portable_n(const uint8_t *const *rows, const uint8_t *const *srows, int nr, const float *X, Py_ssize_t ldx,
+                            int ni, Py_ssize_t H, float *out, Py_ssize_t ldo) {
+    float acc[MM_ROWS][MM_INPUTS] = {{0.0f}};
+    for (Py_ssize_t g = 0; g < H / 16; g++) {
+        for (int a = 0; a < nr; a++) {
+            float lo[16], hi[16], p = POW2[srows[a][g]];
+            for (int j = 0; j < 16; j++) {
+                const uint8_t b = rows[a][16 * g + j];
+                lo[j] = E2M1[b & 15] * p;
+                hi[j] = E2M1[b >> 4] * p;
+            }
+            for (int i = 0; i < ni; i++) {
+                const float *xe = X + i * ldx + 16 * g, *xo = xe + H;
+                float s = 0.0f;
+                for (int j = 0; j < 16; j++) s += lo[j] * xe[j] + hi[j] * xo[j];
+                acc[a][i] += s;
+            }
+        }
+    }
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) out[i * ldo + a] = acc[a][i];
+}
+
+static void tile_portable(const uint8_t *const *rows, const uint8_t *const *srows, int nr, const float *X, Py_ssize_t ldx,
+                          int ni, Py_ssize_t H, float *out, Py_ssize_t ldo) {
+    for (int i = 0; i < ni; i += MM_INPUTS)
+        tile_portable_n(rows, srows, nr, X + i * ldx, ldx, ni - i < MM_INPUTS ? ni - i : MM_INPUTS, H, out + i * ldo, ldo);
+}
+
+#ifdef KX_X86
+/* nr, ni are constants at every call (tile_avx2 / tile_avx512 below), so the loops unroll into registers. */
+__attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_n(const uint8_t *const *rows,
+        const uint8_t *const *srows, const int nr, const float *X, Py_ssize_t ldx, const int ni, Py_ssize_t H, float *out,
+        Py_ssize_t ldo) {
+    const __m256 mag = _mm256_loadu_ps(E2M1);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    __m256 acc[2][MM_INPUTS];
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) acc[a][i] = _mm256_setzero_ps();
+    for (Py_ssize_t c = 0; c < H; c += 8) {  /* half a group: 8 bytes, 16 weights */
+        __m256 lo[2], hi[2];
+        for (int a = 0; a < nr; a++) {
+            const __m256 p = _mm256_set1_ps(POW2[srows[a][c / 16]]);
+            const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rows[a] + c)));
+            lo[a] = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, d), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
+            hi[a] = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, _mm256_srli_epi32(d, 4)),
+                                  _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
+            lo[a] = _mm256_mul_ps(lo[a], p);
+            hi[a] = _mm256_mul_ps(hi[a], p);
+        }
+        for (int i = 0; i < ni; i++) {
+            const __m256 xe = _mm256_loadu_ps(X + i * ldx + c), xo = _mm256_loadu_ps(X + i * ldx + H + c);
+            for (int a = 0; a < nr; a++) acc[a][i] = _mm256_fmadd_ps(hi[a], xo, _mm256_fmadd_ps(lo[a], xe, acc[a][i]));
+        }
+    }
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) {
+            __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[a][i]), _mm256_extractf128_ps(acc[a][i], 1));
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            out[i * ldo + a] = _mm_cvtss_f32(t);
+        }
+}
+
+__attribute__((target("avx2,fma"))) static void tile_avx2(const uint8_t *const *rows, const uint8_t *const *srows, int nr,
+                                                         const float *X, Py_ssize_t ldx, int ni, Py_ssize_t H, float *out,
+                                                         Py_ssize_t ldo) {
+    /* 2 rows x 4 inputs fill the 16 ymm registers; other shapes one row / one input at a time */
+    for (int a = 0; a < nr;) {
+        const int two = nr - a >= 2;
+        int i = 0;
+        for (; i + MM_INPUTS <= ni; i += MM_INPUTS)
+            if (two) tile_avx2_n(rows + a, srows + a, 2, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo + a, ldo);
+            else tile_avx2_n(rows + a, srows + a, 1, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo + a, ldo);
+        for (; i < ni; i++)
+            if (two) tile_avx2_n(rows + a, srows + a, 2, X + i * ldx, ldx, 1, H, out + i * ldo + a, ldo);
+            else tile_avx2_n(rows + a, srows + a, 1, X + i * ldx, ldx, 1, H, out + i * ldo + a, ldo);
+        a += two ? 2 : 1;
+    }
+}
+
+__attribute__((always_inline, target("avx512f"))) static inline void tile_avx512_n(const uint8_t *const *rows,
+        const uint8_t *const *srows, const int nr, const float *X, Py_ssize_t ldx, const int ni, Py_ssize_t H, float *out,
+        Py_ssize_t ldo) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);  /* vpermps reads the low 4 bits of each lane */
+    __m512 acc[MM_ROWS][MM_INPUTS];
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) acc[a][i] = _mm512_setzero_ps();
+    for (Py_ssize_t c = 0; c < H; c += 16) {  /* one group: 16 bytes, 32 weights */
+        __m512 lo[MM_ROWS], hi[MM_ROWS];
+        for (int a = 0; a < nr; a++) {
+            const __m512 p = _mm512_set1_ps(POW2[srows[a][c / 16]]);
+            const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rows[a] + c)));
+            lo[a] = _mm512_mul_ps(_mm512_permutexvar_ps(d, lut), p);
+            hi[a] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut), p);
+        }
+        for (int i = 0; i < ni; i++) {
+            const __m512 xe = _mm512_loadu_ps(X + i * ldx + c), xo = _mm512_loadu_ps(X + i * ldx + H + c);
+            for (int a = 0; a < nr; a++) acc[a][i] = _mm512_fmadd_ps(hi[a], xo, _mm512_fmadd_ps(lo[a], xe, acc[a][i]));
+        }
+    }
+    for (int a = 0; a < nr; a++)
+        for (int i = 0; i < ni; i++) out[i * ldo + a] = _mm512_reduce_add_ps(acc[a][i]);
+}
+
+__attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const *rows, const uint8_t *const *srows, int nr,
+                                                          const float *X, Py_ssize_t ldx, int ni, Py_ssize_t H, float *out,
+                                                          Py_ssize_t ldo) {
+    if (nr == MM_ROWS) {
+        int i = 0;
+        for (; i + MM_INPUTS <= ni; i += MM_INPUTS)
+            tile_avx512_n(rows, srows, MM_ROWS, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo, ldo);
+        for (; i < ni; i++) tile_avx512_n(rows, srows, MM_ROWS, X + i * ldx, ldx, 1, H, out + i * ldo, ldo);
+        return;
+    }
+    for (int a = 0; a < nr; a++) {
+        int i = 0;
+        for (; i + MM_INPUTS <= ni; i += MM_INPUTS)
+            tile_avx512_n(rows + a, srows + a, 1, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo + a, ldo);
+        for (; i < ni; i++) tile_avx512_n(rows + a, srows + a, 1, X + i * ldx, ldx, 1, H, out + i * ldo + a, ldo);
+    }
+}
+#define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
+#else
+#define KX_TILE_KERNEL(isa) tile_portable
+#endif
+
+/* Where the weight rows of a group come from: one [E, R, H] bank, or P row blocks per group (parts). */
+typedef struct {
+    const uint8_t *P, *S;          /* bank: packed [E, R, H], scale [E, R, G] */
+    const int64_t *experts;        /* bank: group j's expert */
+    const Py_buffer *bufs;         /* parts: group j's block p at j * nparts + p (packed), then m * nparts more (scales) */
+    Py_ssize_t nparts, m, off[MAX_PARTS + 1];
+    Py_ssize_t R, H, G;
+} row_source;
+
+static inline void source_row(const row_source *src, Py_ssize_t j, Py_ssize_t r, const uint8_t **row, const uint8_t **srow) {
+    if (src->bufs == NULL) {
+        const Py_ssize_t at = (Py_ssize_t)src->experts[j] * src->R + r;
+        *row = src->P + at * src->H;
+        *srow = src->S + at * src->G;
+        return;
+    }
+    Py_ssize_t p = 0;
+    while (r >= src->off[p + 1]) p++;
+    const Py_ssize_t rr = r - src->off[p];
+    *row = (const uint8_t *)src->bufs[j * src->nparts + p].buf + rr * src->H;
+    *srow = (const uint8_t *)src->bufs[src->m * src->nparts + j * src->nparts + p].buf + rr * src->G;
+}
+
+/* The flat (group, row) range [start, stop), MM_ROWS rows per tile (never across a group). GIL released by the caller. */
+static void grouped_run(const row_source *src, const int64_t *bounds, const float *X, float *Y, Py_ssize_t start,
+                        Py_ssize_t stop, tile_fn tile) {
+    const Py_ssize_t R = src->R, H = src->H;
+    for (Py_ssize_t t = start; t < stop;) {
+        const Py_ssize_t j = t / R, r = t - j * R, i0 = (Py_ssize_t)bounds[j], ni = (Py_ssize_t)bounds[j + 1] - i0;
+        Py_ssize_t nr = R - r < stop - t ? R - r : stop - t;
+        if (nr > MM_ROWS) nr = MM_ROWS;
+        const uint8_t *rows[MM_ROWS], *srows[MM_ROWS];
+        for (Py_ssize_t a = 0; a < nr; a++) source_row(src, j, r + a, &rows[a], &srows[a]);
+        for (Py_ssize_t i = 0; i < ni; i += 1 << 20)  /* ni fits an int */
+            tile(rows, srows, (int)nr, X + (i0 + i) * 2 * H, 2 * H, (int)(ni - i < (1 << 20) ? ni - i : 1 << 20), H,
+                 Y + (i0 + i) * R + r, R);
+        t += nr;
+    }
+}
+
+/* Checks of bounds, x, out and the range shared by both entry points (NULL: fine). */
+static const char *check_groups(const Py_buffer *bounds, Py_ssize_t m, const Py_buffer *xeo, const Py_buffer *out, Py_ssize_t R,
+                                Py_ssize_t H, Py_ssize_t start, Py_ssize_t stop) {
+    if (bounds->len != 8 * (m + 1)) return "bounds: expected int64 [m + 1] (m groups)";
+    const int64_t *b = (const int64_t *)bounds->buf;
+    if (b[0] != 0) return "bounds: must start at 0";
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (b[j + 1] < b[j]) return "bounds: must not decrease";
+    if (xeo->len != 8 * H * b[m]) return "xeo: expected float32 [n, 2, H], n = bounds[-1]";
+    if (out->len != 4 * R * b[m]) return "out: expected float32 [n, R], n = bounds[-1]";
+    if (start < 0 || start > stop || stop > m * R) return "start/stop: outside 0..m*R";
+    return NULL;
+}
+
+PyDoc_STRVAR(grouped_matmat_doc,
+             "grouped_matmat(packed, scale, experts, bounds, xeo, out, R, H, start, stop, isa)\n\n"
+             "packed uint8 [E, R, H], scale uint8 [E, R, H/16], experts int64 [m], bounds int64 [m + 1] (group j:\n"
+             "input rows bounds[j]..bounds[j+1]-1), xeo float32 [n, 2, H], out float32 [n, R] (flat (group, row)\n"
+             "units start..stop-1 written): C-contiguous buffers. isa: a name from isas() or '' for the best.");
+
+static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer packed, scale, experts, bounds, xeo, out;
+    Py_ssize_t R, H, start, stop;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnns", &packed, &scale, &experts, &bounds, &xeo, &out, &R, &H, &start, &stop,
+                          &isa_name))
+        return NULL;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    Py_ssize_t m = experts.len / 8, E = 0;
+    int isa = isa_index(isa_name);
+    if (R <= 0 || H <= 0 || H % 16) err = "R must be > 0 and H a positive multiple of 16 (whole 32-value groups)";
+    else if (isa < 0) err = "isa: not one of isas() on this CPU";
+    else if (experts.len % 8) err = "experts: expected an int64 buffer";
+    else if (packed.len % (R * H) || (E = packed.len / (R * H)) == 0) err = "packed: size is not E * R * H bytes";
+    else if (scale.len != E * R * (H / 16)) err = "scale: size is not E * R * H/16 bytes";
+    else err = check_groups(&bounds, m, &xeo, &out, R, H, start, stop);
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    const int64_t *id = (const int64_t *)experts.buf;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (id[j] < 0 || id[j] >= E) {
+            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[j], E - 1);
+            goto done;
+        }
+    }
+    row_source src = {.P = packed.buf, .S = scale.buf, .experts = id, .m = m, .R = R, .H = H, .G = H / 16};
+    tile_fn tile = KX_TILE_KERNEL(isa);
+    Py_BEGIN_ALLOW_THREADS
+    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (float *)out.buf, start, stop, tile);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&experts);
+    PyBuffer_Release(&bounds);
+    PyBuffer_Release(&xeo);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(grouped_parts_matmat_doc,
+             "grouped_parts_matmat(packed, scale, rows, bounds, xeo, out, H, start, stop, isa)\n\n"
+             "packed, scale: sequences of m * P buffers, group j's expert's row block p at j * P + p: uint8\n"
+             "[rows[p], H] and [rows[p], H/16], C-contiguous; rows: the P block heights (R = their sum); bounds\n"
+             "int64 [m + 1]; xeo float32 [n, 2, H]; out float32 [n, R] (flat (group, row) units start..stop-1).");
+
+static PyObject *grouped_parts_matmat(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *packed_seq, *scale_seq, *rows_seq;
+    Py_buffer bounds, xeo, out;
+    Py_ssize_t H, start, stop;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "OOOy*y*w*nnns", &packed_seq, &scale_seq, &rows_seq, &bounds, &xeo, &out, &H, &start, &stop,
+                          &isa_name))
+        return NULL;
+    PyObject *result = NULL, *pf = NULL, *sf = NULL, *rf = NULL;
+    Py_buffer *bufs = NULL; /* [2 * m * P]: packed blocks, then scale blocks */
+    row_source src = {.H = H, .G = H / 16};
+    Py_ssize_t acquired = 0, P = 0, m = 0, G = H / 16;
+    const char *err = NULL;
+    int isa = isa_index(isa_name);
+    if (!(pf = PySequence_Fast(packed_seq, "packed: expected a sequence of buffers")) ||
+        !(sf = PySequence_Fast(scale_seq, "scale: expected a sequence of buffers")) ||
+        !(rf = PySequence_Fast(rows_seq, "rows: expected a sequence of ints")))
+        goto done;
+    P = PySequence_Fast_GET_SIZE(rf);
+    if (P < 1 || P > MAX_PARTS) {
+        PyErr_Format(PyExc_ValueError, "rows: expected 1..%d row blocks, got %zd", MAX_PARTS, P);
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < P; p++) {
+        Py_ssize_t r = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(rf, p));
+        if (r == -1 && PyErr_Occurred()) goto done;
+        if (r <= 0) err = "rows: every block needs at least one row";
+        src.off[p + 1] = src.off[p] + r;
+    }
+    src.R = src.off[P];
+    m = PySequence_Fast_GET_SIZE(pf) / P;
+    if (err != NULL) {
+    } else if (H <= 0 || H % 16) err = "H must be a positive multiple of 16 (whole 32-value groups)";
+    else if (isa < 0) err = "isa: not one of isas() on this CPU";
+    else if (m == 0 || PySequence_Fast_GET_SIZE(pf) != m * P || PySequence_Fast_GET_SIZE(sf) != m * P)
+        err = "packed/scale: expected m * P buffers each (m >= 1 groups, P row blocks)";
+    else err = check_groups(&bounds, m, &xeo, &out, src.R, H, start, stop);
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    bufs = PyMem_Calloc(2 * m * P, sizeof(Py_buffer));
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < 2 * m * P; j++) {
+        const int is_scale = j >= m * P;
+        const Py_ssize_t i = j % (m * P), p = i % P, want = (src.off[p + 1] - src.off[p]) * (is_scale ? G : H);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(is_scale ? sf : pf, i), &bufs[j], PyBUF_SIMPLE) < 0) goto done;
+        acquired++;
+        if (bufs[j].len != want) {
+            PyErr_Format(PyExc_ValueError, "%s block %zd of group %zd: %zd bytes, expected %zd ([%zd, %zd] uint8)",
+                         is_scale ? "scale" : "packed", p, i / P, bufs[j].len, want, src.off[p + 1] - src.off[p],
+                         is_scale ? G : H);
+            goto done;
+        }
+    }
+    src.bufs = bufs;
+    src.nparts = P;
+    src.m = m;
+    tile_fn tile = KX_TILE_KERNEL(isa);
+    Py_BEGIN_ALLOW_THREADS
+    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (float *)out.buf, start, stop, tile);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t j = 0; j < acquired; j++) PyBuffer_Release(&bufs[j]);
+    PyMem_Free(bufs);
+    Py_XDECREF(pf);
+    Py_XDECREF(sf);
+    Py_XDECREF(rf);
+    PyBuffer_Release(&bounds);
+    PyBuffer_Release(&xeo);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* ggml's MXFP4 block layout (llama.cpp GGUF): per 32 values one 17-byte block, e (the E8M0 scale
    byte, as compressed-tensors') then qs[16], byte j holding value j's code in its LOW nibble and
    value j + 16's in its HIGH nibble. The row is read in place from the bank (or the mapped file);
@@ -340,6 +685,8 @@ static PyMethodDef methods[] = {
     {"expert_matvec", expert_matvec, METH_VARARGS, expert_matvec_doc},
     {"parts_matvec", parts_matvec, METH_VARARGS, parts_matvec_doc},
     {"ggml_matvec", ggml_matvec, METH_VARARGS, ggml_matvec_doc},
+    {"grouped_matmat", grouped_matmat, METH_VARARGS, grouped_matmat_doc},
+    {"grouped_parts_matmat", grouped_parts_matmat, METH_VARARGS, grouped_parts_matmat_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

@@ -8,6 +8,9 @@ against float64). The kernel (`_bf16_matvec.c`) reads 2 bytes per weight once: h
 float32-resident trunk, where the widening route (`bf16_weights.Bf16Matrix`, kernel off) reads
 2 + 4 + 4 (widen into a scratch, then BLAS) and is the one bit-identical to the float32 trunk.
 Built at install when a C compiler is present (`setup.py`, optional); `AVAILABLE` says.
+
+`bf16_matmat` is the sequence path's entry: n input rows at once, out [n, R] = x [n, C] W^T, each
+weight widened once per tile of 4 inputs (W's bytes from memory once per call).
 """
 
 from __future__ import annotations
@@ -57,6 +60,33 @@ def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None =
         raise ValueError(f"out: expected a C-contiguous float32 [{R}], got {_describe(out)}")
     run = lambda a, b: _ext.bf16_matvec(bits, x, out, R, C, a, b, isa or "")  # noqa: E731
     run_rows(pool, run, R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
+    return out
+
+
+def bf16_matmat(bits, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
+    """bits: uint16 [R, C] (bf16 bit patterns, C-contiguous); x: float32 [n, C] -> float32 [n, R] = x W^T.
+
+    isa, threads, pool: as `bf16_matvec` (threads share the weight rows).
+    """
+    if not AVAILABLE:
+        raise RuntimeError("kimi_explore.weights._bf16_matvec was not built (no C compiler at install); reinstall with one")
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16 or bits.ndim != 2 or not bits.flags.c_contiguous:
+        raise ValueError(f"bits: expected a C-contiguous uint16 NumPy array [R, C] (bf16 bits), got {_describe(bits)}")
+    R, C = bits.shape
+    x = np.asarray(x)
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != C:
+        raise ValueError(f"x: expected float32 [n, {C}], got {_describe(x)}")
+    x = np.ascontiguousarray(x)
+    n = x.shape[0]
+    out = np.empty((n, R), np.float32) if out is None else out
+    if out.shape != (n, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out: expected a C-contiguous float32 [{n}, {R}], got {_describe(out)}")
+    from .workspace import run_parts  # here: workspace -> bf16_weights -> this module at import time
+
+    parts = max(1, min(threads or HOST_THREADS, R * max(n, 1) // (_MIN_ROWS_PER_THREAD * 16)))
+    cuts = [R * p // parts // 4 * 4 for p in range(parts)] + [R]  # whole 4-row tiles per thread
+    run = lambda a, b: _ext.bf16_matmat(bits, x, out, R, C, n, a, b, isa or "")  # noqa: E731
+    run_parts(pool, run, [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a])
     return out
 
 

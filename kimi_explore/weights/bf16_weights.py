@@ -3,6 +3,8 @@
 A `Bf16Matrix` keeps a [rows, cols] matrix as its bf16 bit patterns (uint16, on the weights'
 device) and behaves, for the decoder, like the float32 matrix it stands for:
 
+    x W^T        `W.matmul_rows(x)`, x [n, C] rows (the sequence path, `ops.linear`): `bf16_matmat` on the
+                 kernel route, else the widened matrix through BLAS
     W @ x        kernel route (host, float32, x a vector, `bf16_matvec` built; the default there):
                  the compiled matvec reads the bits once (float32 sums in another order than BLAS);
                  widening route (otherwise, or kernel=False): widen all of W into a shared scratch
@@ -145,6 +147,13 @@ class Bf16Matrix(Bf16Array):
         if self.dtype == np.float32:
             return self.scratch.widen(self.bits)
         return widen_bits(self.bits, self.dtype)
+
+    def matmul_rows(self, x):
+        """x [..., C] -> [..., R] = x W^T: the kernel's multi-row entry on the kernel route (float32 rows),
+        else the widened matrix through one BLAS call."""
+        if x.ndim == 2 and x.dtype == np.float32 and self.uses_kernel:
+            return bf16_matvec.bf16_matmat(self.bits, x, pool=None if self._pool is None else self._pool())
+        return x @ self.widened().T
 
     def __matmul__(self, x):
         if getattr(x, "ndim", 0) == 1 and x.dtype == np.float32 and self.uses_kernel:

@@ -24,6 +24,12 @@ three routes:
   where it lies instead of being copied into a [k, 2I, l] stack (2 GB per token at K3 size).
 - GPU, and small experts where the calls dominate: one gather and batched matmuls.
 
+The sequence path calls `outputs_grouped(ids [T, k], z [T, l], act)` -> [T, k, l]: the selections of
+a chunk grouped by expert (`latent_moe.group_selections`), each distinct expert read once: fused, two
+`mxfp4_matvec.grouped_matmat` calls (each weight decoded once per tile of 4 input rows); otherwise
+each expert found in the cache or dequantised (`GROUPED_BYTES` of them at a time, then stored in the
+cache), multiplied with all its rows. Stats count each distinct expert of the chunk once.
+
 Exactness of the two dequantising routes: MXFP4 value x power-of-two scale is the same IEEE
 product whichever way it is computed, and every matmul sees the same operands with the same
 strides as `DenseExperts`' batched one (a [1, 2I, l] view goes through the same per-item BLAS
@@ -40,7 +46,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import on_host, to_numpy
-from ..model.latent_moe import DenseExperts
+from ..model.latent_moe import DenseExperts, group_selections
 from . import mxfp4, mxfp4_matvec
 from .workspace import Workspace
 
@@ -298,6 +304,46 @@ class PackedExperts:
             self._store(missing, new13, new2)
         return y
 
+    GROUPED_BYTES = 1 << 30  # dequantising route of `outputs_grouped`: experts dequantised at once (bytes)
+
+    def outputs_grouped(self, ids, z, act):
+        """y[t, j] = w2_e act(w13_e z[t]) for e = ids[t, j]: [T, k, l] (z [T, l]), each distinct expert read once."""
+        groups = group_selections(ids)
+        if groups.n == 0:  # every expert ablated
+            return self.xp.zeros(groups.shape + (self.shape2[0],), self.dtype)
+        zs = z[self.xp.asarray(groups.rows)]  # [n, l]: rows sorted by expert
+        y = self._fused_grouped(groups, zs, act) if self.uses_fused else self._dequantised_grouped(groups, zs, act)
+        return groups.scatter(y)
+
+    def _dequantised_grouped(self, groups, zs, act):
+        """Hits multiplied from their cache slots first (storing new experts may evict them), then the missing
+        experts dequantised `GROUPED_BYTES` at a time, multiplied, and stored."""
+        xp = self.xp
+        order, missing = self._lookup(groups.experts)
+        where = {e: (a, b) for e, a, b in groups}
+        y = xp.empty((groups.n, self.shape2[0]), self.dtype)
+
+        def run(e, w13, w2):
+            a, b = where[e]
+            y[a:b] = act(zs[a:b] @ w13.T) @ w2.T
+
+        lost = set(missing)
+        for e in order:
+            if e not in lost:
+                run(e, self._slab13[self._slots[e]], self._slab2[self._slots[e]])
+        step = max(1, self.GROUPED_BYTES // self.expert_bytes)
+        for i in range(0, len(missing), step):
+            part = missing[i : i + step]
+            w13, w2 = self.dequantize(part, workspace=True)
+            for j, e in enumerate(part):
+                run(e, w13[j], w2[j])
+            self._store(part, w13, w2)
+        return y
+
+    def _fused_grouped(self, groups, zs, act):
+        pool = self._workspace.pool()
+        h = mxfp4_matvec.grouped_matmat(self.w13_packed, self.w13_scale, groups.experts, groups.bounds, zs, pool=pool)
+        return mxfp4_matvec.grouped_matmat(self.w2_packed, self.w2_scale, groups.experts, groups.bounds, act(h), pool=pool)
 
     def _fused(self, ids, z, act):
         """The fused route: two kernel calls on the packed bytes, w13 then w2."""

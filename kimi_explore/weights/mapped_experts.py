@@ -18,6 +18,9 @@ array. `MappedExperts` is a `PackedExperts` over such views, with the same three
   map ([m, R, C/2], as the packed bank's gather copies them) and dequantised by the same call;
 - GPU: the same copy goes to the device (selected experts only, per use; LRU hits copy nothing).
 
+The sequence path's `outputs_grouped` takes the same routes, the fused one through
+`mxfp4_matvec.grouped_parts_matmat` (each distinct expert's blocks read once per chunk).
+
 Traps: a mapped shard must not change or shrink while the model is alive (a truncated file is
 refused at load, `checkpoint.check_checkpoint`; one cut afterwards faults on the first read of a missing page, SIGBUS).
 `memory_report` counts these bytes apart (`MemoryReport.mapped`): they are file-backed, shared
@@ -106,6 +109,13 @@ class MappedExperts(PackedExperts):
     @property
     def route(self) -> str:
         return super().route + ", experts mapped from the shard files"
+
+    def _fused_grouped(self, groups, zs, act):
+        pool, ids = self._workspace.pool(), groups.experts
+        p13, s13 = self.w13_packed.selected(ids), self.w13_scale.selected(ids)
+        h = mxfp4_matvec.grouped_parts_matmat(p13, s13, self.w13_packed.rows, groups.bounds, zs, pool=pool)
+        p2, s2 = self.w2_packed.selected(ids), self.w2_scale.selected(ids)
+        return mxfp4_matvec.grouped_parts_matmat(p2, s2, self.w2_packed.rows, groups.bounds, act(h), pool=pool)
 
     def _fused(self, ids, z, act):
         pool = self._workspace.pool()

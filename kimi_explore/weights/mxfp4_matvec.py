@@ -9,6 +9,12 @@ dequantised value, the group's power of two scales the group's partial sum, and 
 summation order differs from BLAS on the dequantised matrix (|error| ~1e-7 of sum |W x|, tested
 against float64). It is built at install when a C compiler is present (`setup.py`, optional);
 without it `AVAILABLE` is False and `experts.PackedExperts` dequantises instead.
+
+The sequence path multiplies GROUPS of input rows, each group by its own expert (`grouped_matmat`,
+`grouped_parts_matmat`: a chunk's selections grouped by expert). Each weight is decoded once per tile
+of 4 input rows and its bytes come from memory once per call; there the power of two multiplies the
+decoded weight (the exact dequantised value), so each output is a float32 dot product with the
+dequantised matrix, summed in the kernel's order.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
-from .workspace import run_rows
+from .workspace import run_parts, run_rows
 
 try:
     from . import _mxfp4_matvec as _ext
@@ -100,6 +106,87 @@ def ggml_expert_matvec(blocks, ids, x, out=None, isa: str | None = None, threads
     run = lambda a, b: _ext.ggml_matvec(blocks, ids, xeo, out, R, 16 * G, a, b, isa or "")  # noqa: E731
     run_rows(pool, run, len(ids) * R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
     return out
+
+
+def grouped_matmat(packed, scale, experts, bounds, x, out=None, isa: str | None = None, threads: int | None = None,
+                   pool=None):
+    """packed: uint8 [E, R, C/2]; scale: uint8 [E, R, C/32]; experts: [m] expert ids; bounds: [m + 1] (group j =
+    input rows bounds[j]..bounds[j+1]-1, bounds[0] = 0, bounds[-1] = n); x: float32 [n, C] -> float32 [n, R]:
+
+        out[i] = W_{experts[j]} x[i]   for every i of group j
+
+    isa, threads, pool: as `expert_matvec` (threads share the (group, row) range, cut by work).
+    """
+    _require()
+    for name, a in (("packed", packed), ("scale", scale)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous uint8 NumPy array [E, R, n], got {_describe(a)}")
+    E, R, H = packed.shape
+    if H % 16 or scale.shape != (E, R, H // 16):
+        raise ValueError(f"packed {packed.shape} / scale {scale.shape}: expected [E, R, C/2] / [E, R, C/32], C a multiple of 32")
+    experts = np.ascontiguousarray(experts, dtype=np.int64).reshape(-1)
+    bounds, xeo, out = _group_inputs(bounds, len(experts), x, R, H, out)
+    run = lambda a, b: _ext.grouped_matmat(packed, scale, experts, bounds, xeo, out, R, H, a, b, isa or "")  # noqa: E731
+    run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
+    return out
+
+
+def grouped_parts_matmat(packed, scale, rows, bounds, x, out=None, isa: str | None = None, threads: int | None = None,
+                         pool=None):
+    """`grouped_matmat` for experts given as row blocks wherever they lie (`parts_matvec`'s layout): packed,
+    scale: m sequences (one per group, in order) of P uint8 arrays [rows[p], C/2] / [rows[p], C/32]."""
+    _require()
+    rows = tuple(int(r) for r in rows)
+    m = len(packed)
+    if m == 0 or len(scale) != m or any(len(p) != len(rows) or len(s) != len(rows) for p, s in zip(packed, scale, strict=True)):
+        raise ValueError(f"packed/scale: expected as many groups (>= 1; got {m} and {len(scale)}), each {len(rows)} row blocks")
+    H = np.shape(packed[0][0])[-1]
+    R = sum(rows)
+    bounds, xeo, out = _group_inputs(bounds, m, x, R, H, out)
+    flat_p, flat_s = [a for p in packed for a in p], [a for s in scale for a in s]
+    run = lambda a, b: _ext.grouped_parts_matmat(flat_p, flat_s, rows, bounds, xeo, out, H, a, b, isa or "")  # noqa: E731
+    run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
+    return out
+
+
+def _group_inputs(bounds, m: int, x, R: int, H: int, out):
+    """bounds checked, x [n, C] deinterleaved ([n, 2, H]), `out` [n, R] checked or made."""
+    bounds = np.ascontiguousarray(bounds, dtype=np.int64).reshape(-1)
+    x = np.asarray(x)
+    if len(bounds) != m + 1 or bounds[0] != 0 or np.any(np.diff(bounds) < 0):
+        raise ValueError(f"bounds: expected [0, ..., n] non-decreasing, one more than the {m} groups; got {bounds.tolist()}")
+    n = int(bounds[-1])
+    if x.dtype != np.float32 or x.shape != (n, 2 * H):
+        raise ValueError(f"x: expected float32 [{n}, {2 * H}] (n = bounds[-1]), got {_describe(x)}")
+    xeo = np.empty((n, 2, H), np.float32)
+    xeo[:, 0] = x[:, 0::2]
+    xeo[:, 1] = x[:, 1::2]
+    out = np.empty((n, R), np.float32) if out is None else out
+    if out.shape != (n, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out: expected a C-contiguous float32 [{n}, {R}], got {_describe(out)}")
+    return bounds, xeo, out
+
+
+_TILE_ROWS = 4  # weight rows per tile in the C kernel: cuts fall on whole tiles
+_ROW_COST = 2  # decoding a weight row costs about as much as this many input rows through it
+
+
+def _group_cuts(bounds, R: int, threads: int) -> list[tuple[int, int]]:
+    """The flat (group, row) range [0, m R) cut into at most `threads` parts of equal work (a row of group j
+    costs its input count plus `_ROW_COST`); fewer parts when there is little work."""
+    sizes = np.diff(bounds) + _ROW_COST
+    m = len(sizes)
+    cum = np.concatenate(([0], np.cumsum(sizes * R)))  # work before group j
+    parts = max(1, min(threads, int(cum[-1]) // (_MIN_ROWS_PER_THREAD * (1 + _ROW_COST))))
+    cuts = [0]
+    for p in range(1, parts):
+        target = cum[-1] * p / parts
+        j = min(m - 1, int(np.searchsorted(cum, target, side="right")) - 1)
+        r = min(R, -(-int(target - cum[j]) // int(sizes[j])))
+        r = min(R, -(-r // _TILE_ROWS) * _TILE_ROWS)
+        cuts.append(max(cuts[-1], j * R + r))
+    cuts.append(m * R)
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a] or [(0, m * R)]
 
 
 def _require() -> None:

@@ -1,0 +1,132 @@
+"""Latent MoE over T tokens at once: the router for every row, the selections grouped by expert.
+
+The equations are `latent_moe`'s (router, routing weights, latent down projection, routed experts,
+ONE RMSNorm of each row's aggregate, up projection, shared experts), each over [T, .] rows.
+
+Selection (`select_experts_rows`) gives every row exactly the ids `select_experts` gives it, ties
+included: a stable sort of the biased scores (ties: lower id first), then the chosen k stably sorted
+by unbiased score, which is the token form's host route for few experts, bit for bit. Its array route
+(many experts, or a GPU) goes through argpartition / argsort, which promise no order among ties, so
+rows with a tie that decides the set (k-th and (k+1)-th biased scores equal) or the order (two chosen
+unbiased scores equal) are handed to `select_experts` itself. Routing weights follow the token form's
+two routes too (Python doubles on the host for few experts, float32 arrays otherwise): bit for bit.
+
+Experts: `expert_outputs_grouped` groups the T*k selections by expert (`latent_moe.group_selections`)
+so that a bank reads each selected expert's weights once per chunk (`outputs_grouped` of
+DenseExperts, PackedExperts, MappedExperts). Matmuls over rows and the per-row aggregation sum in
+another order than the token form: float32 results agree to rounding, float64 to ~1e-15.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._xp import array_namespace
+from ..backend import on_host
+from . import latent_moe as moe
+from .latent_moe import RENORM_EPS, LatentMoeWeights, select_experts
+from .ops import linear, rms_norm, sigmoid
+
+
+def select_experts_rows(scores, bias, top_k: int):
+    """scores: [T, E] -> ids [T, k]: row t is `select_experts(scores[t], bias, top_k)`, ties included."""
+    xp = array_namespace(scores)
+    choice = scores + bias  # summed in the scores' dtype, as the token form does
+    order = xp.argsort(-choice, axis=1, kind="stable")  # biased descending, ties: lower id first
+    top = order[:, :top_k]
+    chosen = xp.take_along_axis(scores, top, axis=1)
+    by_score = xp.argsort(-chosen, axis=1, kind="stable")  # unbiased descending, ties: biased order
+    ids = xp.take_along_axis(top, by_score, axis=1)
+    T, E = scores.shape
+    if on_host(scores) and E <= moe.SMALL_ROUTER:
+        return ids
+    ranked = xp.take_along_axis(choice, order, axis=1)
+    s = xp.take_along_axis(chosen, by_score, axis=1)
+    tied = (s[:, 1:] == s[:, :-1]).any(axis=1)
+    if top_k < E:
+        tied |= ranked[:, top_k - 1] == ranked[:, top_k]
+    for t in np.flatnonzero(np.asarray(tied.get() if hasattr(tied, "get") else tied)).tolist():
+        ids[t] = select_experts(scores[t], bias, top_k)  # its own tie order
+    return ids
+
+
+def routing_weights_rows(scores, ids, renormalize: bool, scaling: float):
+    """[T, k]: row t is `routing_weights(scores[t], ids[t], ...)`, bit for bit (the same route per row).
+
+    An id of -1 (a selection dropped for that token by a chunk-aware hook) gets weight 0 and the row's
+    others renormalise over the rest, as the token form without it (to rounding on the array route).
+    """
+    xp = array_namespace(scores)
+    ids = xp.asarray(ids)
+    kept = ids >= 0
+    w = xp.where(kept, xp.take_along_axis(scores, xp.where(kept, ids, 0), axis=1), 0.0).astype(scores.dtype)
+    if on_host(scores) and scores.shape[1] <= moe.SMALL_ROUTER:
+        # the token form's Python route: doubles summed left to right, each weight rounded once at the end
+        w64 = w.astype(np.float64)
+        c = scaling
+        if renormalize:
+            total = np.zeros(w64.shape[0])
+            for j in range(w64.shape[1]):
+                total = total + w64[:, j]
+            c = (scaling / (total + RENORM_EPS))[:, None]
+        return (w64 * c).astype(scores.dtype)
+    if renormalize:
+        w = w / (w.sum(axis=1, keepdims=True) + RENORM_EPS)
+    return w * scaling
+
+
+def expert_outputs_grouped(experts, ids, z, act):
+    """y[t, j] = w2_e act(w13_e z[t]) for e = ids[t, j]: [T, k, l] (z: the latents [T, l]).
+
+    A bank's own `outputs_grouped` reads each selected expert once; any other bank with `gather` is
+    asked for one expert at a time (the same grouping).
+    """
+    own = getattr(experts, "outputs_grouped", None)
+    if own is not None:
+        return own(ids, z, act)
+    xp = array_namespace(z)
+    groups = moe.group_selections(ids)
+    zs = z[xp.asarray(groups.rows)]
+    parts = []
+    for e, a, b in groups:
+        w13, w2 = experts.gather(np.array([e]))
+        parts.append(act(zs[a:b] @ w13[0].T) @ w2[0].T)
+    y = xp.concatenate(parts) if parts else xp.zeros((0, z.shape[1]), z.dtype)
+    return groups.scatter(y)
+
+
+def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
+    """x: [T, d] (post_attention_layernorm outputs) -> [T, d].
+
+    fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
+    order, named names[kind] (None: the kinds): moe.router.scores [T, E], moe.router.topk_ids [T, k]
+    (another [T, k'] may be returned, and -1 entries drop that selection of that token: its weight is
+    0 and the others renormalise, as the token form without it), moe.router.topk_weights [T, k],
+    moe.experts_out [T, l] (the weighted sum before the latent norm), moe.routed_out, moe.shared_out [T, d].
+    """
+    xp = array_namespace(x)
+    site = (lambda kind: kind) if names is None else names.__getitem__  # noqa: E731
+    E, l = w.num_experts, w.latent_size
+    y = linear(x, w.in_proj)  # [T, E + l + 2 Ish]
+    scores = sigmoid(y[:, :E])
+    if fire is not None:
+        scores = fire(site("moe.router.scores"), scores)
+    ids = select_experts_rows(scores, w.e_score_correction_bias, w.top_k)
+    if fire is not None:
+        ids = fire(site("moe.router.topk_ids"), ids)
+    weights = routing_weights_rows(scores, ids, w.renormalize, w.routed_scaling_factor)
+    if fire is not None:
+        weights = fire(site("moe.router.topk_weights"), weights)
+
+    routed_y = expert_outputs_grouped(w.experts, ids, y[:, E : E + l], w.situ)  # [T, k, l], zeros where ids = -1
+    u = xp.matmul(weights[:, None, :], routed_y)[:, 0]  # [T, l]
+    if fire is not None:
+        u = fire(site("moe.experts_out"), u)
+    if w.use_latent_norm:
+        u = rms_norm(u, w.routed_expert_norm, w.eps)
+    routed = linear(u, w.routed_expert_up_proj)
+    shared = linear(w.situ(y[:, E + l :]), w.shared_down_proj)
+    if fire is not None:
+        routed = fire(site("moe.routed_out"), routed)
+        shared = fire(site("moe.shared_out"), shared)
+    return routed + shared
