@@ -33,7 +33,7 @@ from .kda import kda_sequence
 from .kimi_token import OutputHead, check_state, decoder_layer, token_index
 from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
-from .ops import dense_mlp_sequence, rms_norm
+from .ops import dense_mlp_sequence, linear, rms_norm
 
 __all__ = ["DEFAULT_CHUNK", "SequenceSources", "embed_chunk", "finish_sequence", "forward_chunk", "kimi_forward_sequence",
            "run_layers_chunk", "sequence_layer"]
@@ -222,7 +222,7 @@ def finish_sequence(head: OutputHead, stack: SequenceSources, hooks=None):
             stack.replace_blocks(new)
     p = fire("final.attn_res.weights", stack.weights(head.attn_res_score))
     hidden = fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
-    return fire("logits", hidden @ head.lm_head.T)
+    return fire("logits", linear(hidden, head.lm_head))
 
 
 def _unhooked(name: str, value):
