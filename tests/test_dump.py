@@ -56,7 +56,8 @@ def test_missing_metadata_refused(tmp_path):
     save_file({"logits": np.zeros((2, 4), np.float32)}, str(tmp_path / "bare.safetensors"))
     with pytest.raises(ValueError, match=r"bare.safetensors: metadata lacks \['format', 'tokens'\]"):
         read_dump(tmp_path / "bare.safetensors")
-    save_file({"logits": np.zeros((2, 4), np.float32)}, str(tmp_path / "fmt.safetensors"), metadata={"format": "x/1", "tokens": "1,2"})
+    save_file({"logits": np.zeros((2, 4), np.float32)}, str(tmp_path / "fmt.safetensors"),
+              metadata={"format": "x/1", "tokens": "1,2"})
     with pytest.raises(ValueError, match="format 'x/1'"):
         read_dump(tmp_path / "fmt.safetensors")
 
