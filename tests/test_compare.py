@@ -143,3 +143,33 @@ def test_tolerance_rule():
     assert Tolerance.of("bfloat16").rtol == 3e-2 and Tolerance.of(1e-3).rtol == 1e-3
     with pytest.raises(ValueError, match="'fp8'"):
         Tolerance.of("fp8")
+
+
+def test_heatmap_grid_marks_the_first_divergence_and_the_local_sites(cmp_e):
+    from kimi_explore.views.engine_plots import divergence_grid
+
+    rows, cols, M, local = divergence_grid(cmp_e)
+    assert rows == [str(i) for i in range(14)] + ["global"]
+    assert cols[:2] == ["attn.in", "kda.conv_out"] and cols[-1] == "logits"
+    rel = {r["site"]: r["rel"] for r in cmp_e.table()}
+    assert M[0, cols.index("kda.state")] == rel["layers.0.kda.state"]
+    assert M[rows.index("global"), cols.index("logits")] == rel["logits"]
+    assert np.isnan(M[0, cols.index("mla.probs")])  # layer 0 is KDA: no MLA site
+    marked = {f"layers.{rows[r]}.{cols[c]}" for r, c in zip(*np.nonzero(local), strict=True)}
+    assert marked == set(cmp_e.local_sites)
+    fig = cmp_e.heatmap()
+    ax = fig.axes[0]
+    frame = [p for p in ax.patches if p.get_linewidth() > 2]
+    assert len(frame) == 1 and frame[0].get_xy() == (cols.index("kda.state") - 0.5, -0.5)
+    assert "layers.0.kda.state" in ax.get_title() and sum(t.get_text() == "L" for t in ax.texts) == len(marked)
+
+
+def test_report_shows_the_comparison(tmp_path, cmp_e, monkeypatch):
+    from kimi_explore.views import report
+
+    session = ke.Session(_weights("e"))
+    session.feed(cmp_e.tokens[:2], progress=False)
+    monkeypatch.setattr(report, "_figures", lambda *a: [])  # the session's own views: tested in test_report.py
+    page = report.write_report(session.trace(), tmp_path, comparison=cmp_e).read_text()
+    assert (tmp_path / "engine_divergence.png").stat().st_size > 1000 and (tmp_path / "engine_local.png").is_file()
+    assert "Comparison with llamacpp_f32experts_decode" in page and "layers.0.kda.state" in page

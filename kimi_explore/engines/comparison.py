@@ -6,7 +6,8 @@
     cmp.table()      one dict per compared site (firing order): max |delta|, worst relative error, the
                      first diverging token, local or inherited, the operation, what a probe found
     cmp.to_pandas()  the same as a DataFrame (pandas: the `[notebook]` extra)
-    cmp.heatmap()    the layer x site view (`views.engine_plots.divergence_heatmap`)
+    cmp.heatmap()    the layer x site view (`views.engine_plots.divergence_heatmap`); value="local_rel"
+                     shows the teacher-forced errors
 
 A site is *local* at token t when kimi_explore's operation, run on the other engine's inputs
 (everything upstream patched in through the hooks, `patching.replay`), still disagrees with the
@@ -138,22 +139,6 @@ class Comparison:
         except ImportError:
             raise ImportError("Comparison.to_pandas needs pandas: pip install 'kimi-explore[notebook]'") from None
         return pd.DataFrame(self.table())
-
-    def matrix(self, value: str = "rel"):
-        """(layers [L], kinds [K], M [L, K]): the worst `value` ("rel" or "local_rel") over tokens of each
-        per-layer site, NaN where a layer has no such site or it was not compared; rows are layers."""
-        per_layer = [s for s in self.sites.values() if s.layer is not None]
-        layers = sorted({s.layer for s in per_layer})
-        kinds = []
-        for s in per_layer:
-            if s.kind not in kinds:
-                kinds.append(s.kind)
-        M = np.full((len(layers), len(kinds)), np.nan)
-        for s in per_layer:
-            v = s.rel if value == "rel" else s.local_rel
-            if v is not None:
-                M[layers.index(s.layer), kinds.index(s.kind)] = float(np.nanmax(v))
-        return layers, kinds, M
 
     def heatmap(self, ax=None, value: str = "rel"):
         from ..views.engine_plots import divergence_heatmap
