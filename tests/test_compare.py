@@ -173,3 +173,19 @@ def test_report_shows_the_comparison(tmp_path, cmp_e, monkeypatch):
     page = report.write_report(session.trace(), tmp_path, comparison=cmp_e).read_text()
     assert (tmp_path / "engine_divergence.png").stat().st_size > 1000 and (tmp_path / "engine_local.png").is_file()
     assert "Comparison with llamacpp_f32experts_decode" in page and "layers.0.kda.state" in page
+
+
+@pytest.mark.parametrize(("probe", "sites"), [("KDA q/k L2 norm", ("layers.0.kda.q", "layers.1.kda.k")),
+                                               ("MLA latent RMSNorm", ("layers.2.mla.q_latent", "layers.6.mla.kv_latent"))])
+def test_a_probe_at_our_own_eps_reproduces_our_values(weights_d, hooks_d, probe, sites):
+    from kimi_explore.engines.operations import PROBES
+    from kimi_explore.engines.patching import replay
+
+    probe_class, _, own = PROBES[probe]
+    tokens = hooks_d[1][:4]
+    plain = replay(weights_d, tokens, sites)
+    same = replay(weights_d, tokens, sites, probe=probe_class(weights_d, own))
+    other = replay(weights_d, tokens, sites, probe=probe_class(weights_d, 1.0))
+    for s in sites:
+        np.testing.assert_allclose(np.stack(same[s]), np.stack(plain[s]), rtol=1e-6, atol=1e-7)
+        assert np.abs(np.stack(other[s]) - np.stack(plain[s])).max() > 1e-3

@@ -26,7 +26,7 @@ import numpy as np
 from .comparison import Comparison, SiteComparison
 from .dump import Dump, read_dump
 from .name_maps import llamacpp_to_hooks
-from .operations import PROBES, EpsProbe, candidates, operation_of, probe_sites
+from .operations import PROBES, candidates, operation_of, probe_sites
 from .patching import replay
 from .tolerance import Tolerance, site_errors
 
@@ -177,7 +177,7 @@ def _local_rel(site, kind, forced, theirs, tol) -> np.ndarray:
 
 def _run_probes(cmp: Comparison, weights, tokens, order, theirs, tol) -> None:
     local = set(cmp.local_sites)
-    for probe, (_, own_eps) in PROBES.items():
+    for probe, (probe_class, _, own_eps) in PROBES.items():
         targets = [s for s in probe_sites(probe, cmp.sites) if s in local]
         if not targets:
             continue
@@ -185,7 +185,7 @@ def _run_probes(cmp: Comparison, weights, tokens, order, theirs, tol) -> None:
             cmp.sites[s].operation = probe
         open_ = set(targets)
         for eps in candidates(own_eps, weights.config):
-            forced = replay(weights, tokens, order, patch=theirs, probe=EpsProbe(probe, weights, eps))
+            forced = replay(weights, tokens, order, patch=theirs, probe=probe_class(weights, eps))
             for s in sorted(open_):
                 r = cmp.sites[s]
                 if np.all(_local_rel(s, r.kind, forced, theirs, tol) <= tol.rtol):

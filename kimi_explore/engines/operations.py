@@ -25,7 +25,7 @@ from ..model.kda import L2NORM_EPS
 from ..model.mla import LATENT_NORM_EPS
 from ..model.ops import rms_norm
 
-__all__ = ["EPS_CANDIDATES", "OPERATIONS", "PROBES", "EpsProbe", "operation_of"]
+__all__ = ["EPS_CANDIDATES", "OPERATIONS", "PROBES", "EpsProbe", "KdaQkNormProbe", "MlaLatentNormProbe", "operation_of"]
 
 OPERATIONS = {
     "embed": "embedding lookup",
@@ -71,56 +71,75 @@ def operation_of(kind: str) -> str:
 
 
 class EpsProbe:
-    """A variant of one norm with another eps, patched in through the hooks (see `patching.replay`).
+    """A variant of one norm with another eps, patched in through the hooks (see `patching.replay`):
+    `capture` keeps the norm's input as it flows (the other engine's, when patched), `replace` returns
+    the norm's output recomputed with `eps` at the sites that hold it."""
 
-    name: the operation ("KDA q/k L2 norm"); sites: the site kinds it explains; eps: the variant's eps.
-    """
+    name = ""
 
-    def __init__(self, name: str, weights, eps: float):
-        self.name, self.eps = name, float(eps)
+    def __init__(self, weights, eps: float):
+        self.eps = float(eps)
         self._layers = {lw.index: lw for lw in weights.layers}
-        self._inputs: dict = {}
+        self._inputs: dict = {}  # layer -> the captured input of the norm
 
-    def _layer(self, site: str):
+    @staticmethod
+    def _split(site: str):
         parts = site.split(".", 2)
         return (int(parts[1]), parts[2]) if parts[0] == "layers" else (None, site)
 
-    def replace(self, site: str, value, t: int):
-        i, kind = self._layer(site)
-        if self.name == "KDA q/k L2 norm" and kind in ("kda.q", "kda.k"):
-            x = self._inputs.get((i, "qk"))
-            row = 0 if kind == "kda.q" else 1
-            w = self._layers[i].attention
-            scale = 1.0 / math.sqrt(w.head_dim) if row == 0 else 1.0
-            xr = x[row]
-            sq = (xr * xr).sum(axis=-1, keepdims=True)
-            return (xr * (scale / (sq + self.eps) ** 0.5)).astype(value.dtype)
-        if self.name == "MLA latent RMSNorm" and kind in ("mla.q_latent", "mla.kv_latent"):
-            w = self._layers[i].attention
-            y = w.in_proj @ self._inputs[(i, "x")]
-            if kind == "mla.q_latent":
-                return rms_norm(y[: w.q_lora_rank], w.q_a_layernorm, self.eps)
-            return rms_norm(y[w.q_lora_rank : w.q_lora_rank + w.kv_lora_rank], w.kv_a_layernorm, self.eps)
-        return value
+
+class KdaQkNormProbe(EpsProbe):
+    """q, k = x / sqrt(sum(x^2) + eps) (q also times K^-1/2), from `kda.conv_out` [3, H, K] into `kda.q` / `kda.k`."""
+
+    name = "KDA q/k L2 norm"
 
     def capture(self, site: str, value, t: int) -> None:
-        i, kind = self._layer(site)
-        if self.name == "KDA q/k L2 norm" and kind == "kda.conv_out":
-            self._inputs[(i, "qk")] = value[:2]
-        elif self.name == "MLA latent RMSNorm" and kind == "attn.in":
-            self._inputs[(i, "x")] = value
+        i, kind = self._split(site)
+        if kind == "kda.conv_out":
+            self._inputs[i] = value[:2]
+
+    def replace(self, site: str, value, t: int):
+        i, kind = self._split(site)
+        if kind not in ("kda.q", "kda.k"):
+            return value
+        row = 0 if kind == "kda.q" else 1
+        x = self._inputs[i][row]
+        scale = 1.0 / math.sqrt(self._layers[i].attention.head_dim) if row == 0 else 1.0
+        sq = (x * x).sum(axis=-1, keepdims=True)
+        return (x * (scale / (sq + self.eps) ** 0.5)).astype(value.dtype)
 
 
-# probe name -> (the site kinds it can explain, kimi_explore's own eps for it)
+class MlaLatentNormProbe(EpsProbe):
+    """rms_norm(q_a_proj(x), eps) and rms_norm(kv_a(x), eps), from `attn.in` into `mla.q_latent` / `mla.kv_latent`."""
+
+    name = "MLA latent RMSNorm"
+
+    def capture(self, site: str, value, t: int) -> None:
+        i, kind = self._split(site)
+        if kind == "attn.in":
+            self._inputs[i] = value
+
+    def replace(self, site: str, value, t: int):
+        i, kind = self._split(site)
+        if kind not in ("mla.q_latent", "mla.kv_latent"):
+            return value
+        w = self._layers[i].attention
+        y = w.in_proj @ self._inputs[i]
+        if kind == "mla.q_latent":
+            return rms_norm(y[: w.q_lora_rank], w.q_a_layernorm, self.eps)
+        return rms_norm(y[w.q_lora_rank : w.q_lora_rank + w.kv_lora_rank], w.kv_a_layernorm, self.eps)
+
+
+# probe name -> (its class, the site kinds it can explain, kimi_explore's own eps for it)
 PROBES = {
-    "KDA q/k L2 norm": (("kda.state", "kda.o"), L2NORM_EPS),
-    "MLA latent RMSNorm": (("mla.q_latent", "mla.kv_latent"), LATENT_NORM_EPS),
+    KdaQkNormProbe.name: (KdaQkNormProbe, ("kda.state", "kda.o"), L2NORM_EPS),
+    MlaLatentNormProbe.name: (MlaLatentNormProbe, ("mla.q_latent", "mla.kv_latent"), LATENT_NORM_EPS),
 }
 
 
 def probe_sites(probe: str, sites) -> list[str]:
     """The sites among `sites` (full names) that `probe` can explain."""
-    kinds = PROBES[probe][0]
+    kinds = PROBES[probe][1]
     return [s for s in sites if any(s.endswith("." + k) for k in kinds)]
 
 
