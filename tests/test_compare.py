@@ -187,5 +187,6 @@ def test_a_probe_at_our_own_eps_reproduces_our_values(weights_d, hooks_d, probe,
     same = replay(weights_d, tokens, sites, probe=probe_class(weights_d, own))
     other = replay(weights_d, tokens, sites, probe=probe_class(weights_d, 1.0))
     for s in sites:
-        np.testing.assert_allclose(np.stack(same[s]), np.stack(plain[s]), rtol=1e-6, atol=1e-7)
+        ours = np.stack(plain[s])  # float32 rounding of another evaluation order, carried on by the KDA state
+        np.testing.assert_allclose(np.stack(same[s]), ours, rtol=0, atol=1e-5 * np.abs(ours).max())
         assert np.abs(np.stack(other[s]) - np.stack(plain[s])).max() > 1e-3

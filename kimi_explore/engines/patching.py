@@ -43,12 +43,13 @@ def replay(weights, tokens, sites, patch=None, probe=None) -> dict:
         name, t = hook.name, hook.position
         if probe is not None:
             value = probe.replace(name, value, t)
-        ours = np.array(to_numpy(value), copy=True)
-        if name.endswith("mla.probs"):  # [nh, t+1] -> [nh, T], zeros after t
-            padded = np.zeros(ours.shape[:-1] + (T,), ours.dtype)
-            padded[..., : ours.shape[-1]] = ours
-            ours = padded
-        recorded[name][t] = ours
+        if name in sites:
+            ours = np.array(to_numpy(value), copy=True)
+            if name.endswith("mla.probs"):  # [nh, t+1] -> [nh, T], zeros after t
+                padded = np.zeros(ours.shape[:-1] + (T,), ours.dtype)
+                padded[..., : ours.shape[-1]] = ours
+                ours = padded
+            recorded[name][t] = ours
         if name in patch:
             new = np.asarray(patch[name][t])
             if name.endswith("mla.probs"):
@@ -59,7 +60,8 @@ def replay(weights, tokens, sites, patch=None, probe=None) -> dict:
         return value
 
     hooks = Hooks().bind(weights)
-    hooks.add(hook, names_filter=lambda n: n in sites)
+    # a probe reads its inputs at sites of its own (`kda.conv_out`, `attn.in`): then every site is hooked
+    hooks.add(hook, names_filter=(lambda n: True) if probe is not None else (lambda n: n in sites or n in patch))
     state = weights.new_state()
     for t, tid in enumerate(tokens):
         hooks.begin_token(int(tid), t)
