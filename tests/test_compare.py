@@ -190,3 +190,15 @@ def test_a_probe_at_our_own_eps_reproduces_our_values(weights_d, hooks_d, probe,
         ours = np.stack(plain[s])  # float32 rounding of another evaluation order, carried on by the KDA state
         np.testing.assert_allclose(np.stack(same[s]), ours, rtol=0, atol=1e-5 * np.abs(ours).max())
         assert np.abs(np.stack(other[s]) - np.stack(plain[s])).max() > 1e-3
+
+
+SHARED = Path(__file__).parents[1].parent / "shared" / "reference" / "engines"
+
+
+@pytest.mark.skipif(not (SHARED / "e" / "llamacpp" / "llamacpp_f32experts_decode.npz").is_file(),
+                    reason="the untrimmed captures live in ../shared/reference/engines (beside a checkout only)")
+def test_untrimmed_set_e_state_is_local_on_every_kda_layer():
+    cmp = ke.compare(ke.Session(_weights("e")), SHARED / "e" / "llamacpp" / "llamacpp_f32experts_decode.npz", names="llama.cpp")
+    kda = [i for i in range(14) if i not in MLA_LAYERS]
+    assert {f"layers.{i}.kda.state" for i in kda} <= set(cmp.local_sites)
+    assert (cmp.first.token, cmp.first.site, cmp.first.operation) == (0, "layers.0.kda.state", "KDA q/k L2 norm")
