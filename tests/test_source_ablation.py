@@ -126,3 +126,28 @@ def test_bad_arguments_are_named(ref_weights):
         ke.source_ablation(ref_weights, TOKENS, layers=[99])
     with pytest.raises(ValueError, match="source family must be one of"):
         ke.source_ablation(ref_weights, TOKENS, families=["residual"])
+
+
+def test_the_figure_shows_each_cell_where_its_numbers_say(ref_weights):
+    from kimi_explore.views.source_ablation_plots import gap_grid, mass_vs_effect
+
+    res = ke.source_ablation(ref_weights, TOKENS, layers=[5, 6, 7], chunk=6)
+    fig = mass_vs_effect(res)
+    scatter = fig.axes[0]
+    shown = {(c.get_label()): c.get_offsets().data.tolist() for c in scatter.collections}
+    for fam in {r["family"] for r in res.rows}:
+        for site in ("attn", "ffn"):
+            want = [[r["mass"], r["kl"]] for r in res.rows if r["family"] == fam and r["site"] == site]
+            if want:
+                np.testing.assert_allclose(shown[f"{fam} ({site})"], want, rtol=1e-12)
+            else:
+                assert f"{fam} ({site})" not in shown
+    grid, fams, cols = gap_grid(res)
+    n = len(res) - 1
+    for r in res.rows:  # percentile by hand: the number of cells below, over n
+        pm = sum(x["mass"] < r["mass"] for x in res.rows) / n
+        pk = sum(x["kl"] < r["kl"] for x in res.rows) / n
+        assert grid[fams.index(r["family"]), cols.index(f"{r['layer']} {r['site']}")] == pytest.approx(pm - pk)
+    assert np.isnan(grid).sum() == len(fams) * len(cols) - len(res)
+    texts = {t.get_text() for t in fig.axes[1].texts}
+    assert {f"{v:+.2f}" for v in grid[np.isfinite(grid)]} == texts

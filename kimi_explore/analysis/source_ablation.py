@@ -104,14 +104,17 @@ class SourceAblation:
         """Rank correlation of mass with `effect` ("kl" or "delta_loss") over the rows (of one family)."""
         return spearman(self.column("mass", family), self.column(effect, family))
 
+    def percentiles(self, key: str) -> np.ndarray:
+        """Each row's rank of `key` among all rows, scaled to 0..1 (ties: their average rank)."""
+        n = len(self.rows)
+        return (_ranks(self.column(key)) - 1) / (n - 1) if n > 1 else np.zeros(n)
+
     def disagreements(self, effect: str = "kl", gap: float = 0.5) -> list[dict]:
         """Rows whose mass and effect sit far apart in rank: |percentile(mass) - percentile(effect)| >= gap,
         largest gap first; each row gets `mass_pct`, `effect_pct` (0..1) and `gap` added."""
-        n = len(self.rows)
-        if n < 2:
+        if len(self.rows) < 2:
             return []
-        pm = (_ranks(self.column("mass")) - 1) / (n - 1)
-        pe = (_ranks(self.column(effect)) - 1) / (n - 1)
+        pm, pe = self.percentiles("mass"), self.percentiles(effect)
         out = [dict(r, mass_pct=float(a), effect_pct=float(b), gap=float(a - b))
                for r, a, b in zip(self.rows, pm, pe, strict=True) if abs(a - b) >= gap]
         return sorted(out, key=lambda r: -abs(r["gap"]))
