@@ -15,6 +15,7 @@ not CUDA kernels. `bench/gpu_check.sh` (tests/test_gpu.py) is the real check whe
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,6 +261,40 @@ def test_sequence_chunk_transfers(load):
         kimi_forward_sequence(w, state, TOKENS[5:10], rec, chunk=5)
     assert n["h2d_implicit"] == 0 and n["h2d"] == 2 * n_moe + 1, n
     assert 2 * n_moe + n_kda + 1 <= n["d2h"] <= 2 * n_moe + n_kda + 3, n
+
+
+GGUF = Path(__file__).parent / "data" / "engines" / "d" / "llamacpp" / "model-mxfp4.gguf"
+
+
+@pytest.mark.parametrize("experts", ["packed", "mapped"])
+def test_gguf_mxfp4_experts_on_the_device(experts):
+    """llama.cpp's block layout on the device route against the host's (there the fused kernel, when built):
+    both forms; mapped, the selected experts' blocks alone are copied per use (gate, up, down: 3 copies
+    per MoE layer and token, the E2M1 table kept on the device), the ids come to the host once."""
+    host = from_pretrained(GGUF, device="cpu", experts=experts, expert_cache_size=0)
+    w = from_pretrained(GGUF, device="gpu", experts=experts, expert_cache_size=0)
+    for run in (token_logits, sequence_logits):
+        assert_close(run(w), run(host), "random", "float32")
+    if experts == "mapped":
+        banks = [layer.ffn.experts for layer in moe_layers(w)]
+        k, E = w.config.num_experts_per_token, w.config.num_experts
+        state = KimiDecodeState.new(w)
+        kimi_forward_token(w, state, TOKENS[0])
+        with XP.counting() as n:
+            kimi_forward_token(w, state, TOKENS[1])
+        assert n["d2h"] == len(banks) and n["h2d"] == 3 * len(banks) and n["h2d_implicit"] == 0, n
+        assert n["h2d_bytes"] == k * sum(b.mapped_bytes // E for b in banks)
+
+
+def test_a_hook_returning_a_host_array_at_a_device_site_is_refused(load):
+    w = load("trained")
+    hooks = Hooks().bind(w)
+    hooks.add("layers.1.ffn.out", lambda v, hook: np.zeros(v.shape, v.dtype))
+    with pytest.raises(TypeError, match=r"returned a host array, but this site's value is a CuPy \(GPU\) array"):
+        kimi_forward_token(w, KimiDecodeState.new(w), 5, hooks=hooks)
+    hooks = Hooks().bind(w)
+    hooks.add("layers.1.ffn.out", lambda v, hook: XP.zeros(v.shape, v.dtype))  # where the value lives: accepted
+    kimi_forward_token(w, KimiDecodeState.new(w), 5, hooks=hooks)
 
 
 # ---------------------------------------------------------------- the recorder
