@@ -562,3 +562,19 @@ def test_explorer_data_path_on_the_device(load):
     assert_same_records(tr_d, tr_h)
     assert sorted(specs_d) == sorted(specs_h) and len(specs_d) >= 6
     assert abl_d is not None and np.abs(abl_d - abl_h).max() <= 1e-10
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_and_report_on_the_device(capsys, tmp_path):
+    from kimi_explore.cli import main
+
+    out = {}
+    for where in ("gpu", "cpu"):
+        assert main(["--device", where, "--dtype", "float64", "--ids", "72,105,32", "--generate", "3"]) == 0
+        text = capsys.readouterr().out
+        out[where] = [line for line in text.splitlines() if line.startswith("generated")]  # "generated ids ...: 111,..."
+    assert out["gpu"] == out["cpu"] and out["gpu"]
+    assert main(["report", "--device", "gpu", "--out", str(tmp_path), "--prompt", "Hello"]) == 0
+    assert (tmp_path / "index.html").stat().st_size > 1000 and list(tmp_path.glob("*.png"))
