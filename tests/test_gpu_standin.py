@@ -583,6 +583,22 @@ def test_routing_stats_match_the_host(load):
     assert dev.tokens == host.tokens == sum(len(t.encode()) for t in texts)
 
 
+def test_engine_comparison_on_the_device():
+    """`ke.compare` (replays with another engine's values patched in through hooks) on the device route finds
+    what it finds on the host: llama.cpp's set e diverges first at layer 0's KDA state, a local eps difference."""
+    import kimi_explore as ke
+
+    engines = Path(__file__).parent / "data" / "engines" / "e"
+    found = {}
+    for where in ("gpu", "cpu"):
+        c = ke.compare(ke.Session(from_pretrained(engines / "tiny_k3", device=where)),
+                       engines / "llamacpp" / "llamacpp_f32experts_decode.npz", names="llama.cpp")
+        first = c.first
+        found[where] = (first.token, first.layer, first.site, first.local, first.operation, sorted(c.local_sites))
+    assert found["gpu"] == found["cpu"]
+    assert found["gpu"][:5] == (0, 0, "layers.0.kda.state", True, "KDA q/k L2 norm")
+
+
 # ---------------------------------------------------------------- the Explorer's data path
 
 
