@@ -638,3 +638,40 @@ def test_cli_on_the_device(capsys):
         text = capsys.readouterr().out
         out[where] = [line for line in text.splitlines() if line.startswith("generated")]  # "generated ids ...: 111,..."
     assert out["gpu"] == out["cpu"] and out["gpu"]
+
+
+# ---------------------------------------------------------------- the project's GPU tests, run on the stand-in
+# tests/test_gpu.py and the GPU tests of test_session.py / test_recorder.py skip without CUDA; here their
+# bodies run on the stand-in (imported as modules, so that pytest does not collect them twice).
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_reference_parity_tests_on_the_stand_in(ref, dtype):
+    import test_gpu as gpu_tests
+    from conftest import REFERENCE_DIR
+
+    w = from_pretrained(REFERENCE_DIR, device="gpu", dtype=dtype)
+    assert w.xp is XP
+    hooks = gpu_tests.Collect()
+    run = (w, hooks, gpu_tests.decode(w, ref["tokens"], hooks))
+    gpu_tests.test_reference_logits_on_gpu(run, ref)
+    gpu_tests.test_reference_internals_on_gpu(run, ref)
+    if dtype == "float32":
+        for n in (4, 8):
+            gpu_tests.test_layer_subset_on_gpu(ref, n)
+        gpu_tests.test_gpu_matches_cpu()
+        for path in (random_tiny_checkpoint(), REFERENCE_DIR):
+            gpu_tests.test_packed_and_bf16_bit_identical_on_gpu(path)
+
+
+def test_session_and_recorder_gpu_tests_on_the_stand_in(ref, tmp_path):
+    import test_recorder as recorder_tests
+    import test_session as session_tests
+    from conftest import REFERENCE_DIR
+
+    session_tests.test_session_on_the_gpu(from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64"), tmp_path)
+    host = from_pretrained(REFERENCE_DIR, device="cpu")
+    rec = Recorder(full=["layers.*.kda.conv", "layers.*.kda.state", "layers.*.moe.*_out", "layers.2.mla.probs",
+                         "final.block_residual"]).bind(host)
+    logits = recorder_tests.run(host, ref["tokens"], rec)
+    recorder_tests.test_recorder_on_the_gpu_matches_the_host(ref, (rec.trace(), logits))
