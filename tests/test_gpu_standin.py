@@ -90,7 +90,7 @@ def bits(a):
 
 
 def moe_layers(w) -> list:
-    return [layer for layer in w.layers if layer.kind == "moe" or hasattr(layer.ffn, "experts")]
+    return [layer for layer in w.layers if hasattr(layer.ffn, "experts")]
 
 
 def assert_same_records(dev, host, exact_ids: bool = True, atol: float = 1e-9):
