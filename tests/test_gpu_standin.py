@@ -599,6 +599,42 @@ def test_engine_comparison_on_the_device():
     assert found["gpu"][:5] == (0, 0, "layers.0.kda.state", True, "KDA q/k L2 norm")
 
 
+def assert_nested_close(a, b, atol: float, where: str = "") -> None:
+    """Dicts, lists, arrays and numbers compared leaf by leaf."""
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and sorted(a, key=str) == sorted(b, key=str), where
+        for k in b:
+            assert_nested_close(a[k], b[k], atol, f"{where}/{k}")
+    elif isinstance(b, (list, tuple)) and not (b and isinstance(b[0], (int, float, np.number))):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_nested_close(x, y, atol, f"{where}[{i}]")
+    elif isinstance(b, str):
+        assert a == b, where
+    else:
+        x, y = np.asarray(a), np.asarray(b)
+        assert isinstance(a, (np.ndarray, list, tuple, int, float, np.number)) and x.shape == y.shape, where
+        if y.dtype.kind in "fc":
+            np.testing.assert_allclose(x, y, atol=atol, rtol=0, equal_nan=True, err_msg=where)
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=where)
+
+
+def test_what_the_model_learned_analyses_on_the_device(load):
+    """analysis.learned (notebook 05): bits per byte, block-residual reads, KDA state norms and decay rates."""
+    from kimi_explore.analysis import learned
+
+    text = "def f(x):\n    return x + 1\n"
+    out = {}
+    for where in ("gpu", "cpu"):
+        w = load("trained", "float64", where)
+        out[where] = (learned.bits_per_byte(w, text, window=8, max_windows=2), learned.attn_res_reads(w, text),
+                      learned.kda_state_norms(w, text), learned.kda_decay_rates(w, text))
+    assert abs(out["gpu"][0] - out["cpu"][0]) < 1e-10 and 0.5 < out["cpu"][0] < 8
+    for a, b in zip(out["gpu"][1:], out["cpu"][1:], strict=True):
+        assert_nested_close(a, b, atol=1e-9)
+
+
 # ---------------------------------------------------------------- the Explorer's data path
 
 
