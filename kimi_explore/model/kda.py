@@ -214,7 +214,10 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     pre = ext[1 : 1 + T] * w.conv[:, :, 0]  # token t's window is ext[t + 1 : t + 1 + W]
     for j in range(1, W):
         pre += ext[1 + j : 1 + j + T] * w.conv[:, :, j]
-    qkv = (pre / (1.0 + xp.exp(-pre))).reshape(T, 3, H, K)  # SiLU
+    den = xp.negative(pre)  # SiLU pre / (1 + exp(-pre)), in place
+    xp.exp(den, out=den)
+    den += 1.0
+    qkv = xp.divide(pre, den, out=den).reshape(T, 3, H, K)
     gate = 1.0 / (1.0 + xp.exp(-y[:, 3 * P : 4 * P].reshape(T, H, K)))
     beta = 1.0 / (1.0 + xp.exp(-y[:, 4 * P : 4 * P + H]))
     decay_in = (linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K) + w.dt_bias) * w.A
@@ -222,7 +225,7 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     if fire is not None:
         qkv = fire(site("kda.conv_out"), qkv)
     qk = qkv[:, :2]
-    qk = qk * (w.qk_scale / xp.sqrt((qk * qk).sum(axis=-1, keepdims=True) + L2NORM_EPS))
+    qk = qk * (w.qk_scale / xp.sqrt(xp.einsum("...k,...k->...", qk, qk)[..., None] + L2NORM_EPS))
     q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
     if fire is not None:
         q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
@@ -243,15 +246,16 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
         o, state_norms = chunked_delta_rule(q, k, v, g, beta, state.recurrent, chunk, state_norms)
     norms = None
     if state_norms is not None:  # each head's [K, W] block of each stream's window, after every token
-        sq = ext * ext
+        e4 = ext.reshape(W + T, 3, H, K)
+        sq = xp.einsum("...k,...k->...", e4, e4)  # [W + T, 3, H]: each stored row's squares, per head
         win = sq[1 : 1 + T].copy()
         for j in range(1, W):
             win += sq[1 + j : 1 + j + T]
-        norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win.reshape(T, 3, H, K).sum(axis=-1))}
+        norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win)}
     state.conv[...] = xp.moveaxis(ext[T:], 0, -1)
     if fire is not None:
         o = fire(site("kda.o"), o)
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt((o * o).sum(axis=-1, keepdims=True) + K * w.eps)
+    o = o * (w.o_norm_scaled * gate) / xp.sqrt(xp.einsum("...k,...k->...", o, o)[..., None] + K * w.eps)
     return linear(o.reshape(T, P), w.o_proj), norms
 
 
