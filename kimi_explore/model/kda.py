@@ -211,9 +211,11 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     y = linear(x, w.in_proj)  # [T, 4P + H + K]
     # the conv input over time: the W stored rows (oldest first), then the T new ones
     ext = xp.concatenate((xp.moveaxis(state.conv, -1, 0), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
-    pre = ext[1 : 1 + T] * w.conv[:, :, 0]  # token t's window is ext[t + 1 : t + 1 + W]
+    taps = xp.ascontiguousarray(xp.moveaxis(w.conv, -1, 0))  # [W, 3, P]: each tap's weights, contiguous
+    pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
+    tap = xp.empty_like(pre)
     for j in range(1, W):
-        pre += ext[1 + j : 1 + j + T] * w.conv[:, :, j]
+        pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
     den = xp.negative(pre)  # SiLU pre / (1 + exp(-pre)), in place
     xp.exp(den, out=den)
     den += 1.0
