@@ -28,8 +28,10 @@ dtype (float32, or bf16 bits with --weight-dtype bfloat16).
 
 --chunk 1,16,64,256 adds the sequence (prefill) path: per chunk size c, the layer's halves run on c
 rows at once (`kda_sequence` / `mla_sequence`, then `latent_moe_sequence` with the experts as in the
-"fused" phase, or `dense_mlp_sequence`), one warm-up chunk then the best of a few, from rows of unit
-RMS. ms/token = chunk time / c. Each half is judged against a roofline measured in the same run:
+"fused" phase, or `dense_mlp_sequence`), one warm-up chunk then the best of a few (at most --tokens,
+256 / c), from rows of unit RMS. ms/token = chunk time / c, by this process's CPU time on the CPU
+(a shared machine's descheduled time does not count; run it with OPENBLAS_NUM_THREADS=1 there), by
+wall time on a GPU. Each half is judged against a roofline measured in the same run:
 max(bytes read / bandwidth, FLOPs / sgemm rate), the bandwidth as above and the sgemm rate of a
 float32 [256, 7168] x [7168, 4096] matmul (best of 5, in each layer's process and in the driver's,
 best kept). Bytes read per chunk: every attention and trunk matrix once, plus each DISTINCT expert
@@ -315,20 +317,29 @@ def child(args) -> dict:
     }
 
 
+def sequence_clock(device: str):
+    """The sequence phase's clock: this process's CPU time on the CPU (on a shared machine the time it
+    spends descheduled does not count; its threads' times add up, so a kernel on 2 threads is charged
+    what one core would spend), wall time on a GPU."""
+    return time.process_time if device == "cpu" else time.perf_counter
+
+
 def measure_sgemm(device: str) -> float:
-    """GFLOP/s of a float32 [256, 7168] x [7168, 4096] matmul (a chunk through a K3 projection), best of 5."""
+    """GFLOP/s of a float32 [256, 7168] x [7168, 4096] matmul (a chunk through a K3 projection), best of 5,
+    by `sequence_clock`."""
     from kimi_explore.backend import resolve_device
 
     xp, _ = resolve_device(device)
+    clock = sequence_clock(device)
     a, b = xp.ones((256, 7168), xp.float32), xp.ones((7168, 4096), xp.float32)
     a @ b
     _sync(xp)
     best = float("inf")
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = clock()
         a @ b
         _sync(xp)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return 2 * 256 * 7168 * 4096 / best / 1e9
 
 
@@ -343,6 +354,7 @@ def sequence_phase(w, args, attn_bytes: int, trunk: int) -> list[dict]:
     layer, xp, cfg = w.layers[0], w.xp, w.config
     att, ffn = layer.attention, layer.ffn
     moe = ffn.kind == "moe"
+    clock = sequence_clock(args.device)
     item = 2 if args.weight_dtype == "bfloat16" else 4
     rng = np.random.default_rng(0)
     out = []
@@ -371,13 +383,13 @@ def sequence_phase(w, args, attn_bytes: int, trunk: int) -> list[dict]:
             _sync(xp)
             ts = []
             for _ in range(reps):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
                 _sync(xp)
-                ts.append(time.perf_counter() - t0)
+                ts.append(clock() - t0)
             return min(ts)
 
-        reps = max(2, min(args.tokens, 256 // c))
+        reps = max(1, min(args.tokens, 256 // c))
         attn_s = best(attention, reps)
         cache = state.length - c if att.kind == "mla" else 0  # the cache before the last timed chunk
         ffn_s = best(feed_forward, reps)
