@@ -48,7 +48,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import StageLostError
-from ..model.kimi_decoder import KimiDecodeState, token_index
+from ..model.kimi_decoder import KimiDecodeState, token_indices
 from ..model.kimi_sequence import DEFAULT_CHUNK
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
@@ -167,7 +167,7 @@ class Session:
             if self.tokenizer is None:
                 raise TypeError("Session.feed got a string but the session has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(token_ids)
-        ids = [token_index(t, self.weights.config.vocab_size) for t in token_ids]  # all checked before any decodes
+        ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
         chunk = DEFAULT_CHUNK if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"Session.feed: chunk must be a positive int (tokens per forward pass), got {chunk!r}")
