@@ -12,7 +12,7 @@ import pytest
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.analysis import learned
 from kimi_explore.analysis.routing_stats import routing_stats
-from kimi_explore.views import learned_plots
+from kimi_explore.views.figures import learned_plots
 
 TEXT = "The def statement.\n  x = 42; return x\n"
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import kimi_explore as ke
-from kimi_explore.views import analysis_plots
-from kimi_explore.views.plots import figure_png
+from kimi_explore.views.figures import analysis_plots
+from kimi_explore.views.figures.mpl import figure_png
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TEXT = "Hi there, $5.\n"
@@ -66,7 +66,7 @@ def test_routing_stats_overview(ref_weights):
 
 
 def test_the_report_of_a_session_has_the_lens_and_the_waterfall(runs, tmp_path):
-    from kimi_explore.views.report import write_report
+    from kimi_explore.views.figures.report import write_report
 
     _, a, _ = runs
     page = write_report(a, tmp_path).read_text(encoding="utf-8")

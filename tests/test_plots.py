@@ -15,7 +15,7 @@ from synthetic_trace import SyntheticTrace, k3_sized
 
 from kimi_explore import plots
 from kimi_explore.tokenizer import ByteTokenizer
-from kimi_explore.views._plot_helpers import MAX_TICKS, nice_stride
+from kimi_explore.views.common import MAX_TICKS, nice_stride
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -81,8 +81,9 @@ def test_kda_views_take_one_colour_scale(k3):
 
 
 def test_moe_summaries_at_k3_size(k3):
-    from kimi_explore.views import plots_summary, summaries
-    from kimi_explore.views._plot_helpers import routing
+    from kimi_explore.views import summaries
+    from kimi_explore.views.common import routing
+    from kimi_explore.views.figures import plots_summary
 
     r = routing(k3)
     stats = summaries.load_stats(r)

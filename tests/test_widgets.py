@@ -12,7 +12,7 @@ import pytest
 
 from kimi_explore import Session, interventions
 from kimi_explore.tokenizer import ByteTokenizer
-from kimi_explore.views.widgets import BUSY, TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
+from kimi_explore.views.explorer.widgets import BUSY, TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
 
 PROMPT = "Hi K3!"
 TAB_OF = {"block_token": 0, "block_layer": 0, "kda_token": 1, "kda_layer": 1, "moe_topk": 2, "moe_layers": 2,
@@ -220,7 +220,8 @@ def test_ablation_forks_without_touching_the_main_session(explorer, tiny_weights
     assert s.trace().equals(trace)
     assert ex.ablation.view.spec and "forked at token 2" in ex.ablation.note.value
     ref = Session(tiny_weights, recorder=False)
-    ref.feed(tokens[:2])
+    for tok in tokens[:2]:  # token by token, as the Explorer stepped them (feed's chunks sum in another order)
+        ref.step(tok)
     with ref.intervene(interventions.ablate_experts(layer, chosen)):
         expected = ref.step(tokens[2])
     np.testing.assert_allclose(ablated, expected, rtol=0, atol=1e-6)
@@ -266,8 +267,9 @@ def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
     assert s.tokens == tokens
     np.testing.assert_array_equal(s.logits, logits)
     assert_same_state(state_arrays(s), state)
-    ref = Session(tiny_weights, recorder=False)
-    ref.step(tokens[0])
+    ref = Session(tiny_weights, recorder=False)  # built by hand the same way (fed as one sequence, cut to 1)
+    ref.feed(tokens)
+    ref.truncate(1)
     with ref.intervene(interventions.zero_kda_head(1, 2)):
         ref.feed(tokens[1:])
     np.testing.assert_allclose(fork.logits, ref.logits, rtol=0, atol=1e-6)

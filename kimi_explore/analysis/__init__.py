@@ -5,5 +5,5 @@
     d = ke.diff(session, fork)                             # diff.py: what changed, site by site
     stats = ke.routing_stats(weights, texts)               # routing_stats.py: what each expert does over a corpus
 
-Views: `kimi_explore.views.analysis_plots`.
+Views: `kimi_explore.views.figures.analysis_plots`.
 """

@@ -2,7 +2,7 @@
 
 Pure NumPy on host arrays from a Trace; shapes: T tokens, M MoE layers, k top-k, E experts.
 
-MoE routing (r = `_plot_helpers.routing(trace)`):
+MoE routing (r = `common.routing(trace)`):
   topk_table(r, t, bias)   per MoE layer, the k chosen experts of token t: ids, combine weights,
                            unbiased scores σ(logit), bias, unbiased rank (1 = highest score), and
                            `by_bias`: chosen only because of the selection bias (unbiased rank > k);

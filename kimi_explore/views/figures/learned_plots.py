@@ -14,8 +14,7 @@ import math
 
 import numpy as np
 
-from ._plot_helpers import heatmap
-from .plots import InlineFigure
+from .mpl import InlineFigure, heatmap
 
 __all__ = ["decay_rates", "residual_reads", "routing_specialisation", "state_norms"]
 
@@ -40,7 +39,7 @@ def routing_specialisation(trained, random, labels=("trained", "random weights")
 
 def residual_reads(inside):
     """Heatmaps layer x source (embedding, blocks, current) of the mean softmax weight at each site."""
-    from ..analysis.learned import source_labels
+    from ...analysis.learned import source_labels
 
     n = max(len(v) for site in ("attn", "ffn") for v in inside.reads[site].values())
     n = max(n, len(inside.reads["final"]))

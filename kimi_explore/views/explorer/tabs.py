@@ -9,12 +9,11 @@ token or a layer: the label under the pointer starts with its id ("12 MLA", "3 '
 from __future__ import annotations
 
 import ipywidgets as widgets
-import numpy as np
 
-from ..backend import to_numpy
-from . import figures, figures_moe, summaries
-from ._plot_helpers import routing
-from ._plotly_view import PlotView
+from .. import summaries
+from ..common import routing
+from . import specs, specs_moe
+from .plotly_view import PlotView
 
 TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")
 
@@ -135,20 +134,20 @@ class Tabs:
         meta = {"token": t, "layer": layer, "tokens": len(tr)}
         tok, show = self.ex.tokenizer, lambda name, fig: self.views[name].show(fig[0], fig[1], self.rev, meta)
         if tab == 0:
-            show("block_token", figures.block_token(tr, t, layer, tok))
-            show("block_layer", figures.block_layer(tr, layer, t, tok))
+            show("block_token", specs.block_token(tr, t, layer, tok))
+            show("block_layer", specs.block_layer(tr, layer, t, tok))
         elif tab == 1:
             if tr.kda_state_norms()[1]:
-                vmax = figures.kda_vmax(tr)  # one colour scale for both views of the tab
-                show("kda_token", figures.kda_token(tr, t, layer, tok, vmax))
-                show("kda_layer", figures.kda_layer(tr, layer, t, tok, vmax))
+                vmax = specs.kda_vmax(tr)  # one colour scale for both views of the tab
+                show("kda_token", specs.kda_token(tr, t, layer, tok, vmax))
+                show("kda_layer", specs.kda_layer(tr, layer, t, tok, vmax))
             else:
                 for name in ("kda_token", "kda_layer"):
-                    show(name, figures.empty("no KDA layer is loaded"))
+                    show(name, specs.empty("no KDA layer is loaded"))
         elif tab == 2:
             self._refresh_moe(tr, t, layer, show)
         elif tab == 3:
-            show("predictions", figures_moe.predictions(tr, t, tok))
+            show("predictions", specs_moe.predictions(tr, t, tok))
         self.drawn[tab], self.tab_rev[tab] = key, self.rev
         return True
 
@@ -156,7 +155,7 @@ class Tabs:
         r = tr.routing()
         if not r:
             for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_full"):
-                show(name, figures.empty("no MoE layer is loaded"))
+                show(name, specs.empty("no MoE layer is loaded"))
             return
         tok, bias, k = self.ex.tokenizer, self.ex.bias, r["topk_ids"].shape[2]
         table = summaries.topk_table(r, t, bias)
@@ -164,18 +163,8 @@ class Tabs:
         entropy = self.ex.history_memo("routing_entropy", lambda: summaries.routing_entropy(r))
         counts, order = self.ex.history_memo("sorted_counts", lambda: summaries.sorted_counts(stats["counts"]))
         layers = list(r["moe_layers"])
-        show("moe_topk", figures_moe.moe_topk(table, tr, layer, tok, t))
-        show("moe_layers", figures_moe.moe_layers(entropy[t], stats, tr, layers, layer, k))
-        show("moe_sorted", figures_moe.moe_sorted(stats, order, counts, tr, layers, layer, k))
+        show("moe_topk", specs_moe.moe_topk(table, tr, layer, tok, t))
+        show("moe_layers", specs_moe.moe_layers(entropy[t], stats, tr, layers, layer, k))
+        show("moe_sorted", specs_moe.moe_sorted(stats, order, counts, tr, layers, layer, k))
         if self.full_map.value:
-            show("moe_full", figures_moe.moe_full(r, t, tr, layer, bias, tok))
-
-
-def bias_vectors(weights) -> dict[int, np.ndarray]:
-    """{MoE layer id: selection bias [E]} on the host, read from the loaded router weights."""
-    out = {}
-    for layer in weights.layers:
-        b = getattr(layer.ffn, "e_score_correction_bias", None)
-        if b is not None:
-            out[int(layer.index)] = np.asarray(to_numpy(b), dtype=np.float64)
-    return out
+            show("moe_full", specs_moe.moe_full(r, t, tr, layer, bias, tok))

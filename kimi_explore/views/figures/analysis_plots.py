@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._plot_helpers import heatmap, span_inches, ticks, token_labels
-from .plots import InlineFigure, escape_mathtext
+from ..common import token_labels
+from .mpl import InlineFigure, escape_mathtext, heatmap, span_inches, ticks
 
 __all__ = ["attribution_waterfall", "diff_overview", "lens_grid", "report_figures", "routing_stats_overview"]
 
@@ -169,8 +169,8 @@ def routing_stats_overview(stats):
 
 def report_figures(session, tokenizer=None) -> list:
     """(section, file stem, caption, figure) of the analyses for `kimi-explore report` (they replay the session)."""
-    from ..analysis.attribution import logit_attribution
-    from ..analysis.logit_lens import logit_lens
+    from ...analysis.attribution import logit_attribution
+    from ...analysis.logit_lens import logit_lens
 
     lens = logit_lens(session, top=1)
     attr = logit_attribution(session, -1)

@@ -1,17 +1,15 @@
-"""Small helpers shared by `plots`: labels, thinned ticks, heatmaps, index checks.
-
-Kept apart so `plots.py` reads as a list of views. Everything here is pure and Agg-safe.
+"""Helpers both rooms of `views/` share: token labels, tick strides, index checks, host copies of the
+routing and of the routers' selection bias. No matplotlib and no plotly here: `figures/` (static
+matplotlib) and `explorer/` (plotly.js widgets) each import this, never each other.
 """
 
 from __future__ import annotations
 
-import matplotlib
 import numpy as np
 
 from ..backend import to_numpy
 
 MAX_TICKS = 40  # labels per axis before thinning; ~40 stays readable at 100 dpi
-ANNOTATE_MAX = 160  # write cell values only into heatmaps this small
 _NICE_STRIDES = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 250, 500, 1000, 2000, 5000)
 
 
@@ -32,46 +30,6 @@ def nice_stride(n: int, max_ticks: int = MAX_TICKS) -> int:
     """The smallest stride from 1, 2, 4, 5, 8, 10, 16, ... that leaves at most `max_ticks` labels."""
     need = -(-n // max_ticks)
     return next((s for s in _NICE_STRIDES if s >= need), need)
-
-
-def ticks(ax, axis: str, labels, rotate: bool = False, max_ticks: int = MAX_TICKS) -> None:
-    """Label a categorical axis, keeping every `nice_stride`-th label so K3's 93 layers or 896 experts
-    stay legible."""
-    labels = list(labels)
-    pos = list(range(0, len(labels), nice_stride(len(labels), max_ticks)))
-    shown = [labels[i] for i in pos]
-    if axis == "x":
-        long = rotate or max((len(s) for s in shown), default=0) > 3
-        ax.set_xticks(pos, shown, rotation=60 if long else 0, ha="right" if long else "center",
-                      rotation_mode="anchor", fontsize=8)
-    else:
-        ax.set_yticks(pos, shown, fontsize=8)
-
-
-def span_inches(n: int, per_item: float, lo: float, hi: float) -> float:
-    """A figure side that grows with the number of rows/columns but stays within [lo, hi] inches."""
-    return float(min(hi, max(lo, 1.6 + per_item * n)))
-
-
-def heatmap(ax, data, *, rows, cols, cmap: str, vmin=None, vmax=None, annotate: bool = True):
-    """imshow of [rows, cols] data with NaN shown light grey, thinned ticks and small-map annotations."""
-    data = np.asarray(data, dtype=float)
-    if data.shape != (len(rows), len(cols)):
-        raise ValueError(f"heatmap data has shape {data.shape} but {len(rows)} row and {len(cols)} column labels")
-    cm = matplotlib.colormaps[cmap].with_extremes(bad="#dddddd")
-    im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", interpolation="nearest", cmap=cm, vmin=vmin, vmax=vmax)
-    ticks(ax, "y", rows)
-    ticks(ax, "x", cols)
-    if annotate and data.size <= ANNOTATE_MAX:
-        lo, hi = im.norm.vmin, im.norm.vmax
-        for (r, c), v in np.ndenumerate(data):
-            if np.isfinite(v):
-                dark = (v - lo) / ((hi - lo) or 1.0) < 0.55 if cmap in ("viridis", "magma") else v > (lo + hi) / 2
-                # in_layout=False: cell labels sit inside the axes, and measuring each one for the
-                # constrained layout would double the rendering time
-                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if dark else "black",
-                        in_layout=False)
-    return im
 
 
 def token_index(trace, token: int) -> int:
@@ -112,3 +70,13 @@ def softmax(logits) -> np.ndarray:
     x = np.asarray(to_numpy(logits), dtype=np.float64).reshape(-1)
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def bias_vectors(weights) -> dict[int, np.ndarray]:
+    """{MoE layer id: selection bias [E]} on the host, read from the loaded router weights."""
+    out = {}
+    for layer in weights.layers:
+        b = getattr(layer.ffn, "e_score_correction_bias", None)
+        if b is not None:
+            out[int(layer.index)] = np.asarray(to_numpy(b), dtype=np.float64)
+    return out

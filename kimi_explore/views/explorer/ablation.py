@@ -13,10 +13,10 @@ import html
 
 import ipywidgets as widgets
 
-from ..cli import parse_ids
-from ..inspection import interventions
-from . import figures_moe
-from ._plotly_view import PlotView
+from ...cli import parse_ids
+from ...inspection import interventions
+from . import specs_moe
+from .plotly_view import PlotView
 
 __all__ = ["Ablation", "parse_experts", "parse_ids", "rerun", "rerun_token"]
 
@@ -107,7 +107,7 @@ class Ablation:
         ablated = rerun_token(s, t, interventions.ablate_experts(layer, experts, positions=t))
         label = ex.labels()[t]
         name = f"without experts {experts}" if experts != "all" else "without routed experts"
-        data, layout, kl = figures_moe.compare(s.logits_at(t), ablated, ex.tokenizer, names=("as run", name),
+        data, layout, kl = specs_moe.compare(s.logits_at(t), ablated, ex.tokenizer, names=("as run", name),
                                                title=f"Next token after {label}: ablation at layer {layer}")
         self.view.show(data, layout, ex.tab_views.rev)
         missed = [] if experts == "all" else [e for e in experts if e not in chosen]

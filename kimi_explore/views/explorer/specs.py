@@ -1,20 +1,20 @@
 """Interactive figures of a Trace as plotly.js specs: pure functions returning (data, layout).
 
-The Explorer shows them in `PlotView`s (`_plotly_view.py`); tests read the dicts directly. Every
+The Explorer shows them in `PlotView`s (`plotly_view.py`); tests read the dicts directly. Every
 view has a fixed height, whatever the number of tokens or layers; tokens run along x in a window of
 `WINDOW` tokens that follows the selected token (pan to scroll); layers run along x (per-token views)
 with the MLA layers named on the axis at K3 depth; the selected token or layer is outlined in red.
 Hover texts say what a cell is (layer, site, source, head, expert, score, ...), with exact values.
 
-Block-residual and KDA views are here; MoE routing and predictions are in `figures_moe.py`.
+Block-residual and KDA views are here; MoE routing and predictions are in `specs_moe.py`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._plot_helpers import token_labels
-from ._plotly_view import typed
+from ..common import token_labels
+from .plotly_view import typed
 
 __all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window"]
 
@@ -69,7 +69,7 @@ def empty(message: str, height_title: str = "") -> tuple[list, dict]:
                                  "y": 0.5, "font": {"size": 13, "color": "#555"}}]}
 
 
-def _heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showscale=True, colorbar=None,
+def heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showscale=True, colorbar=None,
           customdata=None, gaps: bool = False) -> dict:
     """A heatmap trace; NaN cells are gaps (the grey plot background), hoverable and clickable if `gaps`."""
     trace = {"type": "heatmap", "z": typed(z), "x": list(x), "y": list(y), "colorscale": colorscale, "zmin": float(zmin),
@@ -106,14 +106,14 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     sources, layers = list(trace.source_labels()), layer_labels(trace)
     data, shapes = [], []
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
-        data.append(_heat(w[:, site, :].T, layers, sources, colorscale="Viridis", zmin=0, zmax=1,
+        data.append(heat(w[:, site, :].T, layers, sources, colorscale="Viridis", zmin=0, zmax=1,
                           hover="layer %{x}, " + SITE_NAMES[site] + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}",
                           customdata=_gap_notes(w[:, site, :].T), gaps=True, xaxis=xa, yaxis=ya, showscale=site == 0,
                           colorbar={"title": {"text": "softmax weight"}, "len": 0.9, "x": 1.0}))
         shapes += _block_lines(w[:, site, :].T, xa, ya + " domain")
         if layer is not None and layer in trace.layer_ids:
             shapes.append(outline(list(trace.layer_ids).index(layer), xa, ya + " domain"))
-    data.append(_heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
+    data.append(heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
                       hover="final output mix (final.attn_res)<br>source: %{y}<br>weight: %{z:.4f}", showscale=False))
     label = token_labels(trace.tokens, tokenizer)[t]
     axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
@@ -136,7 +136,7 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
     sources, toks = list(trace.source_labels()), token_labels(trace.tokens, tokenizer)
     data, notes, shapes = [], [], []
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
-        data.append(_heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
+        data.append(heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
                           hover="token %{x}, layer " + f"{layer}, {SITE_NAMES[site]}"
                           + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}", customdata=_gap_notes(w[:, site, :].T),
                           gaps=True,
@@ -170,7 +170,7 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     d = np.asarray(norms[t], dtype=float)  # [kda_layer, H]
     labels = layer_labels(trace, ids)
     vmax = kda_vmax(trace) if vmax is None else vmax
-    data = [_heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    data = [heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
                   hover="layer %{x}, head %{y}<br>‖S‖ = %{z:.4f}", colorbar={"title": {"text": "‖S‖"}})]
     shapes = [outline(ids.index(layer))] if layer in ids else []
     label = token_labels(trace.tokens, tokenizer)[t]
@@ -191,7 +191,7 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
     d = np.asarray(norms[:, ids.index(layer)], dtype=float)  # [T, H]
     vmax = kda_vmax(trace) if vmax is None else vmax
     toks = token_labels(trace.tokens, tokenizer)
-    data = [_heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    data = [heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
                   hover="token %{x}, layer " + str(layer) + ", head %{y}<br>‖S‖ = %{z:.4f}", showscale=False)]
     layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",
                         "font": FONT},

@@ -26,25 +26,13 @@ heatmaps, and figure sizes grow with the data but stay bounded.
 
 from __future__ import annotations
 
-import io
-
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ._plot_helpers import (
-    MAX_TICKS,
-    heatmap,
-    layer_position,
-    moe_layer_labels,
-    routing,
-    softmax,
-    span_inches,
-    ticks,
-    token_index,
-    token_labels,
-)
+from ..common import MAX_TICKS, layer_position, moe_layer_labels, routing, softmax, token_index, token_labels
+from .mpl import InlineFigure, escape_mathtext, figure_png, heatmap, span_inches, ticks
 
 __all__ = [
     "block_residual_layer",
@@ -64,11 +52,6 @@ __all__ = [
     "token_labels",
 ]
 
-def escape_mathtext(text: str) -> str:
-    """Text for a matplotlib label: a `$` pair would otherwise be typeset as math."""
-    return text.replace("$", r"\$")
-
-
 def _labels(ids, tokenizer=None, positions: bool = True) -> list[str]:
     """`token_labels`, safe to draw."""
     return [escape_mathtext(s) for s in token_labels(ids, tokenizer, positions)]
@@ -79,23 +62,6 @@ WEIGHT_CMAP = "viridis"
 NORM_CMAP = "magma"
 SCORE_CMAP = "Blues"
 TOPK_COLOR = "#d62728"
-
-
-def figure_png(fig: Figure, dpi: int = 100) -> bytes:
-    """Render `fig` to PNG bytes (Agg, no display needed)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
-class InlineFigure(Figure):
-    """A plain Figure that also shows itself as a PNG when it is a notebook cell's result.
-
-    A bare `Figure` (no pyplot) otherwise displays as its text repr unless `%matplotlib inline` ran.
-    """
-
-    def _repr_png_(self) -> bytes:
-        return figure_png(self)
 
 
 # ---------------------------------------------------------------- block attention residuals

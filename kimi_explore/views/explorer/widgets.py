@@ -3,7 +3,7 @@
     session = Session(weights, tokenizer=load_tokenizer(weights))
     Explorer(session, prompt="Kimi K3, one token at a time.")      # the last expression of a cell
 
-Controls (ipywidgets 8; the figures are plotly.js views, see `_plotly_view.py`):
+Controls (ipywidgets 8; the figures are plotly.js views, see `plotly_view.py`):
   prompt      text (encoded with the session's tokenizer) or comma-separated ids; the toggle converts
               the box between the two. Step feeds the prompt one token at a time, then continues
               greedily. A prompt the history does not start with starts over: the session is
@@ -27,11 +27,12 @@ import html
 import ipywidgets as widgets
 import numpy as np
 
-from . import plots, summaries
-from ._ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
-from ._explorer_views import TABS, CachedTrace, Tabs, bias_vectors
-from ._plotly_view import PlotlyJS
-from ._token_text import TokenText, measure_colors
+from .. import summaries
+from ..common import bias_vectors, token_labels
+from .ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
+from .plotly_view import PlotlyJS
+from .tabs import TABS, CachedTrace, Tabs
+from .token_text import TokenText, measure_colors
 
 __all__ = ["Explorer", "TABS", "parse_experts", "parse_ids", "rerun", "rerun_token"]
 
@@ -283,7 +284,7 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ text, labels, status
     def labels(self, positions: bool = True) -> list[str]:
-        return plots.token_labels(self.session.tokens, self.tokenizer, positions=positions)
+        return token_labels(self.session.tokens, self.tokenizer, positions=positions)
 
     def _surprisals(self) -> np.ndarray:
         toks, out = self.session.tokens, np.full(len(self.session), np.nan)
@@ -329,7 +330,7 @@ class Explorer(widgets.VBox):
         if keep < n:
             what = f"new prompt: Step starts over from the {keep} tokens it shares with the history"
         elif n < len(ids):
-            nxt = plots.token_labels([ids[n]], self.tokenizer, positions=False)[0]
+            nxt = token_labels([ids[n]], self.tokenizer, positions=False)[0]
             what = f"prompt {n}/{len(ids)} tokens in; Step feeds {nxt}"
         else:
             what = f"prompt done ({len(ids)} tokens); Step continues greedily" if n else "type a prompt, then Step"

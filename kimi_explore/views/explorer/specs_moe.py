@@ -1,4 +1,4 @@
-"""Interactive MoE-routing and prediction figures (plotly.js specs; see `figures.py` for the conventions).
+"""Interactive MoE-routing and prediction figures (plotly.js specs; see `specs.py` for the conventions).
 
 At K3's 92 MoE layers x 896 experts a score map is unreadable, so the tab leads with summaries
 (`summaries.py`): the top-k table (expert ids in the cells; a `*` marks an expert chosen only through
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import figures
-from ._plot_helpers import softmax, token_labels
-from ._plotly_view import typed
-from .figures import FONT, SELECT, _heat, layer_labels, outline
+from ..common import softmax, token_labels
+from . import specs
+from .plotly_view import typed
+from .specs import FONT, SELECT, heat, layer_labels, outline
 
 __all__ = ["compare", "moe_full", "moe_layers", "moe_sorted", "moe_topk", "predictions", "ROWS"]
 
@@ -82,10 +82,10 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     shown = np.where(ids >= 0, w, np.nan)
     lo, hi = (float(np.nanmin(shown)), float(np.nanmax(shown))) if np.isfinite(shown).any() else (0.0, 1.0)
     # the weights' own range: at top-16 they sit near 1/16, and a scale from 0 would paint them all alike
-    heat = _heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=lo, zmax=max(hi, lo + 1e-9),
+    hm = heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=lo, zmax=max(hi, lo + 1e-9),
                  hover="%{customdata}",
                  customdata=hover, colorbar={"title": {"text": "combine weight"}})
-    heat.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # light = small
+    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # light = small
                 xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
     n_bias = int(table["by_bias"].sum())
     label = token_labels(trace.tokens, tokenizer)[t]
@@ -93,7 +93,7 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
               "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
-    return [heat], layout
+    return [hm], layout
 
 
 def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer: int | None, k: int) -> tuple[list, dict]:
@@ -119,7 +119,7 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
         layout["xaxis" + ax] = {"type": "category", "anchor": "y" + ax, "fixedrange": True, "tickfont": {"size": 9},
                                 "showticklabels": r == len(rows) - 1, "matches": "x" if r else None}
         if len(labels) > 32:
-            ticks = figures.layer_axis(labels)["tickvals"]
+            ticks = specs.layer_axis(labels)["tickvals"]
             layout["xaxis" + ax].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     layout["shapes"] = [outline(layers.index(layer), "x", "paper")] if layer in layers else []
     return data, layout
@@ -131,17 +131,17 @@ def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers
     labels = layer_labels(trace, layers)
     n = max(1, min(counts.shape[1], stats["tokens"] * k))  # at most T*k experts can have been chosen
     j_sel = layers.index(layer) if layer in layers else None
-    heat = _heat(counts[:, :n], list(range(1, n + 1)), labels, colorscale="Viridis", zmin=0,
+    hm = heat(counts[:, :n], list(range(1, n + 1)), labels, colorscale="Viridis", zmin=0,
                  zmax=max(1, int(counts.max()) if counts.size else 1), customdata=typed(order[:, :n], np.int32),
                  hover="layer %{y}<br>rank %{x}: expert %{customdata}<br>chosen %{z} times",
                  colorbar={"title": {"text": "count"}})
-    heat.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
+    hm.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
     layout = {"title": {"text": f"Expert counts per layer over {stats['tokens']} tokens, sorted (rank 1 = busiest)",
                         "font": FONT},
               "xaxis": {"title": {"text": "expert rank in its layer"}, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "zoom", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
-    return [heat], layout
+    return [hm], layout
 
 
 def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None, tokenizer=None) -> tuple[list, dict]:
@@ -155,9 +155,9 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
     if bias:
         b = np.stack([np.asarray(bias.get(i, np.full(E, np.nan)), dtype=np.float32) for i in layers])
         custom, hover = typed(b), hover + "<br>selection bias %{customdata:+.4f}"
-    heat = _heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
+    hm = heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
                  customdata=custom, colorbar={"title": {"text": "score σ(logit)"}})
-    heat.update(xgap=0, ygap=0)  # one image, not 82k cells
+    hm.update(xgap=0, ygap=0)  # one image, not 82k cells
     ids, w = np.asarray(r["topk_ids"][t]), np.asarray(r["topk_weights"][t], dtype=float)
     jj, cc = np.nonzero(ids >= 0)
     chosen = {"type": "scatter", "mode": "markers", "x": typed(ids[jj, cc], np.int32), "y": [labels[j] for j in jj],
@@ -173,7 +173,7 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
               "yaxis": {**_y_layers(labels, j_sel), "range": [M - 0.5, -0.5]},
               "shapes": [_row_outline(j_sel)] if j_sel is not None else [], "dragmode": "zoom", "uirevision": "full",
               "showlegend": False, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
-    return [heat, chosen], layout
+    return [hm, chosen], layout
 
 
 def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
