@@ -55,8 +55,20 @@ def test_at_k3_depth_the_layer_axis_names_the_mla_layers(k3):
     labels = specs.layer_labels(k3)
     axis = specs.layer_axis(labels)
     mla = [f"{i} MLA" for i in k3.layer_ids if i not in k3.kda_ids]
-    assert set(mla) <= set(axis["tickvals"]) and len(axis["tickvals"]) <= len(mla) + 2
-    assert axis["ticktext"] == axis["tickvals"]
+    named = axis["tickvals"]
+    assert axis["ticktext"] == named
+    cols = sorted(labels.index(s) for s in named)
+    assert min(b - a for a, b in zip(cols, cols[1:], strict=False)) >= specs.MIN_TICK_GAP  # no two labels overlap
+    # every MLA layer is named unless it sits next to a named one (K3's 91 and 92: only 91)
+    assert all(s in named or any(abs(labels.index(s) - c) < specs.MIN_TICK_GAP for c in cols) for s in mla)
+    assert "91 MLA" in named and "92 MLA" not in named
+    # the selected layer is always named, even a KDA layer between two MLA ones
+    sel = specs.layer_axis(labels, selected="90 KDA")["tickvals"]
+    assert "90 KDA" in sel and "91 MLA" not in sel
+    # an axis of KDA layers only (the KDA tab) is named on a stride, not at its two ends
+    kda = [s for s in labels if s.endswith("KDA")]
+    named = specs.layer_axis(kda, "KDA layer")["tickvals"]
+    assert len(named) >= 8 and named[0] == kda[0]
     small = specs.layer_axis(specs.layer_labels(SyntheticTrace(n_layers=16)))
     assert "tickvals" not in small  # 16 layers: every one labelled
 
@@ -101,13 +113,18 @@ def test_moe_layer_stats_and_sorted_counts(k3):
     stats = summaries.load_stats(r)
     counts, order = summaries.sorted_counts(stats["counts"])
     layers = r["moe_layers"]
-    data, _ = specs_moe.moe_layers(summaries.routing_entropy(r)[2], stats, k3, layers, 10, 16)
-    assert len(data) == 4
+    data, layout = specs_moe.moe_layers(summaries.routing_entropy(r)[2], stats, k3, layers, 10, 16)
+    # 6 tokens x top-16 = 96 choices < 896 experts: most are unchosen by necessity, so no "dead" row
+    assert len(data) == 3 and "no dead-expert count until 56 tokens" in layout["title"]["text"]
+    data, layout = specs_moe.moe_layers(summaries.routing_entropy(r)[2], dict(stats, tokens=56), k3, layers, 10, 16)
+    assert len(data) == 4 and "dead" not in layout["title"]["text"]
     np.testing.assert_allclose(decode(data[3]["y"]), stats["dead"])
-    (heat,), _ = specs_moe.moe_sorted(stats, order, counts, k3, layers, 10, 16)
+    (heat,), layout = specs_moe.moe_sorted(stats, order, counts, k3, layers, 10, 16)
     z = decode(heat["z"])
-    assert z.shape == (len(layers), 6 * 16)  # only the ranks that can be non-zero: T * k
-    np.testing.assert_array_equal(decode(heat["customdata"]), order[:, : 6 * 16])
+    widest = max(len(set(map(int, r["topk_ids"][:, j].reshape(-1)))) for j in range(len(layers)))
+    assert z.shape == (len(layers), widest)  # cropped to the experts that ever ran (a column of zeros is gone)
+    assert (z[:, -1] > 0).any() and f"ranks 1-{widest} of 896" in layout["title"]["text"]
+    np.testing.assert_array_equal(decode(heat["customdata"]), order[:, :widest])
 
 
 def test_moe_full_map_marks_every_chosen_expert(k3):

@@ -375,3 +375,25 @@ def test_mutation_moe_topk_hover_shows_each_experts_combine_weight_and_score(tin
             differ += f"{weights[c]:.4f}" != f"{scores[e]:.4f}"
     assert differ >= len(moe)  # weight and score read differently: a swap shows
 
+
+
+def test_empty_history_hides_the_tabs_and_the_status_says_what_to_do(tiny_weights):
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt="")
+    assert ex.tabs.layout.display == "none" and "type a prompt, then Step" in ex.status.value
+    ex.prompt.value = "ab"
+    ex.step_button.click()
+    assert ex.tabs.layout.display is None and shown(ex)
+    ex.prompt.value = ""  # an empty box with a history: Step goes on greedily, and says so (not "0 tokens")
+    assert "no prompt: Step continues greedily" in ex.status.value and "(0 tokens)" not in ex.status.value
+    ex.reset_button.click()
+    assert ex.tabs.layout.display == "none" and not shown(ex)  # no blank boxes after Reset
+
+
+def test_a_byte_that_is_not_text_alone_reads_the_same_in_the_text_and_the_predictions(tiny_weights):
+    tok = ByteTokenizer()
+    ex = Explorer(Session(tiny_weights, tokenizer=tok), prompt="é")  # two bytes, 0xC3 0xA9
+    ex.step_button.click()
+    ex.step_button.click()
+    assert ex.text.labels == ["<0xC3>", "<0xA9>"]
+    assert [tok.token_label(i) for i in (0xC3, 0xA9)] == ex.text.labels  # the predictions' labels
+    assert "\ufffd" not in "".join(ex.text.labels)

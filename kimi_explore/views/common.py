@@ -9,6 +9,7 @@ import numpy as np
 
 from ..backend import to_numpy
 
+MISSING = "#dddddd"  # a cell with no value (a block not sealed yet, ...): one grey in every view
 MAX_TICKS = 40  # labels per axis before thinning; ~40 stays readable at 100 dpi
 _NICE_STRIDES = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 250, 500, 1000, 2000, 5000)
 

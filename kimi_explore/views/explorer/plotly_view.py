@@ -52,8 +52,13 @@ export default {
 """
 
 VIEW_ESM = _READY + """
-const CONFIG = { responsive: true, displaylogo: false, scrollZoom: false,
-                 modeBarButtonsToRemove: ["toImage", "lasso2d", "select2d", "autoScale2d"] };
+// no modebar: it sat over the titles; drag zooms or pans (per view), a double click resets
+const CONFIG = { responsive: true, displaylogo: false, scrollZoom: false, displayModeBar: false };
+
+function niceInt(span) {  // a whole tick step leaving ~8 ticks over `span`: 1, 2, 5, 10, 20, 50, ...
+  const raw = Math.max(1, span / 8), p = 10 ** Math.floor(Math.log10(raw)), m = raw / p;
+  return Math.max(1, (m <= 1 ? 1 : m <= 2 ? 2 : m <= 5 ? 5 : 10) * p);
+}
 
 export default {
   async render({ model, el }) {
@@ -69,6 +74,16 @@ export default {
     // before the view is attached; hidden tabs have no width) never answers hovers. A spec that
     // arrives meanwhile waits until the ResizeObserver sees the div get a size.
     let pending = false;
+    // axes of integer ids (experts): after a zoom or a redraw, ticks on whole numbers only
+    const wholeTicks = (ev) => {
+      const axes = (model.get("spec") || {}).int_axes || [], upd = {};
+      for (const a of axes) {
+        if (ev && !Object.keys(ev).some((key) => key.startsWith(a + ".range") || key === a + ".autorange")) continue;
+        const r = div.layout[a] && div.layout[a].range;
+        if (r) { upd[a + ".dtick"] = niceInt(Math.abs(r[1] - r[0])); upd[a + ".tick0"] = 0; }
+      }
+      return Object.keys(upd).length ? Plotly.relayout(div, upd) : null;
+    };
     const visible = () => div.isConnected && div.offsetWidth > 0;
     const draw = () => {
       if (!visible()) { pending = true; return; }
@@ -78,10 +93,11 @@ export default {
         queue = queue.then(() => { Plotly.purge(div); listening = false; delete el.dataset.rendered; });
         return;
       }
-      queue = queue.then(() => Plotly.react(div, spec.data, spec.layout, CONFIG)).then(() => {
+      queue = queue.then(() => Plotly.react(div, spec.data, spec.layout, CONFIG)).then(() => wholeTicks(null)).then(() => {
         el.dataset.rendered = String(spec.rev ?? 0);
         if (listening) return;
         listening = true;  // div.on exists once plotly drew into the div
+        div.on("plotly_relayout", (ev) => { queue = queue.then(() => wholeTicks(ev)); });
         div.on("plotly_click", (ev) => {
           const p = ev.points && ev.points[0];
           if (!p) return;
@@ -156,9 +172,10 @@ class PlotView(anywidget.AnyWidget):
         meta: what the view shows (e.g. the selected token and layer), readable in the browser as
         the plot's `layout.meta`."""
         layout = {"height": self.height, "margin": {"l": 60, "r": 20, "t": 36, "b": 40}, **layout}
+        int_axes = layout.pop("int_axes", [])  # axes of whole ids: the browser keeps their ticks whole when zoomed
         if meta is not None:
             layout["meta"] = meta
-        self.spec = {"data": data, "layout": layout, "rev": int(rev)}
+        self.spec = {"data": data, "layout": layout, "rev": int(rev), "int_axes": list(int_axes)}
 
     def clear(self) -> None:
         self.spec = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common import token_labels
+from ..common import MISSING, nice_stride, token_labels
 from .plotly_view import typed
 
 __all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window"]
@@ -23,7 +23,7 @@ SELECT = "#d62728"
 FONT = {"size": 11}
 SITE_NAMES = ("before attention (attn_res.attn)", "before the FFN (attn_res.ffn)")
 GAP_NOTE = "<br>no weight: that block is not sealed yet here"
-GAP_COLOR = "#e4e4e4"  # the plot background, seen through NaN cells
+GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
 
 
 def layer_labels(trace, layers=None) -> list[str]:
@@ -32,13 +32,28 @@ def layer_labels(trace, layers=None) -> list[str]:
     return [f"{i} {'KDA' if i in kda else 'MLA'}" for i in (trace.layer_ids if layers is None else layers)]
 
 
-def layer_axis(labels: list[str], title: str = "layer") -> dict:
-    """A categorical layer axis; past 32 layers only the MLA layers (and the first/last) get a tick label."""
+MIN_TICK_GAP = 3  # columns between two tick labels at K3 depth (rotated labels 2 apart overlap)
+
+
+def layer_ticks(labels: list[str], selected: str | None = None) -> list[str]:
+    """Which layer labels a crowded axis names: the selected layer first, then the MLA layers (K3's
+    landmarks), or every `nice_stride`-th layer on an axis without MLA (the KDA views), then both ends;
+    a label closer than MIN_TICK_GAP columns to one already kept is dropped."""
+    pos = {s: j for j, s in enumerate(labels)}
+    mla = [j for j, s in enumerate(labels) if s.endswith("MLA")]
+    wanted = mla or list(range(0, len(labels), nice_stride(len(labels), 24)))
+    kept: list[int] = []
+    for j in ([pos[selected]] if selected in pos else []) + wanted + [0, len(labels) - 1]:
+        if all(abs(j - k) >= MIN_TICK_GAP for k in kept):
+            kept.append(j)
+    return [labels[j] for j in sorted(kept)]
+
+
+def layer_axis(labels: list[str], title: str = "layer", selected: str | None = None) -> dict:
+    """A categorical layer axis; past 32 layers only `layer_ticks` are named (the selected one always)."""
     axis = {"type": "category", "title": {"text": title}, "tickfont": {"size": 10}, "fixedrange": True}
     if len(labels) > 32:
-        mla = [j for j, s in enumerate(labels) if s.endswith("MLA")]
-        ends = [j for j in (0, len(labels) - 1) if all(abs(j - m) > 2 for m in mla)]  # unless an MLA tick is next to it
-        ticks = [labels[j] for j in sorted(set(mla) | set(ends))]
+        ticks = layer_ticks(labels, selected)
         axis.update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     return axis
 
@@ -104,6 +119,8 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     w = trace.attn_res_weights()[t]  # [L, site, S]
     final = np.asarray(trace.final_attn_res_weights()[t], dtype=float)  # [S]
     sources, layers = list(trace.source_labels()), layer_labels(trace)
+    ids = [int(i) for i in trace.layer_ids]
+    sel = layers[ids.index(layer)] if layer in ids else None
     data, shapes = [], []
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
         data.append(heat(w[:, site, :].T, layers, sources, colorscale="Viridis", zmin=0, zmax=1,
@@ -118,9 +135,9 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     label = token_labels(trace.tokens, tokenizer)[t]
     axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
     layout = {"title": {"text": f"Block attention residuals of token {label}  (click a layer to select it)", "font": FONT},
-              "xaxis": {**layer_axis(layers, ""), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
+              "xaxis": {**layer_axis(layers, "", sel), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
               "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
-              "xaxis2": {**layer_axis(layers), "domain": [0, 0.9], "anchor": "y2"},
+              "xaxis2": {**layer_axis(layers, "layer", sel), "domain": [0, 0.9], "anchor": "y2"},
               "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
               "xaxis3": {"type": "category", "domain": [0.92, 0.96], "anchor": "y3", "fixedrange": True,
                          "tickfont": {"size": 10}},
@@ -152,7 +169,8 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
               "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
               "xaxis2": {**axis_x, "anchor": "y2"},
               "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
-              "shapes": shapes, "annotations": notes, "dragmode": "pan", "margin": {"l": 80, "r": 20, "t": 30, "b": 80}}
+              "shapes": shapes, "annotations": notes, "dragmode": "pan", "plot_bgcolor": GAP_COLOR,
+              "margin": {"l": 80, "r": 20, "t": 30, "b": 80}}
     return data, layout
 
 
@@ -175,7 +193,7 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     shapes = [outline(ids.index(layer))] if layer in ids else []
     label = token_labels(trace.tokens, tokenizer)[t]
     layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer)", "font": FONT},
-              "xaxis": layer_axis(labels, "KDA layer"),
+              "xaxis": layer_axis(labels, "KDA layer", labels[ids.index(layer)] if layer in ids else None),
               "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True},
               "shapes": shapes, "margin": {"l": 50, "r": 20, "t": 30, "b": 70}}
     return data, layout

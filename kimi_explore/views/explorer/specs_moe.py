@@ -82,14 +82,17 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     shown = np.where(ids >= 0, w, np.nan)
     lo, hi = (float(np.nanmin(shown)), float(np.nanmax(shown))) if np.isfinite(shown).any() else (0.0, 1.0)
     # the weights' own range: at top-16 they sit near 1/16, and a scale from 0 would paint them all alike
-    hm = heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=lo, zmax=max(hi, lo + 1e-9),
-                 hover="%{customdata}",
-                 customdata=hover, colorbar={"title": {"text": "combine weight"}})
-    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # light = small
-                xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
+    # green, not red: the selected row's red outline must stand out from the scale (plotly writes the
+    # expert ids in black or white, whichever contrasts with the cell)
+    hm = heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="Greens", zmin=lo, zmax=max(hi, lo + 1e-9),
+              hover="%{customdata}", customdata=hover, colorbar={"title": {"text": "combine weight"}})
+    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, xgap=0, ygap=0)  # gaps: drawn cell by cell
     n_bias = int(table["by_bias"].sum())
     label = token_labels(trace.tokens, tokenizer)[t]
-    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias})", "font": FONT},
+    rows = "" if window is None else (f"; MoE layers {labels[rows_shown[0]].split()[0]}-{labels[rows_shown[-1]].split()[0]}"
+                                      f" of {M} shown (drag up/down for the rest)")
+    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){rows}",
+                        "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
@@ -99,13 +102,18 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
 def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer: int | None, k: int) -> tuple[list, dict]:
     """Per MoE layer: routing entropy of the selected token; over the tokens so far: max/mean, CV, dead experts."""
     labels = layer_labels(trace, layers)
-    rows = (("entropy", entropy, f"routing entropy %{{y:.3f}} bits (max log2 {k} = {np.log2(k):.2f})"),
+    rows = [("entropy", entropy, f"routing entropy %{{y:.3f}} bits (max log2 {k} = {np.log2(k):.2f})"),
             ("max/mean", stats["max_over_mean"], "max/mean load %{y:.2f} (1 = balanced)"),
-            ("CV", stats["cv"], "load coefficient of variation %{y:.3f}"),
-            ("dead", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
+            ("CV", stats["cv"], "load coefficient of variation %{y:.3f}")]
+    # "never chosen" counts mean something only once every expert could have been chosen: T*k >= E
+    dead_ok = stats["tokens"] * k >= stats["experts"]
+    if dead_ok:
+        rows.append(("dead", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
+    dead_note = "" if dead_ok else (f"; no dead-expert count until {-(-stats['experts'] // k)} tokens "
+                                    f"({stats['tokens']}x{k} choices < {stats['experts']} experts)")
     data, layout = [], {"margin": {"l": 70, "r": 10, "t": 30, "b": 70}, "showlegend": False,
                         "title": {"text": f"Per MoE layer: this token's routing entropy (bits); expert load over "
-                                  f"{stats['tokens']} tokens", "font": FONT}}
+                                  f"{stats['tokens']} tokens{dead_note}", "font": FONT}}
     gap = 0.04
     h = (1 - gap * (len(rows) - 1)) / len(rows)
     for r, (name, y, hover) in enumerate(rows):
@@ -119,7 +127,7 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
         layout["xaxis" + ax] = {"type": "category", "anchor": "y" + ax, "fixedrange": True, "tickfont": {"size": 9},
                                 "showticklabels": r == len(rows) - 1, "matches": "x" if r else None}
         if len(labels) > 32:
-            ticks = specs.layer_axis(labels)["tickvals"]
+            ticks = specs.layer_ticks(labels, labels[layers.index(layer)] if layer in layers else None)
             layout["xaxis" + ax].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     layout["shapes"] = [outline(layers.index(layer), "x", "paper")] if layer in layers else []
     return data, layout
@@ -129,14 +137,16 @@ def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers
                k: int) -> tuple[list, dict]:
     """Each MoE layer's expert counts over the tokens so far, sorted descending (a balanced router: flat rows)."""
     labels = layer_labels(trace, layers)
-    n = max(1, min(counts.shape[1], stats["tokens"] * k))  # at most T*k experts can have been chosen
+    # cropped to the widest row of experts that ran: past it every layer's count is 0
+    n = max(1, int((counts > 0).sum(axis=1).max()) if counts.size else 1)
     j_sel = layers.index(layer) if layer in layers else None
     hm = heat(counts[:, :n], list(range(1, n + 1)), labels, colorscale="Viridis", zmin=0,
                  zmax=max(1, int(counts.max()) if counts.size else 1), customdata=typed(order[:, :n], np.int32),
                  hover="layer %{y}<br>rank %{x}: expert %{customdata}<br>chosen %{z} times",
                  colorbar={"title": {"text": "count"}})
     hm.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
-    layout = {"title": {"text": f"Expert counts per layer over {stats['tokens']} tokens, sorted (rank 1 = busiest)",
+    layout = {"title": {"text": f"Expert counts per layer over {stats['tokens']} tokens, sorted (rank 1 = busiest); "
+                                f"ranks 1-{n} of {counts.shape[1]}: no layer used more experts",
                         "font": FONT},
               "xaxis": {"title": {"text": "expert rank in its layer"}, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
@@ -170,6 +180,7 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
     layout = {"title": {"text": f"All {E} experts x {M} MoE layers for token {label}: drag a box to zoom, double-click "
                         "to reset", "font": FONT},
               "xaxis": {"title": {"text": "expert id"}, "range": [-0.5, E - 0.5], "tickfont": {"size": 10}},
+              "int_axes": ["xaxis"],  # zoomed in, the browser keeps ticks on whole expert ids
               "yaxis": {**_y_layers(labels, j_sel), "range": [M - 0.5, -0.5]},
               "shapes": [_row_outline(j_sel)] if j_sel is not None else [], "dragmode": "zoom", "uirevision": "full",
               "showlegend": False, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
@@ -200,10 +211,12 @@ def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
 
 def compare(base_logits, other_logits, tokenizer=None, names=("as run", "ablated"), title: str = "",
             k: int = 10) -> tuple[list, dict, float]:
-    """Two next-token distributions side by side over the union of their top-k; returns (data, layout, KL)."""
+    """Two next-token distributions side by side over the k tokens most likely under either; returns
+    (data, layout, KL)."""
     p, q = softmax(base_logits), softmax(other_logits)
     top = list(dict.fromkeys([*np.argsort(-p)[:k], *np.argsort(-q)[:k]]))
     top.sort(key=lambda i: -max(p[i], q[i]))
+    top = top[:k]  # at most k rows: every one keeps its label at the view's height
     labels = [f"{s} ({i})" for s, i in zip(token_labels(top, tokenizer, positions=False), top, strict=True)]
     kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
     data = [{"type": "bar", "orientation": "h", "name": name, "x": typed(dist[top]), "y": labels,
@@ -214,5 +227,7 @@ def compare(base_logits, other_logits, tokenizer=None, names=("as run", "ablated
                         + ("; top-1 changed" if flipped else "; same top-1"), "font": FONT},
               "barmode": "group", "xaxis": {"title": {"text": "probability"}, "fixedrange": True},
               "yaxis": {"type": "category", "autorange": "reversed", "fixedrange": True, "tickfont": {"size": 10}},
-              "legend": {"orientation": "h", "y": -0.15}, "margin": {"l": 110, "r": 20, "t": 50, "b": 60}}
+              # inside, bottom right: the rows are sorted, so the smallest bars leave that corner free
+              "legend": {"x": 0.99, "xanchor": "right", "y": 0.01, "yanchor": "bottom", "bgcolor": "rgba(255,255,255,0.85)"},
+              "margin": {"l": 110, "r": 20, "t": 50, "b": 40}}
     return data, layout, kl

@@ -71,10 +71,11 @@ class Explorer(widgets.VBox):
         self.reset_button = button("Reset", "undo", "empty the session")
         self.busy = widgets.HTML(layout=widgets.Layout(width="110px"))
         self.status = widgets.HTML(layout=widgets.Layout(width="100%", height="22px", overflow="hidden"))
-        self.text = TokenText(layout=widgets.Layout(flex="1 1 auto", width="auto"))
+        self.text = TokenText(layout=widgets.Layout(flex="1 1 420px", width="auto", min_width="320px"))
         self.measure = widgets.Dropdown(options=summaries.MEASURES, value=measure, description="colour",
                                         layout=widgets.Layout(width="230px"))
-        self.legend = widgets.HTML(layout=widgets.Layout(width="230px"))
+        # two lines reserved: the legend growing a line when generation starts must not move the page
+        self.legend = widgets.HTML(layout=widgets.Layout(width="230px", height="38px", overflow="hidden"))
         self.token = widgets.IntSlider(min=0, max=0, value=0, description="token", continuous_update=False, readout=False,
                                        layout=widgets.Layout(width="45%"))
         self.token_label = widgets.HTML(layout=widgets.Layout(width="180px", overflow="hidden"))
@@ -104,10 +105,12 @@ class Explorer(widgets.VBox):
 
         super().__init__([
             PlotlyJS.shared(),
+            # rows wrap instead of clipping when the notebook is narrow (JupyterLab's side panel open)
             widgets.HBox([self.prompt, self.mode, self.step_button, self.back_button, self.play_button,
-                          self.reset_button, self.busy], layout=widgets.Layout(width="100%")),
+                          self.reset_button, self.busy], layout=widgets.Layout(width="100%", flex_flow="row wrap")),
             self.status,
-            widgets.HBox([self.text, widgets.VBox([self.measure, self.legend])], layout=widgets.Layout(width="100%")),
+            widgets.HBox([self.text, widgets.VBox([self.measure, self.legend], layout=widgets.Layout(width="240px"))],
+                         layout=widgets.Layout(width="100%", flex_flow="row wrap")),
             widgets.HBox([self.token, self.token_label, self.layer]),
             self.tabs, self.done,
         ], layout=widgets.Layout(width="100%"))
@@ -269,6 +272,8 @@ class Explorer(widgets.VBox):
     def refresh(self, tab: int | None = None) -> None:
         """Update the open tab's views (or `tab`'s) for the selected token and layer."""
         n = len(self.session)
+        # nothing decoded: no tabs at all (empty views would leave blank boxes), the status says what to do
+        self.tabs.layout.display = "none" if n == 0 else None
         if n == 0:
             self.tab_views.clear()
         else:
@@ -303,7 +308,7 @@ class Explorer(widgets.VBox):
         measures = self.history_memo("measures", lambda: summaries.token_measures(self.trace(), self._surprisals()))
         name = self.measure.value
         values = measures[name]
-        shown = [self.tokenizer.decode([t]) if self.tokenizer is not None else f"#{t} " for t in self.session.tokens]
+        shown = [self._piece(t) for t in self.session.tokens]
         colors, lo, hi = measure_colors(values)
         titles = [f"token {t} {lab}: {name} " + (f"{v:.4g}" if np.isfinite(v) else "n/a") + "; click to select"
                   for t, (lab, v) in enumerate(zip(self.labels(positions=False), values, strict=True))]
@@ -313,6 +318,14 @@ class Explorer(widgets.VBox):
         scale = f"light {lo:.3g} &rarr; dark {hi:.3g}" if np.isfinite(values).any() else "no value yet"
         self.legend.value = (f"<small>{html.escape(name)}: {scale}"
                              + ("; dotted = generated" if gen >= 0 else "") + "</small>")
+
+    def _piece(self, t: int) -> str:
+        """Token t's text in the text box; a byte that is not text alone (part of a UTF-8 character)
+        shows as the predictions show it, `<0xD7>`, not as a replacement character."""
+        if self.tokenizer is None:
+            return f"#{t} "
+        s = self.tokenizer.decode([t])
+        return self.tokenizer.token_label(t) if "\ufffd" in s else s
 
     def _show_token_label(self) -> None:
         n = len(self.session)
@@ -327,7 +340,9 @@ class Explorer(widgets.VBox):
         except ValueError as e:
             return self._error(str(e))
         keep = self._shared_prefix(ids)
-        if keep < n:
+        if not ids:
+            what = "no prompt: Step continues greedily from the history" if n else "type a prompt, then Step"
+        elif keep < n:
             what = f"new prompt: Step starts over from the {keep} tokens it shares with the history"
         elif n < len(ids):
             nxt = token_labels([ids[n]], self.tokenizer, positions=False)[0]

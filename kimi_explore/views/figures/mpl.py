@@ -11,10 +11,9 @@ import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..common import MAX_TICKS, nice_stride
+from ..common import MAX_TICKS, MISSING, nice_stride
 
 ANNOTATE_MAX = 160  # write cell values only into heatmaps this small
-MISSING = "#dddddd"  # cells with no value (a block not sealed yet, an unrecorded layer): the same grey everywhere
 
 
 def escape_mathtext(text: str) -> str:
