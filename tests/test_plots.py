@@ -131,12 +131,15 @@ def test_block_residual_token_shows_the_trace_weights(tiny):
     assert len(fig.axes) == 4  # three panels + one colour bar
 
 
-def test_block_residual_layer_rows_are_tokens(tiny):
+def test_block_residual_layer_columns_are_tokens(tiny):
     tok = ByteTokenizer()
     fig = plots.block_residual_layer(tiny, 6, tok)
-    ax = fig.axes[1]
-    np.testing.assert_allclose(ax.images[0].get_array().filled(np.nan), tiny.attn_res_weights()[:, 6, 1], equal_nan=True)
-    assert visible_ticks(ax, "y") == [f"{p} '{tok.token_label(i)}'" for p, i in enumerate(tiny.tokens)]
+    ax = fig.axes[1]  # before the FFN, below
+    np.testing.assert_allclose(ax.images[0].get_array().filled(np.nan), tiny.attn_res_weights()[:, 6, 1].T,
+                               equal_nan=True)
+    assert visible_ticks(ax, "x") == [f"{p} '{tok.token_label(i)}'" for p, i in enumerate(tiny.tokens)]
+    assert visible_ticks(ax, "y") == list(tiny.source_labels())
+    assert fig.get_figheight() < 6  # a few source rows: the figure stays short however long the prompt
     # layer 0 has no attention-site mix: that panel says so instead of drawing an empty map
     fig0 = plots.block_residual_layer(tiny, 0)
     assert "block stack is still empty" in fig0.axes[0].texts[0].get_text()
@@ -279,3 +282,24 @@ def test_dollar_signs_in_tokens_are_not_mathtext():
         assert any("$" in t for t in texts)
         assert all("$" not in t.replace(r"\$", "") for t in texts), [t for t in texts if "$" in t]
     assert plots.token_labels([36], tok) == ["0 '$'"]  # the public labels (HTML, widgets) stay plain
+
+
+def test_kda_state_difference_is_b_minus_a_on_a_symmetric_scale(tiny):
+    import copy
+
+    other = copy.deepcopy(tiny)
+    norms, ids = tiny.kda_state_norms()
+    j = ids.index(5)
+    bumped = np.array(norms, copy=True)
+    bumped[:, j, 1] += 0.25
+    bumped[2, j, 0] -= 0.5
+    other.kda_state_norms = lambda: (bumped, ids)
+    fig = plots.kda_state_difference(tiny, other, 5)
+    im = fig.axes[0].images[0]
+    expected = np.zeros_like(norms[:, j])
+    expected[:, 1], expected[2, 0] = 0.25, -0.5
+    np.testing.assert_allclose(im.get_array(), expected, atol=1e-6)
+    assert im.get_clim() == pytest.approx((-0.5, 0.5))
+    with pytest.raises(ValueError, match="same tokens"):
+        other.tokens = list(other.tokens)[:-1]
+        plots.kda_state_difference(tiny, other, 5)

@@ -86,7 +86,8 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     # expert ids in black or white, whichever contrasts with the cell)
     hm = heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="Greens", zmin=lo, zmax=max(hi, lo + 1e-9),
               hover="%{customdata}", customdata=hover, colorbar={"title": {"text": "combine weight"}})
-    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, xgap=0, ygap=0)  # gaps: drawn cell by cell
+    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # plotly's Greens: dark = low
+              xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
     n_bias = int(table["by_bias"].sum())
     label = token_labels(trace.tokens, tokenizer)[t]
     rows = "" if window is None else (f"; MoE layers {labels[rows_shown[0]].split()[0]}-{labels[rows_shown[-1]].split()[0]}"
@@ -145,8 +146,8 @@ def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers
                  hover="layer %{y}<br>rank %{x}: expert %{customdata}<br>chosen %{z} times",
                  colorbar={"title": {"text": "count"}})
     hm.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
-    layout = {"title": {"text": f"Expert counts per layer over {stats['tokens']} tokens, sorted (rank 1 = busiest); "
-                                f"ranks 1-{n} of {counts.shape[1]}: no layer used more experts",
+    layout = {"title": {"text": f"Expert counts over {stats['tokens']} tokens, sorted; ranks 1-{n} of {counts.shape[1]}"
+                                " (no layer used more)",
                         "font": FONT},
               "xaxis": {"title": {"text": "expert rank in its layer"}, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],

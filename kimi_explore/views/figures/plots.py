@@ -43,6 +43,7 @@ __all__ = [
     "InlineFigure",
     "figure_png",
     "kda_state_curves",
+    "kda_state_difference",
     "kda_state_heatmap",
     "kda_state_overview",
     "moe_output_norms",
@@ -123,23 +124,31 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
 
 
 def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
-    """For one layer: token x source softmax weights over the prompt, both sites side by side."""
+    """For one layer: source x token softmax weights over the prompt (tokens along x, as in the
+    Explorer), before attention above, before the FFN below. The sources stay labelled at the left
+    however long the prompt; cell values are written while the cells are wide enough to hold them."""
     j = layer_position(trace, layer)
     w = trace.attn_res_weights()[:, j]  # [T, 2, S]
-    rows, sources = _labels(trace.tokens, tokenizer), list(trace.source_labels())
-    fig = InlineFigure(figsize=(11, span_inches(len(rows), 0.3, 4, 12)), layout="constrained")
-    axes = fig.subplots(1, 2)
+    cols, sources = _labels(trace.tokens, tokenizer), list(trace.source_labels())
+    panel = min(4.0, max(1.2, 0.6 + 0.28 * len(sources)))  # inches per site: a row per source
+    fig = InlineFigure(figsize=(span_inches(len(cols), 0.32, 6, 15), 1.4 + 2 * panel), layout="constrained")
+    axes = fig.subplots(2, 1, sharex=True)
+    im = None
     for site, ax in enumerate(axes):
         if not np.isfinite(w[:, site]).any():
             ax.axis("off")
             ax.text(0.5, 0.5, f"layer {layer} has no {('attention', 'FFN')[site]}-site mix:\n"
                     "the block stack is still empty there", ha="center", va="center", fontsize=10)
             continue
-        im = heatmap(ax, w[:, site], rows=rows, cols=sources, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0)
+        im = heatmap(ax, w[:, site].T, rows=sources, cols=cols, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0,
+                     annotate=len(cols) <= 24)
         ax.set_title(SITE_TITLES[site], fontsize=10)
-        ax.set_xlabel("source")
-        ax.set_ylabel("token")
-    fig.colorbar(im, ax=axes, label="softmax weight", shrink=0.8)
+        ax.set_ylabel("source")
+        if site == 0:
+            ax.tick_params(labelbottom=False)  # the token labels once, under the lower panel
+    if im is not None:
+        fig.colorbar(im, ax=axes, label="softmax weight", shrink=0.8)
+    axes[-1].set_xlabel("token")
     fig.suptitle(f"Block attention residuals at layer {layer}, over the prompt")
     return fig
 
@@ -173,6 +182,27 @@ def kda_state_heatmap(trace, layer: int, tokenizer=None, vmax=None) -> Figure:
     im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap=NORM_CMAP, vmin=0.0, vmax=vmax)
     fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
     ax.set(xlabel="head", ylabel="token", title=f"KDA recurrent-state norm per head, layer {layer}")
+    return fig
+
+
+def kda_state_difference(trace_a, trace_b, layer: int, tokenizer=None, names=("as run", "intervened")) -> Figure:
+    """For one KDA layer: token x head ‖S‖ of run b minus run a, on a symmetric diverging scale
+    (white: no change). The two traces must hold the same tokens (a fork and its original)."""
+    (na, ia), (nb, ib) = _kda(trace_a), _kda(trace_b)
+    if list(trace_a.tokens) != list(trace_b.tokens) or ia != ib:
+        raise ValueError("kda_state_difference: the two traces must hold the same tokens and KDA layers "
+                         f"(got {len(trace_a.tokens)} and {len(trace_b.tokens)} tokens, KDA layers {ia} and {ib})")
+    j = _kda_position(ia, layer)
+    data = nb[:, j] - na[:, j]  # [T, H]
+    half = float(np.nanmax(np.abs(data))) if np.isfinite(data).any() else 0.0
+    rows = _labels(trace_a.tokens, tokenizer)
+    fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
+                       layout="constrained")
+    ax = fig.subplots()
+    im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap="RdBu_r",
+                 vmin=-(half or 1.0), vmax=half or 1.0, annotate=False)
+    fig.colorbar(im, ax=ax, label=f"Δ‖S‖ ({names[1]} - {names[0]})")
+    ax.set(xlabel="head", ylabel="token", title=f"KDA layer {layer}: change of each head's state norm")
     return fig
 
 
