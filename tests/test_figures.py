@@ -106,6 +106,13 @@ def test_moe_topk_table_hover_says_expert_score_and_bias(k3):
     assert f"selection bias {bias[50][e]:+.4f}" in hover
     lo, hi = sorted(layout["yaxis"]["range"])
     assert hi - lo == specs_moe.ROWS and lo <= j <= hi  # a window of rows around the selected layer
+    shown = [r["moe_layers"][i] for i in range(round(lo + 0.5), round(hi + 0.5))]
+    assert f"MoE layers {shown[0]}-{shown[-1]} of {len(r['moe_layers'])} shown" in layout["title"]["text"]
+    labelled = [i for i, row in enumerate(heat["text"]) if any(row)]
+    assert labelled == [r["moe_layers"].index(m) for m in shown]  # cell text exactly in the window
+    # the deepest layers select the last window, which ends at the last row
+    (heat,), layout = specs_moe.moe_topk(table, k3, layer=92, t=3)
+    assert f"-92 of {len(r['moe_layers'])} shown" in layout["title"]["text"] and any(heat["text"][-1])
 
 
 def test_moe_layer_stats_and_sorted_counts(k3):

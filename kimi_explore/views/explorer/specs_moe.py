@@ -52,7 +52,7 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     labels = layer_labels(trace, layers)
     j_sel = layers.index(layer) if layer in layers else None
     window = _row_window(M, j_sel)
-    rows_shown = range(M) if window is None else range(int(window[1] + 0.5), int(window[0] + 0.5) + 1)
+    rows_shown = range(M) if window is None else range(round(window[1] + 0.5), round(window[0] + 0.5))
     text, hover = [], []
     for j in range(M):
         if j not in rows_shown:  # cell labels only where they can be seen: plotly draws each one
