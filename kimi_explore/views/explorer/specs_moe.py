@@ -110,10 +110,10 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
     dead_ok = stats["tokens"] * k >= stats["experts"]
     if dead_ok:
         rows.append(("dead", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
-    dead_note = "" if dead_ok else (f"; no dead-expert count until {-(-stats['experts'] // k)} tokens "
-                                    f"({stats['tokens']}x{k} choices < {stats['experts']} experts)")
-    data, layout = [], {"margin": {"l": 70, "r": 10, "t": 30, "b": 70}, "showlegend": False,
-                        "title": {"text": f"Per MoE layer: this token's routing entropy (bits); expert load over "
+    dead_note = "" if dead_ok else (f"<br><sub>no dead-expert count until {-(-stats['experts'] // k)} tokens: "
+                                    f"{stats['tokens']}x{k} choices < {stats['experts']} experts</sub>")
+    data, layout = [], {"margin": {"l": 70, "r": 10, "t": 44 if dead_note else 30, "b": 70}, "showlegend": False,
+                        "title": {"text": f"Per MoE layer: this token's routing entropy (bits); load over "
                                   f"{stats['tokens']} tokens{dead_note}", "font": FONT}}
     gap = 0.04
     h = (1 - gap * (len(rows) - 1)) / len(rows)

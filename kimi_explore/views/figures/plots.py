@@ -311,29 +311,40 @@ def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
 
 
 def expert_load(trace, layer=None) -> Figure:
-    """How often each expert was chosen over the prompt (one MoE layer, or summed over all of them).
+    """How often each expert was chosen over the prompt: bars for one MoE layer, or a MoE layer x expert
+    map of counts (each layer has its own experts: expert 3 of layer 1 and of layer 2 share only a
+    number, so counts are never summed over layers).
 
-    The dashed line is the count a perfectly balanced router would give: tokens * k / E per layer.
+    The dashed line (bars) is the count a perfectly balanced router would give: tokens * k / E.
     """
     r = routing(trace)
     ids = r["topk_ids"]  # [T, M, k]
     n_tokens, n_layers, k = ids.shape
     n_experts = r["scores"].shape[2]
-    if layer is not None:
-        if layer not in r["moe_layers"]:
-            raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
-        ids, n_layers, where = ids[:, [r["moe_layers"].index(layer)]], 1, f"layer {layer}"
-    else:
-        where = f"all {n_layers} MoE layers"
-    chosen = ids.ravel().astype(np.int64)
+    balanced = n_tokens * k / n_experts
+    if layer is None:
+        counts = np.stack([np.bincount(row[row >= 0].astype(np.int64), minlength=n_experts)  # -1 pads an ablated top-k
+                           for row in ids.transpose(1, 0, 2).reshape(n_layers, -1)])
+        fig = InlineFigure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(n_layers, 0.4, 3, 12)),
+                           layout="constrained")
+        ax = fig.subplots()
+        im = heatmap(ax, counts, rows=moe_layer_labels(r), cols=[str(e) for e in range(n_experts)], cmap="viridis",
+                     vmin=0, annotate=counts.size <= 160)
+        fig.colorbar(im, ax=ax, label="times chosen")
+        ax.set(xlabel="expert", ylabel="MoE layer",
+               title=f"Expert load over {n_tokens} tokens, per MoE layer (balanced: {balanced:.2f} each)")
+        return fig
+    if layer not in r["moe_layers"]:
+        raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
+    chosen = ids[:, r["moe_layers"].index(layer)].ravel().astype(np.int64)
     counts = np.bincount(chosen[chosen >= 0], minlength=n_experts)  # -1 pads a shortened (ablated) top-k
     fig = InlineFigure(figsize=(span_inches(n_experts, 0.4, 7, 14), 4), layout="constrained")
     ax = fig.subplots()
     ax.bar(np.arange(n_experts), counts, width=0.85 if n_experts <= 128 else 1.0, color="#4c72b0")
-    ax.axhline(n_tokens * n_layers * k / n_experts, color="black", ls="--", lw=1, label="uniform load")
+    ax.axhline(balanced, color="black", ls="--", lw=1, label="uniform load")
     ticks(ax, "x", [str(e) for e in range(n_experts)])
     ax.set_xlim(-0.6, n_experts - 0.4)
-    ax.set(xlabel="expert", ylabel="times chosen", title=f"Expert load over {n_tokens} tokens, {where}")
+    ax.set(xlabel="expert", ylabel="times chosen", title=f"Expert load over {n_tokens} tokens, layer {layer}")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return fig
