@@ -245,15 +245,17 @@ class Session:
         if changed:
             raise RuntimeError(f"cannot rebuild the state after {t} tokens exactly: tokens {changed} were decoded with "
                                f"value-changing hooks and no checkpoint after them is kept (nearest: {c})")
-        for a, b in self._runs(c, t):
+        for a, b in self.runs(c, t):
             if b is None:
                 self.weights.forward_token(state, self._tokens[a])
             else:
                 self.weights.forward_sequence(state, self._tokens[a:b], chunk=b - a)
         return state
 
-    def _runs(self, c: int, t: int):
-        """Tokens c..t-1 as they were decoded: (s, None) for a stepped token, (a, b) for the part of a fed chunk."""
+    def runs(self, c: int = 0, t: int | None = None):
+        """Tokens c..t-1 (default: the whole history) as the forward passes that decoded them: (s, None) for
+        a stepped token, (a, b) for the part of a fed chunk. Replaying these exactly reproduces the history."""
+        t = len(self._tokens) if t is None else t
         s = c
         while s < t:
             start = self._chunk_of[s]
@@ -327,7 +329,7 @@ class Session:
         """Decode the first n tokens from a fresh state, each the way it was decoded: (state, {t in keep:
         state copy}, first token whose logits differ from the stored ones, or None)."""
         state, checkpoints = self.weights.new_state(), {}
-        for a, b in self._runs(0, n):
+        for a, b in self.runs(0, n):
             if b is None:
                 if hooks is not None:
                     hooks.begin_token(self._tokens[a], a)
