@@ -10,13 +10,14 @@ import dataclasses
 import numpy as np
 import pytest
 
+import kimi_explore as ke
 from kimi_explore import Session, interventions
 from kimi_explore.tokenizer import ByteTokenizer
 from kimi_explore.views.explorer.widgets import BUSY, TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
 
 PROMPT = "Hi K3!"
 TAB_OF = {"block_token": 0, "block_layer": 0, "kda_token": 1, "kda_layer": 1, "moe_topk": 2, "moe_layers": 2,
-          "moe_sorted": 2, "moe_full": 2, "predictions": 3}
+          "moe_sorted": 2, "moe_full": 2, "predictions": 3, "lens": 4, "attribution": 4}
 
 
 @pytest.fixture
@@ -397,3 +398,80 @@ def test_a_byte_that_is_not_text_alone_reads_the_same_in_the_text_and_the_predic
     assert ex.text.labels == ["<0xC3>", "<0xA9>"]
     assert [tok.token_label(i) for i in (0xC3, 0xA9)] == ex.text.labels  # the predictions' labels
     assert "\ufffd" not in "".join(ex.text.labels)
+
+
+def test_lens_strip_shows_ke_logit_lens_of_the_selected_token(explorer):
+    ex, s = explorer, explorer.session
+    for _ in range(4):
+        ex.step_button.click()
+    ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.select(token=2, layer=5)
+    (heat, ring), layout = view_spec(ex, "lens")
+    lens = ke.logit_lens(s, top=3)
+    np.testing.assert_allclose(decode(heat["z"])[0], lens.top_probs[2, :, 0], rtol=1e-6)
+    tok = ex.tokenizer
+    names = [tok.token_label(int(i)) for i in lens.top_ids[2, :, 0]]
+    assert heat["text"][0] == [f"x{n[3:5]}" if n.startswith("<0x") else n for n in names]  # <0xC9> -> xC9
+    labels = heat["x"]
+    same = [labels[j] for j in range(len(labels)) if lens.top_ids[2, j, 0] == lens.final_ids[2]]
+    assert ring["x"] == same and labels[-1] in same  # at the last layer the lens is the model
+    assert [sh["x0"] + 0.5 for sh in layout["shapes"]] == [list(s.weights.layer_ids).index(5)]
+    click(ex.views["lens"], x=labels[3])
+    assert ex.layer.value == s.weights.layer_ids[3]
+
+
+def test_waterfall_shows_ke_logit_attribution_and_a_click_selects_the_layer(explorer):
+    ex, s = explorer, explorer.session
+    for _ in range(4):
+        ex.step_button.click()
+    ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.select(token=1)
+    (bar,), layout = view_spec(ex, "attribution")
+    attr = ke.logit_attribution(s, 1, token=s.tokens[2])  # the token that was fed next
+    leaves = list(attr.contributions.items())
+    top = len(bar["y"]) - 2
+    assert bar["y"][:top] == [k for k, _ in leaves[:top]] and bar["y"][-1] == "logit"
+    np.testing.assert_allclose(bar["x"][:top], [v for _, v in leaves[:top]], rtol=1e-9)
+    np.testing.assert_allclose(bar["x"][top], sum(v for _, v in leaves[top:]), rtol=1e-9, atol=1e-12)
+    assert bar["x"][-1] == pytest.approx(attr.logit) and bar["measure"][-1] == "total"
+    leaf = next(k for k in bar["y"] if k.startswith("layers.") and not k.startswith(f"layers.{ex.layer.value}."))
+    click(ex.views["attribution"], y=leaf)
+    assert ex.layer.value == int(leaf.split(".")[1])
+    click(ex.views["attribution"], y=bar["y"][top])  # 'other leaves (n)': no layer, nothing happens
+    assert ex.layer.value == int(leaf.split(".")[1])
+
+
+@pytest.mark.parametrize("what,ids,layers,scope", [("experts", "chosen", "all", "from this token on"),
+                                                   ("KDA heads", "1", "this", "all tokens")])
+def test_ablation_run_diff_is_ke_diff_of_a_hand_built_run(explorer, tiny_weights, what, ids, layers, scope):
+    ex, s = explorer, explorer.session
+    ex.tabs.selected_index = TABS.index("Predictions")
+    for _ in range(5):
+        ex.step_button.click()
+    t = 2
+    ex.select(token=t, layer=ex.kda_layers[1] if what == "KDA heads" else ex.moe_layers[1])
+    ex.ablation.what.value = what
+    ex.ablation.experts.value, ex.ablation.layers.value, ex.ablation.scope.value = ids, layers, scope
+    tokens = list(s.tokens)
+    ablated = ex.ablate()
+    assert s.tokens == tokens  # the session is untouched
+    if what == "experts":
+        r = s.trace().routing()
+        hooks = [interventions.ablate_experts(i, [int(e) for e in r["topk_ids"][t, j] if e >= 0], list(range(t, 5)))
+                 for j, i in enumerate(r["moe_layers"])]
+        start = t
+    else:
+        hooks, start = [interventions.zero_kda_head(ex.layer.value, [1])], 0
+    ref = Session(tiny_weights, recorder=True)
+    for tok in tokens[:start]:
+        ref.step(tok)
+    with ref.intervene(*hooks):
+        for tok in tokens[start:]:
+            ref.step(tok)
+    np.testing.assert_allclose(ablated, ref.logits[t], atol=1e-6)
+    d = ke.diff(s, ref)
+    data, layout = ex.ablation.diff_view.spec["data"], ex.ablation.diff_view.spec["layout"]
+    np.testing.assert_allclose(decode(data[0]["z"])[0], d.kl[start:], atol=1e-6)
+    np.testing.assert_allclose(decode(data[1]["z"]), d.final_attn_res[start:].T, atol=1e-6)
+    assert data[0]["x"][0].startswith(f"{start} ") and d.kl[start:].max() > 1e-6
+    assert f"routing changes ({len(d.routing_changes)})" in layout["title"]["text"]

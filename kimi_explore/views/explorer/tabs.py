@@ -12,10 +12,10 @@ import ipywidgets as widgets
 
 from .. import summaries
 from ..common import routing
-from . import specs, specs_moe
+from . import specs, specs_analysis, specs_moe
 from .plotly_view import PlotView
 
-TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")
+TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions", "Lens & attribution")
 
 # view name -> (tab, height px, width, what a click selects and from which coordinate)
 VIEWS = {
@@ -28,6 +28,8 @@ VIEWS = {
     "moe_sorted": (2, 330, "45%", ("layer", "y")),
     "moe_full": (2, 420, "100%", ("layer", "y")),
     "predictions": (3, 340, "42%", None),
+    "lens": (4, 170, "100%", ("layer", "x")),
+    "attribution": (4, 430, "100%", ("layer", "y")),
 }
 
 
@@ -75,8 +77,10 @@ class CachedTrace:
 
 
 def first_int(label) -> int:
-    """The id a category label starts with: '12 MLA' -> 12, "3 'a'" -> 3."""
-    return int(str(label).split()[0])
+    """The id a category label starts with: '12 MLA' -> 12, "3 'a'" -> 3; an attribution leaf's layer:
+    'layers.12.moe.experts.3' -> 12."""
+    layer = specs_analysis.leaf_layer(label)
+    return layer if layer is not None else int(str(label).split()[0])
 
 
 class Tabs:
@@ -97,7 +101,8 @@ class Tabs:
             widgets.VBox([v["block_token"], v["block_layer"]]),
             widgets.VBox([v["kda_token"], v["kda_layer"]]),
             widgets.VBox([v["moe_topk"], widgets.HBox([v["moe_layers"], v["moe_sorted"]]), self.full_map, v["moe_full"]]),
-            widgets.HBox([v["predictions"], ex.ablation_box]),
+            widgets.VBox([widgets.HBox([v["predictions"], ex.ablation_box]), ex.ablation.diff_view]),
+            widgets.VBox([v["lens"], v["attribution"]]),
         ], titles=TABS)
         self.drawn: dict[int, tuple] = {}  # tab -> what its views show now (history length, token, layer, ...)
         self.rev = 0  # revision counter: every refresh that sends figures takes the next one
@@ -148,6 +153,8 @@ class Tabs:
             self._refresh_moe(tr, t, layer, show)
         elif tab == 3:
             show("predictions", specs_moe.predictions(tr, t, tok))
+        elif tab == 4:
+            self._refresh_analyses(t, layer, show)
         self.drawn[tab], self.tab_rev[tab] = key, self.rev
         return True
 
@@ -168,3 +175,19 @@ class Tabs:
         show("moe_sorted", specs_moe.moe_sorted(stats, order, counts, tr, layers, layer, k))
         if self.full_map.value:
             show("moe_full", specs_moe.moe_full(r, t, tr, layer, bias, tok))
+
+    def _refresh_analyses(self, t: int, layer: int, show) -> None:
+        """The lens and the attribution of token t: one replay of the history up to t each, kept per
+        (history, token), so moving the layer or coming back to a token costs nothing."""
+        from ...analysis.attribution import logit_attribution
+        from ...analysis.logit_lens import logit_lens
+
+        ex = self.ex
+        s = ex.session
+        lens = ex.history_memo(f"lens@{t}", lambda: logit_lens(s, top=3, positions=[t]))
+        # the logit of the token fed next (what the model was asked to predict); the top-1 after the last one
+        target = s.tokens[t + 1] if t + 1 < len(s) else None
+        attr = ex.history_memo(f"attribution@{t}", lambda: logit_attribution(s, t, token=target))
+        labels = specs.layer_labels(ex.trace())
+        show("lens", specs_analysis.lens_strip(lens, labels, ex.tokenizer, layer))
+        show("attribution", specs_analysis.waterfall(attr, ex.tokenizer))

@@ -13,7 +13,9 @@ Controls (ipywidgets 8; the figures are plotly.js views, see `plotly_view.py`):
   text        the decoded tokens, coloured by a per-token measure (`summaries.MEASURES`); click one
   token       slider over the history; layer: the layer of the per-layer views (default: the
               deepest KDA + MoE layer, where every view has something to show)
-  tabs        Block residuals | KDA state | MoE routing | Predictions (+ expert ablation)
+  tabs        Block residuals | KDA state | MoE routing | Predictions (+ ablation of experts or KDA
+              heads at one or several layers, this token / from it on / all tokens, with the fork's
+              run diff) | Lens & attribution (the selected token's logit lens and logit attribution)
 
 Every view marks the selected token and layer, and a click on a token or a layer in any view
 selects it everywhere. Only the open tab is updated (in place); the others when they are opened.
