@@ -155,3 +155,39 @@ def test_predictions_and_compare():
     p, q = np.exp(base) / np.exp(base).sum(), np.exp(other) / np.exp(other).sum()
     assert kl == pytest.approx(float(np.sum(p * np.log(p / q))))
     assert "top-1 changed" in layout["title"]["text"]
+
+
+def test_expert_search_at_896_experts_marks_every_firing_with_its_weight(k3):
+    r = routing(k3)
+    ids, w = r["topk_ids"], r["topk_weights"]
+    e = int(ids[3, 40, 5])  # an expert that fired at least once
+    (hm,), layout = specs_moe.expert_search(r, e, k3, t=3, layer=50)
+    z = decode(hm["z"])  # [M, T]
+    expected = np.full(z.shape, np.nan)
+    for t, j, c in zip(*np.nonzero(ids == e), strict=True):  # plain loops over the trace
+        expected[j, t] = w[t, j, c]
+    np.testing.assert_allclose(z, expected.astype(np.float32), equal_nan=True)
+    hits = int((ids == e).sum())
+    layers_hit = len({j for _, j, _ in zip(*np.nonzero(ids == e), strict=True)})
+    assert f"fired {hits} times at {layers_hit} of {len(r['moe_layers'])} MoE layers" in layout["title"]["text"]
+    gone = dict(r, topk_ids=np.where(ids == e, -1, ids))  # the same trace with e ablated everywhere
+    assert "never chosen in these 6 tokens" in specs_moe.expert_search(gone, e, k3, 3, 50)[1]["title"]["text"]
+    assert "does not exist" in specs_moe.expert_search(r, 896, k3, 3, 50)[1]["annotations"][0]["text"]
+
+
+def test_top_experts_by_load_name_each_layers_busiest(k3):
+    r = routing(k3)
+    stats = summaries.load_stats(r)
+    counts, order = summaries.sorted_counts(stats["counts"])
+    layers = r["moe_layers"]
+    (hm,), layout = specs_moe.moe_top_experts(counts, order, k3, layers, 50, stats["tokens"])
+    j = layers.index(50)
+    from collections import Counter
+
+    tally = Counter(int(x) for x in r["topk_ids"][:, j].ravel())
+    top = decode(hm["z"])[j]
+    assert top[0] == max(tally.values())  # rank 1 is the busiest expert of that layer
+    for rank, name in enumerate(hm["text"][j]):
+        if name:
+            assert tally[int(name)] == top[rank]  # each named expert's count, from the raw ids
+    assert "Top 8 experts by load per layer" in layout["title"]["text"]

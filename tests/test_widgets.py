@@ -17,7 +17,8 @@ from kimi_explore.views.explorer.widgets import BUSY, TABS, Explorer, parse_expe
 
 PROMPT = "Hi K3!"
 TAB_OF = {"block_token": 0, "block_layer": 0, "kda_token": 1, "kda_layer": 1, "moe_topk": 2, "moe_layers": 2,
-          "moe_sorted": 2, "moe_full": 2, "predictions": 3, "lens": 4, "attribution": 4}
+          "moe_sorted": 2, "moe_top": 2, "expert_search": 2, "moe_full": 2, "predictions": 3, "lens": 4,
+          "attribution": 4}
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_step_updates_every_view_of_the_open_tab_in_place(explorer):
     assert all(m == {"token": 2, "layer": ex.layer.value, "tokens": 3} for m in shown(ex).values())
     for tab in range(len(TABS)):
         ex.tabs.selected_index = tab  # opening a tab brings its views up to date
-    assert {n for n, m in shown(ex).items() if m["tokens"] == 3} == set(TAB_OF) - {"moe_full"}
+    assert {n for n, m in shown(ex).items() if m["tokens"] == 3} == set(TAB_OF) - {"moe_full", "expert_search"}
     assert (ex.token.max, ex.token.value) == (2, 2) and "<code>2 ' '</code>" in ex.token_label.value
     assert ex.text.labels == ["H", "i", " "] and ex.text.selected == 2
 
@@ -475,3 +476,19 @@ def test_ablation_run_diff_is_ke_diff_of_a_hand_built_run(explorer, tiny_weights
     np.testing.assert_allclose(decode(data[1]["z"]), d.final_attn_res[start:].T, atol=1e-6)
     assert data[0]["x"][0].startswith(f"{start} ") and d.kl[start:].max() > 1e-6
     assert f"routing changes ({len(d.routing_changes)})" in layout["title"]["text"]
+
+
+def test_expert_search_field_draws_where_the_expert_fires(explorer):
+    ex, s = explorer, explorer.session
+    ex.tabs.selected_index = TABS.index("MoE routing")
+    for _ in range(3):
+        ex.step_button.click()
+    assert not ex.views["expert_search"].spec and ex.views["expert_search"].layout.display == "none"
+    r = s.trace().routing()
+    e = int(r["topk_ids"][1, 0, 0])
+    ex.tab_views.expert.value = str(e)
+    (hm,), layout = view_spec(ex, "expert_search")
+    assert ex.views["expert_search"].layout.display is None and f"Where expert {e} fires" in layout["title"]["text"]
+    assert np.isfinite(decode(hm["z"])[0, 1])  # layer moe_layers[0], token 1: chosen there
+    ex.tab_views.expert.value = "x1"
+    assert "is not an expert id" in ex.tab_views.expert_note.value

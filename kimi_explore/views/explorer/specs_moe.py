@@ -15,9 +15,11 @@ from . import specs
 from .plotly_view import typed
 from .specs import FONT, SELECT, heat, layer_labels, outline
 
-__all__ = ["compare", "moe_full", "moe_layers", "moe_sorted", "moe_topk", "predictions", "ROWS"]
+__all__ = ["compare", "expert_search", "moe_full", "moe_layers", "moe_sorted", "moe_top_experts", "moe_topk",
+           "predictions", "ROWS", "TOP_N"]
 
 ROWS = 24  # MoE layers shown at once in the tall views (pan to scroll)
+TOP_N = 8  # experts named per layer in the top-by-load view
 
 
 def _row_window(n: int, j: int | None, rows: int = ROWS) -> list[float] | None:
@@ -152,6 +154,56 @@ def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers
               "xaxis": {"title": {"text": "expert rank in its layer"}, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "zoom", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+    return [hm], layout
+
+
+def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[int], layer: int | None,
+                    tokens: int, n: int = TOP_N) -> tuple[list, dict]:
+    """Each MoE layer's `n` busiest experts over the tokens so far: the cell names the expert, the colour
+    is how often it was chosen (counts/order: `summaries.sorted_counts`, [M, E] descending)."""
+    labels = layer_labels(trace, layers)
+    n = min(n, counts.shape[1])
+    top_c, top_e = counts[:, :n].astype(np.float32), order[:, :n]
+    text = [[str(int(e)) if c > 0 else "" for e, c in zip(re, rc, strict=True)] for re, rc in zip(top_e, top_c, strict=True)]
+    j_sel = layers.index(layer) if layer in layers else None
+    hm = heat(np.where(top_c > 0, top_c, np.nan), [str(r + 1) for r in range(n)], labels, colorscale="Blues",
+              zmin=0, zmax=max(1.0, float(top_c.max(initial=0))), customdata=typed(top_e, np.int32),
+              hover="layer %{y}, rank %{x}: expert %{customdata}<br>chosen %{z} times", colorbar={"title": {"text": "count"}})
+    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True, xgap=0, ygap=0)
+    window = _row_window(len(labels), j_sel)
+    shown = "" if window is None else f"; layers {labels[round(window[1] + 0.5)].split()[0]}-" \
+        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)} (drag for the rest)"
+    layout = {"title": {"text": f"Top {n} experts by load per layer over {tokens} tokens{shown}", "font": FONT},
+              "xaxis": {"type": "category", "title": {"text": "rank"}, "fixedrange": True, "tickfont": {"size": 10}},
+              "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
+              "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+    return [hm], layout
+
+
+def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokenizer=None) -> tuple[list, dict]:
+    """Where expert `expert` fired: MoE layer x token, the colour its combine weight where it was chosen
+    (empty elsewhere). Tokens run along x in the window that follows the selected token."""
+    layers = list(r["moe_layers"])
+    labels = layer_labels(trace, layers)
+    ids, w = np.asarray(r["topk_ids"]), np.asarray(r["topk_weights"], dtype=np.float32)  # [T, M, k]
+    hit = ids == int(expert)
+    weight = np.where(hit.any(axis=2), np.where(hit, w, 0).sum(axis=2), np.nan).T  # [M, T]
+    n_hits, where = int(hit.sum()), sorted({layers[j] for j in np.nonzero(hit.any(axis=(0, 2)))[0]})
+    toks = token_labels(trace.tokens, tokenizer)
+    E = r["scores"].shape[2]
+    if not 0 <= int(expert) < E:
+        return specs.empty(f"expert {expert} does not exist: expert ids run 0..{E - 1}")
+    hm = heat(weight, toks, labels, colorscale="Viridis", zmin=0, zmax=max(1e-9, float(np.nanmax(weight)) if n_hits else 1),
+              hover="token %{x}, layer %{y}<br>expert " + str(int(expert)) + " chosen, combine weight %{z:.4f}",
+              colorbar={"title": {"text": "weight"}})
+    hm.update(xgap=0, ygap=0)
+    j_sel = layers.index(layer) if layer in layers else None
+    found = (f"fired {n_hits} times at {len(where)} of {len(layers)} MoE layers" if n_hits else
+             f"never chosen in these {len(toks)} tokens")
+    layout = {"title": {"text": f"Where expert {int(expert)} fires: {found}", "font": FONT},
+              "xaxis": specs.token_axis(trace, t, tokenizer), "yaxis": {**_y_layers(labels, j_sel)},
+              "shapes": [outline(t)] + ([_row_outline(j_sel)] if j_sel is not None else []),
+              "plot_bgcolor": "#ffffff", "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 80}}
     return [hm], layout
 
 

@@ -26,6 +26,8 @@ VIEWS = {
     "moe_topk": (2, 360, "100%", ("layer", "y")),
     "moe_layers": (2, 330, "55%", ("layer", "x")),
     "moe_sorted": (2, 330, "45%", ("layer", "y")),
+    "moe_top": (2, 330, "40%", ("layer", "y")),
+    "expert_search": (2, 300, "100%", ("token", "x")),
     "moe_full": (2, 420, "100%", ("layer", "y")),
     "predictions": (3, 340, "42%", None),
     "lens": (4, 170, "100%", ("layer", "x")),
@@ -96,11 +98,20 @@ class Tabs:
         self.full_map = widgets.Checkbox(value=False, description="full layer x expert map (zoomable)", indent=False)
         self.full_map.observe(lambda _: self._full_map_toggled(), names="value")
         self.views["moe_full"].layout.display = "none"
+        self.expert = widgets.Text(value="", description="find expert", placeholder="an id, e.g. 835",
+                                   layout=widgets.Layout(width="260px"), style={"description_width": "80px"})
+        self.expert.observe(lambda _: self._expert_changed(), names="value")
+        self.expert_note = widgets.HTML()
+        self.views["expert_search"].layout.display = "none"
         v = self.views
         self.widget = widgets.Tab(children=[
             widgets.VBox([v["block_token"], v["block_layer"]]),
             widgets.VBox([v["kda_token"], v["kda_layer"]]),
-            widgets.VBox([v["moe_topk"], widgets.HBox([v["moe_layers"], v["moe_sorted"]]), self.full_map, v["moe_full"]]),
+            widgets.VBox([v["moe_topk"], widgets.HBox([v["moe_layers"], v["moe_sorted"]]),
+                          widgets.HBox([v["moe_top"], widgets.VBox([widgets.HBox([self.expert, self.expert_note]),
+                                                                    v["expert_search"]],
+                                                                   layout=widgets.Layout(width="60%"))]),
+                          self.full_map, v["moe_full"]]),
             widgets.VBox([widgets.HBox([v["predictions"], ex.ablation_box]), ex.ablation.diff_view]),
             widgets.VBox([v["lens"], v["attribution"]]),
         ], titles=TABS)
@@ -124,6 +135,24 @@ class Tabs:
         if self.widget.selected_index == 2:
             self.ex.refresh()
 
+    def searched_expert(self) -> int | None:
+        """The expert id in the search field (None: empty or not a number; the note says which)."""
+        text = self.expert.value.strip()
+        if not text:
+            self.expert_note.value = ""
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            self.expert_note.value = f"<span style='color:#b00'>{text!r} is not an expert id</span>"
+            return None
+
+    def _expert_changed(self) -> None:
+        self.views["expert_search"].layout.display = None if self.expert.value.strip() else "none"
+        self.drawn.pop(2, None)
+        if self.widget.selected_index == 2:
+            self.ex.refresh()
+
     def clear(self) -> None:
         for v in self.views.values():
             v.clear()
@@ -132,7 +161,7 @@ class Tabs:
 
     def refresh(self, tab: int, tr: CachedTrace, t: int, layer: int) -> bool:
         """Send tab `tab`'s figures for token t and `layer`; False when they already show exactly that."""
-        key = (len(tr), t, layer, self.full_map.value if tab == 2 else None, self.ex.history_id)
+        key = (len(tr), t, layer, (self.full_map.value, self.expert.value) if tab == 2 else None, self.ex.history_id)
         if self.drawn.get(tab) == key:
             return False
         self.rev += 1
@@ -161,7 +190,7 @@ class Tabs:
     def _refresh_moe(self, tr: CachedTrace, t: int, layer: int, show) -> None:
         r = tr.routing()
         if not r:
-            for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_full"):
+            for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_top", "expert_search", "moe_full"):
                 show(name, specs.empty("no MoE layer is loaded"))
             return
         tok, bias, k = self.ex.tokenizer, self.ex.bias, r["topk_ids"].shape[2]
@@ -173,6 +202,11 @@ class Tabs:
         show("moe_topk", specs_moe.moe_topk(table, tr, layer, tok, t))
         show("moe_layers", specs_moe.moe_layers(entropy[t], stats, tr, layers, layer, k))
         show("moe_sorted", specs_moe.moe_sorted(stats, order, counts, tr, layers, layer, k))
+        show("moe_top", specs_moe.moe_top_experts(counts, order, tr, layers, layer, stats["tokens"]))
+        e = self.searched_expert()
+        if e is not None:
+            self.expert_note.value = ""
+            show("expert_search", specs_moe.expert_search(r, e, tr, t, layer, tok))
         if self.full_map.value:
             show("moe_full", specs_moe.moe_full(r, t, tr, layer, bias, tok))
 
