@@ -492,3 +492,34 @@ def test_expert_search_field_draws_where_the_expert_fires(explorer):
     assert np.isfinite(decode(hm["z"])[0, 1])  # layer moe_layers[0], token 1: chosen there
     ex.tab_views.expert.value = "x1"
     assert "is not an expert id" in ex.tab_views.expert_note.value
+
+
+def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_path, monkeypatch):
+    import json
+    import re
+
+    ex = explorer
+    for _ in range(3):
+        ex.step_button.click()
+    ex.tabs.selected_index = TABS.index("Block residuals")
+    ex.select(token=1, layer=5)
+    ex.views["block_layer"].ranges = {"xaxis2": [0.5, 2.5]}  # as the browser reports a user's pan
+    path = ex.snapshot(tmp_path / "snap.html")
+    page = path.read_text(encoding="utf-8")
+    from kimi_explore.views.explorer.plotly_view import plotly_js_source
+
+    assert page.count(plotly_js_source()) == 1  # plotly.js inline, once
+    # nothing else could fetch anything (plotly.js itself only holds links it never follows offline)
+    assert not re.search(r"(src|href)=[\"']?https?:|<link|<script src", page.replace(plotly_js_source(), ""))
+    state = json.loads(re.search(r'id="kimi-state">(.*?)</script>', page).group(1))
+    assert (state["token"], state["layer"], state["tab"], state["tokens"]) == (1, 5, "Block residuals", 3)
+    assert state["zoom"] == {"block_layer": {"xaxis2": [0.5, 2.5]}} and state["token_ids"] == ex.session.tokens
+    names = re.findall(r'data-name="([a-z_]+)"', page)
+    assert names == ["block_token", "block_layer"]  # the open tab's views, nothing else
+    drawn = ex.views["block_layer"].snapshot()["layout"]
+    assert drawn["xaxis2"]["range"] == [0.5, 2.5] and drawn["xaxis2"]["autorange"] is False
+    assert json.dumps(drawn) in page  # the page draws the view at the user's zoom
+    assert json.dumps(ex.views["block_token"].spec["data"])[:500] in page
+    monkeypatch.chdir(tmp_path)
+    ex.snapshot_button.click()  # the button writes to the working directory and says where
+    assert "snapshot written to" in ex.status.value and list(tmp_path.glob("kimi_snapshot_t1_layer5_tab0.html"))

@@ -51,7 +51,7 @@ export default {
 };
 """
 
-VIEW_ESM = _READY + """
+VIEW_ESM = _READY + r"""
 // no modebar: it sat over the titles; drag zooms or pans (per view), a double click resets
 const CONFIG = { responsive: true, displaylogo: false, scrollZoom: false, displayModeBar: false };
 
@@ -97,7 +97,17 @@ export default {
         el.dataset.rendered = String(spec.rev ?? 0);
         if (listening) return;
         listening = true;  // div.on exists once plotly drew into the div
-        div.on("plotly_relayout", (ev) => { queue = queue.then(() => wholeTicks(ev)); });
+        div.on("plotly_relayout", (ev) => {
+          queue = queue.then(() => wholeTicks(ev));
+          if (!Object.keys(ev).some((key) => /axis\d*\.(range|autorange)/.test(key))) return;
+          const ranges = {};  // the user's zoom / pan, for Python (an exported snapshot keeps it)
+          for (const key of Object.keys(div.layout)) {
+            const ax = div.layout[key];
+            if (/^[xy]axis\d*$/.test(key) && ax && ax.range && !ax.fixedrange) ranges[key] = ax.range.slice();
+          }
+          model.set("ranges", ranges);
+          model.save_changes();
+        });
         div.on("plotly_click", (ev) => {
           const p = ev.points && ev.points[0];
           if (!p) return;
@@ -161,6 +171,7 @@ class PlotView(anywidget.AnyWidget):
     spec = traitlets.Dict().tag(sync=True)
     height = traitlets.Int(300).tag(sync=True)
     name = traitlets.Unicode("").tag(sync=True)  # `data-name` of the element (tests find views by it)
+    ranges = traitlets.Dict().tag(sync=True)  # {axis: [lo, hi]} as the user zoomed or panned it (set by the browser)
 
     def __init__(self, height: int = 300, name: str = "", **kwargs):
         super().__init__(height=int(height), name=name, **kwargs)
@@ -173,12 +184,23 @@ class PlotView(anywidget.AnyWidget):
         the plot's `layout.meta`."""
         layout = {"height": self.height, "margin": {"l": 60, "r": 20, "t": 36, "b": 40}, **layout}
         int_axes = layout.pop("int_axes", [])  # axes of whole ids: the browser keeps their ticks whole when zoomed
+        if "uirevision" not in layout:
+            self.ranges = {}  # the browser redraws this view at the spec's own ranges: a zoom is gone
         if meta is not None:
             layout["meta"] = meta
         self.spec = {"data": data, "layout": layout, "rev": int(rev), "int_axes": list(int_axes)}
 
     def clear(self) -> None:
         self.spec = {}
+
+    def snapshot(self) -> dict | None:
+        """The spec as shown now: its layout with the user's zoom (`ranges`) applied; None when empty."""
+        if not self.spec:
+            return None
+        layout = dict(self.spec["layout"])
+        for axis, rng in self.ranges.items():
+            layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
+        return {"data": self.spec["data"], "layout": layout}
 
     def on_click(self, fn) -> None:
         """fn(point) on a click; point = {"curve", "x", "y", "index"} (index: [row, col] on heatmaps)."""

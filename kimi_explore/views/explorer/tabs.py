@@ -135,6 +135,18 @@ class Tabs:
         if self.widget.selected_index == 2:
             self.ex.refresh()
 
+    @property
+    def titles(self) -> tuple[str, ...]:
+        return TABS
+
+    def tab_views(self, tab: int) -> dict:
+        """{name: PlotView} of tab `tab` that are on screen (a hidden view, e.g. the closed full map, is not)."""
+        out = {name: self.views[name] for name, (i, *_) in VIEWS.items()
+               if i == tab and self.views[name].layout.display != "none"}
+        if tab == TABS.index("Predictions"):
+            out.update(ablation=self.ex.ablation.view, ablation_diff=self.ex.ablation.diff_view)
+        return out
+
     def searched_expert(self) -> int | None:
         """The expert id in the search field (None: empty or not a number; the note says which)."""
         text = self.expert.value.strip()

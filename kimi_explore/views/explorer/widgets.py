@@ -33,6 +33,7 @@ from .. import summaries
 from ..common import bias_vectors, token_labels
 from .ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
 from .plotly_view import PlotlyJS
+from .snapshot import write_snapshot
 from .tabs import TABS, CachedTrace, Tabs
 from .token_text import TokenText, measure_colors
 
@@ -71,6 +72,7 @@ class Explorer(widgets.VBox):
         self.back_button = button("Back", "step-backward", "drop the last token")
         self.play_button = button("Play", "play", "feed the rest of the prompt, then generate")
         self.reset_button = button("Reset", "undo", "empty the session")
+        self.snapshot_button = button("Snapshot", "camera", "the open tab as drawn (token, layer, zoom), one offline HTML file")
         self.busy = widgets.HTML(layout=widgets.Layout(width="110px"))
         self.status = widgets.HTML(layout=widgets.Layout(width="100%", height="22px", overflow="hidden"))
         self.text = TokenText(layout=widgets.Layout(flex="1 1 420px", width="auto", min_width="320px"))
@@ -97,6 +99,7 @@ class Explorer(widgets.VBox):
         self.back_button.on_click(lambda _: self._busy(self.back))
         self.play_button.on_click(lambda _: self._busy(self.play))
         self.reset_button.on_click(lambda _: self._busy(self.reset))
+        self.snapshot_button.on_click(lambda _: self._snapshot_clicked())
         self.token.observe(lambda _: self._selection_changed(), names="value")
         self.layer.observe(lambda _: self._selection_changed(), names="value")
         self.text.observe(lambda ch: self.select(token=ch["new"]) if ch["new"] >= 0 else None, names="selected")
@@ -109,7 +112,8 @@ class Explorer(widgets.VBox):
             PlotlyJS.shared(),
             # rows wrap instead of clipping when the notebook is narrow (JupyterLab's side panel open)
             widgets.HBox([self.prompt, self.mode, self.step_button, self.back_button, self.play_button,
-                          self.reset_button, self.busy], layout=widgets.Layout(width="100%", flex_flow="row wrap")),
+                          self.reset_button, self.snapshot_button, self.busy],
+                         layout=widgets.Layout(width="100%", flex_flow="row wrap")),
             self.status,
             widgets.HBox([self.text, widgets.VBox([self.measure, self.legend], layout=widgets.Layout(width="240px"))],
                          layout=widgets.Layout(width="100%", flex_flow="row wrap")),
@@ -228,6 +232,19 @@ class Explorer(widgets.VBox):
         """Fork, re-decode the selected token without the chosen experts, plot both distributions.
         Returns the fork's logits for that token (None when the input is invalid)."""
         return self.ablation.run()
+
+    def snapshot(self, path=None):
+        """Write the open tab as drawn (selection, zoom) to one offline HTML file; returns its path."""
+        return write_snapshot(self, path)
+
+    def _snapshot_clicked(self) -> None:
+        try:
+            path = self.snapshot()
+        except (ValueError, OSError) as e:
+            return self._error(f"snapshot: {e}")
+        self._update_status()
+        self._set_status(self.status.value.split("'>", 1)[1].rsplit("</span>", 1)[0]
+                         + f" &middot; snapshot written to <code>{html.escape(str(path.resolve()))}</code>")
 
     def select(self, token: int | None = None, layer: int | None = None) -> None:
         """Select a token and/or a layer in every view (what a click on one does)."""
