@@ -51,6 +51,10 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "RoutingStats": ("analysis.routing_stats", "RoutingStats"),
     "RayPipeline": ("distributed.pipeline", "RayPipeline"),
     "from_pretrained": ("weights.load", "load_weights"),
+    "compare": ("engines.compare", "compare"),
+    "Comparison": ("engines.comparison", "Comparison"),
+    "write_dump": ("engines.dump", "write_dump"),
+    "read_dump": ("engines.dump", "read_dump"),
 }
 
 __all__ = [
