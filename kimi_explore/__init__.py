@@ -49,6 +49,8 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "RunDiff": ("analysis.diff", "RunDiff"),
     "routing_stats": ("analysis.routing_stats", "routing_stats"),
     "RoutingStats": ("analysis.routing_stats", "RoutingStats"),
+    "source_ablation": ("analysis.source_ablation", "source_ablation"),
+    "SourceAblation": ("analysis.source_ablation", "SourceAblation"),
     "RayPipeline": ("distributed.pipeline", "RayPipeline"),
     "from_pretrained": ("weights.load", "load_weights"),
     "compare": ("engines.compare", "compare"),
