@@ -522,3 +522,56 @@ def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_pat
     monkeypatch.chdir(tmp_path)
     ex.snapshot_button.click()  # the button writes to the working directory and says where
     assert "snapshot written to" in ex.status.value and list(tmp_path.glob("kimi_snapshot_t1_layer5_tab0.html"))
+
+
+def test_a_step_reads_only_windows_of_the_history(tiny_weights, monkeypatch):
+    """At any history length a Step asks the trace for the selected token's window (a few rows) and the
+    WINDOW tokens on screen, never for the whole history: its cost does not grow with the history."""
+    from kimi_explore.views.explorer import specs
+
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    s.feed(list(range(65, 65 + 50)))  # 50 tokens already decoded
+    ex = Explorer(s, prompt=None)
+    asked = []
+    real = Session.trace
+
+    def spy(self, window=None):
+        tr = real(self, window=window)
+        asked.append(len(tr))
+        return tr
+
+    monkeypatch.setattr(Session, "trace", spy)
+    for tab in range(len(TABS) - 1):  # the analyses tab replays the history by design (lens, attribution)
+        ex.tabs.selected_index = tab
+        asked.clear()
+        ex.step_button.click()
+        assert asked and max(asked) <= specs.WINDOW, (TABS[tab], asked)
+
+
+def test_history_cache_equals_the_whole_history_after_step_back_and_a_new_prompt(tiny_weights):
+    from kimi_explore.views import summaries
+
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="abcdefgh")
+    ex.tabs.selected_index = TABS.index("MoE routing")
+
+    def check():
+        tr = s.trace()
+        full = summaries.token_measures(tr, ex._surprisals())
+        for name, v in full.items():
+            np.testing.assert_allclose(ex.history.measures[name], v, rtol=1e-12, equal_nan=True)
+        stats = summaries.load_stats(tr.routing())
+        np.testing.assert_array_equal(ex.history.load_stats()["counts"], stats["counts"])
+        assert ex.history.load_stats()["tokens"] == len(s)
+
+    for _ in range(5):
+        ex.step_button.click()
+        check()
+    ex.back_button.click()
+    ex.back_button.click()
+    check()
+    ex.prompt.value = "abX"  # shares 2 tokens: Step truncates to them, then feeds 'X'
+    ex.step_button.click()
+    check()
+    ex.play_button.click()
+    check()

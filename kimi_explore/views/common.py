@@ -14,17 +14,18 @@ MAX_TICKS = 40  # labels per axis before thinning; ~40 stays readable at 100 dpi
 _NICE_STRIDES = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 250, 500, 1000, 2000, 5000)
 
 
-def token_labels(ids, tokenizer=None, positions: bool = True) -> list[str]:
+def token_labels(ids, tokenizer=None, positions: bool = True, start: int = 0) -> list[str]:
     """Readable labels for token ids: `tokenizer.token_label(id)` when given, the id otherwise.
 
-    positions=True prefixes the position in the sequence ("3 'a'", "3 #97"): repeated tokens stay apart.
+    positions=True prefixes the position in the sequence ("3 'a'", "3 #97"): repeated tokens stay apart;
+    `start` is the history position of ids[0] (a window of the history).
     """
     ids = [int(i) for i in np.asarray(ids).reshape(-1)]
     if tokenizer is not None:  # quoted: a space must stay visible; -1 = an id the trace was not told
         names = [f"'{tokenizer.token_label(i)}'" if i >= 0 else "?" for i in ids]
     else:
         names = [f"#{i}" if i >= 0 else "?" for i in ids]
-    return [f"{p} {n}" for p, n in enumerate(names)] if positions else names
+    return [f"{p} {n}" for p, n in enumerate(names, start)] if positions else names
 
 
 def nice_stride(n: int, max_ticks: int = MAX_TICKS) -> int:

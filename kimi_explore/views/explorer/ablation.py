@@ -16,6 +16,7 @@ import ipywidgets as widgets
 from ...cli import parse_ids
 from ...inspection import interventions
 from . import specs_analysis, specs_moe
+from .history import window_routing
 from .plotly_view import PlotView
 
 __all__ = ["SCOPES", "Ablation", "parse_experts", "parse_ids", "parse_layers", "rerun", "rerun_token"]
@@ -150,8 +151,8 @@ class Ablation:
         if layer not in ex.moe_layers and self.layers.value.strip().lower() in ("", "this"):
             raise ValueError(f"layer {layer} has a dense FFN, no experts: pick an MoE layer")
         layers = parse_layers(self.layers.value, layer, ex.moe_layers)
-        r = ex.trace().routing()
-        chosen_at = {i: [int(e) for e in r["topk_ids"][t, r["moe_layers"].index(i)] if e >= 0] for i in layers}
+        r = window_routing(ex.session, t, t + 1)  # token t alone
+        chosen_at = {i: [int(e) for e in r["topk_ids"][0, r["moe_layers"].index(i)] if e >= 0] for i in layers}
         if self.experts.value.strip().lower() in ("chosen", "topk", "top-k", ""):  # each layer's own choice at t
             hooks = [interventions.ablate_experts(i, chosen_at[i], self._positions(t)) for i in layers]
             what = f"the experts token {t} chose" + (f" at {layers}" if len(layers) > 1 else "")
@@ -186,8 +187,8 @@ class Ablation:
         self.diff_view.show(*specs_analysis.run_diff(diff(s, fork), start, ex.tokenizer, t), ex.tab_views.rev)
         why = ""
         if self.what.value == "experts" and listed is not None and listed != "all" and self.scope.value == SCOPES[0]:
-            r = ex.trace().routing()
-            chosen = [int(e) for e in r["topk_ids"][t, r["moe_layers"].index(layer)] if e >= 0] \
+            r = window_routing(ex.session, t, t + 1)
+            chosen = [int(e) for e in r["topk_ids"][0, r["moe_layers"].index(layer)] if e >= 0] \
                 if layer in ex.moe_layers else []
             missed = [e for e in listed if e not in chosen]
             if missed and len(missed) == len(listed) and self.layers.value.strip().lower() in ("", "this"):

@@ -16,7 +16,8 @@ import numpy as np
 from ..common import MISSING, nice_stride, token_labels
 from .plotly_view import typed
 
-__all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window"]
+__all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window",
+           "trace_labels"]
 
 WINDOW = 40  # tokens shown at once along x (cells keep their width as the prompt grows)
 SELECT = "#d62728"
@@ -24,6 +25,11 @@ FONT = {"size": 11}
 SITE_NAMES = ("before attention (attn_res.attn)", "before the FFN (attn_res.ffn)")
 GAP_NOTE = "<br>no weight: that block is not sealed yet here"
 GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
+
+
+def trace_labels(trace, tokenizer=None) -> list[str]:
+    """Position-prefixed labels of a trace's tokens; a window (`Trace.window`) keeps its history positions."""
+    return token_labels(trace.tokens, tokenizer, start=getattr(trace, "start", 0))
 
 
 def layer_labels(trace, layers=None) -> list[str]:
@@ -132,7 +138,7 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
             shapes.append(outline(list(trace.layer_ids).index(layer), xa, ya + " domain"))
     data.append(heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
                       hover="final output mix (final.attn_res)<br>source: %{y}<br>weight: %{z:.4f}", showscale=False))
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
     layout = {"title": {"text": f"Block attention residuals of token {label}  (click a layer to select it)", "font": FONT},
               "xaxis": {**layer_axis(layers, "", sel), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
@@ -150,7 +156,7 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
     """Layer `layer`: softmax weight of every source at both sites, token by token (x = token)."""
     j = list(trace.layer_ids).index(layer)
     w = trace.attn_res_weights()[:, j]  # [T, site, S]
-    sources, toks = list(trace.source_labels()), token_labels(trace.tokens, tokenizer)
+    sources, toks = list(trace.source_labels()), trace_labels(trace, tokenizer)
     data, notes, shapes = [], [], []
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
         data.append(heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
@@ -191,7 +197,7 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     data = [heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
                   hover="layer %{x}, head %{y}<br>‖S‖ = %{z:.4f}", colorbar={"title": {"text": "‖S‖"}})]
     shapes = [outline(ids.index(layer))] if layer in ids else []
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer)", "font": FONT},
               "xaxis": layer_axis(labels, "KDA layer", labels[ids.index(layer)] if layer in ids else None),
               "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True},
@@ -208,7 +214,7 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
                      "Pick a KDA layer to see its heads.")
     d = np.asarray(norms[:, ids.index(layer)], dtype=float)  # [T, H]
     vmax = kda_vmax(trace) if vmax is None else vmax
-    toks = token_labels(trace.tokens, tokenizer)
+    toks = trace_labels(trace, tokenizer)
     data = [heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
                   hover="token %{x}, layer " + str(layer) + ", head %{y}<br>‖S‖ = %{z:.4f}", showscale=False)]
     layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",

@@ -13,7 +13,7 @@ import numpy as np
 from ..common import softmax, token_labels
 from . import specs
 from .plotly_view import typed
-from .specs import FONT, SELECT, heat, layer_labels, outline
+from .specs import FONT, SELECT, heat, layer_labels, outline, trace_labels
 
 __all__ = ["compare", "expert_search", "moe_full", "moe_layers", "moe_sorted", "moe_top_experts", "moe_topk",
            "predictions", "ROWS", "TOP_N"]
@@ -91,7 +91,7 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # plotly's Greens: dark = low
               xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
     n_bias = int(table["by_bias"].sum())
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     rows = "" if window is None else (f"; MoE layers {labels[rows_shown[0]].split()[0]}-{labels[rows_shown[-1]].split()[0]}"
                                       f" of {M} shown (drag up/down for the rest)")
     layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){rows}",
@@ -189,7 +189,7 @@ def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokeni
     hit = ids == int(expert)
     weight = np.where(hit.any(axis=2), np.where(hit, w, 0).sum(axis=2), np.nan).T  # [M, T]
     n_hits, where = int(hit.sum()), sorted({layers[j] for j in np.nonzero(hit.any(axis=(0, 2)))[0]})
-    toks = token_labels(trace.tokens, tokenizer)
+    toks = trace_labels(trace, tokenizer)
     E = r["scores"].shape[2]
     if not 0 <= int(expert) < E:
         return specs.empty(f"expert {expert} does not exist: expert ids run 0..{E - 1}")
@@ -229,7 +229,7 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
               "hovertemplate": "layer %{y}, expert %{x}: <b>chosen</b><br>combine weight %{customdata[0]:.4f}<br>"
                                "unbiased score %{customdata[1]:.4f}<extra></extra>"}
     j_sel = layers.index(layer) if layer in layers else None
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"All {E} experts x {M} MoE layers for token {label}: drag a box to zoom, double-click "
                         "to reset", "font": FONT},
               "xaxis": {"title": {"text": "expert id"}, "range": [-0.5, E - 0.5], "tickfont": {"size": 10}},
@@ -253,7 +253,7 @@ def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
            "hovertemplate": "next token %{y}<br>p = %{x:.4f}<extra></extra>", "texttemplate": "%{x:.3f}",
            "textposition": "outside", "cliponaxis": False}
     note = "" if fed is None else (" (red: fed next)" if fed in ids else " (the token fed next is not in this top-k)")
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"Next-token predictions after {label}{note}", "font": FONT},
               "xaxis": {"title": {"text": "probability"}, "range": [0, min(1.0, float(probs.max(initial=0)) * 1.25) or 1],
                         "fixedrange": True},

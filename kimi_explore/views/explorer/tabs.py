@@ -1,9 +1,12 @@
 """The Explorer's tabs: which interactive figures each shows, and how they are refreshed.
 
 `Tabs(explorer)` builds the views once; `refresh(tab, t, layer)` recomputes that tab's figures for
-the selected token and layer and sends them (each view redraws in place, Plotly.react). Numbers
-shared by several views are computed once per history (`CachedTrace`). Clicks on a view select a
-token or a layer: the label under the pointer starts with its id ("12 MLA", "3 'a'").
+the selected token and layer and sends them (each view redraws in place, Plotly.react). A view
+reads only the window of the history it shows (`session.trace(window=...)`: the selected token,
+or the `specs.WINDOW` tokens around it), and the two numbers that depend on every token (the text's
+measures, the expert counts) grow token by token (`history.HistoryCache`): a Step costs the same
+at any history length. Clicks on a view select a token or a layer: the label under the pointer
+starts with its id ("12 MLA", "3 'a'").
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from .. import summaries
-from ..common import routing
 from . import specs, specs_analysis, specs_moe
+from .history import token_window, window_routing
 from .plotly_view import PlotView
 
 TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions", "Lens & attribution")
@@ -33,49 +36,6 @@ VIEWS = {
     "lens": (4, 170, "100%", ("layer", "x")),
     "attribution": (4, 430, "100%", ("layer", "y")),
 }
-
-
-class CachedTrace:
-    """A Trace whose array accessors are computed once (several views read the same arrays)."""
-
-    def __init__(self, trace):
-        self._trace, self._memo = trace, {}
-
-    def _get(self, name):
-        if name not in self._memo:
-            self._memo[name] = getattr(self._trace, name)()
-        return self._memo[name]
-
-    def attn_res_weights(self):
-        return self._get("attn_res_weights")
-
-    def final_attn_res_weights(self):
-        return self._get("final_attn_res_weights")
-
-    def kda_state_norms(self):
-        return self._get("kda_state_norms")
-
-    def source_labels(self):
-        return self._get("source_labels")
-
-    def routing(self):
-        if "routing" not in self._memo:
-            self._memo["routing"] = routing(self._trace) if len(self._trace.routing().get("moe_layers", [])) else {}
-        return self._memo["routing"]
-
-    def __getitem__(self, name):
-        return self._trace[name]
-
-    def __len__(self):
-        return len(self._trace)
-
-    @property
-    def tokens(self):
-        return self._trace.tokens
-
-    @property
-    def layer_ids(self):
-        return self._trace.layer_ids
 
 
 def first_int(label) -> int:
@@ -171,56 +131,65 @@ class Tabs:
         self.drawn.clear()
         self.tab_rev.clear()
 
-    def refresh(self, tab: int, tr: CachedTrace, t: int, layer: int) -> bool:
+    def refresh(self, tab: int, t: int, layer: int) -> bool:
         """Send tab `tab`'s figures for token t and `layer`; False when they already show exactly that."""
-        key = (len(tr), t, layer, (self.full_map.value, self.expert.value) if tab == 2 else None, self.ex.history_id)
+        s = self.ex.session
+        n = len(s)
+        key = (n, t, layer, (self.full_map.value, self.expert.value) if tab == 2 else None, self.ex.history_id)
         if self.drawn.get(tab) == key:
             return False
         self.rev += 1
-        meta = {"token": t, "layer": layer, "tokens": len(tr)}
+        meta = {"token": t, "layer": layer, "tokens": n}
         tok, show = self.ex.tokenizer, lambda name, fig: self.views[name].show(fig[0], fig[1], self.rev, meta)
+        one = s.trace(window=slice(t, t + 1))  # the selected token
+        a, b = token_window(n, t, specs.WINDOW)
         if tab == 0:
-            show("block_token", specs.block_token(tr, t, layer, tok))
-            show("block_layer", specs.block_layer(tr, layer, t, tok))
+            show("block_token", specs.block_token(one, 0, layer, tok))
+            show("block_layer", specs.block_layer(s.trace(window=slice(a, b)), layer, t - a, tok))
         elif tab == 1:
-            if tr.kda_state_norms()[1]:
-                vmax = specs.kda_vmax(tr)  # one colour scale for both views of the tab
-                show("kda_token", specs.kda_token(tr, t, layer, tok, vmax))
-                show("kda_layer", specs.kda_layer(tr, layer, t, tok, vmax))
+            if self.ex.kda_layers:
+                win = s.trace(window=slice(a, b))
+                vmax = specs.kda_vmax(win)  # one colour scale for both views: the window holds the token
+                show("kda_token", specs.kda_token(one, 0, layer, tok, vmax))
+                show("kda_layer", specs.kda_layer(win, layer, t - a, tok, vmax))
             else:
                 for name in ("kda_token", "kda_layer"):
                     show(name, specs.empty("no KDA layer is loaded"))
         elif tab == 2:
-            self._refresh_moe(tr, t, layer, show)
+            self._refresh_moe(one, t, layer, (a, b), show)
         elif tab == 3:
-            show("predictions", specs_moe.predictions(tr, t, tok))
+            show("predictions", specs_moe.predictions(s.trace(window=slice(t, t + 2)), 0, tok))
         elif tab == 4:
             self._refresh_analyses(t, layer, show)
         self.drawn[tab], self.tab_rev[tab] = key, self.rev
         return True
 
-    def _refresh_moe(self, tr: CachedTrace, t: int, layer: int, show) -> None:
-        r = tr.routing()
-        if not r:
+    def _refresh_moe(self, one, t: int, layer: int, window: tuple[int, int], show) -> None:
+        """one: the trace window of token t alone; window: the token range the expert search shows."""
+        s = self.ex.session
+        r = window_routing(s, t, t + 1)
+        stats = self.ex.history.load_stats()
+        if not r or stats is None:
             for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_top", "expert_search", "moe_full"):
                 show(name, specs.empty("no MoE layer is loaded"))
             return
         tok, bias, k = self.ex.tokenizer, self.ex.bias, r["topk_ids"].shape[2]
-        table = summaries.topk_table(r, t, bias)
-        stats = self.ex.history_memo("load_stats", lambda: summaries.load_stats(r))
-        entropy = self.ex.history_memo("routing_entropy", lambda: summaries.routing_entropy(r))
+        table = summaries.topk_table(r, 0, bias)
+        entropy = summaries.routing_entropy(r)[0]
         counts, order = self.ex.history_memo("sorted_counts", lambda: summaries.sorted_counts(stats["counts"]))
         layers = list(r["moe_layers"])
-        show("moe_topk", specs_moe.moe_topk(table, tr, layer, tok, t))
-        show("moe_layers", specs_moe.moe_layers(entropy[t], stats, tr, layers, layer, k))
-        show("moe_sorted", specs_moe.moe_sorted(stats, order, counts, tr, layers, layer, k))
-        show("moe_top", specs_moe.moe_top_experts(counts, order, tr, layers, layer, stats["tokens"]))
+        show("moe_topk", specs_moe.moe_topk(table, one, layer, tok, 0))
+        show("moe_layers", specs_moe.moe_layers(entropy, stats, one, layers, layer, k))
+        show("moe_sorted", specs_moe.moe_sorted(stats, order, counts, one, layers, layer, k))
+        show("moe_top", specs_moe.moe_top_experts(counts, order, one, layers, layer, stats["tokens"]))
         e = self.searched_expert()
         if e is not None:
             self.expert_note.value = ""
-            show("expert_search", specs_moe.expert_search(r, e, tr, t, layer, tok))
+            a, b = window
+            show("expert_search", specs_moe.expert_search(window_routing(s, a, b), e, s.trace(window=slice(a, b)),
+                                                          t - a, layer, tok))
         if self.full_map.value:
-            show("moe_full", specs_moe.moe_full(r, t, tr, layer, bias, tok))
+            show("moe_full", specs_moe.moe_full(r, 0, one, layer, bias, tok))
 
     def _refresh_analyses(self, t: int, layer: int, show) -> None:
         """The lens and the attribution of token t: one replay of the history up to t each, kept per
@@ -234,6 +203,6 @@ class Tabs:
         # the logit of the token fed next (what the model was asked to predict); the top-1 after the last one
         target = s.tokens[t + 1] if t + 1 < len(s) else None
         attr = ex.history_memo(f"attribution@{t}", lambda: logit_attribution(s, t, token=target))
-        labels = specs.layer_labels(ex.trace())
+        labels = specs.layer_labels(s.trace(window=slice(t, t + 1)))
         show("lens", specs_analysis.lens_strip(lens, labels, ex.tokenizer, layer))
         show("attribution", specs_analysis.waterfall(attr, ex.tokenizer))

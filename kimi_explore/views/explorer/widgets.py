@@ -32,9 +32,10 @@ import numpy as np
 from .. import summaries
 from ..common import bias_vectors, token_labels
 from .ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
+from .history import HistoryCache
 from .plotly_view import PlotlyJS
 from .snapshot import write_snapshot
-from .tabs import TABS, CachedTrace, Tabs
+from .tabs import TABS, Tabs
 from .token_text import TokenText, measure_colors
 
 __all__ = ["Explorer", "TABS", "parse_experts", "parse_ids", "rerun", "rerun_token"]
@@ -55,7 +56,8 @@ class Explorer(widgets.VBox):
         self.kda_layers = [i for i in weights.layer_ids if cfg.is_kda_layer(i)]
         self.moe_layers = [i for i in weights.layer_ids if cfg.is_moe_layer(i)]
         self.bias = bias_vectors(weights)
-        self.history_id, self._memo, self._trace, self._surprisal = 0, {}, None, {}
+        self.history_id, self._memo, self._surprisal = 0, {}, {}
+        self.history = HistoryCache()  # per-token measures and expert counts, grown by each Step
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
 
@@ -255,11 +257,10 @@ class Explorer(widgets.VBox):
                 self.layer.value = int(layer)
 
     # ------------------------------------------------------------------ state shared by the views
-    def trace(self):
-        """The session's Trace (array accessors cached), rebuilt only when the history changed."""
-        if self._trace is None:
-            self._trace = CachedTrace(self.session.trace())
-        return self._trace
+    def trace(self, window=None):
+        """The session's Trace, or a window of it (the views read windows: a Step costs the same at any
+        history length)."""
+        return self.session.trace(window=window)
 
     def history_memo(self, name: str, make):
         """A value computed once per history (dropped when the history changes)."""
@@ -271,12 +272,12 @@ class Explorer(widgets.VBox):
         n = len(self.session)
         self.history_id += 1
         self._memo.clear()
-        self._trace = None
         self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == self.session.tokens[t]}
         with self.token.hold_trait_notifications():
             self.token.max = max(n - 1, 0)
             self.token.value = max(n - 1, 0)
         self.token.disabled = self.back_button.disabled = n == 0
+        self.history.update(self.session, self._surprisals())
         self.ablation.clear()
         self._update_status()
         self._show_text()
@@ -297,7 +298,7 @@ class Explorer(widgets.VBox):
             self.tab_views.clear()
         else:
             tab = self.tabs.selected_index if tab is None else tab
-            self.tab_views.refresh(tab, self.trace(), min(self.token.value, n - 1), self.layer.value)
+            self.tab_views.refresh(tab, min(self.token.value, n - 1), self.layer.value)
         rev = self.tab_views.tab_rev.get(self.tabs.selected_index, 0)  # what the open tab's views must show
         self.done.value = f"<span class='kimi-done' data-rev='{rev}' data-tokens='{n}'></span>"
 
@@ -324,7 +325,7 @@ class Explorer(widgets.VBox):
             self.text.set_tokens([], [], [])
             self.legend.value = ""
             return
-        measures = self.history_memo("measures", lambda: summaries.token_measures(self.trace(), self._surprisals()))
+        measures = self.history.measures
         name = self.measure.value
         values = measures[name]
         shown = [self._piece(t) for t in self.session.tokens]
