@@ -641,7 +641,8 @@ def test_what_the_model_learned_analyses_on_the_device(load):
 def test_explorer_data_path_on_the_device(load):
     pytest.importorskip("ipywidgets")
     from kimi_explore.tokenizer import ByteTokenizer
-    from kimi_explore.views.widgets import TABS, Explorer
+    from kimi_explore.views.explorer.tabs import TABS
+    from kimi_explore.views.explorer.widgets import Explorer
 
     shown = {}
     for where in ("gpu", "cpu"):
