@@ -154,6 +154,11 @@ class Recorder:
         """End a token where "logits" does not fire (a pipeline stage before the last)."""
         self._end_token(None)
 
+    def sites(self, names: dict) -> dict | None:
+        """`Hooks.sites` of the Hooks it holds (the sites it records or hooks were added at); None while a
+        chunk runs token by token (its `fire` then records rows of the chunk: every site through it)."""
+        return self.hooks.sites(names) if self.fire == self.hooks.fire else None
+
     def __len__(self) -> int:
         """The number of hooks added to this recorder (its own recording is not a hook)."""
         return len(self.hooks)

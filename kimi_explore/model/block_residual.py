@@ -15,6 +15,7 @@ mix, and its own running sum restarts from its attention output.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -113,12 +114,11 @@ class SourceBuffer:
         """Softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight: [n+1] (a new array)."""
         m = self.n + 1
         s = self.rows[:m] @ score_weight
-        if self.host_scalars:
-            z = [a * b for a, b in zip(s.tolist(), self.inv_rms, strict=False)]  # inv_rms has spare rows
+        if self.host_scalars:  # the same float operations as a loop would do, through C-level map calls
+            z = list(map(operator.mul, s.tolist(), self.inv_rms))  # (map stops at m: inv_rms has spare rows)
             top = max(z)
-            e = [math.exp(v - top) for v in z]
-            total = sum(e)
-            return np.array([v / total for v in e], dtype=self.dtype)
+            e = list(map(math.exp, map(top.__rsub__, z)))  # exp(z_i - top)
+            return np.array(list(map(sum(e).__rtruediv__, e)), dtype=self.dtype)  # e_i / total
         s = s * self.inv_rms[:m]
         e = self.xp.exp(s - s.max())
         return e / e.sum()

@@ -34,6 +34,7 @@ from ..backend import to_numpy
 from . import kda_recurrence
 from .kda_chunk import LOG_DECAY_FLOOR, chunked_delta_rule
 from .ops import linear
+from .sites import site_table
 
 L2NORM_EPS = 1e-6
 
@@ -119,7 +120,7 @@ def delta_rule_read(S, q):
 def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     """x: [d] (input_layernorm output) -> [d]; advances `state` in place.
 
-    hooks/names: `hooks.fire(names[site], value)` at each site of `ATTENTION_SITES["kda"]`, in that order;
+    hooks/names: the hooks at each listened-to site (`site_table(hooks, names)`) of `ATTENTION_SITES["kda"]`, in that order;
     a returned value is used downstream: the window (`kda.conv`, kept in the state), the conv outputs
     before the L2 norm (`kda.conv_out` [3, H, K]), q, k, v, beta, decay, gate, the updated state
     (`kda.state`, kept), the read-out o = S^T q before the gated norm (`kda.o` [H, V]).
@@ -131,6 +132,7 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     into the l2norm, the o_norm gain folded with the gate.
     """
     xp = array_namespace(x)
+    at = site_table(hooks, names)
     H, K = w.num_heads, w.head_dim
     P = H * K
     y = w.in_proj @ x
@@ -140,8 +142,8 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
     flat[:-1] = flat[1:].copy()
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
-    if hooks is not None:
-        new = hooks.fire(names["kda.conv"], window)
+    if "kda.conv" in at:
+        new = at["kda.conv"](window)
         if new is not window:
             window[...] = new
     pre = (window * w.conv) @ w.taps_ones  # [3, P]
@@ -152,30 +154,36 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
     gate, beta = sig[3 * P : 4 * P].reshape(H, K), sig[4 * P : 4 * P + H]
     alpha = xp.exp(w.lower_bound * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
-    if hooks is not None:
-        qkv = hooks.fire(names["kda.conv_out"], qkv)
+    if "kda.conv_out" in at:
+        qkv = at["kda.conv_out"](qkv)
 
     qk = qkv[:2]
     sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head
     qk = qk * (w.qk_scale / xp.sqrt(sq + L2NORM_EPS))
     q, k, v = qk[0], qk[1], qkv[2]
-    if hooks is not None:
-        q = hooks.fire(names["kda.q"], q)
-        k = hooks.fire(names["kda.k"], k)
-        v = hooks.fire(names["kda.v"], v)
-        beta = hooks.fire(names["kda.beta"], beta)
-        alpha = hooks.fire(names["kda.decay"], alpha)
-        gate = hooks.fire(names["kda.gate"], gate)
+    if at:  # (the rarely hooked intermediate values: one test for all six when nothing listens)
+        if "kda.q" in at:
+            q = at["kda.q"](q)
+        if "kda.k" in at:
+            k = at["kda.k"](k)
+        if "kda.v" in at:
+            v = at["kda.v"](v)
+        if "kda.beta" in at:
+            beta = at["kda.beta"](beta)
+        if "kda.decay" in at:
+            alpha = at["kda.decay"](alpha)
+        if "kda.gate" in at:
+            gate = at["kda.gate"](gate)
 
     S = state.recurrent
     delta_rule_update(S, k, v, alpha, beta)
-    if hooks is not None:
-        new = hooks.fire(names["kda.state"], S)
+    if "kda.state" in at:
+        new = at["kda.state"](S)
         if new is not S:
             S[...] = new
     o = delta_rule_read(S, q)
-    if hooks is not None:
-        o = hooks.fire(names["kda.o"], o)
+    if "kda.o" in at:
+        o = at["kda.o"](o)
     # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
     sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
     o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + K * w.eps)

@@ -25,6 +25,7 @@ import numpy as np
 from .._xp import array_namespace
 from ..backend import on_host, to_numpy
 from .ops import naive_situ_and_mul, rms_norm, sigmoid, situ_and_mul, situ_inv_caps
+from .sites import site_table
 
 RENORM_EPS = 1e-20
 
@@ -217,32 +218,34 @@ def expert_outputs(experts, ids, z, act):
 def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
     """x: [d] (post_attention_layernorm output) -> [d].
 
-    hooks/names: `hooks.fire(names[site], value)` at each site of `FFN_SITES["moe"]`; a returned value is
+    hooks/names: the hooks at each listened-to site (`site_table(hooks, names)`) of `FFN_SITES["moe"]`; a returned value is
     used downstream (new `topk_ids` are re-weighted from the scores; `experts_out` [l] is the weighted
     sum of the experts' outputs before the latent norm).
     """
     E, l = w.num_experts, w.latent_size
+    at = site_table(hooks, names)
     y = w.in_proj @ x
     scores = sigmoid(y[:E])
-    if hooks is not None:
-        scores = hooks.fire(names["moe.router.scores"], scores)
+    if "moe.router.scores" in at:
+        scores = at["moe.router.scores"](scores)
     ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
-    if hooks is not None:
-        ids = hooks.fire(names["moe.router.topk_ids"], ids)
+    if "moe.router.topk_ids" in at:
+        ids = at["moe.router.topk_ids"](ids)
     weights = routing_weights(scores, ids, w.renormalize, w.routed_scaling_factor)
-    if hooks is not None:
-        weights = hooks.fire(names["moe.router.topk_weights"], weights)
+    if "moe.router.topk_weights" in at:
+        weights = at["moe.router.topk_weights"](weights)
 
     u = weights @ expert_outputs(w.experts, ids, y[E : E + l], w.situ)
-    if hooks is not None:
-        u = hooks.fire(names["moe.experts_out"], u)
+    if "moe.experts_out" in at:
+        u = at["moe.experts_out"](u)
     if w.use_latent_norm:
         u = rms_norm(u, w.routed_expert_norm, w.eps)
     routed = w.routed_expert_up_proj @ u
     shared = w.shared_down_proj @ w.situ(y[E + l :])
-    if hooks is not None:
-        routed = hooks.fire(names["moe.routed_out"], routed)
-        shared = hooks.fire(names["moe.shared_out"], shared)
+    if "moe.routed_out" in at:
+        routed = at["moe.routed_out"](routed)
+    if "moe.shared_out" in at:
+        shared = at["moe.shared_out"](shared)
     return routed + shared
 
 

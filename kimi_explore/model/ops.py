@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from .._xp import array_namespace
 from ..backend import on_host
 
@@ -32,10 +34,10 @@ def rms_norm(x, weight, eps: float):
     HF normalises in fp32, casts back to the activation dtype, then multiplies by the weight; in a
     float32/float64 decoder the cast is the identity.
     """
-    xp = array_namespace(x)
     n = x.shape[-1]
-    if x.ndim == 1 and on_host(xp):  # the common case: one scalar, computed on the host side of the call
+    if x.ndim == 1 and (type(x) is np.ndarray or on_host(array_namespace(x))):  # the common case: one scalar, on the host
         return x * (weight * (1.0 / math.sqrt(float(x @ x) / n + eps)))
+    xp = array_namespace(x)
     # rows, or a GPU (where float() would wait for the device): everything stays in arrays
     return x * (weight / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / n) + eps))
 
@@ -68,7 +70,6 @@ def situ_inv_caps(xp, n: int, beta: float, linear_beta: float, dtype):
 
 def naive_situ_and_mul(gate_up, beta: float, linear_beta: float | None):
     """Float64 reference: the SiTU formula element by element, written as in the tech report (eq. 12)."""
-    import numpy as np
 
     gu = np.asarray(gate_up, dtype=np.float64)
     n = gu.shape[-1] // 2
