@@ -72,6 +72,12 @@ class KdaWeights:
         self.qk_scale = xp.asarray([1.0 / math.sqrt(self.head_dim), 1.0], dtype=self.A.dtype).reshape(2, 1, 1)
         self.o_norm_scaled = self.o_norm * math.sqrt(self.head_dim)
         self.taps_ones = xp.ones(self.conv.shape[-1], self.conv.dtype)  # [W]: the conv's sum over taps as a matvec
+        self.A_wide = xp.ascontiguousarray(xp.broadcast_to(self.A, (self.num_heads, self.head_dim)))  # [H, K]
+        # the step's scalars as 0-d arrays of the compute dtype: the same rounding as a Python scalar, but
+        # NumPy's cheapest operand (a Python float costs a conversion per operation)
+        c = lambda v: xp.asarray(v, dtype=self.A.dtype)  # noqa: E731
+        self.one, self.lower_bound_c = c(1.0), c(self.lower_bound)
+        self.l2_eps, self.o_eps = c(L2NORM_EPS), c(self.head_dim * self.eps)
 
 
 @dataclass
@@ -140,26 +146,26 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     flat = window.reshape(-1)  # a view: KdaState keeps the window C-contiguous
     # shift every channel left by one tap: flat[i] <- flat[i + 1]; the taps that cross into the next
     # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
-    flat[:-1] = flat[1:].copy()
+    flat[:-1] = flat[1:] if type(flat) is np.ndarray else flat[1:].copy()
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
     if "kda.conv" in at:
         new = at["kda.conv"](window)
         if new is not window:
             window[...] = new
     pre = (window * w.conv) @ w.taps_ones  # [3, P]
-    decay_in = ((w.f_b_proj @ y[4 * P + H :]).reshape(H, K) + w.dt_bias) * w.A  # A (f + dt_bias)  [H, K]
+    decay_in = ((w.f_b_proj @ y[4 * P + H :]).reshape(H, K) + w.dt_bias) * w.A_wide  # A (f + dt_bias)  [H, K]
     # one sigmoid for all four: the conv outputs (SiLU(c) = c sigmoid(c)), the output gate, beta, the decay
     z = xp.concatenate((pre.reshape(-1), y[3 * P : 4 * P + H], decay_in.reshape(-1)))
-    sig = 1.0 / (1.0 + xp.exp(-z))
+    sig = w.one / (w.one + xp.exp(-z))
     qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
     gate, beta = sig[3 * P : 4 * P].reshape(H, K), sig[4 * P : 4 * P + H]
-    alpha = xp.exp(w.lower_bound * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
+    alpha = xp.exp(w.lower_bound_c * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
     if "kda.conv_out" in at:
         qkv = at["kda.conv_out"](qkv)
 
     qk = qkv[:2]
     sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head
-    qk = qk * (w.qk_scale / xp.sqrt(sq + L2NORM_EPS))
+    qk = qk * (w.qk_scale / xp.sqrt(sq + w.l2_eps))
     q, k, v = qk[0], qk[1], qkv[2]
     if at:  # (the rarely hooked intermediate values: one test for all six when nothing listens)
         if "kda.q" in at:
@@ -186,7 +192,7 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
         o = at["kda.o"](o)
     # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
     sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + K * w.eps)
+    o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + w.o_eps)  # o_eps = K eps
     return w.o_proj @ o.reshape(P)
 
 

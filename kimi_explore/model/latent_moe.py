@@ -147,19 +147,23 @@ class LatentMoeWeights:
     situ_linear_beta: float | None
 
     def __post_init__(self):
-        self._inv_caps: dict = {}  # (width, dtype) -> situ_inv_caps (derived, never loaded)
+        self._inv_caps: dict = {}  # (shape or width, dtype) -> (situ_inv_caps, its constants) (derived, never loaded)
+        self.one = array_namespace(self.routed_expert_norm).asarray(1.0, dtype=self.routed_expert_norm.dtype)  # 0-d
 
     def situ(self, gate_up):
         """SiTU-GLU with this layer's caps, the routed experts' [k, 2I] or the shared experts' [2 Ish]."""
         lb = self.situ_linear_beta
         if lb is None:
             return situ_and_mul(gate_up, self.situ_beta, None)
-        key = (gate_up.shape[-1], gate_up.dtype)
-        inv = self._inv_caps.get(key)
-        if inv is None:
-            xp = array_namespace(gate_up)
-            inv = self._inv_caps[key] = situ_inv_caps(xp, key[0] // 2, self.situ_beta, lb, gate_up.dtype)
-        return situ_and_mul(gate_up, self.situ_beta, lb, inv)
+        # small inputs (the token form's): the caps at the input's full shape, no broadcast (cheaper)
+        key = (gate_up.shape if gate_up.size <= 4096 else gate_up.shape[-1:], gate_up.dtype)
+        hit = self._inv_caps.get(key)
+        if hit is None:
+            xp, dt = array_namespace(gate_up), gate_up.dtype
+            inv = situ_inv_caps(xp, gate_up.shape[-1] // 2, self.situ_beta, lb, dt)
+            inv = xp.ascontiguousarray(xp.broadcast_to(inv, key[0]))
+            hit = self._inv_caps[key] = (inv, (xp.asarray(1.0, dtype=dt), xp.asarray(self.situ_beta * lb, dtype=dt)))
+        return situ_and_mul(gate_up, self.situ_beta, lb, *hit)
 
 
 # Below this many experts, routing on the host runs as Python floats: sorting a dozen numbers costs
@@ -225,7 +229,7 @@ def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
     E, l = w.num_experts, w.latent_size
     at = site_table(hooks, names)
     y = w.in_proj @ x
-    scores = sigmoid(y[:E])
+    scores = sigmoid(y[:E], w.one)
     if "moe.router.scores" in at:
         scores = at["moe.router.scores"](scores)
     ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
