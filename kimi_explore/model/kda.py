@@ -113,9 +113,17 @@ def delta_rule_update(S, k, v, alpha, beta) -> None:
     Decay first, then read with the decayed state, then write.
     """
     xp = array_namespace(S)
-    S *= alpha[:, :, None]
+    exact = kda_recurrence.elementwise_ops(S, alpha, k)  # the compiled elementwise steps (bit for bit these)
+    if exact is not None:
+        exact.scale_rows(S, alpha)
+    else:
+        S *= alpha[:, :, None]
     u = xp.matmul(k[:, None, :], S)[:, 0]  # S^T k  [H, V]
-    S += k[:, :, None] * (beta[:, None] * (v - u))[:, None, :]
+    w = beta[:, None] * (v - u)
+    if exact is not None and w.dtype == S.dtype and w.flags.c_contiguous:
+        exact.add_outer(S, k, w, S.shape[0])
+    else:
+        S += k[:, :, None] * w[:, None, :]
 
 
 def delta_rule_read(S, q):

@@ -178,12 +178,12 @@ def select_experts(scores, bias, top_k: int):
     numbers as an array implementation (a double-precision sum could break a float32 near-tie the
     other way).
     """
-    xp = array_namespace(scores)
     choice = scores + bias
     E = choice.shape[0]
-    if on_host(scores) and E <= SMALL_ROUTER:
+    if E <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
         top = sorted(range(E), key=choice.tolist().__getitem__, reverse=True)[:top_k]  # sorted is stable
         return np.array(sorted(top, key=scores.tolist().__getitem__, reverse=True), dtype=np.intp)
+    xp = array_namespace(scores)
     if top_k < E:
         ids = xp.argpartition(-choice, top_k - 1)[:top_k]
     else:
@@ -193,7 +193,7 @@ def select_experts(scores, bias, top_k: int):
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float):
     """scores[ids], renormalised to sum 1 (+ RENORM_EPS) when asked, times `scaling`: [k]."""
-    if on_host(scores) and scores.shape[0] <= SMALL_ROUTER:
+    if scores.shape[0] <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
         s = scores.tolist()
         w = [s[i] for i in ids.tolist()]
         c = scaling / (sum(w) + RENORM_EPS) if renormalize else scaling
