@@ -59,7 +59,13 @@ def situ_and_mul(gate_up, beta: float, linear_beta: float | None, inv_caps=None,
     if inv_caps is not None and linear_beta is not None:
         one, cap = (1.0, beta * linear_beta) if consts is None else consts
         t = xp.tanh(gate_up * inv_caps)
-        return t[..., :n] / (one + xp.exp(-g)) * t[..., n:] * cap
+        den = xp.negative(g)  # 1 + exp(-g), in place: one new array (g may be a strided view)
+        xp.exp(den, out=den)
+        den += one
+        out = xp.divide(t[..., :n], den, out=den)
+        out *= t[..., n:]
+        out *= cap
+        return out
     a = xp.tanh(g * (1.0 / beta)) / (1.0 + xp.exp(-g))  # tanh-capped gate times sigmoid(uncapped gate)
     if linear_beta is None:
         return a * u * beta
