@@ -203,6 +203,72 @@ KX_NO_CONTRACT static void add_outer_f32(float *restrict S, const float *restric
         }
 }
 
+/* out[r, :] = x[r, :] * (scale[r] / sqrt(sq[r] + eps)): the l2 norm of q and k with q's scale folded in. */
+KX_NO_CONTRACT static void l2_scale_f32(const float *restrict x, const float *restrict sq, const float *restrict scale, float eps,
+                                        float *restrict out, Py_ssize_t rows, Py_ssize_t K) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float f = scale[r] / sqrtf(sq[r] + eps);
+        for (Py_ssize_t j = 0; j < K; j++) out[r * K + j] = x[r * K + j] * f;
+    }
+}
+
+/* out[h, :] = o[h, :] * (gain[:] * gate[h, :]) / sqrt(sq[h] + eps): the gated RMSNorm of the read-out. */
+KX_NO_CONTRACT static void gated_norm_f32(const float *restrict o, const float *restrict sq, const float *restrict gain,
+                                          const float *restrict gate, float eps, float *restrict out, Py_ssize_t H,
+                                          Py_ssize_t V) {
+    for (Py_ssize_t h = 0; h < H; h++) {
+        const float d = sqrtf(sq[h] + eps);
+        for (Py_ssize_t j = 0; j < V; j++) {
+            const float g = gain[j] * gate[h * V + j];
+            const float p = o[h * V + j] * g;
+            out[h * V + j] = p / d;
+        }
+    }
+}
+
+static PyObject *l2_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer x, sq, scale, out;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*y*y*fw*", &x, &sq, &scale, &eps, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t rows = sq.len / 4, K = rows > 0 ? x.len / (4 * rows) : 0;
+    if (K == 0 || x.len != 4 * rows * K || scale.len != sq.len || out.len != x.len)
+        PyErr_SetString(PyExc_ValueError, "l2_scale: x, out float32 [R, K]; sq, scale float32 [R] expected");
+    else {
+        l2_scale_f32(x.buf, sq.buf, scale.buf, eps, out.buf, rows, K);
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&sq);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *gated_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer o, sq, gain, gate, out;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*fw*", &o, &sq, &gain, &gate, &eps, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t H = sq.len / 4, V = gain.len / 4;
+    if (H == 0 || V == 0 || o.len != 4 * H * V || gate.len != o.len || out.len != o.len)
+        PyErr_SetString(PyExc_ValueError, "gated_norm: o, gate, out float32 [H, V]; sq float32 [H]; gain float32 [V] expected");
+    else {
+        gated_norm_f32(o.buf, sq.buf, gain.buf, gate.buf, eps, out.buf, H, V);
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&sq);
+    PyBuffer_Release(&gain);
+    PyBuffer_Release(&gate);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *scale_rows(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer S, alpha;
@@ -243,6 +309,9 @@ static PyObject *add_outer(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"delta_rule", delta_rule, METH_VARARGS, delta_rule_doc},
+    {"l2_scale", l2_scale, METH_VARARGS, "l2_scale(x, sq, scale, eps, out): out[r] = x[r] * (scale[r] / sqrt(sq[r] + eps))."},
+    {"gated_norm", gated_norm, METH_VARARGS,
+     "gated_norm(o, sq, gain, gate, eps, out): out[h] = o[h] * (gain * gate[h]) / sqrt(sq[h] + eps)."},
     {"scale_rows", scale_rows, METH_VARARGS, "scale_rows(S, alpha): S[r, :] *= alpha[r] (float32, C-contiguous; exact)."},
     {"add_outer", add_outer, METH_VARARGS,
      "add_outer(S, k, w, H): S[h, r, :] += k[h, r] * w[h, :] (float32, C-contiguous; each product rounded, then the sum)."},

@@ -78,6 +78,11 @@ class KdaWeights:
         c = lambda v: xp.asarray(v, dtype=self.A.dtype)  # noqa: E731
         self.one, self.lower_bound_c = c(1.0), c(self.lower_bound)
         self.l2_eps, self.o_eps = c(L2NORM_EPS), c(self.head_dim * self.eps)
+        # for the compiled steps (kda_recurrence.elementwise_ops): q's and k's scale per (stream, head) row [2H],
+        # the epsilons as the Python floats of their compute-dtype values
+        self.qk_scale_rows = xp.repeat(self.qk_scale.reshape(2), self.num_heads)
+        t = np.dtype(self.A.dtype).type  # (on the host: the arrays may live on a GPU)
+        self.l2_eps_f, self.o_eps_f = float(t(L2NORM_EPS)), float(t(self.head_dim * self.eps))
 
 
 @dataclass
@@ -173,7 +178,13 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
 
     qk = qkv[:2]
     sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head
-    qk = qk * (w.qk_scale / xp.sqrt(sq + w.l2_eps))
+    exact = kda_recurrence.elementwise_ops(qk, sq, w.qk_scale_rows)
+    if exact is not None:  # the line below, compiled (bit for bit)
+        out = xp.empty(qk.shape, qk.dtype)
+        exact.l2_scale(qk, sq, w.qk_scale_rows, w.l2_eps_f, out)
+        qk = out
+    else:
+        qk = qk * (w.qk_scale / xp.sqrt(sq + w.l2_eps))
     q, k, v = qk[0], qk[1], qkv[2]
     if at:  # (the rarely hooked intermediate values: one test for all six when nothing listens)
         if "kda.q" in at:
@@ -200,7 +211,13 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
         o = at["kda.o"](o)
     # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
     sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + w.o_eps)  # o_eps = K eps
+    exact = kda_recurrence.elementwise_ops(o, sq, w.o_norm_scaled, gate)
+    if exact is not None:  # the line below, compiled (bit for bit)
+        out = xp.empty(o.shape, o.dtype)
+        exact.gated_norm(o, sq, w.o_norm_scaled, gate, w.o_eps_f, out)
+        o = out
+    else:
+        o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + w.o_eps)  # o_eps = K eps
     return w.o_proj @ o.reshape(P)
 
 
