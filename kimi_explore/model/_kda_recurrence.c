@@ -169,7 +169,7 @@ release:
 }
 
 /* The token form's elementwise delta-rule steps (kda.delta_rule_update), float32, rounded exactly as NumPy's
-   `S *= alpha[:, :, None]` and `S += k[:, :, None] * w[:, None, :]` round them: each product, then each sum,
+   `S *= alpha[:, :, None]` and `S += k[:, :, None] * (beta[:, None] * (v - u))[:, None, :]` round them: each product, then each sum,
    rounded on its own (no fused multiply-add), so the results are bit for bit NumPy's. One call each instead
    of NumPy's broadcasts over a short inner axis, which cost more than the arithmetic on a tiny model. */
 #if defined(__clang__)
@@ -189,18 +189,24 @@ KX_NO_CONTRACT static void scale_rows_f32(float *restrict S, const float *restri
     }
 }
 
-KX_NO_CONTRACT static void add_outer_f32(float *restrict S, const float *restrict k, const float *restrict w, Py_ssize_t H,
-                                         Py_ssize_t K, Py_ssize_t V) {
-    for (Py_ssize_t h = 0; h < H; h++)
+KX_NO_CONTRACT static void write_delta_f32(float *restrict S, const float *restrict k, const float *restrict v,
+                                           const float *restrict u, const float *restrict beta, Py_ssize_t H, Py_ssize_t K,
+                                           Py_ssize_t V, float *restrict w) {
+    for (Py_ssize_t h = 0; h < H; h++) {
+        const float b = beta[h];
+        for (Py_ssize_t j = 0; j < V; j++) {
+            const float d = v[h * V + j] - u[h * V + j];
+            w[j] = b * d;
+        }
         for (Py_ssize_t r = 0; r < K; r++) {
             const float kr = k[h * K + r];
-            const float *restrict wh = w + h * V;
             float *restrict row = S + (h * K + r) * V;
             for (Py_ssize_t j = 0; j < V; j++) {
-                const float prod = kr * wh[j];
+                const float prod = kr * w[j];
                 row[j] = row[j] + prod;
             }
         }
+    }
 }
 
 /* out[r, :] = x[r, :] * (scale[r] / sqrt(sq[r] + eps)): the l2 norm of q and k with q's scale folded in. */
@@ -287,23 +293,30 @@ static PyObject *scale_rows(PyObject *self, PyObject *args) {
     return result;
 }
 
-static PyObject *add_outer(PyObject *self, PyObject *args) {
+static PyObject *write_delta(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer S, k, w;
-    Py_ssize_t H;
-    if (!PyArg_ParseTuple(args, "w*y*y*n", &S, &k, &w, &H)) return NULL;
+    Py_buffer S, k, v, u, beta;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*", &S, &k, &v, &u, &beta)) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t K = H > 0 ? k.len / (4 * H) : 0, V = H > 0 ? w.len / (4 * H) : 0;
-    if (K == 0 || V == 0 || k.len != 4 * H * K || w.len != 4 * H * V || S.len != 4 * H * K * V)
-        PyErr_SetString(PyExc_ValueError, "add_outer: S float32 [H, K, V], k float32 [H, K], w float32 [H, V] expected");
+    Py_ssize_t H = beta.len / 4, K = H > 0 ? k.len / (4 * H) : 0, V = H > 0 ? v.len / (4 * H) : 0;
+    if (K == 0 || V == 0 || k.len != 4 * H * K || v.len != 4 * H * V || u.len != v.len || S.len != 4 * H * K * V)
+        PyErr_SetString(PyExc_ValueError,
+                        "write_delta: S float32 [H, K, V], k float32 [H, K], v, u float32 [H, V], beta float32 [H] expected");
     else {
-        add_outer_f32(S.buf, k.buf, w.buf, H, K, V);
-        result = Py_None;
-        Py_INCREF(result);
+        float *w = PyMem_Malloc(V * sizeof(float));
+        if (w == NULL) PyErr_NoMemory();
+        else {
+            write_delta_f32(S.buf, k.buf, v.buf, u.buf, beta.buf, H, K, V, w);
+            PyMem_Free(w);
+            result = Py_None;
+            Py_INCREF(result);
+        }
     }
     PyBuffer_Release(&S);
     PyBuffer_Release(&k);
-    PyBuffer_Release(&w);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&beta);
     return result;
 }
 
@@ -313,8 +326,9 @@ static PyMethodDef methods[] = {
     {"gated_norm", gated_norm, METH_VARARGS,
      "gated_norm(o, sq, gain, gate, eps, out): out[h] = o[h] * (gain * gate[h]) / sqrt(sq[h] + eps)."},
     {"scale_rows", scale_rows, METH_VARARGS, "scale_rows(S, alpha): S[r, :] *= alpha[r] (float32, C-contiguous; exact)."},
-    {"add_outer", add_outer, METH_VARARGS,
-     "add_outer(S, k, w, H): S[h, r, :] += k[h, r] * w[h, :] (float32, C-contiguous; each product rounded, then the sum)."},
+    {"write_delta", write_delta, METH_VARARGS,
+     "write_delta(S, k, v, u, beta): S[h, r, :] += k[h, r] * (beta[h] * (v[h, :] - u[h, :])) (float32, C-contiguous;\n"
+     "each operation rounded on its own)."},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

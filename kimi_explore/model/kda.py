@@ -124,11 +124,10 @@ def delta_rule_update(S, k, v, alpha, beta) -> None:
     else:
         S *= alpha[:, :, None]
     u = xp.matmul(k[:, None, :], S)[:, 0]  # S^T k  [H, V]
-    w = beta[:, None] * (v - u)
-    if exact is not None and w.dtype == S.dtype and w.flags.c_contiguous:
-        exact.add_outer(S, k, w, S.shape[0])
+    if exact is not None and kda_recurrence.elementwise_ops(v, u, beta) is not None:
+        exact.write_delta(S, k, v, u, beta)
     else:
-        S += k[:, :, None] * w[:, None, :]
+        S += k[:, :, None] * (beta[:, None] * (v - u))[:, None, :]
 
 
 def delta_rule_read(S, q):
