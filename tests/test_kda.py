@@ -231,7 +231,7 @@ def test_compiled_elementwise_delta_steps_round_as_numpy():
 
 @pytest.mark.skipif(not kda_recurrence.AVAILABLE, reason="the compiled KDA kernels were not built")
 def test_kda_step_compiled_steps_equal_numpy_bit_for_bit(ref_weights, monkeypatch):
-    """kda_step with the compiled elementwise steps (l2 scale, decay, rank-1 write, gated norm) against the same
+    """kda_step with the compiled steps (window shift, l2 scale, decay, rank-1 write, gated norm) against the same
     step with NumPy alone (the kernel hidden), every KDA layer of the reference model, 24 tokens: outputs and
     states equal bit for bit."""
     rng = np.random.default_rng(3)

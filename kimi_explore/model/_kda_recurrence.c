@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <string.h>
 
 #include "../weights/_kernel_isa.h"
 
@@ -275,6 +276,31 @@ static PyObject *gated_norm(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *shift_in(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer window, y;
+    Py_ssize_t W;
+    if (!PyArg_ParseTuple(args, "w*y*n", &window, &y, &W)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t C = W > 0 ? window.len / (4 * W) : 0;
+    if (C == 0 || window.len != 4 * C * W || y.len < 4 * C)
+        PyErr_SetString(PyExc_ValueError, "shift_in: window float32 [C, W] and y float32 [>= C] expected");
+    else {
+        float *win = window.buf;
+        const float *yy = y.buf;
+        for (Py_ssize_t c = 0; c < C; c++) {
+            float *row = win + c * W;
+            memmove(row, row + 1, (size_t)(W - 1) * sizeof(float));
+            row[W - 1] = yy[c];
+        }
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&window);
+    PyBuffer_Release(&y);
+    return result;
+}
+
 static PyObject *scale_rows(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer S, alpha;
@@ -325,6 +351,8 @@ static PyMethodDef methods[] = {
     {"l2_scale", l2_scale, METH_VARARGS, "l2_scale(x, sq, scale, eps, out): out[r] = x[r] * (scale[r] / sqrt(sq[r] + eps))."},
     {"gated_norm", gated_norm, METH_VARARGS,
      "gated_norm(o, sq, gain, gate, eps, out): out[h] = o[h] * (gain * gate[h]) / sqrt(sq[h] + eps)."},
+    {"shift_in", shift_in, METH_VARARGS,
+     "shift_in(window, y, W): each row of window [C, W] shifted left one tap, y[c] its last (float32, C-contiguous)."},
     {"scale_rows", scale_rows, METH_VARARGS, "scale_rows(S, alpha): S[r, :] *= alpha[r] (float32, C-contiguous; exact)."},
     {"write_delta", write_delta, METH_VARARGS,
      "write_delta(S, k, v, u, beta): S[h, r, :] += k[h, r] * (beta[h] * (v[h, :] - u[h, :])) (float32, C-contiguous;\n"

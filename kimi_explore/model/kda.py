@@ -155,11 +155,15 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     P = H * K
     y = w.in_proj @ x
     window = state.conv
-    flat = window.reshape(-1)  # a view: KdaState keeps the window C-contiguous
-    # shift every channel left by one tap: flat[i] <- flat[i + 1]; the taps that cross into the next
-    # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
-    flat[:-1] = flat[1:] if type(flat) is np.ndarray else flat[1:].copy()
-    window[:, :, -1] = y[: 3 * P].reshape(3, P)
+    exact = kda_recurrence.elementwise_ops(window, y)
+    if exact is not None:  # the three lines below in one compiled call (copies only)
+        exact.shift_in(window, y, window.shape[-1])
+    else:
+        flat = window.reshape(-1)  # a view: KdaState keeps the window C-contiguous
+        # shift every channel left by one tap: flat[i] <- flat[i + 1]; the taps that cross into the next
+        # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
+        flat[:-1] = flat[1:] if type(flat) is np.ndarray else flat[1:].copy()
+        window[:, :, -1] = y[: 3 * P].reshape(3, P)
     if "kda.conv" in at:
         new = at["kda.conv"](window)
         if new is not window:

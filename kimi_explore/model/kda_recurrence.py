@@ -35,7 +35,7 @@ _F32 = np.dtype(np.float32)
 
 
 def elementwise_ops(*arrays):
-    """The compiled elementwise steps of the token form (`scale_rows`, `write_delta`, `l2_scale`, `gated_norm`:
+    """The compiled elementwise steps of the token form (`shift_in`, `scale_rows`, `write_delta`, `l2_scale`, `gated_norm`:
     exactly NumPy's rounding, one call each instead of several array operations and broadcasts over short
     axes), when every array is a C-contiguous float32 host array and the kernel is built; else None."""
     if _ext is None:
