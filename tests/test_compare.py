@@ -146,7 +146,7 @@ def test_tolerance_rule():
 
 
 def test_heatmap_grid_marks_the_first_divergence_and_the_local_sites(cmp_e):
-    from kimi_explore.views.engine_plots import divergence_grid
+    from kimi_explore.views.figures.engine_plots import divergence_grid
 
     rows, cols, M, local = divergence_grid(cmp_e)
     assert rows == [str(i) for i in range(14)] + ["global"]
@@ -165,7 +165,7 @@ def test_heatmap_grid_marks_the_first_divergence_and_the_local_sites(cmp_e):
 
 
 def test_report_shows_the_comparison(tmp_path, cmp_e, monkeypatch):
-    from kimi_explore.views import report
+    from kimi_explore.views.figures import report
 
     session = ke.Session(_weights("e"))
     session.feed(cmp_e.tokens[:2], progress=False)

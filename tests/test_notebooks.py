@@ -16,7 +16,7 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 def test_the_notebooks_exist_and_are_stored_without_outputs():
-    assert {"01_", "02_", "03_", "04_", "06_", "07_"} <= {p.name[:3] for p in NOTEBOOKS}
+    assert {"01_", "02_", "03_", "04_", "05_", "06_", "07_", "08_"} <= {p.name[:3] for p in NOTEBOOKS}
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
@@ -54,6 +54,10 @@ def test_notebook_executes_and_shows_figures(path, tmp_path):
         view_mime = "application/vnd.jupyter.widget-view+json"
         views = [o for c in nb.cells for o in c.get("outputs", []) if view_mime in o.get("data", {})]
         assert views, f"{path.name}: the Explorer was not displayed"
+    if path.name.startswith("08_"):  # the verdict is printed from the numbers, for both effect measures
+        text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        assert text.count("the Spearman correlation of softmax mass with the") == 2, f"{path.name}: no verdict"
+        assert "families by mean mass:" in text
     if path.name.startswith("01_"):
         # the tour draws every tab: 8 views (the full expert map and the ablation stay empty until asked for)
         assert len(widget_plots(nb)) == 8

@@ -6,7 +6,7 @@
     cmp.table()      one dict per compared site (firing order): max |delta|, worst relative error, the
                      first diverging token, local or inherited, the operation, what a probe found
     cmp.to_pandas()  the same as a DataFrame (pandas: the `[notebook]` extra)
-    cmp.heatmap()    the layer x site view (`views.engine_plots.divergence_heatmap`); value="local_rel"
+    cmp.heatmap()    the layer x site view (`views.figures.engine_plots.divergence_heatmap`); value="local_rel"
                      shows the teacher-forced errors
 
 A site is *local* at token t when kimi_explore's operation, run on the other engine's inputs
@@ -141,7 +141,7 @@ class Comparison:
         return pd.DataFrame(self.table())
 
     def heatmap(self, ax=None, value: str = "rel"):
-        from ..views.engine_plots import divergence_heatmap
+        from ..views.figures.engine_plots import divergence_heatmap
 
         return divergence_heatmap(self, ax=ax, value=value)
 

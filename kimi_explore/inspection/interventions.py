@@ -1,8 +1,10 @@
 """Interventions: ready-made hooks that change what K3 computes, built on the `Hooks` contract.
 
 Each function returns a `Hooks` you can pass as `hooks=`, merge (`hooks.extend(...)`, `a + b`), or
-apply for a while with `session.intervene(...)`. `positions=` (an int or a collection of 0-based token
-positions) restricts any of them to those tokens; by default they act at every token.
+apply for a while with `session.intervene(...)`. `positions=` (an int, a collection or range of 0-based
+token positions, or a slice: `slice(a, b)`, `slice(a, None)` from a on) restricts any of them to those
+tokens; by default they act at every token. `layer=` takes an int, a list or range of layers, or
+"all" (every layer that has the site), except `override_attn_res`, which takes one layer (`targets.py`).
 
     ablate_experts(layer, experts)        drop experts from the selected set; the decoder renormalises the
                                           weights over the rest (all of them -> the routed output is 0)
@@ -11,6 +13,9 @@ positions) restricts any of them to those tokens; by default they act at every t
     override_attn_res(layer, site, weights)
                                           replace a block-residual softmax: "uniform", ("one_hot", j), or a
                                           vector over [stored blocks..., current]; layer="final" for the output mix
+    mask_sources(layer, site, sources)    mask a block-residual source family ("embedding", "current",
+                                          "latest_block", "older_blocks", "blocks", ("block", j), or columns)
+                                          and renormalise the softmax over the rest (source_masks.py)
     scale_kda_head(layer, head, factor)   scale a KDA head's recurrent state after each update (0 zeroes it);
                                           the scaled state is what the next token starts from
     patch(name, source, positions=None)   clean/corrupt patching: put a value recorded in another run
@@ -33,39 +38,11 @@ import numpy as np
 from .._xp import array_namespace
 from ..backend import to_numpy
 from .hooks import Hooks
+from .source_masks import SOURCE_FAMILIES, mask_sources, source_columns
+from .targets import at_positions, layer_ids, layer_sites, named
 
-__all__ = ["ablate_experts", "force_routing", "override_attn_res", "patch", "scale_kda_head", "zero_kda_head"]
-
-
-def _layers(layer) -> list[int]:
-    layers = [layer] if isinstance(layer, (int, np.integer)) else list(layer)
-    for i in layers:
-        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
-            raise ValueError(f"layer must be a non-negative int (or a list of them), got {layer!r}")
-    return [int(i) for i in layers]
-
-
-def _at_positions(fn, positions):
-    """Wrap fn so it acts only at the given token positions (None: always). In the token form fn gets
-    the value; on a chunk, fn(value [T, ...], rows [T] bool mask of the rows to change, hook)."""
-    wanted = None
-    if positions is not None:
-        wanted = {int(positions)} if isinstance(positions, (int, np.integer)) else {int(p) for p in positions}
-
-    def at_positions(value, *, hook):
-        if hook.positions is None:  # one token
-            return fn(value, None, hook) if wanted is None or hook.position in wanted else None
-        xp = array_namespace(value)
-        rows = np.ones(len(hook.positions), bool) if wanted is None else np.isin(hook.positions, sorted(wanted))
-        return fn(value, xp.asarray(rows), hook) if rows.any() else None
-
-    at_positions.__qualname__ = f"{getattr(fn, '__qualname__', 'hook')}@positions{sorted(wanted) if wanted else 'all'}"
-    return at_positions
-
-
-def _named(fn, label: str):
-    fn.__qualname__ = label
-    return fn
+__all__ = ["SOURCE_FAMILIES", "ablate_experts", "force_routing", "mask_sources", "override_attn_res", "patch",
+           "scale_kda_head", "source_columns", "zero_kda_head"]
 
 
 def ablate_experts(layer, experts, positions=None) -> Hooks:
@@ -83,9 +60,8 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
         return xp.where(dropped & rows[:, None], -1, ids)
 
     hooks = Hooks()
-    for i in _layers(layer):
-        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(ablate, f"ablate_experts({experts!r})"), positions),
-                  chunks=True)
+    for name in layer_sites(layer, "moe.router.topk_ids"):
+        hooks.add(name, at_positions(named(ablate, f"ablate_experts({experts!r})"), positions), chunks=True)
     return hooks
 
 
@@ -114,13 +90,12 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
         return _put_rows(w, weights, rows, 0)
 
     hooks = Hooks()
-    for i in _layers(layer):
-        hooks.add(f"layers.{i}.moe.router.scores", note_experts, chunks=True)
-        hooks.add(f"layers.{i}.moe.router.topk_ids", _at_positions(_named(forced_ids, f"force_routing({ids_req})"), positions),
-                  chunks=True)
+    for name in layer_sites(layer, "moe.router."):
+        hooks.add(name + "scores", note_experts, chunks=True)
+        hooks.add(name + "topk_ids", at_positions(named(forced_ids, f"force_routing({ids_req})"), positions), chunks=True)
         if weights is not None:
-            fn = _at_positions(_named(forced_weights, "force_routing.weights"), positions)
-            hooks.add(f"layers.{i}.moe.router.topk_weights", fn, chunks=True)
+            fn = at_positions(named(forced_weights, "force_routing.weights"), positions)
+            hooks.add(name + "topk_weights", fn, chunks=True)
     return hooks
 
 
@@ -151,7 +126,7 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     else:
         if site not in ("attn", "ffn"):
             raise ValueError(f"override_attn_res: site must be 'attn' or 'ffn', got {site!r}")
-        name = f"layers.{_layers(layer)[0]}.attn_res.{site}.weights"
+        name = f"layers.{layer_ids(layer)[0]}.attn_res.{site}.weights"
     if isinstance(weights, str):
         if weights != "uniform":
             raise ValueError(f"override_attn_res: weights must be 'uniform', ('one_hot', j) or an array, got {weights!r}")
@@ -185,7 +160,7 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
         return out
 
     hooks = Hooks()
-    hooks.add(name, _at_positions(_named(override, f"override_attn_res({weights!r})"), positions), chunks=True)
+    hooks.add(name, at_positions(named(override, f"override_attn_res({weights!r})"), positions), chunks=True)
     return hooks
 
 
@@ -205,8 +180,8 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
         return out
 
     hooks = Hooks()
-    for i in _layers(layer):
-        hooks.add(f"layers.{i}.kda.state", _at_positions(_named(scale, f"scale_kda_head({heads}, {factor})"), positions))
+    for name in layer_sites(layer, "kda.state"):
+        hooks.add(name, at_positions(named(scale, f"scale_kda_head({heads}, {factor})"), positions))
     return hooks
 
 
@@ -266,7 +241,7 @@ def patch(name: str, source, positions=None) -> Hooks:
         return out
 
     hooks = Hooks()
-    hooks.add(name, _named(patch_value, f"patch({name!r}, positions={sorted(table)})"), chunks=True)
+    hooks.add(name, named(patch_value, f"patch({name!r}, positions={sorted(table)})"), chunks=True)
     return hooks
 
 

@@ -53,6 +53,7 @@ from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, 
 from .chunk_records import ChunkRecording
 from .hook_sites import SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
+from .stacked_rows import StackedRows
 from .topk import top_predictions
 from .trace import Trace
 
@@ -109,6 +110,7 @@ class Recorder:
         self.names_filter, self._filter_patterns = _predicate(names_filter, "Recorder names_filter")
         self.full, self._full_patterns = _predicate(full if full else None, "Recorder full")
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
+        self._stacked: dict[str, StackedRows] = {}  # key -> its rows stacked so far (trace() copies in only new rows)
         self.tokens: list[int] = []  # -1 where the token id was not announced
         self.positions: list[int] = []
         # the current token's values, by record key or layer prefix (dicts keep the firing order)
@@ -192,11 +194,12 @@ class Recorder:
             fns.append(self._start_token)
         m = LAYER_NAME.match(name)
         kind = m.group(2) if m else name
-        if self._wants(name, kind) or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
+        wanted = self._wants(name, kind)
+        if wanted or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
             fn = self._recording_fn(name, kind)
             if fn is not None:
                 fns.append(fn)
-        if self.full is not None and self.full(name):
+        if self.full is not None and self.full(name) and not (wanted and DEFAULT_SITES[kind] == "fresh"):  # recorded once
             put, emit = self._row(name).append, self._emit
             fns.append(lambda value: emit(put, value.copy()))
         if name == "logits":
@@ -350,21 +353,35 @@ class Recorder:
     def n_tokens(self) -> int:
         return len(self.positions)
 
-    def trace(self, tokens=None) -> Trace:
-        """Everything recorded so far as a Trace (stacked host copies; later steps do not change it)."""
+    def trace(self, tokens=None, window=None) -> Trace:
+        """Everything recorded so far as a Trace (read-only views; later steps do not change it).
+
+        Costs O(records), not O(tokens x records): each record's rows are kept stacked as they arrive
+        (`stacked_rows`), and the Trace shows the stack as it is now. window: a `slice` of token indices
+        (or a (start, stop) pair), the same as `trace().window(start, stop)`."""
         self.flush()
         n = self.n_tokens
-        rows = {k: v[:n] for k, v in self._rows.items() if v}
-        toks = list(self.tokens[:n]) if tokens is None else [int(t) for t in tokens]
+        stacked = self._stacked
+        records = {}
+        for k, v in self._rows.items():
+            if v:
+                st = stacked.get(k)
+                if st is None:
+                    st = stacked[k] = StackedRows()
+                records[k] = st.sync(v, min(n, len(v)), k)
+        toks = self.tokens[:n] if tokens is None else [int(t) for t in tokens]
         if len(toks) != n:
             raise ValueError(f"Recorder.trace: got {len(toks)} tokens for {n} recorded steps")
-        return Trace.from_rows(rows, toks, list(self.positions[:n]), self.meta)
+        out = Trace(records, toks, self.positions[:n], self.meta)
+        return out if window is None else out.window(window)
 
     def truncate(self, n: int) -> None:
         """Keep the records of the first n tokens (in place)."""
         self.flush()
         for row in self._rows.values():
             del row[n:]
+        for st in self._stacked.values():
+            st.truncate(n)
         del self.tokens[n:]
         del self.positions[n:]
         self._drop_token_buffers()
@@ -383,6 +400,7 @@ class Recorder:
         out = {k: v[:] for k, v in self._rows.items() if v}
         for v in self._rows.values():
             v.clear()
+        self._stacked.clear()
         self.tokens.clear()
         self.positions.clear()
         return out
@@ -414,6 +432,7 @@ class Recorder:
         """Replace the records by `d` (from `state_dict`); list objects are kept, their contents replaced."""
         for k in self._rows:
             self._rows[k][:] = []
+        self._stacked.clear()  # other rows: stack them afresh
         for k, v in d["rows"].items():
             self._row(k)[:] = list(v)
         self.tokens[:] = d["tokens"]

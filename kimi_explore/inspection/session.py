@@ -4,6 +4,7 @@
     s.feed([17, 203, 5]); s.step(88)          # logits of each token, host NumPy (feed: whole chunks at once)
     s.generate(8)                             # greedy (temperature=0) or seeded sampling
     s.tokens, s.logits, s.trace()             # history: [T] ids, [T, V] logits, the Recorder's Trace
+    s.trace(window=slice(-32, None))          # only the last 32 tokens (as cheap at any history length)
     s.back()                                  # drop the last token (s.back(3): the last 3)
     s.truncate(2); s.step(5)                  # keep the first 2 tokens, then a different third
     snap = s.snapshot(); ...; s.restore(snap)
@@ -108,10 +109,15 @@ class Session:
             raise ValueError("Session.text needs a tokenizer: Session(weights, tokenizer=...)")
         return self.tokenizer.decode(self._tokens)
 
-    def trace(self):
+    def trace(self, window=None):
+        """The recorder's Trace of the whole history, or of `window` (a slice of token indices, or (start, stop)).
+
+        Costs O(records) at any history length: the records grow incrementally as tokens are decoded,
+        and a window is a view of them (`Trace.window`), so a view refreshing after each Step asks
+        only for the tokens it shows."""
         if self.recorder is None:
             raise ValueError("this session records nothing: create it with Session(weights, recorder=True)")
-        return self.recorder.trace()
+        return self.recorder.trace(window=window)
 
     def __repr__(self) -> str:
         state = self.state.nbytes * (1 + len(self._checkpoints)) + sum(a.nbytes for a in self._logits)

@@ -2,6 +2,8 @@
 
     trace[name]                      that record stacked over tokens: [T, ...]
     trace.tokens, trace.positions    [T] ints (token -1 where the id was not announced)
+    trace.window(a, b)               tokens a..b-1 as a Trace of views (O(records), whatever T); its
+                                     `start` is a (the history index of its row 0)
     trace.layer_ids                  the model layers, in order
     trace.attn_res_weights()         [token, layer, site (0 attn, 1 ffn), source]
     trace.final_attn_res_weights()   [token, source]
@@ -68,7 +70,8 @@ def read_npz_header(z, path, fmt: str, what: str) -> dict:
 class Trace:
     """Recorded values over T tokens. Build with `Recorder.trace()` or `Trace.load(path)`."""
 
-    def __init__(self, records: dict, tokens, positions=None, meta: dict | None = None):
+    def __init__(self, records: dict, tokens, positions=None, meta: dict | None = None, start: int = 0):
+        self.start = int(start)  # history index of row 0 (a window's first token; not part of equals/save)
         self._records = {k: np.asarray(v) for k, v in records.items()}
         self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T = len(self.tokens)
@@ -124,6 +127,27 @@ class Trace:
             return False
         return all(a.dtype == other[k].dtype and np.array_equal(a, other[k], equal_nan=a.dtype.kind in "fc")
                    for k, a in self._records.items())
+
+    def window(self, start, stop=None) -> Trace:
+        """Tokens start..stop-1 as a Trace whose records are views of these (no copy: O(records)).
+
+        `window(a, b)`, `window(slice(a, b))` or `window((a, b))`; Python slice rules (negative counts
+        from the end, None = open, out of range clipped), step 1. The result's `start` is this trace's
+        `start` + a, so `window.start + i` is row i's index in the whole history."""
+        if isinstance(start, slice):
+            if stop is not None:
+                raise TypeError("Trace.window: give a slice alone, or start and stop")
+            sl = start
+        elif isinstance(start, tuple) and stop is None and len(start) == 2:
+            sl = slice(*start)
+        else:
+            sl = slice(start, stop)
+        a, b, step = sl.indices(len(self))
+        if step != 1:
+            raise ValueError(f"Trace.window: a window is contiguous (step 1), got step {sl.step}")
+        b = max(a, b)
+        return Trace({k: v[a:b] for k, v in self._records.items()}, self.tokens[a:b], self.positions[a:b], self.meta,
+                     start=self.start + a)
 
     # ------------------------------------------------------------------ model structure
     def _layers_with(self, suffix: str) -> list[int]:

@@ -201,7 +201,9 @@ def run_layers_chunk(weights, state, stack: SequenceSources, hooks=None) -> None
 
 def _layer_by_tokens(layer, layer_state, stack: SequenceSources, cfg, hooks) -> None:
     """The token form of one layer, token after token (a per-token hook listens there)."""
+    n = stack.n  # every token enters with the blocks the previous layer left (a block boundary seals one more)
     for t in range(stack.rows.shape[0]):
+        stack.n = n
         hooks.token_in_chunk(t)
         buf = stack.token(t)
         decoder_layer(layer, layer_state, buf, cfg, hooks)

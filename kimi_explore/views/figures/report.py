@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common import bias_vectors
 from . import plots, plots_summary
 
 __all__ = ["default_layers", "write_report"]
@@ -111,8 +112,6 @@ def _bias(session_or_trace) -> dict | None:
     weights = getattr(session_or_trace, "weights", None)
     if weights is None:
         return None
-    from ._explorer_views import bias_vectors
-
     return bias_vectors(weights)
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from ._plot_helpers import heatmap, span_inches
-from .plots import InlineFigure
+from .mpl import InlineFigure, heatmap, span_inches
 
 __all__ = ["divergence_heatmap", "divergence_grid", "report_figures"]
 

@@ -1,0 +1,250 @@
+"""Does the mass a block-residual softmax gives a source family measure that family's causal importance?
+
+    res = ke.source_ablation(session)                  # or ke.source_ablation(weights, token_ids)
+    res.rows                                            # one dict per (layer, site, family), see below
+    res.to_pandas(); print(res.table())
+    res.spearman("kl"), res.disagreements(), print(res.verdict())
+
+For every block-residual site (layer i, before attention "attn" or before the FFN "ffn") and every
+source family present there (`inspection.source_masks`: the embedding, the sealed blocks older than
+the newest, the newest sealed block, the current running sum), the text is decoded once with that
+family masked at that site at every token, the softmax renormalised over the other sources
+(`mask_sources`), and compared with the unmasked run:
+
+    mass        mean over tokens of sum_{j in family} p_j, the softmax mass the clean run gave it there
+    loss        mean next-token loss -log p(x_{t+1}) over tokens 0..T-2, in nats, with the mask
+    delta_loss  loss - the clean loss
+    kl          mean over tokens t of KL(P_clean(. | x_<=t) || P_masked(. | x_<=t)), in nats
+
+All runs go through the sequence path (`forward_sequence`, `chunk` tokens per pass), with the
+session's own hooks (`session.hooks`) attached to the clean and masked runs alike. Masks are
+exactly those of `mask_sources`; what a row measures is checked by hand in tests/test_source_ablation.py.
+A site's "mass" is what the weights say, a row's loss and KL what the model does without that family:
+a family with large mass and little effect is read but not needed (the question of arXiv 2606.13168).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backend import to_numpy
+from ..inspection.hooks import HookChain
+from ..inspection.recorder import Recorder
+from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_sources, source_columns
+from ..model.kimi_sequence import DEFAULT_CHUNK
+
+__all__ = ["SourceAblation", "source_ablation", "spearman"]
+
+SITES = ("attn", "ffn")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties given their average rank."""
+    x = np.asarray(x, np.float64)
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        tie = x == v
+        if tie.sum() > 1:
+            r[tie] = r[tie].mean()
+    return r
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation (Pearson's r of the average ranks); NaN for fewer than 3 points or a constant."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if len(x) != len(y):
+        raise ValueError(f"spearman: {len(x)} x values but {len(y)} y values")
+    if len(x) < 3:
+        return float("nan")
+    rx, ry = _ranks(x) - (len(x) + 1) / 2, _ranks(y) - (len(y) + 1) / 2
+    den = float(np.sqrt((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
+@dataclass
+class SourceAblation:
+    """Rows of `source_ablation` (module docstring) and the clean run's numbers."""
+
+    rows: list[dict]
+    n_tokens: int
+    clean_loss: float
+    families: tuple = SOURCE_FAMILIES
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def column(self, key: str, family=None) -> np.ndarray:
+        return np.array([r[key] for r in self.rows if family is None or r["family"] == family])
+
+    def to_pandas(self):
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("SourceAblation.to_pandas needs pandas: pip install pandas") from e
+        return pd.DataFrame(self.rows)
+
+    def table(self) -> str:
+        head = f"{'layer':>5} {'site':<4} {'family':<13} {'mass':>6} {'Δloss':>8} {'KL':>8}"
+        lines = [head] + [f"{r['layer']:>5} {r['site']:<4} {r['family']:<13} {r['mass']:>6.3f} {r['delta_loss']:>8.4f} "
+                          f"{r['kl']:>8.4f}" for r in self.rows]
+        return "\n".join(lines + [f"clean loss {self.clean_loss:.4f} nats over {self.n_tokens} tokens"])
+
+    def spearman(self, effect: str = "kl", family=None) -> float:
+        """Rank correlation of mass with `effect` ("kl" or "delta_loss") over the rows (of one family)."""
+        return spearman(self.column("mass", family), self.column(effect, family))
+
+    def percentiles(self, key: str) -> np.ndarray:
+        """Each row's rank of `key` among all rows, scaled to 0..1 (ties: their average rank)."""
+        n = len(self.rows)
+        return (_ranks(self.column(key)) - 1) / (n - 1) if n > 1 else np.zeros(n)
+
+    def disagreements(self, effect: str = "kl", gap: float = 0.5) -> list[dict]:
+        """Rows whose mass and effect sit far apart in rank: |percentile(mass) - percentile(effect)| >= gap,
+        largest gap first; each row gets `mass_pct`, `effect_pct` (0..1) and `gap` added."""
+        if len(self.rows) < 2:
+            return []
+        pm, pe = self.percentiles("mass"), self.percentiles(effect)
+        out = [dict(r, mass_pct=float(a), effect_pct=float(b), gap=float(a - b))
+               for r, a, b in zip(self.rows, pm, pe, strict=True) if abs(a - b) >= gap]
+        return sorted(out, key=lambda r: -abs(r["gap"]))
+
+    def by_family(self, effect: str = "kl") -> dict:
+        """{family: {"n", "mean_mass", "mean_effect", "spearman"}} over the rows of each family present."""
+        out = {}
+        for f in self.families:
+            m = self.column("mass", f)
+            if len(m):
+                e = self.column(effect, f)
+                out[f] = {"n": len(m), "mean_mass": float(m.mean()), "mean_effect": float(e.mean()),
+                          "spearman": spearman(m, e)}
+        return out
+
+    def verdict(self, effect: str = "kl") -> str:
+        """A few sentences computed from the rows: does mass predict importance here, and where not."""
+        rho = self.spearman(effect)
+        strength = ("strongly" if rho >= 0.7 else "moderately" if rho >= 0.4 else "weakly" if rho >= 0.2
+                    else "not")
+        what = "KL to the clean run" if effect == "kl" else "increase of the next-token loss"
+        lines = [f"Over {len(self)} (layer, site, family) cells and {self.n_tokens} tokens, the Spearman correlation "
+                 f"of softmax mass with the {what} is {rho:.2f}: mass {strength} predicts importance for this model."]
+        fam = self.by_family(effect)
+        e_all = self.column(effect)
+        m_all = self.column("mass")
+        for f, s in fam.items():
+            mass_rank = (m_all < s["mean_mass"]).mean()
+            eff_rank = (e_all < s["mean_effect"]).mean()
+            lines.append(f"  {f}: mean mass {s['mean_mass']:.3f}, mean {effect} {s['mean_effect']:.4f}, "
+                         f"within-family Spearman {s['spearman']:.2f} over {s['n']} cells")
+            if mass_rank - eff_rank >= 0.4:
+                lines.append(f"    -> {f} carries more mass than its effect warrants (mass above "
+                             f"{mass_rank:.0%} of cells, effect above only {eff_rank:.0%})")
+            elif eff_rank - mass_rank >= 0.4:
+                lines.append(f"    -> {f} matters more than its mass says (effect above {eff_rank:.0%} of cells, "
+                             f"mass above only {mass_rank:.0%})")
+        dis = self.disagreements(effect)
+        if dis:
+            worst = ", ".join(f"layer {r['layer']} {r['site']} {r['family']} (mass {r['mass']:.3f}, {effect} "
+                              f"{r[effect]:.4f})" for r in dis[:4])
+            lines.append(f"Cells where mass and effect disagree most in rank ({len(dis)} with a percentile gap >= 0.5): {worst}.")
+        else:
+            lines.append("No cell's mass and effect are more than half the ranking apart.")
+        return "\n".join(lines)
+
+
+def _run(weights, ids, hooks, chunk: int, clean_logp=None):
+    """(next-token losses [T-1], per-token KL to the clean run [T] or None, log-probs [T, V] when clean)."""
+    state = weights.new_state()
+    losses, kls, logps = [], [], []
+    for a in range(0, len(ids), chunk):
+        b = min(a + chunk, len(ids))
+        logp = _log_softmax(to_numpy(weights.forward_sequence(state, ids[a:b], hooks, chunk=b - a)))
+        nxt = ids[a + 1 : b + 1]
+        losses.append(-logp[np.arange(len(nxt)), nxt])
+        if clean_logp is None:
+            logps.append(logp.astype(np.float32))
+        else:
+            c = clean_logp[a:b].astype(np.float64)
+            kls.append((np.exp(c) * (c - logp)).sum(axis=-1))
+    return np.concatenate(losses), (np.concatenate(kls) if kls else None), (np.concatenate(logps) if logps else None)
+
+
+def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES, layers=None, sites=SITES,
+                    chunk: int | None = None, progress: bool = False) -> SourceAblation:
+    """Mask each source family at each layer and site; report mass, Δloss and KL (module docstring).
+
+    session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`.
+    families: source families (`inspection.source_masks`); layers: model layer ids (default all);
+    sites: "attn" and/or "ffn"; chunk: tokens per pass of the sequence path (default DEFAULT_CHUNK).
+    """
+    if hasattr(session_or_weights, "weights") and hasattr(session_or_weights, "tokens"):
+        s = session_or_weights
+        weights, extra = s.weights, (s.hooks if len(s.hooks) else None)
+        ids = list(s.tokens) if token_ids is None else [int(t) for t in token_ids]
+    else:
+        weights, extra = session_or_weights, None
+        if token_ids is None:
+            raise ValueError("source_ablation(weights, token_ids): give the token ids to decode (or pass a Session)")
+        ids = [int(t) for t in (token_ids.encode("utf-8") if isinstance(token_ids, str) else token_ids)]
+    if len(ids) < 2:
+        raise ValueError(f"source_ablation: needs at least 2 tokens (one next-token prediction), got {len(ids)}")
+    V = weights.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"source_ablation: token ids {bad[:5]} are outside the vocabulary 0..{V - 1}")
+    for f in families:
+        check_family(f)
+    for site in sites:
+        if site not in SITES:
+            raise ValueError(f"source_ablation: sites must be among {SITES}, got {site!r}")
+    layer_ids = list(weights.layer_ids)
+    layers = layer_ids if layers is None else [int(i) for i in layers]
+    missing = [i for i in layers if i not in layer_ids]
+    if missing:
+        raise ValueError(f"source_ablation: layers {missing} are not in this model (layers {layer_ids[0]}..{layer_ids[-1]})")
+    chunk = DEFAULT_CHUNK if chunk is None else int(chunk)
+    chain = (lambda h: HookChain(extra.copy(), h)) if extra is not None else (lambda h: h)
+
+    rec = Recorder(names_filter="layers.*.attn_res.*.weights").bind(weights)
+    clean_losses, _, clean_logp = _run(weights, ids, chain(rec), chunk)
+    trace = rec.trace()
+    clean_loss = float(clean_losses.mean())
+    cells = []
+    for i in layers:
+        for site in sites:
+            name = f"layers.{i}.attn_res.{site}.weights"
+            if name not in trace:  # layer 0's attention site mixes nothing (the stack is still empty)
+                continue
+            p = trace[name].astype(np.float64)  # [T, m]
+            for f in families:
+                cols = source_columns(f, p.shape[1])
+                if cols and len(cols) < p.shape[1]:
+                    cells.append((i, site, f, cols, p))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(cells), unit="run", desc="source ablation")
+    rows = []
+    for i, site, f, cols, p in cells:
+        losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logp)
+        rows.append({"layer": i, "site": site, "family": f if isinstance(f, str) else str(f), "columns": list(cols),
+                     "n_sources": int(p.shape[1]), "mass": float(p[:, cols].sum(axis=1).mean()),
+                     "loss": float(losses.mean()), "delta_loss": float(losses.mean()) - clean_loss,
+                     "kl": float(kl.mean())})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return SourceAblation(rows, len(ids), clean_loss, tuple(f if isinstance(f, str) else str(f) for f in families),
+                          {"chunk": chunk, "layers": layers, "sites": list(sites)})
