@@ -33,7 +33,7 @@ from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import OutputHead, output_hidden
 from ._replay import replay
 
-__all__ = ["LogitLens", "lens_logits", "logit_lens"]
+__all__ = ["LensStrip", "LogitLens", "lens_at", "lens_logits", "logit_lens"]
 
 
 @dataclass
@@ -119,6 +119,47 @@ def logit_lens(session, top: int = 5, targets=None) -> LogitLens:
             target_lp[t] = logp[:, target_ids[t]]
     final_ids = np.argmax(session.logits, axis=-1).astype(np.int64)
     return LogitLens(list(w.layer_ids), tokens, lens_ids, top_probs, final_ids, target_ids, target_lp)
+
+
+@dataclass
+class LensStrip:
+    """The lens of one token t: what the model would predict after each layer (a strip for a view).
+
+    t, token: the position and its id; layers: [L] model layer ids
+    top_ids, top_probs: [L, top] by probability, descending (column 0: the top-1 strip)
+    """
+
+    t: int
+    token: int
+    layers: list
+    top_ids: np.ndarray
+    top_probs: np.ndarray
+
+
+def lens_at(session, t: int, top: int = 1) -> LensStrip:
+    """The lens of token t alone, at a cost that does not grow with the history: the exact state before
+    t (`Session.state_after`: the nearest checkpoint, then at most one chunk re-decoded), then token t
+    stepped with `session.hooks` and capture hooks at `embed` and every `layers.{i}.prefix_sum`.
+    Equal to `logit_lens(session)` at t to float rounding (a token fed in a chunk is stepped here)."""
+    from ..inspection.hooks import HookChain
+    from ..inspection.recorder import Recorder
+
+    T = len(session)
+    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not -T <= t < T:
+        raise IndexError(f"lens_at: token position {t!r} is outside the session's history of {T} tokens")
+    if not (isinstance(top, int) and top >= 1):
+        raise ValueError(f"lens_at: top must be a positive int, got {top!r}")
+    t, w = int(t) % T, session.weights
+    names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
+    capture = Recorder(names_filter=lambda name: False, full=names).bind(w)
+    hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
+    token = session.tokens[t]
+    hooks.begin_token(token, t)
+    w.forward_token(session.state_after(t), token, hooks)
+    values = {k: w.xp.asarray(rows[0]) for k, rows in capture.take_records().items()}
+    logp = log_softmax(to_numpy(lens_logits(w, w.head(), values)))
+    ids = top_ids(logp, min(top, logp.shape[-1]))
+    return LensStrip(t, int(token), list(w.layer_ids), ids, np.exp(np.take_along_axis(logp, ids, axis=-1)))
 
 
 def _targets(targets, tokens: np.ndarray, V: int):
