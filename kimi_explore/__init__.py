@@ -3,6 +3,7 @@
     weights = from_pretrained(path, layers=None, device="auto", dtype="float32")
     state = KimiDecodeState.new(weights)
     logits = kimi_forward_token(weights, state, token_id, hooks=None)
+    logits = kimi_forward_sequence(weights, state, token_ids, hooks=None)   # [T, vocab], state advanced by T
 
 Everything beyond the decoder (hooks, recorder, session, plots, widgets, tokenizer, hub) is
 imported lazily on first use, so `import kimi_explore` stays light.
@@ -17,6 +18,7 @@ from .errors import BackendError, CheckpointError, ConfigError, StageLostError
 from .model import block_residual, kimi_decoder
 from .model.config import KimiDecoderConfig
 from .model.kimi_decoder import KimiDecoderWeights, KimiDecodeState, hook_names, kimi_forward_token
+from .model.kimi_sequence import kimi_forward_sequence
 
 # The seed module names stay importable: `kimi_explore.kimi_decoder` is `kimi_explore.model.kimi_decoder`.
 sys.modules[__name__ + ".kimi_decoder"] = kimi_decoder
@@ -29,9 +31,9 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "Trace": ("inspection.recorder", "Trace"),
     "Session": ("inspection.session", "Session"),
     "interventions": ("inspection.interventions", None),
-    "plots": ("views.plots", None),
-    "widgets": ("views.widgets", None),
-    "Explorer": ("views.widgets", "Explorer"),
+    "plots": ("views.figures.plots", None),
+    "widgets": ("views.explorer.widgets", None),
+    "Explorer": ("views.explorer.widgets", "Explorer"),
     "ByteTokenizer": ("tokenizer", "ByteTokenizer"),
     "KimiTokenizer": ("tokenizer", "KimiTokenizer"),
     "load_tokenizer": ("tokenizer", "load_tokenizer"),
@@ -52,6 +54,10 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "SourceAblation": ("analysis.source_ablation", "SourceAblation"),
     "RayPipeline": ("distributed.pipeline", "RayPipeline"),
     "from_pretrained": ("weights.load", "load_weights"),
+    "compare": ("engines.compare", "compare"),
+    "Comparison": ("engines.comparison", "Comparison"),
+    "write_dump": ("engines.dump", "write_dump"),
+    "read_dump": ("engines.dump", "read_dump"),
 }
 
 __all__ = [
@@ -63,6 +69,7 @@ __all__ = [
     "KimiDecoderWeights",
     "StageLostError",
     "hook_names",
+    "kimi_forward_sequence",
     "kimi_forward_token",
     *_LAZY,
 ]

@@ -3,7 +3,7 @@
     kimi-explore                                   the embedded tiny model, a default prompt
     kimi-explore --prompt "Hello" --top 5          text (needs the checkpoint's tokenizer)
     kimi-explore --ids 17,203,5 --checkpoint DIR   token ids on a checkpoint directory or Hub repo id
-    kimi-explore report --prompt "Hello" --out DIR plots + a self-contained HTML page (views/report.py)
+    kimi-explore report --prompt "Hello" --out DIR plots + a self-contained HTML page (views/figures/report.py)
     kimi-explore make-tiny --out DIR               a random checkpoint at K3 depth (weights/k3_depth.py)
 
 Errors are one line, `kimi-explore: error: ...`, with exit status 2 (argparse's convention);
@@ -268,11 +268,11 @@ def _report_parser() -> argparse.ArgumentParser:
 
 
 def run_report(args) -> int:
-    """`kimi-explore report`: decode the prompt in a recorded Session, then `views.report.write_report`."""
+    """`kimi-explore report`: decode the prompt in a recorded Session, then `views.figures.report.write_report`."""
     from .inspection.recorder import Recorder
     from .inspection.session import Session
     from .tokenizer import TokenizerError, load_tokenizer
-    from .views.report import write_report
+    from .views.figures.report import write_report
 
     weights, path, _ = load_model(args)
     try:

@@ -12,7 +12,7 @@ import pytest
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.analysis import learned
 from kimi_explore.analysis.routing_stats import routing_stats
-from kimi_explore.views import learned_plots
+from kimi_explore.views.figures import learned_plots
 
 TEXT = "The def statement.\n  x = 42; return x\n"
 
@@ -92,3 +92,35 @@ def test_figures(inside):
     for fig in (learned_plots.routing_specialisation(inside, inside), learned_plots.residual_reads(inside),
                 learned_plots.state_norms(inside), learned_plots.decay_rates(inside)):
         assert fig._repr_png_().startswith(b"\x89PNG")
+
+
+def test_mi_ceiling_is_the_class_entropy_of_the_text(inside):
+    from collections import Counter
+
+    from kimi_explore.analysis.routing_stats import byte_class
+
+    n = Counter(byte_class(int(b)) for b in inside.ids)
+    p = np.array(list(n.values()), dtype=float) / len(inside.ids)
+    ceiling = float(-(p * np.log2(p)).sum())  # recomputed from the bytes themselves
+    assert learned_plots.class_entropy(inside) == pytest.approx(ceiling, abs=1e-12)
+    ax = learned_plots.routing_specialisation(inside, inside).axes[0]
+    assert ax.lines[0].get_ydata()[0] == pytest.approx(ceiling) and f"= {ceiling:.2f} bits" in ax.get_legend().texts[0].get_text()
+    assert "log2" not in ax.get_title()
+
+
+def test_state_norm_lines_are_running_means(inside):
+    layer = sorted(inside.state_norms)[0]
+    norms = np.asarray(inside.state_norms[layer], dtype=np.float64)
+    w = min(learned_plots.SMOOTH, len(norms))
+    ax = learned_plots.state_norms(inside).axes[0]
+    y = ax.lines[1].get_ydata()  # head 1
+    np.testing.assert_allclose(y, [norms[i:i + w, 1].mean() for i in range(len(norms) - w + 1)], rtol=1e-12)
+
+
+def test_decay_labels_contrast_with_their_cells(inside):
+    ax = learned_plots.decay_rates(inside).axes[0]
+    im = ax.images[0]
+    for t in ax.texts:
+        c, r = (round(v) for v in t.get_position())
+        shade = im.norm(im.get_array()[r, c])
+        assert t.get_color() == ("white" if shade < 0.6 else "black")

@@ -87,3 +87,18 @@ def test_lens_arguments_are_checked(ref_weights):
         ke.logit_lens(s, targets=[1, 2])
     with pytest.raises(ValueError, match=r"outside the vocabulary 0\.\.255"):
         ke.logit_lens(s, targets=[1, 2, 999])
+
+
+def test_the_lens_at_chosen_positions_is_those_rows_of_the_full_lens(model):
+    w, _, s = model
+    full = ke.logit_lens(s, top=3, targets="next")
+    T = len(TEXT)
+    some = ke.logit_lens(s, top=3, targets="next", positions=[-1, 2, 2])  # any order, repeats, negative
+    assert some.positions.tolist() == [2, T - 1] and some.tokens.tolist() == [TEXT[2], TEXT[-1]]
+    np.testing.assert_array_equal(some.top_ids, full.top_ids[[2, T - 1]])
+    np.testing.assert_array_equal(some.top_probs, full.top_probs[[2, T - 1]])
+    np.testing.assert_array_equal(some.final_ids, full.final_ids[[2, T - 1]])
+    np.testing.assert_array_equal(some.target_logprobs, full.target_logprobs[[2, T - 1]])
+    assert full.positions.tolist() == list(range(T))
+    with pytest.raises(IndexError, match=f"position {T} is outside the history of {T} tokens"):
+        ke.logit_lens(s, positions=[T])

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import kimi_explore as ke
-from kimi_explore.views import analysis_plots
-from kimi_explore.views.plots import figure_png
+from kimi_explore.views.figures import analysis_plots
+from kimi_explore.views.figures.mpl import figure_png
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TEXT = "Hi there, $5.\n"
@@ -66,9 +66,39 @@ def test_routing_stats_overview(ref_weights):
 
 
 def test_the_report_of_a_session_has_the_lens_and_the_waterfall(runs, tmp_path):
-    from kimi_explore.views.report import write_report
+    from kimi_explore.views.figures.report import write_report
 
     _, a, _ = runs
     page = write_report(a, tmp_path).read_text(encoding="utf-8")
     for stem in ("logit_lens", "attribution_last_token"):
         assert f'alt="{stem}"' in page and (tmp_path / f"{stem}.png").read_bytes().startswith(PNG)
+
+
+def test_lens_grid_outlines_final_top1_and_says_which_tokens_it_shows(runs):
+    tok, a, _ = runs
+    lens = ke.logit_lens(a, top=2)
+    fig = analysis_plots.lens_grid(lens, tok, max_tokens=5)
+    ax = fig.axes[0]
+    T = len(lens)
+    assert f"tokens {T - 5}-{T - 1} of {T}" in ax.get_title()
+    same = lens.top_ids[T - 5:, :, 0].T == lens.final_ids[T - 5:][None, :]
+    boxes = {(round(p.get_x() + 0.5), round(p.get_y() + 0.5)) for p in ax.patches}
+    assert boxes == {(c, r) for r, c in zip(*np.nonzero(same), strict=True)}  # one box per agreeing cell, no other
+    assert all(t.get_fontsize() >= 8 for t in ax.texts)
+
+
+def test_diff_panels_below_rounding_say_so_instead_of_drawing_noise(runs):
+    tok, a, _ = runs
+    d = ke.diff(a, a.fork())  # the same run twice: nothing changes anywhere
+    fig = analysis_plots.diff_overview(d, tokenizer=tok)
+    said = [t.get_text() for ax in fig.axes for t in ax.texts if "no change above" in t.get_text()]
+    assert len(said) == 3 and not fig.axes[0].images  # output mix, FFN-site weights, KDA: words, no map
+
+
+def test_routing_stats_cv_has_its_own_axis(ref_weights):
+    st = ke.routing_stats(ref_weights, ["abc def", "12 34\n"], progress=False)
+    fig = analysis_plots.routing_stats_overview(st)
+    mi_ax, cv_ax = fig.axes[1], fig.axes[2]
+    np.testing.assert_allclose([p.get_width() for p in mi_ax.patches], st.mutual_information())
+    np.testing.assert_allclose([p.get_width() for p in cv_ax.patches], st.cv)
+    assert mi_ax.get_legend() is None and cv_ax.get_xlabel() == "std / mean"

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from synthetic_trace import SyntheticTrace, k3_sized
 
-from kimi_explore.views import figures, figures_moe, summaries
-from kimi_explore.views._plot_helpers import routing
+from kimi_explore.views import summaries
+from kimi_explore.views.common import routing
+from kimi_explore.views.explorer import specs, specs_moe
 
 DTYPES = {"f4": np.float32, "f8": np.float64, "i4": np.int32}
 
@@ -28,7 +29,7 @@ def k3():
 
 
 def test_block_token_carries_the_weights_and_marks_the_selected_layer(k3):
-    data, layout = figures.block_token(k3, 4, layer=37)
+    data, layout = specs.block_token(k3, 4, layer=37)
     w = k3.attn_res_weights()[4]
     for site in (0, 1):
         np.testing.assert_array_equal(decode(data[site]["z"]), w[:, site, :].T.astype(np.float32))
@@ -41,7 +42,7 @@ def test_block_token_carries_the_weights_and_marks_the_selected_layer(k3):
 
 def test_block_lines_follow_each_sites_own_blocks():
     tr = SyntheticTrace(n_tokens=3, n_layers=16, block_size=4)
-    _, layout = figures.block_token(tr, 0)
+    _, layout = specs.block_token(tr, 0)
     w = tr.attn_res_weights()[0]
     for site, yref in ((0, "y domain"), (1, "y2 domain")):
         present = np.isfinite(w[:, site]).sum(axis=1)
@@ -51,30 +52,42 @@ def test_block_lines_follow_each_sites_own_blocks():
 
 
 def test_at_k3_depth_the_layer_axis_names_the_mla_layers(k3):
-    labels = figures.layer_labels(k3)
-    axis = figures.layer_axis(labels)
+    labels = specs.layer_labels(k3)
+    axis = specs.layer_axis(labels)
     mla = [f"{i} MLA" for i in k3.layer_ids if i not in k3.kda_ids]
-    assert set(mla) <= set(axis["tickvals"]) and len(axis["tickvals"]) <= len(mla) + 2
-    assert axis["ticktext"] == axis["tickvals"]
-    small = figures.layer_axis(figures.layer_labels(SyntheticTrace(n_layers=16)))
+    named = axis["tickvals"]
+    assert axis["ticktext"] == named
+    cols = sorted(labels.index(s) for s in named)
+    assert min(b - a for a, b in zip(cols, cols[1:], strict=False)) >= specs.MIN_TICK_GAP  # no two labels overlap
+    # every MLA layer is named unless it sits next to a named one (K3's 91 and 92: only 91)
+    assert all(s in named or any(abs(labels.index(s) - c) < specs.MIN_TICK_GAP for c in cols) for s in mla)
+    assert "91 MLA" in named and "92 MLA" not in named
+    # the selected layer is always named, even a KDA layer between two MLA ones
+    sel = specs.layer_axis(labels, selected="90 KDA")["tickvals"]
+    assert "90 KDA" in sel and "91 MLA" not in sel
+    # an axis of KDA layers only (the KDA tab) is named on a stride, not at its two ends
+    kda = [s for s in labels if s.endswith("KDA")]
+    named = specs.layer_axis(kda, "KDA layer")["tickvals"]
+    assert len(named) >= 8 and named[0] == kda[0]
+    small = specs.layer_axis(specs.layer_labels(SyntheticTrace(n_layers=16)))
     assert "tickvals" not in small  # 16 layers: every one labelled
 
 
 @pytest.mark.parametrize("n_tokens,t", [(3, 0), (40, 39), (100, 10), (100, 99)])
 def test_token_window_has_a_fixed_width_and_shows_the_token(n_tokens, t):
-    lo, hi = figures.token_window(n_tokens, t)
-    assert hi - lo == figures.WINDOW and lo < t < hi
-    assert lo >= -0.5 and (hi <= n_tokens - 0.5 or n_tokens <= figures.WINDOW)
+    lo, hi = specs.token_window(n_tokens, t)
+    assert hi - lo == specs.WINDOW and lo < t < hi
+    assert lo >= -0.5 and (hi <= n_tokens - 0.5 or n_tokens <= specs.WINDOW)
 
 
 def test_kda_views_share_one_colour_scale(k3):
-    vmax = figures.kda_vmax(k3)
+    vmax = specs.kda_vmax(k3)
     assert vmax == pytest.approx(np.nanmax(k3.kda_state_norms()[0]))
-    (tok,), _ = figures.kda_token(k3, 2, layer=k3.kda_ids[5], vmax=vmax)
-    (lay,), _ = figures.kda_layer(k3, k3.kda_ids[5], 2, vmax=vmax)
+    (tok,), _ = specs.kda_token(k3, 2, layer=k3.kda_ids[5], vmax=vmax)
+    (lay,), _ = specs.kda_layer(k3, k3.kda_ids[5], 2, vmax=vmax)
     assert tok["zmax"] == lay["zmax"] == vmax and tok["zmin"] == lay["zmin"] == 0
     np.testing.assert_allclose(decode(lay["z"]), k3.kda_state_norms()[0][:, 5].T, rtol=1e-6)
-    data, layout = figures.kda_layer(k3, 3, 2)  # layer 3 is MLA in the synthetic pattern
+    data, layout = specs.kda_layer(k3, 3, 2)  # layer 3 is MLA in the synthetic pattern
     assert data == [] and "MLA layer" in layout["annotations"][0]["text"]
 
 
@@ -83,7 +96,7 @@ def test_moe_topk_table_hover_says_expert_score_and_bias(k3):
     E = r["scores"].shape[2]
     bias = {i: np.linspace(-0.1, 0.1, E) for i in r["moe_layers"]}
     table = summaries.topk_table(r, 3, bias)
-    (heat,), layout = figures_moe.moe_topk(table, k3, layer=50, t=3)
+    (heat,), layout = specs_moe.moe_topk(table, k3, layer=50, t=3)
     assert len(heat["text"]) == len(r["moe_layers"]) and len(heat["text"][0]) == 16
     j = r["moe_layers"].index(50)
     e = int(r["topk_ids"][3, j, 0])
@@ -92,7 +105,14 @@ def test_moe_topk_table_hover_says_expert_score_and_bias(k3):
     assert f"expert <b>{e}</b>" in hover and f"unbiased score {r['scores'][3, j, e]:.4f}" in hover
     assert f"selection bias {bias[50][e]:+.4f}" in hover
     lo, hi = sorted(layout["yaxis"]["range"])
-    assert hi - lo == figures_moe.ROWS and lo <= j <= hi  # a window of rows around the selected layer
+    assert hi - lo == specs_moe.ROWS and lo <= j <= hi  # a window of rows around the selected layer
+    shown = [r["moe_layers"][i] for i in range(round(lo + 0.5), round(hi + 0.5))]
+    assert f"MoE layers {shown[0]}-{shown[-1]} of {len(r['moe_layers'])} shown" in layout["title"]["text"]
+    labelled = [i for i, row in enumerate(heat["text"]) if any(row)]
+    assert labelled == [r["moe_layers"].index(m) for m in shown]  # cell text exactly in the window
+    # the deepest layers select the last window, which ends at the last row
+    (heat,), layout = specs_moe.moe_topk(table, k3, layer=92, t=3)
+    assert f"-92 of {len(r['moe_layers'])} shown" in layout["title"]["text"] and any(heat["text"][-1])
 
 
 def test_moe_layer_stats_and_sorted_counts(k3):
@@ -100,18 +120,23 @@ def test_moe_layer_stats_and_sorted_counts(k3):
     stats = summaries.load_stats(r)
     counts, order = summaries.sorted_counts(stats["counts"])
     layers = r["moe_layers"]
-    data, _ = figures_moe.moe_layers(summaries.routing_entropy(r)[2], stats, k3, layers, 10, 16)
-    assert len(data) == 4
+    data, layout = specs_moe.moe_layers(summaries.routing_entropy(r)[2], stats, k3, layers, 10, 16)
+    # 6 tokens x top-16 = 96 choices < 896 experts: most are unchosen by necessity, so no "dead" row
+    assert len(data) == 3 and "no dead-expert count until 56 tokens" in layout["title"]["text"]
+    data, layout = specs_moe.moe_layers(summaries.routing_entropy(r)[2], dict(stats, tokens=56), k3, layers, 10, 16)
+    assert len(data) == 4 and "dead" not in layout["title"]["text"]
     np.testing.assert_allclose(decode(data[3]["y"]), stats["dead"])
-    (heat,), _ = figures_moe.moe_sorted(stats, order, counts, k3, layers, 10, 16)
+    (heat,), layout = specs_moe.moe_sorted(stats, order, counts, k3, layers, 10, 16)
     z = decode(heat["z"])
-    assert z.shape == (len(layers), 6 * 16)  # only the ranks that can be non-zero: T * k
-    np.testing.assert_array_equal(decode(heat["customdata"]), order[:, : 6 * 16])
+    widest = max(len(set(map(int, r["topk_ids"][:, j].reshape(-1)))) for j in range(len(layers)))
+    assert z.shape == (len(layers), widest)  # cropped to the experts that ever ran (a column of zeros is gone)
+    assert (z[:, -1] > 0).any() and f"ranks 1-{widest} of 896" in layout["title"]["text"]
+    np.testing.assert_array_equal(decode(heat["customdata"]), order[:, :widest])
 
 
 def test_moe_full_map_marks_every_chosen_expert(k3):
     r = routing(k3)
-    data, layout = figures_moe.moe_full(r, 1, k3, layer=20)
+    data, layout = specs_moe.moe_full(r, 1, k3, layer=20)
     heat, chosen = data
     assert decode(heat["z"]).shape == (92, 896)
     ids = r["topk_ids"][1]
@@ -121,12 +146,48 @@ def test_moe_full_map_marks_every_chosen_expert(k3):
 
 def test_predictions_and_compare():
     tr = SyntheticTrace(n_tokens=3)
-    (bar,), layout = figures_moe.predictions(tr, 0)
+    (bar,), layout = specs_moe.predictions(tr, 0)
     fed = tr.tokens[1]
     ids = list(tr["logits.top_ids"][0])
-    assert bar["marker"]["color"].count(figures.SELECT) == (fed in ids)
+    assert bar["marker"]["color"].count(specs.SELECT) == (fed in ids)
     base, other = np.array([3.0, 1.0, 0.0]), np.array([0.0, 3.0, 1.0])
-    data, layout, kl = figures_moe.compare(base, other, k=3)
+    data, layout, kl = specs_moe.compare(base, other, k=3)
     p, q = np.exp(base) / np.exp(base).sum(), np.exp(other) / np.exp(other).sum()
     assert kl == pytest.approx(float(np.sum(p * np.log(p / q))))
     assert "top-1 changed" in layout["title"]["text"]
+
+
+def test_expert_search_at_896_experts_marks_every_firing_with_its_weight(k3):
+    r = routing(k3)
+    ids, w = r["topk_ids"], r["topk_weights"]
+    e = int(ids[3, 40, 5])  # an expert that fired at least once
+    (hm,), layout = specs_moe.expert_search(r, e, k3, t=3, layer=50)
+    z = decode(hm["z"])  # [M, T]
+    expected = np.full(z.shape, np.nan)
+    for t, j, c in zip(*np.nonzero(ids == e), strict=True):  # plain loops over the trace
+        expected[j, t] = w[t, j, c]
+    np.testing.assert_allclose(z, expected.astype(np.float32), equal_nan=True)
+    hits = int((ids == e).sum())
+    layers_hit = len({j for _, j, _ in zip(*np.nonzero(ids == e), strict=True)})
+    assert f"fired {hits} times at {layers_hit} of {len(r['moe_layers'])} MoE layers" in layout["title"]["text"]
+    gone = dict(r, topk_ids=np.where(ids == e, -1, ids))  # the same trace with e ablated everywhere
+    assert "never chosen in these 6 tokens" in specs_moe.expert_search(gone, e, k3, 3, 50)[1]["title"]["text"]
+    assert "does not exist" in specs_moe.expert_search(r, 896, k3, 3, 50)[1]["annotations"][0]["text"]
+
+
+def test_top_experts_by_load_name_each_layers_busiest(k3):
+    r = routing(k3)
+    stats = summaries.load_stats(r)
+    counts, order = summaries.sorted_counts(stats["counts"])
+    layers = r["moe_layers"]
+    (hm,), layout = specs_moe.moe_top_experts(counts, order, k3, layers, 50, stats["tokens"])
+    j = layers.index(50)
+    from collections import Counter
+
+    tally = Counter(int(x) for x in r["topk_ids"][:, j].ravel())
+    top = decode(hm["z"])[j]
+    assert top[0] == max(tally.values())  # rank 1 is the busiest expert of that layer
+    for rank, name in enumerate(hm["text"][j]):
+        if name:
+            assert tally[int(name)] == top[rank]  # each named expert's count, from the raw ids
+    assert "Top 8 experts by load per layer" in layout["title"]["text"]

@@ -16,7 +16,7 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 def test_the_notebooks_exist_and_are_stored_without_outputs():
-    assert {"01_", "02_", "03_", "04_", "06_", "08_"} <= {p.name[:3] for p in NOTEBOOKS}
+    assert {"01_", "02_", "03_", "04_", "05_", "06_", "07_", "08_"} <= {p.name[:3] for p in NOTEBOOKS}
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]

@@ -8,7 +8,7 @@ import pytest
 
 from kimi_explore import cli
 from kimi_explore.cli import IdsError, parse_ids
-from kimi_explore.views import _ablation
+from kimi_explore.views.explorer import ablation
 
 
 def test_parse_ids_reads_lists_and_names_the_bad_piece():
@@ -18,7 +18,7 @@ def test_parse_ids_reads_lists_and_names_the_bad_piece():
 
 
 def test_the_cli_and_the_explorer_use_the_one_parser():
-    assert _ablation.parse_ids is cli.parse_ids
+    assert ablation.parse_ids is cli.parse_ids
     p = argparse.ArgumentParser()
     p.add_argument("--ids", type=parse_ids)
     assert p.parse_args(["--ids", "1,2"]).ids == [1, 2]

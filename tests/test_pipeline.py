@@ -78,7 +78,8 @@ def test_pipeline_decodes_as_one_process(path, weights, stages):
 
 def test_interventions_run_on_the_stage_that_owns_their_site(pipe3, weights):
     one, staged = ke.Session(weights), ke.Session(pipe3)
-    plain = ke.Session(weights).feed(TOKENS)
+    plain = ke.Session(weights)
+    plain = np.concatenate([plain.feed(TOKENS[:4]), plain.feed(TOKENS[4:9])])  # the same chunks as below
     for s in (one, staged):
         s.feed(TOKENS[:4])
         with s.intervene(intervention()):
@@ -133,7 +134,8 @@ def test_history_truncate_fork_snapshot_and_files(pipe3, weights, tmp_path):
 def test_a_hook_error_in_a_stage_leaves_the_session_as_before(pipe3, weights):
     staged, one = ke.Session(pipe3), ke.Session(weights)
     staged.feed(TOKENS[:5])
-    one.feed(TOKENS[:6])
+    one.feed(TOKENS[:5])
+    one.step(TOKENS[5])
 
     def bad(value, *, hook):
         raise ArithmeticError("boom in layer 13")
@@ -169,12 +171,10 @@ def test_kill_a_stage_mid_feed_then_recover(path, weights):
     """ray.kill a stage while `feed` runs in another thread: the error names the stage and its layers,
     the history decoded so far is kept, and after `recover()` the session continues exactly."""
     tokens = (TOKENS * 20)[:200]
-    expected = ke.Session(weights)
-    expected.feed(tokens)
     with ke.RayPipeline(path, stages=3) as pipe:
         s = ke.Session(pipe, checkpoint_every=8)
         errors = []
-        feeder = threading.Thread(target=lambda: _catch(errors, s.feed, tokens))
+        feeder = threading.Thread(target=lambda: _catch(errors, lambda: s.feed(tokens, chunk=4)))
         feeder.start()
         while len(s) < 12:
             time.sleep(0.001)
@@ -188,13 +188,18 @@ def test_kill_a_stage_mid_feed_then_recover(path, weights):
             s.step(tokens[done])
         assert s.recover() == [1]
         s.feed(tokens[done:])
+        expected = ke.Session(weights)  # the same forward passes in one process
+        expected.feed(tokens[:done], chunk=4)
+        expected.feed(tokens[done:])
         assert_same_session(s, expected)
 
 
 def test_a_stage_crashing_inside_a_token_is_recovered(path, weights):
     """The stage's process exits in the middle of its layers (a hook calls os._exit)."""
     expected = ke.Session(weights)
-    expected.feed(TOKENS)
+    for t in TOKENS[:7]:  # the session steps while the intervention is on; after recover() it feeds
+        expected.step(t)
+    expected.feed(TOKENS[7:])
 
     def crash(value, *, hook):
         if hook.position == 7:
@@ -304,7 +309,8 @@ def test_recover_stops_at_a_token_decoded_under_a_temporary_intervention(path, w
         assert len(s) == 3
         s.feed(TOKENS[3:8])
         expected = ke.Session(weights)
-        expected.feed(TOKENS[:8])
+        expected.feed(TOKENS[:3])
+        expected.feed(TOKENS[3:8])
         assert_same_session(s, expected)
 
 

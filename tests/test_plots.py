@@ -15,7 +15,7 @@ from synthetic_trace import SyntheticTrace, k3_sized
 
 from kimi_explore import plots
 from kimi_explore.tokenizer import ByteTokenizer
-from kimi_explore.views._plot_helpers import MAX_TICKS, nice_stride
+from kimi_explore.views.common import MAX_TICKS, nice_stride
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -81,8 +81,9 @@ def test_kda_views_take_one_colour_scale(k3):
 
 
 def test_moe_summaries_at_k3_size(k3):
-    from kimi_explore.views import plots_summary, summaries
-    from kimi_explore.views._plot_helpers import routing
+    from kimi_explore.views import summaries
+    from kimi_explore.views.common import routing
+    from kimi_explore.views.figures import plots_summary
 
     r = routing(k3)
     stats = summaries.load_stats(r)
@@ -130,12 +131,15 @@ def test_block_residual_token_shows_the_trace_weights(tiny):
     assert len(fig.axes) == 4  # three panels + one colour bar
 
 
-def test_block_residual_layer_rows_are_tokens(tiny):
+def test_block_residual_layer_columns_are_tokens(tiny):
     tok = ByteTokenizer()
     fig = plots.block_residual_layer(tiny, 6, tok)
-    ax = fig.axes[1]
-    np.testing.assert_allclose(ax.images[0].get_array().filled(np.nan), tiny.attn_res_weights()[:, 6, 1], equal_nan=True)
-    assert visible_ticks(ax, "y") == [f"{p} '{tok.token_label(i)}'" for p, i in enumerate(tiny.tokens)]
+    ax = fig.axes[1]  # before the FFN, below
+    np.testing.assert_allclose(ax.images[0].get_array().filled(np.nan), tiny.attn_res_weights()[:, 6, 1].T,
+                               equal_nan=True)
+    assert visible_ticks(ax, "x") == [f"{p} '{tok.token_label(i)}'" for p, i in enumerate(tiny.tokens)]
+    assert visible_ticks(ax, "y") == list(tiny.source_labels())
+    assert fig.get_figheight() < 6  # a few source rows: the figure stays short however long the prompt
     # layer 0 has no attention-site mix: that panel says so instead of drawing an empty map
     fig0 = plots.block_residual_layer(tiny, 0)
     assert "block stack is still empty" in fig0.axes[0].texts[0].get_text()
@@ -182,15 +186,16 @@ def test_padded_topk_is_not_drawn(tiny):
     r["topk_weights"][1, 0, 2:] = np.nan
     ax = plots.moe_routing_token(tr, 1).axes[0]
     assert sum(isinstance(p, Rectangle) for p in ax.patches) == r["topk_ids"][1].size - 2
-    heights = [p.get_height() for p in plots.expert_load(tr).axes[0].patches]
-    assert sum(heights) == (r["topk_ids"] >= 0).sum()
+    assert plots.expert_load(tr).axes[0].images[0].get_array().sum() == (r["topk_ids"] >= 0).sum()
 
 
 def test_expert_load_counts_choices(tiny):
     r = tiny.routing()
-    counts = Counter(int(e) for e in r["topk_ids"].ravel())
-    heights = [p.get_height() for p in plots.expert_load(tiny).axes[0].patches]
-    assert heights == [counts.get(e, 0) for e in range(r["scores"].shape[2])]
+    E = r["scores"].shape[2]
+    img = plots.expert_load(tiny).axes[0].images[0].get_array()  # [MoE layer, expert]: never summed over layers
+    for j in range(len(r["moe_layers"])):
+        counts = Counter(int(e) for e in r["topk_ids"][:, j].ravel())
+        assert img[j].tolist() == [counts.get(e, 0) for e in range(E)]
     j = r["moe_layers"].index(3)
     counts3 = Counter(int(e) for e in r["topk_ids"][:, j].ravel())
     ax = plots.expert_load(tiny, 3).axes[0]
@@ -278,3 +283,24 @@ def test_dollar_signs_in_tokens_are_not_mathtext():
         assert any("$" in t for t in texts)
         assert all("$" not in t.replace(r"\$", "") for t in texts), [t for t in texts if "$" in t]
     assert plots.token_labels([36], tok) == ["0 '$'"]  # the public labels (HTML, widgets) stay plain
+
+
+def test_kda_state_difference_is_b_minus_a_on_a_symmetric_scale(tiny):
+    import copy
+
+    other = copy.deepcopy(tiny)
+    norms, ids = tiny.kda_state_norms()
+    j = ids.index(5)
+    bumped = np.array(norms, copy=True)
+    bumped[:, j, 1] += 0.25
+    bumped[2, j, 0] -= 0.5
+    other.kda_state_norms = lambda: (bumped, ids)
+    fig = plots.kda_state_difference(tiny, other, 5)
+    im = fig.axes[0].images[0]
+    expected = np.zeros_like(norms[:, j])
+    expected[:, 1], expected[2, 0] = 0.25, -0.5
+    np.testing.assert_allclose(im.get_array(), expected, atol=1e-6)
+    assert im.get_clim() == pytest.approx((-0.5, 0.5))
+    with pytest.raises(ValueError, match="same tokens"):
+        other.tokens = list(other.tokens)[:-1]
+        plots.kda_state_difference(tiny, other, 5)

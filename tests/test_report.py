@@ -13,7 +13,7 @@ from synthetic_trace import SyntheticTrace
 
 from kimi_explore import KimiDecodeState, cli, kimi_forward_token
 from kimi_explore.cli import RANDOM_NOTE
-from kimi_explore.views.report import write_report
+from kimi_explore.views.figures.report import write_report
 from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -116,7 +116,7 @@ def test_write_report_from_a_bare_trace(tmp_path):
 
 
 def test_default_layers_end_at_the_deepest_kda_moe_layer():
-    from kimi_explore.views.report import default_layers
+    from kimi_explore.views.figures.report import default_layers
 
     tr = SyntheticTrace(n_tokens=2, n_layers=16)
     both = [i for i in tr.kda_ids if i in tr.moe_ids]

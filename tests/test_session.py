@@ -2,7 +2,10 @@
 
 The reference for every history is a fresh, straight decode of it with `kimi_forward_token` (and a
 fresh Recorder, and the same intervention on the same steps): a session that went back and forth
-must hold bit-identical logits, records and decode state.
+must hold the same logits, records and decode state. A feed runs the sequence path, whose sums are
+ordered differently from stepping, so these tests run in float64, where the two routes agree to
+~1e-12 and any bookkeeping slip (a wrong checkpoint, a lost hook) shows as a difference of order one.
+Bit-for-bit equality of a session with itself across truncates inside chunks is tests/test_sequence.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from closeness import assert_close, assert_states_close, assert_traces_close
 from conftest import REFERENCE_DIR
 from numpy.lib.array_utils import byte_bounds
 
@@ -24,6 +28,12 @@ from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.trace import Trace
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
+TOL = 1e-9  # float64 rounding of the sequence path against stepping, relative to each array's scale
+
+
+@pytest.fixture(scope="module")
+def ref_weights():
+    return from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
 
 
 def intervention():
@@ -51,7 +61,7 @@ def reference(w, history):
     from the state after tokens < t, recorded by its own Recorder (the records of a token depend on nothing else)."""
     steps = [straight_step(w, history[: t + 1]) for t in range(len(history))]
     if not steps:
-        return np.zeros((0, w.config.vocab_size), np.float32), Recorder().bind(w).trace(), KimiDecodeState.new(w)
+        return np.zeros((0, w.config.vocab_size), w.dtype), Recorder().bind(w).trace(), KimiDecodeState.new(w)
     rows: dict = {}
     for _, _, r, _ in steps:
         for k, v in r.items():
@@ -73,12 +83,10 @@ def state_arrays(state):
 def assert_matches(session, history):
     logits, trace, state = reference(session.weights, tuple(history))
     assert session.tokens == [t for t, _ in history]
-    assert np.array_equal(session.logits, logits)
-    assert session.trace().equals(trace)
+    assert_close(session.logits, logits, TOL)
+    assert_traces_close(session.trace(), trace, TOL)
     assert session.state.position == state.position == len(history)
-    for (name, a), (_, b) in zip(state_arrays(session.state), state_arrays(state), strict=True):
-        assert np.array_equal(a[..., : b.shape[-2], :] if name in ("keys", "values") else a,
-                              b[..., : a.shape[-2], :] if name in ("keys", "values") else b), name
+    assert_states_close(session.state, state, TOL)
 
 
 def all_arrays(session):
@@ -110,18 +118,20 @@ def test_steps_equal_the_raw_decoder(ref_weights, recorder):
     out = [s.step(t) for t in TOKENS[:4]] + list(s.feed(TOKENS[4:6]))
     state = KimiDecodeState.new(ref_weights)
     raw = np.stack([kimi_forward_token(ref_weights, state, t) for t in TOKENS[:6]])
-    assert np.array_equal(np.stack(out), raw) and np.array_equal(s.logits, raw)
+    assert np.array_equal(np.stack(out[:4]), raw[:4])  # steps are the token path itself
+    assert_close(np.stack(out), raw, TOL)
+    assert_close(s.logits, raw, TOL)
     assert s.tokens == TOKENS[:6] and len(s) == 6
     out[0][:] = 0  # returned arrays are the caller's: the history keeps its own
-    assert np.array_equal(s.logits, raw)
+    assert_close(s.logits, raw, TOL)
     with pytest.raises(ValueError, match="read-only"):
         s.logits[0, 0] = 1.0
     row = s.logits_at(-1)
     row[:] = 0
-    assert np.array_equal(s.logits_at(-1), raw[-1])
+    assert_close(s.logits_at(-1), raw[-1], TOL)
     s.truncate(5)
     s.step(3)  # same length as before the truncate: the cached stack must not be reused
-    assert s.logits.shape == raw.shape and not np.array_equal(s.logits[-1], raw[-1])
+    assert s.logits.shape == raw.shape and not np.allclose(s.logits[-1], raw[-1])
     if recorder is None:
         with pytest.raises(ValueError, match="records nothing"):
             s.trace()
@@ -172,7 +182,7 @@ def test_feed_text_through_a_tokenizer(ref_weights):
 
 
 @pytest.mark.parametrize("every", [1, 4, 16, 0])
-def test_truncate_then_restep_is_bit_identical(ref_weights, every):
+def test_truncate_then_restep_gives_the_same_history(ref_weights, every):
     s = Session(ref_weights, checkpoint_every=every)
     s.feed(TOKENS)
     full_logits, full_trace = s.logits, s.trace()
@@ -180,9 +190,10 @@ def test_truncate_then_restep_is_bit_identical(ref_weights, every):
         s.truncate(t)
         assert_matches(s, [(x, False) for x in TOKENS[:t]])
         s.feed(TOKENS[t:])
-        assert np.array_equal(s.logits, full_logits) and s.trace().equals(full_trace)
+        assert_close(s.logits, full_logits, TOL)
+        assert_traces_close(s.trace(), full_trace, TOL)
     s.truncate(len(TOKENS))
-    assert np.array_equal(s.logits, full_logits)
+    assert_close(s.logits, full_logits, TOL)
     with pytest.raises(ValueError, match=r"how many tokens to keep\) must be an int in 0\.\.10, got 11"):
         s.truncate(11)
 
@@ -215,7 +226,7 @@ def test_truncate_discards_future_checkpoints(ref_weights, every):
         s.step(TOKENS[4])
     s.feed(TOKENS[5:7])
     s.truncate(2)
-    assert sorted(s.snapshot().checkpoints) == [k for k in range(1, 3) if every and k % every == 0]
+    assert set(s.snapshot().checkpoints) <= {1, 2}  # none past the cut (2 ends the cut chunk [0, 2))
     new = [9, 99, 199, 42, 7]
     s.feed(new)
     s.truncate(6)
@@ -364,9 +375,9 @@ def test_loading_into_another_model_fails_clearly(ref_weights, tmp_path):
     cut = from_pretrained(REFERENCE_DIR, device="cpu", layers=range(4))
     with pytest.raises(ValueError, match="different model.*layer_ids"):
         Session.load_state(path, cut)
-    w64 = from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
+    w32 = from_pretrained(REFERENCE_DIR, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="different model.*dtype"):
-        Session.load_state(path, w64)
+        Session.load_state(path, w32)
     bumped = dataclasses.replace(ref_weights, embed_tokens=ref_weights.embed_tokens * 1.01)
     with pytest.raises(ValueError, match=r"these weights \(weights:"):
         Session.load_state(path, bumped)
@@ -447,17 +458,18 @@ def test_random_step_truncate_fork_sequences_stay_exact(ref_weights, tmp_path, s
 def test_reprs_are_one_line_summaries(ref_weights):
     """The dataclass defaults printed every array (weights: ~350,000 characters, state: ~28,000)."""
     s = Session(ref_weights, checkpoint_every=2)
-    s.feed(TOKENS[:5])
+    for t in TOKENS[:5]:
+        s.step(t)
     cfg = ref_weights.config
     n_mla = sum(not cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
     state_mib = sum(a.nbytes for _, a in state_arrays(s.state) if a.ndim) / 2**20
     want = {
         repr(ref_weights): [f"{cfg.num_hidden_layers} of {cfg.num_hidden_layers} layers",
                             f"{cfg.num_hidden_layers - n_mla} KDA, {n_mla} MLA", f"hidden {cfg.hidden_size}",
-                            f"vocab {cfg.vocab_size}", "cpu float32", f"{ref_weights.memory_report().total / 2**20:.1f} MiB"],
-        repr(s.state): ["position 5", f"{cfg.num_hidden_layers - n_mla} KDA, {n_mla} MLA", "numpy float32",
+                            f"vocab {cfg.vocab_size}", "cpu float64", f"{ref_weights.memory_report().total / 2**20:.1f} MiB"],
+        repr(s.state): ["position 5", f"{cfg.num_hidden_layers - n_mla} KDA, {n_mla} MLA", "numpy float64",
                         f"{state_mib:.2f} MiB"],
-        repr(s): ["5 tokens", "2 checkpoints", "recorder on", "0 hooks", "cpu float32"],
+        repr(s): ["5 tokens", "2 checkpoints", "recorder on", "0 hooks", "cpu float64"],
         repr(s.snapshot()): ["5 tokens", "2 checkpoints"],
         repr(s.trace()): ["5 tokens", f"records, layers 0-{cfg.num_hidden_layers - 1}"],
     }
@@ -492,12 +504,15 @@ def test_session_on_the_gpu(ref_weights, tmp_path):
     assert (g.logits.argmax(-1) == c.logits.argmax(-1)).all()
     full, trace = g.logits, g.trace()
     f = g.fork()
-    g.truncate(2)
-    with g.intervene(intervention()):
-        g.feed(TOKENS[2:4])
-    g.truncate(3)
-    g.step(TOKENS[3])  # rewound to before the intervened step: decoded plainly this time
-    assert np.array_equal(g.logits[:3], full[:3]) and not np.array_equal(g.logits[3], full[3])
+    for s in (g, c):
+        s.truncate(2)
+        with s.intervene(intervention()):
+            s.feed(TOKENS[2:4])
+        s.truncate(3)
+        s.step(TOKENS[3])  # rewound to before the second intervened step: token 3 decoded plainly this time
+    assert np.array_equal(g.logits[:2], full[:2])  # kept from the fed chunk
+    assert not np.allclose(g.logits[2], full[2], atol=1e-3) and not np.allclose(g.logits[3], full[3], atol=1e-3)
+    np.testing.assert_allclose(g.logits, c.logits, atol=1e-3)  # token 2 intervened now, 3 not: as on the host
     f.truncate(4)
     f.feed(TOKENS[4:7])
     assert np.array_equal(f.logits, full) and f.trace().equals(trace)

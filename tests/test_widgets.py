@@ -10,13 +10,15 @@ import dataclasses
 import numpy as np
 import pytest
 
+import kimi_explore as ke
 from kimi_explore import Session, interventions
 from kimi_explore.tokenizer import ByteTokenizer
-from kimi_explore.views.widgets import BUSY, TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
+from kimi_explore.views.explorer.widgets import BUSY, TABS, Explorer, parse_experts, parse_ids, rerun, rerun_token
 
 PROMPT = "Hi K3!"
 TAB_OF = {"block_token": 0, "block_layer": 0, "kda_token": 1, "kda_layer": 1, "moe_topk": 2, "moe_layers": 2,
-          "moe_sorted": 2, "moe_full": 2, "predictions": 3}
+          "moe_sorted": 2, "moe_top": 2, "expert_search": 2, "moe_full": 2, "predictions": 3, "lens": 4,
+          "attribution": 4}
 
 
 @pytest.fixture
@@ -77,7 +79,7 @@ def test_step_updates_every_view_of_the_open_tab_in_place(explorer):
     assert all(m == {"token": 2, "layer": ex.layer.value, "tokens": 3} for m in shown(ex).values())
     for tab in range(len(TABS)):
         ex.tabs.selected_index = tab  # opening a tab brings its views up to date
-    assert {n for n, m in shown(ex).items() if m["tokens"] == 3} == set(TAB_OF) - {"moe_full"}
+    assert {n for n, m in shown(ex).items() if m["tokens"] == 3} == set(TAB_OF) - {"moe_full", "expert_search"}
     assert (ex.token.max, ex.token.value) == (2, 2) and "<code>2 ' '</code>" in ex.token_label.value
     assert ex.text.labels == ["H", "i", " "] and ex.text.selected == 2
 
@@ -220,7 +222,8 @@ def test_ablation_forks_without_touching_the_main_session(explorer, tiny_weights
     assert s.trace().equals(trace)
     assert ex.ablation.view.spec and "forked at token 2" in ex.ablation.note.value
     ref = Session(tiny_weights, recorder=False)
-    ref.feed(tokens[:2])
+    for t in tokens[:2]:  # stepped, as the Explorer stepped them
+        ref.step(t)
     with ref.intervene(interventions.ablate_experts(layer, chosen)):
         expected = ref.step(tokens[2])
     np.testing.assert_allclose(ablated, expected, rtol=0, atol=1e-6)
@@ -267,10 +270,10 @@ def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
     np.testing.assert_array_equal(s.logits, logits)
     assert_same_state(state_arrays(s), state)
     ref = Session(tiny_weights, recorder=False)
-    ref.step(tokens[0])
+    ref.feed(tokens[:1])  # the fork replays the cut chunk [0, 1) on the sequence path
     with ref.intervene(interventions.zero_kda_head(1, 2)):
         ref.feed(tokens[1:])
-    np.testing.assert_allclose(fork.logits, ref.logits, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(fork.logits[1:], ref.logits[1:], rtol=0, atol=1e-6)  # [0]: kept from the 5-token chunk
     np.testing.assert_array_equal(fork.logits[0], logits[0])
     assert np.abs(fork.logits[-1] - logits[-1]).max() > 1e-4
     norms = fork.trace()["layers.1.kda.state.norm"]
@@ -373,3 +376,202 @@ def test_mutation_moe_topk_hover_shows_each_experts_combine_weight_and_score(tin
             differ += f"{weights[c]:.4f}" != f"{scores[e]:.4f}"
     assert differ >= len(moe)  # weight and score read differently: a swap shows
 
+
+
+def test_empty_history_hides_the_tabs_and_the_status_says_what_to_do(tiny_weights):
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt="")
+    assert ex.tabs.layout.display == "none" and "type a prompt, then Step" in ex.status.value
+    ex.prompt.value = "ab"
+    ex.step_button.click()
+    assert ex.tabs.layout.display is None and shown(ex)
+    ex.prompt.value = ""  # an empty box with a history: Step goes on greedily, and says so (not "0 tokens")
+    assert "no prompt: Step continues greedily" in ex.status.value and "(0 tokens)" not in ex.status.value
+    ex.reset_button.click()
+    assert ex.tabs.layout.display == "none" and not shown(ex)  # no blank boxes after Reset
+
+
+def test_a_byte_that_is_not_text_alone_reads_the_same_in_the_text_and_the_predictions(tiny_weights):
+    tok = ByteTokenizer()
+    ex = Explorer(Session(tiny_weights, tokenizer=tok), prompt="é")  # two bytes, 0xC3 0xA9
+    ex.step_button.click()
+    ex.step_button.click()
+    assert ex.text.labels == ["<0xC3>", "<0xA9>"]
+    assert [tok.token_label(i) for i in (0xC3, 0xA9)] == ex.text.labels  # the predictions' labels
+    assert "\ufffd" not in "".join(ex.text.labels)
+
+
+def test_lens_strip_shows_ke_logit_lens_of_the_selected_token(explorer):
+    ex, s = explorer, explorer.session
+    for _ in range(4):
+        ex.step_button.click()
+    ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.select(token=2, layer=5)
+    (heat, ring), layout = view_spec(ex, "lens")
+    lens = ke.logit_lens(s, top=3)
+    np.testing.assert_allclose(decode(heat["z"])[0], lens.top_probs[2, :, 0], rtol=1e-6)
+    tok = ex.tokenizer
+    names = [tok.token_label(int(i)) for i in lens.top_ids[2, :, 0]]
+    assert heat["text"][0] == [f"x{n[3:5]}" if n.startswith("<0x") else n for n in names]  # <0xC9> -> xC9
+    labels = heat["x"]
+    same = [labels[j] for j in range(len(labels)) if lens.top_ids[2, j, 0] == lens.final_ids[2]]
+    assert ring["x"] == same and labels[-1] in same  # at the last layer the lens is the model
+    assert [sh["x0"] + 0.5 for sh in layout["shapes"]] == [list(s.weights.layer_ids).index(5)]
+    click(ex.views["lens"], x=labels[3])
+    assert ex.layer.value == s.weights.layer_ids[3]
+
+
+def test_waterfall_shows_ke_logit_attribution_and_a_click_selects_the_layer(explorer):
+    ex, s = explorer, explorer.session
+    for _ in range(4):
+        ex.step_button.click()
+    ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.select(token=1)
+    (bar,), layout = view_spec(ex, "attribution")
+    attr = ke.logit_attribution(s, 1, token=s.tokens[2])  # the token that was fed next
+    leaves = list(attr.contributions.items())
+    top = len(bar["y"]) - 2
+    assert bar["y"][:top] == [k for k, _ in leaves[:top]] and bar["y"][-1] == "logit"
+    np.testing.assert_allclose(bar["x"][:top], [v for _, v in leaves[:top]], rtol=1e-9)
+    np.testing.assert_allclose(bar["x"][top], sum(v for _, v in leaves[top:]), rtol=1e-9, atol=1e-12)
+    assert bar["x"][-1] == pytest.approx(attr.logit) and bar["measure"][-1] == "total"
+    leaf = next(k for k in bar["y"] if k.startswith("layers.") and not k.startswith(f"layers.{ex.layer.value}."))
+    click(ex.views["attribution"], y=leaf)
+    assert ex.layer.value == int(leaf.split(".")[1])
+    click(ex.views["attribution"], y=bar["y"][top])  # 'other leaves (n)': no layer, nothing happens
+    assert ex.layer.value == int(leaf.split(".")[1])
+
+
+@pytest.mark.parametrize("what,ids,layers,scope", [("experts", "chosen", "all", "from this token on"),
+                                                   ("KDA heads", "1", "this", "all tokens")])
+def test_ablation_run_diff_is_ke_diff_of_a_hand_built_run(explorer, tiny_weights, what, ids, layers, scope):
+    ex, s = explorer, explorer.session
+    ex.tabs.selected_index = TABS.index("Predictions")
+    for _ in range(5):
+        ex.step_button.click()
+    t = 2
+    ex.select(token=t, layer=ex.kda_layers[1] if what == "KDA heads" else ex.moe_layers[1])
+    ex.ablation.what.value = what
+    ex.ablation.experts.value, ex.ablation.layers.value, ex.ablation.scope.value = ids, layers, scope
+    tokens = list(s.tokens)
+    ablated = ex.ablate()
+    assert s.tokens == tokens  # the session is untouched
+    if what == "experts":
+        r = s.trace().routing()
+        hooks = [interventions.ablate_experts(i, [int(e) for e in r["topk_ids"][t, j] if e >= 0], list(range(t, 5)))
+                 for j, i in enumerate(r["moe_layers"])]
+        start = t
+    else:
+        hooks, start = [interventions.zero_kda_head(ex.layer.value, [1])], 0
+    ref = Session(tiny_weights, recorder=True)
+    for tok in tokens[:start]:
+        ref.step(tok)
+    with ref.intervene(*hooks):
+        for tok in tokens[start:]:
+            ref.step(tok)
+    np.testing.assert_allclose(ablated, ref.logits[t], atol=1e-6)
+    d = ke.diff(s, ref)
+    data, layout = ex.ablation.diff_view.spec["data"], ex.ablation.diff_view.spec["layout"]
+    np.testing.assert_allclose(decode(data[0]["z"])[0], d.kl[start:], atol=1e-6)
+    np.testing.assert_allclose(decode(data[1]["z"]), d.final_attn_res[start:].T, atol=1e-6)
+    assert data[0]["x"][0].startswith(f"{start} ") and d.kl[start:].max() > 1e-6
+    assert f"routing changes ({len(d.routing_changes)})" in layout["title"]["text"]
+
+
+def test_expert_search_field_draws_where_the_expert_fires(explorer):
+    ex, s = explorer, explorer.session
+    ex.tabs.selected_index = TABS.index("MoE routing")
+    for _ in range(3):
+        ex.step_button.click()
+    assert not ex.views["expert_search"].spec and ex.views["expert_search"].layout.display == "none"
+    r = s.trace().routing()
+    e = int(r["topk_ids"][1, 0, 0])
+    ex.tab_views.expert.value = str(e)
+    (hm,), layout = view_spec(ex, "expert_search")
+    assert ex.views["expert_search"].layout.display is None and f"Where expert {e} fires" in layout["title"]["text"]
+    assert np.isfinite(decode(hm["z"])[0, 1])  # layer moe_layers[0], token 1: chosen there
+    ex.tab_views.expert.value = "x1"
+    assert "is not an expert id" in ex.tab_views.expert_note.value
+
+
+def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_path, monkeypatch):
+    import json
+    import re
+
+    ex = explorer
+    for _ in range(3):
+        ex.step_button.click()
+    ex.tabs.selected_index = TABS.index("Block residuals")
+    ex.select(token=1, layer=5)
+    ex.views["block_layer"].ranges = {"xaxis2": [0.5, 2.5]}  # as the browser reports a user's pan
+    path = ex.snapshot(tmp_path / "snap.html")
+    page = path.read_text(encoding="utf-8")
+    from kimi_explore.views.explorer.plotly_view import plotly_js_source
+
+    assert page.count(plotly_js_source()) == 1  # plotly.js inline, once
+    # nothing else could fetch anything (plotly.js itself only holds links it never follows offline)
+    assert not re.search(r"(src|href)=[\"']?https?:|<link|<script src", page.replace(plotly_js_source(), ""))
+    state = json.loads(re.search(r'id="kimi-state">(.*?)</script>', page).group(1))
+    assert (state["token"], state["layer"], state["tab"], state["tokens"]) == (1, 5, "Block residuals", 3)
+    assert state["zoom"] == {"block_layer": {"xaxis2": [0.5, 2.5]}} and state["token_ids"] == ex.session.tokens
+    names = re.findall(r'data-name="([a-z_]+)"', page)
+    assert names == ["block_token", "block_layer"]  # the open tab's views, nothing else
+    drawn = ex.views["block_layer"].snapshot()["layout"]
+    assert drawn["xaxis2"]["range"] == [0.5, 2.5] and drawn["xaxis2"]["autorange"] is False
+    assert json.dumps(drawn) in page  # the page draws the view at the user's zoom
+    assert json.dumps(ex.views["block_token"].spec["data"])[:500] in page
+    monkeypatch.chdir(tmp_path)
+    ex.snapshot_button.click()  # the button writes to the working directory and says where
+    assert "snapshot written to" in ex.status.value and list(tmp_path.glob("kimi_snapshot_t1_layer5_tab0.html"))
+
+
+def test_a_step_reads_only_windows_of_the_history(tiny_weights, monkeypatch):
+    """At any history length a Step asks the trace for the selected token's window (a few rows) and the
+    WINDOW tokens on screen, never for the whole history: its cost does not grow with the history."""
+    from kimi_explore.views.explorer import specs
+
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    s.feed(list(range(65, 65 + 50)))  # 50 tokens already decoded
+    ex = Explorer(s, prompt=None)
+    asked = []
+    real = Session.trace
+
+    def spy(self, window=None):
+        tr = real(self, window=window)
+        asked.append(len(tr))
+        return tr
+
+    monkeypatch.setattr(Session, "trace", spy)
+    for tab in range(len(TABS) - 1):  # the analyses tab replays the history by design (lens, attribution)
+        ex.tabs.selected_index = tab
+        asked.clear()
+        ex.step_button.click()
+        assert asked and max(asked) <= specs.WINDOW, (TABS[tab], asked)
+
+
+def test_history_cache_equals_the_whole_history_after_step_back_and_a_new_prompt(tiny_weights):
+    from kimi_explore.views import summaries
+
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="abcdefgh")
+    ex.tabs.selected_index = TABS.index("MoE routing")
+
+    def check():
+        tr = s.trace()
+        full = summaries.token_measures(tr, ex._surprisals())
+        for name, v in full.items():
+            np.testing.assert_allclose(ex.history.measures[name], v, rtol=1e-12, equal_nan=True)
+        stats = summaries.load_stats(tr.routing())
+        np.testing.assert_array_equal(ex.history.load_stats()["counts"], stats["counts"])
+        assert ex.history.load_stats()["tokens"] == len(s)
+
+    for _ in range(5):
+        ex.step_button.click()
+        check()
+    ex.back_button.click()
+    ex.back_button.click()
+    check()
+    ex.prompt.value = "abX"  # shares 2 tokens: Step truncates to them, then feeds 'X'
+    ex.step_button.click()
+    check()
+    ex.play_button.click()
+    check()

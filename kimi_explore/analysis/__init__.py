@@ -6,5 +6,5 @@
     stats = ke.routing_stats(weights, texts)               # routing_stats.py: what each expert does over a corpus
     res = ke.source_ablation(session)                      # source_ablation.py: block-residual mass vs causal effect
 
-Views: `kimi_explore.views.analysis_plots`.
+Views: `kimi_explore.views.figures.analysis_plots`.
 """

@@ -4,9 +4,10 @@ The default Recorder keeps cheap derived values (softmax weights, norms, top-k),
 vectors a logit lens or an attribution reads (running sums, sealed blocks, attention and FFN
 outputs). Rather than record those for every token up front, an analysis re-decodes the session's
 tokens from a fresh state with `session.hooks` (its persistent interventions) plus a Recorder that
-copies the wanted sites, whole chunks at a time on the sequence path, and checks that the replay
-reproduces the logits the session stored (to float32 rounding: the sequence path sums in another
-order than stepping). A history decoded under a temporary intervention (`with session.intervene(...)`)
+copies the wanted sites, in the same forward passes that decoded the history (fed chunks as chunks
+on the sequence path, stepped tokens stepped), and checks that the replay reproduces the logits the
+session stored (bit for bit, except after a truncate inside a chunk, whose cut chunk replays shorter:
+then to float32 rounding). A history decoded under a temporary intervention (`with session.intervene(...)`)
 does not replay to the same logits: that is reported, never analysed silently. Capturing changes no
 value.
 """
@@ -19,7 +20,6 @@ from ..backend import to_numpy
 from ..inspection.hooks import HookChain
 from ..inspection.recorder import Recorder
 from ..model.kimi_decoder import hook_names
-from ..model.kimi_sequence import DEFAULT_CHUNK
 
 REPLAY_RTOL = 1e-4  # the sequence path agrees with stepping to float32 rounding (~1e-6 of the logits' scale)
 
@@ -30,32 +30,38 @@ def site_names(model, suffixes, globals_=()) -> list[str]:
     return [n for n in hook_names(model) if n in globals_ or (n.startswith("layers.") and n.endswith(suffixes))]
 
 
-def replay(session, names, positions=None, chunk: int | None = None):
+def replay(session, names, positions=None):
     """Yield (t, values, logits) for the tokens t of `session`'s history in `positions` (default: all).
 
-    The history is re-decoded on the sequence path, `chunk` tokens at a time (default
-    `DEFAULT_CHUNK`), with `session.hooks` and a Recorder keeping full copies of `names`.
-    values: {site name: the value that flowed there at token t}, on the model's backend (over a
-    pipeline they come back from the stages); logits: the replayed logits [vocab] (host), checked
-    against the stored ones. Stops after the last wanted position.
+    The history is re-decoded from a fresh state the way it was decoded (`session.runs()`: fed chunks
+    as the same chunks on the sequence path, stepped tokens stepped), so the values for a token do not
+    depend on which other positions were asked for, with `session.hooks` and a Recorder keeping full
+    copies of `names`. values: {site name: the value that flowed there at token t}, on the model's
+    backend (over a pipeline they come back from the stages); logits: the replayed logits [vocab]
+    (host), checked against the stored ones. Stops after the run holding the last wanted position.
     """
     tokens = session.tokens
     T = len(tokens)
     if T == 0:
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
-    model, recorded, chunk = session.weights, session.logits, chunk or DEFAULT_CHUNK
+    model, recorded = session.weights, session.logits
     capture = Recorder(names_filter=lambda name: False, full=list(names)).bind(model)
     hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
-    state, last = model.new_state(), max(wanted) + 1
-    for a in range(0, last, chunk):
-        b = min(a + chunk, last)
-        logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
+    state, last = model.new_state(), max(wanted)
+    for a, b in session.runs():
+        if b is None:
+            hooks.begin_token(tokens[a], a)
+            logits, b = to_numpy(model.forward_token(state, tokens[a], hooks))[None], a + 1
+        else:
+            logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
         records = capture.take_records()
         for t in range(a, b):
             _check_replay(logits[t - a], recorded[t], t)
             if t in wanted:
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
+        if b > last:
+            return
 
 
 def _position(p, T: int) -> int:

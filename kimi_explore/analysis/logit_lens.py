@@ -47,6 +47,7 @@ class LogitLens:
     final_ids:   [T] the model's own top-1 (argmax of the session's logits)
     target_ids:  [T] or None: the chosen tokens whose log-probs were asked for (-1: none)
     target_logprobs: [T, L] or None: log p_layer(target) (NaN where target_ids is -1)
+    positions:   [T] the history positions of the rows (all of them unless `positions=` was given)
     """
 
     layers: list
@@ -56,6 +57,7 @@ class LogitLens:
     final_ids: np.ndarray
     target_ids: np.ndarray | None = None
     target_logprobs: np.ndarray | None = None
+    positions: np.ndarray | None = None
 
     def agreement(self) -> np.ndarray:
         """[L]: fraction of tokens whose lens top-1 at each layer equals the model's final top-1."""
@@ -92,11 +94,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def logit_lens(session, top: int = 5, targets=None) -> LogitLens:
-    """The lens for every token of `session`'s history and every loaded layer.
+def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens:
+    """The lens for every token of `session`'s history (or only at `positions`) and every loaded layer.
 
     top: predictions kept per (token, layer). targets: None; "next" (the token fed after each one;
     -1 for the last); or token ids [T] (-1 skips a token): their log-prob at every layer is returned.
+    positions: history positions (negative counts from the end); the lens then has one row per
+    position, in increasing order, and the replay stops after the last one (the Explorer asks for one).
     """
     if not (isinstance(top, int) and top >= 1):
         raise ValueError(f"logit_lens: top must be a positive int, got {top!r}")
@@ -104,21 +108,32 @@ def logit_lens(session, top: int = 5, targets=None) -> LogitLens:
     tokens = np.asarray(session.tokens, dtype=np.int64)
     T, V = len(tokens), w.config.vocab_size
     target_ids = _targets(targets, tokens, V)
+    rows = np.arange(T) if positions is None else np.unique([_position(p, T) for p in np.atleast_1d(positions)])
+    at = {int(t): r for r, t in enumerate(rows)}
     names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
     k = min(top, V)
-    lens_ids = np.empty((T, len(w.specs), k), np.int64)
-    top_probs = np.empty((T, len(w.specs), k))
-    target_lp = None if target_ids is None else np.full((T, len(w.specs)), np.nan)
+    lens_ids = np.empty((len(rows), len(w.specs), k), np.int64)
+    top_probs = np.empty((len(rows), len(w.specs), k))
+    target_lp = None if target_ids is None else np.full((len(rows), len(w.specs)), np.nan)
     head = w.head()  # a pipeline copies its head from its last stage
-    for t, values, _ in replay(session, names):
+    for t, values, _ in replay(session, names, None if positions is None else rows.tolist()):
+        r = at[t]
         logp = log_softmax(to_numpy(lens_logits(w, head, values)))  # [L, V]
         ids = top_ids(logp, k)
-        lens_ids[t] = ids
-        top_probs[t] = np.exp(np.take_along_axis(logp, ids, axis=-1))
+        lens_ids[r] = ids
+        top_probs[r] = np.exp(np.take_along_axis(logp, ids, axis=-1))
         if target_ids is not None and target_ids[t] >= 0:
-            target_lp[t] = logp[:, target_ids[t]]
-    final_ids = np.argmax(session.logits, axis=-1).astype(np.int64)
-    return LogitLens(list(w.layer_ids), tokens, lens_ids, top_probs, final_ids, target_ids, target_lp)
+            target_lp[r] = logp[:, target_ids[t]]
+    final_ids = np.argmax(np.asarray(session.logits)[rows], axis=-1).astype(np.int64)
+    return LogitLens(list(w.layer_ids), tokens[rows], lens_ids, top_probs, final_ids,
+                     None if target_ids is None else target_ids[rows], target_lp, rows)
+
+
+def _position(p, T: int) -> int:
+    p = int(p)
+    if not -T <= p < T:
+        raise IndexError(f"logit_lens: position {p} is outside the history of {T} tokens (0..{T - 1}, or -{T}..-1)")
+    return p % T
 
 
 @dataclass

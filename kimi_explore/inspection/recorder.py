@@ -194,11 +194,12 @@ class Recorder:
             fns.append(self._start_token)
         m = LAYER_NAME.match(name)
         kind = m.group(2) if m else name
-        if self._wants(name, kind) or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
+        wanted = self._wants(name, kind)
+        if wanted or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
             fn = self._recording_fn(name, kind)
             if fn is not None:
                 fns.append(fn)
-        if self.full is not None and self.full(name):
+        if self.full is not None and self.full(name) and not (wanted and DEFAULT_SITES[kind] == "fresh"):  # recorded once
             put, emit = self._row(name).append, self._emit
             fns.append(lambda value: emit(put, value.copy()))
         if name == "logits":

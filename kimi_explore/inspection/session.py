@@ -48,7 +48,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import StageLostError
-from ..model.kimi_decoder import KimiDecodeState, token_index
+from ..model.kimi_decoder import KimiDecodeState, token_indices
 from ..model.kimi_sequence import DEFAULT_CHUNK
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
@@ -167,7 +167,7 @@ class Session:
             if self.tokenizer is None:
                 raise TypeError("Session.feed got a string but the session has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(token_ids)
-        ids = [token_index(t, self.weights.config.vocab_size) for t in token_ids]  # all checked before any decodes
+        ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
         chunk = DEFAULT_CHUNK if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"Session.feed: chunk must be a positive int (tokens per forward pass), got {chunk!r}")
@@ -260,15 +260,17 @@ class Session:
         if changed:
             raise RuntimeError(f"cannot rebuild the state after {t} tokens exactly: tokens {changed} were decoded with "
                                f"value-changing hooks and no checkpoint after them is kept (nearest: {c})")
-        for a, b in self._runs(c, t):
+        for a, b in self.runs(c, t):
             if b is None:
                 self.weights.forward_token(state, self._tokens[a])
             else:
                 self.weights.forward_sequence(state, self._tokens[a:b], chunk=b - a)
         return state
 
-    def _runs(self, c: int, t: int):
-        """Tokens c..t-1 as they were decoded: (s, None) for a stepped token, (a, b) for the part of a fed chunk."""
+    def runs(self, c: int = 0, t: int | None = None):
+        """Tokens c..t-1 (default: the whole history) as the forward passes that decoded them: (s, None) for
+        a stepped token, (a, b) for the part of a fed chunk. Replaying these exactly reproduces the history."""
+        t = len(self._tokens) if t is None else t
         s = c
         while s < t:
             start = self._chunk_of[s]
@@ -342,7 +344,7 @@ class Session:
         """Decode the first n tokens from a fresh state, each the way it was decoded: (state, {t in keep:
         state copy}, first token whose logits differ from the stored ones, or None)."""
         state, checkpoints = self.weights.new_state(), {}
-        for a, b in self._runs(0, n):
+        for a, b in self.runs(0, n):
             if b is None:
                 if hooks is not None:
                     hooks.begin_token(self._tokens[a], a)

@@ -192,8 +192,13 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
 
     rule: how the delta rule runs over the T tokens: "recurrent" (`kda_recurrence`, compiled, token by
     token: host float32 only), "chunked" (`kda_chunk`, matmuls over chunks of `chunk` tokens: any backend
-    and dtype), "auto" (recurrent where it runs, else chunked: on the CPU the compiled recurrence was
-    the faster at both the embedded model's and K3's widths, bench/kda_rule.py).
+    and dtype), "auto" (recurrent where it runs, else chunked). Why recurrent on the CPU, measured
+    (`bench/prefill.py`, the rule alone with the per-token state norms a recorder keeps, CPU ms/token):
+    the embedded model's width (4 heads x 32) 0.0018 recurrent against 0.011 chunked (chunk 64) and
+    0.024 (256); K3's (96 x 128) 0.44 against 1.16 and 1.67. The chunked form trades the recurrence's
+    O(K V) per token for O(C (K + V)) of matmuls per token plus the per-token norms, and NumPy's
+    batched small matmuls do not win that back; the recurrence keeps each head's state in cache for
+    all T tokens. Both are far below the layer's projections (K3 width: ~9 ms/token at chunk 256).
 
     fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
     order, named names[kind] (a layer's bound `names`; None: the kinds themselves): kda.conv_out
@@ -211,10 +216,15 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     y = linear(x, w.in_proj)  # [T, 4P + H + K]
     # the conv input over time: the W stored rows (oldest first), then the T new ones
     ext = xp.concatenate((xp.moveaxis(state.conv, -1, 0), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
-    pre = ext[1 : 1 + T] * w.conv[:, :, 0]  # token t's window is ext[t + 1 : t + 1 + W]
+    taps = xp.ascontiguousarray(xp.moveaxis(w.conv, -1, 0))  # [W, 3, P]: each tap's weights, contiguous
+    pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
+    tap = xp.empty_like(pre)
     for j in range(1, W):
-        pre += ext[1 + j : 1 + j + T] * w.conv[:, :, j]
-    qkv = (pre / (1.0 + xp.exp(-pre))).reshape(T, 3, H, K)  # SiLU
+        pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
+    den = xp.negative(pre)  # SiLU pre / (1 + exp(-pre)), in place
+    xp.exp(den, out=den)
+    den += 1.0
+    qkv = xp.divide(pre, den, out=den).reshape(T, 3, H, K)
     gate = 1.0 / (1.0 + xp.exp(-y[:, 3 * P : 4 * P].reshape(T, H, K)))
     beta = 1.0 / (1.0 + xp.exp(-y[:, 4 * P : 4 * P + H]))
     decay_in = (linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K) + w.dt_bias) * w.A
@@ -222,7 +232,7 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     if fire is not None:
         qkv = fire(site("kda.conv_out"), qkv)
     qk = qkv[:, :2]
-    qk = qk * (w.qk_scale / xp.sqrt((qk * qk).sum(axis=-1, keepdims=True) + L2NORM_EPS))
+    qk = qk * (w.qk_scale / xp.sqrt(xp.einsum("...k,...k->...", qk, qk)[..., None] + L2NORM_EPS))
     q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
     if fire is not None:
         q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
@@ -243,15 +253,16 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
         o, state_norms = chunked_delta_rule(q, k, v, g, beta, state.recurrent, chunk, state_norms)
     norms = None
     if state_norms is not None:  # each head's [K, W] block of each stream's window, after every token
-        sq = ext * ext
+        e4 = ext.reshape(W + T, 3, H, K)
+        sq = xp.einsum("...k,...k->...", e4, e4)  # [W + T, 3, H]: each stored row's squares, per head
         win = sq[1 : 1 + T].copy()
         for j in range(1, W):
             win += sq[1 + j : 1 + j + T]
-        norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win.reshape(T, 3, H, K).sum(axis=-1))}
+        norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win)}
     state.conv[...] = xp.moveaxis(ext[T:], 0, -1)
     if fire is not None:
         o = fire(site("kda.o"), o)
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt((o * o).sum(axis=-1, keepdims=True) + K * w.eps)
+    o = o * (w.o_norm_scaled * gate) / xp.sqrt(xp.einsum("...k,...k->...", o, o)[..., None] + K * w.eps)
     return linear(o.reshape(T, P), w.o_proj), norms
 
 

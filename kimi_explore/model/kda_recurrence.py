@@ -7,7 +7,7 @@ every token), computed as the token form computes it: per head and token, decay,
 out (`_kda_recurrence.c`). Each head's state stays in cache through the T tokens, so the state
 crosses memory once per call and the per-token norms cost one more sum. Only the float32 summation
 order differs from the token form. The chunked form (matmuls) is the route for other backends and
-dtypes (`kda.kda_sequence` picks; `bench/kda_rule.py` measured both).
+dtypes (`kda.kda_sequence` picks, and says why; `bench/prefill.py` measures both).
 
 Built at install when a C compiler is present (`setup.py`, optional); `AVAILABLE` says.
 """

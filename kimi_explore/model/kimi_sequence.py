@@ -30,7 +30,7 @@ import numpy as np
 from ..backend import to_numpy
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
-from .kimi_token import OutputHead, check_state, decoder_layer, token_index
+from .kimi_token import OutputHead, check_state, decoder_layer, token_indices
 from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
 from .ops import dense_mlp_sequence, linear, rms_norm
@@ -134,7 +134,7 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     """
     check_state(weights, state)
     V = weights.config.vocab_size
-    ids = [token_index(t, V) for t in _as_list(token_ids)]
+    ids = token_indices(_as_list(token_ids), V)
     chunk = DEFAULT_CHUNK if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"kimi_forward_sequence: chunk must be a positive int (tokens per chunk), got {chunk!r}")
@@ -188,7 +188,9 @@ def run_layers_chunk(weights, state, stack: SequenceSources, hooks=None) -> None
 
 def _layer_by_tokens(layer, layer_state, stack: SequenceSources, cfg, hooks) -> None:
     """The token form of one layer, token after token (a per-token hook listens there)."""
+    n = stack.n  # every token enters with the blocks the previous layer left (a block boundary seals one more)
     for t in range(stack.rows.shape[0]):
+        stack.n = n
         hooks.token_in_chunk(t)
         buf = stack.token(t)
         decoder_layer(layer, layer_state, buf, cfg, hooks)

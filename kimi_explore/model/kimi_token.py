@@ -34,7 +34,7 @@ from .mla import mla_step
 from .ops import dense_mlp, rms_norm
 
 __all__ = ["OutputHead", "check_state", "decoder_layer", "embed_token", "finish_token", "kimi_forward_token",
-           "output_hidden", "run_layers", "token_index"]
+           "output_hidden", "run_layers", "token_index", "token_indices"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,15 @@ def token_index(token_id, vocab_size: int) -> int:
     if not 0 <= t < vocab_size:
         raise ValueError(f"token_id={t} is outside the vocabulary: expected 0 <= token_id < {vocab_size}")
     return t
+
+
+def token_indices(token_ids, vocab_size: int) -> list[int]:
+    """`token_index` of every id (a list, a tuple or an integer array), as a list of ints: one pass over
+    plain ints, each element's own check (and error) otherwise."""
+    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+    if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab_size)):
+        return ids
+    return [token_index(t, vocab_size) for t in ids]
 
 
 def kimi_forward_token(weights, state, token_id, hooks=None):

@@ -176,9 +176,9 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
     state.append_many(kv[:, :, :dn], y[:, ql + kl : ql + kl + dr], kv[:, :, dn:])  # k_pe is NOT normalised
     L = L0 + T
     scale = 1.0 / math.sqrt(dn + dr)
-    scores = xp.matmul(q.swapaxes(0, 1), state.keys[:, :L].swapaxes(1, 2)) * scale  # [nh, T, L]
-    future = xp.arange(L)[None, :] > (L0 + xp.arange(T))[:, None]  # [T, L]: query t sees 0..L0+t
-    p = softmax(xp.where(future, -math.inf, scores))
+    scores = xp.matmul(q.swapaxes(0, 1), state.keys[:, :L].swapaxes(1, 2))  # [nh, T, L]
+    scores *= scale
+    p = causal_softmax_(scores, L0)
     if fire is not None:
         p = fire(site("mla.probs"), p.swapaxes(0, 1)).swapaxes(0, 1)
     o = xp.matmul(p, state.values[:, :L]).swapaxes(0, 1)  # [T, nh, dv]
@@ -188,6 +188,25 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
     if gate is not None:
         o = o * gate
     return linear(o, w.o_proj)
+
+
+def causal_softmax_(scores, L0: int):
+    """In place on scores [nh, T, L0 + T]: query t sees positions 0 .. L0 + t; returns the softmax probabilities.
+
+    The token form's `softmax` over each query's visible positions, the same operations in the same order
+    (a masked position is -inf, so exp gives 0 and the visible sums are unchanged), without temporaries
+    the size of the scores; a few heads at a time, so that each block's passes stay in cache."""
+    xp = array_namespace(scores)
+    nh, T, L = scores.shape
+    future = xp.triu(xp.ones((T, T), dtype=bool), 1)  # [T, T]: the chunk's later tokens
+    step = max(1, (1 << 18) // max(1, T * L))  # heads per block: ~1 MB of float32 scores
+    for a in range(0, nh, step):
+        s = scores[a : a + step]
+        xp.copyto(s[:, :, L0:], -math.inf, where=future)
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+    return scores
 
 
 def naive_mla_prefill(xs, w: MlaWeights):

@@ -2,7 +2,7 @@
 
 Pure NumPy on host arrays from a Trace; shapes: T tokens, M MoE layers, k top-k, E experts.
 
-MoE routing (r = `_plot_helpers.routing(trace)`):
+MoE routing (r = `common.routing(trace)`):
   topk_table(r, t, bias)   per MoE layer, the k chosen experts of token t: ids, combine weights,
                            unbiased scores σ(logit), bias, unbiased rank (1 = highest score), and
                            `by_bias`: chosen only because of the selection bias (unbiased rank > k);
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["MEASURES", "load_stats", "routing_entropy", "sorted_counts", "surprisal_bits", "token_measures",
-           "topk_table"]
+__all__ = ["MEASURES", "load_stats", "routing_entropy", "sorted_counts", "stats_from_counts", "surprisal_bits",
+           "token_measures", "topk_table"]
 
 MEASURES = ("surprisal", "routing entropy", "embedding weight", "KDA state change")
 
@@ -78,12 +78,19 @@ def load_stats(r: dict, upto: int | None = None) -> dict:
     for j in range(M):
         chosen = ids[:, j].ravel()
         counts[j] = np.bincount(chosen[chosen >= 0], minlength=E)
+    return stats_from_counts(counts, T)
+
+
+def stats_from_counts(counts: np.ndarray, tokens: int) -> dict:
+    """`load_stats` from counts [M, E] already tallied over `tokens` tokens (the Explorer grows them)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    M, E = counts.shape
     mean = counts.mean(axis=1)
     ok = mean > 0
     max_over_mean = np.divide(counts.max(axis=1), mean, out=np.full(M, np.nan), where=ok)
     cv = np.divide(counts.std(axis=1), mean, out=np.full(M, np.nan), where=ok)
     return {"counts": counts, "max_over_mean": max_over_mean, "cv": cv, "dead": (counts == 0).sum(axis=1),
-            "tokens": T, "experts": E}
+            "tokens": int(tokens), "experts": E}
 
 
 def sorted_counts(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,10 +14,25 @@ import math
 
 import numpy as np
 
-from ._plot_helpers import heatmap
-from .plots import InlineFigure
+from .mpl import InlineFigure, heatmap
 
-__all__ = ["decay_rates", "residual_reads", "routing_specialisation", "state_norms"]
+__all__ = ["SMOOTH", "class_entropy", "decay_rates", "residual_reads", "routing_specialisation", "smoothed", "state_norms"]
+
+SMOOTH = 64  # bytes in the running mean of the state-norm panels
+
+
+def class_entropy(inside) -> float:
+    """H(byte class) of the decoded text in bits: the ceiling of I(class; top-1 expert)."""
+    counts = np.asarray(inside.routing.class_top1, dtype=np.float64)[0].sum(axis=1)  # [C], one layer sees every byte
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def smoothed(x: np.ndarray, window: int = SMOOTH) -> np.ndarray:
+    """Running mean over `window` positions along axis 0 ([T, ...] -> [T - window + 1, ...])."""
+    c = np.cumsum(np.asarray(x, dtype=np.float64), axis=0)
+    c = np.concatenate([np.zeros((1,) + c.shape[1:]), c])
+    return (c[window:] - c[:-window]) / window
 
 
 def routing_specialisation(trained, random, labels=("trained", "random weights")):
@@ -30,17 +45,19 @@ def routing_specialisation(trained, random, labels=("trained", "random weights")
     ax.bar(x - 0.2, [a[m] for m in layers], 0.4, label=labels[0], color="#4c72b0")
     ax.bar(x + 0.2, [b[m] for m in layers], 0.4, label=labels[1], color="#bbbbbb")
     ax.set_xticks(x, [str(m) for m in layers])
-    n_cls = len(trained.routing.class_names)
-    ax.set(xlabel="MoE layer", ylabel="bits", title=f"I(byte class; top-1 expert), {len(trained.ids)} bytes "
-           f"(at most log2({n_cls}) = {math.log2(max(n_cls, 1)):.2f})")
-    ax.legend()
+    ceiling = class_entropy(trained)
+    ax.axhline(ceiling, color="black", lw=1, ls="--", label=f"ceiling H(class) = {ceiling:.2f} bits")
+    ax.set(xlabel="MoE layer", ylabel="bits", ylim=(0, ceiling * 1.25),
+           title=f"I(byte class; top-1 expert) over {len(trained.ids)} bytes, "
+                 f"{len(trained.routing.class_names)} classes")
+    ax.legend(loc="upper right", fontsize=8, ncol=3)
     ax.grid(axis="y", alpha=0.3)
     return fig
 
 
 def residual_reads(inside):
     """Heatmaps layer x source (embedding, blocks, current) of the mean softmax weight at each site."""
-    from ..analysis.learned import source_labels
+    from ...analysis.learned import source_labels
 
     n = max(len(v) for site in ("attn", "ffn") for v in inside.reads[site].values())
     n = max(n, len(inside.reads["final"]))
@@ -61,18 +78,24 @@ def residual_reads(inside):
     return fig
 
 
-def state_norms(inside):
-    """One panel per KDA layer: each head's ||S_h||_F against the position in the text."""
+def state_norms(inside, window: int = SMOOTH):
+    """One panel per KDA layer: each head's ||S_h||_F against the position in the text, as a running
+    mean over `window` bytes (the raw norm jumps at every write; the faint band is its min..max over
+    the heads, raw)."""
     layers = sorted(inside.state_norms)
     cols = min(3, len(layers))
     rows = math.ceil(len(layers) / cols)
     fig = InlineFigure(figsize=(4.2 * cols, 2.8 * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, squeeze=False)).ravel()
     for ax, layer in zip(axes, layers, strict=False):
-        norms = inside.state_norms[layer]
+        norms = np.asarray(inside.state_norms[layer], dtype=np.float64)
+        window = max(1, min(window, len(norms)))
+        ax.fill_between(np.arange(len(norms)), norms.min(axis=1), norms.max(axis=1), color="#999999", alpha=0.15, lw=0)
+        sm, x = smoothed(norms, window), np.arange(window - 1, len(norms))
         for h in range(norms.shape[1]):
-            ax.plot(norms[:, h], lw=0.8, label=f"head {h}")
-        ax.set(title=f"KDA layer {layer}", xlabel="position (bytes)", ylabel="||S_h||")
+            ax.plot(x, sm[:, h], lw=1.4, label=f"head {h}")
+        ax.set(title=f"KDA layer {layer}", xlabel="position (bytes)", ylabel=f"||S_h||, mean of {window}")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     for ax in axes[len(layers) :]:
@@ -90,8 +113,10 @@ def decay_rates(inside):
     ax, spec = fig.subplots(1, 2, width_ratios=[1, 1.6])
     im = heatmap(ax, np.log10(half), rows=[str(m) for m in layers], cols=[f"head {h}" for h in range(half.shape[1])],
                  cmap="magma", annotate=False)
-    for (r, c), v in np.ndenumerate(half):
-        ax.text(c, r, f"{v:.1f}", ha="center", va="center", fontsize=8, color="#808080")
+    lo, hi = im.norm.vmin, im.norm.vmax
+    for (r, c), v in np.ndenumerate(half):  # white on the dark end of magma, black on the light end
+        dark = (np.log10(v) - lo) / ((hi - lo) or 1.0) < 0.6
+        ax.text(c, r, f"{v:.1f}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
     fig.colorbar(im, ax=ax, label="log10 half-life (bytes)")
     ax.set(title="median channel half-life of each head", xlabel="", ylabel="KDA layer")
     H = half.shape[1]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common import bias_vectors
 from . import plots, plots_summary
 
 __all__ = ["default_layers", "write_report"]
@@ -111,8 +112,6 @@ def _bias(session_or_trace) -> dict | None:
     weights = getattr(session_or_trace, "weights", None)
     if weights is None:
         return None
-    from ._explorer_views import bias_vectors
-
     return bias_vectors(weights)
 
 
@@ -130,13 +129,14 @@ def _prediction_table(trace, tokenizer, top: int = 5, max_rows: int = 64) -> str
 
 
 def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: str = "Kimi K3, token by token",
-                 dpi: int = 100, source: str = "", top: int = 5) -> Path:
+                 dpi: int = 100, source: str = "", top: int = 5, comparison=None) -> Path:
     """Write `<out_dir>/*.png` and `<out_dir>/index.html` (self-contained); returns the HTML path.
 
     session_or_trace: a `Session` (its trace and tokenizer are used) or a `Trace`.
     layers: model layer ids for the per-layer views (default: `default_layers`, up to three ending at the
     deepest KDA + MoE layer).
     top: predictions per token in the table (at most the recorder's `top_k`).
+    comparison: a `ke.compare` result, shown as its layer x site heatmaps (`engine_plots.report_figures`).
     """
     trace = session_or_trace.trace() if hasattr(session_or_trace, "step") else session_or_trace
     if tokenizer is None:
@@ -151,6 +151,10 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
         from .analysis_plots import report_figures
 
         figures += report_figures(session_or_trace, tokenizer)
+    if comparison is not None:
+        from .engine_plots import report_figures as comparison_figures
+
+        figures += comparison_figures(comparison)
     for section, stem, caption, fig in figures:
         png = plots.figure_png(fig, dpi=dpi)
         (out / f"{stem}.png").write_bytes(png)

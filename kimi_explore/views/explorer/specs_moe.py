@@ -1,4 +1,4 @@
-"""Interactive MoE-routing and prediction figures (plotly.js specs; see `figures.py` for the conventions).
+"""Interactive MoE-routing and prediction figures (plotly.js specs; see `specs.py` for the conventions).
 
 At K3's 92 MoE layers x 896 experts a score map is unreadable, so the tab leads with summaries
 (`summaries.py`): the top-k table (expert ids in the cells; a `*` marks an expert chosen only through
@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import figures
-from ._plot_helpers import softmax, token_labels
-from ._plotly_view import typed
-from .figures import FONT, SELECT, _heat, layer_labels, outline
+from ..common import softmax, token_labels
+from . import specs
+from .plotly_view import typed
+from .specs import FONT, SELECT, heat, layer_labels, outline, trace_labels
 
-__all__ = ["compare", "moe_full", "moe_layers", "moe_sorted", "moe_topk", "predictions", "ROWS"]
+__all__ = ["compare", "expert_search", "moe_full", "moe_layers", "moe_sorted", "moe_top_experts", "moe_topk",
+           "predictions", "ROWS", "TOP_N"]
 
 ROWS = 24  # MoE layers shown at once in the tall views (pan to scroll)
+TOP_N = 8  # experts named per layer in the top-by-load view
 
 
 def _row_window(n: int, j: int | None, rows: int = ROWS) -> list[float] | None:
@@ -52,7 +54,7 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     labels = layer_labels(trace, layers)
     j_sel = layers.index(layer) if layer in layers else None
     window = _row_window(M, j_sel)
-    rows_shown = range(M) if window is None else range(int(window[1] + 0.5), int(window[0] + 0.5) + 1)
+    rows_shown = range(M) if window is None else range(round(window[1] + 0.5), round(window[0] + 0.5))
     text, hover = [], []
     for j in range(M):
         if j not in rows_shown:  # cell labels only where they can be seen: plotly draws each one
@@ -82,30 +84,39 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     shown = np.where(ids >= 0, w, np.nan)
     lo, hi = (float(np.nanmin(shown)), float(np.nanmax(shown))) if np.isfinite(shown).any() else (0.0, 1.0)
     # the weights' own range: at top-16 they sit near 1/16, and a scale from 0 would paint them all alike
-    heat = _heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="YlOrRd", zmin=lo, zmax=max(hi, lo + 1e-9),
-                 hover="%{customdata}",
-                 customdata=hover, colorbar={"title": {"text": "combine weight"}})
-    heat.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # light = small
-                xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
+    # green, not red: the selected row's red outline must stand out from the scale (plotly writes the
+    # expert ids in black or white, whichever contrasts with the cell)
+    hm = heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="Greens", zmin=lo, zmax=max(hi, lo + 1e-9),
+              hover="%{customdata}", customdata=hover, colorbar={"title": {"text": "combine weight"}})
+    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # plotly's Greens: dark = low
+              xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
     n_bias = int(table["by_bias"].sum())
-    label = token_labels(trace.tokens, tokenizer)[t]
-    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias})", "font": FONT},
+    label = trace_labels(trace, tokenizer)[t]
+    rows = "" if window is None else (f"; MoE layers {labels[rows_shown[0]].split()[0]}-{labels[rows_shown[-1]].split()[0]}"
+                                      f" of {M} shown (drag up/down for the rest)")
+    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){rows}",
+                        "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
-    return [heat], layout
+    return [hm], layout
 
 
 def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer: int | None, k: int) -> tuple[list, dict]:
     """Per MoE layer: routing entropy of the selected token; over the tokens so far: max/mean, CV, dead experts."""
     labels = layer_labels(trace, layers)
-    rows = (("entropy", entropy, f"routing entropy %{{y:.3f}} bits (max log2 {k} = {np.log2(k):.2f})"),
+    rows = [("entropy", entropy, f"routing entropy %{{y:.3f}} bits (max log2 {k} = {np.log2(k):.2f})"),
             ("max/mean", stats["max_over_mean"], "max/mean load %{y:.2f} (1 = balanced)"),
-            ("CV", stats["cv"], "load coefficient of variation %{y:.3f}"),
-            ("dead", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
-    data, layout = [], {"margin": {"l": 70, "r": 10, "t": 30, "b": 70}, "showlegend": False,
-                        "title": {"text": f"Per MoE layer: this token's routing entropy (bits); expert load over "
-                                  f"{stats['tokens']} tokens", "font": FONT}}
+            ("CV", stats["cv"], "load coefficient of variation %{y:.3f}")]
+    # "never chosen" counts mean something only once every expert could have been chosen: T*k >= E
+    dead_ok = stats["tokens"] * k >= stats["experts"]
+    if dead_ok:
+        rows.append(("dead", stats["dead"], f"%{{y}} of {stats['experts']} experts never chosen"))
+    dead_note = "" if dead_ok else (f"<br><sub>no dead-expert count until {-(-stats['experts'] // k)} tokens: "
+                                    f"{stats['tokens']}x{k} choices < {stats['experts']} experts</sub>")
+    data, layout = [], {"margin": {"l": 70, "r": 10, "t": 44 if dead_note else 30, "b": 70}, "showlegend": False,
+                        "title": {"text": f"Per MoE layer: this token's routing entropy (bits); load over "
+                                  f"{stats['tokens']} tokens{dead_note}", "font": FONT}}
     gap = 0.04
     h = (1 - gap * (len(rows) - 1)) / len(rows)
     for r, (name, y, hover) in enumerate(rows):
@@ -119,7 +130,7 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
         layout["xaxis" + ax] = {"type": "category", "anchor": "y" + ax, "fixedrange": True, "tickfont": {"size": 9},
                                 "showticklabels": r == len(rows) - 1, "matches": "x" if r else None}
         if len(labels) > 32:
-            ticks = figures.layer_axis(labels)["tickvals"]
+            ticks = specs.layer_ticks(labels, labels[layers.index(layer)] if layer in layers else None)
             layout["xaxis" + ax].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     layout["shapes"] = [outline(layers.index(layer), "x", "paper")] if layer in layers else []
     return data, layout
@@ -129,19 +140,71 @@ def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers
                k: int) -> tuple[list, dict]:
     """Each MoE layer's expert counts over the tokens so far, sorted descending (a balanced router: flat rows)."""
     labels = layer_labels(trace, layers)
-    n = max(1, min(counts.shape[1], stats["tokens"] * k))  # at most T*k experts can have been chosen
+    # cropped to the widest row of experts that ran: past it every layer's count is 0
+    n = max(1, int((counts > 0).sum(axis=1).max()) if counts.size else 1)
     j_sel = layers.index(layer) if layer in layers else None
-    heat = _heat(counts[:, :n], list(range(1, n + 1)), labels, colorscale="Viridis", zmin=0,
+    hm = heat(counts[:, :n], list(range(1, n + 1)), labels, colorscale="Viridis", zmin=0,
                  zmax=max(1, int(counts.max()) if counts.size else 1), customdata=typed(order[:, :n], np.int32),
                  hover="layer %{y}<br>rank %{x}: expert %{customdata}<br>chosen %{z} times",
                  colorbar={"title": {"text": "count"}})
-    heat.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
-    layout = {"title": {"text": f"Expert counts per layer over {stats['tokens']} tokens, sorted (rank 1 = busiest)",
+    hm.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
+    layout = {"title": {"text": f"Expert counts over {stats['tokens']} tokens, sorted; ranks 1-{n} of {counts.shape[1]}"
+                                " (no layer used more)",
                         "font": FONT},
               "xaxis": {"title": {"text": "expert rank in its layer"}, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "zoom", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
-    return [heat], layout
+    return [hm], layout
+
+
+def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[int], layer: int | None,
+                    tokens: int, n: int = TOP_N) -> tuple[list, dict]:
+    """Each MoE layer's `n` busiest experts over the tokens so far: the cell names the expert, the colour
+    is how often it was chosen (counts/order: `summaries.sorted_counts`, [M, E] descending)."""
+    labels = layer_labels(trace, layers)
+    n = min(n, counts.shape[1])
+    top_c, top_e = counts[:, :n].astype(np.float32), order[:, :n]
+    text = [[str(int(e)) if c > 0 else "" for e, c in zip(re, rc, strict=True)] for re, rc in zip(top_e, top_c, strict=True)]
+    j_sel = layers.index(layer) if layer in layers else None
+    hm = heat(np.where(top_c > 0, top_c, np.nan), [str(r + 1) for r in range(n)], labels, colorscale="Blues",
+              zmin=0, zmax=max(1.0, float(top_c.max(initial=0))), customdata=typed(top_e, np.int32),
+              hover="layer %{y}, rank %{x}: expert %{customdata}<br>chosen %{z} times", colorbar={"title": {"text": "count"}})
+    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True, xgap=0, ygap=0)
+    window = _row_window(len(labels), j_sel)
+    shown = "" if window is None else f"; layers {labels[round(window[1] + 0.5)].split()[0]}-" \
+        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)} (drag for the rest)"
+    layout = {"title": {"text": f"Top {n} experts by load per layer over {tokens} tokens{shown}", "font": FONT},
+              "xaxis": {"type": "category", "title": {"text": "rank"}, "fixedrange": True, "tickfont": {"size": 10}},
+              "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
+              "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+    return [hm], layout
+
+
+def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokenizer=None) -> tuple[list, dict]:
+    """Where expert `expert` fired: MoE layer x token, the colour its combine weight where it was chosen
+    (empty elsewhere). Tokens run along x in the window that follows the selected token."""
+    layers = list(r["moe_layers"])
+    labels = layer_labels(trace, layers)
+    ids, w = np.asarray(r["topk_ids"]), np.asarray(r["topk_weights"], dtype=np.float32)  # [T, M, k]
+    hit = ids == int(expert)
+    weight = np.where(hit.any(axis=2), np.where(hit, w, 0).sum(axis=2), np.nan).T  # [M, T]
+    n_hits, where = int(hit.sum()), sorted({layers[j] for j in np.nonzero(hit.any(axis=(0, 2)))[0]})
+    toks = trace_labels(trace, tokenizer)
+    E = r["scores"].shape[2]
+    if not 0 <= int(expert) < E:
+        return specs.empty(f"expert {expert} does not exist: expert ids run 0..{E - 1}")
+    hm = heat(weight, toks, labels, colorscale="Viridis", zmin=0, zmax=max(1e-9, float(np.nanmax(weight)) if n_hits else 1),
+              hover="token %{x}, layer %{y}<br>expert " + str(int(expert)) + " chosen, combine weight %{z:.4f}",
+              colorbar={"title": {"text": "weight"}})
+    hm.update(xgap=0, ygap=0)
+    j_sel = layers.index(layer) if layer in layers else None
+    found = (f"fired {n_hits} times at {len(where)} of {len(layers)} MoE layers" if n_hits else
+             f"never chosen in these {len(toks)} tokens")
+    layout = {"title": {"text": f"Where expert {int(expert)} fires: {found}", "font": FONT},
+              "xaxis": specs.token_axis(trace, t, tokenizer), "yaxis": {**_y_layers(labels, j_sel)},
+              "shapes": [outline(t)] + ([_row_outline(j_sel)] if j_sel is not None else []),
+              "plot_bgcolor": "#ffffff", "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 80}}
+    return [hm], layout
 
 
 def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None, tokenizer=None) -> tuple[list, dict]:
@@ -155,9 +218,9 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
     if bias:
         b = np.stack([np.asarray(bias.get(i, np.full(E, np.nan)), dtype=np.float32) for i in layers])
         custom, hover = typed(b), hover + "<br>selection bias %{customdata:+.4f}"
-    heat = _heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
+    hm = heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
                  customdata=custom, colorbar={"title": {"text": "score σ(logit)"}})
-    heat.update(xgap=0, ygap=0)  # one image, not 82k cells
+    hm.update(xgap=0, ygap=0)  # one image, not 82k cells
     ids, w = np.asarray(r["topk_ids"][t]), np.asarray(r["topk_weights"][t], dtype=float)
     jj, cc = np.nonzero(ids >= 0)
     chosen = {"type": "scatter", "mode": "markers", "x": typed(ids[jj, cc], np.int32), "y": [labels[j] for j in jj],
@@ -166,14 +229,15 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
               "hovertemplate": "layer %{y}, expert %{x}: <b>chosen</b><br>combine weight %{customdata[0]:.4f}<br>"
                                "unbiased score %{customdata[1]:.4f}<extra></extra>"}
     j_sel = layers.index(layer) if layer in layers else None
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"All {E} experts x {M} MoE layers for token {label}: drag a box to zoom, double-click "
                         "to reset", "font": FONT},
               "xaxis": {"title": {"text": "expert id"}, "range": [-0.5, E - 0.5], "tickfont": {"size": 10}},
+              "int_axes": ["xaxis"],  # zoomed in, the browser keeps ticks on whole expert ids
               "yaxis": {**_y_layers(labels, j_sel), "range": [M - 0.5, -0.5]},
               "shapes": [_row_outline(j_sel)] if j_sel is not None else [], "dragmode": "zoom", "uirevision": "full",
               "showlegend": False, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
-    return [heat, chosen], layout
+    return [hm, chosen], layout
 
 
 def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
@@ -189,7 +253,7 @@ def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
            "hovertemplate": "next token %{y}<br>p = %{x:.4f}<extra></extra>", "texttemplate": "%{x:.3f}",
            "textposition": "outside", "cliponaxis": False}
     note = "" if fed is None else (" (red: fed next)" if fed in ids else " (the token fed next is not in this top-k)")
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"Next-token predictions after {label}{note}", "font": FONT},
               "xaxis": {"title": {"text": "probability"}, "range": [0, min(1.0, float(probs.max(initial=0)) * 1.25) or 1],
                         "fixedrange": True},
@@ -200,10 +264,12 @@ def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
 
 def compare(base_logits, other_logits, tokenizer=None, names=("as run", "ablated"), title: str = "",
             k: int = 10) -> tuple[list, dict, float]:
-    """Two next-token distributions side by side over the union of their top-k; returns (data, layout, KL)."""
+    """Two next-token distributions side by side over the k tokens most likely under either; returns
+    (data, layout, KL)."""
     p, q = softmax(base_logits), softmax(other_logits)
     top = list(dict.fromkeys([*np.argsort(-p)[:k], *np.argsort(-q)[:k]]))
     top.sort(key=lambda i: -max(p[i], q[i]))
+    top = top[:k]  # at most k rows: every one keeps its label at the view's height
     labels = [f"{s} ({i})" for s, i in zip(token_labels(top, tokenizer, positions=False), top, strict=True)]
     kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
     data = [{"type": "bar", "orientation": "h", "name": name, "x": typed(dist[top]), "y": labels,
@@ -214,5 +280,7 @@ def compare(base_logits, other_logits, tokenizer=None, names=("as run", "ablated
                         + ("; top-1 changed" if flipped else "; same top-1"), "font": FONT},
               "barmode": "group", "xaxis": {"title": {"text": "probability"}, "fixedrange": True},
               "yaxis": {"type": "category", "autorange": "reversed", "fixedrange": True, "tickfont": {"size": 10}},
-              "legend": {"orientation": "h", "y": -0.15}, "margin": {"l": 110, "r": 20, "t": 50, "b": 60}}
+              # inside, bottom right: the rows are sorted, so the smallest bars leave that corner free
+              "legend": {"x": 0.99, "xanchor": "right", "y": 0.01, "yanchor": "bottom", "bgcolor": "rgba(255,255,255,0.85)"},
+              "margin": {"l": 110, "r": 20, "t": 50, "b": 40}}
     return data, layout, kl

@@ -26,25 +26,13 @@ heatmaps, and figure sizes grow with the data but stay bounded.
 
 from __future__ import annotations
 
-import io
-
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ._plot_helpers import (
-    MAX_TICKS,
-    heatmap,
-    layer_position,
-    moe_layer_labels,
-    routing,
-    softmax,
-    span_inches,
-    ticks,
-    token_index,
-    token_labels,
-)
+from ..common import MAX_TICKS, layer_position, moe_layer_labels, routing, softmax, token_index, token_labels
+from .mpl import InlineFigure, escape_mathtext, figure_png, heatmap, span_inches, ticks
 
 __all__ = [
     "block_residual_layer",
@@ -55,6 +43,7 @@ __all__ = [
     "InlineFigure",
     "figure_png",
     "kda_state_curves",
+    "kda_state_difference",
     "kda_state_heatmap",
     "kda_state_overview",
     "moe_output_norms",
@@ -63,11 +52,6 @@ __all__ = [
     "predictions",
     "token_labels",
 ]
-
-def escape_mathtext(text: str) -> str:
-    """Text for a matplotlib label: a `$` pair would otherwise be typeset as math."""
-    return text.replace("$", r"\$")
-
 
 def _labels(ids, tokenizer=None, positions: bool = True) -> list[str]:
     """`token_labels`, safe to draw."""
@@ -79,23 +63,6 @@ WEIGHT_CMAP = "viridis"
 NORM_CMAP = "magma"
 SCORE_CMAP = "Blues"
 TOPK_COLOR = "#d62728"
-
-
-def figure_png(fig: Figure, dpi: int = 100) -> bytes:
-    """Render `fig` to PNG bytes (Agg, no display needed)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
-class InlineFigure(Figure):
-    """A plain Figure that also shows itself as a PNG when it is a notebook cell's result.
-
-    A bare `Figure` (no pyplot) otherwise displays as its text repr unless `%matplotlib inline` ran.
-    """
-
-    def _repr_png_(self) -> bytes:
-        return figure_png(self)
 
 
 # ---------------------------------------------------------------- block attention residuals
@@ -157,23 +124,31 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
 
 
 def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
-    """For one layer: token x source softmax weights over the prompt, both sites side by side."""
+    """For one layer: source x token softmax weights over the prompt (tokens along x, as in the
+    Explorer), before attention above, before the FFN below. The sources stay labelled at the left
+    however long the prompt; cell values are written while the cells are wide enough to hold them."""
     j = layer_position(trace, layer)
     w = trace.attn_res_weights()[:, j]  # [T, 2, S]
-    rows, sources = _labels(trace.tokens, tokenizer), list(trace.source_labels())
-    fig = InlineFigure(figsize=(11, span_inches(len(rows), 0.3, 4, 12)), layout="constrained")
-    axes = fig.subplots(1, 2)
+    cols, sources = _labels(trace.tokens, tokenizer), list(trace.source_labels())
+    panel = min(4.0, max(1.2, 0.6 + 0.28 * len(sources)))  # inches per site: a row per source
+    fig = InlineFigure(figsize=(span_inches(len(cols), 0.32, 6, 15), 1.4 + 2 * panel), layout="constrained")
+    axes = fig.subplots(2, 1, sharex=True)
+    im = None
     for site, ax in enumerate(axes):
         if not np.isfinite(w[:, site]).any():
             ax.axis("off")
             ax.text(0.5, 0.5, f"layer {layer} has no {('attention', 'FFN')[site]}-site mix:\n"
                     "the block stack is still empty there", ha="center", va="center", fontsize=10)
             continue
-        im = heatmap(ax, w[:, site], rows=rows, cols=sources, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0)
+        im = heatmap(ax, w[:, site].T, rows=sources, cols=cols, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0,
+                     annotate=len(cols) <= 24)
         ax.set_title(SITE_TITLES[site], fontsize=10)
-        ax.set_xlabel("source")
-        ax.set_ylabel("token")
-    fig.colorbar(im, ax=axes, label="softmax weight", shrink=0.8)
+        ax.set_ylabel("source")
+        if site == 0:
+            ax.tick_params(labelbottom=False)  # the token labels once, under the lower panel
+    if im is not None:
+        fig.colorbar(im, ax=axes, label="softmax weight", shrink=0.8)
+    axes[-1].set_xlabel("token")
     fig.suptitle(f"Block attention residuals at layer {layer}, over the prompt")
     return fig
 
@@ -207,6 +182,27 @@ def kda_state_heatmap(trace, layer: int, tokenizer=None, vmax=None) -> Figure:
     im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap=NORM_CMAP, vmin=0.0, vmax=vmax)
     fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
     ax.set(xlabel="head", ylabel="token", title=f"KDA recurrent-state norm per head, layer {layer}")
+    return fig
+
+
+def kda_state_difference(trace_a, trace_b, layer: int, tokenizer=None, names=("as run", "intervened")) -> Figure:
+    """For one KDA layer: token x head ‖S‖ of run b minus run a, on a symmetric diverging scale
+    (white: no change). The two traces must hold the same tokens (a fork and its original)."""
+    (na, ia), (nb, ib) = _kda(trace_a), _kda(trace_b)
+    if list(trace_a.tokens) != list(trace_b.tokens) or ia != ib:
+        raise ValueError("kda_state_difference: the two traces must hold the same tokens and KDA layers "
+                         f"(got {len(trace_a.tokens)} and {len(trace_b.tokens)} tokens, KDA layers {ia} and {ib})")
+    j = _kda_position(ia, layer)
+    data = nb[:, j] - na[:, j]  # [T, H]
+    half = float(np.nanmax(np.abs(data))) if np.isfinite(data).any() else 0.0
+    rows = _labels(trace_a.tokens, tokenizer)
+    fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
+                       layout="constrained")
+    ax = fig.subplots()
+    im = heatmap(ax, data, rows=rows, cols=[str(h) for h in range(data.shape[1])], cmap="RdBu_r",
+                 vmin=-(half or 1.0), vmax=half or 1.0, annotate=False)
+    fig.colorbar(im, ax=ax, label=f"Δ‖S‖ ({names[1]} - {names[0]})")
+    ax.set(xlabel="head", ylabel="token", title=f"KDA layer {layer}: change of each head's state norm")
     return fig
 
 
@@ -315,29 +311,40 @@ def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
 
 
 def expert_load(trace, layer=None) -> Figure:
-    """How often each expert was chosen over the prompt (one MoE layer, or summed over all of them).
+    """How often each expert was chosen over the prompt: bars for one MoE layer, or a MoE layer x expert
+    map of counts (each layer has its own experts: expert 3 of layer 1 and of layer 2 share only a
+    number, so counts are never summed over layers).
 
-    The dashed line is the count a perfectly balanced router would give: tokens * k / E per layer.
+    The dashed line (bars) is the count a perfectly balanced router would give: tokens * k / E.
     """
     r = routing(trace)
     ids = r["topk_ids"]  # [T, M, k]
     n_tokens, n_layers, k = ids.shape
     n_experts = r["scores"].shape[2]
-    if layer is not None:
-        if layer not in r["moe_layers"]:
-            raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
-        ids, n_layers, where = ids[:, [r["moe_layers"].index(layer)]], 1, f"layer {layer}"
-    else:
-        where = f"all {n_layers} MoE layers"
-    chosen = ids.ravel().astype(np.int64)
+    balanced = n_tokens * k / n_experts
+    if layer is None:
+        counts = np.stack([np.bincount(row[row >= 0].astype(np.int64), minlength=n_experts)  # -1 pads an ablated top-k
+                           for row in ids.transpose(1, 0, 2).reshape(n_layers, -1)])
+        fig = InlineFigure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(n_layers, 0.4, 3, 12)),
+                           layout="constrained")
+        ax = fig.subplots()
+        im = heatmap(ax, counts, rows=moe_layer_labels(r), cols=[str(e) for e in range(n_experts)], cmap="viridis",
+                     vmin=0, annotate=counts.size <= 160)
+        fig.colorbar(im, ax=ax, label="times chosen")
+        ax.set(xlabel="expert", ylabel="MoE layer",
+               title=f"Expert load over {n_tokens} tokens, per MoE layer (balanced: {balanced:.2f} each)")
+        return fig
+    if layer not in r["moe_layers"]:
+        raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
+    chosen = ids[:, r["moe_layers"].index(layer)].ravel().astype(np.int64)
     counts = np.bincount(chosen[chosen >= 0], minlength=n_experts)  # -1 pads a shortened (ablated) top-k
     fig = InlineFigure(figsize=(span_inches(n_experts, 0.4, 7, 14), 4), layout="constrained")
     ax = fig.subplots()
     ax.bar(np.arange(n_experts), counts, width=0.85 if n_experts <= 128 else 1.0, color="#4c72b0")
-    ax.axhline(n_tokens * n_layers * k / n_experts, color="black", ls="--", lw=1, label="uniform load")
+    ax.axhline(balanced, color="black", ls="--", lw=1, label="uniform load")
     ticks(ax, "x", [str(e) for e in range(n_experts)])
     ax.set_xlim(-0.6, n_experts - 0.4)
-    ax.set(xlabel="expert", ylabel="times chosen", title=f"Expert load over {n_tokens} tokens, {where}")
+    ax.set(xlabel="expert", ylabel="times chosen", title=f"Expert load over {n_tokens} tokens, layer {layer}")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return fig

@@ -51,9 +51,14 @@ export default {
 };
 """
 
-VIEW_ESM = _READY + """
-const CONFIG = { responsive: true, displaylogo: false, scrollZoom: false,
-                 modeBarButtonsToRemove: ["toImage", "lasso2d", "select2d", "autoScale2d"] };
+VIEW_ESM = _READY + r"""
+// no modebar: it sat over the titles; drag zooms or pans (per view), a double click resets
+const CONFIG = { responsive: true, displaylogo: false, scrollZoom: false, displayModeBar: false };
+
+function niceInt(span) {  // a whole tick step leaving ~8 ticks over `span`: 1, 2, 5, 10, 20, 50, ...
+  const raw = Math.max(1, span / 8), p = 10 ** Math.floor(Math.log10(raw)), m = raw / p;
+  return Math.max(1, (m <= 1 ? 1 : m <= 2 ? 2 : m <= 5 ? 5 : 10) * p);
+}
 
 export default {
   async render({ model, el }) {
@@ -69,6 +74,16 @@ export default {
     // before the view is attached; hidden tabs have no width) never answers hovers. A spec that
     // arrives meanwhile waits until the ResizeObserver sees the div get a size.
     let pending = false;
+    // axes of integer ids (experts): after a zoom or a redraw, ticks on whole numbers only
+    const wholeTicks = (ev) => {
+      const axes = (model.get("spec") || {}).int_axes || [], upd = {};
+      for (const a of axes) {
+        if (ev && !Object.keys(ev).some((key) => key.startsWith(a + ".range") || key === a + ".autorange")) continue;
+        const r = div.layout[a] && div.layout[a].range;
+        if (r) { upd[a + ".dtick"] = niceInt(Math.abs(r[1] - r[0])); upd[a + ".tick0"] = 0; }
+      }
+      return Object.keys(upd).length ? Plotly.relayout(div, upd) : null;
+    };
     const visible = () => div.isConnected && div.offsetWidth > 0;
     const draw = () => {
       if (!visible()) { pending = true; return; }
@@ -78,10 +93,21 @@ export default {
         queue = queue.then(() => { Plotly.purge(div); listening = false; delete el.dataset.rendered; });
         return;
       }
-      queue = queue.then(() => Plotly.react(div, spec.data, spec.layout, CONFIG)).then(() => {
+      queue = queue.then(() => Plotly.react(div, spec.data, spec.layout, CONFIG)).then(() => wholeTicks(null)).then(() => {
         el.dataset.rendered = String(spec.rev ?? 0);
         if (listening) return;
         listening = true;  // div.on exists once plotly drew into the div
+        div.on("plotly_relayout", (ev) => {
+          queue = queue.then(() => wholeTicks(ev));
+          if (!Object.keys(ev).some((key) => /axis\d*\.(range|autorange)/.test(key))) return;
+          const ranges = {};  // the user's zoom / pan, for Python (an exported snapshot keeps it)
+          for (const key of Object.keys(div.layout)) {
+            const ax = div.layout[key];
+            if (/^[xy]axis\d*$/.test(key) && ax && ax.range && !ax.fixedrange) ranges[key] = ax.range.slice();
+          }
+          model.set("ranges", ranges);
+          model.save_changes();
+        });
         div.on("plotly_click", (ev) => {
           const p = ev.points && ev.points[0];
           if (!p) return;
@@ -145,6 +171,7 @@ class PlotView(anywidget.AnyWidget):
     spec = traitlets.Dict().tag(sync=True)
     height = traitlets.Int(300).tag(sync=True)
     name = traitlets.Unicode("").tag(sync=True)  # `data-name` of the element (tests find views by it)
+    ranges = traitlets.Dict().tag(sync=True)  # {axis: [lo, hi]} as the user zoomed or panned it (set by the browser)
 
     def __init__(self, height: int = 300, name: str = "", **kwargs):
         super().__init__(height=int(height), name=name, **kwargs)
@@ -156,12 +183,24 @@ class PlotView(anywidget.AnyWidget):
         meta: what the view shows (e.g. the selected token and layer), readable in the browser as
         the plot's `layout.meta`."""
         layout = {"height": self.height, "margin": {"l": 60, "r": 20, "t": 36, "b": 40}, **layout}
+        int_axes = layout.pop("int_axes", [])  # axes of whole ids: the browser keeps their ticks whole when zoomed
+        if "uirevision" not in layout:
+            self.ranges = {}  # the browser redraws this view at the spec's own ranges: a zoom is gone
         if meta is not None:
             layout["meta"] = meta
-        self.spec = {"data": data, "layout": layout, "rev": int(rev)}
+        self.spec = {"data": data, "layout": layout, "rev": int(rev), "int_axes": list(int_axes)}
 
     def clear(self) -> None:
         self.spec = {}
+
+    def snapshot(self) -> dict | None:
+        """The spec as shown now: its layout with the user's zoom (`ranges`) applied; None when empty."""
+        if not self.spec:
+            return None
+        layout = dict(self.spec["layout"])
+        for axis, rng in self.ranges.items():
+            layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
+        return {"data": self.spec["data"], "layout": layout}
 
     def on_click(self, fn) -> None:
         """fn(point) on a click; point = {"curve", "x", "y", "index"} (index: [row, col] on heatmaps)."""

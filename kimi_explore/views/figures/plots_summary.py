@@ -14,9 +14,9 @@ import html
 
 import numpy as np
 
-from . import summaries
-from ._plot_helpers import heatmap, routing, span_inches, ticks, token_index, token_labels
-from .plots import InlineFigure, escape_mathtext
+from .. import summaries
+from ..common import routing, token_index, token_labels
+from .mpl import InlineFigure, escape_mathtext, heatmap, span_inches, ticks
 
 __all__ = ["moe_layer_stats", "moe_sorted_counts", "topk_table_html"]
 

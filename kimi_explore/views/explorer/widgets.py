@@ -3,7 +3,7 @@
     session = Session(weights, tokenizer=load_tokenizer(weights))
     Explorer(session, prompt="Kimi K3, one token at a time.")      # the last expression of a cell
 
-Controls (ipywidgets 8; the figures are plotly.js views, see `_plotly_view.py`):
+Controls (ipywidgets 8; the figures are plotly.js views, see `plotly_view.py`):
   prompt      text (encoded with the session's tokenizer) or comma-separated ids; the toggle converts
               the box between the two. Step feeds the prompt one token at a time, then continues
               greedily. A prompt the history does not start with starts over: the session is
@@ -13,7 +13,9 @@ Controls (ipywidgets 8; the figures are plotly.js views, see `_plotly_view.py`):
   text        the decoded tokens, coloured by a per-token measure (`summaries.MEASURES`); click one
   token       slider over the history; layer: the layer of the per-layer views (default: the
               deepest KDA + MoE layer, where every view has something to show)
-  tabs        Block residuals | KDA state | MoE routing | Predictions (+ expert ablation)
+  tabs        Block residuals | KDA state | MoE routing | Predictions (+ ablation of experts or KDA
+              heads at one or several layers, this token / from it on / all tokens, with the fork's
+              run diff) | Lens & attribution (the selected token's logit lens and logit attribution)
 
 Every view marks the selected token and layer, and a click on a token or a layer in any view
 selects it everywhere. Only the open tab is updated (in place); the others when they are opened.
@@ -27,11 +29,14 @@ import html
 import ipywidgets as widgets
 import numpy as np
 
-from . import plots, summaries
-from ._ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
-from ._explorer_views import TABS, CachedTrace, Tabs, bias_vectors
-from ._plotly_view import PlotlyJS
-from ._token_text import TokenText, measure_colors
+from .. import summaries
+from ..common import bias_vectors, token_labels
+from .ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
+from .history import HistoryCache
+from .plotly_view import PlotlyJS
+from .snapshot import write_snapshot
+from .tabs import TABS, Tabs
+from .token_text import TokenText, measure_colors
 
 __all__ = ["Explorer", "TABS", "parse_experts", "parse_ids", "rerun", "rerun_token"]
 
@@ -51,7 +56,8 @@ class Explorer(widgets.VBox):
         self.kda_layers = [i for i in weights.layer_ids if cfg.is_kda_layer(i)]
         self.moe_layers = [i for i in weights.layer_ids if cfg.is_moe_layer(i)]
         self.bias = bias_vectors(weights)
-        self.history_id, self._memo, self._trace, self._surprisal = 0, {}, None, {}
+        self.history_id, self._memo, self._surprisal = 0, {}, {}
+        self.history = HistoryCache()  # per-token measures and expert counts, grown by each Step
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
 
@@ -68,12 +74,14 @@ class Explorer(widgets.VBox):
         self.back_button = button("Back", "step-backward", "drop the last token")
         self.play_button = button("Play", "play", "feed the rest of the prompt, then generate")
         self.reset_button = button("Reset", "undo", "empty the session")
+        self.snapshot_button = button("Snapshot", "camera", "the open tab as drawn (token, layer, zoom), one offline HTML file")
         self.busy = widgets.HTML(layout=widgets.Layout(width="110px"))
         self.status = widgets.HTML(layout=widgets.Layout(width="100%", height="22px", overflow="hidden"))
-        self.text = TokenText(layout=widgets.Layout(flex="1 1 auto", width="auto"))
+        self.text = TokenText(layout=widgets.Layout(flex="1 1 420px", width="auto", min_width="320px"))
         self.measure = widgets.Dropdown(options=summaries.MEASURES, value=measure, description="colour",
                                         layout=widgets.Layout(width="230px"))
-        self.legend = widgets.HTML(layout=widgets.Layout(width="230px"))
+        # two lines reserved: the legend growing a line when generation starts must not move the page
+        self.legend = widgets.HTML(layout=widgets.Layout(width="230px", height="38px", overflow="hidden"))
         self.token = widgets.IntSlider(min=0, max=0, value=0, description="token", continuous_update=False, readout=False,
                                        layout=widgets.Layout(width="45%"))
         self.token_label = widgets.HTML(layout=widgets.Layout(width="180px", overflow="hidden"))
@@ -93,6 +101,7 @@ class Explorer(widgets.VBox):
         self.back_button.on_click(lambda _: self._busy(self.back))
         self.play_button.on_click(lambda _: self._busy(self.play))
         self.reset_button.on_click(lambda _: self._busy(self.reset))
+        self.snapshot_button.on_click(lambda _: self._snapshot_clicked())
         self.token.observe(lambda _: self._selection_changed(), names="value")
         self.layer.observe(lambda _: self._selection_changed(), names="value")
         self.text.observe(lambda ch: self.select(token=ch["new"]) if ch["new"] >= 0 else None, names="selected")
@@ -103,10 +112,13 @@ class Explorer(widgets.VBox):
 
         super().__init__([
             PlotlyJS.shared(),
+            # rows wrap instead of clipping when the notebook is narrow (JupyterLab's side panel open)
             widgets.HBox([self.prompt, self.mode, self.step_button, self.back_button, self.play_button,
-                          self.reset_button, self.busy], layout=widgets.Layout(width="100%")),
+                          self.reset_button, self.snapshot_button, self.busy],
+                         layout=widgets.Layout(width="100%", flex_flow="row wrap")),
             self.status,
-            widgets.HBox([self.text, widgets.VBox([self.measure, self.legend])], layout=widgets.Layout(width="100%")),
+            widgets.HBox([self.text, widgets.VBox([self.measure, self.legend], layout=widgets.Layout(width="240px"))],
+                         layout=widgets.Layout(width="100%", flex_flow="row wrap")),
             widgets.HBox([self.token, self.token_label, self.layer]),
             self.tabs, self.done,
         ], layout=widgets.Layout(width="100%"))
@@ -223,6 +235,19 @@ class Explorer(widgets.VBox):
         Returns the fork's logits for that token (None when the input is invalid)."""
         return self.ablation.run()
 
+    def snapshot(self, path=None):
+        """Write the open tab as drawn (selection, zoom) to one offline HTML file; returns its path."""
+        return write_snapshot(self, path)
+
+    def _snapshot_clicked(self) -> None:
+        try:
+            path = self.snapshot()
+        except (ValueError, OSError) as e:
+            return self._error(f"snapshot: {e}")
+        self._update_status()
+        self._set_status(self.status.value.split("'>", 1)[1].rsplit("</span>", 1)[0]
+                         + f" &middot; snapshot written to <code>{html.escape(str(path.resolve()))}</code>")
+
     def select(self, token: int | None = None, layer: int | None = None) -> None:
         """Select a token and/or a layer in every view (what a click on one does)."""
         with self.token.hold_trait_notifications(), self.layer.hold_trait_notifications():
@@ -232,11 +257,10 @@ class Explorer(widgets.VBox):
                 self.layer.value = int(layer)
 
     # ------------------------------------------------------------------ state shared by the views
-    def trace(self):
-        """The session's Trace (array accessors cached), rebuilt only when the history changed."""
-        if self._trace is None:
-            self._trace = CachedTrace(self.session.trace())
-        return self._trace
+    def trace(self, window=None):
+        """The session's Trace, or a window of it (the views read windows: a Step costs the same at any
+        history length)."""
+        return self.session.trace(window=window)
 
     def history_memo(self, name: str, make):
         """A value computed once per history (dropped when the history changes)."""
@@ -248,12 +272,12 @@ class Explorer(widgets.VBox):
         n = len(self.session)
         self.history_id += 1
         self._memo.clear()
-        self._trace = None
         self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == self.session.tokens[t]}
         with self.token.hold_trait_notifications():
             self.token.max = max(n - 1, 0)
             self.token.value = max(n - 1, 0)
         self.token.disabled = self.back_button.disabled = n == 0
+        self.history.update(self.session, self._surprisals())
         self.ablation.clear()
         self._update_status()
         self._show_text()
@@ -268,11 +292,13 @@ class Explorer(widgets.VBox):
     def refresh(self, tab: int | None = None) -> None:
         """Update the open tab's views (or `tab`'s) for the selected token and layer."""
         n = len(self.session)
+        # nothing decoded: no tabs at all (empty views would leave blank boxes), the status says what to do
+        self.tabs.layout.display = "none" if n == 0 else None
         if n == 0:
             self.tab_views.clear()
         else:
             tab = self.tabs.selected_index if tab is None else tab
-            self.tab_views.refresh(tab, self.trace(), min(self.token.value, n - 1), self.layer.value)
+            self.tab_views.refresh(tab, min(self.token.value, n - 1), self.layer.value)
         rev = self.tab_views.tab_rev.get(self.tabs.selected_index, 0)  # what the open tab's views must show
         self.done.value = f"<span class='kimi-done' data-rev='{rev}' data-tokens='{n}'></span>"
 
@@ -283,7 +309,7 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ text, labels, status
     def labels(self, positions: bool = True) -> list[str]:
-        return plots.token_labels(self.session.tokens, self.tokenizer, positions=positions)
+        return token_labels(self.session.tokens, self.tokenizer, positions=positions)
 
     def _surprisals(self) -> np.ndarray:
         toks, out = self.session.tokens, np.full(len(self.session), np.nan)
@@ -299,10 +325,10 @@ class Explorer(widgets.VBox):
             self.text.set_tokens([], [], [])
             self.legend.value = ""
             return
-        measures = self.history_memo("measures", lambda: summaries.token_measures(self.trace(), self._surprisals()))
+        measures = self.history.measures
         name = self.measure.value
         values = measures[name]
-        shown = [self.tokenizer.decode([t]) if self.tokenizer is not None else f"#{t} " for t in self.session.tokens]
+        shown = [self._piece(t) for t in self.session.tokens]
         colors, lo, hi = measure_colors(values)
         titles = [f"token {t} {lab}: {name} " + (f"{v:.4g}" if np.isfinite(v) else "n/a") + "; click to select"
                   for t, (lab, v) in enumerate(zip(self.labels(positions=False), values, strict=True))]
@@ -312,6 +338,14 @@ class Explorer(widgets.VBox):
         scale = f"light {lo:.3g} &rarr; dark {hi:.3g}" if np.isfinite(values).any() else "no value yet"
         self.legend.value = (f"<small>{html.escape(name)}: {scale}"
                              + ("; dotted = generated" if gen >= 0 else "") + "</small>")
+
+    def _piece(self, t: int) -> str:
+        """Token t's text in the text box; a byte that is not text alone (part of a UTF-8 character)
+        shows as the predictions show it, `<0xD7>`, not as a replacement character."""
+        if self.tokenizer is None:
+            return f"#{t} "
+        s = self.tokenizer.decode([t])
+        return self.tokenizer.token_label(t) if "\ufffd" in s else s
 
     def _show_token_label(self) -> None:
         n = len(self.session)
@@ -326,10 +360,12 @@ class Explorer(widgets.VBox):
         except ValueError as e:
             return self._error(str(e))
         keep = self._shared_prefix(ids)
-        if keep < n:
+        if not ids:
+            what = "no prompt: Step continues greedily from the history" if n else "type a prompt, then Step"
+        elif keep < n:
             what = f"new prompt: Step starts over from the {keep} tokens it shares with the history"
         elif n < len(ids):
-            nxt = plots.token_labels([ids[n]], self.tokenizer, positions=False)[0]
+            nxt = token_labels([ids[n]], self.tokenizer, positions=False)[0]
             what = f"prompt {n}/{len(ids)} tokens in; Step feeds {nxt}"
         else:
             what = f"prompt done ({len(ids)} tokens); Step continues greedily" if n else "type a prompt, then Step"

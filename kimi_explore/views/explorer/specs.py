@@ -1,29 +1,35 @@
 """Interactive figures of a Trace as plotly.js specs: pure functions returning (data, layout).
 
-The Explorer shows them in `PlotView`s (`_plotly_view.py`); tests read the dicts directly. Every
+The Explorer shows them in `PlotView`s (`plotly_view.py`); tests read the dicts directly. Every
 view has a fixed height, whatever the number of tokens or layers; tokens run along x in a window of
 `WINDOW` tokens that follows the selected token (pan to scroll); layers run along x (per-token views)
 with the MLA layers named on the axis at K3 depth; the selected token or layer is outlined in red.
 Hover texts say what a cell is (layer, site, source, head, expert, score, ...), with exact values.
 
-Block-residual and KDA views are here; MoE routing and predictions are in `figures_moe.py`.
+Block-residual and KDA views are here; MoE routing and predictions are in `specs_moe.py`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._plot_helpers import token_labels
-from ._plotly_view import typed
+from ..common import MISSING, nice_stride, token_labels
+from .plotly_view import typed
 
-__all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window"]
+__all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window",
+           "trace_labels"]
 
 WINDOW = 40  # tokens shown at once along x (cells keep their width as the prompt grows)
 SELECT = "#d62728"
 FONT = {"size": 11}
 SITE_NAMES = ("before attention (attn_res.attn)", "before the FFN (attn_res.ffn)")
 GAP_NOTE = "<br>no weight: that block is not sealed yet here"
-GAP_COLOR = "#e4e4e4"  # the plot background, seen through NaN cells
+GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
+
+
+def trace_labels(trace, tokenizer=None) -> list[str]:
+    """Position-prefixed labels of a trace's tokens; a window (`Trace.window`) keeps its history positions."""
+    return token_labels(trace.tokens, tokenizer, start=getattr(trace, "start", 0))
 
 
 def layer_labels(trace, layers=None) -> list[str]:
@@ -32,13 +38,28 @@ def layer_labels(trace, layers=None) -> list[str]:
     return [f"{i} {'KDA' if i in kda else 'MLA'}" for i in (trace.layer_ids if layers is None else layers)]
 
 
-def layer_axis(labels: list[str], title: str = "layer") -> dict:
-    """A categorical layer axis; past 32 layers only the MLA layers (and the first/last) get a tick label."""
+MIN_TICK_GAP = 3  # columns between two tick labels at K3 depth (rotated labels 2 apart overlap)
+
+
+def layer_ticks(labels: list[str], selected: str | None = None) -> list[str]:
+    """Which layer labels a crowded axis names: the selected layer first, then the MLA layers (K3's
+    landmarks), or every `nice_stride`-th layer on an axis without MLA (the KDA views), then both ends;
+    a label closer than MIN_TICK_GAP columns to one already kept is dropped."""
+    pos = {s: j for j, s in enumerate(labels)}
+    mla = [j for j, s in enumerate(labels) if s.endswith("MLA")]
+    wanted = mla or list(range(0, len(labels), nice_stride(len(labels), 24)))
+    kept: list[int] = []
+    for j in ([pos[selected]] if selected in pos else []) + wanted + [0, len(labels) - 1]:
+        if all(abs(j - k) >= MIN_TICK_GAP for k in kept):
+            kept.append(j)
+    return [labels[j] for j in sorted(kept)]
+
+
+def layer_axis(labels: list[str], title: str = "layer", selected: str | None = None) -> dict:
+    """A categorical layer axis; past 32 layers only `layer_ticks` are named (the selected one always)."""
     axis = {"type": "category", "title": {"text": title}, "tickfont": {"size": 10}, "fixedrange": True}
     if len(labels) > 32:
-        mla = [j for j, s in enumerate(labels) if s.endswith("MLA")]
-        ends = [j for j in (0, len(labels) - 1) if all(abs(j - m) > 2 for m in mla)]  # unless an MLA tick is next to it
-        ticks = [labels[j] for j in sorted(set(mla) | set(ends))]
+        ticks = layer_ticks(labels, selected)
         axis.update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     return axis
 
@@ -69,7 +90,7 @@ def empty(message: str, height_title: str = "") -> tuple[list, dict]:
                                  "y": 0.5, "font": {"size": 13, "color": "#555"}}]}
 
 
-def _heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showscale=True, colorbar=None,
+def heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showscale=True, colorbar=None,
           customdata=None, gaps: bool = False) -> dict:
     """A heatmap trace; NaN cells are gaps (the grey plot background), hoverable and clickable if `gaps`."""
     trace = {"type": "heatmap", "z": typed(z), "x": list(x), "y": list(y), "colorscale": colorscale, "zmin": float(zmin),
@@ -104,23 +125,25 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     w = trace.attn_res_weights()[t]  # [L, site, S]
     final = np.asarray(trace.final_attn_res_weights()[t], dtype=float)  # [S]
     sources, layers = list(trace.source_labels()), layer_labels(trace)
+    ids = [int(i) for i in trace.layer_ids]
+    sel = layers[ids.index(layer)] if layer in ids else None
     data, shapes = [], []
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
-        data.append(_heat(w[:, site, :].T, layers, sources, colorscale="Viridis", zmin=0, zmax=1,
+        data.append(heat(w[:, site, :].T, layers, sources, colorscale="Viridis", zmin=0, zmax=1,
                           hover="layer %{x}, " + SITE_NAMES[site] + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}",
                           customdata=_gap_notes(w[:, site, :].T), gaps=True, xaxis=xa, yaxis=ya, showscale=site == 0,
                           colorbar={"title": {"text": "softmax weight"}, "len": 0.9, "x": 1.0}))
         shapes += _block_lines(w[:, site, :].T, xa, ya + " domain")
         if layer is not None and layer in trace.layer_ids:
             shapes.append(outline(list(trace.layer_ids).index(layer), xa, ya + " domain"))
-    data.append(_heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
+    data.append(heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
                       hover="final output mix (final.attn_res)<br>source: %{y}<br>weight: %{z:.4f}", showscale=False))
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
     layout = {"title": {"text": f"Block attention residuals of token {label}  (click a layer to select it)", "font": FONT},
-              "xaxis": {**layer_axis(layers, ""), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
+              "xaxis": {**layer_axis(layers, "", sel), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
               "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
-              "xaxis2": {**layer_axis(layers), "domain": [0, 0.9], "anchor": "y2"},
+              "xaxis2": {**layer_axis(layers, "layer", sel), "domain": [0, 0.9], "anchor": "y2"},
               "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
               "xaxis3": {"type": "category", "domain": [0.92, 0.96], "anchor": "y3", "fixedrange": True,
                          "tickfont": {"size": 10}},
@@ -133,10 +156,10 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
     """Layer `layer`: softmax weight of every source at both sites, token by token (x = token)."""
     j = list(trace.layer_ids).index(layer)
     w = trace.attn_res_weights()[:, j]  # [T, site, S]
-    sources, toks = list(trace.source_labels()), token_labels(trace.tokens, tokenizer)
+    sources, toks = list(trace.source_labels()), trace_labels(trace, tokenizer)
     data, notes, shapes = [], [], []
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
-        data.append(_heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
+        data.append(heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
                           hover="token %{x}, layer " + f"{layer}, {SITE_NAMES[site]}"
                           + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}", customdata=_gap_notes(w[:, site, :].T),
                           gaps=True,
@@ -152,7 +175,8 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
               "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
               "xaxis2": {**axis_x, "anchor": "y2"},
               "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
-              "shapes": shapes, "annotations": notes, "dragmode": "pan", "margin": {"l": 80, "r": 20, "t": 30, "b": 80}}
+              "shapes": shapes, "annotations": notes, "dragmode": "pan", "plot_bgcolor": GAP_COLOR,
+              "margin": {"l": 80, "r": 20, "t": 30, "b": 80}}
     return data, layout
 
 
@@ -170,12 +194,12 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     d = np.asarray(norms[t], dtype=float)  # [kda_layer, H]
     labels = layer_labels(trace, ids)
     vmax = kda_vmax(trace) if vmax is None else vmax
-    data = [_heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    data = [heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
                   hover="layer %{x}, head %{y}<br>‖S‖ = %{z:.4f}", colorbar={"title": {"text": "‖S‖"}})]
     shapes = [outline(ids.index(layer))] if layer in ids else []
-    label = token_labels(trace.tokens, tokenizer)[t]
+    label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer)", "font": FONT},
-              "xaxis": layer_axis(labels, "KDA layer"),
+              "xaxis": layer_axis(labels, "KDA layer", labels[ids.index(layer)] if layer in ids else None),
               "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True},
               "shapes": shapes, "margin": {"l": 50, "r": 20, "t": 30, "b": 70}}
     return data, layout
@@ -190,8 +214,8 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
                      "Pick a KDA layer to see its heads.")
     d = np.asarray(norms[:, ids.index(layer)], dtype=float)  # [T, H]
     vmax = kda_vmax(trace) if vmax is None else vmax
-    toks = token_labels(trace.tokens, tokenizer)
-    data = [_heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    toks = trace_labels(trace, tokenizer)
+    data = [heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
                   hover="token %{x}, layer " + str(layer) + ", head %{y}<br>‖S‖ = %{z:.4f}", showscale=False)]
     layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",
                         "font": FONT},

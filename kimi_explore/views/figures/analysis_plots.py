@@ -14,19 +14,39 @@ as `plots`: object-oriented matplotlib, no pyplot, `InlineFigure`s that show the
 from __future__ import annotations
 
 import numpy as np
+from matplotlib.patches import Rectangle
 
-from ._plot_helpers import heatmap, span_inches, ticks, token_labels
-from .plots import InlineFigure, escape_mathtext
+from ..common import token_labels
+from .mpl import InlineFigure, escape_mathtext, heatmap, span_inches, ticks
 
 __all__ = ["attribution_waterfall", "diff_overview", "lens_grid", "report_figures", "routing_stats_overview"]
 
 DIVERGING = "RdBu_r"
 PROB_CMAP = "viridis"
 ANNOTATE_CELLS = 640  # write the top-1 token into lens cells up to this many
+NOISE = 1e-5  # |Δ| below this is float32 summation order (a chunked run against a token-by-token one), not an effect
+PANEL_TICKS = 16  # token labels on one of the diff's narrow panels
 
 
 def _names(ids, tokenizer, positions: bool = True) -> list[str]:
     return [escape_mathtext(s) for s in token_labels(ids, tokenizer, positions)]
+
+
+def _cell_label(label: str) -> str:
+    """A lens cell's text: a byte that is not text alone, `<0x80>`, as `x80` (fits the cell)."""
+    return "x" + label[3:-1] if label.startswith("<0x") and label.endswith(">") else label
+
+
+def _unchanged(ax, what: str, values) -> bool:
+    """Say so instead of drawing a map of noise when no |Δ| reaches NOISE; True if it said so."""
+    a = np.asarray(values, dtype=float)
+    peak = float(np.nanmax(np.abs(a))) if a.size and np.isfinite(a).any() else 0.0
+    if peak >= NOISE:
+        return False
+    ax.axis("off")
+    ax.text(0.5, 0.5, f"{what}:\nno change above {NOISE:g}\n(max |Δ| = {peak:.1e}, float32 rounding)",
+            ha="center", va="center", fontsize=10, transform=ax.transAxes)
+    return True
 
 
 def _symmetric(*arrays) -> float:
@@ -36,8 +56,9 @@ def _symmetric(*arrays) -> float:
 
 
 def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
-    """Left: [layer, token] top-1 probability, each cell labelled with its top-1 token (bold: it is
-    the model's final top-1). Right: the agreement with the final prediction per layer."""
+    """Left: [layer, token] top-1 probability, each cell labelled with its top-1 token, outlined where
+    it is the model's final top-1. Right: the agreement with the final prediction per layer (over
+    all tokens). At most the last `max_tokens` tokens are drawn, and the title says which."""
     T = len(lens)
     t0 = max(0, T - max_tokens)
     probs = lens.top_probs[t0:, :, 0].T  # [L, T']
@@ -46,16 +67,19 @@ def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
     for c in range(len(cols)):
         cols[c] = f"{t0 + c}{cols[c][cols[c].index(' '):]}"
     rows = [str(i) for i in lens.layers]
-    fig = InlineFigure(figsize=(span_inches(len(cols), 0.42, 7, 18) + 2.5, span_inches(len(rows), 0.32, 4, 14)),
+    fig = InlineFigure(figsize=(span_inches(len(cols), 0.5, 7, 20) + 2.5, span_inches(len(rows), 0.42, 4, 14)),
                        layout="constrained")
     ax, side = fig.subplots(1, 2, width_ratios=[max(4, len(cols) / 6), 1], sharey=True)
     im = heatmap(ax, probs, rows=rows, cols=cols, cmap=PROB_CMAP, vmin=0.0, vmax=1.0, annotate=False)
+    final = lens.final_ids[t0:]
+    same = ids == final[None, :]
     if probs.size <= ANNOTATE_CELLS:
-        final = lens.final_ids[t0:]
         for (r, c), p in np.ndenumerate(probs):
-            label = _names([ids[r, c]], tokenizer, positions=False)[0]
-            ax.text(c, r, label, ha="center", va="center", fontsize=6.5, color="white" if p < 0.55 else "black",
-                    fontweight="bold" if ids[r, c] == final[c] else "normal", in_layout=False)
+            label = _cell_label(_names([ids[r, c]], tokenizer, positions=False)[0].strip("'"))
+            ax.text(c, r, label, ha="center", va="center", fontsize=8.5, color="white" if p < 0.55 else "black",
+                    in_layout=False, clip_on=True)
+    for r, c in zip(*np.nonzero(same), strict=True):  # an outline, not bold: it shows at any size
+        ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="#ff7f0e", lw=1.6))
     ax.set(xlabel="token (its lens predicts the next one)", ylabel="layer")
     fig.colorbar(im, ax=ax, label="top-1 probability", shrink=0.8, location="left")
     agree = lens.agreement()
@@ -63,7 +87,9 @@ def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
     side.set_xlim(0, 1)
     side.set_xlabel("agrees with final\ntop-1 (all tokens)")
     side.grid(axis="x", alpha=0.3)
-    ax.set_title("Logit lens through the block residuals: top-1 after each layer")
+    shown = f"tokens {t0}-{T - 1} of {T}" if t0 else f"all {T} tokens"
+    ax.set_title(f"Logit lens through the block residuals: top-1 after each layer ({shown}; "
+                 "orange box: equals the final top-1; xNN: a byte that is not text alone)")
     return fig
 
 
@@ -97,7 +123,8 @@ def attribution_waterfall(attr, top: int = 12, tokenizer=None):
 
 
 def diff_overview(d, token=None, tokenizer=None):
-    """A run diff (b - a) in five panels; `token` (default: the largest KL) picks the per-layer panel."""
+    """A run diff (b - a) in five panels; `token` (default: the largest KL) picks the per-layer panel.
+    A panel whose |Δ| stays below NOISE says so in words instead of drawing rounding noise."""
     T = len(d)
     if T == 0:
         raise ValueError("diff_overview: the diff covers no tokens")
@@ -106,26 +133,36 @@ def diff_overview(d, token=None, tokenizer=None):
     fig = InlineFigure(figsize=(14, 9.5), layout="constrained")
     grid = fig.subplots(2, 3)
     w = _symmetric(d.final_attn_res, d.attn_res[t, :, 1])  # one scale for the softmax-weight panels
-    ax = grid[0, 0]
-    im = heatmap(ax, d.final_attn_res.T, rows=d.source_labels, cols=cols, cmap=DIVERGING, vmin=-w, vmax=w, annotate=False)
-    ax.set_title("Δ output-mix weights (token x source)", fontsize=10)
+    ax, im = grid[0, 0], None
+    if not _unchanged(ax, "Δ output-mix weights", d.final_attn_res):
+        im = heatmap(ax, d.final_attn_res.T, rows=d.source_labels, cols=cols, cmap=DIVERGING, vmin=-w, vmax=w,
+                     annotate=False)
+        ticks(ax, "x", cols, max_ticks=PANEL_TICKS)
+        ax.set_title("Δ output-mix weights (token x source)", fontsize=10)
     ax = grid[0, 1]
-    heatmap(ax, d.attn_res[t, :, 1], rows=[str(i) for i in d.layers], cols=d.source_labels, cmap=DIVERGING,
-            vmin=-w, vmax=w, annotate=False)
-    ax.set_title(f"Δ FFN-site block weights at token {cols[t]}", fontsize=10)
-    ax.set(xlabel="source", ylabel="layer")
-    fig.colorbar(im, ax=list(grid[0, :2]), label="Δ softmax weight (b - a)", shrink=0.8)
+    if not _unchanged(ax, f"Δ FFN-site block weights at token {cols[t]}", d.attn_res[t, :, 1]):
+        im = heatmap(ax, d.attn_res[t, :, 1], rows=[str(i) for i in d.layers], cols=d.source_labels, cmap=DIVERGING,
+                     vmin=-w, vmax=w, annotate=False)
+        ax.set_title(f"Δ FFN-site block weights at token {cols[t]}", fontsize=10)
+        ax.set(xlabel="source", ylabel="layer")
+    if im is not None:
+        fig.colorbar(im, ax=list(grid[0, :2]), label="Δ softmax weight (b - a)", shrink=0.8)
     ax = grid[0, 2]
     kda = d.kda_state.sum(axis=2).T if d.kda_state.size else np.zeros((0, T))
-    s = _symmetric(kda)
-    im = heatmap(ax, kda, rows=[str(i) for i in d.kda_layers], cols=cols, cmap=DIVERGING, vmin=-s, vmax=s, annotate=False)
-    ax.set_title("Δ KDA state norm, summed over heads", fontsize=10)
-    ax.set_ylabel("KDA layer")
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    if not _unchanged(ax, "Δ KDA state norm", kda):
+        s = _symmetric(kda)
+        im = heatmap(ax, kda, rows=[str(i) for i in d.kda_layers], cols=cols, cmap=DIVERGING, vmin=-s, vmax=s,
+                     annotate=False)
+        ticks(ax, "x", cols, max_ticks=PANEL_TICKS)
+        ax.set_title("Δ KDA state norm, summed over heads", fontsize=10)
+        ax.set_ylabel("KDA layer")
+        fig.colorbar(im, ax=ax, shrink=0.8)
     ax = grid[1, 0]
     im = heatmap(ax, d.jaccard.T, rows=[str(i) for i in d.moe_layers], cols=cols, cmap="Greys_r", vmin=0.0, vmax=1.0,
                  annotate=False)
-    ax.set_title(f"routing: Jaccard of the top-k sets ({len(d.routing_changes)} changes)", fontsize=10)
+    ticks(ax, "x", cols, max_ticks=PANEL_TICKS)
+    ax.set_title(f"routing: Jaccard of the top-k sets ({len(d.routing_changes)} changes; white = same set)",
+                 fontsize=10)
     ax.set_ylabel("MoE layer")
     fig.colorbar(im, ax=ax, shrink=0.8)
     ax = grid[1, 1]
@@ -133,7 +170,7 @@ def diff_overview(d, token=None, tokenizer=None):
     ax.plot(x, d.kl, marker="o", ms=3, color="#444444")
     flips = np.flatnonzero(d.flips)
     ax.plot(flips, d.kl[flips], "o", color="#b2182b", ms=6, label="top-1 flipped")
-    ticks(ax, "x", cols)
+    ticks(ax, "x", cols, max_ticks=PANEL_TICKS)
     ax.set(ylabel="KL(a ‖ b), nats" + ("" if d.kl_exact else " (lower bound)"), title="Δ predictions")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -146,31 +183,34 @@ def diff_overview(d, token=None, tokenizer=None):
 
 
 def routing_stats_overview(stats):
-    """Load per MoE layer x expert as log2(count / balanced count) (red: overloaded; grey: dead), CV and MI."""
+    """Load per MoE layer x expert as log2(count / balanced count) (red: overloaded; grey: dead); then, per
+    layer, the byte-class mutual information (bits) and the load CV, each on its own axis."""
     balanced = stats.tokens * stats.top_k / stats.num_experts
     with np.errstate(divide="ignore"):
         ratio = np.where(stats.counts > 0, np.log2(stats.counts / max(balanced, 1e-300)), np.nan)
     rows = [str(i) for i in stats.moe_layers]
-    fig = InlineFigure(figsize=(span_inches(stats.num_experts, 0.35, 8, 16) + 3, span_inches(len(rows), 0.3, 4, 12)),
+    fig = InlineFigure(figsize=(span_inches(stats.num_experts, 0.35, 8, 16) + 5, span_inches(len(rows), 0.3, 4, 12)),
                        layout="constrained")
-    ax, side = fig.subplots(1, 2, width_ratios=[4, 1], sharey=True)
+    ax, side, cv = fig.subplots(1, 3, width_ratios=[4, 1, 1], sharey=True)
     s = _symmetric(ratio)
     im = heatmap(ax, ratio, rows=rows, cols=[str(e) for e in range(stats.num_experts)], cmap=DIVERGING, vmin=-s, vmax=s,
                  annotate=False)
     fig.colorbar(im, ax=ax, label="log2(load / balanced load)", shrink=0.8, location="left")
     ax.set(xlabel="expert", ylabel="MoE layer", title=f"Expert load over {stats.tokens} tokens ({len(stats.texts)} texts)")
     y = np.arange(len(rows))
-    side.barh(y, stats.mutual_information(), color="#4c72b0", label="I(class; top-1), bits")
-    side.plot(stats.cv, y, "o-", color="#b2182b", ms=3, label="load CV")
-    side.legend(fontsize=7, loc="lower right")
+    side.barh(y, stats.mutual_information(), color="#4c72b0")
+    side.set(xlabel="bits", title="I(byte class; top-1)")
     side.grid(axis="x", alpha=0.3)
+    cv.barh(y, stats.cv, color="#b2182b")  # its own axis: a CV is not in bits
+    cv.set(xlabel="std / mean", title="load CV")
+    cv.grid(axis="x", alpha=0.3)
     return fig
 
 
 def report_figures(session, tokenizer=None) -> list:
     """(section, file stem, caption, figure) of the analyses for `kimi-explore report` (they replay the session)."""
-    from ..analysis.attribution import logit_attribution
-    from ..analysis.logit_lens import logit_lens
+    from ...analysis.attribution import logit_attribution
+    from ...analysis.logit_lens import logit_lens
 
     lens = logit_lens(session, top=1)
     attr = logit_attribution(session, -1)

@@ -1,0 +1,197 @@
+"""`ke.compare(session, other)`: where does another K3 engine part from the model, and why?
+
+    cmp = ke.compare(session, "llamacpp_f32experts_decode.npz", names="llama.cpp")
+    cmp.first      # Divergence(token=0, layer=0, site='layers.0.kda.state', local=True, operation='KDA q/k L2 norm', ...)
+
+Steps:
+1. `other` becomes {hook name: [T, ...]} (a mapping, an engine dump, or llama.cpp captures through
+   `name_maps.llamacpp_to_hooks`); its tokens must be the session's (an empty session takes them).
+2. kimi_explore replays the tokens from a fresh state, recording every site (`patching.replay`), and
+   each site and token is judged against the tolerance model (`tolerance.py`).
+3. Local or inherited: one more replay with every captured value of the other engine patched in
+   (teacher forcing) records kimi_explore's operation at each site on the other engine's inputs; a
+   site still beyond tolerance there is local.
+4. Local sites that a known variant can explain (`operations.PROBES`: an eps) are replayed with the
+   variant: the eps at which the other engine's values are matched is reported.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .comparison import Comparison, SiteComparison
+from .dump import Dump, read_dump
+from .name_maps import llamacpp_to_hooks
+from .operations import PROBES, candidates, operation_of, probe_sites
+from .patching import replay
+from .tolerance import Tolerance, site_errors
+
+__all__ = ["compare", "load_other"]
+
+_LLAMACPP = ("llama.cpp", "llamacpp")
+
+
+def compare(session, other, *, names=None, tolerance=None, local: bool = True, probes: bool = True) -> Comparison:
+    """Compare another engine's values with kimi_explore's at every site they both have.
+
+    session: a `Session` on the same weights (its tokens; an empty session takes the other engine's).
+    other: {hook name: [T, ...]}, a `Dump`, a dump file (.safetensors), or llama.cpp captures (an .npz
+    path or mapping, with names="llama.cpp"). names: None (keys are hook names), "llama.cpp", a mapping
+    {other name: hook name}, or a function arrays -> {hook name: array}. tolerance: a preset name, a
+    float rtol or a `Tolerance` (default: the dump's dtype, else "float32"). local: run the
+    teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
+    """
+    weights = session.weights
+    arrays, tokens, engine, dtype = load_other(other, names=names, weights=weights)
+    tokens = _tokens(session, tokens)
+    tol = Tolerance.of(tolerance if tolerance is not None else dtype)
+    order = _hook_names(weights)
+    _check_names(arrays, order)
+    sites = [n for n in order if n in arrays]
+    ours = replay(weights, tokens, order)
+    theirs = {s: arrays[s] for s in sites}
+    _check_shapes(ours, theirs, len(tokens))
+
+    results = {}
+    for s in sites:
+        layer, kind = _split(s)
+        a, b = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
+        max_abs, rel = site_errors(kind, a, b, tol)
+        results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=operation_of(kind))
+    cmp = Comparison(results, tol, tokens, engine, weights.config)
+    if local:
+        forced = replay(weights, tokens, order, patch=theirs)
+        for s, r in results.items():
+            r.local_rel = _local_rel(s, r.kind, forced, theirs, tol)
+        if probes:
+            _run_probes(cmp, weights, tokens, order, theirs, tol)
+    return cmp
+
+
+def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, str, str]:
+    """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype) from anything `compare` takes."""
+    engine, dtype, tokens = "", "float32", None
+    if isinstance(other, (str, Path)):
+        path = Path(other)
+        if not path.is_file():
+            raise FileNotFoundError(f"compare: other={str(path)!r}: no such file")
+        if path.suffix == ".npz":
+            with np.load(path) as z:
+                other = {k: z[k] for k in z.files}
+            engine = path.stem
+        else:
+            other = read_dump(path)
+    if isinstance(other, Dump):
+        return dict(other.arrays), list(other.tokens), other.engine, other.dtype
+    if not isinstance(other, Mapping):
+        raise TypeError(f"compare: other must be a mapping, a Dump or a path, got {type(other).__name__}")
+    if "tokens" in other:
+        tokens = [int(t) for t in np.asarray(other["tokens"]).reshape(-1)]
+    if isinstance(names, str):
+        if names not in _LLAMACPP:
+            raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
+        if weights is None:
+            raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
+        return llamacpp_to_hooks(other, weights.config, weights), tokens, engine or "llama.cpp", dtype
+    if callable(names):
+        arrays = dict(names(other))
+    elif isinstance(names, Mapping):
+        arrays = {names[k]: v for k, v in other.items() if k in names}
+    elif names is None:
+        arrays = {k: v for k, v in other.items() if k not in ("tokens",)}
+    else:
+        raise TypeError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
+    return arrays, tokens, engine, dtype
+
+
+def _hook_names(weights) -> list[str]:
+    from ..model.kimi_decoder import hook_names
+
+    return hook_names(weights)
+
+
+def _tokens(session, theirs) -> list[int]:
+    ours = [int(t) for t in session.tokens]
+    if not ours:
+        if theirs is None:
+            raise ValueError("compare: the session has no tokens and the other engine's values carry none: feed the "
+                             "session the token ids the other engine ran")
+        return list(theirs)
+    if theirs is not None and list(theirs) != ours:
+        n = min(len(ours), len(theirs))
+        diff = next((i for i in range(n) if ours[i] != theirs[i]), n)
+        raise ValueError(f"compare: the other engine ran other tokens: {len(theirs)} ids against the session's {len(ours)}, "
+                         f"first difference at position {diff}")
+    return ours
+
+
+def _check_names(arrays, order) -> None:
+    known = set(order)
+    bad = [k for k in arrays if k not in known]
+    if bad:
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, order, 1)) else repr(k) for k in bad[:5]]
+        raise KeyError(f"compare: {len(bad)} key(s) of the other engine are not hook names of this model: {', '.join(hints)}"
+                       f"{' ...' if len(bad) > 5 else ''}; see ke.hook_names(weights) (llama.cpp captures: names='llama.cpp')")
+
+
+def _check_shapes(ours, theirs, T: int) -> None:
+    for s, a in theirs.items():
+        a = np.asarray(a)
+        if a.shape[0] != T:
+            raise ValueError(f"compare: {s!r} has {a.shape[0]} rows, expected one per token ({T})")
+        want = ours[s][0].shape
+        if a.shape[1:] != want and not s.endswith("moe.router.topk_ids") and not s.endswith("moe.router.topk_weights"):
+            raise ValueError(f"compare: {s!r} has per-token shape {a.shape[1:]}, kimi_explore's is {want}")
+
+
+def _split(site: str):
+    parts = site.split(".", 2)
+    if parts[0] == "layers":
+        return int(parts[1]), parts[2]
+    return None, site
+
+
+def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):
+    """Per-token lists (ours, theirs) ready to compare: top-k weights in the order of their expert ids."""
+    a, b = list(ours[site]), [np.asarray(x) for x in theirs[site]]
+    if site.endswith("moe.router.topk_weights"):
+        ids_name = site.replace("topk_weights", "topk_ids")
+        their_ids = theirs.get(ids_name) if their_ids is None else their_ids
+        for t in range(len(a)):
+            if ours_ids is not None:
+                a[t] = a[t][np.argsort(ours_ids[t], kind="stable")]
+            b[t] = b[t][np.argsort(their_ids[t], kind="stable")] if their_ids is not None else np.sort(b[t])[::-1]
+    return a, b
+
+
+def _local_rel(site, kind, forced, theirs, tol) -> np.ndarray:
+    # in the forced replay the top-k weights are computed for the other engine's ids (patched in)
+    ids = theirs.get(site.replace("topk_weights", "topk_ids")) if kind == "moe.router.topk_weights" else None
+    a, b = _aligned(site, forced, theirs, ours_ids=ids)
+    return site_errors(kind, a, b, tol)[1]
+
+
+def _run_probes(cmp: Comparison, weights, tokens, order, theirs, tol) -> None:
+    local = set(cmp.local_sites)
+    for probe, (probe_class, _, own_eps) in PROBES.items():
+        targets = [s for s in probe_sites(probe, cmp.sites) if s in local]
+        if not targets:
+            continue
+        for s in targets:
+            cmp.sites[s].operation = probe
+        open_ = set(targets)
+        for eps in candidates(own_eps, weights.config):
+            forced = replay(weights, tokens, order, patch=theirs, probe=probe_class(weights, eps))
+            for s in sorted(open_):
+                r = cmp.sites[s]
+                if np.all(_local_rel(s, r.kind, forced, theirs, tol) <= tol.rtol):
+                    r.explanation = f"other engine matches eps {eps:g} (kimi_explore: {own_eps:g})"
+                    open_.discard(s)
+            if not open_:
+                break
+        for s in open_:
+            cmp.sites[s].explanation = f"no eps in {[own_eps, *candidates(own_eps, weights.config)]} matches the other engine"

@@ -1,0 +1,152 @@
+"""`Comparison`: what `ke.compare` found, site by site and token by token.
+
+    cmp.first        the earliest divergence (token first, then firing order), a `Divergence`, or None
+    cmp.divergences  every (site, first diverging token) beyond tolerance, in that order
+    cmp.local_sites  the sites whose own operation disagrees (on the other engine's inputs)
+    cmp.table()      one dict per compared site (firing order): max |delta|, worst relative error, the
+                     first diverging token, local or inherited, the operation, what a probe found
+    cmp.to_pandas()  the same as a DataFrame (pandas: the `[notebook]` extra)
+    cmp.heatmap()    the layer x site view (`views.figures.engine_plots.divergence_heatmap`); value="local_rel"
+                     shows the teacher-forced errors
+
+A site is *local* at token t when kimi_explore's operation, run on the other engine's inputs
+(everything upstream patched in through the hooks, `patching.replay`), still disagrees with the
+other engine at t beyond tolerance; otherwise its divergence is *inherited* from upstream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .operations import operation_of
+from .tolerance import Tolerance
+
+__all__ = ["Comparison", "Divergence", "SiteComparison"]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One diverging site at one token.
+
+    token: 0-based position; layer: 0-based layer, None for a global site ("embed", "final.*",
+    "logits"); site: the kimi_explore hook name; local: the operation itself disagrees (True) or
+    the site inherits differences from upstream (False), None when not tested; operation: what
+    kimi_explore computes there (a probe's name when a probe explains it); max_abs, rel: the error
+    at that token; local_rel: the error of kimi_explore's operation on the other engine's inputs;
+    explanation: what a probe found ("other engine matches eps 1e-05"), or "".
+    """
+
+    token: int
+    layer: int | None
+    site: str
+    local: bool | None
+    operation: str
+    max_abs: float
+    rel: float
+    local_rel: float | None = None
+    explanation: str = ""
+
+    def __str__(self) -> str:
+        where = f"layer {self.layer}" if self.layer is not None else "global"
+        how = {True: "local", False: "inherited", None: "local/inherited not tested"}[self.local]
+        text = (f"token {self.token}, {where}, {self.site}: max|delta| {self.max_abs:.3g} (rel {self.rel:.3g}), {how}; "
+                f"operation: {self.operation}")
+        return text + (f"; {self.explanation}" if self.explanation else "")
+
+
+@dataclass
+class SiteComparison:
+    """One site over the T tokens: max_abs, rel [T]; local_rel [T] (None when not tested)."""
+
+    site: str
+    layer: int | None
+    kind: str
+    max_abs: np.ndarray
+    rel: np.ndarray
+    local_rel: np.ndarray | None = None
+    operation: str = ""
+    explanation: str = ""
+
+    def beyond(self, rtol: float) -> np.ndarray:
+        return ~(self.rel <= rtol)  # NaN counts as beyond
+
+    def local_at(self, t: int, rtol: float) -> bool | None:
+        if self.local_rel is None:
+            return None
+        return bool(~(self.local_rel[t] <= rtol))
+
+
+@dataclass
+class Comparison:
+    """See the module docstring. `sites`: {name: SiteComparison} in firing order; `tokens`: the ids."""
+
+    sites: dict
+    tolerance: Tolerance
+    tokens: list
+    engine: str = ""
+    config: object = field(default=None, repr=False)
+
+    @property
+    def rtol(self) -> float:
+        return self.tolerance.rtol
+
+    def _divergence(self, s: SiteComparison, t: int) -> Divergence:
+        return Divergence(t, s.layer, s.site, s.local_at(t, self.rtol), s.operation or operation_of(s.kind),
+                          float(s.max_abs[t]), float(s.rel[t]), None if s.local_rel is None else float(s.local_rel[t]),
+                          s.explanation)
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        """Each diverging site at its first diverging token, ordered by (token, firing order)."""
+        found = []
+        for order, s in enumerate(self.sites.values()):
+            bad = np.flatnonzero(s.beyond(self.rtol))
+            if bad.size:
+                found.append((int(bad[0]), order, s))
+        return [self._divergence(s, t) for t, _, s in sorted(found, key=lambda x: x[:2])]
+
+    @property
+    def first(self) -> Divergence | None:
+        d = self.divergences
+        return d[0] if d else None
+
+    @property
+    def local_sites(self) -> list[str]:
+        """Sites where kimi_explore's operation on the other engine's inputs disagrees at some token."""
+        return [s.site for s in self.sites.values() if s.local_rel is not None and np.any(~(s.local_rel <= self.rtol))]
+
+    def table(self) -> list[dict]:
+        rows = []
+        for s in self.sites.values():
+            bad = np.flatnonzero(s.beyond(self.rtol))
+            worst = int(np.nanargmax(s.rel)) if np.any(np.isfinite(s.rel)) else 0
+            local = None
+            if s.local_rel is not None:
+                local = bool(np.any(~(s.local_rel <= self.rtol)))
+            rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.nanmax(s.max_abs)),
+                         "rel": float(s.rel[worst]), "worst_token": worst,
+                         "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
+                         "local": local,
+                         "local_rel": None if s.local_rel is None else float(np.nanmax(s.local_rel)),
+                         "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})
+        return rows
+
+    def to_pandas(self):
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("Comparison.to_pandas needs pandas: pip install 'kimi-explore[notebook]'") from None
+        return pd.DataFrame(self.table())
+
+    def heatmap(self, ax=None, value: str = "rel"):
+        from ..views.figures.engine_plots import divergence_heatmap
+
+        return divergence_heatmap(self, ax=ax, value=value)
+
+    def __repr__(self) -> str:
+        first = self.first
+        what = "no site beyond tolerance" if first is None else f"first divergence: {first}"
+        return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens, {len(self.sites)} sites, "
+                f"tolerance {self.tolerance.name} rtol={self.rtol:g}; {what})")

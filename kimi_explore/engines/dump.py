@@ -1,0 +1,115 @@
+"""The engine dump format: what another K3 engine computed, in a file any language can write.
+
+One safetensors file (https://github.com/huggingface/safetensors: an 8-byte header length, a JSON
+header, raw little-endian arrays; writers exist for Python, Rust, C, C++, Go, JS):
+
+- keys: `kimi_explore` hook names (`ke.hook_names(weights)`: "embed", "layers.3.kda.state",
+  "layers.5.moe.router.topk_ids", "final.hidden", "logits", ...). Any subset; the more sites, the
+  closer `ke.compare` can place a divergence.
+- arrays: `[T, ...]`, one row per token, in the site's per-token shape as the hook sees it
+  (`layers.i.kda.state` [T, H, K, V], `layers.i.moe.router.topk_ids` [T, k], ...). `mla.probs`, whose
+  width grows with the position, is stored `[T, nh, T]`, row t holding positions 0..t and zeros after.
+  float32, float16, bfloat16 or float64 (read back as float32/float64); integer ids int32/int64.
+- metadata (`__metadata__`, strings): `format` = "kimi_explore.dump/1", `tokens` = the T token ids,
+  comma-separated, `engine` = a free-form name ("llama.cpp 0c1e57098", "my-rust-engine 0.3"),
+  `dtype` = the engine's activation dtype, one of `TOLERANCE_PRESETS` ("float32", "bfloat16",
+  "float16", "quantised"): `ke.compare` picks its tolerance from it.
+
+From NumPy (see the README for the whole example):
+
+    from safetensors.numpy import save_file
+    save_file({"layers.0.attn.in": x0, "logits": logits}, "dump.safetensors",
+              metadata={"format": "kimi_explore.dump/1", "tokens": "72,105,33", "engine": "mine", "dtype": "float32"})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .tolerance import TOLERANCE_PRESETS
+
+__all__ = ["DUMP_FORMAT", "Dump", "read_dump", "write_dump"]
+
+DUMP_FORMAT = "kimi_explore.dump/1"
+
+
+@dataclass
+class Dump:
+    """A read dump: `arrays` {hook name: [T, ...]}, `tokens` [T] ids, `engine`, `dtype`."""
+
+    arrays: dict
+    tokens: list
+    engine: str = ""
+    dtype: str = "float32"
+    path: str | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return f"Dump(engine={self.engine!r}, dtype={self.dtype!r}, tokens={len(self.tokens)}, sites={len(self.arrays)})"
+
+
+def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32") -> Path:
+    """Write {hook name: [T, ...] array} with the token ids, the engine's name and its activation dtype."""
+    from safetensors.numpy import save_file
+
+    tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+    _check_dtype(dtype, "write_dump(dtype=...)")
+    T = len(tokens)
+    out = {}
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(_to_host(a))
+        if a.ndim == 0 or a.shape[0] != T:
+            raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
+        out[str(name)] = a
+    path = Path(path)
+    save_file(out, str(path), metadata={"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine),
+                                        "dtype": dtype})
+    return path
+
+
+def read_dump(path) -> Dump:
+    """Read a dump written by `write_dump` (or by any engine following the format above)."""
+    import ml_dtypes  # noqa: F401  (lets safetensors hand bfloat16 arrays to NumPy)
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"engine dump {path}: no such file")
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+        missing = [k for k in ("format", "tokens") if k not in meta]
+        if missing:
+            raise ValueError(f"engine dump {path}: metadata lacks {missing} (found keys {sorted(meta)}); "
+                             f"a dump carries format={DUMP_FORMAT!r}, tokens='1,2,3', engine, dtype")
+        if meta["format"] != DUMP_FORMAT:
+            raise ValueError(f"engine dump {path}: format {meta['format']!r}, expected {DUMP_FORMAT!r}")
+        try:
+            tokens = [int(t) for t in meta["tokens"].split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"engine dump {path}: metadata 'tokens' must be comma-separated ids, "
+                             f"found {meta['tokens'][:80]!r}") from None
+        dtype = meta.get("dtype", "float32")
+        _check_dtype(dtype, f"engine dump {path}: metadata 'dtype'")
+        arrays = {}
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            a = f.get_tensor(name)
+            if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+                a = a.astype(np.float64 if a.dtype == np.float64 else np.float32)
+            if a.ndim == 0 or a.shape[0] != len(tokens):
+                raise ValueError(f"engine dump {path}: {name!r} has shape {a.shape}; expected [T, ...] with T = {len(tokens)} "
+                                 "(the number of ids in metadata 'tokens')")
+            arrays[name] = a
+    return Dump(arrays, tokens, meta.get("engine", ""), dtype, str(path))
+
+
+def _check_dtype(dtype, what: str) -> None:
+    if dtype not in TOLERANCE_PRESETS:
+        raise ValueError(f"{what}: {dtype!r} is not an activation dtype this format knows; "
+                         f"expected one of {sorted(TOLERANCE_PRESETS)}")
+
+
+def _to_host(a):
+    get = getattr(a, "get", None)
+    return np.asarray(a if get is None or isinstance(a, np.ndarray) else get())

@@ -1,0 +1,179 @@
+"""llama.cpp's graph names -> `kimi_explore` hook names, per token.
+
+llama.cpp's eval callback names each graph tensor `name-<il>` (il = 0-based layer; no suffix for
+global tensors) and gives its shape as ggml's `ne = [ne0, ne1, ne2, ne3]`, fastest axis FIRST.
+`ggml_to_numpy` turns a raw record into a NumPy array with the axes reversed (C order, fastest
+axis last, trailing unit axes dropped), which is how the shared captures store them. A name that
+fires more than once in one step is stored as `name#0`, `name#1`, ... in firing order.
+
+`llamacpp_to_hooks(arrays, config, weights=None)` takes such arrays for T tokens (decode: one record
+per token stacked on a leading axis; prefill: one record over all T tokens) and returns
+{hook name: [T, ...] array in the hook's own per-token shape}:
+
+    inp_embd                        -> embed
+    attn_norm-i                     -> layers.i.attn.in
+    stack(kda_{q,k,v}_conv-i)       -> layers.i.kda.conv_out  [T, 3, H, K] (before the q/k L2 norm)
+    kda_v_conv-i                    -> layers.i.kda.v
+    kda_beta-i [T, H, 1]            -> layers.i.kda.beta [T, H]
+    exp(kda_g1-i)                   -> layers.i.kda.decay      (llama.cpp names the log decay g)
+    sigmoid(kda_g2-i)               -> layers.i.kda.gate       (llama.cpp names the pre-activation)
+    new_state-i [T, H, V, K]        -> layers.i.kda.state [T, H, K, V] (transposed; decode only)
+    attn_output-i                   -> layers.i.kda.o
+    norm-i#1 * q_a_layernorm        -> layers.i.mla.q_latent   (MLA layers; needs `weights`)
+    norm-i#2 * kv_a_layernorm       -> layers.i.mla.kv_latent  (MLA layers; needs `weights`)
+    kq_soft_max-i                   -> layers.i.mla.probs [T, nh, T] (position s > t is 0, as masked)
+    kqv_mla-i                       -> layers.i.mla.o
+    kda_out-i / mla_out-i           -> layers.i.attn.out; on a block boundary llama.cpp names the
+                                       mixer output prefix_sum_attn-i instead (the sum restarts there)
+    res_probs-i#0                   -> layers.i.attn_res.attn.weights
+    res_probs-i#1 (res_probs-0)     -> layers.i.attn_res.ffn.weights
+    ffn_norm-i                      -> layers.i.ffn.in
+    ffn_moe_probs-i                 -> layers.i.moe.router.scores
+    ffn_moe_topk-i                  -> layers.i.moe.router.topk_ids
+    ffn_moe_weights_scaled-i        -> layers.i.moe.router.topk_weights
+    ffn_moe_out-i                   -> layers.i.moe.experts_out (weighted sum, before the latent norm)
+    ffn_out-i - ffn_shexp-i         -> layers.i.moe.routed_out (derived: exact to the float32 rounding of the sum)
+    ffn_shexp-i                     -> layers.i.moe.shared_out
+    ffn_out-i                       -> layers.i.ffn.out
+    l_out-i                         -> layers.i.prefix_sum
+    res_probs                       -> final.attn_res.weights
+    result_norm                     -> final.hidden
+    logits (or result_output)       -> logits
+
+Not mapped (no kimi_explore site): the rms_norm records before their weight (`norm-i#k`, except the
+MLA latents above), `kqv`, `kqv_out`, `mla_gated`, `v_cont`, `kq` (unscaled scores), the router's
+intermediate sums. kimi_explore sites llama.cpp does not name: `kda.conv` (the window), `kda.q` and
+`kda.k` (llama.cpp names q/k only before their L2 norm), `final.block_residual`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..backend import to_numpy
+
+__all__ = ["LLAMACPP_GLOBAL", "ggml_to_numpy", "llamacpp_to_hooks", "parse_llamacpp_name"]
+
+_NAME = re.compile(r"^(?P<base>[A-Za-z_][A-Za-z0-9_]*?)(?:-(?P<layer>\d+))?(?:#(?P<k>\d+))?$")
+
+# global (no layer) names -> hook names
+LLAMACPP_GLOBAL = {"inp_embd": "embed", "res_probs": "final.attn_res.weights", "result_norm": "final.hidden",
+                   "logits": "logits"}
+# per-layer names whose value maps as it is (after the per-token reshape)
+_DIRECT = {"attn_norm": "attn.in", "kda_v_conv": "kda.v", "attn_output": "kda.o", "ffn_norm": "ffn.in",
+           "ffn_moe_probs": "moe.router.scores", "ffn_moe_out": "moe.experts_out", "ffn_shexp": "moe.shared_out",
+           "ffn_out": "ffn.out", "l_out": "prefix_sum"}
+
+
+def parse_llamacpp_name(name: str) -> tuple[str, int | None, int | None]:
+    """'norm-3#1' -> ('norm', 3, 1); 'l_out-0' -> ('l_out', 0, None); 'result_norm' -> ('result_norm', None, None)."""
+    m = _NAME.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a llama.cpp graph name: expected 'name', 'name-<layer>' or 'name-<layer>#<k>'")
+    layer, k = m.group("layer"), m.group("k")
+    return m.group("base"), None if layer is None else int(layer), None if k is None else int(k)
+
+
+def ggml_to_numpy(data, ne, dtype=np.float32) -> np.ndarray:
+    """A ggml tensor's bytes (contiguous) and its `ne` (fastest axis first) -> a NumPy array in C order:
+    shape reversed(ne[:n_dims]), trailing unit axes of `ne` dropped (ggml_n_dims)."""
+    ne = [int(n) for n in ne]
+    while len(ne) > 1 and ne[-1] == 1:
+        ne.pop()
+    a = np.frombuffer(data, dtype=dtype) if isinstance(data, (bytes, bytearray, memoryview)) else np.asarray(data, dtype)
+    if a.size != int(np.prod(ne)):
+        raise ValueError(f"ggml tensor: {a.size} values for ne={ne} (expected {int(np.prod(ne))})")
+    return a.reshape(tuple(reversed(ne)))
+
+
+def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
+    """{llama.cpp name: array} for T tokens -> {kimi_explore hook name: [T, ...] array}.
+
+    arrays: a mapping (an opened `llamacpp_<kind>_<mode>.npz`), with `tokens` [T]; decode captures
+    (one record per token on a leading axis) or prefill captures (one record over the T tokens).
+    config: the model's `KimiDecoderConfig` (which layer is KDA / MLA / a block boundary).
+    weights: the loaded weights, for the MLA latents (llama.cpp names them before the norm weight);
+    without them those two sites are left out.
+    """
+    if "tokens" not in arrays:
+        raise KeyError("llama.cpp captures: no 'tokens' array (the token ids fed, [T])")
+    T = int(np.asarray(arrays["tokens"]).shape[0])
+    by_layer: dict = {}
+    out: dict = {}
+    for key in arrays:
+        if key in ("tokens", "mixed_prefill_len", "result_output"):
+            continue
+        base, layer, k = parse_llamacpp_name(key)
+        if layer is None:
+            if k is None and base in LLAMACPP_GLOBAL:
+                out[LLAMACPP_GLOBAL[base]] = _f32(arrays[key])
+            continue
+        by_layer.setdefault(layer, {})[base if k is None else f"{base}#{k}"] = key
+    if "logits" not in out and "result_output" in arrays:
+        out["logits"] = _f32(arrays["result_output"])
+    layer_weights = {lw.index: lw for lw in getattr(weights, "layers", [])} if weights is not None else {}
+    for i in sorted(by_layer):
+        names = by_layer[i]
+
+        def get(base, names=names):
+            return _f32(arrays[names[base]])
+
+        p = f"layers.{i}."
+        for base, site in _DIRECT.items():
+            if base in names:
+                out[p + site] = get(base)
+        if all(f"kda_{c}_conv" in names for c in "qkv"):
+            out[p + "kda.conv_out"] = np.stack([get(f"kda_{c}_conv") for c in "qkv"], axis=1)
+        if "kda_beta" in names:
+            out[p + "kda.beta"] = get("kda_beta")[..., 0]
+        if "kda_g1" in names:
+            out[p + "kda.decay"] = np.exp(get("kda_g1"))
+        if "kda_g2" in names:
+            out[p + "kda.gate"] = 1.0 / (1.0 + np.exp(-get("kda_g2")))
+        if "new_state" in names and arrays[names["new_state"]].ndim == 4 and arrays[names["new_state"]].shape[0] == T:
+            out[p + "kda.state"] = get("new_state").swapaxes(-1, -2)  # llama.cpp [H, V, K]; ours [H, K, V]
+        mixer = "kda_out" if "kda_out" in names else "mla_out"
+        if mixer in names:
+            out[p + "attn.out"] = get(mixer)
+        elif config.is_block_boundary(i) and "prefix_sum_attn" in names:
+            out[p + "attn.out"] = get("prefix_sum_attn")
+        if "res_probs#0" in names:
+            out[p + "attn_res.attn.weights"] = get("res_probs#0")
+        ffn_res = "res_probs#1" if "res_probs#1" in names else "res_probs"
+        if ffn_res in names:
+            out[p + "attn_res.ffn.weights"] = get(ffn_res)
+        if "ffn_moe_topk" in names:
+            out[p + "moe.router.topk_ids"] = np.asarray(arrays[names["ffn_moe_topk"]]).astype(np.int64)
+        if "ffn_moe_weights_scaled" in names:
+            out[p + "moe.router.topk_weights"] = get("ffn_moe_weights_scaled")[..., 0]
+        if "ffn_out" in names and "ffn_shexp" in names:
+            out[p + "moe.routed_out"] = get("ffn_out") - get("ffn_shexp")
+        if "kq_soft_max" in names:
+            out[p + "mla.probs"] = _per_token_heads(get("kq_soft_max"), T)[:, :, :T]
+        if "kqv_mla" in names:
+            out[p + "mla.o"] = _per_token_heads(get("kqv_mla"), T)
+        lw = layer_weights.get(i)
+        if lw is not None and lw.attention.kind == "mla":
+            for k, site, norm in ((1, "mla.q_latent", "q_a_layernorm"), (2, "mla.kv_latent", "kv_a_layernorm")):
+                if f"norm#{k}" in names:
+                    out[p + site] = get(f"norm#{k}") * np.asarray(to_numpy(getattr(lw.attention, norm)), np.float32)
+    for name, a in out.items():
+        if a.shape[0] != T:
+            raise ValueError(f"llama.cpp captures: {name!r} has {a.shape[0]} rows, expected one per token ({T})")
+    return out
+
+
+def _per_token_heads(a, T: int):
+    """MLA records: decode [T, H, 1, n] -> [T, H, n]; prefill [H, T, n] -> [T, H, n]."""
+    if a.ndim == 4:
+        return a[:, :, 0, :]
+    if a.ndim == 3 and a.shape[1] == T:
+        return a.swapaxes(0, 1)
+    raise ValueError(f"MLA record of shape {a.shape}: expected decode [T, H, 1, n] or prefill [H, T, n] with T={T}")
+
+
+def _f32(a):
+    return np.asarray(a, dtype=np.float32)
+

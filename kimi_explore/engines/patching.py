@@ -1,0 +1,69 @@
+"""Replays that record every site, optionally with another engine's values patched in through hooks.
+
+`replay(weights, tokens, sites, patch=None, probe=None)` runs `kimi_forward_token` token by token from
+a fresh state with ONE hook on every site of `sites`; at each firing, in this order:
+
+    1. probe.replace(site, value)   a variant of the operation (e.g. another eps), when a probe is given
+    2. record a copy of the value   what kimi_explore computed at this site, from the inputs it was given
+    3. patch                        return the other engine's value for this token, if it has one
+    4. probe.capture(site, value)   the value that flows on downstream (the other engine's, if patched)
+
+With `patch` = everything the other engine captured, each site's recorded value is kimi_explore's
+operation applied to the OTHER engine's inputs (teacher forcing): whatever is upstream of a site and
+captured, including the previous token's state, is the other engine's. If that still disagrees with
+the other engine's value, the operation itself differs (local); if it agrees, the site only
+inherited differences from upstream. One replay answers this for every site and token at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import to_numpy
+
+__all__ = ["replay"]
+
+
+def replay(weights, tokens, sites, patch=None, probe=None) -> dict:
+    """{site: [value at token t for t in range(T)]} (host arrays; `mla.probs` padded to [nh, T]).
+
+    tokens: the T token ids. sites: the hook names to record. patch: {site: [T, ...] other values}
+    (per-token shapes as in `engines.dump`). probe: an object with `replace(site, value, t)` and
+    `capture(site, value, t)` (see `operations.EpsProbe`), or None.
+    """
+    from ..inspection.hooks import Hooks
+
+    xp = getattr(weights, "xp", np)
+    T = len(tokens)
+    sites = set(sites)
+    patch = patch or {}
+    recorded = {s: [None] * T for s in sites}
+
+    def hook(value, *, hook):
+        name, t = hook.name, hook.position
+        if probe is not None:
+            value = probe.replace(name, value, t)
+        if name in sites:
+            ours = np.array(to_numpy(value), copy=True)
+            if name.endswith("mla.probs"):  # [nh, t+1] -> [nh, T], zeros after t
+                padded = np.zeros(ours.shape[:-1] + (T,), ours.dtype)
+                padded[..., : ours.shape[-1]] = ours
+                ours = padded
+            recorded[name][t] = ours
+        if name in patch:
+            new = np.asarray(patch[name][t])
+            if name.endswith("mla.probs"):
+                new = new[..., : value.shape[-1]]
+            value = xp.asarray(new.astype(value.dtype, copy=False))
+        if probe is not None:
+            probe.capture(name, value, t)
+        return value
+
+    hooks = Hooks().bind(weights)
+    # a probe reads its inputs at sites of its own (`kda.conv_out`, `attn.in`): then every site is hooked
+    hooks.add(hook, names_filter=(lambda n: True) if probe is not None else (lambda n: n in sites or n in patch))
+    state = weights.new_state()
+    for t, tid in enumerate(tokens):
+        hooks.begin_token(int(tid), t)
+        weights.forward_token(state, int(tid), hooks)
+    return recorded

@@ -1,0 +1,92 @@
+"""When does another engine's value at a site count as diverging? The tolerance model.
+
+For a site s and token t, with kimi_explore's value r_t (the trusted side: exact against Moonshot's
+reference) and the other engine's o_t:
+
+    max_abs_t = max |o_t - r_t|
+    scale_t   = max( max|r_t| , floor * max_t' max|r_t'| )       the site's magnitude, floored
+    rel_t     = max_abs_t / scale_t
+    beyond tolerance  <=>  rel_t > rtol
+
+The relative error is taken against the largest entry of the token's value (not element-wise: a
+near-zero entry of a float32 vector carries float32 rounding of the large ones), and a token whose
+value is small compared with the same site at other tokens is judged against `floor` times the
+site's largest magnitude over all tokens (a state that has barely started, a gate near zero).
+
+`rtol` follows the other engine's activation dtype: float32 sums in another order agree to ~1e-5
+relative per operation and drift to a few 1e-4 over a deep model; bf16 / fp16 activations round
+every value to 8 / 11 bits; quantised activations (e.g. ggml's Q8_0 blocks before an MXFP4 matmul)
+to about 7.
+
+    preset      rtol    floor
+    float32     2e-3    0.1
+    float16     1e-2    0.1
+    bfloat16    3e-2    0.1
+    quantised   1e-1    0.1
+
+Integer sites (`moe.router.topk_ids`) are compared as sets: max_abs_t = the number of ids in one
+top-k set and not in the other, rel_t = max_abs_t / k, beyond tolerance as soon as one id differs.
+`moe.router.topk_weights` are compared in the order of their expert ids (engines may list the same
+set in another order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TOLERANCE_PRESETS", "Tolerance", "site_errors"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """rtol: the largest relative error (see the module docstring) still agreeing; floor: the fraction of
+    the site's largest magnitude below which a token's own magnitude is not used as the scale."""
+
+    rtol: float
+    floor: float = 0.1
+    name: str = "custom"
+
+    @classmethod
+    def of(cls, spec) -> Tolerance:
+        """A `Tolerance`, a preset name ("float32", "bfloat16", "float16", "quantised") or a float rtol."""
+        if isinstance(spec, Tolerance):
+            return spec
+        if isinstance(spec, str):
+            if spec not in TOLERANCE_PRESETS:
+                raise ValueError(f"tolerance={spec!r}: expected one of {sorted(TOLERANCE_PRESETS)}, a float rtol or a Tolerance")
+            return TOLERANCE_PRESETS[spec]
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0:
+            return cls(float(spec))
+        raise TypeError(f"tolerance={spec!r}: expected a preset name, a positive float rtol or a Tolerance")
+
+
+TOLERANCE_PRESETS = {
+    "float32": Tolerance(2e-3, 0.1, "float32"),
+    "float16": Tolerance(1e-2, 0.1, "float16"),
+    "bfloat16": Tolerance(3e-2, 0.1, "bfloat16"),
+    "quantised": Tolerance(1e-1, 0.1, "quantised"),
+}
+
+
+def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance) -> tuple[np.ndarray, np.ndarray]:
+    """Per token (max_abs [T], rel [T]) of `theirs` against `ours` at one site (`kind` = the name
+    without its layer prefix). Each list holds one array per token, ours and theirs of one shape."""
+    T = len(ours)
+    max_abs, rel = np.zeros(T), np.zeros(T)
+    if kind.endswith("moe.router.topk_ids"):
+        for t in range(T):
+            a, b = set(np.asarray(ours[t]).tolist()), set(np.asarray(theirs[t]).tolist())
+            max_abs[t] = len(a ^ b) / 2
+            rel[t] = max_abs[t] / max(len(a), 1)
+        return max_abs, rel
+    mags = np.array([float(np.max(np.abs(r))) if np.size(r) else 0.0 for r in ours])
+    site_mag = float(mags.max()) if T else 0.0
+    for t in range(T):
+        r = np.asarray(ours[t], np.float64)
+        o = np.asarray(theirs[t], np.float64)
+        max_abs[t] = float(np.max(np.abs(o - r))) if r.size else 0.0
+        scale = max(mags[t], tol.floor * site_mag, np.finfo(np.float32).tiny)
+        rel[t] = max_abs[t] / scale
+    return max_abs, rel

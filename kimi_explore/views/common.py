@@ -1,0 +1,84 @@
+"""Helpers both rooms of `views/` share: token labels, tick strides, index checks, host copies of the
+routing and of the routers' selection bias. No matplotlib and no plotly here: `figures/` (static
+matplotlib) and `explorer/` (plotly.js widgets) each import this, never each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import to_numpy
+
+MISSING = "#dddddd"  # a cell with no value (a block not sealed yet, ...): one grey in every view
+MAX_TICKS = 40  # labels per axis before thinning; ~40 stays readable at 100 dpi
+_NICE_STRIDES = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 250, 500, 1000, 2000, 5000)
+
+
+def token_labels(ids, tokenizer=None, positions: bool = True, start: int = 0) -> list[str]:
+    """Readable labels for token ids: `tokenizer.token_label(id)` when given, the id otherwise.
+
+    positions=True prefixes the position in the sequence ("3 'a'", "3 #97"): repeated tokens stay apart;
+    `start` is the history position of ids[0] (a window of the history).
+    """
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    if tokenizer is not None:  # quoted: a space must stay visible; -1 = an id the trace was not told
+        names = [f"'{tokenizer.token_label(i)}'" if i >= 0 else "?" for i in ids]
+    else:
+        names = [f"#{i}" if i >= 0 else "?" for i in ids]
+    return [f"{p} {n}" for p, n in enumerate(names, start)] if positions else names
+
+
+def nice_stride(n: int, max_ticks: int = MAX_TICKS) -> int:
+    """The smallest stride from 1, 2, 4, 5, 8, 10, 16, ... that leaves at most `max_ticks` labels."""
+    need = -(-n // max_ticks)
+    return next((s for s in _NICE_STRIDES if s >= need), need)
+
+
+def token_index(trace, token: int) -> int:
+    """A token position in the trace (negative counts from the end), checked."""
+    n = len(trace.tokens)
+    if n == 0:
+        raise ValueError("the trace is empty: step at least one token before plotting")
+    if not -n <= int(token) < n:
+        raise IndexError(f"token={token} is outside the trace: it holds {n} tokens (0..{n - 1}, or -{n}..-1)")
+    return int(token) % n
+
+
+def layer_position(trace, layer: int) -> int:
+    """The row of model layer `layer` (0-based id in the full model) in the trace's layer axis."""
+    ids = [int(i) for i in trace.layer_ids]
+    if int(layer) not in ids:
+        raise ValueError(f"layer {layer} is not in this trace; its layers are {ids}")
+    return ids.index(int(layer))
+
+
+def routing(trace) -> dict:
+    """`trace.routing()` with host arrays and `moe_layers` as a list of ints; refuses a trace without MoE."""
+    r = dict(trace.routing())
+    r["moe_layers"] = [int(i) for i in r["moe_layers"]]
+    if not r["moe_layers"]:
+        raise ValueError("this trace has no MoE layers (trace.routing()['moe_layers'] is empty)")
+    for key in ("topk_ids", "topk_weights", "scores"):
+        r[key] = np.asarray(r[key])
+    return r
+
+
+def moe_layer_labels(r: dict) -> list[str]:
+    return [str(i) for i in r["moe_layers"]]
+
+
+def softmax(logits) -> np.ndarray:
+    """float64 softmax of a host or device [vocab] vector."""
+    x = np.asarray(to_numpy(logits), dtype=np.float64).reshape(-1)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def bias_vectors(weights) -> dict[int, np.ndarray]:
+    """{MoE layer id: selection bias [E]} on the host, read from the loaded router weights."""
+    out = {}
+    for layer in weights.layers:
+        b = getattr(layer.ffn, "e_score_correction_bias", None)
+        if b is not None:
+            out[int(layer.index)] = np.asarray(to_numpy(b), dtype=np.float64)
+    return out

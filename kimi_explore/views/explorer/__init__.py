@@ -1,0 +1,1 @@
+"""The interactive Explorer: plotly.js views in anywidgets, stepped from a Session."""

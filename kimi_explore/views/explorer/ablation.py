@@ -1,0 +1,202 @@
+"""The Explorer's ablation: fork the session, re-decode without some experts or KDA heads, compare.
+
+`rerun(session, *hooks, start, stop)` is the general tool: a fork truncated to its first `start`
+tokens that decodes tokens[start:stop] again with the hooks attached; the session itself is never
+touched. The control shows both next-token distributions and their KL, and says why when the
+answer is trivially "nothing changed" (experts the token did not choose). Its result is cleared as
+soon as it no longer matches what is selected (another token, layer, entry or history).
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+
+from ...cli import parse_ids
+from ...inspection import interventions
+from . import specs_analysis, specs_moe
+from .history import window_routing
+from .plotly_view import PlotView
+
+__all__ = ["SCOPES", "Ablation", "parse_experts", "parse_ids", "parse_layers", "rerun", "rerun_token"]
+
+
+def parse_experts(text: str, chosen, n_experts: int | None = None) -> str | list[int]:
+    """The ablation field: 'all', 'chosen' (this token's top-k at that layer) or expert ids like '3, 7'."""
+    text = text.strip().lower()
+    if text == "all":
+        return "all"
+    if text in ("chosen", "topk", "top-k", ""):
+        return [int(e) for e in chosen if e >= 0]
+    try:
+        ids = parse_ids(text, "experts")
+    except ValueError as e:
+        raise ValueError(f"{e}; or type 'chosen' or 'all'") from None
+    if n_experts is not None:
+        bad = [e for e in ids if not 0 <= e < n_experts]
+        if bad:
+            raise ValueError(f"experts {bad[:5]} do not exist: expert ids run 0..{n_experts - 1}")
+    return ids
+
+
+def rerun(session, *hook_sets, start: int = 0, stop: int | None = None):
+    """A fork of `session` that decodes tokens[start:stop] again with `hook_sets` attached.
+
+    The fork is truncated exactly to its first `start` tokens (see `Session.truncate`), so its
+    trace and logits answer "what would the model have done from there under this intervention";
+    `session` itself is never touched. Returns the fork (a Session with tokens[:stop]).
+    """
+    n = len(session)
+    stop = n if stop is None else stop
+    if not 0 <= start < stop <= n:
+        raise IndexError(f"rerun: need 0 <= start < stop <= {n} (the session's history), got start={start}, stop={stop}")
+    fork = session.fork()
+    fork.truncate(start)
+    with fork.intervene(*hook_sets):
+        fork.feed(session.tokens[start:stop])
+    return fork
+
+
+def rerun_token(session, t: int, *hook_sets):
+    """Logits [vocab] of token t decoded again, with `hook_sets` attached, on a fork (see `rerun`)."""
+    return rerun(session, *hook_sets, start=t, stop=t + 1).logits[-1]
+
+
+SCOPES = ("this token", "from this token on", "all tokens")
+
+
+def parse_layers(text: str, selected: int, candidates: list[int]) -> list[int]:
+    """The layers field: 'this' (the selected layer), 'all' (every candidate), ids '3, 7' or a range '4-9'."""
+    text = text.strip().lower()
+    if text in ("", "this"):
+        return [selected]
+    if text == "all":
+        return list(candidates)
+    if "-" in text and "," not in text:
+        a, _, b = text.partition("-")
+        try:
+            lo, hi = int(a), int(b)
+        except ValueError:
+            raise ValueError(f"layers: {text!r} is not a range like '4-9'; or type 'this' or 'all'") from None
+        layers = [i for i in candidates if lo <= i <= hi]
+    else:
+        try:
+            layers = parse_ids(text, "layers")
+        except ValueError as e:
+            raise ValueError(f"{e}; or type 'this' or 'all'") from None
+    bad = [i for i in layers if i not in candidates]
+    if bad or not layers:
+        raise ValueError(f"layers {bad or text!r}: pick among {candidates}")
+    return layers
+
+
+class Ablation:
+    """The control under the Predictions tab: what to ablate (experts, or KDA heads), at which layers and
+    positions; the two next-token distributions of the selected token; and the run diff of the fork."""
+
+    def __init__(self, ex):
+        self.ex = ex
+        self.what = widgets.Dropdown(options=["experts", "KDA heads"], value="experts", layout=widgets.Layout(width="110px"))
+        self.experts = widgets.Text(value="chosen", description="ids", placeholder="chosen | all | 3,7",
+                                    layout=widgets.Layout(width="170px"), style={"description_width": "24px"})
+        self.layers = widgets.Text(value="this", description="layers", placeholder="this | all | 3,7 | 4-9",
+                                   layout=widgets.Layout(width="170px"), style={"description_width": "44px"})
+        self.scope = widgets.Dropdown(options=SCOPES, value=SCOPES[0], layout=widgets.Layout(width="150px"))
+        self.button = widgets.Button(description="Ablate & compare", icon="scissors", layout=widgets.Layout(width="auto"),
+                                     tooltip="fork the session and re-decode without these experts / heads")
+        self.note = widgets.HTML(layout=widgets.Layout(min_height="22px"))
+        self.view = PlotView(height=300, name="ablation", layout=widgets.Layout(width="100%"))
+        self.diff_view = PlotView(height=300, name="ablation_diff", layout=widgets.Layout(width="100%"))
+        self.button.on_click(lambda _: self.run())
+        for w in (self.experts, self.layers, self.scope, self.what):
+            w.observe(lambda _: self.clear(), names="value")
+        self.what.observe(self._what_changed, names="value")
+        self.widget = widgets.VBox([
+            widgets.HTML("<b>Ablation</b> on a fork (the session is never touched): experts ('chosen' = those the "
+                         "selected token was routed to, 'all', or ids) or KDA heads (ids), at the selected layer or "
+                         "several, at this token, from it on, or at every token."),
+            widgets.HBox([self.what, self.experts, self.layers]), widgets.HBox([self.scope, self.button]),
+            self.note, self.view], layout=widgets.Layout(width="58%"))
+
+    def _what_changed(self, change) -> None:
+        self.experts.value = "chosen" if change["new"] == "experts" else "0"
+        self.experts.placeholder = "chosen | all | 3,7" if change["new"] == "experts" else "head ids: 0 | 1,3"
+
+    def clear(self) -> None:
+        """Drop the shown result: it belongs to another token, layer, entry or history."""
+        self.view.clear()
+        self.diff_view.clear()
+        self.note.value = ""
+
+    def _say(self, message: str, error: bool = False) -> None:
+        self.view.clear()
+        self.diff_view.clear()
+        style = "color:#b00" if error else "color:#555"
+        self.note.value = f"<span style='{style}'>{html.escape(message, quote=False)}</span>"
+
+    def _hooks(self, t: int, layer: int):
+        """(hook sets, what they do in words, experts chosen at the selected layer or None)."""
+        ex, cfg = self.ex, self.ex.session.weights.config
+        if self.what.value == "KDA heads":
+            if not ex.kda_layers:
+                raise ValueError("no KDA layer is loaded")
+            layers = parse_layers(self.layers.value, layer, ex.kda_layers)
+            heads = parse_ids(self.experts.value, "heads")
+            H = cfg.linear_attn_config.num_heads
+            bad = [h for h in heads if not 0 <= h < H]
+            if bad:
+                raise ValueError(f"heads {bad} do not exist: KDA heads run 0..{H - 1}")
+            return [interventions.zero_kda_head(layers, heads, self._positions(t))], f"KDA heads {heads} at {layers}", None
+        if layer not in ex.moe_layers and self.layers.value.strip().lower() in ("", "this"):
+            raise ValueError(f"layer {layer} has a dense FFN, no experts: pick an MoE layer")
+        layers = parse_layers(self.layers.value, layer, ex.moe_layers)
+        r = window_routing(ex.session, t, t + 1)  # token t alone
+        chosen_at = {i: [int(e) for e in r["topk_ids"][0, r["moe_layers"].index(i)] if e >= 0] for i in layers}
+        if self.experts.value.strip().lower() in ("chosen", "topk", "top-k", ""):  # each layer's own choice at t
+            hooks = [interventions.ablate_experts(i, chosen_at[i], self._positions(t)) for i in layers]
+            what = f"the experts token {t} chose" + (f" at {layers}" if len(layers) > 1 else "")
+            return hooks, what, chosen_at.get(layer)
+        experts = parse_experts(self.experts.value, [], cfg.num_experts)
+        name = "routed experts" if experts == "all" else f"experts {experts}"
+        return [interventions.ablate_experts(layers, experts, self._positions(t))], f"{name} at {layers}", experts
+
+    def _positions(self, t: int):
+        return {SCOPES[0]: t, SCOPES[1]: list(range(t, len(self.ex.session))), SCOPES[2]: None}[self.scope.value]
+
+    def run(self):
+        ex = self.ex
+        s, n = ex.session, len(ex.session)
+        if not n:
+            return self._say("step at least one token first")
+        t, layer = min(ex.token.value, n - 1), ex.layer.value
+        try:
+            hooks, what, listed = self._hooks(t, layer)
+        except ValueError as e:
+            return self._say(str(e), error=True)
+        start = 0 if self.scope.value == SCOPES[2] else t
+        stop = t + 1 if self.scope.value == SCOPES[0] else n
+        fork = rerun(s, *hooks, start=start, stop=stop)
+        ablated = fork.logits[t]
+        label = ex.labels()[t]
+        data, layout, kl = specs_moe.compare(s.logits_at(t), ablated, ex.tokenizer, names=("as run", "ablated"),
+                                             title=f"Next token after {label}: without {what}")
+        self.view.show(data, layout, ex.tab_views.rev)
+        from ...analysis.diff import diff
+
+        self.diff_view.show(*specs_analysis.run_diff(diff(s, fork), start, ex.tokenizer, t), ex.tab_views.rev)
+        why = ""
+        if self.what.value == "experts" and listed is not None and listed != "all" and self.scope.value == SCOPES[0]:
+            r = window_routing(ex.session, t, t + 1)
+            chosen = [int(e) for e in r["topk_ids"][0, r["moe_layers"].index(layer)] if e >= 0] \
+                if layer in ex.moe_layers else []
+            missed = [e for e in listed if e not in chosen]
+            if missed and len(missed) == len(listed) and self.layers.value.strip().lower() in ("", "this"):
+                why = (f"; token {t} did not choose {missed} at layer {layer} (it chose {chosen}), so removing them "
+                       "changes nothing: KL = 0")
+            elif missed and self.layers.value.strip().lower() in ("", "this"):
+                why = (f"; {missed} were not chosen by this token at layer {layer}: only "
+                       f"{sorted(set(listed) - set(missed))} matter")
+        self.note.value = html.escape(f"forked at token {start}; the main session still has {n} tokens; "
+                                      f"KL at token {t} {kl:.4g}{why}", quote=False)
+        return ablated

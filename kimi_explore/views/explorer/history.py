@@ -1,0 +1,97 @@
+"""What the Explorer keeps per history so that a Step costs the same at 20 tokens or 300.
+
+Each view asks for a window of the session's Trace (`session.trace(window=...)`: views of the
+records, no copy), never for the whole history. Two things do depend on every token, and are
+grown by the new tokens only:
+
+  measures   {measure: [T]} of the text strip (`summaries.token_measures` of the new tokens; a
+             token's measures never change once it is decoded)
+  counts     [M, E] how often each expert was chosen at each MoE layer (`load_stats`' counts)
+
+When the history shrinks or changes (Back, Reset, a new prompt, Play after Back) the part that is
+no longer a prefix is dropped and recomputed from the window that replaced it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import summaries
+from ..common import routing
+
+__all__ = ["HistoryCache", "token_window"]
+
+
+def token_window(n_tokens: int, t: int, width: int) -> tuple[int, int]:
+    """[a, b): `width` consecutive tokens of a history of n_tokens that show token t, with t about a
+    quarter from the right end (room to see what follows once the selection moves back)."""
+    if n_tokens <= width:
+        return 0, n_tokens
+    b = min(n_tokens, max(width, t + width // 4 + 1))
+    return b - width, b
+
+
+class HistoryCache:
+    """Per-token measures and expert counts of the Explorer's session, grown token by token."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.measures: dict[str, np.ndarray] = {m: np.zeros(0) for m in summaries.MEASURES}
+        self.counts: np.ndarray | None = None  # [M, E]
+        self.moe_layers: list[int] = []
+
+    def _keep(self, tokens: list[int]) -> int:
+        n = 0
+        while n < min(len(tokens), len(self.tokens)) and tokens[n] == self.tokens[n]:
+            n += 1
+        return n
+
+    def update(self, session, surprisal: np.ndarray) -> None:
+        """Bring the cache to `session`'s history; surprisal: [T] bits (NaN for the first token)."""
+        tokens = list(session.tokens)
+        keep = self._keep(tokens)
+        if keep < len(self.tokens):  # the history shrank or changed: drop what no longer holds
+            self.measures = {m: v[:keep] for m, v in self.measures.items()}
+            self.counts = None if keep == 0 else self._counts_of(session, 0, keep)
+        self.tokens = tokens[:keep]
+        if len(tokens) > keep:
+            self._grow(session, keep, len(tokens))
+            self.tokens = tokens
+        self.measures["surprisal"] = np.asarray(surprisal, dtype=np.float64)[: len(tokens)]
+
+    def _counts_of(self, session, a: int, b: int) -> np.ndarray | None:
+        win = session.trace(window=slice(a, b))
+        raw = win.routing()
+        if not len(raw.get("moe_layers", [])) or "topk_ids" not in raw:
+            return None
+        ids = np.asarray(raw["topk_ids"], dtype=np.int64)  # [b - a, M, k]; -1 pads an ablated top-k
+        self.moe_layers = [int(i) for i in raw["moe_layers"]]
+        E = session.weights.config.num_experts
+        counts = np.zeros((ids.shape[1], E), np.int64)
+        for j in range(ids.shape[1]):
+            chosen = ids[:, j].ravel()
+            counts[j] = np.bincount(chosen[chosen >= 0], minlength=E)
+        return counts
+
+    def _grow(self, session, a: int, b: int) -> None:
+        # one token before the new ones: the KDA state change of token a needs token a - 1's norms
+        lo = max(0, a - 1)
+        m = summaries.token_measures(session.trace(window=slice(lo, b)))
+        for name, v in m.items():
+            if name != "surprisal":
+                self.measures[name] = np.concatenate([self.measures[name][:a], np.asarray(v)[a - lo:]])
+        new = self._counts_of(session, a, b)
+        if new is not None:
+            self.counts = new if self.counts is None else self.counts + new
+
+    def load_stats(self) -> dict | None:
+        """`summaries.load_stats` over the whole history, from the grown counts (None: no MoE layer)."""
+        if self.counts is None:
+            return None
+        return summaries.stats_from_counts(self.counts, len(self.tokens))
+
+
+def window_routing(session, a: int, b: int) -> dict:
+    """Host routing arrays (`common.routing`) of tokens [a, b) only; {} when no MoE layer is recorded."""
+    win = session.trace(window=slice(a, b))
+    return routing(win) if len(win.routing().get("moe_layers", [])) else {}

@@ -1,0 +1,1 @@
+"""Static matplotlib figures: pure functions `trace -> Figure`, and the offline HTML report."""

@@ -1,0 +1,204 @@
+"""`ke.compare` on llama.cpp's own K3 (tests/data/engines): the eps bug of set e found and explained,
+set d clean, a planted perturbation found exactly where it was planted.
+
+What llama.cpp does differently on set e is known independently (../shared/reference/engines/README.md,
+checked there by rebuilding llama.cpp with the reference's eps): it uses rms_norm_eps = 1e-5 for the
+KDA q/k L2 norm and the MLA q_a/kv_a latent RMSNorms, where Moonshot's reference uses 1e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kimi_explore as ke
+from kimi_explore.engines.name_maps import llamacpp_to_hooks
+from kimi_explore.engines.tolerance import Tolerance, site_errors
+
+ENGINES = Path(__file__).parent / "data" / "engines"
+MLA_LAYERS = (2, 6, 9, 12, 13)
+
+
+def _weights(name):
+    return ke.from_pretrained(ENGINES / name / "tiny_k3", device="cpu")
+
+
+def _captures(name, kind="f32experts"):
+    return ENGINES / name / "llamacpp" / f"llamacpp_{kind}_decode.npz"
+
+
+@pytest.fixture(scope="module")
+def weights_d():
+    return _weights("d")
+
+
+@pytest.fixture(scope="module")
+def hooks_d(weights_d):
+    with np.load(_captures("d")) as z:
+        return llamacpp_to_hooks({k: z[k] for k in z.files}, weights_d.config, weights_d), z["tokens"].tolist()
+
+
+@pytest.fixture(scope="module")
+def cmp_e():
+    return ke.compare(ke.Session(_weights("e")), _captures("e"), names="llama.cpp")
+
+
+def test_set_e_first_divergence_is_the_kda_qk_norm_eps(cmp_e):
+    first = cmp_e.first
+    assert (first.token, first.layer, first.site) == (0, 0, "layers.0.kda.state")
+    assert first.local is True
+    assert first.operation == "KDA q/k L2 norm"
+    assert "matches eps 1e-05" in first.explanation
+    assert first.max_abs > 0.1 and first.rel > cmp_e.rtol
+
+
+def test_set_e_local_sites_are_the_two_norms(cmp_e):
+    local = set(cmp_e.local_sites)
+    kda = [i for i in range(14) if i not in MLA_LAYERS]
+    assert {f"layers.{i}.kda.o" for i in kda} <= local
+    assert {f"layers.{i}.mla.{s}" for i in MLA_LAYERS for s in ("q_latent", "kv_latent")} <= local
+    # nothing else is local: every other divergence is inherited from these
+    assert all(s.endswith(("kda.state", "kda.o", "mla.q_latent", "mla.kv_latent")) for s in local)
+    rows = {r["site"]: r for r in cmp_e.table()}
+    for s in local:
+        want = "KDA q/k L2 norm" if ".kda." in s else "MLA latent RMSNorm"
+        assert rows[s]["operation"] == want and "matches eps 1e-05" in rows[s]["explanation"], s
+    assert rows["logits"]["diverges"] and rows["logits"]["local"] is False
+
+
+def test_set_d_reports_nothing_beyond_tolerance(weights_d):
+    cmp = ke.compare(ke.Session(weights_d), _captures("d"), names="llama.cpp")
+    assert cmp.first is None and cmp.divergences == [] and cmp.local_sites == []
+    rows = cmp.table()
+    assert len(rows) == len(llamacpp_to_hooks(np.load(_captures("d")), weights_d.config, weights_d))
+    assert max(r["rel"] for r in rows) < cmp.rtol
+    assert max(r["local_rel"] for r in rows) < cmp.rtol
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_planted_perturbation_is_found_there_and_nowhere_earlier(weights_d, hooks_d, seed):
+    mapped, tokens = hooks_d
+    rng = np.random.default_rng(seed)
+    floats = [s for s in mapped if not s.endswith("topk_ids")]
+    site = floats[rng.integers(len(floats))]
+    t = int(rng.integers(len(tokens)))
+    planted = {k: v.copy() for k, v in mapped.items()}
+    row = planted[site][t]
+    flat = row.reshape(-1)
+    flat[rng.integers(flat.size)] += 0.05 * float(np.abs(row).max())
+    session = ke.Session(weights_d)
+    session.feed(tokens, progress=False)
+    cmp = ke.compare(session, planted, probes=False)
+    first = cmp.first
+    assert (first.token, first.site) == (t, site)
+    assert first.local is True
+    assert 0.04 < first.rel < 0.06
+
+
+def test_a_dump_file_gives_the_same_comparison(tmp_path, weights_d, hooks_d):
+    mapped, tokens = hooks_d
+    some = {k: v for k, v in mapped.items() if k.startswith(("layers.1.", "logits"))}
+    path = ke.write_dump(tmp_path / "llama.safetensors", some, tokens=tokens, engine="llama.cpp", dtype="float32")
+    from_file = ke.compare(ke.Session(weights_d), path, local=False)
+    from_dict = ke.compare(ke.Session(weights_d), {**some, "tokens": np.array(tokens)}, local=False)
+    assert from_file.table() == from_dict.table()
+    assert from_file.engine == "llama.cpp" and from_file.tolerance.name == "float32"
+    assert [r["site"] for r in from_file.table()] == [n for n in ke.hook_names(weights_d) if n in some]
+
+
+def test_other_tokens_refused(weights_d, hooks_d):
+    mapped, tokens = hooks_d
+    session = ke.Session(weights_d)
+    session.feed(tokens[:3] + [tokens[3] + 1], progress=False)
+    with pytest.raises(ValueError, match="first difference at position 3"):
+        ke.compare(session, {**mapped, "tokens": np.array(tokens)})
+
+
+def test_unknown_site_names_refused(weights_d, hooks_d):
+    mapped, tokens = hooks_d
+    with pytest.raises(KeyError, match="'layers.1.kda.stat' \\(did you mean 'layers.1.kda.state'\\?\\)"):
+        ke.compare(ke.Session(weights_d), {"layers.1.kda.stat": mapped["layers.1.kda.state"], "tokens": np.array(tokens)})
+
+
+def test_wrong_shape_refused(weights_d, hooks_d):
+    mapped, tokens = hooks_d
+    with pytest.raises(ValueError, match=r"'layers.1.attn.in' has per-token shape \(63,\), kimi_explore's is \(64,\)"):
+        ke.compare(ke.Session(weights_d), {"layers.1.attn.in": mapped["layers.1.attn.in"][:, :63], "tokens": np.array(tokens)})
+
+
+def test_tolerance_rule():
+    tol = Tolerance.of("float32")
+    ours = [np.array([1.0, -2.0]), np.array([0.01, 0.0])]
+    theirs = [np.array([1.0, -2.002]), np.array([0.01, 0.001])]
+    max_abs, rel = site_errors("attn.in", ours, theirs, tol)
+    np.testing.assert_allclose(max_abs, [0.002, 0.001])
+    # token 1 is small: judged against floor * the site's largest magnitude (0.1 * 2), not its own 0.01
+    np.testing.assert_allclose(rel, [0.001, 0.001 / 0.2])
+    ids_abs, ids_rel = site_errors("moe.router.topk_ids", [np.array([3, 5])], [np.array([5, 2])], tol)
+    assert ids_abs.tolist() == [1.0] and ids_rel.tolist() == [0.5]
+    _, nan_rel = site_errors("attn.in", [np.array([1.0])], [np.array([np.nan])], tol)
+    assert not nan_rel[0] <= tol.rtol  # NaN is never within tolerance
+    assert Tolerance.of("bfloat16").rtol == 3e-2 and Tolerance.of(1e-3).rtol == 1e-3
+    with pytest.raises(ValueError, match="'fp8'"):
+        Tolerance.of("fp8")
+
+
+def test_heatmap_grid_marks_the_first_divergence_and_the_local_sites(cmp_e):
+    from kimi_explore.views.figures.engine_plots import divergence_grid
+
+    rows, cols, M, local = divergence_grid(cmp_e)
+    assert rows == [str(i) for i in range(14)] + ["global"]
+    assert cols[:2] == ["attn.in", "kda.conv_out"] and cols[-1] == "logits"
+    rel = {r["site"]: r["rel"] for r in cmp_e.table()}
+    assert M[0, cols.index("kda.state")] == rel["layers.0.kda.state"]
+    assert M[rows.index("global"), cols.index("logits")] == rel["logits"]
+    assert np.isnan(M[0, cols.index("mla.probs")])  # layer 0 is KDA: no MLA site
+    marked = {f"layers.{rows[r]}.{cols[c]}" for r, c in zip(*np.nonzero(local), strict=True)}
+    assert marked == set(cmp_e.local_sites)
+    fig = cmp_e.heatmap()
+    ax = fig.axes[0]
+    frame = [p for p in ax.patches if p.get_linewidth() > 2]
+    assert len(frame) == 1 and frame[0].get_xy() == (cols.index("kda.state") - 0.5, -0.5)
+    assert "layers.0.kda.state" in ax.get_title() and sum(t.get_text() == "L" for t in ax.texts) == len(marked)
+
+
+def test_report_shows_the_comparison(tmp_path, cmp_e, monkeypatch):
+    from kimi_explore.views.figures import report
+
+    session = ke.Session(_weights("e"))
+    session.feed(cmp_e.tokens[:2], progress=False)
+    monkeypatch.setattr(report, "_figures", lambda *a: [])  # the session's own views: tested in test_report.py
+    page = report.write_report(session.trace(), tmp_path, comparison=cmp_e).read_text()
+    assert (tmp_path / "engine_divergence.png").stat().st_size > 1000 and (tmp_path / "engine_local.png").is_file()
+    assert "Comparison with llamacpp_f32experts_decode" in page and "layers.0.kda.state" in page
+
+
+@pytest.mark.parametrize(("probe", "sites"), [("KDA q/k L2 norm", ("layers.0.kda.q", "layers.1.kda.k")),
+                                               ("MLA latent RMSNorm", ("layers.2.mla.q_latent", "layers.6.mla.kv_latent"))])
+def test_a_probe_at_our_own_eps_reproduces_our_values(weights_d, hooks_d, probe, sites):
+    from kimi_explore.engines.operations import PROBES
+    from kimi_explore.engines.patching import replay
+
+    probe_class, _, own = PROBES[probe]
+    tokens = hooks_d[1][:4]
+    plain = replay(weights_d, tokens, sites)
+    same = replay(weights_d, tokens, sites, probe=probe_class(weights_d, own))
+    other = replay(weights_d, tokens, sites, probe=probe_class(weights_d, 1.0))
+    for s in sites:
+        ours = np.stack(plain[s])  # float32 rounding of another evaluation order, carried on by the KDA state
+        np.testing.assert_allclose(np.stack(same[s]), ours, rtol=0, atol=1e-5 * np.abs(ours).max())
+        assert np.abs(np.stack(other[s]) - np.stack(plain[s])).max() > 1e-3
+
+
+SHARED = Path(__file__).parents[1].parent / "shared" / "reference" / "engines"
+
+
+@pytest.mark.skipif(not (SHARED / "e" / "llamacpp" / "llamacpp_f32experts_decode.npz").is_file(),
+                    reason="the untrimmed captures live in ../shared/reference/engines (beside a checkout only)")
+def test_untrimmed_set_e_state_is_local_on_every_kda_layer():
+    cmp = ke.compare(ke.Session(_weights("e")), SHARED / "e" / "llamacpp" / "llamacpp_f32experts_decode.npz", names="llama.cpp")
+    kda = [i for i in range(14) if i not in MLA_LAYERS]
+    assert {f"layers.{i}.kda.state" for i in kda} <= set(cmp.local_sites)
+    assert (cmp.first.token, cmp.first.site, cmp.first.operation) == (0, "layers.0.kda.state", "KDA q/k L2 norm")
