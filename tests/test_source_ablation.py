@@ -129,7 +129,7 @@ def test_bad_arguments_are_named(ref_weights):
 
 
 def test_the_figure_shows_each_cell_where_its_numbers_say(ref_weights):
-    from kimi_explore.views.source_ablation_plots import gap_grid, mass_vs_effect
+    from kimi_explore.views.figures.source_ablation_plots import gap_grid, mass_vs_effect
 
     res = ke.source_ablation(ref_weights, TOKENS, layers=[5, 6, 7], chunk=6)
     fig = mass_vs_effect(res)
