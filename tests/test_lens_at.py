@@ -39,5 +39,8 @@ def test_state_after_and_errors(ref_weights):
     assert np.array_equal(ref_weights.forward_token(st, 9), ref_weights.forward_token(other.state.copy(), 9))
     with pytest.raises(ValueError, match="0..6"):
         s.state_after(7)
+    assert [s.checkpoint_before(t)[0] for t in range(7)] == [0, 0, 0, 0, 4, 4, 6]  # chunk ends: 4 and 6
+    c, st = s.checkpoint_before(5)
+    assert np.array_equal(ref_weights.forward_token(st, 9), ref_weights.forward_token(s.state_after(4), 9))
     with pytest.raises(IndexError, match="outside the session's history of 6 tokens"):
         ke.lens_at(s, 6)

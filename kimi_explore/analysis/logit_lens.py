@@ -152,10 +152,11 @@ class LensStrip:
 
 
 def lens_at(session, t: int, top: int = 1) -> LensStrip:
-    """The lens of token t alone, at a cost that does not grow with the history: the exact state before
-    t (`Session.state_after`: the nearest checkpoint, then at most one chunk re-decoded), then token t
-    stepped with `session.hooks` and capture hooks at `embed` and every `layers.{i}.prefix_sum`.
-    Equal to `logit_lens(session)` at t to float rounding (a token fed in a chunk is stepped here)."""
+    """The lens of token t alone, at a cost that does not grow with the history: from the latest kept
+    checkpoint c <= t (`Session.checkpoint_before`), tokens c..t are re-decoded as one chunk of the
+    sequence path with `session.hooks` and capture hooks at `embed` and every `layers.{i}.prefix_sum`,
+    and the lens applied to token t's values. At most `checkpoint_every` stepped tokens, or one fed
+    chunk, are re-decoded. Equal to `logit_lens(session)` at t to float rounding (both replay)."""
     from ..inspection.hooks import HookChain
     from ..inspection.recorder import Recorder
 
@@ -168,13 +169,13 @@ def lens_at(session, t: int, top: int = 1) -> LensStrip:
     names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
     capture = Recorder(names_filter=lambda name: False, full=names).bind(w)
     hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
-    token = session.tokens[t]
-    hooks.begin_token(token, t)
-    w.forward_token(session.state_after(t), token, hooks)
-    values = {k: w.xp.asarray(rows[0]) for k, rows in capture.take_records().items()}
+    c, state = session.checkpoint_before(t)
+    tokens = session.tokens[c : t + 1]
+    w.forward_sequence(state, tokens, hooks, chunk=len(tokens))
+    values = {k: w.xp.asarray(rows[-1]) for k, rows in capture.take_records().items()}
     logp = log_softmax(to_numpy(lens_logits(w, w.head(), values)))
     ids = top_ids(logp, min(top, logp.shape[-1]))
-    return LensStrip(t, int(token), list(w.layer_ids), ids, np.exp(np.take_along_axis(logp, ids, axis=-1)))
+    return LensStrip(t, int(tokens[-1]), list(w.layer_ids), ids, np.exp(np.take_along_axis(logp, ids, axis=-1)))
 
 
 def _targets(targets, tokens: np.ndarray, V: int):
