@@ -180,3 +180,15 @@ def test_mask_errors_name_what_is_wrong(ref_weights):
         ablate_experts("every", [1])
     with pytest.raises(ValueError, match="leaves none of the 2 sources"):
         decode(ref_weights, TOKENS[:2], mask_sources(1, "ffn", [0, 1]))
+
+
+def test_mask_at_the_output_mix(ref_weights):
+    p = recorded(ref_weights, TOKENS, "final.attn_res.weights")
+    cols = source_columns("latest_block", p.shape[1])
+    assert cols == [p.shape[1] - 2]
+    hand = Hooks()
+    for t in range(len(TOKENS)):
+        hand.extend(override_attn_res("final", weights=by_hand(p[t], cols), positions=t))
+    got = decode(ref_weights, TOKENS, mask_sources("final", sources="latest_block"))
+    assert np.array_equal(got, decode(ref_weights, TOKENS, hand))
+    close(decode_sequence(ref_weights, TOKENS, mask_sources("final", sources="latest_block"), chunk=6), got)
