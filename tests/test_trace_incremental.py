@@ -139,3 +139,16 @@ def test_stacked_rows_equal_stack_rows(case):
     rows = rows[:10] + [r * 0 - 5 for r in rows[10:]]
     assert np.array_equal(st.sync(rows, len(rows)), stack_rows(rows), equal_nan=True)
     assert np.array_equal(view, old, equal_nan=True)  # the earlier view kept its rows
+
+
+def test_stacked_rows_after_a_truncate_to_nothing_take_the_new_rows_shape():
+    """Uniform rows of width 2 (a top-2), truncated to none, then a row of width 0 (every expert ablated):
+    the stacked width is the new row's, as a straight `stack_rows` gives it (found by test_session's
+    random operations: the old width came back padded with -1)."""
+    st = StackedRows()
+    rows = [np.array([3, 1]), np.array([0, 2])]
+    st.sync(rows, 2)
+    st.truncate(0)
+    rows = [np.zeros(0, np.int64)]
+    got = st.sync(rows, 1)
+    assert got.shape == (1, 0) and got.dtype == stack_rows(rows).dtype

@@ -51,7 +51,7 @@ class StackedRows:
         if n < self.n:
             self.n = n
             self.shared = True
-            if self.ragged:  # the padded width is the max over the rows kept: recompute it
+            if self.ragged or n == 0:  # the padded width is the max over the rows kept (none: unknown): recompute it
                 self.buf = None
                 self.n = 0
 
