@@ -117,7 +117,7 @@ def test_window_is_a_view_of_the_whole_trace(ref_weights):
         s.trace()["logits.top_probs"][0, 0] = 1.0
 
 
-@pytest.mark.parametrize("case", ["uniform", "ragged", "promote", "shrink-ragged"])
+@pytest.mark.parametrize("case", ["uniform", "ragged", "promote", "shrink-ragged", "promote-late"])
 def test_stacked_rows_equal_stack_rows(case):
     rng = np.random.default_rng(0)
     if case == "uniform":
@@ -126,6 +126,8 @@ def test_stacked_rows_equal_stack_rows(case):
         rows = [np.arange(k % 7 + 1, dtype=np.int64) for k in range(40)]
     elif case == "promote":
         rows = [np.ones(2, np.float32)] * 20 + [np.ones(2, np.float64)] * 5
+    elif case == "promote-late":  # the float64 rows come after row 10: a truncate to 10 goes back to float32
+        rows = [np.ones(2, np.float32)] * 12 + [np.ones(2, np.float64)] + [np.ones(2, np.float32)] * 20
     else:
         rows = [np.zeros((2, k + 1)) for k in range(30)]
     st = StackedRows()
@@ -136,6 +138,7 @@ def test_stacked_rows_equal_stack_rows(case):
     old = view.copy()
     st.truncate(10)
     assert np.array_equal(st.sync(rows, 10), stack_rows(rows[:10]), equal_nan=True)  # the width shrinks back
+    assert st.sync(rows, 10).dtype == stack_rows(rows[:10]).dtype  # ... and the dtype
     rows = rows[:10] + [r * 0 - 5 for r in rows[10:]]
     assert np.array_equal(st.sync(rows, len(rows)), stack_rows(rows), equal_nan=True)
     assert np.array_equal(view, old, equal_nan=True)  # the earlier view kept its rows
