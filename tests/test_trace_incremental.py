@@ -155,3 +155,31 @@ def test_stacked_rows_after_a_truncate_to_nothing_take_the_new_rows_shape():
     rows = [np.zeros(0, np.int64)]
     got = st.sync(rows, 1)
     assert got.shape == (1, 0) and got.dtype == stack_rows(rows).dtype
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stacked_rows_under_random_appends_truncates_and_reads(seed):
+    """Random histories of rows (widths 0-3, 1 or 2 axes, int/float dtypes), truncates and reads: every read
+    equals stack_rows of the list as it is, and every view handed out keeps its values."""
+    rng = np.random.default_rng(seed)
+    two_axes = bool(seed % 2)
+    dtypes = [np.int64, np.float32, np.float64] if seed % 3 else [np.int64]
+    rows, st, views = [], StackedRows(), []
+    for _ in range(200):
+        op = rng.integers(0, 10)
+        if op < 6:
+            width = int(rng.integers(0, 4)) if rng.random() < 0.3 else 2
+            shape = (2, width) if two_axes else (width,)
+            rows.append((rng.integers(-5, 5, shape)).astype(dtypes[int(rng.integers(0, len(dtypes)))]))
+        elif op < 8 and rows:
+            n = int(rng.integers(0, len(rows) + 1))
+            del rows[n:]
+            st.truncate(n)
+        else:
+            n = int(rng.integers(0, len(rows) + 1)) if rng.random() < 0.3 else len(rows)
+            got, want = st.sync(rows, n), stack_rows(rows[:n])
+            assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
+            if n:
+                views.append((got, got.copy()))
+    for view, copy in views:
+        assert np.array_equal(view, copy, equal_nan=True)
