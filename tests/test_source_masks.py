@@ -113,6 +113,8 @@ def test_mask_over_several_layers_and_a_range_of_positions(ref_weights):
         assert np.array_equal(got, want)
     clean = decode(ref_weights, TOKENS)
     assert np.array_equal(want[:3], clean[:3]) and not np.allclose(want[3:], clean[3:], atol=1e-4)
+    # on the sequence path a chunk straddles the range's start (rows 0-2 of the first chunk kept as they are)
+    close(decode_sequence(ref_weights, TOKENS, mask_sources([4, 10], "ffn", "current", positions=slice(3, None)), 4), want)
 
 
 def test_mask_at_every_layer_and_both_sites(ref_weights):
