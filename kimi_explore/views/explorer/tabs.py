@@ -2,7 +2,7 @@
 
 `Tabs(explorer)` builds the views once; `refresh(tab, t, layer)` recomputes that tab's figures for
 the selected token and layer and sends them (each view redraws in place, Plotly.react). A view
-reads only the window of the history it shows (`session.trace(window=...)`: the selected token,
+reads only the window of the history it shows (`explorer.trace(window=...)`: the selected token,
 or the `specs.WINDOW` tokens around it), and the two numbers that depend on every token (the text's
 measures, the expert counts) grow token by token (`history.HistoryCache`): a Step costs the same
 at any history length. Clicks on a view select a token or a layer: the label under the pointer
@@ -141,14 +141,14 @@ class Tabs:
         self.rev += 1
         meta = {"token": t, "layer": layer, "tokens": n}
         tok, show = self.ex.tokenizer, lambda name, fig: self.views[name].show(fig[0], fig[1], self.rev, meta)
-        one = s.trace(window=slice(t, t + 1))  # the selected token
+        one = self.ex.trace(window=slice(t, t + 1))  # the selected token
         a, b = token_window(n, t, specs.WINDOW)
         if tab == 0:
             show("block_token", specs.block_token(one, 0, layer, tok))
-            show("block_layer", specs.block_layer(s.trace(window=slice(a, b)), layer, t - a, tok))
+            show("block_layer", specs.block_layer(self.ex.trace(window=slice(a, b)), layer, t - a, tok))
         elif tab == 1:
             if self.ex.kda_layers:
-                win = s.trace(window=slice(a, b))
+                win = self.ex.trace(window=slice(a, b))
                 vmax = specs.kda_vmax(win)  # one colour scale for both views: the window holds the token
                 show("kda_token", specs.kda_token(one, 0, layer, tok, vmax))
                 show("kda_layer", specs.kda_layer(win, layer, t - a, tok, vmax))
@@ -158,7 +158,7 @@ class Tabs:
         elif tab == 2:
             self._refresh_moe(one, t, layer, (a, b), show)
         elif tab == 3:
-            show("predictions", specs_moe.predictions(s.trace(window=slice(t, t + 2)), 0, tok))
+            show("predictions", specs_moe.predictions(self.ex.trace(window=slice(t, t + 2)), 0, tok))
         elif tab == 4:
             self._refresh_analyses(t, layer, show)
         self.drawn[tab], self.tab_rev[tab] = key, self.rev
@@ -166,8 +166,7 @@ class Tabs:
 
     def _refresh_moe(self, one, t: int, layer: int, window: tuple[int, int], show) -> None:
         """one: the trace window of token t alone; window: the token range the expert search shows."""
-        s = self.ex.session
-        r = window_routing(s, t, t + 1)
+        r = window_routing(self.ex, t, t + 1)
         stats = self.ex.history.load_stats()
         if not r or stats is None:
             for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_top", "expert_search", "moe_full"):
@@ -186,8 +185,8 @@ class Tabs:
         if e is not None:
             self.expert_note.value = ""
             a, b = window
-            show("expert_search", specs_moe.expert_search(window_routing(s, a, b), e, s.trace(window=slice(a, b)),
-                                                          t - a, layer, tok))
+            win = self.ex.trace(window=slice(a, b))
+            show("expert_search", specs_moe.expert_search(window_routing(self.ex, a, b), e, win, t - a, layer, tok))
         if self.full_map.value:
             show("moe_full", specs_moe.moe_full(r, 0, one, layer, bias, tok))
 
@@ -203,6 +202,6 @@ class Tabs:
         # the logit of the token fed next (what the model was asked to predict); the top-1 after the last one
         target = s.tokens[t + 1] if t + 1 < len(s) else None
         attr = ex.history_memo(f"attribution@{t}", lambda: logit_attribution(s, t, token=target))
-        labels = specs.layer_labels(s.trace(window=slice(t, t + 1)))
+        labels = specs.layer_labels(self.ex.trace(window=slice(t, t + 1)))
         show("lens", specs_analysis.lens_strip(lens, labels, ex.tokenizer, layer))
         show("attribution", specs_analysis.waterfall(attr, ex.tokenizer))

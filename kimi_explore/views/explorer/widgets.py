@@ -56,8 +56,9 @@ class Explorer(widgets.VBox):
         self.kda_layers = [i for i in weights.layer_ids if cfg.is_kda_layer(i)]
         self.moe_layers = [i for i in weights.layer_ids if cfg.is_moe_layer(i)]
         self.bias = bias_vectors(weights)
-        self.history_id, self._memo, self._surprisal = 0, {}, {}
+        self.history_id, self._memo, self._surprisal, self._trace = 0, {}, {}, None
         self.history = HistoryCache()  # per-token measures and expert counts, grown by each Step
+        self._labels: dict[str, list] = {}  # (token id, label) per position, grown by each Step
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
 
@@ -258,9 +259,11 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ state shared by the views
     def trace(self, window=None):
-        """The session's Trace, or a window of it (the views read windows: a Step costs the same at any
-        history length)."""
-        return self.session.trace(window=window)
+        """The session's Trace (fetched once per history: O(records), whatever its length), or a window
+        of it (views of its records). The views read windows: a Step costs the same at any length."""
+        if self._trace is None:
+            self._trace = self.session.trace()
+        return self._trace if window is None else self._trace.window(window)
 
     def history_memo(self, name: str, make):
         """A value computed once per history (dropped when the history changes)."""
@@ -272,12 +275,13 @@ class Explorer(widgets.VBox):
         n = len(self.session)
         self.history_id += 1
         self._memo.clear()
+        self._trace = None
         self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == self.session.tokens[t]}
         with self.token.hold_trait_notifications():
             self.token.max = max(n - 1, 0)
             self.token.value = max(n - 1, 0)
         self.token.disabled = self.back_button.disabled = n == 0
-        self.history.update(self.session, self._surprisals())
+        self.history.update(self, self._surprisals())
         self.ablation.clear()
         self._update_status()
         self._show_text()
@@ -309,7 +313,17 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ text, labels, status
     def labels(self, positions: bool = True) -> list[str]:
-        return token_labels(self.session.tokens, self.tokenizer, positions=positions)
+        """Every token's label ("3 'a'"; positions=False: "'a'"), kept per token: a Step adds one."""
+        key = "labels" if positions else "names"
+        have = self._labels.setdefault(key, [])
+        toks = self.session.tokens
+        keep = 0
+        while keep < min(len(have), len(toks)) and have[keep][0] == toks[keep]:
+            keep += 1
+        del have[keep:]
+        new = token_labels(toks[keep:], self.tokenizer, positions=positions, start=keep)
+        have.extend(zip(toks[keep:], new, strict=True))
+        return [label for _, label in have]
 
     def _surprisals(self) -> np.ndarray:
         toks, out = self.session.tokens, np.full(len(self.session), np.nan)
@@ -349,7 +363,8 @@ class Explorer(widgets.VBox):
 
     def _show_token_label(self) -> None:
         n = len(self.session)
-        label = self.labels()[min(self.token.value, n - 1)] if n else ""
+        t = min(self.token.value, n - 1)
+        label = token_labels([self.session.tokens[t]], self.tokenizer, start=t)[0] if n else ""
         self.token_label.value = f"<code>{html.escape(label, quote=False)}</code>" if n else ""
 
     def _update_status(self) -> None:
