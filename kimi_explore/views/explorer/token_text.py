@@ -63,9 +63,10 @@ class TokenText(anywidget.AnyWidget):
     """Clickable, coloured tokens (see module docstring)."""
 
     _esm = ESM
-    labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
-    colors = traitlets.List(traitlets.Unicode()).tag(sync=True)
-    titles = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    # untyped lists: set_tokens builds them from str; per-element validation would cost O(T) per Step
+    labels = traitlets.List().tag(sync=True)
+    colors = traitlets.List().tag(sync=True)
+    titles = traitlets.List().tag(sync=True)
     selected = traitlets.Int(-1).tag(sync=True)
     generated_from = traitlets.Int(-1).tag(sync=True)  # first generated token (-1: none)
 
@@ -73,7 +74,8 @@ class TokenText(anywidget.AnyWidget):
         if not len(labels) == len(colors) == len(titles):
             raise ValueError(f"TokenText: {len(labels)} labels, {len(colors)} colours, {len(titles)} titles")
         with self.hold_sync():
-            self.labels, self.colors, self.titles = list(labels), list(colors), list(titles)
+            self.labels, self.colors, self.titles = [str(x) for x in labels], [str(x) for x in colors], \
+                [str(x) for x in titles]
             self.generated_from = int(generated_from)
 
 

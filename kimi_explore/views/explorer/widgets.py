@@ -59,6 +59,7 @@ class Explorer(widgets.VBox):
         self.history_id, self._memo, self._surprisal, self._trace = 0, {}, {}, None
         self.history = HistoryCache()  # per-token measures and expert counts, grown by each Step
         self._labels: dict[str, list] = {}  # (token id, label) per position, grown by each Step
+        self._prompt_memo: tuple = (None, [])  # ((mode, text), ids): the prompt is parsed once per edit
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
 
@@ -137,7 +138,13 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ the prompt
     def prompt_ids(self) -> list[int]:
-        """The prompt box as token ids (raises ValueError naming what is wrong)."""
+        """The prompt box as token ids (raises ValueError naming what is wrong); parsed once per text."""
+        key = (self.mode.value, self.prompt.value)
+        if self._prompt_memo[0] != key:
+            self._prompt_memo = (key, self._parse_prompt())
+        return list(self._prompt_memo[1])
+
+    def _parse_prompt(self) -> list[int]:
         if self.mode.value == "text":
             return list(self.tokenizer.encode(self.prompt.value))
         ids, vocab = parse_ids(self.prompt.value, "token ids"), self.session.weights.config.vocab_size
@@ -276,7 +283,8 @@ class Explorer(widgets.VBox):
         self.history_id += 1
         self._memo.clear()
         self._trace = None
-        self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == self.session.tokens[t]}
+        toks = self.session.tokens
+        self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == toks[t]}
         with self.token.hold_trait_notifications():
             self.token.max = max(n - 1, 0)
             self.token.value = max(n - 1, 0)
@@ -314,16 +322,20 @@ class Explorer(widgets.VBox):
     # ------------------------------------------------------------------ text, labels, status
     def labels(self, positions: bool = True) -> list[str]:
         """Every token's label ("3 'a'"; positions=False: "'a'"), kept per token: a Step adds one."""
-        key = "labels" if positions else "names"
+        return self._per_token("labels" if positions else "names",
+                               lambda ids, start: token_labels(ids, self.tokenizer, positions=positions, start=start))
+
+    def _per_token(self, key: str, make) -> list:
+        """make(ids, start) for the tokens not seen yet; earlier tokens keep what they got (a prefix of the
+        history never changes its labels)."""
         have = self._labels.setdefault(key, [])
         toks = self.session.tokens
         keep = 0
         while keep < min(len(have), len(toks)) and have[keep][0] == toks[keep]:
             keep += 1
         del have[keep:]
-        new = token_labels(toks[keep:], self.tokenizer, positions=positions, start=keep)
-        have.extend(zip(toks[keep:], new, strict=True))
-        return [label for _, label in have]
+        have.extend(zip(toks[keep:], make(toks[keep:], keep), strict=True))
+        return [value for _, value in have]
 
     def _surprisals(self) -> np.ndarray:
         toks, out = self.session.tokens, np.full(len(self.session), np.nan)
@@ -342,7 +354,7 @@ class Explorer(widgets.VBox):
         measures = self.history.measures
         name = self.measure.value
         values = measures[name]
-        shown = [self._piece(t) for t in self.session.tokens]
+        shown = self._per_token("pieces", lambda ids, _: [self._piece(t) for t in ids])
         colors, lo, hi = measure_colors(values)
         titles = [f"token {t} {lab}: {name} " + (f"{v:.4g}" if np.isfinite(v) else "n/a") + "; click to select"
                   for t, (lab, v) in enumerate(zip(self.labels(positions=False), values, strict=True))]
