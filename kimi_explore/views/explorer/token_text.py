@@ -84,9 +84,11 @@ def measure_colors(values: np.ndarray) -> tuple[list[str], float, float]:
     v = np.asarray(values, dtype=float)
     ok = np.isfinite(v)
     lo, hi = (float(v[ok].min()), float(v[ok].max())) if ok.any() else (0.0, 1.0)
-    x = np.clip((v - lo) / ((hi - lo) or 1.0), 0, 1)
-    out = []
-    for good, s in zip(ok, x, strict=True):
-        # from #f4f8ff to #6fa8ff: dark enough to see, light enough for black text
-        out.append(f"rgb({int(244 - 133 * s)},{int(248 - 80 * s)},255)" if good else "transparent")
-    return out, lo, hi
+    x = np.clip(np.nan_to_num((v - lo) / ((hi - lo) or 1.0)), 0, 1)
+    level = np.where(ok, np.floor(x * (len(_PALETTE) - 2) + 0.5).astype(np.int64), len(_PALETTE) - 1)
+    return _PALETTE[level].tolist(), lo, hi
+
+
+# from #f4f8ff to #6fa8ff in 256 steps (dark enough to see, light enough for black text); last: no value
+_PALETTE = np.array([f"rgb({int(244 - 133 * s)},{int(248 - 80 * s)},255)" for s in np.linspace(0, 1, 256)]
+                    + ["transparent"], dtype=object)

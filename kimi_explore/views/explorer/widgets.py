@@ -356,8 +356,11 @@ class Explorer(widgets.VBox):
         values = measures[name]
         shown = self._per_token("pieces", lambda ids, _: [self._piece(t) for t in ids])
         colors, lo, hi = measure_colors(values)
-        titles = [f"token {t} {lab}: {name} " + (f"{v:.4g}" if np.isfinite(v) else "n/a") + "; click to select"
-                  for t, (lab, v) in enumerate(zip(self.labels(positions=False), values, strict=True))]
+        names = self.labels(positions=False)
+        # a decoded token's measures never change: its title is made once per measure
+        titles = self._per_token(f"titles:{name}", lambda ids, a: [
+            f"token {t} {names[t]}: {name} " + (f"{values[t]:.4g}" if np.isfinite(values[t]) else "n/a")
+            + "; click to select" for t in range(a, a + len(ids))])
         gen = self._prompt_len if self._prompt_len is not None and self._prompt_len < n else -1
         self.text.set_tokens(shown, colors, titles, generated_from=gen)
         self.text.selected = min(self.token.value, n - 1)
