@@ -411,7 +411,7 @@ def test_lens_strip_shows_ke_logit_lens_of_the_selected_token(explorer):
     np.testing.assert_allclose(decode(heat["z"])[0], lens.top_probs[2, :, 0], rtol=1e-6)
     tok = ex.tokenizer
     names = [tok.token_label(int(i)) for i in lens.top_ids[2, :, 0]]
-    assert heat["text"][0] == [f"x{n[3:5]}" if n.startswith("<0x") else n for n in names]  # <0xC9> -> xC9
+    assert heat["text"][0] == [f"x{n[3:5]}" if n.startswith("<0x") else n.replace(" ", "␣") for n in names]
     labels = heat["x"]
     same = [labels[j] for j in range(len(labels)) if lens.top_ids[2, j, 0] == lens.final_ids[2]]
     assert ring["x"] == same and labels[-1] in same  # at the last layer the lens is the model

@@ -34,8 +34,10 @@ def leaf_layer(leaf: str) -> int | None:
 
 
 def _short(label: str) -> str:
-    """A token label for a narrow cell: `<0x80>` (a byte that is not text alone) as `x80`."""
-    return "x" + label[3:-1] if label.startswith("<0x") and label.endswith(">") else label
+    """A token label for a narrow cell: `<0x80>` (a byte that is not text alone) as `x80`, a space as ␣."""
+    if label.startswith("<0x") and label.endswith(">"):
+        return "x" + label[3:-1]
+    return label.replace(" ", "␣")  # a space must be seen
 
 
 def lens_strip(lens, labels: list[str], tokenizer=None, layer: int | None = None) -> tuple[list, dict]:
