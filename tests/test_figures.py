@@ -169,9 +169,10 @@ def test_expert_search_at_896_experts_marks_every_firing_with_its_weight(k3):
     np.testing.assert_allclose(z, expected.astype(np.float32), equal_nan=True)
     hits = int((ids == e).sum())
     layers_hit = len({j for _, j, _ in zip(*np.nonzero(ids == e), strict=True)})
-    assert f"fired {hits} times at {layers_hit} of {len(r['moe_layers'])} MoE layers" in layout["title"]["text"]
+    assert f"in tokens 0-5 it fired {hits} times at {layers_hit} of {len(r['moe_layers'])} MoE layers" \
+        in layout["title"]["text"]
     gone = dict(r, topk_ids=np.where(ids == e, -1, ids))  # the same trace with e ablated everywhere
-    assert "never chosen in these 6 tokens" in specs_moe.expert_search(gone, e, k3, 3, 50)[1]["title"]["text"]
+    assert "never chosen in tokens 0-5" in specs_moe.expert_search(gone, e, k3, 3, 50)[1]["title"]["text"]
     assert "does not exist" in specs_moe.expert_search(r, 896, k3, 3, 50)[1]["annotations"][0]["text"]
 
 

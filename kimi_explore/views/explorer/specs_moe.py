@@ -198,8 +198,10 @@ def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokeni
               colorbar={"title": {"text": "weight"}})
     hm.update(xgap=0, ygap=0)
     j_sel = layers.index(layer) if layer in layers else None
-    found = (f"fired {n_hits} times at {len(where)} of {len(layers)} MoE layers" if n_hits else
-             f"never chosen in these {len(toks)} tokens")
+    start = getattr(trace, "start", 0)  # a window of the history: say which tokens
+    span = f"tokens {start}-{start + len(toks) - 1}"
+    found = (f"in {span} it fired {n_hits} times at {len(where)} of {len(layers)} MoE layers" if n_hits else
+             f"never chosen in {span}")
     layout = {"title": {"text": f"Where expert {int(expert)} fires: {found}", "font": FONT},
               "xaxis": specs.token_axis(trace, t, tokenizer), "yaxis": {**_y_layers(labels, j_sel)},
               "shapes": [outline(t)] + ([_row_outline(j_sel)] if j_sel is not None else []),
