@@ -24,6 +24,7 @@ SELECT = "#d62728"
 FONT = {"size": 11}
 SITE_NAMES = ("before attention (attn_res.attn)", "before the FFN (attn_res.ffn)")
 GAP_NOTE = "<br>no weight: that block is not sealed yet here"
+GAP_CELLS = 400  # heatmaps up to this many cells are drawn with gaps between the cells
 GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
 
 
@@ -73,7 +74,8 @@ def token_window(n_tokens: int, t: int, window: int = WINDOW) -> list[float]:
 
 
 def token_axis(trace, t: int, tokenizer=None) -> dict:
-    return {"type": "category", "title": {"text": "token (drag to scroll)"}, "range": token_window(len(trace), t),
+    return {"type": "category", "title": {"text": "token (the token slider moves this window)"},
+            "range": token_window(len(trace), t),
             "tickfont": {"size": 10}, "tickangle": -60}  # no automargin: it costs plotly a second layout pass
 
 
@@ -93,9 +95,12 @@ def empty(message: str, height_title: str = "") -> tuple[list, dict]:
 def heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showscale=True, colorbar=None,
           customdata=None, gaps: bool = False) -> dict:
     """A heatmap trace; NaN cells are gaps (the grey plot background), hoverable and clickable if `gaps`."""
+    # thin white gaps between cells make small maps easier to read, but plotly then draws every cell
+    # as its own SVG path; past GAP_CELLS it draws one image instead (a Step at K3 depth stays fast)
+    gap = 0.5 if len(x) * len(y) <= GAP_CELLS else 0
     trace = {"type": "heatmap", "z": typed(z), "x": list(x), "y": list(y), "colorscale": colorscale, "zmin": float(zmin),
              "zmax": float(zmax), "hovertemplate": hover + "<extra></extra>", "xaxis": xaxis, "yaxis": yaxis,
-             "showscale": showscale, "hoverongaps": gaps, "xgap": 0.5, "ygap": 0.5}
+             "showscale": showscale, "hoverongaps": gaps, "xgap": gap, "ygap": gap}
     if colorbar:
         trace["colorbar"] = colorbar
     if customdata is not None:
