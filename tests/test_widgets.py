@@ -406,6 +406,9 @@ def test_lens_strip_shows_ke_logit_lens_of_the_selected_token(explorer):
         ex.step_button.click()
     ex.tabs.selected_index = TABS.index("Lens & attribution")
     ex.select(token=2, layer=5)
+    # nothing replayed until asked: the views say what Compute will do
+    assert "Press Compute for token 2" in view_spec(ex, "lens")[1]["annotations"][0]["text"]
+    ex.tab_views.compute_button.click()
     (heat, ring), layout = view_spec(ex, "lens")
     lens = ke.logit_lens(s, top=3)
     np.testing.assert_allclose(decode(heat["z"])[0], lens.top_probs[2, :, 0], rtol=1e-6)
@@ -425,6 +428,7 @@ def test_waterfall_shows_ke_logit_attribution_and_a_click_selects_the_layer(expl
     for _ in range(4):
         ex.step_button.click()
     ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.tab_views.auto_analyses.value = True  # computed on every selection
     ex.select(token=1)
     (bar,), layout = view_spec(ex, "attribution")
     attr = ke.logit_attribution(s, 1, token=s.tokens[2])  # the token that was fed next
