@@ -191,4 +191,4 @@ def test_top_experts_by_load_name_each_layers_busiest(k3):
     for rank, name in enumerate(hm["text"][j]):
         if name:
             assert tally[int(name)] == top[rank]  # each named expert's count, from the raw ids
-    assert "Top 8 experts by load per layer" in layout["title"]["text"]
+    assert "Top 8 experts by load per layer, 6 tokens; layers" in layout["title"]["text"]

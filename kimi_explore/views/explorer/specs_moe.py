@@ -175,8 +175,8 @@ def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[i
               hover="layer %{y}, rank %{x}: expert %{customdata}<br>chosen %{z} times", colorbar={"title": {"text": "count"}})
     hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True, xgap=0, ygap=0)
     shown = "" if window is None else f"; layers {labels[round(window[1] + 0.5)].split()[0]}-" \
-        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)} (drag for the rest)"
-    layout = {"title": {"text": f"Top {n} experts by load per layer over {tokens} tokens{shown}", "font": FONT},
+        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)} (drag)"
+    layout = {"title": {"text": f"Top {n} experts by load per layer, {tokens} tokens{shown}", "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "rank"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
