@@ -192,3 +192,21 @@ def test_top_experts_by_load_name_each_layers_busiest(k3):
         if name:
             assert tally[int(name)] == top[rank]  # each named expert's count, from the raw ids
     assert "Top 8 experts by load per layer, 6 tokens; layers" in layout["title"]["text"]
+
+
+def test_every_named_colour_scale_is_one_plotly_js_knows():
+    """plotly.js silently draws an unknown scale name ("Magma") with its default red scale, under the
+    red selection outline: every name the Explorer uses must be built into plotly.js."""
+    import re
+    from pathlib import Path
+
+    from kimi_explore.views import explorer
+
+    builtin = {"Blackbody", "Bluered", "Blues", "Cividis", "Earth", "Electric", "Greens", "Greys", "Hot", "Jet",
+               "Picnic", "Portland", "Rainbow", "RdBu", "Reds", "Viridis", "YlGnBu", "YlOrRd"}
+    used = set()
+    for path in Path(explorer.__file__).parent.glob("*.py"):
+        used |= set(re.findall(r'colorscale="(\w+)"', path.read_text()))
+    assert used and used <= builtin, used - builtin
+    data, _ = specs.kda_token(k3_sized(n_tokens=2), 1)
+    assert data[0]["colorscale"] == specs.NORM_SCALE

@@ -24,6 +24,9 @@ SELECT = "#d62728"
 FONT = {"size": 11}
 SITE_NAMES = ("before attention (attn_res.attn)", "before the FFN (attn_res.ffn)")
 GAP_NOTE = "<br>no weight: that block is not sealed yet here"
+# plotly.js has no "Magma" (an unknown name silently falls back to a red scale, under the red selection
+# outline): light yellow (empty state) to dark blue (a full one), no red in it
+NORM_SCALE = [[0.0, "#ffffd9"], [0.25, "#c7e9b4"], [0.5, "#41b6c4"], [0.75, "#225ea8"], [1.0, "#081d58"]]
 GAP_CELLS = 400  # heatmaps up to this many cells are drawn with gaps between the cells
 GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
 
@@ -199,7 +202,7 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     d = np.asarray(norms[t], dtype=float)  # [kda_layer, H]
     labels = layer_labels(trace, ids)
     vmax = kda_vmax(trace) if vmax is None else vmax
-    data = [heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    data = [heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale=NORM_SCALE, zmin=0, zmax=vmax,
                   hover="layer %{x}, head %{y}<br>‖S‖ = %{z:.4f}", colorbar={"title": {"text": "‖S‖"}})]
     shapes = [outline(ids.index(layer))] if layer in ids else []
     label = trace_labels(trace, tokenizer)[t]
@@ -220,7 +223,7 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
     d = np.asarray(norms[:, ids.index(layer)], dtype=float)  # [T, H]
     vmax = kda_vmax(trace) if vmax is None else vmax
     toks = trace_labels(trace, tokenizer)
-    data = [heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    data = [heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale=NORM_SCALE, zmin=0, zmax=vmax,
                   hover="token %{x}, layer " + str(layer) + ", head %{y}<br>‖S‖ = %{z:.4f}", showscale=False)]
     layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",
                         "font": FONT},

@@ -112,7 +112,7 @@ def run_diff(d, t0: int, tokenizer=None, t: int | None = None) -> tuple[list, di
     half = float(np.nanmax(np.abs(dw))) if dw.size and np.isfinite(dw).any() else 0.0
     half = max(half, 1e-9)
     data = [
-        heat(kl[None], cols, ["KL"], colorscale="Reds", zmin=0, zmax=max(float(kl.max(initial=0)), 1e-9),
+        heat(kl[None], cols, ["KL"], colorscale="Cividis", zmin=0, zmax=max(float(kl.max(initial=0)), 1e-9),
              hover="token %{x}<br>KL(original ‖ fork) = %{z:.4g} nats", colorbar={"title": {"text": "KL"}, "len": 0.3,
                                                                                   "y": 0.87, "nticks": 3}),
         heat(dw, cols, list(d.source_labels), colorscale="RdBu", zmin=-half, zmax=half, xaxis="x2", yaxis="y2",
