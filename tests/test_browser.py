@@ -68,7 +68,7 @@ def test_explorer_in_jupyterlab(seen, model, capsys):
     # a new prompt starts over: one token of it, not the old history plus one
     assert "new prompt" in out["status_new_prompt"], out["status_new_prompt"]
     assert tokens_decoded(out["status_after_new_prompt"]) == 1, out["status_after_new_prompt"]
-    assert out["text_after_new_prompt"] == "T", out["text_after_new_prompt"]
+    assert out["text_after_new_prompt"] == "Q", out["text_after_new_prompt"]
     for path in seen["screenshots"]:
         assert Path(path).stat().st_size > 10_000, f"{path} looks empty"
     with capsys.disabled():
