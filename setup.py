@@ -10,7 +10,7 @@ chunked form; `kimi_explore.weights.mxfp4_matvec.AVAILABLE`, `bf16_matvec.AVAILA
 
 from setuptools import Extension, setup
 
-KERNELS = ("weights._mxfp4_matvec", "weights._bf16_matvec", "model._kda_recurrence", "model._sequence_ops")  # each includes _kernel_isa.h
+KERNELS = ("weights._mxfp4_matvec", "weights._bf16_matvec", "model._kda_recurrence")  # each includes _kernel_isa.h
 setup(ext_modules=[Extension(f"kimi_explore.{name}", [f"kimi_explore/{name.replace('.', '/')}.c"],
                              depends=["kimi_explore/weights/_kernel_isa.h"], extra_compile_args=["-O3"], optional=True)
                    for name in KERNELS])
