@@ -129,7 +129,7 @@ def test_bad_arguments_are_named(ref_weights):
 
 
 def test_the_figure_shows_each_cell_where_its_numbers_say(ref_weights):
-    from kimi_explore.views.source_ablation_plots import gap_grid, mass_vs_effect
+    from kimi_explore.views.figures.source_ablation_plots import gap_grid, mass_vs_effect
 
     res = ke.source_ablation(ref_weights, TOKENS, layers=[5, 6, 7], chunk=6)
     fig = mass_vs_effect(res)
@@ -151,3 +151,11 @@ def test_the_figure_shows_each_cell_where_its_numbers_say(ref_weights):
     assert np.isnan(grid).sum() == len(fams) * len(cols) - len(res)
     texts = {t.get_text() for t in fig.axes[1].texts}
     assert {f"{v:+.2f}" for v in grid[np.isfinite(grid)]} == texts
+
+
+def test_reusing_the_clean_prefix_gives_the_full_runs_numbers_exactly(ref_weights):
+    """A run masked at layer L restarts from the clean stack before L: the same floats as decoding every layer."""
+    ids = TOKENS * 2
+    fast = ke.source_ablation(ref_weights, ids, layers=[0, 5, 12], chunk=7)  # 4 chunks, the last one short
+    full = ke.source_ablation(ref_weights, ids, layers=[0, 5, 12], chunk=7, reuse_prefix=False)
+    assert fast.clean_loss == full.clean_loss and fast.rows == full.rows and len(fast) > 6

@@ -243,6 +243,25 @@ class Session:
         return self.hooks.hooked(name_or_glob, fn, names_filter=names_filter)
 
     # ------------------------------------------------------------------ going back
+    def state_after(self, n_tokens: int) -> KimiDecodeState:
+        """A copy of the exact decode state after the first `n_tokens` tokens (the session is unchanged):
+        the nearest kept checkpoint, then the tokens after it re-decoded as they were (at most
+        `checkpoint_every` stepped tokens or one fed chunk), so its cost does not grow with the history."""
+        T = len(self._tokens)
+        if isinstance(n_tokens, bool) or not (isinstance(n_tokens, (int, np.integer)) and 0 <= n_tokens <= T):
+            raise ValueError(f"Session.state_after: n_tokens must be an int in 0..{T}, got {n_tokens!r}")
+        return self.state.copy() if n_tokens == T else self._state_after(int(n_tokens))
+
+    def checkpoint_before(self, t: int) -> tuple[int, KimiDecodeState]:
+        """(c, a copy of the decode state after the first c tokens) for the latest kept checkpoint c <= t
+        (c = 0: a fresh state). Re-decoding tokens c..t from it reaches token t in at most
+        `checkpoint_every` stepped tokens or one fed chunk, however long the history."""
+        T = len(self._tokens)
+        if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t <= T):
+            raise ValueError(f"Session.checkpoint_before: t must be an int in 0..{T}, got {t!r}")
+        c = max([k for k in self._checkpoints if k <= t], default=0)
+        return c, (self._checkpoints[c].copy() if c else self.weights.new_state())
+
     def _state_after(self, t: int) -> KimiDecodeState:
         """The exact decode state after the first t tokens of the history."""
         c = max([k for k in self._checkpoints if k <= t], default=0)

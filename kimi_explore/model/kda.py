@@ -277,14 +277,23 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     xp.exp(den, out=den)
     den += 1.0
     qkv = xp.divide(pre, den, out=den).reshape(T, 3, H, K)
-    gate = 1.0 / (1.0 + xp.exp(-y[:, 3 * P : 4 * P].reshape(T, H, K)))
-    beta = 1.0 / (1.0 + xp.exp(-y[:, 4 * P : 4 * P + H]))
-    decay_in = (linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K) + w.dt_bias) * w.A
-    g = w.lower_bound / (1.0 + xp.exp(-decay_in))  # log alpha: lower_bound * sigmoid(A (f + dt_bias))
+    # the sigmoids of the output gate and beta (adjacent columns of y: one call) and of the decay, as the
+    # token form takes them (1 / (1 + exp(-z))), in place
+    gb = _sigmoid_(xp.negative(y[:, 3 * P : 4 * P + H]))
+    gate, beta = gb[:, :P].reshape(T, H, K), gb[:, P:]
+    decay_in = linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K)
+    decay_in += w.dt_bias
+    decay_in *= w.A
+    g = _sigmoid_(xp.negative(decay_in, out=decay_in))
+    g *= w.lower_bound  # log alpha: lower_bound * sigmoid(A (f + dt_bias))
+    alpha = None
     if fire is not None:
         qkv = fire(site("kda.conv_out"), qkv)
     qk = qkv[:, :2]
-    qk = qk * (w.qk_scale / xp.sqrt(xp.einsum("...k,...k->...", qk, qk)[..., None] + L2NORM_EPS))
+    sq = xp.einsum("...k,...k->...", qk, qk)[..., None]
+    sq += L2NORM_EPS
+    xp.sqrt(sq, out=sq)
+    qk = qk * xp.divide(w.qk_scale, sq, out=sq)
     q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
     if fire is not None:
         q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
@@ -294,13 +303,14 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
         if hooked is not alpha:
             with np.errstate(divide="ignore"):
                 g = xp.maximum(xp.log(hooked), LOG_DECAY_FLOOR)
+            alpha = None
         gate = fire(site("kda.gate"), gate)
     if rule not in RULES:
         raise ValueError(f"kda_sequence: rule={rule!r}, expected one of {RULES}")
     recurrent = rule == "recurrent" or (rule == "auto" and kda_recurrence.runs(xp, state.recurrent.dtype)
                                         and state.recurrent.flags.c_contiguous)
     if recurrent:
-        o, state_norms = kda_recurrence.recurrent_delta_rule(q, k, v, g, beta, state.recurrent, state_norms)
+        o, state_norms = kda_recurrence.recurrent_delta_rule(q, k, v, g, beta, state.recurrent, state_norms, alpha=alpha)
     else:
         o, state_norms = chunked_delta_rule(q, k, v, g, beta, state.recurrent, chunk, state_norms)
     norms = None
@@ -314,8 +324,20 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     state.conv[...] = xp.moveaxis(ext[T:], 0, -1)
     if fire is not None:
         o = fire(site("kda.o"), o)
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt(xp.einsum("...k,...k->...", o, o)[..., None] + K * w.eps)
+    r = xp.einsum("...k,...k->...", o, o)[..., None]
+    r += K * w.eps
+    xp.sqrt(r, out=r)
+    o = o * (w.o_norm_scaled * gate)
+    o /= r
     return linear(o.reshape(T, P), w.o_proj), norms
+
+
+def _sigmoid_(neg):
+    """1 / (1 + exp(z)) in place on neg = -z (a fresh array): the sigmoid of z, as the token form takes it."""
+    xp = array_namespace(neg)
+    xp.exp(neg, out=neg)
+    neg += 1.0
+    return xp.divide(1.0, neg, out=neg)
 
 
 def naive_kda_step(x, w: KdaWeights, state: KdaState):

@@ -51,9 +51,10 @@ def isas() -> tuple[str, ...]:
     return _ext.isas() if AVAILABLE else ()
 
 
-def recurrent_delta_rule(q, k, v, log_alpha, beta, S, state_norms: bool = False, isa: str | None = None):
+def recurrent_delta_rule(q, k, v, log_alpha, beta, S, state_norms: bool = False, isa: str | None = None, alpha=None):
     """q, k: [T, H, K]; v: [T, H, V]; log_alpha: [T, H, K] (<= 0); beta: [T, H]; S: float32 [H, K, V] (C-contiguous),
-    updated in place. Returns (o [T, H, V], norms [T, H] or None). isa: one of `isas()` (default: the best)."""
+    updated in place. Returns (o [T, H, V], norms [T, H] or None). isa: one of `isas()` (default: the best).
+    alpha: exp(log_alpha) when the caller has it already (float32 [T, H, K]; not recomputed)."""
     if not AVAILABLE:
         raise RuntimeError("kimi_explore.model._kda_recurrence was not built (no C compiler at install); reinstall with one")
     T, H, K = k.shape
@@ -63,7 +64,7 @@ def recurrent_delta_rule(q, k, v, log_alpha, beta, S, state_norms: bool = False,
                          f"{getattr(S, 'shape', '')}")
     f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
     q, k, v, beta = f32(q), f32(k), f32(v), f32(beta)
-    alpha = np.exp(f32(log_alpha))
+    alpha = np.exp(f32(log_alpha)) if alpha is None else f32(alpha)
     for name, a, want in (("q", q, (T, H, K)), ("v", v, (T, H, V)), ("log_alpha", alpha, (T, H, K)), ("beta", beta, (T, H))):
         if a.shape != want:
             raise ValueError(f"recurrent_delta_rule: {name} has shape {a.shape}, expected {want} (from k {k.shape})")

@@ -37,18 +37,18 @@ def select_experts_rows(scores, bias, top_k: int):
     xp = array_namespace(scores)
     choice = scores + bias  # summed in the scores' dtype, as the token form does
     T, E = scores.shape
+    rows = xp.arange(T)[:, None]  # fancy indexing along rows: take_along_axis's result, without its Python cost
     if top_k < E:
         part = xp.argpartition(-choice, top_k, axis=1)  # [:, :k] the k largest (any order), [:, k] the next
         top = part[:, :top_k]
-        kth = xp.take_along_axis(choice, top, axis=1).min(axis=1)
-        tied = kth == xp.take_along_axis(choice, part[:, top_k : top_k + 1], axis=1)[:, 0]
+        kth = choice[rows, top].min(axis=1)
+        tied = kth == choice[rows[:, 0], part[:, top_k]]
     else:
         top = xp.broadcast_to(xp.arange(E), (T, E))
         tied = xp.zeros(T, dtype=bool)
-    chosen = xp.take_along_axis(scores, top, axis=1)
+    chosen = scores[rows, top]
     by_score = xp.argsort(-chosen, axis=1)  # unbiased descending
-    ids = xp.take_along_axis(top, by_score, axis=1)
-    s = xp.take_along_axis(chosen, by_score, axis=1)
+    ids, s = top[rows, by_score], chosen[rows, by_score]
     tied |= (s[:, 1:] == s[:, :-1]).any(axis=1)
     for t in np.flatnonzero(np.asarray(tied.get() if hasattr(tied, "get") else tied)).tolist():
         ids[t] = select_experts(scores[t], bias, top_k)  # its own tie order
@@ -64,7 +64,7 @@ def routing_weights_rows(scores, ids, renormalize: bool, scaling: float):
     xp = array_namespace(scores)
     ids = xp.asarray(ids)
     kept = ids >= 0
-    w = xp.where(kept, xp.take_along_axis(scores, xp.where(kept, ids, 0), axis=1), 0.0).astype(scores.dtype)
+    w = xp.where(kept, scores[xp.arange(ids.shape[0])[:, None], xp.where(kept, ids, 0)], 0.0).astype(scores.dtype)
     if on_host(scores) and scores.shape[1] <= moe.SMALL_ROUTER:
         # the token form's Python route: doubles summed left to right, each weight rounded once at the end
         w64 = w.astype(np.float64)

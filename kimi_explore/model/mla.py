@@ -206,7 +206,7 @@ def causal_softmax_(scores, L0: int):
     the size of the scores; a few heads at a time, so that each block's passes stay in cache."""
     xp = array_namespace(scores)
     nh, T, L = scores.shape
-    future = xp.triu(xp.ones((T, T), dtype=bool), 1)  # [T, T]: the chunk's later tokens
+    future = _future(xp, T)  # [T, T]: the chunk's later tokens
     step = max(1, (1 << 18) // max(1, T * L))  # heads per block: ~1 MB of float32 scores
     for a in range(0, nh, step):
         s = scores[a : a + step]
@@ -215,6 +215,19 @@ def causal_softmax_(scores, L0: int):
         xp.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
     return scores
+
+
+_FUTURE: dict = {}  # (namespace, T) -> [T, T] bool, True above the diagonal (built once per chunk size)
+
+
+def _future(xp, T: int):
+    key = (xp.__name__, T)
+    m = _FUTURE.get(key)
+    if m is None:
+        if len(_FUTURE) > 16:
+            _FUTURE.clear()
+        m = _FUTURE[key] = xp.triu(xp.ones((T, T), dtype=bool), 1)
+    return m
 
 
 def naive_mla_prefill(xs, w: MlaWeights):

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._plot_helpers import heatmap
-from .plots import InlineFigure
+from .mpl import InlineFigure, heatmap
 
 __all__ = ["FAMILY_COLOURS", "gap_grid", "mass_vs_effect"]
 
