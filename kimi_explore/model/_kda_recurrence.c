@@ -288,11 +288,10 @@ static PyObject *shift_in(PyObject *self, PyObject *args) {
     else {
         float *win = window.buf;
         const float *yy = y.buf;
-        for (Py_ssize_t c = 0; c < C; c++) {
-            float *row = win + c * W;
-            memmove(row, row + 1, (size_t)(W - 1) * sizeof(float));
-            row[W - 1] = yy[c];
-        }
+        /* NumPy's way: the whole buffer one float left (a tap crossing into the previous row lands in its last
+           tap), then every row's last tap set */
+        memmove(win, win + 1, (size_t)(C * W - 1) * sizeof(float));
+        for (Py_ssize_t c = 0; c < C; c++) win[c * W + W - 1] = yy[c];
         result = Py_None;
         Py_INCREF(result);
     }
