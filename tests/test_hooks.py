@@ -270,3 +270,33 @@ def test_a_replacement_on_the_wrong_device_is_reported(ref_weights):
     hooks.add("layers.2.attn.out", lambda v, *, hook: DeviceArray(v))
     with pytest.raises(TypeError, match=r"layers\.2\.attn\.out.*returned a CuPy \(GPU\) array, but this site's value is a host"):
         decode(ref_weights, TOKENS[:1], hooks)
+
+
+def test_sites_bound_per_layer_fire_exactly_the_listened_names(ref_weights):
+    """The token form fires a site only where something listens (`model.sites.site_table`): a plain object with
+    `fire` (and an unrelated `sites` attribute, as a timing helper may have) sees every name of
+    `hook_names` in firing order; a bound Hooks runs its hook at exactly its two names; a HookChain of both
+    gives the plain object every name again."""
+
+    class Plain:
+        sites = {"embed": "start"}  # not the binding protocol: must be ignored
+
+        def __init__(self):
+            self.seen = []
+
+        def fire(self, name, value):
+            self.seen.append(name)
+            return value
+
+    names = hook_names(ref_weights)
+    plain = Plain()
+    kimi_forward_token(ref_weights, KimiDecodeState.new(ref_weights), 5, hooks=plain)
+    assert plain.seen == names
+    hooks, hit = Hooks().bind(ref_weights), []
+    hooks.add("layers.4.kda.q", lambda v, hook: hit.append(hook.name))
+    hooks.add("layers.2.mla.probs", lambda v, hook: hit.append(hook.name))
+    kimi_forward_token(ref_weights, KimiDecodeState.new(ref_weights), 5, hooks=hooks)
+    assert hit == ["layers.2.mla.probs", "layers.4.kda.q"]
+    plain, hit[:] = Plain(), []
+    kimi_forward_token(ref_weights, KimiDecodeState.new(ref_weights), 5, hooks=HookChain(hooks, plain))
+    assert plain.seen == names and hit == ["layers.2.mla.probs", "layers.4.kda.q"]

@@ -99,7 +99,7 @@ class HookChain:
             value = h.fire(name, value)
         return value
 
-    def sites(self, names: dict) -> dict:
+    def listening_sites(self, names: dict) -> dict:
         """`model.sites.site_table` for the chain: the sites any of its sets listens to, each fired through
         the whole chain (every set skips what it does not listen to)."""
         tables = [site_table(h, names) for h in self.hook_sets]

@@ -246,7 +246,7 @@ class Hooks:
                 value = out
         return value
 
-    def sites(self, names: dict) -> dict:
+    def listening_sites(self, names: dict) -> dict:
         """{kind: fn(value) -> value} for the sites of one layer (`names`: kind -> full name) that have
         functions attached, each fn this Hooks' `fire` at that name (`model.sites.site_table`). Cached
         per `names` until the hooks change."""

@@ -9,7 +9,7 @@ dict kind -> fn(value) -> value, and fires only those:
         x = at["attn.in"](x)
 
 so a site nobody listens to costs one dict membership test (TransformerLens's HookPoints: a module
-without hooks costs nothing). A hooks object with a `sites(names)` method (`Hooks`, `Recorder`,
+without hooks costs nothing). A hooks object with a `listening_sites(names)` method (`Hooks`, `Recorder`,
 `HookChain`) answers from its cache, rebuilt when its hooks change; any other object with
 `fire(name, value) -> value` gets every site, each through its `fire`.
 """
@@ -29,7 +29,7 @@ def site_table(hooks, names) -> dict:
     """{kind: fn(value) -> value} for the sites of `names` ({kind: full name}) that `hooks` listens to."""
     if hooks is None:
         return NO_SITES
-    own = getattr(hooks, "sites", None)
+    own = getattr(hooks, "listening_sites", None)
     table = own(names) if own is not None else None
     if table is None:
         fire = hooks.fire
