@@ -1,4 +1,5 @@
-"""The optional compiled kernels (MXFP4 experts, bf16 matrices, the KDA recurrence); everything else is in
+"""The optional compiled kernels (MXFP4 experts, bf16 matrices, the KDA recurrence, the sequence path's element-wise
+ops); everything else is in
 pyproject.toml.
 
 `optional=True`: without a C compiler the install still succeeds and packed experts fall back to

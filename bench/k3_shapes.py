@@ -1,7 +1,8 @@
 """Decode speed and load memory at the REAL K3 shapes (synthetic weights), per layer kind.
 
     python bench/k3_shapes.py [--device cpu|gpu] [--weight-dtype float32[,bfloat16]] [--tokens 4]
-                              [--layers 0,1,3] [--ckpt bench/results/k3_shapes_ckpt] [--json bench/results/k3_shapes.json]
+                              [--layers 0,1,3] [--chunk 1,16,64,256] [--no-decode]
+                              [--ckpt bench/results/k3_shapes_ckpt] [--json bench/results/k3_shapes.json]
 
 Writes once (streaming, shard by shard) a checkpoint in the released layout with K3's widths:
 hidden 7168, KDA 96 x 128 (P = 12288), MLA 96 heads (q_lora 1536, kv_lora 512, 128/64/128),
@@ -24,6 +25,19 @@ multiplied straight from their MXFP4 bytes by `mxfp4_matvec` (bytes read = their
 (routing pinned to one token's 16 experts by a topk_ids hook, so every token hits; bytes read =
 their float32 bytes). Attention and trunk matrices are read whole every token at their resident
 dtype (float32, or bf16 bits with --weight-dtype bfloat16).
+
+--chunk 1,16,64,256 adds the sequence (prefill) path: per chunk size c, the layer's halves run on c
+rows at once (`kda_sequence` / `mla_sequence`, then `latent_moe_sequence` with the experts as in the
+"fused" phase, or `dense_mlp_sequence`), one warm-up chunk then the best of a few (at most --tokens,
+256 / c), from rows of unit RMS. ms/token = chunk time / c, by this process's CPU time on the CPU
+(a shared machine's descheduled time does not count; run it with OPENBLAS_NUM_THREADS=1 there), by
+wall time on a GPU. Each half is judged against a roofline measured in the same run:
+max(bytes read / bandwidth, FLOPs / sgemm rate), the bandwidth as above and the sgemm rate of a
+float32 [256, 7168] x [7168, 4096] matmul (best of 5, in each layer's process and in the driver's,
+best kept). Bytes read per chunk: every attention and trunk matrix once, plus each DISTINCT expert
+the chunk selected (packed bytes on the fused route); FLOPs: 2 per weight element per row, the k
+selected experts per row, plus MLA's scores and mix over the cache (the warm-up chunk, then the
+chunk). "x decode" is the bytes a decoded token reads over the bytes per token of the chunk.
 """
 
 from __future__ import annotations
@@ -266,8 +280,11 @@ def child(args) -> dict:
         rows = np.array(rows) * 1e3
         return rows.min(axis=0), np.median(rows, axis=0)  # best (the table) and median (JSON) of the tokens
 
+    sequence = sequence_phase(w, args, attn_bytes, trunk) if args.chunk else []
     phases = {}
-    if moe:
+    if args.no_decode:
+        pass
+    elif moe:
         per_packed = bank.packed_bytes / bank.num_experts
         if bank.uses_fused:  # CPU with the compiled kernel: straight from the packed bytes
             (attn_ms, ffn_ms), med = run(args.tokens)
@@ -295,7 +312,132 @@ def child(args) -> dict:
         "phases": {k: {"attn_ms": float(a), "ffn_ms": float(f), "attn_bytes": attn_bytes, "ffn_bytes": int(fb),
                        "median_attn_ms": float(m[0]), "median_ffn_ms": float(m[1])}
                    for k, (a, f, fb, m) in phases.items()},
+        "sequence": sequence, "sgemm_GFLOPs": measure_sgemm(args.device) if args.chunk else None,
+        "decode_bytes": {"attn": attn_bytes, "ffn": int(trunk + (TOP_K * bank.packed_bytes / bank.num_experts if moe else 0))},
     }
+
+
+def sequence_clock(device: str):
+    """The sequence phase's clock: this process's CPU time on the CPU (on a shared machine the time it
+    spends descheduled does not count; its threads' times add up, so a kernel on 2 threads is charged
+    what one core would spend), wall time on a GPU."""
+    return time.process_time if device == "cpu" else time.perf_counter
+
+
+def measure_sgemm(device: str) -> float:
+    """GFLOP/s of a float32 [256, 7168] x [7168, 4096] matmul (a chunk through a K3 projection), best of 5,
+    by `sequence_clock`."""
+    from kimi_explore.backend import resolve_device
+
+    xp, _ = resolve_device(device)
+    clock = sequence_clock(device)
+    a, b = xp.ones((256, 7168), xp.float32), xp.ones((7168, 4096), xp.float32)
+    a @ b
+    _sync(xp)
+    best = float("inf")
+    for _ in range(5):
+        t0 = clock()
+        a @ b
+        _sync(xp)
+        best = min(best, clock() - t0)
+    return 2 * 256 * 7168 * 4096 / best / 1e9
+
+
+def sequence_phase(w, args, attn_bytes: int, trunk: int) -> list[dict]:
+    """The layer's halves on chunks of c rows (the sequence path's layer functions), per c in --chunk."""
+    from kimi_explore import KimiDecodeState
+    from kimi_explore.model.kda import kda_sequence
+    from kimi_explore.model.latent_moe_sequence import latent_moe_sequence
+    from kimi_explore.model.mla import mla_sequence
+    from kimi_explore.model.ops import dense_mlp_sequence
+
+    layer, xp, cfg = w.layers[0], w.xp, w.config
+    att, ffn = layer.attention, layer.ffn
+    moe = ffn.kind == "moe"
+    clock = sequence_clock(args.device)
+    item = 2 if args.weight_dtype == "bfloat16" else 4
+    rng = np.random.default_rng(0)
+    out = []
+    for c in [int(x) for x in args.chunk.split(",")]:
+        x = xp.asarray(rng.standard_normal((c, cfg.hidden_size)).astype(np.float32))
+        state = KimiDecodeState.new(w).layers[0].attention
+        picked = []
+
+        def keep(name, value):
+            if name == "moe.router.topk_ids":
+                picked.append(value)
+            return value
+
+        def attention():
+            if att.kind == "kda":
+                return kda_sequence(x, att, state)[0]
+            return mla_sequence(x, att, state)
+
+        def feed_forward():
+            if moe:
+                return latent_moe_sequence(x, ffn, fire=keep)
+            return dense_mlp_sequence(x, ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+        def best(fn, reps):
+            fn()  # warm-up (and the MLA cache's first chunk)
+            _sync(xp)
+            ts = []
+            for _ in range(reps):
+                t0 = clock()
+                fn()
+                _sync(xp)
+                ts.append(clock() - t0)
+            return min(ts)
+
+        reps = max(1, min(args.tokens, 256 // c))
+        attn_s = best(attention, reps)
+        cache = state.length - c if att.kind == "mla" else 0  # the cache before the last timed chunk
+        ffn_s = best(feed_forward, reps)
+        attn_flops = 2 * attn_bytes / item * c
+        if att.kind == "mla":  # scores and mix: query t of the chunk sees cache + t + 1 positions
+            attn_flops += 2 * att.num_heads * (att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim) * \
+                (c * cache + c * (c + 1) / 2)
+        ffn_bytes, ffn_flops = trunk, 2 * trunk / item * c
+        distinct = 0
+        if moe:
+            bank = ffn.experts
+            distinct = len(np.unique(np.asarray(picked[-1].get() if hasattr(picked[-1], "get") else picked[-1])))
+            ffn_bytes += distinct * bank.packed_bytes / bank.num_experts
+            ffn_flops += 2 * ffn.top_k * c * bank.expert_bytes / 4  # the dequantised experts' float32 elements
+        out.append({"chunk": c, "attn_ms_per_token": attn_s / c * 1e3, "ffn_ms_per_token": ffn_s / c * 1e3,
+                    "attn_bytes_per_chunk": attn_bytes, "ffn_bytes_per_chunk": int(ffn_bytes), "distinct_experts": distinct,
+                    "attn_flops_per_chunk": attn_flops, "ffn_flops_per_chunk": ffn_flops, "mla_cache": cache})
+    return out
+
+
+def sequence_table(runs: list[dict], B: float, gflops: float) -> list[dict]:
+    """Print and return the sequence path's rows: ms/token against the roofline max(bytes / B, FLOPs / sgemm)."""
+    print(f"\nsequence path (prefill), ms/token against the roofline max(bytes / {B / 1e9:.1f} GB/s, FLOPs / "
+          f"{gflops:.0f} GFLOP/s sgemm):")
+    head = (f"{'layer kind':<10} {'weights':<8} {'chunk':>5} {'part':<5} {'ms/tok':>8} {'MB/tok':>8} {'x decode':>8} "
+            f"{'GFLOP/tok':>9} {'roof ms':>8} {'x roof':>6} {'experts':>7}")
+    print(head)
+    print("-" * len(head))
+    rows = []
+    for run in runs:
+        for r in run["sequence"]:
+            c = r["chunk"]
+            parts = {"attn": (r["attn_ms_per_token"], r["attn_bytes_per_chunk"], r["attn_flops_per_chunk"],
+                              run["decode_bytes"]["attn"]),
+                     "ffn": (r["ffn_ms_per_token"], r["ffn_bytes_per_chunk"], r["ffn_flops_per_chunk"],
+                             run["decode_bytes"]["ffn"])}
+            parts["layer"] = tuple(parts["attn"][i] + parts["ffn"][i] for i in range(4))
+            for part, (ms, nbytes, flops, dec) in parts.items():
+                roof = max(nbytes / B, flops / (gflops * 1e9)) / c * 1e3
+                row = {"layer": run["layer"], "kind": run["kind"], "weight_dtype": run["weight_dtype"], "phase": "sequence",
+                       "chunk": c, "part": part, "ms_per_token": ms, "bytes_per_token": nbytes / c,
+                       "decode_bytes_per_token": dec, "bytes_vs_decode": dec / (nbytes / c), "flops_per_token": flops / c,
+                       "roofline_ms": roof, "ratio_to_roofline": ms / roof, "distinct_experts": r["distinct_experts"]}
+                rows.append(row)
+                print(f"{run['kind']:<10} {run['weight_dtype'][:8]:<8} {c:>5} {part:<5} {ms:>8.2f} {nbytes / c / 1e6:>8.1f} "
+                      f"{row['bytes_vs_decode']:>8.1f} {flops / c / 1e9:>9.2f} {roof:>8.2f} {row['ratio_to_roofline']:>6.2f} "
+                      f"{r['distinct_experts']:>7}")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -309,6 +451,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--ckpt", default=str(ROOT / "bench" / "results" / "k3_shapes_ckpt"))
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "k3_shapes.json"))
+    p.add_argument("--chunk", default="", help="comma list of chunk sizes for the sequence path (e.g. 1,16,64,256)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode phases (with --chunk: the sequence path only)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layer", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -326,6 +470,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, __file__, "--child", "--layer", str(layer), "--device", args.device,
                    "--weight-dtype", wd, "--tokens", str(args.tokens), "--ckpt", args.ckpt]
             cmd += ["--recorder"] if args.recorder else []
+            cmd += ["--chunk", args.chunk] if args.chunk else []
+            cmd += ["--no-decode"] if args.no_decode else []
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
             if r.returncode:
                 print(r.stderr, file=sys.stderr)
@@ -356,6 +502,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{run['kind']:<10} {run['weight_dtype'][:8]:<8} {phase:<5} {part:<5} {ms:>8.1f} {nbytes / 1e6:>8.0f} "
                       f"{row['GBps']:>6.1f} {floor:>8.1f} {row['ratio_to_floor']:>7.2f}")
+    if args.chunk:
+        rows += sequence_table(runs, B, max([measure_sgemm(args.device)] + [run["sgemm_GFLOPs"] for run in runs]))
     print()
     # the bf16 widening scratch is reserved (calloc) at load but only touched by the first matmul
     print(f"{'layer kind':<10} {'weights':<8} {'load s':>7} {'kept MB':>8} {'(scratch)':>9} {'peak RSS MB':>11} "

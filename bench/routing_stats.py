@@ -1,12 +1,13 @@
-"""Throughput of `ke.routing_stats` on the embedded tiny model, recording on (target: >= 400 tokens/s).
+"""Throughput of `ke.routing_stats` on the embedded tiny model, recording on (target: >= 20,000 tokens/s).
 
-    python bench/routing_stats.py [--tokens 2048] [--text-len 256] [--rounds 3] [--threads 1] [--json PATH]
+    python bench/routing_stats.py [--tokens 4096] [--text-len 1024] [--rounds 3] [--threads 1] [--json PATH]
 
 Configurations, each over the same corpus (texts of `text-len` bytes, `tokens` in all, each decoded
 from a fresh state):
 
-    decoder only     a Session without a recorder: the floor
-    routing_stats    ke.routing_stats: a Session per text with the router sites recorded, plus the counting
+    decoder only     a Session without a recorder: the floor (`Session.feed`: the sequence path, in chunks)
+    routing_stats    ke.routing_stats: a Session per text with the router sites recorded (fed on the
+                     sequence path), plus the counting
 
 Reports the median over rounds of tokens/s by wall clock and by this thread's CPU time (time the
 process spends descheduled by other jobs on a shared machine does not count), and the overhead
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-TARGET = 400.0  # tokens/s, the issue's bar for the embedded model
+TARGET = 20_000.0  # tokens/s (CPU time), the issue's bar for the embedded model on the sequence path
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ("The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts flew 384,400 km to the Moon.\n"
           "def f(x):\n    return x * 2  # twice\nHello, world! Prices: 10 apples cost $4.50; 12 pears, $6.\n")
@@ -33,8 +34,8 @@ CORPUS = ("The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts fl
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--text-len", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--text-len", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (0: leave the environment as it is)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "routing_stats.json"))
@@ -77,18 +78,20 @@ def main() -> int:
         wall, cpu = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
         rows.append({"config": name, "tokens": n, "wall_s": wall, "tokens_per_s": n / wall, "cpu_tokens_per_s": n / cpu})
     base, ours = rows
-    overhead = base["tokens_per_s"] / ours["tokens_per_s"] - 1.0
+    overhead = base["cpu_tokens_per_s"] / ours["cpu_tokens_per_s"] - 1.0
     print(f"routing_stats on the embedded tiny model: {n} tokens in {len(texts)} texts, {args.rounds} rounds, "
           f"BLAS threads {os.environ.get('OPENBLAS_NUM_THREADS', 'default')}")
     print(f"{'config':16s} {'tokens/s (wall)':>16s} {'tokens/s (cpu)':>15s}")
     for r in rows:
         print(f"{r['config']:16s} {r['tokens_per_s']:16.0f} {r['cpu_tokens_per_s']:15.0f}")
-    verdict = "meets" if ours["tokens_per_s"] >= TARGET else "MISSES"
-    print(f"routing_stats over the decoder alone: {overhead:+.1%}; {verdict} the {TARGET:.0f} tokens/s target (wall clock)")
+    verdict = "meets" if ours["cpu_tokens_per_s"] >= TARGET else "MISSES"
+    print(f"routing_stats over the decoder alone: {overhead:+.1%}; {verdict} the {TARGET:,.0f} tokens/s target (CPU time; "
+          f"load average {os.getloadavg()[0]:.2f})")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "overhead": overhead, "target_tokens_per_s": TARGET,
-                               "meets_target": ours["tokens_per_s"] >= TARGET, "threads": args.threads,
+                               "meets_target": ours["cpu_tokens_per_s"] >= TARGET, "load_average": os.getloadavg(),
+                               "threads": args.threads,
                                "machine": platform.machine(), "python": sys.version.split()[0],
                                "cpus": os.cpu_count()}, indent=2) + "\n")
     print(f"wrote {out}")

@@ -12,6 +12,9 @@ one by one (the sessions in turn, so machine noise hits every history alike), ea
     window   session.trace(window=slice(-32, None)) and the arrays a view draws from it:
              attn_res_weights(), routing(), top_predictions()
 
+    lens_at  lens_at(session, last token): the logit-lens strip of the new token (not in the total:
+             its cost is bounded by `checkpoint_every`, not by the history)
+
 The total is step + trace + window (what the Explorer's kernel side does per Step). Reported: the
 median over the steps (process CPU time, ms; the wall clock beside it), and total(H) / total(20). Target (issue 20): the 300-token
 total within 1.3x of the 20-token one. Run alone: the machine's load is printed with the table.
@@ -31,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from kimi_explore import from_pretrained
+from kimi_explore.analysis.logit_lens import lens_at
 from kimi_explore.inspection.session import Session
 from kimi_explore.weights.k3_depth import write_k3_depth
 from kimi_explore.weights.tiny_model import tiny_checkpoint
@@ -51,8 +55,10 @@ def one_step(s: Session, token: int) -> dict:
     w = s.trace(window=slice(-WINDOW, None))
     w.attn_res_weights(), w.routing(), w.top_predictions()
     c3, t3 = CLOCK(), time.perf_counter()
+    lens_at(s, len(s) - 1)
+    c4 = CLOCK()
     return {"step": (c1 - c0) * 1e3, "trace": (c2 - c1) * 1e3, "window": (c3 - c2) * 1e3, "total": (c3 - c0) * 1e3,
-            "wall": (t3 - t0) * 1e3}
+            "wall": (t3 - t0) * 1e3, "lens_at": (c4 - c3) * 1e3}
 
 
 def measure(weights, histories, steps: int, seed: int = 0) -> dict:
@@ -81,11 +87,11 @@ def measure(weights, histories, steps: int, seed: int = 0) -> dict:
 
 def table(results: dict) -> str:
     lines = [f"{'model':<10} {'history':>7} {'step ms':>8} {'trace ms':>9} {'window ms':>10} {'total ms':>9} "
-             f"{'wall ms':>8} {'x vs first':>10}"]
+             f"{'wall ms':>8} {'x vs first':>10} {'lens_at ms':>10}"]
     for model, rows in results.items():
         for H, r in rows.items():
             lines.append(f"{model:<10} {H:>7} {r['step']:>8.2f} {r['trace']:>9.2f} {r['window']:>10.2f} {r['total']:>9.2f} "
-                         f"{r['wall']:>8.2f} {r['ratio_vs_first']:>10.2f}")
+                         f"{r['wall']:>8.2f} {r['ratio_vs_first']:>10.2f} {r['lens_at']:>10.2f}")
     lines.append("(CPU ms, median over the steps; 'x vs first': total / total at the shortest history)")
     return "\n".join(lines)
 

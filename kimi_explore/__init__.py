@@ -43,6 +43,7 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "plan_download": ("weights.hub", "plan_download"),
     "logit_lens": ("analysis.logit_lens", "logit_lens"),
     "LogitLens": ("analysis.logit_lens", "LogitLens"),
+    "lens_at": ("analysis.logit_lens", "lens_at"),
     "logit_attribution": ("analysis.attribution", "logit_attribution"),
     "Attribution": ("analysis.attribution", "Attribution"),
     "diff": ("analysis.diff", "diff"),

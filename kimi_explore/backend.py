@@ -8,19 +8,48 @@ allocation).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
 import numpy as np
 
+from . import _xp
 from .errors import BackendError
 
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
+_STAND_IN: list = []  # the active stand-in device module (stand_in_device), innermost last
+
+
+@contextlib.contextmanager
+def stand_in_device(xp):
+    """Within the block, device "gpu" (and "auto") resolves to `xp`, a CuPy-shaped array module whose
+    arrays (`xp.ndarray`) count as device arrays for `on_host` and `array_namespace`.
+
+    For tests on machines without a GPU (tests/strict_device.py: host storage, CuPy's strictness at the
+    host border, transfers counted). It is not a GPU run: `bench/gpu_check.sh` is, where a GPU is at hand.
+    """
+    kind = xp.ndarray
+    had = _xp.DEVICE_TYPES.get(kind)
+    _xp.DEVICE_TYPES[kind] = xp
+    _STAND_IN.append(xp)
+    try:
+        yield xp
+    finally:
+        _STAND_IN.pop()
+        if had is None:
+            del _xp.DEVICE_TYPES[kind]
+        else:
+            _xp.DEVICE_TYPES[kind] = had
+
+
 def _cupy_status():
     """(cupy module or None, reason it is unusable or None)."""
+    if _STAND_IN:
+        return _STAND_IN[-1], None
     try:
         import cupy
     except ImportError as e:
@@ -65,11 +94,13 @@ def to_numpy(a) -> np.ndarray:
 def on_host(x) -> bool:
     """Whether `x` (an array namespace, or an array) is on the host: THE device test of the package.
 
-    True for NumPy and NumPy arrays (and anything not CuPy), False for CuPy and its arrays.
+    True for NumPy and NumPy arrays (and anything not CuPy), False for CuPy and its arrays (and a
+    stand-in device's, `stand_in_device`).
     """
     if isinstance(x, types.ModuleType):
         return x is np
-    return not type(x).__module__.startswith("cupy")  # (without importing CuPy)
+    t = type(x)
+    return not t.__module__.startswith("cupy") and t not in _xp.DEVICE_TYPES  # (without importing CuPy)
 
 
 def gpu_available() -> bool:

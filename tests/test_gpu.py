@@ -1,7 +1,9 @@
 """The decoder on device="gpu" (CuPy): Moonshot's reference outputs, and the same resident-form equalities as on the CPU.
 
 Skipped unless CuPy imports AND reports a usable CUDA device (`backend.gpu_available()`).
-Run on a GPU machine with `bench/gpu_check.sh` (or `pytest -m gpu tests/test_gpu.py`).
+Run on a GPU machine with `bench/gpu_check.sh` (or `pytest -m gpu tests/test_gpu.py`). Without a GPU,
+tests/test_gpu_standin.py runs these bodies on a strict stand-in device (host memory, CuPy's strictness,
+transfers counted): the device code path and its host/device discipline, not a GPU run.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 def test_the_notebooks_exist_and_are_stored_without_outputs():
-    assert {"01_", "02_", "03_", "04_", "06_", "07_"} <= {p.name[:3] for p in NOTEBOOKS}
+    assert {"01_", "02_", "03_", "04_", "05_", "06_", "07_", "08_"} <= {p.name[:3] for p in NOTEBOOKS}
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
@@ -46,18 +46,20 @@ def test_notebook_executes_and_shows_figures(path, tmp_path):
     nbformat.write(nb, tmp_path / path.name)  # kept for a look when a test fails
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0]['ename']}: {errors[0]['evalue']}"
-    pngs = png_outputs(nb)
-    explorer = any("ke.Explorer(" in c.source for c in nb.cells)
-    # the tour's figures are the Explorer's (checked below); every other notebook shows static figures
+    pngs, explorer = png_outputs(nb), any("ke.Explorer(" in c.source for c in nb.cells)
     assert (pngs or explorer) and all(p.startswith(PNG_MAGIC) for p in pngs), f"{path.name}: no figure outputs"
-    if explorer:
+    if explorer:  # its figures are the Explorer's plotly views (01 shows nothing else)
         plots = widget_plots(nb)
         assert plots, f"{path.name}: Explorer drew nothing"
         view_mime = "application/vnd.jupyter.widget-view+json"
         views = [o for c in nb.cells for o in c.get("outputs", []) if view_mime in o.get("data", {})]
         assert views, f"{path.name}: the Explorer was not displayed"
+    if path.name.startswith("08_"):  # the verdict is printed from the numbers, for both effect measures
+        text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        assert text.count("the Spearman correlation of softmax mass with the") == 2, f"{path.name}: no verdict"
+        assert "families by mean mass:" in text
     if path.name.startswith("01_"):
-        # the tour draws every tab: 9 views (the full expert map, the expert search, the ablation and the
-        # lens & attribution, which replay the history, stay empty until asked for)
+        # the tour draws every tab: 9 views (the full expert map, the expert search and the ablation stay
+        # empty until asked for)
         assert len(widget_plots(nb)) == 9
     json.dumps(nb)  # the executed notebook is plain JSON (no stray objects in outputs)

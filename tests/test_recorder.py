@@ -328,8 +328,9 @@ def test_recorder_on_the_gpu_matches_the_host(ref, recorded):
         assert isinstance(gpu[name], np.ndarray) and gpu[name].shape == cpu[name].shape, name
         if cpu[name].dtype.kind in "iu":
             np.testing.assert_array_equal(gpu[name], cpu[name], err_msg=name)
-        else:
-            np.testing.assert_allclose(gpu[name], cpu[name], atol=1e-4, rtol=1e-4, equal_nan=True, err_msg=name)
+        else:  # float32 rounding of another sum order (the host's C kernels), relative to the record's scale
+            scale = max(1.0, float(np.nanmax(np.abs(cpu[name])))) if cpu[name].size else 1.0
+            np.testing.assert_allclose(gpu[name], cpu[name], atol=1e-4 * scale, rtol=1e-4, equal_nan=True, err_msg=name)
     norms, _ = gpu.kda_state_norms()
     np.testing.assert_allclose(norms, ref["kda_state_norm_decode"], atol=1e-4, rtol=0)
     unbound = Recorder()  # learns it is on a device from the first value it sees

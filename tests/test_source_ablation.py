@@ -126,3 +126,36 @@ def test_bad_arguments_are_named(ref_weights):
         ke.source_ablation(ref_weights, TOKENS, layers=[99])
     with pytest.raises(ValueError, match="source family must be one of"):
         ke.source_ablation(ref_weights, TOKENS, families=["residual"])
+
+
+def test_the_figure_shows_each_cell_where_its_numbers_say(ref_weights):
+    from kimi_explore.views.figures.source_ablation_plots import gap_grid, mass_vs_effect
+
+    res = ke.source_ablation(ref_weights, TOKENS, layers=[5, 6, 7], chunk=6)
+    fig = mass_vs_effect(res)
+    scatter = fig.axes[0]
+    shown = {(c.get_label()): c.get_offsets().data.tolist() for c in scatter.collections}
+    for fam in {r["family"] for r in res.rows}:
+        for site in ("attn", "ffn"):
+            want = [[r["mass"], r["kl"]] for r in res.rows if r["family"] == fam and r["site"] == site]
+            if want:
+                np.testing.assert_allclose(shown[f"{fam} ({site})"], want, rtol=1e-12)
+            else:
+                assert f"{fam} ({site})" not in shown
+    grid, fams, cols = gap_grid(res)
+    n = len(res) - 1
+    for r in res.rows:  # percentile by hand: the number of cells below, over n
+        pm = sum(x["mass"] < r["mass"] for x in res.rows) / n
+        pk = sum(x["kl"] < r["kl"] for x in res.rows) / n
+        assert grid[fams.index(r["family"]), cols.index(f"{r['layer']} {r['site']}")] == pytest.approx(pm - pk)
+    assert np.isnan(grid).sum() == len(fams) * len(cols) - len(res)
+    texts = {t.get_text() for t in fig.axes[1].texts}
+    assert {f"{v:+.2f}" for v in grid[np.isfinite(grid)]} == texts
+
+
+def test_reusing_the_clean_prefix_gives_the_full_runs_numbers_exactly(ref_weights):
+    """A run masked at layer L restarts from the clean stack before L: the same floats as decoding every layer."""
+    ids = TOKENS * 2
+    fast = ke.source_ablation(ref_weights, ids, layers=[0, 5, 12], chunk=7)  # 4 chunks, the last one short
+    full = ke.source_ablation(ref_weights, ids, layers=[0, 5, 12], chunk=7, reuse_prefix=False)
+    assert fast.clean_loss == full.clean_loss and fast.rows == full.rows and len(fast) > 6

@@ -113,6 +113,8 @@ def test_mask_over_several_layers_and_a_range_of_positions(ref_weights):
         assert np.array_equal(got, want)
     clean = decode(ref_weights, TOKENS)
     assert np.array_equal(want[:3], clean[:3]) and not np.allclose(want[3:], clean[3:], atol=1e-4)
+    # on the sequence path a chunk straddles the range's start (rows 0-2 of the first chunk kept as they are)
+    close(decode_sequence(ref_weights, TOKENS, mask_sources([4, 10], "ffn", "current", positions=slice(3, None)), 4), want)
 
 
 def test_mask_at_every_layer_and_both_sites(ref_weights):
@@ -180,3 +182,15 @@ def test_mask_errors_name_what_is_wrong(ref_weights):
         ablate_experts("every", [1])
     with pytest.raises(ValueError, match="leaves none of the 2 sources"):
         decode(ref_weights, TOKENS[:2], mask_sources(1, "ffn", [0, 1]))
+
+
+def test_mask_at_the_output_mix(ref_weights):
+    p = recorded(ref_weights, TOKENS, "final.attn_res.weights")
+    cols = source_columns("latest_block", p.shape[1])
+    assert cols == [p.shape[1] - 2]
+    hand = Hooks()
+    for t in range(len(TOKENS)):
+        hand.extend(override_attn_res("final", weights=by_hand(p[t], cols), positions=t))
+    got = decode(ref_weights, TOKENS, mask_sources("final", sources="latest_block"))
+    assert np.array_equal(got, decode(ref_weights, TOKENS, hand))
+    close(decode_sequence(ref_weights, TOKENS, mask_sources("final", sources="latest_block"), chunk=6), got)

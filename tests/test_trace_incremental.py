@@ -117,7 +117,7 @@ def test_window_is_a_view_of_the_whole_trace(ref_weights):
         s.trace()["logits.top_probs"][0, 0] = 1.0
 
 
-@pytest.mark.parametrize("case", ["uniform", "ragged", "promote", "shrink-ragged"])
+@pytest.mark.parametrize("case", ["uniform", "ragged", "promote", "shrink-ragged", "promote-late"])
 def test_stacked_rows_equal_stack_rows(case):
     rng = np.random.default_rng(0)
     if case == "uniform":
@@ -126,6 +126,8 @@ def test_stacked_rows_equal_stack_rows(case):
         rows = [np.arange(k % 7 + 1, dtype=np.int64) for k in range(40)]
     elif case == "promote":
         rows = [np.ones(2, np.float32)] * 20 + [np.ones(2, np.float64)] * 5
+    elif case == "promote-late":  # the float64 rows come after row 10: a truncate to 10 goes back to float32
+        rows = [np.ones(2, np.float32)] * 12 + [np.ones(2, np.float64)] + [np.ones(2, np.float32)] * 20
     else:
         rows = [np.zeros((2, k + 1)) for k in range(30)]
     st = StackedRows()
@@ -136,6 +138,48 @@ def test_stacked_rows_equal_stack_rows(case):
     old = view.copy()
     st.truncate(10)
     assert np.array_equal(st.sync(rows, 10), stack_rows(rows[:10]), equal_nan=True)  # the width shrinks back
+    assert st.sync(rows, 10).dtype == stack_rows(rows[:10]).dtype  # ... and the dtype
     rows = rows[:10] + [r * 0 - 5 for r in rows[10:]]
     assert np.array_equal(st.sync(rows, len(rows)), stack_rows(rows), equal_nan=True)
     assert np.array_equal(view, old, equal_nan=True)  # the earlier view kept its rows
+
+
+def test_stacked_rows_after_a_truncate_to_nothing_take_the_new_rows_shape():
+    """Uniform rows of width 2 (a top-2), truncated to none, then a row of width 0 (every expert ablated):
+    the stacked width is the new row's, as a straight `stack_rows` gives it (found by test_session's
+    random operations: the old width came back padded with -1)."""
+    st = StackedRows()
+    rows = [np.array([3, 1]), np.array([0, 2])]
+    st.sync(rows, 2)
+    st.truncate(0)
+    rows = [np.zeros(0, np.int64)]
+    got = st.sync(rows, 1)
+    assert got.shape == (1, 0) and got.dtype == stack_rows(rows).dtype
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stacked_rows_under_random_appends_truncates_and_reads(seed):
+    """Random histories of rows (widths 0-3, 1 or 2 axes, int/float dtypes), truncates and reads: every read
+    equals stack_rows of the list as it is, and every view handed out keeps its values."""
+    rng = np.random.default_rng(seed)
+    two_axes = bool(seed % 2)
+    dtypes = [np.int64, np.float32, np.float64] if seed % 3 else [np.int64]
+    rows, st, views = [], StackedRows(), []
+    for _ in range(200):
+        op = rng.integers(0, 10)
+        if op < 6:
+            width = int(rng.integers(0, 4)) if rng.random() < 0.3 else 2
+            shape = (2, width) if two_axes else (width,)
+            rows.append((rng.integers(-5, 5, shape)).astype(dtypes[int(rng.integers(0, len(dtypes)))]))
+        elif op < 8 and rows:
+            n = int(rng.integers(0, len(rows) + 1))
+            del rows[n:]
+            st.truncate(n)
+        else:
+            n = int(rng.integers(0, len(rows) + 1)) if rng.random() < 0.3 else len(rows)
+            got, want = st.sync(rows, n), stack_rows(rows[:n])
+            assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
+            if n:
+                views.append((got, got.copy()))
+    for view, copy in views:
+        assert np.array_equal(view, copy, equal_nan=True)

@@ -33,7 +33,7 @@ from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import OutputHead, output_hidden
 from ._replay import replay
 
-__all__ = ["LogitLens", "lens_logits", "logit_lens"]
+__all__ = ["LensStrip", "LogitLens", "lens_at", "lens_logits", "logit_lens"]
 
 
 @dataclass
@@ -134,6 +134,48 @@ def _position(p, T: int) -> int:
     if not -T <= p < T:
         raise IndexError(f"logit_lens: position {p} is outside the history of {T} tokens (0..{T - 1}, or -{T}..-1)")
     return p % T
+
+
+@dataclass
+class LensStrip:
+    """The lens of one token t: what the model would predict after each layer (a strip for a view).
+
+    t, token: the position and its id; layers: [L] model layer ids
+    top_ids, top_probs: [L, top] by probability, descending (column 0: the top-1 strip)
+    """
+
+    t: int
+    token: int
+    layers: list
+    top_ids: np.ndarray
+    top_probs: np.ndarray
+
+
+def lens_at(session, t: int, top: int = 1) -> LensStrip:
+    """The lens of token t alone, at a cost that does not grow with the history: from the latest kept
+    checkpoint c <= t (`Session.checkpoint_before`), tokens c..t are re-decoded as one chunk of the
+    sequence path with `session.hooks` and capture hooks at `embed` and every `layers.{i}.prefix_sum`,
+    and the lens applied to token t's values. At most `checkpoint_every` stepped tokens, or one fed
+    chunk, are re-decoded. Equal to `logit_lens(session)` at t to float rounding (both replay)."""
+    from ..inspection.hooks import HookChain
+    from ..inspection.recorder import Recorder
+
+    T = len(session)
+    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not -T <= t < T:
+        raise IndexError(f"lens_at: token position {t!r} is outside the session's history of {T} tokens")
+    if not (isinstance(top, int) and top >= 1):
+        raise ValueError(f"lens_at: top must be a positive int, got {top!r}")
+    t, w = int(t) % T, session.weights
+    names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
+    capture = Recorder(names_filter=lambda name: False, full=names).bind(w)
+    hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
+    c, state = session.checkpoint_before(t)
+    tokens = session.tokens[c : t + 1]
+    w.forward_sequence(state, tokens, hooks, chunk=len(tokens))
+    values = {k: w.xp.asarray(rows[-1]) for k, rows in capture.take_records().items()}
+    logp = log_softmax(to_numpy(lens_logits(w, w.head(), values)))
+    ids = top_ids(logp, min(top, logp.shape[-1]))
+    return LensStrip(t, int(tokens[-1]), list(w.layer_ids), ids, np.exp(np.take_along_axis(logp, ids, axis=-1)))
 
 
 def _targets(targets, tokens: np.ndarray, V: int):

@@ -16,8 +16,11 @@ family masked at that site at every token, the softmax renormalised over the oth
     delta_loss  loss - the clean loss
     kl          mean over tokens t of KL(P_clean(. | x_<=t) || P_masked(. | x_<=t)), in nats
 
-All runs go through the sequence path (`forward_sequence`, `chunk` tokens per pass), with the
-session's own hooks (`session.hooks`) attached to the clean and masked runs alike. Masks are
+All runs go through the sequence path (`chunk` tokens per pass). A run masked at layer L starts
+from the block-residual stack the clean run had before layer L (`SequenceSources.pack`), since the
+layers below compute the same numbers: the rows are bit for bit those of full passes, for about
+half the work. With the session's own hooks (`session.hooks`, attached to the clean and masked runs
+alike) or a pipeline, every run is a full `forward_sequence`. Masks are
 exactly those of `mask_sources`; what a row measures is checked by hand in tests/test_source_ablation.py.
 A site's "mass" is what the weights say, a row's loss and KL what the model does without that family:
 a family with large mass and little effect is read but not needed (the question of arXiv 2606.13168).
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backend import to_numpy
-from ..inspection.hooks import HookChain
+from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_sources, source_columns
 from ..model.kimi_sequence import DEFAULT_CHUNK
@@ -104,14 +107,17 @@ class SourceAblation:
         """Rank correlation of mass with `effect` ("kl" or "delta_loss") over the rows (of one family)."""
         return spearman(self.column("mass", family), self.column(effect, family))
 
+    def percentiles(self, key: str) -> np.ndarray:
+        """Each row's rank of `key` among all rows, scaled to 0..1 (ties: their average rank)."""
+        n = len(self.rows)
+        return (_ranks(self.column(key)) - 1) / (n - 1) if n > 1 else np.zeros(n)
+
     def disagreements(self, effect: str = "kl", gap: float = 0.5) -> list[dict]:
         """Rows whose mass and effect sit far apart in rank: |percentile(mass) - percentile(effect)| >= gap,
         largest gap first; each row gets `mass_pct`, `effect_pct` (0..1) and `gap` added."""
-        n = len(self.rows)
-        if n < 2:
+        if len(self.rows) < 2:
             return []
-        pm = (_ranks(self.column("mass")) - 1) / (n - 1)
-        pe = (_ranks(self.column(effect)) - 1) / (n - 1)
+        pm, pe = self.percentiles("mass"), self.percentiles(effect)
         out = [dict(r, mass_pct=float(a), effect_pct=float(b), gap=float(a - b))
                for r, a, b in zip(self.rows, pm, pe, strict=True) if abs(a - b) >= gap]
         return sorted(out, key=lambda r: -abs(r["gap"]))
@@ -159,30 +165,87 @@ class SourceAblation:
         return "\n".join(lines)
 
 
+def _scores(logits, ids, a: int, clean_logp):
+    """(next-token losses of rows a.., KL rows to the clean log-probs or None, log-probs when clean)."""
+    logp = _log_softmax(to_numpy(logits))
+    b = a + logp.shape[0]
+    nxt = ids[a + 1 : b + 1]
+    loss = -logp[np.arange(len(nxt)), nxt]
+    if clean_logp is None:
+        return loss, None, logp.astype(np.float32)
+    c = clean_logp[a:b].astype(np.float64)
+    return loss, (np.exp(c) * (c - logp)).sum(axis=-1), None
+
+
+def _collect(parts):
+    losses, kls, logps = zip(*parts, strict=True)
+    cat = lambda xs: None if xs[0] is None else np.concatenate(xs)  # noqa: E731
+    return cat(losses), cat(kls), cat(logps)
+
+
 def _run(weights, ids, hooks, chunk: int, clean_logp=None):
     """(next-token losses [T-1], per-token KL to the clean run [T] or None, log-probs [T, V] when clean)."""
-    state = weights.new_state()
-    losses, kls, logps = [], [], []
+    state, parts = weights.new_state(), []
     for a in range(0, len(ids), chunk):
         b = min(a + chunk, len(ids))
-        logp = _log_softmax(to_numpy(weights.forward_sequence(state, ids[a:b], hooks, chunk=b - a)))
-        nxt = ids[a + 1 : b + 1]
-        losses.append(-logp[np.arange(len(nxt)), nxt])
-        if clean_logp is None:
-            logps.append(logp.astype(np.float32))
-        else:
-            c = clean_logp[a:b].astype(np.float64)
-            kls.append((np.exp(c) * (c - logp)).sum(axis=-1))
-    return np.concatenate(losses), (np.concatenate(kls) if kls else None), (np.concatenate(logps) if logps else None)
+        parts.append(_scores(weights.forward_sequence(state, ids[a:b], hooks, chunk=b - a), ids, a, clean_logp))
+    return _collect(parts)
+
+
+class _Prefixes:
+    """The clean run on the sequence path, keeping each chunk's block-residual stack before the layers
+    asked for (`SequenceSources.pack`), so that a run masked at layer L re-runs only layers L.. (the
+    layers before it compute exactly what the clean run did). Only for in-process weights without
+    extra hooks; the masked run is bit for bit the full masked pass with the same chunks (tested)."""
+
+    def __init__(self, weights, ids, chunk: int, keep_layers, record: Hooks):
+        from ..model.kimi_sequence import embed_chunk, finish_sequence, sequence_layer
+
+        self.weights, self.ids, self.chunk = weights, ids, chunk
+        self._finish, self._layer = finish_sequence, sequence_layer
+        cfg, pos = weights.config, list(weights.layer_ids)
+        self.index = {i: pos.index(i) for i in keep_layers}
+        keep = set(self.index.values())
+        state, parts, self.packs = weights.new_state(), [], []
+        for a in range(0, len(ids), chunk):
+            b = min(a + chunk, len(ids))
+            record.begin_chunk(ids[a:b], range(a, b))
+            stack, packs = embed_chunk(weights, ids[a:b]), {}
+            for li, (layer, layer_state) in enumerate(zip(weights.layers, state.layers, strict=True)):
+                if li in keep:
+                    packs[li] = stack.pack()
+                sequence_layer(layer, layer_state, stack, cfg, record)
+            record.end_chunk()
+            self.packs.append(packs)
+            parts.append(_scores(finish_sequence(weights.head(), stack), ids, a, None))
+        self.clean = _collect(parts)
+
+    def masked(self, layer: int, hooks: Hooks, clean_logp):
+        from ..model.kimi_sequence import SequenceSources
+
+        w, cfg, start = self.weights, self.weights.config, self.index[layer]
+        state, parts = w.new_state(), []
+        for c, a in enumerate(range(0, len(self.ids), self.chunk)):
+            b = min(a + self.chunk, len(self.ids))
+            stack = SequenceSources.unpack(self.packs[c][start], w.xp, w.max_sources, w.dtype, cfg.rms_norm_eps)
+            hooks.begin_chunk(self.ids[a:b], range(a, b))
+            for layer_w, layer_state in zip(w.layers[start:], state.layers[start:], strict=True):
+                self._layer(layer_w, layer_state, stack, cfg, hooks)
+            hooks.end_chunk()
+            parts.append(_scores(self._finish(w.head(), stack), self.ids, a, clean_logp))
+        return _collect(parts)
 
 
 def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES, layers=None, sites=SITES,
-                    chunk: int | None = None, progress: bool = False) -> SourceAblation:
+                    chunk: int | None = None, progress: bool = False, reuse_prefix: bool = True) -> SourceAblation:
     """Mask each source family at each layer and site; report mass, Δloss and KL (module docstring).
 
     session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`.
     families: source families (`inspection.source_masks`); layers: model layer ids (default all);
     sites: "attn" and/or "ffn"; chunk: tokens per pass of the sequence path (default DEFAULT_CHUNK).
+    reuse_prefix: a run masked at layer L starts from the clean run's block-residual stack before L
+    (the same numbers, about half the work); off, or with session hooks or a pipeline, every run
+    decodes all layers through `forward_sequence`.
     """
     if hasattr(session_or_weights, "weights") and hasattr(session_or_weights, "tokens"):
         s = session_or_weights
@@ -212,17 +275,28 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     chunk = DEFAULT_CHUNK if chunk is None else int(chunk)
     chain = (lambda h: HookChain(extra.copy(), h)) if extra is not None else (lambda h: h)
 
-    rec = Recorder(names_filter="layers.*.attn_res.*.weights").bind(weights)
-    clean_losses, _, clean_logp = _run(weights, ids, chain(rec), chunk)
-    trace = rec.trace()
+    reuse = extra is None and hasattr(weights, "layers") and reuse_prefix
+    if reuse:  # record the clean weights with a chunk hook at each mixing site
+        seen: dict[str, list] = {}
+        record = Hooks()
+        record.add("layers.*.attn_res.*.weights",
+                   lambda p, *, hook: seen.setdefault(hook.name, []).append(to_numpy(p).copy()), chunks=True)
+        prefixes = _Prefixes(weights, ids, chunk, layers, record)
+        clean_losses, _, clean_logp = prefixes.clean
+        weights_at = {k: np.concatenate(v) for k, v in seen.items()}
+    else:
+        rec = Recorder(names_filter="layers.*.attn_res.*.weights").bind(weights)
+        clean_losses, _, clean_logp = _run(weights, ids, chain(rec), chunk)
+        trace = rec.trace()
+        weights_at = {k: trace[k] for k in trace.names()}
     clean_loss = float(clean_losses.mean())
     cells = []
     for i in layers:
         for site in sites:
             name = f"layers.{i}.attn_res.{site}.weights"
-            if name not in trace:  # layer 0's attention site mixes nothing (the stack is still empty)
+            if name not in weights_at:  # layer 0's attention site mixes nothing (the stack is still empty)
                 continue
-            p = trace[name].astype(np.float64)  # [T, m]
+            p = weights_at[name].astype(np.float64)  # [T, m]
             for f in families:
                 cols = source_columns(f, p.shape[1])
                 if cols and len(cols) < p.shape[1]:
@@ -234,7 +308,10 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         bar = tqdm(total=len(cells), unit="run", desc="source ablation")
     rows = []
     for i, site, f, cols, p in cells:
-        losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logp)
+        if reuse:
+            losses, kl, _ = prefixes.masked(i, mask_sources(i, site, f), clean_logp)
+        else:
+            losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logp)
         rows.append({"layer": i, "site": site, "family": f if isinstance(f, str) else str(f), "columns": list(cols),
                      "n_sources": int(p.shape[1]), "mass": float(p[:, cols].sum(axis=1).mean()),
                      "loss": float(losses.mean()), "delta_loss": float(losses.mean()) - clean_loss,

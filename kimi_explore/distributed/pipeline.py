@@ -38,7 +38,7 @@ import numpy as np
 from ..backend import resolve_dtype
 from ..errors import StageLostError
 from ..model.config import KimiDecoderConfig
-from ..model.kimi_decoder import KimiDecodeState, LayerSequence, OutputHead, hook_names, token_index
+from ..model.kimi_decoder import KimiDecodeState, LayerSequence, OutputHead, hook_names, token_index, token_indices
 from ..model.kimi_sequence import DEFAULT_CHUNK
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
@@ -227,7 +227,7 @@ class RayPipeline(LayerSequence):
         """T tokens through every stage, `chunk` at a time (one hop per chunk and stage, carrying the
         chunk's [T, sources, d] stack); `state` advanced; logits [T, vocab] (host)."""
         V = self.config.vocab_size
-        ids = [token_index(t, V) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids))]
+        ids = token_indices(token_ids, V)
         chunk = DEFAULT_CHUNK if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"RayPipeline.forward_sequence: chunk must be a positive int, got {chunk!r}")

@@ -75,9 +75,9 @@ class ChunkRecording:
             else:
                 heads = rec.meta["kda_heads"]
                 yield lambda w: rec.emit(put, _norms(w.reshape(w.shape[0], 3 * heads, -1)).reshape(w.shape[0], 3, heads))
-        if rec.full is not None and rec.full(name):
-            put = rec.row(name).extend
-            yield lambda v: rec.emit(put, v.copy())
+        if rec.full is not None and rec.full(name) and how != "fresh":  # a fresh default record is already the value
+            full = rec.row(name).extend  # (its own name: the lambdas above read `put` when called)
+            yield lambda v: rec.emit(full, v.copy())
 
     def observe(self, name: str, norms) -> None:
         """The decoder's per-token norms of a site it does not fire whole (kda.state [T, H], kda.conv [T, 3, H])."""

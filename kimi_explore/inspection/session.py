@@ -48,7 +48,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import StageLostError
-from ..model.kimi_decoder import KimiDecodeState, token_index
+from ..model.kimi_decoder import KimiDecodeState, token_indices
 from ..model.kimi_sequence import DEFAULT_CHUNK
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
@@ -167,7 +167,7 @@ class Session:
             if self.tokenizer is None:
                 raise TypeError("Session.feed got a string but the session has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(token_ids)
-        ids = [token_index(t, self.weights.config.vocab_size) for t in token_ids]  # all checked before any decodes
+        ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
         chunk = DEFAULT_CHUNK if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"Session.feed: chunk must be a positive int (tokens per forward pass), got {chunk!r}")
@@ -243,6 +243,25 @@ class Session:
         return self.hooks.hooked(name_or_glob, fn, names_filter=names_filter)
 
     # ------------------------------------------------------------------ going back
+    def state_after(self, n_tokens: int) -> KimiDecodeState:
+        """A copy of the exact decode state after the first `n_tokens` tokens (the session is unchanged):
+        the nearest kept checkpoint, then the tokens after it re-decoded as they were (at most
+        `checkpoint_every` stepped tokens or one fed chunk), so its cost does not grow with the history."""
+        T = len(self._tokens)
+        if isinstance(n_tokens, bool) or not (isinstance(n_tokens, (int, np.integer)) and 0 <= n_tokens <= T):
+            raise ValueError(f"Session.state_after: n_tokens must be an int in 0..{T}, got {n_tokens!r}")
+        return self.state.copy() if n_tokens == T else self._state_after(int(n_tokens))
+
+    def checkpoint_before(self, t: int) -> tuple[int, KimiDecodeState]:
+        """(c, a copy of the decode state after the first c tokens) for the latest kept checkpoint c <= t
+        (c = 0: a fresh state). Re-decoding tokens c..t from it reaches token t in at most
+        `checkpoint_every` stepped tokens or one fed chunk, however long the history."""
+        T = len(self._tokens)
+        if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t <= T):
+            raise ValueError(f"Session.checkpoint_before: t must be an int in 0..{T}, got {t!r}")
+        c = max([k for k in self._checkpoints if k <= t], default=0)
+        return c, (self._checkpoints[c].copy() if c else self.weights.new_state())
+
     def _state_after(self, t: int) -> KimiDecodeState:
         """The exact decode state after the first t tokens of the history."""
         c = max([k for k in self._checkpoints if k <= t], default=0)

@@ -18,8 +18,8 @@ row is written once into its own slot, so the region a row does not cover stays 
 Views handed out are never written again: rows are only added after the ones a view covers, and
 after a truncate the next added row goes into a fresh buffer (copy on write), because an older Trace
 may still show the dropped rows. A row whose dtype would change the stacked dtype, a shape with another
-number of axes, or a truncate of a ragged record (whose padded width may shrink) rebuilds the record
-from its list with `stack_rows`: rare, and exact.
+number of axes, or a truncate of a ragged or mixed-dtype record (whose padded width or dtype may
+shrink back) rebuilds the record from its list with `stack_rows`: rare, and exact.
 """
 
 from __future__ import annotations
@@ -38,20 +38,21 @@ def _fill(dtype) -> object:
 class StackedRows:
     """The first `n` rows of a record's list, stacked in a buffer with room to grow (see module docstring)."""
 
-    __slots__ = ("buf", "n", "shape", "ragged", "shared")
+    __slots__ = ("buf", "n", "shape", "ragged", "mixed", "shared")
 
     def __init__(self):
         self.buf = None  # [capacity, *room] filled with the padding value where no row was written
         self.n = 0  # rows of the list already in buf
         self.shape: tuple = ()  # the stacked trailing shape: the largest row shape so far, per axis
         self.ragged = False  # rows have had different shapes
+        self.mixed = False  # rows have had different dtypes (the stacked dtype is their result type)
         self.shared = False  # rows past n may still be seen by an older view: write into a copy
 
     def truncate(self, n: int) -> None:
         if n < self.n:
             self.n = n
             self.shared = True
-            if self.ragged:  # the padded width is the max over the rows kept: recompute it
+            if self.ragged or self.mixed or n == 0:  # width and dtype come from the rows kept (none: unknown): recompute
                 self.buf = None
                 self.n = 0
 
@@ -75,6 +76,7 @@ class StackedRows:
         full = stack_rows(rows[:n], name)
         self.shape = full.shape[1:]
         self.ragged = len({r.shape for r in rows[:n]}) > 1
+        self.mixed = len({r.dtype for r in rows[:n]}) > 1
         self.buf = self._alloc(max(16, 2 * n), full.shape[1:], full.dtype)
         self.buf[(slice(0, n),) + tuple(slice(0, s) for s in self.shape)] = full
         self.n, self.shared = n, False
@@ -91,6 +93,8 @@ class StackedRows:
         for r in new:
             if r.ndim != nd or np.result_type(buf.dtype, r.dtype) != buf.dtype:
                 return False
+            if r.dtype != buf.dtype:
+                self.mixed = True
             if r.shape != self.shape:
                 self.ragged = True
                 shape = [max(a, b) for a, b in zip(shape, r.shape, strict=True)]

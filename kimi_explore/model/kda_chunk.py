@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._xp import array_namespace
+from ..backend import to_numpy
 
 SUB = 16  # sub-block length: decays relative to its start inside, one matmul through a reference point across
 BUDGET = 1 << 25  # bytes of one pairwise temporary (a slice of sub-blocks, or of per-token states)
@@ -253,12 +254,13 @@ def chunk_state_norms(S0, k, W, eL, kt, tot, log_alpha):
     dt = S0.dtype
     H, n, b, K = eL.shape
     out = xp.empty((H, n * b), dt)
-    tiny = float(np.finfo(dt).tiny)
+    # which sub-blocks decay within float range: one explicit device -> host copy for the chunk
+    exact = to_numpy(tot.min(axis=(0, 2)) >= float(np.finfo(dt).tiny)).tolist()
     Sr = S0
     for i in range(n):
         a = i * b
         Wb = W[:, a : a + b]
-        if bool(tot[:, i].min() >= tiny):
+        if exact[i]:
             out[:, a : a + b] = gram_norms(Sr, k[:, a : a + b], Wb, eL[:, i])
         else:
             G = xp.cumsum(xp.maximum(log_alpha[:, a : a + b].astype(xp.float64), LOG_DECAY_FLOOR), axis=1)

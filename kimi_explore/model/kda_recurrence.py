@@ -7,7 +7,7 @@ every token), computed as the token form computes it: per head and token, decay,
 out (`_kda_recurrence.c`). Each head's state stays in cache through the T tokens, so the state
 crosses memory once per call and the per-token norms cost one more sum. Only the float32 summation
 order differs from the token form. The chunked form (matmuls) is the route for other backends and
-dtypes (`kda.kda_sequence` picks; `bench/kda_rule.py` measured both).
+dtypes (`kda.kda_sequence` picks, and says why; `bench/prefill.py` measures both).
 
 Built at install when a C compiler is present (`setup.py`, optional); `AVAILABLE` says.
 """
@@ -31,14 +31,30 @@ def runs(xp, dtype) -> bool:
     return AVAILABLE and on_host(xp) and np.dtype(dtype) == np.float32
 
 
+_F32 = np.dtype(np.float32)
+
+
+def elementwise_ops(S, alpha, k):
+    """The compiled elementwise steps of the token form's delta rule (`scale_rows`, `add_outer`: exactly
+    NumPy's rounding, one call each instead of broadcasts over a short axis), when S [H, K, V], alpha and k
+    [H, K] are C-contiguous float32 host arrays and the kernel is built; else None."""
+    if (_ext is None or type(S) is not np.ndarray or S.dtype != _F32 or type(alpha) is not np.ndarray
+            or type(k) is not np.ndarray or alpha.dtype != _F32 or k.dtype != _F32):
+        return None
+    if not (S.flags.c_contiguous and alpha.flags.c_contiguous and k.flags.c_contiguous):
+        return None
+    return _ext
+
+
 def isas() -> tuple[str, ...]:
     """Kernels this CPU can run, best last ('portable', 'avx2', 'avx512f'); () without the extension."""
     return _ext.isas() if AVAILABLE else ()
 
 
-def recurrent_delta_rule(q, k, v, log_alpha, beta, S, state_norms: bool = False, isa: str | None = None):
+def recurrent_delta_rule(q, k, v, log_alpha, beta, S, state_norms: bool = False, isa: str | None = None, alpha=None):
     """q, k: [T, H, K]; v: [T, H, V]; log_alpha: [T, H, K] (<= 0); beta: [T, H]; S: float32 [H, K, V] (C-contiguous),
-    updated in place. Returns (o [T, H, V], norms [T, H] or None). isa: one of `isas()` (default: the best)."""
+    updated in place. Returns (o [T, H, V], norms [T, H] or None). isa: one of `isas()` (default: the best).
+    alpha: exp(log_alpha) when the caller has it already (float32 [T, H, K]; not recomputed)."""
     if not AVAILABLE:
         raise RuntimeError("kimi_explore.model._kda_recurrence was not built (no C compiler at install); reinstall with one")
     T, H, K = k.shape
@@ -48,7 +64,7 @@ def recurrent_delta_rule(q, k, v, log_alpha, beta, S, state_norms: bool = False,
                          f"{getattr(S, 'shape', '')}")
     f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
     q, k, v, beta = f32(q), f32(k), f32(v), f32(beta)
-    alpha = np.exp(f32(log_alpha))
+    alpha = np.exp(f32(log_alpha)) if alpha is None else f32(alpha)
     for name, a, want in (("q", q, (T, H, K)), ("v", v, (T, H, V)), ("log_alpha", alpha, (T, H, K)), ("beta", beta, (T, H))):
         if a.shape != want:
             raise ValueError(f"recurrent_delta_rule: {name} has shape {a.shape}, expected {want} (from k {k.shape})")

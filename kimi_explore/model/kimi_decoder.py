@@ -38,6 +38,7 @@ from .kimi_token import (
     output_hidden,
     run_layers,
     token_index,
+    token_indices,
 )
 from .latent_moe import LatentMoeWeights
 from .mla import MlaState, MlaWeights
@@ -65,6 +66,7 @@ __all__ = [
     "output_hidden",
     "run_layers",
     "token_index",
+    "token_indices",
 ]
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from ..backend import to_numpy
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
-from .kimi_token import OutputHead, check_state, decoder_layer, token_index
+from .kimi_token import OutputHead, check_state, decoder_layer, token_indices
 from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
 from .ops import dense_mlp_sequence, linear, rms_norm
@@ -38,7 +38,20 @@ from .ops import dense_mlp_sequence, linear, rms_norm
 __all__ = ["DEFAULT_CHUNK", "SequenceSources", "embed_chunk", "finish_sequence", "forward_chunk", "kimi_forward_sequence",
            "run_layers_chunk", "sequence_layer"]
 
-DEFAULT_CHUNK = 256  # tokens per chunk (bench/prefill.py: the embedded model's tokens/s level off by 256)
+# Tokens per chunk, chosen by measurement (CPU time, 1 BLAS thread, this project's shared 2-core VM):
+# - the embedded model, Session.feed with the default recorder on 1,024-token texts (bench/prefill.py):
+#   chunk 16: 1,344 tokens/s, 64: 3,408, 128: 4,507, 256: 5,308, 512: 5,541, 1024: ~5,400 (a second
+#   run: 1,439 / 3,413 / 4,299 / 5,199 / 5,870; Python's fixed cost per layer and chunk, ~1 ms, is
+#   spread over the chunk; from 256 on within the run-to-run noise of ~10%);
+# - K3 width, one layer with fused MXFP4 experts (bench/k3_shapes.py --chunk 1,16,64,128,256,512):
+#   KDA+MoE 213 / 73.1 / 50.6 / 47.3 / 51.6 / 51.9 ms/token, MLA+MoE 168 / 57.2 / 39.2 / 38.9 / 42.9 /
+#   44.2: flat from 64 on, where the matmuls are compute-bound (a chunk of 64 already reads each weight
+#   64x less often than decode); 256 is within 9% of the best there.
+# 256 is the smallest size on both plateaus. Larger chunks cost elsewhere: a truncate or back inside a
+# chunk replays from the checkpoint at its start (up to C - 1 tokens), and the chunk's temporaries grow
+# with C (K3: [C, 49376] floats for KDA's fused input projection). A GPU, with more compute per byte,
+# may favour larger chunks (not measured: `chunk=` overrides).
+DEFAULT_CHUNK = 256
 
 
 class SequenceSources:
@@ -134,7 +147,7 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     """
     check_state(weights, state)
     V = weights.config.vocab_size
-    ids = [token_index(t, V) for t in _as_list(token_ids)]
+    ids = token_indices(_as_list(token_ids), V)
     chunk = DEFAULT_CHUNK if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"kimi_forward_sequence: chunk must be a positive int (tokens per chunk), got {chunk!r}")
@@ -188,7 +201,9 @@ def run_layers_chunk(weights, state, stack: SequenceSources, hooks=None) -> None
 
 def _layer_by_tokens(layer, layer_state, stack: SequenceSources, cfg, hooks) -> None:
     """The token form of one layer, token after token (a per-token hook listens there)."""
+    n = stack.n  # every token enters with the blocks the previous layer left (a block boundary seals one more)
     for t in range(stack.rows.shape[0]):
+        stack.n = n
         hooks.token_in_chunk(t)
         buf = stack.token(t)
         decoder_layer(layer, layer_state, buf, cfg, hooks)

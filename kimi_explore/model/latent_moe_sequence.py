@@ -4,11 +4,9 @@ The equations are `latent_moe`'s (router, routing weights, latent down projectio
 ONE RMSNorm of each row's aggregate, up projection, shared experts), each over [T, .] rows.
 
 Selection (`select_experts_rows`) gives every row exactly the ids `select_experts` gives it, ties
-included: a stable sort of the biased scores (ties: lower id first), then the chosen k stably sorted
-by unbiased score, which is the token form's host route for few experts, bit for bit. Its array route
-(many experts, or a GPU) goes through argpartition / argsort, which promise no order among ties, so
-rows with a tie that decides the set (k-th and (k+1)-th biased scores equal) or the order (two chosen
-unbiased scores equal) are handed to `select_experts` itself. Routing weights follow the token form's
+included: argpartition / argsort, which promise no order among ties, so rows with a tie that decides
+the set (k-th and (k+1)-th biased scores equal) or the order (two chosen unbiased scores equal) are
+handed to `select_experts` itself; every other row has one right answer. Routing weights follow the token form's
 two routes too (Python doubles on the host for few experts, float32 arrays otherwise): bit for bit.
 
 Experts: `expert_outputs_grouped` groups the T*k selections by expert (`latent_moe.group_selections`)
@@ -29,22 +27,29 @@ from .ops import linear, rms_norm, sigmoid
 
 
 def select_experts_rows(scores, bias, top_k: int):
-    """scores: [T, E] -> ids [T, k]: row t is `select_experts(scores[t], bias, top_k)`, ties included."""
+    """scores: [T, E] -> ids [T, k]: row t is `select_experts(scores[t], bias, top_k)`, ties included.
+
+    A partition finds each row's k largest biased scores and an argsort of those k orders them by
+    unbiased score. Where the result is unique (the k-th and (k+1)-th biased scores differ and the k
+    chosen unbiased scores are distinct: every row but a rare exact tie) it is what any correct top-k
+    gives, the token form's included; a row with a tie is handed to `select_experts` itself (its own
+    tie order). Cheaper than a stable sort of every row (the embedded model: 5x)."""
     xp = array_namespace(scores)
     choice = scores + bias  # summed in the scores' dtype, as the token form does
-    order = xp.argsort(-choice, axis=1, kind="stable")  # biased descending, ties: lower id first
-    top = order[:, :top_k]
-    chosen = xp.take_along_axis(scores, top, axis=1)
-    by_score = xp.argsort(-chosen, axis=1, kind="stable")  # unbiased descending, ties: biased order
-    ids = xp.take_along_axis(top, by_score, axis=1)
     T, E = scores.shape
-    if on_host(scores) and E <= moe.SMALL_ROUTER:
-        return ids
-    ranked = xp.take_along_axis(choice, order, axis=1)
-    s = xp.take_along_axis(chosen, by_score, axis=1)
-    tied = (s[:, 1:] == s[:, :-1]).any(axis=1)
+    rows = xp.arange(T)[:, None]  # fancy indexing along rows: take_along_axis's result, without its Python cost
     if top_k < E:
-        tied |= ranked[:, top_k - 1] == ranked[:, top_k]
+        part = xp.argpartition(-choice, top_k, axis=1)  # [:, :k] the k largest (any order), [:, k] the next
+        top = part[:, :top_k]
+        kth = choice[rows, top].min(axis=1)
+        tied = kth == choice[rows[:, 0], part[:, top_k]]
+    else:
+        top = xp.broadcast_to(xp.arange(E), (T, E))
+        tied = xp.zeros(T, dtype=bool)
+    chosen = scores[rows, top]
+    by_score = xp.argsort(-chosen, axis=1)  # unbiased descending
+    ids, s = top[rows, by_score], chosen[rows, by_score]
+    tied |= (s[:, 1:] == s[:, :-1]).any(axis=1)
     for t in np.flatnonzero(np.asarray(tied.get() if hasattr(tied, "get") else tied)).tolist():
         ids[t] = select_experts(scores[t], bias, top_k)  # its own tie order
     return ids
@@ -59,7 +64,7 @@ def routing_weights_rows(scores, ids, renormalize: bool, scaling: float):
     xp = array_namespace(scores)
     ids = xp.asarray(ids)
     kept = ids >= 0
-    w = xp.where(kept, xp.take_along_axis(scores, xp.where(kept, ids, 0), axis=1), 0.0).astype(scores.dtype)
+    w = xp.where(kept, scores[xp.arange(ids.shape[0])[:, None], xp.where(kept, ids, 0)], 0.0).astype(scores.dtype)
     if on_host(scores) and scores.shape[1] <= moe.SMALL_ROUTER:
         # the token form's Python route: doubles summed left to right, each weight rounded once at the end
         w64 = w.astype(np.float64)

@@ -30,6 +30,7 @@ import numpy as np
 from .._xp import array_namespace
 from ..backend import to_numpy
 from .ops import linear, rms_norm, sigmoid, softmax
+from .sites import site_table
 
 LATENT_NORM_EPS = 1e-6
 
@@ -119,7 +120,7 @@ class MlaState:
 def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     """x: [d] (input_layernorm output) -> [d]; appends this token to `state`.
 
-    hooks/names: `hooks.fire(names[site], value)` at each site of `ATTENTION_SITES["mla"]`; a returned value
+    hooks/names: the hooks at each listened-to site (`site_table(hooks, names)`) of `ATTENTION_SITES["mla"]`; a returned value
     is used downstream: the normalised latents (`mla.q_latent` [q_lora], `mla.kv_latent` [kv_lora]), the
     attention probabilities over the cache (`mla.probs` [nh, T]), the heads' output before the gate
     (`mla.o` [nh, dv]).
@@ -127,12 +128,14 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     xp = array_namespace(x)
     nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
     ql, kl = w.q_lora_rank, w.kv_lora_rank
+    at = site_table(hooks, names)
     y = w.in_proj @ x
     q_lat = rms_norm(y[:ql], w.q_a_layernorm, LATENT_NORM_EPS)
     kv_lat = rms_norm(y[ql : ql + kl], w.kv_a_layernorm, LATENT_NORM_EPS)
-    if hooks is not None:
-        q_lat = hooks.fire(names["mla.q_latent"], q_lat)
-        kv_lat = hooks.fire(names["mla.kv_latent"], kv_lat)
+    if "mla.q_latent" in at:
+        q_lat = at["mla.q_latent"](q_lat)
+    if "mla.kv_latent" in at:
+        kv_lat = at["mla.kv_latent"](kv_lat)
     q = (w.q_b_proj @ q_lat).reshape(nh, dn + dr)
     kv = (w.kv_b_proj @ kv_lat).reshape(nh, dn + dv)
     gate = sigmoid(y[ql + kl + dr :]) if w.use_output_gate else None
@@ -141,11 +144,11 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     scale = 1.0 / math.sqrt(w.qk_nope_head_dim + w.qk_rope_head_dim)
     scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * scale  # [nh, T]
     p = softmax(scores)
-    if hooks is not None:
-        p = hooks.fire(names["mla.probs"], p)
+    if "mla.probs" in at:
+        p = at["mla.probs"](p)
     o = xp.matmul(p[:, None, :], state.values[:, :T])[:, 0]  # [nh, dv]
-    if hooks is not None:
-        o = hooks.fire(names["mla.o"], o)
+    if "mla.o" in at:
+        o = at["mla.o"](o)
     o = o.reshape(-1)
     if gate is not None:
         o = o * gate
@@ -176,9 +179,9 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
     state.append_many(kv[:, :, :dn], y[:, ql + kl : ql + kl + dr], kv[:, :, dn:])  # k_pe is NOT normalised
     L = L0 + T
     scale = 1.0 / math.sqrt(dn + dr)
-    scores = xp.matmul(q.swapaxes(0, 1), state.keys[:, :L].swapaxes(1, 2)) * scale  # [nh, T, L]
-    future = xp.arange(L)[None, :] > (L0 + xp.arange(T))[:, None]  # [T, L]: query t sees 0..L0+t
-    p = softmax(xp.where(future, -math.inf, scores))
+    scores = xp.matmul(q.swapaxes(0, 1), state.keys[:, :L].swapaxes(1, 2))  # [nh, T, L]
+    scores *= scale
+    p = causal_softmax_(scores, L0)
     if fire is not None:
         p = fire(site("mla.probs"), p.swapaxes(0, 1)).swapaxes(0, 1)
     o = xp.matmul(p, state.values[:, :L]).swapaxes(0, 1)  # [T, nh, dv]
@@ -188,6 +191,38 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
     if gate is not None:
         o = o * gate
     return linear(o, w.o_proj)
+
+
+def causal_softmax_(scores, L0: int):
+    """In place on scores [nh, T, L0 + T]: query t sees positions 0 .. L0 + t; returns the softmax probabilities.
+
+    The token form's `softmax` over each query's visible positions, the same operations in the same order
+    (a masked position is -inf, so exp gives 0 and the visible sums are unchanged), without temporaries
+    the size of the scores; a few heads at a time, so that each block's passes stay in cache."""
+    xp = array_namespace(scores)
+    nh, T, L = scores.shape
+    future = _future(xp, T)  # [T, T]: the chunk's later tokens
+    step = max(1, (1 << 18) // max(1, T * L))  # heads per block: ~1 MB of float32 scores
+    for a in range(0, nh, step):
+        s = scores[a : a + step]
+        xp.copyto(s[:, :, L0:], -math.inf, where=future)
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+    return scores
+
+
+_FUTURE: dict = {}  # (namespace, T) -> [T, T] bool, True above the diagonal (built once per chunk size)
+
+
+def _future(xp, T: int):
+    key = (xp.__name__, T)
+    m = _FUTURE.get(key)
+    if m is None:
+        if len(_FUTURE) > 16:
+            _FUTURE.clear()
+        m = _FUTURE[key] = xp.triu(xp.ones((T, T), dtype=bool), 1)
+    return m
 
 
 def naive_mla_prefill(xs, w: MlaWeights):

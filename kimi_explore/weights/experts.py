@@ -224,7 +224,7 @@ class PackedExperts:
         workspace=True writes into the model's workspace (shared by its layers), valid until the next such call.
         """
         xp, ws = self.xp, self._workspace
-        sel = xp.asarray(np.asarray(ids, dtype=np.int64))
+        sel = self._selection(ids)
         m = len(ids)
         out13 = ws.take("w13", (m,) + self.shape13, self.dtype) if workspace else None
         out2 = ws.take("w2", (m,) + self.shape2, self.dtype) if workspace else None
@@ -232,6 +232,10 @@ class PackedExperts:
         w13 = mxfp4.dequantize(self.w13_packed[sel], self.w13_scale[sel], out13, self.dtype, pool, self._table)
         w2 = mxfp4.dequantize(self.w2_packed[sel], self.w2_scale[sel], out2, self.dtype, pool, self._table)
         return w13, w2
+
+    def _selection(self, ids):
+        """Host ids -> the index the banks take: on the banks' device (a mapped bank: on the host)."""
+        return self.xp.asarray(np.asarray(ids, dtype=np.int64))
 
     def gather(self, ids):
         """The selected experts' weights, in the order of `ids`: ([k, 2I, l], [k, l, I]), fresh arrays."""

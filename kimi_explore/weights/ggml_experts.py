@@ -27,7 +27,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from . import ggml_quants, mxfp4_matvec
+from . import ggml_quants, mxfp4, mxfp4_matvec
 from .experts import PackedExperts
 
 __all__ = ["GgmlExperts"]
@@ -96,12 +96,15 @@ class GgmlExperts(PackedExperts):
         xp, ws, m = self.xp, self._workspace, len(ids)
         out13 = ws.take("w13", (m,) + self.shape13, self.dtype) if workspace else xp.empty((m,) + self.shape13, self.dtype)
         out2 = ws.take("w2", (m,) + self.shape2, self.dtype) if workspace else xp.empty((m,) + self.shape2, self.dtype)
+        table = self.__dict__.get("_e2m1")
+        if table is None:  # the E2M1 values where the experts are dequantised, made once
+            table = self._e2m1 = xp.asarray(mxfp4.E2M1.astype(self.dtype))
         r = 0
         for bank in self.w13_packed:
             n = bank.shape[1]
-            ggml_quants.dequantize_mxfp4(self._selected(bank, ids), out=out13[:, r : r + n], dtype=self.dtype)
+            ggml_quants.dequantize_mxfp4(self._selected(bank, ids), out=out13[:, r : r + n], dtype=self.dtype, table=table)
             r += n
-        ggml_quants.dequantize_mxfp4(self._selected(self.w2_packed[0], ids), out=out2, dtype=self.dtype)
+        ggml_quants.dequantize_mxfp4(self._selected(self.w2_packed[0], ids), out=out2, dtype=self.dtype, table=table)
         return out13, out2
 
     def can_fuse(self) -> bool:
@@ -112,6 +115,14 @@ class GgmlExperts(PackedExperts):
     @property
     def route(self) -> str:
         return super().route + (", ggml blocks mapped from the GGUF" if self.mapped else ", ggml blocks")
+
+    def _fused_grouped(self, groups, zs, act):
+        """The sequence path's fused route: each sorted selection's row through its expert's blocks, one
+        kernel call per bank (the token form's row products, so the same bits per token)."""
+        pool = self._workspace.pool()
+        ids = np.repeat(np.asarray(groups.experts, dtype=np.int64), np.diff(groups.bounds))
+        h = np.concatenate([mxfp4_matvec.ggml_expert_matvec(b, ids, zs, pool=pool) for b in self.w13_packed], axis=1)
+        return mxfp4_matvec.ggml_expert_matvec(self.w2_packed[0], ids, act(h), pool=pool)
 
     def _fused(self, ids, z, act):
         pool = self._workspace.pool()

@@ -83,11 +83,13 @@ def _via_gguf(rows: np.ndarray, type_name: str) -> np.ndarray:
     return gguf_dequantize(np.ascontiguousarray(rows), GGMLQuantizationType[type_name])
 
 
-def dequantize_mxfp4(blocks, out=None, dtype=np.float32):
+def dequantize_mxfp4(blocks, out=None, dtype=np.float32, table=None):
     """ggml MXFP4 blocks uint8 [..., G, 17] -> dtype [..., 32 G] (NumPy or CuPy, from the array).
 
     One table lookup of every code and one multiply by its block's power of two: the same IEEE
     products as `mxfp4.dequantize` (`naive_dequantize_mxfp4` is the float64 reference).
+    table: the 16 E2M1 values in `dtype` where the blocks are (made here when None; a caller that
+    dequantises every token keeps one, so that a GPU gets no host -> device copy per call).
     """
     xp = array_namespace(blocks)
     if blocks.shape[-1] != MXFP4_BLOCK:
@@ -97,7 +99,7 @@ def dequantize_mxfp4(blocks, out=None, dtype=np.float32):
         raise ValueError(f"out: expected {np.dtype(dtype).name} {want}, got {out.dtype} {out.shape}")
     qs = blocks[..., 1:]
     codes = xp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(xp.intp)  # [..., G, 32]: values j, then j + 16
-    vals = xp.asarray(mxfp4.E2M1.astype(dtype))[codes]
+    vals = (xp.asarray(mxfp4.E2M1.astype(dtype)) if table is None else table)[codes]
     vals *= xp.ldexp(xp.ones(blocks.shape[:-1], dtype=dtype), blocks[..., 0].astype(xp.int32) - 127)[..., None]
     if out is None:
         return vals.reshape(want)

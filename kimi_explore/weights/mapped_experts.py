@@ -106,6 +106,10 @@ class MappedExperts(PackedExperts):
     def can_fuse(self) -> bool:
         return self.capacity == 0 and mxfp4_matvec.runs(self.xp, self.dtype)
 
+    def _selection(self, ids):
+        """The ids stay on the host, where the maps are (on a GPU a device copy would come straight back)."""
+        return np.asarray(ids, dtype=np.int64)
+
     @property
     def route(self) -> str:
         return super().route + ", experts mapped from the shard files"
