@@ -215,8 +215,8 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     P, W, T = H * K, w.conv.shape[-1], x.shape[0]
     y = linear(x, w.in_proj)  # [T, 4P + H + K]
     # the conv input over time: the W stored rows (oldest first), then the T new ones
-    ext = xp.concatenate((xp.moveaxis(state.conv, -1, 0), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
-    taps = xp.ascontiguousarray(xp.moveaxis(w.conv, -1, 0))  # [W, 3, P]: each tap's weights, contiguous
+    ext = xp.concatenate((state.conv.transpose(2, 0, 1), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
+    taps = xp.ascontiguousarray(w.conv.transpose(2, 0, 1))  # [W, 3, P]: each tap's weights, contiguous
     pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
     tap = xp.empty_like(pre)
     for j in range(1, W):
@@ -264,7 +264,7 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
         for j in range(1, W):
             win += sq[1 + j : 1 + j + T]
         norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win)}
-    state.conv[...] = xp.moveaxis(ext[T:], 0, -1)
+    state.conv[...] = ext[T:].transpose(1, 2, 0)
     if fire is not None:
         o = fire(site("kda.o"), o)
     r = xp.einsum("...k,...k->...", o, o)[..., None]
