@@ -34,7 +34,11 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 VIEWPORT = {"width": 1400, "height": 900}
 PROMPT = "Kimi K3, one token at a time."
-TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")
+# the history the Steps are timed at (issue 20: 300 tokens): fed before the Explorer opens
+HISTORY_TEXT = ("The Explorer steps Kimi K3 one token at a time; every view shows the selected token and "
+                "layer, and a Step must cost the same at any history length. ") * 4
+HISTORY = 296  # + 4 Steps in the notebook = 300 tokens when the timed Steps start
+TABS = ("Block residuals", "KDA state", "MoE routing", "Predictions")  # timed; the analyses tab replays by design
 KERNEL_IDLE = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
@@ -121,13 +125,18 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def write_notebook(path: Path, checkpoint: str) -> None:
-    """A notebook that opens the Explorer on `checkpoint` ('' = the embedded model) after four Steps."""
+    """A notebook that feeds HISTORY tokens, then opens the Explorer on `checkpoint` ('' = the embedded
+    model) and Steps four times: the timed Steps run at a 300-token history."""
     load = f"ke.from_pretrained({checkpoint!r})" if checkpoint else \
         "ke.from_pretrained(ke.tiny_checkpoint())"
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(f"import kimi_explore as ke\nweights = {load}\n"
-                                          "session = ke.Session(weights, tokenizer=ke.load_tokenizer(weights.source))"),
-                nbformat.v4.new_code_cell(f"explorer = ke.Explorer(session, prompt={PROMPT!r})\n"
+                                          "session = ke.Session(weights, tokenizer=ke.load_tokenizer(weights.source))\n"
+                                          f"history = session.tokenizer.encode({HISTORY_TEXT!r})[:{HISTORY}]\n"
+                                          f"assert len(history) == {HISTORY}\n"
+                                          "session.feed(history)"),
+                nbformat.v4.new_code_cell(f"explorer = ke.Explorer(session, prompt=session.tokenizer.decode(history) + "
+                                          f"{PROMPT!r})\n"
                                           "for _ in range(4):\n    explorer.step()\nexplorer")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, path)
@@ -174,6 +183,36 @@ def drive(page, url: str, name: str, shot, seen: dict) -> None:
         shot(f"{name}_{title.split()[0].lower()}")
     out["status_after_steps"] = page.locator(".kimi-status").first.text_content()
 
+    # the new views: the selected token's lens and attribution, an expert search, an ablation's run diff
+    open_tab(page, "Lens & attribution")
+    if name == "embedded":  # at K3 depth the replay takes a minute on a CI machine: its message is checked
+        page.locator(".widget-button", has_text="Compute").first.click()
+        page.wait_for_function("() => (document.querySelector(\".kimi-plot[data-name='lens'] .gtitle\") || {})"
+                               ".textContent?.startsWith('Logit lens')", timeout=120_000)
+        page.wait_for_function(SETTLED, timeout=60_000)
+    out["lens_title"] = page.locator(".kimi-plot[data-name='lens'] .gtitle, .kimi-plot[data-name='lens'] .annotation-text") \
+        .first.text_content()
+    shot(f"{name}_lens_attribution")
+    open_tab(page, "MoE routing")
+    page.locator(".widget-text", has_text="find expert").locator("input").fill("3")
+    page.wait_for_function("() => { const e = document.querySelector(\".kimi-plot[data-name='expert_search']\");"
+                           " return e && e.offsetParent !== null && e.dataset.rendered; }", timeout=60_000)
+    page.wait_for_function(SETTLED, timeout=60_000)
+    page.locator(".kimi-plot[data-name='expert_search']").scroll_into_view_if_needed()
+    out["expert_search_title"] = page.locator(".kimi-plot[data-name='expert_search'] .gtitle").first.text_content()
+    shot(f"{name}_expert_search")
+    page.evaluate("() => document.querySelector('.kimi-text').closest('.widget-vbox').scrollIntoView()")
+    open_tab(page, "Predictions")
+    page.locator(".widget-dropdown select").filter(has=page.locator("option", has_text="from this token on")).first \
+        .select_option("from this token on")
+    page.locator(".widget-button", has_text="Ablate & compare").first.click()
+    page.wait_for_function("() => { const e = document.querySelector(\".kimi-plot[data-name='ablation_diff']\");"
+                           " return e && e.dataset.rendered; }", timeout=120_000)
+    page.locator(".kimi-plot[data-name='ablation_diff']").scroll_into_view_if_needed()
+    out["ablation_note"] = page.locator(".kimi-plot[data-name='ablation']").locator("xpath=..").first.text_content()
+    shot(f"{name}_ablation_diff")
+    page.evaluate("() => document.querySelector('.kimi-text').closest('.widget-vbox').scrollIntoView()")
+
     open_tab(page, "MoE routing")
     out["topk_tooltip"] = hover_text(page, "moe_topk", 0.3, 0.3)
     shot(f"{name}_moe_topk_hover")
@@ -209,7 +248,7 @@ def drive(page, url: str, name: str, shot, seen: dict) -> None:
 
     # a new prompt resets the history
     box = page.locator(".widget-text input").first
-    box.fill("The quick brown fox")
+    box.fill("Quick brown fox")  # shares no token with the history: Step starts over
     page.wait_for_function("() => document.querySelector('.kimi-status')?.textContent.includes('new prompt')")
     out["status_new_prompt"] = page.locator(".kimi-status").first.text_content()
     page.evaluate(TIMED_STEP)

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from browser_e2e import CHROMIUM, ROOT, TABS, latency_table, run
+from browser_e2e import CHROMIUM, HISTORY, ROOT, TABS, latency_table, run
 
 pytestmark = pytest.mark.browser
 
@@ -46,8 +46,14 @@ def test_explorer_in_jupyterlab(seen, model, capsys):
     assert not seen["page_errors"], seen["page_errors"]
     assert not seen["requests_elsewhere"], f"the page reached beyond 127.0.0.1: {seen['requests_elsewhere'][:5]}"
     # four Steps in the notebook, then three per tab, one token each
-    assert tokens_decoded(out["status_start"]) == 4, out["status_start"]
-    assert tokens_decoded(out["status_after_steps"]) == 4 + 3 * len(TABS), out["status_after_steps"]
+    assert tokens_decoded(out["status_start"]) == HISTORY + 4, out["status_start"]  # the timed Steps start at 300
+    assert tokens_decoded(out["status_after_steps"]) == HISTORY + 4 + 3 * len(TABS), out["status_after_steps"]
+    # the new views drew: the lens of the selected token, the expert search, the ablation's run diff
+    last = HISTORY + 4 + 3 * len(TABS) - 1
+    expected = f"Logit lens of token {last} " if model == "embedded" else f"Press Compute for token {last}"
+    assert out["lens_title"].startswith(expected), out["lens_title"]
+    assert out["expert_search_title"].startswith("Where expert 3 fires"), out["expert_search_title"]
+    assert "forked at token" in out["ablation_note"], out["ablation_note"]
     assert set(out["latency_ms"]) == set(TABS)
     # hover: the expert id and its score, in the top-k table and in the full map
     assert re.search(r"expert \d+", out["topk_tooltip"]) and "unbiased score 0." in out["topk_tooltip"], out["topk_tooltip"]
@@ -62,7 +68,7 @@ def test_explorer_in_jupyterlab(seen, model, capsys):
     # a new prompt starts over: one token of it, not the old history plus one
     assert "new prompt" in out["status_new_prompt"], out["status_new_prompt"]
     assert tokens_decoded(out["status_after_new_prompt"]) == 1, out["status_after_new_prompt"]
-    assert out["text_after_new_prompt"] == "T", out["text_after_new_prompt"]
+    assert out["text_after_new_prompt"] == "Q", out["text_after_new_prompt"]
     for path in seen["screenshots"]:
         assert Path(path).stat().st_size > 10_000, f"{path} looks empty"
     with capsys.disabled():

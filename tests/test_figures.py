@@ -169,9 +169,10 @@ def test_expert_search_at_896_experts_marks_every_firing_with_its_weight(k3):
     np.testing.assert_allclose(z, expected.astype(np.float32), equal_nan=True)
     hits = int((ids == e).sum())
     layers_hit = len({j for _, j, _ in zip(*np.nonzero(ids == e), strict=True)})
-    assert f"fired {hits} times at {layers_hit} of {len(r['moe_layers'])} MoE layers" in layout["title"]["text"]
+    assert f"in tokens 0-5 it fired {hits} times at {layers_hit} of {len(r['moe_layers'])} MoE layers" \
+        in layout["title"]["text"]
     gone = dict(r, topk_ids=np.where(ids == e, -1, ids))  # the same trace with e ablated everywhere
-    assert "never chosen in these 6 tokens" in specs_moe.expert_search(gone, e, k3, 3, 50)[1]["title"]["text"]
+    assert "never chosen in tokens 0-5" in specs_moe.expert_search(gone, e, k3, 3, 50)[1]["title"]["text"]
     assert "does not exist" in specs_moe.expert_search(r, 896, k3, 3, 50)[1]["annotations"][0]["text"]
 
 
@@ -190,4 +191,22 @@ def test_top_experts_by_load_name_each_layers_busiest(k3):
     for rank, name in enumerate(hm["text"][j]):
         if name:
             assert tally[int(name)] == top[rank]  # each named expert's count, from the raw ids
-    assert "Top 8 experts by load per layer" in layout["title"]["text"]
+    assert "Top 8 experts by load per layer, 6 tokens; layers" in layout["title"]["text"]
+
+
+def test_every_named_colour_scale_is_one_plotly_js_knows():
+    """plotly.js silently draws an unknown scale name ("Magma") with its default red scale, under the
+    red selection outline: every name the Explorer uses must be built into plotly.js."""
+    import re
+    from pathlib import Path
+
+    from kimi_explore.views import explorer
+
+    builtin = {"Blackbody", "Bluered", "Blues", "Cividis", "Earth", "Electric", "Greens", "Greys", "Hot", "Jet",
+               "Picnic", "Portland", "Rainbow", "RdBu", "Reds", "Viridis", "YlGnBu", "YlOrRd"}
+    used = set()
+    for path in Path(explorer.__file__).parent.glob("*.py"):
+        used |= set(re.findall(r'colorscale="(\w+)"', path.read_text()))
+    assert used and used <= builtin, used - builtin
+    data, _ = specs.kda_token(k3_sized(n_tokens=2), 1)
+    assert data[0]["colorscale"] == specs.NORM_SCALE

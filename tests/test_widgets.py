@@ -406,12 +406,15 @@ def test_lens_strip_shows_ke_logit_lens_of_the_selected_token(explorer):
         ex.step_button.click()
     ex.tabs.selected_index = TABS.index("Lens & attribution")
     ex.select(token=2, layer=5)
+    # nothing replayed until asked: the views say what Compute will do
+    assert "Press Compute for token 2" in view_spec(ex, "lens")[1]["annotations"][0]["text"]
+    ex.tab_views.compute_button.click()
     (heat, ring), layout = view_spec(ex, "lens")
     lens = ke.logit_lens(s, top=3)
     np.testing.assert_allclose(decode(heat["z"])[0], lens.top_probs[2, :, 0], rtol=1e-6)
     tok = ex.tokenizer
     names = [tok.token_label(int(i)) for i in lens.top_ids[2, :, 0]]
-    assert heat["text"][0] == [f"x{n[3:5]}" if n.startswith("<0x") else n for n in names]  # <0xC9> -> xC9
+    assert heat["text"][0] == [f"x{n[3:5]}" if n.startswith("<0x") else n.replace(" ", "␣") for n in names]
     labels = heat["x"]
     same = [labels[j] for j in range(len(labels)) if lens.top_ids[2, j, 0] == lens.final_ids[2]]
     assert ring["x"] == same and labels[-1] in same  # at the last layer the lens is the model
@@ -425,6 +428,7 @@ def test_waterfall_shows_ke_logit_attribution_and_a_click_selects_the_layer(expl
     for _ in range(4):
         ex.step_button.click()
     ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.tab_views.auto_analyses.value = True  # computed on every selection
     ex.select(token=1)
     (bar,), layout = view_spec(ex, "attribution")
     attr = ke.logit_attribution(s, 1, token=s.tokens[2])  # the token that was fed next
@@ -525,27 +529,29 @@ def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_pat
 
 
 def test_a_step_reads_only_windows_of_the_history(tiny_weights, monkeypatch):
-    """At any history length a Step asks the trace for the selected token's window (a few rows) and the
-    WINDOW tokens on screen, never for the whole history: its cost does not grow with the history."""
+    """At any history length a Step builds arrays only over windows of the trace (the selected token,
+    the WINDOW tokens on screen, the new token), never over the whole history: its cost does not grow
+    with the history. (Fetching the Trace itself is O(records): it grows incrementally.)"""
+    from kimi_explore.inspection.trace import Trace
     from kimi_explore.views.explorer import specs
 
     s = Session(tiny_weights, tokenizer=ByteTokenizer())
     s.feed(list(range(65, 65 + 50)))  # 50 tokens already decoded
     ex = Explorer(s, prompt=None)
     asked = []
-    real = Session.trace
+    for name in ("attn_res_weights", "final_attn_res_weights", "kda_state_norms", "routing", "__getitem__"):
+        real = getattr(Trace, name)
 
-    def spy(self, window=None):
-        tr = real(self, window=window)
-        asked.append(len(tr))
-        return tr
+        def spy(self, *args, _real=real, _name=name):
+            asked.append((_name, len(self)))
+            return _real(self, *args)
 
-    monkeypatch.setattr(Session, "trace", spy)
+        monkeypatch.setattr(Trace, name, spy)
     for tab in range(len(TABS) - 1):  # the analyses tab replays the history by design (lens, attribution)
         ex.tabs.selected_index = tab
         asked.clear()
         ex.step_button.click()
-        assert asked and max(asked) <= specs.WINDOW, (TABS[tab], asked)
+        assert asked and max(n for _, n in asked) <= specs.WINDOW, (TABS[tab], asked)
 
 
 def test_history_cache_equals_the_whole_history_after_step_back_and_a_new_prompt(tiny_weights):

@@ -6,8 +6,10 @@ fired one after another). `Hooks` (hooks.py) attaches and fires them.
 from __future__ import annotations
 
 import fnmatch
+import functools
 
 from ..backend import on_host
+from ..model.sites import site_table
 from ._hook_grammar import LAYER_NAME, is_glob
 
 __all__ = ["RESHAPE_OK", "SEQUENTIAL_SITES", "HookChain", "HookHandle", "HookPoint", "check_replacement"]
@@ -96,6 +98,12 @@ class HookChain:
         for h in self.hook_sets:
             value = h.fire(name, value)
         return value
+
+    def sites(self, names: dict) -> dict:
+        """`model.sites.site_table` for the chain: the sites any of its sets listens to, each fired through
+        the whole chain (every set skips what it does not listen to)."""
+        tables = [site_table(h, names) for h in self.hook_sets]
+        return {kind: functools.partial(self.fire, name) for kind, name in names.items() if any(kind in t for t in tables)}
 
     def begin_token(self, token_id=None, position=None) -> None:
         for h in self.hook_sets:

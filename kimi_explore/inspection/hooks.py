@@ -41,6 +41,7 @@ so a recorded site adds no Python frame.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import numpy as np
@@ -76,6 +77,7 @@ class Hooks:
         self.positions = None  # the current chunk's positions [T] on the sequence path, else None
         self._chunk_tokens = None  # ... and its token ids
         self._chunk_cache: dict[str, tuple] = {}  # name -> ((fn, HookPoint, chunks), ...)
+        self._sites: dict[int, tuple] = {}  # id(a layer's names) -> (names, its `sites` table)
 
     # ------------------------------------------------------------------ attaching
     def add(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False) -> HookHandle:
@@ -244,6 +246,25 @@ class Hooks:
                 value = out
         return value
 
+    def sites(self, names: dict) -> dict:
+        """{kind: fn(value) -> value} for the sites of one layer (`names`: kind -> full name) that have
+        functions attached, each fn this Hooks' `fire` at that name (`model.sites.site_table`). Cached
+        per `names` until the hooks change."""
+        hit = self._sites.get(id(names))
+        if hit is not None and hit[0] is names:
+            return hit[1]
+        if len(self._sites) > 1024:  # callers passing a fresh dict per call: keep the cache bounded
+            self._sites.clear()
+        known = self._known
+        if known is None:  # unbound: every site, each resolved by `fire` when it first fires (as the check
+            # after the first token counts them; a layer's names include sites the model never fires)
+            table = {kind: functools.partial(self.fire, name) for kind, name in names.items()}
+        else:
+            table = {kind: functools.partial(self.fire, name) for kind, name in names.items()
+                     if name in known and (self._cache.get(name) or self._resolve(name))}
+        self._sites[id(names)] = (names, table)
+        return table
+
     def _fire_uncached(self, name: str, value):
         self._resolve(name)
         return self.fire(name, value)
@@ -339,9 +360,11 @@ class Hooks:
     def refresh(self) -> None:
         """Resolve every name's functions again at its next `fire` (after the observer's choices changed)."""
         self._cache.clear()
+        self._sites.clear()
 
     def _changed(self) -> None:
         self._cache.clear()
+        self._sites.clear()
         self._chunk_cache.clear()
         self._checked_after_first_token = False  # re-check new exact names at the next "logits"
 

@@ -104,6 +104,7 @@ class Recorder:
     def __init__(self, names_filter=None, full=(), top_k: int = 10):
         self.hooks = Hooks(observer=self)
         self.fire = self.hooks.fire  # the decoder calls rec.fire: straight into the Hooks
+        self.sites = self.hooks.sites  # ... and rec.sites (`model.sites.site_table`): the Hooks' own
         if not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"Recorder: top_k must be a positive int, got {top_k!r}")
         self.top_k = top_k
@@ -153,6 +154,12 @@ class Recorder:
     def end_token(self) -> None:
         """End a token where "logits" does not fire (a pipeline stage before the last)."""
         self._end_token(None)
+
+    @staticmethod
+    def _every_site(names: dict) -> None:
+        """`sites` while a chunk runs token by token: None, i.e. every site through `fire` (which then records
+        rows of the chunk)."""
+        return None
 
     def __len__(self) -> int:
         """The number of hooks added to this recorder (its own recording is not a hook)."""
@@ -213,14 +220,14 @@ class Recorder:
         self.hooks.begin_chunk(token_ids, positions)
         self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
         self.positions.extend(int(p) for p in positions)
-        self.fire = self._fire_in_chunk
+        self.fire, self.sites = self._fire_in_chunk, self._every_site
 
     def token_in_chunk(self, t: int) -> None:
         self.hooks.token_in_chunk(t)
 
     def end_chunk(self) -> None:
         self.hooks.end_chunk()
-        self.fire = self.hooks.fire
+        self.fire, self.sites = self.hooks.fire, self.hooks.sites
         if self._batch_bytes >= FLUSH_BYTES:
             self.flush()
 
@@ -446,7 +453,7 @@ class Recorder:
         out.names_filter, out._filter_patterns = self.names_filter, list(self._filter_patterns)
         out.full, out._full_patterns = self.full, list(self._full_patterns)
         out.hooks = self.hooks.copy(observer=out)
-        out.fire, out._on_device = out.hooks.fire, self._on_device
+        out.fire, out.sites, out._on_device = out.hooks.fire, out.hooks.sites, self._on_device
         out.meta = json.loads(json.dumps(self.meta))
         out.load_state_dict(self.state_dict(copy_arrays=deep))
         return out

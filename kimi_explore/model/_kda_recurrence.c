@@ -168,8 +168,84 @@ release:
     return result;
 }
 
+/* The token form's elementwise delta-rule steps (kda.delta_rule_update), float32, rounded exactly as NumPy's
+   `S *= alpha[:, :, None]` and `S += k[:, :, None] * w[:, None, :]` round them: each product, then each sum,
+   rounded on its own (no fused multiply-add), so the results are bit for bit NumPy's. One call each instead
+   of NumPy's broadcasts over a short inner axis, which cost more than the arithmetic on a tiny model. */
+#if defined(__clang__)
+#define KX_NO_CONTRACT
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#define KX_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define KX_NO_CONTRACT
+#endif
+
+KX_NO_CONTRACT static void scale_rows_f32(float *restrict S, const float *restrict alpha, Py_ssize_t rows, Py_ssize_t V) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float a = alpha[r];
+        float *restrict row = S + r * V;
+        for (Py_ssize_t j = 0; j < V; j++) row[j] = row[j] * a;
+    }
+}
+
+KX_NO_CONTRACT static void add_outer_f32(float *restrict S, const float *restrict k, const float *restrict w, Py_ssize_t H,
+                                         Py_ssize_t K, Py_ssize_t V) {
+    for (Py_ssize_t h = 0; h < H; h++)
+        for (Py_ssize_t r = 0; r < K; r++) {
+            const float kr = k[h * K + r];
+            const float *restrict wh = w + h * V;
+            float *restrict row = S + (h * K + r) * V;
+            for (Py_ssize_t j = 0; j < V; j++) {
+                const float prod = kr * wh[j];
+                row[j] = row[j] + prod;
+            }
+        }
+}
+
+static PyObject *scale_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer S, alpha;
+    if (!PyArg_ParseTuple(args, "w*y*", &S, &alpha)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t rows = alpha.len / 4;
+    if (alpha.len % 4 || rows == 0 || S.len % (4 * rows))
+        PyErr_SetString(PyExc_ValueError, "scale_rows: S float32 [rows, V] and alpha float32 [rows] expected");
+    else {
+        scale_rows_f32(S.buf, alpha.buf, rows, S.len / (4 * rows));
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&S);
+    PyBuffer_Release(&alpha);
+    return result;
+}
+
+static PyObject *add_outer(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer S, k, w;
+    Py_ssize_t H;
+    if (!PyArg_ParseTuple(args, "w*y*y*n", &S, &k, &w, &H)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t K = H > 0 ? k.len / (4 * H) : 0, V = H > 0 ? w.len / (4 * H) : 0;
+    if (K == 0 || V == 0 || k.len != 4 * H * K || w.len != 4 * H * V || S.len != 4 * H * K * V)
+        PyErr_SetString(PyExc_ValueError, "add_outer: S float32 [H, K, V], k float32 [H, K], w float32 [H, V] expected");
+    else {
+        add_outer_f32(S.buf, k.buf, w.buf, H, K, V);
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&S);
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&w);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"delta_rule", delta_rule, METH_VARARGS, delta_rule_doc},
+    {"scale_rows", scale_rows, METH_VARARGS, "scale_rows(S, alpha): S[r, :] *= alpha[r] (float32, C-contiguous; exact)."},
+    {"add_outer", add_outer, METH_VARARGS,
+     "add_outer(S, k, w, H): S[h, r, :] += k[h, r] * w[h, :] (float32, C-contiguous; each product rounded, then the sum)."},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

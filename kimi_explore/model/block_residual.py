@@ -15,6 +15,7 @@ mix, and its own running sum restarts from its attention output.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -95,6 +96,7 @@ class SourceBuffer:
         self.xp, self.eps, self.inv_d, self.dtype = xp, eps, 1.0 / d, dtype
         self.host_scalars = on_host(xp) if host_scalars is None else host_scalars
         self.rows = xp.empty((rows, d), dtype)
+        self._upto = [self.rows[:m] for m in range(rows + 1)]  # rows[:m], made once for the token's many mixes
         self.inv_rms = [0.0] * rows if self.host_scalars else xp.empty(rows, dtype)  # 1/rms of each row
         self.n = 0  # sealed blocks
         self.current = None  # the running sum last given to set_current
@@ -111,21 +113,19 @@ class SourceBuffer:
 
     def weights(self, score_weight):
         """Softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight: [n+1] (a new array)."""
-        m = self.n + 1
-        s = self.rows[:m] @ score_weight
-        if self.host_scalars:
-            z = [a * b for a, b in zip(s.tolist(), self.inv_rms, strict=False)]  # inv_rms has spare rows
+        s = self._upto[self.n + 1] @ score_weight
+        if self.host_scalars:  # the same float operations as a loop would do, through C-level map calls
+            z = list(map(operator.mul, s.tolist(), self.inv_rms))  # (map stops at m: inv_rms has spare rows)
             top = max(z)
-            e = [math.exp(v - top) for v in z]
-            total = sum(e)
-            return np.array([v / total for v in e], dtype=self.dtype)
-        s = s * self.inv_rms[:m]
+            e = list(map(math.exp, map(top.__rsub__, z)))  # exp(z_i - top)
+            return np.array(list(map(sum(e).__rtruediv__, e)), dtype=self.dtype)  # e_i / total
+        s = s * self.inv_rms[: self.n + 1]
         e = self.xp.exp(s - s.max())
         return e / e.sum()
 
     def mix(self, p):
         """sum_i p_i V_i over the raw sources: [d]."""
-        return p @ self.rows[: self.n + 1]
+        return p @ self._upto[self.n + 1]
 
     def seal(self) -> None:
         """Push: the current row becomes the newest block."""

@@ -34,6 +34,7 @@ from ..backend import to_numpy
 from . import kda_recurrence, sequence_ops
 from .kda_chunk import LOG_DECAY_FLOOR, chunked_delta_rule
 from .ops import linear
+from .sites import site_table
 
 L2NORM_EPS = 1e-6
 
@@ -71,6 +72,12 @@ class KdaWeights:
         self.qk_scale = xp.asarray([1.0 / math.sqrt(self.head_dim), 1.0], dtype=self.A.dtype).reshape(2, 1, 1)
         self.o_norm_scaled = self.o_norm * math.sqrt(self.head_dim)
         self.taps_ones = xp.ones(self.conv.shape[-1], self.conv.dtype)  # [W]: the conv's sum over taps as a matvec
+        self.A_wide = xp.ascontiguousarray(xp.broadcast_to(self.A, (self.num_heads, self.head_dim)))  # [H, K]
+        # the step's scalars as 0-d arrays of the compute dtype: the same rounding as a Python scalar, but
+        # NumPy's cheapest operand (a Python float costs a conversion per operation)
+        c = lambda v: xp.asarray(v, dtype=self.A.dtype)  # noqa: E731
+        self.one, self.lower_bound_c = c(1.0), c(self.lower_bound)
+        self.l2_eps, self.o_eps = c(L2NORM_EPS), c(self.head_dim * self.eps)
 
 
 @dataclass
@@ -106,9 +113,17 @@ def delta_rule_update(S, k, v, alpha, beta) -> None:
     Decay first, then read with the decayed state, then write.
     """
     xp = array_namespace(S)
-    S *= alpha[:, :, None]
+    exact = kda_recurrence.elementwise_ops(S, alpha, k)  # the compiled elementwise steps (bit for bit these)
+    if exact is not None:
+        exact.scale_rows(S, alpha)
+    else:
+        S *= alpha[:, :, None]
     u = xp.matmul(k[:, None, :], S)[:, 0]  # S^T k  [H, V]
-    S += k[:, :, None] * (beta[:, None] * (v - u))[:, None, :]
+    w = beta[:, None] * (v - u)
+    if exact is not None and w.dtype == S.dtype and w.flags.c_contiguous:
+        exact.add_outer(S, k, w, S.shape[0])
+    else:
+        S += k[:, :, None] * w[:, None, :]
 
 
 def delta_rule_read(S, q):
@@ -119,7 +134,7 @@ def delta_rule_read(S, q):
 def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     """x: [d] (input_layernorm output) -> [d]; advances `state` in place.
 
-    hooks/names: `hooks.fire(names[site], value)` at each site of `ATTENTION_SITES["kda"]`, in that order;
+    hooks/names: the hooks at each listened-to site (`site_table(hooks, names)`) of `ATTENTION_SITES["kda"]`, in that order;
     a returned value is used downstream: the window (`kda.conv`, kept in the state), the conv outputs
     before the L2 norm (`kda.conv_out` [3, H, K]), q, k, v, beta, decay, gate, the updated state
     (`kda.state`, kept), the read-out o = S^T q before the gated norm (`kda.o` [H, V]).
@@ -131,6 +146,7 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     into the l2norm, the o_norm gain folded with the gate.
     """
     xp = array_namespace(x)
+    at = site_table(hooks, names)
     H, K = w.num_heads, w.head_dim
     P = H * K
     y = w.in_proj @ x
@@ -138,47 +154,53 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     flat = window.reshape(-1)  # a view: KdaState keeps the window C-contiguous
     # shift every channel left by one tap: flat[i] <- flat[i + 1]; the taps that cross into the next
     # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
-    flat[:-1] = flat[1:].copy()
+    flat[:-1] = flat[1:] if type(flat) is np.ndarray else flat[1:].copy()
     window[:, :, -1] = y[: 3 * P].reshape(3, P)
-    if hooks is not None:
-        new = hooks.fire(names["kda.conv"], window)
+    if "kda.conv" in at:
+        new = at["kda.conv"](window)
         if new is not window:
             window[...] = new
     pre = (window * w.conv) @ w.taps_ones  # [3, P]
-    decay_in = ((w.f_b_proj @ y[4 * P + H :]).reshape(H, K) + w.dt_bias) * w.A  # A (f + dt_bias)  [H, K]
+    decay_in = ((w.f_b_proj @ y[4 * P + H :]).reshape(H, K) + w.dt_bias) * w.A_wide  # A (f + dt_bias)  [H, K]
     # one sigmoid for all four: the conv outputs (SiLU(c) = c sigmoid(c)), the output gate, beta, the decay
     z = xp.concatenate((pre.reshape(-1), y[3 * P : 4 * P + H], decay_in.reshape(-1)))
-    sig = 1.0 / (1.0 + xp.exp(-z))
+    sig = w.one / (w.one + xp.exp(-z))
     qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
     gate, beta = sig[3 * P : 4 * P].reshape(H, K), sig[4 * P : 4 * P + H]
-    alpha = xp.exp(w.lower_bound * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
-    if hooks is not None:
-        qkv = hooks.fire(names["kda.conv_out"], qkv)
+    alpha = xp.exp(w.lower_bound_c * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
+    if "kda.conv_out" in at:
+        qkv = at["kda.conv_out"](qkv)
 
     qk = qkv[:2]
     sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head
-    qk = qk * (w.qk_scale / xp.sqrt(sq + L2NORM_EPS))
+    qk = qk * (w.qk_scale / xp.sqrt(sq + w.l2_eps))
     q, k, v = qk[0], qk[1], qkv[2]
-    if hooks is not None:
-        q = hooks.fire(names["kda.q"], q)
-        k = hooks.fire(names["kda.k"], k)
-        v = hooks.fire(names["kda.v"], v)
-        beta = hooks.fire(names["kda.beta"], beta)
-        alpha = hooks.fire(names["kda.decay"], alpha)
-        gate = hooks.fire(names["kda.gate"], gate)
+    if at:  # (the rarely hooked intermediate values: one test for all six when nothing listens)
+        if "kda.q" in at:
+            q = at["kda.q"](q)
+        if "kda.k" in at:
+            k = at["kda.k"](k)
+        if "kda.v" in at:
+            v = at["kda.v"](v)
+        if "kda.beta" in at:
+            beta = at["kda.beta"](beta)
+        if "kda.decay" in at:
+            alpha = at["kda.decay"](alpha)
+        if "kda.gate" in at:
+            gate = at["kda.gate"](gate)
 
     S = state.recurrent
     delta_rule_update(S, k, v, alpha, beta)
-    if hooks is not None:
-        new = hooks.fire(names["kda.state"], S)
+    if "kda.state" in at:
+        new = at["kda.state"](S)
         if new is not S:
             S[...] = new
     o = delta_rule_read(S, q)
-    if hooks is not None:
-        o = hooks.fire(names["kda.o"], o)
+    if "kda.o" in at:
+        o = at["kda.o"](o)
     # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
     sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + K * w.eps)
+    o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + w.o_eps)  # o_eps = K eps
     return w.o_proj @ o.reshape(P)
 
 

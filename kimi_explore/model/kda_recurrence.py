@@ -31,6 +31,21 @@ def runs(xp, dtype) -> bool:
     return AVAILABLE and on_host(xp) and np.dtype(dtype) == np.float32
 
 
+_F32 = np.dtype(np.float32)
+
+
+def elementwise_ops(S, alpha, k):
+    """The compiled elementwise steps of the token form's delta rule (`scale_rows`, `add_outer`: exactly
+    NumPy's rounding, one call each instead of broadcasts over a short axis), when S [H, K, V], alpha and k
+    [H, K] are C-contiguous float32 host arrays and the kernel is built; else None."""
+    if (_ext is None or type(S) is not np.ndarray or S.dtype != _F32 or type(alpha) is not np.ndarray
+            or type(k) is not np.ndarray or alpha.dtype != _F32 or k.dtype != _F32):
+        return None
+    if not (S.flags.c_contiguous and alpha.flags.c_contiguous and k.flags.c_contiguous):
+        return None
+    return _ext
+
+
 def isas() -> tuple[str, ...]:
     """Kernels this CPU can run, best last ('portable', 'avx2', 'avx512f'); () without the extension."""
     return _ext.isas() if AVAILABLE else ()

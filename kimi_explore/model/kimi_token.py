@@ -32,6 +32,7 @@ from .kda import kda_step
 from .latent_moe import latent_moe
 from .mla import mla_step
 from .ops import dense_mlp, rms_norm
+from .sites import site_table
 
 __all__ = ["OutputHead", "check_state", "decoder_layer", "embed_token", "finish_token", "kimi_forward_token",
            "output_hidden", "run_layers", "token_index", "token_indices"]
@@ -122,14 +123,14 @@ def output_hidden(head: OutputHead, stack: SourceBuffer, hooks=None):
 
     `final.block_residual` ([n, d], the sealed blocks) fires first: a returned array replaces the
     blocks the output mix reads. (A logit lens runs this on the stack after every layer.)"""
-    fire = _unhooked if hooks is None else hooks.fire
-    if hooks is not None:
-        blocks = stack.blocks
-        new = hooks.fire("final.block_residual", blocks)
-        if new is not blocks:
-            stack.replace_blocks(new)
-    p = fire("final.attn_res.weights", stack.weights(head.attn_res_score))
-    return fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
+    if hooks is None:
+        return rms_norm(stack.mix(stack.weights(head.attn_res_score)), head.norm, head.eps)
+    blocks = stack.blocks
+    new = hooks.fire("final.block_residual", blocks)
+    if new is not blocks:
+        stack.replace_blocks(new)
+    p = hooks.fire("final.attn_res.weights", stack.weights(head.attn_res_score))
+    return hooks.fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
 
 
 def decoder_layer(layer, state, stack: SourceBuffer, cfg: KimiDecoderConfig,
@@ -137,26 +138,39 @@ def decoder_layer(layer, state, stack: SourceBuffer, cfg: KimiDecoderConfig,
     """One layer on one token. The running sum h is `stack.current`, replaced by this layer's output;
     a block boundary pushes h onto the stack; `state` (this layer's attention state) advances.
 
-    mix(score) is the stack's softmax mix of [blocks..., h] (`SourceBuffer`); `fire` passes each value
-    through the hooks at its site (the identity without hooks).
+    mix(p) is the stack's mix of [blocks..., h] by the softmax weights p (`SourceBuffer`). `at` holds
+    the sites something listens to (`site_table`): each passes its value through the hooks there.
     """
-    fire, names, eps = _unhooked if hooks is None else hooks.fire, layer.names, cfg.rms_norm_eps
-    h = stack.current
-    x = stack.mix(fire(names["attn_res.attn.weights"], stack.weights(layer.attn_res_score))) if stack.n else h
+    at, eps = site_table(hooks, layer.names), cfg.rms_norm_eps
+    h = x = stack.current
+    if stack.n:
+        p = stack.weights(layer.attn_res_score)
+        if "attn_res.attn.weights" in at:
+            p = at["attn_res.attn.weights"](p)
+        x = stack.mix(p)
     if layer.is_block_boundary:
         stack.seal()  # pushes the RAW input h, already the stack's current row
-    x = fire(names["attn.in"], rms_norm(x, layer.input_layernorm, eps))
-    a = fire(names["attn.out"], _attention(x, layer, state, hooks))
+    x = rms_norm(x, layer.input_layernorm, eps)
+    if "attn.in" in at:
+        x = at["attn.in"](x)
+    a = _attention(x, layer, state, hooks)
+    if "attn.out" in at:
+        a = at["attn.out"](a)
     stack.set_current(a if layer.is_block_boundary else h + a)  # a block boundary restarts the running sum
 
-    y = stack.mix(fire(names["attn_res.ffn.weights"], stack.weights(layer.mlp_res_score)))
-    y = fire(names["ffn.in"], rms_norm(y, layer.post_attention_layernorm, eps))
-    f = fire(names["ffn.out"], _ffn(y, layer, cfg, hooks))
-    stack.set_current(fire(names["prefix_sum"], stack.current + f))
-
-
-def _unhooked(name: str, value):
-    return value
+    p = stack.weights(layer.mlp_res_score)
+    if "attn_res.ffn.weights" in at:
+        p = at["attn_res.ffn.weights"](p)
+    y = rms_norm(stack.mix(p), layer.post_attention_layernorm, eps)
+    if "ffn.in" in at:
+        y = at["ffn.in"](y)
+    f = _ffn(y, layer, cfg, hooks)
+    if "ffn.out" in at:
+        f = at["ffn.out"](f)
+    h = stack.current + f
+    if "prefix_sum" in at:
+        h = at["prefix_sum"](h)
+    stack.set_current(h)
 
 
 def _attention(x, layer, state, hooks):

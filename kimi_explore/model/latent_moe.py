@@ -25,6 +25,7 @@ import numpy as np
 from .._xp import array_namespace
 from ..backend import on_host, to_numpy
 from .ops import naive_situ_and_mul, rms_norm, sigmoid, situ_and_mul, situ_inv_caps
+from .sites import site_table
 
 RENORM_EPS = 1e-20
 
@@ -146,19 +147,23 @@ class LatentMoeWeights:
     situ_linear_beta: float | None
 
     def __post_init__(self):
-        self._inv_caps: dict = {}  # (width, dtype) -> situ_inv_caps (derived, never loaded)
+        self._inv_caps: dict = {}  # (shape or width, dtype) -> (situ_inv_caps, its constants) (derived, never loaded)
+        self.one = array_namespace(self.routed_expert_norm).asarray(1.0, dtype=self.routed_expert_norm.dtype)  # 0-d
 
     def situ(self, gate_up):
         """SiTU-GLU with this layer's caps, the routed experts' [k, 2I] or the shared experts' [2 Ish]."""
         lb = self.situ_linear_beta
         if lb is None:
             return situ_and_mul(gate_up, self.situ_beta, None)
-        key = (gate_up.shape[-1], gate_up.dtype)
-        inv = self._inv_caps.get(key)
-        if inv is None:
-            xp = array_namespace(gate_up)
-            inv = self._inv_caps[key] = situ_inv_caps(xp, key[0] // 2, self.situ_beta, lb, gate_up.dtype)
-        return situ_and_mul(gate_up, self.situ_beta, lb, inv)
+        # small inputs (the token form's): the caps at the input's full shape, no broadcast (cheaper)
+        key = (gate_up.shape if gate_up.size <= 4096 else gate_up.shape[-1:], gate_up.dtype)
+        hit = self._inv_caps.get(key)
+        if hit is None:
+            xp, dt = array_namespace(gate_up), gate_up.dtype
+            inv = situ_inv_caps(xp, gate_up.shape[-1] // 2, self.situ_beta, lb, dt)
+            inv = xp.ascontiguousarray(xp.broadcast_to(inv, key[0]))
+            hit = self._inv_caps[key] = (inv, (xp.asarray(1.0, dtype=dt), xp.asarray(self.situ_beta * lb, dtype=dt)))
+        return situ_and_mul(gate_up, self.situ_beta, lb, *hit)
 
 
 # Below this many experts, routing on the host runs as Python floats: sorting a dozen numbers costs
@@ -173,12 +178,12 @@ def select_experts(scores, bias, top_k: int):
     numbers as an array implementation (a double-precision sum could break a float32 near-tie the
     other way).
     """
-    xp = array_namespace(scores)
     choice = scores + bias
     E = choice.shape[0]
-    if on_host(scores) and E <= SMALL_ROUTER:
+    if E <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
         top = sorted(range(E), key=choice.tolist().__getitem__, reverse=True)[:top_k]  # sorted is stable
         return np.array(sorted(top, key=scores.tolist().__getitem__, reverse=True), dtype=np.intp)
+    xp = array_namespace(scores)
     if top_k < E:
         ids = xp.argpartition(-choice, top_k - 1)[:top_k]
     else:
@@ -188,7 +193,7 @@ def select_experts(scores, bias, top_k: int):
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float):
     """scores[ids], renormalised to sum 1 (+ RENORM_EPS) when asked, times `scaling`: [k]."""
-    if on_host(scores) and scores.shape[0] <= SMALL_ROUTER:
+    if scores.shape[0] <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
         s = scores.tolist()
         w = [s[i] for i in ids.tolist()]
         c = scaling / (sum(w) + RENORM_EPS) if renormalize else scaling
@@ -217,32 +222,34 @@ def expert_outputs(experts, ids, z, act):
 def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
     """x: [d] (post_attention_layernorm output) -> [d].
 
-    hooks/names: `hooks.fire(names[site], value)` at each site of `FFN_SITES["moe"]`; a returned value is
+    hooks/names: the hooks at each listened-to site (`site_table(hooks, names)`) of `FFN_SITES["moe"]`; a returned value is
     used downstream (new `topk_ids` are re-weighted from the scores; `experts_out` [l] is the weighted
     sum of the experts' outputs before the latent norm).
     """
     E, l = w.num_experts, w.latent_size
+    at = site_table(hooks, names)
     y = w.in_proj @ x
-    scores = sigmoid(y[:E])
-    if hooks is not None:
-        scores = hooks.fire(names["moe.router.scores"], scores)
+    scores = sigmoid(y[:E], w.one)
+    if "moe.router.scores" in at:
+        scores = at["moe.router.scores"](scores)
     ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
-    if hooks is not None:
-        ids = hooks.fire(names["moe.router.topk_ids"], ids)
+    if "moe.router.topk_ids" in at:
+        ids = at["moe.router.topk_ids"](ids)
     weights = routing_weights(scores, ids, w.renormalize, w.routed_scaling_factor)
-    if hooks is not None:
-        weights = hooks.fire(names["moe.router.topk_weights"], weights)
+    if "moe.router.topk_weights" in at:
+        weights = at["moe.router.topk_weights"](weights)
 
     u = weights @ expert_outputs(w.experts, ids, y[E : E + l], w.situ)
-    if hooks is not None:
-        u = hooks.fire(names["moe.experts_out"], u)
+    if "moe.experts_out" in at:
+        u = at["moe.experts_out"](u)
     if w.use_latent_norm:
         u = rms_norm(u, w.routed_expert_norm, w.eps)
     routed = w.routed_expert_up_proj @ u
     shared = w.shared_down_proj @ w.situ(y[E + l :])
-    if hooks is not None:
-        routed = hooks.fire(names["moe.routed_out"], routed)
-        shared = hooks.fire(names["moe.shared_out"], shared)
+    if "moe.routed_out" in at:
+        routed = at["moe.routed_out"](routed)
+    if "moe.shared_out" in at:
+        shared = at["moe.shared_out"](shared)
     return routed + shared
 
 

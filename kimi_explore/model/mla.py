@@ -31,6 +31,7 @@ from .._xp import array_namespace
 from ..backend import to_numpy
 from . import sequence_ops
 from .ops import linear, rms_norm, sigmoid, softmax
+from .sites import site_table
 
 LATENT_NORM_EPS = 1e-6
 
@@ -120,7 +121,7 @@ class MlaState:
 def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     """x: [d] (input_layernorm output) -> [d]; appends this token to `state`.
 
-    hooks/names: `hooks.fire(names[site], value)` at each site of `ATTENTION_SITES["mla"]`; a returned value
+    hooks/names: the hooks at each listened-to site (`site_table(hooks, names)`) of `ATTENTION_SITES["mla"]`; a returned value
     is used downstream: the normalised latents (`mla.q_latent` [q_lora], `mla.kv_latent` [kv_lora]), the
     attention probabilities over the cache (`mla.probs` [nh, T]), the heads' output before the gate
     (`mla.o` [nh, dv]).
@@ -128,12 +129,14 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     xp = array_namespace(x)
     nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
     ql, kl = w.q_lora_rank, w.kv_lora_rank
+    at = site_table(hooks, names)
     y = w.in_proj @ x
     q_lat = rms_norm(y[:ql], w.q_a_layernorm, LATENT_NORM_EPS)
     kv_lat = rms_norm(y[ql : ql + kl], w.kv_a_layernorm, LATENT_NORM_EPS)
-    if hooks is not None:
-        q_lat = hooks.fire(names["mla.q_latent"], q_lat)
-        kv_lat = hooks.fire(names["mla.kv_latent"], kv_lat)
+    if "mla.q_latent" in at:
+        q_lat = at["mla.q_latent"](q_lat)
+    if "mla.kv_latent" in at:
+        kv_lat = at["mla.kv_latent"](kv_lat)
     q = (w.q_b_proj @ q_lat).reshape(nh, dn + dr)
     kv = (w.kv_b_proj @ kv_lat).reshape(nh, dn + dv)
     gate = sigmoid(y[ql + kl + dr :]) if w.use_output_gate else None
@@ -142,11 +145,11 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     scale = 1.0 / math.sqrt(w.qk_nope_head_dim + w.qk_rope_head_dim)
     scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * scale  # [nh, T]
     p = softmax(scores)
-    if hooks is not None:
-        p = hooks.fire(names["mla.probs"], p)
+    if "mla.probs" in at:
+        p = at["mla.probs"](p)
     o = xp.matmul(p[:, None, :], state.values[:, :T])[:, 0]  # [nh, dv]
-    if hooks is not None:
-        o = hooks.fire(names["mla.o"], o)
+    if "mla.o" in at:
+        o = at["mla.o"](o)
     o = o.reshape(-1)
     if gate is not None:
         o = o * gate

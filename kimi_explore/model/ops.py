@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from .._xp import array_namespace
 from ..backend import on_host
 from .sequence_ops import situ_and_mul_rows
@@ -22,9 +24,11 @@ def linear(x, weight):
     return own(x) if own is not None else x @ weight.T
 
 
-def sigmoid(x):
+def sigmoid(x, one=1.0):
+    """1 / (1 + exp(-x)). one: 1 as a 0-d array of x's dtype, if the caller keeps one (a cheaper operand
+    than the Python float, the same result)."""
     xp = array_namespace(x)
-    return 1.0 / (1.0 + xp.exp(-x))
+    return one / (one + xp.exp(-x))
 
 
 def rms_norm(x, weight, eps: float):
@@ -33,28 +37,36 @@ def rms_norm(x, weight, eps: float):
     HF normalises in fp32, casts back to the activation dtype, then multiplies by the weight; in a
     float32/float64 decoder the cast is the identity.
     """
-    xp = array_namespace(x)
     n = x.shape[-1]
-    if x.ndim == 1 and on_host(xp):  # the common case: one scalar, computed on the host side of the call
+    if x.ndim == 1 and (type(x) is np.ndarray or on_host(array_namespace(x))):  # the common case: one scalar, on the host
         return x * (weight * (1.0 / math.sqrt(float(x @ x) / n + eps)))
+    xp = array_namespace(x)
     # rows, or a GPU (where float() would wait for the device): everything stays in arrays
     return x * (weight / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / n) + eps))
 
 
-def situ_and_mul(gate_up, beta: float, linear_beta: float | None, inv_caps=None):
+def situ_and_mul(gate_up, beta: float, linear_beta: float | None, inv_caps=None, consts=None):
     """SiTU-GLU on the concatenation [gate | up] (last axis): `b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)`.
 
     Trap: the sigmoid reads the UNCAPPED gate. `linear_beta=None` leaves `up` uncapped.
     |output| <= beta * linear_beta.
     inv_caps: optional [2n] = [1/beta]*n + [1/linear_beta]*n in gate_up's dtype (`situ_inv_caps`):
-    both tanh in one call, bit for bit the same result.
+    both tanh in one call, bit for bit the same result (also broadcast to gate_up's shape: cheaper).
+    consts: optional (1, beta * linear_beta) as 0-d arrays of gate_up's dtype, with inv_caps (the same result).
     """
     xp = array_namespace(gate_up)
     n = gate_up.shape[-1] // 2
     g, u = gate_up[..., :n], gate_up[..., n:]
     if inv_caps is not None and linear_beta is not None:
+        one, cap = (1.0, beta * linear_beta) if consts is None else consts
         t = xp.tanh(gate_up * inv_caps)
-        return t[..., :n] / (1.0 + xp.exp(-g)) * t[..., n:] * (beta * linear_beta)
+        den = xp.negative(g)  # 1 + exp(-g), in place: one new array (g may be a strided view)
+        xp.exp(den, out=den)
+        den += one
+        out = xp.divide(t[..., :n], den, out=den)
+        out *= t[..., n:]
+        out *= cap
+        return out
     a = xp.tanh(g * (1.0 / beta)) / (1.0 + xp.exp(-g))  # tanh-capped gate times sigmoid(uncapped gate)
     if linear_beta is None:
         return a * u * beta
@@ -69,7 +81,6 @@ def situ_inv_caps(xp, n: int, beta: float, linear_beta: float, dtype):
 
 def naive_situ_and_mul(gate_up, beta: float, linear_beta: float | None):
     """Float64 reference: the SiTU formula element by element, written as in the tech report (eq. 12)."""
-    import numpy as np
 
     gu = np.asarray(gate_up, dtype=np.float64)
     n = gu.shape[-1] // 2

@@ -151,7 +151,7 @@ class Ablation:
         if layer not in ex.moe_layers and self.layers.value.strip().lower() in ("", "this"):
             raise ValueError(f"layer {layer} has a dense FFN, no experts: pick an MoE layer")
         layers = parse_layers(self.layers.value, layer, ex.moe_layers)
-        r = window_routing(ex.session, t, t + 1)  # token t alone
+        r = window_routing(ex, t, t + 1)  # token t alone
         chosen_at = {i: [int(e) for e in r["topk_ids"][0, r["moe_layers"].index(i)] if e >= 0] for i in layers}
         if self.experts.value.strip().lower() in ("chosen", "topk", "top-k", ""):  # each layer's own choice at t
             hooks = [interventions.ablate_experts(i, chosen_at[i], self._positions(t)) for i in layers]
@@ -187,7 +187,7 @@ class Ablation:
         self.diff_view.show(*specs_analysis.run_diff(diff(s, fork), start, ex.tokenizer, t), ex.tab_views.rev)
         why = ""
         if self.what.value == "experts" and listed is not None and listed != "all" and self.scope.value == SCOPES[0]:
-            r = window_routing(ex.session, t, t + 1)
+            r = window_routing(ex, t, t + 1)
             chosen = [int(e) for e in r["topk_ids"][0, r["moe_layers"].index(layer)] if e >= 0] \
                 if layer in ex.moe_layers else []
             missed = [e for e in listed if e not in chosen]

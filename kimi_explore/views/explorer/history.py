@@ -1,6 +1,6 @@
 """What the Explorer keeps per history so that a Step costs the same at 20 tokens or 300.
 
-Each view asks for a window of the session's Trace (`session.trace(window=...)`: views of the
+Each view asks for a window of the session's Trace (`Explorer.trace(window=...)`: views of the
 records, no copy), never for the whole history. Two things do depend on every token, and are
 grown by the new tokens only:
 
@@ -46,41 +46,44 @@ class HistoryCache:
             n += 1
         return n
 
-    def update(self, session, surprisal: np.ndarray) -> None:
-        """Bring the cache to `session`'s history; surprisal: [T] bits (NaN for the first token)."""
-        tokens = list(session.tokens)
+    def update(self, ex, surprisal: np.ndarray) -> None:
+        """Bring the cache to the history of `ex` (an Explorer: its session and its `trace(window=)`);
+        surprisal: [T] bits (NaN for the first token)."""
+        tokens = list(ex.session.tokens)
         keep = self._keep(tokens)
         if keep < len(self.tokens):  # the history shrank or changed: drop what no longer holds
             self.measures = {m: v[:keep] for m, v in self.measures.items()}
-            self.counts = None if keep == 0 else self._counts_of(session, 0, keep)
+            self.counts = None if keep == 0 else self._counts_of(ex, 0, keep)
         self.tokens = tokens[:keep]
         if len(tokens) > keep:
-            self._grow(session, keep, len(tokens))
+            self._grow(ex, keep, len(tokens))
             self.tokens = tokens
         self.measures["surprisal"] = np.asarray(surprisal, dtype=np.float64)[: len(tokens)]
 
-    def _counts_of(self, session, a: int, b: int) -> np.ndarray | None:
-        win = session.trace(window=slice(a, b))
+    def _counts_of(self, ex, a: int, b: int, win=None) -> np.ndarray | None:
+        """Expert counts of tokens [a, b); `win` may be a trace window that ends at b and holds them."""
+        win = ex.trace(window=slice(a, b)) if win is None else win.window(a - win.start, None)
         raw = win.routing()
         if not len(raw.get("moe_layers", [])) or "topk_ids" not in raw:
             return None
         ids = np.asarray(raw["topk_ids"], dtype=np.int64)  # [b - a, M, k]; -1 pads an ablated top-k
         self.moe_layers = [int(i) for i in raw["moe_layers"]]
-        E = session.weights.config.num_experts
+        E = ex.session.weights.config.num_experts
         counts = np.zeros((ids.shape[1], E), np.int64)
         for j in range(ids.shape[1]):
             chosen = ids[:, j].ravel()
             counts[j] = np.bincount(chosen[chosen >= 0], minlength=E)
         return counts
 
-    def _grow(self, session, a: int, b: int) -> None:
+    def _grow(self, ex, a: int, b: int) -> None:
         # one token before the new ones: the KDA state change of token a needs token a - 1's norms
         lo = max(0, a - 1)
-        m = summaries.token_measures(session.trace(window=slice(lo, b)))
+        win = ex.trace(window=slice(lo, b))
+        m = summaries.token_measures(win)
         for name, v in m.items():
             if name != "surprisal":
                 self.measures[name] = np.concatenate([self.measures[name][:a], np.asarray(v)[a - lo:]])
-        new = self._counts_of(session, a, b)
+        new = self._counts_of(ex, a, b, win)
         if new is not None:
             self.counts = new if self.counts is None else self.counts + new
 
@@ -91,7 +94,7 @@ class HistoryCache:
         return summaries.stats_from_counts(self.counts, len(self.tokens))
 
 
-def window_routing(session, a: int, b: int) -> dict:
+def window_routing(ex, a: int, b: int) -> dict:
     """Host routing arrays (`common.routing`) of tokens [a, b) only; {} when no MoE layer is recorded."""
-    win = session.trace(window=slice(a, b))
+    win = ex.trace(window=slice(a, b))
     return routing(win) if len(win.routing().get("moe_layers", [])) else {}

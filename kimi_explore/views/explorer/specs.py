@@ -24,6 +24,10 @@ SELECT = "#d62728"
 FONT = {"size": 11}
 SITE_NAMES = ("before attention (attn_res.attn)", "before the FFN (attn_res.ffn)")
 GAP_NOTE = "<br>no weight: that block is not sealed yet here"
+# plotly.js has no "Magma" (an unknown name silently falls back to a red scale, under the red selection
+# outline): light yellow (empty state) to dark blue (a full one), no red in it
+NORM_SCALE = [[0.0, "#ffffd9"], [0.25, "#c7e9b4"], [0.5, "#41b6c4"], [0.75, "#225ea8"], [1.0, "#081d58"]]
+GAP_CELLS = 400  # heatmaps up to this many cells are drawn with gaps between the cells
 GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
 
 
@@ -73,7 +77,8 @@ def token_window(n_tokens: int, t: int, window: int = WINDOW) -> list[float]:
 
 
 def token_axis(trace, t: int, tokenizer=None) -> dict:
-    return {"type": "category", "title": {"text": "token (drag to scroll)"}, "range": token_window(len(trace), t),
+    return {"type": "category", "title": {"text": "token (the token slider moves this window)"},
+            "range": token_window(len(trace), t),
             "tickfont": {"size": 10}, "tickangle": -60}  # no automargin: it costs plotly a second layout pass
 
 
@@ -93,9 +98,12 @@ def empty(message: str, height_title: str = "") -> tuple[list, dict]:
 def heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showscale=True, colorbar=None,
           customdata=None, gaps: bool = False) -> dict:
     """A heatmap trace; NaN cells are gaps (the grey plot background), hoverable and clickable if `gaps`."""
+    # thin white gaps between cells make small maps easier to read, but plotly then draws every cell
+    # as its own SVG path; past GAP_CELLS it draws one image instead (a Step at K3 depth stays fast)
+    gap = 0.5 if len(x) * len(y) <= GAP_CELLS else 0
     trace = {"type": "heatmap", "z": typed(z), "x": list(x), "y": list(y), "colorscale": colorscale, "zmin": float(zmin),
              "zmax": float(zmax), "hovertemplate": hover + "<extra></extra>", "xaxis": xaxis, "yaxis": yaxis,
-             "showscale": showscale, "hoverongaps": gaps, "xgap": 0.5, "ygap": 0.5}
+             "showscale": showscale, "hoverongaps": gaps, "xgap": gap, "ygap": gap}
     if colorbar:
         trace["colorbar"] = colorbar
     if customdata is not None:
@@ -194,7 +202,7 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     d = np.asarray(norms[t], dtype=float)  # [kda_layer, H]
     labels = layer_labels(trace, ids)
     vmax = kda_vmax(trace) if vmax is None else vmax
-    data = [heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    data = [heat(d.T, labels, [str(h) for h in range(d.shape[1])], colorscale=NORM_SCALE, zmin=0, zmax=vmax,
                   hover="layer %{x}, head %{y}<br>‖S‖ = %{z:.4f}", colorbar={"title": {"text": "‖S‖"}})]
     shapes = [outline(ids.index(layer))] if layer in ids else []
     label = trace_labels(trace, tokenizer)[t]
@@ -215,7 +223,7 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
     d = np.asarray(norms[:, ids.index(layer)], dtype=float)  # [T, H]
     vmax = kda_vmax(trace) if vmax is None else vmax
     toks = trace_labels(trace, tokenizer)
-    data = [heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale="Magma", zmin=0, zmax=vmax,
+    data = [heat(d.T, toks, [str(h) for h in range(d.shape[1])], colorscale=NORM_SCALE, zmin=0, zmax=vmax,
                   hover="token %{x}, layer " + str(layer) + ", head %{y}<br>‖S‖ = %{z:.4f}", showscale=False)]
     layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",
                         "font": FONT},

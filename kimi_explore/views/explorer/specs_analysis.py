@@ -34,8 +34,10 @@ def leaf_layer(leaf: str) -> int | None:
 
 
 def _short(label: str) -> str:
-    """A token label for a narrow cell: `<0x80>` (a byte that is not text alone) as `x80`."""
-    return "x" + label[3:-1] if label.startswith("<0x") and label.endswith(">") else label
+    """A token label for a narrow cell: `<0x80>` (a byte that is not text alone) as `x80`, a space as ␣."""
+    if label.startswith("<0x") and label.endswith(">"):
+        return "x" + label[3:-1]
+    return label.replace(" ", "␣")  # a space must be seen
 
 
 def lens_strip(lens, labels: list[str], tokenizer=None, layer: int | None = None) -> tuple[list, dict]:
@@ -110,12 +112,12 @@ def run_diff(d, t0: int, tokenizer=None, t: int | None = None) -> tuple[list, di
     half = float(np.nanmax(np.abs(dw))) if dw.size and np.isfinite(dw).any() else 0.0
     half = max(half, 1e-9)
     data = [
-        heat(kl[None], cols, ["KL"], colorscale="Reds", zmin=0, zmax=max(float(kl.max(initial=0)), 1e-9),
+        heat(kl[None], cols, ["KL"], colorscale="Cividis", zmin=0, zmax=max(float(kl.max(initial=0)), 1e-9),
              hover="token %{x}<br>KL(original ‖ fork) = %{z:.4g} nats", colorbar={"title": {"text": "KL"}, "len": 0.3,
-                                                                                  "y": 0.87}),
+                                                                                  "y": 0.87, "nticks": 3}),
         heat(dw, cols, list(d.source_labels), colorscale="RdBu", zmin=-half, zmax=half, xaxis="x2", yaxis="y2",
              hover="token %{x}, source %{y}<br>Δ output-mix weight %{z:+.4g}",
-             colorbar={"title": {"text": "Δ weight"}, "len": 0.4, "y": 0.45}),
+             colorbar={"title": {"text": "Δ weight"}, "len": 0.4, "y": 0.45, "nticks": 4}),
         heat(changed[None].astype(np.float32), cols, ["routing"], colorscale="Greys", zmin=0,
              zmax=max(1, int(changed.max(initial=0))), xaxis="x3", yaxis="y3",
              hover="token %{x}<br>%{z} MoE layers chose another top-k set", showscale=False),

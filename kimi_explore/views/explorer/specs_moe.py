@@ -164,16 +164,19 @@ def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[i
     labels = layer_labels(trace, layers)
     n = min(n, counts.shape[1])
     top_c, top_e = counts[:, :n].astype(np.float32), order[:, :n]
-    text = [[str(int(e)) if c > 0 else "" for e, c in zip(re, rc, strict=True)] for re, rc in zip(top_e, top_c, strict=True)]
     j_sel = layers.index(layer) if layer in layers else None
+    window = _row_window(len(labels), j_sel)
+    rows = range(len(labels)) if window is None else range(round(window[1] + 0.5), round(window[0] + 0.5))
+    # expert ids written only in the rows on screen: plotly draws every text, seen or not
+    text = [[str(int(e)) if c > 0 and j in rows else "" for e, c in zip(re, rc, strict=True)]
+            for j, (re, rc) in enumerate(zip(top_e, top_c, strict=True))]
     hm = heat(np.where(top_c > 0, top_c, np.nan), [str(r + 1) for r in range(n)], labels, colorscale="Blues",
               zmin=0, zmax=max(1.0, float(top_c.max(initial=0))), customdata=typed(top_e, np.int32),
               hover="layer %{y}, rank %{x}: expert %{customdata}<br>chosen %{z} times", colorbar={"title": {"text": "count"}})
     hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True, xgap=0, ygap=0)
-    window = _row_window(len(labels), j_sel)
     shown = "" if window is None else f"; layers {labels[round(window[1] + 0.5)].split()[0]}-" \
-        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)} (drag for the rest)"
-    layout = {"title": {"text": f"Top {n} experts by load per layer over {tokens} tokens{shown}", "font": FONT},
+        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)} (drag)"
+    layout = {"title": {"text": f"Top {n} experts by load per layer, {tokens} tokens{shown}", "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "rank"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
               "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
@@ -198,8 +201,10 @@ def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokeni
               colorbar={"title": {"text": "weight"}})
     hm.update(xgap=0, ygap=0)
     j_sel = layers.index(layer) if layer in layers else None
-    found = (f"fired {n_hits} times at {len(where)} of {len(layers)} MoE layers" if n_hits else
-             f"never chosen in these {len(toks)} tokens")
+    start = getattr(trace, "start", 0)  # a window of the history: say which tokens
+    span = f"tokens {start}-{start + len(toks) - 1}"
+    found = (f"in {span} it fired {n_hits} times at {len(where)} of {len(layers)} MoE layers" if n_hits else
+             f"never chosen in {span}")
     layout = {"title": {"text": f"Where expert {int(expert)} fires: {found}", "font": FONT},
               "xaxis": specs.token_axis(trace, t, tokenizer), "yaxis": {**_y_layers(labels, j_sel)},
               "shapes": [outline(t)] + ([_row_outline(j_sel)] if j_sel is not None else []),

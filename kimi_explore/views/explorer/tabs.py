@@ -2,7 +2,7 @@
 
 `Tabs(explorer)` builds the views once; `refresh(tab, t, layer)` recomputes that tab's figures for
 the selected token and layer and sends them (each view redraws in place, Plotly.react). A view
-reads only the window of the history it shows (`session.trace(window=...)`: the selected token,
+reads only the window of the history it shows (`explorer.trace(window=...)`: the selected token,
 or the `specs.WINDOW` tokens around it), and the two numbers that depend on every token (the text's
 measures, the expert counts) grow token by token (`history.HistoryCache`): a Step costs the same
 at any history length. Clicks on a view select a token or a layer: the label under the pointer
@@ -63,6 +63,12 @@ class Tabs:
         self.expert.observe(lambda _: self._expert_changed(), names="value")
         self.expert_note = widgets.HTML()
         self.views["expert_search"].layout.display = "none"
+        self.compute_button = widgets.Button(description="Compute", icon="calculator", button_style="info",
+                                             tooltip="the logit lens and the attribution of the selected token")
+        self.compute_button.on_click(lambda _: self.ex._busy(self.compute_analyses))
+        self.auto_analyses = widgets.Checkbox(value=False, indent=False,
+                                              description="compute on every selection (replays: slow at K3 depth)")
+        self.auto_analyses.observe(lambda _: (self.drawn.pop(4, None), self.ex.refresh()), names="value")
         v = self.views
         self.widget = widgets.Tab(children=[
             widgets.VBox([v["block_token"], v["block_layer"]]),
@@ -73,7 +79,7 @@ class Tabs:
                                                                    layout=widgets.Layout(width="60%"))]),
                           self.full_map, v["moe_full"]]),
             widgets.VBox([widgets.HBox([v["predictions"], ex.ablation_box]), ex.ablation.diff_view]),
-            widgets.VBox([v["lens"], v["attribution"]]),
+            widgets.VBox([widgets.HBox([self.compute_button, self.auto_analyses]), v["lens"], v["attribution"]]),
         ], titles=TABS)
         self.drawn: dict[int, tuple] = {}  # tab -> what its views show now (history length, token, layer, ...)
         self.rev = 0  # revision counter: every refresh that sends figures takes the next one
@@ -141,14 +147,14 @@ class Tabs:
         self.rev += 1
         meta = {"token": t, "layer": layer, "tokens": n}
         tok, show = self.ex.tokenizer, lambda name, fig: self.views[name].show(fig[0], fig[1], self.rev, meta)
-        one = s.trace(window=slice(t, t + 1))  # the selected token
+        one = self.ex.trace(window=slice(t, t + 1))  # the selected token
         a, b = token_window(n, t, specs.WINDOW)
         if tab == 0:
             show("block_token", specs.block_token(one, 0, layer, tok))
-            show("block_layer", specs.block_layer(s.trace(window=slice(a, b)), layer, t - a, tok))
+            show("block_layer", specs.block_layer(self.ex.trace(window=slice(a, b)), layer, t - a, tok))
         elif tab == 1:
             if self.ex.kda_layers:
-                win = s.trace(window=slice(a, b))
+                win = self.ex.trace(window=slice(a, b))
                 vmax = specs.kda_vmax(win)  # one colour scale for both views: the window holds the token
                 show("kda_token", specs.kda_token(one, 0, layer, tok, vmax))
                 show("kda_layer", specs.kda_layer(win, layer, t - a, tok, vmax))
@@ -158,7 +164,7 @@ class Tabs:
         elif tab == 2:
             self._refresh_moe(one, t, layer, (a, b), show)
         elif tab == 3:
-            show("predictions", specs_moe.predictions(s.trace(window=slice(t, t + 2)), 0, tok))
+            show("predictions", specs_moe.predictions(self.ex.trace(window=slice(t, t + 2)), 0, tok))
         elif tab == 4:
             self._refresh_analyses(t, layer, show)
         self.drawn[tab], self.tab_rev[tab] = key, self.rev
@@ -166,8 +172,7 @@ class Tabs:
 
     def _refresh_moe(self, one, t: int, layer: int, window: tuple[int, int], show) -> None:
         """one: the trace window of token t alone; window: the token range the expert search shows."""
-        s = self.ex.session
-        r = window_routing(s, t, t + 1)
+        r = window_routing(self.ex, t, t + 1)
         stats = self.ex.history.load_stats()
         if not r or stats is None:
             for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_top", "expert_search", "moe_full"):
@@ -186,23 +191,44 @@ class Tabs:
         if e is not None:
             self.expert_note.value = ""
             a, b = window
-            show("expert_search", specs_moe.expert_search(window_routing(s, a, b), e, s.trace(window=slice(a, b)),
-                                                          t - a, layer, tok))
+            win = self.ex.trace(window=slice(a, b))
+            show("expert_search", specs_moe.expert_search(window_routing(self.ex, a, b), e, win, t - a, layer, tok))
         if self.full_map.value:
             show("moe_full", specs_moe.moe_full(r, 0, one, layer, bias, tok))
 
-    def _refresh_analyses(self, t: int, layer: int, show) -> None:
-        """The lens and the attribution of token t: one replay of the history up to t each, kept per
-        (history, token), so moving the layer or coming back to a token costs nothing."""
+    def compute_analyses(self) -> None:
+        """The Compute button: the lens and the attribution of the selected token, then draw them."""
+        ex = self.ex
+        n = len(ex.session)
+        if not n:
+            return
+        self._analyses(min(ex.token.value, n - 1), compute=True)
+        self.drawn.pop(4, None)
+        ex.refresh()
+
+    def _analyses(self, t: int, compute: bool = False):
+        """(lens, attribution) of token t, kept per (history, token); None until computed (they replay
+        the history up to t: seconds at K3 depth, so they run on the Compute button only)."""
         from ...analysis.attribution import logit_attribution
         from ...analysis.logit_lens import logit_lens
 
-        ex = self.ex
-        s = ex.session
-        lens = ex.history_memo(f"lens@{t}", lambda: logit_lens(s, top=3, positions=[t]))
-        # the logit of the token fed next (what the model was asked to predict); the top-1 after the last one
-        target = s.tokens[t + 1] if t + 1 < len(s) else None
-        attr = ex.history_memo(f"attribution@{t}", lambda: logit_attribution(s, t, token=target))
-        labels = specs.layer_labels(s.trace(window=slice(t, t + 1)))
-        show("lens", specs_analysis.lens_strip(lens, labels, ex.tokenizer, layer))
-        show("attribution", specs_analysis.waterfall(attr, ex.tokenizer))
+        ex, s = self.ex, self.ex.session
+        key = f"analyses@{t}"
+        if compute and key not in ex._memo:
+            target = s.tokens[t + 1] if t + 1 < len(s) else None  # the token fed next (else the top-1)
+            ex._memo[key] = (logit_lens(s, top=3, positions=[t]), logit_attribution(s, t, token=target))
+        return ex._memo.get(key)
+
+    def _refresh_analyses(self, t: int, layer: int, show) -> None:
+        """The selected token's lens and attribution, once computed for it (see `_analyses`)."""
+        got = self._analyses(t, compute=self.auto_analyses.value)
+        if got is None:
+            msg = (f"Press Compute for token {t}: the logit lens and the attribution replay the history up to it "
+                   f"({t + 1} tokens)")
+            show("lens", specs.empty(msg))
+            show("attribution", specs.empty("(the waterfall of the logit of the token fed next, or of the top-1)"))
+            return
+        lens, attr = got
+        labels = specs.layer_labels(self.ex.trace(window=slice(t, t + 1)))
+        show("lens", specs_analysis.lens_strip(lens, labels, self.ex.tokenizer, layer))
+        show("attribution", specs_analysis.waterfall(attr, self.ex.tokenizer))

@@ -24,21 +24,32 @@ export default {
     box.style.cssText = "height:58px;overflow-y:auto;border:1px solid #ddd;border-radius:4px;padding:3px 4px;" +
       "font:13px/1.9 ui-monospace,SFMono-Regular,Menlo,monospace;white-space:pre-wrap;word-break:break-all;background:#fff";
     el.appendChild(box);
+    const style = (t, colors, sel, gen) => "cursor:pointer;border-radius:2px;padding:1px 0;background:" +
+      (colors[t] || "transparent") + (t === sel ? ";outline:2px solid #d62728;outline-offset:0" : "") +
+      (gen >= 0 && t >= gen ? ";text-decoration:underline dotted" : "");
+    // One draw per frame, however many traits a Step changed; a history that only grew keeps its spans
+    // (their colours and titles are refreshed) and gets the new ones appended.
+    let queued = false;
     const draw = () => {
+      queued = false;
       const labels = model.get("labels"), colors = model.get("colors"), titles = model.get("titles");
       const sel = model.get("selected"), gen = model.get("generated_from");
-      box.replaceChildren();
-      labels.forEach((label, t) => {
-        const s = document.createElement("span");
-        s.textContent = label;
-        s.dataset.t = String(t);
+      const spans = box.children;
+      let keep = 0;
+      while (keep < spans.length && keep < labels.length && spans[keep].textContent === labels[keep]) keep++;
+      while (spans.length > keep) box.removeChild(box.lastChild);
+      for (let t = 0; t < labels.length; t++) {
+        let s = spans[t];
+        if (t >= keep) {
+          s = document.createElement("span");
+          s.textContent = labels[t];
+          s.dataset.t = String(t);
+          box.appendChild(s);
+        }
         s.title = titles[t] || "";
         s.className = "kimi-token" + (t === sel ? " kimi-selected" : "");
-        s.style.cssText = "cursor:pointer;border-radius:2px;padding:1px 0;background:" + (colors[t] || "transparent") +
-          (t === sel ? ";outline:2px solid #d62728;outline-offset:0" : "") +
-          (gen >= 0 && t >= gen ? ";text-decoration:underline dotted" : "");
-        box.appendChild(s);
-      });
+        s.style.cssText = style(t, colors, sel, gen);
+      }
       const cur = box.querySelector(".kimi-selected");
       if (cur) {  // scroll the strip only (scrollIntoView would move the page too)
         const top = cur.offsetTop - box.offsetTop;
@@ -46,13 +57,14 @@ export default {
           box.scrollTop = Math.max(0, top - box.clientHeight / 2);
       }
     };
+    const schedule = () => { if (!queued) { queued = true; requestAnimationFrame(draw); } };
     box.addEventListener("click", (ev) => {
       const t = ev.target && ev.target.dataset ? ev.target.dataset.t : undefined;
       if (t === undefined) return;
       model.set("selected", Number(t));
       model.save_changes();
     });
-    model.on("change:labels change:colors change:titles change:selected change:generated_from", draw);
+    model.on("change:labels change:colors change:titles change:selected change:generated_from", schedule);
     draw();
   },
 };
@@ -63,9 +75,10 @@ class TokenText(anywidget.AnyWidget):
     """Clickable, coloured tokens (see module docstring)."""
 
     _esm = ESM
-    labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
-    colors = traitlets.List(traitlets.Unicode()).tag(sync=True)
-    titles = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    # untyped lists: set_tokens builds them from str; per-element validation would cost O(T) per Step
+    labels = traitlets.List().tag(sync=True)
+    colors = traitlets.List().tag(sync=True)
+    titles = traitlets.List().tag(sync=True)
     selected = traitlets.Int(-1).tag(sync=True)
     generated_from = traitlets.Int(-1).tag(sync=True)  # first generated token (-1: none)
 
@@ -73,7 +86,8 @@ class TokenText(anywidget.AnyWidget):
         if not len(labels) == len(colors) == len(titles):
             raise ValueError(f"TokenText: {len(labels)} labels, {len(colors)} colours, {len(titles)} titles")
         with self.hold_sync():
-            self.labels, self.colors, self.titles = list(labels), list(colors), list(titles)
+            self.labels, self.colors, self.titles = [str(x) for x in labels], [str(x) for x in colors], \
+                [str(x) for x in titles]
             self.generated_from = int(generated_from)
 
 
@@ -82,9 +96,11 @@ def measure_colors(values: np.ndarray) -> tuple[list[str], float, float]:
     v = np.asarray(values, dtype=float)
     ok = np.isfinite(v)
     lo, hi = (float(v[ok].min()), float(v[ok].max())) if ok.any() else (0.0, 1.0)
-    x = np.clip((v - lo) / ((hi - lo) or 1.0), 0, 1)
-    out = []
-    for good, s in zip(ok, x, strict=True):
-        # from #f4f8ff to #6fa8ff: dark enough to see, light enough for black text
-        out.append(f"rgb({int(244 - 133 * s)},{int(248 - 80 * s)},255)" if good else "transparent")
-    return out, lo, hi
+    x = np.clip(np.nan_to_num((v - lo) / ((hi - lo) or 1.0)), 0, 1)
+    level = np.where(ok, np.floor(x * (len(_PALETTE) - 2) + 0.5).astype(np.int64), len(_PALETTE) - 1)
+    return _PALETTE[level].tolist(), lo, hi
+
+
+# from #f4f8ff to #6fa8ff in 256 steps (dark enough to see, light enough for black text); last: no value
+_PALETTE = np.array([f"rgb({int(244 - 133 * s)},{int(248 - 80 * s)},255)" for s in np.linspace(0, 1, 256)]
+                    + ["transparent"], dtype=object)

@@ -56,8 +56,10 @@ class Explorer(widgets.VBox):
         self.kda_layers = [i for i in weights.layer_ids if cfg.is_kda_layer(i)]
         self.moe_layers = [i for i in weights.layer_ids if cfg.is_moe_layer(i)]
         self.bias = bias_vectors(weights)
-        self.history_id, self._memo, self._surprisal = 0, {}, {}
+        self.history_id, self._memo, self._surprisal, self._trace = 0, {}, {}, None
         self.history = HistoryCache()  # per-token measures and expert counts, grown by each Step
+        self._labels: dict[str, list] = {}  # (token id, label) per position, grown by each Step
+        self._prompt_memo: tuple = (None, [])  # ((mode, text), ids): the prompt is parsed once per edit
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
 
@@ -136,7 +138,13 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ the prompt
     def prompt_ids(self) -> list[int]:
-        """The prompt box as token ids (raises ValueError naming what is wrong)."""
+        """The prompt box as token ids (raises ValueError naming what is wrong); parsed once per text."""
+        key = (self.mode.value, self.prompt.value)
+        if self._prompt_memo[0] != key:
+            self._prompt_memo = (key, self._parse_prompt())
+        return list(self._prompt_memo[1])
+
+    def _parse_prompt(self) -> list[int]:
         if self.mode.value == "text":
             return list(self.tokenizer.encode(self.prompt.value))
         ids, vocab = parse_ids(self.prompt.value, "token ids"), self.session.weights.config.vocab_size
@@ -258,9 +266,11 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ state shared by the views
     def trace(self, window=None):
-        """The session's Trace, or a window of it (the views read windows: a Step costs the same at any
-        history length)."""
-        return self.session.trace(window=window)
+        """The session's Trace (fetched once per history: O(records), whatever its length), or a window
+        of it (views of its records). The views read windows: a Step costs the same at any length."""
+        if self._trace is None:
+            self._trace = self.session.trace()
+        return self._trace if window is None else self._trace.window(window)
 
     def history_memo(self, name: str, make):
         """A value computed once per history (dropped when the history changes)."""
@@ -272,12 +282,14 @@ class Explorer(widgets.VBox):
         n = len(self.session)
         self.history_id += 1
         self._memo.clear()
-        self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == self.session.tokens[t]}
+        self._trace = None
+        toks = self.session.tokens
+        self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == toks[t]}
         with self.token.hold_trait_notifications():
             self.token.max = max(n - 1, 0)
             self.token.value = max(n - 1, 0)
         self.token.disabled = self.back_button.disabled = n == 0
-        self.history.update(self.session, self._surprisals())
+        self.history.update(self, self._surprisals())
         self.ablation.clear()
         self._update_status()
         self._show_text()
@@ -309,7 +321,21 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ text, labels, status
     def labels(self, positions: bool = True) -> list[str]:
-        return token_labels(self.session.tokens, self.tokenizer, positions=positions)
+        """Every token's label ("3 'a'"; positions=False: "'a'"), kept per token: a Step adds one."""
+        return self._per_token("labels" if positions else "names",
+                               lambda ids, start: token_labels(ids, self.tokenizer, positions=positions, start=start))
+
+    def _per_token(self, key: str, make) -> list:
+        """make(ids, start) for the tokens not seen yet; earlier tokens keep what they got (a prefix of the
+        history never changes its labels)."""
+        have = self._labels.setdefault(key, [])
+        toks = self.session.tokens
+        keep = 0
+        while keep < min(len(have), len(toks)) and have[keep][0] == toks[keep]:
+            keep += 1
+        del have[keep:]
+        have.extend(zip(toks[keep:], make(toks[keep:], keep), strict=True))
+        return [value for _, value in have]
 
     def _surprisals(self) -> np.ndarray:
         toks, out = self.session.tokens, np.full(len(self.session), np.nan)
@@ -328,10 +354,13 @@ class Explorer(widgets.VBox):
         measures = self.history.measures
         name = self.measure.value
         values = measures[name]
-        shown = [self._piece(t) for t in self.session.tokens]
+        shown = self._per_token("pieces", lambda ids, _: [self._piece(t) for t in ids])
         colors, lo, hi = measure_colors(values)
-        titles = [f"token {t} {lab}: {name} " + (f"{v:.4g}" if np.isfinite(v) else "n/a") + "; click to select"
-                  for t, (lab, v) in enumerate(zip(self.labels(positions=False), values, strict=True))]
+        names = self.labels(positions=False)
+        # a decoded token's measures never change: its title is made once per measure
+        titles = self._per_token(f"titles:{name}", lambda ids, a: [
+            f"token {t} {names[t]}: {name} " + (f"{values[t]:.4g}" if np.isfinite(values[t]) else "n/a")
+            + "; click to select" for t in range(a, a + len(ids))])
         gen = self._prompt_len if self._prompt_len is not None and self._prompt_len < n else -1
         self.text.set_tokens(shown, colors, titles, generated_from=gen)
         self.text.selected = min(self.token.value, n - 1)
@@ -349,7 +378,8 @@ class Explorer(widgets.VBox):
 
     def _show_token_label(self) -> None:
         n = len(self.session)
-        label = self.labels()[min(self.token.value, n - 1)] if n else ""
+        t = min(self.token.value, n - 1)
+        label = token_labels([self.session.tokens[t]], self.tokenizer, start=t)[0] if n else ""
         self.token_label.value = f"<code>{html.escape(label, quote=False)}</code>" if n else ""
 
     def _update_status(self) -> None:

@@ -33,8 +33,10 @@ def _names(ids, tokenizer, positions: bool = True) -> list[str]:
 
 
 def _cell_label(label: str) -> str:
-    """A lens cell's text: a byte that is not text alone, `<0x80>`, as `x80` (fits the cell)."""
-    return "x" + label[3:-1] if label.startswith("<0x") and label.endswith(">") else label
+    """A lens cell's text: a byte that is not text alone, `<0x80>`, as `x80` (fits the cell); a space as ␣."""
+    if label.startswith("<0x") and label.endswith(">"):
+        return "x" + label[3:-1]
+    return label.replace(" ", "␣")
 
 
 def _unchanged(ax, what: str, values) -> bool:
