@@ -1,16 +1,17 @@
-"""The optional compiled kernels (MXFP4 experts, bf16 matrices, the KDA recurrence, the sequence path's element-wise
-ops); everything else is in
-pyproject.toml.
+"""The optional compiled kernels (MXFP4 experts, bf16 matrices, the KDA recurrence, the sequence path's
+element-wise ops); everything else is in pyproject.toml.
 
 `optional=True`: without a C compiler the install still succeeds and packed experts fall back to
 NumPy (dequantise, then BLAS), bf16 matrices to widening then BLAS, the KDA sequence path to its
-chunked form; `kimi_explore.weights.mxfp4_matvec.AVAILABLE`, `bf16_matvec.AVAILABLE` and
-`kimi_explore.model.kda_recurrence.AVAILABLE` tell which.
+chunked form, the sequence path's exp/sigmoid/SiTU/softmax to NumPy;
+`kimi_explore.weights.mxfp4_matvec.AVAILABLE`, `bf16_matvec.AVAILABLE`, `kimi_explore.model.kda_recurrence.AVAILABLE`
+and `kimi_explore.model.sequence_ops.AVAILABLE` tell which.
 """
 
 from setuptools import Extension, setup
 
-KERNELS = ("weights._mxfp4_matvec", "weights._bf16_matvec", "model._kda_recurrence")  # each includes _kernel_isa.h
+# each includes _kernel_isa.h
+KERNELS = ("weights._mxfp4_matvec", "weights._bf16_matvec", "model._kda_recurrence", "model._sequence_ops")
 setup(ext_modules=[Extension(f"kimi_explore.{name}", [f"kimi_explore/{name.replace('.', '/')}.c"],
                              depends=["kimi_explore/weights/_kernel_isa.h"], extra_compile_args=["-O3"], optional=True)
                    for name in KERNELS])

@@ -23,7 +23,8 @@ delta rule alone (the compiled recurrence against the chunked WY form, at the em
 width and at K3's, what `kda.kda_sequence(rule="auto")` was chosen from), and a floor: the matmul
 FLOPs of a token of the embedded model (every trunk matrix, the top-k experts, MLA's scores and mix
 over the mean cache length) over a float32 matmul's rate measured in the same run, beside the
-transcendental functions (exp, tanh) per token at their measured rate.
+transcendental functions (exp, tanh) per token at their measured rate (NumPy's float32 exp, and the
+compiled exp of `sequence_ops` that the sequence path uses where it is built).
 
 BLAS runs on `--threads` threads (set before NumPy loads; 0 leaves the environment): on a shared
 2-core machine two BLAS threads that meet a busy core spin, and a prefill slows 30x. CPU time is
@@ -210,8 +211,17 @@ def floor(weights, T: int) -> dict:
     x = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
     t_exp = min(timed(lambda: [np.exp(x) for _ in range(20)])[1] for _ in range(3)) / (20 * x.size)
     s_mm, s_tr = 2 * macs / (gflops * 1e9), trans * t_exp
-    return {"macs_per_token": macs, "sgemm_gflops": gflops, "transcendentals_per_token": trans, "exp_ns": t_exp * 1e9,
-            "floor_tokens_per_s": 1.0 / (s_mm + s_tr), "matmul_only_tokens_per_s": 1.0 / s_mm}
+    out = {"macs_per_token": macs, "sgemm_gflops": gflops, "transcendentals_per_token": trans, "exp_ns": t_exp * 1e9,
+           "floor_tokens_per_s": 1.0 / (s_mm + s_tr), "matmul_only_tokens_per_s": 1.0 / s_mm}
+    from kimi_explore.model import sequence_ops
+
+    if sequence_ops.AVAILABLE:  # the compiled exp the sequence path uses (sequence_ops), at the same size
+        y = np.empty_like(x)
+        t_fast = min(timed(lambda: [(np.copyto(y, x), sequence_ops.exp_(y)) for _ in range(20)])[1] for _ in range(3))
+        t_copy = min(timed(lambda: [np.copyto(y, x) for _ in range(20)])[1] for _ in range(3))
+        t_fast = max(t_fast - t_copy, 0.0) / (20 * x.size)
+        out.update(compiled_exp_ns=t_fast * 1e9, floor_compiled_exp_tokens_per_s=1.0 / (s_mm + trans * t_fast))
+    return out
 
 
 def main() -> int:
@@ -262,6 +272,9 @@ def main() -> int:
     print(f"\nfloor: {fl['macs_per_token'] / 1e6:.2f} M multiply-adds per token at {fl['sgemm_gflops']:.0f} GFLOP/s (512^3 "
           f"sgemm, measured) -> {fl['matmul_only_tokens_per_s']:.0f} tokens/s; with ~{fl['transcendentals_per_token']:,} "
           f"exp/tanh per token at {fl['exp_ns']:.2f} ns -> {fl['floor_tokens_per_s']:.0f} tokens/s")
+    if "compiled_exp_ns" in fl:
+        print(f"       with the sequence path's compiled exp (sequence_ops) at {fl['compiled_exp_ns']:.2f} ns -> "
+              f"{fl['floor_compiled_exp_tokens_per_s']:.0f} tokens/s")
 
     feed = rows["Session.feed, recorder"]
     ok_tps, ok_ratio = feed["tokens_per_s_cpu"] >= TARGET_TPS, feed["x_token_path_cpu"] >= TARGET_RATIO

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from . import kda_recurrence
+from . import kda_recurrence, sequence_ops
 from .kda_chunk import LOG_DECAY_FLOOR, chunked_delta_rule
 from .ops import linear
 from .sites import site_table
@@ -267,26 +267,22 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     P, W, T = H * K, w.conv.shape[-1], x.shape[0]
     y = linear(x, w.in_proj)  # [T, 4P + H + K]
     # the conv input over time: the W stored rows (oldest first), then the T new ones
-    ext = xp.concatenate((xp.moveaxis(state.conv, -1, 0), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
-    taps = xp.ascontiguousarray(xp.moveaxis(w.conv, -1, 0))  # [W, 3, P]: each tap's weights, contiguous
+    ext = xp.concatenate((state.conv.transpose(2, 0, 1), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
+    taps = xp.ascontiguousarray(w.conv.transpose(2, 0, 1))  # [W, 3, P]: each tap's weights, contiguous
     pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
     tap = xp.empty_like(pre)
     for j in range(1, W):
         pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
-    den = xp.negative(pre)  # SiLU pre / (1 + exp(-pre)), in place
-    xp.exp(den, out=den)
-    den += 1.0
-    qkv = xp.divide(pre, den, out=den).reshape(T, 3, H, K)
-    # the sigmoids of the output gate and beta (adjacent columns of y: one call) and of the decay, as the
-    # token form takes them (1 / (1 + exp(-z))), in place
-    gb = _sigmoid_(xp.negative(y[:, 3 * P : 4 * P + H]))
+    qkv = sequence_ops.silu_(pre).reshape(T, 3, H, K)  # SiLU in place
+    # the sigmoids of the output gate and beta (adjacent columns of y: one call) and of the decay
+    gb = sequence_ops.sigmoid_(y[:, 3 * P : 4 * P + H].copy())
     gate, beta = gb[:, :P].reshape(T, H, K), gb[:, P:]
     decay_in = linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K)
     decay_in += w.dt_bias
     decay_in *= w.A
-    g = _sigmoid_(xp.negative(decay_in, out=decay_in))
+    g = sequence_ops.sigmoid_(decay_in)
     g *= w.lower_bound  # log alpha: lower_bound * sigmoid(A (f + dt_bias))
-    alpha = None
+    alpha = sequence_ops.exp_(g.copy())  # the decay, taken the same way with and without hooks (replays are exact)
     if fire is not None:
         qkv = fire(site("kda.conv_out"), qkv)
     qk = qkv[:, :2]
@@ -298,7 +294,6 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     if fire is not None:
         q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
         beta = fire(site("kda.beta"), beta)
-        alpha = xp.exp(g)
         hooked = fire(site("kda.decay"), alpha)
         if hooked is not alpha:
             with np.errstate(divide="ignore"):
@@ -321,7 +316,7 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
         for j in range(1, W):
             win += sq[1 + j : 1 + j + T]
         norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win)}
-    state.conv[...] = xp.moveaxis(ext[T:], 0, -1)
+    state.conv[...] = ext[T:].transpose(1, 2, 0)
     if fire is not None:
         o = fire(site("kda.o"), o)
     r = xp.einsum("...k,...k->...", o, o)[..., None]
@@ -330,14 +325,6 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     o = o * (w.o_norm_scaled * gate)
     o /= r
     return linear(o.reshape(T, P), w.o_proj), norms
-
-
-def _sigmoid_(neg):
-    """1 / (1 + exp(z)) in place on neg = -z (a fresh array): the sigmoid of z, as the token form takes it."""
-    xp = array_namespace(neg)
-    xp.exp(neg, out=neg)
-    neg += 1.0
-    return xp.divide(1.0, neg, out=neg)
 
 
 def naive_kda_step(x, w: KdaWeights, state: KdaState):

@@ -22,6 +22,7 @@ import numpy as np
 from .._xp import array_namespace
 from ..backend import on_host
 from . import latent_moe as moe
+from . import sequence_ops
 from .latent_moe import RENORM_EPS, LatentMoeWeights, select_experts
 from .ops import linear, rms_norm, sigmoid
 
@@ -100,6 +101,11 @@ def expert_outputs_grouped(experts, ids, z, act):
     return groups.scatter(y)
 
 
+def _situ_rows(w: LatentMoeWeights):
+    """The layer's SiTU-GLU on rows: compiled in one pass where it runs (`sequence_ops`), else `w.situ`."""
+    return lambda gate_up: sequence_ops.situ_and_mul_rows(gate_up, w.situ_beta, w.situ_linear_beta, w.situ)
+
+
 def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
     """x: [T, d] (post_attention_layernorm outputs) -> [T, d].
 
@@ -123,14 +129,15 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
     if fire is not None:
         weights = fire(site("moe.router.topk_weights"), weights)
 
-    routed_y = expert_outputs_grouped(w.experts, ids, y[:, E : E + l], w.situ)  # [T, k, l], zeros where ids = -1
+    act = _situ_rows(w)
+    routed_y = expert_outputs_grouped(w.experts, ids, y[:, E : E + l], act)  # [T, k, l], zeros where ids = -1
     u = xp.matmul(weights[:, None, :], routed_y)[:, 0]  # [T, l]
     if fire is not None:
         u = fire(site("moe.experts_out"), u)
     if w.use_latent_norm:
         u = rms_norm(u, w.routed_expert_norm, w.eps)
     routed = linear(u, w.routed_expert_up_proj)
-    shared = linear(w.situ(y[:, E + l :]), w.shared_down_proj)
+    shared = linear(act(y[:, E + l :]), w.shared_down_proj)
     if fire is not None:
         routed = fire(site("moe.routed_out"), routed)
         shared = fire(site("moe.shared_out"), shared)

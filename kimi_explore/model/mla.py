@@ -29,6 +29,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
+from . import sequence_ops
 from .ops import linear, rms_norm, sigmoid, softmax
 from .sites import site_table
 
@@ -185,8 +186,11 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
     L = L0 + T
     scale = 1.0 / math.sqrt(dn + dr)
     scores = xp.matmul(q.swapaxes(0, 1), state.keys[:, :L].swapaxes(1, 2))  # [nh, T, L]
-    scores *= scale
-    p = causal_softmax_(scores, L0)
+    if sequence_ops.runs(scores):
+        p = sequence_ops.causal_softmax_(scores, L0, scale)  # the same steps compiled, one pass per row
+    else:
+        scores *= scale
+        p = causal_softmax_(scores, L0)
     if fire is not None:
         p = fire(site("mla.probs"), p.swapaxes(0, 1)).swapaxes(0, 1)
     o = xp.matmul(p, state.values[:, :L]).swapaxes(0, 1)  # [T, nh, dv]

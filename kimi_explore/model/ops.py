@@ -14,6 +14,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import on_host
+from .sequence_ops import situ_and_mul_rows
 
 
 def linear(x, weight):
@@ -116,4 +117,5 @@ def dense_mlp(x, w: DenseMlpWeights, beta: float, linear_beta: float | None):
 
 def dense_mlp_sequence(x, w: DenseMlpWeights, beta: float, linear_beta: float | None):
     """x: [T, d] -> [T, d], every row as `dense_mlp` (each weight read once for all rows)."""
-    return linear(situ_and_mul(linear(x, w.gate_up_proj), beta, linear_beta), w.down_proj)
+    act = lambda gu: situ_and_mul(gu, beta, linear_beta)  # noqa: E731
+    return linear(situ_and_mul_rows(linear(x, w.gate_up_proj), beta, linear_beta, act), w.down_proj)

@@ -1,0 +1,117 @@
+"""The sequence path's compiled element-wise kernels against float64 references (math's exp/tanh), every kernel.
+
+Each result is within a few float32 ulp of the exact value, over the whole range the model feeds them
+(including the edges: -inf gives exactly 0, underflow, overflow), and the NumPy route (float64, or
+the extension absent) computes the same formulas.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from kimi_explore.model import mla, ops, sequence_ops
+
+
+@pytest.fixture(autouse=True)
+def kernel():
+    if not sequence_ops.AVAILABLE:
+        if os.environ.get("KIMI_EXPLORE_REQUIRE_KERNEL") == "1":
+            pytest.fail("kimi_explore.model._sequence_ops was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
+        pytest.skip("the compiled sequence ops were not built (no C compiler at install)")
+
+
+@pytest.fixture(params=sequence_ops.isas() or ("portable",))
+def isa(request, monkeypatch):
+    monkeypatch.setattr(sequence_ops, "ISA", request.param)
+    return request.param
+
+
+def ulps(got, want):
+    """|got - want| in float32 ulps of want (want float64; values below 1e-25 compared absolutely, in ulps of 1e-25)."""
+    want32 = np.abs(want).astype(np.float32)
+    unit = np.spacing(np.maximum(want32, np.float32(1e-25))).astype(np.float64)
+    return np.abs(got.astype(np.float64) - want) / unit
+
+
+def sample(n=20000, spread=30.0, seed=0):
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([rng.standard_normal(n) * spread, rng.uniform(-1, 1, n), rng.uniform(-100, 100, n // 10),
+                        [0.0, -0.0, 0.625, -0.625, 1e-8, -1e-8, 86.9, -86.9, 87.5, -87.5, 88.5, -88.5]])
+    return x.astype(np.float32)
+
+
+def test_exp_sigmoid_silu_within_2_ulp(isa):
+    x = sample()
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        e = np.exp(x64)
+        sig = 1.0 / (1.0 + np.exp(-x64))
+    keep = (x64 > -87.0) & (x64 < 88.0)  # the documented range; outside it exp is 0 or inf
+    got = sequence_ops.exp_(x.copy())
+    assert ulps(got[keep], e[keep]).max() <= 2.0
+    assert (got[x64 < -87.0] == 0).all() and np.isposinf(got[x64 > 88.0]).all()
+    assert ulps(sequence_ops.sigmoid_(x.copy()), sig).max() <= 3.0
+    silu = sequence_ops.silu_(x.copy())
+    assert ulps(silu, x64 * sig).max() <= 3.0
+    assert sequence_ops.exp_(np.array([-np.inf, np.nan], np.float32))[0] == 0.0
+    assert np.isnan(sequence_ops.exp_(np.array([-np.inf, np.nan], np.float32))[1])
+
+
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+def test_situ_and_mul_rows_against_the_float64_formula(isa, linear_beta):
+    rng = np.random.default_rng(1)
+    gu = (rng.standard_normal((37, 2 * 24)) * np.array([0.01, 1, 8, 60])[rng.integers(0, 4, (37, 1))]).astype(np.float32)
+    got = sequence_ops.situ_and_mul_rows(gu[:, :], 4.0, linear_beta, fallback=None)
+    want = ops.naive_situ_and_mul(gu, 4.0, linear_beta)
+    assert got.dtype == np.float32 and got.shape == (37, 24)
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 4e-7 * scale
+    assert (ulps(got, want)[np.abs(want) > 1e-3 * scale] <= 8).all()
+    # a column slice (not contiguous) and a batch axis
+    wide = np.concatenate([gu, gu], axis=1)[:, 48:]
+    assert np.array_equal(sequence_ops.situ_and_mul_rows(wide, 4.0, linear_beta, None), got)
+    assert np.array_equal(sequence_ops.situ_and_mul_rows(gu.reshape(1, 37, 48), 4.0, linear_beta, None)[0], got)
+
+
+def test_situ_and_mul_rows_takes_the_fallback_off_float32():
+    gu = np.random.default_rng(2).standard_normal((5, 8))
+    want = ops.situ_and_mul(gu, 4.0, 25.0)
+    assert sequence_ops.situ_and_mul_rows(gu, 4.0, 25.0, lambda a: ops.situ_and_mul(a, 4.0, 25.0)) is not None
+    assert np.array_equal(sequence_ops.situ_and_mul_rows(gu, 4.0, 25.0, lambda a: ops.situ_and_mul(a, 4.0, 25.0)), want)
+
+
+@pytest.mark.parametrize("L0,T", [(0, 1), (0, 9), (5, 3), (40, 17), (0, 70)])
+def test_causal_softmax_against_float64(isa, L0, T):
+    """Row t of each head: softmax of the scaled scores over positions 0..L0+t, exactly 0 after them."""
+    rng = np.random.default_rng(3)
+    s = (rng.standard_normal((3, T, L0 + T)) * 6).astype(np.float32)
+    scale = 1.0 / math.sqrt(48)
+    got = sequence_ops.causal_softmax_(s.copy(), L0, scale)
+    want = np.zeros(s.shape)
+    for h in range(3):
+        for t in range(T):
+            x = s[h, t, : L0 + t + 1].astype(np.float64) * scale
+            e = np.exp(x - x.max())
+            want[h, t, : L0 + t + 1] = e / e.sum()
+    assert (got[want == 0] == 0).all()
+    assert np.abs(got - want).max() <= 2e-7 and np.abs(got.sum(-1) - 1).max() <= 2e-6
+    numpy_route = s.copy()
+    numpy_route *= scale
+    assert np.abs(mla.causal_softmax_(numpy_route, L0) - got).max() <= 2e-7
+
+
+def test_causal_softmax_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        sequence_ops.causal_softmax_(np.zeros((1, 2, 2)), 0, 1.0)
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        sequence_ops.causal_softmax_(np.zeros((1, 2, 4), np.float32)[:, :, :2], 0, 1.0)
+
+
+def test_unknown_isa(monkeypatch):
+    monkeypatch.setattr(sequence_ops, "ISA", "sse9")
+    with pytest.raises(ValueError, match="isa"):
+        sequence_ops.exp_(np.zeros(3, np.float32))
