@@ -97,22 +97,23 @@ def test_moe_topk_table_hover_says_expert_score_and_bias(k3):
     bias = {i: np.linspace(-0.1, 0.1, E) for i in r["moe_layers"]}
     table = summaries.topk_table(r, 3, bias)
     (heat,), layout = specs_moe.moe_topk(table, k3, layer=50, t=3)
-    assert len(heat["text"]) == len(r["moe_layers"]) and len(heat["text"][0]) == 16
+    # only the ROWS MoE layers around the selected one are sent (K3 has 92): their labels are the y axis
+    shown = [int(y.split()[0]) for y in heat["y"]]
+    assert len(heat["text"]) == len(shown) == specs_moe.ROWS and len(heat["text"][0]) == 16
+    assert shown == r["moe_layers"][r["moe_layers"].index(shown[0]):][:specs_moe.ROWS] and 50 in shown
+    row = shown.index(50)
     j = r["moe_layers"].index(50)
     e = int(r["topk_ids"][3, j, 0])
-    assert heat["text"][j][0] in (str(e), f"{e}*")
-    hover = heat["customdata"][j][0]
+    assert heat["text"][row][0] in (str(e), f"{e}*")
+    hover = heat["customdata"][row][0]
     assert f"expert <b>{e}</b>" in hover and f"unbiased score {r['scores'][3, j, e]:.4f}" in hover
     assert f"selection bias {bias[50][e]:+.4f}" in hover
-    lo, hi = sorted(layout["yaxis"]["range"])
-    assert hi - lo == specs_moe.ROWS and lo <= j <= hi  # a window of rows around the selected layer
-    shown = [r["moe_layers"][i] for i in range(round(lo + 0.5), round(hi + 0.5))]
-    assert f"MoE layers {shown[0]}-{shown[-1]} of {len(r['moe_layers'])} shown" in layout["title"]["text"]
-    labelled = [i for i, row in enumerate(heat["text"]) if any(row)]
-    assert labelled == [r["moe_layers"].index(m) for m in shown]  # cell text exactly in the window
+    np.testing.assert_allclose(decode(heat["z"])[row], r["topk_weights"][3, j].astype(np.float32))
+    assert [sh["y0"] + 0.5 for sh in layout["shapes"]] == [row]  # the selected layer's row, outlined
+    assert f"MoE layers {shown[0]}-{shown[-1]} of {len(r['moe_layers'])}" in layout["title"]["text"]
     # the deepest layers select the last window, which ends at the last row
     (heat,), layout = specs_moe.moe_topk(table, k3, layer=92, t=3)
-    assert f"-92 of {len(r['moe_layers'])} shown" in layout["title"]["text"] and any(heat["text"][-1])
+    assert heat["y"][-1].startswith("92 ") and f"-92 of {len(r['moe_layers'])}" in layout["title"]["text"]
 
 
 def test_moe_layer_stats_and_sorted_counts(k3):
@@ -186,9 +187,10 @@ def test_top_experts_by_load_name_each_layers_busiest(k3):
     from collections import Counter
 
     tally = Counter(int(x) for x in r["topk_ids"][:, j].ravel())
-    top = decode(hm["z"])[j]
+    row = [int(y.split()[0]) for y in hm["y"]].index(50)  # only the rows around the selected layer are sent
+    top = decode(hm["z"])[row]
     assert top[0] == max(tally.values())  # rank 1 is the busiest expert of that layer
-    for rank, name in enumerate(hm["text"][j]):
+    for rank, name in enumerate(hm["text"][row]):
         if name:
             assert tally[int(name)] == top[rank]  # each named expert's count, from the raw ids
     assert "Top 8 experts by load per layer, 6 tokens; layers" in layout["title"]["text"]

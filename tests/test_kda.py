@@ -227,3 +227,21 @@ def test_compiled_elementwise_delta_steps_round_as_numpy():
         assert kda_recurrence.elementwise_ops(S, alpha, k) is not None
         delta_rule_update(S, k, v, alpha, beta)
         np.testing.assert_array_equal(S, want)
+
+
+@pytest.mark.skipif(not kda_recurrence.AVAILABLE, reason="the compiled KDA kernels were not built")
+def test_kda_step_compiled_steps_equal_numpy_bit_for_bit(ref_weights, monkeypatch):
+    """kda_step with the compiled steps (window shift, l2 scale, decay, rank-1 write, gated norm) against the same
+    step with NumPy alone (the kernel hidden), every KDA layer of the reference model, 24 tokens: outputs and
+    states equal bit for bit."""
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((24, ref_weights.config.hidden_size)).astype(np.float32)
+    for w in [layer.attention for layer in ref_weights.layers if layer.attention.kind == "kda"]:
+        got_state, want_state = KdaState.zeros(w, np, np.float32), KdaState.zeros(w, np, np.float32)
+        got = np.stack([kda_step(x, w, got_state) for x in xs])
+        with monkeypatch.context() as m:
+            m.setattr(kda_recurrence, "_ext", None)
+            assert kda_recurrence.elementwise_ops(got_state.recurrent) is None
+            want = np.stack([kda_step(x, w, want_state) for x in xs])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got_state.recurrent, want_state.recurrent)

@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <string.h>
 
 #include "../weights/_kernel_isa.h"
 
@@ -169,7 +170,7 @@ release:
 }
 
 /* The token form's elementwise delta-rule steps (kda.delta_rule_update), float32, rounded exactly as NumPy's
-   `S *= alpha[:, :, None]` and `S += k[:, :, None] * w[:, None, :]` round them: each product, then each sum,
+   `S *= alpha[:, :, None]` and `S += k[:, :, None] * (beta[:, None] * (v - u))[:, None, :]` round them: each product, then each sum,
    rounded on its own (no fused multiply-add), so the results are bit for bit NumPy's. One call each instead
    of NumPy's broadcasts over a short inner axis, which cost more than the arithmetic on a tiny model. */
 #if defined(__clang__)
@@ -189,18 +190,115 @@ KX_NO_CONTRACT static void scale_rows_f32(float *restrict S, const float *restri
     }
 }
 
-KX_NO_CONTRACT static void add_outer_f32(float *restrict S, const float *restrict k, const float *restrict w, Py_ssize_t H,
-                                         Py_ssize_t K, Py_ssize_t V) {
-    for (Py_ssize_t h = 0; h < H; h++)
+KX_NO_CONTRACT static void write_delta_f32(float *restrict S, const float *restrict k, const float *restrict v,
+                                           const float *restrict u, const float *restrict beta, Py_ssize_t H, Py_ssize_t K,
+                                           Py_ssize_t V, float *restrict w) {
+    for (Py_ssize_t h = 0; h < H; h++) {
+        const float b = beta[h];
+        for (Py_ssize_t j = 0; j < V; j++) {
+            const float d = v[h * V + j] - u[h * V + j];
+            w[j] = b * d;
+        }
         for (Py_ssize_t r = 0; r < K; r++) {
             const float kr = k[h * K + r];
-            const float *restrict wh = w + h * V;
             float *restrict row = S + (h * K + r) * V;
             for (Py_ssize_t j = 0; j < V; j++) {
-                const float prod = kr * wh[j];
+                const float prod = kr * w[j];
                 row[j] = row[j] + prod;
             }
         }
+    }
+}
+
+/* out[r, :] = x[r, :] * (scale[r] / sqrt(sq[r] + eps)): the l2 norm of q and k with q's scale folded in. */
+KX_NO_CONTRACT static void l2_scale_f32(const float *restrict x, const float *restrict sq, const float *restrict scale, float eps,
+                                        float *restrict out, Py_ssize_t rows, Py_ssize_t K) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float f = scale[r] / sqrtf(sq[r] + eps);
+        for (Py_ssize_t j = 0; j < K; j++) out[r * K + j] = x[r * K + j] * f;
+    }
+}
+
+/* out[h, :] = o[h, :] * (gain[:] * gate[h, :]) / sqrt(sq[h] + eps): the gated RMSNorm of the read-out. */
+KX_NO_CONTRACT static void gated_norm_f32(const float *restrict o, const float *restrict sq, const float *restrict gain,
+                                          const float *restrict gate, float eps, float *restrict out, Py_ssize_t H,
+                                          Py_ssize_t V) {
+    for (Py_ssize_t h = 0; h < H; h++) {
+        const float d = sqrtf(sq[h] + eps);
+        for (Py_ssize_t j = 0; j < V; j++) {
+            const float g = gain[j] * gate[h * V + j];
+            const float p = o[h * V + j] * g;
+            out[h * V + j] = p / d;
+        }
+    }
+}
+
+static PyObject *l2_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer x, sq, scale, out;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*y*y*fw*", &x, &sq, &scale, &eps, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t rows = sq.len / 4, K = rows > 0 ? x.len / (4 * rows) : 0;
+    if (K == 0 || x.len != 4 * rows * K || scale.len != sq.len || out.len != x.len)
+        PyErr_SetString(PyExc_ValueError, "l2_scale: x, out float32 [R, K]; sq, scale float32 [R] expected");
+    else {
+        l2_scale_f32(x.buf, sq.buf, scale.buf, eps, out.buf, rows, K);
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&sq);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *gated_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer o, sq, gain, gate, out;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*fw*", &o, &sq, &gain, &gate, &eps, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t H = sq.len / 4, V = gain.len / 4;
+    if (H == 0 || V == 0 || o.len != 4 * H * V || gate.len != o.len || out.len != o.len)
+        PyErr_SetString(PyExc_ValueError, "gated_norm: o, gate, out float32 [H, V]; sq float32 [H]; gain float32 [V] expected");
+    else {
+        gated_norm_f32(o.buf, sq.buf, gain.buf, gate.buf, eps, out.buf, H, V);
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&sq);
+    PyBuffer_Release(&gain);
+    PyBuffer_Release(&gate);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *shift_in(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer window, y;
+    Py_ssize_t W;
+    if (!PyArg_ParseTuple(args, "w*y*n", &window, &y, &W)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t C = W > 0 ? window.len / (4 * W) : 0;
+    if (C == 0 || window.len != 4 * C * W || y.len < 4 * C)
+        PyErr_SetString(PyExc_ValueError, "shift_in: window float32 [C, W] and y float32 [>= C] expected");
+    else {
+        float *win = window.buf;
+        const float *yy = y.buf;
+        for (Py_ssize_t c = 0; c < C; c++) {
+            float *row = win + c * W;
+            memmove(row, row + 1, (size_t)(W - 1) * sizeof(float));
+            row[W - 1] = yy[c];
+        }
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&window);
+    PyBuffer_Release(&y);
+    return result;
 }
 
 static PyObject *scale_rows(PyObject *self, PyObject *args) {
@@ -221,31 +319,44 @@ static PyObject *scale_rows(PyObject *self, PyObject *args) {
     return result;
 }
 
-static PyObject *add_outer(PyObject *self, PyObject *args) {
+static PyObject *write_delta(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer S, k, w;
-    Py_ssize_t H;
-    if (!PyArg_ParseTuple(args, "w*y*y*n", &S, &k, &w, &H)) return NULL;
+    Py_buffer S, k, v, u, beta;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*", &S, &k, &v, &u, &beta)) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t K = H > 0 ? k.len / (4 * H) : 0, V = H > 0 ? w.len / (4 * H) : 0;
-    if (K == 0 || V == 0 || k.len != 4 * H * K || w.len != 4 * H * V || S.len != 4 * H * K * V)
-        PyErr_SetString(PyExc_ValueError, "add_outer: S float32 [H, K, V], k float32 [H, K], w float32 [H, V] expected");
+    Py_ssize_t H = beta.len / 4, K = H > 0 ? k.len / (4 * H) : 0, V = H > 0 ? v.len / (4 * H) : 0;
+    if (K == 0 || V == 0 || k.len != 4 * H * K || v.len != 4 * H * V || u.len != v.len || S.len != 4 * H * K * V)
+        PyErr_SetString(PyExc_ValueError,
+                        "write_delta: S float32 [H, K, V], k float32 [H, K], v, u float32 [H, V], beta float32 [H] expected");
     else {
-        add_outer_f32(S.buf, k.buf, w.buf, H, K, V);
-        result = Py_None;
-        Py_INCREF(result);
+        float *w = PyMem_Malloc(V * sizeof(float));
+        if (w == NULL) PyErr_NoMemory();
+        else {
+            write_delta_f32(S.buf, k.buf, v.buf, u.buf, beta.buf, H, K, V, w);
+            PyMem_Free(w);
+            result = Py_None;
+            Py_INCREF(result);
+        }
     }
     PyBuffer_Release(&S);
     PyBuffer_Release(&k);
-    PyBuffer_Release(&w);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&beta);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"delta_rule", delta_rule, METH_VARARGS, delta_rule_doc},
+    {"l2_scale", l2_scale, METH_VARARGS, "l2_scale(x, sq, scale, eps, out): out[r] = x[r] * (scale[r] / sqrt(sq[r] + eps))."},
+    {"gated_norm", gated_norm, METH_VARARGS,
+     "gated_norm(o, sq, gain, gate, eps, out): out[h] = o[h] * (gain * gate[h]) / sqrt(sq[h] + eps)."},
+    {"shift_in", shift_in, METH_VARARGS,
+     "shift_in(window, y, W): each row of window [C, W] shifted left one tap, y[c] its last (float32, C-contiguous)."},
     {"scale_rows", scale_rows, METH_VARARGS, "scale_rows(S, alpha): S[r, :] *= alpha[r] (float32, C-contiguous; exact)."},
-    {"add_outer", add_outer, METH_VARARGS,
-     "add_outer(S, k, w, H): S[h, r, :] += k[h, r] * w[h, :] (float32, C-contiguous; each product rounded, then the sum)."},
+    {"write_delta", write_delta, METH_VARARGS,
+     "write_delta(S, k, v, u, beta): S[h, r, :] += k[h, r] * (beta[h] * (v[h, :] - u[h, :])) (float32, C-contiguous;\n"
+     "each operation rounded on its own)."},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

@@ -37,6 +37,7 @@ from .ops import linear
 from .sites import site_table
 
 L2NORM_EPS = 1e-6
+_STEP_VALUES = frozenset(("kda.q", "kda.k", "kda.v", "kda.beta", "kda.decay", "kda.gate"))  # sites a hook may replace
 
 
 @dataclass
@@ -78,6 +79,11 @@ class KdaWeights:
         c = lambda v: xp.asarray(v, dtype=self.A.dtype)  # noqa: E731
         self.one, self.lower_bound_c = c(1.0), c(self.lower_bound)
         self.l2_eps, self.o_eps = c(L2NORM_EPS), c(self.head_dim * self.eps)
+        # for the compiled steps (kda_recurrence.elementwise_ops): q's and k's scale per (stream, head) row [2H],
+        # the epsilons as the Python floats of their compute-dtype values
+        self.qk_scale_rows = xp.repeat(self.qk_scale.reshape(2), self.num_heads)
+        t = np.dtype(self.A.dtype).type  # (on the host: the arrays may live on a GPU)
+        self.l2_eps_f, self.o_eps_f = float(t(L2NORM_EPS)), float(t(self.head_dim * self.eps))
 
 
 @dataclass
@@ -106,24 +112,26 @@ class KdaState:
         return KdaState(self.conv.copy(), self.recurrent.copy())
 
 
-def delta_rule_update(S, k, v, alpha, beta) -> None:
+def delta_rule_update(S, k, v, alpha, beta, exact=None) -> None:
     """The gated delta rule for every head at once, updating S [H, K, V] in place.
 
     k: [H, K] (l2-normalised); v: [H, V]; alpha: [H, K] decay in (0, 1]; beta: [H].
     Decay first, then read with the decayed state, then write.
+    exact: the compiled elementwise steps (`kda_recurrence.elementwise_ops`, bit for bit the NumPy lines) when
+    the caller has checked the arrays, False for NumPy alone; None: checked here.
     """
     xp = array_namespace(S)
-    exact = kda_recurrence.elementwise_ops(S, alpha, k)  # the compiled elementwise steps (bit for bit these)
-    if exact is not None:
+    if exact is None:
+        exact = kda_recurrence.elementwise_ops(S, alpha, k, v, beta)
+    if exact:
         exact.scale_rows(S, alpha)
     else:
         S *= alpha[:, :, None]
     u = xp.matmul(k[:, None, :], S)[:, 0]  # S^T k  [H, V]
-    w = beta[:, None] * (v - u)
-    if exact is not None and w.dtype == S.dtype and w.flags.c_contiguous:
-        exact.add_outer(S, k, w, S.shape[0])
+    if exact:
+        exact.write_delta(S, k, v, u, beta)
     else:
-        S += k[:, :, None] * w[:, None, :]
+        S += k[:, :, None] * (beta[:, None] * (v - u))[:, None, :]
 
 
 def delta_rule_read(S, q):
@@ -151,11 +159,18 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     P = H * K
     y = w.in_proj @ x
     window = state.conv
-    flat = window.reshape(-1)  # a view: KdaState keeps the window C-contiguous
-    # shift every channel left by one tap: flat[i] <- flat[i + 1]; the taps that cross into the next
-    # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
-    flat[:-1] = flat[1:] if type(flat) is np.ndarray else flat[1:].copy()
-    window[:, :, -1] = y[: 3 * P].reshape(3, P)
+    # the compiled elementwise steps (bit for bit the NumPy lines beside them) when the state, the projection
+    # and the folded weights are float32 host arrays; the arrays the step makes from them then are too, and
+    # are checked again only where a hook may have replaced them
+    exact = kda_recurrence.elementwise_ops(window, state.recurrent, y, w.qk_scale_rows, w.o_norm_scaled)
+    if exact is not None:  # the three lines below in one compiled call (copies only)
+        exact.shift_in(window, y, window.shape[-1])
+    else:
+        flat = window.reshape(-1)  # a view: KdaState keeps the window C-contiguous
+        # shift every channel left by one tap: flat[i] <- flat[i + 1]; the taps that cross into the next
+        # channel land in the last tap, overwritten next. (.copy(): CuPy does not guard overlapping ranges)
+        flat[:-1] = flat[1:] if type(flat) is np.ndarray else flat[1:].copy()
+        window[:, :, -1] = y[: 3 * P].reshape(3, P)
     if "kda.conv" in at:
         new = at["kda.conv"](window)
         if new is not window:
@@ -165,15 +180,22 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     # one sigmoid for all four: the conv outputs (SiLU(c) = c sigmoid(c)), the output gate, beta, the decay
     z = xp.concatenate((pre.reshape(-1), y[3 * P : 4 * P + H], decay_in.reshape(-1)))
     sig = w.one / (w.one + xp.exp(-z))
+    exact = exact and kda_recurrence.elementwise_ops(sig)  # (float32 unless a weight promoted it)
     qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
     gate, beta = sig[3 * P : 4 * P].reshape(H, K), sig[4 * P : 4 * P + H]
     alpha = xp.exp(w.lower_bound_c * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
     if "kda.conv_out" in at:
         qkv = at["kda.conv_out"](qkv)
+        exact = exact and kda_recurrence.elementwise_ops(qkv)
 
     qk = qkv[:2]
     sq = xp.matmul(qk[:, :, None, :], qk[:, :, :, None])[..., 0]  # [2, H, 1] sum of squares per head
-    qk = qk * (w.qk_scale / xp.sqrt(sq + w.l2_eps))
+    if exact:  # the line below, compiled (bit for bit)
+        out = xp.empty(qk.shape, qk.dtype)
+        exact.l2_scale(qk, sq, w.qk_scale_rows, w.l2_eps_f, out)
+        qk = out
+    else:
+        qk = qk * (w.qk_scale / xp.sqrt(sq + w.l2_eps))
     q, k, v = qk[0], qk[1], qkv[2]
     if at:  # (the rarely hooked intermediate values: one test for all six when nothing listens)
         if "kda.q" in at:
@@ -188,9 +210,11 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
             alpha = at["kda.decay"](alpha)
         if "kda.gate" in at:
             gate = at["kda.gate"](gate)
+        if exact and not at.keys().isdisjoint(_STEP_VALUES):
+            exact = kda_recurrence.elementwise_ops(q, k, v, beta, alpha, gate)
 
     S = state.recurrent
-    delta_rule_update(S, k, v, alpha, beta)
+    delta_rule_update(S, k, v, alpha, beta, exact or False)
     if "kda.state" in at:
         new = at["kda.state"](S)
         if new is not S:
@@ -198,9 +222,15 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
     o = delta_rule_read(S, q)
     if "kda.o" in at:
         o = at["kda.o"](o)
+        exact = exact and kda_recurrence.elementwise_ops(o)
     # gated RMSNorm per head: o / sqrt(mean(o^2) + eps) * o_norm * gate == o * (sqrt(K) o_norm gate) / sqrt(sum(o^2) + K eps)
     sq = xp.matmul(o[:, None, :], o[:, :, None])[:, 0]  # [H, 1]
-    o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + w.o_eps)  # o_eps = K eps
+    if exact:  # the line below, compiled (bit for bit)
+        out = xp.empty(o.shape, o.dtype)
+        exact.gated_norm(o, sq, w.o_norm_scaled, gate, w.o_eps_f, out)
+        o = out
+    else:
+        o = o * (w.o_norm_scaled * gate) / xp.sqrt(sq + w.o_eps)  # o_eps = K eps
     return w.o_proj @ o.reshape(P)
 
 

@@ -34,15 +34,15 @@ def runs(xp, dtype) -> bool:
 _F32 = np.dtype(np.float32)
 
 
-def elementwise_ops(S, alpha, k):
-    """The compiled elementwise steps of the token form's delta rule (`scale_rows`, `add_outer`: exactly
-    NumPy's rounding, one call each instead of broadcasts over a short axis), when S [H, K, V], alpha and k
-    [H, K] are C-contiguous float32 host arrays and the kernel is built; else None."""
-    if (_ext is None or type(S) is not np.ndarray or S.dtype != _F32 or type(alpha) is not np.ndarray
-            or type(k) is not np.ndarray or alpha.dtype != _F32 or k.dtype != _F32):
+def elementwise_ops(*arrays):
+    """The compiled elementwise steps of the token form (`shift_in`, `scale_rows`, `write_delta`, `l2_scale`, `gated_norm`:
+    exactly NumPy's rounding, one call each instead of several array operations and broadcasts over short
+    axes), when every array is a C-contiguous float32 host array and the kernel is built; else None."""
+    if _ext is None:
         return None
-    if not (S.flags.c_contiguous and alpha.flags.c_contiguous and k.flags.c_contiguous):
-        return None
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype != _F32 or not a.flags.c_contiguous:
+            return None
     return _ext
 
 

@@ -63,6 +63,12 @@ class MlaWeights:
     v_head_dim: int
     use_output_gate: bool
 
+    def __post_init__(self):
+        # the step's scalars as 0-d arrays of the compute dtype (derived, never loaded): the same rounding as
+        # the Python floats, NumPy's cheaper operand
+        c = lambda v: array_namespace(self.q_a_layernorm).asarray(v, dtype=self.q_a_layernorm.dtype)  # noqa: E731
+        self.one, self.score_scale = c(1.0), c(1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim))
+
 
 @dataclass
 class MlaState:
@@ -139,11 +145,10 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
         kv_lat = at["mla.kv_latent"](kv_lat)
     q = (w.q_b_proj @ q_lat).reshape(nh, dn + dr)
     kv = (w.kv_b_proj @ kv_lat).reshape(nh, dn + dv)
-    gate = sigmoid(y[ql + kl + dr :]) if w.use_output_gate else None
+    gate = sigmoid(y[ql + kl + dr :], w.one) if w.use_output_gate else None
     state.append(kv[:, :dn], y[ql + kl : ql + kl + dr], kv[:, dn:])  # k_pe is NOT normalised
     T = state.length
-    scale = 1.0 / math.sqrt(w.qk_nope_head_dim + w.qk_rope_head_dim)
-    scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * scale  # [nh, T]
+    scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * w.score_scale  # [nh, T], 1/sqrt(dn + dr)
     p = softmax(scores)
     if "mla.probs" in at:
         p = at["mla.probs"](p)

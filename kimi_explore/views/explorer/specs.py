@@ -27,7 +27,7 @@ GAP_NOTE = "<br>no weight: that block is not sealed yet here"
 # plotly.js has no "Magma" (an unknown name silently falls back to a red scale, under the red selection
 # outline): light yellow (empty state) to dark blue (a full one), no red in it
 NORM_SCALE = [[0.0, "#ffffd9"], [0.25, "#c7e9b4"], [0.5, "#41b6c4"], [0.75, "#225ea8"], [1.0, "#081d58"]]
-GAP_CELLS = 400  # heatmaps up to this many cells are drawn with gaps between the cells
+GAP_CELLS = 100  # heatmaps up to this many cells are drawn with gaps between the cells
 GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
 
 
@@ -99,7 +99,7 @@ def heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showsc
           customdata=None, gaps: bool = False) -> dict:
     """A heatmap trace; NaN cells are gaps (the grey plot background), hoverable and clickable if `gaps`."""
     # thin white gaps between cells make small maps easier to read, but plotly then draws every cell
-    # as its own SVG path; past GAP_CELLS it draws one image instead (a Step at K3 depth stays fast)
+    # as its own SVG path; past GAP_CELLS it draws one image instead (a Step stays fast)
     gap = 0.5 if len(x) * len(y) <= GAP_CELLS else 0
     trace = {"type": "heatmap", "z": typed(z), "x": list(x), "y": list(y), "colorscale": colorscale, "zmin": float(zmin),
              "zmax": float(zmax), "hovertemplate": hover + "<extra></extra>", "xaxis": xaxis, "yaxis": yaxis,

@@ -56,11 +56,7 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     window = _row_window(M, j_sel)
     rows_shown = range(M) if window is None else range(round(window[1] + 0.5), round(window[0] + 0.5))
     text, hover = [], []
-    for j in range(M):
-        if j not in rows_shown:  # cell labels only where they can be seen: plotly draws each one
-            text.append([""] * k)
-            hover.append([f"layer {labels[j]}: select it to see its experts"] * k)
-            continue
+    for j in rows_shown:  # only the rows on screen are sent: plotly lays out every cell's text, seen or not
         out = table["displaced"][j]
         gone = ", ".join(f"{e} ({s:.4f})" for e, s in out[:4]) + (f" and {len(out) - 4} more" if len(out) > 4 else "")
         row_t, row_h = [], []
@@ -81,24 +77,26 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
                 + (f"<br>bias pushed out: {gone}" if gone else ""))
         text.append(row_t)
         hover.append(row_h)
-    shown = np.where(ids >= 0, w, np.nan)
+    shown = np.where(ids >= 0, w, np.nan)[list(rows_shown)]
     lo, hi = (float(np.nanmin(shown)), float(np.nanmax(shown))) if np.isfinite(shown).any() else (0.0, 1.0)
     # the weights' own range: at top-16 they sit near 1/16, and a scale from 0 would paint them all alike
     # green, not red: the selected row's red outline must stand out from the scale (plotly writes the
     # expert ids in black or white, whichever contrasts with the cell)
-    hm = heat(shown, [str(c + 1) for c in range(k)], labels, colorscale="Greens", zmin=lo, zmax=max(hi, lo + 1e-9),
+    hm = heat(shown, [str(c + 1) for c in range(k)], [labels[j] for j in rows_shown], colorscale="Greens", zmin=lo,
+              zmax=max(hi, lo + 1e-9),
               hover="%{customdata}", customdata=hover, colorbar={"title": {"text": "combine weight"}})
     hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # plotly's Greens: dark = low
               xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
     n_bias = int(table["by_bias"].sum())
     label = trace_labels(trace, tokenizer)[t]
     rows = "" if window is None else (f"; MoE layers {labels[rows_shown[0]].split()[0]}-{labels[rows_shown[-1]].split()[0]}"
-                                      f" of {M} shown (drag up/down for the rest)")
+                                      f" of {M} (the layer menu moves this window)")
     layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){rows}",
                         "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10}},
-              "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
-              "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+              "yaxis": _y_layers([labels[j] for j in rows_shown], None),
+              "shapes": [_row_outline(j_sel - rows_shown[0])] if j_sel in rows_shown else [],
+              "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
     return [hm], layout
 
 
@@ -167,19 +165,22 @@ def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[i
     j_sel = layers.index(layer) if layer in layers else None
     window = _row_window(len(labels), j_sel)
     rows = range(len(labels)) if window is None else range(round(window[1] + 0.5), round(window[0] + 0.5))
-    # expert ids written only in the rows on screen: plotly draws every text, seen or not
-    text = [[str(int(e)) if c > 0 and j in rows else "" for e, c in zip(re, rc, strict=True)]
-            for j, (re, rc) in enumerate(zip(top_e, top_c, strict=True))]
-    hm = heat(np.where(top_c > 0, top_c, np.nan), [str(r + 1) for r in range(n)], labels, colorscale="Blues",
-              zmin=0, zmax=max(1.0, float(top_c.max(initial=0))), customdata=typed(top_e, np.int32),
+    # only the rows on screen are sent: plotly lays out every cell's text, seen or not
+    peak = max(1.0, float(top_c.max(initial=0)))  # one scale for every window: the busiest expert of any layer
+    top_c, top_e = top_c[list(rows)], top_e[list(rows)]
+    text = [[str(int(e)) if c > 0 else "" for e, c in zip(re, rc, strict=True)] for re, rc in zip(top_e, top_c, strict=True)]
+    hm = heat(np.where(top_c > 0, top_c, np.nan), [str(r + 1) for r in range(n)], [labels[j] for j in rows],
+              colorscale="Blues",
+              zmin=0, zmax=peak, customdata=typed(top_e, np.int32),
               hover="layer %{y}, rank %{x}: expert %{customdata}<br>chosen %{z} times", colorbar={"title": {"text": "count"}})
     hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True, xgap=0, ygap=0)
     shown = "" if window is None else f"; layers {labels[round(window[1] + 0.5)].split()[0]}-" \
-        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)} (drag)"
+        f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)}"
     layout = {"title": {"text": f"Top {n} experts by load per layer, {tokens} tokens{shown}", "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "rank"}, "fixedrange": True, "tickfont": {"size": 10}},
-              "yaxis": _y_layers(labels, j_sel), "shapes": [_row_outline(j_sel)] if j_sel is not None else [],
-              "dragmode": "pan", "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+              "yaxis": _y_layers([labels[j] for j in rows], None),
+              "shapes": [_row_outline(j_sel - rows[0])] if j_sel in rows else [],
+              "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
     return [hm], layout
 
 
