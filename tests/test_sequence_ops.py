@@ -115,3 +115,18 @@ def test_unknown_isa(monkeypatch):
     monkeypatch.setattr(sequence_ops, "ISA", "sse9")
     with pytest.raises(ValueError, match="isa"):
         sequence_ops.exp_(np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("T,W,C", [(1, 4, 12), (37, 4, 384), (5, 1, 3), (0, 4, 8)])
+def test_conv_silu_against_float64(isa, T, W, C):
+    """Row t: SiLU of the W-tap conv over ext rows t+1 .. t+W (the window after token t)."""
+    rng = np.random.default_rng(4)
+    ext = (rng.standard_normal((W + T, 3, C // 3 if C % 3 == 0 else C)) * 2).astype(np.float32)
+    taps = rng.standard_normal((W,) + ext.shape[1:]).astype(np.float32)
+    got = sequence_ops.conv_silu(ext, taps)
+    e64, t64 = ext.astype(np.float64), taps.astype(np.float64)
+    pre = np.stack([sum(e64[t + 1 + j] * t64[j] for j in range(W)) for t in range(T)]) if T else np.zeros((0,) + ext.shape[1:])
+    want = pre / (1.0 + np.exp(-pre))
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.abs(got - want).max(initial=0.0) <= 4e-6 * max(1.0, np.abs(pre).max(initial=0.0))
+    assert sequence_ops.conv_silu(ext.astype(np.float64), taps) is None  # not float32: the caller's NumPy route

@@ -17,8 +17,8 @@ Going back has two spellings that cannot be confused: `truncate(n_tokens)` keeps
 n_tokens (like `file.truncate(size)`), `back(k)` drops the last k.
 
 Two routes: `step` decodes one token (`forward_token`); `feed` decodes whole chunks of `chunk`
-tokens (`forward_sequence`, the sequence path: ~20x faster, equal to stepping to float rounding),
-with a progress bar on long feeds. While hooks that may change values are attached (`session.hooks`,
+tokens (`forward_sequence`, the sequence path: ~10x faster on the embedded model, equal to stepping to
+float rounding), with a progress bar on long feeds. While hooks that may change values are attached (`session.hooks`,
 or hooks added to the recorder), `feed` steps token by token, so that every such token keeps a
 checkpoint and the history stays exact anywhere.
 

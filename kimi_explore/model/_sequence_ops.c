@@ -136,12 +136,30 @@ KX_INLINE float kx_tanhf(float x) {
         }                                                                                     \
     }
 
+/* KDA's short conv and SiLU: out[t, c] = silu(sum_j ext[t + 1 + j, c] taps[j, c]) for t < T, with ext
+   [W + T, C] (the W stored window rows, oldest first, then the chunk's T rows) and taps [W, C]. */
+#define CONV_BODY                                                                             \
+    {                                                                                         \
+        for (Py_ssize_t t = 0; t < T; t++) {                                                  \
+            float *restrict o = out + t * C;                                                  \
+            const float *restrict e = ext + (t + 1) * C;                                      \
+            for (Py_ssize_t c = 0; c < C; c++) o[c] = e[c] * taps[c];                         \
+            for (Py_ssize_t j = 1; j < W; j++) {                                              \
+                const float *restrict ej = e + j * C, *restrict tj = taps + j * C;            \
+                for (Py_ssize_t c = 0; c < C; c++) o[c] += ej[c] * tj[c];                     \
+            }                                                                                 \
+            for (Py_ssize_t c = 0; c < C; c++) o[c] = o[c] / (1.0f + kx_expf(-o[c]));         \
+        }                                                                                     \
+    }
+
 #define DEFINE_KERNELS(suffix, attr)                                                                              \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
                                    float inv_b, float inv_lb, float c, int has_lb) SITU_BODY                  \
     attr static void softmax_##suffix(float *restrict S, Py_ssize_t rows, Py_ssize_t L, Py_ssize_t T,           \
-                                      Py_ssize_t L0, float scale) SOFTMAX_BODY
+                                      Py_ssize_t L0, float scale) SOFTMAX_BODY                                \
+    attr static void conv_##suffix(const float *restrict ext, const float *restrict taps, float *restrict out,  \
+                                   Py_ssize_t T, Py_ssize_t W, Py_ssize_t C) CONV_BODY
 
 DEFINE_KERNELS(portable, )
 #ifdef KX_X86
@@ -236,7 +254,36 @@ static PyObject *causal_softmax(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(conv_doc, "conv_silu(ext, taps, out, T, W, C, isa)\n\n"
+                       "ext float32 [W + T, C], taps float32 [W, C], out float32 [T, C] (written), C-contiguous:\n"
+                       "out[t] = silu(sum_j ext[t + 1 + j] * taps[j]).");
+
+static PyObject *conv_silu(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer ext, taps, out;
+    Py_ssize_t T, W, C;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnns", &ext, &taps, &out, &T, &W, &C, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    if (isa >= 0 && (T < 0 || W < 1 || C < 0 || ext.len != 4 * (W + T) * C || taps.len != 4 * W * C || out.len != 4 * T * C))
+        PyErr_SetString(PyExc_ValueError, "conv_silu: expected ext float32 [W + T, C], taps [W, C], out [T, C]");
+    else if (isa >= 0) {
+        void (*run)(const float *, const float *, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t) = PICK(conv, isa);
+        Py_BEGIN_ALLOW_THREADS
+        run(ext.buf, taps.buf, out.buf, T, W, C);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&ext);
+    PyBuffer_Release(&taps);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"conv_silu", conv_silu, METH_VARARGS, conv_doc},
     {"map", map, METH_VARARGS, map_doc},
     {"situ", situ, METH_VARARGS, situ_doc},
     {"causal_softmax", causal_softmax, METH_VARARGS, softmax_doc},

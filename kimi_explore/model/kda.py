@@ -269,11 +269,14 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     # the conv input over time: the W stored rows (oldest first), then the T new ones
     ext = xp.concatenate((state.conv.transpose(2, 0, 1), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
     taps = xp.ascontiguousarray(w.conv.transpose(2, 0, 1))  # [W, 3, P]: each tap's weights, contiguous
-    pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
-    tap = xp.empty_like(pre)
-    for j in range(1, W):
-        pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
-    qkv = sequence_ops.silu_(pre).reshape(T, 3, H, K)  # SiLU in place
+    qkv = sequence_ops.conv_silu(ext, taps)  # compiled, one pass; else:
+    if qkv is None:
+        pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
+        tap = xp.empty_like(pre)
+        for j in range(1, W):
+            pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
+        qkv = sequence_ops.silu_(pre)  # SiLU in place
+    qkv = qkv.reshape(T, 3, H, K)
     # the sigmoids of the output gate and beta (adjacent columns of y: one call) and of the decay
     gb = sequence_ops.sigmoid_(y[:, 3 * P : 4 * P + H].copy())
     gate, beta = gb[:, :P].reshape(T, H, K), gb[:, P:]

@@ -42,7 +42,9 @@ __all__ = ["DEFAULT_CHUNK", "SequenceSources", "embed_chunk", "finish_sequence",
 # - the embedded model, Session.feed with the default recorder on 1,024-token texts (bench/prefill.py):
 #   chunk 16: 1,344 tokens/s, 64: 3,408, 128: 4,507, 256: 5,308, 512: 5,541, 1024: ~5,400 (a second
 #   run: 1,439 / 3,413 / 4,299 / 5,199 / 5,870; Python's fixed cost per layer and chunk, ~1 ms, is
-#   spread over the chunk; from 256 on within the run-to-run noise of ~10%);
+#   spread over the chunk; from 256 on within the run-to-run noise of ~10%); with the compiled
+#   element-wise kernels (`sequence_ops`), two runs at load ~2: 1,585-1,827 / 4,175-4,190 /
+#   5,693-6,034 / 6,722-7,265 / 7,043-7,709 (512 now 5-6% ahead: the per-chunk cost, ~3.4 ms, weighs more);
 # - K3 width, one layer with fused MXFP4 experts (bench/k3_shapes.py --chunk 1,16,64,128,256,512):
 #   KDA+MoE 213 / 73.1 / 50.6 / 47.3 / 51.6 / 51.9 ms/token, MLA+MoE 168 / 57.2 / 39.2 / 38.9 / 42.9 /
 #   44.2: flat from 64 on, where the matmuls are compute-bound (a chunk of 64 already reads each weight

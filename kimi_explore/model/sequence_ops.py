@@ -1,6 +1,7 @@
 """Element-wise steps of the sequence path in one compiled pass each (host float32), NumPy otherwise.
 
     exp_(a), sigmoid_(a), silu_(a)          in place on a fresh array a
+    conv_silu(ext, taps)                    KDA's short conv and SiLU over a chunk (None: not here)
     situ_and_mul_rows(gate_up, beta, lb, fallback)   ops.situ_and_mul on rows [..., 2n] -> [..., n]
     causal_softmax_(scores, L0, scale)      in place on [nh, T, L0 + T]: scale, mask, softmax (as mla.causal_softmax_)
 
@@ -85,6 +86,19 @@ def situ_and_mul_rows(gate_up, beta: float, linear_beta: float | None, fallback)
     return out
 
 
+def conv_silu(ext, taps):
+    """KDA's short conv then SiLU over a chunk: ext [W + T, ...] (the stored window rows, oldest first, then the
+    chunk's), taps [W, ...] -> [T, ...], row t = silu(sum_j ext[t + 1 + j] * taps[j]); None where the kernel does
+    not run (the caller's NumPy route)."""
+    if not (runs(ext) and runs(taps)):
+        return None
+    W = taps.shape[0]
+    T = ext.shape[0] - W
+    out = np.empty((T,) + ext.shape[1:], np.float32)
+    _ext.conv_silu(ext, taps, out, T, W, taps.size // W if W else 0, ISA)
+    return out
+
+
 def causal_softmax_(scores, L0: int, scale: float):
     """In place on scores [nh, T, L0 + T] (q . k, unscaled; `runs(scores)` must hold): query t's row times
     `scale`, its positions after L0 + t masked (probability exactly 0), the softmax over the rest (the
@@ -98,4 +112,4 @@ def causal_softmax_(scores, L0: int, scale: float):
     return scores
 
 
-__all__ = ["AVAILABLE", "causal_softmax_", "exp_", "isas", "runs", "sigmoid_", "silu_", "situ_and_mul_rows"]
+__all__ = ["AVAILABLE", "causal_softmax_", "conv_silu", "exp_", "isas", "runs", "sigmoid_", "silu_", "situ_and_mul_rows"]
