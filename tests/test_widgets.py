@@ -581,3 +581,31 @@ def test_history_cache_equals_the_whole_history_after_step_back_and_a_new_prompt
     check()
     ex.play_button.click()
     check()
+
+
+def test_ablation_of_a_block_residual_source_family(explorer, tiny_weights):
+    """'block sources' masks a family at the chosen layers and mixes (renormalised over the rest), on a fork;
+    the result equals a session decoded with `interventions.mask_sources` by hand."""
+    ex, s = explorer, explorer.session
+    for _ in range(5):
+        ex.step_button.click()
+    logits = s.logits
+    ex.token.value, ex.layer.value = 3, 4
+    ex.ablation.what.value = "block sources"
+    assert ex.ablation.experts.value == "current"
+    ex.ablation.experts.value, ex.ablation.layers.value = "attn: embedding", "2-5"
+    ablated = ex.ablation.run()
+    np.testing.assert_array_equal(s.logits, logits)  # the session is untouched
+    ref = Session(tiny_weights, recorder=False)
+    for t in s.tokens[:3]:  # stepped, as the Explorer stepped them
+        ref.step(t)
+    with ref.intervene(interventions.mask_sources([2, 3, 4, 5], "attn", "embedding", 3)):
+        expected = ref.step(s.tokens[3])
+    np.testing.assert_allclose(ablated, expected, rtol=0, atol=1e-6)
+    assert np.abs(ablated - logits[3]).max() > 1e-4
+    assert "source embedding (attn mix) at [2, 3, 4, 5]" in ex.ablation.view.spec["layout"]["title"]["text"]
+    ex.ablation.experts.value = "ffn: block 0"
+    assert ex.ablation.run() is not None
+    for bad, message in (("nope", "source family must be one of"), ("mlp: current", "site before ':'")):
+        ex.ablation.experts.value = bad
+        assert ex.ablation.run() is None and message in ex.ablation.note.value

@@ -1,4 +1,5 @@
-"""The Explorer's ablation: fork the session, re-decode without some experts or KDA heads, compare.
+"""The Explorer's ablation: fork the session, re-decode without some experts, KDA heads or block-residual
+sources, compare.
 
 `rerun(session, *hooks, start, stop)` is the general tool: a fork truncated to its first `start`
 tokens that decodes tokens[start:stop] again with the hooks attached; the session itself is never
@@ -15,11 +16,12 @@ import ipywidgets as widgets
 
 from ...cli import parse_ids
 from ...inspection import interventions
+from ...inspection.source_masks import check_family
 from . import specs_analysis, specs_moe
 from .history import window_routing
 from .plotly_view import PlotView
 
-__all__ = ["SCOPES", "Ablation", "parse_experts", "parse_ids", "parse_layers", "rerun", "rerun_token"]
+__all__ = ["SCOPES", "Ablation", "parse_experts", "parse_ids", "parse_layers", "parse_sources", "rerun", "rerun_token"]
 
 
 def parse_experts(text: str, chosen, n_experts: int | None = None) -> str | list[int]:
@@ -64,6 +66,24 @@ def rerun_token(session, t: int, *hook_sets):
 
 
 SCOPES = ("this token", "from this token on", "all tokens")
+WHAT = ("experts", "KDA heads", "block sources")
+PLACEHOLDERS = {"experts": "chosen | all | 3,7", "KDA heads": "head ids: 0 | 1,3",
+                "block sources": "[attn: | ffn:] embedding | older_blocks | latest_block | current | blocks | block 2"}
+
+
+def parse_sources(text: str) -> tuple[str, object]:
+    """The sources field: '[attn:|ffn:] family' -> (site, family) for `interventions.mask_sources`; the site
+    defaults to both mixes of a layer; a family is a name of `source_masks` or 'block j' (sealed block j)."""
+    text = text.strip().lower()
+    site = "both"
+    if ":" in text:
+        site, _, text = (part.strip() for part in text.partition(":"))
+        if site not in ("attn", "ffn"):
+            raise ValueError(f"sources: the site before ':' must be 'attn' or 'ffn', got {site!r}")
+    if text.startswith("block ") and text[6:].strip().isdigit():
+        return site, ("block", int(text[6:]))
+    check_family(text)
+    return site, text
 
 
 def parse_layers(text: str, selected: int, candidates: list[int]) -> list[int]:
@@ -97,8 +117,8 @@ class Ablation:
 
     def __init__(self, ex):
         self.ex = ex
-        self.what = widgets.Dropdown(options=["experts", "KDA heads"], value="experts", layout=widgets.Layout(width="110px"))
-        self.experts = widgets.Text(value="chosen", description="ids", placeholder="chosen | all | 3,7",
+        self.what = widgets.Dropdown(options=WHAT, value="experts", layout=widgets.Layout(width="130px"))
+        self.experts = widgets.Text(value="chosen", description="ids", placeholder=PLACEHOLDERS["experts"],
                                     layout=widgets.Layout(width="170px"), style={"description_width": "24px"})
         self.layers = widgets.Text(value="this", description="layers", placeholder="this | all | 3,7 | 4-9",
                                    layout=widgets.Layout(width="170px"), style={"description_width": "44px"})
@@ -114,14 +134,15 @@ class Ablation:
         self.what.observe(self._what_changed, names="value")
         self.widget = widgets.VBox([
             widgets.HTML("<b>Ablation</b> on a fork (the session is never touched): experts ('chosen' = those the "
-                         "selected token was routed to, 'all', or ids) or KDA heads (ids), at the selected layer or "
-                         "several, at this token, from it on, or at every token."),
+                         "selected token was routed to, 'all', or ids), KDA heads (ids) or a block-residual source "
+                         "family (masked, the softmax renormalised over the rest; 'attn:' or 'ffn:' picks one mix), "
+                         "at the selected layer or several, at this token, from it on, or at every token."),
             widgets.HBox([self.what, self.experts, self.layers]), widgets.HBox([self.scope, self.button]),
             self.note, self.view], layout=widgets.Layout(width="58%"))
 
     def _what_changed(self, change) -> None:
-        self.experts.value = "chosen" if change["new"] == "experts" else "0"
-        self.experts.placeholder = "chosen | all | 3,7" if change["new"] == "experts" else "head ids: 0 | 1,3"
+        self.experts.value = {"experts": "chosen", "KDA heads": "0", "block sources": "current"}[change["new"]]
+        self.experts.placeholder = PLACEHOLDERS[change["new"]]
 
     def clear(self) -> None:
         """Drop the shown result: it belongs to another token, layer, entry or history."""
@@ -138,6 +159,13 @@ class Ablation:
     def _hooks(self, t: int, layer: int):
         """(hook sets, what they do in words, experts chosen at the selected layer or None)."""
         ex, cfg = self.ex, self.ex.session.weights.config
+        if self.what.value == "block sources":
+            layers = parse_layers(self.layers.value, layer, list(ex.session.weights.layer_ids))
+            site, family = parse_sources(self.experts.value)
+            where = "" if site == "both" else f" ({site} mix)"
+            name = f"block {family[1]}" if isinstance(family, tuple) else family
+            return [interventions.mask_sources(layers, site, family, self._positions(t))], \
+                f"source {name}{where} at {layers}", None
         if self.what.value == "KDA heads":
             if not ex.kda_layers:
                 raise ValueError("no KDA layer is loaded")
