@@ -79,6 +79,33 @@ def count_c_calls(weights) -> int:
     return n
 
 
+def mlx_decode(path: Path, steps: int) -> dict:
+    """mlx-lm's `kimi_k3` decoding the same checkpoint token by token with its KV/state cache, in this run:
+    median ms/token of the process's CPU time (mlx computes on its own threads), a fresh cache every 64
+    tokens as `time_decode` does. The peer that makes the ratio a fact on a shared machine."""
+    try:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.utils import load_model
+    except ImportError as e:
+        return {"skipped": f"mlx-lm is not installed ({e}); pip install 'mlx[cpu]' mlx-lm"}
+    model, _ = load_model(path)
+    vocab = json.loads((path / "config.json").read_text()).get("vocab_size") or 256
+    cache = make_prompt_cache(model)
+    for t in range(10):
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    cpu, wall = [], []
+    for t in range(steps):
+        if t % 64 == 0:
+            cache = make_prompt_cache(model)
+        c0, w0 = time.process_time(), time.perf_counter()
+        mx.eval(model(mx.array([[(t * 7) % vocab]]), cache=cache))
+        cpu.append((time.process_time() - c0) * 1e3)
+        wall.append((time.perf_counter() - w0) * 1e3)
+    return {"median_ms": statistics.median(cpu), "median_wall_ms": statistics.median(wall), "mlx": mx.__version__,
+            "device": str(mx.default_device())}
+
+
 def _median_us(fn, reps: int = 200) -> float:
     for _ in range(10):
         fn()
@@ -175,6 +202,17 @@ def main() -> int:
             results["decode"].append({"checkpoint": name, "dtype": dtype, "median_ms": q[1], "p10_ms": q[0], "p90_ms": q[2],
                                       "recorder_mean_ms": rec_ms, "c_calls_per_token": calls, "layers": len(w.layers)})
             print(f"{name:<30} {dtype:<8} {q[1]:13.3f} {q[0]:6.2f} {q[2]:6.2f} {rec_ms:15.3f} {calls:15d}")
+
+    peer = mlx_decode(REFERENCE, args.steps)
+    results["mlx_lm_reference_tiny"] = peer
+    if "skipped" in peer:
+        print(f"\nmlx-lm: {peer['skipped']}")
+    else:
+        ours = next(r for r in results["decode"] if r["checkpoint"] == "reference tiny" and r["dtype"] == "float32")
+        print(f"\nmlx-lm kimi_k3, reference tiny, same run: {peer['median_ms']:.3f} ms/token of process CPU time, "
+              f"{peer['median_wall_ms']:.3f} wall (mlx {peer['mlx']} on {peer['device']}); kimi_explore with the recorder "
+              f"takes {ours['recorder_mean_ms'] / peer['median_wall_ms']:.3f}x mlx-lm's wall time, without hooks "
+              f"{ours['median_ms'] / peer['median_wall_ms']:.3f}x")
 
     w = from_pretrained(REFERENCE, device="cpu")
     parts = breakdown(w)
