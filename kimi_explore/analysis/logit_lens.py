@@ -28,6 +28,8 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
+from ..inspection.hooks import HookChain
+from ..inspection.recorder import Recorder
 from ..inspection.topk import top_ids
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import OutputHead, output_hidden
@@ -157,9 +159,6 @@ def lens_at(session, t: int, top: int = 1) -> LensStrip:
     sequence path with `session.hooks` and capture hooks at `embed` and every `layers.{i}.prefix_sum`,
     and the lens applied to token t's values. At most `checkpoint_every` stepped tokens, or one fed
     chunk, are re-decoded. Equal to `logit_lens(session)` at t to float rounding (both replay)."""
-    from ..inspection.hooks import HookChain
-    from ..inspection.recorder import Recorder
-
     T = len(session)
     if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not -T <= t < T:
         raise IndexError(f"lens_at: token position {t!r} is outside the session's history of {T} tokens")

@@ -264,8 +264,7 @@ class Session:
 
     def _state_after(self, t: int) -> KimiDecodeState:
         """The exact decode state after the first t tokens of the history."""
-        c = max([k for k in self._checkpoints if k <= t], default=0)
-        state = self._checkpoints[c].copy() if c else self.weights.new_state()
+        c, state = self.checkpoint_before(t)
         changed = [s for s in range(c, t) if self._modified[s]]
         if changed:
             raise RuntimeError(f"cannot rebuild the state after {t} tokens exactly: tokens {changed} were decoded with "

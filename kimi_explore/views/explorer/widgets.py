@@ -173,6 +173,18 @@ class Explorer(widgets.VBox):
             n += 1
         return len(hist) if n == len(ids) else n
 
+    def _prompt(self) -> list[int] | None:
+        """The prompt's ids for a Step or Play (the session started over if the prompt changed), or None
+        after showing why there are none."""
+        self._note = ""
+        try:
+            ids = self.prompt_ids()
+        except ValueError as e:
+            self._error(str(e))
+            return None
+        self._start_over_if_new_prompt(ids)
+        return ids
+
     def _start_over_if_new_prompt(self, ids: list[int]) -> None:
         keep = self._shared_prefix(ids)
         if keep < len(self.session):
@@ -197,12 +209,9 @@ class Explorer(widgets.VBox):
 
     def step(self) -> None:
         """Decode one token (the next prompt token, or greedy) and show it."""
-        self._note = ""
-        try:
-            ids = self.prompt_ids()
-        except ValueError as e:
-            return self._error(str(e))
-        self._start_over_if_new_prompt(ids)
+        ids = self._prompt()
+        if ids is None:
+            return None
         tid = self._next_token(ids)
         if tid is None:
             return self._error("type a prompt first: there is nothing to decode yet")
@@ -211,12 +220,9 @@ class Explorer(widgets.VBox):
 
     def play(self) -> None:
         """Feed the rest of the prompt; if it is all in already, generate `play_tokens` greedily."""
-        self._note = ""
-        try:
-            ids = self.prompt_ids()
-        except ValueError as e:
-            return self._error(str(e))
-        self._start_over_if_new_prompt(ids)
+        ids = self._prompt()
+        if ids is None:
+            return None
         n = len(self.session)
         if n < len(ids):
             self.session.feed(ids[n:])
