@@ -68,6 +68,7 @@ class MlaWeights:
         # the Python floats, NumPy's cheaper operand
         c = lambda v: array_namespace(self.q_a_layernorm).asarray(v, dtype=self.q_a_layernorm.dtype)  # noqa: E731
         self.one, self.score_scale = c(1.0), c(1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim))
+        self.score_scale_f = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
 
 
 @dataclass
@@ -148,8 +149,11 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     gate = sigmoid(y[ql + kl + dr :], w.one) if w.use_output_gate else None
     state.append(kv[:, :dn], y[ql + kl : ql + kl + dr], kv[:, dn:])  # k_pe is NOT normalised
     T = state.length
-    scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * w.score_scale  # [nh, T], 1/sqrt(dn + dr)
-    p = softmax(scores)
+    scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0]  # [nh, T]
+    if sequence_ops.runs(scores):  # the two lines below in one compiled pass (the sequence path's, a chunk of one)
+        p = sequence_ops.causal_softmax_(scores.reshape(nh, 1, T), T - 1, w.score_scale_f).reshape(nh, T)
+    else:
+        p = softmax(scores * w.score_scale)  # 1/sqrt(dn + dr)
     if "mla.probs" in at:
         p = at["mla.probs"](p)
     o = xp.matmul(p[:, None, :], state.values[:, :T])[:, 0]  # [nh, dv]
