@@ -24,7 +24,45 @@
 
 #include "../weights/_kernel_isa.h"
 
-#include "_kx_math.h"
+#define KX_INLINE __attribute__((always_inline)) static inline
+
+KX_INLINE float kx_expf(float x) {
+    float xc = x < -87.0f ? -87.0f : x;
+    xc = xc > 88.0f ? 88.0f : xc;
+    float fx = xc * 1.44269504088896341f;
+    fx = (fx + 12582912.0f) - 12582912.0f; /* round to nearest (1.5 * 2^23) */
+    float r = xc - fx * 0.693359375f;
+    r = r - fx * -2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const int32_t n = (int32_t)fx + 127;
+    const uint32_t bits = (uint32_t)n << 23;
+    float p;
+    memcpy(&p, &bits, sizeof p);
+    const float out = y * p;
+    return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : out);
+}
+
+KX_INLINE float kx_tanhf(float x) {
+    const float a = x < 0.0f ? -x : x;
+    const float e = kx_expf(2.0f * (a > 44.0f ? 44.0f : a));
+    const float big = 1.0f - 2.0f / (e + 1.0f);
+    const float z = a * a;
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const float small = p * z * a + a;
+    const float r = a < 0.625f ? small : big;
+    return x < 0.0f ? -r : r;
+}
 
 /* what: 0 exp, 1 sigmoid 1 / (1 + exp(-x)), 2 SiLU x / (1 + exp(-x)); in place on n floats */
 #define MAP_BODY                                                                              \
@@ -46,9 +84,11 @@
             const float *restrict g = gu + r * 2 * n, *restrict u = g + n;                     \
             float *restrict o = out + r * n;                                                  \
             if (has_lb)                                                                       \
-                for (Py_ssize_t i = 0; i < n; i++) o[i] = kx_situ(g[i], u[i], inv_b, inv_lb, c, 1); \
+                for (Py_ssize_t i = 0; i < n; i++)                                            \
+                    o[i] = kx_tanhf(g[i] * inv_b) / (1.0f + kx_expf(-g[i])) * kx_tanhf(u[i] * inv_lb) * c; \
             else                                                                              \
-                for (Py_ssize_t i = 0; i < n; i++) o[i] = kx_situ(g[i], u[i], inv_b, inv_lb, c, 0); \
+                for (Py_ssize_t i = 0; i < n; i++)                                            \
+                    o[i] = kx_tanhf(g[i] * inv_b) / (1.0f + kx_expf(-g[i])) * u[i] * c;       \
         }                                                                                     \
     }
 

@@ -2,17 +2,16 @@
 
    On the tiny models a decode step is a few hundred NumPy calls on vectors of 8 to 384 floats, and each
    call (argument parsing, a temporary, a dispatch) costs more than its arithmetic. Each function here is
-   one of those steps in one call: an RMSNorm, a SiTU-GLU, the softmax of a block-residual mix, the
-   router's sigmoid, selection and weights, KDA's gates. exp and tanh are _kx_math.h's (the sequence
-   path's); sums of squares and the softmaxes run in double. Float32 results agree with NumPy's
-   formulation of the same step to rounding (~1-2 ulp), not bit for bit; the route is the same for every
-   token with and without hooks (they fire between the steps), so a replay is exact.
+   one of those steps in one call: an RMSNorm, a SiTU-GLU, the block-residual rows and softmax, the
+   router's sigmoid, selection and weights, KDA's gates, an attention softmax.
 
-   Portable C (no ISA variants: at these sizes the call, not the loop, is the cost). The buffers are
-   checked by size here; their dtype (float32, int64 ids) and C order by the caller (token_ops.runs). */
+   Each step is evaluated in double precision from its float32 inputs (libm's exp and tanh) and each
+   output rounded to float32 once: within an ulp or so of the exact value, at least as close as NumPy's
+   float32 formulation of the same step, to which it agrees to rounding, not bit for bit. The route is the
+   same for a token with and without hooks (they fire between the steps), so replays stay exact.
 
-/* Vectorising the selects of _kx_math.h needs it; FP exception flags only, values unchanged. */
-#pragma GCC optimize("no-trapping-math")
+   Portable C (at these sizes the call, not the loop, is the cost). The buffers are checked by size here;
+   their dtype (float32, int64 ids) and C order by the caller (token_ops.runs). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,7 +19,14 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "_kx_math.h"
+static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* SiTU-GLU of one gate g and up u: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)
+   (has_lb), else * u; inv_b = 1 / beta, inv_lb = 1 / linear_beta, c = beta linear_beta (or beta). */
+static inline float situ_d(double g, double u, double inv_b, double inv_lb, double c, int has_lb) {
+    const double a = tanh(g * inv_b) * sigmoid_d(g);
+    return (float)(has_lb ? a * tanh(u * inv_lb) * c : a * u * c);
+}
 
 #define DONE(ok)              \
     do {                      \
@@ -46,7 +52,7 @@ static PyObject *size_error(const char *what) {
 }
 
 PyDoc_STRVAR(rms_norm_doc, "rms_norm(x, weight, eps, out)\n\n"
-                           "out = x * (weight * r), r = float32(1 / sqrt(sum(x^2) / n + eps)) (sum in double); x, weight, out [n].");
+                           "out = x * weight / sqrt(sum(x^2) / n + eps) in double, rounded once; x, weight, out float32 [n].");
 
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
     (void)self;
@@ -60,8 +66,8 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
     else {
         const float *xx = x.buf, *ww = w.buf;
         float *o = out.buf;
-        const float r = (float)(1.0 / sqrt(sum_squares(xx, n) / (double)n + eps));
-        for (Py_ssize_t i = 0; i < n; i++) o[i] = xx[i] * (ww[i] * r);
+        const double r = 1.0 / sqrt(sum_squares(xx, n) / (double)n + eps);
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)((double)xx[i] * ww[i] * r);
         DONE(1);
     }
     PyBuffer_Release(&x);
@@ -71,15 +77,15 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(situ_doc, "situ(gate_up, out, rows, n, inv_b, inv_lb, c, has_lb)\n\n"
-                       "SiTU-GLU (_kx_math.h kx_situ) of rows [gate | up]: gate_up [rows, 2n], out [rows, n].");
+                       "SiTU-GLU (situ_d) of rows [gate | up]: gate_up [rows, 2n], out [rows, n].");
 
 static PyObject *situ(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer gu, out;
-    float inv_b, inv_lb, c;
+    double inv_b, inv_lb, c;
     int has_lb;
     Py_ssize_t rows, n;
-    if (!PyArg_ParseTuple(args, "y*w*nnfffp", &gu, &out, &rows, &n, &inv_b, &inv_lb, &c, &has_lb)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*w*nndddp", &gu, &out, &rows, &n, &inv_b, &inv_lb, &c, &has_lb)) return NULL;
     PyObject *result = NULL;
     if (rows < 0 || n < 0 || out.len != 4 * rows * n || gu.len != 2 * out.len)
         size_error("situ: gate_up float32 [rows, 2n] and out float32 [rows, n] expected");
@@ -88,9 +94,9 @@ static PyObject *situ(PyObject *self, PyObject *args) {
             const float *g = (const float *)gu.buf + r * 2 * n, *u = g + n;
             float *o = (float *)out.buf + r * n;
             if (has_lb)
-                for (Py_ssize_t i = 0; i < n; i++) o[i] = kx_situ(g[i], u[i], inv_b, inv_lb, c, 1);
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = situ_d(g[i], u[i], inv_b, inv_lb, c, 1);
             else
-                for (Py_ssize_t i = 0; i < n; i++) o[i] = kx_situ(g[i], u[i], inv_b, inv_lb, c, 0);
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = situ_d(g[i], u[i], inv_b, inv_lb, c, 0);
         }
         DONE(1);
     }
@@ -156,7 +162,41 @@ static PyObject *source_softmax(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(sigmoid_doc, "sigmoid(x, out)\n\nout = 1 / (1 + exp(-x)) (kx_expf): x, out float32 [n].");
+PyDoc_STRVAR(softmax_doc, "softmax_rows(s, rows, scale)\n\n"
+                          "In place on s float32 [rows, L]: each row softmax(s * scale), in double, rounded once.");
+
+static PyObject *softmax_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer sb;
+    Py_ssize_t rows;
+    double scale;
+    if (!PyArg_ParseTuple(args, "w*nd", &sb, &rows, &scale)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t L = rows > 0 ? sb.len / (4 * rows) : 0;
+    double *e = L > 0 ? PyMem_Malloc((size_t)L * sizeof(double)) : NULL;
+    if (L == 0 || sb.len != 4 * rows * L)
+        size_error("softmax_rows: s float32 [rows, L] expected");
+    else if (e == NULL)
+        PyErr_NoMemory();
+    else {
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            float *row = (float *)sb.buf + r * L;
+            double top = -INFINITY, total = 0.0;
+            for (Py_ssize_t j = 0; j < L; j++) {
+                e[j] = row[j] * scale;
+                top = e[j] > top ? e[j] : top;
+            }
+            for (Py_ssize_t j = 0; j < L; j++) total += (e[j] = exp(e[j] - top));
+            for (Py_ssize_t j = 0; j < L; j++) row[j] = (float)(e[j] / total);
+        }
+        DONE(1);
+    }
+    PyMem_Free(e);
+    PyBuffer_Release(&sb);
+    return result;
+}
+
+PyDoc_STRVAR(sigmoid_doc, "sigmoid(x, out)\n\nout = 1 / (1 + exp(-x)): x, out float32 [n].");
 
 static PyObject *sigmoid(PyObject *self, PyObject *args) {
     (void)self;
@@ -168,7 +208,7 @@ static PyObject *sigmoid(PyObject *self, PyObject *args) {
     else {
         const float *xx = x.buf;
         float *o = out.buf;
-        for (Py_ssize_t i = 0; i < x.len / 4; i++) o[i] = 1.0f / (1.0f + kx_expf(-xx[i]));
+        for (Py_ssize_t i = 0; i < x.len / 4; i++) o[i] = (float)sigmoid_d(xx[i]);
         DONE(1);
     }
     PyBuffer_Release(&x);
@@ -264,9 +304,9 @@ PyDoc_STRVAR(kda_gates_doc,
 static PyObject *kda_gates(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer win, conv, y, raw, dt, A, out;
-    float lb;
+    double lb;
     Py_ssize_t H;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*fnw*", &win, &conv, &y, &raw, &dt, &A, &lb, &H, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*dnw*", &win, &conv, &y, &raw, &dt, &A, &lb, &H, &out)) return NULL;
     PyObject *result = NULL;
     const Py_ssize_t P = raw.len / 4, W = P > 0 ? win.len / (4 * 3 * P) : 0;
     if (P == 0 || W == 0 || H <= 0 || win.len != 4 * 3 * P * W || conv.len != win.len || y.len < 4 * (4 * P + H) ||
@@ -278,17 +318,13 @@ static PyObject *kda_gates(PyObject *self, PyObject *args) {
         float *o = out.buf;
         for (Py_ssize_t c = 0; c < 3 * P; c++) {
             const float *e = wn + c * W, *t = cv + c * W;
-            float acc = e[0] * t[0];
-            for (Py_ssize_t j = 1; j < W; j++) acc += e[j] * t[j];
-            o[c] = acc;
+            double acc = 0.0;
+            for (Py_ssize_t j = 0; j < W; j++) acc += (double)e[j] * t[j];
+            o[c] = (float)(acc * sigmoid_d(acc));
         }
-        for (Py_ssize_t c = 0; c < 3 * P; c++) o[c] = o[c] / (1.0f + kx_expf(-o[c])); /* (a pass of its own: vectorised) */
-        for (Py_ssize_t i = 3 * P; i < 4 * P + H; i++) o[i] = 1.0f / (1.0f + kx_expf(-yy[i]));
+        for (Py_ssize_t i = 3 * P; i < 4 * P + H; i++) o[i] = (float)sigmoid_d(yy[i]);
         float *alpha = o + 4 * P + H;
-        for (Py_ssize_t i = 0; i < P; i++) {
-            const float g = (rw[i] + db[i]) * aa[i];
-            alpha[i] = kx_expf(1.0f / (1.0f + kx_expf(-g)) * lb);
-        }
+        for (Py_ssize_t i = 0; i < P; i++) alpha[i] = (float)exp(lb * sigmoid_d(((double)rw[i] + db[i]) * aa[i]));
         DONE(1);
     }
     PyBuffer_Release(&win);
@@ -307,6 +343,7 @@ static PyMethodDef methods[] = {
     {"set_row", set_row, METH_VARARGS, set_row_doc},
     {"source_softmax", source_softmax, METH_VARARGS, source_softmax_doc},
     {"sigmoid", sigmoid, METH_VARARGS, sigmoid_doc},
+    {"softmax_rows", softmax_rows, METH_VARARGS, softmax_doc},
     {"select_experts", select_experts, METH_VARARGS, select_doc},
     {"routing_weights", routing_weights, METH_VARARGS, weights_doc},
     {"kda_gates", kda_gates, METH_VARARGS, kda_gates_doc},

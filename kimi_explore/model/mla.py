@@ -29,7 +29,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from . import sequence_ops
+from . import sequence_ops, token_ops
 from .ops import linear, rms_norm, sigmoid, softmax
 from .sites import site_table
 
@@ -150,8 +150,8 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     state.append(kv[:, :dn], y[ql + kl : ql + kl + dr], kv[:, dn:])  # k_pe is NOT normalised
     T = state.length
     scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0]  # [nh, T]
-    if sequence_ops.runs(scores):  # the two lines below in one compiled pass (the sequence path's, a chunk of one)
-        p = sequence_ops.causal_softmax_(scores.reshape(nh, 1, T), T - 1, w.score_scale_f).reshape(nh, T)
+    if token_ops.runs(scores):  # the line below in one compiled call
+        p = token_ops.softmax_rows_(scores, w.score_scale_f)
     else:
         p = softmax(scores * w.score_scale)  # 1/sqrt(dn + dr)
     if "mla.probs" in at:

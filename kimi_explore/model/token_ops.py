@@ -6,14 +6,16 @@
     source_softmax(s, inv_rms)                     the block-residual mix's softmax (SourceBuffer.weights)
     sigmoid(x); select_experts(scores, bias, k); routing_weights(scores, ids, renormalize, scaling, eps)
                                                    the latent MoE's router (latent_moe)
+    softmax_rows_(s, scale)                        MLA's attention probabilities over the cache (mla.mla_step)
     kda_gates(window, conv, y, decay_raw, dt_bias, A, lower_bound, H)
                                                    KDA's conv + SiLU, gate, beta and decay (kda.kda_step)
 
 Why: on the tiny models a decode step is some hundreds of NumPy calls on vectors of 8 to 384 floats,
-and each call costs more than its arithmetic (`bench/decode.py`). exp and tanh are the sequence path's
-(`_kx_math.h`, ~1-2 ulp); sums of squares and the softmaxes run in double. So float32 results agree with
-the NumPy formulation of each step to rounding, not bit for bit; the route is the same for a token with
-and without hooks (they fire between the steps), so replays stay exact.
+and each call costs more than its arithmetic (`bench/decode.py`). Each step is evaluated in double from
+its float32 inputs (libm's exp and tanh) and rounded once, so its outputs are within about an ulp of the
+exact values: as close as NumPy's float32 formulation of the step or closer, to which they agree to
+rounding, not bit for bit. The route is the same for a token with and without hooks (they fire between
+the steps), so replays stay exact.
 
 The callers take this route where `runs(...)` holds (C-contiguous float32 NumPy arrays, the extension
 built); float64, CuPy, the strict stand-in and an install without a compiler take the NumPy formulas.
@@ -33,7 +35,7 @@ MAX_SOURCES = 64  # source_softmax's bound on the sources of one mix
 _F32 = np.dtype(np.float32)
 
 __all__ = ["AVAILABLE", "kda_gates", "rms_norm", "routing_weights", "runs", "select_experts", "set_row", "sigmoid",
-           "situ", "source_softmax"]
+           "situ", "softmax_rows_", "source_softmax"]
 
 
 def runs(*arrays) -> bool:
@@ -47,14 +49,14 @@ def runs(*arrays) -> bool:
 
 
 def rms_norm(x, weight, eps: float):
-    """x * (weight * r), r = 1 / sqrt(mean(x^2) + eps) with the sum in double, rounded once: [n]."""
+    """x * weight / sqrt(mean(x^2) + eps), in double, rounded once: [n]."""
     out = np.empty(x.shape, _F32)
     _ext.rms_norm(x, weight, eps, out)
     return out
 
 
 def situ(gate_up, beta: float, linear_beta: float | None):
-    """SiTU-GLU of [..., 2n] -> [..., n] (`ops.situ_and_mul`'s formula, `_kx_math.h`'s exp and tanh)."""
+    """SiTU-GLU of [..., 2n] -> [..., n] (`ops.situ_and_mul`'s formula)."""
     n = gate_up.shape[-1] // 2
     out = np.empty(gate_up.shape[:-1] + (n,), _F32)
     c = beta if linear_beta is None else beta * linear_beta
@@ -80,6 +82,13 @@ def sigmoid(x):
     out = np.empty(x.shape, _F32)
     _ext.sigmoid(x, out)
     return out
+
+
+def softmax_rows_(s, scale: float):
+    """In place on s [..., L] (writable): each row's softmax(s * scale); returns s."""
+    if s.size:
+        _ext.softmax_rows(s, s.size // s.shape[-1], scale)
+    return s
 
 
 def select_experts(scores, bias, top_k: int):
