@@ -71,6 +71,13 @@ TIMED_STEP = """async () => {
     requestAnimationFrame(check);
   });
 }"""
+# the expert ids the top-k table's view wrote into its cells (plotly_view: cell labels) against its spec's text
+TOPK_CELLS = """() => {
+  const el = document.querySelector(".kimi-plot[data-name='moe_topk']"), gd = el.querySelector('.js-plotly-plot');
+  const want = gd.data[0].text.flat().filter(t => t !== ''), got = [...el.querySelectorAll('g.kimi-cells text')];
+  return { want: want.length, got: got.length, same: got.every((t, i) => t.textContent === want[i]),
+           white: got.filter(t => t.getAttribute('fill') === '#fff').length };
+}"""
 # what each visible view says it shows: {name: layout.meta}
 VISIBLE_META = """() => Object.fromEntries([...document.querySelectorAll('.kimi-plot')]
   .filter(e => e.offsetParent !== null && e.dataset.rendered)
@@ -214,6 +221,7 @@ def drive(page, url: str, name: str, shot, seen: dict) -> None:
     page.evaluate("() => document.querySelector('.kimi-text').closest('.widget-vbox').scrollIntoView()")
 
     open_tab(page, "MoE routing")
+    out["topk_cells"] = page.evaluate(TOPK_CELLS)
     out["topk_tooltip"] = hover_text(page, "moe_topk", 0.3, 0.3)
     shot(f"{name}_moe_topk_hover")
     page.locator(".widget-checkbox", has_text="full layer x expert map").locator("input").check()
