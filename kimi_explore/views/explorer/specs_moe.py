@@ -128,12 +128,19 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
     gap = 0.04
     h = (1 - gap * (len(rows) - 1)) / len(rows)
     alone = []  # points a line cannot show (no finite neighbour), drawn as markers after the lines
+    # one x axis for every row (the layers; labelled under the last row): plotly draws one axis, not one per row
+    bottom = "y" + (str(len(rows)) if len(rows) > 1 else "")
+    layout["xaxis"] = {"type": "category", "anchor": bottom, "fixedrange": True, "tickfont": {"size": 9},
+                       "range": [-0.5, len(labels) - 0.5]}  # a whole slot per layer, the end ones too
+    if len(labels) > 32:
+        ticks = specs.layer_ticks(labels, labels[layers.index(layer)] if layer in layers else None)
+        layout["xaxis"].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     for r, (name, y, hover) in enumerate(rows):
         ax = "" if r == 0 else str(r + 1)
         y = np.asarray(y, float)
         # lines, no markers: plotly draws each marker as its own SVG path (4 x 92 of them at K3, ~10 ms of
         # every Step); the line has a vertex at every layer and the hover reads each one as before
-        trace = {"type": "scatter", "mode": "lines", "x": labels, "y": typed(y), "xaxis": "x" + ax, "yaxis": "y" + ax,
+        trace = {"type": "scatter", "mode": "lines", "x": labels, "y": typed(y), "xaxis": "x", "yaxis": "y" + ax,
                  "line": {"width": 1.5, "color": COLORWAY[r]}, "hovertemplate": "layer %{x}<br>" + hover + "<extra></extra>"}
         data.append(trace)
         ok = np.isfinite(y)
@@ -143,12 +150,9 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
                           "marker": {"size": 4, "color": COLORWAY[r]}})
         top = 1 - r * (h + gap)
         layout["yaxis" + ax] = {"domain": [top - h, top], "title": {"text": name, "font": {"size": 9}}, "fixedrange": True,
-                                "tickfont": {"size": 9}, "anchor": "x" + ax, "rangemode": "tozero"}
-        layout["xaxis" + ax] = {"type": "category", "anchor": "y" + ax, "fixedrange": True, "tickfont": {"size": 9},
-                                "showticklabels": r == len(rows) - 1, "matches": "x" if r else None}
-        if len(labels) > 32:
-            ticks = specs.layer_ticks(labels, labels[layers.index(layer)] if layer in layers else None)
-            layout["xaxis" + ax].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
+                                "tickfont": {"size": 9}, "anchor": "x", "rangemode": "tozero"}
+        if ok.any():  # headroom above the highest value (markers gave it; a bare line would sit on the top edge)
+            layout["yaxis" + ax]["range"] = [0, 1.1 * float(np.nanmax(y)) or 1.0]
     layout["shapes"] = [outline(layers.index(layer), "x", "paper")] if layer in layers else []
     return data + alone, layout
 
