@@ -71,12 +71,22 @@ TIMED_STEP = """async () => {
     requestAnimationFrame(check);
   });
 }"""
-# the expert ids the top-k table's view wrote into its cells (plotly_view: cell labels) against its spec's text
-TOPK_CELLS = """() => {
+# the expert ids the top-k table's view wrote into its cells (plotly_view: cell labels), against what plotly's
+# own texttemplate writes for the same figure in a scratch div: text, colour and position of every label
+TOPK_CELLS = """async () => {
   const el = document.querySelector(".kimi-plot[data-name='moe_topk']"), gd = el.querySelector('.js-plotly-plot');
-  const want = gd.data[0].text.flat().filter(t => t !== ''), got = [...el.querySelectorAll('g.kimi-cells text')];
-  return { want: want.length, got: got.length, same: got.every((t, i) => t.textContent === want[i]),
-           white: got.filter(t => t.getAttribute('fill') === '#fff').length };
+  const key = (t) => [t.textContent, getComputedStyle(t).fill, Math.round(+t.getAttribute('x')),
+                      Math.round(+t.getAttribute('y'))].join('|');
+  const ours = [...el.querySelectorAll('g.kimi-cells text')].map(key);
+  const scratch = document.createElement('div');
+  scratch.style.cssText = `position:absolute;left:-5000px;width:${gd.offsetWidth}px;height:${gd.offsetHeight}px`;
+  document.body.appendChild(scratch);
+  const data = gd.data.map((t, i) => (i === 0 ? { ...t, texttemplate: '%{text}', textfont: { size: 10 } } : t));
+  await Plotly.newPlot(scratch, data, gd.layout, { displayModeBar: false });
+  const plotly = [...scratch.querySelectorAll('g.heatmap-label text')].map(key);
+  Plotly.purge(scratch); scratch.remove();
+  return { ours: ours.length, plotly: plotly.length, same: ours.join() === plotly.join(),
+           white: ours.filter(k => k.split('|')[1] === 'rgb(255, 255, 255)').length };
 }"""
 # what each visible view says it shows: {name: layout.meta}
 VISIBLE_META = """() => Object.fromEntries([...document.querySelectorAll('.kimi-plot')]

@@ -77,8 +77,13 @@ function rgbOf(c) {
   if (h.length === 3) h = h.split("").map((x) => x + x).join("");
   return [0, 2, 4].map((i) => parseInt(h.slice(i, i + 2), 16));
 }
-// plotly's contrast: tinycolor's brightness < 128 is dark -> white text, else the default line colour
-const contrast = (rgb) => ((rgb[0] * 299 + rgb[1] * 587 + rgb[2] * 114) / 1000 < 128 ? "#fff" : "#444");
+// plotly's contrast (Color.contrast): white text where white contrasts more with the cell than the
+// default line colour #444 does (WCAG contrast of relative luminances), else #444
+const linear = (v) => ((v /= 255) <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4);
+const luminance = ([r, g, b]) => 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+const wcag = (a, b) => (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+const GREY = luminance([68, 68, 68]);
+const contrast = (rgb) => { const l = luminance(rgb); return wcag(l, 1) > wcag(l, GREY) ? "#ffffff" : "#444444"; };
 function colourScale(tr) {  // z -> [r, g, b] on the trace's colour scale
   const stops = tr.colorscale.map(([p, c]) => [p, rgbOf(c)]), lo = tr.zmin, span = tr.zmax - tr.zmin || 1;
   return (z) => {
