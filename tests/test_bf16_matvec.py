@@ -103,7 +103,11 @@ def test_bf16_matrix_takes_the_kernel_for_vectors_only():
 
 
 def test_decoder_with_the_kernel_matches_the_float32_trunk():
-    """The random tiny model, bf16 trunk through the kernel vs the float32 trunk: float32 rounding, same argmax."""
+    """The random tiny model, bf16 trunk through the kernel vs the float32 trunk: float32 rounding, same argmax.
+
+    The two differ only in the matvecs' summation order, which this random model amplifies more at some tokens
+    than others (the float32 trunk's own distance from float64 varies ~10x across these tokens): each token's
+    difference is bounded by the float32 route's own error there (2x), with a floor of 2e-5 of the scale."""
     tokens = [0, 255, 17, 17, 42, 128, 7, 200, 3, 99]
 
     def decode(w):
@@ -115,7 +119,9 @@ def test_decoder_with_the_kernel_matches_the_float32_trunk():
     assert bf16.extra["bf16_matvec"] == "kernel" and bf16.lm_head.uses_kernel
     assert bf16.memory_report()["bf16 widening scratch"] == 0  # the kernel needs none
     got, want = decode(bf16), decode(f32)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    exact = decode(from_pretrained(random_tiny_checkpoint(), device="cpu", dtype="float64"))
+    own = np.abs(want - exact).max(axis=-1)  # the float32 trunk's rounding at each token
+    assert (np.abs(got - want).max(axis=-1) <= np.maximum(2 * own, 2e-5 * np.abs(want).max())).all()
     assert (got.argmax(-1) == want.argmax(-1)).all()
     with pytest.raises(ValueError, match="bf16_matvec='fast': expected one of 'auto', 'kernel', 'widen'"):
         from_pretrained(random_tiny_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")

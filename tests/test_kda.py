@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_modules import as64, layers_of
 
-from kimi_explore.model import kda_recurrence
+from kimi_explore.model import kda_recurrence, token_ops
 from kimi_explore.model.config import ATTENTION_SITES
 from kimi_explore.model.kda import KdaState, kda_sequence, kda_step
 
@@ -231,9 +231,11 @@ def test_compiled_elementwise_delta_steps_round_as_numpy():
 
 @pytest.mark.skipif(not kda_recurrence.AVAILABLE, reason="the compiled KDA kernels were not built")
 def test_kda_step_compiled_steps_equal_numpy_bit_for_bit(ref_weights, monkeypatch):
-    """kda_step with the compiled steps (window shift, l2 scale, decay, rank-1 write, gated norm) against the same
-    step with NumPy alone (the kernel hidden), every KDA layer of the reference model, 24 tokens: outputs and
-    states equal bit for bit."""
+    """kda_step with the exact compiled steps (window shift, l2 scale, decay, rank-1 write, gated norm) against the
+    same step with NumPy alone (the kernel hidden), every KDA layer of the reference model, 24 tokens: outputs and
+    states equal bit for bit. (token_ops' gates, whose exp is not NumPy's, are hidden on both sides; with them the
+    step agrees to rounding: test_kda_step_token_ops_agree_with_numpy.)"""
+    monkeypatch.setattr(token_ops, "_ext", None)
     rng = np.random.default_rng(3)
     xs = rng.standard_normal((24, ref_weights.config.hidden_size)).astype(np.float32)
     for w in [layer.attention for layer in ref_weights.layers if layer.attention.kind == "kda"]:
@@ -245,3 +247,24 @@ def test_kda_step_compiled_steps_equal_numpy_bit_for_bit(ref_weights, monkeypatc
             want = np.stack([kda_step(x, w, want_state) for x in xs])
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got_state.recurrent, want_state.recurrent)
+
+
+@pytest.mark.skipif(not token_ops.AVAILABLE, reason="the compiled token steps were not built")
+def test_kda_step_token_ops_agree_with_numpy(ref_weights, monkeypatch):
+    """kda_step with every compiled step (token_ops.kda_gates included) against NumPy alone, every KDA layer of the
+    reference model, 24 tokens: outputs and states agree to float32 rounding."""
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((24, ref_weights.config.hidden_size)).astype(np.float32)
+    for w in [layer.attention for layer in ref_weights.layers if layer.attention.kind == "kda"]:
+        got_state, want_state = KdaState.zeros(w, np, np.float32), KdaState.zeros(w, np, np.float32)
+        assert token_ops.runs(got_state.conv, w.conv)
+        got = np.stack([kda_step(x, w, got_state) for x in xs])
+        with monkeypatch.context() as m:
+            m.setattr(kda_recurrence, "_ext", None)
+            m.setattr(token_ops, "_ext", None)
+            want = np.stack([kda_step(x, w, want_state) for x in xs])
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
+        np.testing.assert_allclose(got_state.recurrent, want_state.recurrent, rtol=0,
+                                   atol=2e-5 * np.abs(want_state.recurrent).max())
+        assert not np.array_equal(got, want)  # the compiled gates ran (in double: not NumPy's float32 rounding)

@@ -21,6 +21,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import on_host, to_numpy
+from . import token_ops
 
 
 def source_labels(block_boundaries: list[int]) -> list[str]:
@@ -97,7 +98,13 @@ class SourceBuffer:
         self.host_scalars = on_host(xp) if host_scalars is None else host_scalars
         self.rows = xp.empty((rows, d), dtype)
         self._upto = [self.rows[:m] for m in range(rows + 1)]  # rows[:m], made once for the token's many mixes
-        self.inv_rms = [0.0] * rows if self.host_scalars else xp.empty(rows, dtype)  # 1/rms of each row
+        # host float32: each row and its 1/rms set, and the softmax taken, by one compiled call (`token_ops`;
+        # the same double-precision arithmetic as the Python floats below, the sums of squares in double)
+        self.compiled = self.host_scalars and token_ops.runs(self.rows) and rows <= token_ops.MAX_SOURCES
+        if self.compiled:
+            self.inv_rms = np.zeros(rows, np.float64)
+        else:
+            self.inv_rms = [0.0] * rows if self.host_scalars else xp.empty(rows, dtype)  # 1/rms of each row
         self.n = 0  # sealed blocks
         self.current = None  # the running sum last given to set_current
 
@@ -105,6 +112,9 @@ class SourceBuffer:
         """Make v [d] the current running sum (row n), the array itself kept as `self.current`."""
         n = self.n
         self.current = v
+        if self.compiled and token_ops.runs(v):
+            token_ops.set_row(self.rows, n, v, self.inv_rms, self.inv_d, self.eps)
+            return
         self.rows[n] = v
         if self.host_scalars:
             self.inv_rms[n] = 1.0 / math.sqrt(float(v @ v) * self.inv_d + self.eps)
@@ -114,6 +124,8 @@ class SourceBuffer:
     def weights(self, score_weight):
         """Softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight: [n+1] (a new array)."""
         s = self._upto[self.n + 1] @ score_weight
+        if self.compiled and s.dtype == self.dtype:
+            return token_ops.source_softmax(s, self.inv_rms)
         if self.host_scalars:  # the same float operations as a loop would do, through C-level map calls
             z = list(map(operator.mul, s.tolist(), self.inv_rms))  # (map stops at m: inv_rms has spare rows)
             top = max(z)

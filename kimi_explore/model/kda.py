@@ -31,7 +31,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from . import kda_recurrence, sequence_ops
+from . import kda_recurrence, sequence_ops, token_ops
 from .kda_chunk import LOG_DECAY_FLOOR, chunked_delta_rule
 from .ops import linear
 from .sites import site_table
@@ -84,6 +84,7 @@ class KdaWeights:
         self.qk_scale_rows = xp.repeat(self.qk_scale.reshape(2), self.num_heads)
         t = np.dtype(self.A.dtype).type  # (on the host: the arrays may live on a GPU)
         self.l2_eps_f, self.o_eps_f = float(t(L2NORM_EPS)), float(t(self.head_dim * self.eps))
+        self.compiled_gates = token_ops.runs(self.conv, self.dt_bias, self.A_wide)  # token_ops.kda_gates takes them
 
 
 @dataclass
@@ -175,15 +176,21 @@ def kda_step(x, w: KdaWeights, state: KdaState, hooks=None, names=None):
         new = at["kda.conv"](window)
         if new is not window:
             window[...] = new
-    pre = (window * w.conv) @ w.taps_ones  # [3, P]
-    decay_in = ((w.f_b_proj @ y[4 * P + H :]).reshape(H, K) + w.dt_bias) * w.A_wide  # A (f + dt_bias)  [H, K]
-    # one sigmoid for all four: the conv outputs (SiLU(c) = c sigmoid(c)), the output gate, beta, the decay
-    z = xp.concatenate((pre.reshape(-1), y[3 * P : 4 * P + H], decay_in.reshape(-1)))
-    sig = w.one / (w.one + xp.exp(-z))
-    exact = exact and kda_recurrence.elementwise_ops(sig)  # (float32 unless a weight promoted it)
-    qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
+    decay_raw = w.f_b_proj @ y[4 * P + H :]  # [P]
+    if exact and w.compiled_gates and token_ops.runs(decay_raw):  # the lines below in one compiled call
+        sig = token_ops.kda_gates(window, w.conv, y, decay_raw, w.dt_bias, w.A_wide, w.lower_bound, H)
+        qkv = sig[: 3 * P].reshape(3, H, K)
+        alpha = sig[4 * P + H :].reshape(H, K)
+    else:
+        pre = (window * w.conv) @ w.taps_ones  # [3, P]
+        decay_in = (decay_raw.reshape(H, K) + w.dt_bias) * w.A_wide  # A (f + dt_bias)  [H, K]
+        # one sigmoid for all four: the conv outputs (SiLU(c) = c sigmoid(c)), the output gate, beta, the decay
+        z = xp.concatenate((pre.reshape(-1), y[3 * P : 4 * P + H], decay_in.reshape(-1)))
+        sig = w.one / (w.one + xp.exp(-z))
+        exact = exact and kda_recurrence.elementwise_ops(sig)  # (float32 unless a weight promoted it)
+        qkv = (pre.reshape(-1) * sig[: 3 * P]).reshape(3, H, K)
+        alpha = xp.exp(w.lower_bound_c * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
     gate, beta = sig[3 * P : 4 * P].reshape(H, K), sig[4 * P : 4 * P + H]
-    alpha = xp.exp(w.lower_bound_c * sig[4 * P + H :].reshape(H, K))  # exp(lower_bound * sigmoid(A (f + dt_bias)))
     if "kda.conv_out" in at:
         qkv = at["kda.conv_out"](qkv)
         exact = exact and kda_recurrence.elementwise_ops(qkv)

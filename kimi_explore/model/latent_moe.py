@@ -24,6 +24,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import on_host, to_numpy
+from . import token_ops
 from .ops import naive_situ_and_mul, rms_norm, sigmoid, situ_and_mul, situ_inv_caps
 from .sites import site_table
 
@@ -153,6 +154,8 @@ class LatentMoeWeights:
     def situ(self, gate_up):
         """SiTU-GLU with this layer's caps, the routed experts' [k, 2I] or the shared experts' [2 Ish]."""
         lb = self.situ_linear_beta
+        if token_ops.runs(gate_up):  # the compiled step (no caps needed)
+            return token_ops.situ(gate_up, self.situ_beta, lb)
         if lb is None:
             return situ_and_mul(gate_up, self.situ_beta, None)
         # small inputs (the token form's): the caps at the input's full shape, no broadcast (cheaper)
@@ -178,6 +181,8 @@ def select_experts(scores, bias, top_k: int):
     numbers as an array implementation (a double-precision sum could break a float32 near-tie the
     other way).
     """
+    if token_ops.runs(scores, bias) and top_k <= scores.shape[0]:
+        return token_ops.select_experts(scores, bias, top_k)
     choice = scores + bias
     E = choice.shape[0]
     if E <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
@@ -192,7 +197,12 @@ def select_experts(scores, bias, top_k: int):
 
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float):
-    """scores[ids], renormalised to sum 1 (+ RENORM_EPS) when asked, times `scaling`: [k]."""
+    """scores[ids], renormalised to sum 1 (+ RENORM_EPS) when asked, times `scaling`: [k].
+
+    In double precision, each weight rounded once, where `weights_in_double(scores)`: host float32 scores
+    (the compiled step) or a small router on the host (Python floats); else in the scores' dtype."""
+    if token_ops.runs(scores) and type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu":
+        return token_ops.routing_weights(scores, ids.astype(np.int64, copy=False), renormalize, scaling, RENORM_EPS)
     if scores.shape[0] <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
         s = scores.tolist()
         w = [s[i] for i in ids.tolist()]
@@ -202,6 +212,13 @@ def routing_weights(scores, ids, renormalize: bool, scaling: float):
     if renormalize:
         w = w / (w.sum() + RENORM_EPS)
     return w * scaling
+
+
+def weights_in_double(scores) -> bool:
+    """Whether `routing_weights` computes these scores' ([E] or rows [T, E]) weights in double precision."""
+    if not (type(scores) is np.ndarray or on_host(scores)):
+        return False
+    return scores.shape[-1] <= SMALL_ROUTER or (token_ops.AVAILABLE and scores.dtype == np.float32)
 
 
 def expert_outputs(experts, ids, z, act):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 
 from .._xp import array_namespace
-from ..backend import on_host
 from . import latent_moe as moe
 from . import sequence_ops
 from .latent_moe import RENORM_EPS, LatentMoeWeights, select_experts
@@ -66,8 +65,8 @@ def routing_weights_rows(scores, ids, renormalize: bool, scaling: float):
     ids = xp.asarray(ids)
     kept = ids >= 0
     w = xp.where(kept, scores[xp.arange(ids.shape[0])[:, None], xp.where(kept, ids, 0)], 0.0).astype(scores.dtype)
-    if on_host(scores) and scores.shape[1] <= moe.SMALL_ROUTER:
-        # the token form's Python route: doubles summed left to right, each weight rounded once at the end
+    if moe.weights_in_double(scores):
+        # the token form's double route: doubles summed left to right, each weight rounded once at the end
         w64 = w.astype(np.float64)
         c = scaling
         if renormalize:

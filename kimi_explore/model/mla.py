@@ -29,7 +29,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from . import sequence_ops
+from . import sequence_ops, token_ops
 from .ops import linear, rms_norm, sigmoid, softmax
 from .sites import site_table
 
@@ -68,6 +68,7 @@ class MlaWeights:
         # the Python floats, NumPy's cheaper operand
         c = lambda v: array_namespace(self.q_a_layernorm).asarray(v, dtype=self.q_a_layernorm.dtype)  # noqa: E731
         self.one, self.score_scale = c(1.0), c(1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim))
+        self.score_scale_f = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
 
 
 @dataclass
@@ -148,8 +149,11 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     gate = sigmoid(y[ql + kl + dr :], w.one) if w.use_output_gate else None
     state.append(kv[:, :dn], y[ql + kl : ql + kl + dr], kv[:, dn:])  # k_pe is NOT normalised
     T = state.length
-    scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0] * w.score_scale  # [nh, T], 1/sqrt(dn + dr)
-    p = softmax(scores)
+    scores = xp.matmul(state.keys[:, :T], q[:, :, None])[:, :, 0]  # [nh, T]
+    if token_ops.runs(scores):  # the line below in one compiled call
+        p = token_ops.softmax_rows_(scores, w.score_scale_f)
+    else:
+        p = softmax(scores * w.score_scale)  # 1/sqrt(dn + dr)
     if "mla.probs" in at:
         p = at["mla.probs"](p)
     o = xp.matmul(p[:, None, :], state.values[:, :T])[:, 0]  # [nh, dv]

@@ -14,6 +14,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import on_host
+from . import token_ops
 from .sequence_ops import situ_and_mul_rows
 
 
@@ -26,7 +27,9 @@ def linear(x, weight):
 
 def sigmoid(x, one=1.0):
     """1 / (1 + exp(-x)). one: 1 as a 0-d array of x's dtype, if the caller keeps one (a cheaper operand
-    than the Python float, the same result)."""
+    than the Python float, the same result). A host float32 vector takes the compiled step (`token_ops.sigmoid`)."""
+    if x.ndim == 1 and token_ops.runs(x):
+        return token_ops.sigmoid(x)
     xp = array_namespace(x)
     return one / (one + xp.exp(-x))
 
@@ -38,7 +41,9 @@ def rms_norm(x, weight, eps: float):
     float32/float64 decoder the cast is the identity.
     """
     n = x.shape[-1]
-    if x.ndim == 1 and (type(x) is np.ndarray or on_host(array_namespace(x))):  # the common case: one scalar, on the host
+    if x.ndim == 1 and token_ops.runs(x, weight):  # the token form's case on the host: one compiled call
+        return token_ops.rms_norm(x, weight, eps)
+    if x.ndim == 1 and (type(x) is np.ndarray or on_host(array_namespace(x))):  # one scalar, on the host
         return x * (weight * (1.0 / math.sqrt(float(x @ x) / n + eps)))
     xp = array_namespace(x)
     # rows, or a GPU (where float() would wait for the device): everything stays in arrays
@@ -53,7 +58,10 @@ def situ_and_mul(gate_up, beta: float, linear_beta: float | None, inv_caps=None,
     inv_caps: optional [2n] = [1/beta]*n + [1/linear_beta]*n in gate_up's dtype (`situ_inv_caps`):
     both tanh in one call, bit for bit the same result (also broadcast to gate_up's shape: cheaper).
     consts: optional (1, beta * linear_beta) as 0-d arrays of gate_up's dtype, with inv_caps (the same result).
+    A host float32 gate_up takes the compiled step (`token_ops.situ`: the same formula, exp and tanh to ~1 ulp).
     """
+    if token_ops.runs(gate_up):
+        return token_ops.situ(gate_up, beta, linear_beta)
     xp = array_namespace(gate_up)
     n = gate_up.shape[-1] // 2
     g, u = gate_up[..., :n], gate_up[..., n:]

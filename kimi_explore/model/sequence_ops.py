@@ -9,7 +9,8 @@ Why: on the embedded model a chunk's element-wise work, not its matmuls, is most
 NumPy's float32 exp and tanh cost ~1.4 ns per element here (AVX2), a softmax or a SiTU-GLU five to eight
 passes with their temporaries. `_sequence_ops.c` takes one pass with a polynomial exp and tanh (Cephes;
 ~1-2 ulp): float32 results agree with the NumPy route to rounding, not bit for bit, which the sequence
-path promises anyway (its sums run in another order than stepping). The token path keeps NumPy.
+path promises anyway (its sums run in another order than stepping). (The token path's small steps are
+compiled too, in double: `token_ops`.)
 
 Used where the kernel runs (`runs`: a host float32 NumPy array and the extension built, `AVAILABLE`);
 float64, CuPy and an install without a compiler take the NumPy route, the same formulas. Measured here

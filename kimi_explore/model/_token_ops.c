@@ -1,0 +1,357 @@
+/* The token form's small steps, compiled (CPU, float32): token_ops.py.
+
+   On the tiny models a decode step is a few hundred NumPy calls on vectors of 8 to 384 floats, and each
+   call (argument parsing, a temporary, a dispatch) costs more than its arithmetic. Each function here is
+   one of those steps in one call: an RMSNorm, a SiTU-GLU, the block-residual rows and softmax, the
+   router's sigmoid, selection and weights, KDA's gates, an attention softmax.
+
+   Each step is evaluated in double precision from its float32 inputs (libm's exp and tanh) and each
+   output rounded to float32 once: within an ulp or so of the exact value, at least as close as NumPy's
+   float32 formulation of the same step, to which it agrees to rounding, not bit for bit. The route is the
+   same for a token with and without hooks (they fire between the steps), so replays stay exact.
+
+   Portable C (at these sizes the call, not the loop, is the cost). The buffers are checked by size here;
+   their dtype (float32, int64 ids) and C order by the caller (token_ops.runs). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* SiTU-GLU of one gate g and up u: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)
+   (has_lb), else * u; inv_b = 1 / beta, inv_lb = 1 / linear_beta, c = beta linear_beta (or beta). */
+static inline float situ_d(double g, double u, double inv_b, double inv_lb, double c, int has_lb) {
+    const double a = tanh(g * inv_b) * sigmoid_d(g);
+    return (float)(has_lb ? a * tanh(u * inv_lb) * c : a * u * c);
+}
+
+#define DONE(ok)              \
+    do {                      \
+        if (ok) {             \
+            result = Py_None; \
+            Py_INCREF(result); \
+        }                     \
+    } while (0)
+
+/* sum(x^2) in double, in four lanes (vectorised; the same order every call) */
+static double sum_squares(const float *x, Py_ssize_t n) {
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += (double)x[i + j] * x[i + j];
+    for (; i < n; i++) s[0] += (double)x[i] * x[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+static PyObject *size_error(const char *what) {
+    PyErr_SetString(PyExc_ValueError, what);
+    return NULL;
+}
+
+PyDoc_STRVAR(rms_norm_doc, "rms_norm(x, weight, eps, out)\n\n"
+                           "out = x * weight / sqrt(sum(x^2) / n + eps) in double, rounded once; x, weight, out float32 [n].");
+
+static PyObject *rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer x, w, out;
+    double eps;
+    if (!PyArg_ParseTuple(args, "y*y*dw*", &x, &w, &eps, &out)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = x.len / 4;
+    if (n == 0 || w.len != x.len || out.len != x.len)
+        size_error("rms_norm: x, weight, out float32 [n] expected");
+    else {
+        const float *xx = x.buf, *ww = w.buf;
+        float *o = out.buf;
+        const double r = 1.0 / sqrt(sum_squares(xx, n) / (double)n + eps);
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)((double)xx[i] * ww[i] * r);
+        DONE(1);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(situ_doc, "situ(gate_up, out, rows, n, inv_b, inv_lb, c, has_lb)\n\n"
+                       "SiTU-GLU (situ_d) of rows [gate | up]: gate_up [rows, 2n], out [rows, n].");
+
+static PyObject *situ(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer gu, out;
+    double inv_b, inv_lb, c;
+    int has_lb;
+    Py_ssize_t rows, n;
+    if (!PyArg_ParseTuple(args, "y*w*nndddp", &gu, &out, &rows, &n, &inv_b, &inv_lb, &c, &has_lb)) return NULL;
+    PyObject *result = NULL;
+    if (rows < 0 || n < 0 || out.len != 4 * rows * n || gu.len != 2 * out.len)
+        size_error("situ: gate_up float32 [rows, 2n] and out float32 [rows, n] expected");
+    else {
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const float *g = (const float *)gu.buf + r * 2 * n, *u = g + n;
+            float *o = (float *)out.buf + r * n;
+            if (has_lb)
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = situ_d(g[i], u[i], inv_b, inv_lb, c, 1);
+            else
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = situ_d(g[i], u[i], inv_b, inv_lb, c, 0);
+        }
+        DONE(1);
+    }
+    PyBuffer_Release(&gu);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(set_row_doc, "set_row(rows, n, v, inv_rms, inv_d, eps)\n\n"
+                          "rows[n] = v and inv_rms[n] = 1 / sqrt(sum(v^2) inv_d + eps) (double): rows float32 [R, d], "
+                          "v float32 [d], inv_rms float64 [R].");
+
+static PyObject *set_row(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer rows, v, inv;
+    Py_ssize_t n;
+    double inv_d, eps;
+    if (!PyArg_ParseTuple(args, "w*ny*w*dd", &rows, &n, &v, &inv, &inv_d, &eps)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t d = v.len / 4, R = inv.len / 8;
+    if (d == 0 || rows.len != 4 * R * d || n < 0 || n >= R)
+        size_error("set_row: rows float32 [R, d], v float32 [d], inv_rms float64 [R], 0 <= n < R expected");
+    else {
+        const float *vv = v.buf;
+        float *row = (float *)rows.buf + n * d;
+        memcpy(row, vv, (size_t)d * sizeof(float));
+        ((double *)inv.buf)[n] = 1.0 / sqrt(sum_squares(vv, d) * inv_d + eps);
+        DONE(1);
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&inv);
+    return result;
+}
+
+PyDoc_STRVAR(source_softmax_doc, "source_softmax(s, inv_rms, out)\n\n"
+                                 "out = softmax(s * inv_rms) over m = len(out) sources, in double (exp: libm), rounded once: "
+                                 "s float32 [m], inv_rms float64 [>= m].");
+
+static PyObject *source_softmax(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer s, inv, out;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &s, &inv, &out)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t m = out.len / 4;
+    if (m == 0 || m > 64 || s.len != out.len || inv.len < 8 * m)
+        size_error("source_softmax: s, out float32 [m] (1 <= m <= 64), inv_rms float64 [>= m] expected");
+    else {
+        const float *ss = s.buf;
+        const double *ir = inv.buf;
+        double z[64], top = -INFINITY, total = 0.0;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            z[i] = (double)ss[i] * ir[i];
+            top = z[i] > top ? z[i] : top;
+        }
+        for (Py_ssize_t i = 0; i < m; i++) total += (z[i] = exp(z[i] - top));
+        for (Py_ssize_t i = 0; i < m; i++) ((float *)out.buf)[i] = (float)(z[i] / total);
+        DONE(1);
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&inv);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(softmax_doc, "softmax_rows(s, rows, scale)\n\n"
+                          "In place on s float32 [rows, L]: each row softmax(s * scale), in double, rounded once.");
+
+static PyObject *softmax_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer sb;
+    Py_ssize_t rows;
+    double scale;
+    if (!PyArg_ParseTuple(args, "w*nd", &sb, &rows, &scale)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t L = rows > 0 ? sb.len / (4 * rows) : 0;
+    double *e = L > 0 ? PyMem_Malloc((size_t)L * sizeof(double)) : NULL;
+    if (L == 0 || sb.len != 4 * rows * L)
+        size_error("softmax_rows: s float32 [rows, L] expected");
+    else if (e == NULL)
+        PyErr_NoMemory();
+    else {
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            float *row = (float *)sb.buf + r * L;
+            double top = -INFINITY, total = 0.0;
+            for (Py_ssize_t j = 0; j < L; j++) {
+                e[j] = row[j] * scale;
+                top = e[j] > top ? e[j] : top;
+            }
+            for (Py_ssize_t j = 0; j < L; j++) total += (e[j] = exp(e[j] - top));
+            for (Py_ssize_t j = 0; j < L; j++) row[j] = (float)(e[j] / total);
+        }
+        DONE(1);
+    }
+    PyMem_Free(e);
+    PyBuffer_Release(&sb);
+    return result;
+}
+
+PyDoc_STRVAR(sigmoid_doc, "sigmoid(x, out)\n\nout = 1 / (1 + exp(-x)): x, out float32 [n].");
+
+static PyObject *sigmoid(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer x, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &x, &out)) return NULL;
+    PyObject *result = NULL;
+    if (out.len != x.len || x.len % 4)
+        size_error("sigmoid: x, out float32 [n] expected");
+    else {
+        const float *xx = x.buf;
+        float *o = out.buf;
+        for (Py_ssize_t i = 0; i < x.len / 4; i++) o[i] = (float)sigmoid_d(xx[i]);
+        DONE(1);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(select_doc, "select_experts(scores, bias, ids)\n\n"
+                         "The top k = len(ids) experts of scores + bias (float32 sums), ties to the lower id, then ordered by "
+                         "unbiased score (descending; ties keep that order): scores, bias float32 [E], ids int64 [k], k <= E.");
+
+static PyObject *select_experts(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer sc, bias, ids;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &sc, &bias, &ids)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t E = sc.len / 4, k = ids.len / 8;
+    if (E == 0 || bias.len != sc.len || k == 0 || k > E || ids.len != 8 * k)
+        size_error("select_experts: scores, bias float32 [E], ids int64 [k] with 1 <= k <= E expected");
+    else {
+        const float *s = sc.buf, *b = bias.buf;
+        int64_t *top = ids.buf;
+        Py_ssize_t have = 0;
+        /* insertion into the k best so far, kept in (choice descending, id ascending) order: an expert goes
+           before the first kept one it beats strictly, so an equal choice stays behind the lower id */
+        for (Py_ssize_t e = 0; e < E; e++) {
+            const float c = s[e] + b[e];
+            if (have == k && !(c > s[top[k - 1]] + b[top[k - 1]])) continue;
+            Py_ssize_t j = have < k ? have++ : k - 1;
+            while (j > 0 && c > s[top[j - 1]] + b[top[j - 1]]) {
+                top[j] = top[j - 1];
+                j--;
+            }
+            top[j] = e;
+        }
+        for (Py_ssize_t i = 1; i < k; i++) { /* stable insertion sort by unbiased score, descending */
+            const int64_t e = top[i];
+            Py_ssize_t j = i;
+            while (j > 0 && s[e] > s[top[j - 1]]) {
+                top[j] = top[j - 1];
+                j--;
+            }
+            top[j] = e;
+        }
+        DONE(1);
+    }
+    PyBuffer_Release(&sc);
+    PyBuffer_Release(&bias);
+    PyBuffer_Release(&ids);
+    return result;
+}
+
+PyDoc_STRVAR(weights_doc, "routing_weights(scores, ids, renormalize, scaling, eps, out)\n\n"
+                          "out[j] = scores[ids[j]] * c in double, c = scaling / (sum + eps) when renormalize else scaling: "
+                          "scores float32 [E], ids int64 [k] (each in 0..E-1), out float32 [k].");
+
+static PyObject *routing_weights(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer sc, ids, out;
+    int renorm;
+    double scaling, eps;
+    if (!PyArg_ParseTuple(args, "y*y*pddw*", &sc, &ids, &renorm, &scaling, &eps, &out)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t E = sc.len / 4, k = ids.len / 8;
+    const int64_t *id = ids.buf;
+    int ok = ids.len == 8 * k && out.len == 4 * k;
+    for (Py_ssize_t j = 0; ok && j < k; j++) ok = id[j] >= 0 && id[j] < E;
+    if (!ok)
+        size_error("routing_weights: scores float32 [E], ids int64 [k] in 0..E-1, out float32 [k] expected");
+    else {
+        const float *s = sc.buf;
+        double sum = 0.0;
+        for (Py_ssize_t j = 0; j < k; j++) sum += s[id[j]];
+        const double c = renorm ? scaling / (sum + eps) : scaling;
+        for (Py_ssize_t j = 0; j < k; j++) ((float *)out.buf)[j] = (float)(s[id[j]] * c);
+        DONE(1);
+    }
+    PyBuffer_Release(&sc);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(kda_gates_doc,
+             "kda_gates(window, conv, y, decay_raw, dt_bias, A, lower_bound, H, out)\n\n"
+             "KDA's element-wise step between the projections and the L2 norm, for one token (P = H K, W taps):\n"
+             "  out[:3P]       q, k, v = silu(sum_w window[c, w] conv[c, w])     (window, conv [3P, W])\n"
+             "  out[3P:4P]     gate = sigmoid(y[3P:4P])                          (y: the fused projection)\n"
+             "  out[4P:4P+H]   beta = sigmoid(y[4P:4P+H])\n"
+             "  out[4P+H:]     alpha = exp(lower_bound sigmoid((decay_raw + dt_bias) A))   (decay_raw, dt_bias, A [P])\n"
+             "as the sequence path computes them (kda.kda_sequence).");
+
+static PyObject *kda_gates(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer win, conv, y, raw, dt, A, out;
+    double lb;
+    Py_ssize_t H;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*dnw*", &win, &conv, &y, &raw, &dt, &A, &lb, &H, &out)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t P = raw.len / 4, W = P > 0 ? win.len / (4 * 3 * P) : 0;
+    if (P == 0 || W == 0 || H <= 0 || win.len != 4 * 3 * P * W || conv.len != win.len || y.len < 4 * (4 * P + H) ||
+        dt.len != raw.len || A.len != raw.len || out.len != 4 * (5 * P + H))
+        size_error("kda_gates: window, conv float32 [3P, W]; y float32 [>= 4P + H]; decay_raw, dt_bias, A float32 [P]; "
+                   "out float32 [5P + H] expected");
+    else {
+        const float *wn = win.buf, *cv = conv.buf, *yy = y.buf, *rw = raw.buf, *db = dt.buf, *aa = A.buf;
+        float *o = out.buf;
+        for (Py_ssize_t c = 0; c < 3 * P; c++) {
+            const float *e = wn + c * W, *t = cv + c * W;
+            double acc = 0.0;
+            for (Py_ssize_t j = 0; j < W; j++) acc += (double)e[j] * t[j];
+            o[c] = (float)(acc * sigmoid_d(acc));
+        }
+        for (Py_ssize_t i = 3 * P; i < 4 * P + H; i++) o[i] = (float)sigmoid_d(yy[i]);
+        float *alpha = o + 4 * P + H;
+        for (Py_ssize_t i = 0; i < P; i++) alpha[i] = (float)exp(lb * sigmoid_d(((double)rw[i] + db[i]) * aa[i]));
+        DONE(1);
+    }
+    PyBuffer_Release(&win);
+    PyBuffer_Release(&conv);
+    PyBuffer_Release(&y);
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&dt);
+    PyBuffer_Release(&A);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"rms_norm", rms_norm, METH_VARARGS, rms_norm_doc},
+    {"situ", situ, METH_VARARGS, situ_doc},
+    {"set_row", set_row, METH_VARARGS, set_row_doc},
+    {"source_softmax", source_softmax, METH_VARARGS, source_softmax_doc},
+    {"sigmoid", sigmoid, METH_VARARGS, sigmoid_doc},
+    {"softmax_rows", softmax_rows, METH_VARARGS, softmax_doc},
+    {"select_experts", select_experts, METH_VARARGS, select_doc},
+    {"routing_weights", routing_weights, METH_VARARGS, weights_doc},
+    {"kda_gates", kda_gates, METH_VARARGS, kda_gates_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_token_ops", "The token form's small steps, compiled (CPU, float32): token_ops.py.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__token_ops(void) { return PyModule_Create(&module); }

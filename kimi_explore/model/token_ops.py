@@ -1,0 +1,112 @@
+"""The token form's small steps in one compiled call each (host float32): `_token_ops.c`.
+
+    rms_norm(x, weight, eps)                       ops.rms_norm of a vector
+    situ(gate_up, beta, linear_beta)               ops.situ_and_mul of [..., 2n]
+    set_row(rows, n, v, inv_rms, inv_d, eps)       a block-residual source and its 1/rms (SourceBuffer)
+    source_softmax(s, inv_rms)                     the block-residual mix's softmax (SourceBuffer.weights)
+    sigmoid(x); select_experts(scores, bias, k); routing_weights(scores, ids, renormalize, scaling, eps)
+                                                   the latent MoE's router (latent_moe)
+    softmax_rows_(s, scale)                        MLA's attention probabilities over the cache (mla.mla_step)
+    kda_gates(window, conv, y, decay_raw, dt_bias, A, lower_bound, H)
+                                                   KDA's conv + SiLU, gate, beta and decay (kda.kda_step)
+
+Why: on the tiny models a decode step is some hundreds of NumPy calls on vectors of 8 to 384 floats,
+and each call costs more than its arithmetic (`bench/decode.py`). Each step is evaluated in double from
+its float32 inputs (libm's exp and tanh) and rounded once, so its outputs are within about an ulp of the
+exact values: as close as NumPy's float32 formulation of the step or closer, to which they agree to
+rounding, not bit for bit. The route is the same for a token with and without hooks (they fire between
+the steps), so replays stay exact.
+
+The callers take this route where `runs(...)` holds (C-contiguous float32 NumPy arrays, the extension
+built); float64, CuPy, the strict stand-in and an install without a compiler take the NumPy formulas.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from . import _token_ops as _ext
+except ImportError:  # no compiler at install time
+    _ext = None
+
+AVAILABLE = _ext is not None
+MAX_SOURCES = 64  # source_softmax's bound on the sources of one mix
+_F32 = np.dtype(np.float32)
+
+__all__ = ["AVAILABLE", "kda_gates", "rms_norm", "routing_weights", "runs", "select_experts", "set_row", "sigmoid",
+           "situ", "softmax_rows_", "source_softmax"]
+
+
+def runs(*arrays) -> bool:
+    """Whether the compiled steps take these arrays: C-contiguous float32 NumPy arrays, the extension built."""
+    if _ext is None:
+        return False
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype != _F32 or not a.flags.c_contiguous:
+            return False
+    return True
+
+
+def rms_norm(x, weight, eps: float):
+    """x * weight / sqrt(mean(x^2) + eps), in double, rounded once: [n]."""
+    out = np.empty(x.shape, _F32)
+    _ext.rms_norm(x, weight, eps, out)
+    return out
+
+
+def situ(gate_up, beta: float, linear_beta: float | None):
+    """SiTU-GLU of [..., 2n] -> [..., n] (`ops.situ_and_mul`'s formula)."""
+    n = gate_up.shape[-1] // 2
+    out = np.empty(gate_up.shape[:-1] + (n,), _F32)
+    c = beta if linear_beta is None else beta * linear_beta
+    _ext.situ(gate_up, out, out.size // n if n else 0, n, 1.0 / beta, 1.0 / (linear_beta or 1.0), c,
+              linear_beta is not None)
+    return out
+
+
+def set_row(rows, n: int, v, inv_rms, inv_d: float, eps: float) -> None:
+    """rows[n] = v; inv_rms[n] (float64) = 1 / sqrt(sum(v^2) inv_d + eps), the sum in double."""
+    _ext.set_row(rows, n, v, inv_rms, inv_d, eps)
+
+
+def source_softmax(s, inv_rms):
+    """softmax(s * inv_rms[:m]) over the m = len(s) sources, in double, rounded once: float32 [m]."""
+    out = np.empty(s.shape, _F32)
+    _ext.source_softmax(s, inv_rms, out)
+    return out
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x)): [n]."""
+    out = np.empty(x.shape, _F32)
+    _ext.sigmoid(x, out)
+    return out
+
+
+def softmax_rows_(s, scale: float):
+    """In place on s [..., L] (writable): each row's softmax(s * scale); returns s."""
+    if s.size:
+        _ext.softmax_rows(s, s.size // s.shape[-1], scale)
+    return s
+
+
+def select_experts(scores, bias, top_k: int):
+    """The top-k of scores + bias (ties to the lower id), ordered by unbiased score: int64 [k] (`latent_moe.select_experts`)."""
+    ids = np.empty(top_k, np.int64)
+    _ext.select_experts(scores, bias, ids)
+    return ids
+
+
+def routing_weights(scores, ids, renormalize: bool, scaling: float, eps: float):
+    """scores[ids] (renormalised to sum 1 + eps when asked) times `scaling`, in double: float32 [k]; ids int64."""
+    out = np.empty(ids.shape, _F32)
+    _ext.routing_weights(scores, ids, renormalize, scaling, eps, out)
+    return out
+
+
+def kda_gates(window, conv, y, decay_raw, dt_bias, A, lower_bound: float, H: int):
+    """One token's [5P + H]: q, k, v (conv + SiLU, [3P]) | gate [P] | beta [H] | alpha [P] (`_token_ops.c`)."""
+    out = np.empty(5 * decay_raw.shape[-1] + H, _F32)
+    _ext.kda_gates(window, conv, y, decay_raw, dt_bias, A, lower_bound, H, out)
+    return out

@@ -1,0 +1,154 @@
+"""The token form's compiled small steps (model/_token_ops.c) against float64 references, each step (evaluated in
+double and rounded once, each output is the float32 nearest its exact value: <= 0.5 ulp, plus a hair), and in
+the decoder: the NumPy formulation of the same steps (the extension hidden) agrees to float32 rounding.
+
+References are written here from the formulas (math's exp and tanh, Python sorting), not from the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from kimi_explore import KimiDecodeState, kimi_forward_token
+from kimi_explore.model import latent_moe, token_ops
+from kimi_explore.model.block_residual import SourceBuffer, naive_apply_attn_res
+
+
+@pytest.fixture(autouse=True)
+def kernel():
+    if not token_ops.AVAILABLE:
+        if os.environ.get("KIMI_EXPLORE_REQUIRE_KERNEL") == "1":
+            pytest.fail("kimi_explore.model._token_ops was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
+        pytest.skip("the compiled token steps were not built (no C compiler at install)")
+
+
+def ulps(got, want):
+    """|got - want| in float32 ulps of want (float64), values below 1e-25 in ulps of 1e-25."""
+    unit = np.spacing(np.maximum(np.abs(want).astype(np.float32), np.float32(1e-25))).astype(np.float64)
+    return np.abs(np.asarray(got, np.float64) - want) / unit
+
+
+RNG = np.random.default_rng(5)
+
+
+def test_rms_norm_within_an_ulp_or_two():
+    for n, spread in ((64, 1.0), (128, 1e-3), (7168, 30.0)):
+        x = (RNG.standard_normal(n) * spread).astype(np.float32)
+        w = RNG.uniform(0.5, 2.0, n).astype(np.float32)
+        x64 = x.astype(np.float64)
+        r = 1.0 / math.sqrt(float(x64 @ x64) / n + 1e-5)
+        assert ulps(token_ops.rms_norm(x, w, 1e-5), x64 * w.astype(np.float64) * r).max() <= 0.501
+
+
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+def test_situ_within_a_few_ulp_and_empty_rows(linear_beta):
+    gu = (RNG.standard_normal((5, 2 * 96)) * 8).astype(np.float32)
+    g, u = gu[:, :96].astype(np.float64), gu[:, 96:].astype(np.float64)
+    a = 4.0 * np.tanh(g / 4.0) / (1.0 + np.exp(-g))
+    want = a * (u if linear_beta is None else linear_beta * np.tanh(u / linear_beta))
+    got = token_ops.situ(gu, 4.0, linear_beta)
+    assert got.shape == (5, 96)
+    assert ulps(got, want).max() <= 0.501
+    assert token_ops.situ(np.zeros((0, 8), np.float32), 4.0, linear_beta).shape == (0, 4)  # every expert ablated
+
+
+def test_block_residual_stack_matches_the_naive_twin():
+    """A SourceBuffer on the compiled route: the mix's weights and output against the float64 twin."""
+    d, eps = 96, 1e-5
+    blocks = (RNG.standard_normal((5, d)) * RNG.uniform(0.1, 10, (5, 1))).astype(np.float32)
+    current = RNG.standard_normal(d).astype(np.float32)
+    norm, proj = RNG.uniform(0.5, 2, d).astype(np.float32), RNG.standard_normal((1, d)).astype(np.float32)
+    stack = SourceBuffer(np, 8, d, np.float32, eps)
+    assert stack.compiled and stack.inv_rms.dtype == np.float64
+    for b in blocks:
+        stack.set_current(b)
+        stack.seal()
+    stack.set_current(current)
+    p = stack.weights(norm * proj[0])
+    want_mix, want_p = naive_apply_attn_res(current, blocks, norm, proj, eps)
+    assert p.dtype == np.float32 and abs(float(p.astype(np.float64).sum()) - 1.0) < 1e-6
+    np.testing.assert_allclose(p, want_p, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(stack.mix(p), want_mix, rtol=0, atol=1e-5 * np.abs(want_mix).max())
+    packed = stack.pack()  # a pipeline hop keeps the 1/rms values exactly
+    again = SourceBuffer.unpack(packed, np, 8, np.float32, eps)
+    assert np.array_equal(again.weights(norm * proj[0]), p)
+
+
+def python_select(scores, bias, k):
+    """The rule written out: top-k of the float32 sums (ties to the lower id), ordered by unbiased score (stable)."""
+    choice = (scores + bias).tolist()
+    top = sorted(range(len(choice)), key=lambda e: (-choice[e], e))[:k]
+    return sorted(top, key=lambda e: -float(scores[e]))
+
+
+@pytest.mark.parametrize("E,k", [(8, 2), (16, 16), (200, 8), (896, 16)])
+def test_select_experts_follows_the_rule_ties_included(E, k):
+    for trial in range(30):
+        grid = RNG.integers(0, 6, E) / 8  # few distinct values: ties in both orders
+        scores = (grid if trial % 2 else RNG.uniform(0, 1, E)).astype(np.float32)
+        bias = (RNG.integers(-2, 3, E) / 16).astype(np.float32)
+        got = token_ops.select_experts(scores, bias, k)
+        assert got.dtype == np.int64 and got.tolist() == python_select(scores, bias, k)
+
+
+def test_routing_weights_in_double():
+    scores = RNG.uniform(0, 1, 200).astype(np.float32)
+    ids = np.array([17, 3, 150, 9], np.int64)
+    w = scores[ids].astype(np.float64)
+    for renormalize, want in ((True, w / (w.sum() + 1e-20) * 2.5), (False, w * 2.5)):
+        got = token_ops.routing_weights(scores, ids, renormalize, 2.5, 1e-20)
+        assert np.array_equal(got, want.astype(np.float32))  # rounded once from double
+    with pytest.raises(ValueError, match="ids int64 \\[k\\] in 0..E-1"):
+        token_ops.routing_weights(scores, np.array([200], np.int64), True, 1.0, 1e-20)
+
+
+def test_kda_gates_against_the_formulas():
+    P, H, W = 96, 6, 4
+    win = RNG.standard_normal((3 * P, W)).astype(np.float32)
+    conv = RNG.standard_normal((3 * P, W)).astype(np.float32)
+    y = (RNG.standard_normal(4 * P + H + 16) * 3).astype(np.float32)
+    raw, dt = RNG.standard_normal(P).astype(np.float32), RNG.standard_normal(P).astype(np.float32)
+    A = RNG.uniform(0.5, 16, P).astype(np.float32)
+    out = token_ops.kda_gates(win, conv, y, raw, dt, A, -5.0, H).astype(np.float64)
+    f = lambda a: a.astype(np.float64)  # noqa: E731
+    sig = lambda z: 1.0 / (1.0 + np.exp(-z))  # noqa: E731
+    pre = (f(win) * f(conv)).sum(axis=1)
+    g = (f(raw) + f(dt)) * f(A)
+    want = np.concatenate([pre * sig(pre), sig(f(y[3 * P : 4 * P + H])), np.exp(-5.0 * sig(g))])
+    assert ulps(out, want).max() <= 0.501
+    with pytest.raises(ValueError, match="kda_gates"):
+        token_ops.kda_gates(win, conv, y, raw, dt, A[:-1], -5.0, H)
+
+
+def test_a_decode_agrees_with_the_numpy_formulation(ref_weights, monkeypatch):
+    """Every compiled token step on against the extension hidden (NumPy's formulas), 40 tokens of the reference
+    model: logits agree to float32 rounding, the routing is the same, and the two routes do differ (it ran)."""
+    ids = [int(t) for t in RNG.integers(0, ref_weights.config.vocab_size, 40)]
+
+    def decode():
+        state = KimiDecodeState.new(ref_weights)
+        return np.stack([kimi_forward_token(ref_weights, state, t) for t in ids])
+
+    got = decode()
+    with monkeypatch.context() as m:
+        m.setattr(token_ops, "_ext", None)
+        want = decode()
+    assert not np.array_equal(got, want)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_the_router_takes_the_compiled_route_only_for_what_it_can_read():
+    scores = np.linspace(0.1, 0.9, 16, dtype=np.float32)
+    bias = np.zeros(16, np.float32)
+    ids = latent_moe.select_experts(scores, bias, 4)
+    assert ids.dtype == np.int64 and ids.tolist() == [15, 14, 13, 12]
+    # a hook's int32 ids and float64 scores: the same weights by the other routes
+    w32 = latent_moe.routing_weights(scores, ids.astype(np.int32), True, 1.5)
+    assert np.array_equal(w32, latent_moe.routing_weights(scores, ids, True, 1.5))
+    w64 = latent_moe.routing_weights(scores.astype(np.float64), ids, True, 1.5)
+    assert w64.dtype == np.float64 and np.allclose(w64, w32, rtol=1e-7)
