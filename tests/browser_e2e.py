@@ -71,6 +71,23 @@ TIMED_STEP = """async () => {
     requestAnimationFrame(check);
   });
 }"""
+# the expert ids the top-k table's view wrote into its cells (plotly_view: cell labels), against what plotly's
+# own texttemplate writes for the same figure in a scratch div: text, colour and position of every label
+TOPK_CELLS = """async () => {
+  const el = document.querySelector(".kimi-plot[data-name='moe_topk']"), gd = el.querySelector('.js-plotly-plot');
+  const key = (t) => [t.textContent, getComputedStyle(t).fill, Math.round(+t.getAttribute('x')),
+                      Math.round(+t.getAttribute('y'))].join('|');
+  const ours = [...el.querySelectorAll('g.kimi-cells text')].map(key);
+  const scratch = document.createElement('div');
+  scratch.style.cssText = `position:absolute;left:-5000px;width:${gd.offsetWidth}px;height:${gd.offsetHeight}px`;
+  document.body.appendChild(scratch);
+  const data = gd.data.map((t, i) => (i === 0 ? { ...t, texttemplate: '%{text}', textfont: { size: 10 } } : t));
+  await Plotly.newPlot(scratch, data, gd.layout, { displayModeBar: false });
+  const plotly = [...scratch.querySelectorAll('g.heatmap-label text')].map(key);
+  Plotly.purge(scratch); scratch.remove();
+  return { ours: ours.length, plotly: plotly.length, same: ours.join() === plotly.join(),
+           white: ours.filter(k => k.split('|')[1] === 'rgb(255, 255, 255)').length };
+}"""
 # what each visible view says it shows: {name: layout.meta}
 VISIBLE_META = """() => Object.fromEntries([...document.querySelectorAll('.kimi-plot')]
   .filter(e => e.offsetParent !== null && e.dataset.rendered)
@@ -214,6 +231,7 @@ def drive(page, url: str, name: str, shot, seen: dict) -> None:
     page.evaluate("() => document.querySelector('.kimi-text').closest('.widget-vbox').scrollIntoView()")
 
     open_tab(page, "MoE routing")
+    out["topk_cells"] = page.evaluate(TOPK_CELLS)
     out["topk_tooltip"] = hover_text(page, "moe_topk", 0.3, 0.3)
     shot(f"{name}_moe_topk_hover")
     page.locator(".widget-checkbox", has_text="full layer x expert map").locator("input").check()

@@ -55,6 +55,10 @@ def test_explorer_in_jupyterlab(seen, model, capsys):
     assert out["expert_search_title"].startswith("Where expert 3 fires"), out["expert_search_title"]
     assert "forked at token" in out["ablation_note"], out["ablation_note"]
     assert set(out["latency_ms"]) == set(TABS)
+    # the top-k table's expert ids, written in its cells by the view, read as plotly's texttemplate writes them
+    # (text, colour, position of each), white on the dark cells and grey on the light ones
+    cells = out["topk_cells"]
+    assert cells["ours"] == cells["plotly"] > 0 and cells["same"] and 0 < cells["white"] < cells["ours"], cells
     # hover: the expert id and its score, in the top-k table and in the full map
     assert re.search(r"expert \d+", out["topk_tooltip"]) and "unbiased score 0." in out["topk_tooltip"], out["topk_tooltip"]
     assert re.search(r"expert \d+", out["full_map_tooltip"]) and "score" in out["full_map_tooltip"], out["full_map_tooltip"]

@@ -14,7 +14,7 @@ from kimi_explore.views import summaries
 from kimi_explore.views.common import routing
 from kimi_explore.views.explorer import specs, specs_moe
 
-DTYPES = {"f4": np.float32, "f8": np.float64, "i4": np.int32}
+DTYPES = {"f4": np.float32, "f8": np.float64, "i4": np.int32, "u1": np.uint8, "u2": np.uint16, "u4": np.uint32}
 
 
 def decode(spec: dict) -> np.ndarray:
@@ -133,6 +133,35 @@ def test_moe_layer_stats_and_sorted_counts(k3):
     assert z.shape == (len(layers), widest)  # cropped to the experts that ever ran (a column of zeros is gone)
     assert (z[:, -1] > 0).any() and f"ranks 1-{widest} of 896" in layout["title"]["text"]
     np.testing.assert_array_equal(decode(heat["customdata"]), order[:, :widest])
+
+
+def test_moe_step_payload_is_bounded_whatever_the_history(k3):
+    """What a Step sends for the MoE tab's four views at K3's shape (92 MoE layers, 896 experts top-16),
+    as JSON, after 20, 300 and 20000 tokens: the top-k table, the per-layer lines and the top-by-load
+    table do not grow with the history; the sorted counts (M x n, n = the widest row of experts that
+    ran, up to E) stay under 4 bytes a cell of M x E (counts and ids as small unsigned ints, base64)."""
+    r = routing(k3)
+    layers, (_, M, k), E = r["moe_layers"], r["topk_ids"].shape, r["scores"].shape[2]
+    table, entropy = summaries.topk_table(r, 3), summaries.routing_entropy(r)[3]
+    rng = np.random.default_rng(0)
+    sizes = {}
+    for T in (20, 300, 20000):
+        skew = rng.dirichlet(np.full(E, 0.3), size=M)  # an unbalanced router: some experts much busier
+        counts = np.stack([np.bincount(rng.choice(E, size=T * k, p=skew[j]), minlength=E) for j in range(M)])
+        stats = summaries.stats_from_counts(counts, T)
+        srt, order = summaries.sorted_counts(counts)
+        figs = {"moe_topk": specs_moe.moe_topk(table, k3, 50, t=3),
+                "moe_layers": specs_moe.moe_layers(entropy, stats, k3, layers, 50, k),
+                "moe_sorted": specs_moe.moe_sorted(stats, order, srt, k3, layers, 50, k),
+                "moe_top": specs_moe.moe_top_experts(srt, order, k3, layers, 50, T)}
+        sizes[T] = {name: len(json.dumps(fig, allow_nan=False)) for name, fig in figs.items()}
+        z = decode(figs["moe_sorted"][0][0]["z"])
+        np.testing.assert_array_equal(z, srt[:, : z.shape[1]])  # the small ints are the counts, exactly
+    for name in ("moe_topk", "moe_layers", "moe_top"):  # (the layer lines gain the "dead" row once T x k >= E)
+        assert sizes[20000][name] <= 1.05 * sizes[300][name] and sizes[300][name] <= 1.35 * sizes[20][name], sizes
+    assert sizes[20000]["moe_sorted"] > sizes[300]["moe_sorted"] > sizes[20]["moe_sorted"]  # n grows to E ...
+    assert sizes[20000]["moe_sorted"] <= 4 * M * E * 4 / 3 + 20_000, sizes  # ... its bytes stay bounded
+    assert sum(sizes[20000].values()) <= 600_000, sizes
 
 
 def test_moe_full_map_marks_every_chosen_expert(k3):

@@ -1,5 +1,6 @@
 """`lens_at(session, t)`: one token's logit lens at a cost independent of the history, equal to
-`logit_lens(session)` at that token (to float rounding where the token was fed in a chunk)."""
+`logit_lens(session)` at that token (both replay the history exactly), and refusing a history that
+no longer replays."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_lens_at_equals_the_full_lens(ref_weights, hooked):
         i = t % len(TOKENS)
         assert strip.t == i and strip.token == TOKENS[i] and strip.layers == list(ref_weights.layer_ids)
         np.testing.assert_array_equal(strip.top_ids[:, 0], full.top_ids[i, :, 0])
-        np.testing.assert_allclose(strip.top_probs, full.top_probs[i], atol=1e-4)
+        np.testing.assert_array_equal(strip.top_ids, full.top_ids[i])
+        np.testing.assert_array_equal(strip.top_probs, full.top_probs[i])  # the same replayed values
     # the session is untouched: its next step is the fork's, bit for bit
     assert np.array_equal(s.step(5), after.step(5))
 
@@ -44,3 +46,31 @@ def test_state_after_and_errors(ref_weights):
     assert np.array_equal(ref_weights.forward_token(st, 9), ref_weights.forward_token(s.state_after(4), 9))
     with pytest.raises(IndexError, match="outside the session's history of 6 tokens"):
         ke.lens_at(s, 6)
+
+
+def test_lens_at_refuses_a_history_that_no_longer_replays(ref_weights):
+    s = ke.Session(ref_weights, checkpoint_every=4)
+    s.feed(TOKENS[:6], chunk=6)
+    for tok in TOKENS[6:9]:
+        s.step(tok)
+    with s.intervene(ablate_experts(5, "all")):  # token 9 decoded under a hook the session no longer holds
+        s.step(TOKENS[9])
+    for tok in TOKENS[10:12]:
+        s.step(tok)
+    ke.lens_at(s, 8)  # before the intervention: replays as stored
+    ke.lens_at(s, 11)  # after it: from the checkpoint kept after token 9, replays as stored
+    with pytest.raises(ValueError, match="other logits at token 9 than the session stored"):
+        ke.lens_at(s, 9)
+
+
+def test_lens_at_refuses_weights_changed_under_the_session():
+    from conftest import REFERENCE_DIR
+
+    w = ke.from_pretrained(REFERENCE_DIR, device="cpu")  # a private copy: its weights are changed below
+    s = ke.Session(w, checkpoint_every=4)
+    s.feed(TOKENS[:6], chunk=6)
+    for tok in TOKENS[6:10]:
+        s.step(tok)
+    w.norm *= 1.5  # the final norm: every replayed logit changes, the stored ones do not
+    with pytest.raises(ValueError, match="other logits at token 8 than the session stored"):
+        ke.lens_at(s, 9)  # from the checkpoint after 8 tokens (every 4th stepped one): tokens 8 and 9 replayed

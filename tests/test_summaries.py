@@ -59,6 +59,31 @@ def test_topk_table_handles_an_ablated_shorter_top_k():
                                              np.argsort(-r["scores"][0, 0])[:2])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_topk_table_with_tied_and_missing_scores(seed):
+    """Ranks and displaced experts by their definitions, in plain Python, where scores tie (rounded),
+    some are NaN (never higher than another; the unbiased order puts them last, by id) and some slots
+    are ablated (-1): the fast path sorts only around each layer's n-th score."""
+    rng = np.random.default_rng(seed)
+    T, M, E, k = 2, 5, 30, 6
+    scores = rng.random((T, M, E)).round(1)  # many ties
+    scores[rng.random(scores.shape) < (0.1 if seed % 2 else 0.9)] = np.nan
+    ids = np.array([[rng.choice(E, k, replace=False) for _ in range(M)] for _ in range(T)])
+    ids[rng.random(ids.shape) < 0.2] = -1
+    r = {"topk_ids": ids, "scores": scores, "topk_weights": rng.random((T, M, k)), "moe_layers": list(range(M))}
+    for t in range(T):
+        table = summaries.topk_table(r, t)
+        for j in range(M):
+            s = scores[t, j]
+            chosen = [int(e) for e in ids[t, j] if e >= 0]
+            order = sorted(range(E), key=lambda e: (math.isnan(s[e]), 0.0 if math.isnan(s[e]) else -s[e], e))
+            want = [e for e in order[: len(chosen)] if e not in chosen]
+            assert [e for e, _ in table["displaced"][j]] == want
+            for c, e in enumerate(ids[t, j]):
+                higher = sum(1 for x in range(E) if s[x] > s[e]) if e >= 0 else None  # NaN compares False
+                assert table["rank"][j, c] == (-1 if e < 0 else 1 + higher)
+
+
 def test_routing_entropy_is_the_entropy_of_the_combine_weights():
     r, _ = biased_routing()
     h = summaries.routing_entropy(r)

@@ -322,7 +322,7 @@ def decode(spec: dict) -> np.ndarray:
     """A plotly.js typed-array spec (dtype, base64 bytes, shape) back to an array."""
     import base64
 
-    dtypes = {"f4": np.float32, "f8": np.float64, "i4": np.int32}
+    dtypes = {"f4": np.float32, "f8": np.float64, "i4": np.int32, "u1": np.uint8, "u2": np.uint16, "u4": np.uint32}
     a = np.frombuffer(base64.b64decode(spec["bdata"]), dtype=dtypes[spec["dtype"]])
     return a.reshape([int(n) for n in spec["shape"].split(",")])
 
@@ -526,6 +526,30 @@ def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_pat
     monkeypatch.chdir(tmp_path)
     ex.snapshot_button.click()  # the button writes to the working directory and says where
     assert "snapshot written to" in ex.status.value and list(tmp_path.glob("kimi_snapshot_t1_layer5_tab0.html"))
+
+
+def test_moe_tables_send_their_expert_ids_as_cell_labels_and_a_snapshot_draws_them_with_plotly(tiny_weights, tmp_path):
+    """The top-k and top-by-load tables carry their expert ids in each heatmap's `text` and ask the view to
+    write them into the cells (`cell_text`), not plotly's per-cell texttemplate (the slow part of a Step);
+    the offline snapshot, which has no view code, asks plotly for them instead."""
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=PROMPT, tab="MoE routing")
+    for _ in range(4):
+        ex.step()
+    tr = ex.session.trace()
+    for name in ("moe_topk", "moe_top"):
+        spec = ex.views[name].spec
+        (heat,), layout = spec["data"], spec["layout"]
+        assert spec["cell_text"] == {"traces": [0], "size": 10} and "cell_text" not in layout
+        assert "texttemplate" not in heat and len(heat["text"]) == len(heat["y"])
+        drawn = ex.views[name].snapshot()["data"][0]
+        assert drawn["texttemplate"] == "%{text}" and drawn["textfont"]["size"] == 10 and drawn["text"] == heat["text"]
+        assert "texttemplate" not in ex.views[name].spec["data"][0]  # the live spec is untouched
+    (heat,), _ = view_spec(ex, "moe_topk")
+    for row, label in enumerate(heat["y"]):  # the cells name the selected token's experts, slot by slot
+        ids = tr[f"layers.{int(label.split()[0])}.moe.router.topk_ids"][3]
+        assert [t.rstrip("*") for t in heat["text"][row]] == [str(int(e)) for e in ids]
+    page = ex.snapshot(tmp_path / "moe.html").read_text(encoding="utf-8")
+    assert page.count('"texttemplate": "%{text}"') == 2  # both tables, drawn by plotly in the offline page
 
 
 def test_a_step_reads_only_windows_of_the_history(tiny_weights, monkeypatch):

@@ -30,7 +30,7 @@ def site_names(model, suffixes, globals_=()) -> list[str]:
     return [n for n in hook_names(model) if n in globals_ or (n.startswith("layers.") and n.endswith(suffixes))]
 
 
-def replay(session, names, positions=None):
+def replay(session, names, positions=None, from_checkpoint: bool = False):
     """Yield (t, values, logits) for the tokens t of `session`'s history in `positions` (default: all).
 
     The history is re-decoded from a fresh state the way it was decoded (`session.runs()`: fed chunks
@@ -39,17 +39,25 @@ def replay(session, names, positions=None):
     copies of `names`. values: {site name: the value that flowed there at token t}, on the model's
     backend (over a pipeline they come back from the stages); logits: the replayed logits [vocab]
     (host), checked against the stored ones. Stops after the run holding the last wanted position.
+
+    from_checkpoint: start from the latest checkpoint the session kept at or before the first wanted
+    position (`Session.checkpoint_before`) instead of token 0, so the cost does not grow with the
+    history: at most `checkpoint_every` stepped tokens, or one fed chunk, before it are re-decoded
+    (and checked; the tokens before the checkpoint are not). Re-decoding those tokens any other way
+    (stepped tokens as one chunk) is not exact: at K3's depth the sequence path's float32 rounding
+    flips near-tied expert choices, and the replay shows values the history never had.
     """
     tokens = session.tokens
     T = len(tokens)
     if T == 0:
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
-    model, recorded = session.weights, session.logits
+    model = session.weights
     capture = Recorder(names_filter=lambda name: False, full=list(names)).bind(model)
     hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
-    state, last = model.new_state(), max(wanted)
-    for a, b in session.runs():
+    c, state = session.checkpoint_before(min(wanted)) if from_checkpoint else (0, model.new_state())
+    last = max(wanted)
+    for a, b in session.runs(c):
         if b is None:
             hooks.begin_token(tokens[a], a)
             logits, b = to_numpy(model.forward_token(state, tokens[a], hooks))[None], a + 1
@@ -57,7 +65,7 @@ def replay(session, names, positions=None):
             logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
         records = capture.take_records()
         for t in range(a, b):
-            _check_replay(logits[t - a], recorded[t], t)
+            _check_replay(logits[t - a], session.logits_at(t), t)
             if t in wanted:
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
         if b > last:
@@ -77,5 +85,6 @@ def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int) -> None:
         raise ValueError(
             f"replaying the session's history gives other logits at token {t} than the session stored (max |diff| "
             f"{err:.3g}): that token was decoded under hooks the session no longer holds (a temporary "
-            "`session.intervene(...)` or hooks added to its recorder). Analyses replay with `session.hooks` only: "
-            "attach the intervention to session.hooks (or decode the history again) and retry")
+            "`session.intervene(...)` or hooks added to its recorder), or the weights changed since it was decoded. "
+            "Analyses replay with `session.hooks` only: attach the intervention to session.hooks (or decode the "
+            "history again) and retry")

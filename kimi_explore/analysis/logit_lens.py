@@ -28,8 +28,6 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from ..inspection.hooks import HookChain
-from ..inspection.recorder import Recorder
 from ..inspection.topk import top_ids
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import OutputHead, output_hidden
@@ -154,11 +152,14 @@ class LensStrip:
 
 
 def lens_at(session, t: int, top: int = 1) -> LensStrip:
-    """The lens of token t alone, at a cost that does not grow with the history: from the latest kept
-    checkpoint c <= t (`Session.checkpoint_before`), tokens c..t are re-decoded as one chunk of the
-    sequence path with `session.hooks` and capture hooks at `embed` and every `layers.{i}.prefix_sum`,
-    and the lens applied to token t's values. At most `checkpoint_every` stepped tokens, or one fed
-    chunk, are re-decoded. Equal to `logit_lens(session)` at t to float rounding (both replay)."""
+    """The lens of token t alone, at a cost that does not grow with the history: the tokens from the
+    latest kept checkpoint c <= t (`Session.checkpoint_before`) to t's forward pass are re-decoded the
+    way they were decoded (`replay(..., from_checkpoint=True)`: stepped tokens stepped, a fed chunk as
+    that chunk), with `session.hooks` and capture hooks at `embed` and every `layers.{i}.prefix_sum`,
+    and the lens applied to token t's values: at most `checkpoint_every` stepped tokens, or one fed
+    chunk. The replayed logits are checked against the stored ones, as in every replaying analysis: a
+    history that no longer replays (decoded under a temporary intervention, or the weights changed
+    since) raises, naming the token. Equal to `logit_lens(session)` at t (both replay exactly)."""
     T = len(session)
     if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not -T <= t < T:
         raise IndexError(f"lens_at: token position {t!r} is outside the session's history of {T} tokens")
@@ -166,15 +167,10 @@ def lens_at(session, t: int, top: int = 1) -> LensStrip:
         raise ValueError(f"lens_at: top must be a positive int, got {top!r}")
     t, w = int(t) % T, session.weights
     names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
-    capture = Recorder(names_filter=lambda name: False, full=names).bind(w)
-    hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
-    c, state = session.checkpoint_before(t)
-    tokens = session.tokens[c : t + 1]
-    w.forward_sequence(state, tokens, hooks, chunk=len(tokens))
-    values = {k: w.xp.asarray(rows[-1]) for k, rows in capture.take_records().items()}
+    ((_, values, _),) = replay(session, names, [t], from_checkpoint=True)
     logp = log_softmax(to_numpy(lens_logits(w, w.head(), values)))
     ids = top_ids(logp, min(top, logp.shape[-1]))
-    return LensStrip(t, int(tokens[-1]), list(w.layer_ids), ids, np.exp(np.take_along_axis(logp, ids, axis=-1)))
+    return LensStrip(t, int(session.tokens[t]), list(w.layer_ids), ids, np.exp(np.take_along_axis(logp, ids, axis=-1)))
 
 
 def _targets(targets, tokens: np.ndarray, V: int):

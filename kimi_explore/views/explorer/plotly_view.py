@@ -13,6 +13,13 @@ arrays travel as plotly.js typed-array specs (`typed`: dtype + base64 bytes + sh
 
 Each rendered view tags its element `kimi-plot` and sets `data-rendered` to the `rev` of the spec
 it last drew: a browser test waits on that to measure how long an update takes to reach the screen.
+
+Cell labels of a heatmap (`layout["cell_text"] = {"traces": [i, ...], "size": px}`): trace i's
+`text` [rows][cols] is written at its cells' centres, white on a dark cell and #444 on a light one,
+as plotly's `texttemplate="%{text}"` writes it (same position, font and contrast rule), but as one
+SVG group set at once. plotly formats, templates and contrasts every cell one by one on every redraw:
+~25 ms for the 24 x 16 MoE top-k table, most of that view's Step. The offline snapshot (`snapshot()`)
+turns them back into plotly's own `texttemplate`.
 """
 
 from __future__ import annotations
@@ -60,6 +67,67 @@ function niceInt(span) {  // a whole tick step leaving ~8 ticks over `span`: 1, 
   return Math.max(1, (m <= 1 ? 1 : m <= 2 ? 2 : m <= 5 ? 5 : 10) * p);
 }
 
+// heatmap cell labels (see the module docstring): one SVG group per trace inside its subplot's
+// plot layer (clipped to the plot area, under shapes and hover labels), redrawn after each plot
+const SVG_NS = "http://www.w3.org/2000/svg";
+function rgbOf(c) {
+  const m = /rgba?\(([^)]*)\)/.exec(c);
+  if (m) return m[1].split(",").slice(0, 3).map(Number);
+  let h = String(c).replace("#", "");
+  if (h.length === 3) h = h.split("").map((x) => x + x).join("");
+  return [0, 2, 4].map((i) => parseInt(h.slice(i, i + 2), 16));
+}
+// plotly's contrast (Color.contrast): white text where white contrasts more with the cell than the
+// default line colour #444 does (WCAG contrast of relative luminances), else #444
+const linear = (v) => ((v /= 255) <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4);
+const luminance = ([r, g, b]) => 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+const wcag = (a, b) => (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+const GREY = luminance([68, 68, 68]);
+const contrast = (rgb) => { const l = luminance(rgb); return wcag(l, 1) > wcag(l, GREY) ? "#ffffff" : "#444444"; };
+function colourScale(tr) {  // z -> [r, g, b] on the trace's colour scale
+  const stops = tr.colorscale.map(([p, c]) => [p, rgbOf(c)]), lo = tr.zmin, span = tr.zmax - tr.zmin || 1;
+  return (z) => {
+    let f = Math.min(1, Math.max(0, (z - lo) / span || 0));
+    if (tr.reversescale) f = 1 - f;
+    let i = 1;
+    while (i < stops.length - 1 && stops[i][0] < f) i++;
+    const [p0, c0] = stops[i - 1], [p1, c1] = stops[i], u = p1 > p0 ? (f - p0) / (p1 - p0) : 0;
+    return [0, 1, 2].map((k) => Math.round(c0[k] + u * (c1[k] - c0[k])));
+  };
+}
+const escapeText = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+function drawCells(div, cells) {
+  for (const g of div.querySelectorAll("g.kimi-cells")) g.remove();
+  const L = div._fullLayout;
+  if (!cells || !L || !div.calcdata) return;
+  for (const i of cells.traces || []) {
+    const tr = div._fullData[i], cd = div.calcdata[i] && div.calcdata[i][0], text = div.data[i] && div.data[i].text;
+    const plotinfo = tr && L._plots && L._plots[tr.xaxis + tr.yaxis];
+    if (!cd || !text || !plotinfo || !plotinfo.plot) continue;
+    const xa = L["xaxis" + tr.xaxis.slice(1)], ya = L["yaxis" + tr.yaxis.slice(1)], size = cells.size || 10;
+    const bg = contrast(rgbOf(L.plot_bgcolor)), colourAt = colourScale(tr), parts = [];
+    const centre = (c, k, axis) => axis.c2p(c.centre ? c.centre[k] : (c.edges[k] + c.edges[k + 1]) / 2);
+    const xs = { centre: cd.xCenter, edges: cd.x }, ys = { centre: cd.yCenter, edges: cd.y };
+    for (let j = 0; j < text.length; j++) {
+      const py = Math.round(centre(ys, j, ya));
+      if (!(py >= 0 && py <= ya._length) || !text[j]) continue;
+      for (let k = 0; k < text[j].length; k++) {
+        const t = text[j][k], px = Math.round(centre(xs, k, xa));
+        if (t === "" || t == null || !(px >= 0 && px <= xa._length)) continue;
+        const z = cd.z[j] && cd.z[j][k], fill = z === undefined || Number.isNaN(z) ? bg : contrast(colourAt(z));
+        parts.push(`<text x="${px}" y="${py + 0.35 * size}" fill="${fill}">${escapeText(t)}</text>`);
+      }
+    }
+    const g = document.createElementNS(SVG_NS, "g");
+    g.setAttribute("class", "kimi-cells");
+    g.setAttribute("text-anchor", "middle");
+    g.setAttribute("pointer-events", "none");
+    g.setAttribute("style", `font-family:${L.font.family};font-size:${size}px`);
+    g.innerHTML = parts.join("");
+    plotinfo.plot.node().appendChild(g);  // last in the plot layer: above the heatmap's image
+  }
+}
+
 export default {
   async render({ model, el }) {
     el.classList.add("kimi-plot");
@@ -94,11 +162,12 @@ export default {
         return;
       }
       queue = queue.then(() => Plotly.react(div, spec.data, spec.layout, CONFIG)).then(() => wholeTicks(null)).then(() => {
+        drawCells(div, spec.cell_text);
         el.dataset.rendered = String(spec.rev ?? 0);
         if (listening) return;
         listening = true;  // div.on exists once plotly drew into the div
         div.on("plotly_relayout", (ev) => {
-          queue = queue.then(() => wholeTicks(ev));
+          queue = queue.then(() => wholeTicks(ev)).then(() => drawCells(div, (model.get("spec") || {}).cell_text));
           if (!Object.keys(ev).some((key) => /axis\d*\.(range|autorange)/.test(key))) return;
           const ranges = {};  // the user's zoom / pan, for Python (an exported snapshot keeps it)
           for (const key of Object.keys(div.layout)) {
@@ -119,7 +188,10 @@ export default {
     const resize = new ResizeObserver(() => {
       if (!visible()) return;
       // resizes queue behind draws: a relayout interleaved with a react leaves plotly deaf to hovers
-      if (pending) draw(); else if (el.dataset.rendered) queue = queue.then(() => Plotly.Plots.resize(div));
+      if (pending) draw();
+      else if (el.dataset.rendered) {
+        queue = queue.then(() => Plotly.Plots.resize(div)).then(() => drawCells(div, (model.get("spec") || {}).cell_text));
+      }
     });
     resize.observe(div);
     model.on("change:spec", draw);
@@ -184,11 +256,13 @@ class PlotView(anywidget.AnyWidget):
         the plot's `layout.meta`."""
         layout = {"height": self.height, "margin": {"l": 60, "r": 20, "t": 36, "b": 40}, **layout}
         int_axes = layout.pop("int_axes", [])  # axes of whole ids: the browser keeps their ticks whole when zoomed
+        cell_text = layout.pop("cell_text", None)  # heatmap cell labels the view writes itself (module docstring)
         if "uirevision" not in layout:
             self.ranges = {}  # the browser redraws this view at the spec's own ranges: a zoom is gone
         if meta is not None:
             layout["meta"] = meta
-        self.spec = {"data": data, "layout": layout, "rev": int(rev), "int_axes": list(int_axes)}
+        self.spec = {"data": data, "layout": layout, "rev": int(rev), "int_axes": list(int_axes),
+                     **({"cell_text": cell_text} if cell_text else {})}
 
     def clear(self) -> None:
         self.spec = {}
@@ -200,7 +274,11 @@ class PlotView(anywidget.AnyWidget):
         layout = dict(self.spec["layout"])
         for axis, rng in self.ranges.items():
             layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
-        return {"data": self.spec["data"], "layout": layout}
+        data = list(self.spec["data"])
+        cells = self.spec.get("cell_text")
+        for i in cells["traces"] if cells else ():  # a page without this view's code: plotly writes the labels
+            data[i] = {**data[i], "texttemplate": "%{text}", "textfont": {**data[i].get("textfont", {}), "size": cells["size"]}}
+        return {"data": data, "layout": layout}
 
     def on_click(self, fn) -> None:
         """fn(point) on a click; point = {"curve", "x", "y", "index"} (index: [row, col] on heatmaps)."""

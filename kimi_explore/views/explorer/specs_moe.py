@@ -20,6 +20,10 @@ __all__ = ["compare", "expert_search", "moe_full", "moe_layers", "moe_sorted", "
 
 ROWS = 24  # MoE layers shown at once in the tall views (pan to scroll)
 TOP_N = 8  # experts named per layer in the top-by-load view
+# the tables' expert ids (each heatmap's `text`), written into the cells by the view itself: plotly's
+# own texttemplate costs ~25 ms a redraw for the 24 x 16 top-k table (`plotly_view`: cell labels)
+CELL_TEXT = {"traces": [0], "size": 10}
+COLORWAY = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")  # plotly's first colours: the per-layer rows, in order
 
 
 def _row_window(n: int, j: int | None, rows: int = ROWS) -> list[float] | None:
@@ -29,6 +33,12 @@ def _row_window(n: int, j: int | None, rows: int = ROWS) -> list[float] | None:
     j = 0 if j is None else j
     lo = min(max(0, j - rows // 2), n - rows)
     return [lo + rows - 0.5, lo - 0.5]
+
+
+def _uint(a: np.ndarray):
+    """The smallest unsigned dtype holding the non-negative ints of `a` (what a typed array sends)."""
+    top = int(a.max()) if a.size else 0
+    return np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
 
 
 def _row_outline(j: int) -> dict:
@@ -80,12 +90,12 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     shown = np.where(ids >= 0, w, np.nan)[list(rows_shown)]
     lo, hi = (float(np.nanmin(shown)), float(np.nanmax(shown))) if np.isfinite(shown).any() else (0.0, 1.0)
     # the weights' own range: at top-16 they sit near 1/16, and a scale from 0 would paint them all alike
-    # green, not red: the selected row's red outline must stand out from the scale (plotly writes the
-    # expert ids in black or white, whichever contrasts with the cell)
+    # green, not red: the selected row's red outline must stand out from the scale (the view writes the
+    # expert ids in white or grey, whichever contrasts with the cell, as plotly would)
     hm = heat(shown, [str(c + 1) for c in range(k)], [labels[j] for j in rows_shown], colorscale="Greens", zmin=lo,
               zmax=max(hi, lo + 1e-9),
               hover="%{customdata}", customdata=hover, colorbar={"title": {"text": "combine weight"}})
-    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True,  # plotly's Greens: dark = low
+    hm.update(text=text, reversescale=True,  # plotly's Greens: dark = low
               xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
     n_bias = int(table["by_bias"].sum())
     label = trace_labels(trace, tokenizer)[t]
@@ -96,7 +106,7 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
               "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers([labels[j] for j in rows_shown], None),
               "shapes": [_row_outline(j_sel - rows_shown[0])] if j_sel in rows_shown else [],
-              "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+              "cell_text": CELL_TEXT, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
     return [hm], layout
 
 
@@ -117,21 +127,34 @@ def moe_layers(entropy: np.ndarray, stats: dict, trace, layers: list[int], layer
                                   f"{stats['tokens']} tokens{dead_note}", "font": FONT}}
     gap = 0.04
     h = (1 - gap * (len(rows) - 1)) / len(rows)
+    alone = []  # points a line cannot show (no finite neighbour), drawn as markers after the lines
+    # one x axis for every row (the layers; labelled under the last row): plotly draws one axis, not one per row
+    bottom = "y" + (str(len(rows)) if len(rows) > 1 else "")
+    layout["xaxis"] = {"type": "category", "anchor": bottom, "fixedrange": True, "tickfont": {"size": 9},
+                       "range": [-0.5, len(labels) - 0.5]}  # a whole slot per layer, the end ones too
+    if len(labels) > 32:
+        ticks = specs.layer_ticks(labels, labels[layers.index(layer)] if layer in layers else None)
+        layout["xaxis"].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
     for r, (name, y, hover) in enumerate(rows):
         ax = "" if r == 0 else str(r + 1)
-        data.append({"type": "scatter", "mode": "lines+markers", "x": labels, "y": typed(np.asarray(y, float)),
-                     "xaxis": "x" + ax, "yaxis": "y" + ax, "marker": {"size": 4}, "line": {"width": 1.5},
-                     "hovertemplate": "layer %{x}<br>" + hover + "<extra></extra>"})
+        y = np.asarray(y, float)
+        # lines, no markers: plotly draws each marker as its own SVG path (4 x 92 of them at K3, ~10 ms of
+        # every Step); the line has a vertex at every layer and the hover reads each one as before
+        trace = {"type": "scatter", "mode": "lines", "x": labels, "y": typed(y), "xaxis": "x", "yaxis": "y" + ax,
+                 "line": {"width": 1.5, "color": COLORWAY[r]}, "hovertemplate": "layer %{x}<br>" + hover + "<extra></extra>"}
+        data.append(trace)
+        ok = np.isfinite(y)
+        lone = np.flatnonzero(ok & ~np.r_[False, ok[:-1]] & ~np.r_[ok[1:], False])
+        if lone.size:
+            alone.append({**trace, "mode": "markers", "x": [labels[i] for i in lone], "y": typed(y[lone]),
+                          "marker": {"size": 4, "color": COLORWAY[r]}})
         top = 1 - r * (h + gap)
         layout["yaxis" + ax] = {"domain": [top - h, top], "title": {"text": name, "font": {"size": 9}}, "fixedrange": True,
-                                "tickfont": {"size": 9}, "anchor": "x" + ax, "rangemode": "tozero"}
-        layout["xaxis" + ax] = {"type": "category", "anchor": "y" + ax, "fixedrange": True, "tickfont": {"size": 9},
-                                "showticklabels": r == len(rows) - 1, "matches": "x" if r else None}
-        if len(labels) > 32:
-            ticks = specs.layer_ticks(labels, labels[layers.index(layer)] if layer in layers else None)
-            layout["xaxis" + ax].update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
+                                "tickfont": {"size": 9}, "anchor": "x", "rangemode": "tozero"}
+        if ok.any():  # headroom above the highest value (markers gave it; a bare line would sit on the top edge)
+            layout["yaxis" + ax]["range"] = [0, 1.1 * float(np.nanmax(y)) or 1.0]
     layout["shapes"] = [outline(layers.index(layer), "x", "paper")] if layer in layers else []
-    return data, layout
+    return data + alone, layout
 
 
 def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers: list[int], layer: int | None,
@@ -142,10 +165,12 @@ def moe_sorted(stats: dict, order: np.ndarray, counts: np.ndarray, trace, layers
     n = max(1, int((counts > 0).sum(axis=1).max()) if counts.size else 1)
     j_sel = layers.index(layer) if layer in layers else None
     hm = heat(counts[:, :n], list(range(1, n + 1)), labels, colorscale="Viridis", zmin=0,
-                 zmax=max(1, int(counts.max()) if counts.size else 1), customdata=typed(order[:, :n], np.int32),
+                 zmax=max(1, int(counts.max()) if counts.size else 1), customdata=typed(order[:, :n], _uint(order)),
                  hover="layer %{y}<br>rank %{x}: expert %{customdata}<br>chosen %{z} times",
                  colorbar={"title": {"text": "count"}})
-    hm.update(xgap=0, ygap=0)  # no gaps: plotly then draws the map as one image, not cell by cell
+    # the largest payload of a Step (M x n counts and ids, n up to E): counts and ids as the smallest
+    # unsigned ints that hold them (1-2 bytes, not 4), so at most 4 x M x E bytes whatever the history
+    hm.update(z=typed(counts[:, :n], _uint(counts)), xgap=0, ygap=0)  # no gaps: one image, not cell by cell
     layout = {"title": {"text": f"Expert counts over {stats['tokens']} tokens, sorted; ranks 1-{n} of {counts.shape[1]}"
                                 " (no layer used more)",
                         "font": FONT},
@@ -173,14 +198,14 @@ def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[i
               colorscale="Blues",
               zmin=0, zmax=peak, customdata=typed(top_e, np.int32),
               hover="layer %{y}, rank %{x}: expert %{customdata}<br>chosen %{z} times", colorbar={"title": {"text": "count"}})
-    hm.update(text=text, texttemplate="%{text}", textfont={"size": 10}, reversescale=True, xgap=0, ygap=0)
+    hm.update(text=text, reversescale=True, xgap=0, ygap=0)
     shown = "" if window is None else f"; layers {labels[round(window[1] + 0.5)].split()[0]}-" \
         f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)}"
     layout = {"title": {"text": f"Top {n} experts by load per layer, {tokens} tokens{shown}", "font": FONT},
               "xaxis": {"type": "category", "title": {"text": "rank"}, "fixedrange": True, "tickfont": {"size": 10}},
               "yaxis": _y_layers([labels[j] for j in rows], None),
               "shapes": [_row_outline(j_sel - rows[0])] if j_sel in rows else [],
-              "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
+              "cell_text": CELL_TEXT, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
     return [hm], layout
 
 
