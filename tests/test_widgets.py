@@ -633,3 +633,41 @@ def test_ablation_of_a_block_residual_source_family(explorer, tiny_weights):
     for bad, message in (("nope", "source family must be one of"), ("mlp: current", "site before ':'")):
         ex.ablation.experts.value = bad
         assert ex.ablation.run() is None and message in ex.ablation.note.value
+
+
+def test_a_step_draws_the_moe_tab_from_the_new_history_and_sends_the_text_first(tiny_weights, monkeypatch):
+    """After a Step every MoE view counts the token just decoded (the load over the whole history, from
+    an independent `load_stats` of the full trace), and the page gets the slider in one message and the
+    text and status before the figures: one refresh per Step, after what it reads is up to date."""
+    import base64
+
+    import ipywidgets
+
+    from kimi_explore.views import summaries
+
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="abcdefgh", tab="MoE routing")
+    sent = []
+    real = ipywidgets.Widget._send
+    monkeypatch.setattr(ipywidgets.Widget, "_send",
+                        lambda self, msg, buffers=None: sent.append((self, set(msg.get("state", {}))))
+                        or real(self, msg, buffers))
+    for n in range(1, 5):
+        sent.clear()
+        ex.step_button.click()
+        stats = summaries.load_stats(s.trace().routing())
+        spec = ex.views["moe_top"].spec
+        assert f"{n} tokens" in spec["layout"]["title"]["text"]
+        z = spec["data"][0]["z"]
+        shown = np.frombuffer(base64.b64decode(z["bdata"]), np.float32).reshape([int(k) for k in z["shape"].split(",")])
+        want = -np.sort(-stats["counts"], axis=1)[:, : shown.shape[1]].astype(np.float32)
+        np.testing.assert_array_equal(np.nan_to_num(shown), want)  # 0 counts are gaps (NaN) in the view
+        order = [(w, keys) for w, keys in sent]
+        slider = [keys & {"max", "value"} for w, keys in order if w is ex.token and keys & {"max", "value"}]
+        assert slider == ([{"max", "value"}] if n > 1 else [])  # the first Step leaves both at 0
+        first_spec = min(i for i, (w, keys) in enumerate(order) if "spec" in keys)
+        text_at = [i for i, (w, keys) in enumerate(order) if w is ex.text]
+        assert len(text_at) == 1 and text_at[0] < first_spec  # tokens and selection: one message, before the figures
+        assert [i for i, (w, _) in enumerate(order) if w is ex.status][-1] < first_spec
+        views = [w for w, keys in order if "spec" in keys]
+        assert len(views) == len(set(views)) == 4  # each of the tab's four views sent once

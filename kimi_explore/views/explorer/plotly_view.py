@@ -152,7 +152,10 @@ export default {
       }
       return Object.keys(upd).length ? Plotly.relayout(div, upd) : null;
     };
-    const visible = () => div.isConnected && div.offsetWidth > 0;
+    // the div's width as the ResizeObserver last saw it (0: hidden or detached): reading offsetWidth
+    // here would force a layout of the whole page before every draw
+    let width = 0;
+    const visible = () => div.isConnected && width > 0;
     const draw = () => {
       if (!visible()) { pending = true; return; }
       pending = false;
@@ -185,7 +188,8 @@ export default {
         });
       });
     };
-    const resize = new ResizeObserver(() => {
+    const resize = new ResizeObserver((entries) => {
+      width = entries[entries.length - 1].contentRect.width;
       if (!visible()) return;
       // resizes queue behind draws: a relayout interleaved with a react leaves plotly deaf to hovers
       if (pending) draw();

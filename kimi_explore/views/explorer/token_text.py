@@ -28,8 +28,9 @@ export default {
       (colors[t] || "transparent") + (t === sel ? ";outline:2px solid #d62728;outline-offset:0" : "") +
       (gen >= 0 && t >= gen ? ";text-decoration:underline dotted" : "");
     // One draw per frame, however many traits a Step changed; a history that only grew keeps its spans
-    // (their colours and titles are refreshed) and gets the new ones appended.
-    let queued = false;
+    // and gets the new ones appended. A kept span is written only where its title, colour, selection or
+    // underline changed: rewriting every span's style each Step made the page restyle the whole strip.
+    let queued = false, drawn = { titles: [], colors: [], sel: -1, gen: -1 };
     const draw = () => {
       queued = false;
       const labels = model.get("labels"), colors = model.get("colors"), titles = model.get("titles");
@@ -38,18 +39,23 @@ export default {
       let keep = 0;
       while (keep < spans.length && keep < labels.length && spans[keep].textContent === labels[keep]) keep++;
       while (spans.length > keep) box.removeChild(box.lastChild);
+      const was = drawn, isGen = (t, g) => g >= 0 && t >= g;
       for (let t = 0; t < labels.length; t++) {
         let s = spans[t];
-        if (t >= keep) {
+        const fresh = t >= keep;
+        if (fresh) {
           s = document.createElement("span");
           s.textContent = labels[t];
           s.dataset.t = String(t);
           box.appendChild(s);
         }
-        s.title = titles[t] || "";
-        s.className = "kimi-token" + (t === sel ? " kimi-selected" : "");
-        s.style.cssText = style(t, colors, sel, gen);
+        if (fresh || titles[t] !== was.titles[t]) s.title = titles[t] || "";
+        if (fresh || colors[t] !== was.colors[t] || (t === sel) !== (t === was.sel) || isGen(t, gen) !== isGen(t, was.gen)) {
+          s.className = "kimi-token" + (t === sel ? " kimi-selected" : "");
+          s.style.cssText = style(t, colors, sel, gen);
+        }
       }
+      drawn = { titles, colors, sel, gen };
       const cur = box.querySelector(".kimi-selected");
       if (cur) {  // scroll the strip only (scrollIntoView would move the page too)
         const top = cur.offsetTop - box.offsetTop;

@@ -62,6 +62,7 @@ class Explorer(widgets.VBox):
         self._prompt_memo: tuple = (None, [])  # ((mode, text), ids): the prompt is parsed once per edit
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
+        self._quiet = False  # True while `_history_changed` moves the token slider
 
         modes = ["text", "ids"] if self.tokenizer is not None else ["ids"]
         self.mode = widgets.ToggleButtons(options=modes, value=modes[0], style={"button_width": "46px"},
@@ -291,17 +292,24 @@ class Explorer(widgets.VBox):
         self._trace = None
         toks = self.session.tokens
         self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == toks[t]}
-        with self.token.hold_trait_notifications():
-            self.token.max = max(n - 1, 0)
-            self.token.value = max(n - 1, 0)
-        self.token.disabled = self.back_button.disabled = n == 0
+        # the per-history numbers first: the views drawn below read them (the expert counts, the measures)
         self.history.update(self, self._surprisals())
+        self._quiet = True  # moving the slider must not refresh the views before the text and status are sent
+        try:
+            with self.token.hold_sync(), self.token.hold_trait_notifications():  # max and value: one message
+                self.token.max = max(n - 1, 0)
+                self.token.value = max(n - 1, 0)
+        finally:
+            self._quiet = False
+        self.token.disabled = self.back_button.disabled = n == 0
         self.ablation.clear()
         self._update_status()
         self._show_text()
-        self.refresh()
+        self.refresh()  # one refresh per history change, after everything it reads is up to date
 
     def _selection_changed(self) -> None:
+        if self._quiet:
+            return  # inside `_history_changed`, which shows the selection itself
         self.ablation.clear()
         self._show_token_label()
         self.text.selected = min(self.token.value, len(self.session) - 1)
@@ -368,8 +376,9 @@ class Explorer(widgets.VBox):
             f"token {t} {names[t]}: {name} " + (f"{values[t]:.4g}" if np.isfinite(values[t]) else "n/a")
             + "; click to select" for t in range(a, a + len(ids))])
         gen = self._prompt_len if self._prompt_len is not None and self._prompt_len < n else -1
-        self.text.set_tokens(shown, colors, titles, generated_from=gen)
-        self.text.selected = min(self.token.value, n - 1)
+        with self.text.hold_sync():  # the tokens and the selection: one message
+            self.text.set_tokens(shown, colors, titles, generated_from=gen)
+            self.text.selected = min(self.token.value, n - 1)
         scale = f"light {lo:.3g} &rarr; dark {hi:.3g}" if np.isfinite(values).any() else "no value yet"
         self.legend.value = (f"<small>{html.escape(name)}: {scale}"
                              + ("; dotted = generated" if gen >= 0 else "") + "</small>")
