@@ -170,6 +170,28 @@ def hover_text(page, view: str, fx: float = 0.5, fy: float = 0.5, subplot: str =
     return tip.text_content()
 
 
+PREDICTIONS = ".kimi-plot[data-name='predictions']"
+COUNT_REDRAWS = f"""() => {{ const gd = document.querySelector("{PREDICTIONS} .js-plotly-plot");
+  window.__redraws = 0; gd.on('plotly_afterplot', () => window.__redraws++); return gd.layout.meta; }}"""
+SHOWN = f"""() => ({{ meta: document.querySelector("{PREDICTIONS} .js-plotly-plot").layout.meta,
+  rendered: Number(document.querySelector("{PREDICTIONS}").dataset.rendered), redraws: window.__redraws }})"""
+
+
+def unchanged_then_changed(page) -> dict:
+    """On the Predictions tab: pick another layer (the predictions do not depend on it), then Step; what
+    the view says it shows and how often plotly redrew it after each."""
+    before = page.evaluate(COUNT_REDRAWS)
+    menu = page.locator(".widget-dropdown", has_text="layer").locator("select").first
+    other = next(o for o in menu.locator("option").all_text_contents() if int(o.split()[0]) != before["layer"])
+    menu.select_option(label=other)
+    page.wait_for_function(f"() => document.querySelector(\"{PREDICTIONS} .js-plotly-plot\").layout.meta.layer"
+                           f" === {int(other.split()[0])}", timeout=30_000)
+    page.wait_for_function(SETTLED, timeout=30_000)
+    after_layer = page.evaluate(SHOWN)
+    page.evaluate(TIMED_STEP)
+    return {"before": before, "after_layer": after_layer, "after_step": page.evaluate(SHOWN)}
+
+
 def open_tab(page, title: str) -> None:
     page.locator(".widget-tab .lm-TabBar-tab", has_text=title).first.click()
     page.wait_for_function(SETTLED, timeout=60_000)
@@ -263,6 +285,11 @@ def drive(page, url: str, name: str, shot, seen: dict) -> None:
     out["after_layer_click"] = page.evaluate(VISIBLE_META)
     out["layer_dropdown"] = page.locator(".widget-dropdown", has_text="layer").locator("select").first.input_value()
     shot(f"{name}_layer_clicked")
+
+    # a new layer leaves the predictions as they were: the view takes the new selection (meta) and the
+    # revision without a redraw; a Step changes them: one redraw
+    open_tab(page, "Predictions")
+    out["unchanged_view"] = unchanged_then_changed(page)
 
     # a new prompt resets the history
     box = page.locator(".widget-text input").first

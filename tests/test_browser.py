@@ -69,6 +69,12 @@ def test_explorer_in_jupyterlab(seen, model, capsys):
     layers = {m["layer"] for m in out["after_layer_click"].values()}
     menu = out["layer_dropdown"].split()[0]  # the option text: '9  KDA + MoE'
     assert len(layers) == 1 and str(layers.pop()) == menu, (out["after_layer_click"], out["layer_dropdown"])
+    # a new layer on the Predictions tab: the view shows it (meta, revision) without a redraw; a Step: one redraw
+    u = out["unchanged_view"]
+    assert u["after_layer"]["meta"]["layer"] != u["before"]["layer"] and u["after_layer"]["redraws"] == 0, u
+    assert u["after_layer"]["meta"]["token"] == u["before"]["token"], u
+    assert u["after_step"]["redraws"] >= 1 and u["after_step"]["meta"]["tokens"] == u["before"]["tokens"] + 1, u
+    assert u["after_step"]["rendered"] > u["after_layer"]["rendered"] > 0, u
     # a new prompt starts over: one token of it, not the old history plus one
     assert "new prompt" in out["status_new_prompt"], out["status_new_prompt"]
     assert tokens_decoded(out["status_after_new_prompt"]) == 1, out["status_after_new_prompt"]

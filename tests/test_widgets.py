@@ -28,7 +28,7 @@ def explorer(tiny_weights):
 
 def shown(ex: Explorer) -> dict[str, dict]:
     """name -> layout.meta of every view that has content."""
-    return {name: v.spec["layout"]["meta"] for name, v in ex.views.items() if v.spec}
+    return {name: v.meta for name, v in ex.views.items() if v.spec}
 
 
 def click(view, **point) -> None:
@@ -72,10 +72,10 @@ def test_step_updates_every_view_of_the_open_tab_in_place(explorer):
     assert s.tokens == list(b"Hi")
     assert set(shown(ex)) == {"block_token", "block_layer"}  # only the open tab is drawn
     views = dict(ex.views)
-    revs = {n: ex.views[n].spec["rev"] for n in ("block_token", "block_layer")}
+    revs = {n: ex.views[n].rev for n in ("block_token", "block_layer")}
     ex.step_button.click()
     assert ex.views == views  # the same widgets: their data changed, not the figures
-    assert all(ex.views[n].spec["rev"] > revs[n] for n in revs)
+    assert all(ex.views[n].rev > revs[n] for n in revs)
     assert all(m == {"token": 2, "layer": ex.layer.value, "tokens": 3} for m in shown(ex).values())
     for tab in range(len(TABS)):
         ex.tabs.selected_index = tab  # opening a tab brings its views up to date
@@ -671,3 +671,31 @@ def test_a_step_draws_the_moe_tab_from_the_new_history_and_sends_the_text_first(
         assert [i for i, (w, _) in enumerate(order) if w is ex.status][-1] < first_spec
         views = [w for w, keys in order if "spec" in keys]
         assert len(views) == len(set(views)) == 4  # each of the tab's four views sent once
+
+
+def test_a_view_left_as_it_was_is_not_resent_and_a_changed_one_is(tiny_weights, monkeypatch):
+    """A refresh sends a view's figure (`spec`) only when it changed; what it shows (`shown`: the revision
+    and the selection) goes every time. The predictions do not depend on the layer: a new layer sends
+    only `shown`; a new token sends both, in one message."""
+    import ipywidgets
+
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=PROMPT, tab="Predictions")
+    for _ in range(3):
+        ex.step_button.click()
+    view = ex.views["predictions"]
+    sent = []
+    real = ipywidgets.Widget._send
+    monkeypatch.setattr(ipywidgets.Widget, "_send",
+                        lambda self, msg, buffers=None: (sent.append(set(msg.get("state", {}))) if self is view else None)
+                        or real(self, msg, buffers))
+    spec, rev = view.spec, view.rev
+    ex.layer.value = next(i for i in ex.session.weights.layer_ids if i != ex.layer.value)
+    assert sent == [{"shown"}] and view.spec is spec and view.rev > rev
+    assert view.meta == {"token": 2, "layer": ex.layer.value, "tokens": 3}
+    assert view.snapshot()["layout"]["meta"] == view.meta  # the snapshot shows the selection as it is now
+    sent.clear()
+    ex.token.value = 1
+    assert sent == [{"spec", "shown"}] and view.spec != spec and view.meta["token"] == 1
+    sent.clear()
+    ex.token.value = 1  # nothing changed: nothing sent
+    assert sent == []

@@ -11,8 +11,10 @@ hidden `PlotlyJS` widget per kernel carries `plotly.min.js` from the installed `
 CDN, no network: it is injected as a script once per page), each view is a ~60-line module, and
 arrays travel as plotly.js typed-array specs (`typed`: dtype + base64 bytes + shape; NaN stays a gap).
 
-Each rendered view tags its element `kimi-plot` and sets `data-rendered` to the `rev` of the spec
-it last drew: a browser test waits on that to measure how long an update takes to reach the screen.
+Each rendered view tags its element `kimi-plot` and sets `data-rendered` to the `rev` of the refresh
+it last showed: a browser test waits on that to measure how long an update takes to reach the screen.
+A refresh that leaves a figure as it was (e.g. a view that does not depend on the selected token)
+re-sends only that revision and the `meta` (`shown`): no redraw.
 
 Cell labels of a heatmap (`layout["cell_text"] = {"traces": [i, ...], "size": px}`): trace i's
 `text` [rows][cols] is written at its cells' centres, white on a dark cell and #444 on a light one,
@@ -156,17 +158,33 @@ export default {
     // here would force a layout of the whole page before every draw
     let width = 0;
     const visible = () => div.isConnected && width > 0;
+    // `spec` is the figure, re-sent only when it changed; `shown` ({rev, meta}) comes with every refresh.
+    // A refresh that leaves the figure as it is costs no redraw: only its meta and revision are updated.
+    let drawnSpec = null;  // the figure last queued for drawing
+    const shown = () => model.get("shown") || {};
     const draw = () => {
       if (!visible()) { pending = true; return; }
       pending = false;
       const spec = model.get("spec");
       if (!spec || !spec.data) {  // cleared: nothing drawn, nothing to wait for
+        drawnSpec = null;
         queue = queue.then(() => { Plotly.purge(div); listening = false; delete el.dataset.rendered; });
         return;
       }
-      queue = queue.then(() => Plotly.react(div, spec.data, spec.layout, CONFIG)).then(() => wholeTicks(null)).then(() => {
+      if (spec === drawnSpec) {
+        queue = queue.then(() => {
+          const { rev, meta } = shown();
+          if (div.layout) div.layout.meta = meta;
+          if (div._fullLayout) div._fullLayout.meta = meta;
+          el.dataset.rendered = String(rev ?? 0);
+        });
+        return;
+      }
+      drawnSpec = spec;
+      queue = queue.then(() => Plotly.react(div, spec.data, { ...spec.layout, meta: shown().meta }, CONFIG))
+        .then(() => wholeTicks(null)).then(() => {
         drawCells(div, spec.cell_text);
-        el.dataset.rendered = String(spec.rev ?? 0);
+        el.dataset.rendered = String(shown().rev ?? 0);
         if (listening) return;
         listening = true;  // div.on exists once plotly drew into the div
         div.on("plotly_relayout", (ev) => {
@@ -198,10 +216,10 @@ export default {
       }
     });
     resize.observe(div);
-    model.on("change:spec", draw);
+    model.on("change:spec change:shown", draw);
     model.on("change:height", () => { div.style.height = model.get("height") + "px"; });
     draw();
-    return () => { resize.disconnect(); model.off("change:spec", draw); Plotly.purge(div); };
+    return () => { resize.disconnect(); model.off("change:spec change:shown", draw); Plotly.purge(div); };
   },
 };
 """
@@ -244,7 +262,8 @@ class PlotView(anywidget.AnyWidget):
     """One plotly.js figure of fixed height; `show(data, layout)` redraws it in place."""
 
     _esm = VIEW_ESM
-    spec = traitlets.Dict().tag(sync=True)
+    spec = traitlets.Dict().tag(sync=True)  # the figure: data, layout, int_axes, cell_text (sent when it changed)
+    shown = traitlets.Dict().tag(sync=True)  # {"rev", "meta"}: the refresh the figure belongs to and what it shows
     height = traitlets.Int(300).tag(sync=True)
     name = traitlets.Unicode("").tag(sync=True)  # `data-name` of the element (tests find views by it)
     ranges = traitlets.Dict().tag(sync=True)  # {axis: [lo, hi]} as the user zoomed or panned it (set by the browser)
@@ -255,27 +274,44 @@ class PlotView(anywidget.AnyWidget):
         self.on_msg(self._on_msg)
 
     def show(self, data: list, layout: dict, rev: int = 0, meta: dict | None = None) -> None:
-        """New content. Only a changed spec is sent; `layout.uirevision` keeps the user's zoom.
+        """New content. Only a changed figure is sent and redrawn (`layout.uirevision` keeps the user's
+        zoom); a refresh that leaves it as it is sends only `shown` (rev, meta), and the browser updates
+        the drawn figure's `layout.meta` and its revision without redrawing it.
         meta: what the view shows (e.g. the selected token and layer), readable in the browser as
         the plot's `layout.meta`."""
         layout = {"height": self.height, "margin": {"l": 60, "r": 20, "t": 36, "b": 40}, **layout}
         int_axes = layout.pop("int_axes", [])  # axes of whole ids: the browser keeps their ticks whole when zoomed
         cell_text = layout.pop("cell_text", None)  # heatmap cell labels the view writes itself (module docstring)
-        if "uirevision" not in layout:
-            self.ranges = {}  # the browser redraws this view at the spec's own ranges: a zoom is gone
-        if meta is not None:
-            layout["meta"] = meta
-        self.spec = {"data": data, "layout": layout, "rev": int(rev), "int_axes": list(int_axes),
-                     **({"cell_text": cell_text} if cell_text else {})}
+        spec = {"data": data, "layout": layout, "int_axes": list(int_axes), **({"cell_text": cell_text} if cell_text else {})}
+        changed = spec != self.spec
+        with self.hold_sync():  # one message: the figure (when it changed) and what it shows
+            if changed and "uirevision" not in layout:
+                self.ranges = {}  # the browser redraws this view at the spec's own ranges: a zoom is gone
+            if changed:
+                self.spec = spec
+            self.shown = {"rev": int(rev), "meta": meta}
 
     def clear(self) -> None:
-        self.spec = {}
+        with self.hold_sync():
+            self.spec, self.shown = {}, {}
+
+    @property
+    def meta(self) -> dict | None:
+        """What the view says it shows (its `layout.meta` in the browser); None when empty."""
+        return self.shown.get("meta") if self.spec else None
+
+    @property
+    def rev(self) -> int | None:
+        """The revision of the refresh the view belongs to; None when empty."""
+        return self.shown.get("rev") if self.spec else None
 
     def snapshot(self) -> dict | None:
         """The spec as shown now: its layout with the user's zoom (`ranges`) applied; None when empty."""
         if not self.spec:
             return None
         layout = dict(self.spec["layout"])
+        if self.meta is not None:
+            layout["meta"] = self.meta
         for axis, rng in self.ranges.items():
             layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
         data = list(self.spec["data"])
