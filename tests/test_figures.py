@@ -241,3 +241,31 @@ def test_every_named_colour_scale_is_one_plotly_js_knows():
     assert used and used <= builtin, used - builtin
     data, _ = specs.kda_token(k3_sized(n_tokens=2), 1)
     assert data[0]["colorscale"] == specs.NORM_SCALE
+
+
+def test_the_block_tab_has_one_colour_bar_and_heatmap_axes_draw_no_grid(k3):
+    """The per-layer block map reads on the per-token map's colour bar (same scale), so it draws none;
+    heatmap axes draw no grid lines (under the cells; plotly redrew them at every Step)."""
+    tok_data, tok_layout = specs.block_token(k3, 4, layer=37)
+    lay_data, lay_layout = specs.block_layer(k3, 37, 4)
+    bars = [t for t in tok_data + lay_data if t["showscale"]]
+    assert len(bars) == 1 and bars[0] is tok_data[0] and bars[0]["colorbar"]["title"]["text"] == "softmax weight"
+    scale = (bars[0]["colorscale"], bars[0]["zmin"], bars[0]["zmax"])
+    assert all((t["colorscale"], t["zmin"], t["zmax"]) == scale for t in tok_data + lay_data)
+    assert "colour scale above" in lay_layout["title"]["text"]
+    r = routing(k3)
+    stats = summaries.load_stats(r)
+    counts, order = summaries.sorted_counts(stats["counts"])
+    layers = r["moe_layers"]
+    vmax = specs.kda_vmax(k3)
+    views = {"block_token": (tok_data, tok_layout), "block_layer": (lay_data, lay_layout),
+             "kda_token": specs.kda_token(k3, 2, layer=k3.kda_ids[5], vmax=vmax),
+             "kda_layer": specs.kda_layer(k3, k3.kda_ids[5], 2, vmax=vmax),
+             "moe_sorted": specs_moe.moe_sorted(stats, order, counts, k3, layers, 50, 16),
+             "moe_top": specs_moe.moe_top_experts(counts, order, k3, layers, 50, stats["tokens"]),
+             "moe_topk": specs_moe.moe_topk(summaries.topk_table(r, 2, None), k3, 50, None, 2)}
+    for name, (data, layout) in views.items():
+        axes = {a for t in data if t["type"] == "heatmap" for a in (t.get("xaxis", "x"), t.get("yaxis", "y"))}
+        assert axes, name
+        for a in axes:
+            assert layout[a[0] + "axis" + a[1:]].get("showgrid") is False, (name, a)

@@ -6,6 +6,9 @@ view has a fixed height, whatever the number of tokens or layers; tokens run alo
 with the MLA layers named on the axis at K3 depth; the selected token or layer is outlined in red.
 Hover texts say what a cell is (layer, site, source, head, expert, score, ...), with exact values.
 
+Heatmap axes draw no grid lines (`showgrid: False`): they lie under the cells, seen only through a
+gap, and drawing them was a good part of plotly's redraw of a small map at each Step.
+
 Block-residual and KDA views are here; MoE routing and predictions are in `specs_moe.py`.
 """
 
@@ -61,7 +64,7 @@ def layer_ticks(labels: list[str], selected: str | None = None) -> list[str]:
 
 def layer_axis(labels: list[str], title: str = "layer", selected: str | None = None) -> dict:
     """A categorical layer axis; past 32 layers only `layer_ticks` are named (the selected one always)."""
-    axis = {"type": "category", "title": {"text": title}, "tickfont": {"size": 10}, "fixedrange": True}
+    axis = {"type": "category", "title": {"text": title}, "tickfont": {"size": 10}, "fixedrange": True, "showgrid": False}
     if len(labels) > 32:
         ticks = layer_ticks(labels, selected)
         axis.update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
@@ -78,7 +81,7 @@ def token_window(n_tokens: int, t: int, window: int = WINDOW) -> list[float]:
 
 def token_axis(trace, t: int, tokenizer=None) -> dict:
     return {"type": "category", "title": {"text": "token (the token slider moves this window)"},
-            "range": token_window(len(trace), t),
+            "range": token_window(len(trace), t), "showgrid": False,
             "tickfont": {"size": 10}, "tickangle": -60}  # no automargin: it costs plotly a second layout pass
 
 
@@ -147,14 +150,14 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     data.append(heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
                       hover="final output mix (final.attn_res)<br>source: %{y}<br>weight: %{z:.4f}", showscale=False))
     label = trace_labels(trace, tokenizer)[t]
-    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
+    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True, "showgrid": False}
     layout = {"title": {"text": f"Block attention residuals of token {label}  (click a layer to select it)", "font": FONT},
               "xaxis": {**layer_axis(layers, "", sel), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
               "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
               "xaxis2": {**layer_axis(layers, "layer", sel), "domain": [0, 0.9], "anchor": "y2"},
               "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
               "xaxis3": {"type": "category", "domain": [0.92, 0.96], "anchor": "y3", "fixedrange": True,
-                         "tickfont": {"size": 10}},
+                         "tickfont": {"size": 10}, "showgrid": False},
               "yaxis3": {**axis_y, "domain": [0, 0.44], "anchor": "x3", "showticklabels": False},
               "shapes": shapes, "plot_bgcolor": GAP_COLOR, "margin": {"l": 80, "r": 20, "t": 30, "b": 70}}
     return data, layout
@@ -170,15 +173,15 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
         data.append(heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
                           hover="token %{x}, layer " + f"{layer}, {SITE_NAMES[site]}"
                           + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}", customdata=_gap_notes(w[:, site, :].T),
-                          gaps=True,
-                          showscale=site == 0, colorbar={"title": {"text": "softmax weight"}, "len": 0.9}))
+                          gaps=True, showscale=False))  # the colour bar of the per-token map above: same scale
         shapes.append(outline(t, xa, ya + " domain"))
         if not np.isfinite(w[:, site]).any():
             notes.append({"text": f"layer {layer} has no mix here: its block stack is still empty", "showarrow": False,
                           "xref": xa + " domain", "yref": ya + " domain", "x": 0.5, "y": 0.5, "font": {"color": "#555"}})
-    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True}
+    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True, "showgrid": False}
     axis_x = token_axis(trace, t, tokenizer)
-    layout = {"title": {"text": f"Block attention residuals at layer {layer}, token by token  (click a token)", "font": FONT},
+    layout = {"title": {"text": f"Block attention residuals at layer {layer}, token by token  (click a token; "
+                        "softmax weight on the colour scale above)", "font": FONT},
               "xaxis": {**axis_x, "anchor": "y", "showticklabels": False, "title": None, "matches": "x2"},
               "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
               "xaxis2": {**axis_x, "anchor": "y2"},
@@ -208,7 +211,8 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer)", "font": FONT},
               "xaxis": layer_axis(labels, "KDA layer", labels[ids.index(layer)] if layer in ids else None),
-              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True},
+              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True,
+                        "showgrid": False},
               "shapes": shapes, "margin": {"l": 50, "r": 20, "t": 30, "b": 70}}
     return data, layout
 
@@ -228,6 +232,7 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
     layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",
                         "font": FONT},
               "xaxis": token_axis(trace, t, tokenizer),
-              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True},
+              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True,
+                        "showgrid": False},
               "shapes": [outline(t)], "dragmode": "pan", "margin": {"l": 50, "r": 20, "t": 30, "b": 80}}
     return data, layout
