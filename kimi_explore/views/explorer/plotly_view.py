@@ -64,22 +64,6 @@ VIEW_ESM = _READY + r"""
 // no modebar: it sat over the titles; drag zooms or pans (per view), a double click resets
 const CONFIG = { responsive: true, displaylogo: false, scrollZoom: false, displayModeBar: false };
 
-// Every view's draw waits for the next animation frame, and the views whose specs arrived meanwhile
-// draw together in that one task: a Step sends each view of the tab in its own message, and drawing
-// each as it came made the page lay out, paint and composite once per view in between.
-function nextFrame(fn) {
-  const f = globalThis.__kimiFrame || (globalThis.__kimiFrame = { pending: new Set(), queued: false });
-  f.pending.add(fn);  // a view whose spec and shown both changed draws once
-  if (f.queued) return;
-  f.queued = true;
-  requestAnimationFrame(() => {
-    f.queued = false;
-    const fns = [...f.pending];
-    f.pending.clear();
-    for (const g of fns) g();
-  });
-}
-
 function niceInt(span) {  // a whole tick step leaving ~8 ticks over `span`: 1, 2, 5, 10, 20, 50, ...
   const raw = Math.max(1, span / 8), p = 10 ** Math.floor(Math.log10(raw)), m = raw / p;
   return Math.max(1, (m <= 1 ? 1 : m <= 2 ? 2 : m <= 5 ? 5 : 10) * p);
@@ -232,11 +216,10 @@ export default {
       }
     });
     resize.observe(div);
-    const changed = () => nextFrame(draw);
-    model.on("change:spec change:shown", changed);
+    model.on("change:spec change:shown", draw);  // both in one message: the second call finds the figure drawn
     model.on("change:height", () => { div.style.height = model.get("height") + "px"; });
     draw();
-    return () => { resize.disconnect(); model.off("change:spec change:shown", changed); Plotly.purge(div); };
+    return () => { resize.disconnect(); model.off("change:spec change:shown", draw); Plotly.purge(div); };
   },
 };
 """
