@@ -207,8 +207,8 @@ class Tabs:
         ex.refresh()
 
     def _analyses(self, t: int, compute: bool = False):
-        """(lens, attribution) of token t, kept per (history, token); None until computed (they replay
-        the history up to t: seconds at K3 depth, so they run on the Compute button only)."""
+        """(lens, attribution) of token t, kept per (history, token); None until computed (each replays the
+        tokens from the latest checkpoint before t: ~0.1-0.5 s at K3 depth, so they run on the Compute button)."""
         from ...analysis.attribution import logit_attribution
         from ...analysis.logit_lens import logit_lens
 
@@ -223,8 +223,8 @@ class Tabs:
         """The selected token's lens and attribution, once computed for it (see `_analyses`)."""
         got = self._analyses(t, compute=self.auto_analyses.value)
         if got is None:
-            msg = (f"Press Compute for token {t}: the logit lens and the attribution replay the history up to it "
-                   f"({t + 1} tokens)")
+            msg = (f"Press Compute for token {t}: the logit lens and the attribution replay the history from the "
+                   "latest checkpoint before it")
             show("lens", specs.empty(msg))
             show("attribution", specs.empty("(the waterfall of the logit of the token fed next, or of the top-1)"))
             return
