@@ -235,8 +235,12 @@ def test_one_late_step_replays_from_its_checkpoint_only(ref_weights, monkeypatch
     lens_zero = ke.logit_lens(s, top=3, positions=[0, 37])
     decoded = []
     forward = type(ref_weights).forward_token
-    monkeypatch.setattr(type(ref_weights), "forward_token",
-                        lambda self, state, token_id, hooks=None: decoded.append(token_id) or forward(self, state, token_id, hooks))
+
+    def counted(self, state, token_id, hooks=None):
+        decoded.append(token_id)
+        return forward(self, state, token_id, hooks)
+
+    monkeypatch.setattr(type(ref_weights), "forward_token", counted)
     one = ke.logit_attribution(s, 37)
     assert decoded == history[32:38]
     assert one.contributions == from_zero.contributions and one.logit == from_zero.logit

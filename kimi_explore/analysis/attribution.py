@@ -138,7 +138,8 @@ def logit_attribution(session, t=-1, token=None):
     many = not isinstance(t, (int, np.integer))
     names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
     steps = list(t) if many else [t]
-    out = [_attribute(w, step, values, logits, token) for step, values, logits in replay(session, names, steps, from_checkpoint=True)]
+    runs = replay(session, names, steps, from_checkpoint=True)
+    out = [_attribute(w, step, values, logits, token) for step, values, logits in runs]
     return out if many else out[0]
 
 
