@@ -67,7 +67,8 @@ class Tabs:
                                              tooltip="the logit lens and the attribution of the selected token")
         self.compute_button.on_click(lambda _: self.ex._busy(self.compute_analyses))
         self.auto_analyses = widgets.Checkbox(value=False, indent=False, layout=widgets.Layout(width="auto"),
-                                              description="compute on every selection (a replay: slow at K3 depth)")
+                                              description="compute on every selection (a replay from the latest "
+                                                          "checkpoint: seconds at K3 depth)")
         self.auto_analyses.observe(lambda _: (self.drawn.pop(4, None), self.ex.refresh()), names="value")
         v = self.views
         self.widget = widgets.Tab(children=[
