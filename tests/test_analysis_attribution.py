@@ -222,3 +222,29 @@ def test_mutation_each_expert_leaf_carries_that_experts_own_share(ref_weights, o
             got = np.array([a.contributions[f"layers.{i}.moe.experts.{e}"] for e in ids])
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=f"step {t}, layer {i}: {ids}")
     assert unsorted >= 10  # routing order differs from id order often enough to tell the two labellings apart
+
+
+def test_one_late_step_replays_from_its_checkpoint_only(ref_weights, monkeypatch):
+    """A stepped history of 40 tokens, checkpoints every 8: the attribution and the lens of token 37 re-decode
+    tokens 32..37 only (counted), and equal what a replay from token 0 gives, bit for bit."""
+    history = (TEXT * 2)[:40]
+    s = ke.Session(ref_weights, checkpoint_every=8)
+    for tok in history:
+        s.step(tok)
+    from_zero = ke.logit_attribution(s, [0, 37])[1]  # (a replay that starts at the first wanted step, 0)
+    lens_zero = ke.logit_lens(s, top=3, positions=[0, 37])
+    decoded = []
+    forward = type(ref_weights).forward_token
+
+    def counted(self, state, token_id, hooks=None):
+        decoded.append(token_id)
+        return forward(self, state, token_id, hooks)
+
+    monkeypatch.setattr(type(ref_weights), "forward_token", counted)
+    one = ke.logit_attribution(s, 37)
+    assert decoded == history[32:38]
+    assert one.contributions == from_zero.contributions and one.logit == from_zero.logit
+    decoded.clear()
+    lens = ke.logit_lens(s, top=3, positions=[37])
+    assert decoded == history[32:38]
+    assert np.array_equal(lens.top_ids[0], lens_zero.top_ids[1]) and np.array_equal(lens.top_probs[0], lens_zero.top_probs[1])

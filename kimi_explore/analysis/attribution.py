@@ -127,7 +127,9 @@ def logit_attribution(session, t=-1, token=None):
     """Split the logit of `token` (default: each step's top-1) at step `t` of `session`'s history into leaves.
 
     t: a step (negative counts from the end) -> an Attribution; or a list of steps -> a list of
-    Attributions in time order, from ONE replay of the history.
+    Attributions in time order, from ONE replay of the history, which starts at the latest checkpoint
+    at or before the first step (`replay(..., from_checkpoint=True)`): one recent step costs the same
+    however long the history.
     """
     w = session.weights.local_weights()  # every layer's arrays (a pipeline says how to get them)
     V = w.config.vocab_size
@@ -136,7 +138,8 @@ def logit_attribution(session, t=-1, token=None):
     many = not isinstance(t, (int, np.integer))
     names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
     steps = list(t) if many else [t]
-    out = [_attribute(w, step, values, logits, token) for step, values, logits in replay(session, names, steps)]
+    runs = replay(session, names, steps, from_checkpoint=True)
+    out = [_attribute(w, step, values, logits, token) for step, values, logits in runs]
     return out if many else out[0]
 
 

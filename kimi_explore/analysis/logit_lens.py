@@ -100,7 +100,9 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
     top: predictions kept per (token, layer). targets: None; "next" (the token fed after each one;
     -1 for the last); or token ids [T] (-1 skips a token): their log-prob at every layer is returned.
     positions: history positions (negative counts from the end); the lens then has one row per
-    position, in increasing order, and the replay stops after the last one (the Explorer asks for one).
+    position, in increasing order, and the replay runs from the latest checkpoint at or before the
+    first one to the last one (`replay(..., from_checkpoint=True)`: the Explorer asks for one token, at
+    a cost that does not grow with the history).
     """
     if not (isinstance(top, int) and top >= 1):
         raise ValueError(f"logit_lens: top must be a positive int, got {top!r}")
@@ -116,7 +118,7 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
     top_probs = np.empty((len(rows), len(w.specs), k))
     target_lp = None if target_ids is None else np.full((len(rows), len(w.specs)), np.nan)
     head = w.head()  # a pipeline copies its head from its last stage
-    for t, values, _ in replay(session, names, None if positions is None else rows.tolist()):
+    for t, values, _ in replay(session, names, None if positions is None else rows.tolist(), from_checkpoint=True):
         r = at[t]
         logp = log_softmax(to_numpy(lens_logits(w, head, values)))  # [L, V]
         ids = top_ids(logp, k)

@@ -58,7 +58,7 @@ def situ_and_mul(gate_up, beta: float, linear_beta: float | None, inv_caps=None,
     inv_caps: optional [2n] = [1/beta]*n + [1/linear_beta]*n in gate_up's dtype (`situ_inv_caps`):
     both tanh in one call, bit for bit the same result (also broadcast to gate_up's shape: cheaper).
     consts: optional (1, beta * linear_beta) as 0-d arrays of gate_up's dtype, with inv_caps (the same result).
-    A host float32 gate_up takes the compiled step (`token_ops.situ`: the same formula, exp and tanh to ~1 ulp).
+    A host float32 gate_up takes the compiled step (`token_ops.situ`: the same formula in double, rounded once).
     """
     if token_ops.runs(gate_up):
         return token_ops.situ(gate_up, beta, linear_beta)

@@ -67,7 +67,8 @@ class Tabs:
                                              tooltip="the logit lens and the attribution of the selected token")
         self.compute_button.on_click(lambda _: self.ex._busy(self.compute_analyses))
         self.auto_analyses = widgets.Checkbox(value=False, indent=False, layout=widgets.Layout(width="auto"),
-                                              description="compute on every selection (a replay: slow at K3 depth)")
+                                              description="compute on every selection (a replay from the latest "
+                                                          "checkpoint: seconds at K3 depth)")
         self.auto_analyses.observe(lambda _: (self.drawn.pop(4, None), self.ex.refresh()), names="value")
         v = self.views
         self.widget = widgets.Tab(children=[
@@ -207,8 +208,8 @@ class Tabs:
         ex.refresh()
 
     def _analyses(self, t: int, compute: bool = False):
-        """(lens, attribution) of token t, kept per (history, token); None until computed (they replay
-        the history up to t: seconds at K3 depth, so they run on the Compute button only)."""
+        """(lens, attribution) of token t, kept per (history, token); None until computed (each replays the
+        tokens from the latest checkpoint before t: ~0.1-0.5 s at K3 depth, so they run on the Compute button)."""
         from ...analysis.attribution import logit_attribution
         from ...analysis.logit_lens import logit_lens
 
@@ -223,8 +224,8 @@ class Tabs:
         """The selected token's lens and attribution, once computed for it (see `_analyses`)."""
         got = self._analyses(t, compute=self.auto_analyses.value)
         if got is None:
-            msg = (f"Press Compute for token {t}: the logit lens and the attribution replay the history up to it "
-                   f"({t + 1} tokens)")
+            msg = (f"Press Compute for token {t}: the logit lens and the attribution replay the history from the "
+                   "latest checkpoint before it")
             show("lens", specs.empty(msg))
             show("attribution", specs.empty("(the waterfall of the logit of the token fed next, or of the top-1)"))
             return
