@@ -14,8 +14,8 @@ Why: on the tiny models a decode step is some hundreds of NumPy calls on vectors
 and each call costs more than its arithmetic (`bench/decode.py`). Each step is evaluated in double from
 its float32 inputs (libm's exp and tanh) and rounded once, so each output is the float32 nearest its
 exact value (`tests/test_token_ops.py`: <= 0.501 ulp): as close as NumPy's float32 formulation of the
-step or closer, to which it agrees to rounding, not bit for bit. The route is the same for a token with and without hooks (they fire between
-the steps), so replays stay exact.
+step or closer, to which it agrees to rounding, not bit for bit. The route is the same for a token
+with and without hooks (they fire between the steps), so replays stay exact.
 
 The callers take this route where `runs(...)` holds (C-contiguous float32 NumPy arrays, the extension
 built); float64, CuPy, the strict stand-in and an install without a compiler take the NumPy formulas.
