@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import on_host
+from .token_ops import host_float32
 
 try:
     from . import _kda_recurrence as _ext
@@ -31,19 +32,12 @@ def runs(xp, dtype) -> bool:
     return AVAILABLE and on_host(xp) and np.dtype(dtype) == np.float32
 
 
-_F32 = np.dtype(np.float32)
-
 
 def elementwise_ops(*arrays):
     """The compiled elementwise steps of the token form (`shift_in`, `scale_rows`, `write_delta`, `l2_scale`, `gated_norm`:
     exactly NumPy's rounding, one call each instead of several array operations and broadcasts over short
     axes), when every array is a C-contiguous float32 host array and the kernel is built; else None."""
-    if _ext is None:
-        return None
-    for a in arrays:
-        if type(a) is not np.ndarray or a.dtype != _F32 or not a.flags.c_contiguous:
-            return None
-    return _ext
+    return _ext if _ext is not None and host_float32(*arrays) else None
 
 
 def isas() -> tuple[str, ...]:

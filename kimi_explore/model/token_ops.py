@@ -34,18 +34,21 @@ AVAILABLE = _ext is not None
 MAX_SOURCES = 64  # source_softmax's bound on the sources of one mix
 _F32 = np.dtype(np.float32)
 
-__all__ = ["AVAILABLE", "kda_gates", "rms_norm", "routing_weights", "runs", "select_experts", "set_row", "sigmoid",
-           "situ", "softmax_rows_", "source_softmax"]
+__all__ = ["AVAILABLE", "host_float32", "kda_gates", "rms_norm", "routing_weights", "runs", "select_experts", "set_row",
+           "sigmoid", "situ", "softmax_rows_", "source_softmax"]
 
 
-def runs(*arrays) -> bool:
-    """Whether the compiled steps take these arrays: C-contiguous float32 NumPy arrays, the extension built."""
-    if _ext is None:
-        return False
+def host_float32(*arrays) -> bool:
+    """Whether every array is a C-contiguous float32 NumPy array (what the compiled token steps read)."""
     for a in arrays:
         if type(a) is not np.ndarray or a.dtype != _F32 or not a.flags.c_contiguous:
             return False
     return True
+
+
+def runs(*arrays) -> bool:
+    """Whether the compiled steps take these arrays: `host_float32`, and the extension built."""
+    return _ext is not None and host_float32(*arrays)
 
 
 def rms_norm(x, weight, eps: float):
