@@ -147,7 +147,7 @@ def test_the_router_takes_the_compiled_route_only_for_what_it_can_read():
     bias = np.zeros(16, np.float32)
     ids = latent_moe.select_experts(scores, bias, 4)
     assert ids.dtype == np.int64 and ids.tolist() == [15, 14, 13, 12]
-    # a hook's int32 ids and float64 scores: the same weights by the other routes
+    # a hook's int32 ids (converted for the compiled step) and float64 scores (Python's doubles): the same weights
     w32 = latent_moe.routing_weights(scores, ids.astype(np.int32), True, 1.5)
     assert np.array_equal(w32, latent_moe.routing_weights(scores, ids, True, 1.5))
     w64 = latent_moe.routing_weights(scores.astype(np.float64), ids, True, 1.5)

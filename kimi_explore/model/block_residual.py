@@ -98,13 +98,11 @@ class SourceBuffer:
         self.host_scalars = on_host(xp) if host_scalars is None else host_scalars
         self.rows = xp.empty((rows, d), dtype)
         self._upto = [self.rows[:m] for m in range(rows + 1)]  # rows[:m], made once for the token's many mixes
+        # 1/rms of each row: doubles on the host, else device arrays of the dtype
+        self.inv_rms = np.zeros(rows, np.float64) if self.host_scalars else xp.empty(rows, dtype)
         # host float32: each row and its 1/rms set, and the softmax taken, by one compiled call (`token_ops`;
         # the same double-precision arithmetic as the Python floats below, the sums of squares in double)
         self.compiled = self.host_scalars and token_ops.runs(self.rows) and rows <= token_ops.MAX_SOURCES
-        if self.compiled:
-            self.inv_rms = np.zeros(rows, np.float64)
-        else:
-            self.inv_rms = [0.0] * rows if self.host_scalars else xp.empty(rows, dtype)  # 1/rms of each row
         self.n = 0  # sealed blocks
         self.current = None  # the running sum last given to set_current
 
@@ -127,7 +125,7 @@ class SourceBuffer:
         if self.compiled and s.dtype == self.dtype:
             return token_ops.source_softmax(s, self.inv_rms)
         if self.host_scalars:  # the same float operations as a loop would do, through C-level map calls
-            z = list(map(operator.mul, s.tolist(), self.inv_rms))  # (map stops at m: inv_rms has spare rows)
+            z = list(map(operator.mul, s.tolist(), self.inv_rms.tolist()))  # (map stops at m: inv_rms has spare rows)
             top = max(z)
             e = list(map(math.exp, map(top.__rsub__, z)))  # exp(z_i - top)
             return np.array(list(map(sum(e).__rtruediv__, e)), dtype=self.dtype)  # e_i / total
@@ -160,8 +158,7 @@ class SourceBuffer:
     def pack(self) -> tuple:
         """What another process needs to continue this token: (rows [n+1, d] host copy, their 1/rms [n+1], n)."""
         n = self.n
-        inv = self.inv_rms[: n + 1]
-        return to_numpy(self.rows[: n + 1]).copy(), list(inv) if self.host_scalars else to_numpy(inv).copy(), n
+        return to_numpy(self.rows[: n + 1]).copy(), to_numpy(self.inv_rms[: n + 1]).copy(), n
 
     @classmethod
     def unpack(cls, packed: tuple, xp, rows: int, dtype, eps: float) -> SourceBuffer:

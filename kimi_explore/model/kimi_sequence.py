@@ -134,7 +134,7 @@ class SequenceSources:
         """Token t's stack back from `buf` after a layer ran on it (it may have sealed one more block)."""
         m = buf.n + 1
         self.rows[t, :m] = buf.rows[:m]
-        self.inv_rms[t, :m] = self.xp.asarray(buf.inv_rms[:m], dtype=np.float64) if not buf.host_scalars else buf.inv_rms[:m]
+        self.inv_rms[t, :m] = self.xp.asarray(buf.inv_rms[:m], dtype=np.float64)
         self.n = buf.n
         self.current = self.rows[:, self.n]
 

@@ -199,19 +199,20 @@ def select_experts(scores, bias, top_k: int):
 def routing_weights(scores, ids, renormalize: bool, scaling: float):
     """scores[ids], renormalised to sum 1 (+ RENORM_EPS) when asked, times `scaling`: [k].
 
-    In double precision, each weight rounded once, where `weights_in_double(scores)`: host float32 scores
-    (the compiled step) or a small router on the host (Python floats); else in the scores' dtype."""
+    In double precision, each weight rounded once, where `weights_in_double(scores)` (host float32 scores:
+    the compiled step when it takes them, else Python floats; any host dtype for a small router); else in
+    the scores' dtype."""
+    if not weights_in_double(scores):
+        w = scores[ids]
+        if renormalize:
+            w = w / (w.sum() + RENORM_EPS)
+        return w * scaling
     if token_ops.runs(scores) and type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu":
         return token_ops.routing_weights(scores, ids.astype(np.int64, copy=False), renormalize, scaling, RENORM_EPS)
-    if scores.shape[0] <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
-        s = scores.tolist()
-        w = [s[i] for i in ids.tolist()]
-        c = scaling / (sum(w) + RENORM_EPS) if renormalize else scaling
-        return np.array([v * c for v in w], dtype=scores.dtype)
-    w = scores[ids]
-    if renormalize:
-        w = w / (w.sum() + RENORM_EPS)
-    return w * scaling
+    s = scores.tolist()
+    w = [s[i] for i in ids.tolist()]
+    c = scaling / (sum(w) + RENORM_EPS) if renormalize else scaling
+    return np.array([v * c for v in w], dtype=scores.dtype)
 
 
 def weights_in_double(scores) -> bool:

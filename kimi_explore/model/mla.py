@@ -67,8 +67,8 @@ class MlaWeights:
         # the step's scalars as 0-d arrays of the compute dtype (derived, never loaded): the same rounding as
         # the Python floats, NumPy's cheaper operand
         c = lambda v: array_namespace(self.q_a_layernorm).asarray(v, dtype=self.q_a_layernorm.dtype)  # noqa: E731
-        self.one, self.score_scale = c(1.0), c(1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim))
-        self.score_scale_f = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+        self.score_scale_f = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)  # (the compiled softmax's)
+        self.one, self.score_scale = c(1.0), c(self.score_scale_f)
 
 
 @dataclass
