@@ -197,6 +197,29 @@ def test_grouped_matmat_is_exact_on_small_integers_in_every_kernel():
         np.testing.assert_array_equal(scaled, want * 8)
 
 
+@pytest.mark.parametrize("C", [96, 2 * 16 * 48], ids=["one-column-block", "three-column-blocks"])
+def test_grouped_matmat_many_inputs_against_float64(C):
+    """A group of >= 8 inputs takes the panel route (AVX2: weights decoded once per tile, outer products), fewer the
+    4-input tiles: both within the float64 bound; the panel route the same floats whatever the thread count (a cut
+    inside a group) and whichever group an input is in. Groups of 7 to 300 inputs (remainders of 6), 37 rows (panels
+    of 8, tiles of 64 rows and remainders), columns over 256 per tile, the same expert twice."""
+    rng = np.random.default_rng(C)
+    packed, scale = bank(rng, E=4, R=37, C=C)
+    packed[1, :, :8] = 0x77  # +6 and +6: large partial sums of one sign
+    scale[1, 3, 0] = 200
+    sizes, experts = [8, 300, 7, 13, 129], [2, 0, 1, 3, 1]
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    x = rng.standard_normal((bounds[-1], C)).astype(np.float32)
+    want, mag = float64_grouped(packed, scale, experts, bounds, x)
+    for isa in isas():
+        got = mxfp4_matvec.grouped_matmat(packed, scale, experts, bounds, x, isa=isa, threads=1)
+        assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-43), np.max(np.abs(got - want) / (mag + 1e-300))
+        np.testing.assert_array_equal(mxfp4_matvec.grouped_matmat(packed, scale, experts, bounds, x, isa=isa, threads=2), got)
+        # group 1 (300 inputs) again, as groups of 150 and 150: the same floats
+        halves = mxfp4_matvec.grouped_matmat(packed, scale, [0, 0], [0, 150, 300], x[8:308], isa=isa, threads=1)
+        np.testing.assert_array_equal(halves, got[8:308])
+
+
 def test_grouped_parts_matmat_is_the_bank_kernel_on_blocks():
     """The same bytes given as row blocks (w1 | w3, as mapped experts hold them): bit for bit the bank's result."""
     rng = np.random.default_rng(9)
