@@ -13,13 +13,16 @@
 
    `bf16_matmat` (the sequence path) multiplies n input rows at once, out[i, r] = W[r] . x[i]: tiles of
    4 weight rows x 4 inputs, each weight vector widened once per tile and multiplied into the 4 inputs
-   (16 accumulators), so W's bytes come from memory once per call. */
+   (16 accumulators), so W's bytes come from memory once per call; from 5 inputs on (AVX2), float32
+   panels widened once per tile of 64 rows x 256 columns and multiplied as BLAS does (_panels_avx2.h). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "_kernel_isa.h"
+#include "_panels_avx2.h"
 
 typedef void (*row_fn)(const uint16_t *w, const float *x, Py_ssize_t C, float *y);
 
@@ -220,6 +223,40 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint16_t *w, in
     else for (int a = 0; a < nr; a++) for (int i = 0; i < ni; i++) tile_avx512_n(w + a * C, 1, X + i * C, 1, C, out + i * ldo + a, ldo);
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
+
+/* PANEL_MIN_INPUTS or more inputs (AVX2): the weights widened once per tile of PANEL_ROWS rows x PANEL_K columns
+   into float32 panels, multiplied as BLAS does (_panels_avx2.h); each output the float32 sum of its products in
+   column order. Panels: P[(q * PANEL_K + k) * 8 + a] = f32(W[r0 + 8q + a, c0 + k]), rows past nr 0. */
+__attribute__((target("avx2,fma"))) static void widen_panels_avx2(const uint16_t *W, Py_ssize_t C, Py_ssize_t r0, int nr,
+                                                                 Py_ssize_t c0, Py_ssize_t c1, float *P) {
+    for (int q = 0; 8 * q < nr; q++) {
+        const uint16_t *row[8];
+        for (int a = 0; a < 8; a++) row[a] = 8 * q + a < nr ? W + (r0 + 8 * q + a) * C : NULL;
+        float *panel = P + (Py_ssize_t)q * PANEL_K * 8 - c0 * 8;
+        Py_ssize_t c = c0;
+        for (; c + 8 <= c1; c += 8) {
+            __m256 v[8];
+            for (int a = 0; a < 8; a++) v[a] = row[a] ? widen8(row[a] + c) : _mm256_setzero_ps();
+            transpose8(v);
+            for (int k = 0; k < 8; k++) _mm256_storeu_ps(panel + (c + k) * 8, v[k]);
+        }
+        for (; c < c1; c++)
+            for (int a = 0; a < 8; a++) panel[c * 8 + a] = row[a] ? widen(row[a][c]) : 0.0f;
+    }
+}
+
+/* out[i * R + r] = W[r] . x_i for rows start..stop-1, every input; P: [PANEL_ROWS / 8, PANEL_K, 8] floats (scratch) */
+__attribute__((target("avx2,fma"))) static void panels_avx2(const uint16_t *W, Py_ssize_t R, Py_ssize_t C, const float *X,
+                                                           Py_ssize_t n, float *Y, Py_ssize_t start, Py_ssize_t stop, float *P) {
+    for (Py_ssize_t rb = start; rb < stop; rb += PANEL_ROWS) {
+        const int nr = (int)(stop - rb < PANEL_ROWS ? stop - rb : PANEL_ROWS);
+        for (Py_ssize_t c0 = 0; c0 < C; c0 += PANEL_K) {
+            const Py_ssize_t c1 = C - c0 < PANEL_K ? C : c0 + PANEL_K;
+            widen_panels_avx2(W, C, rb, nr, c0, c1, P);
+            panels_times_inputs_avx2(P, 1, nr, X + c0, C, 0, n, c1 - c0, Y + rb, R, c0 == 0);
+        }
+    }
+}
 #else
 #define KX_TILE_KERNEL(isa) tile_portable
 #endif
@@ -251,13 +288,24 @@ static PyObject *bf16_matmat(PyObject *self, PyObject *args) {
         const uint16_t *W = (const uint16_t *)w.buf;
         const float *X = (const float *)x.buf;
         float *Y = (float *)out.buf;
+        float *P = NULL;
+#ifdef KX_X86
+        if (isa == 1 && n >= PANEL_MIN_INPUTS) P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K);  /* NULL: the tiles */
+#endif
         Py_BEGIN_ALLOW_THREADS
+#ifdef KX_X86
+        if (P != NULL) {
+            panels_avx2(W, R, C, X, n, Y, start, stop, P);
+            start = stop;  /* done: no tiles below */
+        }
+#endif
         for (Py_ssize_t r = start; r < stop; r += MM_ROWS) {
             const int nr = stop - r < MM_ROWS ? (int)(stop - r) : MM_ROWS;
             for (Py_ssize_t i = 0; i < n; i += MM_INPUTS)
                 tile(W + r * C, nr, X + i * C, n - i < MM_INPUTS ? (int)(n - i) : MM_INPUTS, C, Y + i * R + r, R);
         }
         Py_END_ALLOW_THREADS
+        free(P);
         result = Py_None;
         Py_INCREF(result);
     }

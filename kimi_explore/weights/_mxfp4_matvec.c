@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "_kernel_isa.h"
+#include "_panels_avx2.h"
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -435,41 +436,15 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
-/* A group of many input rows (AVX2), multiplied as BLAS does: the weights of a tile of BK_ROWS rows x BK_K columns
-   are decoded once into float32 panels of 8 rows (column k of a panel: its 8 rows' weights, one vector), and each
-   output vector (8 rows, one input) gathers weight vector x broadcast input, column after column: 12 independent
-   accumulators (16 rows x 6 inputs) keep both FMA units busy, where tile_avx2's dot products wait on a chain of
-   two dependent FMAs each. The tile (128 KB) stays in L2 and the inputs' columns of the tile in L1/L2; a row's
-   output waits in `out` between column blocks. Each output is the float32 sum, in column order (xe then xo
-   at each column), of the exact dequantised weights times the inputs: another order than the tiles', within
-   the same float64 bound (tests/test_mxfp4_matvec.py). */
-#define BK_MIN_INPUTS 5  /* groups with at least this many input rows take the panel route (fewer: the tiles, cheaper to decode) */
-#define BK_ROWS 64       /* weight rows per tile: 8 panels */
-#define BK_K 256         /* columns (of H) per tile: [BK_ROWS / 8, BK_K, 2, 8] floats = 128 KB */
-#define OP_INPUTS 6      /* inputs per microkernel call (with 2 panels: 12 accumulators) */
+/* A group of PANEL_MIN_INPUTS or more input rows (AVX2) is multiplied as BLAS does (_panels_avx2.h): the weights
+   of a tile of PANEL_ROWS rows x PANEL_K columns are decoded once into float32 panels, which stay in L2 while all
+   the group's inputs meet them (their columns of the tile in L1/L2); a row's outputs wait in `out` between
+   column tiles. Each output is the float32 sum, in column order (xe then xo at each column), of the exact
+   dequantised weights times the inputs: another order than the tiles', within the same float64 bound
+   (tests/test_mxfp4_matvec.py). */
 
-/* out[k][0..7] <- transpose of in[0..7][k] (8 vectors of 8) */
-__attribute__((always_inline, target("avx2,fma"))) static inline void transpose8(__m256 r[8]) {
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
-/* The tile of rows r0 .. r0 + nr - 1 (nr <= BK_ROWS), columns c0 .. c1 - 1 of group j's expert, as panels:
-   P[((q * BK_K + k) * 2 + h) * 8 + a] = the weight of row r0 + 8q + a at column c0 + k meeting xe (h = 0: the low
+/* The tile of rows r0 .. r0 + nr - 1 (nr <= PANEL_ROWS), columns c0 .. c1 - 1 of group j's expert, as panels:
+   P[((q * PANEL_K + k) * 2 + h) * 8 + a] = the weight of row r0 + 8q + a at column c0 + k meeting xe (h = 0: the low
    nibble) or xo (h = 1); rows past nr are 0. */
 __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_source *src, Py_ssize_t j, Py_ssize_t r0, int nr,
                                                                   Py_ssize_t c0, Py_ssize_t c1, float *P) {
@@ -497,7 +472,7 @@ __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_sou
             }
             transpose8(lo);
             transpose8(hi);
-            float *dst = P + ((Py_ssize_t)q * BK_K + (c - c0)) * 16;
+            float *dst = P + ((Py_ssize_t)q * PANEL_K + (c - c0)) * 16;
             for (int k = 0; k < 8; k++) {
                 _mm256_storeu_ps(dst + 16 * k, lo[k]);
                 _mm256_storeu_ps(dst + 16 * k + 8, hi[k]);
@@ -506,135 +481,17 @@ __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_sou
     }
 }
 
-/* Y[i * ldy + 8q + a] (+)= sum over the tile's n columns of panels q < nq (<= 2) times inputs i < ni (X: column c0 of
-   input 0, inputs 2H apart, xo H after xe); rows 8q + a < nr only; `first`: start from 0, not from Y. */
-__attribute__((always_inline, target("avx2,fma"))) static inline void panel_avx2_n(const float *P, const int nq, const float *X,
-        const int ni, Py_ssize_t H, Py_ssize_t n, float *Y, Py_ssize_t ldy, int nr, int first) {
-    __m256i mask[2];
-    __m256 acc[2][OP_INPUTS];
-    for (int q = 0; q < nq; q++) {
-        const int valid = nr - 8 * q;
-        mask[q] = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        for (int i = 0; i < ni; i++)
-            acc[q][i] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(Y + i * ldy + 8 * q, mask[q]);
-    }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        __m256 w[2];
-        for (int q = 0; q < nq; q++) w[q] = _mm256_loadu_ps(P + ((Py_ssize_t)q * BK_K + k) * 16);
-        for (int i = 0; i < ni; i++) {
-            const __m256 xe = _mm256_broadcast_ss(X + i * 2 * H + k);
-            for (int q = 0; q < nq; q++) acc[q][i] = _mm256_fmadd_ps(w[q], xe, acc[q][i]);
-        }
-        for (int q = 0; q < nq; q++) w[q] = _mm256_loadu_ps(P + ((Py_ssize_t)q * BK_K + k) * 16 + 8);
-        for (int i = 0; i < ni; i++) {
-            const __m256 xo = _mm256_broadcast_ss(X + i * 2 * H + H + k);
-            for (int q = 0; q < nq; q++) acc[q][i] = _mm256_fmadd_ps(w[q], xo, acc[q][i]);
-        }
-    }
-    for (int q = 0; q < nq; q++)
-        for (int i = 0; i < ni; i++) _mm256_maskstore_ps(Y + i * ldy + 8 * q, mask[q], acc[q][i]);
-}
-
-/* panel_avx2_n for 2 panels x NI <= 6 inputs, written out so that the accumulators stay in registers (NI is a constant
-   at every call: the lines of inputs past NI vanish) */
-__attribute__((always_inline, target("avx2,fma"))) static inline void panel_avx2_2xn(const float *P, const float *X, Py_ssize_t H,
-        Py_ssize_t n, float *Y, Py_ssize_t ldy, int nr, int first, const int NI) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane), m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), lane);
-    const float *x0 = X, *x1 = NI > 1 ? X + 2 * H : X, *x2 = NI > 2 ? X + 4 * H : X, *x3 = NI > 3 ? X + 6 * H : X;
-    const float *x4 = NI > 4 ? X + 8 * H : X, *x5 = NI > 5 ? X + 10 * H : X;
-    const float *p0 = P, *p1 = P + BK_K * 16;
-    __m256 a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
-    if (first) {
-        a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = _mm256_setzero_ps();
-    } else {
-        a0 = _mm256_maskload_ps(Y, m0), b0 = _mm256_maskload_ps(Y + 8, m1);
-        if (NI > 1) a1 = _mm256_maskload_ps(Y + ldy, m0), b1 = _mm256_maskload_ps(Y + ldy + 8, m1);
-        if (NI > 2) a2 = _mm256_maskload_ps(Y + 2 * ldy, m0), b2 = _mm256_maskload_ps(Y + 2 * ldy + 8, m1);
-        if (NI > 3) a3 = _mm256_maskload_ps(Y + 3 * ldy, m0), b3 = _mm256_maskload_ps(Y + 3 * ldy + 8, m1);
-        if (NI > 4) a4 = _mm256_maskload_ps(Y + 4 * ldy, m0), b4 = _mm256_maskload_ps(Y + 4 * ldy + 8, m1);
-        if (NI > 5) a5 = _mm256_maskload_ps(Y + 5 * ldy, m0), b5 = _mm256_maskload_ps(Y + 5 * ldy + 8, m1);
-    }
-#define KX_STEP(OFF, XOFF)                                                                                              \
-    {                                                                                                                  \
-        const __m256 w0 = _mm256_loadu_ps(p0 + 16 * k + (OFF)), w1 = _mm256_loadu_ps(p1 + 16 * k + (OFF));             \
-        __m256 v = _mm256_broadcast_ss(x0 + (XOFF) + k);                                                               \
-        a0 = _mm256_fmadd_ps(w0, v, a0), b0 = _mm256_fmadd_ps(w1, v, b0);                                              \
-        if (NI > 1) {                                                                                                 \
-            v = _mm256_broadcast_ss(x1 + (XOFF) + k);                                                                  \
-            a1 = _mm256_fmadd_ps(w0, v, a1), b1 = _mm256_fmadd_ps(w1, v, b1);                                          \
-        }                                                                                                              \
-        if (NI > 2) {                                                                                                 \
-            v = _mm256_broadcast_ss(x2 + (XOFF) + k);                                                                  \
-            a2 = _mm256_fmadd_ps(w0, v, a2), b2 = _mm256_fmadd_ps(w1, v, b2);                                          \
-        }                                                                                                              \
-        if (NI > 3) {                                                                                                 \
-            v = _mm256_broadcast_ss(x3 + (XOFF) + k);                                                                  \
-            a3 = _mm256_fmadd_ps(w0, v, a3), b3 = _mm256_fmadd_ps(w1, v, b3);                                          \
-        }                                                                                                              \
-        if (NI > 4) {                                                                                                 \
-            v = _mm256_broadcast_ss(x4 + (XOFF) + k);                                                                  \
-            a4 = _mm256_fmadd_ps(w0, v, a4), b4 = _mm256_fmadd_ps(w1, v, b4);                                          \
-        }                                                                                                              \
-        if (NI > 5) {                                                                                                 \
-            v = _mm256_broadcast_ss(x5 + (XOFF) + k);                                                                  \
-            a5 = _mm256_fmadd_ps(w0, v, a5), b5 = _mm256_fmadd_ps(w1, v, b5);                                          \
-        }                                                                                                              \
-    }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        KX_STEP(0, 0)  /* the low nibbles' weights meet xe */
-        KX_STEP(8, H)  /* the high nibbles' meet xo */
-    }
-#undef KX_STEP
-    _mm256_maskstore_ps(Y, m0, a0), _mm256_maskstore_ps(Y + 8, m1, b0);
-    if (NI > 1) _mm256_maskstore_ps(Y + ldy, m0, a1), _mm256_maskstore_ps(Y + ldy + 8, m1, b1);
-    if (NI > 2) _mm256_maskstore_ps(Y + 2 * ldy, m0, a2), _mm256_maskstore_ps(Y + 2 * ldy + 8, m1, b2);
-    if (NI > 3) _mm256_maskstore_ps(Y + 3 * ldy, m0, a3), _mm256_maskstore_ps(Y + 3 * ldy + 8, m1, b3);
-    if (NI > 4) _mm256_maskstore_ps(Y + 4 * ldy, m0, a4), _mm256_maskstore_ps(Y + 4 * ldy + 8, m1, b4);
-    if (NI > 5) _mm256_maskstore_ps(Y + 5 * ldy, m0, a5), _mm256_maskstore_ps(Y + 5 * ldy + 8, m1, b5);
-}
-
-/* The microkernel for ni = 1 .. OP_INPUTS inputs and 1 or 2 panels, each shape compiled with constant loop bounds */
-__attribute__((target("avx2,fma"))) static void panel_avx2(const float *P, int nq, const float *X, int ni, Py_ssize_t H,
-                                                          Py_ssize_t n, float *Y, Py_ssize_t ldy, int nr, int first) {
-#define KX_PANEL(NQ, NI) panel_avx2_n(P, NQ, X, NI, H, n, Y, ldy, nr, first)
-    if (nq == 2) {
-        switch (ni) {
-            case 6: panel_avx2_2xn(P, X, H, n, Y, ldy, nr, first, 6); return;
-            case 5: panel_avx2_2xn(P, X, H, n, Y, ldy, nr, first, 5); return;
-            case 4: panel_avx2_2xn(P, X, H, n, Y, ldy, nr, first, 4); return;
-            case 3: panel_avx2_2xn(P, X, H, n, Y, ldy, nr, first, 3); return;
-            case 2: panel_avx2_2xn(P, X, H, n, Y, ldy, nr, first, 2); return;
-            default: panel_avx2_2xn(P, X, H, n, Y, ldy, nr, first, 1); return;
-        }
-    }
-    switch (ni) {
-        case 6: KX_PANEL(1, 6); return;
-        case 5: KX_PANEL(1, 5); return;
-        case 4: KX_PANEL(1, 4); return;
-        case 3: KX_PANEL(1, 3); return;
-        case 2: KX_PANEL(1, 2); return;
-        default: KX_PANEL(1, 1); return;
-    }
-#undef KX_PANEL
-}
-
-/* Rows r0..r1-1 of group j's expert times its ni inputs X [ni, 2, H] -> Y[i * ldy + r]. P: [BK_ROWS / 8, BK_K, 2, 8]
+/* Rows r0..r1-1 of group j's expert times its ni inputs X [ni, 2, H] -> Y[i * ldy + r]. P: [PANEL_ROWS / 8, PANEL_K, 2, 8]
    floats (scratch). */
 __attribute__((target("avx2,fma"))) static void panels_avx2(const row_source *src, Py_ssize_t j, Py_ssize_t r0, Py_ssize_t r1,
                                                            const float *X, Py_ssize_t ni, float *Y, Py_ssize_t ldy, float *P) {
     const Py_ssize_t H = src->H;
-    for (Py_ssize_t rb = r0; rb < r1; rb += BK_ROWS) {
-        const int nr = (int)(r1 - rb < BK_ROWS ? r1 - rb : BK_ROWS);
-        for (Py_ssize_t c0 = 0; c0 < H; c0 += BK_K) {
-            const Py_ssize_t c1 = H - c0 < BK_K ? H : c0 + BK_K;
+    for (Py_ssize_t rb = r0; rb < r1; rb += PANEL_ROWS) {
+        const int nr = (int)(r1 - rb < PANEL_ROWS ? r1 - rb : PANEL_ROWS);
+        for (Py_ssize_t c0 = 0; c0 < H; c0 += PANEL_K) {
+            const Py_ssize_t c1 = H - c0 < PANEL_K ? H : c0 + PANEL_K;
             decode_panels_avx2(src, j, rb, nr, c0, c1, P);
-            for (Py_ssize_t i = 0; i < ni; i += OP_INPUTS) {
-                const int m = (int)(ni - i < OP_INPUTS ? ni - i : OP_INPUTS);
-                for (int q = 0; 8 * q < nr; q += 2)
-                    panel_avx2(P + (Py_ssize_t)q * BK_K * 16, 8 * (q + 1) < nr ? 2 : 1, X + i * 2 * H + c0, m, H, c1 - c0,
-                               Y + i * ldy + rb + 8 * q, ldy, nr - 8 * q, c0 == 0);
-            }
+            panels_times_inputs_avx2(P, 2, nr, X + c0, 2 * H, H, ni, c1 - c0, Y + rb, ldy, c0 == 0);
         }
     }
 }
@@ -654,8 +511,8 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
     for (Py_ssize_t t = start; t < stop;) {
         const Py_ssize_t j = t / R, r = t - j * R, i0 = (Py_ssize_t)bounds[j], ni = (Py_ssize_t)bounds[j + 1] - i0;
 #ifdef KX_X86
-        if (panels && ni >= BK_MIN_INPUTS) {
-            if (P == NULL) panels = (P = malloc(sizeof(float) * BK_ROWS * BK_K * 2)) != NULL;  /* no memory: the tiles */
+        if (panels && ni >= PANEL_MIN_INPUTS) {
+            if (P == NULL) panels = (P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K * 2)) != NULL;  /* no memory: the tiles */
             if (panels) {
                 const Py_ssize_t r1 = stop - j * R < R ? stop - j * R : R;
                 panels_avx2(src, j, r, r1, X + i0 * 2 * H, ni, Y + i0 * R, R, P);
