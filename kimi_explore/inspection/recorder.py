@@ -282,9 +282,9 @@ class Recorder:
     def _split_blocks(self) -> None:
         """The chunks' blocks -> per-token rows at the end of their lists (one extend per block), after the
         device records have reached the host (`flush`)."""
-        if not self._chunked:
-            return
-        self.flush()
+        if self._chunked:
+            self.flush()
+            self._chunked = False
         rows = self._rows
         for k, blocks in self._blocks.items():
             if blocks:
@@ -292,7 +292,6 @@ class Recorder:
                 for b in blocks:
                     put(b)
                 blocks.clear()
-        self._chunked = False
 
     def emit(self, put, arr) -> None:
         self._emit(put, arr)
