@@ -4,8 +4,8 @@ On the sequence path (`kimi_forward_sequence`) each site fires once per chunk wi
 T tokens stacked on a leading axis. `ChunkRecording` turns each into T records, exactly the keys,
 shapes and (to float rounding) values the token form records:
 
-    kind (recorder.DEFAULT_SITES)   chunk value            records appended
-    fresh                           [T, ...]               its T rows (views of the fresh chunk array)
+    kind (recorder.DEFAULT_SITES)   chunk value            records added
+    fresh                           [T, ...]               its T rows (the fresh chunk array itself)
     norm (moe.*_out)                [T, d]                 T norms
     top (logits)                    [T, V]                 T top-k ids and probabilities
     kda.state / kda.conv            their norms [T, H] / [T, 3, H], given by the decoder
@@ -17,6 +17,9 @@ Routing ids with -1 (an expert dropped by a chunk-aware intervention at some tok
 theirs: what stepping records, where a dropped expert is simply absent.
 A layer that runs token by token inside a chunk (a per-token hook there) records through
 `record(name, value[None])`, one row at a time, in order.
+
+Each chunk's records of a key go to the Recorder whole (`Recorder.chunk_put`: one [T, ...] block,
+split into per-token rows only where those are read); a ragged chunk goes as T one-row blocks.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class ChunkRecording:
         kind = m.group(2) if m else name
         how = rec.recorded_kind(name, kind)
         if how == "fresh":
-            put = rec.row(name).extend
+            put = rec.chunk_put(name)
             if kind == "moe.router.topk_ids":
                 yield lambda ids: self._ids(name, put, ids)
             elif kind == "moe.router.topk_weights":
@@ -63,27 +66,27 @@ class ChunkRecording:
             else:
                 yield lambda v: rec.emit(put, v)
         elif how == "norm":
-            put = rec.row(name + ".norm").extend
+            put = rec.chunk_put(name + ".norm")
             yield lambda v: rec.emit(put, _norms(v.reshape(v.shape[0], 1, -1))[:, 0])
         elif how == "top":
-            ids, probs = rec.row("logits.top_ids").extend, rec.row("logits.top_probs").extend
+            ids, probs = rec.chunk_put("logits.top_ids"), rec.chunk_put("logits.top_probs")
             yield lambda v: rec.emit_top(ids, probs, v)
         elif how in ("kda.state", "kda.conv"):  # full values (a layer run token by token): their norms
-            put = rec.row(name + ".norm").extend
+            put = rec.chunk_put(name + ".norm")
             if kind == "kda.state":
                 yield lambda s: rec.emit(put, _norms(s.reshape(s.shape[0], s.shape[1], -1)))
             else:
                 heads = rec.meta["kda_heads"]
                 yield lambda w: rec.emit(put, _norms(w.reshape(w.shape[0], 3 * heads, -1)).reshape(w.shape[0], 3, heads))
         if rec.full is not None and rec.full(name) and how != "fresh":  # a fresh default record is already the value
-            full = rec.row(name).extend  # (its own name: the lambdas above read `put` when called)
+            full = rec.chunk_put(name)  # (its own name: the lambdas above read `put` when called)
             yield lambda v: rec.emit(full, v.copy())
 
     def observe(self, name: str, norms) -> None:
         """The decoder's per-token norms of a site it does not fire whole (kda.state [T, H], kda.conv [T, 3, H])."""
         m = LAYER_NAME.match(name)
         if m and self.rec.recorded_kind(name, m.group(2)) is not None:
-            self.rec.emit(self.rec.row(name + ".norm").extend, norms)
+            self.rec.emit(self.rec.chunk_put(name + ".norm"), norms)
 
     def _ids(self, name: str, put, ids) -> None:
         prefix = name[: -len("moe.router.topk_ids")]
@@ -103,10 +106,9 @@ class ChunkRecording:
             self._emit_rows(put, w, keep)
 
     def _emit_rows(self, put, a, keep) -> None:
-        """Row t of a [T, k] without its dropped entries, one record each (a ragged chunk)."""
-        append = put.__self__.append  # the rows list itself
+        """Row t of a [T, k] without its dropped entries, one record each (a ragged chunk: one-row blocks)."""
         for row, k in zip(a, keep, strict=True):
-            self.rec.emit(append, row[k])
+            self.rec.emit(put, row[k][None])
 
 
 def _norms(x):

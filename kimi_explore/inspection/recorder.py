@@ -37,6 +37,12 @@ a single C-level call (`list.append` or a dict `__setitem__`) and no Python fram
   the records (`trace()`, `state_dict()`, `truncate()`) completes the pending batch first.
 Full records (`full=`) are copies. A hook that changes a recorded array IN PLACE after the recorder
 saw it changes the record too: return a new array instead (the contract's way anyway).
+
+On the sequence path a site records a whole chunk [T, ...] at once (`chunk_records`). Such a record
+is kept as that one array, a "block" waiting after the key's per-token list, and is split into T
+per-token rows (one `list.extend`) only where per-token rows are read: `state_dict`, `take_records`,
+`truncate`, `add_tokens`, and the next token stepped (whose `list.append`s must come after it).
+`trace()` copies blocks whole into its stacked buffers, so a feed then a trace never splits them.
 """
 
 from __future__ import annotations
@@ -111,6 +117,9 @@ class Recorder:
         self.names_filter, self._filter_patterns = _predicate(names_filter, "Recorder names_filter")
         self.full, self._full_patterns = _predicate(full if full else None, "Recorder full")
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
+        # key -> chunks' records [T, ...] not yet split into rows: they follow _rows[key], in order (never rebound)
+        self._blocks: dict[str, list] = {}
+        self._chunked = False  # blocks may be waiting (set by begin_chunk, cleared by _split_blocks)
         self._stacked: dict[str, StackedRows] = {}  # key -> its rows stacked so far (trace() copies in only new rows)
         self.tokens: list[int] = []  # -1 where the token id was not announced
         self.positions: list[int] = []
@@ -221,6 +230,7 @@ class Recorder:
         self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
         self.positions.extend(int(p) for p in positions)
         self.fire, self.listening_sites = self._fire_in_chunk, self._every_site
+        self._chunked = True
 
     def token_in_chunk(self, t: int) -> None:
         self.hooks.token_in_chunk(t)
@@ -261,8 +271,27 @@ class Recorder:
         how = DEFAULT_SITES[kind]
         return kind if how == "kda" else how
 
-    def row(self, key: str) -> list:
-        return self._row(key)
+    def chunk_put(self, key: str):
+        """put(array [T, ...]): T records of `key` at once, kept whole as a block until per-token rows are read."""
+        self._row(key)
+        blocks = self._blocks.get(key)
+        if blocks is None:
+            blocks = self._blocks[key] = []
+        return blocks.append
+
+    def _split_blocks(self) -> None:
+        """The chunks' blocks -> per-token rows at the end of their lists (one extend per block), after the
+        device records have reached the host (`flush`)."""
+        if self._chunked:
+            self.flush()
+            self._chunked = False
+        rows = self._rows
+        for k, blocks in self._blocks.items():
+            if blocks:
+                put = rows[k].extend
+                for b in blocks:
+                    put(b)
+                blocks.clear()
 
     def emit(self, put, arr) -> None:
         self._emit(put, arr)
@@ -310,6 +339,8 @@ class Recorder:
 
     def _start_token(self, value):
         """At "embed", after the Hooks has counted the token."""
+        if self._chunked:  # the token's rows come after the chunks' records
+            self._split_blocks()
         token_id = self.hooks.token_id
         self.tokens.append(-1 if token_id is None else token_id)
         self.positions.append(self.hooks.position)
@@ -368,14 +399,16 @@ class Recorder:
         (or a (start, stop) pair), the same as `trace().window(start, stop)`."""
         self.flush()
         n = self.n_tokens
-        stacked = self._stacked
+        stacked, blocks = self._stacked, self._blocks
         records = {}
         for k, v in self._rows.items():
-            if v:
+            b = blocks.get(k) or ()
+            m = len(v) + sum(map(len, b)) if b else len(v)
+            if m:
                 st = stacked.get(k)
                 if st is None:
                     st = stacked[k] = StackedRows()
-                records[k] = st.sync(v, min(n, len(v)), k)
+                records[k] = st.sync(v, min(n, m), k, b)
         toks = self.tokens[:n] if tokens is None else [int(t) for t in tokens]
         if len(toks) != n:
             raise ValueError(f"Recorder.trace: got {len(toks)} tokens for {n} recorded steps")
@@ -385,6 +418,7 @@ class Recorder:
     def truncate(self, n: int) -> None:
         """Keep the records of the first n tokens (in place)."""
         self.flush()
+        self._split_blocks()
         for row in self._rows.values():
             del row[n:]
         for st in self._stacked.values():
@@ -404,6 +438,7 @@ class Recorder:
         """{key: per-token arrays} recorded so far, removed from this recorder: what a pipeline stage
         hands the driver after each token or chunk (whose Recorder takes them with `add_tokens`)."""
         self.flush()
+        self._split_blocks()
         out = {k: v[:] for k, v in self._rows.items() if v}
         for v in self._rows.values():
             v.clear()
@@ -415,6 +450,7 @@ class Recorder:
     def add_tokens(self, token_ids, positions, records: dict) -> None:
         """Append tokens' records made elsewhere ({key: [one array per token]} from each pipeline stage's
         `take_records`)."""
+        self._split_blocks()
         self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
         self.positions.extend(int(p) for p in positions)
         for k, rows in records.items():
@@ -431,6 +467,7 @@ class Recorder:
     def state_dict(self, copy_arrays: bool = False) -> dict:
         """The records (lists of per-token host arrays). Arrays are shared unless copy_arrays."""
         self.flush()
+        self._split_blocks()
         cp = (lambda a: a.copy()) if copy_arrays else (lambda a: a)
         return {"rows": {k: [cp(a) for a in v] for k, v in self._rows.items()},
                 "tokens": list(self.tokens), "positions": list(self.positions)}
@@ -439,6 +476,9 @@ class Recorder:
         """Replace the records by `d` (from `state_dict`); list objects are kept, their contents replaced."""
         for k in self._rows:
             self._rows[k][:] = []
+        for blocks in self._blocks.values():
+            blocks.clear()
+        self._chunked = False
         self._stacked.clear()  # other rows: stack them afresh
         for k, v in d["rows"].items():
             self._row(k)[:] = list(v)

@@ -8,6 +8,8 @@ costs O(records):
 
     st = StackedRows()
     st.sync(rows, n)      # -> read-only view [n, ...] of the first n rows, equal to stack_rows(rows[:n])
+    st.sync(rows, n, blocks=[b1, b2])  # the rows are rows + [*b1, *b2]: the sequence path's chunks
+                                       # ([T, ...] each, not split into rows yet) are copied a block at a time
     st.truncate(n)        # the list lost its rows after n (Recorder.truncate)
 
 Equal to `trace.stack_rows` exactly, padding included: rows of varying shape ("ragged": an MLA probs
@@ -56,18 +58,31 @@ class StackedRows:
                 self.buf = None
                 self.n = 0
 
-    def sync(self, rows: list, n: int, name: str = "") -> np.ndarray:
-        """Read-only [n, ...] view of stack_rows(rows[:n]), after copying in rows self.n .. n-1."""
+    def sync(self, rows: list, n: int, name: str = "", blocks=()) -> np.ndarray:
+        """Read-only [n, ...] view of stack_rows(all[:n]), after copying in rows self.n .. n-1, where `all` is
+        `rows` followed by the rows of each of `blocks` (arrays [m, ...]: m rows each)."""
         if n == 0:
             return stack_rows([], name)
         if n < self.n:
             self.truncate(n)  # the list shrank behind our back
-        if self.buf is None:
-            self._rebuild(rows, n, name)
-        elif n > self.n:
-            new = rows[self.n : n]
-            if not self._append(new):
-                self._rebuild(rows, n, name)
+        if n > self.n:
+            k = min(n, len(rows))
+            if self.buf is None and k:
+                self._rebuild(rows, k, name)
+            new = [r[None] for r in rows[self.n : k]]  # one-row blocks
+            at = len(rows)  # index of the block's first row
+            for b in blocks:
+                if at >= n:
+                    break
+                lo, hi = max(self.n, at), min(n, at + len(b))
+                if lo < hi:
+                    new.append(b[lo - at : hi - at])
+                at += len(b)
+            if new:
+                if self.buf is None:  # no rows before the blocks: start from the first block's shape and dtype
+                    self._start(new[0], n)
+                if not self._append(new):
+                    self._rebuild(_first_rows(rows, blocks, n), n, name)
         view = self.buf[(slice(0, self.n),) + tuple(slice(0, s) for s in self.shape)]
         view.flags.writeable = False
         return view
@@ -81,24 +96,30 @@ class StackedRows:
         self.buf[(slice(0, n),) + tuple(slice(0, s) for s in self.shape)] = full
         self.n, self.shared = n, False
 
+    def _start(self, block, n: int) -> None:
+        self.shape, self.ragged, self.mixed = block.shape[1:], False, False
+        self.buf = self._alloc(max(16, 2 * n), self.shape, block.dtype)
+        self.n, self.shared = 0, False
+
     @staticmethod
     def _alloc(capacity: int, room: tuple, dtype) -> np.ndarray:
         return np.full((capacity,) + tuple(room), _fill(np.dtype(dtype)), dtype=dtype)
 
     def _append(self, new: list) -> bool:
-        """Copy `new` rows in after row n; False when the record must be rebuilt (dtype or axes change)."""
+        """Copy `new` blocks of rows ([m, ...] each) in after row n; False when the record must be rebuilt
+        (dtype or axes change)."""
         buf = self.buf
-        nd = buf.ndim - 1
+        nd = buf.ndim
         shape = list(self.shape)
-        for r in new:
-            if r.ndim != nd or np.result_type(buf.dtype, r.dtype) != buf.dtype:
+        for b in new:
+            if b.ndim != nd or np.result_type(buf.dtype, b.dtype) != buf.dtype:
                 return False
-            if r.dtype != buf.dtype:
+            if b.dtype != buf.dtype:
                 self.mixed = True
-            if r.shape != self.shape:
+            if b.shape[1:] != self.shape:
                 self.ragged = True
-                shape = [max(a, b) for a, b in zip(shape, r.shape, strict=True)]
-        end = self.n + len(new)
+                shape = [max(x, y) for x, y in zip(shape, b.shape[1:], strict=True)]
+        end = self.n + sum(len(b) for b in new)
         room = buf.shape[1:]
         grow = any(s > c for s, c in zip(shape, room, strict=True))
         if end > buf.shape[0] or grow or self.shared:
@@ -110,8 +131,19 @@ class StackedRows:
             keep = (slice(0, self.n),) + tuple(slice(0, s) for s in self.shape)
             fresh[keep] = buf[keep]
             self.buf, self.shared = fresh, False
-        buf = self.buf
-        for t, r in enumerate(new, start=self.n):
-            buf[(t,) + tuple(slice(0, s) for s in r.shape)] = r
+        buf, t = self.buf, self.n
+        for b in new:
+            buf[(slice(t, t + len(b)),) + tuple(slice(0, s) for s in b.shape[1:])] = b
+            t += len(b)
         self.n, self.shape = end, tuple(shape)
         return True
+
+
+def _first_rows(rows: list, blocks, n: int) -> list:
+    """The first n rows of `rows` followed by the blocks' rows, as one list (a rebuild: rare)."""
+    out = rows[:n]
+    for b in blocks:
+        if len(out) >= n:
+            break
+        out.extend(b)
+    return out[:n]

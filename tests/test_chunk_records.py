@@ -1,0 +1,233 @@
+"""A chunk's records stay whole in the Recorder (one [T, ...] block per key, `Recorder.chunk_put`) until
+per-token rows are read. Whatever the history (feeds, steps, truncates, copies, a pipeline's hand-over),
+every read must give what splitting each chunk into rows at once gives (the former route: a recorder
+whose rows are read after every operation here), bit for bit and in history order, and the records must
+stay those of stepping the same tokens, to the sequence path's tolerance (`test_sequence`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from closeness import assert_traces_close
+
+import kimi_explore as ke
+from kimi_explore import KimiDecodeState
+from kimi_explore.backend import stand_in_device
+from kimi_explore.inspection import interventions
+from kimi_explore.inspection.hooks import HookChain
+from kimi_explore.inspection.stacked_rows import StackedRows
+from kimi_explore.inspection.trace import Trace, stack_rows
+from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+
+TOKENS = list(b"def f(x):\n    return x * 2  # the records of whole chunks\n")[:40]
+SETTINGS = {  # Recorder arguments
+    "default": {},
+    # layer 2's defaults and logits only; full copies of a default site (recorded once), of a filtered-out
+    # fresh site, of a filtered-out norm site, and of a site recorded nowhere by default
+    "filter+full": {"names_filter": ["layers.2.*", "logits"],
+                    "full": ["layers.2.moe.router.topk_ids", "layers.5.attn_res.ffn.weights", "layers.3.moe.routed_out",
+                             "layers.4.kda.o"]},
+    "top3": {"top_k": 3},
+}
+RAGGED = {"full": ["layers.*.mla.probs"]}  # rows of every width: chunk ends on the sequence path, t + 1 stepping
+
+
+def split(rec) -> Trace:
+    """Every record stacked anew from the recorder's per-token lists (reading them splits the blocks)."""
+    d = rec.state_dict()
+    return Trace.from_rows({k: v for k, v in d["rows"].items() if v}, d["tokens"], d["positions"], rec.meta)
+
+
+def run(w, script, settings, read_every_time: bool):
+    """script: ("feed", ids, chunk) / ("step", ids) / ("truncate", n) / ("trace",); a session after them."""
+    s = ke.Session(w, recorder=ke.Recorder(**settings))
+    for op, *args in script:
+        if op == "feed":
+            s.feed(args[0], chunk=args[1])
+        elif op == "step":
+            for t in args[0]:
+                s.step(t)
+        elif op == "truncate":
+            s.truncate(args[0])
+        else:
+            s.trace()
+        if read_every_time:
+            s.recorder.state_dict()
+    return s
+
+
+SCRIPTS = {
+    "feed": [("feed", TOKENS, 7)],
+    "feed-step-feed": [("feed", TOKENS[:12], 5), ("step", TOKENS[12:15]), ("feed", TOKENS[15:], 4)],
+    "traces-between": [("feed", TOKENS[:9], 4), ("trace",), ("step", TOKENS[9:11]), ("trace",), ("feed", TOKENS[11:], 40)],
+    "truncate-in-chunk": [("feed", TOKENS[:20], 8), ("truncate", 11), ("step", TOKENS[11:13]), ("feed", TOKENS[13:], 6)],
+    "one-token-chunks": [("step", TOKENS[:2]), ("feed", TOKENS[2:9], 1), ("step", TOKENS[9:11])],
+}
+
+
+@pytest.mark.parametrize("settings", list(SETTINGS))
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_history_of_feeds_and_steps_reads_as_split_rows_and_as_stepping(trained_weights, script, settings):
+    w = trained_weights
+    s = run(w, SCRIPTS[script], SETTINGS[settings], read_every_time=False)
+    want = run(w, SCRIPTS[script], SETTINGS[settings], read_every_time=True)
+    got = s.trace()  # blocks copied into the stacked records without being split
+    assert got.equals(want.trace()) and len(got) == len(s)
+    assert got.equals(split(s.recorder))  # now split: the per-token rows, in history order
+    assert s.trace().equals(got)
+    stepped = ke.Session(w, recorder=ke.Recorder(**SETTINGS[settings]))
+    for t in s.tokens:
+        stepped.step(t)
+    assert_traces_close(got, stepped.trace(), 1e-4)
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_ragged_full_records_read_as_split_rows(trained_weights, script):
+    s = run(trained_weights, SCRIPTS[script], RAGGED, read_every_time=False)
+    want = run(trained_weights, SCRIPTS[script], RAGGED, read_every_time=True)
+    assert s.trace().equals(want.trace()) and s.trace().equals(split(s.recorder))
+
+
+def test_state_dict_after_a_feed_then_a_truncate_inside_a_chunk(trained_weights):
+    w = trained_weights
+    s, whole = ke.Session(w), ke.Session(w)
+    s.feed(TOKENS[:20], chunk=8)
+    whole.feed(TOKENS[:20], chunk=8)
+    s.truncate(11)  # inside the second chunk
+    stepped = ke.Session(w)
+    for t in TOKENS[:11]:
+        stepped.step(t)
+    d, full, steps = s.recorder.state_dict(), whole.recorder.state_dict(), stepped.recorder.state_dict()
+    assert d["tokens"] == full["tokens"][:11] and d["positions"] == list(range(11))
+    assert list(d["rows"]) == list(full["rows"]) and sorted(d["rows"]) == sorted(steps["rows"])
+    for k, rows in d["rows"].items():
+        assert len(rows) == 11, k
+        for a, b, c in zip(rows, full["rows"][k][:11], steps["rows"][k], strict=True):
+            assert type(a) is type(c) and a.shape == c.shape and a.dtype == c.dtype, k  # per-token, as stepping
+            assert type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b), k
+    assert d["rows"]["logits.top_ids"][3].shape == (10,) and d["rows"]["layers.1.moe.routed_out.norm"][3].shape == ()
+    whole.truncate(11)
+    assert s.step(9).tolist() == whole.step(9).tolist()
+    assert s.trace().equals(whole.trace())
+
+
+def test_copy_fork_save_and_load_of_unsplit_records(trained_weights, tmp_path):
+    w = trained_weights
+    s = ke.Session(w, recorder=ke.Recorder(**SETTINGS["filter+full"]))
+    s.feed(TOKENS[:17], chunk=6)
+    want = run(w, [("feed", TOKENS[:17], 6)], SETTINGS["filter+full"], read_every_time=True).trace()
+    copy = s.recorder.copy()
+    forked = s.fork()
+    loaded = ke.Session.load_state(s.save_state(tmp_path / "s.npz"), w)
+    for other in (copy.trace(), forked.trace(), loaded.trace(), s.trace()):
+        assert other.equals(want)
+
+
+def test_take_records_and_add_tokens_keep_the_order(trained_weights):
+    """A pipeline stage hands over per-token rows (`take_records`); a recorder taking them (`add_tokens`)
+    after its own fed chunks keeps its rows first."""
+    w = trained_weights
+    stage = ke.Recorder().bind(w)
+    kimi_forward_sequence(w, KimiDecodeState.new(w), TOKENS[:13], stage, chunk=5)
+    records = stage.take_records()
+    assert len(stage.trace()) == 0 and all(len(v) == 13 for v in records.values())
+    assert all(r.shape == records["logits.top_ids"][0].shape for r in records["logits.top_ids"])
+    driver, ref = ke.Recorder().bind(w), ke.Recorder().bind(w)
+    for rec in (driver, ref):
+        kimi_forward_sequence(w, KimiDecodeState.new(w), TOKENS[20:27], rec, chunk=3)
+        if rec is ref:
+            rec.state_dict()
+        rec.add_tokens(TOKENS[:13], range(7, 20), records)
+    got = driver.trace()
+    assert got.equals(ref.trace()) and len(got) == 20
+    np.testing.assert_array_equal(got["logits.top_ids"][7:], np.stack(records["logits.top_ids"]))
+
+
+def test_ragged_routing_and_token_by_token_layers_inside_chunks(trained_weights):
+    """Experts dropped at layer 5 at some tokens (routing ids recorded without their -1 entries: one-row
+    blocks) and a per-token hook at layer 2 (that layer's sites record one row at a time inside each
+    chunk), through chunks, stepped tokens, and chunks again."""
+    w, tokens = trained_weights, TOKENS[:30]
+
+    def chained():
+        rec = ke.Recorder().bind(w)
+        rec.add("layers.2.attn.out", lambda v, hook: None)
+        return rec, HookChain(interventions.ablate_experts(5, [3, 7], positions=range(4, 20)).bind(w), rec)
+
+    def step(state, chain, ids, start):
+        for p, t in enumerate(ids, start=start):
+            chain.begin_token(t, p)
+            ke.kimi_forward_token(w, state, t, hooks=chain)
+
+    step_rec, chain = chained()
+    step(KimiDecodeState.new(w), chain, tokens, 0)
+    seq_rec, chain = chained()
+    state = KimiDecodeState.new(w)
+    kimi_forward_sequence(w, state, tokens[:9], chain, chunk=4)
+    step(state, chain, tokens[9:12], 9)
+    kimi_forward_sequence(w, state, tokens[12:], chain, chunk=7)
+    got = seq_rec.trace()
+    assert (got["layers.5.moe.router.topk_ids"][4:20] == -1).any() and len(got) == 30
+    assert got.equals(split(seq_rec))
+    assert_traces_close(got, step_rec.trace(), 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stacked_rows_with_blocks_under_random_histories(seed):
+    """StackedRows.sync(rows, n, blocks=...) against stack_rows of the rows the blocks split into, under random
+    rows, blocks (widths 0-3, 1 or 2 axes, int/float dtypes), splits, truncates and reads; views keep their values."""
+    rng = np.random.default_rng(seed)
+    two_axes = bool(seed % 2)
+    dtypes = [np.int64, np.float32, np.float64] if seed % 3 else [np.float32]
+    rows, blocks, st, views = [], [], StackedRows(), []
+
+    def shape():
+        width = int(rng.integers(0, 4)) if rng.random() < 0.3 else 2
+        return (2, width) if two_axes else (width,)
+
+    def dtype():
+        return dtypes[int(rng.integers(0, len(dtypes)))]
+
+    def split_blocks():
+        for b in blocks:
+            rows.extend(b)
+        blocks.clear()
+
+    for _ in range(200):
+        op = rng.integers(0, 12)
+        if op < 3:  # a stepped token: the recorder splits the blocks first
+            split_blocks()
+            rows.append(rng.integers(-5, 5, shape()).astype(dtype()))
+        elif op < 6:  # a chunk
+            m = int(rng.integers(1, 9))
+            blocks.append(rng.integers(-5, 5, (m, *shape())).astype(dtype()))
+        elif op < 7:
+            split_blocks()
+        elif op < 9 and (rows or blocks):
+            split_blocks()
+            n = int(rng.integers(0, len(rows) + 1))
+            del rows[n:]
+            st.truncate(n)
+        else:
+            total = len(rows) + sum(len(b) for b in blocks)
+            n = int(rng.integers(0, total + 1)) if rng.random() < 0.3 else total
+            every = rows + [r for b in blocks for r in b]
+            got, want = st.sync(rows, n, blocks=blocks), stack_rows(every[:n])
+            assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
+            if n:
+                views.append((got, got.copy()))
+    for view, copy in views:
+        assert np.array_equal(view, copy, equal_nan=True)
+
+
+def test_feed_then_steps_on_a_device(trained_weights):
+    """On a device (the strict stand-in of test_gpu_standin) a chunk's records reach the host later
+    (`Recorder.flush`); a token stepped after the chunk still records after them."""
+    from strict_device import StrictDevice
+
+    script = [("feed", TOKENS[:10], 4), ("step", TOKENS[10:13]), ("feed", TOKENS[13:20], 3), ("step", TOKENS[20:22])]
+    host = run(trained_weights, script, {}, read_every_time=True).trace()
+    with stand_in_device(StrictDevice()):
+        w = ke.from_pretrained(ke.tiny_checkpoint(), device="gpu")
+        got = run(w, script, {}, read_every_time=False).trace()
+    assert_traces_close(got, host, 1e-5)
