@@ -253,7 +253,7 @@ __attribute__((target("avx2,fma"))) static void panels_avx2(const uint16_t *W, P
         for (Py_ssize_t c0 = 0; c0 < C; c0 += PANEL_K) {
             const Py_ssize_t c1 = C - c0 < PANEL_K ? C : c0 + PANEL_K;
             widen_panels_avx2(W, C, rb, nr, c0, c1, P);
-            panels_times_inputs_avx2(P, 1, nr, X + c0, C, 0, n, c1 - c0, Y + rb, R, c0 == 0);
+            panels_times_inputs_avx2(P, nr, X + c0, C, n, c1 - c0, Y + rb, R, c0 == 0);
         }
     }
 }

@@ -437,15 +437,15 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
 /* A group of PANEL_MIN_INPUTS or more input rows (AVX2) is multiplied as BLAS does (_panels_avx2.h): the weights
-   of a tile of PANEL_ROWS rows x PANEL_K columns are decoded once into float32 panels, which stay in L2 while all
-   the group's inputs meet them (their columns of the tile in L1/L2); a row's outputs wait in `out` between
-   column tiles. Each output is the float32 sum, in column order (xe then xo at each column), of the exact
+   of a tile of PANEL_ROWS rows x PANEL_K columns (PANEL_K / 2 bytes) are decoded once into float32 panels in the
+   columns' own order, which stay in L2 while all the group's inputs (as given: x, not xeo) meet them; a row's
+   outputs wait in `out` between column tiles. Each output is the float32 sum, in column order, of the exact
    dequantised weights times the inputs: another order than the tiles', within the same float64 bound
    (tests/test_mxfp4_matvec.py). */
 
-/* The tile of rows r0 .. r0 + nr - 1 (nr <= PANEL_ROWS), columns c0 .. c1 - 1 of group j's expert, as panels:
-   P[((q * PANEL_K + k) * 2 + h) * 8 + a] = the weight of row r0 + 8q + a at column c0 + k meeting xe (h = 0: the low
-   nibble) or xo (h = 1); rows past nr are 0. */
+/* The tile of rows r0 .. r0 + nr - 1 (nr <= PANEL_ROWS), bytes c0 .. c1 - 1 (c1 - c0 <= PANEL_K / 2) of group j's
+   expert, as panels: P[(q * PANEL_K + 2 (c - c0) + h) * 8 + a] = the weight of row r0 + 8q + a in byte c's low (h = 0,
+   column 2c) or high nibble (h = 1, column 2c + 1); rows past nr are 0. */
 __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_source *src, Py_ssize_t j, Py_ssize_t r0, int nr,
                                                                   Py_ssize_t c0, Py_ssize_t c1, float *P) {
     const __m256 mag = _mm256_loadu_ps(E2M1);
@@ -472,7 +472,7 @@ __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_sou
             }
             transpose8(lo);
             transpose8(hi);
-            float *dst = P + ((Py_ssize_t)q * PANEL_K + (c - c0)) * 16;
+            float *dst = P + ((Py_ssize_t)q * PANEL_K + 2 * (c - c0)) * 8;
             for (int k = 0; k < 8; k++) {
                 _mm256_storeu_ps(dst + 16 * k, lo[k]);
                 _mm256_storeu_ps(dst + 16 * k + 8, hi[k]);
@@ -481,17 +481,17 @@ __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_sou
     }
 }
 
-/* Rows r0..r1-1 of group j's expert times its ni inputs X [ni, 2, H] -> Y[i * ldy + r]. P: [PANEL_ROWS / 8, PANEL_K, 2, 8]
-   floats (scratch). */
+/* Rows r0..r1-1 of group j's expert times its ni inputs X [ni, 2H] (x as given) -> Y[i * ldy + r]. P: [PANEL_ROWS / 8,
+   PANEL_K, 8] floats (scratch). */
 __attribute__((target("avx2,fma"))) static void panels_avx2(const row_source *src, Py_ssize_t j, Py_ssize_t r0, Py_ssize_t r1,
                                                            const float *X, Py_ssize_t ni, float *Y, Py_ssize_t ldy, float *P) {
     const Py_ssize_t H = src->H;
     for (Py_ssize_t rb = r0; rb < r1; rb += PANEL_ROWS) {
         const int nr = (int)(r1 - rb < PANEL_ROWS ? r1 - rb : PANEL_ROWS);
-        for (Py_ssize_t c0 = 0; c0 < H; c0 += PANEL_K) {
-            const Py_ssize_t c1 = H - c0 < PANEL_K ? H : c0 + PANEL_K;
+        for (Py_ssize_t c0 = 0; c0 < H; c0 += PANEL_K / 2) {
+            const Py_ssize_t c1 = H - c0 < PANEL_K / 2 ? H : c0 + PANEL_K / 2;
             decode_panels_avx2(src, j, rb, nr, c0, c1, P);
-            panels_times_inputs_avx2(P, 2, nr, X + c0, 2 * H, H, ni, c1 - c0, Y + rb, ldy, c0 == 0);
+            panels_times_inputs_avx2(P, nr, X + 2 * c0, 2 * H, ni, 2 * (c1 - c0), Y + rb, ldy, c0 == 0);
         }
     }
 }
@@ -499,9 +499,10 @@ __attribute__((target("avx2,fma"))) static void panels_avx2(const row_source *sr
 #define KX_TILE_KERNEL(isa) tile_portable
 #endif
 
-/* The flat (group, row) range [start, stop), MM_ROWS rows per tile (never across a group). GIL released by the caller. */
-static void grouped_run(const row_source *src, const int64_t *bounds, const float *X, float *Y, Py_ssize_t start,
-                        Py_ssize_t stop, int isa) {
+/* The flat (group, row) range [start, stop), MM_ROWS rows per tile (never across a group); X: the inputs as xeo, Xin: as
+   given (the panels'). GIL released by the caller. */
+static void grouped_run(const row_source *src, const int64_t *bounds, const float *X, const float *Xin, float *Y,
+                        Py_ssize_t start, Py_ssize_t stop, int isa) {
     const Py_ssize_t R = src->R, H = src->H;
     const tile_fn tile = KX_TILE_KERNEL(isa);
 #ifdef KX_X86
@@ -512,10 +513,10 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
         const Py_ssize_t j = t / R, r = t - j * R, i0 = (Py_ssize_t)bounds[j], ni = (Py_ssize_t)bounds[j + 1] - i0;
 #ifdef KX_X86
         if (panels && ni >= PANEL_MIN_INPUTS) {
-            if (P == NULL) panels = (P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K * 2)) != NULL;  /* no memory: the tiles */
+            if (P == NULL) panels = (P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K)) != NULL;  /* no memory: the tiles */
             if (panels) {
                 const Py_ssize_t r1 = stop - j * R < R ? stop - j * R : R;
-                panels_avx2(src, j, r, r1, X + i0 * 2 * H, ni, Y + i0 * R, R, P);
+                panels_avx2(src, j, r, r1, Xin + i0 * 2 * H, ni, Y + i0 * R, R, P);
                 t += r1 - r;
                 continue;
             }
@@ -536,32 +537,34 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
 }
 
 /* Checks of bounds, x, out and the range shared by both entry points (NULL: fine). */
-static const char *check_groups(const Py_buffer *bounds, Py_ssize_t m, const Py_buffer *xeo, const Py_buffer *out, Py_ssize_t R,
-                                Py_ssize_t H, Py_ssize_t start, Py_ssize_t stop) {
+static const char *check_groups(const Py_buffer *bounds, Py_ssize_t m, const Py_buffer *xeo, const Py_buffer *x,
+                                const Py_buffer *out, Py_ssize_t R, Py_ssize_t H, Py_ssize_t start, Py_ssize_t stop) {
     if (bounds->len != 8 * (m + 1)) return "bounds: expected int64 [m + 1] (m groups)";
     const int64_t *b = (const int64_t *)bounds->buf;
     if (b[0] != 0) return "bounds: must start at 0";
     for (Py_ssize_t j = 0; j < m; j++)
         if (b[j + 1] < b[j]) return "bounds: must not decrease";
     if (xeo->len != 8 * H * b[m]) return "xeo: expected float32 [n, 2, H], n = bounds[-1]";
+    if (x->len != 8 * H * b[m]) return "x: expected float32 [n, 2H], n = bounds[-1]";
     if (out->len != 4 * R * b[m]) return "out: expected float32 [n, R], n = bounds[-1]";
     if (start < 0 || start > stop || stop > m * R) return "start/stop: outside 0..m*R";
     return NULL;
 }
 
 PyDoc_STRVAR(grouped_matmat_doc,
-             "grouped_matmat(packed, scale, experts, bounds, xeo, out, R, H, start, stop, isa)\n\n"
+             "grouped_matmat(packed, scale, experts, bounds, xeo, x, out, R, H, start, stop, isa)\n\n"
              "packed uint8 [E, R, H], scale uint8 [E, R, H/16], experts int64 [m], bounds int64 [m + 1] (group j:\n"
-             "input rows bounds[j]..bounds[j+1]-1), xeo float32 [n, 2, H], out float32 [n, R] (flat (group, row)\n"
+             "input rows bounds[j]..bounds[j+1]-1), xeo float32 [n, 2, H], x float32 [n, 2H] (the same inputs, as given:\n"
+             "xeo[i] = [x[i, 0::2] | x[i, 1::2]]), out float32 [n, R] (flat (group, row)\n"
              "units start..stop-1 written): C-contiguous buffers. isa: a name from isas() or '' for the best.");
 
 static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer packed, scale, experts, bounds, xeo, out;
+    Py_buffer packed, scale, experts, bounds, xeo, x, out;
     Py_ssize_t R, H, start, stop;
     const char *isa_name;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnns", &packed, &scale, &experts, &bounds, &xeo, &out, &R, &H, &start, &stop,
-                          &isa_name))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*nnnns", &packed, &scale, &experts, &bounds, &xeo, &x, &out, &R, &H, &start,
+                          &stop, &isa_name))
         return NULL;
     PyObject *result = NULL;
     const char *err = NULL;
@@ -572,7 +575,7 @@ static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
     else if (experts.len % 8) err = "experts: expected an int64 buffer";
     else if (packed.len % (R * H) || (E = packed.len / (R * H)) == 0) err = "packed: size is not E * R * H bytes";
     else if (scale.len != E * R * (H / 16)) err = "scale: size is not E * R * H/16 bytes";
-    else err = check_groups(&bounds, m, &xeo, &out, R, H, start, stop);
+    else err = check_groups(&bounds, m, &xeo, &x, &out, R, H, start, stop);
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
         goto done;
@@ -586,7 +589,8 @@ static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
     }
     row_source src = {.P = packed.buf, .S = scale.buf, .experts = id, .m = m, .R = R, .H = H, .G = H / 16};
     Py_BEGIN_ALLOW_THREADS
-    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (float *)out.buf, start, stop, isa);
+    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start, stop,
+                isa);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -596,24 +600,26 @@ done:
     PyBuffer_Release(&experts);
     PyBuffer_Release(&bounds);
     PyBuffer_Release(&xeo);
+    PyBuffer_Release(&x);
     PyBuffer_Release(&out);
     return result;
 }
 
 PyDoc_STRVAR(grouped_parts_matmat_doc,
-             "grouped_parts_matmat(packed, scale, rows, bounds, xeo, out, H, start, stop, isa)\n\n"
+             "grouped_parts_matmat(packed, scale, rows, bounds, xeo, x, out, H, start, stop, isa)\n\n"
              "packed, scale: sequences of m * P buffers, group j's expert's row block p at j * P + p: uint8\n"
              "[rows[p], H] and [rows[p], H/16], C-contiguous; rows: the P block heights (R = their sum); bounds\n"
-             "int64 [m + 1]; xeo float32 [n, 2, H]; out float32 [n, R] (flat (group, row) units start..stop-1).");
+             "int64 [m + 1]; xeo float32 [n, 2, H], x float32 [n, 2H]: as grouped_matmat; out float32 [n, R] (flat (group, row)\n"
+             "units start..stop-1).");
 
 static PyObject *grouped_parts_matmat(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *packed_seq, *scale_seq, *rows_seq;
-    Py_buffer bounds, xeo, out;
+    Py_buffer bounds, xeo, x, out;
     Py_ssize_t H, start, stop;
     const char *isa_name;
-    if (!PyArg_ParseTuple(args, "OOOy*y*w*nnns", &packed_seq, &scale_seq, &rows_seq, &bounds, &xeo, &out, &H, &start, &stop,
-                          &isa_name))
+    if (!PyArg_ParseTuple(args, "OOOy*y*y*w*nnns", &packed_seq, &scale_seq, &rows_seq, &bounds, &xeo, &x, &out, &H, &start,
+                          &stop, &isa_name))
         return NULL;
     PyObject *result = NULL, *pf = NULL, *sf = NULL, *rf = NULL;
     Py_buffer *bufs = NULL; /* [2 * m * P]: packed blocks, then scale blocks */
@@ -643,7 +649,7 @@ static PyObject *grouped_parts_matmat(PyObject *self, PyObject *args) {
     else if (isa < 0) err = "isa: not one of isas() on this CPU";
     else if (m == 0 || PySequence_Fast_GET_SIZE(pf) != m * P || PySequence_Fast_GET_SIZE(sf) != m * P)
         err = "packed/scale: expected m * P buffers each (m >= 1 groups, P row blocks)";
-    else err = check_groups(&bounds, m, &xeo, &out, src.R, H, start, stop);
+    else err = check_groups(&bounds, m, &xeo, &x, &out, src.R, H, start, stop);
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
         goto done;
@@ -669,7 +675,8 @@ static PyObject *grouped_parts_matmat(PyObject *self, PyObject *args) {
     src.nparts = P;
     src.m = m;
     Py_BEGIN_ALLOW_THREADS
-    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (float *)out.buf, start, stop, isa);
+    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start, stop,
+                isa);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -681,6 +688,7 @@ done:
     Py_XDECREF(rf);
     PyBuffer_Release(&bounds);
     PyBuffer_Release(&xeo);
+    PyBuffer_Release(&x);
     PyBuffer_Release(&out);
     return result;
 }

@@ -16,8 +16,7 @@ once per call, and the power of two multiplies the decoded weight (the exact deq
 each output is a float32 dot product with the dequantised matrix, summed in the kernel's order. A group
 of fewer than 5 inputs decodes each weight once per tile of 4 inputs; a larger one (AVX2) decodes a
 tile of 64 rows x 256 columns once into float32 panels and multiplies them as BLAS does (outer
-products, 12 independent accumulators): at K3's width, a float32 sgemm's rate (75 GFLOP/s against
-sgemm's 75 on this 2-core VM, 128 inputs per expert; the tiles: 39-50).
+products, 10 independent accumulators: `_panels_avx2.h`).
 """
 
 from __future__ import annotations
@@ -128,8 +127,8 @@ def grouped_matmat(packed, scale, experts, bounds, x, out=None, isa: str | None 
     if H % 16 or scale.shape != (E, R, H // 16):
         raise ValueError(f"packed {packed.shape} / scale {scale.shape}: expected [E, R, C/2] / [E, R, C/32], C a multiple of 32")
     experts = np.ascontiguousarray(experts, dtype=np.int64).reshape(-1)
-    bounds, xeo, out = _group_inputs(bounds, len(experts), x, R, H, out)
-    run = lambda a, b: _ext.grouped_matmat(packed, scale, experts, bounds, xeo, out, R, H, a, b, isa or "")  # noqa: E731
+    bounds, x, xeo, out = _group_inputs(bounds, len(experts), x, R, H, out)
+    run = lambda a, b: _ext.grouped_matmat(packed, scale, experts, bounds, xeo, x, out, R, H, a, b, isa or "")  # noqa: E731
     run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
     return out
 
@@ -145,15 +144,16 @@ def grouped_parts_matmat(packed, scale, rows, bounds, x, out=None, isa: str | No
         raise ValueError(f"packed/scale: expected as many groups (>= 1; got {m} and {len(scale)}), each {len(rows)} row blocks")
     H = np.shape(packed[0][0])[-1]
     R = sum(rows)
-    bounds, xeo, out = _group_inputs(bounds, m, x, R, H, out)
+    bounds, x, xeo, out = _group_inputs(bounds, m, x, R, H, out)
     flat_p, flat_s = [a for p in packed for a in p], [a for s in scale for a in s]
-    run = lambda a, b: _ext.grouped_parts_matmat(flat_p, flat_s, rows, bounds, xeo, out, H, a, b, isa or "")  # noqa: E731
+    run = lambda a, b: _ext.grouped_parts_matmat(flat_p, flat_s, rows, bounds, xeo, x, out, H, a, b, isa or "")  # noqa: E731
     run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
     return out
 
 
 def _group_inputs(bounds, m: int, x, R: int, H: int, out):
-    """bounds checked, x [n, C] deinterleaved ([n, 2, H]), `out` [n, R] checked or made."""
+    """bounds checked; x [n, C] (C-contiguous, for the panels) and deinterleaved ([n, 2, H], for the tiles); `out` [n, R]
+    checked or made."""
     bounds = np.ascontiguousarray(bounds, dtype=np.int64).reshape(-1)
     x = np.asarray(x)
     if len(bounds) != m + 1 or bounds[0] != 0 or np.any(np.diff(bounds) < 0):
@@ -161,13 +161,14 @@ def _group_inputs(bounds, m: int, x, R: int, H: int, out):
     n = int(bounds[-1])
     if x.dtype != np.float32 or x.shape != (n, 2 * H):
         raise ValueError(f"x: expected float32 [{n}, {2 * H}] (n = bounds[-1]), got {_describe(x)}")
+    x = np.ascontiguousarray(x)
     xeo = np.empty((n, 2, H), np.float32)
     xeo[:, 0] = x[:, 0::2]
     xeo[:, 1] = x[:, 1::2]
     out = np.empty((n, R), np.float32) if out is None else out
     if out.shape != (n, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{n}, {R}], got {_describe(out)}")
-    return bounds, xeo, out
+    return bounds, x, xeo, out
 
 
 _TILE_ROWS = 4  # weight rows per tile in the C kernel: cuts fall on whole tiles
