@@ -207,6 +207,32 @@ def test_interventions_give_stepping_results(trained_weights, which):
     assert_traces_close(seq_rec.trace(), step_rec.trace(), 1e-4)
 
 
+@pytest.mark.parametrize("which", ["ablate_experts", "force_routing", "override_attn_res"])
+def test_an_intervention_in_a_layer_run_token_by_token(trained_weights, which):
+    """A chunk-aware intervention in a layer that a per-token hook makes run token by token gets single tokens
+    there (`hook.positions` None, `hook.position` the token's): stepping's result, plain Hooks or a Recorder."""
+    w, tokens = trained_weights, list(TEXT[:24])
+    make = {"ablate_experts": lambda: interventions.ablate_experts(2, [3, 7], positions=range(4, 20)),
+            "force_routing": lambda: interventions.force_routing(2, [1, 2, 3], positions=[5, 9]),
+            "override_attn_res": lambda: interventions.override_attn_res(2, "ffn", ("one_hot", 0), positions=range(10))}[which]
+
+    def hooks(recorder=None):
+        h = make()
+        h.add("layers.2.attn.out", lambda v, *, hook: None)  # per token: layer 2 runs token by token
+        return ke.inspection.hooks.HookChain(h.bind(w), recorder) if recorder is not None else h.bind(w)
+
+    base, _ = step_all(w, tokens)
+    want, _ = step_all(w, tokens, hooks())
+    assert np.abs(want - base).max() > 1e-3  # the intervention changes the run
+    got = np.asarray(kimi_forward_sequence(w, KimiDecodeState.new(w), tokens, hooks=hooks(), chunk=10))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    step_rec, seq_rec = ke.Recorder().bind(w), ke.Recorder().bind(w)
+    step_all(w, tokens, hooks(step_rec))
+    got = np.asarray(kimi_forward_sequence(w, KimiDecodeState.new(w), tokens, hooks=hooks(seq_rec), chunk=10))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert_traces_close(seq_rec.trace(), step_rec.trace(), 1e-4)
+
+
 def test_patch_from_a_padded_trace_on_chunks(trained_weights):
     """Routing patched from a trace whose ids were padded (an ablated run) equals stepping with the same patch."""
     w, tokens = trained_weights, list(TEXT[:24])

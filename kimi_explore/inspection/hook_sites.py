@@ -31,7 +31,7 @@ class HookPoint:
               chunk-aware hook gets a whole chunk
     token_id: that token's id when the driver told (`Hooks.begin_token`), else None
     positions: on the sequence path, the positions [T] (int array) of the chunk a chunk-aware hook
-              gets; None in the token form
+              gets; None in the token form, and for one token of a chunk (a layer run token by token)
     """
 
     __slots__ = ("name", "layer", "kind", "_owner")
@@ -53,7 +53,8 @@ class HookPoint:
 
     @property
     def positions(self):
-        return None if self._owner is None else self._owner.positions
+        o = self._owner  # a layer run token by token inside a chunk: one token (its position set), no positions
+        return None if o is None or o.position is not None else o.positions
 
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, layer={self.layer}, kind={self.kind!r})"

@@ -313,6 +313,7 @@ class Hooks:
         """`fire` for a whole chunk: value [T, ...]. Chunk-aware hooks get the chunk; the others are
         called token by token (the sequence path only lets that happen at the global sites, whose
         values have the same shape at every token) and their values stacked again."""
+        self.position = self.token_id = None  # a whole chunk (after a layer run token by token: no token of it)
         for fn, point, chunks in self._chunk_functions(name):
             if chunks:
                 out = fn(value, hook=point)
