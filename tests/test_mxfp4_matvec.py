@@ -199,9 +199,9 @@ def test_grouped_matmat_is_exact_on_small_integers_in_every_kernel():
 
 @pytest.mark.parametrize("C", [96, 2 * 16 * 48], ids=["one-column-block", "three-column-blocks"])
 def test_grouped_matmat_many_inputs_against_float64(C):
-    """A group of >= 8 inputs takes the panel route (AVX2: weights decoded once per tile, outer products), fewer the
+    """A group of >= 12 inputs takes the panel route (AVX2: weights decoded once per tile, outer products), fewer the
     4-input tiles: both within the float64 bound; the panel route the same floats whatever the thread count (a cut
-    inside a group) and whichever group an input is in. Groups of 7 to 300 inputs (remainders of 6), 37 rows (panels
+    inside a group) and whichever group an input is in. Groups of 7 to 300 inputs (remainders of 5), 37 rows (panels
     of 8, tiles of 64 rows and remainders), columns over 256 per tile, the same expert twice."""
     rng = np.random.default_rng(C)
     packed, scale = bank(rng, E=4, R=37, C=C)
@@ -218,6 +218,21 @@ def test_grouped_matmat_many_inputs_against_float64(C):
         # group 1 (300 inputs) again, as groups of 150 and 150: the same floats
         halves = mxfp4_matvec.grouped_matmat(packed, scale, [0, 0], [0, 150, 300], x[8:308], isa=isa, threads=1)
         np.testing.assert_array_equal(halves, got[8:308])
+
+
+def test_grouped_matmat_small_groups_are_the_same_floats_one_input_at_a_time():
+    """Groups of 1 to 4 inputs take the tiles (their last 1-3 inputs in one pass): each output the same float as
+    that input alone in its own group, in every kernel."""
+    rng = np.random.default_rng(11)
+    packed, scale = bank(rng, E=3, R=21, C=3 * 32 * 7)
+    sizes, experts = [3, 2, 4, 1], [1, 0, 2, 1]
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    x = rng.standard_normal((bounds[-1], packed.shape[2] * 2)).astype(np.float32)
+    alone = np.repeat(experts, sizes)
+    for isa in isas():
+        got = mxfp4_matvec.grouped_matmat(packed, scale, experts, bounds, x, isa=isa, threads=1)
+        np.testing.assert_array_equal(got, mxfp4_matvec.grouped_matmat(packed, scale, alone, np.arange(len(alone) + 1), x,
+                                                                       isa=isa, threads=1))
 
 
 def test_grouped_parts_matmat_is_the_bank_kernel_on_blocks():

@@ -224,9 +224,11 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint16_t *w, in
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
-/* PANEL_MIN_INPUTS or more inputs (AVX2): the weights widened once per tile of PANEL_ROWS rows x PANEL_K columns
+/* BF16_PANEL_MIN_INPUTS or more inputs (AVX2): the weights widened once per tile of PANEL_ROWS rows x PANEL_K columns
    into float32 panels, multiplied as BLAS does (_panels_avx2.h); each output the float32 sum of its products in
    column order. Panels: P[(q * PANEL_K + k) * 8 + a] = f32(W[r0 + 8q + a, c0 + k]), rows past nr 0. */
+#define BF16_PANEL_MIN_INPUTS 5  /* fewer inputs: the tiles (no transposes) */
+
 __attribute__((target("avx2,fma"))) static void widen_panels_avx2(const uint16_t *W, Py_ssize_t C, Py_ssize_t r0, int nr,
                                                                  Py_ssize_t c0, Py_ssize_t c1, float *P) {
     for (int q = 0; 8 * q < nr; q++) {
@@ -290,7 +292,7 @@ static PyObject *bf16_matmat(PyObject *self, PyObject *args) {
         float *Y = (float *)out.buf;
         float *P = NULL;
 #ifdef KX_X86
-        if (isa == 1 && n >= PANEL_MIN_INPUTS) P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K);  /* NULL: the tiles */
+        if (isa == 1 && n >= BF16_PANEL_MIN_INPUTS) P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K);  /* NULL: the tiles */
 #endif
         Py_BEGIN_ALLOW_THREADS
 #ifdef KX_X86

@@ -23,7 +23,7 @@
 
    Two more (the sequence path, at the end of this file): `grouped_matmat` and `grouped_parts_matmat`
    multiply GROUPS of input rows, each by its own expert, decoding every weight once per tile of
-   input rows, or (AVX2, groups of 5 or more) once per tile of weights into float32 panels multiplied
+   input rows, or (AVX2, groups of 12 or more) once per tile of weights into float32 panels multiplied
    as BLAS does (the expert's bytes come from memory once per call). */
 
 #define PY_SSIZE_T_CLEAN
@@ -379,18 +379,24 @@ __attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_
 __attribute__((target("avx2,fma"))) static void tile_avx2(const uint8_t *const *rows, const uint8_t *const *srows, int nr,
                                                          const float *X, Py_ssize_t ldx, int ni, Py_ssize_t H, float *out,
                                                          Py_ssize_t ldo) {
-    /* 2 rows x 4 inputs fill the 16 ymm registers; other shapes one row / one input at a time */
+    /* 2 rows x 4 inputs fill the 16 ymm registers; the last 1-3 inputs in one more pass (each pass decodes the rows
+       again: K3's experts get ~4.6 of a chunk's rows each), a last odd row alone */
+#define KX_TILE(NR, NI) tile_avx2_n(rows + a, srows + a, NR, X + i * ldx, ldx, NI, H, out + i * ldo + a, ldo)
     for (int a = 0; a < nr;) {
         const int two = nr - a >= 2;
         int i = 0;
         for (; i + MM_INPUTS <= ni; i += MM_INPUTS)
-            if (two) tile_avx2_n(rows + a, srows + a, 2, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo + a, ldo);
-            else tile_avx2_n(rows + a, srows + a, 1, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo + a, ldo);
-        for (; i < ni; i++)
-            if (two) tile_avx2_n(rows + a, srows + a, 2, X + i * ldx, ldx, 1, H, out + i * ldo + a, ldo);
-            else tile_avx2_n(rows + a, srows + a, 1, X + i * ldx, ldx, 1, H, out + i * ldo + a, ldo);
+            if (two) KX_TILE(2, MM_INPUTS);
+            else KX_TILE(1, MM_INPUTS);
+        switch (ni - i) {  /* the same products in the same order per (row, input) as one input at a time */
+            case 3: if (two) KX_TILE(2, 3); else KX_TILE(1, 3); break;
+            case 2: if (two) KX_TILE(2, 2); else KX_TILE(1, 2); break;
+            case 1: if (two) KX_TILE(2, 1); else KX_TILE(1, 1); break;
+            default: break;
+        }
         a += two ? 2 : 1;
     }
+#undef KX_TILE
 }
 
 __attribute__((always_inline, target("avx512f"))) static inline void tile_avx512_n(const uint8_t *const *rows,
@@ -436,12 +442,15 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
-/* A group of PANEL_MIN_INPUTS or more input rows (AVX2) is multiplied as BLAS does (_panels_avx2.h): the weights
+/* A group of MXFP4_PANEL_MIN_INPUTS or more input rows (AVX2) is multiplied as BLAS does (_panels_avx2.h): the weights
    of a tile of PANEL_ROWS rows x PANEL_K columns (PANEL_K / 2 bytes) are decoded once into float32 panels in the
    columns' own order, which stay in L2 while all the group's inputs (as given: x, not xeo) meet them; a row's
    outputs wait in `out` between column tiles. Each output is the float32 sum, in column order, of the exact
    dequantised weights times the inputs: another order than the tiles', within the same float64 bound
    (tests/test_mxfp4_matvec.py). */
+
+#define MXFP4_PANEL_MIN_INPUTS 12  /* fewer: the tiles, which decode each weight once per 4 inputs but skip the panels'
+                                      transposes, stores and loads (as fast at 12 inputs, faster below, on this AVX2 VM) */
 
 /* The tile of rows r0 .. r0 + nr - 1 (nr <= PANEL_ROWS), bytes c0 .. c1 - 1 (c1 - c0 <= PANEL_K / 2) of group j's
    expert, as panels: P[(q * PANEL_K + 2 (c - c0) + h) * 8 + a] = the weight of row r0 + 8q + a in byte c's low (h = 0,
@@ -512,7 +521,7 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
     for (Py_ssize_t t = start; t < stop;) {
         const Py_ssize_t j = t / R, r = t - j * R, i0 = (Py_ssize_t)bounds[j], ni = (Py_ssize_t)bounds[j + 1] - i0;
 #ifdef KX_X86
-        if (panels && ni >= PANEL_MIN_INPUTS) {
+        if (panels && ni >= MXFP4_PANEL_MIN_INPUTS) {
             if (P == NULL) panels = (P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K)) != NULL;  /* no memory: the tiles */
             if (panels) {
                 const Py_ssize_t r1 = stop - j * R < R ? stop - j * R : R;

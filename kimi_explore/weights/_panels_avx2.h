@@ -14,7 +14,6 @@
 #define PANEL_ROWS 64     /* weight rows per tile: 8 panels */
 #define PANEL_K 256       /* columns per tile: [8, PANEL_K, 8] floats = 64 KB */
 #define PANEL_INPUTS 5    /* inputs per kernel call */
-#define PANEL_MIN_INPUTS 5 /* callers take the panels from this many inputs (fewer: decoding once per tile costs more) */
 
 /* r[k] <- column k of the 8 x 8 matrix whose rows are r[0..7] */
 __attribute__((always_inline, target("avx2,fma"))) static inline void transpose8(__m256 r[8]) {
