@@ -11,7 +11,7 @@ import pytest
 from closeness import assert_traces_close
 
 import kimi_explore as ke
-from kimi_explore import KimiDecodeState
+from kimi_explore import KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import stand_in_device
 from kimi_explore.inspection import interventions
 from kimi_explore.inspection.hooks import HookChain
@@ -141,6 +141,39 @@ def test_take_records_and_add_tokens_keep_the_order(trained_weights):
     got = driver.trace()
     assert got.equals(ref.trace()) and len(got) == 20
     np.testing.assert_array_equal(got["logits.top_ids"][7:], np.stack(records["logits.top_ids"]))
+
+
+def test_take_blocks_and_add_blocks_keep_chunks_whole_and_in_order(trained_weights):
+    """What a pipeline stage hands over (`take_blocks`): a fed chunk as its one block, a stepped token as a one-row
+    block, in order; a recorder taking them (`add_blocks`) after its own records, then stepping on, records what
+    one recorder that saw it all records (trace and per-token state_dict)."""
+    w = trained_weights
+    stage, ref, driver = ke.Recorder().bind(w), ke.Recorder().bind(w), ke.Recorder().bind(w)
+    state, ref_state = KimiDecodeState.new(w), KimiDecodeState.new(w)
+    kimi_forward_sequence(w, ref_state, TOKENS[:10], ref, chunk=6)
+    ref.begin_token(TOKENS[10], 10)
+    kimi_forward_token(w, ref_state, TOKENS[10], hooks=ref)
+    kimi_forward_sequence(w, state, TOKENS[:10], stage, chunk=6)  # a stage hands over after each chunk and token
+    blocks = stage.take_blocks()
+    assert len(stage.trace()) == 0 and stage.take_blocks() == {}
+    assert [len(b) for b in blocks["logits.top_ids"]] == [6, 4]  # the two chunks whole
+    driver.add_blocks(TOKENS[:10], range(10), blocks)
+    stage.begin_token(TOKENS[10], 10)
+    kimi_forward_token(w, state, TOKENS[10], hooks=stage)
+    blocks = stage.take_blocks()
+    assert [len(b) for b in blocks["logits.top_ids"]] == [1]
+    driver.add_blocks(TOKENS[10:11], [10], blocks)
+    for rec in (driver, ref):  # both step on from the same state
+        rec.begin_token(TOKENS[11], 11)
+        kimi_forward_token(w, ref_state.copy(), TOKENS[11], hooks=rec)
+    got = driver.trace()
+    assert got.equals(ref.trace()) and len(got) == 12
+    d, r = driver.state_dict(), ref.state_dict()
+    assert d["tokens"] == r["tokens"] and d["positions"] == r["positions"] and d["rows"].keys() == r["rows"].keys()
+    for k in r["rows"]:
+        assert len(d["rows"][k]) == 12
+        for a, b in zip(d["rows"][k], r["rows"][k], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=k)
 
 
 def test_ragged_routing_and_token_by_token_layers_inside_chunks(trained_weights):

@@ -220,7 +220,7 @@ class RayPipeline(LayerSequence):
             records = {}
             for _, packed, _ in outs:
                 unpack_records(packed, records)
-            recorder.add_tokens([what] if n == 1 and isinstance(what, int) else what, range(position, position + n), records)
+            recorder.add_blocks([what] if n == 1 and isinstance(what, int) else what, range(position, position + n), records)
         return np.array(outs[-1][0], copy=True)
 
     def forward_sequence(self, state: PipelineState, token_ids, hooks=None, chunk: int | None = None) -> np.ndarray:

@@ -172,7 +172,7 @@ class Stage:
                     self.recorder.end_token()
             if self.recorder is None:
                 return out, None, position
-            return out, pack_records(self.recorder.take_records()), position
+            return out, pack_records(self.recorder.take_blocks()), position
         except BaseException:
             if self.recorder is not None:
                 self.recorder.truncate(0)  # forget the half-recorded token

@@ -41,7 +41,8 @@ saw it changes the record too: return a new array instead (the contract's way an
 On the sequence path a site records a whole chunk [T, ...] at once (`chunk_records`). Such a record
 is kept as that one array, a "block" waiting after the key's per-token list, and is split into T
 per-token rows (one `list.extend`) only where per-token rows are read: `state_dict`, `take_records`,
-`truncate`, `add_tokens`, and the next token stepped (whose `list.append`s must come after it).
+`truncate`, and the next token stepped (whose `list.append`s must come after it). A pipeline's stages hand
+their records over as such blocks (`take_blocks`, `add_blocks`).
 `trace()` copies blocks whole into its stacked buffers, so a feed then a trace never splits them.
 """
 
@@ -119,7 +120,7 @@ class Recorder:
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
         # key -> chunks' records [T, ...] not yet split into rows: they follow _rows[key], in order (never rebound)
         self._blocks: dict[str, list] = {}
-        self._chunked = False  # blocks may be waiting (set by begin_chunk, cleared by _split_blocks)
+        self._chunked = False  # blocks may be waiting (set by begin_chunk and add_blocks, cleared by _split_blocks)
         self._stacked: dict[str, StackedRows] = {}  # key -> its rows stacked so far (trace() copies in only new rows)
         self.tokens: list[int] = []  # -1 where the token id was not announced
         self.positions: list[int] = []
@@ -434,27 +435,41 @@ class Recorder:
             buf.clear()
         self._batch_bytes = 0
 
-    def take_records(self) -> dict:
-        """{key: per-token arrays} recorded so far, removed from this recorder: what a pipeline stage
-        hands the driver after each token or chunk (whose Recorder takes them with `add_tokens`)."""
+    def take_blocks(self) -> dict:
+        """{key: [arrays [m, ...]]}: the records so far in order, m tokens each (a fed chunk's as its one block, a
+        stepped token's as [1, ...]), removed from this recorder: what a pipeline stage hands the driver after each
+        token or chunk (whose Recorder takes them with `add_blocks`), a chunk never split into rows."""
         self.flush()
-        self._split_blocks()
-        out = {k: v[:] for k, v in self._rows.items() if v}
-        for v in self._rows.values():
-            v.clear()
+        out = {}
+        for k, rows in self._rows.items():
+            blocks = self._blocks.get(k, [])
+            if rows or blocks:
+                out[k] = [r[None] for r in rows] + blocks[:]
+            rows.clear()
+            blocks.clear()
+        self._chunked = False
         self._stacked.clear()
         self.tokens.clear()
         self.positions.clear()
         return out
 
-    def add_tokens(self, token_ids, positions, records: dict) -> None:
-        """Append tokens' records made elsewhere ({key: [one array per token]} from each pipeline stage's
-        `take_records`)."""
-        self._split_blocks()
+    def take_records(self) -> dict:
+        """{key: per-token arrays}: `take_blocks` split into rows."""
+        return {k: [row for b in blocks for row in b] for k, blocks in self.take_blocks().items()}
+
+    def add_blocks(self, token_ids, positions, blocks: dict) -> None:
+        """Append tokens' records made elsewhere ({key: [arrays [m, ...]]} from each pipeline stage's `take_blocks`),
+        kept as blocks after the records so far."""
         self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
         self.positions.extend(int(p) for p in positions)
-        for k, rows in records.items():
-            self._row(k).extend(rows)
+        for k, b in blocks.items():
+            self._row(k)
+            self._blocks.setdefault(k, []).extend(b)
+        self._chunked = True  # the next stepped token splits them first
+
+    def add_tokens(self, token_ids, positions, records: dict) -> None:
+        """`add_blocks` of per-token arrays ({key: [one array per token]}, as `take_records` gives them)."""
+        self.add_blocks(token_ids, positions, {k: [r[None] for r in rows] for k, rows in records.items()})
 
     def settings(self) -> dict:
         """Constructor arguments that record as this recorder does (a pipeline stage's copy)."""
