@@ -85,9 +85,10 @@ class Hooks:
 
         chunks=True: fn also takes whole chunks on the sequence path (`kimi_forward_sequence`): it is
         then called once per chunk with the site's values of every token stacked on a leading axis
-        [T, ...] and `hook.positions` [T] (and `hook.position` None); in the token form it is called as
-        any hook. Without it, the sequence path calls fn token by token, exactly as stepping would
-        (a layer with such a hook runs token by token). See the module docstring of `kimi_sequence`.
+        [T, ...] and `hook.positions` [T] (and `hook.position` None); in the token form, and in a layer
+        that runs token by token inside a chunk, it is called as any hook. Without it, the sequence path
+        calls fn token by token, exactly as stepping would (a layer with such a hook runs token by token).
+        See the module docstring of `kimi_sequence`.
         Raises ValueError when the name or glob can never fire (see module docstring).
         """
         if callable(name_or_glob) and fn is None and names_filter is not None:

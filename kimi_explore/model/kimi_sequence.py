@@ -13,7 +13,9 @@ does not depend on the chunk size beyond that rounding.
 
 Hooks on the sequence path (what a hook written for the token form gets is unchanged):
 - A hook added with `chunks=True` (the Recorder's recording, the built-in interventions) is called
-  once per chunk and site with the T tokens' values stacked, [T, ...], and `hook.positions` [T].
+  once per chunk and site with the T tokens' values stacked, [T, ...], and `hook.positions` [T]; in a
+  layer that runs token by token (below) it gets single tokens, as in the token form (`hook.positions`
+  None, `hook.position` the token's).
 - Any other hook is called token by token with the token form's values: at a layer's site, that
   layer runs token by token (`decoder_layer`, exactly as stepping); at a global site (embed, final.*,
   logits) it is called per token on the chunk's rows.
