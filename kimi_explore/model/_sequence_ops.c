@@ -64,6 +64,13 @@ KX_INLINE float kx_tanhf(float x) {
     return x < 0.0f ? -r : r;
 }
 
+/* SiTU-GLU of one gate g and up u: tanh(g inv_b) / (1 + exp(-g)) * tanh(u inv_lb) * c (has_lb), else
+   tanh(g inv_b) / (1 + exp(-g)) * u * c: the NumPy route's operations in its order (ops.situ_and_mul). */
+KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, int has_lb) {
+    const float a = kx_tanhf(g * inv_b) / (1.0f + kx_expf(-g));
+    return has_lb ? a * kx_tanhf(u * inv_lb) * c : a * u * c;
+}
+
 /* what: 0 exp, 1 sigmoid 1 / (1 + exp(-x)), 2 SiLU x / (1 + exp(-x)); in place on n floats */
 #define MAP_BODY                                                                              \
     {                                                                                         \
@@ -84,11 +91,9 @@ KX_INLINE float kx_tanhf(float x) {
             const float *restrict g = gu + r * 2 * n, *restrict u = g + n;                     \
             float *restrict o = out + r * n;                                                  \
             if (has_lb)                                                                       \
-                for (Py_ssize_t i = 0; i < n; i++)                                            \
-                    o[i] = kx_tanhf(g[i] * inv_b) / (1.0f + kx_expf(-g[i])) * kx_tanhf(u[i] * inv_lb) * c; \
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = kx_situ(g[i], u[i], inv_b, inv_lb, c, 1); \
             else                                                                              \
-                for (Py_ssize_t i = 0; i < n; i++)                                            \
-                    o[i] = kx_tanhf(g[i] * inv_b) / (1.0f + kx_expf(-g[i])) * u[i] * c;       \
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = kx_situ(g[i], u[i], inv_b, inv_lb, c, 0); \
         }                                                                                     \
     }
 

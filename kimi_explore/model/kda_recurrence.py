@@ -32,7 +32,6 @@ def runs(xp, dtype) -> bool:
     return AVAILABLE and on_host(xp) and np.dtype(dtype) == np.float32
 
 
-
 def elementwise_ops(*arrays):
     """The compiled elementwise steps of the token form (`shift_in`, `scale_rows`, `write_delta`, `l2_scale`, `gated_norm`:
     exactly NumPy's rounding, one call each instead of several array operations and broadcasts over short

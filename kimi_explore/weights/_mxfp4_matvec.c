@@ -56,20 +56,26 @@ static void row_portable(const uint8_t *row, const uint8_t *srow, const float *x
 }
 
 #ifdef KX_X86
+/* The 16 E2M1 values of 8 bytes (AVX2): *lo the low nibbles' (columns 2j), *hi the high nibbles' (2j + 1); the
+   magnitude from an 8-entry table (vpermps reads 3 index bits), the sign bit put in by xor. Unscaled. */
+__attribute__((always_inline, target("avx2,fma"))) static inline void e2m1_avx2(const uint8_t *bytes, __m256 *lo, __m256 *hi) {
+    const __m256 mag = _mm256_loadu_ps(E2M1);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    *lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, d), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
+    *hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, _mm256_srli_epi32(d, 4)),
+                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
+}
+
 __attribute__((target("avx2,fma"))) static void row_avx2(const uint8_t *row, const uint8_t *srow, const float *xe,
                                                         const float *xo, Py_ssize_t G, float *y) {
-    const __m256 mag = _mm256_loadu_ps(E2M1);  /* entries 0..7: the magnitudes; vpermps reads 3 index bits */
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
     __m256 acc = _mm256_setzero_ps();
     for (Py_ssize_t g = 0; g < G; g++) {
         __m256 s = _mm256_setzero_ps();
         for (int h = 0; h < 16; h += 8) {
             const Py_ssize_t i = 16 * g + h;
-            __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)));
-            __m256 lo = _mm256_permutevar8x32_ps(mag, d);
-            __m256 hi = _mm256_permutevar8x32_ps(mag, _mm256_srli_epi32(d, 4));
-            lo = _mm256_xor_ps(lo, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
-            hi = _mm256_xor_ps(hi, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
+            __m256 lo, hi;
+            e2m1_avx2(row + i, &lo, &hi);
             s = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xe + i), s);
             s = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xo + i), s);
         }
@@ -346,8 +352,6 @@ static void tile_portable(const uint8_t *const *rows, const uint8_t *const *srow
 __attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_n(const uint8_t *const *rows,
         const uint8_t *const *srows, const int nr, const float *X, Py_ssize_t ldx, const int ni, Py_ssize_t H, float *out,
         Py_ssize_t ldo) {
-    const __m256 mag = _mm256_loadu_ps(E2M1);
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
     __m256 acc[2][MM_INPUTS];
     for (int a = 0; a < nr; a++)
         for (int i = 0; i < ni; i++) acc[a][i] = _mm256_setzero_ps();
@@ -355,10 +359,7 @@ __attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_
         __m256 lo[2], hi[2];
         for (int a = 0; a < nr; a++) {
             const __m256 p = _mm256_set1_ps(POW2[srows[a][c / 16]]);
-            const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rows[a] + c)));
-            lo[a] = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, d), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
-            hi[a] = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, _mm256_srli_epi32(d, 4)),
-                                  _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
+            e2m1_avx2(rows[a] + c, &lo[a], &hi[a]);
             lo[a] = _mm256_mul_ps(lo[a], p);
             hi[a] = _mm256_mul_ps(hi[a], p);
         }
@@ -457,8 +458,6 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
    column 2c) or high nibble (h = 1, column 2c + 1); rows past nr are 0. */
 __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_source *src, Py_ssize_t j, Py_ssize_t r0, int nr,
                                                                   Py_ssize_t c0, Py_ssize_t c1, float *P) {
-    const __m256 mag = _mm256_loadu_ps(E2M1);
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
     for (int q = 0; q * 8 < nr; q++) {
         const uint8_t *row[8], *srow[8];
         for (int a = 0; a < 8; a++) {
@@ -473,11 +472,9 @@ __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_sou
                     continue;
                 }
                 const __m256 p = _mm256_set1_ps(POW2[srow[a][c / 16]]);
-                const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row[a] + c)));
-                lo[a] = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(mag, d),
-                                                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign))), p);
-                hi[a] = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(mag, _mm256_srli_epi32(d, 4)),
-                                                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign))), p);
+                e2m1_avx2(row[a] + c, &lo[a], &hi[a]);
+                lo[a] = _mm256_mul_ps(lo[a], p);
+                hi[a] = _mm256_mul_ps(hi[a], p);
             }
             transpose8(lo);
             transpose8(hi);

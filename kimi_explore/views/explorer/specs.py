@@ -62,9 +62,14 @@ def layer_ticks(labels: list[str], selected: str | None = None) -> list[str]:
     return [labels[j] for j in sorted(kept)]
 
 
+def heat_axis(**kw) -> dict:
+    """A categorical axis of a heatmap: ticks at 10 px, no grid lines (module docstring), then `kw`."""
+    return {"type": "category", "tickfont": {"size": 10}, "showgrid": False, **kw}
+
+
 def layer_axis(labels: list[str], title: str = "layer", selected: str | None = None) -> dict:
     """A categorical layer axis; past 32 layers only `layer_ticks` are named (the selected one always)."""
-    axis = {"type": "category", "title": {"text": title}, "tickfont": {"size": 10}, "fixedrange": True, "showgrid": False}
+    axis = heat_axis(title={"text": title}, fixedrange=True)
     if len(labels) > 32:
         ticks = layer_ticks(labels, selected)
         axis.update(tickmode="array", tickvals=ticks, ticktext=ticks, tickangle=-60)
@@ -80,9 +85,8 @@ def token_window(n_tokens: int, t: int, window: int = WINDOW) -> list[float]:
 
 
 def token_axis(trace, t: int, tokenizer=None) -> dict:
-    return {"type": "category", "title": {"text": "token (the token slider moves this window)"},
-            "range": token_window(len(trace), t), "showgrid": False,
-            "tickfont": {"size": 10}, "tickangle": -60}  # no automargin: it costs plotly a second layout pass
+    return heat_axis(title={"text": "token (the token slider moves this window)"}, range=token_window(len(trace), t),
+                     tickangle=-60)  # no automargin: it costs plotly a second layout pass
 
 
 def outline(col: float, xref: str = "x", yref: str = "y domain") -> dict:
@@ -150,14 +154,13 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     data.append(heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
                       hover="final output mix (final.attn_res)<br>source: %{y}<br>weight: %{z:.4f}", showscale=False))
     label = trace_labels(trace, tokenizer)[t]
-    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True, "showgrid": False}
+    axis_y = heat_axis(autorange="reversed", fixedrange=True)
     layout = {"title": {"text": f"Block attention residuals of token {label}  (click a layer to select it)", "font": FONT},
               "xaxis": {**layer_axis(layers, "", sel), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
               "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
               "xaxis2": {**layer_axis(layers, "layer", sel), "domain": [0, 0.9], "anchor": "y2"},
               "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
-              "xaxis3": {"type": "category", "domain": [0.92, 0.96], "anchor": "y3", "fixedrange": True,
-                         "tickfont": {"size": 10}, "showgrid": False},
+              "xaxis3": heat_axis(domain=[0.92, 0.96], anchor="y3", fixedrange=True),
               "yaxis3": {**axis_y, "domain": [0, 0.44], "anchor": "x3", "showticklabels": False},
               "shapes": shapes, "plot_bgcolor": GAP_COLOR, "margin": {"l": 80, "r": 20, "t": 30, "b": 70}}
     return data, layout
@@ -178,7 +181,7 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
         if not np.isfinite(w[:, site]).any():
             notes.append({"text": f"layer {layer} has no mix here: its block stack is still empty", "showarrow": False,
                           "xref": xa + " domain", "yref": ya + " domain", "x": 0.5, "y": 0.5, "font": {"color": "#555"}})
-    axis_y = {"type": "category", "autorange": "reversed", "tickfont": {"size": 10}, "fixedrange": True, "showgrid": False}
+    axis_y = heat_axis(autorange="reversed", fixedrange=True)
     axis_x = token_axis(trace, t, tokenizer)
     layout = {"title": {"text": f"Block attention residuals at layer {layer}, token by token  (click a token; "
                         "softmax weight on the colour scale above)", "font": FONT},
@@ -211,8 +214,7 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
     label = trace_labels(trace, tokenizer)[t]
     layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer)", "font": FONT},
               "xaxis": layer_axis(labels, "KDA layer", labels[ids.index(layer)] if layer in ids else None),
-              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True,
-                        "showgrid": False},
+              "yaxis": heat_axis(title={"text": "head"}, fixedrange=True),
               "shapes": shapes, "margin": {"l": 50, "r": 20, "t": 30, "b": 70}}
     return data, layout
 
@@ -232,7 +234,6 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
     layout = {"title": {"text": f"KDA layer {layer}: state norm per head, token by token  (same colour scale)",
                         "font": FONT},
               "xaxis": token_axis(trace, t, tokenizer),
-              "yaxis": {"type": "category", "title": {"text": "head"}, "tickfont": {"size": 10}, "fixedrange": True,
-                        "showgrid": False},
+              "yaxis": heat_axis(title={"text": "head"}, fixedrange=True),
               "shapes": [outline(t)], "dragmode": "pan", "margin": {"l": 50, "r": 20, "t": 30, "b": 80}}
     return data, layout

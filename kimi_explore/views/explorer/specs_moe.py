@@ -47,7 +47,7 @@ def _row_outline(j: int) -> dict:
 
 
 def _y_layers(labels: list[str], j: int | None) -> dict:
-    axis = {"type": "category", "title": {"text": "MoE layer"}, "tickfont": {"size": 10}, "showgrid": False}
+    axis = specs.heat_axis(title={"text": "MoE layer"})
     window = _row_window(len(labels), j)
     if window is None:
         axis["autorange"] = "reversed"
@@ -103,8 +103,7 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
                                       f" of {M} (the layer menu moves this window)")
     layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){rows}",
                         "font": FONT},
-              "xaxis": {"type": "category", "title": {"text": "slot"}, "fixedrange": True, "tickfont": {"size": 10},
-                        "showgrid": False},
+              "xaxis": specs.heat_axis(title={"text": "slot"}, fixedrange=True),
               "yaxis": _y_layers([labels[j] for j in rows_shown], None),
               "shapes": [_row_outline(j_sel - rows_shown[0])] if j_sel in rows_shown else [],
               "cell_text": CELL_TEXT, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
@@ -203,8 +202,7 @@ def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[i
     shown = "" if window is None else f"; layers {labels[round(window[1] + 0.5)].split()[0]}-" \
         f"{labels[round(window[0] - 0.5)].split()[0]} of {len(labels)}"
     layout = {"title": {"text": f"Top {n} experts by load per layer, {tokens} tokens{shown}", "font": FONT},
-              "xaxis": {"type": "category", "title": {"text": "rank"}, "fixedrange": True, "tickfont": {"size": 10},
-                        "showgrid": False},
+              "xaxis": specs.heat_axis(title={"text": "rank"}, fixedrange=True),
               "yaxis": _y_layers([labels[j] for j in rows], None),
               "shapes": [_row_outline(j_sel - rows[0])] if j_sel in rows else [],
               "cell_text": CELL_TEXT, "margin": {"l": 70, "r": 10, "t": 30, "b": 40}}
