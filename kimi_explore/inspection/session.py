@@ -167,10 +167,14 @@ class Session:
             if self.tokenizer is None:
                 raise TypeError("Session.feed got a string but the session has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(token_ids)
+        elif not hasattr(token_ids, "__iter__") or getattr(token_ids, "ndim", 1) == 0:
+            raise TypeError(f"Session.feed: token_ids must be a sequence of token ids (or text, with a tokenizer), got "
+                            f"{token_ids!r} ({type(token_ids).__name__}); session.step(id) decodes one token")
         ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
         chunk = DEFAULT_CHUNK if chunk is None else chunk
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ValueError(f"Session.feed: chunk must be a positive int (tokens per forward pass), got {chunk!r}")
+        chunk = int(chunk)
         if self._may_modify():
             out = [self.step(t) for t in ids]
         else:
@@ -329,10 +333,11 @@ class Session:
 
     def recover(self) -> list[int]:
         """After a pipeline stage was lost (`StageLostError`): restart it from its shards and rebuild the
-        decode state and the kept checkpoints by replaying the token history through the pipeline,
-        with the session's hooks (`session.hooks` and the recorder's). Every replayed token's logits
-        must equal the stored ones bit for bit, so the session continues exactly as if nothing had
-        happened; records are the driver's and are kept. Returns the restarted stages' numbers."""
+        decode state and the kept checkpoints by replaying the token history through the pipeline, each
+        token the way it was decoded: those decoded with value-changing hooks with the session's hooks
+        (`session.hooks` and the recorder's), whose logits must then equal the stored ones bit for bit;
+        the others without hooks, as `truncate` replays them. The session continues exactly as if
+        nothing had happened; records are the driver's and are kept. Returns the restarted stages' numbers."""
         restarted = self.weights.restart_lost_stages()
         sets = [h for h in (self.hooks, self.recorder.hooks.copy() if self.recorder is not None else None) if h]
         hooks = HookChain(*sets) if sets else None
@@ -351,18 +356,25 @@ class Session:
 
     def _replay(self, hooks, n: int, keep: set):
         """Decode the first n tokens from a fresh state, each the way it was decoded: (state, {t in keep:
-        state copy}, first token whose logits differ from the stored ones, or None)."""
+        state copy}, first token decoded with value-changing hooks whose logits differ from the stored
+        ones, or None).
+
+        Only those tokens (each stepped) get `hooks` and are compared: hooks attached after a token was
+        decoded must not act on it, and the first part of a fed chunk cut by `truncate` is replayed as
+        one chunk, as `truncate` built the state from it, whose logits differ in the last bits from the
+        stored ones (decoded within the longer chunk)."""
         state, checkpoints = self.weights.new_state(), {}
         for a, b in self.runs(0, n):
             if b is None:
-                if hooks is not None:
-                    hooks.begin_token(self._tokens[a], a)
-                got, b = to_numpy(self.weights.forward_token(state, self._tokens[a], hooks))[None], a + 1
+                hooked = hooks if self._modified[a] else None
+                if hooked is not None:
+                    hooked.begin_token(self._tokens[a], a)
+                got = to_numpy(self.weights.forward_token(state, self._tokens[a], hooked))
+                if self._modified[a] and not np.array_equal(got, self._logits[a]):
+                    return state, checkpoints, a
+                b = a + 1
             else:
-                got = to_numpy(self.weights.forward_sequence(state, self._tokens[a:b], hooks, chunk=b - a))
-            for t in range(a, b):
-                if not np.array_equal(got[t - a], self._logits[t]):
-                    return state, checkpoints, t
+                self.weights.forward_sequence(state, self._tokens[a:b], chunk=b - a)
             if b in keep:
                 checkpoints[b] = state.copy()
         return state, checkpoints, None

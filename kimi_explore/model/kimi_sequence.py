@@ -153,9 +153,9 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     V = weights.config.vocab_size
     ids = token_indices(_as_list(token_ids), V)
     chunk = DEFAULT_CHUNK if chunk is None else chunk
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"kimi_forward_sequence: chunk must be a positive int (tokens per chunk), got {chunk!r}")
-    xp = weights.xp
+    chunk, xp = int(chunk), weights.xp
     if not ids:
         return xp.zeros((0, V), weights.dtype)
     out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]

@@ -1,0 +1,111 @@
+"""Found by a review of the sequence path and the session around it: each test failed before its fix.
+
+- `Session.recover()` replays the history; it compared every replayed token's logits with the stored ones
+  bit for bit, so a fed chunk cut by `truncate` (its first part replayed as one shorter chunk, whose sums
+  differ in the last bits) or a token decoded before a lasting hook was attached (replayed with that hook)
+  read as "decoded under hooks the session no longer holds", and recover dropped the history from there.
+- A hook at "embed" that edited its value in place wrote into the embedding table on the token path (the
+  value was a view of the table's row): every later use of that token, in any session, read the edit.
+- `Session.feed(3)` said "'int' object is not iterable"; `chunk=np.int64(8)` was refused as not an int.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import kimi_explore as ke
+from kimi_explore import from_pretrained, kimi_forward_token
+from kimi_explore.inspection import interventions
+from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+
+TEXT = list(b"def f(x):\n    return x * 2  # reviewing the sequence path\n")
+
+
+def restartable(weights):
+    """The in-process weights standing in for a pipeline whose lost stages restarted empty: `recover()` then
+    rebuilds the state by replaying the history, as over a RayPipeline."""
+    w = copy.copy(weights)
+    w.restart_lost_stages = lambda: []
+    return w
+
+
+def assert_same_state(a, b):
+    assert a.position == b.position
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for x, y in zip(vars(la.attention).values(), vars(lb.attention).values(), strict=True):
+            assert np.array_equal(x, y) if hasattr(x, "shape") else x == y
+
+
+@pytest.mark.parametrize("history", ["cut inside a chunk", "lasting hook attached later"])
+def test_recover_rebuilds_the_state_the_session_held(trained_weights, history):
+    s = ke.Session(restartable(trained_weights), checkpoint_every=4)
+    if history == "cut inside a chunk":
+        s.feed(TEXT[:40], chunk=16)
+        s.truncate(21)  # inside the chunk 16..31: the state comes from 16..20 replayed as one chunk
+        s.step(TEXT[30])
+    else:
+        s.feed(TEXT[:6], chunk=4)
+        s.step(TEXT[6])
+        s.hooks.extend(interventions.ablate_experts(3, "all"))  # stays attached from token 7 on
+        s.feed(TEXT[7:10])
+    before = s.fork()
+    assert s.recover() == []
+    assert s.tokens == before.tokens
+    np.testing.assert_array_equal(s.logits, before.logits)
+    assert_same_state(s.state, before.state)
+    assert sorted(s.snapshot().checkpoints) == sorted(before.snapshot().checkpoints)
+    for c, state in before.snapshot().checkpoints.items():
+        assert_same_state(s.snapshot().checkpoints[c], state)
+    np.testing.assert_array_equal(s.feed(TEXT[40:45], chunk=3), before.feed(TEXT[40:45], chunk=3))
+
+
+def test_recover_still_stops_at_a_token_decoded_under_a_hook_now_gone(trained_weights):
+    s = ke.Session(restartable(trained_weights))
+    s.feed(TEXT[:5])
+    with s.intervene(interventions.ablate_experts(3, "all")):
+        s.step(TEXT[5])
+    s.feed(TEXT[6:9])
+    with pytest.raises(RuntimeError, match="replaying token 5 .* first 5 tokens"):
+        s.recover()
+    assert len(s) == 5
+
+
+@pytest.mark.parametrize("route", ["token", "sequence"])
+def test_an_in_place_edit_at_embed_changes_the_token_not_the_table(route):
+    w = from_pretrained(ke.tiny_checkpoint(), device="cpu")  # its own copy: before the fix the table changed
+    table = np.array(w.embed_tokens)
+
+    def run(fn):
+        hooks = ke.Hooks().bind(w)
+        hooks.add("embed", fn)
+        state = ke.KimiDecodeState.new(w)
+        if route == "sequence":
+            return np.asarray(kimi_forward_sequence(w, state, TEXT[:6], hooks=hooks, chunk=4))
+        out = []
+        for t in TEXT[:6]:
+            hooks.begin_token(t, state.position)
+            out.append(np.array(kimi_forward_token(w, state, t, hooks=hooks)))
+        return np.stack(out)
+
+    def halve_in_place(v, *, hook):
+        if hook.position in (1, 4):
+            v *= 0.5
+
+    edited = run(halve_in_place)
+    np.testing.assert_array_equal(w.embed_tokens, table)
+    returned = run(lambda v, *, hook: v * 0.5 if hook.position in (1, 4) else None)
+    np.testing.assert_array_equal(edited, returned)  # an edit in place is the edited value, as at any site
+
+
+def test_feed_names_what_it_needs(trained_weights):
+    s = ke.Session(trained_weights, recorder=False)
+    for bad in (3, np.int64(3), None, np.array(3)):
+        with pytest.raises(TypeError, match=r"Session.feed: token_ids must be a sequence of token ids .* got"):
+            s.feed(bad)
+    assert len(s) == 0
+    np.testing.assert_array_equal(s.feed(TEXT[:10], chunk=np.int64(4)), ke.Session(trained_weights).feed(TEXT[:10], chunk=4))
+    state = ke.KimiDecodeState.new(trained_weights)
+    assert np.asarray(kimi_forward_sequence(trained_weights, state, TEXT[:5], chunk=np.int64(2))).shape == (5, 256)
