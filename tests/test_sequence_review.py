@@ -6,12 +6,15 @@
   read as "decoded under hooks the session no longer holds", and recover dropped the history from there.
 - A hook at "embed" that edited its value in place wrote into the embedding table on the token path (the
   value was a view of the table's row): every later use of that token, in any session, read the edit.
+- An unbound Hooks warns about exact names that never fired during the first token; on the sequence path it
+  never checked, so a hook on a site this model does not have changed nothing without a word.
 - `Session.feed(3)` said "'int' object is not iterable"; `chunk=np.int64(8)` was refused as not an int.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -109,3 +112,23 @@ def test_feed_names_what_it_needs(trained_weights):
     np.testing.assert_array_equal(s.feed(TEXT[:10], chunk=np.int64(4)), ke.Session(trained_weights).feed(TEXT[:10], chunk=4))
     state = ke.KimiDecodeState.new(trained_weights)
     assert np.asarray(kimi_forward_sequence(trained_weights, state, TEXT[:5], chunk=np.int64(2))).shape == (5, 256)
+
+
+def test_an_unbound_hook_on_a_site_this_model_lacks_warns_on_the_sequence_path(trained_weights):
+    """As on the token path (tests/test_hooks.py): valid names, fired whole, per token or observed, say nothing."""
+    w = trained_weights
+    assert "layers.3.kda.q" not in ke.hook_names(w)  # layer 3 is an MLA layer
+    valid = ["embed", "layers.1.kda.state", "layers.3.mla.probs", "layers.2.moe.router.topk_ids", "logits"]
+
+    def run(names):
+        hooks = ke.Hooks()
+        for n in names:
+            hooks.add(n, lambda v, *, hook: None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kimi_forward_sequence(w, ke.KimiDecodeState.new(w), TEXT[:5], hooks=hooks, chunk=3)
+        return [str(c.message) for c in caught]
+
+    assert run(valid) == []
+    (message,) = run(valid + ["layers.3.kda.q"])
+    assert "['layers.3.kda.q'] never fired" in message

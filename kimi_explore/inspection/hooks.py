@@ -308,6 +308,10 @@ class Hooks:
         if fns is None:
             point = self._point(name)
             fns = self._chunk_cache[name] = tuple((h.fn, point, h.chunks) for h in self._handles if h.matches(name))
+            if self._known is None and not self._checked_after_first_token:  # the names check, as `_resolve`'s
+                self._seen.add(name)
+                if name == "logits":
+                    self._check_first_token()
         return fns
 
     def fire_chunk(self, name: str, value):
