@@ -8,6 +8,7 @@
   value was a view of the table's row): every later use of that token, in any session, read the edit.
 - An unbound Hooks warns about exact names that never fired during the first token; on the sequence path it
   never checked, so a hook on a site this model does not have changed nothing without a word.
+- `Session.feed` under value-changing hooks (it steps then) returned its logits flat, [n * vocab], not [n, vocab].
 - `Session.feed(3)` said "'int' object is not iterable"; `chunk=np.int64(8)` was refused as not an int.
 """
 
@@ -132,3 +133,12 @@ def test_an_unbound_hook_on_a_site_this_model_lacks_warns_on_the_sequence_path(t
     assert run(valid) == []
     (message,) = run(valid + ["layers.3.kda.q"])
     assert "['layers.3.kda.q'] never fired" in message
+
+
+def test_feed_under_an_intervention_returns_one_row_per_token(trained_weights):
+    s, stepped = ke.Session(trained_weights), ke.Session(trained_weights)
+    with s.intervene(interventions.ablate_experts(3, "all")):
+        got = s.feed(TEXT[:5])
+    with stepped.intervene(interventions.ablate_experts(3, "all")):
+        want = np.stack([stepped.step(t) for t in TEXT[:5]])
+    np.testing.assert_array_equal(got, want)

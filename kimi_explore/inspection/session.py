@@ -162,6 +162,7 @@ class Session:
         chunk: tokens per forward pass of the sequence path (default `kimi_sequence.DEFAULT_CHUNK`; a
         checkpoint is kept at each chunk's end). progress: a progress bar (tqdm; default: for feeds of
         more than 4 chunks). Steps token by token while value-changing hooks are attached.
+        A chunk (or stepped token) that raises leaves no trace: the history is as after the ones before it.
         """
         if isinstance(token_ids, str):
             if self.tokenizer is None:
@@ -175,18 +176,17 @@ class Session:
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ValueError(f"Session.feed: chunk must be a positive int (tokens per forward pass), got {chunk!r}")
         chunk = int(chunk)
-        if self._may_modify():
-            out = [self.step(t) for t in ids]
-        else:
-            bar = _progress(len(ids)) if (progress is None and len(ids) > 4 * chunk) or progress else None
-            out = []
-            for a in range(0, len(ids), chunk):
-                out.append(self._feed_chunk(ids[a : a + chunk]))
+        stepping = self._may_modify()
+        bar = _progress(len(ids)) if (progress is None and len(ids) > 4 * chunk) or progress else None
+        out = []
+        try:
+            for a in range(0, len(ids), 1 if stepping else chunk):
+                out.append(self.step(ids[a])[None] if stepping else self._feed_chunk(ids[a : a + chunk]))
                 if bar is not None:
                     bar.update(len(out[-1]))
+        finally:
             if bar is not None:
                 bar.close()
-            out = [np.concatenate(out)] if out else []
         return np.concatenate(out) if out else np.zeros((0, self.weights.config.vocab_size), self.weights.dtype)
 
     def _feed_chunk(self, ids: list[int]) -> np.ndarray:
