@@ -6,6 +6,10 @@
   read as "decoded under hooks the session no longer holds", and recover dropped the history from there.
 - A hook at "embed" that edited its value in place wrote into the embedding table on the token path (the
   value was a view of the table's row): every later use of that token, in any session, read the edit.
+- Two sites kept a value derived before the hooks ran, so an edit in place was half seen: at
+  "final.block_residual" (both routes) the mix read the edited blocks with their old 1/rms; at "kda.decay" a
+  chunk-aware hook's edit was used by the compiled float32 recurrence and ignored by the chunked rule
+  (float64, GPU), which read the log decay taken before.
 - An unbound Hooks warns about exact names that never fired during the first token; on the sequence path it
   never checked, so a hook on a site this model does not have changed nothing without a word.
 - `Session.feed` under value-changing hooks (it steps then) returned its logits flat, [n * vocab], not [n, vocab].
@@ -142,3 +146,43 @@ def test_feed_under_an_intervention_returns_one_row_per_token(trained_weights):
     with stepped.intervene(interventions.ablate_experts(3, "all")):
         want = np.stack([stepped.step(t) for t in TEXT[:5]])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def trained64():
+    return from_pretrained(ke.tiny_checkpoint(), device="cpu", dtype="float64")
+
+
+@pytest.mark.parametrize("site", ["final.block_residual", "layers.1.kda.decay"])
+def test_an_edit_in_place_is_the_edited_value_on_every_route(trained64, site):
+    """Halving the value at position 5 in place (returning None) equals returning the halved value, stepped."""
+    w, tokens = trained64, TEXT[:12]
+
+    def run(route, in_place):
+        def halve(v, *, hook):
+            rows = np.asarray(hook.positions) == 5 if hook.positions is not None else hook.position == 5
+            if not np.any(rows):
+                return None
+            if in_place:
+                v[rows] *= 0.5
+                return None
+            out = v.copy()
+            out[rows] *= 0.5
+            return out
+
+        hooks = ke.Hooks().bind(w)
+        hooks.add(site, halve, chunks=route == "chunks")
+        state = ke.KimiDecodeState.new(w)
+        if route != "token":
+            return np.asarray(kimi_forward_sequence(w, state, tokens, hooks=hooks, chunk=4))
+        out = []
+        for t in tokens:
+            hooks.begin_token(t, state.position)
+            out.append(np.array(kimi_forward_token(w, state, t, hooks=hooks)))
+        return np.stack(out)
+
+    want = run("token", in_place=False)
+    plain = np.asarray(kimi_forward_sequence(w, ke.KimiDecodeState.new(w), tokens))
+    assert np.abs(want - plain).max() > 1e-3  # the edit changes the run
+    for route in ("token", "sequence", "chunks"):
+        np.testing.assert_allclose(run(route, in_place=True), want, atol=1e-9, rtol=0, err_msg=route)
