@@ -293,6 +293,10 @@ class Hooks:
         recurrent state and conv window, `SEQUENTIAL_SITES`)."""
         return any(h.matches(n) and (not h.chunks or n.endswith(SEQUENTIAL_SITES)) for h in self._handles for n in names)
 
+    def listens_chunk(self, name: str) -> bool:
+        """Whether `fire_chunk(name, ...)` calls anything (a hook matches `name`)."""
+        return bool(self._chunk_functions(name))
+
     def fire_hooks(self, name: str, value):
         """`fire` without the internal functions (the token counter, the observer's): the hooks alone,
         each called with this one token's value."""

@@ -147,7 +147,8 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     calls of `kimi_forward_token` would; return logits [T, vocab] (row t: after token t).
 
     hooks: as for `kimi_forward_token`, with the chunk protocol (`begin_chunk`, `fire_chunk`,
-    `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`; see `inspection.hooks.Hooks`).
+    `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`, and optionally `listens_chunk`;
+    see `inspection.hooks.Hooks`).
     """
     check_state(weights, state)
     V = weights.config.vocab_size
@@ -249,12 +250,19 @@ def _attention(x, layer, state, hooks):
     names, att = layer.names, layer.attention
     fire = None if hooks is None else hooks.fire_chunk
     if att.kind == "mla":
-        return mla_sequence(x, att, state.attention, fire=fire, names=names)
+        return mla_sequence(x, att, state.attention, fire=fire, names=names,
+                            fire_probs=fire is not None and _listens(hooks, names["mla.probs"]))
     out, norms = kda_sequence(x, att, state.attention, fire=fire, names=names, state_norms=hooks is not None)
     if hooks is not None:  # the recurrent sites reach a recorder as their per-token norms
         hooks.observe_chunk(names["kda.conv"], norms["kda.conv"])
         hooks.observe_chunk(names["kda.state"], norms["kda.state"])
     return out
+
+
+def _listens(hooks, name: str) -> bool:
+    """Whether firing `name` on a chunk can see or change anything (True for a hooks object that cannot say)."""
+    own = getattr(hooks, "listens_chunk", None)
+    return True if own is None else own(name)
 
 
 def _ffn(y, layer, cfg, hooks):
