@@ -35,7 +35,8 @@ Token positions: `hook.position` is the 0-based index of the token being decoded
 Observers: `Hooks(observer=obj)` also runs, at each site and after every hook there, the functions
 `obj.site_functions(name)` lists; each is called as `fn(value)` and cannot change the value. A
 Recorder records this way, through a Hooks it holds; the functions may be C-level (`list.append`),
-so a recorded site adds no Python frame.
+so a recorded site adds no Python frame. That is the token form's route: `fire_chunk` does not ask
+the observer (a Recorder records whole chunks through its own `fire_chunk`, `chunk_records`).
 """
 
 from __future__ import annotations

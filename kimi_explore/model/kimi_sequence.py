@@ -148,7 +148,9 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
 
     hooks: as for `kimi_forward_token`, with the chunk protocol (`begin_chunk`, `fire_chunk`,
     `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`, and optionally `listens_chunk`;
-    see `inspection.hooks.Hooks`).
+    see `inspection.hooks.Hooks`). If a hook raises, `state` is left part-advanced (the chunks before
+    taken whole, the failing one by some layers), as `kimi_forward_token` leaves it: go on from a copy
+    taken before (`Session` does).
     """
     check_state(weights, state)
     V = weights.config.vocab_size

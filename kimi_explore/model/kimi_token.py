@@ -64,7 +64,12 @@ def token_indices(token_ids, vocab_size: int) -> list[int]:
     ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab_size)):
         return ids
-    return [token_index(t, vocab_size) for t in ids]
+    for i, t in enumerate(ids):  # the first bad one, and where it is
+        try:
+            token_index(t, vocab_size)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"token_ids[{i}]: {e}") from None
+    return [int(t) for t in ids]
 
 
 def kimi_forward_token(weights, state, token_id, hooks=None):
