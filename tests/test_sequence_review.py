@@ -191,3 +191,34 @@ def test_an_edit_in_place_is_the_edited_value_on_every_route(trained64, site):
     assert np.abs(want - plain).max() > 1e-3  # the edit changes the run
     for route in ("token", "sequence", "chunks"):
         np.testing.assert_allclose(run(route, in_place=True), want, atol=1e-9, rtol=0, err_msg=route)
+
+
+def test_a_feed_interrupted_inside_a_chunk_keeps_the_chunks_before_it(trained_weights, monkeypatch):
+    """Ctrl-C in the middle of a chunk's layers: the session is exactly one fed the chunks before it (the
+    failing chunk leaves nothing: no state in some layers, no records, no logits), and feeds on from there."""
+    import kimi_explore.model.kimi_sequence as sequence
+
+    moe, calls = sequence.latent_moe_sequence, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 10:  # the second chunk's third MoE layer (7 per chunk)
+            raise KeyboardInterrupt
+        return moe(*args, **kwargs)
+
+    recorder = {"full": ["layers.3.ffn.out", "layers.3.mla.probs"]}
+    s, want = ke.Session(trained_weights, ke.Recorder(**recorder)), ke.Session(trained_weights, ke.Recorder(**recorder))
+    monkeypatch.setattr(sequence, "latent_moe_sequence", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.feed(TEXT[:20], chunk=8)
+    monkeypatch.undo()
+    want.feed(TEXT[:8], chunk=8)
+    for a, b in ((s, want), (s.fork(), want.fork())):
+        assert a.tokens == b.tokens
+        np.testing.assert_array_equal(a.logits, b.logits)
+        assert_same_state(a.state, b.state)
+        ta, tb = a.trace(), b.trace()
+        assert sorted(ta.keys()) == sorted(tb.keys())
+        for k in ta.keys():
+            np.testing.assert_array_equal(ta[k], tb[k], err_msg=k)
+    np.testing.assert_array_equal(s.feed(TEXT[8:20], chunk=8), want.feed(TEXT[8:20], chunk=8))
