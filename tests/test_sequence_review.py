@@ -1,4 +1,7 @@
-"""Found by a review of the sequence path and the session around it: each test failed before its fix.
+"""Found by a review of the sequence path and the session around it. Each bug below has a test that failed
+before its fix; the rest guard what a fix must keep (recover still stops at a token whose hooks are gone) or
+pin what was right (a feed interrupted inside a chunk). The recover tests stand in for a RayPipeline, where
+the same two histories were checked by hand: before the fix recover dropped them.
 
 - `Session.recover()` replays the history; it compared every replayed token's logits with the stored ones
   bit for bit, so a fed chunk cut by `truncate` (its first part replayed as one shorter chunk, whose sums
