@@ -13,6 +13,9 @@ the same two histories were checked by hand: before the fix recover dropped them
   "final.block_residual" (both routes) the mix read the edited blocks with their old 1/rms; at "kda.decay" a
   chunk-aware hook's edit was used by the compiled float32 recurrence and ignored by the chunked rule
   (float64, GPU), which read the log decay taken before.
+- A chunk's routing with dropped experts (-1 ids) was compacted only where both routing sites had default
+  records: the weights recorded without the ids, or either one as a `full=` record only, kept the dropped
+  entries (zero weights, -1 ids in place) where stepping records them absent.
 - An unbound Hooks warns about exact names that never fired during the first token; on the sequence path it
   never checked, so a hook on a site this model does not have changed nothing without a word.
 - `Session.feed` under value-changing hooks (it steps then) returned its logits flat, [n * vocab], not [n, vocab].
@@ -27,10 +30,12 @@ import warnings
 
 import numpy as np
 import pytest
+from closeness import assert_traces_close
 
 import kimi_explore as ke
 from kimi_explore import from_pretrained, kimi_forward_token
 from kimi_explore.inspection import interventions
+from kimi_explore.inspection.hooks import HookChain
 from kimi_explore.model.kimi_sequence import kimi_forward_sequence
 
 TEXT = list(b"def f(x):\n    return x * 2  # reviewing the sequence path\n")
@@ -225,3 +230,29 @@ def test_a_feed_interrupted_inside_a_chunk_keeps_the_chunks_before_it(trained_we
         for k in ta.keys():
             np.testing.assert_array_equal(ta[k], tb[k], err_msg=k)
     np.testing.assert_array_equal(s.feed(TEXT[8:20], chunk=8), want.feed(TEXT[8:20], chunk=8))
+
+
+ROUTER = "layers.2.moe.router."
+
+
+@pytest.mark.parametrize("records", [{"names_filter": [ROUTER + "topk_weights"]},
+                                     {"names_filter": [ROUTER + "topk_weights"], "full": [ROUTER + "topk_ids"]},
+                                     {"names_filter": [ROUTER + "topk_ids"], "full": [ROUTER + "topk_weights"]}],
+                         ids=["weights-only", "weights+full-ids", "ids+full-weights"])
+def test_ragged_routing_records_of_one_site_read_as_stepping(trained_weights, records):
+    w, tokens = trained_weights, TEXT[:24]
+
+    def chained():
+        rec = ke.Recorder(**records).bind(w)
+        return rec, HookChain(interventions.ablate_experts(2, list(range(8)), positions=range(4, 20)).bind(w), rec)
+
+    step_rec, chain = chained()
+    state = ke.KimiDecodeState.new(w)
+    for t in tokens:
+        chain.begin_token(t, state.position)
+        kimi_forward_token(w, state, t, hooks=chain)
+    seq_rec, chain = chained()
+    kimi_forward_sequence(w, ke.KimiDecodeState.new(w), tokens, hooks=chain, chunk=10)
+    want = step_rec.trace()
+    assert (want[ROUTER + "topk_weights"].shape[1] == 2 and np.isnan(want[ROUTER + "topk_weights"][4:20]).any())
+    assert_traces_close(seq_rec.trace(), want, 1e-4)

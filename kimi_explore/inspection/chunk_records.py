@@ -14,7 +14,8 @@ shapes and (to float rounding) values the token form records:
 
 Routing ids with -1 (an expert dropped by a chunk-aware intervention at some tokens, e.g.
 `ablate_experts`) are recorded without the -1 entries, and the same tokens' weights without
-theirs: what stepping records, where a dropped expert is simply absent.
+theirs: what stepping records, where a dropped expert is simply absent. That holds for default and
+`full=` records alike, and for the weights when the ids are not recorded (they are read all the same).
 A layer that runs token by token inside a chunk (a per-token hook there) records through
 `record(name, value[None])`, one row at a time, in order.
 
@@ -28,6 +29,8 @@ from .._xp import array_namespace
 from ._hook_grammar import LAYER_NAME
 
 __all__ = ["ChunkRecording"]
+
+IDS, WEIGHTS = "moe.router.topk_ids", "moe.router.topk_weights"
 
 
 class ChunkRecording:
@@ -58,14 +61,12 @@ class ChunkRecording:
         m = LAYER_NAME.match(name)
         kind = m.group(2) if m else name
         how = rec.recorded_kind(name, kind)
+        if kind in (IDS, WEIGHTS):  # ragged: a default or a full= record alike drops a chunk's -1 entries
+            yield from self._routing(name[: -len(kind)], kind, self._recorded(name, kind))
+            return
         if how == "fresh":
             put = rec.chunk_put(name)
-            if kind == "moe.router.topk_ids":
-                yield lambda ids: self._ids(name, put, ids)
-            elif kind == "moe.router.topk_weights":
-                yield lambda w: self._weights(name, put, w)
-            else:
-                yield lambda v: rec.emit(put, v)
+            yield lambda v: rec.emit(put, v)
         elif how == "norm":
             put = rec.chunk_put(name + ".norm")
             yield lambda v: rec.emit(put, _norms(v.reshape(v.shape[0], 1, -1))[:, 0])
@@ -89,18 +90,32 @@ class ChunkRecording:
         if m and self.rec.recorded_kind(name, m.group(2)) is not None:
             self.rec.emit(self.rec.chunk_put(name + ".norm"), norms)
 
-    def _ids(self, name: str, put, ids) -> None:
-        prefix = name[: -len("moe.router.topk_ids")]
+    def _recorded(self, name: str, kind: str) -> bool:
+        return self.rec.recorded_kind(name, kind) is not None or (self.rec.full is not None and self.rec.full(name))
+
+    def _routing(self, prefix: str, kind: str, recorded: bool):
+        """A layer's routing records; the ids (they fire first) also say which weights to drop, so they are
+        read when only the weights are recorded."""
+        if kind == IDS and (recorded or self._recorded(prefix + WEIGHTS, WEIGHTS)):
+            put = self.rec.chunk_put(prefix + IDS) if recorded else None
+            yield lambda ids: self._ids(prefix, put, ids)
+        elif kind == WEIGHTS and recorded:
+            put = self.rec.chunk_put(prefix + WEIGHTS)
+            yield lambda w: self._weights(prefix, put, w)
+
+    def _ids(self, prefix: str, put, ids) -> None:
         keep = ids >= 0
         if not self.rec.on_device and keep.all():  # the common case (on a GPU, always compacted: no device sync)
             self._dropped.pop(prefix, None)
-            self.rec.emit(put, ids)
+            if put is not None:
+                self.rec.emit(put, ids)
             return
         self._dropped[prefix] = keep
-        self._emit_rows(put, ids, keep)
+        if put is not None:
+            self._emit_rows(put, ids, keep)
 
-    def _weights(self, name: str, put, w) -> None:
-        keep = self._dropped.pop(name[: -len("moe.router.topk_weights")], None)
+    def _weights(self, prefix: str, put, w) -> None:
+        keep = self._dropped.pop(prefix, None)
         if keep is None:
             self.rec.emit(put, w)
         else:
