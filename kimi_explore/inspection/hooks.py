@@ -16,7 +16,9 @@ keeps it (`kda.conv`: the window, which the short conv then reads; `kda.state`: 
 matrix, which the read-out then reads); `final.block_residual` replaces the sealed blocks the output
 mix reads; new `moe.router.topk_ids` are re-weighted from the scores. A replacement must have the
 value's shape (only the routing sites may change k), live where the value lives (host or GPU), and
-be an array: anything else raises at once, naming the hook and the site.
+be an array: anything else raises at once, naming the hook and the site. A hook may instead edit
+the value in place and return None: the edited value is what the rest reads, on both paths (`embed`
+hands hooks a copy of the embedding row, so an edit never reaches the table).
 
 Several hooks on one site run in the order they were added, each seeing the value the previous one
 returned. The decoder calls `fire(name, value)` at every site of `hook_names(weights)`;
