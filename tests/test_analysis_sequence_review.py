@@ -1,0 +1,74 @@
+"""A reviewer's pass over the sequence path outside the core forward: the pipeline running chunks,
+the analyses, and the arguments they take.
+
+Expected values come from one process running the same chunks (a pipeline's results must equal it
+bit for bit) or from the token path (`Session.step`). The Ray tests start a local Ray (num_cpus=2,
+no dashboard) and shut it down at the end of the module.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import kimi_explore as ke
+from kimi_explore.inspection.hooks import Hooks
+from kimi_explore.inspection.interventions import ablate_experts, force_routing
+from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+TEXT = list(b"def f(x):\n    return x * 2  # a pipeline, chunk by chunk\n")  # 55 tokens
+
+
+# ---------------------------------------------------------------- a pipeline running chunks under hooks
+
+
+@pytest.fixture(scope="module")
+def pipe3():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with ke.RayPipeline(random_tiny_checkpoint(), stages=3) as pipe:  # layers 0-5, 6-10, 11-15
+            yield pipe
+    finally:
+        gc.collect()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one():
+    return ke.from_pretrained(random_tiny_checkpoint())
+
+
+def chunk_hooks() -> Hooks:
+    """Chunk-aware hooks on the three stages: built-in interventions and a user hook that reads whole chunks."""
+
+    def centre_over_chunk(value, *, hook):  # local: Ray ships it by value, not by this test module's name
+        """Each token's attention output minus the chunk's mean: it needs the whole chunk."""
+        return value - value.mean(axis=0) if hook.positions is not None else None
+
+    hooks = ablate_experts(4, [0, 1, 2]) + force_routing(13, [5])
+    hooks.add("layers.8.attn.out", centre_over_chunk, chunks=True)
+    return hooks
+
+
+def test_chunk_aware_hooks_get_whole_chunks_in_the_stages(pipe3, one):
+    """The stages must keep a hook's `chunks=True`: without it they call it token by token (the user hook
+    above then centres nothing) and run the hooked layers token by token, unlike one process."""
+    got = pipe3.forward_sequence(pipe3.new_state(), TEXT, hooks=chunk_hooks(), chunk=16)
+    want = np.asarray(kimi_forward_sequence(one, ke.KimiDecodeState.new(one), TEXT, hooks=chunk_hooks().bind(one),
+                                            chunk=16))
+    plain = np.asarray(kimi_forward_sequence(one, ke.KimiDecodeState.new(one), TEXT, chunk=16))
+    assert np.abs(want - plain).max() > 1e-2  # the hooks change the run
+    assert np.array_equal(got, want)
+
+
+def test_source_ablation_over_a_pipeline_equals_one_process(pipe3, one):
+    """Its masks are chunk-aware hooks that run in the stages: the same floats as one process."""
+    kw = dict(layers=[3, 7, 12], chunk=7)
+    got = ke.source_ablation(pipe3, TEXT[:30], **kw)
+    want = ke.source_ablation(one, TEXT[:30], reuse_prefix=False, **kw)
+    assert got.clean_loss == want.clean_loss and len(got) > 6
+    assert got.rows == want.rows
