@@ -72,3 +72,59 @@ def test_source_ablation_over_a_pipeline_equals_one_process(pipe3, one):
     want = ke.source_ablation(one, TEXT[:30], reuse_prefix=False, **kw)
     assert got.clean_loss == want.clean_loss and len(got) > 6
     assert got.rows == want.rows
+
+
+# ---------------------------------------------------------------- bad arguments: named, expected vs found
+
+
+@pytest.fixture(scope="module")
+def fed(trained_weights):
+    s = ke.Session(trained_weights)
+    s.feed(TEXT[:11], chunk=4)
+    return s
+
+
+def test_routing_stats_refuses_what_is_not_a_corpus(trained_weights):
+    """A flat id list, bytes or an empty corpus used to fail deep inside (or count nothing); float ids were cut to ints."""
+    w = trained_weights
+    with pytest.raises(TypeError, match=r"text 0 is int 97; expected a string or a list of token ids .*\[ids\]"):
+        ke.routing_stats(w, [97, 98, 99], progress=False)
+    with pytest.raises(TypeError, match="texts must be a string or a list of texts .*got bytes"):
+        ke.routing_stats(w, b"abc", progress=False)
+    with pytest.raises(ValueError, match="texts is empty"):
+        ke.routing_stats(w, [], progress=False)
+    with pytest.raises(TypeError, match=r"text 1: token_id must be an integer, got 97.5 \(float\)"):
+        ke.routing_stats(w, ["ab", [97.5, 98]], progress=False)
+    with pytest.raises(ValueError, match=r"text 0: token_id=256 is outside the vocabulary"):
+        ke.routing_stats(w, [[1, 256]], progress=False)
+
+
+def test_lens_and_attribution_positions_must_be_ints(fed):
+    """A float or bool position used to be cut to an int (the lens of another token); an empty list failed in min()."""
+    with pytest.raises(TypeError, match=r"logit_lens: positions must be ints .*got 2.7 \(float\)"):
+        ke.logit_lens(fed, positions=[2.7])
+    with pytest.raises(TypeError, match=r"got True \(bool\)"):
+        ke.logit_lens(fed, positions=True)
+    with pytest.raises(ValueError, match="logit_lens: positions is empty"):
+        ke.logit_lens(fed, positions=[])
+    with pytest.raises(TypeError, match=r"token position 2.5 \(float\): expected an int in 0..10"):
+        ke.logit_attribution(fed, 2.5)
+    with pytest.raises(ValueError, match="logit_attribution: t is empty"):
+        ke.logit_attribution(fed, [])
+    assert ke.logit_lens(fed, positions=np.array([9, -1, 4])).positions.tolist() == [4, 9, 10]
+
+
+def test_source_ablation_and_diff_arguments(trained_weights, fed):
+    w = trained_weights
+    for chunk in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match=f"source_ablation: chunk must be a positive int .*got {chunk!r}"):
+            ke.source_ablation(w, TEXT[:6], chunk=chunk)
+    for what in ("families", "sites", "layers"):
+        with pytest.raises(ValueError, match=f"source_ablation: {what} is empty: nothing to mask"):
+            ke.source_ablation(w, TEXT[:6], **{what: []})
+    with pytest.raises(TypeError, match=r"sites must be a list .*got the string 'attn' \(one site: \['attn'\]\)"):
+        ke.source_ablation(w, TEXT[:6], sites="attn")
+    with pytest.raises(TypeError, match=r"source_ablation: token_ids: token_id must be an integer, got 98.5"):
+        ke.source_ablation(w, [97, 98.5, 99])
+    with pytest.raises(ValueError, match="diff: run a holds no tokens"):
+        ke.diff(ke.Session(w), fed)

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ..inspection.session_io import weights_fingerprint
+from ..model.kimi_decoder import token_indices
 
 __all__ = ["BYTE_CLASSES", "RoutingStats", "byte_class", "routing_stats"]
 
@@ -183,7 +184,8 @@ def model_fingerprint(model) -> str:
     return json.dumps(weights_fingerprint(model), sort_keys=True)
 
 
-def _text_ids(text, tokenizer, vocab: int) -> list[int]:
+def _text_ids(j: int, text, tokenizer, vocab: int) -> list[int]:
+    """Text j of the corpus as checked token ids."""
     if isinstance(text, str):
         if tokenizer is not None:
             return list(tokenizer.encode(text))
@@ -191,7 +193,13 @@ def _text_ids(text, tokenizer, vocab: int) -> list[int]:
             raise ValueError(f"routing_stats: got a string but no tokenizer, and the model's vocabulary ({vocab}) is not "
                              "bytes: pass tokenizer=ke.load_tokenizer(...) or token ids")
         return list(text.encode("utf-8"))
-    return [int(i) for i in text]
+    if isinstance(text, (bytes, bytearray)) or not hasattr(text, "__len__"):
+        raise TypeError(f"routing_stats: text {j} is {type(text).__name__} {text!r:.40}; expected a string or a list of "
+                        "token ids (a single text of ids goes in a list: [ids])")
+    try:
+        return token_indices(text, vocab)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"routing_stats: text {j}: {e}") from None
 
 
 def _digest(ids: list[int]) -> str:
@@ -229,8 +237,13 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
             raise ValueError(f"routing_stats: the default token classing is for byte models (vocabulary 256); this one has "
                              f"{vocab} tokens: pass classes=fn(token_id) -> label")
         classes = byte_class
+    if isinstance(texts, (bytes, bytearray)) or not hasattr(texts, "__iter__"):
+        raise TypeError(f"routing_stats: texts must be a string or a list of texts (strings or token-id lists), got "
+                        f"{type(texts).__name__}")
     texts = [texts] if isinstance(texts, str) else list(texts)
-    ids = [_text_ids(x, tokenizer, vocab) for x in texts]
+    if not texts:
+        raise ValueError("routing_stats: texts is empty: give at least one text (a string or a list of token ids)")
+    ids = [_text_ids(j, x, tokenizer, vocab) for j, x in enumerate(texts)]
     digests = [_digest(x) for x in ids]
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
     start, since_save = len(stats.texts), 0
