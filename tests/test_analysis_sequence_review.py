@@ -74,6 +74,51 @@ def test_source_ablation_over_a_pipeline_equals_one_process(pipe3, one):
     assert got.rows == want.rows
 
 
+# ---------------------------------------------------------------- analyses on the sequence path against stepping
+
+
+def test_routing_stats_over_texts_of_several_chunks_equal_stepping_and_keep_no_states(trained_weights, monkeypatch):
+    """Texts of 300 (two chunks: 256 + 44), 1 and 37 tokens, each from a fresh state: the counts are those of
+    each text stepped token by token in its own session. No decode state is copied on the way (a Session's
+    feed kept one per chunk, and every logit: at K3 width gigabytes per document)."""
+    import pydoc_data.topics
+
+    w = trained_weights
+    corpus = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    texts = [corpus[1000:1300], "x", corpus[9000:9037]]
+    copies = []
+    copy = ke.KimiDecodeState.copy
+    monkeypatch.setattr(ke.KimiDecodeState, "copy", lambda self: copies.append(1) or copy(self))
+    got = ke.routing_stats(w, texts, progress=False)
+    assert copies == []
+    monkeypatch.undo()
+
+    M, E = len(got.moe_layers), w.config.num_experts
+    counts, pairs, weights = np.zeros((M, E), np.int64), np.zeros((M, E, E), np.int64), np.zeros((M, E))
+    top1 = {}
+    for text in texts:
+        s = ke.Session(w, recorder=ke.Recorder(names_filter="layers.*.moe.router.*"))
+        for t in text.encode():
+            s.step(t)
+        r = s.trace().routing()
+        assert r["moe_layers"] == got.moe_layers
+        for t, tok in enumerate(text.encode()):
+            for j in range(M):
+                ids = r["topk_ids"][t, j].tolist()
+                for e, we in zip(ids, r["topk_weights"][t, j].tolist(), strict=True):
+                    counts[j, e] += 1
+                    weights[j, e] += we
+                    for f in ids:
+                        pairs[j, e, f] += 1
+                key = (j, ke.analysis.routing_stats.byte_class(tok), ids[0])
+                top1[key] = top1.get(key, 0) + 1
+    assert got.tokens == 338 and len(got.texts) == 3
+    np.testing.assert_array_equal(got.counts, counts)
+    np.testing.assert_array_equal(got.coactivation, pairs)
+    np.testing.assert_allclose(got.weight_sum, weights, rtol=1e-5)
+    assert {(j, got.class_names[c], e): int(n) for (j, c, e), n in np.ndenumerate(got.class_top1) if n} == top1
+
+
 # ---------------------------------------------------------------- bad arguments: named, expected vs found
 
 
