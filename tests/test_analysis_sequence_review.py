@@ -74,6 +74,26 @@ def test_source_ablation_over_a_pipeline_equals_one_process(pipe3, one):
     assert got.rows == want.rows
 
 
+def test_recover_replays_chunks_as_a_recorder_with_full_recurrent_records_decoded_them(pipe3, one):
+    """A Recorder keeping a full KDA state makes that layer run token by token inside a fed chunk (its chunked
+    form never builds per-token states), which rounds differently. `recover()` replays the history and asks
+    for the stored logits bit for bit: it must replay the chunks the same way, or it drops the history."""
+    rec = dict(full=["layers.2.kda.state"])
+    s, want = ke.Session(pipe3, recorder=ke.Recorder(**rec)), ke.Session(one, recorder=ke.Recorder(**rec))
+    for x in (s, want):
+        x.feed(TEXT[:20], chunk=8)
+        x.step(TEXT[20])
+        x.feed(TEXT[21:30], chunk=8)
+    plain = ke.Session(one, recorder=False)
+    plain.feed(TEXT[:20], chunk=8)
+    assert not np.array_equal(plain.logits, want.logits[:20])  # the full record does change the chunks' rounding
+    assert s.recover() == [] and len(s) == 30
+    for x in (s, want):
+        x.feed(TEXT[30:], chunk=8)
+    assert s.tokens == want.tokens and np.array_equal(s.logits, want.logits)
+    assert np.array_equal(s.trace()["layers.2.kda.state"], want.trace()["layers.2.kda.state"])
+
+
 # ---------------------------------------------------------------- analyses on the sequence path against stepping
 
 

@@ -330,12 +330,18 @@ class Session:
     def recover(self) -> list[int]:
         """After a pipeline stage was lost (`StageLostError`): restart it from its shards and rebuild the
         decode state and the kept checkpoints by replaying the token history through the pipeline,
-        with the session's hooks (`session.hooks` and the recorder's). Every replayed token's logits
-        must equal the stored ones bit for bit, so the session continues exactly as if nothing had
-        happened; records are the driver's and are kept. Returns the restarted stages' numbers."""
+        with the session's hooks (`session.hooks`, and a recorder with the session's recorder's settings
+        and hooks: a full record of a recurrent site runs its layer token by token inside a chunk, which
+        rounds otherwise). Every replayed token's logits must equal the stored ones bit for bit, so the
+        session continues exactly as if nothing had happened; records are the driver's and are kept.
+        Returns the restarted stages' numbers."""
         restarted = self.weights.restart_lost_stages()
-        sets = [h for h in (self.hooks, self.recorder.hooks.copy() if self.recorder is not None else None) if h]
-        hooks = HookChain(*sets) if sets else None
+        twin = None
+        if self.recorder is not None:  # records like the session's recorder, into a recorder that is then dropped
+            twin = Recorder(**self.recorder.settings()).bind(self.weights)
+            twin.extend(self.recorder.hooks)
+        sets = [h for h in (self.hooks if len(self.hooks) else None, twin) if h is not None]
+        hooks = sets[0] if len(sets) == 1 else HookChain(*sets) if sets else None
         keep = set(self._checkpoints)
         self._checkpoints.clear()  # their handles on a restarted stage are gone
         state, checkpoints, bad = self._replay(hooks, len(self._tokens), keep)
