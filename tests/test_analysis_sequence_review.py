@@ -139,6 +139,23 @@ def test_routing_stats_over_texts_of_several_chunks_equal_stepping_and_keep_no_s
     assert {(j, got.class_names[c], e): int(n) for (j, c, e), n in np.ndenumerate(got.class_top1) if n} == top1
 
 
+def test_replay_reproduces_chunks_decoded_with_full_recurrent_records_bit_for_bit(tiny_weights):
+    """The analyses replay fed chunks and promise the stored logits bit for bit (a cut chunk aside). A session
+    Recorder keeping a full KDA state ran that layer token by token inside each chunk: the replay must too,
+    or every value an analysis reads (lens, attribution) is off by the other rounding."""
+    from kimi_explore.analysis._replay import replay
+
+    s = ke.Session(tiny_weights, recorder=ke.Recorder(full=["layers.2.kda.state"]))
+    s.feed(TEXT[:20], chunk=8)
+    s.step(TEXT[20])
+    s.feed(TEXT[21:30], chunk=6)
+    for t, _, logits in replay(s, ["layers.5.prefix_sum"]):
+        assert np.array_equal(logits, s.logits_at(t)), t
+    lens = ke.logit_lens(s, top=3, positions=[4, 17, 29])
+    for r, t in enumerate(lens.positions):
+        assert np.array_equal(lens.top_ids[r], ke.lens_at(s, int(t), top=3).top_ids)
+
+
 # ---------------------------------------------------------------- bad arguments: named, expected vs found
 
 
