@@ -156,6 +156,33 @@ def test_replay_reproduces_chunks_decoded_with_full_recurrent_records_bit_for_bi
         assert np.array_equal(lens.top_ids[r], ke.lens_at(s, int(t), top=3).top_ids)
 
 
+def test_lens_attribution_and_diff_of_a_session_fed_in_chunks_equal_stepping(trained_weights):
+    """45 tokens fed as chunks of 16, 16 and 8 (the last one short), one token stepped, then a chunk of 4:
+    the lens, the attribution and the recorded sites at tokens of the second and the last chunks are those
+    of the same tokens stepped one by one, to float32 rounding (top ids identical)."""
+    w = trained_weights
+    fed, stepped = ke.Session(w), ke.Session(w)
+    fed.feed(TEXT[:40], chunk=16)
+    fed.step(TEXT[40])
+    fed.feed(TEXT[41:45], chunk=4)
+    for t in TEXT[:45]:
+        stepped.step(t)
+    at = [0, 17, 31, 35, 39, 40, 44]
+    la, lb = (ke.logit_lens(x, top=3, targets="next", positions=at) for x in (fed, stepped))
+    np.testing.assert_array_equal(la.top_ids, lb.top_ids)
+    np.testing.assert_allclose(la.top_probs, lb.top_probs, atol=1e-5)
+    np.testing.assert_allclose(la.target_logprobs, lb.target_logprobs, atol=1e-4)
+    for a, b in zip(ke.logit_attribution(fed, at), ke.logit_attribution(stepped, at), strict=True):
+        assert a.t == b.t and a.token == b.token and a.contributions.keys() == b.contributions.keys()
+        assert abs(a.logit - b.logit) <= 1e-4
+        assert max(abs(a.contributions[k] - b.contributions[k]) for k in a.contributions) <= 1e-4
+    d = ke.diff(stepped, fed)
+    assert len(d) == 45 and d.routing_changes == [] and not d.flips.any()
+    assert np.nanmax(np.abs(d.attn_res)) <= 1e-5 and np.max(np.abs(d.final_attn_res)) <= 1e-5
+    assert np.max(np.abs(d.kda_state)) <= 1e-4 * np.max(stepped.trace().kda_state_norms()[0])
+    assert np.max(d.kl) <= 1e-9
+
+
 # ---------------------------------------------------------------- bad arguments: named, expected vs found
 
 
