@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kimi_explore as ke
-from kimi_explore.inspection.hooks import Hooks
+from kimi_explore.inspection.hooks import HookChain, Hooks
 from kimi_explore.inspection.interventions import ablate_experts, force_routing
 from kimi_explore.model.kimi_sequence import kimi_forward_sequence
 from kimi_explore.weights.tiny_model import random_tiny_checkpoint
@@ -92,6 +92,48 @@ def test_recover_replays_chunks_as_a_recorder_with_full_recurrent_records_decode
         x.feed(TEXT[30:], chunk=8)
     assert s.tokens == want.tokens and np.array_equal(s.logits, want.logits)
     assert np.array_equal(s.trace()["layers.2.kda.state"], want.trace()["layers.2.kda.state"])
+
+
+# ---------------------------------------------------------------- resident forms on the sequence path against the token form
+
+RESIDENT = {"bf16-kernel": dict(weight_dtype="bfloat16"), "packed-fused": dict(experts="packed", expert_cache_size=0),
+            "mapped-cache": dict(experts="mapped", expert_cache_size=3),
+            "bf16-mapped-fused": dict(weight_dtype="bfloat16", experts="mapped", expert_cache_size=0),
+            "bf16-packed-float64": dict(weight_dtype="bfloat16", experts="packed", dtype="float64")}
+
+
+@pytest.mark.parametrize("name", list(RESIDENT))
+def test_resident_weights_chunk_form_equals_token_form(name):
+    """bf16 trunks and packed or mapped experts (fused kernel, or dequantised through a small LRU cache), the
+    same weights both ways: plain, with one pair of experts forced on every token of a layer (a group of
+    all 45 rows: the kernels' panel route) and with half the experts of the last MoE layer ablated (experts
+    no token selects). Logits to float32 rounding (float64: 1e-9), routing ids identical."""
+    from conftest import require_kernel
+
+    from kimi_explore.weights.tiny_model import tiny_checkpoint
+
+    if "fused" in name:
+        require_kernel()
+    w = ke.from_pretrained(tiny_checkpoint(), device="cpu", **RESIDENT[name])
+    moe = [i for i in w.layer_ids if w.config.is_moe_layer(i)]
+    E = w.config.num_experts
+    tol = 1e-9 if w.dtype == np.float64 else 1e-4
+    forced, ablated = moe.index(moe[1]), moe.index(moe[-1])
+    runs = {"plain": (Hooks, None),
+            "forced": (lambda: force_routing(moe[1], [3, 5]), lambda ids: (ids[:, forced] == [3, 5]).all()),
+            "ablated": (lambda: ablate_experts(moe[-1], list(range(0, E, 2))), lambda ids: (ids[:, ablated] % 2 != 0).all())}
+    for what, (make, check) in runs.items():
+        stepped, fed = (ke.Recorder(names_filter="layers.*.moe.router.topk_ids") for _ in range(2))
+        hooks = HookChain(make().bind(w), stepped.bind(w))
+        state, want = w.new_state(), []
+        for t, tok in enumerate(TEXT[:45]):
+            hooks.begin_token(tok, t)
+            want.append(np.asarray(w.forward_token(state, tok, hooks)))
+        got = np.asarray(w.forward_sequence(w.new_state(), TEXT[:45], HookChain(make().bind(w), fed.bind(w)), chunk=16))
+        np.testing.assert_allclose(got, np.stack(want), atol=tol, rtol=0, err_msg=what)
+        a, b = stepped.trace().routing()["topk_ids"], fed.trace().routing()["topk_ids"]
+        np.testing.assert_array_equal(b, a, err_msg=what)
+        assert check is None or check(b), what  # the hook did act (the ablated ids are -1 padded: odd or -1)
 
 
 # ---------------------------------------------------------------- analyses on the sequence path against stepping
