@@ -279,3 +279,15 @@ def test_source_ablation_and_diff_arguments(trained_weights, fed):
         ke.source_ablation(w, [97, 98.5, 99])
     with pytest.raises(ValueError, match="diff: run a holds no tokens"):
         ke.diff(ke.Session(w), fed)
+
+
+@pytest.mark.parametrize("bad", [16, -2], ids=["id_E", "id_minus_2"])
+def test_a_chunk_hook_returning_expert_ids_out_of_range_is_named(trained_weights, bad):
+    """-1 drops a selection on the sequence path; -2 was taken as a drop too (the token form refuses it), and E
+    failed inside NumPy's indexing without saying which site or what was expected."""
+    w = trained_weights
+    hooks = Hooks()
+    hooks.add("layers.3.moe.router.topk_ids", lambda ids, *, hook: np.full_like(ids, bad), chunks=True)
+    with pytest.raises(ValueError, match=rf"layers.3.moe.router.topk_ids: a hook returned expert ids int64 \(5, 2\) "
+                                         rf"with \[{bad}\]: expected .* -1 \(drop that selection\) or an expert 0..15"):
+        w.forward_sequence(w.new_state(), TEXT[:5], hooks.bind(w))
