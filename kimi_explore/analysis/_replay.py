@@ -73,7 +73,9 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
 
 
 def _position(p, T: int) -> int:
-    if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or not -T <= p < T:
+    if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
+        raise TypeError(f"token position {p!r} ({type(p).__name__}): expected an int in 0..{T - 1} (or -{T}..-1)")
+    if not -T <= p < T:
         raise IndexError(f"token position {p!r} is outside the session's history of {T} tokens (0..{T - 1}, or -{T}..-1)")
     return int(p) % T
 
