@@ -26,7 +26,7 @@ def isas():
 
 
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("K,V", [(8, 6), (5, 7), (32, 33), (17, 128)], ids=lambda d: str(d))
+@pytest.mark.parametrize("K,V", [(8, 6), (5, 7), (32, 33), (17, 128), (3, 8), (16, 40)], ids=lambda d: str(d))
 @pytest.mark.parametrize("gates", [(-0.5, 0.0), (-5.0, -4.999), (-5.0, 0.0)], ids=["mild", "at-the-bound", "mixed"])
 def test_against_the_naive_recurrence(isa, K, V, gates):
     """Outputs, the state after the last token and the norm after every token, float32 rounding."""

@@ -40,13 +40,14 @@ class ChunkRecording:
 
     def record(self, name: str, value) -> None:
         """Record a chunk `value` [T, ...] that flowed at `name`."""
-        for fn in self._functions(name):
+        for fn in self.functions(name):
             fn(value)
 
     def clear(self) -> None:
         self._fns.clear()
 
-    def _functions(self, name: str) -> tuple:
+    def functions(self, name: str) -> tuple:
+        """The functions recording a chunk value at `name` (none where nothing is recorded)."""
         fns = self._fns.get(name)
         if fns is None:
             fns = self._fns[name] = tuple(self._build(name))

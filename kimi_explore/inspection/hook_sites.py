@@ -139,6 +139,9 @@ class HookChain:
             value = h.fire_chunk(name, value)
         return value
 
+    def listens_chunk(self, name: str) -> bool:
+        return any(getattr(h, "listens_chunk", lambda n: True)(name) for h in self.hook_sets)
+
     def observe_chunk(self, name: str, value) -> None:
         for h in self.hook_sets:
             h.observe_chunk(name, value)

@@ -293,6 +293,10 @@ class Hooks:
         recurrent state and conv window, `SEQUENTIAL_SITES`)."""
         return any(h.matches(n) and (not h.chunks or n.endswith(SEQUENTIAL_SITES)) for h in self._handles for n in names)
 
+    def listens_chunk(self, name: str) -> bool:
+        """Whether `fire_chunk(name, ...)` calls anything (a hook matches `name`)."""
+        return bool(self._chunk_functions(name))
+
     def fire_hooks(self, name: str, value):
         """`fire` without the internal functions (the token counter, the observer's): the hooks alone,
         each called with this one token's value."""
@@ -308,6 +312,10 @@ class Hooks:
         if fns is None:
             point = self._point(name)
             fns = self._chunk_cache[name] = tuple((h.fn, point, h.chunks) for h in self._handles if h.matches(name))
+            if self._known is None and not self._checked_after_first_token:  # the names check, as `_resolve`'s
+                self._seen.add(name)
+                if name == "logits":
+                    self._check_first_token()
         return fns
 
     def fire_chunk(self, name: str, value):

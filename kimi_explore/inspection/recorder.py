@@ -253,6 +253,10 @@ class Recorder:
         self._chunks.record(name, value)
         return value
 
+    def listens_chunk(self, name: str) -> bool:
+        """Whether `fire_chunk(name, ...)` calls a hook or records something."""
+        return self.hooks.listens_chunk(name) or bool(self._chunks.functions(name))
+
     def observe_chunk(self, name: str, value) -> None:
         self._chunks.observe(name, value)
 

@@ -162,27 +162,31 @@ class Session:
         chunk: tokens per forward pass of the sequence path (default `kimi_sequence.DEFAULT_CHUNK`; a
         checkpoint is kept at each chunk's end). progress: a progress bar (tqdm; default: for feeds of
         more than 4 chunks). Steps token by token while value-changing hooks are attached.
+        A chunk (or stepped token) that raises leaves no trace: the history is as after the ones before it.
         """
         if isinstance(token_ids, str):
             if self.tokenizer is None:
                 raise TypeError("Session.feed got a string but the session has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(token_ids)
+        elif not hasattr(token_ids, "__iter__") or getattr(token_ids, "ndim", 1) == 0:
+            raise TypeError(f"Session.feed: token_ids must be a sequence of token ids (or text, with a tokenizer), got "
+                            f"{token_ids!r} ({type(token_ids).__name__}); session.step(id) decodes one token")
         ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
         chunk = DEFAULT_CHUNK if chunk is None else chunk
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ValueError(f"Session.feed: chunk must be a positive int (tokens per forward pass), got {chunk!r}")
-        if self._may_modify():
-            out = [self.step(t) for t in ids]
-        else:
-            bar = _progress(len(ids)) if (progress is None and len(ids) > 4 * chunk) or progress else None
-            out = []
-            for a in range(0, len(ids), chunk):
-                out.append(self._feed_chunk(ids[a : a + chunk]))
+        chunk = int(chunk)
+        stepping = self._may_modify()
+        bar = _progress(len(ids)) if (progress is None and len(ids) > 4 * chunk) or progress else None
+        out = []
+        try:
+            for a in range(0, len(ids), 1 if stepping else chunk):
+                out.append(self.step(ids[a])[None] if stepping else self._feed_chunk(ids[a : a + chunk]))
                 if bar is not None:
                     bar.update(len(out[-1]))
+        finally:
             if bar is not None:
                 bar.close()
-            out = [np.concatenate(out)] if out else []
         return np.concatenate(out) if out else np.zeros((0, self.weights.config.vocab_size), self.weights.dtype)
 
     def _feed_chunk(self, ids: list[int]) -> np.ndarray:
@@ -273,8 +277,15 @@ class Session:
             if b is None:
                 self.weights.forward_token(state, self._tokens[a])
             else:
-                self.weights.forward_sequence(state, self._tokens[a:b], chunk=b - a)
+                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(), chunk=b - a)
         return state
+
+    def _chunk_replayer(self):
+        """The hooks a replay of a fed chunk runs with: a recorder like the session's where it keeps full records
+        (of a recurrent site, they make that layer run token by token inside a chunk, which rounds otherwise), its
+        records dropped; else None. Fed chunks had no other hooks (value-changing hooks make `feed` step)."""
+        rec = self.recorder
+        return Recorder(**rec.settings()).bind(self.weights) if rec is not None and rec.full is not None else None
 
     def runs(self, c: int = 0, t: int | None = None):
         """Tokens c..t-1 (default: the whole history) as the forward passes that decoded them: (s, None) for
@@ -329,19 +340,14 @@ class Session:
 
     def recover(self) -> list[int]:
         """After a pipeline stage was lost (`StageLostError`): restart it from its shards and rebuild the
-        decode state and the kept checkpoints by replaying the token history through the pipeline,
-        with the session's hooks (`session.hooks`, and a recorder with the session's recorder's settings
-        and hooks: a full record of a recurrent site runs its layer token by token inside a chunk, which
-        rounds otherwise). Every replayed token's logits must equal the stored ones bit for bit, so the
-        session continues exactly as if nothing had happened; records are the driver's and are kept.
-        Returns the restarted stages' numbers."""
+        decode state and the kept checkpoints by replaying the token history through the pipeline, each
+        token the way it was decoded: those decoded with value-changing hooks with the session's hooks
+        (`session.hooks` and the recorder's), whose logits must then equal the stored ones bit for bit;
+        the others without hooks, as `truncate` replays them. The session continues exactly as if
+        nothing had happened; records are the driver's and are kept. Returns the restarted stages' numbers."""
         restarted = self.weights.restart_lost_stages()
-        twin = None
-        if self.recorder is not None:  # records like the session's recorder, into a recorder that is then dropped
-            twin = Recorder(**self.recorder.settings()).bind(self.weights)
-            twin.extend(self.recorder.hooks)
-        sets = [h for h in (self.hooks if len(self.hooks) else None, twin) if h is not None]
-        hooks = sets[0] if len(sets) == 1 else HookChain(*sets) if sets else None
+        sets = [h for h in (self.hooks, self.recorder.hooks.copy() if self.recorder is not None else None) if h]
+        hooks = HookChain(*sets) if sets else None
         keep = set(self._checkpoints)
         self._checkpoints.clear()  # their handles on a restarted stage are gone
         state, checkpoints, bad = self._replay(hooks, len(self._tokens), keep)
@@ -357,18 +363,26 @@ class Session:
 
     def _replay(self, hooks, n: int, keep: set):
         """Decode the first n tokens from a fresh state, each the way it was decoded: (state, {t in keep:
-        state copy}, first token whose logits differ from the stored ones, or None)."""
+        state copy}, first token decoded with value-changing hooks whose logits differ from the stored
+        ones, or None).
+
+        Fed chunks run with `_chunk_replayer()`, as they were fed. Only the tokens decoded with
+        value-changing hooks (each stepped) get `hooks` and are compared: hooks attached after a token was
+        decoded must not act on it, and the first part of a fed chunk cut by `truncate` is replayed as
+        one chunk, as `truncate` built the state from it, whose logits differ in the last bits from the
+        stored ones (decoded within the longer chunk)."""
         state, checkpoints = self.weights.new_state(), {}
         for a, b in self.runs(0, n):
             if b is None:
-                if hooks is not None:
-                    hooks.begin_token(self._tokens[a], a)
-                got, b = to_numpy(self.weights.forward_token(state, self._tokens[a], hooks))[None], a + 1
+                hooked = hooks if self._modified[a] else None
+                if hooked is not None:
+                    hooked.begin_token(self._tokens[a], a)
+                got = to_numpy(self.weights.forward_token(state, self._tokens[a], hooked))
+                if self._modified[a] and not np.array_equal(got, self._logits[a]):
+                    return state, checkpoints, a
+                b = a + 1
             else:
-                got = to_numpy(self.weights.forward_sequence(state, self._tokens[a:b], hooks, chunk=b - a))
-            for t in range(a, b):
-                if not np.array_equal(got[t - a], self._logits[t]):
-                    return state, checkpoints, t
+                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(), chunk=b - a)
             if b in keep:
                 checkpoints[b] = state.copy()
         return state, checkpoints, None

@@ -147,15 +147,16 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     calls of `kimi_forward_token` would; return logits [T, vocab] (row t: after token t).
 
     hooks: as for `kimi_forward_token`, with the chunk protocol (`begin_chunk`, `fire_chunk`,
-    `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`; see `inspection.hooks.Hooks`).
+    `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`, and optionally `listens_chunk`;
+    see `inspection.hooks.Hooks`).
     """
     check_state(weights, state)
     V = weights.config.vocab_size
     ids = token_indices(_as_list(token_ids), V)
     chunk = DEFAULT_CHUNK if chunk is None else chunk
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"kimi_forward_sequence: chunk must be a positive int (tokens per chunk), got {chunk!r}")
-    xp = weights.xp
+    chunk, xp = int(chunk), weights.xp
     if not ids:
         return xp.zeros((0, V), weights.dtype)
     out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
@@ -234,11 +235,8 @@ def sequence_layer(layer, state, stack: SequenceSources, cfg, hooks=None) -> Non
 def finish_sequence(head: OutputHead, stack: SequenceSources, hooks=None):
     """`finish_token` for a chunk: logits [T, vocab]."""
     fire = _unhooked if hooks is None else hooks.fire_chunk
-    if hooks is not None:
-        blocks = stack.blocks
-        new = hooks.fire_chunk("final.block_residual", blocks)
-        if new is not blocks:
-            stack.replace_blocks(new)
+    if hooks is not None:  # on a copy: what the hooks leave, returned or edited in place, is what the mix reads
+        stack.replace_blocks(hooks.fire_chunk("final.block_residual", stack.blocks.copy()))
     p = fire("final.attn_res.weights", stack.weights(head.attn_res_score))
     hidden = fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
     return fire("logits", linear(hidden, head.lm_head))
@@ -252,12 +250,19 @@ def _attention(x, layer, state, hooks):
     names, att = layer.names, layer.attention
     fire = None if hooks is None else hooks.fire_chunk
     if att.kind == "mla":
-        return mla_sequence(x, att, state.attention, fire=fire, names=names)
+        return mla_sequence(x, att, state.attention, fire=fire, names=names,
+                            fire_probs=fire is not None and _listens(hooks, names["mla.probs"]))
     out, norms = kda_sequence(x, att, state.attention, fire=fire, names=names, state_norms=hooks is not None)
     if hooks is not None:  # the recurrent sites reach a recorder as their per-token norms
         hooks.observe_chunk(names["kda.conv"], norms["kda.conv"])
         hooks.observe_chunk(names["kda.state"], norms["kda.state"])
     return out
+
+
+def _listens(hooks, name: str) -> bool:
+    """Whether firing `name` on a chunk can see or change anything (True for a hooks object that cannot say)."""
+    own = getattr(hooks, "listens_chunk", None)
+    return True if own is None else own(name)
 
 
 def _ffn(y, layer, cfg, hooks):

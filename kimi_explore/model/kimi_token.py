@@ -92,8 +92,8 @@ def embed_token(weights, token_id, hooks=None, rows: int | None = None) -> Sourc
     cfg = weights.config
     tid = token_index(token_id, cfg.vocab_size)
     stack = SourceBuffer(weights.xp, rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
-    h = weights.embed_tokens[tid]
-    stack.set_current(h if hooks is None else hooks.fire("embed", h))
+    h = weights.embed_tokens[tid]  # a view of the table: a hook that edits its value in place gets a copy
+    stack.set_current(h if hooks is None else hooks.fire("embed", h.copy()))
     return stack
 
 
@@ -121,14 +121,12 @@ def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
 def output_hidden(head: OutputHead, stack: SourceBuffer, hooks=None):
     """The output mix over the stack and the final norm: the hidden vector lm_head reads [d].
 
-    `final.block_residual` ([n, d], the sealed blocks) fires first: a returned array replaces the
-    blocks the output mix reads. (A logit lens runs this on the stack after every layer.)"""
+    `final.block_residual` ([n, d], the sealed blocks) fires first, on a copy: what the hooks leave
+    (returned, or edited in place) are the blocks the output mix reads, their 1/rms taken again.
+    (A logit lens runs this on the stack after every layer.)"""
     if hooks is None:
         return rms_norm(stack.mix(stack.weights(head.attn_res_score)), head.norm, head.eps)
-    blocks = stack.blocks
-    new = hooks.fire("final.block_residual", blocks)
-    if new is not blocks:
-        stack.replace_blocks(new)
+    stack.replace_blocks(hooks.fire("final.block_residual", stack.blocks.copy()))
     p = hooks.fire("final.attn_res.weights", stack.weights(head.attn_res_score))
     return hooks.fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
 

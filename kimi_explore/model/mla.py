@@ -16,7 +16,10 @@ default), not rms_norm_eps. The cache holds decompressed per-head K/V, as HF doe
 `mla_sequence` runs T tokens at once: the projections for all rows, the T positions appended in one
 go (`MlaState.append_many`, the same doubling, so the same capacity as T appends), then causal
 attention of the T queries over the L0 cached positions plus the chunk: query t sees positions
-0..L0+t, the later ones masked to -inf (probability exactly 0).
+0..L0+t, the later ones masked to -inf (probability exactly 0). Unless a hook wants the whole
+chunk's probabilities, the queries go QUERY_BLOCK at a time, each block scored against the positions
+its last query sees: the masked products above the diagonal are mostly never computed (a chunk of
+T scores ~L0 T + T^2 / 2 pairs instead of L0 T + T^2), and every row's softmax is the same.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .ops import linear, rms_norm, sigmoid, softmax
 from .sites import site_table
 
 LATENT_NORM_EPS = 1e-6
+QUERY_BLOCK = 128  # query rows per block of `mla_sequence`'s scores (where no hook reads the whole probabilities)
 
 
 @dataclass
@@ -165,13 +169,15 @@ def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
     return w.o_proj @ o
 
 
-def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
+def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None, fire_probs: bool = True):
     """x: [T, d] (input_layernorm outputs) -> [T, d]; appends the T tokens to `state`.
 
     fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
     order, named names[kind] (None: the kinds): mla.q_latent [T, q_lora], mla.kv_latent [T, kv_lora],
     mla.probs [T, nh, L0 + T] (token t's row is the token form's [nh, L0 + t + 1] followed by zeros, the
-    masked positions), mla.o [T, nh, dv]. A returned array is used downstream as it is.
+    masked positions; fired only with fire_probs: False when nothing listens there, which lets the
+    scores go QUERY_BLOCK queries at a time), mla.o [T, nh, dv]. A returned array is used downstream as
+    it is.
     """
     xp = array_namespace(x)
     site = (lambda kind: kind) if names is None else names.__getitem__  # noqa: E731
@@ -187,23 +193,34 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None):
     gate = sigmoid(y[:, ql + kl + dr :]) if w.use_output_gate else None
     L0 = state.length
     state.append_many(kv[:, :, :dn], y[:, ql + kl : ql + kl + dr], kv[:, :, dn:])  # k_pe is NOT normalised
-    L = L0 + T
     scale = 1.0 / math.sqrt(dn + dr)
-    scores = xp.matmul(q.swapaxes(0, 1), state.keys[:, :L].swapaxes(1, 2))  # [nh, T, L]
-    if sequence_ops.runs(scores):
-        p = sequence_ops.causal_softmax_(scores, L0, scale)  # the same steps compiled, one pass per row
-    else:
-        scores *= scale
-        p = causal_softmax_(scores, L0)
-    if fire is not None:
+    qh = q.swapaxes(0, 1)  # [nh, T, dq]
+    if fire is not None and fire_probs:
+        p = _causal_probs(qh, state, L0, scale)  # [nh, T, L0 + T]
         p = fire(site("mla.probs"), p.swapaxes(0, 1)).swapaxes(0, 1)
-    o = xp.matmul(p, state.values[:, :L]).swapaxes(0, 1)  # [T, nh, dv]
+        o = xp.matmul(p, state.values[:, : L0 + T]).swapaxes(0, 1)  # [T, nh, dv]
+    else:
+        o = xp.empty((nh, T, dv), dtype=q.dtype)
+        for a in range(0, T, QUERY_BLOCK):  # queries a..b-1 see positions up to L0 + b - 1
+            b = min(T, a + QUERY_BLOCK)
+            xp.matmul(_causal_probs(qh[:, a:b], state, L0 + a, scale), state.values[:, : L0 + b], out=o[:, a:b])
+        o = o.swapaxes(0, 1)
     if fire is not None:
         o = fire(site("mla.o"), o)
     o = o.reshape(T, nh * dv)
     if gate is not None:
         o = o * gate
     return linear(o, w.o_proj)
+
+
+def _causal_probs(qh, state: MlaState, L0: int, scale: float):
+    """Queries qh [nh, n, dq] at positions L0 .. L0 + n - 1 over the cache's first L0 + n positions: the
+    probabilities [nh, n, L0 + n] (query t sees positions 0 .. L0 + t)."""
+    scores = array_namespace(qh).matmul(qh, state.keys[:, : L0 + qh.shape[1]].swapaxes(1, 2))
+    if sequence_ops.runs(scores):
+        return sequence_ops.causal_softmax_(scores, L0, scale)  # the same steps compiled, one pass per row
+    scores *= scale
+    return causal_softmax_(scores, L0)
 
 
 def causal_softmax_(scores, L0: int):
