@@ -6,8 +6,8 @@ Configurations, each over the same corpus (texts of `text-len` bytes, `tokens` i
 from a fresh state):
 
     decoder only     a Session without a recorder: the floor (`Session.feed`: the sequence path, in chunks)
-    routing_stats    ke.routing_stats: a Session per text with the router sites recorded (fed on the
-                     sequence path), plus the counting
+    routing_stats    ke.routing_stats: each text on the sequence path with the router sites recorded
+                     (no Session: no logits or state copies kept), plus the counting
 
 Reports the median over rounds of tokens/s by wall clock and by this thread's CPU time (time the
 process spends descheduled by other jobs on a shared machine does not count), and the overhead

@@ -520,3 +520,27 @@ def test_session_on_the_gpu(ref_weights, tmp_path):
     assert np.array_equal(h.logits, full) and h.trace().equals(trace)
     assert np.array_equal(h.step(9), f.step(9))
     assert isinstance(to_numpy(h.state.layers[0].attention.recurrent), np.ndarray)
+
+
+def test_truncate_inside_a_chunk_replays_it_as_a_full_recurrent_record_decoded_it():
+    """A Recorder keeping a full KDA state runs that layer token by token inside a fed chunk, which rounds otherwise
+    than the chunked form. `truncate` into a chunk replays its first part from the checkpoint before it, and must run
+    it the same way: the session then continues bit for bit as one fed those chunks with that recorder."""
+    ref_weights = from_pretrained(REFERENCE_DIR, device="cpu")  # float32: the compiled recurrence
+    ids = list(range(3, 33))
+    kda = next(s.index for s in ref_weights.specs if s.attention == "kda")
+    rec = {"full": [f"layers.{kda}.kda.state"]}
+    s, want = Session(ref_weights, recorder=Recorder(**rec)), Session(ref_weights, recorder=Recorder(**rec))
+    s.feed(ids[:16], chunk=8)
+    s.truncate(13)
+    want.feed(ids[:8], chunk=8)
+    want.feed(ids[8:13], chunk=5)
+    plain = Session(ref_weights, recorder=False)
+    plain.feed(ids[:8], chunk=8)
+    plain.feed(ids[8:13], chunk=5)
+    recurrent = [x.state.layers[kda].attention.recurrent for x in (plain, want)]
+    assert not np.array_equal(*recurrent)  # the full record changes the chunk's rounding
+    for x in (s, want):
+        x.feed(ids[13:], chunk=8)
+    assert np.array_equal(s.logits[13:], want.logits[13:])
+    assert np.array_equal(s.trace()[f"layers.{kda}.kda.state"], want.trace()[f"layers.{kda}.kda.state"])

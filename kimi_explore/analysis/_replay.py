@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
+from ..inspection.hook_sites import SEQUENTIAL_SITES
 from ..inspection.hooks import HookChain
 from ..inspection.recorder import Recorder
 from ..model.kimi_decoder import hook_names
@@ -53,7 +54,7 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
     model = session.weights
-    capture = Recorder(names_filter=lambda name: False, full=list(names)).bind(model)
+    capture = Recorder(names_filter=lambda name: False, full=list(names) + _token_wise(session)).bind(model)
     hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
     c, state = session.checkpoint_before(min(wanted)) if from_checkpoint else (0, model.new_state())
     last = max(wanted)
@@ -72,8 +73,18 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
             return
 
 
+def _token_wise(session) -> list[str]:
+    """The recurrent sites the session's Recorder keeps in full. Their layers ran token by token inside fed
+    chunks (the chunked form builds no per-token states), so the replay keeps them too: it then runs those
+    layers the same way, with the same rounding."""
+    full = None if session.recorder is None else session.recorder.full
+    return [] if full is None else [n for n in hook_names(session.weights) if n.endswith(SEQUENTIAL_SITES) and full(n)]
+
+
 def _position(p, T: int) -> int:
-    if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or not -T <= p < T:
+    if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
+        raise TypeError(f"token position {p!r} ({type(p).__name__}): expected an int in 0..{T - 1} (or -{T}..-1)")
+    if not -T <= p < T:
         raise IndexError(f"token position {p!r} is outside the session's history of {T} tokens (0..{T - 1}, or -{T}..-1)")
     return int(p) % T
 

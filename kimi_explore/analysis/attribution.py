@@ -135,9 +135,11 @@ def logit_attribution(session, t=-1, token=None):
     V = w.config.vocab_size
     if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < V):
         raise ValueError(f"logit_attribution: token must be an id in 0..{V - 1} (or None for the top-1), got {token!r}")
-    many = not isinstance(t, (int, np.integer))
-    names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
+    many = np.ndim(t) > 0
     steps = list(t) if many else [t]
+    if many and not steps:
+        raise ValueError("logit_attribution: t is empty: give a step, or a list of steps")
+    names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
     runs = replay(session, names, steps, from_checkpoint=True)
     out = [_attribute(w, step, values, logits, token) for step, values, logits in runs]
     return out if many else out[0]

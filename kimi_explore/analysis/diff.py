@@ -90,6 +90,9 @@ def diff(a, b) -> RunDiff:
     """Compare two runs (each a `Session` or a `Trace` of the same model) site by site: b - a."""
     ta, la = _run(a)
     tb, lb = _run(b)
+    for label, t in (("a", ta), ("b", tb)):
+        if len(t) == 0:
+            raise ValueError(f"diff: run {label} holds no tokens, so nothing was recorded to compare: decode a prompt first")
     if list(ta.layer_ids) != list(tb.layer_ids):
         raise ValueError(f"diff: the runs have different layers ({list(ta.layer_ids)} vs {list(tb.layer_ids)}); "
                          "compare runs of the same model")

@@ -110,7 +110,7 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
     tokens = np.asarray(session.tokens, dtype=np.int64)
     T, V = len(tokens), w.config.vocab_size
     target_ids = _targets(targets, tokens, V)
-    rows = np.arange(T) if positions is None else np.unique([_position(p, T) for p in np.atleast_1d(positions)])
+    rows = np.arange(T) if positions is None else _rows(positions, T)
     at = {int(t): r for r, t in enumerate(rows)}
     names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
     k = min(top, V)
@@ -131,11 +131,20 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
                      None if target_ids is None else target_ids[rows], target_lp, rows)
 
 
+def _rows(positions, T: int) -> np.ndarray:
+    """The history rows asked for, in increasing order, each once."""
+    ps = [positions] if np.ndim(positions) == 0 else list(positions)
+    if not ps:
+        raise ValueError("logit_lens: positions is empty: give at least one token position (or None for every token)")
+    return np.unique([_position(p, T) for p in ps])
+
+
 def _position(p, T: int) -> int:
-    p = int(p)
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+        raise TypeError(f"logit_lens: positions must be ints (token positions), got {p!r} ({type(p).__name__})")
     if not -T <= p < T:
         raise IndexError(f"logit_lens: position {p} is outside the history of {T} tokens (0..{T - 1}, or -{T}..-1)")
-    return p % T
+    return int(p) % T
 
 
 @dataclass

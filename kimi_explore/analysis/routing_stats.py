@@ -1,8 +1,11 @@
 """Corpus routing statistics: what each expert does over whole texts.
 
-`routing_stats(weights, texts)` decodes every text from a fresh state through a `Session` whose
-Recorder keeps the router sites (`layers.*.moe.router.*`, the default Recorder's routing records)
-and accumulates, per MoE layer (M) x expert (E), over N routed tokens:
+`routing_stats(weights, texts)` decodes every text from a fresh state on the sequence path
+(`forward_sequence`, `DEFAULT_CHUNK` tokens per pass, as `Session.feed` does) with a Recorder that
+keeps the router sites (`layers.*.moe.router.*`, the default Recorder's routing records), and nothing
+else: no logits, no state copies (a Session would keep [T, vocab] logits and a decode state per chunk,
+~20 MiB each on the embedded model and growing with the text; at K3 width gigabytes per document).
+It accumulates, per MoE layer (M) x expert (E), over N routed tokens:
 
     counts[m, e]          tokens whose top-k set holds e
     weight_sum[m, e]      sum of e's combine weight over those tokens; mean_weight = weight_sum / counts
@@ -42,6 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from ..inspection.session_io import weights_fingerprint
+from ..model.kimi_decoder import token_indices
+from ..model.kimi_sequence import DEFAULT_CHUNK
 
 __all__ = ["BYTE_CLASSES", "RoutingStats", "byte_class", "routing_stats"]
 
@@ -183,7 +188,8 @@ def model_fingerprint(model) -> str:
     return json.dumps(weights_fingerprint(model), sort_keys=True)
 
 
-def _text_ids(text, tokenizer, vocab: int) -> list[int]:
+def _text_ids(j: int, text, tokenizer, vocab: int) -> list[int]:
+    """Text j of the corpus as checked token ids."""
     if isinstance(text, str):
         if tokenizer is not None:
             return list(tokenizer.encode(text))
@@ -191,7 +197,13 @@ def _text_ids(text, tokenizer, vocab: int) -> list[int]:
             raise ValueError(f"routing_stats: got a string but no tokenizer, and the model's vocabulary ({vocab}) is not "
                              "bytes: pass tokenizer=ke.load_tokenizer(...) or token ids")
         return list(text.encode("utf-8"))
-    return [int(i) for i in text]
+    if isinstance(text, (bytes, bytearray)) or not hasattr(text, "__len__"):
+        raise TypeError(f"routing_stats: text {j} is {type(text).__name__} {text!r:.40}; expected a string or a list of "
+                        "token ids (a single text of ids goes in a list: [ids])")
+    try:
+        return token_indices(text, vocab)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"routing_stats: text {j}: {e}") from None
 
 
 def _digest(ids: list[int]) -> str:
@@ -220,17 +232,19 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     classes: token id -> label (default: `byte_class` for a byte vocabulary). progress: a tqdm bar
     over tokens. checkpoint: a path to save the partial result to and resume from (see module docstring).
     """
-    from ..inspection.recorder import Recorder
-    from ..inspection.session import Session
-
     vocab = int(weights.config.vocab_size)
     if classes is None:
         if vocab != 256:
             raise ValueError(f"routing_stats: the default token classing is for byte models (vocabulary 256); this one has "
                              f"{vocab} tokens: pass classes=fn(token_id) -> label")
         classes = byte_class
+    if isinstance(texts, (bytes, bytearray)) or not hasattr(texts, "__iter__"):
+        raise TypeError(f"routing_stats: texts must be a string or a list of texts (strings or token-id lists), got "
+                        f"{type(texts).__name__}")
     texts = [texts] if isinstance(texts, str) else list(texts)
-    ids = [_text_ids(x, tokenizer, vocab) for x in texts]
+    if not texts:
+        raise ValueError("routing_stats: texts is empty: give at least one text (a string or a list of token ids)")
+    ids = [_text_ids(j, x, tokenizer, vocab) for j, x in enumerate(texts)]
     digests = [_digest(x) for x in ids]
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
     start, since_save = len(stats.texts), 0
@@ -238,9 +252,7 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     try:
         for text_ids, digest in zip(ids[start:], digests[start:], strict=True):
             if text_ids:
-                session = Session(weights, recorder=Recorder(names_filter="layers.*.moe.router.*"), checkpoint_every=0)
-                session.feed(text_ids, progress=False)
-                stats.add(session.trace().routing(), [classes(i) for i in text_ids])
+                stats.add(_routing(weights, text_ids), [classes(i) for i in text_ids])
             stats.texts.append(digest)
             since_save += len(text_ids)
             if bar is not None:
@@ -254,6 +266,16 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     if checkpoint is not None:
         stats.save(checkpoint)
     return stats
+
+
+def _routing(weights, ids: list[int]) -> dict:
+    """One text's `Trace.routing()`, decoded from a fresh state one chunk at a time (each chunk's logits dropped)."""
+    from ..inspection.recorder import Recorder
+
+    recorder, state = Recorder(names_filter="layers.*.moe.router.*").bind(weights), weights.new_state()
+    for a in range(0, len(ids), DEFAULT_CHUNK):
+        weights.forward_sequence(state, ids[a : a + DEFAULT_CHUNK], recorder, chunk=DEFAULT_CHUNK)
+    return recorder.trace().routing()
 
 
 def _progress(enabled: bool, total: int, done: int):

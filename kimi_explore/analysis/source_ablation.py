@@ -36,6 +36,7 @@ from ..backend import to_numpy
 from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_sources, source_columns
+from ..model.kimi_decoder import token_indices
 from ..model.kimi_sequence import DEFAULT_CHUNK
 
 __all__ = ["SourceAblation", "source_ablation", "spearman"]
@@ -250,20 +251,23 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     if hasattr(session_or_weights, "weights") and hasattr(session_or_weights, "tokens"):
         s = session_or_weights
         weights, extra = s.weights, (s.hooks if len(s.hooks) else None)
-        ids = list(s.tokens) if token_ids is None else [int(t) for t in token_ids]
+        ids = list(s.tokens) if token_ids is None else token_ids
     else:
         weights, extra = session_or_weights, None
         if token_ids is None:
             raise ValueError("source_ablation(weights, token_ids): give the token ids to decode (or pass a Session)")
-        ids = [int(t) for t in (token_ids.encode("utf-8") if isinstance(token_ids, str) else token_ids)]
+        ids = token_ids.encode("utf-8") if isinstance(token_ids, str) else token_ids
+    try:
+        ids = token_indices(ids, weights.config.vocab_size)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"source_ablation: token_ids: {e}") from None
     if len(ids) < 2:
         raise ValueError(f"source_ablation: needs at least 2 tokens (one next-token prediction), got {len(ids)}")
-    V = weights.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < V]
-    if bad:
-        raise ValueError(f"source_ablation: token ids {bad[:5]} are outside the vocabulary 0..{V - 1}")
     for f in families:
         check_family(f)
+    if isinstance(sites, str):
+        raise TypeError(f"source_ablation: sites must be a list of sites among {SITES}, got the string {sites!r} "
+                        f"(one site: [{sites!r}])")
     for site in sites:
         if site not in SITES:
             raise ValueError(f"source_ablation: sites must be among {SITES}, got {site!r}")
@@ -272,7 +276,13 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     missing = [i for i in layers if i not in layer_ids]
     if missing:
         raise ValueError(f"source_ablation: layers {missing} are not in this model (layers {layer_ids[0]}..{layer_ids[-1]})")
-    chunk = DEFAULT_CHUNK if chunk is None else int(chunk)
+    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"source_ablation: chunk must be a positive int (tokens per pass), got {chunk!r}")
+    chunk = int(chunk)
+    for what, given in (("families", families), ("sites", sites), ("layers", layers)):
+        if len(given) == 0:
+            raise ValueError(f"source_ablation: {what} is empty: nothing to mask (leave it out for all)")
     chain = (lambda h: HookChain(extra.copy(), h)) if extra is not None else (lambda h: h)
 
     reuse = extra is None and hasattr(weights, "layers") and reuse_prefix

@@ -326,11 +326,10 @@ class RayPipeline(LayerSequence):
         if last is None or not (_same(last[0], handles) and last[1] is recorder and _same(last[2], rec_handles)):
             calls = []
             for s in self.stages:
-                mine = [(h.pattern, h.names_filter, h.fn) for h in handles if any(h.matches(n) for n in s.names)]
+                mine = [_spec(h) for h in handles if any(h.matches(n) for n in s.names)]
                 rec = None
                 if recorder is not None:
-                    rec = (recorder.settings(), [(h.pattern, h.names_filter, h.fn) for h in rec_handles
-                                                 if any(h.matches(n) for n in s.names)])
+                    rec = (recorder.settings(), [_spec(h) for h in rec_handles if any(h.matches(n) for n in s.names)])
                 calls.append(s.actor.configure.remote(mine, rec))
             self._get(calls, self.stages)
             self._configured = key  # holds the handles, so their ids cannot be reused while compared
@@ -447,6 +446,12 @@ def blas_threads_env() -> dict:
     set (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS), else OpenBLAS's default, one thread per core."""
     n = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
     return {"OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
+
+
+def _spec(handle) -> tuple:
+    """A hook as a stage rebuilds it: (pattern, names_filter, fn, chunks). `chunks` travels too: without it a
+    stage would call a chunk-aware hook token by token and run its layer token by token, unlike one process."""
+    return handle.pattern, handle.names_filter, handle.fn, handle.chunks
 
 
 def _same(a: list, b: list) -> bool:

@@ -124,7 +124,7 @@ class Stage:
 
     # ------------------------------------------------------------------ hooks and recording
     def configure(self, hooks: list, recorder: tuple | None) -> None:
-        """hooks: [(pattern, names_filter, fn)] on this stage's sites; recorder: None or (settings, its hooks)."""
+        """hooks: [(pattern, names_filter, fn, chunks)] on this stage's sites; recorder: None or (settings, its hooks)."""
         self.hooks = _with_hooks(Hooks().bind(self.names), hooks) if hooks else None
         self.recorder = None
         if recorder is not None:
@@ -189,7 +189,8 @@ def _converted(attention, convert):
 
 
 def _with_hooks(hooks, specs: list):
-    """`hooks` (a Hooks or a Recorder) with the hooks [(pattern, names_filter, fn)] added."""
-    for pattern, names_filter, fn in specs:
-        hooks.add(pattern, fn, names_filter=names_filter)
+    """`hooks` (a Hooks or a Recorder) with the hooks [(pattern, names_filter, fn, chunks)] added."""
+    target = hooks.hooks if isinstance(hooks, Recorder) else hooks  # a Recorder's own Hooks take `chunks`
+    for pattern, names_filter, fn, chunks in specs:
+        target.add(pattern, fn, names_filter=names_filter, chunks=chunks)
     return hooks

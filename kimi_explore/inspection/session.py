@@ -277,8 +277,15 @@ class Session:
             if b is None:
                 self.weights.forward_token(state, self._tokens[a])
             else:
-                self.weights.forward_sequence(state, self._tokens[a:b], chunk=b - a)
+                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(), chunk=b - a)
         return state
+
+    def _chunk_replayer(self):
+        """The hooks a replay of a fed chunk runs with: a recorder like the session's where it keeps full records
+        (of a recurrent site, they make that layer run token by token inside a chunk, which rounds otherwise), its
+        records dropped; else None. Fed chunks had no other hooks (value-changing hooks make `feed` step)."""
+        rec = self.recorder
+        return Recorder(**rec.settings()).bind(self.weights) if rec is not None and rec.full is not None else None
 
     def runs(self, c: int = 0, t: int | None = None):
         """Tokens c..t-1 (default: the whole history) as the forward passes that decoded them: (s, None) for
@@ -359,7 +366,8 @@ class Session:
         state copy}, first token decoded with value-changing hooks whose logits differ from the stored
         ones, or None).
 
-        Only those tokens (each stepped) get `hooks` and are compared: hooks attached after a token was
+        Fed chunks run with `_chunk_replayer()`, as they were fed. Only the tokens decoded with
+        value-changing hooks (each stepped) get `hooks` and are compared: hooks attached after a token was
         decoded must not act on it, and the first part of a fed chunk cut by `truncate` is replayed as
         one chunk, as `truncate` built the state from it, whose logits differ in the last bits from the
         stored ones (decoded within the longer chunk)."""
@@ -374,7 +382,7 @@ class Session:
                     return state, checkpoints, a
                 b = a + 1
             else:
-                self.weights.forward_sequence(state, self._tokens[a:b], chunk=b - a)
+                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(), chunk=b - a)
             if b in keep:
                 checkpoints[b] = state.copy()
         return state, checkpoints, None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._xp import array_namespace
+from ..backend import on_host
 from . import latent_moe as moe
 from . import sequence_ops
 from .latent_moe import RENORM_EPS, LatentMoeWeights, select_experts
@@ -100,6 +101,16 @@ def expert_outputs_grouped(experts, ids, z, act):
     return groups.scatter(y)
 
 
+def _check_ids(ids, E: int, name: str) -> None:
+    """The ids a hook returned: -1 (that selection dropped) or an expert 0..E-1, never silently another expert."""
+    ids = np.asarray(ids)
+    bad = ids[(ids < -1) | (ids >= E)] if ids.dtype.kind in "iu" else ids
+    if ids.ndim != 2 or bad.size:
+        raise ValueError(f"{name}: a hook returned expert ids {ids.dtype} {ids.shape} with "
+                         f"{sorted(set(bad.reshape(-1).tolist()))[:5]}: expected integers [T, k], each -1 (drop that "
+                         f"selection) or an expert 0..{E - 1}")
+
+
 def _situ_rows(w: LatentMoeWeights):
     """The layer's SiTU-GLU on rows: compiled in one pass where it runs (`sequence_ops`), else `w.situ`."""
     return lambda gate_up: sequence_ops.situ_and_mul_rows(gate_up, w.situ_beta, w.situ_linear_beta, w.situ)
@@ -124,6 +135,8 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
     ids = select_experts_rows(scores, w.e_score_correction_bias, w.top_k)
     if fire is not None:
         ids = fire(site("moe.router.topk_ids"), ids)
+        if on_host(ids):  # on a GPU a check would cost a transfer per layer (the banks see the ids on the host later)
+            _check_ids(ids, E, site("moe.router.topk_ids"))
     weights = routing_weights_rows(scores, ids, w.renormalize, w.routed_scaling_factor)
     if fire is not None:
         weights = fire(site("moe.router.topk_weights"), weights)
