@@ -68,7 +68,7 @@ def token_indices(token_ids, vocab_size: int) -> list[int]:
         try:
             token_index(t, vocab_size)
         except (TypeError, ValueError) as e:
-            raise type(e)(f"token_ids[{i}]: {e}") from None
+            raise type(e)(f"{e}, at token_ids[{i}]") from None
     return [int(t) for t in ids]
 
 
