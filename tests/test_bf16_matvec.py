@@ -125,6 +125,8 @@ def test_decoder_with_the_kernel_matches_the_float32_trunk():
     assert (got.argmax(-1) == want.argmax(-1)).all()
     with pytest.raises(ValueError, match="bf16_matvec='fast': expected one of 'auto', 'kernel', 'widen'"):
         from_pretrained(random_tiny_checkpoint(), device="cpu", weight_dtype="bfloat16", bf16_matvec="fast")
+    with pytest.raises(ValueError, match="bf16_matvec='kernel' .* needs weight_dtype='bfloat16'; got weight_dtype=None"):
+        from_pretrained(random_tiny_checkpoint(), device="cpu", bf16_matvec="kernel")  # float32 weights: it would do nothing
 
 
 # ---------------------------------------------------------------- several input rows per pass (the sequence path)

@@ -712,3 +712,14 @@ def test_session_and_recorder_gpu_tests_on_the_stand_in(ref, tmp_path):
                          "final.block_residual"]).bind(host)
     logits = recorder_tests.run(host, ref["tokens"], rec)
     recorder_tests.test_recorder_on_the_gpu_matches_the_host(ref, (rec.trace(), logits))
+
+
+@pytest.mark.parametrize("make", ["ablate_experts", "force_routing"])
+def test_chunk_aware_routing_hooks_on_the_sequence_path_match_the_host(load, make):
+    """A chunk-aware hook at moe.router.topk_ids (whole chunks of device ids, -1 where dropped) on the sequence path:
+    the same run as on the host, without an implicit transfer."""
+    hook = {"ablate_experts": lambda: interventions.ablate_experts(1, [0, 3, 5]),
+            "force_routing": lambda: interventions.force_routing(2, [1, 4])}[make]
+    got, want = (sequence_logits(load("trained", "float64", where), hooks=hook()) for where in ("gpu", "cpu"))
+    assert_close(got, want, "trained", "float64")
+    assert np.abs(want - sequence_logits(load("trained", "float64", "cpu"))).max() > 1e-6  # the hook did change the run

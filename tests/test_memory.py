@@ -110,7 +110,7 @@ def expected_bytes(cfg, layer_ids, itemsize: int) -> dict:
 @pytest.mark.parametrize("weight_dtype,itemsize", [(None, 4), ("bfloat16", 2)], ids=["float32", "bf16"])
 def test_memory_report_counts_what_is_resident(weight_dtype, itemsize):
     w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", expert_cache_size=3,
-                                           weight_dtype=weight_dtype, bf16_matvec="widen")
+                                           weight_dtype=weight_dtype, bf16_matvec="widen" if weight_dtype else "auto")
     report = memory_report(w)
     for key, value in expected_bytes(w.config, w.layer_ids, itemsize).items():
         assert report[key] == value, key
@@ -138,7 +138,7 @@ def test_layer_bytes_splits_each_layer_into_the_halves_a_token_reads(weight_dtyp
     """bench/k3_shapes.py's bytes per token: each half's norm and attn-res score (float32 [d] each) and its
     attention or FFN trunk, from the config alone; the routed experts are not in either half."""
     w = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", weight_dtype=weight_dtype,
-                        bf16_matvec="widen")
+                        bf16_matvec="widen" if weight_dtype else "auto")
     vectors = 2 * w.config.hidden_size * 4
     for layer in w.layers:
         e = expected_bytes(w.config, [layer.index], itemsize)

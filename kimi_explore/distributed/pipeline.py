@@ -153,6 +153,7 @@ class RayPipeline(LayerSequence):
         self._ids = itertools.count(1)
         self._configured = None  # what the stages' hooks and recorders were last set to
         self._graph = None  # the compiled Ray graph of one token through every stage
+        self._head = None  # the output head, copied from the last stage once (`head`)
         self._garbage: list = []  # (state ids, epochs) of collected PipelineStates, to drop on their stages
         self._start(self.stages)
 
@@ -172,10 +173,12 @@ class RayPipeline(LayerSequence):
 
     def head(self) -> OutputHead:
         """The output head (output mix score, final norm, lm_head) copied from the last stage to this
-        process, as host arrays: what the logit lens reads."""
-        last = self.stages[-1]
-        score, norm, lm_head = self._get([last.actor.head.remote()], [last])[0]
-        return OutputHead(score, norm, lm_head, self.config.rms_norm_eps)
+        process once, as host arrays: what the logit lens reads (per token; K3's lm_head is 4.7 GB)."""
+        if self._head is None:
+            last = self.stages[-1]
+            score, norm, lm_head = self._get([last.actor.head.remote()], [last])[0]
+            self._head = OutputHead(score, norm, lm_head, self.config.rms_norm_eps)
+        return self._head
 
     def local_weights(self):
         """An exact attribution reads every layer's weights in one process, which a pipeline does not have."""

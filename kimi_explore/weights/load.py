@@ -97,6 +97,9 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     dt = resolve_dtype(dtype)
     bf16 = opts.resolve_weight_dtype(weight_dtype, dt)
     bf16_kernel = opts.resolve_bf16_matvec(bf16_matvec)
+    if bf16_kernel is not None and not bf16:
+        raise ValueError(f"bf16_matvec={bf16_matvec!r} chooses how bf16 weights are multiplied, and needs "
+                         f"weight_dtype='bfloat16'; got weight_dtype={weight_dtype!r} (leave bf16_matvec='auto')")
     source = open_source(path, layers=layers, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                          token=token, progress=progress, embedding=embedding, head=head)
     try:
