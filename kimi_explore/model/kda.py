@@ -253,8 +253,8 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     token: host float32 only), "chunked" (`kda_chunk`, matmuls over chunks of `chunk` tokens: any backend
     and dtype), "auto" (recurrent where it runs, else chunked). Why recurrent on the CPU, measured
     (`bench/prefill.py`, the rule alone with the per-token state norms a recorder keeps, CPU ms/token):
-    the embedded model's width (4 heads x 32) 0.0018 recurrent against 0.011 chunked (chunk 64) and
-    0.024 (256); K3's (96 x 128) 0.44 against 1.16 and 1.67. The chunked form trades the recurrence's
+    the embedded model's width (4 heads x 32) 0.0008 recurrent against 0.011 chunked (chunk 64) and
+    0.020 (256); K3's (96 x 128) 0.23-0.25 against 1.02-1.04 and 1.59. The chunked form trades the recurrence's
     O(K V) per token for O(C (K + V)) of matmuls per token plus the per-token norms, and NumPy's
     batched small matmuls do not win that back; the recurrence keeps each head's state in cache for
     all T tokens. Both are far below the layer's projections (K3 width: ~9 ms/token at chunk 256).

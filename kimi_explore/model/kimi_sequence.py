@@ -40,22 +40,19 @@ from .ops import dense_mlp_sequence, linear, rms_norm
 __all__ = ["DEFAULT_CHUNK", "SequenceSources", "embed_chunk", "finish_sequence", "forward_chunk", "kimi_forward_sequence",
            "run_layers_chunk", "sequence_layer"]
 
-# Tokens per chunk, chosen by measurement (CPU time, 1 BLAS thread, this project's shared 2-core VM):
-# - the embedded model, Session.feed with the default recorder on 1,024-token texts (bench/prefill.py):
-#   chunk 16: 1,344 tokens/s, 64: 3,408, 128: 4,507, 256: 5,308, 512: 5,541, 1024: ~5,400 (a second
-#   run: 1,439 / 3,413 / 4,299 / 5,199 / 5,870; Python's fixed cost per layer and chunk, ~1 ms, is
-#   spread over the chunk; from 256 on within the run-to-run noise of ~10%); with the compiled
-#   element-wise kernels (`sequence_ops`), two runs at load ~2: 1,585-1,827 / 4,175-4,190 /
-#   5,693-6,034 / 6,722-7,265 / 7,043-7,709 (512 now 5-6% ahead: the per-chunk cost, ~3.4 ms, weighs more);
-# - K3 width, one layer with fused MXFP4 experts (bench/k3_shapes.py --chunk 1,16,64,128,256,512):
-#   KDA+MoE 213 / 73.1 / 50.6 / 47.3 / 51.6 / 51.9 ms/token, MLA+MoE 168 / 57.2 / 39.2 / 38.9 / 42.9 /
-#   44.2: flat from 64 on, where the matmuls are compute-bound (a chunk of 64 already reads each weight
-#   64x less often than decode); 256 is within 9% of the best there.
-# 256 is the smallest size on both plateaus. Larger chunks cost elsewhere: a truncate or back inside a
-# chunk replays from the checkpoint at its start (up to C - 1 tokens), and the chunk's temporaries grow
-# with C (K3: [C, 49376] floats for KDA's fused input projection). A GPU, with more compute per byte,
-# may favour larger chunks (not measured: `chunk=` overrides).
-DEFAULT_CHUNK = 256
+# Tokens per chunk, chosen by measurement (CPU time, 1 BLAS thread, this project's shared 2-core VM, 2026-12-04
+# night, load ~1, after MLA's scores went by query blocks):
+# - the embedded model, Session.feed with the default recorder on 1,024-token texts (bench/prefill.py; medians
+#   of 6 interleaved runs): chunk 256: 8,372 tokens/s, 384: 8,657, 512: 8,893; 1024: 7,039 (of 4; its
+#   activations outgrow the caches). Python's fixed cost per layer and chunk is spread over the chunk.
+# - K3 width, one layer with fused MXFP4 experts (bench/k3_shapes.py --chunk 1,16,64,256,512): KDA+MoE
+#   203 / 62.4 / 38.0 / 35.7 / 35.0 ms/token, MLA+MoE 160 / 51.8 / 31.0 / 29.3 / 29.0: flat from 64 on,
+#   where the matmuls are compute-bound.
+# 512 is the best on both. Larger chunks cost elsewhere: a truncate or back inside a chunk replays from the
+# checkpoint at its start (up to C - 1 tokens), and the chunk's temporaries grow with C (K3: [C, 49376]
+# floats for KDA's fused input projection). A GPU, with more compute per byte, may favour larger chunks
+# (not measured: `chunk=` overrides).
+DEFAULT_CHUNK = 512
 
 
 class SequenceSources:
