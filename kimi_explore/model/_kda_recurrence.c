@@ -28,6 +28,19 @@ typedef void (*heads_fn)(const float *q, const float *k, const float *v, const f
                          float *o, float *norms, Py_ssize_t T, Py_ssize_t H, Py_ssize_t K, Py_ssize_t V, Py_ssize_t h0,
                          Py_ssize_t h1, float *scratch);
 
+/* Token 0's decay and read of one head's state Sh [K, V]: rows scaled by a[r], u = sum_r k[r] Sh[r, :]. */
+__attribute__((always_inline)) static inline void first_decay_read(float *restrict Sh, const float *restrict a,
+        const float *restrict k, float *restrict u, Py_ssize_t K, Py_ssize_t V) {
+    for (Py_ssize_t j = 0; j < V; j++) u[j] = 0.0f;
+    for (Py_ssize_t r = 0; r < K; r++) {
+        float *restrict row = Sh + r * V;
+        for (Py_ssize_t j = 0; j < V; j++) {
+            row[j] *= a[r];
+            u[j] += k[r] * row[j];
+        }
+    }
+}
+
 /* scratch: 4 V floats (u | w | sums of squares per column | the next token's u). norms may be NULL.
    One pass over S_h per token: token t's write and read-out, then token t+1's decay and read. */
 __attribute__((always_inline)) static inline void heads_body(const float *restrict q, const float *restrict k,
@@ -37,15 +50,7 @@ __attribute__((always_inline)) static inline void heads_body(const float *restri
     float *restrict u = scratch, *restrict w = scratch + V, *restrict sq = scratch + 2 * V, *restrict un = scratch + 3 * V;
     for (Py_ssize_t h = h0; h < h1 && T > 0; h++) {
         float *restrict Sh = S + h * K * V;
-        for (Py_ssize_t j = 0; j < V; j++) u[j] = 0.0f;
-        for (Py_ssize_t r = 0; r < K; r++) {  /* token 0: decay, read */
-            float *restrict row = Sh + r * V;
-            const float a = alpha[h * K + r], kr = k[h * K + r];
-            for (Py_ssize_t j = 0; j < V; j++) {
-                row[j] *= a;
-                u[j] += kr * row[j];
-            }
-        }
+        first_decay_read(Sh, alpha + h * K, k + h * K, u, K, V);
         for (Py_ssize_t t = 0; t < T; t++) {
             const Py_ssize_t at = (t * H + h) * K, nx = ((t + 1) * H + h) * K;
             const float *restrict vt = v + (t * H + h) * V;
@@ -157,15 +162,7 @@ __attribute__((target("avx2,fma"))) static void heads_avx2_cols(const float *q, 
     float *u = scratch, *w = scratch + V, *sq = scratch + 2 * V, *un = scratch + 3 * V;
     for (Py_ssize_t h = h0; h < h1 && T > 0; h++) {
         float *Sh = S + h * K * V;
-        for (Py_ssize_t j = 0; j < V; j++) u[j] = 0.0f;
-        for (Py_ssize_t r = 0; r < K; r++) {  /* token 0: decay, read */
-            float *row = Sh + r * V;
-            const float a = alpha[h * K + r], kr = k[h * K + r];
-            for (Py_ssize_t j = 0; j < V; j++) {
-                row[j] *= a;
-                u[j] += kr * row[j];
-            }
-        }
+        first_decay_read(Sh, alpha + h * K, k + h * K, u, K, V);
         for (Py_ssize_t t = 0; t < T; t++) {
             const Py_ssize_t at = (t * H + h) * K, nx = ((t + 1) * H + h) * K;
             const float *vt = v + (t * H + h) * V;
