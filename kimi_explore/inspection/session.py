@@ -343,7 +343,7 @@ class Session:
         decode state and the kept checkpoints by replaying the token history through the pipeline, each
         token the way it was decoded: those decoded with value-changing hooks with the session's hooks
         (`session.hooks` and the recorder's), whose logits must then equal the stored ones bit for bit;
-        the others without hooks, as `truncate` replays them. The session continues exactly as if
+        the others as `truncate` replays them (`_state_after`). The session continues exactly as if
         nothing had happened; records are the driver's and are kept. Returns the restarted stages' numbers."""
         restarted = self.weights.restart_lost_stages()
         sets = [h for h in (self.hooks, self.recorder.hooks.copy() if self.recorder is not None else None) if h]
