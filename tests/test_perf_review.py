@@ -77,3 +77,153 @@ def test_mxfp4_every_code_scale_and_special_input(isa):
         with np.errstate(invalid="ignore"):
             want255 = (group_sums * np.inf).sum()
         assert np.array_equal(got[-1], np.float32(want255), equal_nan=True), (special, got[-1], want255)
+
+
+# ---------------------------------------------------------------- MLA query blocks on the sequence path
+
+CUTS = [129, 300, 84]  # a chunk of one block and a row, one of 2 blocks and 44 rows, then a short one: 513 tokens
+
+
+@pytest.fixture(scope="module")
+def trained64():
+    from kimi_explore import from_pretrained
+    from kimi_explore.weights.tiny_model import tiny_checkpoint
+
+    return from_pretrained(tiny_checkpoint(), device="cpu", dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def stepped(trained64):
+    """The float64 token form over 513 tokens: logits and a Recorder keeping every MLA layer's probabilities."""
+    from kimi_explore import KimiDecodeState, Recorder, kimi_forward_token
+
+    w = trained64
+    tokens = [int(t) for t in np.random.default_rng(11).integers(0, w.config.vocab_size, sum(CUTS))]
+    rec, state, logits = Recorder(full=["layers.*.mla.probs"]).bind(w), KimiDecodeState.new(w), []
+    for t, tok in enumerate(tokens):
+        rec.begin_token(tok, t)
+        logits.append(np.array(kimi_forward_token(w, state, tok, hooks=rec)))
+    return tokens, np.stack(logits), rec.trace()
+
+
+def _fed(w, tokens, hooks_for):
+    """Logits of the chunks CUTS through kimi_forward_sequence, chunk k with the hooks hooks_for(k)."""
+    from kimi_explore import KimiDecodeState
+    from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+
+    state, out, a = KimiDecodeState.new(w), [], 0
+    for k, n in enumerate(CUTS):
+        out.append(np.asarray(kimi_forward_sequence(w, state, tokens[a : a + n], hooks=hooks_for(k), chunk=n)))
+        a += n
+    return np.concatenate(out)
+
+
+def test_mla_blocks_of_long_chunks_equal_stepping(trained64, stepped):
+    """Chunks above QUERY_BLOCK (129, 300 after a cache of 129, 84 after 429), float64: the logits, bare and under a
+    Recorder keeping the probabilities (the whole [T, heads, L0 + T] fired: every token's row is stepping's,
+    zeros after it), to 1e-9."""
+    tokens, want, trace = stepped
+    np.testing.assert_allclose(_fed(trained64, tokens, lambda k: None), want, atol=1e-9, rtol=0)
+    from kimi_explore import Recorder
+
+    rec = Recorder(full=["layers.*.mla.probs"]).bind(trained64)
+    np.testing.assert_allclose(_fed(trained64, tokens, lambda k: rec), want, atol=1e-9, rtol=0)
+    got = rec.trace()
+    names = [n for n in trace.names() if n.endswith("mla.probs")]
+    assert names and names == [n for n in got.names() if n.endswith("mla.probs")]
+    for n in names:
+        a, b = got[n], trace[n]  # [T, heads, widest row]; stepping pads with NaN, the chunks' rows hold zeros there
+        assert a.shape == b.shape
+        seen = ~np.isnan(b)
+        np.testing.assert_allclose(a[seen], b[seen], atol=1e-9, rtol=0)
+        assert np.all(np.nan_to_num(a[~seen], nan=0.0) == 0.0)
+
+
+def test_mla_a_hook_added_after_a_chunk_and_a_chain_with_a_plain_hooks_object(trained64, stepped):
+    """A chunk-aware hook added after the first chunk gets the next chunks' whole probabilities (every MLA layer,
+    [T, heads, L0 + T], rows equal to stepping's); a HookChain holding an object without listens_chunk fires them
+    to it too (it cannot say it does not listen): both run to stepping's logits."""
+    from kimi_explore import Hooks, Recorder
+    from kimi_explore.inspection.hook_sites import HookChain
+
+    tokens, want, trace = stepped
+    hooks, got = Hooks().bind(trained64), []
+
+    def hooks_for(k):
+        if k == 1:
+            hooks.add("layers.*.mla.probs", lambda v, hook: got.append((hook.name, v.copy())), chunks=True)
+        return hooks
+
+    np.testing.assert_allclose(_fed(trained64, tokens, hooks_for), want, atol=1e-9, rtol=0)
+    mla = [n for n in trace.names() if n.endswith("mla.probs")]
+    assert [n for n, _ in got] == mla + mla
+    for (n, v), (a, b) in zip(got, [(129, 429)] * len(mla) + [(429, 513)] * len(mla), strict=True):
+        assert v.shape == (b - a, trace[n].shape[1], b)
+        np.testing.assert_allclose(v, np.nan_to_num(trace[n][a:b, :, :b], nan=0.0), atol=1e-9, rtol=0)
+
+    class Plain:  # the chunk protocol without listens_chunk: records what it is fired at
+        def __init__(self):
+            self.fired = []
+
+        def begin_chunk(self, token_ids, positions):
+            pass
+
+        def end_chunk(self):
+            pass
+
+        def token_in_chunk(self, t):
+            pass
+
+        def needs_tokens(self, names):
+            return False
+
+        def observe_chunk(self, name, value):
+            pass
+
+        def fire_chunk(self, name, value):
+            self.fired.append(name)
+            return value
+
+    plain = Plain()
+    chain = HookChain(plain, Recorder(names_filter="layers.1.*").bind(trained64))
+    np.testing.assert_allclose(_fed(trained64, tokens, lambda k: chain), want, atol=1e-9, rtol=0)
+    assert [n for n in plain.fired if n.endswith("mla.probs")] == mla * len(CUTS)
+
+
+# ---------------------------------------------------------------- the AVX2 column-blocked KDA recurrence
+
+
+@pytest.mark.parametrize("V", [8, 16, 24, 40])
+@pytest.mark.parametrize("K", [1, 7])
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_kda_columns_any_head_split_and_norms_against_float64(V, K, T):
+    """Every kernel (AVX2 takes the column-blocked one here: V a multiple of 8, one block of 8, 16 or 16 + 8), odd K,
+    T = 0 / 1 / 5, gates at the bound: the heads cut into calls [0, 1) [1, 3) [3, 4) (threads) and one call, with and
+    without norms, give the same bits; outputs, state and norms are the float64 recurrence's to float32 rounding."""
+    from test_kda_chunk import operands, rel
+
+    from kimi_explore.model import kda_recurrence
+    from kimi_explore.model.kda_chunk import naive_recurrent_delta_rule
+
+    if not kda_recurrence.AVAILABLE:
+        pytest.skip("the compiled KDA recurrence was not built")
+    H = 4
+    q, k, v, g, beta, S0 = operands(V * K + T, max(T, 1), H=H, K=K, V=V, gates=(-5.0, 0.0))
+    q, k, v, g, beta = (a[:T] for a in (q, k, v, g, beta))
+    want_o, want_S, want_n = naive_recurrent_delta_rule(q, k, v, np.exp(g), beta, S0)
+    f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+    q, k, v, beta, alpha = f32(q), f32(k), f32(v), f32(beta), np.exp(f32(g))
+    for isa in kda_recurrence.isas():
+        runs = []
+        for cuts, norms_on in (([0, H], True), ([0, 1, 3, H], True), ([0, 2, 2, H], False)):
+            S, o = S0.astype(np.float32), np.full((T, H, V), np.nan, np.float32)
+            n = np.full((T, H), np.nan, np.float32) if norms_on else None
+            for h0, h1 in zip(cuts[:-1], cuts[1:]):
+                kda_recurrence._ext.delta_rule(q, k, v, alpha, beta, S, o, n, T, H, K, V, h0, h1, isa)
+            runs.append((o, S, n))
+        (o, S, n) = runs[0]
+        assert rel(S, want_S) < 2e-6
+        if T:
+            assert rel(o, want_o) < 2e-6 and rel(n, want_n) < 2e-6
+        for o2, S2, n2 in runs[1:]:
+            assert np.array_equal(o2, o) and np.array_equal(S2, S) and (n2 is None or np.array_equal(n2, n))
