@@ -218,7 +218,7 @@ def test_kda_columns_any_head_split_and_norms_against_float64(V, K, T):
         for cuts, norms_on in (([0, H], True), ([0, 1, 3, H], True), ([0, 2, 2, H], False)):
             S, o = S0.astype(np.float32), np.full((T, H, V), np.nan, np.float32)
             n = np.full((T, H), np.nan, np.float32) if norms_on else None
-            for h0, h1 in zip(cuts[:-1], cuts[1:]):
+            for h0, h1 in zip(cuts[:-1], cuts[1:], strict=True):
                 kda_recurrence._ext.delta_rule(q, k, v, alpha, beta, S, o, n, T, H, K, V, h0, h1, isa)
             runs.append((o, S, n))
         (o, S, n) = runs[0]
