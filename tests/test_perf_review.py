@@ -227,3 +227,27 @@ def test_kda_columns_any_head_split_and_norms_against_float64(V, K, T):
             assert rel(o, want_o) < 2e-6 and rel(n, want_n) < 2e-6
         for o2, S2, n2 in runs[1:]:
             assert np.array_equal(o2, o) and np.array_equal(S2, S) and (n2 is None or np.array_equal(n2, n))
+
+
+# ---------------------------------------------------------------- analyses' replay of a session keeping MLA probabilities
+
+
+def test_replay_of_chunks_fed_with_full_mla_probabilities_is_bit_for_bit(trained_weights):
+    """A session whose Recorder keeps an MLA layer's probabilities in full fed its 300 tokens as one chunk (the default
+    chunk, 512): the probabilities were fired whole, so that layer scored the chunk in one block, not QUERY_BLOCK at
+    a time. The analyses' replay promises the stored logits bit for bit: it must take the same route. Failed before
+    its fix: 228 of 300 replayed logits differed in the last bits (the capture Recorder did not keep the
+    probabilities, so the replay scored by blocks), and a lens read values the history never had."""
+    import kimi_explore as ke
+    from kimi_explore.analysis._replay import replay
+
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, trained_weights.config.vocab_size, 300)]
+    s = ke.Session(trained_weights, recorder=ke.Recorder(full=["layers.3.mla.probs"]))
+    s.feed(tokens)
+    s.step(tokens[0])
+    s.feed(tokens[:140], chunk=139)  # a chunk of one block and a row after a cache of 301
+    for t, _, logits in replay(s, ["layers.5.prefix_sum"]):
+        assert np.array_equal(logits, s.logits_at(t)), t
+    lens = ke.logit_lens(s, top=3, positions=[5, 299, 300, 440])
+    for r, t in enumerate(lens.positions):
+        assert np.array_equal(lens.top_ids[r], ke.lens_at(s, int(t), top=3).top_ids)
