@@ -251,3 +251,51 @@ def test_replay_of_chunks_fed_with_full_mla_probabilities_is_bit_for_bit(trained
     lens = ke.logit_lens(s, top=3, positions=[5, 299, 300, 440])
     for r, t in enumerate(lens.positions):
         assert np.array_equal(lens.top_ids[r], ke.lens_at(s, int(t), top=3).top_ids)
+
+
+# ---------------------------------------------------------------- a pipeline's stages at chunks above QUERY_BLOCK
+
+
+def test_pipeline_chunks_above_query_block_equal_one_process():
+    """Two Ray stages (local, num_cpus=2, no dashboard) on chunks of 300 and 130: bare, and sessions whose Recorder
+    keeps every MLA layer's probabilities (the stages build their own Recorder: it must listen as the driver's
+    does, or the stages score by blocks), then a truncate inside the first chunk and a feed on: bit for bit one
+    process (logits, records, state)."""
+    ray = pytest.importorskip("ray")
+    import gc
+
+    import kimi_explore as ke
+    from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+    path = random_tiny_checkpoint()
+    w = ke.from_pretrained(path)
+    tokens = [int(t) for t in np.random.default_rng(4).integers(0, w.config.vocab_size, 430)]
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with ke.RayPipeline(path, stages=2) as pipe:
+            state, want_state = pipe.new_state(), ke.KimiDecodeState.new(w)
+            got = pipe.forward_sequence(state, tokens, chunk=300)
+            assert np.array_equal(got, np.asarray(kimi_forward_sequence(w, want_state, tokens, chunk=300)))
+            full = ["layers.*.mla.probs"]
+            a, b = ke.Session(pipe, recorder=ke.Recorder(full=full)), ke.Session(w, recorder=ke.Recorder(full=full))
+            assert np.array_equal(a.feed(tokens, chunk=300), b.feed(tokens, chunk=300))
+            ta, tb = a.trace(), b.trace()
+            assert ta.names() == tb.names() and any(n.endswith("mla.probs") for n in ta.names())
+            for n in ta.names():
+                assert np.array_equal(ta[n], tb[n], equal_nan=True), n
+            a.truncate(200)
+            b.truncate(200)
+            assert np.array_equal(a.feed(tokens[:50]), b.feed(tokens[:50]))
+            for la, lb in zip(pipe.host_state(a.state).layers, b.state.layers, strict=True):
+                x, y = la.attention, lb.attention
+                if x.kind == "mla":
+                    assert np.array_equal(np.asarray(x.values[:, : x.length]), np.asarray(y.values[:, : y.length]))
+                else:
+                    assert np.array_equal(np.asarray(x.recurrent), np.asarray(y.recurrent))
+    finally:
+        gc.collect()
+        if started:
+            ray.shutdown()
