@@ -12,7 +12,7 @@
    the LOW nibble of byte j (column 2j) meets xe[j] and the HIGH nibble (column 2j + 1) meets xo[j].
 
    Kernels: AVX-512F (16-entry float table in one register, vpermps), AVX2+FMA (the row kernel: a
-   16-entry int8 table of twice the values, vpshufb; the tiles and panels: an 8-entry magnitude table
+   16-entry table of the values' float16 high bytes, vpshufb, widened by F16C; the tiles and panels: an 8-entry magnitude table
    plus the sign bit), portable C (_kernel_isa.h picks). The GIL is released while computing;
    callers split [start, stop) over threads.
 
