@@ -12,8 +12,8 @@
    the LOW nibble of byte j (column 2j) meets xe[j] and the HIGH nibble (column 2j + 1) meets xo[j].
 
    Kernels: AVX-512F (16-entry float table in one register, vpermps), AVX2+FMA (the row kernel: a
-   16-entry table of the values' float16 high bytes, vpshufb, widened by F16C; the tiles and panels: an 8-entry magnitude table
-   plus the sign bit), portable C (_kernel_isa.h picks). The GIL is released while computing;
+   16-entry table of the values' float16 high bytes, vpshufb, widened by F16C; the tiles and panels:
+   an 8-entry magnitude table plus the sign bit), portable C (_kernel_isa.h picks). The GIL is released while computing;
    callers split [start, stop) over threads.
 
    Two entry points, the same row kernels: `expert_matvec` reads experts from [E, R, H] banks (the
