@@ -22,6 +22,7 @@ from ..inspection.hooks import HookChain
 from ..inspection.recorder import Recorder
 from ..model.kimi_decoder import hook_names
 
+ROUTE_SITES = (*SEQUENTIAL_SITES, "mla.probs")  # full records of these change a fed chunk's route
 REPLAY_RTOL = 1e-4  # the sequence path agrees with stepping to float32 rounding (~1e-6 of the logits' scale)
 
 
@@ -54,7 +55,7 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
     model = session.weights
-    capture = Recorder(names_filter=lambda name: False, full=list(names) + _token_wise(session)).bind(model)
+    capture = Recorder(names_filter=lambda name: False, full=list(names) + _route_sites(session)).bind(model)
     hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
     c, state = session.checkpoint_before(min(wanted)) if from_checkpoint else (0, model.new_state())
     last = max(wanted)
@@ -73,12 +74,14 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
             return
 
 
-def _token_wise(session) -> list[str]:
-    """The recurrent sites the session's Recorder keeps in full. Their layers ran token by token inside fed
-    chunks (the chunked form builds no per-token states), so the replay keeps them too: it then runs those
-    layers the same way, with the same rounding."""
+def _route_sites(session) -> list[str]:
+    """The sites the session's Recorder keeps in full where a full record changes how a fed chunk is computed: the
+    recurrent ones (their layers ran token by token inside fed chunks: the chunked form builds no per-token states)
+    and the MLA probabilities (fired whole only when something keeps them: the scores then go in one block, not
+    QUERY_BLOCK queries at a time). The replay keeps them too, so it computes those layers the same way, with the
+    same rounding."""
     full = None if session.recorder is None else session.recorder.full
-    return [] if full is None else [n for n in hook_names(session.weights) if n.endswith(SEQUENTIAL_SITES) and full(n)]
+    return [] if full is None else [n for n in hook_names(session.weights) if n.endswith(ROUTE_SITES) and full(n)]
 
 
 def _position(p, T: int) -> int:
