@@ -1,5 +1,5 @@
 /* The SIMD kernels a compiled matvec can run, chosen at run time (shared by _mxfp4_matvec.c and
-   _bf16_matvec.c): 0 portable C, 1 AVX2+FMA(+F16C), 2 AVX-512F. The best one this CPU has is used unless
+   _bf16_matvec.c): 0 portable C, 1 AVX2+FMA, 2 AVX-512F. The best one this CPU has is used unless
    one is asked for by name (tests run every one). */
 
 #include <string.h>
@@ -23,8 +23,7 @@ static int best_isa(void) {
 #ifdef KX_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return 1;  /* F16C: the MXFP4 row kernel widens float16 (every AVX2 CPU has it) */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
 #endif
     return 0;
 }

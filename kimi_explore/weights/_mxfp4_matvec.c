@@ -11,9 +11,8 @@
    x arrives deinterleaved per row of inputs: xeo[m] = [x[0::2] | x[1::2]] (H floats each), so that
    the LOW nibble of byte j (column 2j) meets xe[j] and the HIGH nibble (column 2j + 1) meets xo[j].
 
-   Kernels: AVX-512F (16-entry float table in one register, vpermps), AVX2+FMA (the row kernel: a
-   16-entry table of the values' float16 high bytes, vpshufb, widened by F16C; the tiles and panels:
-   an 8-entry magnitude table plus the sign bit), portable C (_kernel_isa.h picks). The GIL is released while computing;
+   Kernels: AVX-512F (16-entry float table in one register, vpermps), AVX2+FMA (8-entry magnitude
+   table plus the sign bit), portable C (_kernel_isa.h picks). The GIL is released while computing;
    callers split [start, stop) over threads.
 
    Two entry points, the same row kernels: `expert_matvec` reads experts from [E, R, H] banks (the
@@ -68,29 +67,18 @@ __attribute__((always_inline, target("avx2,fma"))) static inline void e2m1_avx2(
                         _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
 }
 
-/* The row kernel decodes a whole group (16 bytes) at once, and in-lane: vpshufb maps each nibble to the high byte of
-   its E2M1 value as a float16 (the low byte is 0 for all 16 codes, -0 included), vpunpck puts the zero low bytes
-   under them, and vcvtph2ps widens them exactly: e2m1_avx2's floats, so every product, sum and rounding is its
-   (fewer lane-crossing shuffles). Not twice the values as int8 scaled by POW2 / 2: the doubled products' sums
-   overflowed to inf at half the float range (x = 2e38 times a weight of 1 gave inf at any scale) and rounded
-   otherwise among subnormal products. */
-__attribute__((target("avx2,fma,f16c"))) static void row_avx2(const uint8_t *row, const uint8_t *srow, const float *xe,
-                                                             const float *xo, Py_ssize_t G, float *y) {
-    const __m128i f16_high = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,  /* 0, .5, 1, 1.5, 2, 3, 4, 6 */
-                                           (char)0x80, (char)0xB8, (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2,
-                                           (char)0xC4, (char)0xC6),  /* their negatives, -0 first */
-                  nibble = _mm_set1_epi8(15), zero = _mm_setzero_si128();
+__attribute__((target("avx2,fma"))) static void row_avx2(const uint8_t *row, const uint8_t *srow, const float *xe,
+                                                        const float *xo, Py_ssize_t G, float *y) {
     __m256 acc = _mm256_setzero_ps();
     for (Py_ssize_t g = 0; g < G; g++) {
-        const Py_ssize_t i = 16 * g;
-        const __m128i b = _mm_loadu_si128((const __m128i *)(row + i));
-        const __m128i lo = _mm_shuffle_epi8(f16_high, _mm_and_si128(b, nibble));  /* columns 2j, j < 16 */
-        const __m128i hi = _mm_shuffle_epi8(f16_high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));  /* 2j + 1 */
         __m256 s = _mm256_setzero_ps();
-        s = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, lo)), _mm256_loadu_ps(xe + i), s);
-        s = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hi)), _mm256_loadu_ps(xo + i), s);
-        s = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, lo)), _mm256_loadu_ps(xe + i + 8), s);
-        s = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hi)), _mm256_loadu_ps(xo + i + 8), s);
+        for (int h = 0; h < 16; h += 8) {
+            const Py_ssize_t i = 16 * g + h;
+            __m256 lo, hi;
+            e2m1_avx2(row + i, &lo, &hi);
+            s = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xe + i), s);
+            s = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xo + i), s);
+        }
         acc = _mm256_fmadd_ps(s, _mm256_set1_ps(POW2[srow[g]]), acc);
     }
     __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
