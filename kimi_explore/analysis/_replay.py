@@ -17,12 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
-from ..inspection.hook_sites import SEQUENTIAL_SITES
 from ..inspection.hooks import HookChain
 from ..inspection.recorder import Recorder
 from ..model.kimi_decoder import hook_names
 
-ROUTE_SITES = (*SEQUENTIAL_SITES, "mla.probs")  # full records of these change a fed chunk's route
 REPLAY_RTOL = 1e-4  # the sequence path agrees with stepping to float32 rounding (~1e-6 of the logits' scale)
 
 
@@ -55,7 +53,8 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
     model = session.weights
-    capture = Recorder(names_filter=lambda name: False, full=list(names) + _route_sites(session)).bind(model)
+    route = [] if session.recorder is None else session.recorder.route_sites(hook_names(model))  # fed as the feed was
+    capture = Recorder(names_filter=lambda name: False, full=list(names) + route).bind(model)
     hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
     c, state = session.checkpoint_before(min(wanted)) if from_checkpoint else (0, model.new_state())
     last = max(wanted)
@@ -72,16 +71,6 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
         if b > last:
             return
-
-
-def _route_sites(session) -> list[str]:
-    """The sites the session's Recorder keeps in full where a full record changes how a fed chunk is computed: the
-    recurrent ones (their layers ran token by token inside fed chunks: the chunked form builds no per-token states)
-    and the MLA probabilities (fired whole only when something keeps them: the scores then go in one block, not
-    QUERY_BLOCK queries at a time). The replay keeps them too, so it computes those layers the same way, with the
-    same rounding."""
-    full = None if session.recorder is None else session.recorder.full
-    return [] if full is None else [n for n in hook_names(session.weights) if n.endswith(ROUTE_SITES) and full(n)]
 
 
 def _position(p, T: int) -> int:

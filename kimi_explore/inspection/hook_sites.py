@@ -12,13 +12,16 @@ from ..backend import on_host
 from ..model.sites import site_table
 from ._hook_grammar import LAYER_NAME, is_glob
 
-__all__ = ["RESHAPE_OK", "SEQUENTIAL_SITES", "HookChain", "HookHandle", "HookPoint", "check_replacement"]
+__all__ = ["RESHAPE_OK", "ROUTE_SITES", "SEQUENTIAL_SITES", "HookChain", "HookHandle", "HookPoint", "check_replacement"]
 
 # Sites whose replacement may legitimately change shape (routing with fewer / other experts).
 RESHAPE_OK = ("moe.router.topk_ids", "moe.router.topk_weights")
 # Sites whose chunked form cannot honour a changed value (the recurrence reads them token by token):
 # a hook there makes its layer run token by token on the sequence path.
 SEQUENTIAL_SITES = ("kda.conv", "kda.state")
+# Sites whose full record changes how a fed chunk is computed (so a replay must keep them too): the recurrent ones run
+# their layer token by token; MLA's probabilities are then fired whole (the scores in one block, not by query blocks).
+ROUTE_SITES = (*SEQUENTIAL_SITES, "mla.probs")
 
 
 class HookPoint:

@@ -58,7 +58,7 @@ from ..backend import on_host
 from ._hook_grammar import LAYER_NAME
 from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host
 from .chunk_records import ChunkRecording
-from .hook_sites import SEQUENTIAL_SITES
+from .hook_sites import ROUTE_SITES, SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
 from .stacked_rows import StackedRows
 from .topk import top_predictions
@@ -279,10 +279,7 @@ class Recorder:
     def chunk_put(self, key: str):
         """put(array [T, ...]): T records of `key` at once, kept whole as a block until per-token rows are read."""
         self._row(key)
-        blocks = self._blocks.get(key)
-        if blocks is None:
-            blocks = self._blocks[key] = []
-        return blocks.append
+        return self._blocks.setdefault(key, []).append
 
     def _split_blocks(self) -> None:
         """The chunks' blocks -> per-token rows at the end of their lists (one extend per block), after the
@@ -474,6 +471,11 @@ class Recorder:
     def add_tokens(self, token_ids, positions, records: dict) -> None:
         """`add_blocks` of per-token arrays ({key: [one array per token]}, as `take_records` gives them)."""
         self.add_blocks(token_ids, positions, {k: [r[None] for r in rows] for k, rows in records.items()})
+
+    def route_sites(self, names) -> list[str]:
+        """Of `names`, the sites this recorder keeps in full where that changes how a fed chunk is computed
+        (`ROUTE_SITES`): what a replay that must round as the feed did keeps in full too."""
+        return [] if self.full is None else [n for n in names if n.endswith(ROUTE_SITES) and self.full(n)]
 
     def settings(self) -> dict:
         """Constructor arguments that record as this recorder does (a pipeline stage's copy)."""

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import StageLostError
-from ..model.kimi_decoder import KimiDecodeState, token_indices
+from ..model.kimi_decoder import KimiDecodeState, hook_names, token_indices
 from ..model.kimi_sequence import DEFAULT_CHUNK
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
@@ -281,11 +281,11 @@ class Session:
         return state
 
     def _chunk_replayer(self):
-        """The hooks a replay of a fed chunk runs with: a recorder like the session's where it keeps full records
-        (of a recurrent site, they make that layer run token by token inside a chunk, which rounds otherwise), its
-        records dropped; else None. Fed chunks had no other hooks (value-changing hooks make `feed` step)."""
-        rec = self.recorder
-        return Recorder(**rec.settings()).bind(self.weights) if rec is not None and rec.full is not None else None
+        """The hooks a replay of a fed chunk runs with: a recorder keeping in full what the session's keeps in full
+        where that changes how a chunk is computed (`Recorder.route_sites`), so the replay rounds as the feed did;
+        else None. Fed chunks had no other hooks (value-changing hooks make `feed` step)."""
+        full = [] if self.recorder is None else self.recorder.route_sites(hook_names(self.weights))
+        return Recorder(names_filter=lambda name: False, full=full).bind(self.weights) if full else None
 
     def runs(self, c: int = 0, t: int | None = None):
         """Tokens c..t-1 (default: the whole history) as the forward passes that decoded them: (s, None) for

@@ -234,8 +234,8 @@ def sequence_layer(layer, state, stack: SequenceSources, cfg, hooks=None) -> Non
 def finish_sequence(head: OutputHead, stack: SequenceSources, hooks=None):
     """`finish_token` for a chunk: logits [T, vocab]."""
     fire = _unhooked if hooks is None else hooks.fire_chunk
-    if hooks is not None:  # on a copy: what the hooks leave, returned or edited in place, is what the mix reads
-        stack.replace_blocks(hooks.fire_chunk("final.block_residual", stack.blocks.copy()))
+    if hooks is not None and _listens(hooks, "final.block_residual"):  # on a copy: what the hooks leave, returned or
+        stack.replace_blocks(hooks.fire_chunk("final.block_residual", stack.blocks.copy()))  # edited in place, is read
     p = fire("final.attn_res.weights", stack.weights(head.attn_res_score))
     hidden = fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
     return fire("logits", linear(hidden, head.lm_head))

@@ -123,6 +123,9 @@ def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
     return logits if hooks is None else hooks.fire("logits", logits)
 
 
+_FINAL_SITE = {"final.block_residual": "final.block_residual"}  # one table for every token (`site_table`)
+
+
 def output_hidden(head: OutputHead, stack: SourceBuffer, hooks=None):
     """The output mix over the stack and the final norm: the hidden vector lm_head reads [d].
 
@@ -131,7 +134,8 @@ def output_hidden(head: OutputHead, stack: SourceBuffer, hooks=None):
     (A logit lens runs this on the stack after every layer.)"""
     if hooks is None:
         return rms_norm(stack.mix(stack.weights(head.attn_res_score)), head.norm, head.eps)
-    stack.replace_blocks(hooks.fire("final.block_residual", stack.blocks.copy()))
+    if "final.block_residual" in site_table(hooks, _FINAL_SITE):  # else the blocks and their 1/rms stand as they are
+        stack.replace_blocks(hooks.fire("final.block_residual", stack.blocks.copy()))
     p = hooks.fire("final.attn_res.weights", stack.weights(head.attn_res_score))
     return hooks.fire("final.hidden", rms_norm(stack.mix(p), head.norm, head.eps))
 
