@@ -159,3 +159,28 @@ def test_reusing_the_clean_prefix_gives_the_full_runs_numbers_exactly(ref_weight
     fast = ke.source_ablation(ref_weights, ids, layers=[0, 5, 12], chunk=7)  # 4 chunks, the last one short
     full = ke.source_ablation(ref_weights, ids, layers=[0, 5, 12], chunk=7, reuse_prefix=False)
     assert fast.clean_loss == full.clean_loss and fast.rows == full.rows and len(fast) > 6
+
+
+def test_the_clean_stacks_are_held_for_one_layer_at_a_time_and_layers_may_come_in_any_order(tiny_weights, monkeypatch):
+    """K3 at 1,024 tokens: every layer's stacks would be ~24 GB. Count the packed stacks alive at each pack: at
+    most two layers' worth (one being replaced) of the 4 chunks, where keeping them all would reach 8 layers'."""
+    import weakref
+
+    from kimi_explore.model.kimi_sequence import SequenceSources
+
+    alive, most, pack = [], [0], SequenceSources.pack
+
+    def counted(self):
+        out = pack(self)
+        alive.append(weakref.ref(out[0]))
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        return out
+
+    monkeypatch.setattr(SequenceSources, "pack", counted)
+    ids, kw = (TOKENS * 4)[:40], dict(chunk=10, families=["embedding", "current"])
+    shuffled = ke.source_ablation(tiny_weights, ids, layers=[7, 1, 4, 2], **kw)
+    assert 0 < most[0] <= 2 * 4
+    monkeypatch.setattr(SequenceSources, "pack", pack)
+    full = ke.source_ablation(tiny_weights, ids, layers=[7, 1, 4, 2], reuse_prefix=False, **kw)
+    assert list(dict.fromkeys(r["layer"] for r in shuffled.rows)) == [7, 1, 4, 2]  # rows in the order asked
+    assert shuffled.rows == full.rows and len(shuffled) >= 8

@@ -19,9 +19,11 @@ family masked at that site at every token, the softmax renormalised over the oth
 All runs go through the sequence path (`chunk` tokens per pass). A run masked at layer L starts
 from the block-residual stack the clean run had before layer L (`SequenceSources.pack`), since the
 layers below compute the same numbers: the rows are bit for bit those of full passes, for about
-half the work. With the session's own hooks (`session.hooks`, attached to the clean and masked runs
-alike) or a pipeline, every run is a full `forward_sequence`. Masks are
-exactly those of `mask_sources`; what a row measures is checked by hand in tests/test_source_ablation.py.
+half the work. Those stacks are held for one layer at a time (the masked layers run in layer
+order), so the memory is one layer's [T, sources, d], not every layer's. With the session's own
+hooks (`session.hooks`, attached to the clean and masked runs alike) or a pipeline, every run is a
+full `forward_sequence`. Masks are exactly those of `mask_sources`; what a row measures is checked
+by hand in tests/test_source_ablation.py.
 A site's "mass" is what the weights say, a row's loss and KL what the model does without that family:
 a family with large mass and little effect is read but not needed (the question of arXiv 2606.13168).
 """
@@ -37,7 +39,7 @@ from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_sources, source_columns
 from ..model.kimi_decoder import token_indices
-from ..model.kimi_sequence import DEFAULT_CHUNK
+from ..model.kimi_sequence import DEFAULT_CHUNK, SequenceSources, embed_chunk, finish_sequence, sequence_layer
 
 __all__ = ["SourceAblation", "source_ablation", "spearman"]
 
@@ -194,46 +196,44 @@ def _run(weights, ids, hooks, chunk: int, clean_logp=None):
 
 
 class _Prefixes:
-    """The clean run on the sequence path, keeping each chunk's block-residual stack before the layers
-    asked for (`SequenceSources.pack`), so that a run masked at layer L re-runs only layers L.. (the
-    layers before it compute exactly what the clean run did). Only for in-process weights without
-    extra hooks; the masked run is bit for bit the full masked pass with the same chunks (tested)."""
+    """The clean run on the sequence path, then its block-residual stacks before each masked layer, so
+    that a run masked at layer L re-runs only layers L.. (the layers before it compute exactly what the
+    clean run did). The stacks are held for one layer at a time: every chunk's `SequenceSources.pack`
+    before layer `at`, moved on layer by layer (each layer through every chunk, with its own state) as
+    `masked` asks for later layers, so that memory is one layer's stacks ([T, sources, d]; K3 at 1,024
+    tokens: at most 0.26 GB), not every layer's (~14.5 GB). `masked` must be asked in layer order. Only for
+    in-process weights without extra hooks; the masked run is bit for bit the full masked pass with
+    the same chunks (tested)."""
 
-    def __init__(self, weights, ids, chunk: int, keep_layers, record: Hooks):
-        from ..model.kimi_sequence import embed_chunk, finish_sequence, sequence_layer
+    def __init__(self, weights, ids, chunk: int, record: Hooks):
+        self.weights, self.ids = weights, ids
+        self.clean = _run(weights, ids, record, chunk)
+        self.spans = [(a, min(a + chunk, len(ids))) for a in range(0, len(ids), chunk)]
+        self.packs = [embed_chunk(weights, ids[a:b]).pack() for a, b in self.spans]
+        self.state, self.at = weights.new_state(), 0  # each layer's state is advanced once, when `at` passes it
 
-        self.weights, self.ids, self.chunk = weights, ids, chunk
-        self._finish, self._layer = finish_sequence, sequence_layer
-        cfg, pos = weights.config, list(weights.layer_ids)
-        self.index = {i: pos.index(i) for i in keep_layers}
-        keep = set(self.index.values())
-        state, parts, self.packs = weights.new_state(), [], []
-        for a in range(0, len(ids), chunk):
-            b = min(a + chunk, len(ids))
-            record.begin_chunk(ids[a:b], range(a, b))
-            stack, packs = embed_chunk(weights, ids[a:b]), {}
-            for li, (layer, layer_state) in enumerate(zip(weights.layers, state.layers, strict=True)):
-                if li in keep:
-                    packs[li] = stack.pack()
-                sequence_layer(layer, layer_state, stack, cfg, record)
-            record.end_chunk()
-            self.packs.append(packs)
-            parts.append(_scores(finish_sequence(weights.head(), stack), ids, a, None))
-        self.clean = _collect(parts)
+    def _through(self, c: int, start: int, stop: int, state, hooks: Hooks) -> SequenceSources:
+        """Chunk c's held stack through the loaded layers at positions start..stop-1."""
+        w, (a, b) = self.weights, self.spans[c]
+        stack = SequenceSources.unpack(self.packs[c], w.xp, w.max_sources, w.dtype, w.config.rms_norm_eps)
+        hooks.begin_chunk(self.ids[a:b], range(a, b))
+        for layer_w, layer_state in zip(w.layers[start:stop], state.layers[start:stop], strict=True):
+            sequence_layer(layer_w, layer_state, stack, w.config, hooks)
+        hooks.end_chunk()
+        return stack
 
     def masked(self, layer: int, hooks: Hooks, clean_logp):
-        from ..model.kimi_sequence import SequenceSources
-
-        w, cfg, start = self.weights, self.weights.config, self.index[layer]
-        state, parts = w.new_state(), []
-        for c, a in enumerate(range(0, len(self.ids), self.chunk)):
-            b = min(a + self.chunk, len(self.ids))
-            stack = SequenceSources.unpack(self.packs[c][start], w.xp, w.max_sources, w.dtype, cfg.rms_norm_eps)
-            hooks.begin_chunk(self.ids[a:b], range(a, b))
-            for layer_w, layer_state in zip(w.layers[start:], state.layers[start:], strict=True):
-                self._layer(layer_w, layer_state, stack, cfg, hooks)
-            hooks.end_chunk()
-            parts.append(_scores(self._finish(w.head(), stack), self.ids, a, clean_logp))
+        w, start = self.weights, list(self.weights.layer_ids).index(layer)
+        if start < self.at:
+            raise RuntimeError(f"source_ablation: layer {layer} was asked for after the held stacks moved past it")
+        quiet = Hooks()  # nothing listens: the same hooked route as the masked runs
+        for at in range(self.at, start):
+            self.packs = [self._through(c, at, at + 1, self.state, quiet).pack() for c in range(len(self.spans))]
+            self.at = at + 1
+        state, n, parts = w.new_state(), len(w.layers), []
+        for c, (a, _) in enumerate(self.spans):
+            stack = self._through(c, start, n, state, hooks)
+            parts.append(_scores(finish_sequence(w.head(), stack), self.ids, a, clean_logp))
         return _collect(parts)
 
 
@@ -291,7 +291,7 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         record = Hooks()
         record.add("layers.*.attn_res.*.weights",
                    lambda p, *, hook: seen.setdefault(hook.name, []).append(to_numpy(p).copy()), chunks=True)
-        prefixes = _Prefixes(weights, ids, chunk, layers, record)
+        prefixes = _Prefixes(weights, ids, chunk, record)
         clean_losses, _, clean_logp = prefixes.clean
         weights_at = {k: np.concatenate(v) for k, v in seen.items()}
     else:
@@ -316,16 +316,17 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(cells), unit="run", desc="source ablation")
-    rows = []
-    for i, site, f, cols, p in cells:
+    rows, position = [None] * len(cells), {i: k for k, i in enumerate(layer_ids)}
+    for n in sorted(range(len(cells)), key=lambda n: position[cells[n][0]]):  # layer order: the held stacks only move on
+        i, site, f, cols, p = cells[n]
         if reuse:
             losses, kl, _ = prefixes.masked(i, mask_sources(i, site, f), clean_logp)
         else:
             losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logp)
-        rows.append({"layer": i, "site": site, "family": f if isinstance(f, str) else str(f), "columns": list(cols),
-                     "n_sources": int(p.shape[1]), "mass": float(p[:, cols].sum(axis=1).mean()),
-                     "loss": float(losses.mean()), "delta_loss": float(losses.mean()) - clean_loss,
-                     "kl": float(kl.mean())})
+        rows[n] = {"layer": i, "site": site, "family": f if isinstance(f, str) else str(f), "columns": list(cols),
+                   "n_sources": int(p.shape[1]), "mass": float(p[:, cols].sum(axis=1).mean()),
+                   "loss": float(losses.mean()), "delta_loss": float(losses.mean()) - clean_loss,
+                   "kl": float(kl.mean())}
         if bar is not None:
             bar.update(1)
     if bar is not None:
