@@ -74,8 +74,8 @@ def test_recover_rebuilds_the_state_the_session_held(trained_weights, history):
     np.testing.assert_array_equal(s.logits, before.logits)
     assert_same_state(s.state, before.state)
     assert sorted(s.snapshot().checkpoints) == sorted(before.snapshot().checkpoints)
-    for c, state in before.snapshot().checkpoints.items():
-        assert_same_state(s.snapshot().checkpoints[c], state)
+    for c, state in before.snapshot().checkpoints.items():  # as a checkpoint is used: copied (its MLA cache is shared)
+        assert_same_state(s.snapshot().checkpoints[c].copy(), state.copy())
     np.testing.assert_array_equal(s.feed(TEXT[40:45], chunk=3), before.feed(TEXT[40:45], chunk=3))
 
 

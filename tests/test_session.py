@@ -233,6 +233,34 @@ def test_truncate_discards_future_checkpoints(ref_weights, every):
     s.step(TOKENS[8])
     assert_matches(s, [(x, False) for x in TOKENS[:2] + new[:4] + [TOKENS[8]]])
 
+def test_checkpoints_share_the_mla_caches_and_copy_the_kda_matrices(ref_weights):
+    """A cache only appends, so a checkpoint holds the live cache's arrays (K3: ~3 MB a position, where copies
+    would hold T^2/(2C) positions over T tokens fed C at a time). Going back to one after the live state wrote
+    past it gives the first history's state exactly, zero past its length as a state never shared."""
+    s = Session(ref_weights, checkpoint_every=0)
+    ids = (TOKENS * 4)[:40]
+    s.feed(ids, chunk=8)  # checkpoints at 8, 16, .., 40; the caches grow 16 -> 32 -> 64 positions
+    states = [s.state, *s.snapshot().checkpoints.values()]
+    assert len(states) == 6
+    for j, layer in enumerate(s.state.layers):
+        held = [st.layers[j].attention for st in states]
+        if layer.attention.kind == "mla":
+            assert len({id(a.keys) for a in held}) == len({id(a.values) for a in held}) == 3
+        else:
+            assert len({id(a.recurrent) for a in held}) == len({id(a.conv) for a in held}) == 6
+    mla = next(j for j, layer in enumerate(s.state.layers) if layer.attention.kind == "mla")
+    kept = s.snapshot().checkpoints[8].layers[mla].attention
+    assert np.abs(kept.keys[:, 8:]).max() > 0 and not np.any(kept.copy().keys[:, 8:])  # the live state's, then zeros
+    s.truncate(8)
+    fresh = Session(ref_weights, checkpoint_every=0)
+    fresh.feed(ids[:8], chunk=8)
+    for x in (s, fresh):
+        x.feed(ids[8:20][::-1], chunk=5)
+    np.testing.assert_array_equal(s.logits, fresh.logits)
+    for (name, a), (_, b) in zip(state_arrays(s.state), state_arrays(fresh.state), strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b), name
+
+
 def test_snapshot_restore_is_exact_and_reusable(ref_weights):
     s = Session(ref_weights)
     s.feed(TOKENS[:5])

@@ -97,6 +97,10 @@ class PipelineState:
     def copy(self) -> PipelineState:
         return self.pipeline._copy_state(self)
 
+    def checkpoint(self) -> PipelineState:
+        """`KimiDecodeState.checkpoint` in each stage: to keep, never to decode on (its MLA caches are shared)."""
+        return self.pipeline._copy_state(self, checkpoint=True)
+
     @property
     def nbytes(self) -> int:
         return self.pipeline._state_nbytes(self)
@@ -286,11 +290,11 @@ class RayPipeline(LayerSequence):
         self._get(calls, self.stages)
         return PipelineState(self, ids, [s.epoch for s in self.stages], host.position)
 
-    def _copy_state(self, state: PipelineState) -> PipelineState:
+    def _copy_state(self, state: PipelineState, checkpoint: bool = False) -> PipelineState:
         self._check(state)
         ids = [next(self._ids) for _ in self.stages]
-        self._get([s.actor.copy_state.remote(src, dst) for s, src, dst in zip(self.stages, state.ids, ids, strict=True)],
-                  self.stages)
+        self._get([s.actor.copy_state.remote(src, dst, checkpoint)
+                   for s, src, dst in zip(self.stages, state.ids, ids, strict=True)], self.stages)
         return PipelineState(self, ids, list(state.epochs), state.position)
 
     def _state_nbytes(self, state: PipelineState) -> int:

@@ -91,8 +91,9 @@ class Stage:
     def new_state(self, sid: int) -> None:
         self.states[sid] = KimiDecodeState.new(self.weights)
 
-    def copy_state(self, src: int, dst: int) -> None:
-        self.states[dst] = self.states[src].copy()
+    def copy_state(self, src: int, dst: int, checkpoint: bool = False) -> None:
+        """State dst: a copy of state src (`checkpoint`: one to keep, never to decode on)."""
+        self.states[dst] = self.states[src].checkpoint() if checkpoint else self.states[src].copy()
 
     def drop_states(self, sids: list[int]) -> None:
         for sid in sids:

@@ -30,9 +30,11 @@ without hooks, each the way it was decoded: stepped tokens one by one, a fed chu
 (a cut inside a chunk re-decodes the chunk's first part as one chunk, and keeps a checkpoint there).
 Those tokens were decoded without value-changing hooks, so the replay repeats the same arithmetic on
 the same inputs. State copies keep every array's shape (an
-MLA cache keeps its capacity), so the replayed arithmetic runs on the same layouts too. Memory: one
-checkpoint is one decode state (KDA matrices + MLA caches); lower `checkpoint_every` for faster
-truncates, raise it to save memory.
+MLA cache keeps its capacity), so the replayed arithmetic runs on the same layouts too. Memory: a
+checkpoint holds a copy of the KDA matrices and shares the MLA caches with the state it was taken
+from (`KimiDecodeState.checkpoint`: a cache only appends), so the caches are held about once over
+a history, not once per checkpoint; lower `checkpoint_every` for faster truncates, raise it to save
+memory.
 
 The whole history is one explicit record, `SessionSnapshot`: `snapshot()` returns it, `restore()`
 takes it, `fork()` builds a new Session and restores a copy into it, and a session file
@@ -120,10 +122,18 @@ class Session:
         return self.recorder.trace(window=window)
 
     def __repr__(self) -> str:
-        state = self.state.nbytes * (1 + len(self._checkpoints)) + sum(a.nbytes for a in self._logits)
+        state = self._state_nbytes() + sum(a.nbytes for a in self._logits)
         return (f"Session({len(self)} tokens, {len(self._checkpoints)} checkpoints, {state / 2**20:.1f} MiB of state "
                 f"and logits; recorder {'on' if self.recorder is not None else 'off'}, {len(self.hooks)} hooks; "
                 f"{self.weights.device} {np.dtype(self.weights.dtype).name})")
+
+    def _state_nbytes(self) -> int:
+        """Bytes of the state and the checkpoints, each array once (checkpoints share MLA caches); a
+        pipeline's (whose arrays are in its stages) as if each checkpoint held a whole state."""
+        if not isinstance(self.state, KimiDecodeState):
+            return self.state.nbytes * (1 + len(self._checkpoints))
+        arrays = {id(a): a for s in (self.state, *self._checkpoints.values()) for a in s.arrays()}
+        return sum(int(a.nbytes) for a in arrays.values())
 
     # ------------------------------------------------------------------ decoding
     def _may_modify(self) -> bool:
@@ -153,7 +163,7 @@ class Session:
         self._modified.append(modified)
         self._chunk_of.append(-1)
         if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
-            self._checkpoints[t + 1] = self.state.copy()
+            self._checkpoints[t + 1] = self.state.checkpoint()
         return host.copy()
 
     def feed(self, token_ids, chunk: int | None = None, progress: bool | None = None) -> np.ndarray:
@@ -207,7 +217,7 @@ class Session:
         self._stacked = None
         self._modified += [False] * len(ids)
         self._chunk_of += [t] * len(ids)
-        self._checkpoints[t + len(ids)] = self.state.copy()
+        self._checkpoints[t + len(ids)] = self.state.checkpoint()
         return host
 
     def generate(self, n: int, temperature: float = 0.0, seed=None, stop_tokens=()) -> list[int]:
@@ -320,7 +330,7 @@ class Session:
         self.state = self._state_after(n)
         self._drop_after(n)
         if n and self._chunk_of[n - 1] >= 0 and n not in self._checkpoints:  # cut inside a fed chunk
-            self._checkpoints[n] = self.state.copy()
+            self._checkpoints[n] = self.state.checkpoint()
 
     def _drop_after(self, n: int) -> None:
         """Forget tokens n.. (the state is already the one after n tokens)."""
@@ -384,7 +394,7 @@ class Session:
             else:
                 self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(), chunk=b - a)
             if b in keep:
-                checkpoints[b] = state.copy()
+                checkpoints[b] = state.checkpoint()
         return state, checkpoints, None
 
     def snapshot(self, copy_arrays: bool = False) -> SessionSnapshot:

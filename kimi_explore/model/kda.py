@@ -112,6 +112,10 @@ class KdaState:
     def copy(self) -> KdaState:
         return KdaState(self.conv.copy(), self.recurrent.copy())
 
+    def checkpoint(self) -> KdaState:
+        """What a kept checkpoint holds: a copy (every token rewrites these arrays in place)."""
+        return self.copy()
+
 
 def delta_rule_update(S, k, v, alpha, beta, exact=None) -> None:
     """The gated delta rule for every head at once, updating S [H, K, V] in place.

@@ -211,6 +211,9 @@ class KimiLayerState:
     def copy(self) -> KimiLayerState:
         return KimiLayerState(self.attention.copy())
 
+    def checkpoint(self) -> KimiLayerState:
+        return KimiLayerState(self.attention.checkpoint())
+
 
 @dataclass
 class KimiDecodeState:
@@ -231,19 +234,24 @@ class KimiDecodeState:
         layouts, bit for bit (what Session's checkpoints, truncates and forks rely on)."""
         return KimiDecodeState([s.copy() for s in self.layers], self.position)
 
-    def _arrays(self) -> list:
+    def checkpoint(self) -> KimiDecodeState:
+        """A copy to keep, never to decode on: only `copy()` it (a Session's checkpoints). The KDA arrays are
+        copied; each MLA cache is shared with this state (`MlaState.checkpoint`), which only appends to it."""
+        return KimiDecodeState([s.checkpoint() for s in self.layers], self.position)
+
+    def arrays(self) -> list:
         """Every array the state holds, layer by layer."""
         return [a for ls in self.layers for f in fields(ls.attention) if hasattr(a := getattr(ls.attention, f.name), "nbytes")]
 
     @property
     def nbytes(self) -> int:
         """Bytes of every array (an MLA cache counts its whole capacity)."""
-        return sum(int(a.nbytes) for a in self._arrays())
+        return sum(int(a.nbytes) for a in self.arrays())
 
     def __repr__(self) -> str:
         """One line: the dataclass default prints every array."""
         n_mla = sum(ls.attention.kind == "mla" for ls in self.layers)
-        first = self._arrays()[:1]
+        first = self.arrays()[:1]
         where = f"{type(first[0]).__module__.split('.')[0]} {_dtype_name(first[0].dtype)}, " if first else ""
         return (f"KimiDecodeState(position {self.position}, {len(self.layers)} layers ({len(self.layers) - n_mla} KDA, "
                 f"{n_mla} MLA), {where}{self.nbytes / 2**20:.2f} MiB)")

@@ -125,8 +125,20 @@ class MlaState:
 
     def copy(self) -> MlaState:
         """An exact copy: the whole capacity, not just the used positions. A compacted cache would give
-        the score and mix matmuls other strides, which may round differently: replays must be exact."""
-        return MlaState(self.keys.copy(), self.values.copy(), self.length)
+        the score and mix matmuls other strides, which may round differently: replays must be exact.
+        Positions from `length` on are zero in the copy, as in a cache that was never shared (`checkpoint`)."""
+        keys, values = self.keys.copy(), self.values.copy()
+        keys[:, self.length :] = 0
+        values[:, self.length :] = 0
+        return MlaState(keys, values, self.length)
+
+    def checkpoint(self) -> MlaState:
+        """What a kept checkpoint holds: these arrays, not a copy of them. A cache only ever appends (into
+        these arrays, or into grown new ones), so its first `length` positions never change, and they are all
+        a checkpoint reads: it is never decoded on, only `copy()`-ed. So a session's checkpoints of one
+        history share its cache, where copies would hold T^2/(2 C) positions over T tokens fed C at a time
+        (K3: ~3 MB per position)."""
+        return MlaState(self.keys, self.values, self.length)
 
 
 def mla_step(x, w: MlaWeights, state: MlaState, hooks=None, names=None):
