@@ -2,6 +2,7 @@
 
     python bench/k3_shapes.py [--device cpu|gpu] [--weight-dtype float32[,bfloat16]] [--tokens 4]
                               [--layers 0,1,3] [--chunk 1,16,64,256] [--no-decode]
+                              [--experts 32] [--balanced]
                               [--ckpt bench/results/k3_shapes_ckpt] [--json bench/results/k3_shapes.json]
 
 Writes once (streaming, shard by shard) a checkpoint in the released layout with K3's widths:
@@ -38,6 +39,12 @@ best kept). Bytes read per chunk: every attention and trunk matrix once, plus ea
 the chunk selected (packed bytes on the fused route); FLOPs: 2 per weight element per row, the k
 selected experts per row, plus MLA's scores and mix over the cache (the warm-up chunk, then the
 chunk). "x decode" is the bytes a decoded token reads over the bytes per token of the chunk.
+
+Expert density: what an expert's matmul costs per row depends on how many of a chunk's rows it gets,
+c k / E with a trained (load-balanced) router. With the default 32 experts every chunk above 8 gives
+each many; `--experts 224 --balanced` (the routing pinned to an even spread; the synthetic router is
+skewed) gives each c 16 / 224 rows, as K3's 896 experts get from a chunk of 4c (what
+`kimi_sequence.default_chunk` is chosen from).
 """
 
 from __future__ import annotations
@@ -365,6 +372,10 @@ def sequence_phase(w, args, attn_bytes: int, trunk: int) -> list[dict]:
 
         def keep(name, value):
             if name == "moe.router.topk_ids":
+                if args.balanced:  # token t takes experts t, t + E/k, ..: each expert c k / E of the chunk's rows
+                    E = ffn.experts.num_experts
+                    t = np.arange(value.shape[0])[:, None]
+                    value = xp.asarray(((np.arange(ffn.top_k) * (E // ffn.top_k))[None] + t) % E).astype(value.dtype)
                 picked.append(value)
             return value
 
@@ -448,6 +459,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4, help="timed tokens per phase (after one warm-up token)")
     p.add_argument("--layers", default="0,1,3", help="layers to time (each alone; only these are written, 0..92)")
     p.add_argument("--experts", type=int, default=32, help="experts per layer on disk")
+    p.add_argument("--balanced", action="store_true",
+                   help="sequence path: route each chunk evenly over the experts (a trained router's balance)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--ckpt", default=str(ROOT / "bench" / "results" / "k3_shapes_ckpt"))
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "k3_shapes.json"))

@@ -336,3 +336,20 @@ def test_long_feeds_show_progress(trained_weights, capsys):
     assert "feed" in capsys.readouterr().err
     s.feed(list(TEXT[:10]), chunk=8)  # short: no bar
     assert capsys.readouterr().err == ""
+
+
+def test_the_default_chunk_gives_each_expert_enough_rows(trained_weights, monkeypatch):
+    """K3 (896 experts, top-16): 2048 tokens, ~37 rows per expert at a balanced router's spread; the embedded
+    model (16, top-2): 512. Session.feed chunks by it (checkpoints at the chunk ends)."""
+    from kimi_explore.model import kimi_sequence
+    from kimi_explore.model.config import KimiDecoderConfig
+    from kimi_explore.weights.k3_depth import k3_text_config
+
+    k3 = KimiDecoderConfig.from_dict(k3_text_config(num_experts=896, vocab_size=163840))
+    assert (k3.num_experts, k3.num_experts_per_token) == (896, 16)
+    assert kimi_sequence.default_chunk(k3) == 2048 and kimi_sequence.default_chunk(trained_weights.config) == 512
+    monkeypatch.setattr(kimi_sequence, "DEFAULT_CHUNK", 8)
+    monkeypatch.setattr(kimi_sequence, "ROWS_PER_EXPERT", 2)  # 16 experts, top-2: 8 -> 16 tokens a chunk
+    s = ke.Session(trained_weights)
+    s.feed(list(TEXT[:40]))
+    assert set(s.snapshot().checkpoints) == {16, 32, 40}

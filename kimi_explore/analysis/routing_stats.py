@@ -1,7 +1,7 @@
 """Corpus routing statistics: what each expert does over whole texts.
 
 `routing_stats(weights, texts)` decodes every text from a fresh state on the sequence path
-(`forward_sequence`, `DEFAULT_CHUNK` tokens per pass, as `Session.feed` does) with a Recorder that
+(`forward_sequence`, `default_chunk` tokens per pass, as `Session.feed` does) with a Recorder that
 keeps the router sites (`layers.*.moe.router.*`, the default Recorder's routing records), and nothing
 else: no logits, no state copies (a Session would keep [T, vocab] logits and a decode state per chunk,
 ~20 MiB each on the embedded model and growing with the text; at K3 width gigabytes per document).
@@ -46,7 +46,7 @@ import numpy as np
 
 from ..inspection.session_io import weights_fingerprint
 from ..model.kimi_decoder import token_indices
-from ..model.kimi_sequence import DEFAULT_CHUNK
+from ..model.kimi_sequence import default_chunk
 
 __all__ = ["BYTE_CLASSES", "RoutingStats", "byte_class", "routing_stats"]
 
@@ -273,8 +273,9 @@ def _routing(weights, ids: list[int]) -> dict:
     from ..inspection.recorder import Recorder
 
     recorder, state = Recorder(names_filter="layers.*.moe.router.*").bind(weights), weights.new_state()
-    for a in range(0, len(ids), DEFAULT_CHUNK):
-        weights.forward_sequence(state, ids[a : a + DEFAULT_CHUNK], recorder, chunk=DEFAULT_CHUNK)
+    chunk = default_chunk(weights.config)
+    for a in range(0, len(ids), chunk):
+        weights.forward_sequence(state, ids[a : a + chunk], recorder, chunk=chunk)
     return recorder.trace().routing()
 
 

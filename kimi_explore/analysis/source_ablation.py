@@ -39,7 +39,7 @@ from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_sources, source_columns
 from ..model.kimi_decoder import token_indices
-from ..model.kimi_sequence import DEFAULT_CHUNK, SequenceSources, embed_chunk, finish_sequence, sequence_layer
+from ..model.kimi_sequence import SequenceSources, default_chunk, embed_chunk, finish_sequence, sequence_layer
 
 __all__ = ["SourceAblation", "source_ablation", "spearman"]
 
@@ -243,7 +243,7 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
 
     session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`.
     families: source families (`inspection.source_masks`); layers: model layer ids (default all);
-    sites: "attn" and/or "ffn"; chunk: tokens per pass of the sequence path (default DEFAULT_CHUNK).
+    sites: "attn" and/or "ffn"; chunk: tokens per pass of the sequence path (default `default_chunk`).
     reuse_prefix: a run masked at layer L starts from the clean run's block-residual stack before L
     (the same numbers, about half the work); off, or with session hooks or a pipeline, every run
     decodes all layers through `forward_sequence`.
@@ -276,7 +276,7 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     missing = [i for i in layers if i not in layer_ids]
     if missing:
         raise ValueError(f"source_ablation: layers {missing} are not in this model (layers {layer_ids[0]}..{layer_ids[-1]})")
-    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    chunk = default_chunk(weights.config) if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"source_ablation: chunk must be a positive int (tokens per pass), got {chunk!r}")
     chunk = int(chunk)

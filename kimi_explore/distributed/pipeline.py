@@ -39,7 +39,7 @@ from ..backend import resolve_dtype
 from ..errors import StageLostError
 from ..model.config import KimiDecoderConfig
 from ..model.kimi_decoder import KimiDecodeState, LayerSequence, OutputHead, hook_names, token_index, token_indices
-from ..model.kimi_sequence import DEFAULT_CHUNK
+from ..model.kimi_sequence import default_chunk
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
@@ -235,7 +235,7 @@ class RayPipeline(LayerSequence):
         chunk's [T, sources, d] stack); `state` advanced; logits [T, vocab] (host)."""
         V = self.config.vocab_size
         ids = token_indices(token_ids, V)
-        chunk = DEFAULT_CHUNK if chunk is None else chunk
+        chunk = default_chunk(self.config) if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"RayPipeline.forward_sequence: chunk must be a positive int, got {chunk!r}")
         out = [self._run(state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]

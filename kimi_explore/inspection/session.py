@@ -51,7 +51,7 @@ import numpy as np
 from ..backend import to_numpy
 from ..errors import StageLostError
 from ..model.kimi_decoder import KimiDecodeState, hook_names, token_indices
-from ..model.kimi_sequence import DEFAULT_CHUNK
+from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
 from .session_io import SessionSnapshot, load_session, save_session
@@ -169,7 +169,8 @@ class Session:
     def feed(self, token_ids, chunk: int | None = None, progress: bool | None = None) -> np.ndarray:
         """Decode several tokens (ids, or a string when the session has a tokenizer); returns their logits [n, vocab].
 
-        chunk: tokens per forward pass of the sequence path (default `kimi_sequence.DEFAULT_CHUNK`; a
+        chunk: tokens per forward pass of the sequence path (default `kimi_sequence.default_chunk`: 512 for the
+        embedded model, 2048 for K3; a
         checkpoint is kept at each chunk's end). progress: a progress bar (tqdm; default: for feeds of
         more than 4 chunks). Steps token by token while value-changing hooks are attached.
         A chunk (or stepped token) that raises leaves no trace: the history is as after the ones before it.
@@ -182,7 +183,7 @@ class Session:
             raise TypeError(f"Session.feed: token_ids must be a sequence of token ids (or text, with a tokenizer), got "
                             f"{token_ids!r} ({type(token_ids).__name__}); session.step(id) decodes one token")
         ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
-        chunk = DEFAULT_CHUNK if chunk is None else chunk
+        chunk = default_chunk(self.weights.config) if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ValueError(f"Session.feed: chunk must be a positive int (tokens per forward pass), got {chunk!r}")
         chunk = int(chunk)

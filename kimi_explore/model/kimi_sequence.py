@@ -37,8 +37,8 @@ from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
 from .ops import dense_mlp_sequence, linear, rms_norm
 
-__all__ = ["DEFAULT_CHUNK", "SequenceSources", "embed_chunk", "finish_sequence", "forward_chunk", "kimi_forward_sequence",
-           "run_layers_chunk", "sequence_layer"]
+__all__ = ["DEFAULT_CHUNK", "ROWS_PER_EXPERT", "SequenceSources", "default_chunk", "embed_chunk", "finish_sequence",
+           "forward_chunk", "kimi_forward_sequence", "run_layers_chunk", "sequence_layer"]
 
 # Tokens per chunk, chosen by measurement (CPU time, 1 BLAS thread, this project's shared 2-core VM, 2026-12-04
 # night, load ~1, after MLA's scores went by query blocks):
@@ -48,11 +48,28 @@ __all__ = ["DEFAULT_CHUNK", "SequenceSources", "embed_chunk", "finish_sequence",
 # - K3 width, one layer with fused MXFP4 experts (bench/k3_shapes.py --chunk 1,16,64,256,512): KDA+MoE
 #   203 / 62.4 / 38.0 / 35.7 / 35.0 ms/token, MLA+MoE 160 / 51.8 / 31.0 / 29.3 / 29.0: flat from 64 on,
 #   where the matmuls are compute-bound.
-# 512 is the best on both. Larger chunks cost elsewhere: a truncate or back inside a chunk replays from the
-# checkpoint at its start (up to C - 1 tokens), and the chunk's temporaries grow with C (K3: [C, 49376]
-# floats for KDA's fused input projection). A GPU, with more compute per byte, may favour larger chunks
-# (not measured: `chunk=` overrides).
+# Larger chunks cost elsewhere: a truncate or back inside a chunk replays from the checkpoint at its start (up
+# to C - 1 tokens), and the chunk's temporaries grow with C (K3: [C, 49376] floats for KDA's fused input
+# projection). A GPU, with more compute per byte, may favour larger chunks (not measured: `chunk=` overrides).
 DEFAULT_CHUNK = 512
+
+# That K3-width benchmark has 32 experts a layer, so every chunk above gives each expert many rows. What an
+# expert's matmul costs per row depends on its rows (few rows: decode-bound tiles), and a load-balanced
+# router gives each of E experts C k / E of a chunk's C tokens: at K3's density (896 experts, top-16) a chunk
+# of 512 gives each ~9. Measured (2026-12-05, load ~1) with 224 experts at K3 width, the routing pinned to a
+# balanced one, the MoE half of layer 1 (fused MXFP4): 9.1 rows per expert 35.3 ms/token (2.12x its
+# roofline), 36.6 rows 25.1 (1.50x), 146 rows 22.4 (1.34x). So a model's default chunk is DEFAULT_CHUNK,
+# doubled until each expert gets ROWS_PER_EXPERT rows (`default_chunk`): the embedded model 512, K3 2048.
+ROWS_PER_EXPERT = 32
+
+
+def default_chunk(config) -> int:
+    """Tokens per chunk by default for this model (`KimiDecoderConfig`): DEFAULT_CHUNK, doubled until a
+    chunk gives each routed expert ROWS_PER_EXPERT rows at a balanced router's spread (C k / E)."""
+    c, E, k = DEFAULT_CHUNK, config.num_experts, config.num_experts_per_token
+    while E and k and c * k < ROWS_PER_EXPERT * E:
+        c *= 2
+    return c
 
 
 class SequenceSources:
@@ -152,7 +169,7 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     check_state(weights, state)
     V = weights.config.vocab_size
     ids = token_indices(_as_list(token_ids), V)
-    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    chunk = default_chunk(weights.config) if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"kimi_forward_sequence: chunk must be a positive int (tokens per chunk), got {chunk!r}")
     chunk, xp = int(chunk), weights.xp
