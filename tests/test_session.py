@@ -371,6 +371,30 @@ def test_save_load_round_trip_continues_bit_identically(ref_weights, tmp_path):
     assert np.array_equal(t.feed(TOKENS[2:5]), s.feed(TOKENS[2:5]))
 
 
+def test_a_saved_file_holds_its_history_only(ref_weights, tmp_path):
+    """A checkpoint shares its MLA cache with the live state, which wrote on past the checkpoint's length (here
+    tokens 8..15, then dropped by the truncate): the file of the same 8 tokens must be the same, array for array,
+    as a session that never saw them, and hold none of their keys or values."""
+    cut, straight = Session(ref_weights, checkpoint_every=0), Session(ref_weights, checkpoint_every=0)
+    cut.feed(TOKENS[:8], chunk=8)
+    cut.feed(TOKENS[2:10], chunk=8)
+    cut.truncate(8)
+    straight.feed(TOKENS[:8], chunk=8)
+    files = [np.load(x.save_state(tmp_path / f"{i}.npz")) for i, x in enumerate((cut, straight))]
+    assert sorted(files[0].files) == sorted(files[1].files) and any(k.startswith("ckpt8/") for k in files[0].files)
+    for k in files[0].files:
+        assert np.array_equal(files[0][k], files[1][k]), k
+    loaded = [Session.load_state(tmp_path / f"{i}.npz", ref_weights) for i in (0, 1)]
+    for (name, a), (_, b) in zip(state_arrays(loaded[0].snapshot().checkpoints[8]),
+                                 state_arrays(cut.snapshot().checkpoints[8].copy()), strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b), name  # the capacity kept, zeros past the length
+    assert np.array_equal(loaded[0].feed(TOKENS[3:9], chunk=4), loaded[1].feed(TOKENS[3:9], chunk=4))
+    for x in loaded:
+        x.truncate(10)  # inside the fed chunk: re-decoded from the loaded checkpoint at 8
+    for (name, a), (_, b) in zip(state_arrays(loaded[0].state), state_arrays(loaded[1].state), strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b), name
+
+
 def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
     """The fingerprint hashes dequantised expert values, so the resident form does not matter."""
     dense = from_pretrained(REFERENCE_DIR, device="cpu", experts="dense")
