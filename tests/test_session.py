@@ -371,6 +371,30 @@ def test_save_load_round_trip_continues_bit_identically(ref_weights, tmp_path):
     assert np.array_equal(t.feed(TOKENS[2:5]), s.feed(TOKENS[2:5]))
 
 
+def test_a_saved_file_holds_its_history_only(ref_weights, tmp_path):
+    """A checkpoint shares its MLA cache with the live state, which wrote on past the checkpoint's length (here
+    tokens 8..15, then dropped by the truncate): the file of the same 8 tokens must be the same, array for array,
+    as a session that never saw them, and hold none of their keys or values."""
+    cut, straight = Session(ref_weights, checkpoint_every=0), Session(ref_weights, checkpoint_every=0)
+    cut.feed(TOKENS[:8], chunk=8)
+    cut.feed(TOKENS[2:10], chunk=8)
+    cut.truncate(8)
+    straight.feed(TOKENS[:8], chunk=8)
+    files = [np.load(x.save_state(tmp_path / f"{i}.npz")) for i, x in enumerate((cut, straight))]
+    assert sorted(files[0].files) == sorted(files[1].files) and any(k.startswith("ckpt8/") for k in files[0].files)
+    for k in files[0].files:
+        assert np.array_equal(files[0][k], files[1][k]), k
+    loaded = [Session.load_state(tmp_path / f"{i}.npz", ref_weights) for i in (0, 1)]
+    for (name, a), (_, b) in zip(state_arrays(loaded[0].snapshot().checkpoints[8]),
+                                 state_arrays(cut.snapshot().checkpoints[8].copy()), strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b), name  # the capacity kept, zeros past the length
+    assert np.array_equal(loaded[0].feed(TOKENS[3:9], chunk=4), loaded[1].feed(TOKENS[3:9], chunk=4))
+    for x in loaded:
+        x.truncate(10)  # inside the fed chunk: re-decoded from the loaded checkpoint at 8
+    for (name, a), (_, b) in zip(state_arrays(loaded[0].state), state_arrays(loaded[1].state), strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b), name
+
+
 def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
     """The fingerprint hashes dequantised expert values, so the resident form does not matter."""
     dense = from_pretrained(REFERENCE_DIR, device="cpu", experts="dense")
@@ -481,6 +505,85 @@ def test_random_step_truncate_fork_sequences_stay_exact(ref_weights, tmp_path, s
             raise AssertionError(f"seed {seed}, checkpoint_every {every}: {'; '.join(log)}") from e
     for sess, h in sessions:
         assert_matches(sess, h)
+
+
+def _shared_or_copied_run(w, seed: int, tmp_path) -> list:
+    """Random operations on sessions over `w` (steps, feeds of chunk sizes around the caches' doublings, greedy
+    and sampled generation, intervened steps and feeds, truncates, backs, forks, snapshots with and without
+    copied arrays, restores (into the same session or a new one), state_after, checkpoint_before, save and load
+    with and without checkpoints); what each leaves, as host arrays: tokens, logits, records, the state and
+    every checkpoint (as a checkpoint is used: copied), and each saved file's arrays."""
+    rng = np.random.default_rng(seed)
+    every = [0, 1, 3, 16][seed % 4]
+    s = Session(w, checkpoint_every=every)
+    sessions, snaps, out = [s], [], []
+    tmp_path.mkdir()
+    ops = ["step", "feed", "feed", "generate", "intervened", "truncate", "back", "fork", "snapshot", "restore",
+           "state_after", "save"]
+    for k in range(36):
+        op, T = ops[int(rng.integers(len(ops)))], len(s)
+        try:
+            if op == "step" and T < 80:
+                s.step(int(rng.integers(0, 256)))
+            elif op == "feed" and T < 80:
+                ids = [int(x) for x in rng.integers(0, 256, int(rng.integers(1, 36)))]
+                s.feed(ids, chunk=[1, 3, 7, 16, 17, None][int(rng.integers(6))], progress=False)
+            elif op == "generate" and 0 < T < 80:
+                s.generate(int(rng.integers(1, 4)), temperature=float(rng.integers(2)), seed=k)
+            elif op == "intervened" and T < 80:
+                with s.intervene(intervention()):
+                    s.feed([int(x) for x in rng.integers(0, 256, int(rng.integers(1, 4)))])
+            elif op == "truncate":
+                s.truncate(int(rng.integers(0, T + 1)))
+            elif op == "back":
+                s.back(int(rng.integers(0, min(T, 3) + 1)))
+            elif op == "fork":
+                sessions.append(s.fork())
+                s = sessions[-1] if rng.random() < 0.5 else s
+            elif op == "snapshot":
+                snaps.append(s.snapshot(copy_arrays=bool(rng.integers(2))))
+            elif op == "restore" and snaps:
+                snap = snaps[int(rng.integers(len(snaps)))]
+                if rng.random() < 0.5:
+                    s.restore(snap)
+                else:  # into another session, which the history continues in or not
+                    sessions.append(Session(w, checkpoint_every=every))
+                    sessions[-1].restore(snap)
+                    s = sessions[-1] if rng.random() < 0.5 else s
+            elif op == "state_after":
+                n = int(rng.integers(0, T + 1))
+                out += [a for _, a in state_arrays(s.state_after(n))]
+                out += [a for _, a in state_arrays(s.checkpoint_before(n)[1])]
+            elif op == "save":
+                path = s.save_state(tmp_path / f"{seed}-{k}.npz", checkpoints=bool(rng.integers(2)))
+                with np.load(path) as z:
+                    out += [z[name] for name in sorted(z.files)]
+                sessions.append(Session.load_state(path, w))
+                s = sessions[-1]
+        except RuntimeError as e:  # a truncate across a token decoded under a temporary intervention
+            out.append(np.array(str(e)))
+        for x in ([s] if k < 35 else sessions):
+            out += [np.array(x.tokens), np.array(x.logits)]
+            out += [np.array(v) for _, v in sorted(x.trace().items())]
+            out += [np.array(to_numpy(a)) for _, a in state_arrays(x.state.copy())]
+            for c, state in sorted(x.snapshot().checkpoints.items()):
+                out += [np.array(c)] + [np.array(to_numpy(a)) for _, a in state_arrays(state.copy())]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shared_mla_caches_give_what_copied_checkpoints_give(tiny_weights, tmp_path, monkeypatch, seed):
+    """Checkpoints share the MLA caches with the live state (`MlaState.checkpoint`). The same random operations
+    with checkpoints that copy them (as before the sharing) must leave every logit, record, state, checkpoint
+    and saved file the same, bit for bit."""
+    from kimi_explore.model.mla import MlaState
+
+    shared = _shared_or_copied_run(tiny_weights, seed, tmp_path / "shared")
+    monkeypatch.setattr(MlaState, "checkpoint", lambda self: MlaState(self.keys.copy(), self.values.copy(), self.length))
+    copied = _shared_or_copied_run(tiny_weights, seed, tmp_path / "copied")
+    assert len(shared) == len(copied) > 1000
+    for i, (a, b) in enumerate(zip(shared, copied, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), i
 
 
 def test_reprs_are_one_line_summaries(ref_weights):

@@ -184,3 +184,16 @@ def test_the_clean_stacks_are_held_for_one_layer_at_a_time_and_layers_may_come_i
     full = ke.source_ablation(tiny_weights, ids, layers=[7, 1, 4, 2], reuse_prefix=False, **kw)
     assert list(dict.fromkeys(r["layer"] for r in shuffled.rows)) == [7, 1, 4, 2]  # rows in the order asked
     assert shuffled.rows == full.rows and len(shuffled) >= 8
+
+
+@pytest.mark.parametrize("chunk", [1, 23], ids=["chunk-1", "chunk-T"])
+def test_held_stacks_with_repeated_layers_and_a_layer_subset(chunk):
+    """A layer asked twice (the held stacks stay at it) and weights of layers 4..7 only (stack positions are not
+    layer ids): the same rows, in the order asked, as decoding every layer."""
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+    w = ke.from_pretrained(random_tiny_checkpoint(), device="cpu", layers=range(4, 8))
+    ids, kw = (TOKENS * 2)[:23], dict(layers=[7, 4, 7, 5], chunk=chunk, families=["embedding", "current"])
+    fast, full = ke.source_ablation(w, ids, **kw), ke.source_ablation(w, ids, reuse_prefix=False, **kw)
+    assert [r["layer"] for r in fast.rows][:1] == [7] and [r["layer"] for r in fast.rows].count(7) >= 2
+    assert fast.clean_loss == full.clean_loss and fast.rows == full.rows and len(fast) >= 8

@@ -4,7 +4,8 @@ user continue a decode exactly (`Session.save_state`).
 Layout: a JSON `header` (format, the weights' fingerprint, tokens, which steps ran with
 value-changing hooks, the array layout of every saved decode state, the recorder's settings),
 the decode state arrays `state/{layer}/{field}` (and the kept checkpoints `ckpt{t}/...`, every
-array with its full shape so replays run on the same layouts), `logits` [T, V], and each record
+array with its full shape so replays run on the same layouts; an MLA cache as its used positions and
+its capacity, the rest zeros on loading), `logits` [T, V], and each record
 as `rec/{key}/flat` + `rec/{key}/shapes` (records may change shape from token to token).
 
 The fingerprint (config hash, layer ids, dtype, a hash of a strided sample of every weight
@@ -131,17 +132,21 @@ def _recorder_settings(rec: Recorder) -> dict:
 
 
 def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
+    """A cache (a state with a `length`: MLA) is saved as its first `length` positions (axis 1) and its capacity:
+    a checkpoint shares its arrays with the live state, which writes on past the checkpoint's length."""
     layers = []
     for j, ls in enumerate(state.layers):
         att = ls.attention
-        scalars = {}
+        scalars, used, capacity = {}, getattr(att, "length", None), None
         for f in dataclasses.fields(att):
             v = getattr(att, f.name)
             if hasattr(v, "shape"):
+                if used is not None:
+                    capacity, v = int(v.shape[1]), v[:, :used]
                 arrays[f"{key}/{j}/{f.name}"] = to_numpy(v)
             else:
                 scalars[f.name] = v
-        layers.append({"type": type(att).__name__, "scalars": scalars})
+        layers.append({"type": type(att).__name__, "scalars": scalars, **({"capacity": capacity} if capacity else {})})
     return {"position": state.position, "layers": layers}
 
 
@@ -161,6 +166,8 @@ def _get_state(z, key: str, layout: dict, weights):
                 a = z[f"{key}/{j}/{f.name}"]
                 if a.dtype != v.dtype or a.shape[0] != v.shape[0]:
                     raise ValueError(f"saved {key} layer {j} {f.name}: {a.dtype}{a.shape}, these weights need {v.dtype}{v.shape}")
+                if "capacity" in lay:  # a cache saved as its used positions: zeros up to its capacity, as it was
+                    a = np.concatenate([a, np.zeros((a.shape[0], lay["capacity"] - a.shape[1], *a.shape[2:]), a.dtype)], axis=1)
                 kw[f.name] = weights.xp.asarray(a)
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
     return weights.put_state(KimiDecodeState(layers, int(layout["position"])))
