@@ -485,6 +485,7 @@ def main(argv=None) -> int:
             cmd += ["--recorder"] if args.recorder else []
             cmd += ["--chunk", args.chunk] if args.chunk else []
             cmd += ["--no-decode"] if args.no_decode else []
+            cmd += ["--balanced"] if args.balanced else []
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
             if r.returncode:
                 print(r.stderr, file=sys.stderr)
@@ -528,7 +529,8 @@ def main(argv=None) -> int:
         print(f"{run['kind']:<10} {run['weight_dtype'][:8]:<8} {run['load_s']:>7.1f} {run['kept_bytes'] / 1e6:>8.0f} "
               f"{scratch / 1e6:>9.0f} {run['peak_rss_load'] / 1e6:>11.0f} {run['peak_over_kept']:>26.2f}")
     out = {"device": args.device, "bandwidth": bw, "checkpoint": args.ckpt, "checkpoint_write_s": write_s,
-           "experts_on_disk": args.experts, "vocab": args.vocab, "top_k": TOP_K, "rows": rows, "runs": runs}
+           "experts_on_disk": args.experts, "balanced_routing": args.balanced, "vocab": args.vocab, "top_k": TOP_K,
+           "rows": rows, "runs": runs}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")

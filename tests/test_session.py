@@ -249,6 +249,8 @@ def test_checkpoints_share_the_mla_caches_and_copy_the_kda_matrices(ref_weights)
         else:
             assert len({id(a.recurrent) for a in held}) == len({id(a.conv) for a in held}) == 6
     mla = next(j for j, layer in enumerate(s.state.layers) if layer.attention.kind == "mla")
+    forked = s.fork().snapshot().checkpoints  # copies, sharing among themselves as the originals do
+    assert len({id(c.layers[mla].attention.keys) for c in forked.values()}) == 3
     kept = s.snapshot().checkpoints[8].layers[mla].attention
     assert np.abs(kept.keys[:, 8:]).max() > 0 and not np.any(kept.copy().keys[:, 8:])  # the live state's, then zeros
     s.truncate(8)

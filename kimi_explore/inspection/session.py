@@ -33,8 +33,10 @@ the same inputs. State copies keep every array's shape (an
 MLA cache keeps its capacity), so the replayed arithmetic runs on the same layouts too. Memory: a
 checkpoint holds a copy of the KDA matrices and shares the MLA caches with the state it was taken
 from (`KimiDecodeState.checkpoint`: a cache only appends), so the caches are held about once over
-a history, not once per checkpoint; lower `checkpoint_every` for faster truncates, raise it to save
-memory.
+a history, not once per checkpoint (a fork's checkpoints share theirs likewise); lower
+`checkpoint_every` for faster truncates, raise it to save memory. So `session.state` is the
+session's own: to edit a state in place, take a copy (`state_after(n)`); an edit of its MLA caches
+would reach the checkpoints.
 
 The whole history is one explicit record, `SessionSnapshot`: `snapshot()` returns it, `restore()`
 takes it, `fork()` builds a new Session and restores a copy into it, and a session file
@@ -403,7 +405,11 @@ class Session:
         shared, which is safe because the session never writes them, unless copy_arrays)."""
         records = self.recorder.state_dict(copy_arrays=copy_arrays) if self.recorder is not None else None
         if copy_arrays:
-            logits, checkpoints = [a.copy() for a in self._logits], {k: v.copy() for k, v in self._checkpoints.items()}
+            logits, kept = [a.copy() for a in self._logits], self._checkpoints
+            if isinstance(self.state, KimiDecodeState):  # copies sharing their MLA caches as these do
+                checkpoints = KimiDecodeState.copy_checkpoints(kept)
+            else:  # a pipeline's, copied in its stages
+                checkpoints = {k: v.copy() for k, v in kept.items()}
         else:
             logits, checkpoints = list(self._logits), dict(self._checkpoints)
         return SessionSnapshot(id(self.weights), self.state.copy(), list(self._tokens), logits,

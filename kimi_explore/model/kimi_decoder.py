@@ -23,7 +23,7 @@ lm_head: for layers 0..N-1 this is exactly the model cut to N layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
 from .config import KimiDecoderConfig, LayerSpec, site_names
@@ -238,6 +238,23 @@ class KimiDecodeState:
         """A copy to keep, never to decode on: only `copy()` it (a Session's checkpoints). The KDA arrays are
         copied; each MLA cache is shared with this state (`MlaState.checkpoint`), which only appends to it."""
         return KimiDecodeState([s.checkpoint() for s in self.layers], self.position)
+
+    @staticmethod
+    def copy_checkpoints(kept: dict) -> dict:
+        """Copies of kept checkpoints ({t: `checkpoint()`}) that share among themselves what they share: each
+        distinct array copied once (a history's checkpoints share its MLA caches), its values as they are."""
+        memo: dict = {}  # id of an original array (alive in `kept` throughout) -> its copy
+
+        def copied(a):
+            if id(a) not in memo:
+                memo[id(a)] = a.copy()
+            return memo[id(a)]
+
+        def layer(att):
+            return KimiLayerState(replace(att, **{f.name: copied(getattr(att, f.name)) for f in fields(att)
+                                                  if hasattr(getattr(att, f.name), "shape")}))
+
+        return {t: KimiDecodeState([layer(ls.attention) for ls in s.layers], s.position) for t, s in kept.items()}
 
     def arrays(self) -> list:
         """Every array the state holds, layer by layer."""
