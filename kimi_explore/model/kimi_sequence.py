@@ -56,10 +56,16 @@ DEFAULT_CHUNK = 512
 # That K3-width benchmark has 32 experts a layer, so every chunk above gives each expert many rows. What an
 # expert's matmul costs per row depends on its rows (few rows: decode-bound tiles), and a load-balanced
 # router gives each of E experts C k / E of a chunk's C tokens: at K3's density (896 experts, top-16) a chunk
-# of 512 gives each ~9. Measured (2026-12-05, load ~1) with 224 experts at K3 width, the routing pinned to a
-# balanced one, the MoE half of layer 1 (fused MXFP4): 9.1 rows per expert 35.3 ms/token (2.12x its
-# roofline), 36.6 rows 25.1 (1.50x), 146 rows 22.4 (1.34x). So a model's default chunk is DEFAULT_CHUNK,
-# doubled until each expert gets ROWS_PER_EXPERT rows (`default_chunk`): the embedded model 512, K3 2048.
+# of 512 gives each ~9. Measured (2026-12-05, load ~1; bench/k3_shapes.py --experts 224 --balanced --chunk
+# 128,512,2048: routing pinned to an even spread over 224 experts, so chunk c gives each expert c 16 / 224
+# rows, as K3's chunk 4c does), fused MXFP4 experts, ms/token and the ratio to the roofline:
+#   rows per expert       9.1 (K3's 512)    36.6 (K3's 2048)    146 (K3's 8192)
+#   MoE half              33.3-33.7, 2.0x   25.1, 1.51x         21.2, 1.27x
+#   KDA + MoE layer       45.9, 1.70x       37.8, 1.40x         33.8, 1.25x
+#   MLA + MoE layer       39.8, 1.78x       32.2, 1.42x         31.5, 1.29x
+# (the layers' attention halves ran at chunk c itself; KDA's is flat from 128 on: 12.2-12.7 ms).
+# So a model's default chunk is DEFAULT_CHUNK, doubled until each expert gets ROWS_PER_EXPERT rows
+# (`default_chunk`): the embedded model 512, K3 2048 (1.21-1.24x faster per layer than 512 at its density).
 ROWS_PER_EXPERT = 32
 
 
