@@ -397,6 +397,29 @@ def test_a_saved_file_holds_its_history_only(ref_weights, tmp_path):
         assert a.shape == b.shape and np.array_equal(a, b), name
 
 
+@pytest.mark.parametrize("damage", ["fewer-positions", "capacity-below-positions"])
+def test_a_cache_saved_inconsistently_with_its_length_or_capacity_is_refused(ref_weights, tmp_path, damage):
+    """A file holds an MLA cache as its used positions, its capacity and its `length`: positions fewer than the
+    length loaded silently (zeros where the keys were, a wrong model that runs), a capacity below them failed in
+    NumPy ("negative dimensions are not allowed"), naming nothing."""
+    import json
+
+    s = Session(ref_weights, checkpoint_every=0)
+    s.feed(TOKENS[:8], chunk=8)
+    z = dict(np.load(s.save_state(tmp_path / "good.npz")))
+    header = json.loads(str(z["header"]))
+    j = next(j for j, lay in enumerate(header["layout"]["ckpt8"]["layers"]) if lay["type"] == "MlaState")
+    assert header["layout"]["ckpt8"]["layers"][j]["scalars"]["length"] == 8
+    if damage == "fewer-positions":
+        z[f"ckpt8/{j}/keys"] = z[f"ckpt8/{j}/keys"][:, :5]
+    else:
+        header["layout"]["ckpt8"]["layers"][j]["capacity"] = 4
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "bad.npz", **z)
+    with pytest.raises(ValueError, match=rf"saved ckpt8 layer {j} keys: .*length 8"):
+        Session.load_state(tmp_path / "bad.npz", ref_weights)
+
+
 def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
     """The fingerprint hashes dequantised expert values, so the resident form does not matter."""
     dense = from_pretrained(REFERENCE_DIR, device="cpu", experts="dense")

@@ -167,6 +167,11 @@ def _get_state(z, key: str, layout: dict, weights):
                 if a.dtype != v.dtype or a.shape[0] != v.shape[0]:
                     raise ValueError(f"saved {key} layer {j} {f.name}: {a.dtype}{a.shape}, these weights need {v.dtype}{v.shape}")
                 if "capacity" in lay:  # a cache saved as its used positions: zeros up to its capacity, as it was
+                    length = kw.get("length")
+                    if not (a.ndim >= 2 and a.shape[1] == length <= lay["capacity"]):
+                        raise ValueError(f"saved {key} layer {j} {f.name}: {a.shape[1] if a.ndim >= 2 else '?'} cached "
+                                         f"positions, capacity {lay['capacity']}, length {length}: a cache is saved as "
+                                         "its first `length` positions, within its capacity (the file is damaged)")
                     a = np.concatenate([a, np.zeros((a.shape[0], lay["capacity"] - a.shape[1], *a.shape[2:]), a.dtype)], axis=1)
                 kw[f.name] = weights.xp.asarray(a)
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
