@@ -700,3 +700,24 @@ def test_truncate_inside_a_chunk_replays_it_as_a_full_recurrent_record_decoded_i
         x.feed(ids[13:], chunk=8)
     assert np.array_equal(s.logits[13:], want.logits[13:])
     assert np.array_equal(s.trace()[f"layers.{kda}.kda.state"], want.trace()[f"layers.{kda}.kda.state"])
+
+
+def test_a_loaded_history_shares_its_checkpoints_caches_as_the_saved_one_did(ref_weights, tmp_path):
+    """Each checkpoint is saved with its own used positions; loading gives those of one capacity the arrays of
+    the longest (their positions checked equal), as the session's own did: the same 3 caches, not 5."""
+    s = Session(ref_weights, checkpoint_every=0)
+    ids = (TOKENS * 4)[:40]
+    s.feed(ids, chunk=8)  # checkpoints at 8, .., 40; the caches 16, 32 and 64 positions long
+    loaded = Session.load_state(s.save_state(tmp_path / "s.npz"), ref_weights)
+    mla = [j for j, layer in enumerate(s.state.layers) if layer.attention.kind == "mla"]
+    kept = loaded.snapshot().checkpoints
+    for j in mla:
+        assert len({id(c.layers[j].attention.keys) for c in kept.values()}) == 3
+        assert len({id(c.layers[j].attention.values) for c in kept.values()}) == 3
+    for t, c in s.snapshot().checkpoints.items():
+        for (name, a), (_, b) in zip(state_arrays(c.copy()), state_arrays(kept[t].copy()), strict=True):
+            assert a.shape == b.shape and np.array_equal(a, b), (t, name)
+    for x in (s, loaded):
+        x.truncate(13)
+        x.feed(ids[::-1][:9], chunk=4)
+    np.testing.assert_array_equal(s.logits, loaded.logits)

@@ -118,7 +118,7 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
             weights_id=id(weights), state=_get_state(z, "state", header["layout"]["state"], weights),
             tokens=[int(t) for t in header["tokens"]], logits=list(z["logits"]),
             modified=[bool(m) for m in header["modified"]],
-            checkpoints={int(k[4:]): _get_state(z, k, lay, weights) for k, lay in header["layout"].items() if k != "state"},
+            checkpoints=_get_checkpoints(z, header["layout"], weights),
             records=records, chunk_of=header.get("chunk_of"))
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
     return snap, SavedSettings(header["checkpoint_every"], settings)
@@ -148,6 +148,25 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
                 scalars[f.name] = v
         layers.append({"type": type(att).__name__, "scalars": scalars, **({"capacity": capacity} if capacity else {})})
     return {"position": state.position, "layers": layers}
+
+
+def _get_checkpoints(z, layout: dict, weights) -> dict:
+    """{t: checkpoint}, sharing their MLA caches as a session's own checkpoints do (`KimiDecodeState.checkpoint`):
+    loaded longest first, a checkpoint whose cache has the capacity of a longer one's and its first `length`
+    positions (checked equal) takes that one's arrays, so a loaded history holds its caches about once."""
+    holders: dict = {}  # (layer, capacity) -> the longest MLA cache loaded with that capacity
+    kept = {}
+    for t in sorted((int(k[4:]) for k in layout if k != "state"), reverse=True):
+        state = kept[t] = _get_state(z, f"ckpt{t}", layout[f"ckpt{t}"], weights)
+        for j, ls in enumerate(state.layers if isinstance(state, KimiDecodeState) else ()):  # a pipeline's: in its stages
+            att = ls.attention
+            if att.kind != "mla":
+                continue
+            held, n, xp = holders.setdefault((j, att.keys.shape[1]), att), att.length, weights.xp
+            if held is not att and xp.array_equal(held.keys[:, :n], att.keys[:, :n]) and \
+                    xp.array_equal(held.values[:, :n], att.values[:, :n]):
+                ls.attention = dataclasses.replace(held, length=n)  # the same arrays
+    return dict(sorted(kept.items()))
 
 
 def _get_state(z, key: str, layout: dict, weights):
