@@ -469,6 +469,8 @@ def main(argv=None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layer", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.balanced and not args.chunk:
+        p.error("--balanced pins the sequence path's routing: give --chunk too")
     if args.child:
         print(json.dumps(child(args)))
         return 0

@@ -9,7 +9,7 @@ trained on; its tokenizer is bytes, so `--len` tokens each), each fed from a fre
 Rows (tokens/s by this process's CPU time and by wall clock; the median over the texts):
 
     Session.feed, recorder     the product's prefill: `Session(weights).feed(ids)` with the default
-                               Recorder and the default chunk (`kimi_sequence.DEFAULT_CHUNK`)
+                               Recorder and the default chunk (`kimi_sequence.default_chunk`: 512 here)
     kimi_forward_sequence      the sequence path without hooks
     Session.step, recorder     the token path: the same session stepped token by token
     kimi_forward_token         the token path without hooks
@@ -230,7 +230,7 @@ def main() -> int:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.threads)
     import kimi_explore as ke  # after the thread settings: BLAS reads them when NumPy loads
-    from kimi_explore.model.kimi_sequence import DEFAULT_CHUNK
+    from kimi_explore.model.kimi_sequence import default_chunk
 
     path = ke.tiny_checkpoint()
     weights = ke.from_pretrained(path, device="cpu")
@@ -258,7 +258,7 @@ def main() -> int:
 
     chunks = [int(c) for c in args.chunks.split(",") if c]
     sweep = chunk_sweep(ke, weights, texts, chunks)
-    print(f"\nSession.feed (recorder) by chunk size (DEFAULT_CHUNK = {DEFAULT_CHUNK}):")
+    print(f"\nSession.feed (recorder) by chunk size (the default here: {default_chunk(weights.config)}):")
     print(f"{'chunk':>6s} {'tok/s (cpu)':>12s} {'tok/s (wall)':>13s}")
     for c, r in sweep.items():
         print(f"{c:6d} {r['tokens_per_s_cpu']:12.0f} {r['tokens_per_s_wall']:13.0f}")
@@ -284,7 +284,7 @@ def main() -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"routes": rows, "chunk_sweep": {str(k): v for k, v in sweep.items()}, "kda_rules": rules,
-                               "floor": fl, "default_chunk": DEFAULT_CHUNK, "meets_tokens_per_s": ok_tps,
+                               "floor": fl, "default_chunk": default_chunk(weights.config), "meets_tokens_per_s": ok_tps,
                                "meets_ratio": ok_ratio, "threads": args.threads, "load_average": load,
                                "machine": platform.machine(), "python": sys.version.split()[0],
                                "cpus": os.cpu_count()}, indent=2) + "\n")

@@ -420,6 +420,42 @@ def test_a_cache_saved_inconsistently_with_its_length_or_capacity_is_refused(ref
         Session.load_state(tmp_path / "bad.npz", ref_weights)
 
 
+def test_a_file_of_the_first_format_still_loads_and_the_format_says_what_changed(ref_weights, tmp_path):
+    """session/1 files hold every MLA cache at its whole capacity (no "capacity" in the layout); session/2 its
+    used positions. A /1 file (rebuilt here as the old writer wrote it) loads to the same history."""
+    import json
+
+    from kimi_explore.inspection.session_io import FORMAT
+
+    s = Session(ref_weights, checkpoint_every=0)
+    s.feed((TOKENS * 3)[:20], chunk=8)
+    z = dict(np.load(s.save_state(tmp_path / "v2.npz")))
+    header = json.loads(str(z["header"]))
+    assert header["format"] == FORMAT == "kimi_explore.inspection.session/2"
+    for key, layout in header["layout"].items():
+        for j, lay in enumerate(layout["layers"]):
+            if "capacity" in lay:
+                cap = lay.pop("capacity")
+                for f in ("keys", "values"):
+                    a = z[f"{key}/{j}/{f}"]
+                    z[f"{key}/{j}/{f}"] = np.concatenate([a, np.zeros((a.shape[0], cap - a.shape[1], *a.shape[2:]), a.dtype)], 1)
+    header["format"] = "kimi_explore.inspection.session/1"
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "v1.npz", **z)
+    old = Session.load_state(tmp_path / "v1.npz", ref_weights)
+    for x in (s, old):
+        x.truncate(11)
+        x.feed(TOKENS[:6], chunk=4)
+    np.testing.assert_array_equal(old.logits, s.logits)
+    for (name, a), (_, b) in zip(state_arrays(old.state), state_arrays(s.state), strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b), name
+    header["format"] = "kimi_explore.inspection.session/3"
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "v3.npz", **z)
+    with pytest.raises(ValueError, match="format 'kimi_explore.inspection.session/3', this version reads"):
+        Session.load_state(tmp_path / "v3.npz", ref_weights)
+
+
 def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
     """The fingerprint hashes dequantised expert values, so the resident form does not matter."""
     dense = from_pretrained(REFERENCE_DIR, device="cpu", experts="dense")

@@ -162,7 +162,7 @@ def test_reusing_the_clean_prefix_gives_the_full_runs_numbers_exactly(ref_weight
 
 
 def test_the_clean_stacks_are_held_for_one_layer_at_a_time_and_layers_may_come_in_any_order(tiny_weights, monkeypatch):
-    """K3 at 1,024 tokens: every layer's stacks would be ~24 GB. Count the packed stacks alive at each pack: at
+    """K3 at 1,024 tokens: every layer's stacks would be ~14.5 GB. Count the packed stacks alive at each pack: at
     most two layers' worth (one being replaced) of the 4 chunks, where keeping them all would reach 8 layers'."""
     import weakref
 

@@ -210,7 +210,7 @@ class _Prefixes:
         self.clean = _run(weights, ids, record, chunk)
         self.spans = [(a, min(a + chunk, len(ids))) for a in range(0, len(ids), chunk)]
         self.packs = [embed_chunk(weights, ids[a:b]).pack() for a, b in self.spans]
-        self.state, self.at = weights.new_state(), 0  # each layer's state is advanced once, when `at` passes it
+        self.state, self.at = weights.new_state(), 0  # each layer's state is advanced once, when `at` passes it, then let go
 
     def _through(self, c: int, start: int, stop: int, state, hooks: Hooks) -> SequenceSources:
         """Chunk c's held stack through the loaded layers at positions start..stop-1."""
@@ -229,6 +229,7 @@ class _Prefixes:
         quiet = Hooks()  # nothing listens: the same hooked route as the masked runs
         for at in range(self.at, start):
             self.packs = [self._through(c, at, at + 1, self.state, quiet).pack() for c in range(len(self.spans))]
+            self.state.layers[at] = None  # passed for good (K3: an MLA layer's cache of every token)
             self.at = at + 1
         state, n, parts = w.new_state(), len(w.layers), []
         for c, (a, _) in enumerate(self.spans):

@@ -14,7 +14,6 @@ asked (`get_state`, for a session file).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -23,7 +22,7 @@ from ..backend import on_host, to_numpy
 from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..model.block_residual import SourceBuffer
-from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, embed_token, finish_token, run_layers
+from ..model.kimi_decoder import KimiDecodeState, embed_token, finish_token, run_layers
 from ..model.kimi_sequence import SequenceSources, embed_chunk, finish_sequence, run_layers_chunk
 
 __all__ = ["Stage", "pack_records", "unpack_records"]
@@ -103,13 +102,12 @@ class Stage:
         """A host copy (NumPy arrays)."""
         state = self.states[sid]
         host = lambda a: np.array(to_numpy(a), copy=True)  # noqa: E731
-        return KimiDecodeState([KimiLayerState(_converted(ls.attention, host)) for ls in state.layers], state.position)
+        return KimiDecodeState([ls.converted(host) for ls in state.layers], state.position)
 
     def put_state(self, sid: int, state: KimiDecodeState) -> None:
         # a copy: arrays Ray hands over are read-only views of its object store, and states are written in place
         own = self.weights.xp.array
-        self.states[sid] = KimiDecodeState([KimiLayerState(_converted(ls.attention, own)) for ls in state.layers],
-                                           state.position)
+        self.states[sid] = KimiDecodeState([ls.converted(own) for ls in state.layers], state.position)
 
     def state_nbytes(self, sid: int) -> int:
         return self.states[sid].nbytes
@@ -181,12 +179,6 @@ class Stage:
 
     def ping(self) -> int:
         return os.getpid()
-
-
-def _converted(attention, convert):
-    """A copy of an attention state (KdaState / MlaState) with every array passed through `convert`."""
-    arrays = {f.name: convert(v) for f in dataclasses.fields(attention) if hasattr(v := getattr(attention, f.name), "shape")}
-    return dataclasses.replace(attention, **arrays)
 
 
 def _with_hooks(hooks, specs: list):

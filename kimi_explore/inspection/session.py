@@ -22,9 +22,10 @@ float rounding), with a progress bar on long feeds. While hooks that may change 
 or hooks added to the recorder), `feed` steps token by token, so that every such token keeps a
 checkpoint and the history stays exact anywhere.
 
-Exactness: every restore is bit-identical. The session keeps copies of the decode state
-("checkpoints") after every `checkpoint_every`-th stepped token, at the end of every fed chunk, and
-after every token decoded while value-changing hooks were attached; `truncate(n)` drops the
+Exactness: every restore is bit-identical. The session keeps the decode state ("checkpoints",
+`KimiDecodeState.checkpoint`: see Memory below) after every `checkpoint_every`-th stepped token,
+at the end of every fed chunk, and after every token decoded while value-changing hooks were
+attached; `truncate(n)` drops the
 checkpoints after n, copies the nearest one at or before n and re-decodes the tokens after it
 without hooks, each the way it was decoded: stepped tokens one by one, a fed chunk as one chunk
 (a cut inside a chunk re-decodes the chunk's first part as one chunk, and keeps a checkpoint there).
@@ -84,7 +85,9 @@ class Session:
         self._stacked = None  # `logits` as one read-only array, until the history changes
         self._modified: list[bool] = []  # per token: decoded with hooks that may change values
         self._chunk_of: list[int] = []  # per token: first token of the fed chunk it was decoded in; -1: stepped
-        self._checkpoints: dict[int, KimiDecodeState] = {}  # t -> state after t tokens; never written either
+        # t -> state after t tokens (`checkpoint()`): its first t cache positions never change (the live state only
+        # writes on past them into the MLA caches it shares); only ever copied
+        self._checkpoints: dict[int, KimiDecodeState] = {}
 
     # ------------------------------------------------------------------ history
     @property
@@ -402,12 +405,13 @@ class Session:
 
     def snapshot(self, copy_arrays: bool = False) -> SessionSnapshot:
         """The whole history as a `SessionSnapshot` (the state is copied; logits, checkpoints and records are
-        shared, which is safe because the session never writes them, unless copy_arrays)."""
+        shared unless copy_arrays: safe, since the session never writes them, nor a checkpoint's used cache
+        positions)."""
         records = self.recorder.state_dict(copy_arrays=copy_arrays) if self.recorder is not None else None
         if copy_arrays:
             logits, kept = [a.copy() for a in self._logits], self._checkpoints
             if isinstance(self.state, KimiDecodeState):  # copies sharing their MLA caches as these do
-                checkpoints = KimiDecodeState.copy_checkpoints(kept)
+                checkpoints = _copy_kept(kept)
             else:  # a pipeline's, copied in its stages
                 checkpoints = {k: v.copy() for k, v in kept.items()}
         else:
@@ -458,6 +462,19 @@ class Session:
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
+
+
+def _copy_kept(kept: dict) -> dict:
+    """Copies of kept checkpoints ({t: `KimiDecodeState.checkpoint()`}) sharing among themselves what these share
+    (a history's checkpoints share its MLA caches): each distinct array copied once, its values as they are."""
+    memo: dict = {}  # id of an original array (alive in `kept` throughout) -> its copy
+
+    def copied(a):
+        if id(a) not in memo:
+            memo[id(a)] = a.copy()
+        return memo[id(a)]
+
+    return {t: KimiDecodeState([ls.converted(copied) for ls in s.layers], s.position) for t, s in kept.items()}
 
 
 def _progress(total: int):

@@ -29,7 +29,8 @@ from .trace import read_npz_header
 
 __all__ = ["SavedSettings", "SessionSnapshot", "load_session", "save_session", "weights_fingerprint"]
 
-FORMAT = "kimi_explore.inspection.session/1"
+FORMAT = "kimi_explore.inspection.session/2"  # /2: an MLA cache saved as its used positions and its capacity
+READS = (FORMAT, "kimi_explore.inspection.session/1")  # /1: every cache at its whole capacity
 
 
 @dataclasses.dataclass
@@ -43,7 +44,7 @@ class SessionSnapshot:
     modified:    [T] bools: token t was decoded with hooks that may change values
     chunk_of:    [T] the first token of the fed chunk token t was decoded in (-1: stepped); replays
                  re-decode each chunk as one (None: every token stepped)
-    checkpoints: {t: decode state after the first t tokens}; never written either
+    checkpoints: {t: decode state after the first t tokens} (`KimiDecodeState.checkpoint`); only ever copied
     records:     the recorder's `state_dict()`, or None when the session records nothing
     """
 
@@ -103,7 +104,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
 def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
     """The history in a `save_session` file, checked to belong to `weights`, and the settings to continue it."""
     with np.load(path, allow_pickle=False) as z:
-        header = read_npz_header(z, path, FORMAT, "session state")
+        header = read_npz_header(z, path, READS, "session state")
         _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
         saved, records = header["recorder"], None
         if saved is not None:
@@ -162,11 +163,16 @@ def _get_checkpoints(z, layout: dict, weights) -> dict:
             att = ls.attention
             if att.kind != "mla":
                 continue
-            held, n, xp = holders.setdefault((j, att.keys.shape[1]), att), att.length, weights.xp
-            if held is not att and xp.array_equal(held.keys[:, :n], att.keys[:, :n]) and \
-                    xp.array_equal(held.values[:, :n], att.values[:, :n]):
+            held, n = holders.setdefault((j, att.keys.shape[1]), att), att.length
+            if held is not att and _same_bits(held.keys[:, :n], att.keys[:, :n], weights.xp) and \
+                    _same_bits(held.values[:, :n], att.values[:, :n], weights.xp):
                 ls.attention = dataclasses.replace(held, length=n)  # the same arrays
     return dict(sorted(kept.items()))
+
+
+def _same_bits(a, b, xp) -> bool:
+    """Bit for bit (array_equal calls -0.0 and 0.0 equal and NaN unequal)."""
+    return a.shape == b.shape and bool(xp.array_equal(a.view(np.uint8), b.view(np.uint8)))
 
 
 def _get_state(z, key: str, layout: dict, weights):

@@ -58,13 +58,15 @@ def stack_rows(rows: list, name: str = "") -> np.ndarray:
 
 
 
-def read_npz_header(z, path, fmt: str, what: str) -> dict:
-    """The JSON header of a kimi_explore .npz file, checked to be a `what` in format `fmt`."""
+def read_npz_header(z, path, fmt, what: str) -> dict:
+    """The JSON header of a kimi_explore .npz file, checked to be a `what` in format `fmt` (or one of a tuple)."""
     if "header" not in z.files:
         raise ValueError(f"{path}: not a kimi_explore {what} (no 'header' entry; found {z.files[:5]}...)")
     header = json.loads(str(z["header"]))
-    if header.get("format") != fmt:
-        raise ValueError(f"{path}: {what} format {header.get('format')!r}, this version reads {fmt!r}")
+    reads = (fmt,) if isinstance(fmt, str) else tuple(fmt)
+    if header.get("format") not in reads:
+        raise ValueError(f"{path}: {what} format {header.get('format')!r}, this version reads "
+                         f"{' or '.join(map(repr, reads))}")
     return header
 
 class Trace:

@@ -214,6 +214,15 @@ class KimiLayerState:
     def checkpoint(self) -> KimiLayerState:
         return KimiLayerState(self.attention.checkpoint())
 
+    def arrays(self) -> dict:
+        """The attention state's arrays by field name (KDA: conv, recurrent; MLA: keys, values)."""
+        att = self.attention
+        return {f.name: a for f in fields(att) if hasattr(a := getattr(att, f.name), "shape")}
+
+    def converted(self, convert) -> KimiLayerState:
+        """This layer's state with every array passed through `convert` (the other fields as they are)."""
+        return KimiLayerState(replace(self.attention, **{k: convert(a) for k, a in self.arrays().items()}))
+
 
 @dataclass
 class KimiDecodeState:
@@ -239,26 +248,9 @@ class KimiDecodeState:
         copied; each MLA cache is shared with this state (`MlaState.checkpoint`), which only appends to it."""
         return KimiDecodeState([s.checkpoint() for s in self.layers], self.position)
 
-    @staticmethod
-    def copy_checkpoints(kept: dict) -> dict:
-        """Copies of kept checkpoints ({t: `checkpoint()`}) that share among themselves what they share: each
-        distinct array copied once (a history's checkpoints share its MLA caches), its values as they are."""
-        memo: dict = {}  # id of an original array (alive in `kept` throughout) -> its copy
-
-        def copied(a):
-            if id(a) not in memo:
-                memo[id(a)] = a.copy()
-            return memo[id(a)]
-
-        def layer(att):
-            return KimiLayerState(replace(att, **{f.name: copied(getattr(att, f.name)) for f in fields(att)
-                                                  if hasattr(getattr(att, f.name), "shape")}))
-
-        return {t: KimiDecodeState([layer(ls.attention) for ls in s.layers], s.position) for t, s in kept.items()}
-
     def arrays(self) -> list:
         """Every array the state holds, layer by layer."""
-        return [a for ls in self.layers for f in fields(ls.attention) if hasattr(a := getattr(ls.attention, f.name), "nbytes")]
+        return [a for ls in self.layers for a in ls.arrays().values()]
 
     @property
     def nbytes(self) -> int:
