@@ -202,3 +202,39 @@ def test_untrimmed_set_e_state_is_local_on_every_kda_layer():
     kda = [i for i in range(14) if i not in MLA_LAYERS]
     assert {f"layers.{i}.kda.state" for i in kda} <= set(cmp.local_sites)
     assert (cmp.first.token, cmp.first.site, cmp.first.operation) == (0, "layers.0.kda.state", "KDA q/k L2 norm")
+
+
+def test_topk_weights_without_their_ids_are_compared_largest_first(weights_d, hooks_d):
+    # an engine that dumps the routing weights but not the ids: nothing pairs them by expert, so both sides
+    # are compared largest first (was: ours in expert-id order against theirs largest first, a false divergence)
+    mapped, tokens = hooks_d
+    some = {k: v for k, v in mapped.items() if k.endswith("moe.router.topk_weights")}
+    cmp = ke.compare(ke.Session(weights_d), {**some, "tokens": np.array(tokens)}, local=False)
+    assert cmp.first is None and len(cmp.sites) == 13
+    swapped = {k: v.copy() for k, v in some.items()}
+    swapped["layers.4.moe.router.topk_weights"][9] *= 1.05
+    first = ke.compare(ke.Session(weights_d), {**swapped, "tokens": np.array(tokens)}, local=False).first
+    assert (first.token, first.site) == (9, "layers.4.moe.router.topk_weights")
+
+
+@pytest.mark.parametrize(("site", "bad"), [("layers.5.moe.router.topk_ids", lambda x: np.concatenate([x, x[:, :1]], 1)),
+                                           ("layers.5.moe.router.topk_weights", lambda x: x[:, :, None])])
+def test_wrong_topk_shape_refused(weights_d, hooks_d, site, bad):
+    # an extra (duplicate) id, or llama.cpp's [k, 1] weights unmapped: a clear error, not an IndexError or a matmul's
+    mapped, tokens = hooks_d
+    with pytest.raises(ValueError, match=f"'{site}' has per-token shape"):
+        ke.compare(ke.Session(weights_d), {site: bad(mapped[site]), "tokens": np.array(tokens)})
+
+
+def test_nothing_to_compare_refused(weights_d, hooks_d):
+    tokens = hooks_d[1]
+    with pytest.raises(ValueError, match="name no site of this model"):
+        ke.compare(ke.Session(weights_d), {"tokens": np.array(tokens)})
+
+
+def test_two_names_onto_one_site_refused(weights_d, hooks_d):
+    mapped, tokens = hooks_d
+    x = mapped["layers.1.attn.in"]
+    with pytest.raises(ValueError, match="maps both 'a' and 'b' onto 'layers.1.attn.in'"):
+        ke.compare(ke.Session(weights_d), {"a": x, "b": 2 * x, "tokens": np.array(tokens)},
+                   names={"a": "layers.1.attn.in", "b": "layers.1.attn.in"})

@@ -52,6 +52,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     order = _hook_names(weights)
     _check_names(arrays, order)
     sites = [n for n in order if n in arrays]
+    if not sites:
+        raise ValueError("compare: the other engine's values name no site of this model (nothing to compare); "
+                         "expected hook names (ke.hook_names(weights)) or names='llama.cpp'")
     ours = replay(weights, tokens, order)
     theirs = {s: arrays[s] for s in sites}
     _check_shapes(ours, theirs, len(tokens))
@@ -101,6 +104,10 @@ def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, s
         arrays = dict(names(other))
     elif isinstance(names, Mapping):
         arrays = {names[k]: v for k, v in other.items() if k in names}
+        seen: dict = {}
+        for k in other:
+            if k in names and (dup := seen.setdefault(names[k], k)) != k:
+                raise ValueError(f"compare: names maps both {dup!r} and {k!r} onto {names[k]!r}; one value per site")
     elif names is None:
         arrays = {k: v for k, v in other.items() if k not in ("tokens",)}
     else:
@@ -141,10 +148,10 @@ def _check_names(arrays, order) -> None:
 def _check_shapes(ours, theirs, T: int) -> None:
     for s, a in theirs.items():
         a = np.asarray(a)
-        if a.shape[0] != T:
-            raise ValueError(f"compare: {s!r} has {a.shape[0]} rows, expected one per token ({T})")
+        if a.ndim == 0 or a.shape[0] != T:
+            raise ValueError(f"compare: {s!r} has shape {a.shape}, expected one row per token ({T})")
         want = ours[s][0].shape
-        if a.shape[1:] != want and not s.endswith("moe.router.topk_ids") and not s.endswith("moe.router.topk_weights"):
+        if a.shape[1:] != want:
             raise ValueError(f"compare: {s!r} has per-token shape {a.shape[1:]}, kimi_explore's is {want}")
 
 
@@ -162,9 +169,12 @@ def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):
         ids_name = site.replace("topk_weights", "topk_ids")
         their_ids = theirs.get(ids_name) if their_ids is None else their_ids
         for t in range(len(a)):
+            if their_ids is None:  # nothing to pair the weights by: both sides largest first
+                a[t], b[t] = np.sort(a[t])[::-1], np.sort(b[t])[::-1]
+                continue
             if ours_ids is not None:
                 a[t] = a[t][np.argsort(ours_ids[t], kind="stable")]
-            b[t] = b[t][np.argsort(their_ids[t], kind="stable")] if their_ids is not None else np.sort(b[t])[::-1]
+            b[t] = b[t][np.argsort(their_ids[t], kind="stable")]
     return a, b
 
 
