@@ -238,3 +238,20 @@ def test_two_names_onto_one_site_refused(weights_d, hooks_d):
     with pytest.raises(ValueError, match="maps both 'a' and 'b' onto 'layers.1.attn.in'"):
         ke.compare(ke.Session(weights_d), {"a": x, "b": 2 * x, "tokens": np.array(tokens)},
                    names={"a": "layers.1.attn.in", "b": "layers.1.attn.in"})
+
+
+def test_a_nan_is_the_worst_error_in_the_table(weights_d, hooks_d):
+    # a NaN at one token must not hide behind the finite errors of the others (table, to_pandas)
+    mapped, tokens = hooks_d
+    x = mapped["layers.3.kda.o"].copy()
+    x[5, 2, 7] = np.nan
+    cmp = ke.compare(ke.Session(weights_d), {"layers.3.kda.o": x, "tokens": np.array(tokens)}, probes=False)
+    assert (cmp.first.token, cmp.first.site, cmp.first.local) == (5, "layers.3.kda.o", True)
+    (row,) = cmp.table()
+    assert row["diverges"] and row["first_token"] == 5 and row["worst_token"] == 5
+    assert np.isnan(row["rel"]) and np.isnan(row["max_abs"]) and np.isnan(row["local_rel"])
+
+
+def test_zero_tokens_refused(weights_d):
+    with pytest.raises(ValueError, match="carry 0 token ids"):
+        ke.compare(ke.Session(weights_d), {"logits": np.zeros((0, 256), np.float32), "tokens": np.zeros(0, int)})

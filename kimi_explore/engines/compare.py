@@ -127,6 +127,8 @@ def _tokens(session, theirs) -> list[int]:
         if theirs is None:
             raise ValueError("compare: the session has no tokens and the other engine's values carry none: feed the "
                              "session the token ids the other engine ran")
+        if not theirs:
+            raise ValueError("compare: the other engine's values carry 0 token ids: nothing to compare")
         return list(theirs)
     if theirs is not None and list(theirs) != ours:
         n = min(len(ours), len(theirs))

@@ -121,15 +121,16 @@ class Comparison:
         rows = []
         for s in self.sites.values():
             bad = np.flatnonzero(s.beyond(self.rtol))
-            worst = int(np.nanargmax(s.rel)) if np.any(np.isfinite(s.rel)) else 0
+            nan = np.flatnonzero(np.isnan(s.rel))  # a NaN is the worst error there is: never hidden by nan-max
+            worst = int(nan[0]) if nan.size else int(np.argmax(s.rel))
             local = None
             if s.local_rel is not None:
                 local = bool(np.any(~(s.local_rel <= self.rtol)))
-            rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.nanmax(s.max_abs)),
+            rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.max(s.max_abs)),
                          "rel": float(s.rel[worst]), "worst_token": worst,
                          "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
                          "local": local,
-                         "local_rel": None if s.local_rel is None else float(np.nanmax(s.local_rel)),
+                         "local_rel": None if s.local_rel is None else float(np.max(s.local_rel)),
                          "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})
         return rows
 
