@@ -255,3 +255,19 @@ def test_a_nan_is_the_worst_error_in_the_table(weights_d, hooks_d):
 def test_zero_tokens_refused(weights_d):
     with pytest.raises(ValueError, match="carry 0 token ids"):
         ke.compare(ke.Session(weights_d), {"logits": np.zeros((0, 256), np.float32), "tokens": np.zeros(0, int)})
+
+
+def test_a_probe_that_matches_no_eps_does_not_rename_the_operation(weights_d, hooks_d):
+    # a head of kda.o sign-flipped at token 5: local at kda.o, and no eps explains it, so the operation stays
+    # what kimi_explore computes there (was: renamed "KDA q/k L2 norm", blaming a norm the probe had just cleared)
+    from kimi_explore.engines.operations import OPERATIONS
+
+    mapped, tokens = hooks_d
+    x = mapped["layers.3.kda.o"].copy()
+    x[5, 2] *= -1
+    cmp = ke.compare(ke.Session(weights_d), {**mapped, "layers.3.kda.o": x, "tokens": np.array(tokens)})
+    first = cmp.first
+    assert (first.token, first.site, first.local) == (5, "layers.3.kda.o", True)
+    # the dump's attn.out is llama.cpp's, not computed from the flipped kda.o: local too (the perturbation was not carried on)
+    assert cmp.local_sites == ["layers.3.kda.o", "layers.3.attn.out"]
+    assert first.operation == OPERATIONS["kda.o"] and first.explanation.startswith("no eps in")

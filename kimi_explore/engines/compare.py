@@ -193,14 +193,13 @@ def _run_probes(cmp: Comparison, weights, tokens, order, theirs, tol) -> None:
         targets = [s for s in probe_sites(probe, cmp.sites) if s in local]
         if not targets:
             continue
-        for s in targets:
-            cmp.sites[s].operation = probe
         open_ = set(targets)
         for eps in candidates(own_eps, weights.config):
             forced = replay(weights, tokens, order, patch=theirs, probe=probe_class(weights, eps))
             for s in sorted(open_):
                 r = cmp.sites[s]
                 if np.all(_local_rel(s, r.kind, forced, theirs, tol) <= tol.rtol):
+                    r.operation = probe  # named only where one of its variants explains the site
                     r.explanation = f"other engine matches eps {eps:g} (kimi_explore: {own_eps:g})"
                     open_.discard(s)
             if not open_:
