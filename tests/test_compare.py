@@ -271,3 +271,21 @@ def test_a_probe_that_matches_no_eps_does_not_rename_the_operation(weights_d, ho
     # the dump's attn.out is llama.cpp's, not computed from the flipped kda.o: local too (the perturbation was not carried on)
     assert cmp.local_sites == ["layers.3.kda.o", "layers.3.attn.out"]
     assert first.operation == OPERATIONS["kda.o"] and first.explanation.startswith("no eps in")
+
+
+def test_the_kda_eps_is_named_where_a_dump_has_kda_q_and_k():
+    # an engine that is kimi_explore with the KDA q/k L2 norm at eps 1e-5 (the probe's own variant), dumping every site:
+    # the first divergence is the norm's own output kda.q, and the probe explains it there (was: unexplained)
+    from kimi_explore.engines.operations import KdaQkNormProbe
+    from kimi_explore.engines.patching import replay
+
+    weights = _weights("e")
+    with np.load(_captures("e")) as z:
+        tokens = z["tokens"].tolist()[:6]
+    names = ke.hook_names(weights)
+    theirs = {k: np.stack(v) for k, v in replay(weights, tokens, names, probe=KdaQkNormProbe(weights, 1e-5)).items()}
+    cmp = ke.compare(ke.Session(weights), {**theirs, "tokens": np.array(tokens)})
+    first = cmp.first
+    assert (first.token, first.layer, first.site, first.local) == (0, 0, "layers.0.kda.q", True)
+    assert first.operation == "KDA q/k L2 norm" and "matches eps 1e-05" in first.explanation
+    assert all(s.endswith(("kda.q", "kda.k")) for s in cmp.local_sites)

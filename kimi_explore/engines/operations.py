@@ -9,7 +9,8 @@ by replaying with the variant patched in through the hooks (`patching.replay(pro
 
 - "KDA q/k L2 norm": q, k = x / sqrt(sum(x^2) + eps), eps 1e-6 in fla's kernel (kimi_explore's
   `kda.L2NORM_EPS`); llama.cpp passes `rms_norm_eps`. It shapes `kda.state` (through k) and
-  `kda.o` (through q and k). The probe recomputes `kda.q` / `kda.k` from `kda.conv_out` with another eps.
+  `kda.o` (through q and k), and is `kda.q` / `kda.k` themselves where a dump has them. The probe
+  recomputes `kda.q` / `kda.k` from `kda.conv_out` with another eps.
 - "MLA latent RMSNorm": q_a_layernorm / kv_a_layernorm with eps 1e-6 (the class default,
   `mla.LATENT_NORM_EPS`); llama.cpp uses `rms_norm_eps`. The probe recomputes `mla.q_latent` /
   `mla.kv_latent` from `attn.in` with another eps.
@@ -132,7 +133,7 @@ class MlaLatentNormProbe(EpsProbe):
 
 # probe name -> (its class, the site kinds it can explain, kimi_explore's own eps for it)
 PROBES = {
-    KdaQkNormProbe.name: (KdaQkNormProbe, ("kda.state", "kda.o"), L2NORM_EPS),
+    KdaQkNormProbe.name: (KdaQkNormProbe, ("kda.q", "kda.k", "kda.state", "kda.o"), L2NORM_EPS),
     MlaLatentNormProbe.name: (MlaLatentNormProbe, ("mla.q_latent", "mla.kv_latent"), LATENT_NORM_EPS),
 }
 
