@@ -322,3 +322,14 @@ def test_a_small_error_on_a_small_first_token_is_found_at_its_site(weights_d, ho
     short = ke.compare(ke.Session(weights_d), {**cut, "tokens": np.array(tokens[:4])}, probes=False)
     for s, r in short.sites.items():
         np.testing.assert_array_equal(r.rel, cmp.sites[s].rel[:4], err_msg=s)
+
+
+def test_a_dump_under_llamacpp_names_is_mapped(tmp_path, weights_d):
+    # names= applies to a dump file too (was ignored: a KeyError telling to pass the names='llama.cpp' just passed)
+    with np.load(_captures("d")) as z:
+        raw = {k: z[k] for k in z.files if k != "tokens"}
+        tokens = z["tokens"].tolist()
+    path = ke.write_dump(tmp_path / "raw.safetensors", raw, tokens=tokens, engine="llama.cpp 0c1e57098")
+    from_dump = ke.compare(ke.Session(weights_d), path, names="llama.cpp", local=False)
+    from_npz = ke.compare(ke.Session(weights_d), _captures("d"), names="llama.cpp", local=False)
+    assert from_dump.table() == from_npz.table() and from_dump.engine == "llama.cpp 0c1e57098"

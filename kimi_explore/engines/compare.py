@@ -40,7 +40,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
 
     session: a `Session` on the same weights (its tokens; an empty session takes the other engine's).
     other: {hook name: [T, ...]}, a `Dump`, a dump file (.safetensors), or llama.cpp captures (an .npz
-    path or mapping, with names="llama.cpp"). names: None (keys are hook names), "llama.cpp", a mapping
+    path, mapping or dump, with names="llama.cpp"). names: None (keys are hook names), "llama.cpp", a mapping
     {other name: hook name}, or a function arrays -> {hook name: array}. tolerance: a preset name, a
     float rtol or a `Tolerance` (default: the dump's dtype, else "float32"). local: run the
     teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
@@ -89,7 +89,10 @@ def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, s
         else:
             other = read_dump(path)
     if isinstance(other, Dump):
-        return dict(other.arrays), list(other.tokens), other.engine, other.dtype
+        if names is None:
+            return dict(other.arrays), list(other.tokens), other.engine, other.dtype
+        engine, dtype = other.engine, other.dtype  # a dump under the other engine's own names: map them below
+        other = {**other.arrays, "tokens": np.asarray(other.tokens)}
     if not isinstance(other, Mapping):
         raise TypeError(f"compare: other must be a mapping, a Dump or a path, got {type(other).__name__}")
     if "tokens" in other:
