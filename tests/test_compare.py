@@ -333,3 +333,52 @@ def test_a_dump_under_llamacpp_names_is_mapped(tmp_path, weights_d):
     from_dump = ke.compare(ke.Session(weights_d), path, names="llama.cpp", local=False)
     from_npz = ke.compare(ke.Session(weights_d), _captures("d"), names="llama.cpp", local=False)
     assert from_dump.table() == from_npz.table() and from_dump.engine == "llama.cpp 0c1e57098"
+
+
+def _engine_run(weights, tokens, site, token, factor, prefill):
+    """Another engine: kimi_explore with `site` at `token` scaled by `factor` (carried on downstream), every site
+    recorded; prefill=True runs the sequence path (`kimi_forward_sequence`, chunks of 7), else token by token."""
+    from kimi_explore.inspection.hooks import Hooks
+    from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+
+    T, rows = len(tokens), {}
+
+    def hook(value, *, hook):
+        chunk = hook.position is None
+        value = np.array(value, copy=True) if chunk else np.array(value, copy=True)[None]
+        positions = np.asarray(hook.positions).tolist() if chunk else [hook.position]
+        for j, t in enumerate(positions):
+            if (hook.name, t) == (site, token):
+                value[j] = value[j] * factor
+            row = value[j]
+            if hook.name.endswith("mla.probs"):  # [nh, t + 1] (a chunk: [nh, cache]) -> [nh, T]
+                row = np.pad(row[..., : t + 1], [(0, 0), (0, T - t - 1)])
+            rows.setdefault(hook.name, {})[t] = row
+        return value if chunk else value[0]
+
+    hooks = Hooks().bind(weights)
+    hooks.add(hook, names_filter=lambda n: True, chunks=True)
+    state = weights.new_state()
+    if prefill:
+        kimi_forward_sequence(weights, state, tokens, hooks, 7)
+    else:
+        for t, tid in enumerate(tokens):
+            hooks.begin_token(int(tid), t)
+            weights.forward_token(state, int(tid), hooks)
+    return {n: np.stack([r[t] for t in range(T)]) for n, r in rows.items()}
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+@pytest.mark.parametrize(("site", "token"), [("layers.4.kda.state", 6), ("layers.9.mla.probs", 8),
+                                             ("layers.7.moe.router.topk_weights", 3), ("final.hidden", 15)])
+def test_an_engine_off_at_one_site_is_found_there_on_decode_and_prefill(weights_d, hooks_d, site, token, prefill):
+    # a 1% error made at one site and token, carried on through everything downstream as a real engine would:
+    # found at that site and token, local, and every later divergence inherited
+    tokens = hooks_d[1]
+    clean = _engine_run(weights_d, tokens, site, token, 1.0, prefill)
+    assert ke.compare(ke.Session(weights_d), {**clean, "tokens": np.array(tokens)}, local=False).first is None
+    theirs = _engine_run(weights_d, tokens, site, token, 1.01, prefill)
+    cmp = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, probes=False)
+    first = cmp.first
+    assert (first.token, first.site, first.local) == (token, site, True)
+    assert cmp.local_sites == [site] and 0.009 < first.rel < 0.011
