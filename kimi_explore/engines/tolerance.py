@@ -30,7 +30,7 @@ to about 7.
 Integer sites (`moe.router.topk_ids`) are compared as sets: max_abs_t = the number of ids in one
 top-k set and not in the other, rel_t = max_abs_t / k, beyond tolerance as soon as one id differs.
 `moe.router.topk_weights` are compared in the order of their expert ids (engines may list the same
-set in another order).
+set in another order); where the other engine gives no ids, both sides largest first.
 """
 
 from __future__ import annotations
