@@ -263,13 +263,13 @@ def test_a_probe_that_matches_no_eps_does_not_rename_the_operation(weights_d, ho
     from kimi_explore.engines.operations import OPERATIONS
 
     mapped, tokens = hooks_d
-    x = mapped["layers.3.kda.o"].copy()
-    x[5, 2] *= -1
-    cmp = ke.compare(ke.Session(weights_d), {**mapped, "layers.3.kda.o": x, "tokens": np.array(tokens)})
+    x = mapped["layers.1.kda.o"].copy()
+    x[5, 2] *= -1  # layer 1: its state is in the trimmed captures
+    cmp = ke.compare(ke.Session(weights_d), {**mapped, "layers.1.kda.o": x, "tokens": np.array(tokens)})
     first = cmp.first
-    assert (first.token, first.site, first.local) == (5, "layers.3.kda.o", True)
+    assert (first.token, first.site, first.local) == (5, "layers.1.kda.o", True)
     # the dump's attn.out is llama.cpp's, not computed from the flipped kda.o: local too (the perturbation was not carried on)
-    assert cmp.local_sites == ["layers.3.kda.o", "layers.3.attn.out"]
+    assert cmp.local_sites == ["layers.1.kda.o", "layers.1.attn.out"]
     assert first.operation == OPERATIONS["kda.o"] and first.explanation.startswith("no eps in")
 
 
@@ -382,3 +382,18 @@ def test_an_engine_off_at_one_site_is_found_there_on_decode_and_prefill(weights_
     first = cmp.first
     assert (first.token, first.site, first.local) == (token, site, True)
     assert cmp.local_sites == [site] and 0.009 < first.rel < 0.011
+
+
+def test_a_sparse_dump_names_every_operation_since_its_last_site(weights_d, hooks_d):
+    # an engine 5% off at layers.3.kda.o (token 2) that dumps four sites: the divergence can only be placed at
+    # layers.5.prefix_sum, and its operation is not "residual sum" alone (was), but everything since layers.0.kda.state
+    from kimi_explore.engines.patching import replay
+
+    tokens = hooks_d[1]
+    names = ke.hook_names(weights_d)
+    full = replay(weights_d, tokens, names, probe=_Scale("layers.3.kda.o", 2, 1.05))
+    sparse = {k: np.stack(full[k]) for k in ("layers.0.attn.in", "layers.0.kda.state", "layers.5.prefix_sum", "logits")}
+    first = ke.compare(ke.Session(weights_d), {**sparse, "tokens": np.array(tokens)}).first
+    assert (first.token, first.site, first.local) == (2, "layers.5.prefix_sum", True)
+    assert first.operation.startswith("residual sum, and everything since layers.0.kda.state: ")
+    assert "(layers.0.kda.o .. layers.5.ffn.out)" in first.operation

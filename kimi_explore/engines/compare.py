@@ -64,7 +64,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         layer, kind = _split(s)
         a, b = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
         max_abs, rel = site_errors(kind, a, b, tol)
-        results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=operation_of(kind))
+        results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, order, theirs))
     cmp = Comparison(results, tol, tokens, engine, weights.config)
     if local:
         forced = replay(weights, tokens, order, patch=theirs)
@@ -158,6 +158,29 @@ def _check_shapes(ours, theirs, T: int) -> None:
         want = ours[s][0].shape
         if a.shape[1:] != want:
             raise ValueError(f"compare: {s!r} has per-token shape {a.shape[1:]}, kimi_explore's is {want}")
+
+
+# sites whose operation the next captured site's description already names (the conv window, the q/k L2
+# norms), or where nothing is computed (the sealed blocks): a dump may leave them out
+_FOLDED = ("kda.conv", "kda.q", "kda.k", "final.block_residual")
+
+
+def _operation(site, kind, order, captured) -> str:
+    """What kimi_explore computes at `site` from the other engine's values: its own operation, and every
+    operation since the last captured site when the sites between are not in the dump (a sparse dump
+    cannot place a local difference closer than that)."""
+    i, skipped, since = order.index(site), [], "the token ids"
+    for prev in reversed(order[:i]):
+        if prev in captured:
+            since = prev
+            break
+        if _split(prev)[1] not in _FOLDED:
+            skipped.append(prev)
+    op = operation_of(kind)
+    if not skipped:
+        return op
+    between = skipped[0] if len(skipped) == 1 else f"{skipped[-1]} .. {skipped[0]}"
+    return f"{op}, and everything since {since}: {len(skipped)} site(s) not in the dump ({between})"
 
 
 def _split(site: str):
