@@ -33,7 +33,8 @@ class Divergence:
     token: 0-based position; layer: 0-based layer, None for a global site ("embed", "final.*",
     "logits"); site: the kimi_explore hook name; local: the operation itself disagrees (True) or
     the site inherits differences from upstream (False), None when not tested; operation: what
-    kimi_explore computes there (a probe's name when a probe explains it); max_abs, rel: the error
+    kimi_explore computes there (every operation since the last site the dump has, where the sites
+    between are missing; a probe's name when a probe explains it); max_abs, rel: the error
     at that token; local_rel: the error of kimi_explore's operation on the other engine's inputs;
     explanation: what a probe found ("other engine matches eps 1e-05"), or "".
     """
