@@ -249,7 +249,7 @@ RULES = ("auto", "recurrent", "chunked")
 
 
 def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=None, names=None, state_norms: bool = False,
-                 rule: str = "auto"):
+                 rule: str = "auto", fire_decay: bool = True):
     """x: [T, d] (input_layernorm outputs) -> (out [T, d], norms or None); advances `state` in place as T
     `kda_step` calls would.
 
@@ -266,7 +266,8 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
     order, named names[kind] (a layer's bound `names`; None: the kinds themselves): kda.conv_out
     [T, 3, H, K], kda.q, kda.k, kda.v [T, H, K], kda.beta [T, H], kda.decay [T, H, K] (alpha = exp(g); a
-    changed value, returned or edited in place, is used through its log, floored at LOG_DECAY_FLOOR), kda.gate [T, H, K],
+    changed value, returned or edited in place, is used through its log, floored at LOG_DECAY_FLOOR; fired
+    only with fire_decay: False when nothing listens there, which spares the copy that detects an edit), kda.gate [T, H, K],
     kda.o [T, H, V]; a returned array is used downstream. The recurrent sites kda.conv and kda.state
     (`SEQUENTIAL_SITES`: a changed value must reach the next token) are not fired; with
     state_norms=True, norms = {"kda.state": ||S_h||_F after every token [T, H], "kda.conv": each head's
@@ -308,12 +309,13 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     if fire is not None:
         q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
         beta = fire(site("kda.beta"), beta)
-        given = alpha.copy()
-        hooked = fire(site("kda.decay"), alpha)
-        if hooked is not alpha or not xp.array_equal(alpha, given):  # returned, or edited in place
-            with np.errstate(divide="ignore"):
-                g = xp.maximum(xp.log(hooked), LOG_DECAY_FLOOR)
-            alpha = None
+        if fire_decay:
+            given = alpha.copy()
+            hooked = fire(site("kda.decay"), alpha)
+            if hooked is not alpha or not xp.array_equal(alpha, given):  # returned, or edited in place
+                with np.errstate(divide="ignore"):
+                    g = xp.maximum(xp.log(hooked), LOG_DECAY_FLOOR)
+                alpha = None
         gate = fire(site("kda.gate"), gate)
     if rule not in RULES:
         raise ValueError(f"kda_sequence: rule={rule!r}, expected one of {RULES}")
