@@ -141,6 +141,10 @@ def test_tolerance_rule():
     _, nan_rel = site_errors("attn.in", [np.array([1.0])], [np.array([np.nan])], tol)
     assert not nan_rel[0] <= tol.rtol  # NaN is never within tolerance
     assert Tolerance.of("bfloat16").rtol == 3e-2 and Tolerance.of(1e-3).rtol == 1e-3
+    assert Tolerance.of(np.float32(3e-2)).rtol == pytest.approx(3e-2)  # a NumPy scalar, e.g. from np.finfo
+    for bad in (0.0, -1e-3, True, np.bool_(True), "1e-3"):
+        with pytest.raises((TypeError, ValueError), match="tolerance="):
+            Tolerance.of(bad)
     with pytest.raises(ValueError, match="'fp8'"):
         Tolerance.of("fp8")
 

@@ -49,6 +49,25 @@ def test_set_e_routing_agrees_on_98_of_208_sets():
     assert not rc.same[t, rc.moe_layers.index(layer)] and rc.same[:t].all()
 
 
+def test_tokens_the_server_ran_are_checked(set_d):
+    weights, session, ids, tokens = set_d
+    # an empty session is fed the engine's tokens: the same verdict as the fed one
+    rc = compare_routing(ke.Session(weights), read_routed_experts(ids, weights, tokens=tokens))
+    assert rc.agreement == 1.0 and rc.same.shape == (16, 13)
+    assert compare_routing(session, ids, tokens=np.array(tokens)).agreement == 1.0
+    # a session fed other tokens of the same length: refused, not compared
+    other = ke.Session(weights)
+    other.feed(tokens[:5] + [(tokens[5] + 1) % 256] + tokens[6:], progress=False)
+    with pytest.raises(ValueError, match="first difference at position 5"):
+        compare_routing(other, ids, tokens=tokens)
+    with pytest.raises(ValueError, match="expected the 16 integer token ids"):
+        read_routed_experts(ids, weights, tokens=tokens[:15])
+    with pytest.raises(ValueError, match=r"vocabulary is 0..255"):
+        read_routed_experts(ids, weights, tokens=[256] * 16)
+    with pytest.raises(ValueError, match="differs from the routing's own tokens"):
+        compare_routing(session, read_routed_experts(ids, weights, tokens=tokens), tokens=tokens[::-1])
+
+
 def test_layouts_accepted(set_d):
     weights, _, ids, _ = set_d
     base = read_routed_experts(ids, weights)

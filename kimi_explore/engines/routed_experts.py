@@ -5,8 +5,9 @@ array [tokens, n_moe_layers, top_k] (MoE layers in model order; a dense first la
 A server that lists every decoder layer ([tokens, num_hidden_layers, top_k]) is accepted too: the
 dense layers' rows are dropped. A flat [tokens, n_moe_layers * top_k] is reshaped.
 
-    routing = read_routed_experts(ids, weights)     # trace.routing()'s layout: topk_ids [T, M, k], moe_layers, ...
+    routing = read_routed_experts(ids, weights, tokens=prompt_and_output_ids)   # trace.routing()'s layout
     rc = compare_routing(session, routing)          # RoutingComparison: per token and layer, which sets agree
+                                                    # (an empty session is fed the tokens; others must match them)
     stats = routed_experts_stats(weights, routing, tokens)   # a RoutingStats, as ke.routing_stats gives
     hooks = routing_hooks(routing)                  # {"layers.i.moe.router.topk_ids": [T, k]} for ke.compare
 
@@ -28,8 +29,10 @@ def _moe_layers(weights) -> list[int]:
     return [i for i in getattr(weights, "layer_ids", range(cfg.num_hidden_layers)) if cfg.is_moe_layer(i)]
 
 
-def read_routed_experts(ids, weights) -> dict:
-    """The servers' routed-expert ids -> {"moe_layers", "topk_ids" [T, M, k] int64, "topk_weights" NaN, "num_experts"}."""
+def read_routed_experts(ids, weights, tokens=None) -> dict:
+    """The servers' routed-expert ids -> {"moe_layers", "topk_ids" [T, M, k] int64, "topk_weights" NaN, "num_experts"},
+    with "tokens" (the T token ids the server ran: prompt then output) where given, so that `compare_routing` can
+    check them: the ids alone cannot tell a session fed other tokens of the same length."""
     a = np.asarray(ids)
     cfg = weights.config
     moe, k, E = _moe_layers(weights), int(cfg.num_experts_per_token), int(cfg.num_experts)
@@ -47,8 +50,20 @@ def read_routed_experts(ids, weights) -> dict:
                          f"(of {cfg.num_hidden_layers} decoder layers)")
     if a.size and (a.min() < 0 or a.max() >= E):
         raise ValueError(f"routed experts: ids in [{a.min()}, {a.max()}]; this model has experts 0..{E - 1}")
-    return {"moe_layers": moe, "topk_ids": a.astype(np.int64), "topk_weights": np.full(a.shape, np.nan),
-            "num_experts": E}
+    out = {"moe_layers": moe, "topk_ids": a.astype(np.int64), "topk_weights": np.full(a.shape, np.nan), "num_experts": E}
+    if tokens is not None:
+        out["tokens"] = _token_list(tokens, a.shape[0], cfg.vocab_size)
+    return out
+
+
+def _token_list(tokens, rows: int, vocab_size: int) -> list[int]:
+    t = np.asarray(tokens)
+    if t.ndim != 1 or t.dtype.kind not in "iu" or len(t) != rows:
+        raise ValueError(f"routed experts: tokens {t.dtype} {t.shape}; expected the {rows} integer token ids the server "
+                         "ran, one per row of routed experts (prompt then output)")
+    if t.size and (t.min() < 0 or t.max() >= vocab_size):
+        raise ValueError(f"routed experts: token ids in [{t.min()}, {t.max()}]; this model's vocabulary is 0..{vocab_size - 1}")
+    return t.astype(np.int64).tolist()
 
 
 def routing_hooks(routing: dict) -> dict:
@@ -94,10 +109,28 @@ class RoutingComparison:
                 f"top-k sets agree; first mismatch {self.first_mismatch})")
 
 
-def compare_routing(session, other) -> RoutingComparison:
+def compare_routing(session, other, tokens=None) -> RoutingComparison:
     """`session` (its recorded routing, `session.trace().routing()`) against `other`: a routing dict from
-    `read_routed_experts`, or the servers' raw ids (read with the session's weights)."""
-    theirs = other if isinstance(other, dict) else read_routed_experts(other, session.weights)
+    `read_routed_experts`, or the servers' raw ids (read with the session's weights).
+
+    tokens: the token ids the server ran (or the routing dict's "tokens"). Where known, an empty session is
+    fed them, and a session that ran other tokens is refused, naming the first position that differs.
+    """
+    theirs = other if isinstance(other, dict) else read_routed_experts(other, session.weights, tokens)
+    if tokens is None:
+        tokens = theirs.get("tokens")
+    elif "tokens" in theirs and list(theirs["tokens"]) != [int(t) for t in tokens]:
+        raise ValueError("compare_routing: tokens= differs from the routing's own tokens")
+    if tokens is not None:
+        tokens = _token_list(tokens, theirs["topk_ids"].shape[0], session.weights.config.vocab_size)
+        ran = [int(t) for t in session.tokens]
+        if not ran:
+            session.feed(tokens, progress=False)
+        elif ran != tokens:
+            n = min(len(ran), len(tokens))
+            first = next((i for i in range(n) if ran[i] != tokens[i]), n)
+            raise ValueError(f"compare_routing: the session ran other tokens than the engine: {len(ran)} ids against "
+                             f"its {len(tokens)}, first difference at position {first}")
     ours = session.trace().routing()
     if "topk_ids" not in ours:
         raise ValueError("compare_routing: the session's recorder kept no routing (layers.*.moe.router.topk_ids)")

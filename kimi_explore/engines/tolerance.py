@@ -35,6 +35,7 @@ set in another order); where the other engine gives no ids, both sides largest f
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,8 +61,8 @@ class Tolerance:
             if spec not in TOLERANCE_PRESETS:
                 raise ValueError(f"tolerance={spec!r}: expected one of {sorted(TOLERANCE_PRESETS)}, a float rtol or a Tolerance")
             return TOLERANCE_PRESETS[spec]
-        if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0:
-            return cls(float(spec))
+        if isinstance(spec, numbers.Real) and not isinstance(spec, (bool, np.bool_)) and spec > 0:
+            return cls(float(spec))  # a NumPy scalar (np.float32(3e-2), from a dtype's eps) too
         raise TypeError(f"tolerance={spec!r}: expected a preset name, a positive float rtol or a Tolerance")
 
 
