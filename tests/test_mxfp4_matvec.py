@@ -221,11 +221,12 @@ def test_grouped_matmat_many_inputs_against_float64(C):
 
 
 def test_grouped_matmat_small_groups_are_the_same_floats_one_input_at_a_time():
-    """Groups of 1 to 4 inputs take the tiles (their last 1-3 inputs in one pass): each output the same float as
-    that input alone in its own group, in every kernel."""
+    """Groups of 1 to 11 inputs take the tiles (AVX-512: passes of 4 inputs and a remainder; AVX2: as few passes of
+    up to 5 as that allows, as even as possible, 11 = 4 + 4 + 3): each output the same float as that input alone in
+    its own group, in every kernel."""
     rng = np.random.default_rng(11)
     packed, scale = bank(rng, E=3, R=21, C=3 * 32 * 7)
-    sizes, experts = [3, 2, 4, 1], [1, 0, 2, 1]
+    sizes, experts = [3, 2, 4, 1, 5, 6, 7, 9, 11], [1, 0, 2, 1, 0, 2, 1, 0, 2]
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     x = rng.standard_normal((bounds[-1], packed.shape[2] * 2)).astype(np.float32)
     alone = np.repeat(experts, sizes)

@@ -349,10 +349,11 @@ static void tile_portable(const uint8_t *const *rows, const uint8_t *const *srow
 
 #ifdef KX_X86
 /* nr, ni are constants at every call (tile_avx2 / tile_avx512 below), so the loops unroll into registers. */
+#define AVX2_INPUTS 5 /* inputs per AVX2 tile: 2 rows x 5 inputs are 10 accumulators, 4 decoded weights and an input */
 __attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_n(const uint8_t *const *rows,
         const uint8_t *const *srows, const int nr, const float *X, Py_ssize_t ldx, const int ni, Py_ssize_t H, float *out,
         Py_ssize_t ldo) {
-    __m256 acc[2][MM_INPUTS];
+    __m256 acc[2][AVX2_INPUTS];
     for (int a = 0; a < nr; a++)
         for (int i = 0; i < ni; i++) acc[a][i] = _mm256_setzero_ps();
     for (Py_ssize_t c = 0; c < H; c += 8) {  /* half a group: 8 bytes, 16 weights */
@@ -380,20 +381,24 @@ __attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_
 __attribute__((target("avx2,fma"))) static void tile_avx2(const uint8_t *const *rows, const uint8_t *const *srows, int nr,
                                                          const float *X, Py_ssize_t ldx, int ni, Py_ssize_t H, float *out,
                                                          Py_ssize_t ldo) {
-    /* 2 rows x 4 inputs fill the 16 ymm registers; the last 1-3 inputs in one more pass (each pass decodes the rows
-       again: K3's experts get ~4.6 of a chunk's rows each), a last odd row alone */
+    /* 2 rows (a last odd row alone) x up to 5 inputs, the inputs cut into as few passes as that allows, as even as
+       possible (each pass decodes the rows again): K3's experts get ~4.6 of a chunk's rows each (at 256), so a group of
+       5 is one pass, not 4 + 1; 9 is 5 + 4, 11 is 4 + 4 + 3. Per (row, input) the same products in the same order as
+       one input at a time. */
 #define KX_TILE(NR, NI) tile_avx2_n(rows + a, srows + a, NR, X + i * ldx, ldx, NI, H, out + i * ldo + a, ldo)
+    const int passes = (ni + AVX2_INPUTS - 1) / AVX2_INPUTS;
     for (int a = 0; a < nr;) {
         const int two = nr - a >= 2;
-        int i = 0;
-        for (; i + MM_INPUTS <= ni; i += MM_INPUTS)
-            if (two) KX_TILE(2, MM_INPUTS);
-            else KX_TILE(1, MM_INPUTS);
-        switch (ni - i) {  /* the same products in the same order per (row, input) as one input at a time */
-            case 3: if (two) KX_TILE(2, 3); else KX_TILE(1, 3); break;
-            case 2: if (two) KX_TILE(2, 2); else KX_TILE(1, 2); break;
-            case 1: if (two) KX_TILE(2, 1); else KX_TILE(1, 1); break;
-            default: break;
+        for (int p = 0, i = 0; p < passes; p++) {
+            const int n = (ni - i + passes - p - 1) / (passes - p);
+            switch (n) {
+                case 5: if (two) KX_TILE(2, 5); else KX_TILE(1, 5); break;
+                case 4: if (two) KX_TILE(2, 4); else KX_TILE(1, 4); break;
+                case 3: if (two) KX_TILE(2, 3); else KX_TILE(1, 3); break;
+                case 2: if (two) KX_TILE(2, 2); else KX_TILE(1, 2); break;
+                default: if (two) KX_TILE(2, 1); else KX_TILE(1, 1); break;
+            }
+            i += n;
         }
         a += two ? 2 : 1;
     }
@@ -450,7 +455,7 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
    dequantised weights times the inputs: another order than the tiles', within the same float64 bound
    (tests/test_mxfp4_matvec.py). */
 
-#define MXFP4_PANEL_MIN_INPUTS 12  /* fewer: the tiles, which decode each weight once per 4 inputs but skip the panels'
+#define MXFP4_PANEL_MIN_INPUTS 12  /* fewer: the tiles, which decode each weight once per 4-5 inputs but skip the panels'
                                       transposes, stores and loads (as fast at 12 inputs, faster below, on this AVX2 VM) */
 
 /* The tile of rows r0 .. r0 + nr - 1 (nr <= PANEL_ROWS), bytes c0 .. c1 - 1 (c1 - c0 <= PANEL_K / 2) of group j's

@@ -26,7 +26,7 @@ three routes:
 
 The sequence path calls `outputs_grouped(ids [T, k], z [T, l], act)` -> [T, k, l]: the selections of
 a chunk grouped by expert (`latent_moe.group_selections`), each distinct expert read once: fused, two
-`mxfp4_matvec.grouped_matmat` calls (each weight decoded once per tile of 4 input rows); otherwise
+`mxfp4_matvec.grouped_matmat` calls (each weight decoded once per tile of 4-5 input rows); otherwise
 each expert found in the cache or dequantised (`GROUPED_BYTES` of them at a time, then stored in the
 cache), multiplied with all its rows. Stats count each distinct expert of the chunk once.
 

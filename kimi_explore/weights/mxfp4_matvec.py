@@ -14,7 +14,7 @@ The sequence path multiplies GROUPS of input rows, each group by its own expert 
 `grouped_parts_matmat`: a chunk's selections grouped by expert). The expert's bytes come from memory
 once per call, and the power of two multiplies the decoded weight (the exact dequantised value), so
 each output is a float32 dot product with the dequantised matrix, summed in the kernel's order. A group
-of fewer than 12 inputs decodes each weight once per tile of 4 inputs; a larger one (AVX2) decodes a
+of fewer than 12 inputs decodes each weight once per tile of up to 4 inputs (AVX2: 5); a larger one (AVX2) decodes a
 tile of 64 rows x 256 columns once into float32 panels and multiplies them as BLAS does (outer
 products, 10 independent accumulators: `_panels_avx2.h`).
 """
