@@ -699,3 +699,40 @@ def test_a_view_left_as_it_was_is_not_resent_and_a_changed_one_is(tiny_weights, 
     sent.clear()
     ex.token.value = 1  # nothing changed: nothing sent
     assert sent == []
+
+
+def test_a_new_prompt_fed_by_play_recomputes_the_surprisal_of_a_token_that_came_back(tiny_weights):
+    """'abcdef' then Play with 'axcdef': tokens 2.. are the same ids as before, but they follow another
+    token 1, so their surprisal (and its hover title) must be that of the new history: equal to a fresh
+    session fed the new tokens, not what the old history gave."""
+    from kimi_explore.views import summaries
+
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="abcdef")
+    ex.play_button.click()
+    before = ex.history.measures["surprisal"].copy()
+    ex.prompt.value = "axcdef"
+    ex.play_button.click()
+    assert s.tokens == list(b"axcdef")
+    ref = Session(tiny_weights, recorder=False)
+    ref.feed(list(b"axcdef"))
+    want = [np.nan] + [summaries.surprisal_bits(ref.logits_at(t - 1), s.tokens[t]) for t in range(1, 6)]
+    np.testing.assert_allclose(ex.history.measures["surprisal"], want, atol=2e-3, equal_nan=True)  # chunking: rounding
+    assert np.abs(before[2:] - np.asarray(want[2:])).max() > 0.1  # the old values were really different
+    assert ex.text.titles[2].endswith(f"surprisal {want[2]:.4g}; click to select")
+
+
+def test_kda_heads_at_the_selected_mla_layer_say_why_instead_of_raising(explorer):
+    """KDA heads at 'this' layer while an MLA layer is selected: the note says so (as experts at a dense
+    layer do); it used to raise out of the button's handler (no hook point 'layers.3.kda.state')."""
+    ex = explorer
+    for _ in range(3):
+        ex.step_button.click()
+    mla = next(i for i in ex.session.weights.layer_ids if i not in ex.kda_layers)
+    ex.select(token=1, layer=mla)
+    ex.ablation.what.value = "KDA heads"
+    ex.ablation.experts.value, ex.ablation.layers.value = "0", "this"
+    assert ex.ablate() is None
+    assert f"layer {mla} is an MLA layer, no KDA heads" in ex.ablation.note.value and not ex.ablation.view.spec
+    ex.ablation.layers.value = "all"  # every KDA layer: runs
+    assert ex.ablate() is not None and ex.ablation.view.spec

@@ -169,6 +169,8 @@ class Ablation:
         if self.what.value == "KDA heads":
             if not ex.kda_layers:
                 raise ValueError("no KDA layer is loaded")
+            if layer not in ex.kda_layers and self.layers.value.strip().lower() in ("", "this"):
+                raise ValueError(f"layer {layer} is an MLA layer, no KDA heads: pick a KDA layer")
             layers = parse_layers(self.layers.value, layer, ex.kda_layers)
             heads = parse_ids(self.experts.value, "heads")
             H = cfg.linear_attn_config.num_heads

@@ -290,8 +290,11 @@ class Explorer(widgets.VBox):
         self.history_id += 1
         self._memo.clear()
         self._trace = None
-        toks = self.session.tokens
-        self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == toks[t]}
+        # token t's surprisal reads the logits after tokens[:t]: it holds only inside the prefix the history
+        # shares with the one it was computed for (a new prompt fed by Play can bring a token back at t
+        # after another one at t - 1)
+        keep = self.history.shared_prefix(self.session.tokens)
+        self._surprisal = {t: v for t, v in self._surprisal.items() if t < keep}
         # the per-history numbers first: the views drawn below read them (the expert counts, the measures)
         self.history.update(self, self._surprisals())
         self._quiet = True  # moving the slider must not refresh the views before the text and status are sent
