@@ -736,3 +736,41 @@ def test_kda_heads_at_the_selected_mla_layer_say_why_instead_of_raising(explorer
     assert f"layer {mla} is an MLA layer, no KDA heads" in ex.ablation.note.value and not ex.ablation.view.spec
     ex.ablation.layers.value = "all"  # every KDA layer: runs
     assert ex.ablate() is not None and ex.ablation.view.spec
+
+
+def test_a_history_changed_outside_the_explorer_is_caught_up_before_anything_is_shown(tiny_weights):
+    """`session.feed` / `truncate` in another cell, then a click in the Explorer: every view shows the session
+    as it is now (the load over all its tokens, by an independent `load_stats` of its trace; the slider
+    over its tokens; the ablation routed from its trace), not the history the Explorer last saw."""
+    from kimi_explore.views import summaries
+
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="Hello there", tab="MoE routing")
+    for _ in range(4):
+        ex.step_button.click()
+    s.feed(list(b" world"))  # outside the Explorer
+    ex.select(token=2)
+    assert (ex.token.max, ex.token.value, ex.text.selected, len(ex.text.labels)) == (9, 2, 2, 10)
+    assert "10 tokens decoded" in ex.status.value and "changed outside the Explorer" in ex.status.value
+    counts = summaries.load_stats(s.trace().routing())["counts"]
+    z = decode(ex.views["moe_sorted"].spec["data"][0]["z"])
+    np.testing.assert_array_equal(z, -np.sort(-counts, axis=1)[:, : z.shape[1]])
+    assert "over 10 tokens" in ex.views["moe_sorted"].spec["layout"]["title"]["text"]
+    s.truncate(3)
+    ex.tabs.selected_index = TABS.index("Predictions")  # opening a tab catches up too
+    assert ex.token.max == 2 and ex.views["predictions"].meta == {"token": 2, "layer": ex.layer.value, "tokens": 3}
+    s.feed(list(b"xyz"))
+    ex.select(token=4, layer=ex.moe_layers[0])
+    s.truncate(5)
+    s.feed(list(b"Q"))  # token 5 is another one now, behind the Explorer's back
+    ex.ablation.experts.value = "chosen"
+    got = ex.ablate()  # routes from the session's own trace: the experts token 4 chose there
+    r = s.trace().routing()
+    chosen = [int(e) for e in r["topk_ids"][4, 0] if e >= 0]
+    ref = Session(tiny_weights, recorder=False)
+    ref.feed(s.tokens[:4])
+    with ref.intervene(interventions.ablate_experts(ex.moe_layers[0], chosen, 4)):
+        want = ref.step(s.tokens[4])
+    np.testing.assert_allclose(got, want, atol=1e-3)  # chunked vs stepped: rounding only
+    assert np.abs(got - s.logits_at(4)).max() > 1e-2 and ex.ablation.view.spec
+    assert ex.history.tokens == s.tokens

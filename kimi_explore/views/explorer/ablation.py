@@ -196,6 +196,7 @@ class Ablation:
 
     def run(self):
         ex = self.ex
+        ex.sync()  # a history changed outside the Explorer: its views, and the token chosen below, are redone first
         s, n = ex.session, len(ex.session)
         if not n:
             return self._say("step at least one token first")

@@ -49,6 +49,7 @@ def write_snapshot(explorer, path=None) -> Path:
     """Write the open tab of `explorer` as it is now to `path` (default: a name from the state, in the
     working directory); returns the path."""
     ex = explorer
+    ex.sync()  # a history changed outside the Explorer: the page shows the session as it is
     n = len(ex.session)
     if not n:
         raise ValueError("snapshot: nothing is decoded yet: Step first")
