@@ -838,3 +838,31 @@ def test_block_sources_at_every_layer_or_at_layer_0_run_without_its_missing_atte
     np.testing.assert_allclose(ex.ablate(), expected, rtol=0, atol=1e-6)
     ex.ablation.experts.value = "attn: current"
     assert ex.ablate() is None and "have no attn mix" in ex.ablation.note.value
+
+
+def test_a_snapshot_states_every_zoom_it_draws_and_keeps_expert_ticks_whole(explorer, tmp_path):
+    """The page's state block lists the zoom of every view it draws (the ablation's too, on the Predictions tab),
+    and a zoomed expert axis (the full map) keeps whole expert ids as ticks, as the live view does."""
+    import json
+    import re
+
+    ex = explorer
+    for _ in range(4):
+        ex.step_button.click()
+    ex.tabs.selected_index = TABS.index("Predictions")
+    ex.ablation.experts.value = "chosen"
+    ex.ablate()
+    ex.ablation.view.ranges = {"xaxis": [0.0, 0.5]}  # as the browser reports a user's zoom
+    page = ex.snapshot(tmp_path / "pred.html").read_text(encoding="utf-8")
+    state = json.loads(re.search(r'id="kimi-state">(.*?)</script>', page).group(1))
+    assert state["zoom"] == {"ablation": {"xaxis": [0.0, 0.5]}}
+    assert re.findall(r'data-name="([a-z_]+)"', page) == ["predictions", "ablation", "ablation_diff"]
+    ex.tabs.selected_index = TABS.index("MoE routing")
+    ex.tab_views.full_map.value = True
+    ex.views["moe_full"].ranges = {"xaxis": [2.2, 7.9], "yaxis": [3.5, -0.5]}
+    drawn = ex.views["moe_full"].snapshot()["layout"]
+    assert (drawn["xaxis"]["dtick"], drawn["xaxis"]["tick0"]) == (1, 0) and "dtick" not in drawn["yaxis"]
+    ex.views["moe_full"].ranges = {"xaxis": [-0.5, 15.5]}
+    assert ex.views["moe_full"].snapshot()["layout"]["xaxis"]["dtick"] == 2  # ~8 ticks: 0, 2, ..., 14
+    page = ex.snapshot(tmp_path / "moe.html").read_text(encoding="utf-8")
+    assert json.dumps(ex.views["moe_full"].snapshot()["layout"]) in page
