@@ -269,3 +269,20 @@ def test_the_block_tab_has_one_colour_bar_and_heatmap_axes_draw_no_grid(k3):
         assert axes, name
         for a in axes:
             assert layout[a[0] + "axis" + a[1:]].get("showgrid") is False, (name, a)
+
+
+def test_lens_cells_keep_a_tokens_own_quotes():
+    """A lens cell shows its top-1 token's text: the apostrophe token is "'" (stripping the label's quotes with
+    strip("'") left it blank, and a real tokenizer's "'s" read "s"), in the Explorer's strip and the static grid."""
+    from kimi_explore.analysis.logit_lens import LogitLens
+    from kimi_explore.tokenizer import ByteTokenizer
+    from kimi_explore.views.explorer import specs_analysis
+    from kimi_explore.views.figures.analysis_plots import lens_grid
+
+    tok = ByteTokenizer()
+    top = np.array([[[39], [97], [32], [0xC3]]])  # "'", 'a', ' ', a byte that is not text alone
+    lens = LogitLens([0, 1, 2, 3], np.array([97]), top, np.full((1, 4, 1), 0.5), np.array([39]), positions=np.array([0]))
+    data, _ = specs_analysis.lens_strip(lens, ["0 KDA", "1 KDA", "2 KDA", "3 MLA"], tok)
+    assert data[0]["text"] == [["'", "a", "␣", "xC3"]]
+    fig = lens_grid(lens, tok)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["'", "a", "␣", "xC3"]

@@ -28,6 +28,15 @@ def token_labels(ids, tokenizer=None, positions: bool = True, start: int = 0) ->
     return [f"{p} {n}" for p, n in enumerate(names, start)] if positions else names
 
 
+def token_texts(ids, tokenizer=None) -> list[str]:
+    """Each token's text alone, unquoted (a narrow cell's label): `tokenizer.token_label(id)`, '#id' without a
+    tokenizer, '?' for -1. Stripping the quotes off `token_labels` would eat a token's own quotes (' or 's)."""
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    if tokenizer is None:
+        return [f"#{i}" if i >= 0 else "?" for i in ids]
+    return [tokenizer.token_label(i) if i >= 0 else "?" for i in ids]
+
+
 def nice_stride(n: int, max_ticks: int = MAX_TICKS) -> int:
     """The smallest stride from 1, 2, 4, 5, 8, 10, 16, ... that leaves at most `max_ticks` labels."""
     need = -(-n // max_ticks)

@@ -40,7 +40,8 @@ class HistoryCache:
         self.counts: np.ndarray | None = None  # [M, E]
         self.moe_layers: list[int] = []
 
-    def _keep(self, tokens: list[int]) -> int:
+    def shared_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens `tokens` shares with the history the cache holds now."""
         n = 0
         while n < min(len(tokens), len(self.tokens)) and tokens[n] == self.tokens[n]:
             n += 1
@@ -50,7 +51,7 @@ class HistoryCache:
         """Bring the cache to the history of `ex` (an Explorer: its session and its `trace(window=)`);
         surprisal: [T] bits (NaN for the first token)."""
         tokens = list(ex.session.tokens)
-        keep = self._keep(tokens)
+        keep = self.shared_prefix(tokens)
         if keep < len(self.tokens):  # the history shrank or changed: drop what no longer holds
             self.measures = {m: v[:keep] for m, v in self.measures.items()}
             self.counts = None if keep == 0 else self._counts_of(ex, 0, keep)

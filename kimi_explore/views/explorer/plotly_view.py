@@ -225,6 +225,14 @@ export default {
 """
 
 
+def nice_int(span: float) -> int:
+    """`niceInt` of the view's script: a whole tick step leaving ~8 ticks over `span` (1, 2, 5, 10, 20, ...)."""
+    raw = max(1.0, span / 8)
+    p = 10 ** int(np.floor(np.log10(raw)))
+    m = raw / p
+    return int(max(1, (1 if m <= 1 else 2 if m <= 2 else 5 if m <= 5 else 10) * p))
+
+
 def plotly_js_source() -> str:
     """plotly.js as shipped inside the installed `plotly` wheel (read once)."""
     global _SOURCE
@@ -314,6 +322,8 @@ class PlotView(anywidget.AnyWidget):
             layout["meta"] = self.meta
         for axis, rng in self.ranges.items():
             layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
+            if axis in self.spec.get("int_axes", ()):  # whole ids only, as the view ticks them when zoomed
+                layout[axis].update(dtick=nice_int(abs(rng[1] - rng[0])), tick0=0)
         data = list(self.spec["data"])
         cells = self.spec.get("cell_text")
         for i in cells["traces"] if cells else ():  # a page without this view's code: plotly writes the labels

@@ -49,19 +49,20 @@ def write_snapshot(explorer, path=None) -> Path:
     """Write the open tab of `explorer` as it is now to `path` (default: a name from the state, in the
     working directory); returns the path."""
     ex = explorer
+    ex.sync()  # a history changed outside the Explorer: the page shows the session as it is
     n = len(ex.session)
     if not n:
         raise ValueError("snapshot: nothing is decoded yet: Step first")
     tab = ex.tabs.selected_index
     ex.refresh(tab)  # the open tab's views are up to date (they are; this is cheap when they are)
     t = min(ex.token.value, n - 1)
-    views = {name: v.snapshot() for name, v in ex.tab_views.tab_views(tab).items()}
+    shown = ex.tab_views.tab_views(tab)  # the ablation's two views too, on the Predictions tab
+    views = {name: v.snapshot() for name, v in shown.items()}
     views = {k: v for k, v in views.items() if v is not None}
     label = ex.labels()[t]
     state = {"tokens": n, "token": t, "token_label": label, "layer": ex.layer.value,
              "layer_kind": dict((v, k) for k, v in ex.layer.options)[ex.layer.value].split(None, 1)[1],
-             "tab": ex.tab_views.titles[tab], "zoom": {k: ex.views[k].ranges for k in views if k in ex.views and
-                                                       ex.views[k].ranges},
+             "tab": ex.tab_views.titles[tab], "zoom": {k: dict(shown[k].ranges) for k in views if shown[k].ranges},
              "text": "".join(ex.text.labels), "token_ids": [int(i) for i in ex.session.tokens]}
     path = Path(path) if path is not None else Path(f"kimi_snapshot_t{t}_layer{state['layer']}_tab{tab}.html")
     path.write_text(snapshot_html(state, views), encoding="utf-8")

@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from ..common import token_labels
+from ..common import token_labels, token_texts
 from .specs import FONT, heat, outline
 
 __all__ = ["leaf_layer", "lens_strip", "run_diff", "waterfall"]
@@ -47,7 +47,7 @@ def lens_strip(lens, labels: list[str], tokenizer=None, layer: int | None = None
     L, k = ids.shape
     final = int(lens.final_ids[0])
     names = [token_labels(ids[j], tokenizer, positions=False) for j in range(L)]
-    text = [[_short(names[j][0].strip("'")) for j in range(L)]]
+    text = [[_short(token_texts(ids[j, :1], tokenizer)[0]) for j in range(L)]]
     hover = [["<br>".join(f"{n} p={p:.4f}" for n, p in zip(names[j], probs[j], strict=True)) for j in range(L)]]
     hm = heat(probs[None, :, 0], labels, ["top-1"], colorscale="Viridis", zmin=0, zmax=1,
               hover="after layer %{x}<br>%{customdata}", customdata=hover, colorbar={"title": {"text": "p"}, "len": 1.2})

@@ -200,6 +200,7 @@ class Tabs:
     def compute_analyses(self) -> None:
         """The Compute button: the lens and the attribution of the selected token, then draw them."""
         ex = self.ex
+        ex.sync()  # a history changed outside the Explorer is shown first
         n = len(ex.session)
         if not n:
             return

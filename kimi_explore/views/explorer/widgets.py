@@ -290,8 +290,11 @@ class Explorer(widgets.VBox):
         self.history_id += 1
         self._memo.clear()
         self._trace = None
-        toks = self.session.tokens
-        self._surprisal = {t: v for t, v in self._surprisal.items() if t < n and v[0] == toks[t]}
+        # token t's surprisal reads the logits after tokens[:t]: it holds only inside the prefix the history
+        # shares with the one it was computed for (a new prompt fed by Play can bring a token back at t
+        # after another one at t - 1)
+        keep = self.history.shared_prefix(self.session.tokens)
+        self._surprisal = {t: v for t, v in self._surprisal.items() if t < keep}
         # the per-history numbers first: the views drawn below read them (the expert counts, the measures)
         self.history.update(self, self._surprisals())
         self._quiet = True  # moving the slider must not refresh the views before the text and status are sent
@@ -307,9 +310,24 @@ class Explorer(widgets.VBox):
         self._show_text()
         self.refresh()  # one refresh per history change, after everything it reads is up to date
 
+    def sync(self) -> bool:
+        """Catch up with a history changed outside the Explorer (`session.feed`, `generate`, `truncate` in
+        another cell): every view, the slider and the per-history numbers are redone for the session as it
+        is now, the selected token kept where it still exists. True when there was something to catch up."""
+        if self.session.tokens == self.history.tokens:
+            return False
+        t = self.token.value
+        self._note = "the session was changed outside the Explorer: shown as it is now"
+        self._history_changed()  # selects the last token
+        if t < len(self.session) and t != self.token.value:
+            self.token.value = t  # back to the token that was selected (a refresh of its own)
+        return True
+
     def _selection_changed(self) -> None:
         if self._quiet:
             return  # inside `_history_changed`, which shows the selection itself
+        if self.sync():
+            return  # the selection is shown by the catch-up
         self.ablation.clear()
         self._show_token_label()
         self.text.selected = min(self.token.value, len(self.session) - 1)
@@ -317,6 +335,7 @@ class Explorer(widgets.VBox):
 
     def refresh(self, tab: int | None = None) -> None:
         """Update the open tab's views (or `tab`'s) for the selected token and layer."""
+        self.sync()
         n = len(self.session)
         # nothing decoded: no tabs at all (empty views would leave blank boxes), the status says what to do
         self.tabs.layout.display = "none" if n == 0 else None

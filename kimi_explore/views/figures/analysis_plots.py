@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from ..common import token_labels
+from ..common import token_labels, token_texts
 from .mpl import InlineFigure, escape_mathtext, heatmap, span_inches, ticks
 
 __all__ = ["attribution_waterfall", "diff_overview", "lens_grid", "report_figures", "routing_stats_overview"]
@@ -77,7 +77,7 @@ def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
     same = ids == final[None, :]
     if probs.size <= ANNOTATE_CELLS:
         for (r, c), p in np.ndenumerate(probs):
-            label = _cell_label(_names([ids[r, c]], tokenizer, positions=False)[0].strip("'"))
+            label = _cell_label(escape_mathtext(token_texts([ids[r, c]], tokenizer)[0]))
             ax.text(c, r, label, ha="center", va="center", fontsize=8.5, color="white" if p < 0.55 else "black",
                     in_layout=False, clip_on=True)
     for r, c in zip(*np.nonzero(same), strict=True):  # an outline, not bold: it shows at any size
