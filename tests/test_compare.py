@@ -401,3 +401,24 @@ def test_a_sparse_dump_names_every_operation_since_its_last_site(weights_d, hook
     assert (first.token, first.site, first.local) == (2, "layers.5.prefix_sum", True)
     assert first.operation.startswith("residual sum, and everything since layers.0.kda.state: ")
     assert "(layers.0.kda.o .. layers.5.ffn.out)" in first.operation
+
+
+def _first_step(name):
+    """What a one-token prefill capture holds: the decode capture's first step (a one-token batch from an empty
+    state), its records without a token axis, as ggml drops trailing unit axes (`ggml_n_dims`)."""
+    with np.load(_captures(name)) as z:
+        return {k: z[k][:1] if k in ("tokens", "logits") else z[k][0] for k in z.files}
+
+
+def test_a_one_token_prefill_capture_is_read(tmp_path, weights_d, hooks_d):
+    """It was refused: "'embed' has 64 rows, expected one per token (1)"."""
+    one = _first_step("d")
+    assert one["inp_embd"].shape == (64,) and one["kq_soft_max-2"].shape == (6, 1, 16)  # cells trimmed to 16
+    mapped, full = llamacpp_to_hooks(one, weights_d.config, weights_d), hooks_d[0]
+    assert mapped.keys() == full.keys()
+    for k, a in mapped.items():
+        want = full[k][:1, :, :1] if k.endswith("mla.probs") else full[k][:1]
+        np.testing.assert_array_equal(a, want, err_msg=k)
+    np.savez(tmp_path / "one.npz", **_first_step("e"))
+    first = ke.compare(ke.Session(_weights("e")), tmp_path / "one.npz", names="llama.cpp").first
+    assert (first.token, first.site, first.local, first.operation) == (0, "layers.0.kda.state", True, "KDA q/k L2 norm")
