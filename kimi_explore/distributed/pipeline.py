@@ -298,6 +298,23 @@ class RayPipeline(LayerSequence):
                    for s, src, dst in zip(self.stages, state.ids, ids, strict=True)], self.stages)
         return PipelineState(self, ids, list(state.epochs), state.position)
 
+    def copy_kept(self, states: list[PipelineState]) -> list[PipelineState]:
+        """Copies of these states (a session's checkpoints), made in each stage, sharing among themselves
+        the arrays these share (their MLA caches), as `Session.snapshot(copy_arrays=True)` copies in one process."""
+        for state in states:
+            self._check(state)
+        new = [[next(self._ids) for _ in self.stages] for _ in states]
+        self._get([s.actor.copy_states.remote([(state.ids[k], ids[k]) for state, ids in zip(states, new, strict=True)])
+                   for k, s in enumerate(self.stages)], self.stages)
+        return [PipelineState(self, ids, list(state.epochs), state.position) for state, ids in zip(states, new, strict=True)]
+
+    def states_nbytes(self, states: list[PipelineState]) -> int:
+        """Bytes these states hold in the stages, each array once (a session's checkpoints share MLA caches)."""
+        for state in states:
+            self._check(state)
+        return sum(self._get([s.actor.states_nbytes.remote([state.ids[k] for state in states])
+                              for k, s in enumerate(self.stages)], self.stages))
+
     def _state_nbytes(self, state: PipelineState) -> int:
         self._check(state)
         return sum(self._get([s.actor.state_nbytes.remote(sid) for s, sid in zip(self.stages, state.ids, strict=True)],

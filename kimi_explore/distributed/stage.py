@@ -94,6 +94,26 @@ class Stage:
         """State dst: a copy of state src (`checkpoint`: one to keep, never to decode on)."""
         self.states[dst] = self.states[src].checkpoint() if checkpoint else self.states[src].copy()
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (src, dst): state dst, a copy of state src; the copies share among themselves what the
+        sources share (a history's checkpoints share its MLA caches): each distinct array is copied once, its
+        values as they are (what `Session.snapshot(copy_arrays=True)` does in one process)."""
+        memo: dict = {}  # id of a source array (alive in self.states throughout) -> its copy
+
+        def copied(a):
+            if id(a) not in memo:
+                memo[id(a)] = a.copy()
+            return memo[id(a)]
+
+        for src, dst in pairs:
+            state = self.states[src]
+            self.states[dst] = KimiDecodeState([ls.converted(copied) for ls in state.layers], state.position)
+
+    def states_nbytes(self, sids: list[int]) -> int:
+        """Bytes of these states' arrays, each array once (checkpoints share MLA caches)."""
+        arrays = {id(a): a for sid in sids for a in self.states[sid].arrays()}
+        return sum(int(a.nbytes) for a in arrays.values())
+
     def drop_states(self, sids: list[int]) -> None:
         for sid in sids:
             self.states.pop(sid, None)

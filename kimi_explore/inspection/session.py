@@ -135,9 +135,9 @@ class Session:
 
     def _state_nbytes(self) -> int:
         """Bytes of the state and the checkpoints, each array once (checkpoints share MLA caches); a
-        pipeline's (whose arrays are in its stages) as if each checkpoint held a whole state."""
+        pipeline's counted in its stages."""
         if not isinstance(self.state, KimiDecodeState):
-            return self.state.nbytes * (1 + len(self._checkpoints))
+            return self.weights.states_nbytes([self.state, *self._checkpoints.values()])
         arrays = {id(a): a for s in (self.state, *self._checkpoints.values()) for a in s.arrays()}
         return sum(int(a.nbytes) for a in arrays.values())
 
@@ -425,8 +425,8 @@ class Session:
             logits, kept = [a.copy() for a in self._logits], self._checkpoints
             if isinstance(self.state, KimiDecodeState):  # copies sharing their MLA caches as these do
                 checkpoints = _copy_kept(kept)
-            else:  # a pipeline's, copied in its stages
-                checkpoints = {k: v.copy() for k, v in kept.items()}
+            else:  # a pipeline's, copied in its stages, sharing as these do
+                checkpoints = dict(zip(kept, self.weights.copy_kept(list(kept.values())), strict=True))
         else:
             logits, checkpoints = list(self._logits), dict(self._checkpoints)
         return SessionSnapshot(id(self.weights), self.state.copy(), list(self._tokens), logits,
