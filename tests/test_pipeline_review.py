@@ -165,3 +165,23 @@ def test_a_forks_checkpoints_share_their_caches_in_the_stages_as_in_one_process(
         assert_same_session(s, one)
         del s, forks
         gc.collect()
+
+
+# bug: a session file loaded over a pipeline held every checkpoint's MLA caches separately in the stages (one
+# process shares them again as it loads: `session_io.share_caches`)
+def test_a_loaded_sessions_checkpoints_share_their_caches_in_the_stages(path, weights, tmp_path):
+    with ke.RayPipeline(path, stages=2) as pipe:
+        s, one = ke.Session(pipe, recorder=False), ke.Session(weights, recorder=False)
+        for x in (s, one):
+            for a in range(0, 40, 8):
+                x.feed((TOKENS * 3)[a:a + 8])
+        f = s.save_state(tmp_path / "s.npz")
+        loaded = ke.Session.load_state(f, pipe), ke.Session.load_state(f, weights)
+        assert loaded[0]._state_nbytes() == loaded[1]._state_nbytes()
+        for x in (one, *loaded):
+            x.truncate(20)
+            x.feed(TOKENS)
+        assert_same_session(loaded[0], one)
+        assert_same_session(loaded[1], one)
+        del s, loaded
+        gc.collect()

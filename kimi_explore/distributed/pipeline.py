@@ -308,6 +308,14 @@ class RayPipeline(LayerSequence):
                    for k, s in enumerate(self.stages)], self.stages)
         return [PipelineState(self, ids, list(state.epochs), state.position) for state, ids in zip(states, new, strict=True)]
 
+    def share_kept(self, states: list[PipelineState]) -> None:
+        """Checkpoints loaded from a session file, longest first: their MLA caches shared in each stage where
+        they hold the same positions (`session_io.share_caches`), as a session's own checkpoints share them."""
+        for state in states:
+            self._check(state)
+        self._get([s.actor.share_caches.remote([state.ids[k] for state in states]) for k, s in enumerate(self.stages)],
+                  self.stages)
+
     def states_nbytes(self, states: list[PipelineState]) -> int:
         """Bytes these states hold in the stages, each array once (a session's checkpoints share MLA caches)."""
         for state in states:

@@ -109,6 +109,12 @@ class Stage:
             state = self.states[src]
             self.states[dst] = KimiDecodeState([ls.converted(copied) for ls in state.layers], state.position)
 
+    def share_caches(self, sids: list[int]) -> None:
+        """States loaded from a session file (a history's checkpoints, longest first): `session_io.share_caches`."""
+        from ..inspection.session_io import share_caches
+
+        share_caches([self.states[sid] for sid in sids], self.weights.xp)
+
     def states_nbytes(self, sids: list[int]) -> int:
         """Bytes of these states' arrays, each array once (checkpoints share MLA caches)."""
         arrays = {id(a): a for sid in sids for a in self.states[sid].arrays()}

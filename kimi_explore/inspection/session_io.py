@@ -152,22 +152,32 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
 
 
 def _get_checkpoints(z, layout: dict, weights) -> dict:
-    """{t: checkpoint}, sharing their MLA caches as a session's own checkpoints do (`KimiDecodeState.checkpoint`):
-    loaded longest first, a checkpoint whose cache has the capacity of a longer one's and its first `length`
-    positions (checked equal) takes that one's arrays, so a loaded history holds its caches about once."""
+    """{t: checkpoint}, sharing their MLA caches as a session's own checkpoints do (`share_caches`; a pipeline's
+    in its stages)."""
+    kept = {t: _get_state(z, f"ckpt{t}", layout[f"ckpt{t}"], weights)
+            for t in sorted((int(k[4:]) for k in layout if k != "state"), reverse=True)}
+    longest_first = list(kept.values())
+    if all(isinstance(state, KimiDecodeState) for state in longest_first):
+        share_caches(longest_first, weights.xp)
+    else:
+        weights.share_kept(longest_first)
+    return dict(sorted(kept.items()))
+
+
+def share_caches(states: list[KimiDecodeState], xp) -> None:
+    """Checkpoints of one history as loaded, longest first: a checkpoint whose MLA cache has the capacity of a
+    longer one's and its first `length` positions (checked equal, bit for bit) takes that one's arrays, so the
+    history holds its caches about once, as the session's own checkpoints did (`KimiDecodeState.checkpoint`)."""
     holders: dict = {}  # (layer, capacity) -> the longest MLA cache loaded with that capacity
-    kept = {}
-    for t in sorted((int(k[4:]) for k in layout if k != "state"), reverse=True):
-        state = kept[t] = _get_state(z, f"ckpt{t}", layout[f"ckpt{t}"], weights)
-        for j, ls in enumerate(state.layers if isinstance(state, KimiDecodeState) else ()):  # a pipeline's: in its stages
+    for state in states:
+        for j, ls in enumerate(state.layers):
             att = ls.attention
             if att.kind != "mla":
                 continue
             held, n = holders.setdefault((j, att.keys.shape[1]), att), att.length
-            if held is not att and _same_bits(held.keys[:, :n], att.keys[:, :n], weights.xp) and \
-                    _same_bits(held.values[:, :n], att.values[:, :n], weights.xp):
+            if held is not att and _same_bits(held.keys[:, :n], att.keys[:, :n], xp) and \
+                    _same_bits(held.values[:, :n], att.values[:, :n], xp):
                 ls.attention = dataclasses.replace(held, length=n)  # the same arrays
-    return dict(sorted(kept.items()))
 
 
 def _same_bits(a, b, xp) -> bool:
