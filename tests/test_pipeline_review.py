@@ -185,3 +185,39 @@ def test_a_loaded_sessions_checkpoints_share_their_caches_in_the_stages(path, we
         assert_same_session(loaded[1], one)
         del s, loaded
         gc.collect()
+
+
+# bug: a snapshot taken before a stage restarted could never be restored: restore() raised StageLostError
+# ("session.recover() rebuilds the session's states"), and after recover() it raised the same again
+def test_a_snapshot_from_before_a_stage_restart_is_restored_exactly(path, weights):
+    with ke.RayPipeline(path, stages=2) as pipe:
+        s, one = ke.Session(pipe, checkpoint_every=4), ke.Session(weights, checkpoint_every=4)
+        snaps = []
+        for x in (s, one):
+            x.feed(TOKENS[:9], chunk=4)
+            for t in TOKENS[9:11]:
+                x.step(t)
+            snaps.append(x.snapshot())
+            x.truncate(3)
+            x.feed(TOKENS[5:12])
+        ray.kill(pipe.stages[1].actor)
+        with pytest.raises(ke.StageLostError):
+            s.step(5)
+        assert s.recover() == [1]
+        for x, snap in zip((s, one), snaps, strict=True):
+            x.restore(snap)
+        assert_same_session(s, one)
+        for x in (s, one):
+            x.truncate(6)  # inside a fed chunk
+            x.feed(TOKENS)
+        assert_same_session(s, one)
+        del s, snaps
+        gc.collect()
+
+
+def test_restore_names_what_it_got(weights):
+    s = ke.Session(weights)
+    s.feed(TOKENS[:3])
+    with pytest.raises(TypeError, match="restore: expected a SessionSnapshot .*got NoneType"):
+        s.restore(None)  # was AttributeError: 'NoneType' object has no attribute 'weights_id'
+    assert s.tokens == TOKENS[:3]

@@ -433,19 +433,31 @@ class Session:
                                list(self._modified), checkpoints, records, list(self._chunk_of))
 
     def restore(self, snap: SessionSnapshot) -> None:
-        """Go back (or forward) to `snap` exactly; the snapshot stays usable."""
+        """Go back (or forward) to `snap` exactly; the snapshot stays usable.
+
+        Over a RayPipeline whose stage restarted since the snapshot (its states there are gone), the
+        snapshot's history is replayed as `recover()` replays one (restarting a lost stage first; as there,
+        tokens decoded under an intervention no longer attached cannot be replayed: the history stops before them)."""
+        if not isinstance(snap, SessionSnapshot):
+            raise TypeError(f"Session.restore: expected a SessionSnapshot (session.snapshot()), got {type(snap).__name__}")
         if snap.weights_id != id(self.weights):
             raise ValueError("Session.restore: this snapshot was taken from a session over other weights")
         if self.recorder is not None and snap.records is None:
             raise ValueError("Session.restore: the snapshot holds no records (its session recorded nothing) but this "
                              "session has a recorder; create it with recorder=False")
-        self.state = snap.state.copy()
+        try:
+            state = snap.state.copy()
+        except StageLostError:  # a pipeline's: a stage was lost or restarted since the snapshot
+            state = None
+        self.state = state if state is not None else snap.state
         self._tokens, self._logits, self._modified = list(snap.tokens), list(snap.logits), list(snap.modified)
         self._chunk_of = list(snap.chunk_of) if snap.chunk_of is not None else [-1] * len(snap.tokens)
         self._stacked = None
         self._checkpoints, self._to_rebuild = dict(snap.checkpoints), set()
         if self.recorder is not None:
             self.recorder.load_state_dict(snap.records)
+        if state is None:
+            self.recover()
 
     def fork(self) -> Session:
         """An independent session with the same weights, history, hooks and records (all arrays copied)."""
