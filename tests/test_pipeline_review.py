@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -221,3 +222,43 @@ def test_restore_names_what_it_got(weights):
     with pytest.raises(TypeError, match="restore: expected a SessionSnapshot .*got NoneType"):
         s.restore(None)  # was AttributeError: 'NoneType' object has no attribute 'weights_id'
     assert s.tokens == TOKENS[:3]
+
+
+# bug: a KeyboardInterrupt (a notebook's interrupt) while the driver waited for a token's results left the
+# compiled graph half read, and the session's next token waited on its channels forever
+def test_an_interrupt_while_waiting_for_the_stages_leaves_the_pipeline_usable(path, weights, tmp_path):
+    import _thread
+    import threading
+
+    flag = tmp_path / "slow"
+
+    def slow(value, *, hook):  # the last stage holds its token while the file exists
+        if os.path.exists(flag):
+            time.sleep(2.0)
+
+    with ke.RayPipeline(path, stages=3) as pipe:
+        s, one = ke.Session(pipe), ke.Session(weights)
+        for x in (s, one):
+            x.feed(TOKENS[:6])
+        flag.touch()
+        timer = threading.Timer(0.5, _thread.interrupt_main)  # lands while the driver reads the last stage's result
+        timer.start()
+        with pytest.raises(KeyboardInterrupt), s.hooked("layers.14.ffn.out", slow):
+            s.step(TOKENS[6])
+            time.sleep(5)  # (not reached when the interrupt lands inside the step)
+        timer.join()
+        flag.unlink()
+        assert len(s) == 6
+        done = []
+        worker = threading.Thread(target=_feed_into, args=(done, s, TOKENS[6:]), daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert done, "the session's next tokens never came back from the stages"
+        one.feed(TOKENS[6:])
+        assert_same_session(s, one)
+        del s, worker
+        gc.collect()
+
+
+def _feed_into(out: list, session, tokens) -> None:
+    out.append(session.feed(tokens))

@@ -214,8 +214,12 @@ class RayPipeline(LayerSequence):
         recorder = self._configure(hooks)
         doing = f"token {what} at position {position}" if isinstance(what, int) else \
             f"tokens {position}..{position + len(what) - 1}"
-        refs = self._compiled().execute((tuple(state.ids), what, position))
-        outs = self._get(refs, self.stages, doing)
+        try:
+            refs = self._compiled().execute((tuple(state.ids), what, position))
+            outs = self._get(refs, self.stages, doing)
+        except BaseException:  # e.g. KeyboardInterrupt while waiting: the graph still holds this execution, whose
+            self._teardown()  # results nobody reads, and the next one would wait for them forever: a new graph
+            raise
         stale = [s.describe() for s, out in zip(self.stages, outs, strict=True) if out[2] != position]
         if stale:  # never seen; it would mean a channel handed over another token's values
             self._teardown()
