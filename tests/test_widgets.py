@@ -866,3 +866,29 @@ def test_a_snapshot_states_every_zoom_it_draws_and_keeps_expert_ticks_whole(expl
     assert ex.views["moe_full"].snapshot()["layout"]["xaxis"]["dtick"] == 2  # ~8 ticks: 0, 2, ..., 14
     page = ex.snapshot(tmp_path / "moe.html").read_text(encoding="utf-8")
     assert json.dumps(ex.views["moe_full"].snapshot()["layout"]) in page
+
+
+def test_emptying_or_shortening_the_prompt_box_does_not_mark_prompt_tokens_generated(tiny_weights):
+    """The dotted underline marks generated tokens (`generated_from`). A prompt box emptied (Step goes on greedily)
+    or cut to a prefix of the history leaves the prompt tokens the history was fed as they were; only a new
+    prompt moves the boundary."""
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt="abc")
+    ex.play_button.click()
+    ex.play_button.click()  # 'abc' fed, 8 generated
+    assert ex.text.generated_from == 3
+    ex.prompt.value = ""
+    ex.step_button.click()
+    assert (len(ex.session), ex.text.generated_from) == (12, 3)
+    ex.prompt.value = "ab"
+    ex.step_button.click()
+    assert (len(ex.session), ex.text.generated_from) == (13, 3)
+    ex.prompt.value = "abX"  # a new prompt: truncated to 'ab', then fed 'X'
+    ex.step_button.click()
+    assert (ex.session.tokens, ex.text.generated_from) == (list(b"abX"), -1)
+    ex.step_button.click()
+    assert ex.text.generated_from == 3
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    s.feed("hello")  # a history of unknown origin, no prompt: nothing is marked
+    ex = Explorer(s, prompt=None)
+    ex.step_button.click()
+    assert ex.text.generated_from == -1

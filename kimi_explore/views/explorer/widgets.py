@@ -187,11 +187,14 @@ class Explorer(widgets.VBox):
         return ids
 
     def _start_over_if_new_prompt(self, ids: list[int]) -> None:
-        keep = self._shared_prefix(ids)
-        if keep < len(self.session):
+        keep, n = self._shared_prefix(ids), len(self.session)
+        if keep < n:
             self.session.truncate(keep)
             self._note = f"new prompt: the history was truncated to the {keep} tokens it shares with it"
-        self._prompt_len = len(ids)
+        if keep < n or n < len(ids):  # the prompt decides the history's first tokens
+            self._prompt_len = len(ids)
+        else:  # a prompt the history already holds (or an empty box): the tokens after it stay what they were
+            self._prompt_len = max(len(ids), self._prompt_len or 0) or None
 
     def _next_token(self, ids: list[int]) -> int | None:
         n = len(self.session)
