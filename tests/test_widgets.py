@@ -892,3 +892,22 @@ def test_emptying_or_shortening_the_prompt_box_does_not_mark_prompt_tokens_gener
     ex = Explorer(s, prompt=None)
     ex.step_button.click()
     assert ex.text.generated_from == -1
+
+
+def test_the_ids_to_text_toggle_never_changes_what_step_feeds(tiny_weights):
+    """ids -> text converts only when the text encodes back to the same ids; else (a byte that is not text
+    alone: 195 then '(') the toggle stays on ids, the box keeps the ids typed, and Step feeds them. A box that
+    does not parse keeps what was typed too (it became the character codes of '72, x')."""
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=[195, 40, 97])
+    ex.mode.value = "text"
+    assert ex.mode.value == "ids" and ex.prompt.value == "195, 40, 97"
+    assert "would be encoded as other tokens" in ex.status.value
+    ex.step_button.click()
+    ex.step_button.click()
+    assert ex.session.tokens == [195, 40]
+    ex.prompt.value = "72, x"
+    ex.mode.value = "text"
+    assert ex.mode.value == "ids" and ex.prompt.value == "72, x" and "'x' is not an integer" in ex.status.value
+    ex.prompt.value = "72, 105"
+    ex.mode.value = "text"
+    assert ex.prompt.value == "Hi"

@@ -63,6 +63,7 @@ class Explorer(widgets.VBox):
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
         self._quiet = False  # True while `_history_changed` moves the token slider
+        self._keep_box = False  # True while the text/ids toggle is put back (no conversion of the box)
 
         modes = ["text", "ids"] if self.tokenizer is not None else ["ids"]
         self.mode = widgets.ToggleButtons(options=modes, value=modes[0], style={"button_width": "46px"},
@@ -156,15 +157,32 @@ class Explorer(widgets.VBox):
 
     def _convert_prompt(self, change) -> None:
         """The text/ids toggle converts what is in the box (text -> its ids, ids -> their text)."""
+        if self._keep_box:
+            return  # the toggle is being put back: the box keeps what the user typed
         if change["old"] == "text" and change["new"] == "ids":
             self.prompt.value = ", ".join(str(i) for i in self.tokenizer.encode(self.prompt.value))
         elif change["old"] == "ids" and change["new"] == "text":
             try:
-                self.prompt.value = self.tokenizer.decode(parse_ids(self.prompt.value, "token ids"))
+                ids = parse_ids(self.prompt.value, "token ids")
             except ValueError as e:
-                self.mode.value = "ids"
-                return self._error(f"{e}; fix the ids before switching to text")
+                return self._stay_ids(f"{e}; fix the ids before switching to text")
+            text = self.tokenizer.decode(ids)
+            back = list(self.tokenizer.encode(text))
+            if back != ids:  # the text would feed other tokens: a byte that is not text alone, another split
+                at = next((i for i, (a, b) in enumerate(zip(ids, back, strict=False)) if a != b), min(len(ids), len(back)))
+                return self._stay_ids(f"the ids stay ids: as text they would be encoded as other tokens (from token "
+                                      f"{at} on: {back[at:at + 3]} instead of {ids[at:at + 3]})")
+            self.prompt.value = text
         self._update_status()
+
+    def _stay_ids(self, message: str) -> None:
+        """Put the toggle back on ids, the box unchanged, and say why."""
+        self._keep_box = True
+        try:
+            self.mode.value = "ids"
+        finally:
+            self._keep_box = False
+        self._error(message)
 
     def _shared_prefix(self, ids: list[int]) -> int:
         """How many tokens of the history continue this prompt (all of them when the prompt is done)."""
