@@ -285,6 +285,8 @@ def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
 
 
 def test_constructor_options(tiny_weights):
+    with pytest.raises(ValueError, match="records nothing"):  # else Step decoded a token, then raised in the views
+        Explorer(Session(tiny_weights, recorder=False))
     s = Session(tiny_weights, tokenizer=ByteTokenizer())
     s.feed([72, 105])
     ex = Explorer(s, tab="Predictions", layer=6)

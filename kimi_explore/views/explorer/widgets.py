@@ -49,6 +49,9 @@ class Explorer(widgets.VBox):
 
     def __init__(self, session, prompt=None, tokenizer=None, tab: int | str = 0, layer: int | None = None,
                  play_tokens: int = 8, measure: str = "surprisal"):
+        if getattr(session, "recorder", None) is None:
+            raise ValueError("Explorer: this session records nothing, and every view reads its records: create it with "
+                             "Session(weights, recorder=True) (the default)")
         self.session = session
         self.tokenizer = tokenizer if tokenizer is not None else getattr(session, "tokenizer", None)
         self.play_tokens = int(play_tokens)
