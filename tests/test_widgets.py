@@ -913,3 +913,34 @@ def test_the_ids_to_text_toggle_never_changes_what_step_feeds(tiny_weights):
     ex.prompt.value = "72, 105"
     ex.mode.value = "text"
     assert ex.prompt.value == "Hi"
+
+
+def test_an_expert_field_that_holds_no_id_shows_no_stale_map(explorer):
+    """Searching '3', then typing 'x': the note says 'x' is not an id and the map of expert 3 goes (it stayed,
+    and after a Step showed expert 3 in the old history under a field reading 'x'); '' hides the view."""
+    ex = explorer
+    ex.tabs.selected_index = TABS.index("MoE routing")
+    for _ in range(3):
+        ex.step_button.click()
+    ex.tab_views.expert.value = "3"
+    assert "Where expert 3 fires" in view_spec(ex, "expert_search")[1]["title"]["text"]
+    ex.tab_views.expert.value = "x"
+    ex.step_button.click()
+    view = ex.views["expert_search"]
+    assert "is not an expert id" in ex.tab_views.expert_note.value
+    assert not view.spec and view.layout.display == "none"
+    ex.tab_views.expert.value = "4"
+    assert "Where expert 4 fires" in view_spec(ex, "expert_search")[1]["title"]["text"] and view.layout.display is None
+    assert view.meta == {"token": 3, "layer": ex.layer.value, "tokens": 4}
+    ex.tab_views.expert.value = ""
+    assert view.layout.display == "none" and ex.tab_views.expert_note.value == ""
+
+
+def test_a_click_on_the_selected_token_catches_up_with_the_session_too(tiny_weights):
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="Hello", tab="Predictions")
+    for _ in range(3):
+        ex.step_button.click()
+    s.feed(list(b"lo"))  # outside the Explorer
+    click(ex.views["block_layer"], x=f"{ex.token.value} 'l'")  # the token selected already: no change event
+    assert ex.token.max == 4 and ex.history.tokens == s.tokens and "5 tokens decoded" in ex.status.value

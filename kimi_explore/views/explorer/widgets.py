@@ -289,6 +289,7 @@ class Explorer(widgets.VBox):
 
     def select(self, token: int | None = None, layer: int | None = None) -> None:
         """Select a token and/or a layer in every view (what a click on one does)."""
+        self.sync()  # a click on what is selected already still shows a history changed outside the Explorer
         with self.token.hold_trait_notifications(), self.layer.hold_trait_notifications():
             if token is not None:
                 self.token.value = int(token)
