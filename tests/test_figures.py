@@ -333,3 +333,18 @@ def test_explorer_scales_read_the_right_way_round(k3):
     for tr in (full, top):
         lo, hi = _colour_at(tr, tr["zmin"]), _colour_at(tr, tr["zmax"])
         assert sum(hi) < sum(lo), tr["colorscale"]  # high values dark
+
+
+def test_at_k3_depth_the_lens_strip_names_the_selected_layer_and_the_mla_layers(k3):
+    """93 columns: the lens strip's layer axis names what every other layer axis names (the selected layer, the
+    MLA landmarks, no two labels overlapping), not whatever plotly's own thinning of 93 categories keeps."""
+    from kimi_explore.analysis.logit_lens import LogitLens
+    from kimi_explore.views.explorer import specs_analysis
+
+    labels = specs.layer_labels(k3)
+    L = len(labels)
+    lens = LogitLens(list(k3.layer_ids), np.array([5]), np.full((1, L, 1), 7), np.full((1, L, 1), 0.3), np.array([7]),
+                     positions=np.array([0]))
+    _, layout = specs_analysis.lens_strip(lens, labels, None, layer=50)
+    assert layout["xaxis"]["tickvals"] == specs.layer_axis(labels, "", "50 KDA")["tickvals"]
+    assert "50 KDA" in layout["xaxis"]["tickvals"] and "91 MLA" in layout["xaxis"]["tickvals"]

@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ..common import token_labels, token_texts
-from .specs import FONT, heat, outline
+from .specs import FONT, heat, layer_axis, outline
 
 __all__ = ["leaf_layer", "lens_strip", "run_diff", "waterfall"]
 
@@ -66,7 +66,9 @@ def lens_strip(lens, labels: list[str], tokenizer=None, layer: int | None = None
     shapes = [outline(ids_sel.index(layer))] if layer in ids_sel else []
     layout = {"title": {"text": f"Logit lens of token {t} {fed}: top-1 next token after each layer "
                         f"(ring: already the model's own top-1, {fin})", "font": FONT},
-              "xaxis": {"type": "category", "tickfont": {"size": 9}, "tickangle": -60, "fixedrange": True},
+              # past 32 layers (K3) the selected layer and the MLA landmarks are named, as on every layer axis
+              "xaxis": {"tickangle": -60, **layer_axis(labels, "", labels[ids_sel.index(layer)] if layer in ids_sel else None),
+                        "title": None},
               "yaxis": {"type": "category", "fixedrange": True, "showticklabels": False},
               "showlegend": False, "shapes": shapes, "margin": {"l": 20, "r": 20, "t": 30, "b": 60}}
     return [hm, ring], layout
