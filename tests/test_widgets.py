@@ -499,6 +499,22 @@ def test_expert_search_field_draws_where_the_expert_fires(explorer):
     assert "is not an expert id" in ex.tab_views.expert_note.value
 
 
+def test_expert_search_past_the_window_says_how_often_the_expert_fired_in_the_whole_history(tiny_weights):
+    """At 60 tokens the map shows the 40 around the selection; its title adds the whole history's count (from the
+    trace's routing, independently), so a window where the expert never fired says whether to look elsewhere."""
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    s.feed(list(range(65, 125)))
+    ex = Explorer(s, tab="MoE routing")
+    ids = np.asarray(s.trace().routing()["topk_ids"])
+    e = int(ids[0, 0, 0])
+    ex.tab_views.expert.value = str(e)
+    ex.select(token=59)
+    title = view_spec(ex, "expert_search")[1]["title"]["text"]
+    hit = ids == e
+    assert f"in tokens 20-59 it fired {int(hit[20:].sum())} times" in title
+    assert f"in the whole history {int(hit.sum())} times at {int(hit.any(axis=(0, 2)).sum())} layers" in title
+
+
 def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_path, monkeypatch):
     import json
     import re

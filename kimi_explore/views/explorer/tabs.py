@@ -197,7 +197,8 @@ class Tabs:
             self.expert_note.value = ""
             a, b = window
             win = self.ex.trace(window=slice(a, b))
-            show("expert_search", specs_moe.expert_search(window_routing(self.ex, a, b), e, win, t - a, layer, tok))
+            show("expert_search", specs_moe.expert_search(window_routing(self.ex, a, b), e, win, t - a, layer, tok,
+                                                          stats["counts"]))
         if self.full_map.value:
             show("moe_full", specs_moe.moe_full(r, 0, one, layer, bias, tok))
 
