@@ -251,7 +251,8 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
         custom, hover = typed(b), hover + "<br>selection bias %{customdata:+.4f}"
     hm = heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
                  customdata=custom, colorbar={"title": {"text": "score σ(logit)"}})
-    hm.update(xgap=0, ygap=0)  # one image, not 82k cells
+    hm.update(xgap=0, ygap=0,  # one image, not 82k cells
+              reversescale=True)  # plotly's Blues: dark = low; dark = a high score, as in the top-N view beside it
     ids, w = np.asarray(r["topk_ids"][t]), np.asarray(r["topk_weights"][t], dtype=float)
     jj, cc = np.nonzero(ids >= 0)
     chosen = {"type": "scatter", "mode": "markers", "x": typed(ids[jj, cc], np.int32), "y": [labels[j] for j in jj],

@@ -127,7 +127,11 @@ class Tabs:
             return None
 
     def _expert_changed(self) -> None:
-        self.views["expert_search"].layout.display = None if self.expert.value.strip() else "none"
+        # a field that holds no id shows no map (the note says why): not the last expert's, nor a blank box
+        ok = self.searched_expert() is not None
+        self.views["expert_search"].layout.display = None if ok else "none"
+        if not ok:
+            self.views["expert_search"].clear()
         self.drawn.pop(2, None)
         if self.widget.selected_index == 2:
             self.ex.refresh()
