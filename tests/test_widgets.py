@@ -944,3 +944,22 @@ def test_a_click_on_the_selected_token_catches_up_with_the_session_too(tiny_weig
     s.feed(list(b"lo"))  # outside the Explorer
     click(ex.views["block_layer"], x=f"{ex.token.value} 'l'")  # the token selected already: no change event
     assert ex.token.max == 4 and ex.history.tokens == s.tokens and "5 tokens decoded" in ex.status.value
+
+
+def test_compute_on_a_history_that_does_not_replay_says_why_in_the_views(explorer):
+    """A token decoded under a temporary intervention (`with session.intervene(...)` in another cell) cannot be
+    replayed by the lens or the attribution: Compute shows the replay's reason in the views; it raised out of the
+    button (and, with 'compute on every selection', out of every refresh)."""
+    ex, s = explorer, explorer.session
+    for _ in range(3):
+        ex.step_button.click()
+    with s.intervene(interventions.ablate_experts("all", "all")):
+        s.step(72)
+    ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.select(token=3)
+    ex.tab_views.compute_button.click()
+    title = ex.views["lens"].spec["layout"]["annotations"][0]["text"]
+    assert title.startswith("No lens for token 3: replaying the session's history gives other logits at token 3")
+    ex.tab_views.auto_analyses.value = True
+    ex.select(token=1)  # replays fine up to token 1
+    assert "Logit lens of token 1" in ex.views["lens"].spec["layout"]["title"]["text"]

@@ -222,7 +222,10 @@ class Tabs:
         key = f"analyses@{t}"
         if compute and key not in ex._memo:
             target = s.tokens[t + 1] if t + 1 < len(s) else None  # the token fed next (else the top-1)
-            ex._memo[key] = (logit_lens(s, top=3, positions=[t]), logit_attribution(s, t, token=target))
+            try:
+                ex._memo[key] = (logit_lens(s, top=3, positions=[t]), logit_attribution(s, t, token=target))
+            except ValueError as e:  # a history that does not replay (decoded under a temporary intervention, ...)
+                ex._memo[key] = str(e)
         return ex._memo.get(key)
 
     def _refresh_analyses(self, t: int, layer: int, show) -> None:
@@ -233,6 +236,10 @@ class Tabs:
                    "latest checkpoint before it")
             show("lens", specs.empty(msg))
             show("attribution", specs.empty("(the waterfall of the logit of the token fed next, or of the top-1)"))
+            return
+        if isinstance(got, str):  # why there is no lens for this token: said in the views, not raised from a click
+            show("lens", specs.empty(f"No lens for token {t}: {got[:300]}"))
+            show("attribution", specs.empty("(no attribution either: it replays the history too)"))
             return
         lens, attr = got
         labels = specs.layer_labels(self.ex.trace(window=slice(t, t + 1)))
