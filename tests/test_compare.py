@@ -401,3 +401,42 @@ def test_a_sparse_dump_names_every_operation_since_its_last_site(weights_d, hook
     assert (first.token, first.site, first.local) == (2, "layers.5.prefix_sum", True)
     assert first.operation.startswith("residual sum, and everything since layers.0.kda.state: ")
     assert "(layers.0.kda.o .. layers.5.ffn.out)" in first.operation
+
+
+def _first_step(name):
+    """What a one-token prefill capture holds: the decode capture's first step (a one-token batch from an empty
+    state), its records without a token axis, as ggml drops trailing unit axes (`ggml_n_dims`)."""
+    with np.load(_captures(name)) as z:
+        return {k: z[k][:1] if k in ("tokens", "logits") else z[k][0] for k in z.files}
+
+
+def test_a_one_token_prefill_capture_is_read(tmp_path, weights_d, hooks_d):
+    """It was refused: "'embed' has 64 rows, expected one per token (1)"."""
+    one = _first_step("d")
+    assert one["inp_embd"].shape == (64,) and one["kq_soft_max-2"].shape == (6, 1, 16)  # cells trimmed to 16
+    mapped, full = llamacpp_to_hooks(one, weights_d.config, weights_d), hooks_d[0]
+    assert mapped.keys() == full.keys()
+    for k, a in mapped.items():
+        want = full[k][:1, :, :1] if k.endswith("mla.probs") else full[k][:1]
+        np.testing.assert_array_equal(a, want, err_msg=k)
+    np.savez(tmp_path / "one.npz", **_first_step("e"))
+    first = ke.compare(ke.Session(_weights("e")), tmp_path / "one.npz", names="llama.cpp").first
+    assert (first.token, first.site, first.local, first.operation) == (0, "layers.0.kda.state", True, "KDA q/k L2 norm")
+
+
+def test_a_dump_of_a_trace_reads_its_probability_padding_as_the_masked_zeros(tmp_path, weights_d, hooks_d):
+    """A Trace pads mla.probs row t ([nh, t + 1]) with NaN where the dump format has zeros: a dump written from a
+    session's own trace (stepped or fed) was reported diverging at the first MLA layer with max|delta| NaN. A NaN
+    among the positions a token sees is still found."""
+    tokens = hooks_d[1]
+    names = [f"layers.{i}.mla.probs" for i in MLA_LAYERS] + ["layers.1.attn.out"]
+    for fed in (False, True):
+        s = ke.Session(weights_d, recorder=ke.Recorder(full=names))
+        s.feed(tokens, progress=False) if fed else [s.step(t) for t in tokens]
+        arrays = {n: s.trace()[n].copy() for n in names}
+        assert np.isnan(arrays["layers.2.mla.probs"][3][:, 4:]).all()
+        path = ke.write_dump(tmp_path / f"own-{fed}.safetensors", arrays, tokens=tokens, engine="kimi_explore")
+        assert ke.compare(ke.Session(weights_d), path, local=False).first is None
+    arrays["layers.6.mla.probs"][5, 2, 3] = np.nan
+    first = ke.compare(ke.Session(weights_d), {**arrays, "tokens": np.array(tokens)}, local=False).first
+    assert (first.token, first.site) == (5, "layers.6.mla.probs") and np.isnan(first.max_abs)

@@ -236,8 +236,9 @@ class RayPipeline(LayerSequence):
         V = self.config.vocab_size
         ids = token_indices(token_ids, V)
         chunk = default_chunk(self.config) if chunk is None else chunk
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:  # as kimi_forward_sequence
             raise ValueError(f"RayPipeline.forward_sequence: chunk must be a positive int, got {chunk!r}")
+        chunk = int(chunk)
         out = [self._run(state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
         return np.concatenate(out) if out else np.zeros((0, V), self.dtype)
 
@@ -384,7 +385,8 @@ class RayPipeline(LayerSequence):
         if lost:
             self._teardown()
         for s in lost:
-            ray.kill(s.actor)
+            if s.actor is not None:  # None: a restart that failed to load (`_start`) killed it already
+                ray.kill(s.actor)
             s.epoch += 1
         if lost:
             self._configured = None  # a new actor has no hooks or recorder yet

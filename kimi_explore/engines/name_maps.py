@@ -100,6 +100,13 @@ def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
     if "tokens" not in arrays:
         raise KeyError("llama.cpp captures: no 'tokens' array (the token ids fed, [T])")
     T = int(np.asarray(arrays["tokens"]).shape[0])
+
+    def raw(key):
+        """The array, with a one-token prefill capture's token axis put back: ggml drops a record's trailing unit
+        axes (README: `reversed(ne[:n_dims])`), so a one-token batch's records come without it ([64], not [1, 64]),
+        where a decode capture's per-token records are stacked on a leading axis of T = 1."""
+        a = np.asarray(arrays[key])
+        return a[None] if T == 1 and a.ndim and a.shape[0] != 1 else a
     by_layer: dict = {}
     out: dict = {}
     for key in arrays:
@@ -108,17 +115,17 @@ def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
         base, layer, k = parse_llamacpp_name(key)
         if layer is None:
             if k is None and base in LLAMACPP_GLOBAL:
-                out[LLAMACPP_GLOBAL[base]] = _f32(arrays[key])
+                out[LLAMACPP_GLOBAL[base]] = _f32(raw(key))
             continue
         by_layer.setdefault(layer, {})[base if k is None else f"{base}#{k}"] = key
     if "logits" not in out and "result_output" in arrays:
-        out["logits"] = _f32(arrays["result_output"])
+        out["logits"] = _f32(raw("result_output"))
     layer_weights = {lw.index: lw for lw in getattr(weights, "layers", [])} if weights is not None else {}
     for i in sorted(by_layer):
         names = by_layer[i]
 
         def get(base, names=names):
-            return _f32(arrays[names[base]])
+            return _f32(raw(names[base]))
 
         p = f"layers.{i}."
         for base, site in _DIRECT.items():
@@ -132,7 +139,7 @@ def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
             out[p + "kda.decay"] = np.exp(get("kda_g1"))
         if "kda_g2" in names:
             out[p + "kda.gate"] = 1.0 / (1.0 + np.exp(-get("kda_g2")))
-        if "new_state" in names and arrays[names["new_state"]].ndim == 4 and arrays[names["new_state"]].shape[0] == T:
+        if "new_state" in names and raw(names["new_state"]).ndim == 4 and raw(names["new_state"]).shape[0] == T:
             out[p + "kda.state"] = get("new_state").swapaxes(-1, -2)  # llama.cpp [H, V, K]; ours [H, K, V]
         mixer = "kda_out" if "kda_out" in names else "mla_out"
         if mixer in names:
@@ -145,7 +152,7 @@ def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
         if ffn_res in names:
             out[p + "attn_res.ffn.weights"] = get(ffn_res)
         if "ffn_moe_topk" in names:
-            out[p + "moe.router.topk_ids"] = np.asarray(arrays[names["ffn_moe_topk"]]).astype(np.int64)
+            out[p + "moe.router.topk_ids"] = raw(names["ffn_moe_topk"]).astype(np.int64)
         if "ffn_moe_weights_scaled" in names:
             out[p + "moe.router.topk_weights"] = get("ffn_moe_weights_scaled")[..., 0]
         if "ffn_out" in names and "ffn_shexp" in names:

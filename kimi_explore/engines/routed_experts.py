@@ -117,12 +117,14 @@ def compare_routing(session, other, tokens=None) -> RoutingComparison:
     fed them, and a session that ran other tokens is refused, naming the first position that differs.
     """
     theirs = other if isinstance(other, dict) else read_routed_experts(other, session.weights, tokens)
+    own = theirs.get("tokens")
     if tokens is None:
-        tokens = theirs.get("tokens")
-    elif "tokens" in theirs and list(theirs["tokens"]) != [int(t) for t in tokens]:
-        raise ValueError("compare_routing: tokens= differs from the routing's own tokens")
-    if tokens is not None:
+        tokens = own
+    else:
         tokens = _token_list(tokens, theirs["topk_ids"].shape[0], session.weights.config.vocab_size)
+        if own is not None and list(own) != tokens:
+            raise ValueError("compare_routing: tokens= differs from the routing's own tokens")
+    if tokens is not None:
         ran = [int(t) for t in session.tokens]
         if not ran:
             session.feed(tokens, progress=False)

@@ -91,6 +91,7 @@ class Session:
         # first token of a fed chunk `truncate` cut -> the tokens it cut off: a replay of the history (the analyses)
         # re-decodes the chunk as it was fed, to the stored values bit for bit (the kept part alone rounds otherwise)
         self._cut_tails: dict[int, list[int]] = {}
+        self._to_rebuild: set[int] = set()  # checkpoints a failed `recover()` dropped: the next one rebuilds them
 
     # ------------------------------------------------------------------ history
     @property
@@ -232,10 +233,16 @@ class Session:
     def generate(self, n: int, temperature: float = 0.0, seed=None, stop_tokens=()) -> list[int]:
         """Decode n more tokens, each chosen from the previous logits: argmax at temperature 0, else sampled
         from softmax(logits / temperature) with `np.random.default_rng(seed)`. Stops early after a stop token."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"Session.generate: n (how many tokens to decode) must be an int >= 0, got {n!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) or \
+                not temperature >= 0:  # NaN too
+            raise ValueError(f"Session.generate: temperature must be a number >= 0, got {temperature!r}")
+        if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
+            raise TypeError(f"Session.generate: stop_tokens must be a collection of token ids, got {stop_tokens!r}; "
+                            f"one stop token t: stop_tokens=({stop_tokens!r},)")
         if not self._logits:
             raise ValueError("Session.generate: feed a prompt first (session.feed(ids)); there are no logits to continue from")
-        if temperature < 0:
-            raise ValueError(f"Session.generate: temperature must be >= 0, got {temperature}")
         rng = np.random.default_rng(seed)
         out = []
         for _ in range(n):
@@ -289,6 +296,10 @@ class Session:
         """The exact decode state after the first t tokens of the history."""
         c, state = self.checkpoint_before(t)
         changed = [s for s in range(c, t) if self._modified[s]]
+        lost = [k for k in self._to_rebuild if c < k <= t]
+        if changed and lost:
+            raise StageLostError(f"cannot rebuild the state after {t} tokens: the checkpoint after token {max(lost) - 1} "
+                                 "was lost with a pipeline stage and a recover() did not finish: call session.recover()")
         if changed:
             raise RuntimeError(f"cannot rebuild the state after {t} tokens exactly: tokens {changed} were decoded with "
                                f"value-changing hooks and no checkpoint after them is kept (nearest: {c})")
@@ -365,6 +376,7 @@ class Session:
         # a checkpoint after n belongs to the discarded future: kept, it would seed a later replay of a new history
         self._checkpoints = {k: v for k, v in self._checkpoints.items() if k <= n}
         self._cut_tails = {a: tail for a, tail in self._cut_tails.items() if a < n}
+        self._to_rebuild = {k for k in self._to_rebuild if k <= n}
         if self.recorder is not None:
             self.recorder.truncate(n)
 
@@ -385,12 +397,13 @@ class Session:
         restarted = self.weights.restart_lost_stages()
         sets = [h for h in (self.hooks, self.recorder.hooks.copy() if self.recorder is not None else None) if h]
         hooks = HookChain(*sets) if sets else None
-        keep = set(self._checkpoints)
-        self._checkpoints.clear()  # their handles on a restarted stage are gone
-        state, checkpoints, bad = self._replay(hooks, len(self._tokens), keep)
+        keep = set(self._checkpoints) | self._to_rebuild
+        self._checkpoints.clear()  # their handles on a restarted stage are gone (dropped now, not held through the replay)
+        self._to_rebuild = keep  # ... but kept in mind: a replay that fails (a hook raising, another stage lost)
+        state, checkpoints, bad = self._replay(hooks, len(self._tokens), keep)  # leaves them to the next recover()
         if bad is not None:
             state, checkpoints, _ = self._replay(hooks, bad, keep)
-        self.state, self._checkpoints = state, checkpoints
+        self.state, self._checkpoints, self._to_rebuild = state, checkpoints, set()
         if bad is not None:
             self._drop_after(bad)
             raise RuntimeError(f"Session.recover: replaying token {bad} gives other logits than the session stored: it "
@@ -452,7 +465,7 @@ class Session:
         self._tokens, self._logits, self._modified = list(snap.tokens), list(snap.logits), list(snap.modified)
         self._chunk_of = list(snap.chunk_of) if snap.chunk_of is not None else [-1] * len(snap.tokens)
         self._stacked = None
-        self._checkpoints = dict(snap.checkpoints)
+        self._checkpoints, self._to_rebuild = dict(snap.checkpoints), set()
         self._cut_tails = {int(a): list(tail) for a, tail in (snap.cut_tails or {}).items()}
         if self.recorder is not None:
             self.recorder.load_state_dict(snap.records)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
+from .kernel_isa import first_sound, mismatch, small_exact_inputs
 from .workspace import run_rows
 
 try:
@@ -39,12 +40,40 @@ def isas() -> tuple[str, ...]:
     return _ext.isas() if AVAILABLE else ()
 
 
+_DEFAULT: list = []  # the default kernel, once checked
+
+
+def default_isa() -> str:
+    """The kernel both entry points run when none is asked for: the best of `isas()` that gives the portable
+    kernel's floats on `_self_check` (`kernel_isa`: checked once, before the first product)."""
+    if not _DEFAULT:
+        _DEFAULT.append(first_sound("bf16_matvec", isas(), _self_check))
+    return _DEFAULT[0]
+
+
+def _self_check(isa: str) -> str | None:
+    """None when `isa` gives the portable kernel's floats through both entry points, else what differed. Weights
+    and inputs of small integers (bf16 holds them exactly): every sum exact. 37 rows and 300 columns cross the
+    vectors', tiles' and panels' edges; 1, 4, 5 and 13 input rows take every route."""
+    bits = (small_exact_inputs(37, 300, seed=1) * 2).view(np.uint32) >> 16  # -8..8 as bf16 bits
+    bits = np.ascontiguousarray(bits.astype(np.uint16))
+    x = small_exact_inputs(13, 300)
+    calls = {"bf16_matvec": lambda i: bf16_matvec(bits, x[0], isa=i, threads=1)}
+    for n in (1, 4, 5, 13):
+        calls[f"bf16_matmat ({n} rows)"] = lambda i, n=n: bf16_matmat(bits, x[:n], isa=i, threads=1)
+    for name, call in calls.items():
+        what = mismatch(name, call(isa), call("portable"))
+        if what is not None:
+            return what
+    return None
+
+
 def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
     """bits: uint16 [R, C] (bf16 bit patterns, C-contiguous); x: float32 [C] -> float32 [R].
 
-    isa: one of `isas()` (default: the best). threads: host threads sharing the rows (default
-    `backend.HOST_THREADS`; the kernel releases the GIL); pool: their executor (the model's
-    `workspace.pool()`; None: a pool just for this call).
+    isa: one of `isas()` (default: `default_isa()`, the best that passes its self-check). threads: host
+    threads sharing the rows (default `backend.HOST_THREADS`; the kernel releases the GIL); pool: their
+    executor (the model's `workspace.pool()`; None: a pool just for this call).
     """
     if not AVAILABLE:
         raise RuntimeError("kimi_explore.weights._bf16_matvec was not built (no C compiler at install); reinstall with one")
@@ -58,7 +87,8 @@ def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None =
     out = np.empty(R, np.float32) if out is None else out
     if out.shape != (R,) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{R}], got {_describe(out)}")
-    run = lambda a, b: _ext.bf16_matvec(bits, x, out, R, C, a, b, isa or "")  # noqa: E731
+    isa = isa or default_isa()
+    run = lambda a, b: _ext.bf16_matvec(bits, x, out, R, C, a, b, isa)  # noqa: E731
     run_rows(pool, run, R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
     return out
 
@@ -85,7 +115,8 @@ def bf16_matmat(bits, x, out=None, isa: str | None = None, threads: int | None =
 
     parts = max(1, min(threads or HOST_THREADS, R * max(n, 1) // (_MIN_ROWS_PER_THREAD * 16)))
     cuts = [R * p // parts // 4 * 4 for p in range(parts)] + [R]  # whole 4-row tiles per thread
-    run = lambda a, b: _ext.bf16_matmat(bits, x, out, R, C, n, a, b, isa or "")  # noqa: E731
+    isa = isa or default_isa()
+    run = lambda a, b: _ext.bf16_matmat(bits, x, out, R, C, n, a, b, isa)  # noqa: E731
     run_parts(pool, run, [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a])
     return out
 

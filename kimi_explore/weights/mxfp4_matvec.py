@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
+from .kernel_isa import first_sound, mismatch, small_exact_inputs
 from .workspace import run_parts, run_rows
 
 try:
@@ -45,15 +46,57 @@ def isas() -> tuple[str, ...]:
     return _ext.isas() if AVAILABLE else ()
 
 
+_DEFAULT: list = []  # the default kernel, once checked
+
+
+def default_isa() -> str:
+    """The kernel every entry point runs when none is asked for: the best of `isas()` that gives the portable
+    kernel's floats on `_self_check` (`kernel_isa`: checked once, before the first product)."""
+    if not _DEFAULT:
+        _require()
+        _DEFAULT.append(first_sound("mxfp4_matvec", isas(), _self_check))
+    return _DEFAULT[0]
+
+
+def _self_check(isa: str) -> str | None:
+    """None when `isa` gives the portable kernel's floats through every entry point, else what differed. Codes
+    of every value, scales 2^-2 .. 2^3, inputs of small integers: every sum exact. 37 rows and 288 columns
+    cross the tiles' and panels' edges; groups of 0, 1, 5 and 13 inputs take every route."""
+    rng = np.random.default_rng(0)
+    E, R, C = 3, 37, 288
+    packed = rng.integers(0, 256, (E, R, C // 2), dtype=np.uint8)
+    scale = rng.integers(125, 131, (E, R, C // 32), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (E, R, C // 32, 17), dtype=np.uint8)
+    blocks[..., 0] = scale
+    x = small_exact_inputs(19, C)
+    ids, experts, bounds = [2, 0, 2], [1, 0, 2, 1], [0, 1, 6, 6, 19]
+    parts = lambda a, picks: [(a[e, :20], a[e, 20:]) for e in picks]  # noqa: E731
+    calls = {
+        "expert_matvec": lambda i: expert_matvec(packed, scale, ids, x[:3], isa=i, threads=1),
+        "expert_matvec (one input)": lambda i: expert_matvec(packed, scale, ids, x[0], isa=i, threads=1),
+        "parts_matvec": lambda i: parts_matvec(parts(packed, ids), parts(scale, ids), (20, 17), x[:3], isa=i, threads=1),
+        "ggml_expert_matvec": lambda i: ggml_expert_matvec(blocks, ids, x[:3], isa=i, threads=1),
+        "grouped_matmat": lambda i: grouped_matmat(packed, scale, experts, bounds, x, isa=i, threads=1),
+        "grouped_parts_matmat": lambda i: grouped_parts_matmat(parts(packed, experts), parts(scale, experts), (20, 17),
+                                                               bounds, x, isa=i, threads=1),
+    }
+    for name, call in calls.items():
+        what = mismatch(name, call(isa), call("portable"))
+        if what is not None:
+            return what
+    return None
+
+
 def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
     """packed: uint8 [E, R, C/2]; scale: uint8 [E, R, C/32]; ids: [k] expert ids;
     x: float32 [C] (the same input for every expert) or [k, C] -> float32 [k, R].
 
-    isa: one of `isas()` (default: the best). threads: how many host threads share the rows
-    (default: `backend.HOST_THREADS`); the kernel releases the GIL. pool: the executor they run on
-    (the model's `workspace.pool()`; None: a pool just for this call).
+    isa: one of `isas()` (default: `default_isa()`, the best that passes its self-check). threads: how many
+    host threads share the rows (default: `backend.HOST_THREADS`); the kernel releases the GIL. pool: the
+    executor they run on (the model's `workspace.pool()`; None: a pool just for this call).
     """
     _require()
+    isa = isa or default_isa()
     for name, a in (("packed", packed), ("scale", scale)):
         if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous uint8 NumPy array [E, R, n], got {_describe(a)}")
@@ -62,7 +105,7 @@ def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threa
         raise ValueError(f"packed {packed.shape} / scale {scale.shape}: expected [E, R, C/2] / [E, R, C/32], C a multiple of 32")
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     xeo, out = _inputs(x, len(ids), R, H, out)
-    run = lambda a, b: _ext.expert_matvec(packed, scale, ids, xeo, out, R, H, a, b, isa or "")  # noqa: E731
+    run = lambda a, b: _ext.expert_matvec(packed, scale, ids, xeo, out, R, H, a, b, isa)  # noqa: E731
     run_rows(pool, run, len(ids) * R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
     return out
 
@@ -77,6 +120,7 @@ def parts_matvec(packed, scale, rows, x, out=None, isa: str | None = None, threa
     the same bytes stacked into a bank (the same row kernel); the sizes are checked in C.
     """
     _require()
+    isa = isa or default_isa()
     rows = tuple(int(r) for r in rows)
     k = len(packed)
     if k == 0 or len(scale) != k or any(len(p) != len(rows) or len(s) != len(rows) for p, s in zip(packed, scale, strict=True)):
@@ -85,7 +129,7 @@ def parts_matvec(packed, scale, rows, x, out=None, isa: str | None = None, threa
     H = np.shape(packed[0][0])[-1]  # C/2; every block's size is checked against it in C
     xeo, out = _inputs(x, k, sum(rows), H, out)
     flat_p, flat_s = [a for p in packed for a in p], [a for s in scale for a in s]
-    run = lambda a, b: _ext.parts_matvec(flat_p, flat_s, rows, xeo, out, H, a, b, isa or "")  # noqa: E731
+    run = lambda a, b: _ext.parts_matvec(flat_p, flat_s, rows, xeo, out, H, a, b, isa)  # noqa: E731
     run_rows(pool, run, k * sum(rows), threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
     return out
 
@@ -99,13 +143,14 @@ def ggml_expert_matvec(blocks, ids, x, out=None, isa: str | None = None, threads
     order in an L1 scratch and runs the same row kernel; `ggml_quants` has the layout).
     """
     _require()
+    isa = isa or default_isa()
     if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 17 \
             or not blocks.flags.c_contiguous:
         raise ValueError(f"blocks: expected a C-contiguous uint8 NumPy array [E, R, C/32, 17], got {_describe(blocks)}")
     E, R, G, _ = blocks.shape
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     xeo, out = _inputs(x, len(ids), R, 16 * G, out)
-    run = lambda a, b: _ext.ggml_matvec(blocks, ids, xeo, out, R, 16 * G, a, b, isa or "")  # noqa: E731
+    run = lambda a, b: _ext.ggml_matvec(blocks, ids, xeo, out, R, 16 * G, a, b, isa)  # noqa: E731
     run_rows(pool, run, len(ids) * R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
     return out
 
@@ -120,6 +165,7 @@ def grouped_matmat(packed, scale, experts, bounds, x, out=None, isa: str | None 
     isa, threads, pool: as `expert_matvec` (threads share the (group, row) range, cut by work).
     """
     _require()
+    isa = isa or default_isa()
     for name, a in (("packed", packed), ("scale", scale)):
         if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous uint8 NumPy array [E, R, n], got {_describe(a)}")
@@ -128,7 +174,7 @@ def grouped_matmat(packed, scale, experts, bounds, x, out=None, isa: str | None 
         raise ValueError(f"packed {packed.shape} / scale {scale.shape}: expected [E, R, C/2] / [E, R, C/32], C a multiple of 32")
     experts = np.ascontiguousarray(experts, dtype=np.int64).reshape(-1)
     bounds, x, xeo, out = _group_inputs(bounds, len(experts), x, R, H, out)
-    run = lambda a, b: _ext.grouped_matmat(packed, scale, experts, bounds, xeo, x, out, R, H, a, b, isa or "")  # noqa: E731
+    run = lambda a, b: _ext.grouped_matmat(packed, scale, experts, bounds, xeo, x, out, R, H, a, b, isa)  # noqa: E731
     run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
     return out
 
@@ -138,6 +184,7 @@ def grouped_parts_matmat(packed, scale, rows, bounds, x, out=None, isa: str | No
     """`grouped_matmat` for experts given as row blocks wherever they lie (`parts_matvec`'s layout): packed,
     scale: m sequences (one per group, in order) of P uint8 arrays [rows[p], C/2] / [rows[p], C/32]."""
     _require()
+    isa = isa or default_isa()
     rows = tuple(int(r) for r in rows)
     m = len(packed)
     if m == 0 or len(scale) != m or any(len(p) != len(rows) or len(s) != len(rows) for p, s in zip(packed, scale, strict=True)):
@@ -146,7 +193,7 @@ def grouped_parts_matmat(packed, scale, rows, bounds, x, out=None, isa: str | No
     R = sum(rows)
     bounds, x, xeo, out = _group_inputs(bounds, m, x, R, H, out)
     flat_p, flat_s = [a for p in packed for a in p], [a for s in scale for a in s]
-    run = lambda a, b: _ext.grouped_parts_matmat(flat_p, flat_s, rows, bounds, xeo, x, out, H, a, b, isa or "")  # noqa: E731
+    run = lambda a, b: _ext.grouped_parts_matmat(flat_p, flat_s, rows, bounds, xeo, x, out, H, a, b, isa)  # noqa: E731
     run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
     return out
 

@@ -1,0 +1,143 @@
+"""A pipeline session against the same session in one process: errors, recovery and arguments.
+
+Each test here failed before its fix. A real local Ray (num_cpus=2, no dashboard), as in
+test_pipeline.py; the expected values are the same operations on the same checkpoint in this process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import kimi_explore as ke
+from kimi_explore.inspection.interventions import ablate_experts
+from kimi_explore.model.kimi_sequence import kimi_forward_sequence
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+ray = pytest.importorskip("ray")
+
+TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199, 7, 7, 31, 120]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    gc.collect()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def path():
+    return random_tiny_checkpoint()  # 16 layers; 2 stages: 0-7 and 8-15
+
+
+@pytest.fixture(scope="module")
+def weights(path):
+    return ke.from_pretrained(path)
+
+
+def assert_same_session(a: ke.Session, b: ke.Session) -> None:
+    assert a.tokens == b.tokens
+    assert np.array_equal(a.logits, b.logits), "logits differ"
+    assert sorted(a._checkpoints) == sorted(b._checkpoints)
+    ta, tb = a.trace(), b.trace()
+    assert sorted(ta.keys()) == sorted(tb.keys())
+    for k in ta.keys():
+        assert np.array_equal(ta[k], tb[k], equal_nan=ta[k].dtype.kind == "f"), k
+
+
+# bug: recover() dropped the session's checkpoints before its replay, so a replay that raised (a hook, another
+# stage lost) lost them for good: the next recover() rebuilt none, and a truncate into tokens decoded under
+# value-changing hooks said "cannot rebuild the state exactly" where one process goes back exactly
+def test_a_recover_that_fails_leaves_the_checkpoints_to_the_next(path, weights, tmp_path):
+    flag = tmp_path / "raise"
+
+    def flaky(value, *, hook):  # raises in the stage's process while the file exists
+        if os.path.exists(flag):
+            raise ArithmeticError("flaky hook")
+
+    def session(w):
+        hooks = ablate_experts(12, "all")
+        hooks.add("layers.10.attn.out", flaky)
+        return ke.Session(w, hooks=hooks, checkpoint_every=0)  # a checkpoint after each hooked token only
+
+    with ke.RayPipeline(path, stages=2) as pipe:
+        s, one = session(pipe), session(weights)
+        for x in (s, one):
+            x.feed(TOKENS[:8])
+        flag.touch()
+        ray.kill(pipe.stages[1].actor)
+        with pytest.raises(ArithmeticError, match="flaky hook"):
+            s.recover()
+        with pytest.raises(ke.StageLostError, match="recover"):  # not "decoded with value-changing hooks"
+            s.truncate(5)
+        assert len(s) == 8
+        flag.unlink()
+        assert s.recover() == []  # the stage restarted the first time; this replay completes
+        for x in (s, one):
+            x.truncate(5)
+            x.feed(TOKENS[5:])
+        assert_same_session(s, one)
+        del s
+        gc.collect()
+
+
+# bug: a restart that could not load left the stage's actor None, and every later recover() called
+# ray.kill(None): "ray.kill() only supported for actors", so the pipeline could never be recovered
+def test_recover_again_after_a_restart_that_could_not_load(path, weights, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(path, copy)
+    shard = copy / "model-00004-of-00005.safetensors"  # layers 8-11: stage 1's
+    with ke.RayPipeline(copy, stages=2) as pipe:
+        s, one = ke.Session(pipe), ke.Session(weights)
+        for x in (s, one):
+            x.feed(TOKENS[:6])
+        ray.kill(pipe.stages[1].actor)
+        shard.rename(shard.with_suffix(".hidden"))
+        with pytest.raises(ke.CheckpointError, match=r"stage 1 \(layers 8-15\).*model-00004-of-00005"):
+            s.recover()
+        with pytest.raises(ke.StageLostError, match="stage 1"):
+            s.step(TOKENS[6])
+        shard.with_suffix(".hidden").rename(shard)
+        assert s.recover() == [1]
+        for x in (s, one):
+            x.feed(TOKENS[6:])
+        assert_same_session(s, one)
+        del s
+        gc.collect()
+
+
+# bug: RayPipeline.forward_sequence refused a NumPy integer chunk that kimi_forward_sequence takes
+def test_forward_sequence_takes_a_numpy_chunk_as_one_process_does(path, weights):
+    with ke.RayPipeline(path, stages=2) as pipe:
+        state, want_state = pipe.new_state(), ke.KimiDecodeState.new(weights)
+        got = pipe.forward_sequence(state, TOKENS, chunk=np.int64(5))
+        want = np.asarray(kimi_forward_sequence(weights, want_state, TOKENS, chunk=np.int64(5)))
+        assert np.array_equal(got, want)
+        with pytest.raises(ValueError, match=r"forward_sequence: chunk must be a positive int, got .*0"):
+            pipe.forward_sequence(state, TOKENS, chunk=np.int64(0))
+        del state
+        gc.collect()
+
+
+# bug: generate(3, stop_tokens=5) decoded a token, then raised "argument of type 'int' is not iterable";
+# generate(-1) returned [] and a NaN temperature raised numpy's "Probabilities contain NaN"
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"n": 3, "stop_tokens": 5}, TypeError, "stop_tokens must be a collection"),
+    ({"n": -1}, ValueError, "n .* must be an int >= 0, got -1"),
+    ({"n": 2.5}, ValueError, "n .* must be an int >= 0, got 2.5"),
+    ({"n": 3, "temperature": float("nan")}, ValueError, "temperature must be a number >= 0, got nan"),
+    ({"n": 3, "temperature": "1"}, ValueError, "temperature must be a number >= 0, got '1'"),
+])
+def test_generate_checks_its_arguments_before_decoding(weights, kwargs, error, match):
+    s = ke.Session(weights)
+    s.feed(TOKENS[:4])
+    logits = s.logits.copy()
+    with pytest.raises(error, match=match):
+        s.generate(**kwargs)
+    assert s.tokens == TOKENS[:4] and np.array_equal(s.logits, logits) and len(s.trace()["logits.top_ids"]) == 4
