@@ -25,7 +25,7 @@ from ..model.config import KimiDecoderConfig
 from ..model.latent_moe import DenseExperts
 from . import checkpoint_table as table
 from . import mxfp4
-from .checkpoint import CheckpointDir, check_checkpoint, experts_packed_on_disk, plan_tensors
+from .checkpoint import CheckpointDir, check_checkpoint, check_no_unexpected, experts_packed_on_disk, plan_tensors
 from .experts import PackedExperts
 from .mapped_experts import ExpertViews, MappedExperts
 from .tensor_reader import TensorReader
@@ -44,6 +44,7 @@ class SafetensorsSource(TensorSource):
 
     def check(self, layer_ids, embedding, head) -> None:
         check_checkpoint(self.ckpt, plan_tensors(self.config, layer_ids, self.ckpt, embedding, head))
+        check_no_unexpected(self.ckpt, self.config)
 
     def info(self, name: str):
         return self.reader.info(name)
