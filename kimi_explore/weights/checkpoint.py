@@ -166,6 +166,8 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
     """
     allowed = set()
     for t in table.plan(cfg):
+        if t.row.key == "latent_norm" and not cfg.latent_moe_use_norm:
+            continue  # planned always (the records hold one), but with the flag false the decoder skips it
         allowed.add(t.name)
         if t.dtype == table.MXFP4:
             allowed.update(table.mxfp4_names(t.name))
@@ -175,6 +177,8 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
     hints = []
     if cfg.tie_word_embeddings and ckpt.full("lm_head.weight") in extra:
         hints.append("tie_word_embeddings is true, but the checkpoint has its own lm_head.weight")
+    if not cfg.latent_moe_use_norm and any(n.endswith(table.MOE.row("latent_norm").name) for n in extra):
+        hints.append("latent_moe_use_norm is false, but the checkpoint has routed_expert_norm weights")
     layers = sorted({i for n in extra if (i := _layer_of(n[len(ckpt.prefix):])) is not None and i >= cfg.num_hidden_layers})
     if layers:
         hints.append(f"num_hidden_layers={cfg.num_hidden_layers}, but the checkpoint has layers {layers}")

@@ -1,0 +1,127 @@
+"""A config.json that disagrees with the weights, or holds values of the wrong JSON type, is refused
+before anything is read: each of these damaged copies used to load and run another model (logits off
+by up to 66 on the trained tiny model) or fail with an error that named nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kimi_explore import CheckpointError, ConfigError, from_pretrained
+from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+P = "language_model."
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(random_tiny_checkpoint(), dst)
+    return dst
+
+
+def load(path, **kw):
+    return from_pretrained(path, device="cpu", layers=[0], progress=False, **kw)
+
+
+def edit_config(path, fn):
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg["text_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def add_tensor(path, name, value):
+    """Put `name` into the first shard and the index, as a conversion that kept an extra tensor would."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    f = SafetensorsFile(path / shard)
+    tensors = {k: np.array(f.array(k)) for k in f.keys()}
+    f.close()
+    tensors[name] = value
+    write_safetensors(path / shard, tensors)
+    index["weight_map"][name] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("tie_word_embeddings", "false", "true or false"),  # a truthy string: the lm_head was silently dropped
+    ("num_experts_per_token", "8", "an integer"),
+    ("rms_norm_eps", "1e-05", "a number"),
+    ("attn_res_block_size", 4.0, "an integer"),
+    ("linear_attn_config.num_heads", "4", "an integer"),
+    ("linear_attn_config.kda_layers", ["1", "2"], "a list of integers"),
+])
+def test_config_values_of_the_wrong_json_type_are_refused_by_key(ckpt, key, value, expected):
+    def put(tc):
+        *outer, last = key.split(".")
+        (tc[outer[0]] if outer else tc)[last] = value
+    edit_config(ckpt, put)
+    with pytest.raises(ConfigError, match=r"config\.json: wrong value type") as e:
+        load(ckpt)
+    assert f"{key}={value!r} (expected {expected})" in str(e.value)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("moe_layer_freq", 0, "moe_layer_freq=0 (expected > 0)"),  # was ZeroDivisionError
+    ("rms_norm_eps", -1e-5, "rms_norm_eps=-1e-05 (expected > 0)"),  # was NaN logits
+    ("first_k_dense_replace", -1, "first_k_dense_replace=-1 (expected >= 0)"),
+])
+def test_config_values_out_of_range_are_refused(ckpt, key, value, message):
+    edit_config(ckpt, lambda tc: tc.update({key: value}))
+    with pytest.raises(ConfigError, match="unsupported configuration") as e:
+        load(ckpt)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("edit", ["drop_full", "overlap", "fewer_layers"])
+def test_layer_lists_that_do_not_split_the_layers_are_refused(ckpt, edit):
+    def fn(tc):
+        la = tc["linear_attn_config"]
+        if edit == "drop_full":
+            la["full_attn_layers"] = la["full_attn_layers"][:-1]
+        elif edit == "overlap":
+            la["full_attn_layers"] = sorted(la["full_attn_layers"] + la["kda_layers"][:1])
+        else:  # num_hidden_layers one short: the last layer's tensors were ignored and a shorter model ran
+            tc["num_hidden_layers"] -= 1
+    edit_config(ckpt, fn)
+    with pytest.raises(ConfigError, match=r"kda_layers .* and full_attn_layers .* do not split layers 1\.\.\d+"):
+        load(ckpt)
+
+
+def test_tied_embeddings_beside_an_lm_head_are_refused(ckpt):
+    """tie_word_embeddings flipped to true: the checkpoint's lm_head was ignored and the embedding used."""
+    edit_config(ckpt, lambda tc: tc.update(tie_word_embeddings=True))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is true, but the checkpoint has its own "
+                                              r"lm_head.weight\): language_model\.lm_head\.weight"):
+        load(ckpt)
+
+
+def test_output_gate_off_beside_gate_weights_is_refused(ckpt):
+    """mla_use_output_gate flipped to false: the MLA layers' g_proj were ignored."""
+    edit_config(ckpt, lambda tc: tc.update(mla_use_output_gate=False))
+    with pytest.raises(CheckpointError, match=r"not part of the model config\.json describes.*self_attn\.g_proj\.weight"):
+        load(ckpt)
+
+
+def test_latent_norm_off_beside_norm_weights_is_refused(ckpt):
+    edit_config(ckpt, lambda tc: tc.update(latent_moe_use_norm=False))
+    with pytest.raises(CheckpointError, match="latent_moe_use_norm is false, but the checkpoint has routed_expert_norm"):
+        load(ckpt)
+
+
+def test_an_unknown_language_model_tensor_is_named(ckpt):
+    add_tensor(ckpt, P + "model.layers.0.self_attn.q_norm.weight", np.ones(4, np.float32))
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) in the weight map .*model\.layers\.0\.self_attn\.q_norm"):
+        load(ckpt)
+
+
+def test_vision_tensors_beside_the_language_model_still_load(ckpt):
+    """The released multimodal shell's other towers are not the language model's business."""
+    add_tensor(ckpt, "vision_tower.patch_embed.weight", np.ones((2, 3), np.float32))
+    add_tensor(ckpt, "mm_projector.linear_1.weight", np.ones((2, 3), np.float32))
+    w = load(ckpt)
+    assert [layer.index for layer in w.layers] == [0]
