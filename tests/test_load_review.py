@@ -125,3 +125,50 @@ def test_vision_tensors_beside_the_language_model_still_load(ckpt):
     add_tensor(ckpt, "mm_projector.linear_1.weight", np.ones((2, 3), np.float32))
     w = load(ckpt)
     assert [layer.index for layer in w.layers] == [0]
+
+
+# ---- GGUF: the metadata and the tensors present decide the model; a tensor neither accounts for is refused
+
+GGUF = random_tiny_checkpoint().parent / "engines" / "d" / "llamacpp" / "model-mxfp4.gguf"
+K = "kimi-k3."
+
+
+def rewrite_gguf(tmp_path, meta=None, drop=(), add=()):
+    from kimi_explore.weights.gguf_io import GgufFile, write_gguf
+
+    f = GgufFile(GGUF)
+    m = {**f.metadata, **(meta or {})}
+    tensors = [(n, t.ne, t.type, f.raw(n).tobytes()) for n, t in f.tensors.items() if n not in drop] + list(add)
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, m, f.types, tensors)
+    return path
+
+
+def test_gguf_block_count_one_short_is_refused(tmp_path):
+    """block_count - 1 (head_count_kv trimmed to match): the last block's tensors were ignored, a 13-layer model ran."""
+    from kimi_explore.weights.gguf_io import GgufFile
+
+    meta = GgufFile(GGUF).metadata
+    n = meta[K + "block_count"]
+    path = rewrite_gguf(tmp_path, meta={K + "block_count": n - 1,
+                                        K + "attention.head_count_kv": meta[K + "attention.head_count_kv"][:-1]})
+    with pytest.raises(CheckpointError, match=rf"bad\.gguf: \d+ tensor\(s\) in the GGUF are not part of the model its "
+                                              rf"metadata describes \(block_count={n - 1},.*blk\.{n - 1}\."):
+        from_pretrained(path, device="cpu", layers=[0])
+
+
+def test_gguf_attn_gate_in_some_mla_layers_only_is_refused(tmp_path):
+    """mla_use_output_gate is read from the tensors: with one MLA layer's attn_gate gone it was false, and
+    the other layers' gates were silently dropped."""
+    from kimi_explore.weights.gguf_io import GgufFile
+
+    gates = [n for n in GgufFile(GGUF).tensors if n.endswith(".attn_gate.weight")]
+    assert len(gates) > 1
+    with pytest.raises(CheckpointError, match=rf"not part of the model its metadata describes.*{gates[1]}"):
+        from_pretrained(rewrite_gguf(tmp_path, drop=gates[:1]), device="cpu", layers=[0])
+
+
+def test_gguf_unknown_tensor_is_named(tmp_path):
+    path = rewrite_gguf(tmp_path, add=[("blk.0.extra.weight", (4,), "F32", np.zeros(4, np.float32).tobytes())])
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) in the GGUF .*: blk\.0\.extra\.weight"):
+        from_pretrained(path, device="cpu")
