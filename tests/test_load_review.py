@@ -172,3 +172,16 @@ def test_gguf_unknown_tensor_is_named(tmp_path):
     path = rewrite_gguf(tmp_path, add=[("blk.0.extra.weight", (4,), "F32", np.zeros(4, np.float32).tobytes())])
     with pytest.raises(CheckpointError, match=r"1 tensor\(s\) in the GGUF .*: blk\.0\.extra\.weight"):
         from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("layers", ["12", [1.5, 3], [True]])
+def test_layers_that_are_not_integer_indices_are_refused(layers):
+    """layers="12" loaded layers 1 and 2, [1.5, 3] loaded [1, 3], [True] loaded [1]: another model, no error."""
+    with pytest.raises(ValueError, match=r"layers=.*: expected None or an iterable of 0-based integer layer indices"):
+        from_pretrained(random_tiny_checkpoint(), device="cpu", layers=layers)
+
+
+def test_layers_as_numpy_integers_and_ranges_still_load():
+    for layers in (np.array([0, 2]), range(0, 3, 2), (np.int64(0), 2)):
+        w = from_pretrained(random_tiny_checkpoint(), device="cpu", layers=layers)
+        assert [layer.index for layer in w.layers] == [0, 2]

@@ -19,7 +19,10 @@ plan (`hub.py`) uses the same plan to choose the shards it downloads. Reading th
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import CheckpointError
 from ..model.config import KimiDecoderConfig
@@ -218,10 +221,15 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
     """`layers=` (None = all) as a checked list of 0-based layer ids, strictly increasing."""
     if layers is None:
         return list(range(num_hidden_layers))
+    # a string is iterable ("12" would be layers 1 and 2), int() truncates 1.5 and takes True: refuse them
     try:
-        ids = [int(i) for i in layers]
-    except (TypeError, ValueError):
-        raise ValueError(f"layers={layers!r}: expected None or an iterable of 0-based layer indices") from None
+        entries = None if isinstance(layers, (str, bytes)) else list(layers)
+    except TypeError:
+        entries = None
+    if entries is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_))
+                                  for i in entries):
+        raise ValueError(f"layers={layers!r}: expected None or an iterable of 0-based integer layer indices")
+    ids = [int(i) for i in entries]
     if not ids:
         raise ValueError("layers=[] selects no layer; pass None for all layers")
     bad = [i for i in ids if not 0 <= i < num_hidden_layers]
