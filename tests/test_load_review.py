@@ -185,3 +185,24 @@ def test_layers_as_numpy_integers_and_ranges_still_load():
     for layers in (np.array([0, 2]), range(0, 3, 2), (np.int64(0), 2)):
         w = from_pretrained(random_tiny_checkpoint(), device="cpu", layers=layers)
         assert [layer.index for layer in w.layers] == [0, 2]
+
+
+def test_a_log_padding_is_refused_before_anything_is_built(ckpt, monkeypatch):
+    """A non-zero A_log padding in the LAST KDA layer was found only while building it, after every earlier
+    layer had been read (at K3 size, minutes of reading); `check` refuses it now, naming the shard file."""
+    import kimi_explore.weights.load as load_module
+
+    la = json.loads((ckpt / "config.json").read_text())["text_config"]["linear_attn_config"]
+    name = f"{P}model.layers.{la['kda_layers'][-1] - 1}.self_attn.A_log"
+    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][name]
+    f = SafetensorsFile(ckpt / shard)
+    tensors = {k: np.array(f.array(k)) for k in f.keys()}
+    f.close()
+    tensors[name][-1] = 0.5
+    write_safetensors(ckpt / shard, tensors)
+
+    def build_weights(*a, **k):
+        raise AssertionError("build_weights reached: the damaged A_log was not caught by the check")
+    monkeypatch.setattr(load_module, "build_weights", build_weights)
+    with pytest.raises(CheckpointError, match=rf"{shard}: tensor '{name}' is stored \d+ wide with non-zero entries"):
+        from_pretrained(ckpt, device="cpu")
