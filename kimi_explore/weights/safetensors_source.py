@@ -64,7 +64,8 @@ class SafetensorsSource(TensorSource):
         a_log = self.read(name, np.float64)  # F32 on disk: widened exactly
         if a_log.shape[0] != H and np.any(a_log[H:] != 0):
             raise CheckpointError(
-                f"{self.path / self.ckpt.shard_of(name)}: tensor '{self.ckpt.full(name)}' is stored {a_log.shape[0]} wide with non-zero entries "
+                f"{self.path / self.ckpt.shard_of(name)}: tensor '{self.ckpt.full(name)}' is stored {a_log.shape[0]} wide "
+                "with non-zero entries "
                 f"past num_heads={H}; K3 stores one value per head, zero-padded to head_dim. Refusing to guess its layout."
             )
         return np.exp(a_log[:H])
