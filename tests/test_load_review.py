@@ -206,3 +206,10 @@ def test_a_log_padding_is_refused_before_anything_is_built(ckpt, monkeypatch):
     monkeypatch.setattr(load_module, "build_weights", build_weights)
     with pytest.raises(CheckpointError, match=rf"{shard}: tensor '{name}' is stored \d+ wide with non-zero entries"):
         from_pretrained(ckpt, device="cpu")
+
+
+def test_nulls_the_decoder_understands_still_load(ckpt):
+    """The type check must not refuse what the config allows: null situ linear cap, null expert groups."""
+    edit_config(ckpt, lambda tc: tc.update(activation_situ_linear_beta=None, num_expert_group=None, topk_group=None))
+    w = load(ckpt)
+    assert w.config.activation_situ_linear_beta is None and w.config.num_expert_group == 1

@@ -77,7 +77,7 @@ class LinearAttnConfig:
     short_conv_kernel_size: int  # W, depthwise causal conv width
     kda_layers: tuple[int, ...]  # 1-based
     full_attn_layers: tuple[int, ...]  # 1-based (the complement; not consulted by the math)
-    gate_lower_bound: float  # decay gate g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+    gate_lower_bound: float | None  # g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)); None refused
     use_full_rank_gate: bool
 
 
@@ -110,7 +110,7 @@ class KimiDecoderConfig:
     moe_layer_freq: int
     hidden_act: str
     activation_situ_beta: float
-    activation_situ_linear_beta: float
+    activation_situ_linear_beta: float | None  # None: no linear cap (ops.situ)
     attn_res_block_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
@@ -214,8 +214,8 @@ def _is_int(v) -> bool:
 # is truthy) would otherwise load and run another model, or fail later with an error naming nothing
 _TYPES = {
     "int": ("an integer", _is_int),
-    "int | None": ("an integer or null", lambda v: v is None or _is_int(v)),
     "float": ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)),
+    "float | None": ("a number or null", lambda v: v is None or isinstance(v, numbers.Real) and not isinstance(v, bool)),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
     "tuple[int, ...]": ("a list of integers", lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)),
@@ -226,6 +226,8 @@ def _check_types(cls, raw: dict, source: str, prefix: str) -> None:
     """Every present field of `cls` in `raw` has its JSON type; lists every one that has not."""
     bad = []
     for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING and raw.get(f.name) is None:
+            continue  # null = the default (num_expert_group, topk_group); the token ids are not checked
         if f.name in raw and f.type in _TYPES:
             what, ok = _TYPES[f.type]
             if not ok(raw[f.name]):
