@@ -213,3 +213,18 @@ def test_nulls_the_decoder_understands_still_load(ckpt):
     edit_config(ckpt, lambda tc: tc.update(activation_situ_linear_beta=None, num_expert_group=None, topk_group=None))
     w = load(ckpt)
     assert w.config.activation_situ_linear_beta is None and w.config.num_expert_group == 1
+
+
+def test_another_familys_key_beside_ours_must_agree(ckpt):
+    """num_experts_per_tok (DeepSeek/K2 naming) edited to 4 beside num_experts_per_token: the edit was ignored."""
+    edit_config(ckpt, lambda tc: tc.update(num_experts_per_tok=tc["num_experts_per_token"] + 1))
+    with pytest.raises(ConfigError, match=r"contradicting keys: num_experts_per_tok=\d+ but num_experts_per_token=\d+"):
+        load(ckpt)
+
+
+def test_another_familys_key_alone_is_named_in_the_missing_list(ckpt):
+    def fn(tc):
+        tc["n_routed_experts"] = tc.pop("num_experts")
+    edit_config(ckpt, fn)
+    with pytest.raises(ConfigError, match=r"missing required key\(s\): num_experts \(the file has 'n_routed_experts'"):
+        load(ckpt)

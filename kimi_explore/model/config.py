@@ -181,13 +181,24 @@ def _required(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
 
 
+# the DeepSeek-V3 / Kimi K2 names of keys this config reads under the Kimi-Linear names
+_ALIAS_OF = {"num_experts_per_token": "num_experts_per_tok", "num_experts": "n_routed_experts",
+             "num_shared_experts": "n_shared_experts"}
+
+
 def _build(cls, raw: dict, source: str) -> KimiDecoderConfig:
     missing = [k for k in _required(cls) if k not in raw]
     la_raw = raw.get("linear_attn_config")
     if isinstance(la_raw, dict):
         missing += [f"linear_attn_config.{k}" for k in _required(LinearAttnConfig) if k not in la_raw]
     if missing:
-        raise ConfigError(f"{source}: missing required key(s): {', '.join(missing)}")
+        named = [f"{k} (the file has {a!r}, another model family's name for it)" if a in raw else k
+                 for k in missing for a in [_ALIAS_OF.get(k)]]
+        raise ConfigError(f"{source}: missing required key(s): {', '.join(named)}")
+    # another family's name for a key beside ours: which one the file's author edited cannot be told
+    clash = [f"{a}={raw[a]!r} but {k}={raw[k]!r}" for k, a in _ALIAS_OF.items() if a in raw and raw[a] != raw[k]]
+    if clash:
+        raise ConfigError(f"{source}: contradicting keys: {'; '.join(clash)} (this decoder reads {', '.join(_ALIAS_OF)})")
     if not isinstance(la_raw, dict):
         raise ConfigError(f"{source}: 'linear_attn_config' must be an object, found {la_raw!r}")
 
