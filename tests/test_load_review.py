@@ -228,3 +228,20 @@ def test_another_familys_key_alone_is_named_in_the_missing_list(ckpt):
     edit_config(ckpt, fn)
     with pytest.raises(ConfigError, match=r"missing required key\(s\): num_experts \(the file has 'n_routed_experts'"):
         load(ckpt)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(experts="Dense"), r"experts='Dense': expected one of"),
+    (dict(expert_cache_size=-1), r"expert_cache_size=-1: expected None or a number"),
+    (dict(expert_cache_size=2.0), r"expert_cache_size=2\.0: expected None or a number"),
+])
+def test_option_forms_are_refused_before_the_checkpoint_is_opened(monkeypatch, kw, message):
+    """These were checked only after the checkpoint was opened and checked: for a Hub repo id, after its
+    shards were downloaded."""
+    import kimi_explore.weights.load as load_module
+
+    def open_source(*a, **k):
+        raise AssertionError("the checkpoint was opened (a Hub repo fetched) before the options were checked")
+    monkeypatch.setattr(load_module, "open_source", open_source)
+    with pytest.raises(ValueError, match=message):
+        from_pretrained("org/name", device="cpu", **kw)
