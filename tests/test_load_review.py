@@ -245,3 +245,16 @@ def test_option_forms_are_refused_before_the_checkpoint_is_opened(monkeypatch, k
     monkeypatch.setattr(load_module, "open_source", open_source)
     with pytest.raises(ValueError, match=message):
         from_pretrained("org/name", device="cpu", **kw)
+
+
+def test_gguf_metadata_of_the_wrong_type_names_the_gguf_key(tmp_path):
+    """expert_used_count written as a float: the error named only config.json's key for it."""
+    from kimi_explore.weights.gguf_io import GgufFile, write_gguf
+
+    f = GgufFile(GGUF)
+    types = {**f.types, K + "expert_used_count": 6}  # F32
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, f.metadata, types, [(n, t.ne, t.type, f.raw(n).tobytes()) for n, t in f.tensors.items()])
+    with pytest.raises(ConfigError, match=r"bad\.gguf: wrong value type: num_experts_per_token=2\.0 \(expected an "
+                                          r"integer\) \(in the GGUF: num_experts_per_token is kimi-k3\.expert_used_count\)"):
+        from_pretrained(path, device="cpu")
