@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import regex
 from hypothesis import given, settings
@@ -400,3 +401,49 @@ def test_committed_synthetic_files_are_the_generator_output(tmp_path):
     fresh = make_synthetic.write(tmp_path / "k3")
     for name in ("tiktoken.model", "tokenizer_config.json", "config.json"):
         assert (fresh / name).read_bytes() == (SYNTH_DIR / name).read_bytes(), name
+
+
+# ---- adversarial review: files of another model, ids that are not ids ----
+
+# Kimi K2's names in the K3 special slots (k3-tokenizer.md section 3): 163586 <|im_end|>, 163587 <|im_user|>,
+# 163588 <|im_assistant|>, 163594 <|im_system|>, 163601 <|im_middle|>; as offsets from the first special id.
+K2_NAMES_BY_OFFSET = {2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 10: "<|im_system|>", 17: "<|im_middle|>"}
+
+
+@needs_tiktoken
+def test_encode_chat_refuses_a_vocabulary_without_the_k3_markers(tmp_path):
+    # K2 files (same BPE, other special names) load fine for plain text, but the K3 chat markers are not
+    # special tokens there: encoding them as BPE would silently feed the model a different prompt.
+    d = make_synthetic.write(tmp_path / "k2")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    n = len(make_synthetic.synthetic_ranks())
+    for k, name in K2_NAMES_BY_OFFSET.items():
+        cfg["added_tokens_decoder"][str(n + k)] = {"content": name, "special": True}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = KimiTokenizer.from_pretrained(d)
+    assert tok.encode("hello") == [make_synthetic.synthetic_ranks()[b"hello"]]   # plain text is unaffected
+    with pytest.raises(TokenizerError, match=r"<\|open\|>.*tokenizer_config\.json"):
+        tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+@needs_tiktoken
+def test_load_tokenizer_refuses_a_vocabulary_smaller_than_the_model(tmp_path):
+    # k3-tokenizer.md section 1: the tokenizer's n_vocab IS text_config.vocab_size (163,840); a model with
+    # more rows than its tokenizer has ids means the tokenizer files come from another model.
+    d = make_synthetic.write(tmp_path / "k3")
+    (d / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 163840}}))
+    with pytest.raises(TokenizerError, match="163840.*does not belong"):
+        load_tokenizer(d)
+
+
+@pytest.mark.parametrize("bad", [[1.7], [True], ["5"], [np.float64(2.0)], np.array([2.9])],
+                         ids=["float", "bool", "str", "np_float", "np_float_array"])
+@pytest.mark.parametrize("make", [ByteTokenizer, lambda: KimiTokenizer.from_pretrained(SYNTH_DIR)], ids=["byte", "kimi"])
+def test_decode_refuses_ids_that_are_not_integers(make, bad):
+    # int(1.7) == 1 would decode a token the caller never had; ids are integers (np.int64 included).
+    if make is not ByteTokenizer:
+        pytest.importorskip("tiktoken")
+    tok = make()
+    assert tok.decode(np.array([72, 105], dtype=np.int64)) == tok.decode([72, 105])
+    with pytest.raises(TokenizerError, match="ids: expected integers"):
+        tok.decode(bad)
