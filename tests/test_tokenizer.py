@@ -447,3 +447,16 @@ def test_decode_refuses_ids_that_are_not_integers(make, bad):
     assert tok.decode(np.array([72, 105], dtype=np.int64)) == tok.decode([72, 105])
     with pytest.raises(TokenizerError, match="ids: expected integers"):
         tok.decode(bad)
+
+
+@needs_tiktoken
+def test_content_parts_are_separate_segments(tok):
+    # The release's renderer appends each text part of a list content as its own segment (vLLM's
+    # `encoding_k3.py` port, derived from moonshotai/Kimi-K3: `_render_content` -> `_append_text` per part),
+    # so BPE cannot merge across parts: ["hel", "lo"] is encode("hel") + encode("lo"), not encode("hello").
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    whole = [{"role": "user", "content": "hello"}]
+    split_ids, whole_ids = (tok.encode_chat(m, add_generation_prompt=False) for m in (parts, whole))
+    k = whole_ids.index(tok.encode("hello")[0])
+    assert split_ids == whole_ids[:k] + tok.encode("hel") + tok.encode("lo") + whole_ids[k + 1:]
+    assert render_chat(parts) == render_chat(whole)
