@@ -451,9 +451,11 @@ def test_decode_refuses_ids_that_are_not_integers(make, bad):
 
 @needs_tiktoken
 def test_content_parts_are_separate_segments(tok):
-    # The release's renderer appends each text part of a list content as its own segment (vLLM's
-    # `encoding_k3.py` port, derived from moonshotai/Kimi-K3: `_render_content` -> `_append_text` per part),
-    # so BPE cannot merge across parts: ["hel", "lo"] is encode("hel") + encode("lo"), not encode("hello").
+    # The release encodes each text part of a list content as its own segment, so BPE cannot merge across
+    # parts. First-party ids (MLX xtml/content_parts_text_only.json): ["first part ", "second part"] ->
+    # 8531 'first', 1258 ' part', 220 ' ', 8959 'second', 1258 ' part'; joined text would pre-tokenize
+    # ' second' as one piece. (vLLM's port of encoding_k3.py: `_render_content` appends part by part.)
+    # Here: ["hel", "lo"] is encode("hel") + encode("lo"), not encode("hello").
     parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
     whole = [{"role": "user", "content": "hello"}]
     split_ids, whole_ids = (tok.encode_chat(m, add_generation_prompt=False) for m in (parts, whole))
