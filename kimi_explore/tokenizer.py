@@ -248,6 +248,11 @@ class KimiTokenizer:
         specials = _special_tokens(len(ranks), path / TOKENIZER_CONFIG)
         eos = _int_field(path / "config.json", "eos_token_id")
         bos = _int_field(path / "config.json", "bos_token_id")
+        for key, value in (("eos_token_id", eos), ("bos_token_id", bos)):   # K3: 163586, 163584, both specials
+            if value is not None and value not in specials.values():
+                raise TokenizerError(f"{path / 'config.json'}: {key} {value} is not a special token of {VOCAB_FILE} + "
+                                     f"{TOKENIZER_CONFIG} (ids {len(ranks)}..{len(ranks) + NUM_SPECIAL - 1}); "
+                                     "config.json and the tokenizer files do not belong together")
         return cls(ranks, specials,
                    bos_id=bos if bos is not None else specials.get("[BOS]"),
                    eos_id=eos if eos is not None else specials.get(STOP_TOKEN),

@@ -462,3 +462,17 @@ def test_content_parts_are_separate_segments(tok):
     k = whole_ids.index(tok.encode("hello")[0])
     assert split_ids == whole_ids[:k] + tok.encode("hel") + tok.encode("lo") + whole_ids[k + 1:]
     assert render_chat(parts) == render_chat(whole)
+
+
+@pytest.mark.parametrize("key", ["eos_token_id", "bos_token_id"])
+@pytest.mark.parametrize("value", [5, 10**6], ids=["bpe_token", "outside_vocab"])
+@needs_tiktoken
+def test_config_stop_and_bos_ids_must_be_specials(tmp_path, key, value):
+    # k3-tokenizer.md section 3: config.json bos_token_id 163584 ([BOS]) and eos_token_id 163586
+    # (<|end_of_msg|>) are special tokens; another model's ids would silently give a wrong stop token.
+    d = make_synthetic.write(tmp_path / "k3")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerError, match=rf"config\.json: {key} {value} is not a special token"):
+        KimiTokenizer.from_pretrained(d)
