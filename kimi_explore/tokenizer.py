@@ -92,14 +92,21 @@ def _as_ids(ids, vocab_size: int) -> list[int]:
     """Plain ints from any int sequence (lists, NumPy arrays), each checked against the vocabulary.
     Floats, bools and strings are refused: int(1.7) == 1 would silently name another token."""
     ids = list(ids)
-    try:
-        if any(isinstance(i, bool) for i in ids):
-            raise TypeError
-        out = [operator.index(i) for i in ids]
-    except TypeError:
-        wrong = [i for i in ids if isinstance(i, bool) or not hasattr(i, "__index__")]
+
+    def not_int(i) -> bool:
+        if isinstance(i, bool):
+            return True
+        try:
+            operator.index(i)
+        except TypeError:
+            return True
+        return False
+
+    wrong = [i for i in ids if not_int(i)]
+    if wrong:
         raise TokenizerError(f"ids: expected integers, found {wrong[:5]!r} "
-                             f"({', '.join(sorted({type(i).__name__ for i in wrong}))})") from None
+                             f"({', '.join(sorted({type(i).__name__ for i in wrong}))})")
+    out = [operator.index(i) for i in ids]
     bad = [i for i in out if not 0 <= i < vocab_size]
     if bad:
         raise TokenizerError(f"ids: expected values in 0..{vocab_size - 1}, found {bad[:5]}")
