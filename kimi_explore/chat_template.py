@@ -8,9 +8,8 @@ an assistant turn wraps its reasoning in a `think` element and its answer in a `
 the generation prompt opens an assistant message and its `think` (or, thinking=False, `response`).
 
 Traps: the release encodes the prompt segment by segment (each attribute is four segments, each text
-part of a list content one), and
-joining the segments changes ids, so `chat_segments` is the wire format and `render_chat` only its
-text. Tools, tool turns and images are refused with a clear error rather than rendered
+part of a list content one), and joining the segments changes ids, so `chat_segments` is the wire
+format and `render_chat` only its text. Tools, tool turns and images are refused with a clear error rather than rendered
 approximately (argument rendering differs between upstream revisions), and so are unknown roles
 (the 9f62e4e9 renderer skips them silently).
 """
