@@ -476,3 +476,26 @@ def test_config_stop_and_bos_ids_must_be_specials(tmp_path, key, value):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(TokenizerError, match=rf"config\.json: {key} {value} is not a special token"):
         KimiTokenizer.from_pretrained(d)
+
+
+def _tiktoken_pieces(text: str) -> list[str]:
+    """tiktoken's own pre-token split of `text` under PAT_STR: with every byte substring of `text` in the
+    vocabulary, BPE merges each piece into one token, so the tokens ARE the pieces."""
+    tiktoken = pytest.importorskip("tiktoken")
+    raw = text.encode()
+    ranks = {bytes([b]): b for b in range(256)}
+    for s in sorted({raw[i:j] for i in range(len(raw)) for j in range(i + 2, len(raw) + 1)}, key=lambda s: (len(s), s)):
+        ranks.setdefault(s, len(ranks))
+    enc = tiktoken.Encoding("pieces", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    return [enc.decode_single_token_bytes(i).decode() for i in enc.encode_ordinary(text)]
+
+
+@pytest.mark.parametrize("text", [
+    "👨‍👩‍👧 family 🇯🇵 flag ❤️ 1️⃣", "한국어 텍스트 ภาษาไทย", "١٢٣٤٥ ²³ １２３４ Ⅻ ǅungla ʰello", "e\u0301te\u0301 naïve",
+    "a\u000b\u000cb\u0085c\u2028d\u3000e", "  \n\n  x\r\n\r\n y", "DON'T don't I'M i'm O'Neil", "x=1;y=22;z=333;w=4444",
+    "漢字かなカナ漢字abc漢", "\ufeffbom a\u200bb", "$100.50 €20 ¥3000", "a  \n  b\t\t",
+])
+def test_tiktoken_pre_tokenizer_matches_the_regex_reference_on_tricky_text(text):
+    # Emoji (ZWJ, flags, variation selectors), Hangul/Thai marks, non-ASCII digits, titlecase/modifier
+    # letters, exotic whitespace, CRLF runs, contractions in any case, Han next to kana and Latin.
+    assert _tiktoken_pieces(text) == PIECES.findall(text)
