@@ -67,6 +67,10 @@ class Session:
 
     def __init__(self, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None, checkpoint_every: int = 16):
         self.weights = weights
+        V = weights.config.vocab_size
+        if tokenizer is not None and getattr(tokenizer, "vocab_size", V) != V:  # its ids would be another model's
+            raise ValueError(f"Session: the tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary "
+                             f"{V} (vocab_size in its config): they belong to different models")
         self.tokenizer = tokenizer
         if recorder is True:
             recorder = Recorder()
