@@ -7,9 +7,9 @@ A message is `<|open|>message role="user"<|sep|>` + content + `<|close|>message<
 an assistant turn wraps its reasoning in a `think` element and its answer in a `response` element;
 the generation prompt opens an assistant message and its `think` (or, thinking=False, `response`).
 
-Traps: the release encodes the prompt segment by segment (each attribute is four segments), and
-joining the segments changes ids, so `chat_segments` is the wire format and `render_chat` only its
-text. Tools, tool turns and images are refused with a clear error rather than rendered
+Traps: the release encodes the prompt segment by segment (each attribute is four segments, each text
+part of a list content one), and joining the segments changes ids, so `chat_segments` is the wire
+format and `render_chat` only its text. Tools, tool turns and images are refused with a clear error rather than rendered
 approximately (argument rendering differs between upstream revisions), and so are unknown roles
 (the 9f62e4e9 renderer skips them silently).
 """
@@ -41,16 +41,18 @@ def _message(attrs: dict, body: list[tuple[str, bool]]) -> list[tuple[str, bool]
     return _open("message", attrs) + body + _close("message") + [("<|end_of_msg|>", True)]
 
 
-def _content(msg: dict, where: str) -> str:
+def _content(msg: dict, where: str) -> list[str]:
+    """The content's texts, one per segment: each text part of a list is its own segment in the
+    release (`_render_content` appends part by part), so BPE never merges across two parts."""
     content = msg.get("content") or ""
     if isinstance(content, str):
-        return content
+        return [content]
     parts = []
     for part in content:
         if not (isinstance(part, dict) and part.get("type") == "text"):
             raise ValueError(f"{where}.content: only text parts are rendered, found {part!r}")
         parts.append(part["text"])
-    return "".join(parts)
+    return parts
 
 
 def chat_segments(messages, *, thinking: bool = True, add_generation_prompt: bool = True,
@@ -75,7 +77,7 @@ def chat_segments(messages, *, thinking: bool = True, add_generation_prompt: boo
         if any(msg.get(k) for k in _UNSUPPORTED_KEYS):
             raise ValueError(f"{where}: tool declarations and tool calls are not rendered by render_chat")
         attrs = {"role": role, **({"name": msg["name"]} if msg.get("name") else {})}
-        body = [(_content(msg, where), False)]
+        body = [(text, False) for text in _content(msg, where)]
         if role == "assistant":
             reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
             think = _open("think", {}) + [(reasoning if reasoning.strip() else "", False)] + _close("think")

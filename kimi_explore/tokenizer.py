@@ -30,6 +30,7 @@ import base64
 import binascii
 import hashlib
 import json
+import operator
 import re
 from pathlib import Path
 
@@ -88,8 +89,24 @@ def _label_bytes(raw: bytes) -> str:
 
 
 def _as_ids(ids, vocab_size: int) -> list[int]:
-    """Plain ints from any int sequence (lists, NumPy arrays), each checked against the vocabulary."""
-    out = [int(i) for i in ids]
+    """Plain ints from any int sequence (lists, NumPy arrays), each checked against the vocabulary.
+    Floats, bools and strings are refused: int(1.7) == 1 would silently name another token."""
+    ids = list(ids)
+
+    def not_int(i) -> bool:
+        if isinstance(i, bool):
+            return True
+        try:
+            operator.index(i)
+        except TypeError:
+            return True
+        return False
+
+    wrong = [i for i in ids if not_int(i)]
+    if wrong:
+        raise TokenizerError(f"ids: expected integers, found {wrong[:5]!r} "
+                             f"({', '.join(sorted({type(i).__name__ for i in wrong}))})")
+    out = [operator.index(i) for i in ids]
     bad = [i for i in out if not 0 <= i < vocab_size]
     if bad:
         raise TokenizerError(f"ids: expected values in 0..{vocab_size - 1}, found {bad[:5]}")
@@ -238,6 +255,11 @@ class KimiTokenizer:
         specials = _special_tokens(len(ranks), path / TOKENIZER_CONFIG)
         eos = _int_field(path / "config.json", "eos_token_id")
         bos = _int_field(path / "config.json", "bos_token_id")
+        for key, value in (("eos_token_id", eos), ("bos_token_id", bos)):   # K3: 163586, 163584, both specials
+            if value is not None and value not in specials.values():
+                raise TokenizerError(f"{path / 'config.json'}: {key} {value} is not a special token of {VOCAB_FILE} + "
+                                     f"{TOKENIZER_CONFIG} (ids {len(ranks)}..{len(ranks) + NUM_SPECIAL - 1}); "
+                                     "config.json and the tokenizer files do not belong together")
         return cls(ranks, specials,
                    bos_id=bos if bos is not None else specials.get("[BOS]"),
                    eos_id=eos if eos is not None else specials.get(STOP_TOKEN),
@@ -288,8 +310,20 @@ class KimiTokenizer:
         return render_chat(messages, **kw)
 
     def encode_chat(self, messages, **kw) -> list[int]:
-        """Ids of the chat prompt, encoded segment by segment like the release (segmenting changes ids)."""
-        return [i for text, special in chat_segments(messages, **kw) for i in self.encode(text, allow_special=special)]
+        """Ids of the chat prompt, encoded segment by segment like the release (segmenting changes ids).
+
+        The structural segments (`<|open|>`, `<|sep|>`, `<|close|>`, `<|end_of_msg|>`) must be special
+        tokens of this vocabulary: with other files (Kimi K2 names the same slots `<|im_user|>`...) they
+        would silently become plain BPE, a prompt the model never saw."""
+        ids = []
+        for text, special in chat_segments(messages, **kw):
+            if special and text not in self.special_tokens:
+                named = [s for s in self.special_tokens if not s.startswith("<|reserved_token_")]
+                raise TokenizerError(f"chat marker {text!r} is not a special token of this tokenizer (its "
+                                     f"{TOKENIZER_CONFIG} names {named[:6]}...): these are not the Kimi K3 "
+                                     "tokenizer files")
+            ids += self.encode(text, allow_special=special)
+        return ids
 
     def __repr__(self) -> str:
         return f"KimiTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, release_vocab={self.is_release_vocab})"
@@ -324,7 +358,7 @@ def load_tokenizer(path_or_config):
             raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
         if (path / VOCAB_FILE).is_file():
             tok = KimiTokenizer.from_pretrained(path)
-            if vocab is not None and tok.vocab_size > vocab:
+            if vocab is not None and tok.vocab_size != vocab:   # K3: both 163,840 (k3-tokenizer.md 1)
                 raise TokenizerError(f"{path}: the tokenizer has {tok.vocab_size} ids but config.json vocab_size is "
                                      f"{vocab}; {VOCAB_FILE} does not belong to this model")
             return tok

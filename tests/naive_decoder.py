@@ -141,7 +141,9 @@ class NaiveDecoder:
             in_proj=np.concatenate([g("gate.weight"), g("routed_expert_down_proj.weight"),
                                     g("shared_experts.gate_proj.weight"), g("shared_experts.up_proj.weight")]),
             e_score_correction_bias=g("gate.e_score_correction_bias"), experts=NaiveExperts(w1, w2, w3),
-            routed_expert_norm=g("routed_expert_norm.weight"), routed_expert_up_proj=g("routed_expert_up_proj.weight"),
+            routed_expert_norm=(g("routed_expert_norm.weight") if cfg.latent_moe_use_norm
+                                else np.ones(cfg.routed_expert_hidden_size)),  # not released when off
+            routed_expert_up_proj=g("routed_expert_up_proj.weight"),
             shared_down_proj=g("shared_experts.down_proj.weight"), num_experts=cfg.num_experts,
             top_k=cfg.num_experts_per_token, latent_size=cfg.routed_expert_hidden_size,
             renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,

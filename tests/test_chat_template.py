@@ -53,3 +53,47 @@ def test_render_chat_assistant_history_and_escaping():
 def test_render_chat_refuses_what_it_does_not_render(kwargs, msgs, match):
     with pytest.raises(ValueError, match=match):
         render_chat(msgs, **kwargs)
+
+
+# Texts printed by the release's `apply_chat_template` (so thinking_effort="max" unless given), from the
+# first-party fixtures in lablup/mlxcel tests/fixtures/kimi_k3/xtml/<case>.json (k3-tokenizer.md, source MLX).
+_GEN = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+_HISTORY = [{"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "2+2 is 4; answer plainly."},
+            {"role": "user", "content": "And 3+3?"}]
+_Q = '<|open|>message role="user"<|sep|>What is 2+2?<|close|>message<|sep|><|end_of_msg|>'
+_Q2 = '<|open|>message role="user"<|sep|>And 3+3?<|close|>message<|sep|><|end_of_msg|>'
+MLX_CASES = {
+    "multi_turn_history": (_HISTORY, {}, EFFORT_MAX_TEXT + _Q + (
+        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>2+2 is 4; answer plainly.<|close|>think<|sep|>'
+        "<|open|>response<|sep|>4<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>") + _Q2 + _GEN),
+    # apply_chat_template's effort="max" default is dropped when thinking=False
+    "multi_turn_history_non_thinking": (_HISTORY, {"thinking": False}, _Q + (
+        '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>4<|close|>response<|sep|>'
+        "<|close|>message<|sep|><|end_of_msg|>") + _Q2 + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'),
+    "system_and_user_with_names": (
+        [{"role": "system", "content": "  You are terse.  ", "name": "policy"},
+         {"role": "user", "content": "Who are you?", "name": "alice"}], {},
+        EFFORT_MAX_TEXT + '<|open|>message role="system" name="policy"<|sep|>  You are terse.  <|close|>message<|sep|>'
+        '<|end_of_msg|><|open|>message role="user" name="alice"<|sep|>Who are you?<|close|>message<|sep|><|end_of_msg|>'
+        + _GEN),
+    "content_parts_text_only": (
+        [{"role": "user", "content": [{"type": "text", "text": "first part "}, {"type": "text", "text": "second part"}]}],
+        {}, EFFORT_MAX_TEXT + '<|open|>message role="user"<|sep|>first part second part<|close|>message<|sep|>'
+        "<|end_of_msg|>" + _GEN),
+    "no_generation_prompt": (
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "greeting"}],
+        {"add_generation_prompt": False}, EFFORT_MAX_TEXT + '<|open|>message role="user"<|sep|>Hi<|close|>message<|sep|>'
+        '<|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>think<|sep|>greeting<|close|>think<|sep|>'
+        "<|open|>response<|sep|>Hello!<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"),
+    "thinking_effort_low": ([{"role": "user", "content": "Quick question."}], {"thinking_effort": "low"},
+                            EFFORT_MAX_TEXT.replace("=max`", "=low`")
+                            + '<|open|>message role="user"<|sep|>Quick question.<|close|>message<|sep|><|end_of_msg|>'
+                            + _GEN),
+}
+
+
+@pytest.mark.parametrize("case", MLX_CASES)
+def test_render_chat_matches_release_fixtures(case):
+    msgs, kwargs, text = MLX_CASES[case]
+    assert render_chat(msgs, **{"thinking_effort": "max", **kwargs}) == text

@@ -88,6 +88,17 @@ def test_ragged_full_records_read_as_split_rows(trained_weights, script):
     assert s.trace().equals(want.trace()) and s.trace().equals(split(s.recorder))
 
 
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_ragged_full_records_read_as_stepping(trained_weights, script):
+    """A fed chunk's mla.probs rows [nh, chunk end] read as the token form's [nh, t + 1]: the positions after each
+    token are the Trace's NaN padding, as stepping's, not the chunk's masked 0."""
+    s = run(trained_weights, SCRIPTS[script], RAGGED, read_every_time=False)
+    stepped = ke.Session(trained_weights, recorder=ke.Recorder(**RAGGED))
+    for t in s.tokens:
+        stepped.step(t)
+    assert_traces_close(s.trace(), stepped.trace(), 1e-4)
+
+
 def test_state_dict_after_a_feed_then_a_truncate_inside_a_chunk(trained_weights):
     w = trained_weights
     s, whole = ke.Session(w), ke.Session(w)

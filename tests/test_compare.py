@@ -422,3 +422,21 @@ def test_a_one_token_prefill_capture_is_read(tmp_path, weights_d, hooks_d):
     np.savez(tmp_path / "one.npz", **_first_step("e"))
     first = ke.compare(ke.Session(_weights("e")), tmp_path / "one.npz", names="llama.cpp").first
     assert (first.token, first.site, first.local, first.operation) == (0, "layers.0.kda.state", True, "KDA q/k L2 norm")
+
+
+def test_a_dump_of_a_trace_reads_its_probability_padding_as_the_masked_zeros(tmp_path, weights_d, hooks_d):
+    """A Trace pads mla.probs row t ([nh, t + 1]) with NaN where the dump format has zeros: a dump written from a
+    session's own trace (stepped or fed) was reported diverging at the first MLA layer with max|delta| NaN. A NaN
+    among the positions a token sees is still found."""
+    tokens = hooks_d[1]
+    names = [f"layers.{i}.mla.probs" for i in MLA_LAYERS] + ["layers.1.attn.out"]
+    for fed in (False, True):
+        s = ke.Session(weights_d, recorder=ke.Recorder(full=names))
+        s.feed(tokens, progress=False) if fed else [s.step(t) for t in tokens]
+        arrays = {n: s.trace()[n].copy() for n in names}
+        assert np.isnan(arrays["layers.2.mla.probs"][3][:, 4:]).all()
+        path = ke.write_dump(tmp_path / f"own-{fed}.safetensors", arrays, tokens=tokens, engine="kimi_explore")
+        assert ke.compare(ke.Session(weights_d), path, local=False).first is None
+    arrays["layers.6.mla.probs"][5, 2, 3] = np.nan
+    first = ke.compare(ke.Session(weights_d), {**arrays, "tokens": np.array(tokens)}, local=False).first
+    assert (first.token, first.site) == (5, "layers.6.mla.probs") and np.isnan(first.max_abs)

@@ -199,6 +199,21 @@ def test_state_from_another_model(tiny_weights, ref_weights):
         kimi_forward_token(tiny_weights, KimiDecodeState.new(ref_weights), 1)
 
 
+def test_weights_without_embedding_or_head_say_so(ckpt):
+    """A pipeline stage's share (embedding=False / head=False) run as a whole model: a ValueError naming what is
+    missing (the embedding's was "TypeError: 'NoneType' object is not subscriptable")."""
+    from kimi_explore import kimi_forward_sequence
+
+    w = from_pretrained(ckpt, device="cpu", embedding=False)
+    with pytest.raises(ValueError, match="loaded with embedding=False: they have no token embedding"):
+        kimi_forward_token(w, KimiDecodeState.new(w), 5)
+    with pytest.raises(ValueError, match="loaded with embedding=False"):
+        kimi_forward_sequence(w, KimiDecodeState.new(w), [5, 6])
+    w = from_pretrained(ckpt, device="cpu", head=False)
+    with pytest.raises(ValueError, match="loaded with head=False: they have no output head"):
+        kimi_forward_token(w, KimiDecodeState.new(w), 5)
+
+
 def test_unknown_device_and_dtype(ckpt):
     with pytest.raises(BackendError, match="device='tpu' is not one of 'auto', 'cpu', 'gpu'"):
         from_pretrained(ckpt, device="tpu")

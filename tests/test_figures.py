@@ -286,3 +286,65 @@ def test_lens_cells_keep_a_tokens_own_quotes():
     assert data[0]["text"] == [["'", "a", "␣", "xC3"]]
     fig = lens_grid(lens, tok)
     assert [t.get_text() for t in fig.axes[0].texts] == ["'", "a", "␣", "xC3"]
+
+
+def _colour_at(trace: dict, z: float) -> tuple[int, int, int]:
+    """The colour plotly.js paints z with in this heatmap trace: its scale (a plotly name resolved by plotly.py's
+    copy of plotly.js's scales, or explicit stops), `reversescale` applied, linear between the stops."""
+    from plotly.colors import PLOTLY_SCALES, hex_to_rgb, unlabel_rgb
+
+    scale = trace["colorscale"]
+    stops = PLOTLY_SCALES[scale] if isinstance(scale, str) else scale
+    rgb = lambda c: hex_to_rgb(c) if c.startswith("#") else tuple(int(v) for v in unlabel_rgb(c))  # noqa: E731
+    f = min(1.0, max(0.0, (z - trace["zmin"]) / ((trace["zmax"] - trace["zmin"]) or 1)))
+    if trace.get("reversescale"):
+        f = 1 - f
+    for (p0, c0), (p1, c1) in zip(stops, stops[1:], strict=False):
+        if f <= p1:
+            u = (f - p0) / (p1 - p0) if p1 > p0 else 0
+            return tuple(round(a + u * (b - a)) for a, b in zip(rgb(c0), rgb(c1), strict=True))
+    return rgb(stops[-1][1])
+
+
+def test_explorer_scales_read_the_right_way_round(k3):
+    """The run diff's Δ output-mix weights: red = more weight in the fork, blue = less, white = no change (the
+    project's convention; plotly's own "RdBu" with reversescale painted it the other way round, grey at 0); its
+    routing strip (no colour bar): white = no MoE layer changed (plotly's "Greys" made 0 black); the full
+    expert map: dark = a high score, as the top-N view beside it (plotly's "Blues" is dark at 0)."""
+    from kimi_explore.views.explorer import specs_analysis
+
+    class Diff:  # the fields `run_diff` reads (a RunDiff of 4 tokens: a fork that moved weight at tokens 1 and 3)
+        tokens_a, kl, flips = np.arange(4), np.array([0.0, 0.1, 0.0, 0.2]), np.zeros(4, bool)
+        final_attn_res = np.array([[0, 0, 0], [0.2, -0.2, 0], [0, 0, 0], [0.1, 0, -0.1]])
+        source_labels, routing_changes = ["embedding", "block 1", "current"], [(1, 3, [5], [6])]
+
+        def __len__(self):
+            return 4
+
+    data, _ = specs_analysis.run_diff(Diff(), 0)
+    dw, changed = data[1], data[2]
+    red, blue, white = _colour_at(dw, 0.2), _colour_at(dw, -0.2), _colour_at(dw, 0.0)
+    assert red[0] > 150 > red[2] and blue[2] > 150 > blue[0] and min(white) >= 245
+    assert min(_colour_at(changed, 0)) >= 245 and max(_colour_at(changed, 1)) < 100
+    r = routing(k3)
+    (full, _), _ = specs_moe.moe_full(r, 0, k3, None)
+    top = specs_moe.moe_top_experts(*summaries.sorted_counts(summaries.load_stats(r)["counts"]), k3, r["moe_layers"],
+                                    None, len(k3))[0][0]
+    for tr in (full, top):
+        lo, hi = _colour_at(tr, tr["zmin"]), _colour_at(tr, tr["zmax"])
+        assert sum(hi) < sum(lo), tr["colorscale"]  # high values dark
+
+
+def test_at_k3_depth_the_lens_strip_names_the_selected_layer_and_the_mla_layers(k3):
+    """93 columns: the lens strip's layer axis names what every other layer axis names (the selected layer, the
+    MLA landmarks, no two labels overlapping), not whatever plotly's own thinning of 93 categories keeps."""
+    from kimi_explore.analysis.logit_lens import LogitLens
+    from kimi_explore.views.explorer import specs_analysis
+
+    labels = specs.layer_labels(k3)
+    L = len(labels)
+    lens = LogitLens(list(k3.layer_ids), np.array([5]), np.full((1, L, 1), 7), np.full((1, L, 1), 0.3), np.array([7]),
+                     positions=np.array([0]))
+    _, layout = specs_analysis.lens_strip(lens, labels, None, layer=50)
+    assert layout["xaxis"]["tickvals"] == specs.layer_axis(labels, "", "50 KDA")["tickvals"]
+    assert "50 KDA" in layout["xaxis"]["tickvals"] and "91 MLA" in layout["xaxis"]["tickvals"]

@@ -282,6 +282,25 @@ def test_patching_one_position_changes_only_what_depends_on_it(ref_weights):
 
 
 
+def test_patching_attention_probabilities_from_a_fed_run(ref_weights):
+    """The source run fed (the sequence path) records mla.probs as chunks [T, nh, T]; patching another run's probs
+    from it at position 5 was refused ("the source value has shape (nh, 8), this site needs (nh, 6)": the masked
+    positions read as 0, not as the padding a patch strips). Patched, B's probabilities there are A's."""
+    from kimi_explore import Session
+
+    layer = next(i for i, lw in enumerate(ref_weights.layers) if lw.attention.kind == "mla")
+    name = f"layers.{layer}.mla.probs"
+    a = Session(ref_weights, recorder=Recorder(full=[name]))
+    a.feed(TOKENS, progress=False)
+    source = a.trace()
+    assert np.isnan(source[name][5][:, 6:]).all() and not np.isnan(source[name][5][:, :6]).any()
+    for fed in (False, True):
+        b = Session(ref_weights, recorder=Recorder(full=[name]))
+        with b.intervene(patch(name, source, positions=[5])):
+            b.feed(TOKENS[::-1], progress=False) if fed else [b.step(t) for t in TOKENS[::-1]]
+        np.testing.assert_array_equal(b.trace()[name][5], source[name][5])
+
+
 # mutation: patch("...topk_ids", trace) from a padded trace kept the -1 padding (-1 routes to the last expert)
 def test_mutation_patching_routing_from_a_padded_trace_drops_the_padding(ref_weights):
     """Run A ablates one chosen expert of layer 6 at position 3, so its recorded top-k there is one id short

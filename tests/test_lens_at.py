@@ -74,3 +74,35 @@ def test_lens_at_refuses_weights_changed_under_the_session():
     w.norm *= 1.5  # the final norm: every replayed logit changes, the stored ones do not
     with pytest.raises(ValueError, match="other logits at token 8 than the session stored"):
         ke.lens_at(s, 9)  # from the checkpoint after 8 tokens (every 4th stepped one): tokens 8 and 9 replayed
+
+
+def test_a_chunk_cut_by_truncate_replays_as_it_was_fed(tiny_weights, tmp_path):
+    """Back / truncate inside a fed chunk: the analyses re-decode the whole chunk as it was fed (the tokens cut
+    off it are kept for that), so the lens and the attribution of its tokens are those of the history as
+    decoded, bit for bit (a session that fed the whole chunk). Replaying the kept part alone rounds otherwise:
+    on this random model ~1e-7 in the lens; at K3 depth (93 layers, 896 experts) the replay check then refused
+    every token of the chunk (logits off by 0.005 at token 11 of 119), so the Explorer's Compute raised after Back.
+    Tokens decoded after the cut replay from the state truncate left, as the session decoded them."""
+    ids = [(7 * i) % 251 + 1 for i in range(40)]
+    whole = ke.Session(tiny_weights)
+    whole.feed(ids)
+    s = ke.Session(tiny_weights)
+    s.feed(ids)
+    s.truncate(33)
+    s.back(2)  # cut twice: the tail is ids[31:40]
+    assert s.cut_tail(0) == ids[31:] and list(s.runs()) == [(0, 31)]
+    for tok in (5, 9):
+        s.step(tok)
+    want = ke.logit_lens(whole, top=3, positions=[3, 17, 30])
+    for sess in (s, s.fork(), ke.Session.load_state(s.save_state(tmp_path / "cut.npz"), tiny_weights)):
+        got = ke.logit_lens(sess, top=3, positions=[3, 17, 30])
+        np.testing.assert_array_equal(got.top_ids, want.top_ids)
+        np.testing.assert_array_equal(got.top_probs, want.top_probs)
+        a, b = ke.logit_attribution(sess, 30, token=ids[31]), ke.logit_attribution(whole, 30, token=ids[31])
+        assert a.contributions == b.contributions
+        after = ke.logit_lens(sess, top=3, positions=[32])  # stepped after the cut: replays from truncate's state
+        np.testing.assert_array_equal(after.top_probs[0], ke.lens_at(s, 32, top=3).top_probs)
+    s.truncate(20)
+    assert s.cut_tail(0) == ids[20:] and s.cut_tail(31) == []
+    s.truncate(0)
+    assert s.cut_tail(0) == []

@@ -168,6 +168,19 @@ def test_generate_greedy_and_seeded_sampling(ref_weights):
         Session(ref_weights).generate(2)
 
 
+
+def test_a_tokenizer_of_another_vocabulary_is_refused(ref_weights):
+    """Its ids would index another model's embedding (a K3 tokenizer beside a byte model, or the reverse)."""
+    from kimi_explore.tokenizer import ByteTokenizer
+
+    class Other(ByteTokenizer):
+        vocab_size = 163840
+
+    with pytest.raises(ValueError, match="the tokenizer has 163840 ids, the model's vocabulary 256"):
+        Session(ref_weights, tokenizer=Other())
+    assert Session(ref_weights, tokenizer=ByteTokenizer()).tokenizer.vocab_size == 256
+
+
 def test_feed_text_through_a_tokenizer(ref_weights):
     from kimi_explore.tokenizer import ByteTokenizer
 

@@ -7,6 +7,7 @@ import pytest
 from naive_decoder import Collect, NaiveDecoder, assert_matches_naive
 
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
+from kimi_explore.weights.safetensors_io import SafetensorsFile
 from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
 
 VARIANTS = {
@@ -96,9 +97,16 @@ def test_layer_subset_equals_a_model_with_only_those_layers(variant, tmp_path):
     la["kda_layers"] = [x for x in la["kda_layers"] if x <= n]
     la["full_attn_layers"] = [x for x in la["full_attn_layers"] if x <= n]
     for f in variant.iterdir():
-        (tmp_path / f.name).symlink_to(f)
-    (tmp_path / "config.json").unlink()
+        if f.name not in ("config.json", "model.safetensors.index.json"):
+            (tmp_path / f.name).symlink_to(f)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # and an index without layer n's tensors (a config cut alone is refused: its weights would be ignored)
+    if (variant / "model.safetensors.index.json").exists():
+        weight_map = json.loads((variant / "model.safetensors.index.json").read_text())["weight_map"]
+    else:
+        weight_map = dict.fromkeys(SafetensorsFile(variant / "model.safetensors").keys(), "model.safetensors")
+    cut_map = {k: v for k, v in weight_map.items() if f".layers.{n}." not in k}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": cut_map}))
     small = from_pretrained(tmp_path, device="cpu", dtype="float64")
     sa, sb = KimiDecodeState.new(cut), KimiDecodeState.new(small)
     for t in [1, 2, 3, 4]:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import regex
 from hypothesis import given, settings
@@ -400,3 +401,101 @@ def test_committed_synthetic_files_are_the_generator_output(tmp_path):
     fresh = make_synthetic.write(tmp_path / "k3")
     for name in ("tiktoken.model", "tokenizer_config.json", "config.json"):
         assert (fresh / name).read_bytes() == (SYNTH_DIR / name).read_bytes(), name
+
+
+# ---- adversarial review: files of another model, ids that are not ids ----
+
+# Kimi K2's names in the K3 special slots (k3-tokenizer.md section 3): 163586 <|im_end|>, 163587 <|im_user|>,
+# 163588 <|im_assistant|>, 163594 <|im_system|>, 163601 <|im_middle|>; as offsets from the first special id.
+K2_NAMES_BY_OFFSET = {2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 10: "<|im_system|>", 17: "<|im_middle|>"}
+
+
+@needs_tiktoken
+def test_encode_chat_refuses_a_vocabulary_without_the_k3_markers(tmp_path):
+    # K2 files (same BPE, other special names) load fine for plain text, but the K3 chat markers are not
+    # special tokens there: encoding them as BPE would silently feed the model a different prompt.
+    d = make_synthetic.write(tmp_path / "k2")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    n = len(make_synthetic.synthetic_ranks())
+    for k, name in K2_NAMES_BY_OFFSET.items():
+        cfg["added_tokens_decoder"][str(n + k)] = {"content": name, "special": True}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = KimiTokenizer.from_pretrained(d)
+    assert tok.encode("hello") == [make_synthetic.synthetic_ranks()[b"hello"]]   # plain text is unaffected
+    with pytest.raises(TokenizerError, match=r"<\|open\|>.*tokenizer_config\.json"):
+        tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+@needs_tiktoken
+def test_load_tokenizer_refuses_a_vocabulary_smaller_than_the_model(tmp_path):
+    # k3-tokenizer.md section 1: the tokenizer's n_vocab IS text_config.vocab_size (163,840); a model with
+    # more rows than its tokenizer has ids means the tokenizer files come from another model.
+    d = make_synthetic.write(tmp_path / "k3")
+    (d / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 163840}}))
+    with pytest.raises(TokenizerError, match="163840.*does not belong"):
+        load_tokenizer(d)
+
+
+@pytest.mark.parametrize("bad", [[1.7], [True], ["5"], [np.float64(2.0)], np.array([2.9])],
+                         ids=["float", "bool", "str", "np_float", "np_float_array"])
+@pytest.mark.parametrize("make", [ByteTokenizer, lambda: KimiTokenizer.from_pretrained(SYNTH_DIR)], ids=["byte", "kimi"])
+def test_decode_refuses_ids_that_are_not_integers(make, bad):
+    # int(1.7) == 1 would decode a token the caller never had; ids are integers (np.int64 included).
+    if make is not ByteTokenizer:
+        pytest.importorskip("tiktoken")
+    tok = make()
+    assert tok.decode(np.array([72, 105], dtype=np.int64)) == tok.decode([72, 105])
+    with pytest.raises(TokenizerError, match="ids: expected integers"):
+        tok.decode(bad)
+
+
+@needs_tiktoken
+def test_content_parts_are_separate_segments(tok):
+    # The release encodes each text part of a list content as its own segment, so BPE cannot merge across
+    # parts. First-party ids (MLX xtml/content_parts_text_only.json): ["first part ", "second part"] ->
+    # 8531 'first', 1258 ' part', 220 ' ', 8959 'second', 1258 ' part'; joined text would pre-tokenize
+    # ' second' as one piece. (vLLM's port of encoding_k3.py: `_render_content` appends part by part.)
+    # Here: ["hel", "lo"] is encode("hel") + encode("lo"), not encode("hello").
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    whole = [{"role": "user", "content": "hello"}]
+    split_ids, whole_ids = (tok.encode_chat(m, add_generation_prompt=False) for m in (parts, whole))
+    k = whole_ids.index(tok.encode("hello")[0])
+    assert split_ids == whole_ids[:k] + tok.encode("hel") + tok.encode("lo") + whole_ids[k + 1:]
+    assert render_chat(parts) == render_chat(whole)
+
+
+@pytest.mark.parametrize("key", ["eos_token_id", "bos_token_id"])
+@pytest.mark.parametrize("value", [5, 10**6], ids=["bpe_token", "outside_vocab"])
+@needs_tiktoken
+def test_config_stop_and_bos_ids_must_be_specials(tmp_path, key, value):
+    # k3-tokenizer.md section 3: config.json bos_token_id 163584 ([BOS]) and eos_token_id 163586
+    # (<|end_of_msg|>) are special tokens; another model's ids would silently give a wrong stop token.
+    d = make_synthetic.write(tmp_path / "k3")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerError, match=rf"config\.json: {key} {value} is not a special token"):
+        KimiTokenizer.from_pretrained(d)
+
+
+def _tiktoken_pieces(text: str) -> list[str]:
+    """tiktoken's own pre-token split of `text` under PAT_STR: with every byte substring of `text` in the
+    vocabulary, BPE merges each piece into one token, so the tokens ARE the pieces."""
+    tiktoken = pytest.importorskip("tiktoken")
+    raw = text.encode()
+    ranks = {bytes([b]): b for b in range(256)}
+    for s in sorted({raw[i:j] for i in range(len(raw)) for j in range(i + 2, len(raw) + 1)}, key=lambda s: (len(s), s)):
+        ranks.setdefault(s, len(ranks))
+    enc = tiktoken.Encoding("pieces", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    return [enc.decode_single_token_bytes(i).decode() for i in enc.encode_ordinary(text)]
+
+
+@pytest.mark.parametrize("text", [
+    "👨‍👩‍👧 family 🇯🇵 flag ❤️ 1️⃣", "한국어 텍스트 ภาษาไทย", "١٢٣٤٥ ²³ １２３４ Ⅻ ǅungla ʰello", "e\u0301te\u0301 naïve",
+    "a\u000b\u000cb\u0085c\u2028d\u3000e", "  \n\n  x\r\n\r\n y", "DON'T don't I'M i'm O'Neil", "x=1;y=22;z=333;w=4444",
+    "漢字かなカナ漢字abc漢", "\ufeffbom a\u200bb", "$100.50 €20 ¥3000", "a  \n  b\t\t",
+])
+def test_tiktoken_pre_tokenizer_matches_the_regex_reference_on_tricky_text(text):
+    # Emoji (ZWJ, flags, variation selectors), Hangul/Thai marks, non-ASCII digits, titlecase/modifier
+    # letters, exotic whitespace, CRLF runs, contractions in any case, Han next to kana and Latin.
+    assert _tiktoken_pieces(text) == PIECES.findall(text)

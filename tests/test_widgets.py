@@ -285,6 +285,8 @@ def test_rerun_replays_on_a_fork_with_the_intervention(tiny_weights):
 
 
 def test_constructor_options(tiny_weights):
+    with pytest.raises(ValueError, match="records nothing"):  # else Step decoded a token, then raised in the views
+        Explorer(Session(tiny_weights, recorder=False))
     s = Session(tiny_weights, tokenizer=ByteTokenizer())
     s.feed([72, 105])
     ex = Explorer(s, tab="Predictions", layer=6)
@@ -495,6 +497,22 @@ def test_expert_search_field_draws_where_the_expert_fires(explorer):
     assert np.isfinite(decode(hm["z"])[0, 1])  # layer moe_layers[0], token 1: chosen there
     ex.tab_views.expert.value = "x1"
     assert "is not an expert id" in ex.tab_views.expert_note.value
+
+
+def test_expert_search_past_the_window_says_how_often_the_expert_fired_in_the_whole_history(tiny_weights):
+    """At 60 tokens the map shows the 40 around the selection; its title adds the whole history's count (from the
+    trace's routing, independently), so a window where the expert never fired says whether to look elsewhere."""
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    s.feed(list(range(65, 125)))
+    ex = Explorer(s, tab="MoE routing")
+    ids = np.asarray(s.trace().routing()["topk_ids"])
+    e = int(ids[0, 0, 0])
+    ex.tab_views.expert.value = str(e)
+    ex.select(token=59)
+    title = view_spec(ex, "expert_search")[1]["title"]["text"]
+    hit = ids == e
+    assert f"in tokens 20-59 it fired {int(hit[20:].sum())} times" in title
+    assert f"in the whole history {int(hit.sum())} times at {int(hit.any(axis=(0, 2)).sum())} layers" in title
 
 
 def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_path, monkeypatch):
@@ -866,3 +884,98 @@ def test_a_snapshot_states_every_zoom_it_draws_and_keeps_expert_ticks_whole(expl
     assert ex.views["moe_full"].snapshot()["layout"]["xaxis"]["dtick"] == 2  # ~8 ticks: 0, 2, ..., 14
     page = ex.snapshot(tmp_path / "moe.html").read_text(encoding="utf-8")
     assert json.dumps(ex.views["moe_full"].snapshot()["layout"]) in page
+
+
+def test_emptying_or_shortening_the_prompt_box_does_not_mark_prompt_tokens_generated(tiny_weights):
+    """The dotted underline marks generated tokens (`generated_from`). A prompt box emptied (Step goes on greedily)
+    or cut to a prefix of the history leaves the prompt tokens the history was fed as they were; only a new
+    prompt moves the boundary."""
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt="abc")
+    ex.play_button.click()
+    ex.play_button.click()  # 'abc' fed, 8 generated
+    assert ex.text.generated_from == 3
+    ex.prompt.value = ""
+    ex.step_button.click()
+    assert (len(ex.session), ex.text.generated_from) == (12, 3)
+    ex.prompt.value = "ab"
+    ex.step_button.click()
+    assert (len(ex.session), ex.text.generated_from) == (13, 3)
+    ex.prompt.value = "abX"  # a new prompt: truncated to 'ab', then fed 'X'
+    ex.step_button.click()
+    assert (ex.session.tokens, ex.text.generated_from) == (list(b"abX"), -1)
+    ex.step_button.click()
+    assert ex.text.generated_from == 3
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    s.feed("hello")  # a history of unknown origin, no prompt: nothing is marked
+    ex = Explorer(s, prompt=None)
+    ex.step_button.click()
+    assert ex.text.generated_from == -1
+
+
+def test_the_ids_to_text_toggle_never_changes_what_step_feeds(tiny_weights):
+    """ids -> text converts only when the text encodes back to the same ids; else (a byte that is not text
+    alone: 195 then '(') the toggle stays on ids, the box keeps the ids typed, and Step feeds them. A box that
+    does not parse keeps what was typed too (it became the character codes of '72, x')."""
+    ex = Explorer(Session(tiny_weights, tokenizer=ByteTokenizer()), prompt=[195, 40, 97])
+    ex.mode.value = "text"
+    assert ex.mode.value == "ids" and ex.prompt.value == "195, 40, 97"
+    assert "would be encoded as other tokens" in ex.status.value
+    ex.step_button.click()
+    ex.step_button.click()
+    assert ex.session.tokens == [195, 40]
+    ex.prompt.value = "72, x"
+    ex.mode.value = "text"
+    assert ex.mode.value == "ids" and ex.prompt.value == "72, x" and "'x' is not an integer" in ex.status.value
+    ex.prompt.value = "72, 105"
+    ex.mode.value = "text"
+    assert ex.prompt.value == "Hi"
+
+
+def test_an_expert_field_that_holds_no_id_shows_no_stale_map(explorer):
+    """Searching '3', then typing 'x': the note says 'x' is not an id and the map of expert 3 goes (it stayed,
+    and after a Step showed expert 3 in the old history under a field reading 'x'); '' hides the view."""
+    ex = explorer
+    ex.tabs.selected_index = TABS.index("MoE routing")
+    for _ in range(3):
+        ex.step_button.click()
+    ex.tab_views.expert.value = "3"
+    assert "Where expert 3 fires" in view_spec(ex, "expert_search")[1]["title"]["text"]
+    ex.tab_views.expert.value = "x"
+    ex.step_button.click()
+    view = ex.views["expert_search"]
+    assert "is not an expert id" in ex.tab_views.expert_note.value
+    assert not view.spec and view.layout.display == "none"
+    ex.tab_views.expert.value = "4"
+    assert "Where expert 4 fires" in view_spec(ex, "expert_search")[1]["title"]["text"] and view.layout.display is None
+    assert view.meta == {"token": 3, "layer": ex.layer.value, "tokens": 4}
+    ex.tab_views.expert.value = ""
+    assert view.layout.display == "none" and ex.tab_views.expert_note.value == ""
+
+
+def test_a_click_on_the_selected_token_catches_up_with_the_session_too(tiny_weights):
+    s = Session(tiny_weights, tokenizer=ByteTokenizer())
+    ex = Explorer(s, prompt="Hello", tab="Predictions")
+    for _ in range(3):
+        ex.step_button.click()
+    s.feed(list(b"lo"))  # outside the Explorer
+    click(ex.views["block_layer"], x=f"{ex.token.value} 'l'")  # the token selected already: no change event
+    assert ex.token.max == 4 and ex.history.tokens == s.tokens and "5 tokens decoded" in ex.status.value
+
+
+def test_compute_on_a_history_that_does_not_replay_says_why_in_the_views(explorer):
+    """A token decoded under a temporary intervention (`with session.intervene(...)` in another cell) cannot be
+    replayed by the lens or the attribution: Compute shows the replay's reason in the views; it raised out of the
+    button (and, with 'compute on every selection', out of every refresh)."""
+    ex, s = explorer, explorer.session
+    for _ in range(3):
+        ex.step_button.click()
+    with s.intervene(interventions.ablate_experts("all", "all")):
+        s.step(72)
+    ex.tabs.selected_index = TABS.index("Lens & attribution")
+    ex.select(token=3)
+    ex.tab_views.compute_button.click()
+    title = ex.views["lens"].spec["layout"]["annotations"][0]["text"]
+    assert title.startswith("No lens for token 3: replaying the session's history gives other logits at token 3")
+    ex.tab_views.auto_analyses.value = True
+    ex.select(token=1)  # replays fine up to token 1
+    assert "Logit lens of token 1" in ex.views["lens"].spec["layout"]["title"]["text"]

@@ -6,10 +6,12 @@ outputs). Rather than record those for every token up front, an analysis re-deco
 tokens from a fresh state with `session.hooks` (its persistent interventions) plus a Recorder that
 copies the wanted sites, in the same forward passes that decoded the history (fed chunks as chunks
 on the sequence path, stepped tokens stepped), and checks that the replay reproduces the logits the
-session stored (bit for bit, except after a truncate inside a chunk, whose cut chunk replays shorter:
-then to float32 rounding). A history decoded under a temporary intervention (`with session.intervene(...)`)
-does not replay to the same logits: that is reported, never analysed silently. Capturing changes no
-value.
+session stored, bit for bit. A chunk `truncate` cut (Back after a feed) is re-decoded whole, with the
+tokens cut off it (`Session.cut_tail`), as it was fed; the history then goes on from the state truncate
+left at the cut (its checkpoint there; without it, the kept part alone is replayed, to float32
+rounding, which a deep model amplifies past the check). A history decoded under a temporary
+intervention (`with session.intervene(...)`) does not replay to the same logits: that is reported,
+never analysed silently. Capturing changes no value.
 """
 
 from __future__ import annotations
@@ -59,9 +61,18 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
     c, state = session.checkpoint_before(min(wanted)) if from_checkpoint else (0, model.new_state())
     last = max(wanted)
     for a, b in session.runs(c):
+        tail, resume = ([], None) if b is None else (_cut_tail(session, a), None)
+        if tail and b <= last:  # the replay goes on past the cut: from the state truncate left there
+            at, resume = session.checkpoint_before(b)
+            tail = tail if at == b else []
         if b is None:
             hooks.begin_token(tokens[a], a)
             logits, b = to_numpy(model.forward_token(state, tokens[a], hooks))[None], a + 1
+        elif tail:
+            # a chunk `truncate` cut: re-decoded whole, as it was fed (its kept part alone rounds otherwise, and at
+            # K3's depth that flips near-tied experts and moves logits by up to ~1)
+            logits = to_numpy(model.forward_sequence(state, tokens[a:b] + tail, hooks, chunk=b - a + len(tail)))
+            state = resume if resume is not None else state
         else:
             logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
         records = capture.take_records()
@@ -71,6 +82,11 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
         if b > last:
             return
+
+
+def _cut_tail(session, start: int) -> list[int]:
+    """`Session.cut_tail` (a driver without it: [])"""
+    return session.cut_tail(start) if hasattr(session, "cut_tail") else []
 
 
 def _position(p, T: int) -> int:

@@ -136,7 +136,7 @@ def _kl_full(la: np.ndarray, lb: np.ndarray) -> np.ndarray:
 
 
 def _kl_top(ta, tb, T: int) -> np.ndarray:
-    """KL of the distributions coarse-grained to (union of both top-k sets, the rest): a lower bound."""
+    """KL of the distributions coarse-grained to (the ids in both top-k sets, the rest): a lower bound."""
     ia, pa = ta.top_predictions()
     ib, pb = tb.top_predictions()
     out = np.zeros(T)

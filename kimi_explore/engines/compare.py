@@ -191,8 +191,15 @@ def _split(site: str):
 
 
 def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):
-    """Per-token lists (ours, theirs) ready to compare: top-k weights in the order of their expert ids."""
+    """Per-token lists (ours, theirs) ready to compare: top-k weights in the order of their expert ids; attention
+    probabilities with NaN after the token's position read as 0 (a Trace's padding of a row [nh, t + 1], where the
+    dump format has the masked zeros)."""
     a, b = list(ours[site]), [np.asarray(x) for x in theirs[site]]
+    if site.endswith("mla.probs"):
+        for t in range(len(b)):
+            if np.isnan(b[t][..., t + 1 :]).any():
+                b[t] = b[t].copy()
+                b[t][..., t + 1 :] = np.nan_to_num(b[t][..., t + 1 :], nan=0.0)
     if site.endswith("moe.router.topk_weights"):
         ids_name = site.replace("topk_weights", "topk_ids")
         their_ids = theirs.get(ids_name) if their_ids is None else their_ids

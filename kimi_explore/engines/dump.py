@@ -8,7 +8,8 @@ header, raw little-endian arrays; writers exist for Python, Rust, C, C++, Go, JS
   closer `ke.compare` can place a divergence.
 - arrays: `[T, ...]`, one row per token, in the site's per-token shape as the hook sees it
   (`layers.i.kda.state` [T, H, K, V], `layers.i.moe.router.topk_ids` [T, k], ...). `mla.probs`, whose
-  width grows with the position, is stored `[T, nh, T]`, row t holding positions 0..t and zeros after.
+  width grows with the position, is stored `[T, nh, T]`, row t holding positions 0..t and zeros after
+  (NaN there, a Trace's padding, reads as those zeros).
   float32, float16, bfloat16 or float64 (read back as float32/float64); integer ids int32/int64.
 - metadata (`__metadata__`, strings): `format` = "kimi_explore.dump/1", `tokens` = the T token ids,
   comma-separated, `engine` = a free-form name ("llama.cpp 0c1e57098", "my-rust-engine 0.3"),

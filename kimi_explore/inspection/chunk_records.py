@@ -10,7 +10,9 @@ shapes and (to float rounding) values the token form records:
     top (logits)                    [T, V]                 T top-k ids and probabilities
     kda.state / kda.conv            their norms [T, H] / [T, 3, H], given by the decoder
                                     (`observe_chunk`): the full per-token states are never built
-    full= records                   [T, ...]               T copies
+    full= records                   [T, ...]               T copies (mla.probs [T, nh, L0 + T]: the masked
+                                                           positions after each token NaN, the padding its
+                                                           token-form row [nh, L0 + t + 1] gets in a Trace)
 
 Routing ids with -1 (an expert dropped by a chunk-aware intervention at some tokens, e.g.
 `ablate_experts`) are recorded without the -1 entries, and the same tokens' weights without
@@ -82,7 +84,10 @@ class ChunkRecording:
                 yield lambda w: rec.emit(put, _norms(w.reshape(w.shape[0], 3 * heads, -1)).reshape(w.shape[0], 3, heads))
         if rec.full is not None and rec.full(name) and how != "fresh":  # a fresh default record is already the value
             full = rec.chunk_put(name)  # (its own name: the lambdas above read `put` when called)
-            yield lambda v: rec.emit(full, v.copy())
+            if kind == "mla.probs":
+                yield lambda p: rec.emit(full, _future_nan(p))
+            else:
+                yield lambda v: rec.emit(full, v.copy())
 
     def observe(self, name: str, norms) -> None:
         """The decoder's per-token norms of a site it does not fire whole (kda.state [T, H], kda.conv [T, 3, H])."""
@@ -125,6 +130,18 @@ class ChunkRecording:
         """Row t of a [T, k] without its dropped entries, one record each (a ragged chunk: one-row blocks)."""
         for row, k in zip(a, keep, strict=True):
             self.rec.emit(put, row[k][None])
+
+
+def _future_nan(p):
+    """A copy of a chunk's attention probabilities [T, nh, L0 + T] with token t's masked positions (after L0 + t)
+    NaN: stacked, the rows read as the token form's [nh, L0 + t + 1] padded by a Trace, where 0 would read as
+    probabilities the token gave (a patch from the record would refuse them: `interventions._unpad`)."""
+    xp = array_namespace(p)
+    out = p.copy()
+    T = p.shape[0]
+    t = xp.arange(T)
+    xp.copyto(out[:, :, p.shape[2] - T :], xp.nan, where=(t[None, :] > t[:, None])[:, None, :])
+    return out
 
 
 def _norms(x):

@@ -67,6 +67,10 @@ class Session:
 
     def __init__(self, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None, checkpoint_every: int = 16):
         self.weights = weights
+        V = weights.config.vocab_size
+        if tokenizer is not None and getattr(tokenizer, "vocab_size", V) != V:  # its ids would be another model's
+            raise ValueError(f"Session: the tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary "
+                             f"{V} (vocab_size in its config): they belong to different models")
         self.tokenizer = tokenizer
         if recorder is True:
             recorder = Recorder()
@@ -88,6 +92,9 @@ class Session:
         # t -> state after t tokens (`checkpoint()`): its first t cache positions never change (the live state only
         # writes on past them into the MLA caches it shares); only ever copied
         self._checkpoints: dict[int, KimiDecodeState] = {}
+        # first token of a fed chunk `truncate` cut -> the tokens it cut off: a replay of the history (the analyses)
+        # re-decodes the chunk as it was fed, to the stored values bit for bit (the kept part alone rounds otherwise)
+        self._cut_tails: dict[int, list[int]] = {}
         self._to_rebuild: set[int] = set()  # checkpoints a failed `recover()` dropped: the next one rebuilds them
 
     # ------------------------------------------------------------------ history
@@ -344,10 +351,27 @@ class Session:
             raise ValueError(f"Session.truncate: n_tokens (how many tokens to keep) must be an int in 0..{T}, "
                              f"got {n_tokens!r}; session.back(k) drops the last k")
         n = int(n_tokens)
+        tail = self._tail_cut_by(n)
         self.state = self._state_after(n)
         self._drop_after(n)
+        self._cut_tails.update(tail)
         if n and self._chunk_of[n - 1] >= 0 and n not in self._checkpoints:  # cut inside a fed chunk
             self._checkpoints[n] = self.state.checkpoint()
+
+    def _tail_cut_by(self, n: int) -> dict:
+        """{first token of the fed chunk truncating to n cuts: every token of it after n-1, as fed}, or {}."""
+        T = len(self._tokens)
+        if not 0 < n < T or self._chunk_of[n] < 0 or self._chunk_of[n] != self._chunk_of[n - 1]:
+            return {}
+        a, e = self._chunk_of[n], n
+        while e < T and self._chunk_of[e] == a:
+            e += 1
+        return {a: self._tokens[n:e] + self._cut_tails.get(a, [])}
+
+    def cut_tail(self, start: int) -> list[int]:
+        """The tokens `truncate` cut off the fed chunk that starts at token `start` ([] if none): that chunk was
+        decoded as tokens[start:end] + these, and a replay that re-decodes it so reproduces its values exactly."""
+        return list(self._cut_tails.get(start, []))
 
     def _drop_after(self, n: int) -> None:
         """Forget tokens n.. (the state is already the one after n tokens)."""
@@ -355,6 +379,7 @@ class Session:
         self._stacked = None
         # a checkpoint after n belongs to the discarded future: kept, it would seed a later replay of a new history
         self._checkpoints = {k: v for k, v in self._checkpoints.items() if k <= n}
+        self._cut_tails = {a: tail for a, tail in self._cut_tails.items() if a < n}
         self._to_rebuild = {k for k in self._to_rebuild if k <= n}
         if self.recorder is not None:
             self.recorder.truncate(n)
@@ -430,7 +455,8 @@ class Session:
         else:
             logits, checkpoints = list(self._logits), dict(self._checkpoints)
         return SessionSnapshot(id(self.weights), self.state.copy(), list(self._tokens), logits,
-                               list(self._modified), checkpoints, records, list(self._chunk_of))
+                               list(self._modified), checkpoints, records, list(self._chunk_of),
+                               {a: list(tail) for a, tail in self._cut_tails.items()})
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Go back (or forward) to `snap` exactly; the snapshot stays usable.
@@ -454,6 +480,7 @@ class Session:
         self._chunk_of = list(snap.chunk_of) if snap.chunk_of is not None else [-1] * len(snap.tokens)
         self._stacked = None
         self._checkpoints, self._to_rebuild = dict(snap.checkpoints), set()
+        self._cut_tails = {int(a): list(tail) for a, tail in (snap.cut_tails or {}).items()}
         if self.recorder is not None:
             self.recorder.load_state_dict(snap.records)
         if state is None:

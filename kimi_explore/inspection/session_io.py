@@ -46,6 +46,7 @@ class SessionSnapshot:
                  re-decode each chunk as one (None: every token stepped)
     checkpoints: {t: decode state after the first t tokens} (`KimiDecodeState.checkpoint`); only ever copied
     records:     the recorder's `state_dict()`, or None when the session records nothing
+    cut_tails:   {first token of a fed chunk `truncate` cut: the tokens cut off it} (replays re-decode it whole)
     """
 
     weights_id: int
@@ -56,6 +57,7 @@ class SessionSnapshot:
     checkpoints: dict
     records: dict | None
     chunk_of: list | None = None
+    cut_tails: dict | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -94,6 +96,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
                 arrays[f"rec/{k}/shapes"] = np.array([np.shape(r) for r in rows], dtype=np.int64).reshape(len(rows), -1)
     header = {"format": FORMAT, "fingerprint": weights_fingerprint(weights), "tokens": snap.tokens,
               "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
+              "cut_tails": {str(a): [int(t) for t in tail] for a, tail in (snap.cut_tails or {}).items()},
               "checkpoint_every": checkpoint_every, "recorder": rec}
     V = weights.config.vocab_size
     arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
@@ -120,7 +123,8 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
             tokens=[int(t) for t in header["tokens"]], logits=list(z["logits"]),
             modified=[bool(m) for m in header["modified"]],
             checkpoints=_get_checkpoints(z, header["layout"], weights),
-            records=records, chunk_of=header.get("chunk_of"))
+            records=records, chunk_of=header.get("chunk_of"),
+            cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()})
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
     return snap, SavedSettings(header["checkpoint_every"], settings)
 

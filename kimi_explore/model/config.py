@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,7 @@ class LinearAttnConfig:
     short_conv_kernel_size: int  # W, depthwise causal conv width
     kda_layers: tuple[int, ...]  # 1-based
     full_attn_layers: tuple[int, ...]  # 1-based (the complement; not consulted by the math)
-    gate_lower_bound: float  # decay gate g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+    gate_lower_bound: float | None  # g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)); None refused
     use_full_rank_gate: bool
 
 
@@ -109,7 +110,7 @@ class KimiDecoderConfig:
     moe_layer_freq: int
     hidden_act: str
     activation_situ_beta: float
-    activation_situ_linear_beta: float
+    activation_situ_linear_beta: float | None  # None: no linear cap (ops.situ)
     attn_res_block_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
@@ -180,19 +181,32 @@ def _required(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
 
 
+# the DeepSeek-V3 / Kimi K2 names of keys this config reads under the Kimi-Linear names
+_ALIAS_OF = {"num_experts_per_token": "num_experts_per_tok", "num_experts": "n_routed_experts",
+             "num_shared_experts": "n_shared_experts"}
+
+
 def _build(cls, raw: dict, source: str) -> KimiDecoderConfig:
     missing = [k for k in _required(cls) if k not in raw]
     la_raw = raw.get("linear_attn_config")
     if isinstance(la_raw, dict):
         missing += [f"linear_attn_config.{k}" for k in _required(LinearAttnConfig) if k not in la_raw]
     if missing:
-        raise ConfigError(f"{source}: missing required key(s): {', '.join(missing)}")
+        named = [f"{k} (the file has {a!r}, another model family's name for it)" if a in raw else k
+                 for k in missing for a in [_ALIAS_OF.get(k)]]
+        raise ConfigError(f"{source}: missing required key(s): {', '.join(named)}")
+    # another family's name for a key beside ours: which one the file's author edited cannot be told
+    clash = [f"{a}={raw[a]!r} but {k}={raw[k]!r}" for k, a in _ALIAS_OF.items() if a in raw and raw[a] != raw[k]]
+    if clash:
+        raise ConfigError(f"{source}: contradicting keys: {'; '.join(clash)} (this decoder reads {', '.join(_ALIAS_OF)})")
     if not isinstance(la_raw, dict):
         raise ConfigError(f"{source}: 'linear_attn_config' must be an object, found {la_raw!r}")
 
+    _check_types(cls, raw, source, "")
+    _check_types(LinearAttnConfig, la_raw, source, "linear_attn_config.")
     la_kwargs = {f.name: la_raw[f.name] for f in dataclasses.fields(LinearAttnConfig)}
-    la_kwargs["kda_layers"] = tuple(int(x) for x in la_kwargs["kda_layers"])
-    la_kwargs["full_attn_layers"] = tuple(int(x) for x in la_kwargs["full_attn_layers"])
+    la_kwargs["kda_layers"] = tuple(la_kwargs["kda_layers"])
+    la_kwargs["full_attn_layers"] = tuple(la_kwargs["full_attn_layers"])
     kwargs = {f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}
     kwargs["linear_attn_config"] = LinearAttnConfig(**la_kwargs)
     for key in ("num_expert_group", "topk_group"):
@@ -201,6 +215,41 @@ def _build(cls, raw: dict, source: str) -> KimiDecoderConfig:
     cfg = cls(**kwargs)
     _check_supported(cfg, source)
     return cfg
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+# JSON type each annotation needs: a string where a number belongs (or "false" where a bool does, which
+# is truthy) would otherwise load and run another model, or fail later with an error naming nothing
+_TYPES = {
+    "int": ("an integer", _is_int),
+    "float": ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)),
+    "float | None": ("a number or null", lambda v: v is None or isinstance(v, numbers.Real) and not isinstance(v, bool)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "tuple[int, ...]": ("a list of integers", lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)),
+}
+
+
+def _check_types(cls, raw: dict, source: str, prefix: str) -> None:
+    """Every present field of `cls` in `raw` has its JSON type; lists every one that has not."""
+    bad = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING and raw.get(f.name) is None:
+            continue  # null = the default (num_expert_group, topk_group); the token ids are not checked
+        if f.name in raw and f.type in _TYPES:
+            what, ok = _TYPES[f.type]
+            if not ok(raw[f.name]):
+                bad.append(f"{prefix}{f.name}={raw[f.name]!r} (expected {what})")
+    if bad:
+        raise ConfigError(f"{source}: wrong value type: " + "; ".join(bad))
+
+
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+             "qk_nope_head_dim", "v_head_dim", "intermediate_size", "num_experts", "moe_intermediate_size",
+             "routed_expert_hidden_size", "moe_layer_freq")
 
 
 def _check_supported(cfg: KimiDecoderConfig, source: str) -> None:
@@ -223,9 +272,21 @@ def _check_supported(cfg: KimiDecoderConfig, source: str) -> None:
         problems.append(f"attn_res_block_size={cfg.attn_res_block_size!r} (expected a positive integer)")
     if not 1 <= cfg.num_experts_per_token <= cfg.num_experts:
         problems.append(f"num_experts_per_token={cfg.num_experts_per_token} with num_experts={cfg.num_experts}")
+    problems += [f"{k}={getattr(cfg, k)} (expected > 0)" for k in _POSITIVE if getattr(cfg, k) < 1]
+    problems += [f"linear_attn_config.{k}={getattr(la, k)} (expected > 0)"
+                 for k in ("num_heads", "head_dim", "short_conv_kernel_size") if getattr(la, k) < 1]
+    problems += [f"{k}={getattr(cfg, k)} (expected >= 0)" for k in ("qk_rope_head_dim", "num_shared_experts",
+                                                                     "first_k_dense_replace") if getattr(cfg, k) < 0]
+    if not cfg.rms_norm_eps > 0:
+        problems.append(f"rms_norm_eps={cfg.rms_norm_eps} (expected > 0)")
     n = cfg.num_hidden_layers
     bad = [x for x in la.kda_layers if not 1 <= x <= n]
     if bad:
         problems.append(f"linear_attn_config.kda_layers has entries outside 1..{n}: {bad}")
+    # full_attn_layers is not read by the math, but a config whose two lists disagree is not one model
+    kda, full = sorted(la.kda_layers), sorted(la.full_attn_layers)
+    if sorted(kda + full) != list(range(1, n + 1)):
+        problems.append(f"linear_attn_config.kda_layers {list(kda)} and full_attn_layers {list(full)} do not split "
+                        f"layers 1..{n} between them (each layer exactly once)")
     if problems:
         raise ConfigError(f"{source}: unsupported configuration: " + "; ".join(problems))

@@ -156,6 +156,13 @@ class KimiDecoderWeights(LayerSequence):
         """`kimi_forward_sequence`: logits [T, vocab] on this model's backend; `state` advanced as by T tokens."""
         return kimi_forward_sequence(self, state, token_ids, hooks, chunk)
 
+    def embedding(self):
+        """The token embedding table [vocab, d]."""
+        if self.embed_tokens is None:
+            raise ValueError("these weights were loaded with embedding=False: they have no token embedding (a pipeline "
+                             "stage after the first starts from the stack it is handed)")
+        return self.embed_tokens
+
     def head(self) -> OutputHead:
         """The output head (what a logit lens reads after every layer)."""
         if self.lm_head is None:

@@ -211,7 +211,7 @@ def embed_chunk(weights, ids: list[int], hooks=None, rows: int | None = None) ->
     """The chunk's stack to start with: no sealed block, the running sums its embeddings [T, d]."""
     cfg, xp = weights.config, weights.xp
     stack = SequenceSources(xp, len(ids), rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
-    h = weights.embed_tokens[xp.asarray(ids)]
+    h = weights.embedding()[xp.asarray(ids)]
     stack.set_current(h if hooks is None else hooks.fire_chunk("embed", h))
     return stack
 

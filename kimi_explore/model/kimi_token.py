@@ -97,7 +97,7 @@ def embed_token(weights, token_id, hooks=None, rows: int | None = None) -> Sourc
     cfg = weights.config
     tid = token_index(token_id, cfg.vocab_size)
     stack = SourceBuffer(weights.xp, rows or weights.max_sources, cfg.hidden_size, weights.dtype, cfg.rms_norm_eps)
-    h = weights.embed_tokens[tid]  # a view of the table: a hook that edits its value in place gets a copy
+    h = weights.embedding()[tid]  # a view of the table: a hook that edits its value in place gets a copy
     stack.set_current(h if hooks is None else hooks.fire("embed", h.copy()))
     return stack
 

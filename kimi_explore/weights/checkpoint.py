@@ -19,7 +19,10 @@ plan (`hub.py`) uses the same plan to choose the shards it downloads. Reading th
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import CheckpointError
 from ..model.config import KimiDecoderConfig
@@ -149,6 +152,46 @@ def check_checkpoint(ckpt: CheckpointDir, plan: dict[str, DiskTensor]) -> None:
         check_tensor(f.path, full, dtype, shape, want)
 
 
+def _language_model(ckpt: CheckpointDir, full: str) -> bool:
+    """Whether a weight-map name belongs to the language model (not the vision tower or projector)."""
+    if ckpt.prefix:
+        return full.startswith(ckpt.prefix)
+    return full.startswith(("model.", "lm_head."))
+
+
+def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
+    """Every language-model tensor in the weight map is one the config's model reads (in some layer).
+
+    A tensor the config does not account for means config.json describes another model than the
+    checkpoint holds (tie_word_embeddings true beside an `lm_head.weight`, num_hidden_layers too small,
+    latent_moe_use_norm or mla_use_output_gate false beside their tensors): loading would ignore it
+    and run a wrong model, so refuse. The whole model's plan is used, whatever `layers=` asks.
+    """
+    allowed = set()
+    for t in table.plan(cfg):
+        allowed.add(t.name)
+        if t.dtype == table.MXFP4:
+            allowed.update(table.mxfp4_names(t.name))
+    extra = [n for n in ckpt.weight_map if _language_model(ckpt, n) and n[len(ckpt.prefix):] not in allowed]
+    if not extra:
+        return
+    hints = []
+    if cfg.tie_word_embeddings and ckpt.full("lm_head.weight") in extra:
+        hints.append("tie_word_embeddings is true, but the checkpoint has its own lm_head.weight")
+    if not cfg.latent_moe_use_norm and any(n.endswith(table.MOE.row("latent_norm").name) for n in extra):
+        hints.append("latent_moe_use_norm is false, but the checkpoint has routed_expert_norm weights")
+    layers = sorted({i for n in extra if (i := _layer_of(n[len(ckpt.prefix):])) is not None and i >= cfg.num_hidden_layers})
+    if layers:
+        hints.append(f"num_hidden_layers={cfg.num_hidden_layers}, but the checkpoint has layers {layers}")
+    hint = "; ".join(hints) or ("check tie_word_embeddings, num_hidden_layers, mla_use_output_gate, "
+                                "latent_moe_use_norm and the layer lists")
+    shown = ", ".join(extra[:12]) + (f" (and {len(extra) - 12} more)" if len(extra) > 12 else "")
+    raise CheckpointError(
+        f"{ckpt.path}: {len(extra)} tensor(s) in the weight map are not part of the model config.json describes, "
+        f"so config.json and the weights disagree ({hint}): {shown}"
+    )
+
+
 def check_tensor(path, full: str, dtype: str, shape: tuple, want: DiskTensor) -> None:
     """Raise CheckpointError unless a tensor of `dtype` and `shape` is what the table plans (`want`).
 
@@ -176,10 +219,15 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
     """`layers=` (None = all) as a checked list of 0-based layer ids, strictly increasing."""
     if layers is None:
         return list(range(num_hidden_layers))
+    # a string is iterable ("12" would be layers 1 and 2), int() truncates 1.5 and takes True: refuse them
     try:
-        ids = [int(i) for i in layers]
-    except (TypeError, ValueError):
-        raise ValueError(f"layers={layers!r}: expected None or an iterable of 0-based layer indices") from None
+        entries = None if isinstance(layers, (str, bytes)) else list(layers)
+    except TypeError:
+        entries = None
+    if entries is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_))
+                                  for i in entries):
+        raise ValueError(f"layers={layers!r}: expected None or an iterable of 0-based integer layer indices")
+    ids = [int(i) for i in entries]
     if not ids:
         raise ValueError("layers=[] selects no layer; pass None for all layers")
     bad = [i for i in ids if not 0 <= i < num_hidden_layers]

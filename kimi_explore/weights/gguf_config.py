@@ -115,4 +115,10 @@ def config_from_gguf(meta: dict, types: dict, tensors: dict, source: str) -> Kim
     la.update(num_heads=ssm_a[1][-1] if kda else raw["num_attention_heads"], use_full_rank_gate=True,
               kda_layers=[i + 1 for i in kda], full_attn_layers=[i + 1 for i in mla])
     raw["linear_attn_config"] = la
-    return KimiDecoderConfig.from_dict(raw, source=source)
+    try:
+        return KimiDecoderConfig.from_dict(raw, source=source)
+    except ConfigError as e:  # it names config.json's keys: add the GGUF keys they were read from
+        named = [f"{c} is {ARCH}.{g}" for c, g in KEYS.items() if f"{c}=" in str(e)]
+        if not named:
+            raise
+        raise ConfigError(f"{e} (in the GGUF: {'; '.join(named)})") from None

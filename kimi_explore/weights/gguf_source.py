@@ -164,12 +164,27 @@ class GgufSource(TensorSource):
                                   f"{', '.join(missing[:12])}{more}")
         if bad:
             raise CheckpointError(f"{self.path}: " + "; ".join(bad))
+        self._check_no_unexpected()
         for i in layer_ids:
             if self.config.is_kda_layer(i):
                 a = self._values(f"blk.{i}.ssm_a", np.float64)
                 if not np.all(a < 0):
                     raise CheckpointError(f"{self._where(f'blk.{i}.ssm_a')}: tensor 'blk.{i}.ssm_a' must be -exp(A_log) "
                                           f"< 0 per head; found {a.tolist()}")
+
+    def _check_no_unexpected(self) -> None:
+        """Every tensor in the GGUF is one the metadata's model reads (whatever `layers=` asks): one it
+        does not account for (block_count too small, an attn_gate in some MLA layers only) would be
+        ignored and another model run."""
+        allowed = {g for t in table.plan(self.config) for g in self.gguf_names(t)}
+        extra = [n for n in self.where if n not in allowed]
+        if extra:
+            more = f" (and {len(extra) - 12} more)" if len(extra) > 12 else ""
+            raise CheckpointError(
+                f"{self.path}: {len(extra)} tensor(s) in the GGUF are not part of the model its metadata describes "
+                f"(block_count={self.config.num_hidden_layers}, attention.head_count_kv, and the tensors present "
+                f"decide it), so the metadata and the weights disagree: {', '.join(extra[:12])}{more}"
+            )
 
     def info(self, name: str):
         t = self.released[name]

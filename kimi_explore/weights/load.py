@@ -5,7 +5,8 @@
           file, split or not (`gguf_source`)
 
 Order, so that nothing is returned half-loaded: options checked, config read, layers resolved, the
-whole plan checked against the files (`source.check`: names, dtypes, shapes, file sizes), expert
+whole plan checked against the files (`source.check`: names, dtypes, shapes, file sizes, and no
+tensor the config's model would ignore: a config that disagrees with its weights is refused), expert
 mode and cache size resolved (`load_options`), and only then anything allocated and read
 (`records.build_weights`). Every problem raises `CheckpointError` / `ConfigError` / `ValueError`
 naming the file, tensor, key or argument.
@@ -97,6 +98,7 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     dt = resolve_dtype(dtype)
     bf16 = opts.resolve_weight_dtype(weight_dtype, dt)
     bf16_kernel = opts.resolve_bf16_matvec(bf16_matvec)
+    opts.check_forms(experts, expert_cache_size)
     if bf16_kernel is not None and not bf16:
         raise ValueError(f"bf16_matvec={bf16_matvec!r} chooses how bf16 weights are multiplied, and needs "
                          f"weight_dtype='bfloat16'; got weight_dtype={weight_dtype!r} (leave bf16_matvec='auto')")

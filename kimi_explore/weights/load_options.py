@@ -30,10 +30,18 @@ def expert_bytes(cfg: KimiDecoderConfig, dtype) -> int:
     return 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * np.dtype(dtype).itemsize
 
 
-def resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, source: TensorSource, dtype) -> str:
-    """The expert mode for these layers: "auto" is dense when small (or not MXFP4 on disk), else packed."""
+def check_forms(experts, expert_cache_size) -> None:
+    """The options' forms, before anything is opened or fetched (a Hub load downloads shards first)."""
     if experts not in EXPERT_MODES:
         raise ValueError(f"experts={experts!r}: expected one of {', '.join(map(repr, EXPERT_MODES))}")
+    size = expert_cache_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0):
+        raise ValueError(f"expert_cache_size={size!r}: expected None or a number of experts per layer >= 0")
+
+
+def resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, source: TensorSource, dtype) -> str:
+    """The expert mode for these layers: "auto" is dense when small (or not MXFP4 on disk), else packed."""
+    check_forms(experts, None)
     moe = [i for i in layer_ids if cfg.is_moe_layer(i)]
     quantized = all(source.experts_quantized(i) for i in moe)
     if experts == "auto":
@@ -57,8 +65,7 @@ def resolve_cache_size(size, cfg: KimiDecoderConfig, dtype, xp) -> int:
         # a cache holding a few of the layer's experts mostly misses: on the host the fused kernel
         # multiplies straight from the packed bytes instead (capacity 0 selects it)
         return 0 if mxfp4_matvec.runs(xp, dtype) else fit
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
-        raise ValueError(f"expert_cache_size={size!r}: expected None or a number of experts per layer >= 0")
+    check_forms("auto", size)
     return int(size)
 
 

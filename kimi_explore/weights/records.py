@@ -136,7 +136,9 @@ def _moe(b: _Builder, i: int) -> LatentMoeWeights:
     bank = b.source.experts(i, o.experts, dtype=b.dtype, xp=b.xp, capacity=o.cache_size, workspace=b.workspace)
     return LatentMoeWeights(
         in_proj=t.matrix("in_proj"), e_score_correction_bias=t.one("bias"), experts=bank,
-        routed_expert_norm=t.one("latent_norm"), routed_expert_up_proj=t.matrix("latent_up"),
+        routed_expert_norm=(t.one("latent_norm") if cfg.latent_moe_use_norm  # else not released; unread (gain 1)
+                            else b.dev(np.ones(cfg.routed_expert_hidden_size, b.dtype))),
+        routed_expert_up_proj=t.matrix("latent_up"),
         shared_down_proj=t.matrix("shared_down"), num_experts=cfg.num_experts,
         top_k=cfg.num_experts_per_token, latent_size=cfg.routed_expert_hidden_size, renormalize=bool(cfg.moe_renormalize),
         routed_scaling_factor=float(cfg.routed_scaling_factor), use_latent_norm=bool(cfg.latent_moe_use_norm),

@@ -25,7 +25,7 @@ from ..model.config import KimiDecoderConfig
 from ..model.latent_moe import DenseExperts
 from . import checkpoint_table as table
 from . import mxfp4
-from .checkpoint import CheckpointDir, check_checkpoint, experts_packed_on_disk, plan_tensors
+from .checkpoint import CheckpointDir, check_checkpoint, check_no_unexpected, experts_packed_on_disk, plan_tensors
 from .experts import PackedExperts
 from .mapped_experts import ExpertViews, MappedExperts
 from .tensor_reader import TensorReader
@@ -44,6 +44,10 @@ class SafetensorsSource(TensorSource):
 
     def check(self, layer_ids, embedding, head) -> None:
         check_checkpoint(self.ckpt, plan_tensors(self.config, layer_ids, self.ckpt, embedding, head))
+        check_no_unexpected(self.ckpt, self.config)
+        for i in layer_ids:  # A_log's padding (a few floats per layer): refused here, not layers into the build
+            if self.config.is_kda_layer(i):
+                self.kda_decay(i)
 
     def info(self, name: str):
         return self.reader.info(name)
@@ -60,7 +64,8 @@ class SafetensorsSource(TensorSource):
         a_log = self.read(name, np.float64)  # F32 on disk: widened exactly
         if a_log.shape[0] != H and np.any(a_log[H:] != 0):
             raise CheckpointError(
-                f"{self.path}: tensor '{self.ckpt.full(name)}' is stored {a_log.shape[0]} wide with non-zero entries "
+                f"{self.path / self.ckpt.shard_of(name)}: tensor '{self.ckpt.full(name)}' is stored {a_log.shape[0]} wide "
+                "with non-zero entries "
                 f"past num_heads={H}; K3 stores one value per head, zero-padded to head_dim. Refusing to guess its layout."
             )
         return np.exp(a_log[:H])

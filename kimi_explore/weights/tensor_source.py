@@ -15,8 +15,9 @@ through four record-level reads instead of raw tensors:
     experts_quantized(i)    whether those experts are MXFP4 on disk (experts="packed"/"mapped" need it)
 
 The contract: `check` is called once before anything is read and raises `CheckpointError` naming
-the file, the tensor, what was expected and what was found; after it, every read of a planned
-tensor succeeds. `close` releases file handles; arrays handed out (memory-mapped expert views)
+the file, the tensor, what was expected and what was found, also for a tensor in the file that the
+config's model does not account for (it would be ignored: another model would run); after it, every
+read of a planned tensor succeeds. `close` releases file handles; arrays handed out (memory-mapped expert views)
 stay valid after it.
 """
 

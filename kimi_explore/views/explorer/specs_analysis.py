@@ -20,11 +20,15 @@ import re
 import numpy as np
 
 from ..common import token_labels, token_texts
-from .specs import FONT, heat, outline
+from .specs import FONT, heat, layer_axis, outline
 
 __all__ = ["leaf_layer", "lens_strip", "run_diff", "waterfall"]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+# explicit scales: plotly.js's own "RdBu" runs blue (low) -> grey -> red (high) and its "Greys" black (low) ->
+# white (high), so a name alone read the sign or the count backwards
+DIVERGING = [[0.0, "#2166ac"], [0.25, "#67a9cf"], [0.5, "#ffffff"], [0.75, "#ef8a62"], [1.0, "#b2182b"]]  # blue < 0 < red
+COUNT_SCALE = [[0.0, "#ffffff"], [1.0, "#252525"]]  # white = none, dark = many
 
 
 def leaf_layer(leaf: str) -> int | None:
@@ -62,7 +66,9 @@ def lens_strip(lens, labels: list[str], tokenizer=None, layer: int | None = None
     shapes = [outline(ids_sel.index(layer))] if layer in ids_sel else []
     layout = {"title": {"text": f"Logit lens of token {t} {fed}: top-1 next token after each layer "
                         f"(ring: already the model's own top-1, {fin})", "font": FONT},
-              "xaxis": {"type": "category", "tickfont": {"size": 9}, "tickangle": -60, "fixedrange": True},
+              # past 32 layers (K3) the selected layer and the MLA landmarks are named, as on every layer axis
+              "xaxis": {"tickangle": -60, **layer_axis(labels, "", labels[ids_sel.index(layer)] if layer in ids_sel else None),
+                        "title": None},
               "yaxis": {"type": "category", "fixedrange": True, "showticklabels": False},
               "showlegend": False, "shapes": shapes, "margin": {"l": 20, "r": 20, "t": 30, "b": 60}}
     return [hm, ring], layout
@@ -115,14 +121,13 @@ def run_diff(d, t0: int, tokenizer=None, t: int | None = None) -> tuple[list, di
         heat(kl[None], cols, ["KL"], colorscale="Cividis", zmin=0, zmax=max(float(kl.max(initial=0)), 1e-9),
              hover="token %{x}<br>KL(original ‖ fork) = %{z:.4g} nats", colorbar={"title": {"text": "KL"}, "len": 0.3,
                                                                                   "y": 0.87, "nticks": 3}),
-        heat(dw, cols, list(d.source_labels), colorscale="RdBu", zmin=-half, zmax=half, xaxis="x2", yaxis="y2",
+        heat(dw, cols, list(d.source_labels), colorscale=DIVERGING, zmin=-half, zmax=half, xaxis="x2", yaxis="y2",
              hover="token %{x}, source %{y}<br>Δ output-mix weight %{z:+.4g}",
              colorbar={"title": {"text": "Δ weight"}, "len": 0.4, "y": 0.45, "nticks": 4}),
-        heat(changed[None].astype(np.float32), cols, ["routing"], colorscale="Greys", zmin=0,
+        heat(changed[None].astype(np.float32), cols, ["routing"], colorscale=COUNT_SCALE, zmin=0,
              zmax=max(1, int(changed.max(initial=0))), xaxis="x3", yaxis="y3",
              hover="token %{x}<br>%{z} MoE layers chose another top-k set", showscale=False),
     ]
-    data[1]["reversescale"] = True  # plotly's RdBu runs red -> blue: red = more weight in the fork
     flips = [c for c, f in zip(cols, d.flips[t0:T], strict=True) if f]
     data.append({"type": "scatter", "mode": "markers", "x": flips, "y": ["KL"] * len(flips), "hoverinfo": "skip",
                  "marker": {"symbol": "x", "size": 9, "color": "#111"}})

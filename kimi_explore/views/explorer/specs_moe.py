@@ -209,9 +209,12 @@ def moe_top_experts(counts: np.ndarray, order: np.ndarray, trace, layers: list[i
     return [hm], layout
 
 
-def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokenizer=None) -> tuple[list, dict]:
+def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokenizer=None,
+                  counts: np.ndarray | None = None) -> tuple[list, dict]:
     """Where expert `expert` fired: MoE layer x token, the colour its combine weight where it was chosen
-    (empty elsewhere). Tokens run along x in the window that follows the selected token."""
+    (empty elsewhere). Tokens run along x in the window that follows the selected token; `counts` [M, E]
+    (the whole history's, `load_stats`) adds how often it fired in all of it, so a window without it says
+    whether to look elsewhere."""
     layers = list(r["moe_layers"])
     labels = layer_labels(trace, layers)
     ids, w = np.asarray(r["topk_ids"]), np.asarray(r["topk_weights"], dtype=np.float32)  # [T, M, k]
@@ -231,6 +234,9 @@ def expert_search(r: dict, expert: int, trace, t: int, layer: int | None, tokeni
     span = f"tokens {start}-{start + len(toks) - 1}"
     found = (f"in {span} it fired {n_hits} times at {len(where)} of {len(layers)} MoE layers" if n_hits else
              f"never chosen in {span}")
+    if counts is not None:
+        col = np.asarray(counts)[:, int(expert)]
+        found += f"; in the whole history {int(col.sum())} times at {int((col > 0).sum())} layers"
     layout = {"title": {"text": f"Where expert {int(expert)} fires: {found}", "font": FONT},
               "xaxis": specs.token_axis(trace, t, tokenizer), "yaxis": {**_y_layers(labels, j_sel)},
               "shapes": [outline(t)] + ([_row_outline(j_sel)] if j_sel is not None else []),
@@ -251,7 +257,8 @@ def moe_full(r: dict, t: int, trace, layer: int | None, bias: dict | None = None
         custom, hover = typed(b), hover + "<br>selection bias %{customdata:+.4f}"
     hm = heat(scores, list(range(E)), labels, colorscale="Blues", zmin=0, zmax=1, hover=hover + "<br>not chosen",
                  customdata=custom, colorbar={"title": {"text": "score σ(logit)"}})
-    hm.update(xgap=0, ygap=0)  # one image, not 82k cells
+    hm.update(xgap=0, ygap=0,  # one image, not 82k cells
+              reversescale=True)  # plotly's Blues: dark = low; dark = a high score, as in the top-N view beside it
     ids, w = np.asarray(r["topk_ids"][t]), np.asarray(r["topk_weights"][t], dtype=float)
     jj, cc = np.nonzero(ids >= 0)
     chosen = {"type": "scatter", "mode": "markers", "x": typed(ids[jj, cc], np.int32), "y": [labels[j] for j in jj],

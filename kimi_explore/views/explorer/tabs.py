@@ -127,7 +127,11 @@ class Tabs:
             return None
 
     def _expert_changed(self) -> None:
-        self.views["expert_search"].layout.display = None if self.expert.value.strip() else "none"
+        # a field that holds no id shows no map (the note says why): not the last expert's, nor a blank box
+        ok = self.searched_expert() is not None
+        self.views["expert_search"].layout.display = None if ok else "none"
+        if not ok:
+            self.views["expert_search"].clear()
         self.drawn.pop(2, None)
         if self.widget.selected_index == 2:
             self.ex.refresh()
@@ -193,7 +197,8 @@ class Tabs:
             self.expert_note.value = ""
             a, b = window
             win = self.ex.trace(window=slice(a, b))
-            show("expert_search", specs_moe.expert_search(window_routing(self.ex, a, b), e, win, t - a, layer, tok))
+            show("expert_search", specs_moe.expert_search(window_routing(self.ex, a, b), e, win, t - a, layer, tok,
+                                                          stats["counts"]))
         if self.full_map.value:
             show("moe_full", specs_moe.moe_full(r, 0, one, layer, bias, tok))
 
@@ -218,7 +223,10 @@ class Tabs:
         key = f"analyses@{t}"
         if compute and key not in ex._memo:
             target = s.tokens[t + 1] if t + 1 < len(s) else None  # the token fed next (else the top-1)
-            ex._memo[key] = (logit_lens(s, top=3, positions=[t]), logit_attribution(s, t, token=target))
+            try:
+                ex._memo[key] = (logit_lens(s, top=3, positions=[t]), logit_attribution(s, t, token=target))
+            except ValueError as e:  # a history that does not replay (decoded under a temporary intervention, ...)
+                ex._memo[key] = str(e)
         return ex._memo.get(key)
 
     def _refresh_analyses(self, t: int, layer: int, show) -> None:
@@ -229,6 +237,10 @@ class Tabs:
                    "latest checkpoint before it")
             show("lens", specs.empty(msg))
             show("attribution", specs.empty("(the waterfall of the logit of the token fed next, or of the top-1)"))
+            return
+        if isinstance(got, str):  # why there is no lens for this token: said in the views, not raised from a click
+            show("lens", specs.empty(f"No lens for token {t}: {got[:300]}"))
+            show("attribution", specs.empty("(no attribution either: it replays the history too)"))
             return
         lens, attr = got
         labels = specs.layer_labels(self.ex.trace(window=slice(t, t + 1)))

@@ -49,6 +49,9 @@ class Explorer(widgets.VBox):
 
     def __init__(self, session, prompt=None, tokenizer=None, tab: int | str = 0, layer: int | None = None,
                  play_tokens: int = 8, measure: str = "surprisal"):
+        if getattr(session, "recorder", None) is None:
+            raise ValueError("Explorer: this session records nothing, and every view reads its records: create it with "
+                             "Session(weights, recorder=True) (the default)")
         self.session = session
         self.tokenizer = tokenizer if tokenizer is not None else getattr(session, "tokenizer", None)
         self.play_tokens = int(play_tokens)
@@ -63,6 +66,7 @@ class Explorer(widgets.VBox):
         self._prompt_len = None  # prompt tokens of the current history (the rest was generated)
         self._note = ""  # what the last action did to the history, for the status line
         self._quiet = False  # True while `_history_changed` moves the token slider
+        self._keep_box = False  # True while the text/ids toggle is put back (no conversion of the box)
 
         modes = ["text", "ids"] if self.tokenizer is not None else ["ids"]
         self.mode = widgets.ToggleButtons(options=modes, value=modes[0], style={"button_width": "46px"},
@@ -156,15 +160,32 @@ class Explorer(widgets.VBox):
 
     def _convert_prompt(self, change) -> None:
         """The text/ids toggle converts what is in the box (text -> its ids, ids -> their text)."""
+        if self._keep_box:
+            return  # the toggle is being put back: the box keeps what the user typed
         if change["old"] == "text" and change["new"] == "ids":
             self.prompt.value = ", ".join(str(i) for i in self.tokenizer.encode(self.prompt.value))
         elif change["old"] == "ids" and change["new"] == "text":
             try:
-                self.prompt.value = self.tokenizer.decode(parse_ids(self.prompt.value, "token ids"))
+                ids = parse_ids(self.prompt.value, "token ids")
             except ValueError as e:
-                self.mode.value = "ids"
-                return self._error(f"{e}; fix the ids before switching to text")
+                return self._stay_ids(f"{e}; fix the ids before switching to text")
+            text = self.tokenizer.decode(ids)
+            back = list(self.tokenizer.encode(text))
+            if back != ids:  # the text would feed other tokens: a byte that is not text alone, another split
+                at = next((i for i, (a, b) in enumerate(zip(ids, back, strict=False)) if a != b), min(len(ids), len(back)))
+                return self._stay_ids(f"the ids stay ids: as text they would be encoded as other tokens (from token "
+                                      f"{at} on: {back[at:at + 3]} instead of {ids[at:at + 3]})")
+            self.prompt.value = text
         self._update_status()
+
+    def _stay_ids(self, message: str) -> None:
+        """Put the toggle back on ids, the box unchanged, and say why."""
+        self._keep_box = True
+        try:
+            self.mode.value = "ids"
+        finally:
+            self._keep_box = False
+        self._error(message)
 
     def _shared_prefix(self, ids: list[int]) -> int:
         """How many tokens of the history continue this prompt (all of them when the prompt is done)."""
@@ -187,11 +208,14 @@ class Explorer(widgets.VBox):
         return ids
 
     def _start_over_if_new_prompt(self, ids: list[int]) -> None:
-        keep = self._shared_prefix(ids)
-        if keep < len(self.session):
+        keep, n = self._shared_prefix(ids), len(self.session)
+        if keep < n:
             self.session.truncate(keep)
             self._note = f"new prompt: the history was truncated to the {keep} tokens it shares with it"
-        self._prompt_len = len(ids)
+        if keep < n or n < len(ids):  # the prompt decides the history's first tokens
+            self._prompt_len = len(ids)
+        else:  # a prompt the history already holds (or an empty box): the tokens after it stay what they were
+            self._prompt_len = max(len(ids), self._prompt_len or 0) or None
 
     def _next_token(self, ids: list[int]) -> int | None:
         n = len(self.session)
@@ -265,6 +289,7 @@ class Explorer(widgets.VBox):
 
     def select(self, token: int | None = None, layer: int | None = None) -> None:
         """Select a token and/or a layer in every view (what a click on one does)."""
+        self.sync()  # a click on what is selected already still shows a history changed outside the Explorer
         with self.token.hold_trait_notifications(), self.layer.hold_trait_notifications():
             if token is not None:
                 self.token.value = int(token)

@@ -36,8 +36,14 @@ def moe_layer_stats(trace, token: int = -1, tokenizer=None):
     axes[0].plot(x, np.nanmean(h, axis=0), color="#999", lw=1.2, label="mean over the prompt")
     axes[0].axhline(np.log2(k), color="black", ls=":", lw=1, label=f"log2 k = {np.log2(k):.1f} (all equal)")
     axes[0].legend(fontsize=7, loc="lower right", ncol=3)
+    # "never chosen" means something only once every expert could have been chosen: T*k >= E (as the Explorer)
+    dead_ok = stats["tokens"] * k >= stats["experts"]
     rows = ((axes[0], "entropy (bits)", None), (axes[1], "max / mean", stats["max_over_mean"]),
-            (axes[2], "CV", stats["cv"]), (axes[3], f"dead (of {stats['experts']})", stats["dead"]))
+            (axes[2], "CV", stats["cv"]), (axes[3], f"dead (of {stats['experts']})", stats["dead"] if dead_ok else None))
+    if not dead_ok:
+        axes[3].text(0.5, 0.5, f"no dead-expert count until {-(-stats['experts'] // k)} tokens: {stats['tokens']}x{k} "
+                     f"choices < {stats['experts']} experts", transform=axes[3].transAxes, ha="center", va="center",
+                     fontsize=8, color="#555")
     for ax, name, y in rows:
         if y is not None:
             ax.plot(x, y, marker="o", ms=3, color="#d62728")
@@ -55,14 +61,15 @@ def moe_sorted_counts(trace):
     r = routing(trace)
     stats = summaries.load_stats(r)
     counts, _ = summaries.sorted_counts(stats["counts"])
-    n = max(1, min(counts.shape[1], stats["tokens"] * r["topk_ids"].shape[2]))  # at most T*k can be non-zero
+    n = max(1, int((counts > 0).sum(axis=1).max()))  # cropped to the widest row of experts that ran (as the Explorer)
     fig = InlineFigure(figsize=(11, span_inches(len(r["moe_layers"]), 0.08, 3.5, 9)), layout="constrained")
     ax = fig.subplots()
     im = heatmap(ax, counts[:, :n], rows=[str(i) for i in r["moe_layers"]], cols=[str(c + 1) for c in range(n)],
                  cmap="viridis", vmin=0, annotate=False)
     fig.colorbar(im, ax=ax, label="times chosen")
     ax.set(xlabel="expert rank in its layer (1 = busiest)", ylabel="MoE layer",
-           title=f"Expert counts per layer over {stats['tokens']} tokens, sorted ({stats['experts']} experts per layer)")
+           title=f"Expert counts per layer over {stats['tokens']} tokens, sorted; ranks 1-{n} of {stats['experts']} "
+                 "(no layer used more)")
     return fig
 
 

@@ -1,0 +1,260 @@
+"""A config.json that disagrees with the weights, or holds values of the wrong JSON type, is refused
+before anything is read: each of these damaged copies used to load and run another model (logits off
+by up to 66 on the trained tiny model) or fail with an error that named nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kimi_explore import CheckpointError, ConfigError, from_pretrained
+from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
+from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+P = "language_model."
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(random_tiny_checkpoint(), dst)
+    return dst
+
+
+def load(path, **kw):
+    return from_pretrained(path, device="cpu", layers=[0], progress=False, **kw)
+
+
+def edit_config(path, fn):
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg["text_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def add_tensor(path, name, value):
+    """Put `name` into the first shard and the index, as a conversion that kept an extra tensor would."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    f = SafetensorsFile(path / shard)
+    tensors = {k: np.array(f.array(k)) for k in f.keys()}
+    f.close()
+    tensors[name] = value
+    write_safetensors(path / shard, tensors)
+    index["weight_map"][name] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("tie_word_embeddings", "false", "true or false"),  # a truthy string: the lm_head was silently dropped
+    ("num_experts_per_token", "8", "an integer"),
+    ("rms_norm_eps", "1e-05", "a number"),
+    ("attn_res_block_size", 4.0, "an integer"),
+    ("linear_attn_config.num_heads", "4", "an integer"),
+    ("linear_attn_config.kda_layers", ["1", "2"], "a list of integers"),
+])
+def test_config_values_of_the_wrong_json_type_are_refused_by_key(ckpt, key, value, expected):
+    def put(tc):
+        *outer, last = key.split(".")
+        (tc[outer[0]] if outer else tc)[last] = value
+    edit_config(ckpt, put)
+    with pytest.raises(ConfigError, match=r"config\.json: wrong value type") as e:
+        load(ckpt)
+    assert f"{key}={value!r} (expected {expected})" in str(e.value)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("moe_layer_freq", 0, "moe_layer_freq=0 (expected > 0)"),  # was ZeroDivisionError
+    ("rms_norm_eps", -1e-5, "rms_norm_eps=-1e-05 (expected > 0)"),  # was NaN logits
+    ("first_k_dense_replace", -1, "first_k_dense_replace=-1 (expected >= 0)"),
+])
+def test_config_values_out_of_range_are_refused(ckpt, key, value, message):
+    edit_config(ckpt, lambda tc: tc.update({key: value}))
+    with pytest.raises(ConfigError, match="unsupported configuration") as e:
+        load(ckpt)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("edit", ["drop_full", "overlap", "fewer_layers"])
+def test_layer_lists_that_do_not_split_the_layers_are_refused(ckpt, edit):
+    def fn(tc):
+        la = tc["linear_attn_config"]
+        if edit == "drop_full":
+            la["full_attn_layers"] = la["full_attn_layers"][:-1]
+        elif edit == "overlap":
+            la["full_attn_layers"] = sorted(la["full_attn_layers"] + la["kda_layers"][:1])
+        else:  # num_hidden_layers one short: the last layer's tensors were ignored and a shorter model ran
+            tc["num_hidden_layers"] -= 1
+    edit_config(ckpt, fn)
+    with pytest.raises(ConfigError, match=r"kda_layers .* and full_attn_layers .* do not split layers 1\.\.\d+"):
+        load(ckpt)
+
+
+def test_tied_embeddings_beside_an_lm_head_are_refused(ckpt):
+    """tie_word_embeddings flipped to true: the checkpoint's lm_head was ignored and the embedding used."""
+    edit_config(ckpt, lambda tc: tc.update(tie_word_embeddings=True))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is true, but the checkpoint has its own "
+                                              r"lm_head.weight\): language_model\.lm_head\.weight"):
+        load(ckpt)
+
+
+def test_output_gate_off_beside_gate_weights_is_refused(ckpt):
+    """mla_use_output_gate flipped to false: the MLA layers' g_proj were ignored."""
+    edit_config(ckpt, lambda tc: tc.update(mla_use_output_gate=False))
+    with pytest.raises(CheckpointError, match=r"not part of the model config\.json describes.*self_attn\.g_proj\.weight"):
+        load(ckpt)
+
+
+def test_latent_norm_off_beside_norm_weights_is_refused(ckpt):
+    edit_config(ckpt, lambda tc: tc.update(latent_moe_use_norm=False))
+    with pytest.raises(CheckpointError, match="latent_moe_use_norm is false, but the checkpoint has routed_expert_norm"):
+        load(ckpt)
+
+
+def test_an_unknown_language_model_tensor_is_named(ckpt):
+    add_tensor(ckpt, P + "model.layers.0.self_attn.q_norm.weight", np.ones(4, np.float32))
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) in the weight map .*model\.layers\.0\.self_attn\.q_norm"):
+        load(ckpt)
+
+
+def test_vision_tensors_beside_the_language_model_still_load(ckpt):
+    """The released multimodal shell's other towers are not the language model's business."""
+    add_tensor(ckpt, "vision_tower.patch_embed.weight", np.ones((2, 3), np.float32))
+    add_tensor(ckpt, "mm_projector.linear_1.weight", np.ones((2, 3), np.float32))
+    w = load(ckpt)
+    assert [layer.index for layer in w.layers] == [0]
+
+
+# ---- GGUF: the metadata and the tensors present decide the model; a tensor neither accounts for is refused
+
+GGUF = random_tiny_checkpoint().parent / "engines" / "d" / "llamacpp" / "model-mxfp4.gguf"
+K = "kimi-k3."
+
+
+def rewrite_gguf(tmp_path, meta=None, drop=(), add=()):
+    from kimi_explore.weights.gguf_io import GgufFile, write_gguf
+
+    f = GgufFile(GGUF)
+    m = {**f.metadata, **(meta or {})}
+    tensors = [(n, t.ne, t.type, f.raw(n).tobytes()) for n, t in f.tensors.items() if n not in drop] + list(add)
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, m, f.types, tensors)
+    return path
+
+
+def test_gguf_block_count_one_short_is_refused(tmp_path):
+    """block_count - 1 (head_count_kv trimmed to match): the last block's tensors were ignored, a 13-layer model ran."""
+    from kimi_explore.weights.gguf_io import GgufFile
+
+    meta = GgufFile(GGUF).metadata
+    n = meta[K + "block_count"]
+    path = rewrite_gguf(tmp_path, meta={K + "block_count": n - 1,
+                                        K + "attention.head_count_kv": meta[K + "attention.head_count_kv"][:-1]})
+    with pytest.raises(CheckpointError, match=rf"bad\.gguf: \d+ tensor\(s\) in the GGUF are not part of the model its "
+                                              rf"metadata describes \(block_count={n - 1},.*blk\.{n - 1}\."):
+        from_pretrained(path, device="cpu", layers=[0])
+
+
+def test_gguf_attn_gate_in_some_mla_layers_only_is_refused(tmp_path):
+    """mla_use_output_gate is read from the tensors: with one MLA layer's attn_gate gone it was false, and
+    the other layers' gates were silently dropped."""
+    from kimi_explore.weights.gguf_io import GgufFile
+
+    gates = [n for n in GgufFile(GGUF).tensors if n.endswith(".attn_gate.weight")]
+    assert len(gates) > 1
+    with pytest.raises(CheckpointError, match=rf"not part of the model its metadata describes.*{gates[1]}"):
+        from_pretrained(rewrite_gguf(tmp_path, drop=gates[:1]), device="cpu", layers=[0])
+
+
+def test_gguf_unknown_tensor_is_named(tmp_path):
+    path = rewrite_gguf(tmp_path, add=[("blk.0.extra.weight", (4,), "F32", np.zeros(4, np.float32).tobytes())])
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) in the GGUF .*: blk\.0\.extra\.weight"):
+        from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("layers", ["12", [1.5, 3], [True]])
+def test_layers_that_are_not_integer_indices_are_refused(layers):
+    """layers="12" loaded layers 1 and 2, [1.5, 3] loaded [1, 3], [True] loaded [1]: another model, no error."""
+    with pytest.raises(ValueError, match=r"layers=.*: expected None or an iterable of 0-based integer layer indices"):
+        from_pretrained(random_tiny_checkpoint(), device="cpu", layers=layers)
+
+
+def test_layers_as_numpy_integers_and_ranges_still_load():
+    for layers in (np.array([0, 2]), range(0, 3, 2), (np.int64(0), 2)):
+        w = from_pretrained(random_tiny_checkpoint(), device="cpu", layers=layers)
+        assert [layer.index for layer in w.layers] == [0, 2]
+
+
+def test_a_log_padding_is_refused_before_anything_is_built(ckpt, monkeypatch):
+    """A non-zero A_log padding in the LAST KDA layer was found only while building it, after every earlier
+    layer had been read (at K3 size, minutes of reading); `check` refuses it now, naming the shard file."""
+    import kimi_explore.weights.load as load_module
+
+    la = json.loads((ckpt / "config.json").read_text())["text_config"]["linear_attn_config"]
+    name = f"{P}model.layers.{la['kda_layers'][-1] - 1}.self_attn.A_log"
+    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][name]
+    f = SafetensorsFile(ckpt / shard)
+    tensors = {k: np.array(f.array(k)) for k in f.keys()}
+    f.close()
+    tensors[name][-1] = 0.5
+    write_safetensors(ckpt / shard, tensors)
+
+    def build_weights(*a, **k):
+        raise AssertionError("build_weights reached: the damaged A_log was not caught by the check")
+    monkeypatch.setattr(load_module, "build_weights", build_weights)
+    with pytest.raises(CheckpointError, match=rf"{shard}: tensor '{name}' is stored \d+ wide with non-zero entries"):
+        from_pretrained(ckpt, device="cpu")
+
+
+def test_nulls_the_decoder_understands_still_load(ckpt):
+    """The type check must not refuse what the config allows: null situ linear cap, null expert groups."""
+    edit_config(ckpt, lambda tc: tc.update(activation_situ_linear_beta=None, num_expert_group=None, topk_group=None))
+    w = load(ckpt)
+    assert w.config.activation_situ_linear_beta is None and w.config.num_expert_group == 1
+
+
+def test_another_familys_key_beside_ours_must_agree(ckpt):
+    """num_experts_per_tok (DeepSeek/K2 naming) edited to 4 beside num_experts_per_token: the edit was ignored."""
+    edit_config(ckpt, lambda tc: tc.update(num_experts_per_tok=tc["num_experts_per_token"] + 1))
+    with pytest.raises(ConfigError, match=r"contradicting keys: num_experts_per_tok=\d+ but num_experts_per_token=\d+"):
+        load(ckpt)
+
+
+def test_another_familys_key_alone_is_named_in_the_missing_list(ckpt):
+    def fn(tc):
+        tc["n_routed_experts"] = tc.pop("num_experts")
+    edit_config(ckpt, fn)
+    with pytest.raises(ConfigError, match=r"missing required key\(s\): num_experts \(the file has 'n_routed_experts'"):
+        load(ckpt)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(experts="Dense"), r"experts='Dense': expected one of"),
+    (dict(expert_cache_size=-1), r"expert_cache_size=-1: expected None or a number"),
+    (dict(expert_cache_size=2.0), r"expert_cache_size=2\.0: expected None or a number"),
+])
+def test_option_forms_are_refused_before_the_checkpoint_is_opened(monkeypatch, kw, message):
+    """These were checked only after the checkpoint was opened and checked: for a Hub repo id, after its
+    shards were downloaded."""
+    import kimi_explore.weights.load as load_module
+
+    def open_source(*a, **k):
+        raise AssertionError("the checkpoint was opened (a Hub repo fetched) before the options were checked")
+    monkeypatch.setattr(load_module, "open_source", open_source)
+    with pytest.raises(ValueError, match=message):
+        from_pretrained("org/name", device="cpu", **kw)
+
+
+def test_gguf_metadata_of_the_wrong_type_names_the_gguf_key(tmp_path):
+    """expert_used_count written as a float: the error named only config.json's key for it."""
+    from kimi_explore.weights.gguf_io import GgufFile, write_gguf
+
+    f = GgufFile(GGUF)
+    types = {**f.types, K + "expert_used_count": 6}  # F32
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, f.metadata, types, [(n, t.ne, t.type, f.raw(n).tobytes()) for n, t in f.tensors.items()])
+    with pytest.raises(ConfigError, match=r"bad\.gguf: wrong value type: num_experts_per_token=2\.0 \(expected an "
+                                          r"integer\) \(in the GGUF: num_experts_per_token is kimi-k3\.expert_used_count\)"):
+        from_pretrained(path, device="cpu")
