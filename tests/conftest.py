@@ -51,3 +51,28 @@ def require_kernel():
         if os.environ.get("KIMI_EXPLORE_REQUIRE_KERNEL") == "1":
             pytest.fail("kimi_explore.weights._mxfp4_matvec was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
         pytest.skip("the compiled MXFP4 kernel was not built (no C compiler at install)")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for one test module (2 CPUs, no dashboard, loopback only), shut down after it; a module asks for
+    it with `pytestmark = pytest.mark.usefixtures("local_ray")`."""
+    import gc
+
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    gc.collect()  # Ray handles held by garbage (state finalizers, graph refs) go while Ray is still up
+    ray.shutdown()
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A private copy of the random tiny model (5 shards) to break."""
+    import shutil
+
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(random_tiny_checkpoint(), dst)
+    return dst

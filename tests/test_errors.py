@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -12,15 +11,7 @@ from kimi_explore import CheckpointError, ConfigError, KimiDecodeState, from_pre
 from kimi_explore.backend import gpu_available
 from kimi_explore.errors import BackendError
 from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
-from kimi_explore.weights.tiny_model import make_text_config, random_tiny_checkpoint, write_checkpoint
-
-
-@pytest.fixture
-def ckpt(tmp_path):
-    """A private copy of the random tiny model (5 shards) to break."""
-    dst = tmp_path / "ckpt"
-    shutil.copytree(random_tiny_checkpoint(), dst)
-    return dst
+from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
 
 
 def load(path, **kw):

@@ -5,7 +5,6 @@ by up to 66 on the trained tiny model) or fail with an error that named nothing.
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -15,13 +14,6 @@ from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetenso
 from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
 P = "language_model."
-
-
-@pytest.fixture
-def ckpt(tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(random_tiny_checkpoint(), dst)
-    return dst
 
 
 def load(path, **kw):

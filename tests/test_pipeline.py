@@ -7,7 +7,6 @@ real local Ray started here (num_cpus=2, no dashboard), shut down at the end of 
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import threading
@@ -25,12 +24,7 @@ ray = pytest.importorskip("ray")
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199, 7, 7, 31, 120]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    gc.collect()  # Ray handles held by garbage (state finalizers, graph refs) go while Ray is still up
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,7 @@ ray = pytest.importorskip("ray")
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199, 7, 7, 31, 120]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    gc.collect()
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ chunks with a ragged last one, then stepping and feeding on from there. A real l
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -23,12 +21,7 @@ ray = pytest.importorskip("ray")
 TEXT = list(b"def f(x):\n    return x * 2  # a pipeline, chunk by chunk\n")  # 55 tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    gc.collect()
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @pytest.fixture(scope="module")
