@@ -21,6 +21,7 @@ import numpy as np
 from ..backend import on_host, to_numpy
 from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
+from ..inspection.session_io import copy_sharing, nbytes_once, share_caches
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import KimiDecodeState, embed_token, finish_token, run_layers
 from ..model.kimi_sequence import SequenceSources, embed_chunk, finish_sequence, run_layers_chunk
@@ -96,29 +97,18 @@ class Stage:
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """For each (src, dst): state dst, a copy of state src; the copies share among themselves what the
-        sources share (a history's checkpoints share its MLA caches): each distinct array is copied once, its
-        values as they are (what `Session.snapshot(copy_arrays=True)` does in one process)."""
-        memo: dict = {}  # id of a source array (alive in self.states throughout) -> its copy
-
-        def copied(a):
-            if id(a) not in memo:
-                memo[id(a)] = a.copy()
-            return memo[id(a)]
-
-        for src, dst in pairs:
-            state = self.states[src]
-            self.states[dst] = KimiDecodeState([ls.converted(copied) for ls in state.layers], state.position)
+        sources share (`session_io.copy_sharing`, what `Session.snapshot(copy_arrays=True)` does in one process)."""
+        copies = copy_sharing([self.states[src] for src, _ in pairs])
+        for (_, dst), state in zip(pairs, copies, strict=True):
+            self.states[dst] = state
 
     def share_caches(self, sids: list[int]) -> None:
         """States loaded from a session file (a history's checkpoints, longest first): `session_io.share_caches`."""
-        from ..inspection.session_io import share_caches
-
         share_caches([self.states[sid] for sid in sids], self.weights.xp)
 
     def states_nbytes(self, sids: list[int]) -> int:
         """Bytes of these states' arrays, each array once (checkpoints share MLA caches)."""
-        arrays = {id(a): a for sid in sids for a in self.states[sid].arrays()}
-        return sum(int(a.nbytes) for a in arrays.values())
+        return nbytes_once([self.states[sid] for sid in sids])
 
     def drop_states(self, sids: list[int]) -> None:
         for sid in sids:

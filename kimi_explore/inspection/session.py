@@ -57,7 +57,7 @@ from ..model.kimi_decoder import KimiDecodeState, hook_names, token_indices
 from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks
 from .recorder import Recorder
-from .session_io import SessionSnapshot, load_session, save_session
+from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -145,8 +145,7 @@ class Session:
         pipeline's counted in its stages."""
         if not isinstance(self.state, KimiDecodeState):
             return self.weights.states_nbytes([self.state, *self._checkpoints.values()])
-        arrays = {id(a): a for s in (self.state, *self._checkpoints.values()) for a in s.arrays()}
-        return sum(int(a.nbytes) for a in arrays.values())
+        return nbytes_once([self.state, *self._checkpoints.values()])
 
     # ------------------------------------------------------------------ decoding
     def _may_modify(self) -> bool:
@@ -449,7 +448,7 @@ class Session:
         if copy_arrays:
             logits, kept = [a.copy() for a in self._logits], self._checkpoints
             if isinstance(self.state, KimiDecodeState):  # copies sharing their MLA caches as these do
-                checkpoints = _copy_kept(kept)
+                checkpoints = dict(zip(kept, copy_sharing(list(kept.values())), strict=True))
             else:  # a pipeline's, copied in its stages, sharing as these do
                 checkpoints = dict(zip(kept, self.weights.copy_kept(list(kept.values())), strict=True))
         else:
@@ -514,19 +513,6 @@ class Session:
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
-
-
-def _copy_kept(kept: dict) -> dict:
-    """Copies of kept checkpoints ({t: `KimiDecodeState.checkpoint()`}) sharing among themselves what these share
-    (a history's checkpoints share its MLA caches): each distinct array copied once, its values as they are."""
-    memo: dict = {}  # id of an original array (alive in `kept` throughout) -> its copy
-
-    def copied(a):
-        if id(a) not in memo:
-            memo[id(a)] = a.copy()
-        return memo[id(a)]
-
-    return {t: KimiDecodeState([ls.converted(copied) for ls in s.layers], s.position) for t, s in kept.items()}
 
 
 def _progress(total: int):

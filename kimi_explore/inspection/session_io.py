@@ -27,7 +27,8 @@ from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
 from .recorder import Recorder
 from .trace import read_npz_header
 
-__all__ = ["SavedSettings", "SessionSnapshot", "load_session", "save_session", "weights_fingerprint"]
+__all__ = ["SavedSettings", "SessionSnapshot", "copy_sharing", "load_session", "nbytes_once", "save_session",
+           "share_caches", "weights_fingerprint"]
 
 FORMAT = "kimi_explore.inspection.session/2"  # /2: an MLA cache saved as its used positions and its capacity
 READS = (FORMAT, "kimi_explore.inspection.session/1")  # /1: every cache at its whole capacity
@@ -182,6 +183,25 @@ def share_caches(states: list[KimiDecodeState], xp) -> None:
             if held is not att and _same_bits(held.keys[:, :n], att.keys[:, :n], xp) and \
                     _same_bits(held.values[:, :n], att.values[:, :n], xp):
                 ls.attention = dataclasses.replace(held, length=n)  # the same arrays
+
+
+def copy_sharing(states: list[KimiDecodeState]) -> list[KimiDecodeState]:
+    """Copies of states (a history's checkpoints, `KimiDecodeState.checkpoint`) sharing among themselves what these
+    share (its MLA caches): each distinct array copied once, its values as they are."""
+    memo: dict = {}  # id of an original array (alive in `states` throughout) -> its copy
+
+    def copied(a):
+        if id(a) not in memo:
+            memo[id(a)] = a.copy()
+        return memo[id(a)]
+
+    return [KimiDecodeState([ls.converted(copied) for ls in s.layers], s.position) for s in states]
+
+
+def nbytes_once(states: list[KimiDecodeState]) -> int:
+    """Bytes of these states' arrays, each array once (checkpoints share MLA caches)."""
+    arrays = {id(a): a for s in states for a in s.arrays()}
+    return sum(int(a.nbytes) for a in arrays.values())
 
 
 def _same_bits(a, b, xp) -> bool:

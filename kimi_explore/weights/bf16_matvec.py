@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
-from .kernel_isa import first_sound, mismatch, small_exact_inputs
+from .kernel_isa import first_mismatch, first_sound, small_exact_inputs
 from .workspace import run_rows
 
 try:
@@ -61,11 +61,7 @@ def _self_check(isa: str) -> str | None:
     calls = {"bf16_matvec": lambda i: bf16_matvec(bits, x[0], isa=i, threads=1)}
     for n in (1, 4, 5, 13):
         calls[f"bf16_matmat ({n} rows)"] = lambda i, n=n: bf16_matmat(bits, x[:n], isa=i, threads=1)
-    for name, call in calls.items():
-        what = mismatch(name, call(isa), call("portable"))
-        if what is not None:
-            return what
-    return None
+    return first_mismatch(isa, calls)
 
 
 def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):

@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 
-__all__ = ["first_sound", "mismatch", "small_exact_inputs"]
+__all__ = ["first_mismatch", "first_sound", "mismatch", "small_exact_inputs"]
 
 
 def first_sound(module: str, isas, differs) -> str:
@@ -34,6 +34,16 @@ def first_sound(module: str, isas, differs) -> str:
 def small_exact_inputs(n: int, C: int, seed: int = 0) -> np.ndarray:
     """float32 [n, C] of integers in -4..4: with small-integer weights every product and sum is exact."""
     return np.random.default_rng(seed).integers(-4, 5, (n, C)).astype(np.float32)
+
+
+def first_mismatch(isa: str, calls: dict) -> str | None:
+    """None when every call {name: fn(isa) -> array} gives with `isa` the floats it gives with 'portable', else what
+    differed first (for `first_sound`)."""
+    for name, call in calls.items():
+        what = mismatch(name, call(isa), call("portable"))
+        if what is not None:
+            return what
+    return None
 
 
 def mismatch(name: str, got, want) -> str | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
-from .kernel_isa import first_sound, mismatch, small_exact_inputs
+from .kernel_isa import first_mismatch, first_sound, small_exact_inputs
 from .workspace import run_parts, run_rows
 
 try:
@@ -80,11 +80,7 @@ def _self_check(isa: str) -> str | None:
         "grouped_parts_matmat": lambda i: grouped_parts_matmat(parts(packed, experts), parts(scale, experts), (20, 17),
                                                                bounds, x, isa=i, threads=1),
     }
-    for name, call in calls.items():
-        what = mismatch(name, call(isa), call("portable"))
-        if what is not None:
-            return what
-    return None
+    return first_mismatch(isa, calls)
 
 
 def expert_matvec(packed, scale, ids, x, out=None, isa: str | None = None, threads: int | None = None, pool=None):
