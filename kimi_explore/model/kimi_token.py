@@ -34,8 +34,8 @@ from .mla import mla_step
 from .ops import dense_mlp, rms_norm
 from .sites import site_table
 
-__all__ = ["OutputHead", "check_state", "decoder_layer", "embed_token", "finish_token", "kimi_forward_token",
-           "output_hidden", "run_layers", "token_index", "token_indices"]
+__all__ = ["OutputHead", "check_state", "decoder_layer", "embed_token", "finish_token", "kimi_forward_token", "mark_broken",
+           "output_hidden", "refuse_broken", "run_layers", "token_index", "token_indices"]
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,17 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
     the names are listed by `hook_names(weights)`. The three parts (`embed_token`, `run_layers`,
     `finish_token`) are what a pipeline stage runs a share of (`kimi_explore.distributed`): the same
     operations in the same order, so a staged decode is bit-identical to this one.
+    If a hook raises (or the call is interrupted) after the layers began to advance, `state` is marked
+    part-advanced (`KimiDecodeState.broken`) and every later forward pass refuses it.
     """
     check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
     stack = embed_token(weights, token_id, hooks)
-    run_layers(weights, state, stack, hooks)
-    logits = finish_token(weights.head(), stack, hooks)
+    try:
+        run_layers(weights, state, stack, hooks)
+        logits = finish_token(weights.head(), stack, hooks)
+    except BaseException as e:
+        mark_broken(state, e)
+        raise
     state.position += 1
     return logits
 
@@ -110,6 +116,7 @@ def run_layers(weights, state, stack: SourceBuffer, hooks=None) -> None:
 
 
 def check_state(weights, state) -> None:
+    refuse_broken(state)
     if len(state.layers) != len(weights.layers):
         raise ValueError(
             f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
@@ -121,6 +128,24 @@ def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
     """The output mix over the stack, the final norm and lm_head: logits [vocab]."""
     logits = head.lm_head @ output_hidden(head, stack, hooks)
     return logits if hooks is None else hooks.fire("logits", logits)
+
+
+def refuse_broken(state) -> None:
+    """Raise if `state` (a `KimiDecodeState` or a pipeline's) was marked part-advanced (`mark_broken`)."""
+    if state.broken:
+        raise ValueError(f"this decode state is part-advanced and cannot be decoded on: {state.broken}. Go on from a "
+                         "copy taken before that call (state.copy()), or from a new state (weights.new_state()); a "
+                         "Session does this itself")
+
+
+def mark_broken(state, error: BaseException, n_tokens: int = 1) -> None:
+    """Mark `state` unusable (`KimiDecodeState.broken`): `error` stopped a forward pass of `n_tokens` tokens
+    that had begun to advance its layers."""
+    if not state.broken:
+        p = state.position
+        where = f"position {p}" if n_tokens == 1 else f"positions {p}-{p + n_tokens - 1}"
+        state.broken = (f"{type(error).__name__}({error}) stopped the forward pass of {where} after it had begun to "
+                        "advance the layers")
 
 
 _FINAL_SITE = {"final.block_residual": "final.block_residual"}  # one table for every token (`site_table`)
