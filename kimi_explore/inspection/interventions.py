@@ -218,6 +218,7 @@ def patch(name: str, source, positions=None) -> Hooks:
         table = {p: table[p] for p in wanted}
 
     ids_site = name.endswith("moe.router.topk_ids")
+    probs_site = name.endswith("mla.probs")  # a chunk's rows [nh, L0 + T]: the token form's [nh, L0 + t + 1], then masked
 
     def patch_value(value, *, hook):
         xp = array_namespace(value)
@@ -227,6 +228,14 @@ def patch(name: str, source, positions=None) -> Hooks:
         todo = [(t, table[int(p)]) for t, p in enumerate(hook.positions) if int(p) in table]
         if not todo:
             return None
+        if probs_site:  # token t of the chunk sees L0 + t + 1 positions; the rest of its row is masked (0, never NaN)
+            T, L = value.shape[0], value.shape[-1]
+            out = value.copy()
+            for t, row in todo:
+                n = L - (T - 1 - t)
+                out[t] = 0
+                out[t, ..., :n] = xp.asarray(_unpad(row, value.shape[1:-1] + (n,), hook.name), dtype=value.dtype)
+            return out
         rows = [(t, _unpad(row, value.shape[1:], hook.name)) for t, row in todo]
         width = max([value.shape[-1]] + [r.shape[-1] for _, r in rows]) if ids_site else value.shape[-1]
         out = xp.full((value.shape[0], width), -1, dtype=value.dtype) if ids_site else value.copy()
