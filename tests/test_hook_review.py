@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kimi_explore import KimiDecodeState, kimi_forward_sequence, kimi_forward_token
-from kimi_explore.inspection.hooks import Hooks
-from kimi_explore.inspection.interventions import patch
+from kimi_explore.inspection.hooks import HookChain, Hooks
+from kimi_explore.inspection.interventions import ablate_experts, patch
 from kimi_explore.inspection.recorder import Recorder
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 9, 44]
@@ -65,3 +65,63 @@ def test_patching_attention_probabilities_on_chunks_matches_stepping(ref_weights
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
     assert not np.allclose(want, stepped(w, TOKENS, None, PREFIX), atol=1e-3)  # the patch does change the run
+
+
+# ---------------------------------------------------------------- positions come from the decode state
+def test_hook_positions_are_the_state_positions_on_both_paths(ref_weights):
+    """Unannounced (no `begin_token`), the token form counted the `embed` sites a Hooks had seen, while the
+    sequence path (and a pipeline stage) took positions from the decode state. One Hooks reused for a second
+    prompt then saw positions 10.. there, and after an unhooked prefix it saw 0 at the state's position 2:
+    `positions=` acted at the wrong tokens, or never. Expected: what each path's state says, 0.. per prompt."""
+    w = ref_weights
+    seen = []
+    hooks = Hooks()
+    hooks.add("logits", lambda v, *, hook: seen.append(hook.position))
+    stepped(w, TOKENS[:3], hooks, announce=False)
+    stepped(w, TOKENS[:3], hooks, announce=False)  # a second prompt, a fresh state
+    stepped(w, TOKENS[:3], hooks, prefix=PREFIX, announce=False)
+    assert seen == [0, 1, 2, 0, 1, 2, 2, 3, 4]
+    chain, seen[:] = HookChain(hooks, Recorder().bind(w)), []
+    stepped(w, TOKENS[:2], chain, prefix=PREFIX, announce=False)
+    assert seen == [2, 3] and chain.hook_sets[1].trace().positions.tolist() == [2, 3]
+
+    # an intervention at absolute position 3, reused: stepping agrees with feeding, prompt after prompt
+    ablate = ablate_experts(3, "all", positions=[3])
+    plain = Hooks()  # the expectation: a plain hook told the position by the driver
+    plain.add("layers.3.moe.router.topk_ids", lambda ids, *, hook: ids[:0] if hook.position == 3 else None)
+    for prefix in ((), (), PREFIX):
+        want = stepped(w, TOKENS[:6], plain, prefix)
+        np.testing.assert_allclose(stepped(w, TOKENS[:6], ablate, prefix, announce=False), want, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(fed(w, TOKENS[:6], ablate, prefix), want, rtol=0, atol=2e-4)
+    assert not np.allclose(want, stepped(w, TOKENS[:6], None, PREFIX), atol=1e-3)
+
+
+# ---------------------------------------------------------------- routing ids a hook returns, token form
+@pytest.fixture(scope="module")
+def w64():
+    from conftest import REFERENCE_DIR
+
+    from kimi_explore import from_pretrained
+
+    return from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], [2, 8], [-3, 1]], ids=["minus1", "past_E", "negative"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_hook_routing_ids_outside_the_experts_are_refused_naming_the_site(ref_weights, w64, bad, dtype):
+    """A hook at a token's topk_ids returning -1 (the chunk form's "drop") or another id outside 0..E-1: in
+    float64 a negative id silently indexed from the end (-1 ran expert E-1: the logits equal those of [7, 2]);
+    in float32 the compiled routing step raised "routing_weights: scores float32 [E], ids int64 [k] in 0..E-1"
+    naming neither the hook site nor the ids. Expected: a ValueError naming the site and the bad ids."""
+    w = ref_weights if dtype == "float32" else w64
+    hooks = Hooks()
+    hooks.add("layers.3.moe.router.topk_ids", lambda ids, *, hook: np.array(bad))
+    with pytest.raises(ValueError, match=r"layers\.3\.moe\.router\.topk_ids: a hook returned expert ids .*0\.\.7"):
+        stepped(w, TOKENS[:1], hooks)
+
+
+def test_hook_routing_weights_of_another_length_are_refused_naming_the_site(ref_weights):
+    hooks = Hooks()
+    hooks.add("layers.5.moe.router.topk_weights", lambda wts, *, hook: np.ones(3, wts.dtype))
+    with pytest.raises(ValueError, match=r"layers\.5\.moe\.router\.topk_weights: a hook returned 3 weights for the 2"):
+        stepped(ref_weights, TOKENS[:1], hooks)

@@ -113,6 +113,12 @@ class HookChain:
         for h in self.hook_sets:
             h.begin_token(token_id, position)
 
+    def default_position(self, position) -> None:
+        for h in self.hook_sets:
+            default = getattr(h, "default_position", None)
+            if default is not None:
+                default(position)
+
     def start_token(self, token_id=None, position=None) -> None:
         for h in self.hook_sets:
             h.start_token(token_id, position)
