@@ -11,7 +11,7 @@ import pytest
 
 from kimi_explore import KimiDecodeState, kimi_forward_sequence, kimi_forward_token
 from kimi_explore.inspection.hooks import HookChain, Hooks
-from kimi_explore.inspection.interventions import ablate_experts, patch
+from kimi_explore.inspection.interventions import ablate_experts, force_routing, override_attn_res, patch
 from kimi_explore.inspection.recorder import Recorder
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 9, 44]
@@ -125,3 +125,32 @@ def test_hook_routing_weights_of_another_length_are_refused_naming_the_site(ref_
     hooks.add("layers.5.moe.router.topk_weights", lambda wts, *, hook: np.ones(3, wts.dtype))
     with pytest.raises(ValueError, match=r"layers\.5\.moe\.router\.topk_weights: a hook returned 3 weights for the 2"):
         stepped(ref_weights, TOKENS[:1], hooks)
+
+
+# ---------------------------------------------------------------- interventions hand out new arrays
+def test_forced_weights_do_not_compound_across_tokens_under_an_in_place_hook(w64):
+    """force_routing(weights=) returned the same array at every token (float64 model: no cast to copy it), so a
+    later hook editing the weights in place (the contract allows it) edited them for every later token too:
+    0.125, 0.0625, 0.03125... Expected: each token starts from the given weights, so the halving hook sees them
+    halved once at every token."""
+    hooks = force_routing(5, [2, 6], weights=[0.25, 0.75])
+    seen = []
+
+    def halve(v, *, hook):
+        v *= 0.5
+        seen.append(v.tolist())
+
+    hooks.add("layers.5.moe.router.topk_weights", halve)
+    stepped(w64, TOKENS[:3], hooks)
+    assert seen == [[0.125, 0.375]] * 3
+
+
+def test_override_attn_res_keeps_no_reference_to_the_callers_array(w64):
+    """override_attn_res(layer, site, weights_array) kept the caller's float64 array and returned it as the site's
+    value: a recorder kept that array as the record, so the caller reusing it afterwards rewrote the trace (and the
+    intervention). Expected: the trace holds the weights given at the time."""
+    mine = np.array([0.2, 0.3, 0.5])
+    rec = Recorder().bind(w64)
+    stepped(w64, TOKENS[:2], HookChain(override_attn_res(5, "ffn", mine), rec))
+    mine[:] = [1.0, 0.0, 0.0]
+    np.testing.assert_array_equal(rec.trace()["layers.5.attn_res.ffn.weights"], [[0.2, 0.3, 0.5]] * 2)

@@ -71,7 +71,7 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     ids_req = [int(e) for e in np.atleast_1d(to_numpy(expert_ids))]
     if len(set(ids_req)) != len(ids_req):
         raise ValueError(f"force_routing: expert_ids has duplicates: {ids_req}")
-    weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # a GPU array is fine too
+    weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # (a copy) a GPU array is fine too
     if weights is not None and len(weights) != len(ids_req):
         raise ValueError(f"force_routing: {len(weights)} weights for {len(ids_req)} experts")
     seen = {}
@@ -103,9 +103,9 @@ def _put_rows(value, given, rows, fill):
     """`given` [k'] as the value (one token, rows None), or in the masked rows of a chunk [T, k]: the
     chunk widened to max(k, k') with `fill` where a row has fewer entries."""
     xp = array_namespace(value)
+    if rows is None:  # a new array every token: a later hook may edit it in place, a recorder keeps it
+        return xp.array(given, dtype=value.dtype, copy=True)
     given = xp.asarray(given, dtype=value.dtype)
-    if rows is None:
-        return given
     T, k, k2 = value.shape[0], value.shape[1], given.shape[0]
     out = xp.full((T, max(k, k2)), fill, dtype=value.dtype)
     out[:, :k] = value
@@ -134,7 +134,7 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     elif isinstance(weights, tuple) and len(weights) == 2 and weights[0] == "one_hot":
         mode, j = "one_hot", (-1 if weights[1] == "current" else int(weights[1]))
     else:
-        mode, given = "given", np.asarray(to_numpy(weights), dtype=float)
+        mode, given = "given", np.array(to_numpy(weights), dtype=float, copy=True)  # not the caller's array
         if given.ndim != 1:
             raise ValueError(f"override_attn_res: a weight vector must be 1-D, got shape {given.shape}")
 
@@ -152,7 +152,7 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
             if given.shape[0] != n:
                 raise ValueError(f"override_attn_res at {hook.name}: got {given.shape[0]} weights, this site mixes {n} "
                                  "sources (stored blocks..., current)")
-            new = xp.asarray(given, dtype=p.dtype)
+            new = xp.array(given, dtype=p.dtype, copy=True)  # a new array every token (edited in place, recorded)
         if rows is None:
             return new
         out = p.copy()
