@@ -113,11 +113,11 @@ class HookChain:
         for h in self.hook_sets:
             h.begin_token(token_id, position)
 
-    def default_position(self, position) -> None:
+    def default_token(self, token_id, position) -> None:
         for h in self.hook_sets:
-            default = getattr(h, "default_position", None)
+            default = getattr(h, "default_token", None)
             if default is not None:
-                default(position)
+                default(token_id, position)
 
     def start_token(self, token_id=None, position=None) -> None:
         for h in self.hook_sets:

@@ -156,8 +156,8 @@ class Recorder:
     def begin_token(self, token_id=None, position=None) -> None:
         self.hooks.begin_token(token_id, position)
 
-    def default_position(self, position) -> None:
-        self.hooks.default_position(position)
+    def default_token(self, token_id, position) -> None:
+        self.hooks.default_token(token_id, position)
 
     def start_token(self, token_id=None, position=None) -> None:
         """Start a token where "embed" does not fire (a pipeline stage after the first)."""

@@ -81,10 +81,10 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
     operations in the same order, so a staged decode is bit-identical to this one.
     """
     check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
-    if hooks is not None:  # the token's position is the state's (as on the sequence path), unless the driver announced one
-        default = getattr(hooks, "default_position", None)
+    if hooks is not None:  # the token's id and position (the state's), as on the sequence path, unless the driver announced them
+        default = getattr(hooks, "default_token", None)
         if default is not None:
-            default(state.position)
+            default(token_index(token_id, weights.config.vocab_size), state.position)
     stack = embed_token(weights, token_id, hooks)
     run_layers(weights, state, stack, hooks)
     logits = finish_token(weights.head(), stack, hooks)
