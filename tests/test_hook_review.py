@@ -72,7 +72,8 @@ def test_hook_positions_are_the_state_positions_on_both_paths(ref_weights):
     """Unannounced (no `begin_token`), the token form counted the `embed` sites a Hooks had seen, while the
     sequence path (and a pipeline stage) took positions from the decode state. One Hooks reused for a second
     prompt then saw positions 10.. there, and after an unhooked prefix it saw 0 at the state's position 2:
-    `positions=` acted at the wrong tokens, or never. Expected: what each path's state says, 0.. per prompt."""
+    `positions=` acted at the wrong tokens, or never. Expected: what each path's state says, 0.. per prompt (and
+    the token ids kimi_forward_token was given, which a trace recorded as -1 while fed chunks had them)."""
     w = ref_weights
     seen = []
     hooks = Hooks()
@@ -81,9 +82,13 @@ def test_hook_positions_are_the_state_positions_on_both_paths(ref_weights):
     stepped(w, TOKENS[:3], hooks, announce=False)  # a second prompt, a fresh state
     stepped(w, TOKENS[:3], hooks, prefix=PREFIX, announce=False)
     assert seen == [0, 1, 2, 0, 1, 2, 2, 3, 4]
-    chain, seen[:] = HookChain(hooks, Recorder().bind(w)), []
-    stepped(w, TOKENS[:2], chain, prefix=PREFIX, announce=False)
-    assert seen == [2, 3] and chain.hook_sets[1].trace().positions.tolist() == [2, 3]
+    ids, seen[:] = [], []
+    hooks.add("embed", lambda v, *, hook: ids.append(hook.token_id))
+    chain = HookChain(hooks, Recorder().bind(w))
+    stepped(w, TOKENS[:2], chain, prefix=PREFIX, announce=False)  # the token ids too: the trace had -1 (fed: the ids)
+    trace = chain.hook_sets[1].trace()
+    assert seen == [2, 3] and trace.positions.tolist() == [2, 3]
+    assert ids == TOKENS[:2] and trace.tokens.tolist() == TOKENS[:2]
 
     # an intervention at absolute position 3, reused: stepping agrees with feeding, prompt after prompt
     ablate = ablate_experts(3, "all", positions=[3])
@@ -154,3 +159,35 @@ def test_override_attn_res_keeps_no_reference_to_the_callers_array(w64):
     stepped(w64, TOKENS[:2], HookChain(override_attn_res(5, "ffn", mine), rec))
     mine[:] = [1.0, 0.0, 0.0]
     np.testing.assert_array_equal(rec.trace()["layers.5.attn_res.ffn.weights"], [[0.2, 0.3, 0.5]] * 2)
+
+
+@pytest.mark.parametrize("positions", [-1, [2, -1], range(-2, 1)], ids=["int", "list", "range"])
+def test_negative_positions_are_refused_not_silently_ignored(positions):
+    """positions=-1 (read as "the last token") matched no token position and the intervention silently never
+    acted, while slice(-1, None) was refused: every form now says positions are absolute."""
+    with pytest.raises(ValueError, match=r"positions: token positions are absolute \(>= 0\)"):
+        ablate_experts(3, "all", positions=positions)
+
+
+def test_patch_takes_a_slice_of_positions_as_every_intervention_does(ref_weights):
+    """The interventions' docstring lets positions= be a slice for all of them; patch raised "'slice' object is
+    not iterable". Expected: the source's positions in the slice, as a plain hook that puts them in place."""
+    w, name = ref_weights, "layers.3.attn.out"
+    rec = Recorder(full=[name]).bind(w)
+    stepped(w, [5, 6, 7, 8, 9, 10], rec)
+    source = rec.trace()[name]
+    plain = Hooks()
+    plain.add(name, lambda v, *, hook: source[hook.position].copy() if 2 <= hook.position < 5 else None)
+    want = stepped(w, TOKENS[:6], plain)
+    np.testing.assert_allclose(stepped(w, TOKENS[:6], patch(name, rec.trace(), positions=slice(2, 5))), want,
+                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(fed(w, TOKENS[:6], patch(name, rec.trace(), positions=slice(2, 5))), want,
+                               rtol=0, atol=2e-4)
+    with pytest.raises(ValueError, match=r"no value at positions slice\(8, None, None\)"):
+        patch(name, rec.trace(), positions=slice(8, None))
+
+
+def test_override_attn_res_refuses_several_layers():
+    """override_attn_res takes one layer; a list silently overrode only its first layer."""
+    with pytest.raises(ValueError, match=r"override_attn_res: layer must be one layer"):
+        override_attn_res([3, 5], "ffn", "uniform")

@@ -39,7 +39,7 @@ from .._xp import array_namespace
 from ..backend import to_numpy
 from .hooks import Hooks
 from .source_masks import SOURCE_FAMILIES, mask_sources, source_columns
-from .targets import at_positions, layer_ids, layer_sites, named
+from .targets import at_positions, layer_ids, layer_sites, named, position_filter
 
 __all__ = ["SOURCE_FAMILIES", "ablate_experts", "force_routing", "mask_sources", "override_attn_res", "patch",
            "scale_kda_head", "source_columns", "zero_kda_head"]
@@ -126,7 +126,11 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     else:
         if site not in ("attn", "ffn"):
             raise ValueError(f"override_attn_res: site must be 'attn' or 'ffn', got {site!r}")
-        name = f"layers.{layer_ids(layer)[0]}.attn_res.{site}.weights"
+        ids = layer_ids(layer)
+        if len(ids) != 1:  # (the first of several was taken silently)
+            raise ValueError(f"override_attn_res: layer must be one layer (or 'final'), got {layer!r}; add one "
+                             "override per layer (hooks + hooks)")
+        name = f"layers.{ids[0]}.attn_res.{site}.weights"
     if isinstance(weights, str):
         if weights != "uniform":
             raise ValueError(f"override_attn_res: weights must be 'uniform', ('one_hot', j) or an array, got {weights!r}")
@@ -210,6 +214,13 @@ def patch(name: str, source, positions=None) -> Hooks:
     else:
         rows = to_numpy(source)
         table = {p: rows[p] for p in range(rows.shape[0])}
+    if isinstance(positions, slice):  # every position of the source in the slice (checked as for any intervention)
+        acts = position_filter(positions)[1]
+        inside = [p for p in sorted(table) if acts(p)]
+        if not inside:
+            raise ValueError(f"patch({name!r}): the source has no value at positions {positions} (it has "
+                             f"{sorted(table)[:10]}...)")
+        positions = inside
     if positions is not None:
         wanted = [int(positions)] if isinstance(positions, (int, np.integer)) else [int(p) for p in positions]
         missing = [p for p in wanted if p not in table]
