@@ -191,3 +191,25 @@ def test_override_attn_res_refuses_several_layers():
     """override_attn_res takes one layer; a list silently overrode only its first layer."""
     with pytest.raises(ValueError, match=r"override_attn_res: layer must be one layer"):
         override_attn_res([3, 5], "ffn", "uniform")
+
+
+# ---------------------------------------------------------------- an unbound recorder on the sequence path
+@pytest.mark.parametrize("names_filter", [None, "layers.1.kda.conv"], ids=["default", "conv_only"])
+def test_unbound_recorder_feeding_a_layer_run_token_by_token(ref_weights, names_filter):
+    """A Recorder never bound to the weights (fine when stepping: the heads come from the state) raised
+    KeyError 'kda_heads' on the sequence path as soon as a KDA layer ran token by token there (a per-token hook
+    in it, here one added to the recorder). Expected: the records stepping makes with the same recorder set-up."""
+    w = ref_weights
+
+    def recorder():
+        rec = Recorder(names_filter=names_filter)
+        rec.add("layers.1.attn.in", lambda v, *, hook: None)
+        return rec
+
+    step_rec, feed_rec = recorder(), recorder()
+    stepped(w, TOKENS[:5], step_rec)
+    fed(w, TOKENS[:5], feed_rec, chunk=3)
+    want, got = step_rec.trace(), feed_rec.trace()
+    assert sorted(got.names()) == sorted(want.names()) and "layers.1.kda.conv.norm" in got.names()
+    for k in want.names():
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)

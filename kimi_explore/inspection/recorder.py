@@ -194,6 +194,7 @@ class Recorder:
             self.meta = model_meta(weights_or_names)
             self._on_device = not on_host(weights_or_names.xp)
             self.hooks.refresh()
+            self._chunks.clear()  # (built from the meta: the heads of the KDA layers)
         return self
 
     def _wants(self, name: str, kind: str) -> bool:
