@@ -213,3 +213,17 @@ def test_unbound_recorder_feeding_a_layer_run_token_by_token(ref_weights, names_
     assert sorted(got.names()) == sorted(want.names()) and "layers.1.kda.conv.norm" in got.names()
     for k in want.names():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_chunk_aware_hooks_through_recorder_add_and_hooked(ref_weights):
+    """`Recorder.add` is documented as `Hooks.add` but had no chunks= (TypeError), nor had `hooked`: a hook added
+    there could only be a per-token one, which makes its layer run token by token on the sequence path."""
+    w, calls = ref_weights, []
+    rec = Recorder().bind(w)
+    rec.add("layers.3.attn.out", lambda v, *, hook: calls.append((v.shape[0], hook.positions.tolist())), chunks=True)
+    fed(w, TOKENS[:5], rec, chunk=3)
+    assert calls == [(3, [0, 1, 2]), (2, [3, 4])]
+    hooks, calls[:] = Hooks(), []
+    with hooks.hooked("layers.3.attn.out", lambda v, *, hook: calls.append(v.shape[0]), chunks=True):
+        fed(w, TOKENS[:5], hooks, chunk=5)
+    assert calls == [5] and len(hooks) == 0

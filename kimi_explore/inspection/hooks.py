@@ -148,9 +148,9 @@ class Hooks:
         self._changed()
 
     @contextlib.contextmanager
-    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None):
-        """`with hooks.hooked("layers.*.kda.state", fn):` attaches fn for the block only."""
-        handle = self.add(name_or_glob, fn, names_filter=names_filter)
+    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False):
+        """`with hooks.hooked("layers.*.kda.state", fn):` attaches fn for the block only (`add`'s arguments)."""
+        handle = self.add(name_or_glob, fn, names_filter=names_filter, chunks=chunks)
         try:
             yield handle
         finally:
