@@ -140,9 +140,9 @@ class Recorder:
         self._chunks = ChunkRecording(self)  # how whole chunks of the sequence path are recorded
 
     # ------------------------------------------------------------------ the Hooks it holds
-    def add(self, name_or_glob=None, fn=None, *, names_filter=None):
+    def add(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False):
         """`Hooks.add`: a hook that runs before the recording at its sites."""
-        return self.hooks.add(name_or_glob, fn, names_filter=names_filter)
+        return self.hooks.add(name_or_glob, fn, names_filter=names_filter, chunks=chunks)
 
     def extend(self, other: Hooks) -> list:
         return self.hooks.extend(other)
@@ -150,11 +150,14 @@ class Recorder:
     def remove(self, what) -> int:
         return self.hooks.remove(what)
 
-    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None):
-        return self.hooks.hooked(name_or_glob, fn, names_filter=names_filter)
+    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False):
+        return self.hooks.hooked(name_or_glob, fn, names_filter=names_filter, chunks=chunks)
 
     def begin_token(self, token_id=None, position=None) -> None:
         self.hooks.begin_token(token_id, position)
+
+    def default_token(self, token_id, position) -> None:
+        self.hooks.default_token(token_id, position)
 
     def start_token(self, token_id=None, position=None) -> None:
         """Start a token where "embed" does not fire (a pipeline stage after the first)."""
@@ -191,6 +194,7 @@ class Recorder:
             self.meta = model_meta(weights_or_names)
             self._on_device = not on_host(weights_or_names.xp)
             self.hooks.refresh()
+            self._chunks.clear()  # (built from the meta: the heads of the KDA layers)
         return self
 
     def _wants(self, name: str, kind: str) -> bool:

@@ -83,6 +83,10 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
     part-advanced (`KimiDecodeState.broken`) and every later forward pass refuses it.
     """
     check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
+    if hooks is not None:  # the token's id and position (the state's), as on the sequence path, unless the driver announced them
+        default = getattr(hooks, "default_token", None)
+        if default is not None:
+            default(token_index(token_id, weights.config.vocab_size), state.position)
     stack = embed_token(weights, token_id, hooks)
     try:
         run_layers(weights, state, stack, hooks)
