@@ -102,9 +102,17 @@ def _prompt_text(text: str) -> str:
     return text
 
 
+def _checkpoint_text(text: str) -> str:
+    if not text.strip():  # `--checkpoint "$DIR"` with DIR unset: not the embedded model in silence
+        raise argparse.ArgumentTypeError("empty: give a checkpoint directory or Hub repo id "
+                                         "(leave --checkpoint out for the embedded model)")
+    return text
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model, prompt and backend arguments of `kimi-explore` and `kimi-explore report`."""
-    p.add_argument("--checkpoint", help="checkpoint directory or Hugging Face repo id (default: the embedded tiny model)")
+    p.add_argument("--checkpoint", type=_checkpoint_text,
+                   help="checkpoint directory or Hugging Face repo id (default: the embedded tiny model)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", type=_prompt_text,
                      help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
@@ -128,7 +136,7 @@ def load_model(args):
     from .weights.load import load_weights as from_pretrained
     from .weights.tiny_model import tiny_checkpoint
 
-    path = args.checkpoint or tiny_checkpoint()
+    path = tiny_checkpoint() if args.checkpoint is None else args.checkpoint
     t0 = time.perf_counter()
     weights = from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype,
                                                  weight_dtype=args.weight_dtype, experts=args.experts,
@@ -274,6 +282,8 @@ def run_report(args) -> int:
     from .tokenizer import TokenizerError, load_tokenizer
     from .views.figures.report import write_report
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise CliError(f"--out {args.out}: exists and is not a directory; name a directory (created if missing)")
     weights, path, _ = load_model(args)
     try:
         tokenizer = load_tokenizer(weights)
@@ -299,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "make-tiny":
         from .weights.k3_depth import main as make_tiny_main
 
-        return make_tiny_main(argv[1:])
+        return guarded("kimi-explore make-tiny", lambda a: make_tiny_main(a, parser_class=ArgumentParser), argv[1:])
     args = _parser().parse_args(argv)
     return guarded("kimi-explore", run, args)
 
