@@ -213,3 +213,25 @@ def test_ablating_experts_that_exist_still_changes_the_routing(trained):
     session.step(108)
     ids = fork.trace().routing()["topk_ids"][-1, 4]
     assert not set(ids.tolist()) & set(chosen) and not np.array_equal(fork.logits[-1], session.logits[-1])
+
+
+def test_diff_of_two_models_is_refused_before_numpy_broadcasts(trained, tmp_path, capsys):
+    """It raised 'operands could not be broadcast together with shapes (4,2) (4,4)' from inside diff."""
+    out = tmp_path / "k8"
+    assert run_main(["make-tiny", "--layers", "8", "--experts", "4", "--top-k", "2", "--out", str(out)], capsys)[0] == 0
+    a, b = ke.Session(trained), ke.Session(ke.from_pretrained(out))
+    a.feed([72, 101, 108])
+    b.feed([72, 101, 108])
+    with pytest.raises(ValueError, match=r"diff: the runs come from different models \(.*max_sources 4 vs 2.*\)"):
+        ke.diff(a, b)
+    c = ke.Session(trained)
+    c.feed([1, 2, 3])
+    assert len(ke.diff(a, c).kl) == 3  # two prompts of one model: still compared
+
+
+def test_read_dump_of_a_file_that_is_not_safetensors_names_it(tmp_path):
+    """It raised safetensors' 'Error while deserializing header: header too large', naming no file."""
+    f = tmp_path / "captures.npz"
+    np.savez(f, logits=np.zeros((2, 256), np.float32))
+    with pytest.raises(ValueError, match=r"engine dump: .*captures\.npz: corrupt or truncated safetensors header"):
+        ke.read_dump(f)
