@@ -235,3 +235,20 @@ def test_read_dump_of_a_file_that_is_not_safetensors_names_it(tmp_path):
     np.savez(f, logits=np.zeros((2, 256), np.float32))
     with pytest.raises(ValueError, match=r"engine dump: .*captures\.npz: corrupt or truncated safetensors header"):
         ke.read_dump(f)
+
+
+def test_a_sealed_block_reaches_the_ffn_site_at_a_blocks_first_layer_and_attention_one_later(trained):
+    """Notebook 02 said the FFN site sees a new block at "a block's last layer"; it is the next block's first
+    (boundaries 3 and 6 here: layer 7 is the second layer of the last block, as the notebook also says)."""
+    session = ke.Session(trained)
+    session.feed([72, 101, 108, 108, 111])
+    trace = session.trace()
+    w = trace.attn_res_weights()  # [token, layer, site, source]: NaN where a block is not sealed yet
+    boundaries = trace.meta["block_boundaries"]
+    assert boundaries == [0, 3, 6]
+    for j, first in enumerate(boundaries[1:], start=1):  # source j = block j, sealed from the layers before `first`
+        seen = {site: min(layer for layer in trace.layer_ids if np.isfinite(w[0, layer, s, j]))
+                for s, site in enumerate(("attn", "ffn"))}
+        assert seen == {"ffn": first, "attn": first + 1}
+    nb = (ROOT / "notebooks" / "02_block_residuals.ipynb").read_text()
+    assert "the site before the FFN sees it at that first layer and the site before attention one layer later" in nb
