@@ -144,6 +144,18 @@ def load_model(args):
     return weights, path, time.perf_counter() - t0
 
 
+def prompt_tokenizer(args, weights):
+    """The checkpoint's tokenizer; None where it has none and the prompt is --ids (a --prompt then says to pass them)."""
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer(weights)
+    except TokenizerError as e:
+        if args.ids is None:
+            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
+        return None
+
+
 def prompt_ids(args, weights, tokenizer) -> list[int]:
     """The prompt as token ids (--ids, or --prompt / the default through `tokenizer`), checked against the vocabulary."""
     if args.ids is not None:
@@ -180,11 +192,10 @@ def run(args) -> int:
     from . import KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
     from .model.latent_moe import LatentMoeWeights
-    from .tokenizer import load_tokenizer
 
     weights, path, load_s = load_model(args)
     cfg = weights.config
-    tok = load_tokenizer(weights.source) if args.ids is None else None
+    tok = prompt_tokenizer(args, weights) if args.ids is None else None
     ids = prompt_ids(args, weights, tok)
     kinds = [cfg.layer_kind(i) for i in weights.layer_ids]
     n_kda = sum(k.startswith("kda") for k in kinds)
@@ -279,18 +290,12 @@ def run_report(args) -> int:
     """`kimi-explore report`: decode the prompt in a recorded Session, then `views.figures.report.write_report`."""
     from .inspection.recorder import Recorder
     from .inspection.session import Session
-    from .tokenizer import TokenizerError, load_tokenizer
     from .views.figures.report import write_report
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise CliError(f"--out {args.out}: exists and is not a directory; name a directory (created if missing)")
     weights, path, _ = load_model(args)
-    try:
-        tokenizer = load_tokenizer(weights)
-    except TokenizerError as e:
-        if args.ids is None:
-            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
-        tokenizer = None
+    tokenizer = prompt_tokenizer(args, weights)
     ids = prompt_ids(args, weights, tokenizer)
     session = Session(weights, recorder=Recorder(top_k=max(10, args.top)), tokenizer=tokenizer)
     session.feed(ids)

@@ -252,3 +252,16 @@ def test_a_sealed_block_reaches_the_ffn_site_at_a_blocks_first_layer_and_attenti
         assert seen == {"ffn": first, "attn": first + 1}
     nb = (ROOT / "notebooks" / "02_block_residuals.ipynb").read_text()
     assert "the site before the FFN sees it at that first layer and the site before attention one layer later" in nb
+
+
+def test_a_prompt_without_a_tokenizer_says_to_pass_ids(tmp_path, capsys):
+    """`kimi-explore --prompt` on a checkpoint with no tokenizer gave the tokenizer's error without the way out
+    (`kimi-explore report` said "Pass --ids instead"); --ids on it decodes."""
+    from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
+
+    path = write_checkpoint(tmp_path / "v1000", make_text_config(vocab_size=1000), experts="bf16")
+    code, out, err = run_main(["--checkpoint", str(path), "--prompt", "hi"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--prompt needs the checkpoint's tokenizer" in err and err.rstrip().endswith("Pass --ids instead")
+    code, out, _ = run_main(["--checkpoint", str(path), "--ids", "1,999", "--generate", "1"], capsys)
+    assert code == 0 and "generated ids (1 after the prompt)" in out
