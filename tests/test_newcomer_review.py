@@ -265,3 +265,24 @@ def test_a_prompt_without_a_tokenizer_says_to_pass_ids(tmp_path, capsys):
     assert "--prompt needs the checkpoint's tokenizer" in err and err.rstrip().endswith("Pass --ids instead")
     code, out, _ = run_main(["--checkpoint", str(path), "--ids", "1,999", "--generate", "1"], capsys)
     assert code == 0 and "generated ids (1 after the prompt)" in out
+
+
+def test_tab_completion_offers_the_lazy_names():
+    """dir(ke) left out every lazily imported name, so `ke.from_<TAB>` in Jupyter offered nothing."""
+    names = dir(ke)
+    assert {"from_pretrained", "Session", "Explorer", "tiny_checkpoint", "kimi_forward_token"} <= set(names)
+    assert set(ke.__all__) <= set(names)
+    ipython = pytest.importorskip("IPython.testing.globalipapp")
+    ip = ipython.get_ipython()
+    use_jedi, ip.Completer.use_jedi = ip.Completer.use_jedi, False  # IPython's own completer: it reads dir()
+    try:
+        ip.run_cell("import kimi_explore as ke")
+        assert "ke.from_pretrained" in ip.complete("ke.from_")[1]
+    finally:
+        ip.Completer.use_jedi = use_jedi
+
+
+def test_jedi_completion_offers_the_lazy_names():
+    """Jupyter completes through jedi by default; it found hook_names but not from_pretrained."""
+    jedi = pytest.importorskip("jedi")
+    assert [c.name for c in jedi.Interpreter("ke.from_", [{"ke": ke}]).complete()] == ["from_pretrained"]
