@@ -23,6 +23,7 @@ lm_head: for layers 0..N-1 this is exactly the model cut to N layers.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
@@ -250,6 +251,11 @@ class KimiDecodeState:
 
     @classmethod
     def new(cls, weights: KimiDecoderWeights) -> KimiDecodeState:
+        """A zero state (position 0) for `weights`: KDA windows and matrices of zeros, empty MLA caches."""
+        if not all(hasattr(weights, a) for a in ("layers", "xp", "dtype")):
+            raise TypeError(f"KimiDecodeState.new: weights: expected the model from ke.from_pretrained(...), "
+                            f"got {type(weights).__name__}" + (" (a path: load it with ke.from_pretrained(path) first)"
+                                                               if isinstance(weights, (str, os.PathLike)) else ""))
         new = {"kda": KdaState.zeros, "mla": MlaState.empty}
         return cls([KimiLayerState(new[layer.attention.kind](layer.attention, weights.xp, weights.dtype))
                     for layer in weights.layers], 0)
@@ -289,4 +295,7 @@ def _dtype_name(dtype) -> str:
 
 def hook_names(model) -> list[str]:
     """Every hook point `kimi_forward_token` fires for this model (weights or a pipeline), in firing order."""
+    if not hasattr(model, "specs"):
+        raise TypeError(f"hook_names: expected the model from ke.from_pretrained(...) or a ke.RayPipeline, "
+                        f"got {type(model).__name__}")
     return site_names(model.specs)

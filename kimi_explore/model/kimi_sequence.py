@@ -32,7 +32,7 @@ import numpy as np
 from ..backend import to_numpy
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
-from .kimi_token import OutputHead, check_state, decoder_layer, mark_broken, token_indices
+from .kimi_token import OutputHead, check_state, decoder_layer, hooks_type_error, mark_broken, token_indices
 from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
 from .ops import dense_mlp_sequence, linear, rms_norm
@@ -174,6 +174,8 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     copy taken before (`Session` does).
     """
     check_state(weights, state)
+    if hooks is not None and not hasattr(hooks, "fire_chunk"):
+        raise hooks_type_error(hooks)
     V = weights.config.vocab_size
     ids = token_indices(_as_list(token_ids), V)
     chunk = default_chunk(weights.config) if chunk is None else chunk
