@@ -56,3 +56,23 @@ def test_truncate_inside_a_fed_chunk_trims_the_mla_probs_records(random64):
     np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)  # NaN where the straight decode pads
     s.step(8)  # then stepping on: one column more, as a straight decode
     assert s.trace()[site].shape == (7, 4, 7)
+
+
+def test_a_failed_feed_after_loading_without_checkpoints_leaves_the_session_as_it_was(random64, tmp_path):
+    """Loaded from a file saved with checkpoints=False, a history with an intervened token has no checkpoint to go
+    back to; a step that raised (a hook, Ctrl-C) must still leave the session as before it, not half-advanced."""
+    from kimi_explore.inspection.interventions import ablate_experts
+
+    s = Session(random64, recorder=False)
+    with s.intervene(ablate_experts(4, "all")):
+        s.step(5)
+    s.feed([17, 200, 3], progress=False)
+    s2 = Session.load_state(s.save_state(tmp_path / "s.npz", checkpoints=False), random64, recorder=False)
+
+    def boom(value, *, hook):
+        if hook.position == 4:
+            raise KeyError("boom")
+    with pytest.raises(KeyError, match="boom"), s2.hooked("layers.2.attn.out", boom):
+        s2.feed([9, 10, 11], progress=False)  # steps (a hook is attached): the first raises
+    assert s2.tokens == [5, 17, 200, 3] and s2.state.position == 4
+    np.testing.assert_array_equal(s2.step(42), s.step(42))  # the state is as if nothing had failed
