@@ -16,7 +16,7 @@ What each session is checked against:
   session had on that token (cached per history prefix). Logits and records of a token are compared when
   it is first decoded; the state (KDA conv windows and recurrent matrices, MLA length and used positions),
   and the logits of a probe token stepped from a copy of the state, after every operation. float64: within
-  1e-9 of each array's scale, routing ids identical; float32: within 1e-4 (see TOL).
+  1e-9 of each array's scale, routing ids identical; float32: within 1e-4 (the random model: 2e-2; see TOL).
 - BIT-IDENTITY, where the docstrings promise it: the logits and records a session holds are, bit for bit,
   those it returned / recorded when the token was first decoded (whatever truncates, restores, forks,
   loads came since); and the decode state (and the probe logits) is a function of how the history was
@@ -48,7 +48,11 @@ from kimi_explore.inspection.interventions import ablate_experts, force_routing,
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.inspection.session import Session
 
-TOL = {"float64": 1e-9, "float32": 1e-4}
+# the largest difference to the ground truth, relative to each array's scale: the sequence path and stepping
+# round differently, amplified by the model (float64 reaches ~2e-12 on both models, ~2e4 ulps); in float32 the
+# trained model reaches ~5e-6, the random one ~4e-3 (float64 x the ratio of the epsilons). A bookkeeping slip differs by order one, and where the
+# routes must agree bit for bit the fuzz checks bits.
+TOL = {("trained", "float64"): 1e-9, ("random", "float64"): 1e-9, ("trained", "float32"): 1e-4, ("random", "float32"): 2e-2}
 IVS = {  # built-in interventions, attached with `session.intervene` for one operation
     "abl4": lambda: ablate_experts(4, "all"),
     "kda1": lambda: scale_kda_head(1, 0, 0.5),
@@ -62,7 +66,8 @@ def perm_fn(value, *, hook):
     return value * 0.75
 
 
-REC_CFGS = {"none": None, "default": {}, "full": {"full": ["layers.3.mla.probs", "layers.1.kda.state", "layers.5.ffn.out"], "top_k": 5}}
+REC_CFGS = {"none": None, "default": {}, "full": {"full": ["layers.3.mla.probs", "layers.1.kda.state", "layers.5.ffn.out"], "top_k": 5},
+            "filtered": {"names_filter": ["layers.[13].*", "logits", "final.*"], "full": ["layers.3.mla.*", "layers.1.kda.conv"], "top_k": 3}}
 
 
 class Boom(Exception):
@@ -219,10 +224,10 @@ def same_bits(a, b) -> bool:
 
 
 class Fuzz:
-    def __init__(self, w, seed, tmp, dtype_name):
+    def __init__(self, w, seed, tmp, tol):
         self.w, self.rng, self.tmp = w, np.random.default_rng(seed), Path(tmp)
         self.V = w.config.vocab_size
-        self.tol = TOL[dtype_name]
+        self.tol = tol
         r = self.rng
         self.rec_name = str(r.choice(list(REC_CFGS)))
         self.rec_cfg = REC_CFGS[self.rec_name]
@@ -267,7 +272,7 @@ class Fuzz:
                     else:
                         ok = np.array_equal(x, y)
                     if not ok:
-                        assert self.tol > 1e-9, ("ids differ in float64", k, t, x, y)
+                        assert self.w.dtype != np.float64, ("routing ids differ in float64", k, t, x, y)
                         self.id_mismatch += 1
                 else:
                     self.note("records", scale_diff(x, y))
@@ -275,7 +280,10 @@ class Fuzz:
 
     def check(self, s, m, what):
         T = len(m.toks)
-        assert s.tokens == m.toks, (what, "tokens", s.tokens, m.toks)
+        assert s.tokens == m.toks and len(s) == T, (what, "tokens", s.tokens, m.toks)
+        if T:
+            t = int(self.rng.integers(-T, T))
+            assert same_bits(s.logits_at(t), m.logits[t]), (what, "logits_at", t)
         L = s.logits
         assert L.shape == (T, self.V) and L.dtype == self.w.dtype, (what, "logits shape", L.shape)
         for t in range(T):
@@ -284,7 +292,7 @@ class Fuzz:
         for r in m.runs:
             if r[0] == "c":
                 assert s.cut_tail(r[1]) == list(r[3][len(r[2]):]), (what, "cut_tail", r[1], s.cut_tail(r[1]), r[3][len(r[2]):])
-        if s.recorder is not None:
+        if s.recorder is not None and self.rng.integers(3):  # not always: a Trace stacks rows lazily, between calls
             rows = s.recorder.state_dict()["rows"]
             for k in set(rows) | {k for r in m.rows for k in r}:
                 v = rows.get(k, [])
@@ -305,7 +313,10 @@ class Fuzz:
                     assert same_bits(got, r), (what, "trace row", k, t)
             if T:
                 a, b = sorted(int(x) for x in self.rng.integers(T + 1, size=2))
+                if self.rng.integers(2):
+                    a, b = a - T, (None if b == T else b - T)
                 tw = s.trace(window=slice(a, b))
+                a, b = slice(a, b).indices(T)[:2]
                 assert list(tw.tokens) == m.toks[a:b] and all(np.array_equal(tw[k], tr[k][a:b], equal_nan=True) for k in tw.keys()), (what, "window", a, b)
         # the state: ground truth within rounding, and the bits of this way of decoding the history
         ref = self.truth.state(m.hist())
@@ -375,12 +386,14 @@ class Fuzz:
         elif op == "gen":
             n = int(r.integers(1, 5)); temp = float(r.choice([0.0, 0.8])); seed = int(r.integers(1000))
             iv = ivname if r.integers(3) == 0 else None
-            desc += [n, temp, iv]
+            stop = set(r.integers(self.V, size=int(r.integers(0, 60))).tolist())
+            desc += [n, temp, iv, len(stop)]
             prev = m.logits[-1]
             with (s.intervene(IVS[iv]()) if iv else _null()):
-                got = s.generate(n, temperature=temp, seed=seed)
+                got = s.generate(n, temperature=temp, seed=seed, stop_tokens=stop)
             rng2 = np.random.default_rng(seed)
-            assert len(got) == n
+            stops = [j for j, tid in enumerate(got) if tid in stop]
+            assert len(got) == (stops[0] + 1 if stops else n) and len(stops) <= 1 and (not stops or stops[0] == len(got) - 1), ("generate stop", got, stops)
             for j, tid in enumerate(got):
                 if temp == 0:
                     want = int(np.argmax(prev))
@@ -513,8 +526,9 @@ class _null:
     def __exit__(self, *a): return False
 
 
-def run(w, seed, nops, tmp, dtype_name, verbose=True):
-    f = Fuzz(w, seed, tmp, dtype_name)
+def run(w, seed, nops, tmp, tol, verbose=True):
+    """(ok, the Fuzz, the operations done) after `nops` operations of `seed`; tol: see TOL."""
+    f = Fuzz(w, seed, tmp, tol)
     log = []
     try:
         f.check_all("start")
@@ -538,7 +552,7 @@ def main():
     failed, total = [], {"logits": 0.0, "records": 0.0, "state": 0.0, "probe": 0.0}
     for seed in map(int, sys.argv[5:]):
         t0 = time.time()
-        ok, f, log = run(w, seed, nops, tmp, dtype_name)
+        ok, f, log = run(w, seed, nops, tmp, TOL[which, dtype_name])
         for k, v in f.maxdiff.items():
             total[k] = max(total[k], v)
         print(f"seed {seed} ({which} {dtype_name}, recorder {f.rec_name}, checkpoint_every {f.ce}): "

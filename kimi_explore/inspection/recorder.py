@@ -434,10 +434,11 @@ class Recorder:
         """Keep the records of the first n tokens (in place)."""
         self.flush()
         self._split_blocks()
-        width = max(self.positions[:n], default=-1) + 1  # positions a kept token's attention may cover
+        kept = self.positions[:n]  # a kept token's attention covers cache positions up to its own
+        width = max(kept) + 1 if kept and None not in kept else None
         for k, row in self._rows.items():
             del row[n:]
-            if k.endswith(".mla.probs") and _trim_positions(row, width):
+            if width is not None and k.endswith(".mla.probs") and _trim_positions(row, width):
                 self._stacked.pop(k, None)  # narrower now: stack afresh
         for st in self._stacked.values():
             st.truncate(n)
