@@ -60,7 +60,14 @@ def local_ray():
     import gc
 
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray gives its node 30 s to register (not configurable): a loaded machine can miss that
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
     yield ray
     gc.collect()  # Ray handles held by garbage (state finalizers, graph refs) go while Ray is still up
     ray.shutdown()
