@@ -227,3 +227,49 @@ def test_chunk_aware_hooks_through_recorder_add_and_hooked(ref_weights):
     with hooks.hooked("layers.3.attn.out", lambda v, *, hook: calls.append(v.shape[0]), chunks=True):
         fed(w, TOKENS[:5], hooks, chunk=5)
     assert calls == [5] and len(hooks) == 0
+
+
+# ---------------------------------------------------------------- every site kind on the sequence path
+def _one_site_per_kind(w) -> list[str]:
+    from kimi_explore import hook_names
+
+    seen, out = set(), []
+    for n in hook_names(w):
+        kind = n.split(".", 2)[2] if n.startswith("layers.") else n
+        if kind not in seen and not n.startswith("layers.0."):
+            seen.add(kind)
+            out.append(n)
+    return out
+
+
+def _scaled(v, *, hook):
+    if hook.kind == "moe.router.topk_ids":  # another expert for each selection (still distinct); a chunk's -1 kept
+        return np.where(v >= 0, (v + 1) % 8, v)
+    return v * 0.9
+
+
+def _scaled_in_place(v, *, hook):
+    if hook.kind == "moe.router.topk_ids":
+        v[...] = np.where(v >= 0, (v + 1) % 8, v)
+    else:
+        v *= 0.9
+
+
+@pytest.mark.parametrize("fn", [_scaled, _scaled_in_place], ids=["returned", "in_place"])
+def test_every_site_kind_changes_a_fed_chunk_as_it_changes_stepping(w64, fn):
+    """The contract's rule on the sequence path: at one site of every kind (the first layer that has it), a
+    returned value or an in-place edit, by a per-token hook or a chunk-aware one, changes the fed logits as the
+    same hook changes stepping (float64: to 1e-9), across chunk boundaries and after a prefix."""
+    w = w64
+    assert w.config.num_experts == 8  # (the routing hooks above)
+    base = stepped(w, TOKENS[:6], None, PREFIX)
+    for name in _one_site_per_kind(w):
+        hooks = Hooks()
+        hooks.add(name, fn)
+        want = stepped(w, TOKENS[:6], hooks, PREFIX)
+        assert np.abs(want - base).max() > 1e-13, name  # the change reaches the logits
+        for chunks in (False, True):
+            hooks = Hooks()
+            hooks.add(name, fn, chunks=chunks)
+            np.testing.assert_allclose(fed(w, TOKENS[:6], hooks, PREFIX, chunk=4), want, rtol=0, atol=1e-9,
+                                       err_msg=f"{name} chunks={chunks}")
