@@ -273,3 +273,11 @@ def test_every_site_kind_changes_a_fed_chunk_as_it_changes_stepping(w64, fn):
             hooks.add(name, fn, chunks=chunks)
             np.testing.assert_allclose(fed(w, TOKENS[:6], hooks, PREFIX, chunk=4), want, rtol=0, atol=1e-9,
                                        err_msg=f"{name} chunks={chunks}")
+
+
+@pytest.mark.parametrize("positions", ["all", 2.0, [1, 2.5], [True]], ids=["str", "float", "float_in_list", "bool"])
+def test_positions_of_another_type_are_refused_naming_the_argument(positions):
+    """positions="all" failed with "invalid literal for int() with base 10: 'a'", 2.0 with "'float' object is not
+    iterable", [1, 2.5] acted at position 2: none named the argument."""
+    with pytest.raises(TypeError, match=r"positions: expected None, a token position \(int\)"):
+        ablate_experts(3, "all", positions=positions)
