@@ -281,3 +281,55 @@ def test_positions_of_another_type_are_refused_naming_the_argument(positions):
     iterable", [1, 2.5] acted at position 2: none named the argument."""
     with pytest.raises(TypeError, match=r"positions: expected None, a token position \(int\)"):
         ablate_experts(3, "all", positions=positions)
+
+
+# ---------------------------------------------------------------- Trace accessors, against raw values
+@pytest.mark.parametrize("path", ["stepped", "fed"])
+def test_trace_accessors_index_layers_heads_streams_and_sources_as_the_raw_values(ref_weights, path):
+    """Trace's named-axis views against values captured by a plain per-token hook (float64 norms by hand):
+    kda_state_norms [token, kda layer, head], kda_conv_norms [token, kda layer, stream, head] (head h = channels
+    h K .. h K + K - 1 of each stream, all taps), routing [token, moe layer, k], attn_res_weights [token, layer,
+    site, source] (blocks in push order, the running sum last) and final_attn_res_weights."""
+    w = ref_weights
+    raw = {}
+    plain = Hooks()
+    plain.add(names_filter=lambda n: n.endswith(("kda.state", "kda.conv", "topk_ids", "attn_res.attn.weights",
+                                                 "attn_res.ffn.weights")) or n == "final.attn_res.weights",
+              fn=lambda v, *, hook: raw.setdefault(hook.name, []).append(np.array(v, dtype=np.float64)))
+    stepped(w, TOKENS[:5], plain)
+    rec = Recorder().bind(w)
+    stepped(w, TOKENS[:5], rec) if path == "stepped" else fed(w, TOKENS[:5], rec, chunk=3)
+    trace = rec.trace()
+    H, K = w.config.linear_attn_config.num_heads, w.config.linear_attn_config.head_dim
+    tol = {"rtol": 1e-5, "atol": 1e-7} if path == "stepped" else {"rtol": 1e-4, "atol": 1e-5}  # fed: float32 rounding
+
+    norms, kda_ids = trace.kda_state_norms()
+    conv, conv_ids = trace.kda_conv_norms()
+    assert kda_ids == conv_ids == [i for i, lw in enumerate(w.layers) if lw.attention.kind == "kda"]
+    for j, i in enumerate(kda_ids):
+        S = np.stack(raw[f"layers.{i}.kda.state"])  # [T, H, K, V]
+        np.testing.assert_allclose(norms[:, j], np.sqrt((S ** 2).sum(axis=(2, 3))), **tol)
+        win = np.stack(raw[f"layers.{i}.kda.conv"])  # [T, 3, P, W]
+        by_head = (win ** 2).reshape(len(win), 3, H, K, -1).sum(axis=(3, 4))
+        np.testing.assert_allclose(conv[:, j], np.sqrt(by_head), **tol)
+
+    routing = trace.routing()
+    assert routing["moe_layers"] == [i for i, lw in enumerate(w.layers) if lw.ffn.kind == "moe"]
+    for j, i in enumerate(routing["moe_layers"]):
+        np.testing.assert_array_equal(routing["topk_ids"][:, j], np.stack(raw[f"layers.{i}.moe.router.topk_ids"]))
+
+    mixes, S_ = trace.attn_res_weights(), trace.max_sources
+    assert trace.layer_ids == list(range(len(w.layers))) and trace.source_labels()[-1] == "current"
+    for li in trace.layer_ids:
+        for s, site in enumerate(("attn", "ffn")):
+            name = f"layers.{li}.attn_res.{site}.weights"
+            if name not in raw:
+                assert np.isnan(mixes[:, li, s]).all()
+                continue
+            p = np.stack(raw[name])  # [T, n + 1]
+            n = p.shape[1] - 1
+            np.testing.assert_allclose(mixes[:, li, s, :n], p[:, :n], **tol)
+            np.testing.assert_allclose(mixes[:, li, s, S_ - 1], p[:, n], **tol)
+            assert np.isnan(mixes[:, li, s, n : S_ - 1]).all()
+    final = np.stack(raw["final.attn_res.weights"])
+    np.testing.assert_allclose(trace.final_attn_res_weights()[:, -1], final[:, -1], **tol)
