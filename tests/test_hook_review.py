@@ -333,3 +333,26 @@ def test_trace_accessors_index_layers_heads_streams_and_sources_as_the_raw_value
             assert np.isnan(mixes[:, li, s, n : S_ - 1]).all()
     final = np.stack(raw["final.attn_res.weights"])
     np.testing.assert_allclose(trace.final_attn_res_weights()[:, -1], final[:, -1], **tol)
+
+
+@pytest.mark.parametrize("chunk", [3, 8], ids=lambda c: f"chunk{c}")
+def test_patching_routing_ids_and_weights_from_a_padded_trace_on_chunks(ref_weights, chunk):
+    """Run A drops one expert of layer 6 at position 3 (a plain hook), so its trace pads that token's ids with -1
+    and its weights with NaN. Patching ids and weights from that trace routes another run as A; stepping did,
+    but on a chunk the weights' NaN padding went in whole (beside a -1 id, whose expert output is 0: NaN * 0),
+    and every logit after it was NaN. Expected: A's logits."""
+    w, p = ref_weights, 3
+    ids, wts = "layers.6.moe.router.topk_ids", "layers.6.moe.router.topk_weights"
+    clean = Recorder().bind(w)
+    stepped(w, TOKENS[:8], clean)
+    drop = int(clean.trace()[ids][p, 0])
+    plain = Hooks()
+    plain.add(ids, lambda v, *, hook: v[v != drop] if hook.position == p else None)
+    rec = Recorder().bind(w)
+    want = stepped(w, TOKENS[:8], HookChain(plain, rec))
+    trace = rec.trace()
+    assert trace[ids][p, -1] == -1 and np.isnan(trace[wts][p, -1])
+    got = fed(w, TOKENS[:8], patch(ids, trace) + patch(wts, trace), chunk=chunk)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
+    np.testing.assert_allclose(stepped(w, TOKENS[:8], patch(ids, trace) + patch(wts, trace)), want, rtol=0, atol=1e-6)
