@@ -356,3 +356,11 @@ def test_patching_routing_ids_and_weights_from_a_padded_trace_on_chunks(ref_weig
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
     np.testing.assert_allclose(stepped(w, TOKENS[:8], patch(ids, trace) + patch(wts, trace)), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kwargs", "what"), [({"names_filter": 3}, "Recorder names_filter"), ({"full": 7}, "Recorder full"),
+                                              ({"full": [3]}, "Recorder full")])
+def test_recorder_name_arguments_of_another_type_are_named(kwargs, what):
+    """Recorder(names_filter=3) failed with "'int' object is not iterable", naming no argument."""
+    with pytest.raises(TypeError, match=what):
+        Recorder(**kwargs)

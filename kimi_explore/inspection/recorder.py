@@ -92,6 +92,8 @@ def _predicate(spec, what: str):
         return None, []
     if callable(spec):
         return spec, []
+    if not isinstance(spec, str) and not hasattr(spec, "__iter__"):
+        raise TypeError(f"{what}: expected a hook name, a glob, a list of them or a callable name -> bool, got {spec!r}")
     patterns = [spec] if isinstance(spec, str) else list(spec)
     for p in patterns:
         check_pattern(p, None, what)
