@@ -364,3 +364,9 @@ def test_recorder_name_arguments_of_another_type_are_named(kwargs, what):
     """Recorder(names_filter=3) failed with "'int' object is not iterable", naming no argument."""
     with pytest.raises(TypeError, match=what):
         Recorder(**kwargs)
+
+
+def test_a_layer_of_another_type_is_refused_naming_the_argument():
+    """layer=3.0 failed with "'float' object is not iterable"."""
+    with pytest.raises(ValueError, match=r"layer must be a non-negative int"):
+        ablate_experts(3.0, [1])

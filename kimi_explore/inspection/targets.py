@@ -22,7 +22,7 @@ __all__ = ["at_positions", "layer_ids", "layer_sites", "named", "position_filter
 
 def layer_ids(layer) -> list[int]:
     """An int or a list / range of them -> [int], checked (non-negative, not bool)."""
-    layers = [layer] if isinstance(layer, (int, np.integer)) else list(layer)
+    layers = [layer] if isinstance(layer, (int, np.integer)) else list(layer) if hasattr(layer, "__iter__") else [layer]
     for i in layers:
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
             raise ValueError(f"layer must be a non-negative int, a list or range of them, or 'all'; got {layer!r}")
