@@ -81,3 +81,8 @@ def __getattr__(name: str):
     module_name, attr = _LAZY[name]
     module = importlib.import_module(f".{module_name}", __name__)
     return module if attr is None else getattr(module, attr)
+
+
+def __dir__() -> list[str]:
+    """The lazy names too: tab completion (`ke.from_<TAB>`) lists what dir() lists."""
+    return sorted(set(globals()) | set(_LAZY))

@@ -102,9 +102,17 @@ def _prompt_text(text: str) -> str:
     return text
 
 
+def _checkpoint_text(text: str) -> str:
+    if not text.strip():  # `--checkpoint "$DIR"` with DIR unset: not the embedded model in silence
+        raise argparse.ArgumentTypeError("empty: give a checkpoint directory or Hub repo id "
+                                         "(leave --checkpoint out for the embedded model)")
+    return text
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model, prompt and backend arguments of `kimi-explore` and `kimi-explore report`."""
-    p.add_argument("--checkpoint", help="checkpoint directory or Hugging Face repo id (default: the embedded tiny model)")
+    p.add_argument("--checkpoint", type=_checkpoint_text,
+                   help="checkpoint directory or Hugging Face repo id (default: the embedded tiny model)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", type=_prompt_text,
                      help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
@@ -128,12 +136,24 @@ def load_model(args):
     from .weights.load import load_weights as from_pretrained
     from .weights.tiny_model import tiny_checkpoint
 
-    path = args.checkpoint or tiny_checkpoint()
+    path = tiny_checkpoint() if args.checkpoint is None else args.checkpoint
     t0 = time.perf_counter()
     weights = from_pretrained(path, layers=args.layers, device=args.device, dtype=args.dtype,
                                                  weight_dtype=args.weight_dtype, experts=args.experts,
                                                  expert_cache_size=args.expert_cache_size)
     return weights, path, time.perf_counter() - t0
+
+
+def prompt_tokenizer(args, weights):
+    """The checkpoint's tokenizer; None where it has none and the prompt is --ids (a --prompt then says to pass them)."""
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer(weights)
+    except TokenizerError as e:
+        if args.ids is None:
+            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
+        return None
 
 
 def prompt_ids(args, weights, tokenizer) -> list[int]:
@@ -172,11 +192,10 @@ def run(args) -> int:
     from . import KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
     from .model.latent_moe import LatentMoeWeights
-    from .tokenizer import load_tokenizer
 
     weights, path, load_s = load_model(args)
     cfg = weights.config
-    tok = load_tokenizer(weights.source) if args.ids is None else None
+    tok = prompt_tokenizer(args, weights) if args.ids is None else None
     ids = prompt_ids(args, weights, tok)
     kinds = [cfg.layer_kind(i) for i in weights.layer_ids]
     n_kda = sum(k.startswith("kda") for k in kinds)
@@ -271,16 +290,12 @@ def run_report(args) -> int:
     """`kimi-explore report`: decode the prompt in a recorded Session, then `views.figures.report.write_report`."""
     from .inspection.recorder import Recorder
     from .inspection.session import Session
-    from .tokenizer import TokenizerError, load_tokenizer
     from .views.figures.report import write_report
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise CliError(f"--out {args.out}: exists and is not a directory; name a directory (created if missing)")
     weights, path, _ = load_model(args)
-    try:
-        tokenizer = load_tokenizer(weights)
-    except TokenizerError as e:
-        if args.ids is None:
-            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
-        tokenizer = None
+    tokenizer = prompt_tokenizer(args, weights)
     ids = prompt_ids(args, weights, tokenizer)
     session = Session(weights, recorder=Recorder(top_k=max(10, args.top)), tokenizer=tokenizer)
     session.feed(ids)
@@ -299,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "make-tiny":
         from .weights.k3_depth import main as make_tiny_main
 
-        return make_tiny_main(argv[1:])
+        return guarded("kimi-explore make-tiny", lambda a: make_tiny_main(a, parser_class=ArgumentParser), argv[1:])
     args = _parser().parse_args(argv)
     return guarded("kimi-explore", run, args)
 

@@ -96,6 +96,11 @@ def diff(a, b) -> RunDiff:
     if list(ta.layer_ids) != list(tb.layer_ids):
         raise ValueError(f"diff: the runs have different layers ({list(ta.layer_ids)} vs {list(tb.layer_ids)}); "
                          "compare runs of the same model")
+    shape_keys = ("attention_kinds", "ffn_kinds", "block_boundaries", "max_sources", "kda_heads", "num_experts", "vocab_size")
+    other = [f"{k} {ta.meta[k]} vs {tb.meta[k]}" for k in shape_keys if k in ta.meta and k in tb.meta
+             and ta.meta[k] != tb.meta[k]]
+    if other:  # else NumPy fails on the first difference of arrays of other shapes
+        raise ValueError(f"diff: the runs come from different models ({'; '.join(other)}); compare runs of the same model")
     T = min(len(ta), len(tb))
     final = tb.final_attn_res_weights()[:T] - ta.final_attn_res_weights()[:T]
     sa, kda_a = ta.kda_state_norms()

@@ -162,7 +162,9 @@ class SourceAblation:
         if dis:
             worst = ", ".join(f"layer {r['layer']} {r['site']} {r['family']} (mass {r['mass']:.3f}, {effect} "
                               f"{r[effect]:.4f})" for r in dis[:4])
-            lines.append(f"Cells where mass and effect disagree most in rank ({len(dis)} with a percentile gap >= 0.5): {worst}.")
+            which = f"{len(dis)}" if len(dis) <= 4 else f"the 4 furthest apart of {len(dis)}"
+            lines.append(f"Cells where mass and effect disagree most in rank ({which} with a percentile gap >= 0.5): "
+                         f"{worst}.")
         else:
             lines.append("No cell's mass and effect are more than half the ranking apart.")
         return "\n".join(lines)

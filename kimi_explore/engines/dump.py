@@ -78,6 +78,14 @@ def read_dump(path) -> Dump:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"engine dump {path}: no such file")
+    from ..errors import CheckpointError
+    from ..weights.safetensors_io import SafetensorsFile
+
+    try:  # the header checked first: safetensors' own error names no file ("header too large" for an .npz)
+        SafetensorsFile(path).close()
+    except CheckpointError as e:
+        raise ValueError(f"engine dump: {e} (a dump is one safetensors file: ke.write_dump writes one; a .npz of "
+                         "captures is read by ke.compare directly)") from None
     with safe_open(str(path), framework="numpy") as f:
         meta = f.metadata() or {}
         missing = [k for k in ("format", "tokens") if k not in meta]

@@ -51,8 +51,18 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
     if drop_all and experts != "all":
         raise ValueError(f"ablate_experts: experts must be 'all' or a list of expert ids, got {experts!r}")
     drop = [] if drop_all else [int(e) for e in np.atleast_1d(to_numpy(experts))]
+    if any(e < 0 for e in drop):  # -1 marks a dropped slot: it would match nothing and ablate nothing
+        raise ValueError(f"ablate_experts: expert ids {[e for e in drop if e < 0]} must be >= 0")
+    seen = {}  # layer -> number of experts (from the router's scores): an id past it would ablate nothing
+
+    def note_experts(scores, *, hook):
+        seen[hook.layer] = scores.shape[-1]
 
     def ablate(ids, rows, hook):
+        E = seen.get(hook.layer)
+        bad = [e for e in drop if E is not None and e >= E]
+        if bad:
+            raise ValueError(f"ablate_experts at {hook.name}: expert ids {bad} are outside 0..{E - 1}")
         xp = array_namespace(ids)
         dropped = xp.ones(ids.shape, bool) if drop_all else xp.isin(ids, xp.asarray(drop, dtype=ids.dtype))
         if rows is None:
@@ -60,8 +70,10 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
         return xp.where(dropped & rows[:, None], -1, ids)
 
     hooks = Hooks()
-    for name in layer_sites(layer, "moe.router.topk_ids"):
-        hooks.add(name, at_positions(named(ablate, f"ablate_experts({experts!r})"), positions), chunks=True)
+    for name in layer_sites(layer, "moe.router."):
+        if drop:
+            hooks.add(name + "scores", note_experts, chunks=True)
+        hooks.add(name + "topk_ids", at_positions(named(ablate, f"ablate_experts({experts!r})"), positions), chunks=True)
     return hooks
 
 

@@ -102,6 +102,19 @@ def _predicate(spec, what: str):
     return (lambda n: n in exact or any(fnmatch.fnmatchcase(n, g) for g in globs)), patterns
 
 
+def _trim_positions(rows: list, width: int) -> bool:
+    """Cut mla.probs rows to `width` cache positions (in place; True if any was wider). A fed chunk records each
+    token's row over the chunk's whole cache, [nh, L0 + T], NaN past the token (`chunk_records`); when a
+    truncate cuts the chunk, the positions past the kept tokens are gone, and a Trace must not show them (a
+    straight decode's row is [nh, position + 1]). Widths never decrease along a history, so only the last
+    rows can be too wide."""
+    t = len(rows)
+    while t and rows[t - 1].shape[-1] > width:
+        t -= 1
+        rows[t] = rows[t][..., :width]
+    return t < len(rows)
+
+
 class Recorder:
     """Records what `kimi_forward_token` computes, token by token (see module docstring).
 
@@ -427,8 +440,12 @@ class Recorder:
         """Keep the records of the first n tokens (in place)."""
         self.flush()
         self._split_blocks()
-        for row in self._rows.values():
+        kept = self.positions[:n]  # a kept token's attention covers cache positions up to its own
+        width = max(kept) + 1 if kept and None not in kept else None
+        for k, row in self._rows.items():
             del row[n:]
+            if width is not None and k.endswith(".mla.probs") and _trim_positions(row, width):
+                self._stacked.pop(k, None)  # narrower now: stack afresh
         for st in self._stacked.values():
             st.truncate(n)
         del self.tokens[n:]

@@ -66,6 +66,10 @@ class Session:
     """One decode stream over `weights`, with its history (see module docstring)."""
 
     def __init__(self, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None, checkpoint_every: int = 16):
+        if not hasattr(weights, "config"):
+            raise TypeError(f"Session: weights: expected the model from ke.from_pretrained(...) or a ke.RayPipeline, "
+                            f"got {type(weights).__name__}" + (" (a path: load it with ke.from_pretrained(path) first)"
+                                                               if isinstance(weights, (str, Path)) else ""))
         self.weights = weights
         V = weights.config.vocab_size
         if tokenizer is not None and getattr(tokenizer, "vocab_size", V) != V:  # its ids would be another model's
@@ -484,6 +488,9 @@ class Session:
             self.recorder.load_state_dict(snap.records)
         if state is None:
             self.recover()
+        T, last = len(self._tokens), max(self._checkpoints, default=0)
+        if any(self._modified[last:T]):  # a file saved without checkpoints: keep one of this exact state, which a
+            self._checkpoints[T] = self.state.checkpoint()  # failed step goes back to (nothing could rebuild it)
 
     def fork(self) -> Session:
         """An independent session with the same weights, history, hooks and records (all arrays copied)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from operator import attrgetter
 
 from .block_residual import SourceBuffer
 from .config import KimiDecoderConfig
@@ -34,8 +35,9 @@ from .mla import mla_step
 from .ops import dense_mlp, rms_norm
 from .sites import site_table
 
-__all__ = ["OutputHead", "check_state", "decoder_layer", "embed_token", "finish_token", "kimi_forward_token",
-           "output_hidden", "run_layers", "token_index", "token_indices"]
+__all__ = ["OutputHead", "check_layer_count", "check_state", "decoder_layer", "embed_token", "finish_token",
+           "hooks_type_error", "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "run_layers",
+           "token_index", "token_indices"]
 
 
 @dataclass(frozen=True)
@@ -79,15 +81,23 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
     the names are listed by `hook_names(weights)`. The three parts (`embed_token`, `run_layers`,
     `finish_token`) are what a pipeline stage runs a share of (`kimi_explore.distributed`): the same
     operations in the same order, so a staged decode is bit-identical to this one.
+    If a hook raises (or the call is interrupted) after the layers began to advance, `state` is marked
+    part-advanced (`KimiDecodeState.broken`) and every later forward pass refuses it.
     """
     check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
+    if hooks is not None and not hasattr(hooks, "fire"):
+        raise hooks_type_error(hooks)
     if hooks is not None:  # the token's id and position (the state's), as on the sequence path, unless the driver announced them
         default = getattr(hooks, "default_token", None)
         if default is not None:
             default(token_index(token_id, weights.config.vocab_size), state.position)
     stack = embed_token(weights, token_id, hooks)
-    run_layers(weights, state, stack, hooks)
-    logits = finish_token(weights.head(), stack, hooks)
+    try:
+        run_layers(weights, state, stack, hooks)
+        logits = finish_token(weights.head(), stack, hooks)
+    except BaseException as e:
+        mark_broken(state, e)
+        raise
     state.position += 1
     return logits
 
@@ -108,12 +118,60 @@ def embed_token(weights, token_id, hooks=None, rows: int | None = None) -> Sourc
 
 def run_layers(weights, state, stack: SourceBuffer, hooks=None) -> None:
     """Every loaded layer on one token, from the stack as the previous layer (or the embedding) left it."""
-    check_state(weights, state)
+    check_layer_count(weights, state)  # the whole check is kimi_forward_token's (a pipeline stage makes its own state)
     for layer, layer_state in zip(weights.layers, state.layers, strict=True):
         decoder_layer(layer, layer_state, stack, weights.config, hooks)
 
 
 def check_state(weights, state) -> None:
+    """Refuse a state that is not this model's: the arguments swapped or of the wrong type, another layer
+    count, a layer of another kind, or other widths or dtype (a float64 model's state would otherwise run on
+    silently in float64 under float32 weights; another model's, fail deep inside a kernel). Widths and
+    dtype are checked on the first layer of each kind (a model's layers of one kind share them): ~2 us."""
+    check_layer_count(weights, state)
+    kinds = list(map(_KIND, state.layers))
+    if kinds != list(map(_KIND, weights.layers)):
+        i = next(i for i, (k, lw) in enumerate(zip(kinds, weights.layers, strict=True)) if k != lw.attention.kind)
+        raise ValueError(f"state.layers[{i}] is a {kinds[i]} state but these weights' layer {weights.layers[i].index} "
+                         f"is {weights.layers[i].attention.kind}; make the state with KimiDecodeState.new(weights)")
+    for kind in ("kda", "mla"):
+        i = kinds.index(kind) if kind in kinds else None
+        if i is None:
+            continue
+        w, a = weights.layers[i].attention, state.layers[i].attention
+        if kind == "kda":
+            name, want, found = "recurrent", (w.num_heads, w.head_dim, w.head_dim), a.recurrent
+            shape = found.shape
+        else:
+            name, want, found = "keys", (w.num_heads, w.qk_nope_head_dim + w.qk_rope_head_dim), a.keys
+            shape = (found.shape[0], found.shape[2])
+        if shape != want or found.dtype != weights.dtype:
+            raise ValueError(
+                f"state.layers[{i}] is not a state of these weights: expected {kind} {name} "
+                f"{' x '.join(map(str, want))}{' (heads x dim, any length)' if kind == 'mla' else ''} "
+                f"in {_dtype_str(weights.dtype)}, found {' x '.join(map(str, shape))} in {_dtype_str(found.dtype)}; "
+                "make the state with KimiDecodeState.new(weights)")
+
+
+def hooks_type_error(hooks) -> TypeError:
+    return TypeError(f"hooks: expected None or a ke.Hooks (hooks = ke.Hooks(); hooks.add(name, fn)), "
+                     f"got {type(hooks).__name__}")
+
+
+_KIND = attrgetter("attention.kind")
+
+
+def _dtype_str(dtype) -> str:
+    return getattr(dtype, "name", None) or getattr(dtype, "__name__", str(dtype))
+
+
+def check_layer_count(weights, state) -> None:
+    if not hasattr(weights, "layers") or not hasattr(weights, "config"):
+        hint = " (the arguments are (weights, state, ...): swapped?)" if hasattr(weights, "position") else ""
+        raise TypeError(f"weights: expected the model from ke.from_pretrained(...), got {type(weights).__name__}{hint}")
+    if not hasattr(state, "layers") or not hasattr(state, "position"):
+        raise TypeError(f"state: expected a KimiDecodeState (KimiDecodeState.new(weights)), got {type(state).__name__}")
+    refuse_broken(state)
     if len(state.layers) != len(weights.layers):
         raise ValueError(
             f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
@@ -125,6 +183,24 @@ def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
     """The output mix over the stack, the final norm and lm_head: logits [vocab]."""
     logits = head.lm_head @ output_hidden(head, stack, hooks)
     return logits if hooks is None else hooks.fire("logits", logits)
+
+
+def refuse_broken(state) -> None:
+    """Raise if `state` (a `KimiDecodeState` or a pipeline's) was marked part-advanced (`mark_broken`)."""
+    if getattr(state, "broken", None):
+        raise ValueError(f"this decode state is part-advanced and cannot be decoded on: {state.broken}. Go on from a "
+                         "copy taken before that call (state.copy()), or from a new state (weights.new_state()); a "
+                         "Session does this itself")
+
+
+def mark_broken(state, error: BaseException, n_tokens: int = 1) -> None:
+    """Mark `state` unusable (`KimiDecodeState.broken`): `error` stopped a forward pass of `n_tokens` tokens
+    that had begun to advance its layers."""
+    if not state.broken:
+        p = state.position
+        where = f"position {p}" if n_tokens == 1 else f"positions {p}-{p + n_tokens - 1}"
+        state.broken = (f"{type(error).__name__}({error}) stopped the forward pass of {where} after it had begun to "
+                        "advance the layers")
 
 
 _FINAL_SITE = {"final.block_residual": "final.block_residual"}  # one table for every token (`site_table`)

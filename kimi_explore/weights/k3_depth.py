@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from pathlib import Path
 
 from .tiny_model import make_text_config, write_checkpoint
 
@@ -90,12 +91,21 @@ def write_k3_depth(out, layers: int = 93, experts: int = 896, top_k: int = 16, k
     """Write the checkpoint (released layout, byte tokenizer vocabulary); returns its path."""
     if expert_format not in ("bf16", "mxfp4"):
         raise ValueError(f"--expert-format must be 'bf16' or 'mxfp4', got {expert_format!r}")
+    if shards < 1:
+        raise ValueError(f"--shards must be >= 1, got {shards}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory; name a new or empty directory")
+    if (out / "config.json").exists() or any(out.glob("*.safetensors*")) or any(out.glob("*.gguf")):
+        raise ValueError(f"--out {out}: already holds a checkpoint (config.json or weight files), which this would "
+                         "overwrite; name a new or empty directory")
     cfg = k3_depth_config(layers, experts, top_k, kda_heads, block_size, expert_format)
     return write_checkpoint(out, cfg, seed=seed, shards=shards, experts=expert_format)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="kimi-explore make-tiny",
+def main(argv=None, parser_class=argparse.ArgumentParser) -> int:
+    """`kimi-explore make-tiny` (the CLI passes its one-line-error parser as `parser_class`)."""
+    p = parser_class(prog="kimi-explore make-tiny",
                                 description="Write a random checkpoint with K3's depth and expert count but narrow "
                                 "widths, in the released layout (try the Explorer and the report at K3 scale).")
     p.add_argument("--out", required=True, help="output directory")

@@ -14,6 +14,7 @@ naming the file, tensor, key or argument.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,10 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         mix, final norm and lm_head (None): a pipeline stage after the first / before the last, which
         then reads neither those tensors nor a shard that holds only them.
     """
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"from_pretrained: path={path!r}: expected a checkpoint directory, a .gguf file or a Hub repo "
+                        f"id ('org/name') as a str or Path (ke.tiny_checkpoint() is the embedded model), "
+                        f"got {'an empty string' if isinstance(path, str) else type(path).__name__}")
     xp, dev = resolve_device(device)
     dt = resolve_dtype(dtype)
     bf16 = opts.resolve_weight_dtype(weight_dtype, dt)
