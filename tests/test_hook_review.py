@@ -370,3 +370,19 @@ def test_a_layer_of_another_type_is_refused_naming_the_argument():
     """layer=3.0 failed with "'float' object is not iterable"."""
     with pytest.raises(ValueError, match=r"layer must be a non-negative int"):
         ablate_experts(3.0, [1])
+
+
+def test_patch_refuses_a_trace_of_several_texts(ref_weights):
+    """A recorder kept over two texts holds positions 0.. twice (each text's from its state): patch silently took the
+    second text's rows. It now says so, and a window of one text patches as that text."""
+    w, name = ref_weights, "layers.3.attn.out"
+    rec = Recorder(full=[name]).bind(w)
+    stepped(w, [5, 6, 7], rec)
+    stepped(w, [8, 9, 10], rec)
+    trace = rec.trace()
+    with pytest.raises(ValueError, match=r"positions \[0, 1, 2\] more than once"):
+        patch(name, trace)
+    first = trace.window(0, 3)
+    plain = Hooks()
+    plain.add(name, lambda v, *, hook: first[name][hook.position].copy() if hook.position == 1 else None)
+    np.testing.assert_array_equal(stepped(w, TOKENS[:3], patch(name, first, positions=1)), stepped(w, TOKENS[:3], plain))

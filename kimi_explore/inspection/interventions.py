@@ -221,6 +221,10 @@ def patch(name: str, source, positions=None) -> Hooks:
     if isinstance(source, Trace):
         rows = source[name]
         table = {int(p): rows[t] for t, p in enumerate(source.positions)}
+        if len(table) != len(source.positions):  # a recorder kept over several texts (each from position 0)
+            again = sorted({int(p) for p in source.positions if np.count_nonzero(source.positions == p) > 1})
+            raise ValueError(f"patch({name!r}): the source trace has positions {again[:10]} more than once (several "
+                             "texts in one recorder); patch from one text's rows: trace.window(start, stop)")
     elif isinstance(source, dict):
         table = {int(p): to_numpy(v) for p, v in source.items()}
     else:
