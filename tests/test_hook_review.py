@@ -11,7 +11,7 @@ import pytest
 
 from kimi_explore import KimiDecodeState, kimi_forward_sequence, kimi_forward_token
 from kimi_explore.inspection.hooks import HookChain, Hooks
-from kimi_explore.inspection.interventions import ablate_experts, force_routing, override_attn_res, patch
+from kimi_explore.inspection.interventions import ablate_experts, force_routing, override_attn_res, patch, scale_kda_head
 from kimi_explore.inspection.recorder import Recorder
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 9, 44]
@@ -386,3 +386,33 @@ def test_patch_refuses_a_trace_of_several_texts(ref_weights):
     plain = Hooks()
     plain.add(name, lambda v, *, hook: first[name][hook.position].copy() if hook.position == 1 else None)
     np.testing.assert_array_equal(stepped(w, TOKENS[:3], patch(name, first, positions=1)), stepped(w, TOKENS[:3], plain))
+
+
+# ---------------------------------------------------------------- a recorder before an intervention in a chain
+@pytest.mark.parametrize("path", ["stepped", "fed"])
+def test_a_recorder_before_an_intervention_records_the_recurrent_values_it_saw(ref_weights, path):
+    """HookChain(recorder, scale_kda_head(1, 0, 0)): the recorder sees layer 1's state before the scaling. Stepping,
+    it kept a reference to the live state, which the decoder then overwrote with the scaled value: head 0's
+    recorded norm was 0 at every token (while its own full copy, and a fed run, showed the state it saw).
+    Expected: norms of what a plain hook placed at the same point in the chain captured; the conv norms likewise
+    under a hook that replaces the conv window."""
+    w = ref_weights
+    K = w.config.linear_attn_config.head_dim
+    seen = {}
+    plain = Hooks()
+    plain.add(names_filter=lambda n: n in ("layers.1.kda.state", "layers.1.kda.conv"),
+              fn=lambda v, *, hook: seen.setdefault(hook.name, []).append(np.array(v, dtype=np.float64)))
+    change = scale_kda_head(1, 0, 0.0)
+    change.add("layers.1.kda.conv", lambda v, *, hook: v * 2.0)
+    stepped(w, TOKENS[:4], HookChain(plain, change))
+    rec = Recorder().bind(w)
+    run = stepped if path == "stepped" else fed
+    run(w, TOKENS[:4], HookChain(rec, change))
+    trace = rec.trace()
+    S = np.stack(seen["layers.1.kda.state"])
+    np.testing.assert_allclose(trace["layers.1.kda.state.norm"], np.sqrt((S ** 2).sum(axis=(2, 3))), rtol=1e-4, atol=1e-6)
+    assert (trace["layers.1.kda.state.norm"][:, 0] > 0.1).all()
+    win = np.stack(seen["layers.1.kda.conv"])
+    H = S.shape[1]
+    want = np.sqrt((win ** 2).reshape(len(win), 3, H, K, -1).sum(axis=(3, 4)))
+    np.testing.assert_allclose(trace["layers.1.kda.conv.norm"], want, rtol=1e-4, atol=1e-6)

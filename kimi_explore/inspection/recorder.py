@@ -369,6 +369,14 @@ class Recorder:
             self._on_device = not self._on_device
             self.hooks.refresh()  # rebuild the site functions for device arrays
 
+    def keep_value(self, name: str) -> None:
+        """A hook set after this one in a HookChain replaced the value at `name`, which the decoder then copies into
+        the live buffer (kda.state, kda.conv) referenced here until the token ends: keep a copy of what was recorded."""
+        prefix = name[: name.rindex("kda.") + 4] if "kda." in name else None
+        stash = self._state_stash if name.endswith("kda.state") else self._conv_stash if name.endswith("kda.conv") else None
+        if stash is not None and prefix in stash:
+            stash[prefix] = stash[prefix].copy()
+
     def _end_token(self, value):
         """Last function at "logits": squared norms of this token's stashed vectors and live buffers, logits copy."""
         state = conv = moe = None
