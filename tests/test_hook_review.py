@@ -11,7 +11,7 @@ import pytest
 
 from kimi_explore import KimiDecodeState, kimi_forward_sequence, kimi_forward_token
 from kimi_explore.inspection.hooks import HookChain, Hooks
-from kimi_explore.inspection.interventions import ablate_experts, force_routing, override_attn_res, patch
+from kimi_explore.inspection.interventions import ablate_experts, force_routing, override_attn_res, patch, scale_kda_head
 from kimi_explore.inspection.recorder import Recorder
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 9, 44]
@@ -227,3 +227,192 @@ def test_chunk_aware_hooks_through_recorder_add_and_hooked(ref_weights):
     with hooks.hooked("layers.3.attn.out", lambda v, *, hook: calls.append(v.shape[0]), chunks=True):
         fed(w, TOKENS[:5], hooks, chunk=5)
     assert calls == [5] and len(hooks) == 0
+
+
+# ---------------------------------------------------------------- every site kind on the sequence path
+def _one_site_per_kind(w) -> list[str]:
+    from kimi_explore import hook_names
+
+    seen, out = set(), []
+    for n in hook_names(w):
+        kind = n.split(".", 2)[2] if n.startswith("layers.") else n
+        if kind not in seen and not n.startswith("layers.0."):
+            seen.add(kind)
+            out.append(n)
+    return out
+
+
+def _scaled(v, *, hook):
+    if hook.kind == "moe.router.topk_ids":  # another expert for each selection (still distinct); a chunk's -1 kept
+        return np.where(v >= 0, (v + 1) % 8, v)
+    return v * 0.9
+
+
+def _scaled_in_place(v, *, hook):
+    if hook.kind == "moe.router.topk_ids":
+        v[...] = np.where(v >= 0, (v + 1) % 8, v)
+    else:
+        v *= 0.9
+
+
+@pytest.mark.parametrize("fn", [_scaled, _scaled_in_place], ids=["returned", "in_place"])
+def test_every_site_kind_changes_a_fed_chunk_as_it_changes_stepping(w64, fn):
+    """The contract's rule on the sequence path: at one site of every kind (the first layer that has it), a
+    returned value or an in-place edit, by a per-token hook or a chunk-aware one, changes the fed logits as the
+    same hook changes stepping (float64: to 1e-9), across chunk boundaries and after a prefix."""
+    w = w64
+    assert w.config.num_experts == 8  # (the routing hooks above)
+    base = stepped(w, TOKENS[:6], None, PREFIX)
+    for name in _one_site_per_kind(w):
+        hooks = Hooks()
+        hooks.add(name, fn)
+        want = stepped(w, TOKENS[:6], hooks, PREFIX)
+        assert np.abs(want - base).max() > 1e-13, name  # the change reaches the logits
+        for chunks in (False, True):
+            hooks = Hooks()
+            hooks.add(name, fn, chunks=chunks)
+            np.testing.assert_allclose(fed(w, TOKENS[:6], hooks, PREFIX, chunk=4), want, rtol=0, atol=1e-9,
+                                       err_msg=f"{name} chunks={chunks}")
+
+
+@pytest.mark.parametrize("positions", ["all", 2.0, [1, 2.5], [True]], ids=["str", "float", "float_in_list", "bool"])
+def test_positions_of_another_type_are_refused_naming_the_argument(positions):
+    """positions="all" failed with "invalid literal for int() with base 10: 'a'", 2.0 with "'float' object is not
+    iterable", [1, 2.5] acted at position 2: none named the argument."""
+    with pytest.raises(TypeError, match=r"positions: expected None, a token position \(int\)"):
+        ablate_experts(3, "all", positions=positions)
+
+
+# ---------------------------------------------------------------- Trace accessors, against raw values
+@pytest.mark.parametrize("path", ["stepped", "fed"])
+def test_trace_accessors_index_layers_heads_streams_and_sources_as_the_raw_values(ref_weights, path):
+    """Trace's named-axis views against values captured by a plain per-token hook (float64 norms by hand):
+    kda_state_norms [token, kda layer, head], kda_conv_norms [token, kda layer, stream, head] (head h = channels
+    h K .. h K + K - 1 of each stream, all taps), routing [token, moe layer, k], attn_res_weights [token, layer,
+    site, source] (blocks in push order, the running sum last) and final_attn_res_weights."""
+    w = ref_weights
+    raw = {}
+    plain = Hooks()
+    plain.add(names_filter=lambda n: n.endswith(("kda.state", "kda.conv", "topk_ids", "attn_res.attn.weights",
+                                                 "attn_res.ffn.weights")) or n == "final.attn_res.weights",
+              fn=lambda v, *, hook: raw.setdefault(hook.name, []).append(np.array(v, dtype=np.float64)))
+    stepped(w, TOKENS[:5], plain)
+    rec = Recorder().bind(w)
+    stepped(w, TOKENS[:5], rec) if path == "stepped" else fed(w, TOKENS[:5], rec, chunk=3)
+    trace = rec.trace()
+    H, K = w.config.linear_attn_config.num_heads, w.config.linear_attn_config.head_dim
+    tol = {"rtol": 1e-5, "atol": 1e-7} if path == "stepped" else {"rtol": 1e-4, "atol": 1e-5}  # fed: float32 rounding
+
+    norms, kda_ids = trace.kda_state_norms()
+    conv, conv_ids = trace.kda_conv_norms()
+    assert kda_ids == conv_ids == [i for i, lw in enumerate(w.layers) if lw.attention.kind == "kda"]
+    for j, i in enumerate(kda_ids):
+        S = np.stack(raw[f"layers.{i}.kda.state"])  # [T, H, K, V]
+        np.testing.assert_allclose(norms[:, j], np.sqrt((S ** 2).sum(axis=(2, 3))), **tol)
+        win = np.stack(raw[f"layers.{i}.kda.conv"])  # [T, 3, P, W]
+        by_head = (win ** 2).reshape(len(win), 3, H, K, -1).sum(axis=(3, 4))
+        np.testing.assert_allclose(conv[:, j], np.sqrt(by_head), **tol)
+
+    routing = trace.routing()
+    assert routing["moe_layers"] == [i for i, lw in enumerate(w.layers) if lw.ffn.kind == "moe"]
+    for j, i in enumerate(routing["moe_layers"]):
+        np.testing.assert_array_equal(routing["topk_ids"][:, j], np.stack(raw[f"layers.{i}.moe.router.topk_ids"]))
+
+    mixes, S_ = trace.attn_res_weights(), trace.max_sources
+    assert trace.layer_ids == list(range(len(w.layers))) and trace.source_labels()[-1] == "current"
+    for li in trace.layer_ids:
+        for s, site in enumerate(("attn", "ffn")):
+            name = f"layers.{li}.attn_res.{site}.weights"
+            if name not in raw:
+                assert np.isnan(mixes[:, li, s]).all()
+                continue
+            p = np.stack(raw[name])  # [T, n + 1]
+            n = p.shape[1] - 1
+            np.testing.assert_allclose(mixes[:, li, s, :n], p[:, :n], **tol)
+            np.testing.assert_allclose(mixes[:, li, s, S_ - 1], p[:, n], **tol)
+            assert np.isnan(mixes[:, li, s, n : S_ - 1]).all()
+    final = np.stack(raw["final.attn_res.weights"])
+    np.testing.assert_allclose(trace.final_attn_res_weights()[:, -1], final[:, -1], **tol)
+
+
+@pytest.mark.parametrize("chunk", [3, 8], ids=lambda c: f"chunk{c}")
+def test_patching_routing_ids_and_weights_from_a_padded_trace_on_chunks(ref_weights, chunk):
+    """Run A drops one expert of layer 6 at position 3 (a plain hook), so its trace pads that token's ids with -1
+    and its weights with NaN. Patching ids and weights from that trace routes another run as A; stepping did,
+    but on a chunk the weights' NaN padding went in whole (beside a -1 id, whose expert output is 0: NaN * 0),
+    and every logit after it was NaN. Expected: A's logits."""
+    w, p = ref_weights, 3
+    ids, wts = "layers.6.moe.router.topk_ids", "layers.6.moe.router.topk_weights"
+    clean = Recorder().bind(w)
+    stepped(w, TOKENS[:8], clean)
+    drop = int(clean.trace()[ids][p, 0])
+    plain = Hooks()
+    plain.add(ids, lambda v, *, hook: v[v != drop] if hook.position == p else None)
+    rec = Recorder().bind(w)
+    want = stepped(w, TOKENS[:8], HookChain(plain, rec))
+    trace = rec.trace()
+    assert trace[ids][p, -1] == -1 and np.isnan(trace[wts][p, -1])
+    got = fed(w, TOKENS[:8], patch(ids, trace) + patch(wts, trace), chunk=chunk)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
+    np.testing.assert_allclose(stepped(w, TOKENS[:8], patch(ids, trace) + patch(wts, trace)), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kwargs", "what"), [({"names_filter": 3}, "Recorder names_filter"), ({"full": 7}, "Recorder full"),
+                                              ({"full": [3]}, "Recorder full")])
+def test_recorder_name_arguments_of_another_type_are_named(kwargs, what):
+    """Recorder(names_filter=3) failed with "'int' object is not iterable", naming no argument."""
+    with pytest.raises(TypeError, match=what):
+        Recorder(**kwargs)
+
+
+def test_a_layer_of_another_type_is_refused_naming_the_argument():
+    """layer=3.0 failed with "'float' object is not iterable"."""
+    with pytest.raises(ValueError, match=r"layer must be a non-negative int"):
+        ablate_experts(3.0, [1])
+
+
+def test_patch_refuses_a_trace_of_several_texts(ref_weights):
+    """A recorder kept over two texts holds positions 0.. twice (each text's from its state): patch silently took the
+    second text's rows. It now says so, and a window of one text patches as that text."""
+    w, name = ref_weights, "layers.3.attn.out"
+    rec = Recorder(full=[name]).bind(w)
+    stepped(w, [5, 6, 7], rec)
+    stepped(w, [8, 9, 10], rec)
+    trace = rec.trace()
+    with pytest.raises(ValueError, match=r"positions \[0, 1, 2\] more than once"):
+        patch(name, trace)
+    first = trace.window(0, 3)
+    plain = Hooks()
+    plain.add(name, lambda v, *, hook: first[name][hook.position].copy() if hook.position == 1 else None)
+    np.testing.assert_array_equal(stepped(w, TOKENS[:3], patch(name, first, positions=1)), stepped(w, TOKENS[:3], plain))
+
+
+# ---------------------------------------------------------------- a recorder before an intervention in a chain
+@pytest.mark.parametrize("path", ["stepped", "fed"])
+def test_a_recorder_before_an_intervention_records_the_recurrent_values_it_saw(ref_weights, path):
+    """HookChain(recorder, scale_kda_head(1, 0, 0)): the recorder sees layer 1's state before the scaling. Stepping,
+    it kept a reference to the live state, which the decoder then overwrote with the scaled value: head 0's
+    recorded norm was 0 at every token (while its own full copy, and a fed run, showed the state it saw).
+    Expected: norms of what a plain hook placed at the same point in the chain captured; the conv norms likewise
+    under a hook that replaces the conv window."""
+    w = ref_weights
+    K = w.config.linear_attn_config.head_dim
+    seen = {}
+    plain = Hooks()
+    plain.add(names_filter=lambda n: n in ("layers.1.kda.state", "layers.1.kda.conv"),
+              fn=lambda v, *, hook: seen.setdefault(hook.name, []).append(np.array(v, dtype=np.float64)))
+    change = scale_kda_head(1, 0, 0.0)
+    change.add("layers.1.kda.conv", lambda v, *, hook: v * 2.0)
+    stepped(w, TOKENS[:4], HookChain(plain, change))
+    rec = Recorder().bind(w)
+    run = stepped if path == "stepped" else fed
+    run(w, TOKENS[:4], HookChain(rec, change))
+    trace = rec.trace()
+    S = np.stack(seen["layers.1.kda.state"])
+    np.testing.assert_allclose(trace["layers.1.kda.state.norm"], np.sqrt((S ** 2).sum(axis=(2, 3))), rtol=1e-4, atol=1e-6)
+    assert (trace["layers.1.kda.state.norm"][:, 0] > 0.1).all()
+    win = np.stack(seen["layers.1.kda.conv"])
+    H = S.shape[1]
+    want = np.sqrt((win ** 2).reshape(len(win), 3, H, K, -1).sum(axis=(3, 4)))
+    np.testing.assert_allclose(trace["layers.1.kda.conv.norm"], want, rtol=1e-4, atol=1e-6)

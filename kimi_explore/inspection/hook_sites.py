@@ -99,9 +99,20 @@ class HookChain:
         self.hook_sets = [h for h in hook_sets if h is not None]
 
     def fire(self, name: str, value):
-        for h in self.hook_sets:
-            value = h.fire(name, value)
+        for i, h in enumerate(self.hook_sets):
+            new = h.fire(name, value)
+            if new is not value and i and name.endswith(SEQUENTIAL_SITES):  # the decoder copies `new` into the live
+                self.keep_value(name, self.hook_sets[:i])  # buffer the sets before may have kept a reference to
+            value = new
         return value
+
+    def keep_value(self, name: str, sets=None) -> None:
+        """A later set replaced the live buffer's value at `name` (kda.conv / kda.state): each set before it that
+        kept a reference there (a Recorder's norms, taken when the token ends) keeps a copy of what it saw."""
+        for h in self.hook_sets if sets is None else sets:
+            keep = getattr(h, "keep_value", None)
+            if keep is not None:
+                keep(name)
 
     def listening_sites(self, names: dict) -> dict:
         """`model.sites.site_table` for the chain: the sites any of its sets listens to, each fired through

@@ -14,9 +14,10 @@ The rule, for every site of `hook_names(weights)` (tests/test_hooks.py walks the
 value is what the rest of the forward pass reads, never dropped. Where the value is state, the state
 keeps it (`kda.conv`: the window, which the short conv then reads; `kda.state`: the recurrent
 matrix, which the read-out then reads); `final.block_residual` replaces the sealed blocks the output
-mix reads; new `moe.router.topk_ids` are re-weighted from the scores. A replacement must have the
-value's shape (only the routing sites may change k), live where the value lives (host or GPU), and
-be an array: anything else raises at once, naming the hook and the site. A hook may instead edit
+mix reads; new `moe.router.topk_ids` (experts 0..E-1; in a whole chunk [T, k] a -1 drops that selection)
+are re-weighted from the scores. A replacement must have the value's shape (only the routing sites may
+change k, the weights keeping one per id), live where the value lives (host or GPU), and be an array:
+anything else raises at once, naming the hook and the site. A hook may instead edit
 the value in place and return None: the edited value is what the rest reads, on both paths (`embed`
 hands hooks a copy of the embedding row, so an edit never reaches the table).
 

@@ -221,6 +221,10 @@ def patch(name: str, source, positions=None) -> Hooks:
     if isinstance(source, Trace):
         rows = source[name]
         table = {int(p): rows[t] for t, p in enumerate(source.positions)}
+        if len(table) != len(source.positions):  # a recorder kept over several texts (each from position 0)
+            again = sorted({int(p) for p in source.positions if np.count_nonzero(source.positions == p) > 1})
+            raise ValueError(f"patch({name!r}): the source trace has positions {again[:10]} more than once (several "
+                             "texts in one recorder); patch from one text's rows: trace.window(start, stop)")
     elif isinstance(source, dict):
         table = {int(p): to_numpy(v) for p, v in source.items()}
     else:
@@ -241,6 +245,9 @@ def patch(name: str, source, positions=None) -> Hooks:
         table = {p: table[p] for p in wanted}
 
     ids_site = name.endswith("moe.router.topk_ids")
+    # routing rows are ragged: a row is cut to its own entries and a chunk's row filled after them (ids -1: no
+    # expert; weights 0), never with the trace's padding (a NaN weight made the whole chunk NaN)
+    routing, fill = ids_site or name.endswith("moe.router.topk_weights"), -1 if ids_site else 0
     probs_site = name.endswith("mla.probs")  # a chunk's rows [nh, L0 + T]: the token form's [nh, L0 + t + 1], then masked
 
     def patch_value(value, *, hook):
@@ -260,13 +267,13 @@ def patch(name: str, source, positions=None) -> Hooks:
                 out[t, ..., :n] = xp.asarray(_unpad(row, value.shape[1:-1] + (n,), hook.name), dtype=value.dtype)
             return out
         rows = [(t, _unpad(row, value.shape[1:], hook.name)) for t, row in todo]
-        width = max([value.shape[-1]] + [r.shape[-1] for _, r in rows]) if ids_site else value.shape[-1]
-        out = xp.full((value.shape[0], width), -1, dtype=value.dtype) if ids_site else value.copy()
-        if ids_site:
+        width = max([value.shape[-1]] + [r.shape[-1] for _, r in rows]) if routing else value.shape[-1]
+        out = xp.full((value.shape[0], width), fill, dtype=value.dtype) if routing else value.copy()
+        if routing:
             out[:, : value.shape[1]] = value
         for t, row in rows:
-            if ids_site:
-                out[t] = -1
+            if routing:
+                out[t] = fill
                 out[t, : row.shape[0]] = xp.asarray(row, dtype=value.dtype)
             else:
                 out[t] = xp.asarray(row, dtype=value.dtype)
@@ -282,6 +289,8 @@ def _unpad(row: np.ndarray, shape: tuple, name: str) -> np.ndarray:
     row = np.asarray(row)
     if name.endswith("moe.router.topk_ids"):
         return row[row != -1]
+    if name.endswith("moe.router.topk_weights"):  # NaN: the padding of a shorter top-k
+        return row[~np.isnan(row)]
     if row.shape == shape:
         return row
     if row.ndim == len(shape) and all(r >= s for r, s in zip(row.shape, shape, strict=True)):

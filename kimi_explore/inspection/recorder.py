@@ -92,6 +92,8 @@ def _predicate(spec, what: str):
         return None, []
     if callable(spec):
         return spec, []
+    if not isinstance(spec, str) and not hasattr(spec, "__iter__"):
+        raise TypeError(f"{what}: expected a hook name, a glob, a list of them or a callable name -> bool, got {spec!r}")
     patterns = [spec] if isinstance(spec, str) else list(spec)
     for p in patterns:
         check_pattern(p, None, what)
@@ -366,6 +368,14 @@ class Recorder:
         if value is not None and on_host(value) == self._on_device:  # first token of an unbound recorder on a GPU
             self._on_device = not self._on_device
             self.hooks.refresh()  # rebuild the site functions for device arrays
+
+    def keep_value(self, name: str) -> None:
+        """A hook set after this one in a HookChain replaced the value at `name`, which the decoder then copies into
+        the live buffer (kda.state, kda.conv) referenced here until the token ends: keep a copy of what was recorded."""
+        prefix = name[: name.rindex("kda.") + 4] if "kda." in name else None
+        stash = self._state_stash if name.endswith("kda.state") else self._conv_stash if name.endswith("kda.conv") else None
+        if stash is not None and prefix in stash:
+            stash[prefix] = stash[prefix].copy()
 
     def _end_token(self, value):
         """Last function at "logits": squared norms of this token's stashed vectors and live buffers, logits copy."""

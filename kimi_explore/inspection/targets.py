@@ -22,7 +22,7 @@ __all__ = ["at_positions", "layer_ids", "layer_sites", "named", "position_filter
 
 def layer_ids(layer) -> list[int]:
     """An int or a list / range of them -> [int], checked (non-negative, not bool)."""
-    layers = [layer] if isinstance(layer, (int, np.integer)) else list(layer)
+    layers = [layer] if isinstance(layer, (int, np.integer)) else list(layer) if hasattr(layer, "__iter__") else [layer]
     for i in layers:
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
             raise ValueError(f"layer must be a non-negative int, a list or range of them, or 'all'; got {layer!r}")
@@ -53,7 +53,12 @@ def position_filter(positions):
             raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
         return (f"{a}..{'' if b is None else b - 1}", lambda p: a <= p and (b is None or p < b),
                 lambda ps: (ps >= a) & (ps < b) if b is not None else ps >= a)
-    wanted = {int(positions)} if isinstance(positions, (int, np.integer)) else {int(p) for p in positions}
+    items = [positions] if isinstance(positions, (int, np.integer)) else \
+        None if isinstance(positions, (str, bytes, float)) or not hasattr(positions, "__iter__") else list(positions)
+    if items is None or not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in items):
+        raise TypeError(f"positions: expected None, a token position (int), a collection or range of them, or a slice; "
+                        f"got {positions!r}")
+    wanted = {int(p) for p in items}
     ordered = sorted(wanted)
     if ordered and ordered[0] < 0:  # -1 is not "the last token": it would silently never act
         raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
