@@ -286,3 +286,41 @@ def test_jedi_completion_offers_the_lazy_names():
     """Jupyter completes through jedi by default; it found hook_names but not from_pretrained."""
     jedi = pytest.importorskip("jedi")
     assert [c.name for c in jedi.Interpreter("ke.from_", [{"ke": ke}]).complete()] == ["from_pretrained"]
+
+
+@pytest.mark.parametrize("hooks", [{"layers.0.attn.in": print}, [("layers.0.attn.in", print)], print, None],
+                         ids=["dict", "list", "function", "None"])
+def test_hook_sets_of_the_wrong_type_are_named_by_the_session(trained, hooks):
+    """session.intervene(fn), Session(hooks=[(name, fn)]) and Hooks() + dict raised AttributeError ('handles', 'bind')."""
+    session = ke.Session(trained)
+    session.feed([72, 101])
+    with pytest.raises(TypeError, match=r"Session.intervene: expected a ke.Hooks .* got " + type(hooks).__name__):
+        with session.intervene(hooks):
+            session.step(108)
+    assert len(session) == 2 and len(session.hooks) == 0
+    if hooks is not None:
+        with pytest.raises(TypeError, match=r"Session: hooks: expected a ke.Hooks .* got " + type(hooks).__name__):
+            ke.Session(trained, hooks=hooks)
+        with pytest.raises(TypeError, match=r"expected a ke.Hooks"):
+            ke.Hooks() + hooks
+
+
+def test_a_tokenizer_path_is_named_by_the_session(trained):
+    """Session(weights, tokenizer=path) failed at the first feed: 'PosixPath' has no attribute 'encode'
+    (a str: 'unknown encoding')."""
+    for path in (tiny_checkpoint(), str(tiny_checkpoint())):
+        with pytest.raises(TypeError, match=r"Session: tokenizer: expected a tokenizer .* \(a path: load it with "
+                                            r"ke.load_tokenizer\(path\)\)"):
+            ke.Session(trained, tokenizer=path)
+
+
+def test_saving_to_a_directory_is_refused_not_written_beside_it(trained, tmp_path):
+    """save_state(DIR) and trace.save(DIR) wrote DIR.npz next to the directory."""
+    session = ke.Session(trained)
+    session.feed([72, 101])
+    with pytest.raises(IsADirectoryError, match=r"save_state: .* is a directory; give a file path"):
+        session.save_state(tmp_path)
+    with pytest.raises(IsADirectoryError, match=r"Trace.save: .* is a directory; give a file path"):
+        session.trace().save(tmp_path)
+    assert not tmp_path.with_name(tmp_path.name + ".npz").exists()
+    assert session.save_state(tmp_path / "s").name == "s.npz"

@@ -54,7 +54,13 @@ from ..model.kimi_decoder import hook_names
 from ._hook_grammar import check_pattern, hook_grammar, is_glob
 from .hook_sites import SEQUENTIAL_SITES, HookChain, HookHandle, HookPoint, check_replacement
 
-__all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar", "is_glob"]
+__all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar", "hooks_expected", "is_glob"]
+
+def hooks_expected(found) -> TypeError:
+    """The error for a hook set that is not a `Hooks` (a dict or a list of (name, fn) pairs, TransformerLens-style)."""
+    return TypeError(f"expected a ke.Hooks (from ke.interventions, or hooks = ke.Hooks(); hooks.add(name, fn) with "
+                     f"fn(value, *, hook)), got {type(found).__name__}")
+
 
 class Hooks:
     """An ordered set of hook functions attached to names, globs or name filters.
@@ -113,6 +119,8 @@ class Hooks:
 
     def extend(self, other: Hooks) -> list[HookHandle]:
         """Attach every hook of `other` (in its order) to this set; returns the new handles."""
+        if not isinstance(other, Hooks):
+            raise hooks_expected(other)
         return [self.add(h.pattern, h.fn, names_filter=h.names_filter, chunks=h.chunks) for h in other.handles()]
 
     def __add__(self, other: Hooks) -> Hooks:
