@@ -324,3 +324,17 @@ def test_saving_to_a_directory_is_refused_not_written_beside_it(trained, tmp_pat
         session.trace().save(tmp_path)
     assert not tmp_path.with_name(tmp_path.name + ".npz").exists()
     assert session.save_state(tmp_path / "s").name == "s.npz"
+
+
+def test_a_hook_without_the_hook_keyword_is_refused_at_add(trained):
+    """hooks.add(name, lambda v: ...) was accepted, then failed at the first site inside a decode:
+    "<lambda>() got an unexpected keyword argument 'hook'"."""
+    hooks = ke.Hooks()
+    with pytest.raises(TypeError, match=r"Hooks.add: fn '.*<lambda>'\(v\) cannot be called as fn\(value, hook=\.\.\.\)"):
+        hooks.add("layers.0.attn.in", lambda v: None)
+    assert len(hooks) == 0
+    seen = []
+    hooks.add("layers.0.attn.in", lambda v, hook: seen.append(hook.name))  # TransformerLens's positional form
+    hooks.add("layers.0.attn.in", lambda *args, **kwargs: None)
+    ke.kimi_forward_token(trained, ke.KimiDecodeState.new(trained), 72, hooks=hooks)
+    assert seen == ["layers.0.attn.in"]
