@@ -21,6 +21,7 @@ import traceback
 
 import numpy as np
 import ray
+from stage_loss import kill_stage
 
 import kimi_explore as ke
 from kimi_explore.inspection.interventions import ablate_experts
@@ -189,12 +190,7 @@ def main(seed, stages, nops, path, tmp):
             elif op == "kill":
                 k = int(rng.integers(stages)); desc.append(k)
                 KILLED = True
-                ray.kill(pipe.stages[k].actor)
-                while True:  # ray.kill returns before the actor is gone
-                    try:
-                        ray.get(pipe.stages[k].actor.ping.remote(), timeout=60); time.sleep(0.05)
-                    except ray.exceptions.RayActorError:
-                        break
+                kill_stage(pipe, k)
                 for a, b in pairs:
                     try:
                         b.recover()

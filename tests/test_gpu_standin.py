@@ -482,11 +482,14 @@ def test_session_save_load_round_trip(load, tmp_path):
     assert_close(host.logits, s.logits, "trained", "float32")
 
 
-@pytest.mark.parametrize("make", ["ablate_experts", "zero_kda_head", "force_routing"])
+@pytest.mark.parametrize("make", ["ablate_experts", "zero_kda_head", "force_routing", "force_routing_weights",
+                                  "override_attn_res_array"])
 def test_interventions_match_the_host(load, make):
     hooks = {"ablate_experts": lambda: interventions.ablate_experts(1, [0, 3, 5]),
              "zero_kda_head": lambda: interventions.zero_kda_head(0, 1),
-             "force_routing": lambda: interventions.force_routing(2, [1, 4])}[make]
+             "force_routing": lambda: interventions.force_routing(2, [1, 4]),
+             "force_routing_weights": lambda: interventions.force_routing(2, [1, 4], weights=[0.7, 0.3]),
+             "override_attn_res_array": lambda: interventions.override_attn_res(2, "ffn", np.array([0.4, 0.6]))}[make]
     out = {}
     for where in ("gpu", "cpu"):
         s = Session(load("trained", "float64", where))

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from stage_loss import kill_stage
 
 import kimi_explore as ke
 from kimi_explore.inspection.interventions import ablate_experts, scale_kda_head
@@ -297,7 +298,7 @@ def test_recover_stops_at_a_token_decoded_under_a_temporary_intervention(path, w
         with s.intervene(ablate_experts(12, "all")):
             s.feed(TOKENS[3:5])
         s.feed(TOKENS[5:8])
-        ray.kill(pipe.stages[1].actor)
+        kill_stage(pipe, 1)
         with pytest.raises(RuntimeError, match="replaying token 3 .* first 3 tokens"):
             s.recover()
         assert len(s) == 3
@@ -319,7 +320,7 @@ def test_mutation_a_restarted_stage_gets_the_sessions_hooks_and_recorder_again(p
         expected = ke.Session(weights, recorder=False, hooks=intervention())
         plain = ke.Session(weights, recorder=False)
         s.feed(TOKENS[:6])
-        ray.kill(pipe.stages[1].actor)
+        kill_stage(pipe, 1)
         assert s.recover() == [1]
         s.feed(TOKENS[6:])
         expected.feed(TOKENS)
@@ -335,7 +336,7 @@ def test_mutation_a_restarted_stage_gets_the_sessions_hooks_and_recorder_again(p
         s, expected = session(pipe), session(weights)
         s.feed(TOKENS[:3])
         s.truncate(0)
-        ray.kill(pipe.stages[1].actor)
+        kill_stage(pipe, 1)
         assert s.recover() == [1]
         s.feed(TOKENS)
         expected.feed(TOKENS)

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from stage_loss import kill_stage
 
 import kimi_explore as ke
 from kimi_explore.inspection.interventions import ablate_experts
@@ -69,7 +70,7 @@ def test_a_recover_that_fails_leaves_the_checkpoints_to_the_next(path, weights, 
         for x in (s, one):
             x.feed(TOKENS[:8])
         flag.touch()
-        ray.kill(pipe.stages[1].actor)
+        kill_stage(pipe, 1)
         with pytest.raises(ArithmeticError, match="flaky hook"):
             s.recover()
         with pytest.raises(ke.StageLostError, match="recover"):  # not "decoded with value-changing hooks"
@@ -95,7 +96,7 @@ def test_recover_again_after_a_restart_that_could_not_load(path, weights, tmp_pa
         s, one = ke.Session(pipe), ke.Session(weights)
         for x in (s, one):
             x.feed(TOKENS[:6])
-        ray.kill(pipe.stages[1].actor)
+        kill_stage(pipe, 1)
         shard.rename(shard.with_suffix(".hidden"))
         with pytest.raises(ke.CheckpointError, match=r"stage 1 \(layers 8-15\).*model-00004-of-00005"):
             s.recover()
@@ -196,7 +197,7 @@ def test_a_snapshot_from_before_a_stage_restart_is_restored_exactly(path, weight
             snaps.append(x.snapshot())
             x.truncate(3)
             x.feed(TOKENS[5:12])
-        ray.kill(pipe.stages[1].actor)
+        kill_stage(pipe, 1)
         with pytest.raises(ke.StageLostError):
             s.step(5)
         assert s.recover() == [1]

@@ -106,14 +106,14 @@ def test_tokens_positions_and_records_are_copies(ref_weights, ref):
     rec = Recorder(full=["layers.0.kda.state", "final.block_residual"])
     run(ref_weights, ref["tokens"][:3], rec)
     early = rec.trace()
-    run(ref_weights, ref["tokens"][3:6], rec)  # a new state: positions keep counting in this recorder
+    run(ref_weights, ref["tokens"][3:6], rec)  # a new state: its positions start at 0 again (as fed), the records go on
     later = rec.trace()
     assert len(early) == 3 and len(later) == 6
     for name in early.names():
         np.testing.assert_array_equal(later[name][:3], early[name])
     assert not np.array_equal(later["layers.0.kda.state"][1], later["layers.0.kda.state"][2])
     np.testing.assert_array_equal(later.tokens, ref["tokens"][:6])
-    np.testing.assert_array_equal(later.positions, np.arange(6))
+    np.testing.assert_array_equal(later.positions, [0, 1, 2, 0, 1, 2])
 
 
 def test_recorder_copies_logits(ref_weights, ref):

@@ -38,7 +38,16 @@ import numpy as np
 from ..backend import resolve_dtype
 from ..errors import StageLostError
 from ..model.config import KimiDecoderConfig
-from ..model.kimi_decoder import KimiDecodeState, LayerSequence, OutputHead, hook_names, token_index, token_indices
+from ..model.kimi_decoder import (
+    KimiDecodeState,
+    LayerSequence,
+    OutputHead,
+    hook_names,
+    mark_broken,
+    refuse_broken,
+    token_index,
+    token_indices,
+)
 from ..model.kimi_sequence import default_chunk
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
@@ -88,10 +97,12 @@ class PipelineState:
     """A pipeline's decode state: one state id per stage (the arrays stay in the stages) and the position.
 
     `copy()` copies inside each stage; a state that is garbage-collected is dropped from its stages.
+    broken: as `KimiDecodeState.broken` (a token or chunk that raised part-way through the stages).
     """
 
     def __init__(self, pipeline: RayPipeline, ids: list[int], epochs: list[int], position: int = 0):
         self.pipeline, self.ids, self.epochs, self.position = pipeline, ids, epochs, position
+        self.broken: str | None = None
         self._finalizer = weakref.finalize(self, pipeline._drop_states, ids, epochs)
 
     def copy(self) -> PipelineState:
@@ -106,7 +117,8 @@ class PipelineState:
         return self.pipeline._state_nbytes(self)
 
     def __repr__(self) -> str:
-        return f"PipelineState(position {self.position}, {len(self.ids)} stages, ids {self.ids})"
+        broken = ", broken" if self.broken else ""
+        return f"PipelineState(position {self.position}, {len(self.ids)} stages, ids {self.ids}{broken})"
 
 
 class RayPipeline(LayerSequence):
@@ -217,8 +229,9 @@ class RayPipeline(LayerSequence):
         try:
             refs = self._compiled().execute((tuple(state.ids), what, position))
             outs = self._get(refs, self.stages, doing)
-        except BaseException:  # e.g. KeyboardInterrupt while waiting: the graph still holds this execution, whose
+        except BaseException as e:  # e.g. KeyboardInterrupt while waiting: the graph still holds this execution, whose
             self._teardown()  # results nobody reads, and the next one would wait for them forever: a new graph
+            mark_broken(state, e, 1 if isinstance(what, int) else len(what))  # some stages may have run it
             raise
         stale = [s.describe() for s, out in zip(self.stages, outs, strict=True) if out[2] != position]
         if stale:  # never seen; it would mean a channel handed over another token's values
@@ -460,6 +473,7 @@ class RayPipeline(LayerSequence):
         if stale:
             raise StageLostError(f"this state's part on {', '.join(stale)} was lost when the stage restarted; "
                                  "session.recover() rebuilds the session's states")
+        refuse_broken(state)
 
     def close(self) -> None:
         """Stop every stage actor (the Ray runtime stays up)."""

@@ -42,6 +42,7 @@ class ChunkRecording:
         self.rec = recorder
         self._fns: dict[str, tuple] = {}
         self._dropped: dict[str, object] = {}  # "layers.{i}." -> [T, k] mask of ids kept, while -1 entries are present
+        self._conv_waiting: dict[str, tuple] = {}  # "layers.{i}.kda." -> (put, a token's conv window): unbound, until its state
 
     def record(self, name: str, value) -> None:
         """Record a chunk `value` [T, ...] that flowed at `name`."""
@@ -79,15 +80,23 @@ class ChunkRecording:
             put = rec.chunk_put(name + ".norm")
             if kind == "kda.state":
                 yield lambda s: rec.emit(put, _norms(s.reshape(s.shape[0], s.shape[1], -1)))
-            else:
-                heads = rec.meta["kda_heads"]
-                yield lambda w: rec.emit(put, _norms(w.reshape(w.shape[0], 3 * heads, -1)).reshape(w.shape[0], 3, heads))
+            elif "kda_heads" in rec.meta:
+                yield lambda w: rec.emit(put, _conv_norms(w, rec.meta["kda_heads"]))
+            else:  # an unbound recorder: the layer's state, which fires next in the same token, gives the heads
+                yield lambda w: self._conv_waiting.__setitem__(name[: -len("conv")], (put, w.copy()))
+        if kind == "kda.state" and "kda_heads" not in rec.meta:
+            yield lambda s: self._conv_for_state(name[: -len("state")], s.shape[1])
         if rec.full is not None and rec.full(name) and how != "fresh":  # a fresh default record is already the value
             full = rec.chunk_put(name)  # (its own name: the lambdas above read `put` when called)
             if kind == "mla.probs":
                 yield lambda p: rec.emit(full, _future_nan(p))
             else:
                 yield lambda v: rec.emit(full, v.copy())
+
+    def _conv_for_state(self, prefix: str, heads: int) -> None:
+        waiting = self._conv_waiting.pop(prefix, None)
+        if waiting is not None:
+            self.rec.emit(waiting[0], _conv_norms(waiting[1], heads))
 
     def observe(self, name: str, norms) -> None:
         """The decoder's per-token norms of a site it does not fire whole (kda.state [T, H], kda.conv [T, 3, H])."""
@@ -142,6 +151,11 @@ def _future_nan(p):
     t = xp.arange(T)
     xp.copyto(out[:, :, p.shape[2] - T :], xp.nan, where=(t[None, :] > t[:, None])[:, None, :])
     return out
+
+
+def _conv_norms(w, heads: int):
+    """Conv windows [T, 3, P, W] -> each head's window norm per stream [T, 3, H] (channel h K + j of each stream)."""
+    return _norms(w.reshape(w.shape[0], 3 * heads, -1)).reshape(w.shape[0], 3, heads)
 
 
 def _norms(x):

@@ -113,6 +113,12 @@ class HookChain:
         for h in self.hook_sets:
             h.begin_token(token_id, position)
 
+    def default_token(self, token_id, position) -> None:
+        for h in self.hook_sets:
+            default = getattr(h, "default_token", None)
+            if default is not None:
+                default(token_id, position)
+
     def start_token(self, token_id=None, position=None) -> None:
         for h in self.hook_sets:
             h.start_token(token_id, position)

@@ -31,8 +31,11 @@ fire, at any layer); once bound to a model (`hooks.bind(weights)`, done by `Sess
 against that model's exact list, so `layers.2.kda.q` on an MLA layer 2 is an error too. An unbound
 Hooks also checks its exact names after the first full token and warns about any that never fired.
 
-Token positions: `hook.position` is the 0-based index of the token being decoded. It counts the
-`embed` sites this Hooks has seen, unless `begin_token(token_id, position)` set it (Session does).
+Token positions: `hook.position` is the 0-based index of the token being decoded: the decode state's
+position (`kimi_forward_token` tells it and the token's id, `default_token`; the sequence path takes each
+chunk's from the state too), unless the driver announced others with `begin_token(token_id, position)`
+(Session does). Only where neither says (a forward assembled from `embed_token` ...) it counts the
+`embed` sites this Hooks has seen.
 
 Observers: `Hooks(observer=obj)` also runs, at each site and after every hook there, the functions
 `obj.site_functions(name)` lists; each is called as `fn(value)` and cannot change the value. A
@@ -170,9 +173,9 @@ class Hooks:
         self._changed()
 
     @contextlib.contextmanager
-    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None):
-        """`with hooks.hooked("layers.*.kda.state", fn):` attaches fn for the block only."""
-        handle = self.add(name_or_glob, fn, names_filter=names_filter)
+    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False):
+        """`with hooks.hooked("layers.*.kda.state", fn):` attaches fn for the block only (`add`'s arguments)."""
+        handle = self.add(name_or_glob, fn, names_filter=names_filter, chunks=chunks)
         try:
             yield handle
         finally:
@@ -246,6 +249,12 @@ class Hooks:
     def begin_token(self, token_id=None, position=None) -> None:
         """Announce the next token (its id and 0-based position) before `kimi_forward_token` runs."""
         self._next = (None if token_id is None else int(token_id), None if position is None else int(position))
+
+    def default_token(self, token_id, position) -> None:
+        """The next token's id and position by its decode state (`kimi_forward_token`), where `begin_token` did not
+        announce them."""
+        announced_id, announced = self._next if self._next is not None else (None, None)
+        self._next = (token_id if announced_id is None else announced_id, position if announced is None else announced)
 
     def start_token(self, token_id=None, position=None) -> None:
         """Start a token where "embed" does not fire (a pipeline stage after the first): `begin_token`

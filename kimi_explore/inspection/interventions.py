@@ -39,7 +39,7 @@ from .._xp import array_namespace
 from ..backend import to_numpy
 from .hooks import Hooks
 from .source_masks import SOURCE_FAMILIES, mask_sources, source_columns
-from .targets import at_positions, layer_ids, layer_sites, named
+from .targets import at_positions, layer_ids, layer_sites, named, position_filter
 
 __all__ = ["SOURCE_FAMILIES", "ablate_experts", "force_routing", "mask_sources", "override_attn_res", "patch",
            "scale_kda_head", "source_columns", "zero_kda_head"]
@@ -83,7 +83,7 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     ids_req = [int(e) for e in np.atleast_1d(to_numpy(expert_ids))]
     if len(set(ids_req)) != len(ids_req):
         raise ValueError(f"force_routing: expert_ids has duplicates: {ids_req}")
-    weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # a GPU array is fine too
+    weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # (a copy) a GPU array is fine too
     if weights is not None and len(weights) != len(ids_req):
         raise ValueError(f"force_routing: {len(weights)} weights for {len(ids_req)} experts")
     seen = {}
@@ -115,9 +115,9 @@ def _put_rows(value, given, rows, fill):
     """`given` [k'] as the value (one token, rows None), or in the masked rows of a chunk [T, k]: the
     chunk widened to max(k, k') with `fill` where a row has fewer entries."""
     xp = array_namespace(value)
+    if rows is None:  # a new array every token: a later hook may edit it in place, a recorder keeps it
+        return xp.array(given, dtype=value.dtype, copy=True)
     given = xp.asarray(given, dtype=value.dtype)
-    if rows is None:
-        return given
     T, k, k2 = value.shape[0], value.shape[1], given.shape[0]
     out = xp.full((T, max(k, k2)), fill, dtype=value.dtype)
     out[:, :k] = value
@@ -138,7 +138,11 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     else:
         if site not in ("attn", "ffn"):
             raise ValueError(f"override_attn_res: site must be 'attn' or 'ffn', got {site!r}")
-        name = f"layers.{layer_ids(layer)[0]}.attn_res.{site}.weights"
+        ids = layer_ids(layer)
+        if len(ids) != 1:  # (the first of several was taken silently)
+            raise ValueError(f"override_attn_res: layer must be one layer (or 'final'), got {layer!r}; add one "
+                             "override per layer (hooks + hooks)")
+        name = f"layers.{ids[0]}.attn_res.{site}.weights"
     if isinstance(weights, str):
         if weights != "uniform":
             raise ValueError(f"override_attn_res: weights must be 'uniform', ('one_hot', j) or an array, got {weights!r}")
@@ -146,7 +150,7 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     elif isinstance(weights, tuple) and len(weights) == 2 and weights[0] == "one_hot":
         mode, j = "one_hot", (-1 if weights[1] == "current" else int(weights[1]))
     else:
-        mode, given = "given", np.asarray(to_numpy(weights), dtype=float)
+        mode, given = "given", np.array(to_numpy(weights), dtype=float, copy=True)  # not the caller's array
         if given.ndim != 1:
             raise ValueError(f"override_attn_res: a weight vector must be 1-D, got shape {given.shape}")
 
@@ -164,7 +168,7 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
             if given.shape[0] != n:
                 raise ValueError(f"override_attn_res at {hook.name}: got {given.shape[0]} weights, this site mixes {n} "
                                  "sources (stored blocks..., current)")
-            new = xp.asarray(given, dtype=p.dtype)
+            new = xp.array(given, dtype=p.dtype, copy=True)  # a new array every token (edited in place, recorded)
         if rows is None:
             return new
         out = p.copy()
@@ -222,6 +226,13 @@ def patch(name: str, source, positions=None) -> Hooks:
     else:
         rows = to_numpy(source)
         table = {p: rows[p] for p in range(rows.shape[0])}
+    if isinstance(positions, slice):  # every position of the source in the slice (checked as for any intervention)
+        acts = position_filter(positions)[1]
+        inside = [p for p in sorted(table) if acts(p)]
+        if not inside:
+            raise ValueError(f"patch({name!r}): the source has no value at positions {positions} (it has "
+                             f"{sorted(table)[:10]}...)")
+        positions = inside
     if positions is not None:
         wanted = [int(positions)] if isinstance(positions, (int, np.integer)) else [int(p) for p in positions]
         missing = [p for p in wanted if p not in table]
@@ -230,6 +241,7 @@ def patch(name: str, source, positions=None) -> Hooks:
         table = {p: table[p] for p in wanted}
 
     ids_site = name.endswith("moe.router.topk_ids")
+    probs_site = name.endswith("mla.probs")  # a chunk's rows [nh, L0 + T]: the token form's [nh, L0 + t + 1], then masked
 
     def patch_value(value, *, hook):
         xp = array_namespace(value)
@@ -239,6 +251,14 @@ def patch(name: str, source, positions=None) -> Hooks:
         todo = [(t, table[int(p)]) for t, p in enumerate(hook.positions) if int(p) in table]
         if not todo:
             return None
+        if probs_site:  # token t of the chunk sees L0 + t + 1 positions; the rest of its row is masked (0, never NaN)
+            T, L = value.shape[0], value.shape[-1]
+            out = value.copy()
+            for t, row in todo:
+                n = L - (T - 1 - t)
+                out[t] = 0
+                out[t, ..., :n] = xp.asarray(_unpad(row, value.shape[1:-1] + (n,), hook.name), dtype=value.dtype)
+            return out
         rows = [(t, _unpad(row, value.shape[1:], hook.name)) for t, row in todo]
         width = max([value.shape[-1]] + [r.shape[-1] for _, r in rows]) if ids_site else value.shape[-1]
         out = xp.full((value.shape[0], width), -1, dtype=value.dtype) if ids_site else value.copy()

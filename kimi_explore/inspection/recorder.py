@@ -100,6 +100,19 @@ def _predicate(spec, what: str):
     return (lambda n: n in exact or any(fnmatch.fnmatchcase(n, g) for g in globs)), patterns
 
 
+def _trim_positions(rows: list, width: int) -> bool:
+    """Cut mla.probs rows to `width` cache positions (in place; True if any was wider). A fed chunk records each
+    token's row over the chunk's whole cache, [nh, L0 + T], NaN past the token (`chunk_records`); when a
+    truncate cuts the chunk, the positions past the kept tokens are gone, and a Trace must not show them (a
+    straight decode's row is [nh, position + 1]). Widths never decrease along a history, so only the last
+    rows can be too wide."""
+    t = len(rows)
+    while t and rows[t - 1].shape[-1] > width:
+        t -= 1
+        rows[t] = rows[t][..., :width]
+    return t < len(rows)
+
+
 class Recorder:
     """Records what `kimi_forward_token` computes, token by token (see module docstring).
 
@@ -140,9 +153,9 @@ class Recorder:
         self._chunks = ChunkRecording(self)  # how whole chunks of the sequence path are recorded
 
     # ------------------------------------------------------------------ the Hooks it holds
-    def add(self, name_or_glob=None, fn=None, *, names_filter=None):
+    def add(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False):
         """`Hooks.add`: a hook that runs before the recording at its sites."""
-        return self.hooks.add(name_or_glob, fn, names_filter=names_filter)
+        return self.hooks.add(name_or_glob, fn, names_filter=names_filter, chunks=chunks)
 
     def extend(self, other: Hooks) -> list:
         return self.hooks.extend(other)
@@ -150,11 +163,14 @@ class Recorder:
     def remove(self, what) -> int:
         return self.hooks.remove(what)
 
-    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None):
-        return self.hooks.hooked(name_or_glob, fn, names_filter=names_filter)
+    def hooked(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False):
+        return self.hooks.hooked(name_or_glob, fn, names_filter=names_filter, chunks=chunks)
 
     def begin_token(self, token_id=None, position=None) -> None:
         self.hooks.begin_token(token_id, position)
+
+    def default_token(self, token_id, position) -> None:
+        self.hooks.default_token(token_id, position)
 
     def start_token(self, token_id=None, position=None) -> None:
         """Start a token where "embed" does not fire (a pipeline stage after the first)."""
@@ -191,6 +207,7 @@ class Recorder:
             self.meta = model_meta(weights_or_names)
             self._on_device = not on_host(weights_or_names.xp)
             self.hooks.refresh()
+            self._chunks.clear()  # (built from the meta: the heads of the KDA layers)
         return self
 
     def _wants(self, name: str, kind: str) -> bool:
@@ -421,8 +438,12 @@ class Recorder:
         """Keep the records of the first n tokens (in place)."""
         self.flush()
         self._split_blocks()
-        for row in self._rows.values():
+        kept = self.positions[:n]  # a kept token's attention covers cache positions up to its own
+        width = max(kept) + 1 if kept and None not in kept else None
+        for k, row in self._rows.items():
             del row[n:]
+            if width is not None and k.endswith(".mla.probs") and _trim_positions(row, width):
+                self._stacked.pop(k, None)  # narrower now: stack afresh
         for st in self._stacked.values():
             st.truncate(n)
         del self.tokens[n:]

@@ -497,6 +497,9 @@ class Session:
             self.recorder.load_state_dict(snap.records)
         if state is None:
             self.recover()
+        T, last = len(self._tokens), max(self._checkpoints, default=0)
+        if any(self._modified[last:T]):  # a file saved without checkpoints: keep one of this exact state, which a
+            self._checkpoints[T] = self.state.checkpoint()  # failed step goes back to (nothing could rebuild it)
 
     def fork(self) -> Session:
         """An independent session with the same weights, history, hooks and records (all arrays copied)."""

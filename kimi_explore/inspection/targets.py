@@ -55,6 +55,8 @@ def position_filter(positions):
                 lambda ps: (ps >= a) & (ps < b) if b is not None else ps >= a)
     wanted = {int(positions)} if isinstance(positions, (int, np.integer)) else {int(p) for p in positions}
     ordered = sorted(wanted)
+    if ordered and ordered[0] < 0:  # -1 is not "the last token": it would silently never act
+        raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
     return str(ordered), wanted.__contains__, lambda ps: np.isin(ps, ordered)
 
 

@@ -36,7 +36,9 @@ from .kimi_token import (
     embed_token,
     finish_token,
     kimi_forward_token,
+    mark_broken,
     output_hidden,
+    refuse_broken,
     run_layers,
     token_index,
     token_indices,
@@ -64,7 +66,9 @@ __all__ = [
     "hook_names",
     "kimi_forward_sequence",
     "kimi_forward_token",
+    "mark_broken",
     "output_hidden",
+    "refuse_broken",
     "run_layers",
     "token_index",
     "token_indices",
@@ -234,10 +238,16 @@ class KimiLayerState:
 
 @dataclass
 class KimiDecodeState:
-    """Everything that carries from one token to the next."""
+    """Everything that carries from one token to the next.
+
+    broken: None, or why the state is unusable: an exception (a hook's, a KeyboardInterrupt) stopped a
+    forward pass after it had begun to advance the layers, so some layers have seen a token the others
+    have not. Forward passes refuse such a state (`check_state`) instead of decoding on from it.
+    """
 
     layers: list[KimiLayerState]
     position: int = 0
+    broken: str | None = None
 
     @classmethod
     def new(cls, weights: KimiDecoderWeights) -> KimiDecodeState:
@@ -254,12 +264,12 @@ class KimiDecodeState:
         """An exact deep copy: it shares no array with this state and keeps every array's shape (an MLA
         cache keeps its capacity), so decoding on from the copy repeats the same arithmetic on the same
         layouts, bit for bit (what Session's checkpoints, truncates and forks rely on)."""
-        return KimiDecodeState([s.copy() for s in self.layers], self.position)
+        return KimiDecodeState([s.copy() for s in self.layers], self.position, self.broken)
 
     def checkpoint(self) -> KimiDecodeState:
         """A copy to keep, never to decode on: only `copy()` it (a Session's checkpoints). The KDA arrays are
         copied; each MLA cache is shared with this state (`MlaState.checkpoint`), which only appends to it."""
-        return KimiDecodeState([s.checkpoint() for s in self.layers], self.position)
+        return KimiDecodeState([s.checkpoint() for s in self.layers], self.position, self.broken)
 
     def arrays(self) -> list:
         """Every array the state holds, layer by layer."""
@@ -276,7 +286,7 @@ class KimiDecodeState:
         first = self.arrays()[:1]
         where = f"{type(first[0]).__module__.split('.')[0]} {_dtype_name(first[0].dtype)}, " if first else ""
         return (f"KimiDecodeState(position {self.position}, {len(self.layers)} layers ({len(self.layers) - n_mla} KDA, "
-                f"{n_mla} MLA), {where}{self.nbytes / 2**20:.2f} MiB)")
+                f"{n_mla} MLA), {where}{self.nbytes / 2**20:.2f} MiB{', broken' if self.broken else ''})")
 
 
 def _dtype_name(dtype) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 from ..backend import to_numpy
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
-from .kimi_token import OutputHead, check_state, decoder_layer, hooks_type_error, token_indices
+from .kimi_token import OutputHead, check_state, decoder_layer, hooks_type_error, mark_broken, token_indices
 from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
 from .ops import dense_mlp_sequence, linear, rms_norm
@@ -168,9 +168,10 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
 
     hooks: as for `kimi_forward_token`, with the chunk protocol (`begin_chunk`, `fire_chunk`,
     `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`, and optionally `listens_chunk`;
-    see `inspection.hooks.Hooks`). If a hook raises, `state` is left part-advanced (the chunks before
-    taken whole, the failing one by some layers), as `kimi_forward_token` leaves it: go on from a copy
-    taken before (`Session` does).
+    see `inspection.hooks.Hooks`). If a hook raises (or the run is interrupted), `state` is left
+    part-advanced (the chunks before taken whole, the failing one by some layers) and marked so
+    (`KimiDecodeState.broken`), as `kimi_forward_token` leaves it: forward passes refuse it; go on from a
+    copy taken before (`Session` does).
     """
     check_state(weights, state)
     if hooks is not None and not hasattr(hooks, "fire_chunk"):
@@ -200,8 +201,12 @@ def forward_chunk(weights, state, ids: list[int], hooks=None):
         hooks.begin_chunk(ids, range(state.position, state.position + len(ids)))
     try:
         stack = embed_chunk(weights, ids, hooks)
-        run_layers_chunk(weights, state, stack, hooks)
-        logits = finish_sequence(weights.head(), stack, hooks)
+        try:
+            run_layers_chunk(weights, state, stack, hooks)
+            logits = finish_sequence(weights.head(), stack, hooks)
+        except BaseException as e:
+            mark_broken(state, e, len(ids))
+            raise
     finally:
         if hooks is not None:
             hooks.end_chunk()

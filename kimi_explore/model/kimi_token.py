@@ -36,7 +36,8 @@ from .ops import dense_mlp, rms_norm
 from .sites import site_table
 
 __all__ = ["OutputHead", "check_layer_count", "check_state", "decoder_layer", "embed_token", "finish_token",
-           "hooks_type_error", "kimi_forward_token", "output_hidden", "run_layers", "token_index", "token_indices"]
+           "hooks_type_error", "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "run_layers",
+           "token_index", "token_indices"]
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,23 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
     the names are listed by `hook_names(weights)`. The three parts (`embed_token`, `run_layers`,
     `finish_token`) are what a pipeline stage runs a share of (`kimi_explore.distributed`): the same
     operations in the same order, so a staged decode is bit-identical to this one.
+    If a hook raises (or the call is interrupted) after the layers began to advance, `state` is marked
+    part-advanced (`KimiDecodeState.broken`) and every later forward pass refuses it.
     """
     check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
     if hooks is not None and not hasattr(hooks, "fire"):
         raise hooks_type_error(hooks)
+    if hooks is not None:  # the token's id and position (the state's), as on the sequence path, unless the driver announced them
+        default = getattr(hooks, "default_token", None)
+        if default is not None:
+            default(token_index(token_id, weights.config.vocab_size), state.position)
     stack = embed_token(weights, token_id, hooks)
-    run_layers(weights, state, stack, hooks)
-    logits = finish_token(weights.head(), stack, hooks)
+    try:
+        run_layers(weights, state, stack, hooks)
+        logits = finish_token(weights.head(), stack, hooks)
+    except BaseException as e:
+        mark_broken(state, e)
+        raise
     state.position += 1
     return logits
 
@@ -160,6 +171,7 @@ def check_layer_count(weights, state) -> None:
         raise TypeError(f"weights: expected the model from ke.from_pretrained(...), got {type(weights).__name__}{hint}")
     if not hasattr(state, "layers") or not hasattr(state, "position"):
         raise TypeError(f"state: expected a KimiDecodeState (KimiDecodeState.new(weights)), got {type(state).__name__}")
+    refuse_broken(state)
     if len(state.layers) != len(weights.layers):
         raise ValueError(
             f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
@@ -171,6 +183,24 @@ def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
     """The output mix over the stack, the final norm and lm_head: logits [vocab]."""
     logits = head.lm_head @ output_hidden(head, stack, hooks)
     return logits if hooks is None else hooks.fire("logits", logits)
+
+
+def refuse_broken(state) -> None:
+    """Raise if `state` (a `KimiDecodeState` or a pipeline's) was marked part-advanced (`mark_broken`)."""
+    if getattr(state, "broken", None):
+        raise ValueError(f"this decode state is part-advanced and cannot be decoded on: {state.broken}. Go on from a "
+                         "copy taken before that call (state.copy()), or from a new state (weights.new_state()); a "
+                         "Session does this itself")
+
+
+def mark_broken(state, error: BaseException, n_tokens: int = 1) -> None:
+    """Mark `state` unusable (`KimiDecodeState.broken`): `error` stopped a forward pass of `n_tokens` tokens
+    that had begun to advance its layers."""
+    if not state.broken:
+        p = state.position
+        where = f"position {p}" if n_tokens == 1 else f"positions {p}-{p + n_tokens - 1}"
+        state.broken = (f"{type(error).__name__}({error}) stopped the forward pass of {where} after it had begun to "
+                        "advance the layers")
 
 
 _FINAL_SITE = {"final.block_residual": "final.block_residual"}  # one table for every token (`site_table`)

@@ -237,6 +237,20 @@ def expert_outputs(experts, ids, z, act):
     return xp.matmul(w2, a[:, :, None])[:, :, 0]
 
 
+def hooked_ids(ids, E: int, name: str):
+    """The ids a hook returned at a token's `moe.router.topk_ids`, checked: integers [k'], each an expert 0..E-1
+    (a -1 would index the last expert; to drop a selection, return the ids without it). On a GPU it is not
+    checked (that would cost a transfer per hooked layer)."""
+    if on_host(ids):
+        a = np.asarray(ids)
+        bad = a[(a < 0) | (a >= E)] if a.dtype.kind in "iu" else a
+        if a.ndim != 1 or bad.size:
+            raise ValueError(f"{name}: a hook returned expert ids {a.dtype} {a.shape} with "
+                             f"{sorted(set(bad.reshape(-1).tolist()))[:5]}: expected integers [k], each an expert 0..{E - 1} "
+                             "(to drop a selection, return the ids without it; -1 drops one only in a whole chunk [T, k])")
+    return ids
+
+
 def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
     """x: [d] (post_attention_layernorm output) -> [d].
 
@@ -252,10 +266,14 @@ def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
         scores = at["moe.router.scores"](scores)
     ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
     if "moe.router.topk_ids" in at:
-        ids = at["moe.router.topk_ids"](ids)
+        ids = hooked_ids(at["moe.router.topk_ids"](ids), E, names["moe.router.topk_ids"] if names else "moe.router.topk_ids")
     weights = routing_weights(scores, ids, w.renormalize, w.routed_scaling_factor)
     if "moe.router.topk_weights" in at:
         weights = at["moe.router.topk_weights"](weights)
+        if weights.shape != ids.shape:
+            raise ValueError(f"{'moe.router.topk_weights' if names is None else names['moe.router.topk_weights']}: a hook "
+                             f"returned {weights.shape[0] if weights.ndim == 1 else weights.shape} weights for the "
+                             f"{ids.shape[0]} selected experts {to_numpy(ids).tolist()}: give one weight per expert")
 
     u = weights @ expert_outputs(w.experts, ids, y[E : E + l], w.situ)
     if "moe.experts_out" in at:

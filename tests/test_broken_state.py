@@ -1,0 +1,123 @@
+"""A forward pass stopped part-way (a hook raised, or the user interrupted it) marks its state broken.
+
+Before, the state was left with some layers advanced by the token and the others not, and the next call
+decoded on from it without a word: a wrong model that runs. Now the state says so, every forward pass
+refuses it, and a copy taken before the failed call decodes on exactly as if nothing had happened (the
+ground truth: a new state stepping the same tokens with no hook).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kimi_explore import KimiDecodeState, RayPipeline, Session, kimi_forward_sequence, kimi_forward_token
+from kimi_explore.inspection.hooks import Hooks
+
+TOKENS = [17, 203, 5, 88, 41, 9]
+
+
+Boom = ArithmeticError  # a builtin: a hook shipped to a pipeline stage must unpickle there without this module
+
+def raising_at(site: str, position: int = 0):
+    """Hooks whose `site` raises Boom at tokens from `position` on."""
+
+    def fn(value, *, hook):
+        if hook.position is None or hook.position >= position:
+            raise Boom(f"planted at {hook.name}")
+
+    hooks = Hooks()
+    hooks.add(site, fn)
+    return hooks
+
+
+def stepped(w, tokens):
+    state = KimiDecodeState.new(w)
+    return np.stack([np.array(kimi_forward_token(w, state, t)) for t in tokens])
+
+
+@pytest.mark.parametrize("site", ["layers.3.attn.out", "layers.1.kda.state", "logits"])
+def test_a_token_stopped_part_way_leaves_a_state_that_refuses_to_decode(ref_weights, site):
+    w = ref_weights
+    state = KimiDecodeState.new(w)
+    for t in TOKENS[:2]:
+        kimi_forward_token(w, state, t)
+    before = state.copy()
+    with pytest.raises(Boom, match="planted"):
+        kimi_forward_token(w, state, TOKENS[2], raising_at(site))
+    assert state.broken and "ArithmeticError(planted at" in state.broken and "position 2" in state.broken
+    assert "broken" in repr(state)
+    with pytest.raises(ValueError, match="part-advanced and cannot be decoded on: ArithmeticError"):
+        kimi_forward_token(w, state, TOKENS[2])
+    with pytest.raises(ValueError, match="part-advanced"):
+        kimi_forward_sequence(w, state, TOKENS[2:])
+    with pytest.raises(ValueError, match="part-advanced"):
+        kimi_forward_token(w, state.copy(), TOKENS[2])  # a copy of a broken state is broken too
+    assert before.broken is None
+    on = np.stack([np.array(kimi_forward_token(w, before, t)) for t in TOKENS[2:]])
+    np.testing.assert_array_equal(on, stepped(w, TOKENS)[2:])
+
+
+def test_a_raise_before_any_layer_leaves_the_state_usable(ref_weights):
+    w = ref_weights
+    state = KimiDecodeState.new(w)
+    kimi_forward_token(w, state, TOKENS[0])
+    with pytest.raises(Boom, match="planted"):
+        kimi_forward_token(w, state, TOKENS[1], raising_at("embed"))
+    assert state.broken is None and state.position == 1
+    on = np.stack([np.array(kimi_forward_token(w, state, t)) for t in TOKENS[1:]])
+    np.testing.assert_array_equal(on, stepped(w, TOKENS)[1:])
+
+
+@pytest.mark.parametrize("site", ["layers.5.attn.out", "layers.4.moe.router.topk_ids", "logits"])
+def test_a_chunk_stopped_part_way_leaves_a_state_that_refuses_to_decode(ref_weights, site):
+    w = ref_weights
+    state = KimiDecodeState.new(w)
+    with pytest.raises(Boom, match="planted"):
+        kimi_forward_sequence(w, state, TOKENS, raising_at(site, position=2), chunk=2)  # the second chunk fails
+    assert state.broken and "positions 2-3" in state.broken
+    with pytest.raises(ValueError, match="part-advanced"):
+        kimi_forward_sequence(w, state, TOKENS[4:])
+    with pytest.raises(ValueError, match="part-advanced"):
+        kimi_forward_token(w, state, TOKENS[4])
+
+
+def test_a_session_rolls_back_and_never_holds_a_broken_state(ref_weights):
+    w = ref_weights
+    s = Session(w)
+    s.feed(TOKENS[:3])
+
+    def boom(value, *, hook):
+        raise Boom("planted")
+
+    s.hooks.add("layers.3.attn.out", boom)
+    with pytest.raises(Boom, match="planted"):
+        s.step(TOKENS[3])
+    assert s.state.broken is None and len(s) == 3
+    s.hooks.clear()
+    np.testing.assert_allclose(s.feed(TOKENS[3:]), stepped(w, TOKENS)[3:], rtol=0, atol=1e-4)  # fed: rounding
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_pipeline_state_stopped_part_way_refuses_to_decode(local_ray, tiny_weights, chunked):
+    """A hook raising on the second stage: the first stage has run the token, the second part of it. The
+    pipeline's state (and the stage's own) refuse to go on; a copy from before continues as one process."""
+    w = tiny_weights
+    with RayPipeline(w.source, stages=2) as pipe:  # 16 layers: stage 1 holds 8-15
+        state = pipe.new_state()
+        pipe.forward_sequence(state, TOKENS[:2])
+        before = state.copy()
+        with pytest.raises(Exception, match="planted at layers.12.attn.out"):
+            if chunked:
+                pipe.forward_sequence(state, TOKENS[2:], raising_at("layers.12.attn.out"))
+            else:
+                pipe.forward_token(state, TOKENS[2], raising_at("layers.12.attn.out"))
+        assert state.broken and "broken" in repr(state)
+        with pytest.raises(ValueError, match="part-advanced"):
+            pipe.forward_token(state, TOKENS[2])
+        with pytest.raises(ValueError, match="part-advanced"):
+            state.copy()
+        on = np.stack([pipe.forward_token(before, t) for t in TOKENS[2:]])
+        one = KimiDecodeState.new(w)
+        kimi_forward_sequence(w, one, TOKENS[:2])
+        np.testing.assert_array_equal(on, np.stack([np.array(kimi_forward_token(w, one, t)) for t in TOKENS[2:]]))
