@@ -5,6 +5,7 @@ AttributeError deep inside, a file written where it must not be, or a silently d
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -277,7 +278,9 @@ def test_tab_completion_offers_the_lazy_names():
     use_jedi, ip.Completer.use_jedi = ip.Completer.use_jedi, False  # IPython's own completer: it reads dir()
     try:
         ip.run_cell("import kimi_explore as ke")
-        assert "ke.from_pretrained" in ip.complete("ke.from_")[1]
+        with warnings.catch_warnings():  # `complete` is pending deprecation; `completions` goes through jedi only
+            warnings.simplefilter("ignore", PendingDeprecationWarning)
+            assert "ke.from_pretrained" in ip.complete("ke.from_")[1]
     finally:
         ip.Completer.use_jedi = use_jedi
 
@@ -286,3 +289,55 @@ def test_jedi_completion_offers_the_lazy_names():
     """Jupyter completes through jedi by default; it found hook_names but not from_pretrained."""
     jedi = pytest.importorskip("jedi")
     assert [c.name for c in jedi.Interpreter("ke.from_", [{"ke": ke}]).complete()] == ["from_pretrained"]
+
+
+@pytest.mark.parametrize("hooks", [{"layers.0.attn.in": print}, [("layers.0.attn.in", print)], print, None],
+                         ids=["dict", "list", "function", "None"])
+def test_hook_sets_of_the_wrong_type_are_named_by_the_session(trained, hooks):
+    """session.intervene(fn), Session(hooks=[(name, fn)]) and Hooks() + dict raised AttributeError ('handles', 'bind')."""
+    session = ke.Session(trained)
+    session.feed([72, 101])
+    with pytest.raises(TypeError, match=r"Session.intervene: expected a ke.Hooks .* got " + type(hooks).__name__):
+        with session.intervene(hooks):
+            session.step(108)
+    assert len(session) == 2 and len(session.hooks) == 0
+    if hooks is not None:
+        with pytest.raises(TypeError, match=r"Session: hooks: expected a ke.Hooks .* got " + type(hooks).__name__):
+            ke.Session(trained, hooks=hooks)
+        with pytest.raises(TypeError, match=r"expected a ke.Hooks"):
+            ke.Hooks() + hooks
+
+
+def test_a_tokenizer_path_is_named_by_the_session(trained):
+    """Session(weights, tokenizer=path) failed at the first feed: 'PosixPath' has no attribute 'encode'
+    (a str: 'unknown encoding')."""
+    for path in (tiny_checkpoint(), str(tiny_checkpoint())):
+        with pytest.raises(TypeError, match=r"Session: tokenizer: expected a tokenizer .* \(a path: load it with "
+                                            r"ke.load_tokenizer\(path\)\)"):
+            ke.Session(trained, tokenizer=path)
+
+
+def test_saving_to_a_directory_is_refused_not_written_beside_it(trained, tmp_path):
+    """save_state(DIR) and trace.save(DIR) wrote DIR.npz next to the directory."""
+    session = ke.Session(trained)
+    session.feed([72, 101])
+    with pytest.raises(IsADirectoryError, match=r"save_state: .* is a directory; give a file path"):
+        session.save_state(tmp_path)
+    with pytest.raises(IsADirectoryError, match=r"Trace.save: .* is a directory; give a file path"):
+        session.trace().save(tmp_path)
+    assert not tmp_path.with_name(tmp_path.name + ".npz").exists()
+    assert session.save_state(tmp_path / "s").name == "s.npz"
+
+
+def test_a_hook_without_the_hook_keyword_is_refused_at_add(trained):
+    """hooks.add(name, lambda v: ...) was accepted, then failed at the first site inside a decode:
+    "<lambda>() got an unexpected keyword argument 'hook'"."""
+    hooks = ke.Hooks()
+    with pytest.raises(TypeError, match=r"Hooks.add: fn '.*<lambda>'\(v\) cannot be called as fn\(value, hook=\.\.\.\)"):
+        hooks.add("layers.0.attn.in", lambda v: None)
+    assert len(hooks) == 0
+    seen = []
+    hooks.add("layers.0.attn.in", lambda v, hook: seen.append(hook.name))  # TransformerLens's positional form
+    hooks.add("layers.0.attn.in", lambda *args, **kwargs: None)
+    ke.kimi_forward_token(trained, ke.KimiDecodeState.new(trained), 72, hooks=hooks)
+    assert seen == ["layers.0.attn.in"]

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 
 import numpy as np
@@ -58,7 +59,28 @@ from ..model.kimi_decoder import hook_names
 from ._hook_grammar import check_pattern, hook_grammar, is_glob
 from .hook_sites import SEQUENTIAL_SITES, HookChain, HookHandle, HookPoint, check_replacement
 
-__all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar", "is_glob"]
+__all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar", "hooks_expected", "is_glob"]
+
+def _check_hook_signature(fn) -> None:
+    """A hook is called fn(value, hook=HookPoint): refuse at add time one that cannot take that (e.g. `lambda v: ...`),
+    rather than at the first site it fires, deep inside a decode."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an extension type: no signature to read
+        return
+    try:
+        sig.bind(None, hook=None)
+    except TypeError:
+        raise TypeError(f"Hooks.add: fn {getattr(fn, '__qualname__', fn)!r}{sig} cannot be called as fn(value, hook=...): "
+                        "a hook takes the value and a keyword `hook` (TransformerLens's contract), e.g. "
+                        "`def fn(value, *, hook): ...`") from None
+
+
+def hooks_expected(found) -> TypeError:
+    """The error for a hook set that is not a `Hooks` (a dict or a list of (name, fn) pairs, TransformerLens-style)."""
+    return TypeError(f"expected a ke.Hooks (from ke.interventions, or hooks = ke.Hooks(); hooks.add(name, fn) with "
+                     f"fn(value, *, hook)), got {type(found).__name__}")
+
 
 class Hooks:
     """An ordered set of hook functions attached to names, globs or name filters.
@@ -102,6 +124,7 @@ class Hooks:
             name_or_glob, fn = None, name_or_glob  # add(fn, names_filter=...) reads naturally too
         if fn is None or not callable(fn):
             raise TypeError(f"Hooks.add: fn must be callable as fn(value, *, hook), got {fn!r}")
+        _check_hook_signature(fn)
         if (name_or_glob is None) == (names_filter is None):
             raise TypeError("Hooks.add: give exactly one of a name/glob (first argument) or names_filter=callable, "
                             f"got name_or_glob={name_or_glob!r}, names_filter={names_filter!r}")
@@ -117,6 +140,8 @@ class Hooks:
 
     def extend(self, other: Hooks) -> list[HookHandle]:
         """Attach every hook of `other` (in its order) to this set; returns the new handles."""
+        if not isinstance(other, Hooks):
+            raise hooks_expected(other)
         return [self.add(h.pattern, h.fn, names_filter=h.names_filter, chunks=h.chunks) for h in other.handles()]
 
     def __add__(self, other: Hooks) -> Hooks:

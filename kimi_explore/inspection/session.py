@@ -55,7 +55,7 @@ from ..backend import to_numpy
 from ..errors import StageLostError
 from ..model.kimi_decoder import KimiDecodeState, hook_names, token_indices
 from ..model.kimi_sequence import default_chunk
-from .hooks import HookChain, Hooks
+from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
 from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
 
@@ -83,6 +83,12 @@ class Session:
         if recorder is not None and not isinstance(recorder, Recorder):
             raise TypeError(f"Session: recorder must be True, False/None or a Recorder, got {type(recorder).__name__}")
         self.recorder = recorder.bind(weights) if recorder is not None else None
+        if hooks is not None and not isinstance(hooks, Hooks):
+            raise TypeError(f"Session: hooks: {hooks_expected(hooks)}")
+        if isinstance(tokenizer, (str, Path)) or (tokenizer is not None and not callable(getattr(tokenizer, "decode", None))):
+            raise TypeError(f"Session: tokenizer: expected a tokenizer (ke.load_tokenizer(weights)), got "
+                            f"{type(tokenizer).__name__}" + (" (a path: load it with ke.load_tokenizer(path))"
+                                                             if isinstance(tokenizer, (str, Path)) else ""))
         self.hooks = (hooks if hooks is not None else Hooks()).bind(weights)
         if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
             raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
@@ -270,6 +276,9 @@ class Session:
     @contextlib.contextmanager
     def intervene(self, *hook_sets: Hooks):
         """Attach these hook sets (e.g. from `kimi_explore.inspection.interventions`) for the `with` block."""
+        bad = [h for h in hook_sets if not isinstance(h, Hooks)]
+        if bad:  # before the `with`: nothing attached
+            raise TypeError(f"Session.intervene: {hooks_expected(bad[0])}")
         with self.hooks:
             for h in hook_sets:
                 self.hooks.extend(h)

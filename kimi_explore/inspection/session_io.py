@@ -80,6 +80,8 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
                  checkpoints: bool = True) -> Path:
     """Write `snap` (a `Session.snapshot()`) and the settings to continue it as one .npz."""
     path = Path(path)
+    if path.is_dir():  # else numpy writes `DIR.npz` beside it
+        raise IsADirectoryError(f"save_state: {path} is a directory; give a file path, e.g. {path / 'session.npz'}")
     if path.suffix != ".npz":
         path = path.with_name(path.name + ".npz")
     arrays, layout = {}, {}

@@ -266,6 +266,8 @@ class Trace:
     def save(self, path) -> Path:
         """Write one .npz (the suffix is added if missing); `Trace.load` reads it back exactly."""
         path = Path(path)
+        if path.is_dir():  # else numpy writes `DIR.npz` beside it
+            raise IsADirectoryError(f"Trace.save: {path} is a directory; give a file path, e.g. {path / 'trace.npz'}")
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
         arrays = {f"record/{k}": v for k, v in self._records.items()}
