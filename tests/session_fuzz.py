@@ -7,7 +7,7 @@ inside `intervene` (built-in interventions, one restricted to even positions); a
 (or session hook without a recorder) switched on and off; greedy and sampled generate; truncate (to 0, the
 end, chunk ends, one off a chunk end, anywhere); back; fork (then both go on); snapshot (shared or copied
 arrays) and restore (also into another session of the pool); save_state / load_state (with and without
-checkpoints); state_after; a hook raising in the middle of a feed; the decoder raising after it advanced the
+checkpoints; loaded with recorder=False, which must replay chunks fed under a full record as they were fed); state_after; a hook raising in the middle of a feed; the decoder raising after it advanced the
 state (a failed chunk or step must leave no trace).
 
 What each session is checked against:
@@ -163,8 +163,8 @@ class Model:
         self.runs.append(["s", len(self.toks), tag])
         self.toks.append(tok); self.tags.append(tag); self.logits.append(lg); self.rows.append(rows)
 
-    def add_chunk(self, ids, lgs, rows):
-        self.runs.append(["c", len(self.toks), tuple(ids), tuple(ids)])
+    def add_chunk(self, ids, lgs, rows, route):
+        self.runs.append(["c", len(self.toks), tuple(ids), tuple(ids), route])
         self.toks += ids; self.tags += [()] * len(ids); self.logits += list(lgs); self.rows += rows
 
     def runs_upto(self, n):
@@ -178,7 +178,7 @@ class Model:
                 out.append(list(r))
             else:
                 kept = r[2][: n - a]
-                out.append(["c", a, kept, r[3]])
+                out.append(["c", a, kept, r[3], r[4]])
         return out
 
     def truncate(self, n):
@@ -190,7 +190,7 @@ class Model:
 
     def key(self, n=None):
         """How the first n tokens were decoded: what their state's bits are a function of."""
-        return tuple(("s", self.toks[r[1]], r[2]) if r[0] == "s" else ("c", r[2]) for r in self.runs_upto(len(self.toks) if n is None else n))
+        return tuple(("s", self.toks[r[1]], r[2]) if r[0] == "s" else ("c", r[2], r[4]) for r in self.runs_upto(len(self.toks) if n is None else n))
 
 
 # ---------------------------------------------------------------- comparisons
@@ -235,6 +235,7 @@ class Fuzz:
         self.truth = Truth(w, self.rec_cfg)
         self.probe = int(r.integers(self.V))
         self.bits: dict = {}  # key of how a history was decoded -> (state bits, probe logits bits)
+        self.replays: dict = {}  # key -> the state after a fresh replay of its runs (`replayed`)
         self.maxdiff = {"logits": 0.0, "records": 0.0, "state": 0.0, "probe": 0.0}
         self.id_mismatch = 0  # float32: routing ids differing from the ground truth (near ties)
         self.counts: dict = {}
@@ -256,6 +257,9 @@ class Fuzz:
         for t in range(start, len(m.toks)):
             lg_ref, rows_ref = self.truth.token(m.hist(t + 1))
             self.note("logits", scale_diff(m.logits[t], lg_ref))
+            if s.recorder is None:  # a session loaded with recorder=False (the ground truth records as the others)
+                m.rows[t] = {}
+                continue
             rows = {k: v[t] for k, v in rows_all.items() if len(v) > t}
             assert sorted(rows) == sorted(rows_ref), ("record keys", t, set(rows) ^ set(rows_ref))
             for k, x in rows.items():
@@ -342,6 +346,33 @@ class Fuzz:
         want = self.bits.setdefault(key, got)
         assert got[0] == want[0], (what, "state bits differ from an earlier decode of the same runs", key[-3:])
         assert got[1] == want[1], (what, "probe logits bits differ", key[-3:])
+        assert got[0] == state_bits(self.replayed(key)), (what, "state bits differ from a fresh replay of its runs", key[-3:])
+
+    def replayed(self, key):
+        """The state after decoding `key`'s runs from a brand-new state, each as the key says: a stepped token
+        with its hooks, a chunk on the sequence path (with a recorder keeping the config's full records if the
+        session fed it recording them, which changes the route of mla.probs and kda.*). Cached by key prefix."""
+        if key in self.replays:
+            return self.replays[key]
+        if not key:
+            return KimiDecodeState.new(self.w)
+        i = len(key) - 1
+        while i > 0 and key[:i] not in self.replays:
+            i -= 1
+        st = copy.deepcopy(self.replayed(key[:i])) if i else KimiDecodeState.new(self.w)
+        for run in key[i:]:
+            if run[0] == "s":
+                h = self.truth.hooks_for(run[2])
+                if len(h):
+                    h.begin_token(run[1], st.position)
+                kimi_forward_token(self.w, st, run[1], h if len(h) else None)
+            else:
+                rec = Recorder(names_filter=lambda name: False, full=self.rec_cfg["full"]).bind(self.w) if run[2] else None
+                self.w.forward_sequence(st, list(run[1]), rec, chunk=len(run[1]))
+        self.replays[key] = st
+        while len(self.replays) > 400:
+            self.replays.pop(next(iter(self.replays)))
+        return st
 
     def check_all(self, what):
         for i, (s, m, _) in enumerate(self.pool):
@@ -381,7 +412,7 @@ class Fuzz:
             with (s.intervene(IVS[iv]()) if iv else _null()):
                 out = s.feed(ids, chunk=chunk, progress=False)
             assert out.shape == (n, self.V)
-            self.model_feed(m, ids, chunk, self.tag_for(perm, iv), out)
+            self.model_feed(s, m, ids, chunk, self.tag_for(perm, iv), out)
             self.first_sight(s, m, T)
         elif op == "gen":
             n = int(r.integers(1, 5)); temp = float(r.choice([0.0, 0.8])); seed = int(r.integers(1000))
@@ -431,12 +462,20 @@ class Fuzz:
             if self.snaps:
                 j = int(r.integers(len(self.snaps))); desc.append(j)
                 snap, ms = self.snaps[j]
-                s.restore(snap)
-                self.pool[k][1] = ms.clone()
+                if s.recorder is not None and snap.records is None:
+                    try:
+                        s.restore(snap)
+                        raise AssertionError("restored a snapshot without records into a recording session")
+                    except ValueError:
+                        desc.append("refused")
+                else:
+                    s.restore(snap)
+                    self.pool[k][1] = ms.clone()
         elif op == "save":
             ck = bool(r.integers(2)); desc.append(ck)
             path = s.save_state(self.tmp / f"s{k}.npz", checkpoints=ck)
-            s2 = Session.load_state(path, self.w)
+            rec = not (self.rec_cfg is not None and r.integers(3) == 0); desc.append(rec)  # recorder=False: another route
+            s2 = Session.load_state(path, self.w, recorder=rec)
             m2 = m.clone(); m2.no_ckpt = m2.no_ckpt or not ck
             self.pool[k] = [s2, m2, False]  # hooks are not saved
         elif op == "perm":
@@ -507,18 +546,22 @@ class Fuzz:
             else:
                 c = chunk or 10**9
                 for a in range(0, bad_call * c, c):
-                    m.add_chunk(ids[a : a + c], [s.logits[T + a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]))
+                    m.add_chunk(ids[a : a + c], [s.logits[T + a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]), self.route(s))
             self.first_sight(s, m, T)
         return desc
 
-    def model_feed(self, m, ids, chunk, tag, out):
+    def route(self, s):
+        """Whether a chunk this session feeds runs on the route a full record of mla.probs / kda.* takes."""
+        return s.recorder is not None and self.rec_name in ("full", "filtered")
+
+    def model_feed(self, s, m, ids, chunk, tag, out):
         if tag:  # hooks attached: feed steps
             for j, tok in enumerate(ids):
                 m.add_step(tok, tag, out[j].copy(), None)
         else:
             c = chunk or 10**9
             for a in range(0, len(ids), c):
-                m.add_chunk(ids[a : a + c], [out[a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]))
+                m.add_chunk(ids[a : a + c], [out[a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]), self.route(s))
 
 
 class _null:
