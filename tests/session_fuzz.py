@@ -5,7 +5,7 @@ independent model of what it must hold.
 Operations: step; feed (chunk 1, 7, 2..13 or the default, lengths not dividing it); feed / step / generate
 inside `intervene` (built-in interventions, one restricted to even positions); a value-changing recorder hook
 (or session hook without a recorder) switched on and off; greedy and sampled generate; truncate (to 0, the
-end, chunk ends, one off a chunk end, anywhere); back; fork (then both go on); snapshot (shared or copied
+end, chunk ends, one off a chunk end, anywhere); back; fork (then both go on; a fork whose every array is overwritten, which must change nothing of its parent); snapshot (shared or copied
 arrays) and restore (also into another session of the pool); save_state / load_state (with and without
 checkpoints; loaded with recorder=False, which must replay chunks fed under a full record as they were fed); state_after; a hook raising in the middle of a feed; the decoder raising after it advanced the
 state (a failed chunk or step must leave no trace).
@@ -388,7 +388,7 @@ class Fuzz:
         s, m, perm = self.pool[k]
         T = len(m.toks)
         ops = ["step", "feed", "feed", "ifeed", "istep", "gen", "truncate", "truncate", "back", "fork", "snap", "restore",
-               "save", "perm", "state_after", "raise", "fail"]
+               "save", "perm", "state_after", "raise", "fail", "scribble"]
         op = str(r.choice(ops))
         if T > 120 and op in ("step", "feed", "ifeed", "istep", "gen", "raise", "fail"):
             op = "truncate"
@@ -454,6 +454,16 @@ class Fuzz:
                 self.pool.append([s.fork(), m.clone(), perm])
             else:
                 self.pool[int(r.integers(1, 3))] = [s.fork(), m.clone(), perm]
+        elif op == "scribble":  # a fork's arrays overwritten: nothing of the parent may change
+            f2 = s.fork()
+            arrays = list(f2.state.arrays()) + [a for c in f2._checkpoints.values() for a in c.arrays()] + list(f2._logits)
+            if f2.recorder is not None:
+                arrays += [a for rows in f2.recorder.state_dict()["rows"].values() for a in rows]
+            for a in arrays:
+                a = a.base if not a.flags.writeable and a.base is not None else a
+                if a.flags.writeable and a.dtype.kind in "fiub":
+                    a[...] = 7 if a.dtype.kind in "iub" else np.nan
+            f2.step(int(r.integers(self.V))); f2.truncate(0)
         elif op == "snap":
             ca = bool(r.integers(2)); desc.append(ca)
             self.snaps.append((s.snapshot(copy_arrays=ca), m.clone()))
