@@ -8,7 +8,7 @@ inside `intervene` (built-in interventions, one restricted to even positions); a
 end, chunk ends, one off a chunk end, anywhere); back; fork (then both go on; a fork whose every array is overwritten, which must change nothing of its parent); snapshot (shared or copied
 arrays) and restore (also into another session of the pool); save_state / load_state (with and without
 checkpoints; loaded with recorder=False, which must replay chunks fed under a full record as they were fed); state_after; a hook raising in the middle of a feed; the decoder raising after it advanced the
-state (a failed chunk or step must leave no trace).
+state (a failed chunk or step must leave no trace), or inside the replay of a truncate (which must change nothing).
 
 What each session is checked against:
 - GROUND TRUTH: a brand-new state stepping the session's current history one token at a time with
@@ -388,7 +388,7 @@ class Fuzz:
         s, m, perm = self.pool[k]
         T = len(m.toks)
         ops = ["step", "feed", "feed", "ifeed", "istep", "gen", "truncate", "truncate", "back", "fork", "snap", "restore",
-               "save", "perm", "state_after", "raise", "fail", "scribble"]
+               "save", "perm", "state_after", "raise", "fail", "scribble", "failtrunc"]
         op = str(r.choice(ops))
         if T > 120 and op in ("step", "feed", "ifeed", "istep", "gen", "raise", "fail"):
             op = "truncate"
@@ -454,6 +454,27 @@ class Fuzz:
                 self.pool.append([s.fork(), m.clone(), perm])
             else:
                 self.pool[int(r.integers(1, 3))] = [s.fork(), m.clone(), perm]
+        elif op == "failtrunc":  # the replay inside truncate raises: the session must be as before
+            n = int(r.integers(T + 1)); desc.append(n)
+            real = {name: getattr(self.w, name) for name in ("forward_token", "forward_sequence")}
+
+            def failing(*a, **kw):
+                raise Boom("in the replay")
+            for name in real:
+                setattr(self.w, name, failing)
+            try:
+                s.truncate(n)
+                desc.append("no replay")
+            except Boom:
+                desc.append("failed")
+            except RuntimeError as e:
+                assert "cannot rebuild" in str(e) and m.no_ckpt and any(m.tags[:n]), (desc, e)
+                desc.append("refused")
+            else:
+                m.truncate(n)
+            finally:
+                for name in real:
+                    delattr(self.w, name)
         elif op == "scribble":  # a fork's arrays overwritten: nothing of the parent may change
             f2 = s.fork()
             arrays = list(f2.state.arrays()) + [a for c in f2._checkpoints.values() for a in c.arrays()] + list(f2._logits)
