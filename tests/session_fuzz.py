@@ -235,6 +235,7 @@ class Fuzz:
         self.truth = Truth(w, self.rec_cfg)
         self.probe = int(r.integers(self.V))
         self.bits: dict = {}  # key of how a history was decoded -> (state bits, probe logits bits)
+        self.old_traces: list = []  # (a Trace taken earlier, copies of its arrays, its tokens)
         self.replays: dict = {}  # key -> the state after a fresh replay of its runs (`replayed`)
         self.maxdiff = {"logits": 0.0, "records": 0.0, "state": 0.0, "probe": 0.0}
         self.id_mismatch = 0  # float32: routing ids differing from the ground truth (near ties)
@@ -304,6 +305,8 @@ class Fuzz:
                 for t in range(T):
                     assert same_bits(v[t], m.rows[t][k]), (what, "stored record changed", k, t)
             tr = s.trace()
+            if self.rng.integers(4) == 0:  # "later steps do not change it": checked after every later operation
+                self.old_traces = [*self.old_traces[-3:], (tr, {k: np.array(v) for k, v in tr.items()}, list(tr.tokens))]
             refs = [self.truth.token(m.hist(t + 1))[1] for t in range(T)]
             for k in tr.keys():  # the stacked Trace has the shape a straight decode's has
                 want = (T,) + tuple(max(r[k].shape[d] for r in refs) for d in range(refs[0][k].ndim)) if T else None
@@ -375,6 +378,10 @@ class Fuzz:
         return st
 
     def check_all(self, what):
+        for tr, arrays, toks in self.old_traces:
+            assert list(tr.tokens) == toks and sorted(tr.keys()) == sorted(arrays), (what, "an earlier Trace changed")
+            for k, v in arrays.items():
+                assert tr[k].shape == v.shape and np.array_equal(tr[k], v, equal_nan=True), (what, "an earlier Trace changed", k)
         for i, (s, m, _) in enumerate(self.pool):
             self.check(s, m, f"{what} [session {i}]")
 
