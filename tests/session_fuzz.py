@@ -238,6 +238,7 @@ class Fuzz:
         self.old_traces: list = []  # (a Trace taken earlier, copies of its arrays, its tokens)
         self.replays: dict = {}  # key -> the state after a fresh replay of its runs (`replayed`)
         self.maxdiff = {"logits": 0.0, "records": 0.0, "state": 0.0, "probe": 0.0}
+        self.recorded = 0  # tokens whose records were compared with the ground truth
         self.id_mismatch = 0  # float32: routing ids differing from the ground truth (near ties)
         self.counts: dict = {}
         s = Session(w, recorder=self.new_rec(), checkpoint_every=self.ce)
@@ -282,6 +283,7 @@ class Fuzz:
                 else:
                     self.note("records", scale_diff(x, y))
             m.rows[t] = rows
+            self.recorded += 1
 
     def check(self, s, m, what):
         T = len(m.toks)
@@ -638,7 +640,7 @@ def main():
             total[k] = max(total[k], v)
         print(f"seed {seed} ({which} {dtype_name}, recorder {f.rec_name}, checkpoint_every {f.ce}): "
               f"{'OK' if ok else 'FAILED at op ' + str(len(log))} {len(log)} ops, T={[len(m.toks) for _, m, _ in f.pool]}, "
-              f"max diff {', '.join(f'{k} {v:.1e}' for k, v in f.maxdiff.items())}, routing-id near-ties {f.id_mismatch}, "
+              f"max diff {', '.join(f'{k} {v:.1e}' for k, v in f.maxdiff.items())}, {f.recorded} tokens' records compared, routing-id near-ties {f.id_mismatch}, "
               f"{len(f.bits)} decode keys, {time.time() - t0:.0f}s", flush=True)
         if not ok:
             failed.append(seed)
