@@ -5,10 +5,10 @@ independent model of what it must hold.
 Operations: step; feed (chunk 1, 7, 2..13 or the default, lengths not dividing it); feed / step / generate
 inside `intervene` (built-in interventions, one restricted to even positions); a value-changing recorder hook
 (or session hook without a recorder) switched on and off; greedy and sampled generate; truncate (to 0, the
-end, chunk ends, one off a chunk end, anywhere); back; fork (then both go on); snapshot (shared or copied
+end, chunk ends, one off a chunk end, anywhere); back; fork (then both go on; a fork whose every array is overwritten, which must change nothing of its parent); snapshot (shared or copied
 arrays) and restore (also into another session of the pool); save_state / load_state (with and without
-checkpoints); state_after; a hook raising in the middle of a feed; the decoder raising after it advanced the
-state (a failed chunk or step must leave no trace).
+checkpoints; loaded with recorder=False, which must replay chunks fed under a full record as they were fed); state_after; a hook raising in the middle of a feed; the decoder raising after it advanced the
+state (a failed chunk or step must leave no trace), or inside the replay of a truncate (which must change nothing).
 
 What each session is checked against:
 - GROUND TRUTH: a brand-new state stepping the session's current history one token at a time with
@@ -163,8 +163,8 @@ class Model:
         self.runs.append(["s", len(self.toks), tag])
         self.toks.append(tok); self.tags.append(tag); self.logits.append(lg); self.rows.append(rows)
 
-    def add_chunk(self, ids, lgs, rows):
-        self.runs.append(["c", len(self.toks), tuple(ids), tuple(ids)])
+    def add_chunk(self, ids, lgs, rows, route):
+        self.runs.append(["c", len(self.toks), tuple(ids), tuple(ids), route])
         self.toks += ids; self.tags += [()] * len(ids); self.logits += list(lgs); self.rows += rows
 
     def runs_upto(self, n):
@@ -178,7 +178,7 @@ class Model:
                 out.append(list(r))
             else:
                 kept = r[2][: n - a]
-                out.append(["c", a, kept, r[3]])
+                out.append(["c", a, kept, r[3], r[4]])
         return out
 
     def truncate(self, n):
@@ -190,7 +190,7 @@ class Model:
 
     def key(self, n=None):
         """How the first n tokens were decoded: what their state's bits are a function of."""
-        return tuple(("s", self.toks[r[1]], r[2]) if r[0] == "s" else ("c", r[2]) for r in self.runs_upto(len(self.toks) if n is None else n))
+        return tuple(("s", self.toks[r[1]], r[2]) if r[0] == "s" else ("c", r[2], r[4]) for r in self.runs_upto(len(self.toks) if n is None else n))
 
 
 # ---------------------------------------------------------------- comparisons
@@ -235,7 +235,10 @@ class Fuzz:
         self.truth = Truth(w, self.rec_cfg)
         self.probe = int(r.integers(self.V))
         self.bits: dict = {}  # key of how a history was decoded -> (state bits, probe logits bits)
+        self.old_traces: list = []  # (a Trace taken earlier, copies of its arrays, its tokens)
+        self.replays: dict = {}  # key -> the state after a fresh replay of its runs (`replayed`)
         self.maxdiff = {"logits": 0.0, "records": 0.0, "state": 0.0, "probe": 0.0}
+        self.recorded = 0  # tokens whose records were compared with the ground truth
         self.id_mismatch = 0  # float32: routing ids differing from the ground truth (near ties)
         self.counts: dict = {}
         s = Session(w, recorder=self.new_rec(), checkpoint_every=self.ce)
@@ -256,6 +259,9 @@ class Fuzz:
         for t in range(start, len(m.toks)):
             lg_ref, rows_ref = self.truth.token(m.hist(t + 1))
             self.note("logits", scale_diff(m.logits[t], lg_ref))
+            if s.recorder is None:  # a session loaded with recorder=False (the ground truth records as the others)
+                m.rows[t] = {}
+                continue
             rows = {k: v[t] for k, v in rows_all.items() if len(v) > t}
             assert sorted(rows) == sorted(rows_ref), ("record keys", t, set(rows) ^ set(rows_ref))
             for k, x in rows.items():
@@ -277,6 +283,7 @@ class Fuzz:
                 else:
                     self.note("records", scale_diff(x, y))
             m.rows[t] = rows
+            self.recorded += 1
 
     def check(self, s, m, what):
         T = len(m.toks)
@@ -300,6 +307,8 @@ class Fuzz:
                 for t in range(T):
                     assert same_bits(v[t], m.rows[t][k]), (what, "stored record changed", k, t)
             tr = s.trace()
+            if self.rng.integers(4) == 0:  # "later steps do not change it": checked after every later operation
+                self.old_traces = [*self.old_traces[-3:], (tr, {k: np.array(v) for k, v in tr.items()}, list(tr.tokens))]
             refs = [self.truth.token(m.hist(t + 1))[1] for t in range(T)]
             for k in tr.keys():  # the stacked Trace has the shape a straight decode's has
                 want = (T,) + tuple(max(r[k].shape[d] for r in refs) for d in range(refs[0][k].ndim)) if T else None
@@ -342,8 +351,39 @@ class Fuzz:
         want = self.bits.setdefault(key, got)
         assert got[0] == want[0], (what, "state bits differ from an earlier decode of the same runs", key[-3:])
         assert got[1] == want[1], (what, "probe logits bits differ", key[-3:])
+        assert got[0] == state_bits(self.replayed(key)), (what, "state bits differ from a fresh replay of its runs", key[-3:])
+
+    def replayed(self, key):
+        """The state after decoding `key`'s runs from a brand-new state, each as the key says: a stepped token
+        with its hooks, a chunk on the sequence path (with a recorder keeping the config's full records if the
+        session fed it recording them, which changes the route of mla.probs and kda.*). Cached by key prefix."""
+        if key in self.replays:
+            return self.replays[key]
+        if not key:
+            return KimiDecodeState.new(self.w)
+        i = len(key) - 1
+        while i > 0 and key[:i] not in self.replays:
+            i -= 1
+        st = copy.deepcopy(self.replayed(key[:i])) if i else KimiDecodeState.new(self.w)
+        for run in key[i:]:
+            if run[0] == "s":
+                h = self.truth.hooks_for(run[2])
+                if len(h):
+                    h.begin_token(run[1], st.position)
+                kimi_forward_token(self.w, st, run[1], h if len(h) else None)
+            else:
+                rec = Recorder(names_filter=lambda name: False, full=self.rec_cfg["full"]).bind(self.w) if run[2] else None
+                self.w.forward_sequence(st, list(run[1]), rec, chunk=len(run[1]))
+        self.replays[key] = st
+        while len(self.replays) > 400:
+            self.replays.pop(next(iter(self.replays)))
+        return st
 
     def check_all(self, what):
+        for tr, arrays, toks in self.old_traces:
+            assert list(tr.tokens) == toks and sorted(tr.keys()) == sorted(arrays), (what, "an earlier Trace changed")
+            for k, v in arrays.items():
+                assert tr[k].shape == v.shape and np.array_equal(tr[k], v, equal_nan=True), (what, "an earlier Trace changed", k)
         for i, (s, m, _) in enumerate(self.pool):
             self.check(s, m, f"{what} [session {i}]")
 
@@ -357,7 +397,7 @@ class Fuzz:
         s, m, perm = self.pool[k]
         T = len(m.toks)
         ops = ["step", "feed", "feed", "ifeed", "istep", "gen", "truncate", "truncate", "back", "fork", "snap", "restore",
-               "save", "perm", "state_after", "raise", "fail"]
+               "save", "perm", "state_after", "raise", "fail", "scribble", "failtrunc"]
         op = str(r.choice(ops))
         if T > 120 and op in ("step", "feed", "ifeed", "istep", "gen", "raise", "fail"):
             op = "truncate"
@@ -381,7 +421,7 @@ class Fuzz:
             with (s.intervene(IVS[iv]()) if iv else _null()):
                 out = s.feed(ids, chunk=chunk, progress=False)
             assert out.shape == (n, self.V)
-            self.model_feed(m, ids, chunk, self.tag_for(perm, iv), out)
+            self.model_feed(s, m, ids, chunk, self.tag_for(perm, iv), out)
             self.first_sight(s, m, T)
         elif op == "gen":
             n = int(r.integers(1, 5)); temp = float(r.choice([0.0, 0.8])); seed = int(r.integers(1000))
@@ -423,6 +463,37 @@ class Fuzz:
                 self.pool.append([s.fork(), m.clone(), perm])
             else:
                 self.pool[int(r.integers(1, 3))] = [s.fork(), m.clone(), perm]
+        elif op == "failtrunc":  # the replay inside truncate raises: the session must be as before
+            n = int(r.integers(T + 1)); desc.append(n)
+            real = {name: getattr(self.w, name) for name in ("forward_token", "forward_sequence")}
+
+            def failing(*a, **kw):
+                raise Boom("in the replay")
+            for name in real:
+                setattr(self.w, name, failing)
+            try:
+                s.truncate(n)
+                desc.append("no replay")
+            except Boom:
+                desc.append("failed")
+            except RuntimeError as e:
+                assert "cannot rebuild" in str(e) and m.no_ckpt and any(m.tags[:n]), (desc, e)
+                desc.append("refused")
+            else:
+                m.truncate(n)
+            finally:
+                for name in real:
+                    delattr(self.w, name)
+        elif op == "scribble":  # a fork's arrays overwritten: nothing of the parent may change
+            f2 = s.fork()
+            arrays = list(f2.state.arrays()) + [a for c in f2._checkpoints.values() for a in c.arrays()] + list(f2._logits)
+            if f2.recorder is not None:
+                arrays += [a for rows in f2.recorder.state_dict()["rows"].values() for a in rows]
+            for a in arrays:
+                a = a.base if not a.flags.writeable and a.base is not None else a
+                if a.flags.writeable and a.dtype.kind in "fiub":
+                    a[...] = 7 if a.dtype.kind in "iub" else np.nan
+            f2.step(int(r.integers(self.V))); f2.truncate(0)
         elif op == "snap":
             ca = bool(r.integers(2)); desc.append(ca)
             self.snaps.append((s.snapshot(copy_arrays=ca), m.clone()))
@@ -431,12 +502,20 @@ class Fuzz:
             if self.snaps:
                 j = int(r.integers(len(self.snaps))); desc.append(j)
                 snap, ms = self.snaps[j]
-                s.restore(snap)
-                self.pool[k][1] = ms.clone()
+                if s.recorder is not None and snap.records is None:
+                    try:
+                        s.restore(snap)
+                        raise AssertionError("restored a snapshot without records into a recording session")
+                    except ValueError:
+                        desc.append("refused")
+                else:
+                    s.restore(snap)
+                    self.pool[k][1] = ms.clone()
         elif op == "save":
             ck = bool(r.integers(2)); desc.append(ck)
             path = s.save_state(self.tmp / f"s{k}.npz", checkpoints=ck)
-            s2 = Session.load_state(path, self.w)
+            rec = not (self.rec_cfg is not None and r.integers(3) == 0); desc.append(rec)  # recorder=False: another route
+            s2 = Session.load_state(path, self.w, recorder=rec)
             m2 = m.clone(); m2.no_ckpt = m2.no_ckpt or not ck
             self.pool[k] = [s2, m2, False]  # hooks are not saved
         elif op == "perm":
@@ -507,18 +586,22 @@ class Fuzz:
             else:
                 c = chunk or 10**9
                 for a in range(0, bad_call * c, c):
-                    m.add_chunk(ids[a : a + c], [s.logits[T + a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]))
+                    m.add_chunk(ids[a : a + c], [s.logits[T + a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]), self.route(s))
             self.first_sight(s, m, T)
         return desc
 
-    def model_feed(self, m, ids, chunk, tag, out):
+    def route(self, s):
+        """Whether a chunk this session feeds runs on the route a full record of mla.probs / kda.* takes."""
+        return s.recorder is not None and self.rec_name in ("full", "filtered")
+
+    def model_feed(self, s, m, ids, chunk, tag, out):
         if tag:  # hooks attached: feed steps
             for j, tok in enumerate(ids):
                 m.add_step(tok, tag, out[j].copy(), None)
         else:
             c = chunk or 10**9
             for a in range(0, len(ids), c):
-                m.add_chunk(ids[a : a + c], [out[a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]))
+                m.add_chunk(ids[a : a + c], [out[a + j].copy() for j in range(len(ids[a : a + c]))], [None] * len(ids[a : a + c]), self.route(s))
 
 
 class _null:
@@ -557,7 +640,7 @@ def main():
             total[k] = max(total[k], v)
         print(f"seed {seed} ({which} {dtype_name}, recorder {f.rec_name}, checkpoint_every {f.ce}): "
               f"{'OK' if ok else 'FAILED at op ' + str(len(log))} {len(log)} ops, T={[len(m.toks) for _, m, _ in f.pool]}, "
-              f"max diff {', '.join(f'{k} {v:.1e}' for k, v in f.maxdiff.items())}, routing-id near-ties {f.id_mismatch}, "
+              f"max diff {', '.join(f'{k} {v:.1e}' for k, v in f.maxdiff.items())}, {f.recorded} tokens' records compared, routing-id near-ties {f.id_mismatch}, "
               f"{len(f.bits)} decode keys, {time.time() - t0:.0f}s", flush=True)
         if not ok:
             failed.append(seed)

@@ -76,3 +76,21 @@ def test_a_failed_feed_after_loading_without_checkpoints_leaves_the_session_as_i
         s2.feed([9, 10, 11], progress=False)  # steps (a hook is attached): the first raises
     assert s2.tokens == [5, 17, 200, 3] and s2.state.position == 4
     np.testing.assert_array_equal(s2.step(42), s.step(42))  # the state is as if nothing had failed
+
+
+@pytest.mark.parametrize("how", ["load_state", "restore"])
+def test_a_chunk_fed_under_a_full_record_replays_on_its_route_in_a_session_recording_otherwise(trained32, tmp_path, how):
+    """A full record of a route site (mla.probs, kda.state) changes how a fed chunk is computed; a truncate inside the
+    chunk must replay it that way even in a session that records otherwise (loaded with recorder=False, or a
+    snapshot restored into it): the same bits as the session that fed it, as the docstring promises."""
+    toks = np.random.default_rng(0).integers(256, size=40).tolist()
+    a = Session(trained32, recorder=Recorder(full=["layers.3.mla.probs", "layers.1.kda.state"]))
+    a.feed(toks, progress=False)
+    if how == "load_state":
+        b = Session.load_state(a.save_state(tmp_path / "a.npz", checkpoints=False), trained32, recorder=False)
+    else:
+        b = Session(trained32, recorder=False)
+        b.restore(a.snapshot())
+    a.truncate(25)
+    b.truncate(25)
+    np.testing.assert_array_equal(b.step(7), a.step(7))

@@ -105,6 +105,9 @@ class Session:
         # first token of a fed chunk `truncate` cut -> the tokens it cut off: a replay of the history (the analyses)
         # re-decodes the chunk as it was fed, to the stored values bit for bit (the kept part alone rounds otherwise)
         self._cut_tails: dict[int, list[int]] = {}
+        # first token of a fed chunk -> the sites recorded in full that changed how it was computed
+        # (`Recorder.route_sites`; none: absent): its replays record them too, whatever records now
+        self._routes: dict[int, tuple] = {}
         self._to_rebuild: set[int] = set()  # checkpoints a failed `recover()` dropped: the next one rebuilds them
 
     # ------------------------------------------------------------------ history
@@ -240,6 +243,8 @@ class Session:
         self._stacked = None
         self._modified += [False] * len(ids)
         self._chunk_of += [t] * len(ids)
+        if route := self._route():
+            self._routes[t] = route
         self._checkpoints[t + len(ids)] = self.state.checkpoint()
         return host
 
@@ -323,15 +328,21 @@ class Session:
             if b is None:
                 self.weights.forward_token(state, self._tokens[a])
             else:
-                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(), chunk=b - a)
+                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(a), chunk=b - a)
         return state
 
-    def _chunk_replayer(self):
-        """The hooks a replay of a fed chunk runs with: a recorder keeping in full what the session's keeps in full
-        where that changes how a chunk is computed (`Recorder.route_sites`), so the replay rounds as the feed did;
-        else None. Fed chunks had no other hooks (value-changing hooks make `feed` step)."""
-        full = [] if self.recorder is None else self.recorder.route_sites(hook_names(self.weights))
-        return Recorder(names_filter=lambda name: False, full=full).bind(self.weights) if full else None
+    def _route(self) -> tuple:
+        """The sites the session's recorder keeps in full where that changes how a fed chunk is computed."""
+        return () if self.recorder is None else tuple(self.recorder.route_sites(hook_names(self.weights)))
+
+    def _chunk_replayer(self, t: int):
+        """The hooks a replay of the fed chunk holding token t runs with: a recorder keeping in full what the
+        session's recorder kept in full when it fed the chunk, where that changes how a chunk is computed
+        (`Recorder.route_sites`), so the replay rounds as the feed did (in a session recording otherwise too:
+        loaded with recorder=False, or restored from another's snapshot); else None. Fed chunks had no other
+        hooks (value-changing hooks make `feed` step)."""
+        full = self._routes.get(self._chunk_of[t])
+        return Recorder(names_filter=lambda name: False, full=list(full)).bind(self.weights) if full else None
 
     def runs(self, c: int = 0, t: int | None = None):
         """Tokens c..t-1 (default: the whole history) as the forward passes that decoded them: (s, None) for
@@ -392,6 +403,7 @@ class Session:
         # a checkpoint after n belongs to the discarded future: kept, it would seed a later replay of a new history
         self._checkpoints = {k: v for k, v in self._checkpoints.items() if k <= n}
         self._cut_tails = {a: tail for a, tail in self._cut_tails.items() if a < n}
+        self._routes = {a: route for a, route in self._routes.items() if a < n}
         self._to_rebuild = {k for k in self._to_rebuild if k <= n}
         if self.recorder is not None:
             self.recorder.truncate(n)
@@ -432,7 +444,7 @@ class Session:
         state copy}, first token decoded with value-changing hooks whose logits differ from the stored
         ones, or None).
 
-        Fed chunks run with `_chunk_replayer()`, as they were fed. Only the tokens decoded with
+        Fed chunks run with `_chunk_replayer`, as they were fed. Only the tokens decoded with
         value-changing hooks (each stepped) get `hooks` and are compared: hooks attached after a token was
         decoded must not act on it, and the first part of a fed chunk cut by `truncate` is replayed as
         one chunk, as `truncate` built the state from it, whose logits differ in the last bits from the
@@ -448,7 +460,7 @@ class Session:
                     return state, checkpoints, a
                 b = a + 1
             else:
-                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(), chunk=b - a)
+                self.weights.forward_sequence(state, self._tokens[a:b], self._chunk_replayer(a), chunk=b - a)
             if b in keep:
                 checkpoints[b] = state.checkpoint()
         return state, checkpoints, None
@@ -468,7 +480,7 @@ class Session:
             logits, checkpoints = list(self._logits), dict(self._checkpoints)
         return SessionSnapshot(id(self.weights), self.state.copy(), list(self._tokens), logits,
                                list(self._modified), checkpoints, records, list(self._chunk_of),
-                               {a: list(tail) for a, tail in self._cut_tails.items()})
+                               {a: list(tail) for a, tail in self._cut_tails.items()}, dict(self._routes))
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Go back (or forward) to `snap` exactly; the snapshot stays usable.
@@ -493,6 +505,11 @@ class Session:
         self._stacked = None
         self._checkpoints, self._to_rebuild = dict(snap.checkpoints), set()
         self._cut_tails = {int(a): list(tail) for a, tail in (snap.cut_tails or {}).items()}
+        if snap.routes is not None:
+            self._routes = {int(a): tuple(route) for a, route in snap.routes.items()}
+        else:  # a file from before routes were kept: its chunks fed as this session's recorder feeds
+            route = self._route()
+            self._routes = {a: route for a in set(self._chunk_of) if a >= 0} if route else {}
         if self.recorder is not None:
             self.recorder.load_state_dict(snap.records)
         if state is None:

@@ -2,7 +2,8 @@
 user continue a decode exactly (`Session.save_state`).
 
 Layout: a JSON `header` (format, the weights' fingerprint, tokens, which steps ran with
-value-changing hooks, the array layout of every saved decode state, the recorder's settings),
+value-changing hooks, how each was decoded (fed chunks, the parts truncate cut off them, the sites whose full
+record changed a chunk's route), the array layout of every saved decode state, the recorder's settings),
 the decode state arrays `state/{layer}/{field}` (and the kept checkpoints `ckpt{t}/...`, every
 array with its full shape so replays run on the same layouts; an MLA cache as its used positions and
 its capacity, the rest zeros on loading), `logits` [T, V], and each record
@@ -48,6 +49,8 @@ class SessionSnapshot:
     checkpoints: {t: decode state after the first t tokens} (`KimiDecodeState.checkpoint`); only ever copied
     records:     the recorder's `state_dict()`, or None when the session records nothing
     cut_tails:   {first token of a fed chunk `truncate` cut: the tokens cut off it} (replays re-decode it whole)
+    routes:      {first token of a fed chunk: the sites recorded in full that changed how it was computed} (replays
+                 record them too; None: not known, a file from before they were kept)
     """
 
     weights_id: int
@@ -59,6 +62,7 @@ class SessionSnapshot:
     records: dict | None
     chunk_of: list | None = None
     cut_tails: dict | None = None
+    routes: dict | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -100,6 +104,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
     header = {"format": FORMAT, "fingerprint": weights_fingerprint(weights), "tokens": snap.tokens,
               "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
               "cut_tails": {str(a): [int(t) for t in tail] for a, tail in (snap.cut_tails or {}).items()},
+              **({"routes": {str(a): list(r) for a, r in snap.routes.items()}} if snap.routes is not None else {}),
               "checkpoint_every": checkpoint_every, "recorder": rec}
     V = weights.config.vocab_size
     arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
@@ -127,7 +132,8 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
             modified=[bool(m) for m in header["modified"]],
             checkpoints=_get_checkpoints(z, header["layout"], weights),
             records=records, chunk_of=header.get("chunk_of"),
-            cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()})
+            cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
+            routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
     return snap, SavedSettings(header["checkpoint_every"], settings)
 
