@@ -519,7 +519,9 @@ class Session:
             self._checkpoints[T] = self.state.checkpoint()  # failed step goes back to (nothing could rebuild it)
 
     def fork(self) -> Session:
-        """An independent session with the same weights, history, hooks and records (all arrays copied)."""
+        """An independent session with the same weights, history, hooks and records (all arrays copied).
+        Hooks a `with session.intervene(...)` block holds are the fork's own from then on: the block's end
+        removes them from this session only."""
         recorder = self.recorder.copy(deep=False) if self.recorder is not None else False
         other = Session(self.weights, recorder=recorder, tokenizer=self.tokenizer, hooks=self.hooks.copy(),
                         checkpoint_every=self.checkpoint_every)
