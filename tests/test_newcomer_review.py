@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli import run_main
 
 import kimi_explore as ke
-from kimi_explore.cli import main
 from kimi_explore.weights.tiny_model import tiny_checkpoint
 
 ROOT = Path(__file__).parents[1]
@@ -23,15 +23,6 @@ def readme_block(containing: str) -> str:
     blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S) if containing in b]
     assert len(blocks) == 1, f"{len(blocks)} README python blocks hold {containing!r}"
     return blocks[0]
-
-
-def run_main(argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
