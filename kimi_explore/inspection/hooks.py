@@ -61,6 +61,7 @@ from .hook_sites import SEQUENTIAL_SITES, HookChain, HookHandle, HookPoint, chec
 
 __all__ = ["HookChain", "HookHandle", "HookPoint", "Hooks", "check_pattern", "hook_grammar", "hooks_expected", "is_glob"]
 
+
 def _check_hook_signature(fn) -> None:
     """A hook is called fn(value, hook=HookPoint): refuse at add time one that cannot take that (e.g. `lambda v: ...`),
     rather than at the first site it fires, deep inside a decode."""

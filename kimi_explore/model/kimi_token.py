@@ -85,9 +85,9 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
     part-advanced (`KimiDecodeState.broken`) and every later forward pass refuses it.
     """
     check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
-    if hooks is not None and not hasattr(hooks, "fire"):
-        raise hooks_type_error(hooks)
     if hooks is not None:  # the token's id and position (the state's), as on the sequence path, unless the driver announced them
+        if not hasattr(hooks, "fire"):
+            raise hooks_type_error(hooks)
         default = getattr(hooks, "default_token", None)
         if default is not None:
             default(token_index(token_id, weights.config.vocab_size), state.position)
