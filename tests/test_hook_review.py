@@ -416,3 +416,39 @@ def test_a_recorder_before_an_intervention_records_the_recurrent_values_it_saw(r
     H = S.shape[1]
     want = np.sqrt((win ** 2).reshape(len(win), 3, H, K, -1).sum(axis=(3, 4)))
     np.testing.assert_allclose(trace["layers.1.kda.conv.norm"], want, rtol=1e-4, atol=1e-6)
+
+
+# bug: a chunk-aware hook at mla.probs that wrote probability onto a token's future positions (uniform attention
+# over the whole row, say) made the chunk attend to tokens not decoded yet, and ran on without a word
+def test_a_chunk_aware_probs_hook_cannot_attend_to_the_future(ref_weights):
+    from kimi_explore import KimiDecodeState, kimi_forward_sequence, kimi_forward_token
+    from kimi_explore.inspection.hooks import Hooks
+
+    w, tokens = ref_weights, [17, 203, 5, 88, 41, 9]
+
+    def everywhere(p, *, hook):
+        p[:] = 1.0 / p.shape[-1]  # the whole row, future included
+
+    def visible(p, *, hook):  # uniform over what each token sees: its row as the token form has it
+        L0 = p.shape[-1] - p.shape[0]
+        for t in range(p.shape[0]):
+            p[t, :, : L0 + t + 1] = 1.0 / (L0 + t + 1)
+
+    def visible_token(p, *, hook):
+        p[:] = 1.0 / p.shape[-1]
+
+    bad = Hooks()
+    bad.add("layers.2.mla.probs", everywhere, chunks=True)
+    state = KimiDecodeState.new(w)
+    kimi_forward_sequence(w, state, tokens[:2])
+    with pytest.raises(ValueError, match=r"layers\.2\.mla\.probs: a hook left nonzero .* after token 0 of the chunk \(position 2\)"):  # noqa: E501
+        kimi_forward_sequence(w, state, tokens[2:], bad)
+    good, stepped = Hooks(), Hooks()
+    good.add("layers.2.mla.probs", visible, chunks=True)
+    stepped.add("layers.2.mla.probs", visible_token)
+    state, ref_state = KimiDecodeState.new(w), KimiDecodeState.new(w)
+    fed = np.asarray(kimi_forward_sequence(w, state, tokens, good, chunk=4))
+    step = np.stack([np.asarray(kimi_forward_token(w, ref_state, t, stepped)) for t in tokens])
+    np.testing.assert_allclose(fed, step, rtol=0, atol=1e-4)
+    plain = KimiDecodeState.new(w)
+    assert np.abs(step - np.stack([np.asarray(kimi_forward_token(w, plain, t)) for t in tokens])).max() > 1e-2  # it acts

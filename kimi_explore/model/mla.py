@@ -210,6 +210,7 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None, fi
     if fire is not None and fire_probs:
         p = _causal_probs(qh, state, L0, scale)  # [nh, T, L0 + T]
         p = fire(site("mla.probs"), p.swapaxes(0, 1)).swapaxes(0, 1)
+        _check_causal(p, L0, site("mla.probs"))
         o = xp.matmul(p, state.values[:, : L0 + T]).swapaxes(0, 1)  # [T, nh, dv]
     else:
         o = xp.empty((nh, T, dv), dtype=q.dtype)
@@ -223,6 +224,23 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None, fi
     if gate is not None:
         o = o * gate
     return linear(o, w.o_proj)
+
+
+def _check_causal(p, L0: int, name: str) -> None:
+    """Refuse probabilities p [nh, T, L0 + T] that a hook left nonzero at a position after its token (token t
+    sees 0 .. L0 + t): the chunk would attend to tokens the token form has not seen yet. One check per
+    chunk, on the heads' max and min (one transfer on a GPU); it runs only where a hook listens."""
+    xp = array_namespace(p)
+    T, L = p.shape[1], p.shape[2]
+    if T < 2:  # a single token sees the whole cache
+        return
+    future = xp.arange(L)[None, :] > (L0 + xp.arange(T))[:, None]  # [T, L]
+    bad = future & ((p.max(axis=0) != 0) | (p.min(axis=0) != 0))  # NaN counts too
+    if bool(to_numpy(bad.any())):
+        t = int(to_numpy(xp.argmax(bad.any(axis=1))))
+        raise ValueError(f"{name}: a hook left nonzero probabilities (or NaN) at positions after token {t} of the "
+                         f"chunk (position {L0 + t}): token t of a chunk sees cache positions 0 .. L0 + t, the rest of "
+                         "its row must stay 0 (masked), or the chunk attends to tokens not decoded yet")
 
 
 def _causal_probs(qh, state: MlaState, L0: int, scale: float):
