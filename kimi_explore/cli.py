@@ -47,10 +47,13 @@ def parse_ids(text: str, what: str = "token ids") -> list[int]:
     Names the first piece that is not an integer and what the field holds (`what`). Also an
     argparse `type=`: its IdsError is an ArgumentTypeError, so the message is shown as written.
     """
-    ids = []
-    for piece in text.replace(" ", "").split(","):
-        if not piece:
-            continue
+    ids, pieces = [], text.replace(" ", "").split(",")
+    if pieces[-1] == "":  # "" or a trailing comma
+        pieces.pop()
+    for piece in pieces:
+        if not piece:  # "17,,5": an id left out, not a separator typed twice
+            raise IdsError(f"{what}: {text.strip()!r} has an empty piece between commas (expected comma-separated "
+                           "integers like 17,203,5)")
         if not piece.lstrip("-").isdigit():
             raise IdsError(f"{what}: {piece!r} is not an integer (expected comma-separated integers like 17,203,5)")
         ids.append(int(piece))
