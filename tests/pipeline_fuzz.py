@@ -15,6 +15,7 @@ Starts a local Ray (num_cpus=2, no dashboard) and shuts it down. ~1 s per operat
 
 # ruff: noqa: B023, E501, E701, E702 (closures are called within their iteration; a terse harness)
 import gc
+import re
 import sys
 import time
 import traceback
@@ -25,6 +26,19 @@ from stage_loss import kill_stage
 
 import kimi_explore as ke
 from kimi_explore.inspection.interventions import ablate_experts
+
+
+def kept_first(error, one, desc: list, what: str) -> bool:
+    """The pipeline session said (`error`) it now holds its first n tokens: take the one-process session back
+    there too. True: it cannot go back (no checkpoint there), so the run stops."""
+    n = int(re.search(r"first (\d+) tokens", str(error)).group(1))
+    desc.append(f"{what} kept {n} of {len(one)}")
+    try:
+        one.truncate(n)
+    except RuntimeError:
+        print("one process cannot go back there (no checkpoint); pipeline replayed it: stop")
+        return True
+    return False
 
 
 def cmp_state(a, b, what, full=True):
@@ -142,13 +156,8 @@ def main(seed, stages, nops, path, tmp):
                     try:
                         st.restore(b)
                     except RuntimeError as e:  # a stale snapshot with tokens decoded under a temporary intervention
-                        import re
-                        n = int(re.search(r"first (\d+) tokens", str(e)).group(1))
-                        desc.append(f"restore kept {n} of {len(one)}")
-                        try:
-                            one.truncate(n)
-                        except RuntimeError:
-                            print("one process cannot go back there (no checkpoint); pipeline replayed it: stop"); return True
+                        if kept_first(e, one, desc, "restore"):
+                            return True
             elif op == "save":
                 ck = bool(rng.integers(2)); desc.append(ck)
                 f1 = one.save_state(f"{tmp}/one.npz", checkpoints=ck); f2 = st.save_state(f"{tmp}/st.npz", checkpoints=ck)
@@ -195,13 +204,8 @@ def main(seed, stages, nops, path, tmp):
                     try:
                         b.recover()
                     except RuntimeError as e:  # by design: tokens decoded under a temporary intervention
-                        import re
-                        n = int(re.search(r"first (\d+) tokens", str(e)).group(1))
-                        desc.append(f"recover kept {n} of {len(a)}")
-                        try:
-                            a.truncate(n)
-                        except RuntimeError:
-                            print("one process cannot go back there (no checkpoint); pipeline replayed it: stop"); return True
+                        if kept_first(e, a, desc, "recover"):
+                            return True
             log.append(desc)
             cmp(pairs[0][0], pairs[0][1], pipe, f"op {i} {desc}")
             for a, b in pairs[1:]:

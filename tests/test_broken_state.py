@@ -101,7 +101,7 @@ def test_a_session_rolls_back_and_never_holds_a_broken_state(ref_weights):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_pipeline_state_stopped_part_way_refuses_to_decode(local_ray, tiny_weights, chunked):
     """A hook raising on the second stage: the first stage has run the token, the second part of it. The
-    pipeline's state (and the stage's own) refuse to go on; a copy from before continues as one process."""
+    pipeline's state refuses to go on; a copy from before continues as one process."""
     w = tiny_weights
     with RayPipeline(w.source, stages=2) as pipe:  # 16 layers: stage 1 holds 8-15
         state = pipe.new_state()

@@ -23,7 +23,7 @@ from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..inspection.session_io import copy_sharing, nbytes_once, share_caches
 from ..model.block_residual import SourceBuffer
-from ..model.kimi_decoder import KimiDecodeState, embed_token, finish_token, mark_broken, run_layers
+from ..model.kimi_decoder import KimiDecodeState, embed_token, finish_token, run_layers
 from ..model.kimi_sequence import SequenceSources, embed_chunk, finish_sequence, run_layers_chunk
 
 __all__ = ["Stage", "pack_records", "unpack_records"]
@@ -188,8 +188,7 @@ class Stage:
             if self.recorder is None:
                 return out, None, position
             return out, pack_records(self.recorder.take_blocks()), position
-        except BaseException as e:
-            mark_broken(state, e, len(token_id) if chunk else 1)
+        except BaseException:  # (the driver marks its PipelineState broken: `RayPipeline._run`)
             if self.recorder is not None:
                 self.recorder.truncate(0)  # forget the half-recorded token
             raise

@@ -33,6 +33,7 @@ from .kimi_sequence import kimi_forward_sequence
 from .kimi_token import (
     OutputHead,
     decoder_layer,
+    dtype_name,
     embed_token,
     finish_token,
     kimi_forward_token,
@@ -210,7 +211,7 @@ class KimiDecoderWeights(LayerSequence):
         n_kda, n_moe = sum(k.startswith("kda") for k in kinds), sum(k.endswith("moe") for k in kinds)
         return (f"KimiDecoderWeights({len(kinds)} of {cfg.num_hidden_layers} layers ({n_kda} KDA, {len(kinds) - n_kda} MLA; "
                 f"{n_moe} MoE, {cfg.num_experts} experts top-{cfg.num_experts_per_token}), hidden {cfg.hidden_size}, "
-                f"vocab {cfg.vocab_size}, {self.device} {_dtype_name(self.dtype)}, "
+                f"vocab {cfg.vocab_size}, {self.device} {dtype_name(self.dtype)}, "
                 f"{self.memory_report().total / 2**20:.1f} MiB, source {str(self.source)!r})")
 
 
@@ -284,13 +285,9 @@ class KimiDecodeState:
         """One line: the dataclass default prints every array."""
         n_mla = sum(ls.attention.kind == "mla" for ls in self.layers)
         first = self.arrays()[:1]
-        where = f"{type(first[0]).__module__.split('.')[0]} {_dtype_name(first[0].dtype)}, " if first else ""
+        where = f"{type(first[0]).__module__.split('.')[0]} {dtype_name(first[0].dtype)}, " if first else ""
         return (f"KimiDecodeState(position {self.position}, {len(self.layers)} layers ({len(self.layers) - n_mla} KDA, "
                 f"{n_mla} MLA), {where}{self.nbytes / 2**20:.2f} MiB{', broken' if self.broken else ''})")
-
-
-def _dtype_name(dtype) -> str:
-    return getattr(dtype, "name", None) or getattr(dtype, "__name__", str(dtype))
 
 
 def hook_names(model) -> list[str]:

@@ -224,8 +224,8 @@ def embed_chunk(weights, ids: list[int], hooks=None, rows: int | None = None) ->
 
 
 def run_layers_chunk(weights, state, stack: SequenceSources, hooks=None) -> None:
-    """Every loaded layer on a chunk, from the stack as the previous layer (or the embedding) left it."""
-    check_state(weights, state)
+    """Every loaded layer on a chunk, from the stack as the previous layer (or the embedding) left it. `state` is
+    the caller's to check (`kimi_forward_sequence` does; a pipeline stage makes its own states)."""
     for layer, layer_state in zip(weights.layers, state.layers, strict=True):
         if hooks is not None and hooks.needs_tokens(layer.names.values()):
             _layer_by_tokens(layer, layer_state, stack, weights.config, hooks)

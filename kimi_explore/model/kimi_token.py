@@ -35,9 +35,9 @@ from .mla import mla_step
 from .ops import dense_mlp, rms_norm
 from .sites import site_table
 
-__all__ = ["OutputHead", "check_layer_count", "check_state", "decoder_layer", "embed_token", "finish_token",
-           "hooks_type_error", "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "run_layers",
-           "token_index", "token_indices"]
+__all__ = ["OutputHead", "check_state", "decoder_layer", "dtype_name", "embed_token", "finish_token", "hooks_type_error",
+           "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "run_layers", "token_index",
+           "token_indices"]
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ def embed_token(weights, token_id, hooks=None, rows: int | None = None) -> Sourc
 
 
 def run_layers(weights, state, stack: SourceBuffer, hooks=None) -> None:
-    """Every loaded layer on one token, from the stack as the previous layer (or the embedding) left it."""
-    check_layer_count(weights, state)  # the whole check is kimi_forward_token's (a pipeline stage makes its own state)
+    """Every loaded layer on one token, from the stack as the previous layer (or the embedding) left it. `state`
+    is the caller's to check (`kimi_forward_token` does; a pipeline stage makes its own states)."""
     for layer, layer_state in zip(weights.layers, state.layers, strict=True):
         decoder_layer(layer, layer_state, stack, weights.config, hooks)
 
@@ -128,7 +128,17 @@ def check_state(weights, state) -> None:
     count, a layer of another kind, or other widths or dtype (a float64 model's state would otherwise run on
     silently in float64 under float32 weights; another model's, fail deep inside a kernel). Widths and
     dtype are checked on the first layer of each kind (a model's layers of one kind share them): ~2 us."""
-    check_layer_count(weights, state)
+    if not hasattr(weights, "layers") or not hasattr(weights, "config"):
+        hint = " (the arguments are (weights, state, ...): swapped?)" if hasattr(weights, "position") else ""
+        raise TypeError(f"weights: expected the model from ke.from_pretrained(...), got {type(weights).__name__}{hint}")
+    if not hasattr(state, "layers") or not hasattr(state, "position"):
+        raise TypeError(f"state: expected a KimiDecodeState (KimiDecodeState.new(weights)), got {type(state).__name__}")
+    refuse_broken(state)
+    if len(state.layers) != len(weights.layers):
+        raise ValueError(
+            f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
+            "make the state with KimiDecodeState.new(weights)"
+        )
     kinds = list(map(_KIND, state.layers))
     if kinds != list(map(_KIND, weights.layers)):
         i = next(i for i, (k, lw) in enumerate(zip(kinds, weights.layers, strict=True)) if k != lw.attention.kind)
@@ -149,7 +159,7 @@ def check_state(weights, state) -> None:
             raise ValueError(
                 f"state.layers[{i}] is not a state of these weights: expected {kind} {name} "
                 f"{' x '.join(map(str, want))}{' (heads x dim, any length)' if kind == 'mla' else ''} "
-                f"in {_dtype_str(weights.dtype)}, found {' x '.join(map(str, shape))} in {_dtype_str(found.dtype)}; "
+                f"in {dtype_name(weights.dtype)}, found {' x '.join(map(str, shape))} in {dtype_name(found.dtype)}; "
                 "make the state with KimiDecodeState.new(weights)")
 
 
@@ -161,22 +171,9 @@ def hooks_type_error(hooks) -> TypeError:
 _KIND = attrgetter("attention.kind")
 
 
-def _dtype_str(dtype) -> str:
+def dtype_name(dtype) -> str:
+    """'float32' for np.float32, np.dtype('float32') or a CuPy dtype."""
     return getattr(dtype, "name", None) or getattr(dtype, "__name__", str(dtype))
-
-
-def check_layer_count(weights, state) -> None:
-    if not hasattr(weights, "layers") or not hasattr(weights, "config"):
-        hint = " (the arguments are (weights, state, ...): swapped?)" if hasattr(weights, "position") else ""
-        raise TypeError(f"weights: expected the model from ke.from_pretrained(...), got {type(weights).__name__}{hint}")
-    if not hasattr(state, "layers") or not hasattr(state, "position"):
-        raise TypeError(f"state: expected a KimiDecodeState (KimiDecodeState.new(weights)), got {type(state).__name__}")
-    refuse_broken(state)
-    if len(state.layers) != len(weights.layers):
-        raise ValueError(
-            f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
-            "make the state with KimiDecodeState.new(weights)"
-        )
 
 
 def finish_token(head: OutputHead, stack: SourceBuffer, hooks=None):
