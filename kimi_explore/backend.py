@@ -107,4 +107,28 @@ def gpu_available() -> bool:
     return _cupy_status()[0] is not None
 
 
+_BLAS_THREAD_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads")
+
+
+def set_blas_threads(n: int) -> bool:
+    """Run the host BLAS on n threads in this process from now on: what OPENBLAS_NUM_THREADS does before
+    NumPy loads, after it (for OpenBLAS, which NumPy's wheels bundle, found among this process's mapped
+    libraries on Linux). Whether it could (False: another BLAS, or no /proc)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "openblas" in line.lower() and " /" in line})
+    except OSError:
+        return False
+    done = False
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        setter = next((getattr(lib, s) for s in _BLAS_THREAD_SETTERS if hasattr(lib, s)), None)
+        if setter is not None:
+            setter(int(n))
+            done = True
+    return done
+
+
 HOST_THREADS = max(1, min(4, os.cpu_count() or 1))  # host work split over threads (the kernels release the GIL)

@@ -6,15 +6,21 @@ The reference decodes each text in its own default-recorder Session and counts f
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import string
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
 import pytest
+from strict_device import StrictDevice
 
 import kimi_explore as ke
 from kimi_explore.analysis.routing_stats import byte_class
+from kimi_explore.backend import stand_in_device
 
 TEXTS = ["The cat, 12 cats.\n", "Hello world!", "a b c\n\n9", "Zz-top 0"]
 
@@ -41,10 +47,12 @@ def by_hand(w, texts):
     return counts, weights, pairs, joint, n
 
 
-@pytest.fixture(scope="module", params=["reference", "random_tiny"])
+@pytest.fixture(scope="module", params=[("reference", 1), ("random_tiny", 1), ("reference", 2)],
+                ids=["reference", "random_tiny", "reference-workers2"])
 def model(request, ref_weights, tiny_weights):
-    w = ref_weights if request.param == "reference" else tiny_weights
-    return w, ke.routing_stats(w, TEXTS, progress=False), by_hand(w, TEXTS)
+    name, workers = request.param
+    w = ref_weights if name == "reference" else tiny_weights
+    return w, ke.routing_stats(w, TEXTS, progress=False, workers=workers), by_hand(w, TEXTS)
 
 
 def test_counts_weights_and_coactivation_match_the_traces(model):
@@ -90,7 +98,8 @@ def test_byte_classes():
     assert byte_class(0xE4) == "other" and byte_class(7) == "other"
 
 
-def test_a_saved_partial_result_resumes_to_the_full_result(ref_weights, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_saved_partial_result_resumes_to_the_full_result(ref_weights, tmp_path, workers):
     full = ke.routing_stats(ref_weights, TEXTS, progress=False)
     path = tmp_path / "stats.npz"
     calls = []
@@ -102,13 +111,15 @@ def test_a_saved_partial_result_resumes_to_the_full_result(ref_weights, tmp_path
         return byte_class(tok)
 
     with pytest.raises(KeyboardInterrupt):
-        ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, checkpoint_every=1, classes=failing_on_text_3)
+        ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, checkpoint_every=1, classes=failing_on_text_3,
+                         workers=workers)
     partial = ke.RoutingStats.load(path)
     assert len(partial.texts) == 3 and partial.tokens == sum(len(x) for x in TEXTS[:3])
     calls.clear()
-    resumed = ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=byte_class)
-    for name in ("counts", "weight_sum", "coactivation"):
+    resumed = ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=byte_class, workers=workers)
+    for name in ("counts", "coactivation"):
         np.testing.assert_array_equal(getattr(resumed, name), getattr(full, name))
+    np.testing.assert_allclose(resumed.weight_sum, full.weight_sum, rtol=1e-6)  # bit for bit with one BLAS thread (below)
     assert resumed.class_names == full.class_names and resumed.tokens == full.tokens
     np.testing.assert_array_equal(resumed.class_top1, full.class_top1)
     again = ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=failing_on_text_3)
@@ -132,3 +143,59 @@ def test_progress_bar_and_inputs(ref_weights, capsys):
     assert st.tokens == 3 and "routing_stats" in capsys.readouterr().err
     ids = ke.routing_stats(ref_weights, [list(b"abc")], progress=False)
     np.testing.assert_array_equal(ids.counts, st.counts)
+
+
+WORKERS_SCRIPT = """
+import json, sys
+import numpy as np
+import kimi_explore as ke
+w = ke.from_pretrained(ke.tiny_checkpoint(), device="cpu")
+texts = json.loads(sys.argv[1])
+one, two = (ke.routing_stats(w, texts, progress=False, workers=n) for n in (1, 2))
+for name in ("counts", "weight_sum", "coactivation", "class_top1"):
+    assert np.array_equal(getattr(one, name), getattr(two, name)), name
+assert (one.tokens, one.texts, one.class_names) == (two.tokens, two.texts, two.class_names)
+print("same", one.tokens)
+"""
+
+
+def test_workers_give_one_process_result_bit_for_bit():
+    """Forked workers (one BLAS thread each) against this process with one BLAS thread (set before NumPy loads: a
+    process of its own): every count and every weight sum identical, an empty text and a one-token text included."""
+    texts = [TEXTS[0] * 40, "", "x", TEXTS[1] * 70, TEXTS[2] * 30, TEXTS[3]]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", WORKERS_SCRIPT, json.dumps(texts)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["same", str(sum(len(t) for t in texts))]
+
+
+def _dies(ids):  # a worker's decode that ends its process (module level: a worker finds it by name)
+    os._exit(3)
+
+
+def _raises(ids):
+    raise ArithmeticError(f"no routing for a text of {len(ids)} tokens")
+
+
+def test_a_failing_worker_names_the_text_and_stops_the_run(ref_weights, monkeypatch):
+    from kimi_explore.analysis import routing_stats as module
+
+    monkeypatch.setattr(module, "_worker_routing", _raises)
+    with pytest.raises(ArithmeticError, match="no routing for a text of 18 tokens"):
+        ke.routing_stats(ref_weights, TEXTS, progress=False, workers=2)
+    monkeypatch.setattr(module, "_worker_routing", _dies)
+    with pytest.raises(RuntimeError, match="worker process ended abruptly while decoding text 0"):
+        ke.routing_stats(ref_weights, TEXTS, progress=False, workers=2)
+
+
+def test_workers_are_checked(ref_weights):
+    for bad in (0, -1, 1.5, "2", True, None):
+        with pytest.raises(ValueError, match="workers must be a whole number >= 1"):
+            ke.routing_stats(ref_weights, TEXTS, progress=False, workers=bad)
+    with stand_in_device(StrictDevice()):
+        on_device = ke.from_pretrained(ke.tiny_checkpoint(), device="gpu")
+    with pytest.raises(ValueError, match="needs host weights.*on the gpu.*use workers=1"):
+        ke.routing_stats(on_device, TEXTS, progress=False, workers=2)
+    one = ke.routing_stats(ref_weights, [TEXTS[0]], progress=False, workers=4)  # one text: decoded here
+    np.testing.assert_array_equal(one.counts, ke.routing_stats(ref_weights, [TEXTS[0]], progress=False).counts)

@@ -248,6 +248,8 @@ def test_analyses_on_a_pipeline_session(pipe3, weights):
     a, b = ke.routing_stats(pipe3, texts, progress=False), ke.routing_stats(weights, texts, progress=False)
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.weight_sum, b.weight_sum)
     assert np.array_equal(a.coactivation, b.coactivation) and np.array_equal(a.class_top1, b.class_top1)
+    with pytest.raises(ValueError, match="a RayPipeline decodes in its own stages; use workers=1"):
+        ke.routing_stats(pipe3, texts, progress=False, workers=2)
 
     runs = []
     for w in (pipe3, weights):

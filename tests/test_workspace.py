@@ -57,3 +57,24 @@ def test_run_parts_runs_every_part_once_on_the_pool_or_its_own():
 
 def test_on_host_is_the_one_device_test():
     assert on_host(np) and on_host(np.zeros(2)) and on_host(np.float32(1.0))
+
+
+def _use_pool(ws, out) -> None:  # in a forked child: hand work to the pool the parent started
+    out.put(ws.pool().submit(lambda: 41 + 1).result(timeout=20))
+
+
+def test_a_forked_process_gets_a_pool_of_its_own():
+    """A fork copies the pool object but not its threads: work handed to the copy would wait forever
+    (routing_stats' workers fork from a process whose model may have run its pool)."""
+    import multiprocessing
+
+    ws = Workspace(np, threads=2)
+    parent = ws.pool()
+    assert parent.submit(lambda: 1).result() == 1  # its threads are running
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_use_pool, args=(ws, out))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and out.get(timeout=5) == 42
+    assert ws.pool() is parent  # this process keeps its own

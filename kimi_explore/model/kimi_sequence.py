@@ -281,9 +281,10 @@ def _attention(x, layer, state, hooks):
     if att.kind == "mla":
         return mla_sequence(x, att, state.attention, fire=fire, names=names,
                             fire_probs=fire is not None and _listens(hooks, names["mla.probs"]))
-    out, norms = kda_sequence(x, att, state.attention, fire=fire, names=names, state_norms=hooks is not None,
+    norms = hooks is not None and (_listens(hooks, names["kda.state"]) or _listens(hooks, names["kda.conv"]))
+    out, norms = kda_sequence(x, att, state.attention, fire=fire, names=names, state_norms=norms,
                               fire_decay=fire is not None and _listens(hooks, names["kda.decay"]))
-    if hooks is not None:  # the recurrent sites reach a recorder as their per-token norms
+    if norms is not None:  # the recurrent sites reach a recorder as their per-token norms
         hooks.observe_chunk(names["kda.conv"], norms["kda.conv"])
         hooks.observe_chunk(names["kda.state"], norms["kda.state"])
     return out

@@ -15,6 +15,7 @@ Fresh multi-GB arrays would cost the kernel's page zeroing on every token; these
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class Workspace:
     dequantised: dict = field(default_factory=dict)  # name -> flat buffer, viewed as [m, rows, cols]
     threads: int = HOST_THREADS
     _pool: ThreadPoolExecutor | None = None
+    _pool_pid: int = 0  # the process that started _pool: a forked child starts its own (the threads stay behind)
 
     def take(self, name: str, shape: tuple, dtype):
         """A [shape] view of buffer `name` (grown when too small); its contents live until the next take."""
@@ -44,9 +46,12 @@ class Workspace:
         return buf[:n].reshape(shape)
 
     def pool(self) -> ThreadPoolExecutor:
-        """The host thread pool of this model (its threads end when the workspace is dropped)."""
-        if self._pool is None:
+        """The host thread pool of this model (its threads end when the workspace is dropped). A process forked
+        from the one that started it gets a pool of its own: a fork copies the pool but not its threads, and
+        work handed to the copy would wait forever."""
+        if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kimi-host")
+            self._pool_pid = os.getpid()
         return self._pool
 
     @property
