@@ -1,0 +1,179 @@
+"""Adversarial review of every file the package writes and reads (besides a checkpoint's basic loading):
+session states, traces, routing-stats checkpoints, engine dumps, GGUF files, tokenizer files, reports.
+
+The rule each test pins: a damaged or foreign file is refused with an error naming the file (and the
+entry, key or tensor), what was expected and what was found; nothing is left half-loaded; a write is
+atomic where a partial file could later be read; round trips are exact. Every damage here loaded
+silently, or failed with an error naming nothing, before its fix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from conftest import REFERENCE_DIR
+
+import kimi_explore as ke
+from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.inspection.session import Session
+
+TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
+
+
+def rewrite(src, dst, change):
+    """Copy the kimi_explore .npz `src` to `dst`, with `change(arrays, header)` applied to its entries and header."""
+    with np.load(src) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(str(arrays.pop("header")))
+    change(arrays, header)
+    np.savez(dst, header=np.array(json.dumps(header)), **arrays)
+    return dst
+
+
+# ---------------------------------------------------------------- session states
+
+
+@pytest.fixture(scope="module")
+def saved_session(ref_weights, tmp_path_factory):
+    """A session over the reference model with a fed chunk, stepped tokens, an MLA probs record and checkpoints."""
+    s = Session(ref_weights, recorder=Recorder(full=["layers.2.mla.probs"]), checkpoint_every=3)
+    s.feed(TOKENS[:5])
+    s.step(TOKENS[5])
+    s.step(TOKENS[6])
+    return s, s.save_state(tmp_path_factory.mktemp("session") / "good.npz")
+
+
+def _mla(header) -> int:
+    return next(j for j, lay in enumerate(header["layout"]["state"]["layers"]) if lay["type"] == "MlaState")
+
+
+def _kda(header) -> int:
+    return next(j for j, lay in enumerate(header["layout"]["state"]["layers"]) if lay["type"] == "KdaState")
+
+
+def _set(key, value):
+    return lambda a, h: a.__setitem__(key, value(a[key]))
+
+
+def _first_record(a, h, change):
+    k = h["recorder"]["keys"][0]
+    a[f"rec/{k}/flat"] = change(a[f"rec/{k}/flat"])
+
+
+SESSION_DAMAGE = {  # damage -> (change, what the error must say)
+    "logits-short": (_set("logits", lambda x: x[:5]), r"logits float32\[5, 256\], expected float32\[7, 256\]"),
+    "logits-narrow": (_set("logits", lambda x: x[:, :200]), r"logits float32\[7, 200\], expected float32\[7, 256\]"),
+    "logits-float64": (_set("logits", lambda x: x.astype(np.float64)), r"logits float64\[7, 256\], expected float32"),
+    "one-token-more": (lambda a, h: h["tokens"].append(4), r"'modified' is .*expected 8 booleans"),
+    "token-outside-vocabulary": (lambda a, h: h["tokens"].__setitem__(2, 300), r"'tokens' is .*token ids in 0..255"),
+    "modified-short": (lambda a, h: h.__setitem__("modified", h["modified"][:3]), r"'modified' is .*expected 7"),
+    "chunk_of-short": (lambda a, h: h.__setitem__("chunk_of", h["chunk_of"][:3]), r"'chunk_of' is .*expected 7 ints"),
+    "state-position": (lambda a, h: h["layout"]["state"].__setitem__("position", 5), r"layout 'state' .*position 7"),
+    "checkpoint-past-the-end": (lambda a, h: h["layout"].__setitem__("ckpt9", h["layout"]["state"]),
+                                r"layout entry 'ckpt9' .*t <= 7"),
+    "mla-length": (lambda a, h: h["layout"]["state"]["layers"][_mla(h)]["scalars"].__setitem__("length", 6),
+                   r"saved state layer \d+ caches 6 positions, its state is at position 7"),
+    "unknown-scalar": (lambda a, h: h["layout"]["state"]["layers"][_kda(h)]["scalars"].__setitem__("length", 7),
+                       r"saved state layer 0 \(KdaState\) scalars \{'length': 7\}"),
+    "kda-state-transposed": (lambda a, h: a.__setitem__("state/0/conv", np.ascontiguousarray(a["state/0/conv"].swapaxes(1, 2))),
+                             r"saved state layer 0 conv: float32\[3, 4, 128\], these weights need float32\[3, 128, 4\]"),
+    "kda-state-float64": (lambda a, h: a.__setitem__("state/0/recurrent", a["state/0/recurrent"].astype(np.float64)),
+                          r"saved state layer 0 recurrent: float64\[.*these weights need float32"),
+    "mla-head-dim": (lambda a, h: a.__setitem__(f"state/{_mla(h)}/keys", a[f"state/{_mla(h)}/keys"][..., :-1]),
+                     r"saved state layer \d+ keys: float32\[.*these weights need float32\[\d+, positions, "),
+    "record-one-value-short": (lambda a, h: _first_record(a, h, lambda x: x[:-1]), r"row shapes hold \d+ values, the flat"),
+    "record-tokens-short": (lambda a, h: h["recorder"].__setitem__("tokens", h["recorder"]["tokens"][:2]),
+                            r"the records hold 2 tokens and 7 positions, expected 7"),
+    "state-entry-missing": (lambda a, h: a.pop("state/0/conv"), r"no entry 'state/0/conv'"),
+    "record-entry-missing": (lambda a, h: a.pop(f"rec/{h['recorder']['keys'][1]}/shapes"), r"no entry 'rec/.*/shapes'"),
+    "header-key-missing": (lambda a, h: h.pop("layout"), r"header lacks \['layout'\]"),
+}
+
+
+@pytest.mark.parametrize("damage", list(SESSION_DAMAGE))
+def test_a_damaged_session_file_is_refused_naming_the_file_and_what_differs(ref_weights, saved_session, tmp_path, damage):
+    """Each damage loaded silently (a history whose logits, tokens, states or records disagree: a wrong session
+    that runs) or failed in NumPy or in a dict lookup, naming neither the file nor the entry."""
+    change, says = SESSION_DAMAGE[damage]
+    bad = rewrite(saved_session[1], tmp_path / "bad.npz", change)
+    rec = Recorder()
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + ".*" + says):
+        Session.load_state(bad, ref_weights, recorder=rec)
+    assert rec.n_tokens == 0  # a failed load changes nothing it was given
+
+
+def test_the_undamaged_file_loads_and_decodes_on_bit_for_bit(ref_weights, saved_session):
+    s, path = saved_session
+    t = Session.load_state(path, ref_weights)
+    assert t.tokens == s.tokens and t.logits.view(np.uint32).tobytes() == s.logits.view(np.uint32).tobytes()
+    assert t.trace().equals(s.trace())
+    a, b = s.fork(), t
+    assert np.array_equal(a.step(TOKENS[7]).view(np.uint32), b.step(TOKENS[7]).view(np.uint32))
+    a.truncate(4)
+    b.truncate(4)
+    assert np.array_equal(a.feed(TOKENS[:3]).view(np.uint32), b.feed(TOKENS[:3]).view(np.uint32))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "cut-at-the-end", "flipped-byte", "empty", "not-an-npz"])
+def test_a_truncated_or_corrupt_session_file_names_the_file(ref_weights, saved_session, tmp_path, damage):
+    """These raised zipfile.BadZipFile / EOFError / pickle complaints that named no file (a zip member's CRC
+    finds a flipped byte: the error now names the entry too)."""
+    data = saved_session[1].read_bytes()
+    bad = tmp_path / "bad.npz"
+    if damage == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    elif damage == "cut-at-the-end":
+        bad.write_bytes(data[:-7])
+    elif damage == "flipped-byte":
+        with np.load(saved_session[1]) as z:
+            assert "logits" in z.files
+        raw = bytearray(data)
+        at = data.index(b"logits.npy") + 200  # inside the logits entry's compressed bytes
+        raw[at] ^= 0x40
+        bad.write_bytes(bytes(raw))
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:
+        bad.write_text("tokens,logits\n1,2\n")
+    says = r"entry 'logits' is damaged" if damage == "flipped-byte" else r"not a complete \.npz archive"
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + ".*" + says):
+        Session.load_state(bad, ref_weights)
+
+
+def test_a_session_file_of_the_other_tiny_model_or_dtype_is_refused(ref_weights, tiny_weights, tmp_path):
+    """Swapping files between the two tiny models (same architecture family, other config and weights) and
+    between float32 and float64 of the same model."""
+    s = Session(tiny_weights)
+    s.feed(TOKENS[:3])
+    path = s.save_state(tmp_path / "tiny.npz")
+    with pytest.raises(ValueError, match="different model than these weights.*config"):
+        Session.load_state(path, ref_weights)
+    with pytest.raises(ValueError, match="different model than these weights.*config"):
+        Session.load_state(Session(ref_weights).save_state(tmp_path / "ref.npz"), tiny_weights)
+    ref64 = ke.from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64")
+    with pytest.raises(ValueError, match=r"different model than these weights \(dtype: file 'float32', weights 'float64'"):
+        Session.load_state(tmp_path / "ref.npz", ref64)
+
+
+def test_an_interrupted_save_leaves_the_previous_file_whole(ref_weights, saved_session, tmp_path, monkeypatch):
+    """save_state wrote straight into the target: a save that failed halfway (disk full, an interrupt) destroyed
+    the good file it was replacing. Now it writes beside it and renames."""
+    s, good = saved_session
+    target = tmp_path / "s.npz"
+    target.write_bytes(good.read_bytes())
+
+    def fails_halfway(file, *args, **kw):
+        fh = open(file, "wb") if isinstance(file, (str, bytes)) or hasattr(file, "__fspath__") else file
+        fh.write(b"PK\x03\x04 half a zip")
+        fh.flush()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez_compressed", fails_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        s.save_state(target)
+    monkeypatch.undo()
+    assert target.read_bytes() == good.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]  # no temporary file left behind
