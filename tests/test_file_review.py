@@ -18,7 +18,9 @@ from conftest import REFERENCE_DIR
 
 import kimi_explore as ke
 from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.analysis.routing_stats import byte_class
 from kimi_explore.inspection.session import Session
+from kimi_explore.inspection.trace import Trace
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
 
@@ -177,3 +179,98 @@ def test_an_interrupted_save_leaves_the_previous_file_whole(ref_weights, saved_s
     monkeypatch.undo()
     assert target.read_bytes() == good.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]  # no temporary file left behind
+
+
+# ---------------------------------------------------------------- traces
+
+
+@pytest.fixture(scope="module")
+def saved_trace(ref_weights, tmp_path_factory):
+    s = Session(ref_weights, recorder=Recorder(full=["layers.2.mla.probs"]))
+    s.feed(TOKENS[:4])
+    trace = s.trace()
+    return trace, trace.save(tmp_path_factory.mktemp("trace") / "t.npz")
+
+
+TRACE_DAMAGE = {
+    "positions-short": (_set("positions", lambda x: x[:-1]), r"tokens int64\[4\] and positions int64\[3\]"),
+    "positions-float": (_set("positions", lambda x: x.astype(np.float64)), r"positions float64\[4\]: expected two integer"),
+    "record-rows-short": (lambda a, h: a.__setitem__("record/layers.2.mla.probs", a["record/layers.2.mla.probs"][:3]),
+                          r"record 'layers.2.mla.probs' has \(3,\) rows, expected 4"),
+    "record-missing": (lambda a, h: a.pop("record/layers.2.mla.probs"), r"no entry 'record/layers.2.mla.probs'"),
+    "header-without-meta": (lambda a, h: h.pop("meta"), r"header lacks \['meta'\]"),
+}
+
+
+@pytest.mark.parametrize("damage", list(TRACE_DAMAGE))
+def test_a_damaged_trace_file_is_refused_naming_the_file(saved_trace, tmp_path, damage):
+    """Positions of another length loaded silently (a trace whose rows sit at the wrong positions: `patch` from it
+    patches the wrong tokens); the other damages failed naming no file."""
+    change, says = TRACE_DAMAGE[damage]
+    bad = rewrite(saved_trace[1], tmp_path / "bad.npz", change)
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + ".*" + says):
+        Trace.load(bad)
+
+
+def test_a_trace_round_trips_exactly_and_a_truncated_one_names_the_file(saved_trace, tmp_path):
+    trace, path = saved_trace
+    back = Trace.load(path)
+    assert back.equals(trace) and back.meta == trace.meta and back.positions.tolist() == trace.positions.tolist()
+    bad = tmp_path / "cut.npz"
+    bad.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + r": not a complete \.npz archive"):
+        Trace.load(bad)
+
+
+# ---------------------------------------------------------------- routing-stats checkpoints
+
+TEXTS = ["The cat, 12 cats.\n", "Hello world!", "a b c\n\n9", "Zz-top 0"]
+
+
+def test_resuming_with_another_classing_is_refused(ref_weights, tmp_path):
+    """The checkpoint kept its class names and counts but not how tokens were classed: a resume with another
+    `classes=` added its counts to the first classing's classes (class_top1 and the mutual information of two
+    classings mixed), silently."""
+    path = tmp_path / "stats.npz"
+    ke.routing_stats(ref_weights, TEXTS[:2], progress=False, checkpoint=path)
+    vowels = lambda i: "vowel" if chr(i) in "aeiou" else byte_class(i)  # noqa: E731
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": the checkpoint counted token id \d+ in class "
+                                         r"'letter', this call's classes= puts it in 'vowel'"):
+        ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=vowels)
+    done = ke.RoutingStats.load(path)
+    assert len(done.texts) == 2  # nothing was counted
+    resumed = ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path)  # the same classing resumes
+    full = ke.routing_stats(ref_weights, TEXTS, progress=False)
+    np.testing.assert_array_equal(resumed.class_top1, full.class_top1)
+    assert resumed.classed == full.classed == {i: full.class_names.index(byte_class(i))
+                                               for i in {b for t in TEXTS for b in t.encode()}}
+
+
+def _stats_change(key, value):
+    return lambda a, h: a.__setitem__(key, value(a[key]))
+
+
+STATS_DAMAGE = {
+    "counts-of-fewer-experts": (_stats_change("counts", lambda x: x[:, :-1]), r"counts is int64\[\d+, \d+\], expected int64"),
+    "counts-float": (_stats_change("counts", lambda x: x.astype(np.float64)), r"counts is float64"),
+    "class_top1-of-other-classes": (lambda a, h: h["class_names"].append("extra"), r"class_top1 is int64\[\d+, 5, \d+\], "
+                                    r"expected int64\[\d+, 6, \d+\]"),
+    "texts-not-digests": (lambda a, h: h.__setitem__("texts", [1, 2]), r"texts \[1, 2\]: expected .* sha1 digests"),
+    "header-key-missing": (lambda a, h: h.pop("top_k"), r"header lacks \['top_k'\]"),
+    "weight_sum-missing": (lambda a, h: a.pop("weight_sum"), r"no entry 'weight_sum'"),
+}
+
+
+@pytest.mark.parametrize("damage", list(STATS_DAMAGE))
+def test_a_damaged_routing_stats_checkpoint_is_refused(ref_weights, tmp_path, damage):
+    """These loaded (a resume then added to arrays of the wrong shape or type, or failed in NumPy) or raised a
+    KeyError naming no file."""
+    good = tmp_path / "good.npz"
+    ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=good)
+    change, says = STATS_DAMAGE[damage]
+    bad = rewrite(good, tmp_path / "bad.npz", change)
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + ".*" + says):
+        ke.RoutingStats.load(bad)
+    bad.write_bytes(good.read_bytes()[:-40])
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + r": not a complete \.npz archive"):
+        ke.RoutingStats.load(bad)
