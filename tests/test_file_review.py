@@ -17,8 +17,8 @@ import pytest
 from conftest import REFERENCE_DIR
 
 import kimi_explore as ke
-from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.analysis.routing_stats import byte_class
+from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.trace import Trace
 
