@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 
 import numpy as np
 import pytest
-from conftest import REFERENCE_DIR
+from conftest import DATA, REFERENCE_DIR
 
 import kimi_explore as ke
+from kimi_explore import CheckpointError, ConfigError
 from kimi_explore.analysis.routing_stats import byte_class
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.trace import Trace
+from kimi_explore.weights.gguf_io import GgufFile, write_gguf
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
 
@@ -274,3 +277,95 @@ def test_a_damaged_routing_stats_checkpoint_is_refused(ref_weights, tmp_path, da
     bad.write_bytes(good.read_bytes()[:-40])
     with pytest.raises(ValueError, match=re.escape(str(bad)) + r": not a complete \.npz archive"):
         ke.RoutingStats.load(bad)
+
+
+# ---------------------------------------------------------------- GGUF files
+
+GGUF = DATA / "engines" / "d" / "llamacpp" / "model-mxfp4.gguf"
+
+
+def gguf_copy(path, *, meta=None, types=None, change=None):
+    """Set d's MXFP4 GGUF rewritten by `write_gguf`, with metadata values set and `change(tensors)` applied to the
+    [(name, ne, type, raw bytes)] list."""
+    f = GgufFile(GGUF)
+    m, t = {**f.metadata, **(meta or {})}, {**f.types, **(types or {})}
+    tensors = [(n, x.ne, x.type, f.raw(n).tobytes()) for n, x in f.tensors.items()]
+    write_gguf(path, m, t, change(tensors) if change else tensors)
+    return path
+
+
+def test_the_rewritten_gguf_loads_to_the_same_bits(tmp_path):
+    """The helper's copy is a good file: each refusal below is the damage's."""
+    a = ke.from_pretrained(gguf_copy(tmp_path / "copy.gguf"), device="cpu")
+    b = ke.from_pretrained(GGUF, device="cpu")
+    sa, sb = ke.KimiDecodeState.new(a), ke.KimiDecodeState.new(b)
+    for t in TOKENS[:3]:
+        assert np.array_equal(ke.kimi_forward_token(a, sa, t).view(np.uint32), ke.kimi_forward_token(b, sb, t).view(np.uint32))
+
+
+def test_a_gguf_naming_a_tensor_twice_is_refused(tmp_path):
+    """The later tensor of a name replaced the earlier one silently (here layer 0's norm read from layer 1's bytes:
+    a wrong model that runs); llama.cpp refuses such a file."""
+    def twice(ts):
+        layer1 = next(t for t in ts if t[0] == "blk.1.attn_norm.weight")
+        return ts + [("blk.0.attn_norm.weight", layer1[1], layer1[2], layer1[3])]
+
+    path = gguf_copy(tmp_path / "twice.gguf", change=twice)
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": corrupt GGUF header: tensor "
+                                              r"'blk.0.attn_norm.weight' appears twice"):
+        ke.from_pretrained(path, device="cpu")
+
+
+class _TwiceKey(dict):
+    """Metadata whose `items()` gives one key twice (a GGUF writer's bug, or a damaged header)."""
+
+    def __init__(self, base, key, value):
+        super().__init__(base)
+        self.extra = (key, value)
+
+    def items(self):
+        return [*super().items(), self.extra]
+
+    def __len__(self):
+        return super().__len__() + 1
+
+
+def test_a_gguf_giving_a_metadata_key_twice_is_refused(tmp_path):
+    """The later value won silently: here a second expert_used_count (top-3 of 8 instead of top-2), a model
+    that runs; llama.cpp refuses such a file."""
+    f = GgufFile(GGUF)
+    path = tmp_path / "key.gguf"
+    tensors = [(n, x.ne, x.type, f.raw(n).tobytes()) for n, x in f.tensors.items()]
+    write_gguf(path, _TwiceKey(f.metadata, "kimi-k3.expert_used_count", 3), f.types, tensors)
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": corrupt GGUF header: metadata key "
+                                              r"'kimi-k3.expert_used_count' appears twice"):
+        ke.from_pretrained(path, device="cpu")
+
+
+def test_a_gguf_tensor_offset_pointing_into_another_tensor_is_refused(tmp_path):
+    """A damaged offset field that lands on another tensor of the same size made this tensor read the other's
+    bytes (layer 1's norm = layer 0's here): loaded silently. Offsets must follow one another, as llama.cpp
+    requires."""
+    path = gguf_copy(tmp_path / "offset.gguf")
+    f = GgufFile(path)
+    a, b = f.tensors["blk.0.attn_norm.weight"], f.tensors["blk.1.attn_norm.weight"]
+    assert a.ne == b.ne and a.type == b.type
+    raw = bytearray(path.read_bytes())
+    name = b"blk.1.attn_norm.weight"
+    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 8 * len(b.ne) + 4  # its offset field
+    assert struct.unpack_from("<Q", raw, at)[0] == b.begin - f.data_start
+    struct.pack_into("<Q", raw, at, a.begin - f.data_start)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": corrupt GGUF header: tensor "
+                                              r"'blk.1.attn_norm.weight' starts at data offset \d+, expected \d+"):
+        ke.from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("value,vtype", [(14.0, 6), ("14", 8)], ids=["float", "string"])
+def test_a_gguf_block_count_of_another_type_is_named(tmp_path, value, vtype):
+    """A float block_count failed in range() ("'float' object cannot be interpreted as an integer"), a string one
+    with a head_count_kv error that said 14 layers were wanted and 14 found."""
+    path = gguf_copy(tmp_path / "n.gguf", meta={"kimi-k3.block_count": value}, types={"kimi-k3.block_count": vtype})
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + r": kimi-k3.block_count is "
+                                          + re.escape(repr(value)) + r" \(\w+\), expected a positive integer"):
+        ke.from_pretrained(path, device="cpu")
