@@ -20,6 +20,7 @@ from conftest import DATA, REFERENCE_DIR
 import kimi_explore as ke
 from kimi_explore import CheckpointError, ConfigError
 from kimi_explore.analysis.routing_stats import byte_class
+from kimi_explore.engines.dump import read_dump, write_dump
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.trace import Trace
@@ -369,3 +370,95 @@ def test_a_gguf_block_count_of_another_type_is_named(tmp_path, value, vtype):
     with pytest.raises(ConfigError, match=re.escape(str(path)) + r": kimi-k3.block_count is "
                                           + re.escape(repr(value)) + r" \(\w+\), expected a positive integer"):
         ke.from_pretrained(path, device="cpu")
+
+
+# ---------------------------------------------------------------- engine dumps and safetensors headers
+
+
+def _dump(tmp_path, tokens="72,105,33"):
+    T = len(tokens.split(","))
+    arrays = {"logits": np.arange(T * 4, dtype=np.float32).reshape(T, 4), "embed": np.ones((T, 2), np.float64)}
+    return write_dump(tmp_path / "d.safetensors", arrays, tokens=[int(t) for t in tokens.split(",")], engine="mine")
+
+
+def _set_header(path, change):
+    """Rewrite a safetensors file's JSON header text with `change(text) -> text` (the data section kept)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = change(raw[8 : 8 + n].decode()).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    return path
+
+
+@pytest.mark.parametrize("tokens", ["72,,105,33", "72,105,-33"], ids=["an-empty-piece", "a-negative-id"])
+def test_a_dump_whose_token_ids_are_not_ids_is_refused(tmp_path, tokens):
+    """'72,,105,33' read as [72, 105, 33] (the empty piece dropped: an id left out, as parse_ids once did) and a
+    negative id was taken as it is."""
+    path = _dump(tmp_path)
+    meta = '"tokens":"72,105,33"'
+    _set_header(path, lambda text: text.replace(meta, f'"tokens":"{tokens}"'))
+    with pytest.raises(ValueError, match=re.escape(f"engine dump {path}: metadata 'tokens' must be comma-separated ids "
+                                                   f">= 0, found {tokens!r}")):
+        read_dump(path)
+    _set_header(path, lambda text: text.replace(f'"tokens":"{tokens}"', '"tokens":"72,105,33,"'))
+    assert read_dump(path).tokens == [72, 105, 33]  # a trailing comma is fine
+
+
+def test_a_dump_with_overlapping_tensor_data_names_the_file(tmp_path):
+    """The safetensors library's own complaint ("invalid offset for tensor `embed`") named no file."""
+    path = _dump(tmp_path)
+    _set_header(path, lambda text: re.sub(r'("logits":\{[^}]*"data_offsets":)\[\d+,\d+\]', r"\1[0,48]", text))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r".*(overlap|invalid offset)"):
+        read_dump(path)
+
+
+def test_an_interrupted_write_dump_leaves_the_previous_dump_whole(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    path = _dump(tmp_path)
+    good = path.read_bytes()
+
+    def fails_halfway(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(good[:40])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", fails_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        write_dump(path, {"logits": np.zeros((3, 4), np.float32)}, tokens=[1, 2, 3])
+    monkeypatch.undo()
+    assert path.read_bytes() == good and read_dump(path).tokens == [72, 105, 33]
+    assert [p.name for p in tmp_path.iterdir()] == ["d.safetensors"]
+
+
+@pytest.mark.parametrize("damage", ["overlapping-offsets", "a-name-twice", "bytes-appended"])
+def test_a_checkpoint_shard_whose_header_is_damaged_is_refused(ckpt, damage):
+    """The shard reader took each tensor's data_offsets as they came: a tensor pointing at another's bytes (of the
+    same size) loaded as that one, silently. A name given twice kept its last entry (json.loads): here the index
+    then missed the renamed tensor ("not there"), but a single model.safetensors had nothing to notice it. Bytes
+    after the last tensor were ignored. The safetensors format (and its library) requires the tensors to tile the
+    data section exactly; now this reader does too."""
+    from kimi_explore.weights.safetensors_io import SafetensorsFile
+
+    shard = sorted(ckpt.glob("model-*.safetensors"))[1]
+    f = SafetensorsFile(shard)
+    same = {}
+    for name in sorted(f.keys()):
+        same.setdefault(f.info(name), []).append(name)
+    a, b = next(names for names in same.values() if len(names) >= 2)[:2]
+    a0, a1 = f.byte_range(a)
+    start = a0 - f.byte_range(min(f.keys(), key=lambda n: f.byte_range(n)[0]))[0]  # a's offset in the data section
+    f.close()
+    if damage == "overlapping-offsets":
+        _set_header(shard, lambda t: re.sub(rf'("{re.escape(b)}":\{{[^}}]*"data_offsets":)\[\d+,\d+\]',
+                                            rf"\g<1>[{start},{start + a1 - a0}]", t))
+        says = r"corrupt safetensors header: tensor '.*' starts at byte \d+ of the data section, expected \d+"
+    elif damage == "a-name-twice":
+        _set_header(shard, lambda t: t.replace(f'"{b}":', f'"{a}":', 1))
+        says = rf"corrupt safetensors header: '{re.escape(a)}' appears twice"
+    else:
+        shard.write_bytes(shard.read_bytes() + b"\0" * 8)
+        says = r"the tensors end at byte \d+ of the data section, but it holds \d+ bytes"
+    with pytest.raises(CheckpointError, match=re.escape(str(shard)) + ": " + says):
+        ke.from_pretrained(ckpt, device="cpu")
