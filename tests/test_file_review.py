@@ -462,3 +462,13 @@ def test_a_checkpoint_shard_whose_header_is_damaged_is_refused(ckpt, damage):
         says = r"the tensors end at byte \d+ of the data section, but it holds \d+ bytes"
     with pytest.raises(CheckpointError, match=re.escape(str(shard)) + ": " + says):
         ke.from_pretrained(ckpt, device="cpu")
+
+
+def test_truncated_captures_for_compare_name_the_file(ref_weights, tmp_path):
+    """ke.compare(weights, "captures.npz"): a truncated archive raised zipfile.BadZipFile naming no file."""
+    good = tmp_path / "captures.npz"
+    np.savez(good, tokens=np.array(TOKENS[:3]), logits=np.zeros((3, 256), np.float32))
+    bad = tmp_path / "cut.npz"
+    bad.write_bytes(good.read_bytes()[:-30])
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + r": not a complete \.npz archive"):
+        ke.compare(Session(ref_weights, recorder=False), bad)
