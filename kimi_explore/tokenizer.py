@@ -141,6 +141,11 @@ class ByteTokenizer:
     def special_id(self, name: str) -> int:
         raise TokenizerError(f"special token {name!r}: the byte tokenizer has no special tokens")
 
+    @property
+    def fingerprint(self) -> str:
+        """Which tokenizer this is, as a session file records it (`Session.load_state` compares)."""
+        return "bytes/256"
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=256)"
 
@@ -264,6 +269,14 @@ class KimiTokenizer:
                    bos_id=bos if bos is not None else specials.get("[BOS]"),
                    eos_id=eos if eos is not None else specials.get(STOP_TOKEN),
                    vocab_sha256=hashlib.sha256(vocab.read_bytes()).hexdigest())
+
+    @property
+    def fingerprint(self) -> str:
+        """Which tokenizer this is, as a session file records it: a hash of the BPE file, the special tokens' names
+        and ids, and the bos / eos ids (`Session.load_state` compares; Kimi K2's files share K3's BPE file but
+        not its special names)."""
+        ident = json.dumps([self.vocab_sha256, sorted(self.special_tokens.items()), self.bos_id, self.eos_id])
+        return f"kimi/{self.vocab_size}/{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
     @property
     def is_release_vocab(self) -> bool:

@@ -472,3 +472,54 @@ def test_truncated_captures_for_compare_name_the_file(ref_weights, tmp_path):
     bad.write_bytes(good.read_bytes()[:-30])
     with pytest.raises(ValueError, match=re.escape(str(bad)) + r": not a complete \.npz archive"):
         ke.compare(Session(ref_weights, recorder=False), bad)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+class _Latin1Tokenizer(ke.ByteTokenizer):
+    """Another tokenizer of 256 ids (bytes read as Latin-1): the same vocabulary size, other text."""
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("latin-1")
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        return list(text.encode("latin-1"))
+
+    @property
+    def fingerprint(self) -> str:
+        return "latin1/256"
+
+
+def test_a_session_file_refuses_another_tokenizer_than_it_was_saved_with(ref_weights, tmp_path):
+    """The file kept token ids but not which tokenizer made them: loaded with another one of the same size, the
+    ids read as other text and text fed on became other ids, silently."""
+    s = Session(ref_weights, tokenizer=ke.ByteTokenizer())
+    s.feed("café")
+    path = s.save_state(tmp_path / "s.npz")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r" was saved with another tokenizer \(file 'bytes/256', "
+                                         r"given 'latin1/256'\)"):
+        Session.load_state(path, ref_weights, tokenizer=_Latin1Tokenizer())
+    assert Session.load_state(path, ref_weights, tokenizer=ke.ByteTokenizer()).text == "café"
+    assert Session.load_state(path, ref_weights).tokens == s.tokens  # no tokenizer: the ids alone
+    bare = Session(ref_weights, recorder=False)
+    bare.feed(TOKENS[:2])
+    assert Session.load_state(bare.save_state(tmp_path / "bare.npz"), ref_weights, tokenizer=_Latin1Tokenizer()).tokens == \
+        TOKENS[:2]  # saved without one: any tokenizer of the model's size
+
+
+def test_the_k3_tokenizer_fingerprint_tells_other_special_tokens_apart(tmp_path):
+    """Kimi K2's files share K3's BPE file but name the special slots otherwise: the fingerprint must differ."""
+    import shutil
+
+    pytest.importorskip("tiktoken")
+    synth = DATA / "tokenizer" / "synthetic_k3"
+    other = tmp_path / "other"
+    shutil.copytree(synth, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    entry = next(e for e in cfg["added_tokens_decoder"].values() if e["content"] == "<|open|>")
+    entry["content"] = "<|im_user|>"
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    a, b, again = (ke.KimiTokenizer.from_pretrained(p) for p in (synth, other, synth))
+    assert a.vocab_size == b.vocab_size and a.vocab_sha256 == b.vocab_sha256
+    assert a.fingerprint != b.fingerprint and a.fingerprint == again.fingerprint

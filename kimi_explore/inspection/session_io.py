@@ -28,7 +28,7 @@ from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
 from .npz_io import NpzReader, write_npz
 from .recorder import Recorder
 
-__all__ = ["SavedSettings", "SessionSnapshot", "copy_sharing", "load_session", "nbytes_once", "save_session",
+__all__ = ["SavedSettings", "SessionSnapshot", "check_tokenizer", "copy_sharing", "load_session", "nbytes_once", "save_session",
            "share_caches", "weights_fingerprint"]
 
 FORMAT = "kimi_explore.inspection.session/2"  # /2: an MLA cache saved as its used positions and its capacity
@@ -78,10 +78,11 @@ class SavedSettings:
 
     checkpoint_every: int
     recorder: dict | None  # Recorder(**recorder) records as the saved session did; None: it recorded nothing
+    tokenizer: str | None = None  # the saved session's tokenizer's `fingerprint`; None: none, or one without it
 
 
 def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, recorder: Recorder | None,
-                 checkpoints: bool = True) -> Path:
+                 checkpoints: bool = True, tokenizer=None) -> Path:
     """Write `snap` (a `Session.snapshot()`) and the settings to continue it as one .npz."""
     path = Path(path)
     if path.is_dir():  # else numpy writes `DIR.npz` beside it
@@ -105,7 +106,8 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
               "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
               "cut_tails": {str(a): [int(t) for t in tail] for a, tail in (snap.cut_tails or {}).items()},
               **({"routes": {str(a): list(r) for a, r in snap.routes.items()}} if snap.routes is not None else {}),
-              "checkpoint_every": checkpoint_every, "recorder": rec}
+              "checkpoint_every": checkpoint_every, "recorder": rec,
+              "tokenizer": getattr(tokenizer, "fingerprint", None)}
     V = weights.config.vocab_size
     arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
     return write_npz(path, {"header": np.array(json.dumps(header)), **arrays})
@@ -140,7 +142,16 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
             cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
             routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
-    return snap, SavedSettings(header["checkpoint_every"], settings)
+    return snap, SavedSettings(header["checkpoint_every"], settings, header.get("tokenizer"))
+
+
+def check_tokenizer(path, saved: str | None, tokenizer) -> None:
+    """A tokenizer given to continue a saved session is the one it was saved with (when both are known)."""
+    here = getattr(tokenizer, "fingerprint", None)
+    if saved is not None and here is not None and here != saved:
+        raise ValueError(f"{path} was saved with another tokenizer (file {saved!r}, given {here!r}): its token ids "
+                         "would read as other text, and text fed to it would become other ids. Load it with the "
+                         "tokenizer it was saved with, or with tokenizer=None")
 
 
 HEADER_KEYS = ("fingerprint", "tokens", "modified", "layout", "checkpoint_every", "recorder")
