@@ -523,3 +523,25 @@ def test_the_k3_tokenizer_fingerprint_tells_other_special_tokens_apart(tmp_path)
     a, b, again = (ke.KimiTokenizer.from_pretrained(p) for p in (synth, other, synth))
     assert a.vocab_size == b.vocab_size and a.vocab_sha256 == b.vocab_sha256
     assert a.fingerprint != b.fingerprint and a.fingerprint == again.fingerprint
+
+
+# ---------------------------------------------------------------- reports
+
+
+def test_a_report_written_again_leaves_no_figure_of_the_earlier_one(tmp_path):
+    """Writing a report into the directory of an earlier one (the CLI's --out, reused) left the earlier report's
+    PNGs of other layers beside the new page: files that pass for this prompt's figures. Other files stay."""
+    from synthetic_trace import SyntheticTrace
+
+    from kimi_explore.views.figures.report import write_report
+
+    (tmp_path / "notes.png").write_bytes(b"mine")
+    first = write_report(SyntheticTrace(n_tokens=3, n_layers=12), tmp_path, layers=[1, 3], dpi=20)
+    assert (tmp_path / "block_residuals_layer1.png").is_file()
+    again = write_report(SyntheticTrace(n_tokens=4, n_layers=12), tmp_path, layers=[5], dpi=20)
+    assert first == again
+    shown = set(re.findall(r'<figure id="([^"]+)">', again.read_text(encoding="utf-8")))
+    pngs = {p.stem for p in tmp_path.glob("*.png")}
+    assert "block_residuals_layer5" in shown and pngs == shown | {"notes"}
+    assert (tmp_path / "notes.png").read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".png")) == ["index.html"]
