@@ -545,3 +545,24 @@ def test_a_report_written_again_leaves_no_figure_of_the_earlier_one(tmp_path):
     assert "block_residuals_layer5" in shown and pngs == shown | {"notes"}
     assert (tmp_path / "notes.png").read_bytes() == b"mine"
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".png")) == ["index.html"]
+
+
+# ---------------------------------------------------------------- other files read
+
+
+def test_random_twin_reads_a_bare_config_and_names_a_source_without_one(tmp_path):
+    """random_twin read config.json's "text_config" only: a checkpoint with a bare kimi_linear config (which
+    from_pretrained loads) raised KeyError('text_config'); a GGUF's weights, a path inside the file."""
+    import shutil
+
+    from kimi_explore.analysis.learned import random_twin
+
+    shell = json.loads((ke.tiny_checkpoint() / "config.json").read_text())
+    bare = tmp_path / "bare"
+    shutil.copytree(ke.tiny_checkpoint(), bare)
+    (bare / "config.json").write_text(json.dumps(shell["text_config"]))
+    w = ke.from_pretrained(bare, device="cpu")
+    twin = ke.from_pretrained(random_twin(w, tmp_path / "twin"), device="cpu")
+    assert twin.config == w.config and not np.array_equal(twin.embed_tokens, w.embed_tokens)
+    with pytest.raises(ValueError, match=r"random_twin: the weights come from .*model-mxfp4.gguf, which has no config.json"):
+        random_twin(ke.from_pretrained(GGUF, device="cpu"), tmp_path / "twin2")
