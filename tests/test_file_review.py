@@ -111,6 +111,38 @@ def test_a_damaged_session_file_is_refused_naming_the_file_and_what_differs(ref_
     assert rec.n_tokens == 0  # a failed load changes nothing it was given
 
 
+class _CountingPuts:
+    """Weights that count the states placed on them (a pipeline ships each to its stages)."""
+
+    def __init__(self, weights):
+        self._w, self.puts = weights, 0
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
+
+    def put_state(self, state):
+        self.puts += 1
+        return self._w.put_state(state)
+
+
+def test_a_session_file_failing_its_last_check_places_no_state_on_the_weights(ref_weights, saved_session, tmp_path):
+    """The live state was placed on the weights (for a pipeline: shipped to its stages) before a checkpoint further
+    in the file was found damaged: a load that fails now places nothing."""
+    from kimi_explore.inspection.session_io import load_session
+
+    with np.load(saved_session[1]) as z:
+        last = max(int(k.split("/")[0][4:]) for k in z.files if k.startswith("ckpt"))
+    bad = rewrite(saved_session[1], tmp_path / "bad.npz",
+                  _set(f"ckpt{last}/0/recurrent", lambda x: x.astype(np.float64)))
+    counting = _CountingPuts(ref_weights)
+    with pytest.raises(ValueError, match=rf"saved ckpt{last} layer 0 recurrent: float64"):
+        load_session(bad, counting)
+    assert counting.puts == 0
+    load_session(saved_session[1], counting)
+    assert counting.puts == 1 + len([k for k in json.loads(str(np.load(saved_session[1])["header"]))["layout"]
+                                     if k != "state"])
+
+
 def test_the_undamaged_file_loads_and_decodes_on_bit_for_bit(ref_weights, saved_session):
     s, path = saved_session
     t = Session.load_state(path, ref_weights)

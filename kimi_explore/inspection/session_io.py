@@ -133,14 +133,15 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
         saved, records = header["recorder"], None
         if saved is not None:
             records = _get_records(z, path, saved, T)
-        snap = SessionSnapshot(
-            weights_id=id(weights), state=_get_state(z, "state", header["layout"]["state"], weights),
-            tokens=[int(t) for t in header["tokens"]], logits=list(logits),
-            modified=[bool(m) for m in header["modified"]],
-            checkpoints=_get_checkpoints(z, header["layout"], weights),
-            records=records, chunk_of=header.get("chunk_of"),
-            cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
-            routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
+        host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
+    snap = SessionSnapshot(
+        weights_id=id(weights), state=_on_weights(weights, host.pop("state")),
+        tokens=[int(t) for t in header["tokens"]], logits=list(logits),
+        modified=[bool(m) for m in header["modified"]],
+        checkpoints=_put_checkpoints(weights, {int(k[4:]): s for k, s in host.items()}),
+        records=records, chunk_of=header.get("chunk_of"),
+        cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
+        routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
     return snap, SavedSettings(header["checkpoint_every"], settings, header.get("tokenizer"))
 
@@ -238,11 +239,10 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
     return {"position": state.position, "layers": layers}
 
 
-def _get_checkpoints(z, layout: dict, weights) -> dict:
-    """{t: checkpoint}, sharing their MLA caches as a session's own checkpoints do (`share_caches`; a pipeline's
-    in its stages)."""
-    kept = {t: _get_state(z, f"ckpt{t}", layout[f"ckpt{t}"], weights)
-            for t in sorted((int(k[4:]) for k in layout if k != "state"), reverse=True)}
+def _put_checkpoints(weights, host: dict) -> dict:
+    """{t: checkpoint} from {t: host state}, sharing their MLA caches as a session's own checkpoints do
+    (`share_caches`; a pipeline's in its stages)."""
+    kept = {t: _on_weights(weights, host[t]) for t in sorted(host, reverse=True)}
     longest_first = list(kept.values())
     if all(isinstance(state, KimiDecodeState) for state in longest_first):
         share_caches(longest_first, weights.xp)
@@ -291,7 +291,13 @@ def _same_bits(a, b, xp) -> bool:
     return a.shape == b.shape and bool(xp.array_equal(a.view(np.uint8), b.view(np.uint8)))
 
 
-def _get_state(z, key: str, layout: dict, weights):
+def _on_weights(weights, host: KimiDecodeState):
+    """A state read by `_read_state` on the weights' backend (a pipeline's: in its stages)."""
+    return weights.put_state(KimiDecodeState([ls.converted(weights.xp.asarray) for ls in host.layers], host.position))
+
+
+def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
+    """Saved state `key` as host arrays, checked against the layout of a fresh state of `weights`."""
     path, fresh = z.path, weights.host_state(weights.new_state())
     if len(layout["layers"]) != len(fresh.layers):
         raise ValueError(f"{path}: saved {key} has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
@@ -331,9 +337,9 @@ def _get_state(z, key: str, layout: dict, weights):
                 elif cache and a.shape[1] < kw["length"]:
                     raise ValueError(f"{path}: saved {key} layer {j} {f.name}: capacity {a.shape[1]} below its length "
                                      f"{kw['length']} (the file is damaged)")
-                kw[f.name] = weights.xp.asarray(a)
+                kw[f.name] = a
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
-    return weights.put_state(KimiDecodeState(layers, int(layout["position"])))
+    return KimiDecodeState(layers, int(layout["position"]))
 
 
 def weights_fingerprint(weights) -> dict:
