@@ -24,6 +24,7 @@ from kimi_explore.engines.dump import read_dump, write_dump
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.trace import Trace
+from kimi_explore.tokenizer import TokenizerError
 from kimi_explore.weights.gguf_io import GgufFile, write_gguf
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
@@ -598,3 +599,14 @@ def test_random_twin_reads_a_bare_config_and_names_a_source_without_one(tmp_path
     assert twin.config == w.config and not np.array_equal(twin.embed_tokens, w.embed_tokens)
     with pytest.raises(ValueError, match=r"random_twin: the weights come from .*model-mxfp4.gguf, which has no config.json"):
         random_twin(ke.from_pretrained(GGUF, device="cpu"), tmp_path / "twin2")
+
+
+@pytest.mark.parametrize("content,says", [(b"[256]", r"expected a JSON object \(a model config\), found list"),
+                                          (b"\xff\xfe{}", r"not valid JSON \('utf-8' codec")],
+                         ids=["a-list", "not-utf8"])
+def test_load_tokenizer_names_a_config_json_that_is_not_a_config(tmp_path, content, says):
+    """A config.json holding a JSON list raised AttributeError ('list' object has no attribute 'get'), one that is
+    not UTF-8 a UnicodeDecodeError: neither named the file."""
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(TokenizerError, match=re.escape(str(tmp_path / "config.json")) + ": " + says):
+        ke.load_tokenizer(tmp_path)
