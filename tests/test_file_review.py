@@ -610,3 +610,31 @@ def test_load_tokenizer_names_a_config_json_that_is_not_a_config(tmp_path, conte
     (tmp_path / "config.json").write_bytes(content)
     with pytest.raises(TokenizerError, match=re.escape(str(tmp_path / "config.json")) + ": " + says):
         ke.load_tokenizer(tmp_path)
+
+
+def test_a_damaged_model_card_is_named(tmp_path):
+    """The CLI's header line read model_card.json with plain key lookups: a card missing a key stopped the CLI
+    with "KeyError: 'corpus'", a damaged one with a JSONDecodeError, naming no file."""
+    import shutil
+
+    from kimi_explore.weights.tiny_model import describe_checkpoint
+
+    ckpt = tmp_path / "m"
+    shutil.copytree(ke.tiny_checkpoint(), ckpt)
+    assert describe_checkpoint(ckpt).startswith("tiny_k3_pydoc: a tiny K3 trained on Python's pydoc_data.topics")
+    card = json.loads((ckpt / "model_card.json").read_text())
+    del card["corpus"]
+    (ckpt / "model_card.json").write_text(json.dumps(card))
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / "model_card.json")) + r": a model card needs .*"
+                                              r"found \{'corpus': None\}"):
+        describe_checkpoint(ckpt)
+    (ckpt / "model_card.json").write_text('{"name": "tiny", ')
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / "model_card.json")) + ": not valid JSON"):
+        describe_checkpoint(ckpt)
+
+
+def test_a_gguf_alignment_that_is_not_an_integer_is_refused(tmp_path):
+    """general.alignment is a u32; stored as a float it was cut to an int (32.5 -> 32) and the file loaded."""
+    path = gguf_copy(tmp_path / "align.gguf", meta={"general.alignment": 32.5}, types={"general.alignment": 6})
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": general.alignment = 32.5 is not a power of two"):
+        ke.from_pretrained(path, device="cpu")
