@@ -638,3 +638,52 @@ def test_a_gguf_alignment_that_is_not_an_integer_is_refused(tmp_path):
     path = gguf_copy(tmp_path / "align.gguf", meta={"general.alignment": 32.5}, types={"general.alignment": 6})
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": general.alignment = 32.5 is not a power of two"):
         ke.from_pretrained(path, device="cpu")
+
+
+# ---------------------------------------------------------------- checkpoints written by the package
+
+
+def _same_weights(a, b) -> bool:
+    from kimi_explore.inspection.session_io import weights_fingerprint
+
+    return weights_fingerprint(a) == weights_fingerprint(b) and np.array_equal(a.embed_tokens, b.embed_tokens)
+
+
+def test_an_interrupted_checkpoint_write_leaves_the_earlier_checkpoint_whole(tmp_path, monkeypatch):
+    """save_checkpoint wrote config.json, then each shard in place: killed after the first shard of a rewrite
+    (a re-export from the trainer, make-tiny again with another seed), the directory held new and old shards of
+    the same shapes, a mixed model that loaded silently."""
+    from kimi_explore.weights import tiny_model
+
+    out = tmp_path / "ckpt"
+    tiny_model.write_checkpoint(out, seed=1, shards=3)
+    first = ke.from_pretrained(out, device="cpu")
+    real, calls = tiny_model.write_safetensors, []
+
+    def dies_on_the_second_shard(path, tensors, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(path, tensors, metadata)
+
+    monkeypatch.setattr(tiny_model, "write_safetensors", dies_on_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_model.write_checkpoint(out, seed=2, shards=3)
+    monkeypatch.undo()
+    assert _same_weights(ke.from_pretrained(out, device="cpu"), first)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+    tiny_model.write_checkpoint(out, seed=2, shards=3)  # uninterrupted: the new one, whole
+    assert _same_weights(ke.from_pretrained(out, device="cpu"), ke.from_pretrained(
+        tiny_model.write_checkpoint(tmp_path / "fresh", seed=2, shards=3), device="cpu"))
+
+
+def test_a_checkpoint_without_an_index_is_not_written_over_another_ones_index(tmp_path):
+    """index=False wrote config.json and model.safetensors next to the earlier checkpoint's index, which the loader
+    reads first: the directory loaded as the earlier weights under the new config."""
+    from kimi_explore.weights import tiny_model
+
+    out = tmp_path / "ckpt"
+    tiny_model.write_checkpoint(out, seed=1, shards=2)
+    with pytest.raises(FileExistsError, match=re.escape(str(out / "model.safetensors.index.json")) + ": another "
+                                              r"checkpoint's index is there"):
+        tiny_model.write_checkpoint(out, seed=2, shards=1, index=False)

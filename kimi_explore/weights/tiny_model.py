@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -26,6 +27,7 @@ from ..errors import CheckpointError
 from ..model.config import KimiDecoderConfig
 from . import checkpoint_table as table
 from . import mxfp4
+from .checkpoint import INDEX_FILE
 from .safetensors_io import write_safetensors
 
 BF16 = ml_dtypes.bfloat16
@@ -229,23 +231,47 @@ def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, 
               "bos_token_id": tc.get("bos_token_id"), "eos_token_id": tc.get("eos_token_id"),
               "pad_token_id": tc.get("pad_token_id"), "tie_word_embeddings": False, "text_config": tc,
               "vision_config": None}
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if not index and (path / INDEX_FILE).exists():  # the loader would read it, and the old shards it names
+        raise FileExistsError(f"{path / INDEX_FILE}: another checkpoint's index is there; a checkpoint written without "
+                              "one (index=False) would load as that one. Write into an empty directory")
+    files: dict[str, object] = {}  # file name -> what to write: every file written beside, then renamed (below)
     if shards == 1 and not index:
-        write_safetensors(path / "model.safetensors", tensors)
-        return path
-    n_layers = text_config["num_hidden_layers"]
-    groups: dict[int, dict] = {}
-    for name, a in tensors.items():
-        groups.setdefault(_shard_key(name[len(prefix):], n_layers, shards), {})[name] = a
-    names = {k: "model.safetensors" if shards == 1 else f"model-{k + 1:05d}-of-{shards:05d}.safetensors" for k in groups}
-    weight_map = {}
-    for k, group in sorted(groups.items()):
-        write_safetensors(path / names[k], group)
-        weight_map.update({n: names[k] for n in group})
-    total = sum(a.nbytes for a in tensors.values())
-    index_doc = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2) + "\n")
+        files["model.safetensors"] = tensors
+    else:
+        n_layers = text_config["num_hidden_layers"]
+        groups: dict[int, dict] = {}
+        for name, a in tensors.items():
+            groups.setdefault(_shard_key(name[len(prefix):], n_layers, shards), {})[name] = a
+        names = {k: "model.safetensors" if shards == 1 else f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+                 for k in groups}
+        weight_map = {}
+        for k, group in sorted(groups.items()):
+            files[names[k]] = group
+            weight_map.update({n: names[k] for n in group})
+        total = sum(a.nbytes for a in tensors.values())
+        index_doc = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
+        files[INDEX_FILE] = json.dumps(index_doc, indent=2) + "\n"
+    files["config.json"] = json.dumps(config, indent=2) + "\n"
+    _write_all(path, files)
     return path
+
+
+def _write_all(path: Path, files: dict) -> None:
+    """Write {name: tensors or text} into `path`: each to a temporary name first, then all renamed, the config last.
+    Over an earlier checkpoint, an interrupted write leaves that one whole (written straight, a killed export left
+    new and old shards of the same shapes side by side: a mix that loads)."""
+    tmp = {name: path / f".{name}.{os.getpid()}.tmp" for name in files}
+    try:
+        for name, content in files.items():
+            if isinstance(content, str):
+                tmp[name].write_text(content)
+            else:
+                write_safetensors(tmp[name], content)
+        for name in files:
+            os.replace(tmp[name], path / name)
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
 
 
 # The trained model ships inside the package (package data: a wheel carries it). The random one is the
