@@ -687,3 +687,14 @@ def test_a_checkpoint_without_an_index_is_not_written_over_another_ones_index(tm
     with pytest.raises(FileExistsError, match=re.escape(str(out / "model.safetensors.index.json")) + ": another "
                                               r"checkpoint's index is there"):
         tiny_model.write_checkpoint(out, seed=2, shards=1, index=False)
+
+
+def test_a_gguf_weight_of_an_integer_type_is_refused_by_name_before_loading(tmp_path):
+    """A norm stored as I32 (the F32 bytes relabelled: a damaged type field) passed the check and failed in the
+    middle of the load with the gguf package's "Dequantization for I32 is not yet implemented" (or, without it, a
+    hint to install it), naming no tensor."""
+    path = gguf_copy(tmp_path / "i32.gguf", change=lambda ts: [
+        (n, ne, "I32" if n == "blk.0.attn_norm.weight" else t, raw) for n, ne, t, raw in ts])
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": tensor 'blk.0.attn_norm.weight' "
+                                              r"\(model.layers.0.input_layernorm.weight\) is I32, an integer type"):
+        ke.from_pretrained(path, device="cpu")

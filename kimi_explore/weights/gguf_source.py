@@ -53,6 +53,7 @@ from .tensor_source import TensorSource
 
 SPLIT = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 NATIVE = ggml_quants.FLOATS + ("Q8_0", "MXFP4")  # read without the gguf package
+INTEGER = ("I8", "I16", "I32", "I64")  # ggml's integer types: never a weight (as values they would be another model)
 FUSED_SCORE = ("attn_res_norm", "attn_res_proj", "mlp_res_norm", "mlp_res_proj", "output_res_norm", "output_res_proj")
 
 
@@ -155,6 +156,9 @@ class GgufSource(TensorSource):
                 code, found = self.where[name].info(name)
                 if _squeezed(found) != _squeezed(shape):
                     bad.append(f"tensor '{name}' ({t.name}): expected shape {list(shape)}, found {code}{list(found)}")
+                elif code in INTEGER:
+                    bad.append(f"tensor '{name}' ({t.name}) is {code}, an integer type: a weight is a float or "
+                               "quantised type (F32, F16, BF16, Q8_0, MXFP4, ...)")
                 elif code not in NATIVE and not _gguf_installed():
                     bad.append(f"tensor '{name}' is {code}, read only through the optional `gguf` package: "
                                "pip install 'kimi-explore[gguf]'")
