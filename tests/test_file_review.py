@@ -698,3 +698,14 @@ def test_a_gguf_weight_of_an_integer_type_is_refused_by_name_before_loading(tmp_
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": tensor 'blk.0.attn_norm.weight' "
                                               r"\(model.layers.0.input_layernorm.weight\) is I32, an integer type"):
         ke.from_pretrained(path, device="cpu")
+
+
+def test_a_save_into_a_missing_directory_names_the_target(ref_weights, tmp_path):
+    """(The atomic writes go through a temporary file: its name must not be what the error shows.)"""
+    s = Session(ref_weights, recorder=False)
+    s.step(5)
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing / "s.npz")) + ": its directory .* does not exist"):
+        s.save_state(missing / "s.npz")
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing / "d.safetensors")) + ": its directory"):
+        write_dump(missing / "d.safetensors", {"logits": np.zeros((1, 2), np.float32)}, tokens=[5])

@@ -66,6 +66,8 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
             raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
         out[str(name)] = a
     path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"write_dump: {path}: its directory {path.parent} does not exist")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written beside it, then renamed: never half a dump
     try:
         save_file(out, str(tmp), metadata={"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)),

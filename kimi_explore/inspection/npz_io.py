@@ -28,6 +28,8 @@ _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError)
 def write_npz(path, arrays: dict, compressed: bool = True) -> Path:
     """Write {name: array} to `path` exactly as named (no suffix added), atomically."""
     path = Path(path)
+    if not path.parent.is_dir():  # (else the error would name the temporary file)
+        raise FileNotFoundError(f"{path}: its directory {path.parent} does not exist")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
