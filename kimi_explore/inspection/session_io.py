@@ -174,6 +174,14 @@ def _check_history(path, header: dict, weights) -> int:
     if chunk_of is not None and (not isinstance(chunk_of, list) or len(chunk_of) != T or
                                  not all(type(c) is int and (c == -1 or 0 <= c <= t) for t, c in enumerate(chunk_of))):
         raise bad("'chunk_of'", chunk_of, f"{T} ints, one per token: -1 (stepped) or the first token of its chunk")
+    starts = {c for c in chunk_of or () if c >= 0}  # first tokens of fed chunks
+    tails, routes = header.get("cut_tails", {}), header.get("routes", {})
+    if not isinstance(tails, dict) or not all(k.isdigit() and int(k) in starts and isinstance(v, list) and
+                                              all(type(t) is int and 0 <= t < V for t in v) for k, v in tails.items()):
+        raise bad("'cut_tails'", tails, f"{{first token of a fed chunk {sorted(starts)}: [token ids cut off it]}}")
+    if not isinstance(routes, dict) or not all(k.isdigit() and int(k) in starts and isinstance(v, list) and
+                                               all(isinstance(n, str) for n in v) for k, v in routes.items()):
+        raise bad("'routes'", routes, f"{{first token of a fed chunk {sorted(starts)}: [site names]}}")
     every = header["checkpoint_every"]
     if type(every) is not int or every < 0:
         raise bad("'checkpoint_every'", every, "an int >= 0")
