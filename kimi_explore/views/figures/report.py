@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common import bias_vectors
+from ..common import bias_vectors, trace_of
 from . import plots, plots_summary
 
 __all__ = ["default_layers", "write_report"]
@@ -138,9 +138,7 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     top: predictions per token in the table (at most the recorder's `top_k`).
     comparison: a `ke.compare` result, shown as its layer x site heatmaps (`engine_plots.report_figures`).
     """
-    trace = session_or_trace.trace() if hasattr(session_or_trace, "step") else session_or_trace
-    if tokenizer is None:
-        tokenizer = getattr(session_or_trace, "tokenizer", None)
+    trace, tokenizer = trace_of(session_or_trace, tokenizer)
     if len(trace) == 0:
         raise ValueError("write_report: the trace is empty; feed at least one token first")
     out = Path(out_dir)
