@@ -62,7 +62,7 @@ from .hook_sites import ROUTE_SITES, SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
 from .stacked_rows import StackedRows
 from .topk import top_predictions
-from .trace import Trace
+from .trace import Trace, window_slice
 
 __all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
 
@@ -442,7 +442,7 @@ class Recorder:
         if len(toks) != n:
             raise ValueError(f"Recorder.trace: got {len(toks)} tokens for {n} recorded steps")
         out = Trace(records, toks, self.positions[:n], self.meta)
-        return out if window is None else out.window(window)
+        return out if window is None else out.window(window_slice(window, "Recorder.trace"))
 
     def truncate(self, n: int) -> None:
         """Keep the records of the first n tokens (in place)."""

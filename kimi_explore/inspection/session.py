@@ -58,6 +58,7 @@ from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
 from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
+from .trace import window_slice
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -145,7 +146,7 @@ class Session:
         only for the tokens it shows."""
         if self.recorder is None:
             raise ValueError("this session records nothing: create it with Session(weights, recorder=True)")
-        return self.recorder.trace(window=window)
+        return self.recorder.trace(window=None if window is None else window_slice(window, "Session.trace"))
 
     def __repr__(self) -> str:
         state = self._state_nbytes() + sum(a.nbytes for a in self._logits)
