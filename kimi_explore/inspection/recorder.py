@@ -461,6 +461,15 @@ class Recorder:
         self._drop_token_buffers()
         self.hooks.position = self.positions[-1] if self.positions else None
 
+    def records_mark(self) -> int:
+        """The tokens recorded so far (`discard_since` goes back to here)."""
+        return len(self.positions)
+
+    def discard_since(self, mark: int) -> None:
+        """Drop the records after the first `mark` tokens, a token or chunk in progress included (a forward pass
+        that failed: `model.kimi_token.discard_records`)."""
+        self.truncate(mark)
+
     def _drop_token_buffers(self) -> None:
         """Forget a token in progress (after an error in the middle of one) and any unflushed batch."""
         for buf in (self._pending, self._norm_stash, self._state_stash, self._conv_stash, self._fresh_stash, self._batch):
