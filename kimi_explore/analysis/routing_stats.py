@@ -265,7 +265,7 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
     start, since_save = len(stats.texts), 0
     bar = _progress(progress, sum(len(x) for x in ids), sum(len(x) for x in ids[:start]))
-    routings = _routings(weights, ids[start:], workers)
+    routings = _routings(weights, ids[start:], workers, start)
     try:
         for text_ids, digest, routing in zip(ids[start:], digests[start:], routings, strict=True):
             if text_ids:
@@ -310,9 +310,10 @@ def _check_workers(workers, weights) -> None:
                          "cannot fork (Windows); use workers=1")
 
 
-def _routings(weights, texts: list[list[int]], workers: int):
+def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
     """Each text's `_routing` (None for an empty text), in order: decoded here, or by `workers` forked processes
-    at most two texts each ahead of the one being counted (a long corpus is never held whole in results)."""
+    at most two texts each ahead of the one being counted (a long corpus is never held whole in results).
+    texts[0] is text `first` of the call (after those a checkpoint holds)."""
     busy = [ids for ids in texts if ids]
     if min(workers, len(busy)) <= 1:
         for ids in texts:
@@ -320,7 +321,7 @@ def _routings(weights, texts: list[list[int]], workers: int):
         return
     pool = ProcessPoolExecutor(min(workers, len(busy)), mp_context=multiprocessing.get_context("fork"),
                                initializer=_start_worker, initargs=(weights,))  # fork: weights are shared, not sent
-    queue, ahead, failed = iter(enumerate(texts)), collections.deque(), True
+    queue, ahead, failed = iter(enumerate(texts, first)), collections.deque(), True
     try:
         for _ in range(2 * workers):
             _submit(pool, queue, ahead)
