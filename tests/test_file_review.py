@@ -24,6 +24,7 @@ from kimi_explore.engines.dump import read_dump, write_dump
 from kimi_explore.inspection.recorder import Recorder
 from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.trace import Trace
+from kimi_explore.tokenizer import TokenizerError
 from kimi_explore.weights.gguf_io import GgufFile, write_gguf
 
 TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
@@ -109,6 +110,38 @@ def test_a_damaged_session_file_is_refused_naming_the_file_and_what_differs(ref_
     with pytest.raises(ValueError, match=re.escape(str(bad)) + ".*" + says):
         Session.load_state(bad, ref_weights, recorder=rec)
     assert rec.n_tokens == 0  # a failed load changes nothing it was given
+
+
+class _CountingPuts:
+    """Weights that count the states placed on them (a pipeline ships each to its stages)."""
+
+    def __init__(self, weights):
+        self._w, self.puts = weights, 0
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
+
+    def put_state(self, state):
+        self.puts += 1
+        return self._w.put_state(state)
+
+
+def test_a_session_file_failing_its_last_check_places_no_state_on_the_weights(ref_weights, saved_session, tmp_path):
+    """The live state was placed on the weights (for a pipeline: shipped to its stages) before a checkpoint further
+    in the file was found damaged: a load that fails now places nothing."""
+    from kimi_explore.inspection.session_io import load_session
+
+    with np.load(saved_session[1]) as z:
+        last = max(int(k.split("/")[0][4:]) for k in z.files if k.startswith("ckpt"))
+    bad = rewrite(saved_session[1], tmp_path / "bad.npz",
+                  _set(f"ckpt{last}/0/recurrent", lambda x: x.astype(np.float64)))
+    counting = _CountingPuts(ref_weights)
+    with pytest.raises(ValueError, match=rf"saved ckpt{last} layer 0 recurrent: float64"):
+        load_session(bad, counting)
+    assert counting.puts == 0
+    load_session(saved_session[1], counting)
+    assert counting.puts == 1 + len([k for k in json.loads(str(np.load(saved_session[1])["header"]))["layout"]
+                                     if k != "state"])
 
 
 def test_the_undamaged_file_loads_and_decodes_on_bit_for_bit(ref_weights, saved_session):
@@ -462,3 +495,146 @@ def test_a_checkpoint_shard_whose_header_is_damaged_is_refused(ckpt, damage):
         says = r"the tensors end at byte \d+ of the data section, but it holds \d+ bytes"
     with pytest.raises(CheckpointError, match=re.escape(str(shard)) + ": " + says):
         ke.from_pretrained(ckpt, device="cpu")
+
+
+def test_truncated_captures_for_compare_name_the_file(ref_weights, tmp_path):
+    """ke.compare(weights, "captures.npz"): a truncated archive raised zipfile.BadZipFile naming no file."""
+    good = tmp_path / "captures.npz"
+    np.savez(good, tokens=np.array(TOKENS[:3]), logits=np.zeros((3, 256), np.float32))
+    bad = tmp_path / "cut.npz"
+    bad.write_bytes(good.read_bytes()[:-30])
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + r": not a complete \.npz archive"):
+        ke.compare(Session(ref_weights, recorder=False), bad)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+class _Latin1Tokenizer(ke.ByteTokenizer):
+    """Another tokenizer of 256 ids (bytes read as Latin-1): the same vocabulary size, other text."""
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("latin-1")
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        return list(text.encode("latin-1"))
+
+    @property
+    def fingerprint(self) -> str:
+        return "latin1/256"
+
+
+def test_a_session_file_refuses_another_tokenizer_than_it_was_saved_with(ref_weights, tmp_path):
+    """The file kept token ids but not which tokenizer made them: loaded with another one of the same size, the
+    ids read as other text and text fed on became other ids, silently."""
+    s = Session(ref_weights, tokenizer=ke.ByteTokenizer())
+    s.feed("café")
+    path = s.save_state(tmp_path / "s.npz")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r" was saved with another tokenizer \(file 'bytes/256', "
+                                         r"given 'latin1/256'\)"):
+        Session.load_state(path, ref_weights, tokenizer=_Latin1Tokenizer())
+    assert Session.load_state(path, ref_weights, tokenizer=ke.ByteTokenizer()).text == "café"
+    assert Session.load_state(path, ref_weights).tokens == s.tokens  # no tokenizer: the ids alone
+    bare = Session(ref_weights, recorder=False)
+    bare.feed(TOKENS[:2])
+    assert Session.load_state(bare.save_state(tmp_path / "bare.npz"), ref_weights, tokenizer=_Latin1Tokenizer()).tokens == \
+        TOKENS[:2]  # saved without one: any tokenizer of the model's size
+
+
+def test_the_k3_tokenizer_fingerprint_tells_other_special_tokens_apart(tmp_path):
+    """Kimi K2's files share K3's BPE file but name the special slots otherwise: the fingerprint must differ."""
+    import shutil
+
+    pytest.importorskip("tiktoken")
+    synth = DATA / "tokenizer" / "synthetic_k3"
+    other = tmp_path / "other"
+    shutil.copytree(synth, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    entry = next(e for e in cfg["added_tokens_decoder"].values() if e["content"] == "<|open|>")
+    entry["content"] = "<|im_user|>"
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    a, b, again = (ke.KimiTokenizer.from_pretrained(p) for p in (synth, other, synth))
+    assert a.vocab_size == b.vocab_size and a.vocab_sha256 == b.vocab_sha256
+    assert a.fingerprint != b.fingerprint and a.fingerprint == again.fingerprint
+
+
+# ---------------------------------------------------------------- reports
+
+
+def test_a_report_written_again_leaves_no_figure_of_the_earlier_one(tmp_path):
+    """Writing a report into the directory of an earlier one (the CLI's --out, reused) left the earlier report's
+    PNGs of other layers beside the new page: files that pass for this prompt's figures. Other files stay."""
+    from synthetic_trace import SyntheticTrace
+
+    from kimi_explore.views.figures.report import write_report
+
+    (tmp_path / "notes.png").write_bytes(b"mine")
+    first = write_report(SyntheticTrace(n_tokens=3, n_layers=12), tmp_path, layers=[1, 3], dpi=20)
+    assert (tmp_path / "block_residuals_layer1.png").is_file()
+    again = write_report(SyntheticTrace(n_tokens=4, n_layers=12), tmp_path, layers=[5], dpi=20)
+    assert first == again
+    shown = set(re.findall(r'<figure id="([^"]+)">', again.read_text(encoding="utf-8")))
+    pngs = {p.stem for p in tmp_path.glob("*.png")}
+    assert "block_residuals_layer5" in shown and pngs == shown | {"notes"}
+    assert (tmp_path / "notes.png").read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".png")) == ["index.html"]
+
+
+# ---------------------------------------------------------------- other files read
+
+
+def test_random_twin_reads_a_bare_config_and_names_a_source_without_one(tmp_path):
+    """random_twin read config.json's "text_config" only: a checkpoint with a bare kimi_linear config (which
+    from_pretrained loads) raised KeyError('text_config'); a GGUF's weights, a path inside the file."""
+    import shutil
+
+    from kimi_explore.analysis.learned import random_twin
+
+    shell = json.loads((ke.tiny_checkpoint() / "config.json").read_text())
+    bare = tmp_path / "bare"
+    shutil.copytree(ke.tiny_checkpoint(), bare)
+    (bare / "config.json").write_text(json.dumps(shell["text_config"]))
+    w = ke.from_pretrained(bare, device="cpu")
+    twin = ke.from_pretrained(random_twin(w, tmp_path / "twin"), device="cpu")
+    assert twin.config == w.config and not np.array_equal(twin.embed_tokens, w.embed_tokens)
+    with pytest.raises(ValueError, match=r"random_twin: the weights come from .*model-mxfp4.gguf, which has no config.json"):
+        random_twin(ke.from_pretrained(GGUF, device="cpu"), tmp_path / "twin2")
+
+
+@pytest.mark.parametrize("content,says", [(b"[256]", r"expected a JSON object \(a model config\), found list"),
+                                          (b"\xff\xfe{}", r"not valid JSON \('utf-8' codec")],
+                         ids=["a-list", "not-utf8"])
+def test_load_tokenizer_names_a_config_json_that_is_not_a_config(tmp_path, content, says):
+    """A config.json holding a JSON list raised AttributeError ('list' object has no attribute 'get'), one that is
+    not UTF-8 a UnicodeDecodeError: neither named the file."""
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(TokenizerError, match=re.escape(str(tmp_path / "config.json")) + ": " + says):
+        ke.load_tokenizer(tmp_path)
+
+
+def test_a_damaged_model_card_is_named(tmp_path):
+    """The CLI's header line read model_card.json with plain key lookups: a card missing a key stopped the CLI
+    with "KeyError: 'corpus'", a damaged one with a JSONDecodeError, naming no file."""
+    import shutil
+
+    from kimi_explore.weights.tiny_model import describe_checkpoint
+
+    ckpt = tmp_path / "m"
+    shutil.copytree(ke.tiny_checkpoint(), ckpt)
+    assert describe_checkpoint(ckpt).startswith("tiny_k3_pydoc: a tiny K3 trained on Python's pydoc_data.topics")
+    card = json.loads((ckpt / "model_card.json").read_text())
+    del card["corpus"]
+    (ckpt / "model_card.json").write_text(json.dumps(card))
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / "model_card.json")) + r": a model card needs .*"
+                                              r"found \{'corpus': None\}"):
+        describe_checkpoint(ckpt)
+    (ckpt / "model_card.json").write_text('{"name": "tiny", ')
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / "model_card.json")) + ": not valid JSON"):
+        describe_checkpoint(ckpt)
+
+
+def test_a_gguf_alignment_that_is_not_an_integer_is_refused(tmp_path):
+    """general.alignment is a u32; stored as a float it was cut to an int (32.5 -> 32) and the file loaded."""
+    path = gguf_copy(tmp_path / "align.gguf", meta={"general.alignment": 32.5}, types={"general.alignment": 6})
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + r": general.alignment = 32.5 is not a power of two"):
+        ke.from_pretrained(path, device="cpu")

@@ -52,10 +52,10 @@ class NpzReader:
         try:
             z = np.load(self.path, allow_pickle=False)
         except _DAMAGE as e:
-            raise ValueError(f"{self.path}: not a complete .npz archive, so not a kimi_explore {what} file (truncated "
-                             f"or damaged? {type(e).__name__}: {e})") from None
+            raise ValueError(f"{self.path}: not a complete .npz archive, which a {what} file is (truncated or "
+                             f"damaged? {type(e).__name__}: {e})") from None
         if not isinstance(z, np.lib.npyio.NpzFile):
-            raise ValueError(f"{self.path}: a single .npy array, not a kimi_explore {what} file (an .npz archive)")
+            raise ValueError(f"{self.path}: a single .npy array, not a {what} file (an .npz archive)")
         self._z = z
         self.files = list(z.files)
 

@@ -28,7 +28,7 @@ from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
 from .npz_io import NpzReader, write_npz
 from .recorder import Recorder
 
-__all__ = ["SavedSettings", "SessionSnapshot", "copy_sharing", "load_session", "nbytes_once", "save_session",
+__all__ = ["SavedSettings", "SessionSnapshot", "check_tokenizer", "copy_sharing", "load_session", "nbytes_once", "save_session",
            "share_caches", "weights_fingerprint"]
 
 FORMAT = "kimi_explore.inspection.session/2"  # /2: an MLA cache saved as its used positions and its capacity
@@ -78,10 +78,11 @@ class SavedSettings:
 
     checkpoint_every: int
     recorder: dict | None  # Recorder(**recorder) records as the saved session did; None: it recorded nothing
+    tokenizer: str | None = None  # the saved session's tokenizer's `fingerprint`; None: none, or one without it
 
 
 def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, recorder: Recorder | None,
-                 checkpoints: bool = True) -> Path:
+                 checkpoints: bool = True, tokenizer=None) -> Path:
     """Write `snap` (a `Session.snapshot()`) and the settings to continue it as one .npz."""
     path = Path(path)
     if path.is_dir():  # else numpy writes `DIR.npz` beside it
@@ -105,7 +106,8 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
               "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
               "cut_tails": {str(a): [int(t) for t in tail] for a, tail in (snap.cut_tails or {}).items()},
               **({"routes": {str(a): list(r) for a, r in snap.routes.items()}} if snap.routes is not None else {}),
-              "checkpoint_every": checkpoint_every, "recorder": rec}
+              "checkpoint_every": checkpoint_every, "recorder": rec,
+              "tokenizer": getattr(tokenizer, "fingerprint", None)}
     V = weights.config.vocab_size
     arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
     return write_npz(path, {"header": np.array(json.dumps(header)), **arrays})
@@ -131,16 +133,26 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
         saved, records = header["recorder"], None
         if saved is not None:
             records = _get_records(z, path, saved, T)
-        snap = SessionSnapshot(
-            weights_id=id(weights), state=_get_state(z, "state", header["layout"]["state"], weights),
-            tokens=[int(t) for t in header["tokens"]], logits=list(logits),
-            modified=[bool(m) for m in header["modified"]],
-            checkpoints=_get_checkpoints(z, header["layout"], weights),
-            records=records, chunk_of=header.get("chunk_of"),
-            cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
-            routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
+        host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
+    snap = SessionSnapshot(
+        weights_id=id(weights), state=_on_weights(weights, host.pop("state")),
+        tokens=[int(t) for t in header["tokens"]], logits=list(logits),
+        modified=[bool(m) for m in header["modified"]],
+        checkpoints=_put_checkpoints(weights, {int(k[4:]): s for k, s in host.items()}),
+        records=records, chunk_of=header.get("chunk_of"),
+        cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
+        routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
-    return snap, SavedSettings(header["checkpoint_every"], settings)
+    return snap, SavedSettings(header["checkpoint_every"], settings, header.get("tokenizer"))
+
+
+def check_tokenizer(path, saved: str | None, tokenizer) -> None:
+    """A tokenizer given to continue a saved session is the one it was saved with (when both are known)."""
+    here = getattr(tokenizer, "fingerprint", None)
+    if saved is not None and here is not None and here != saved:
+        raise ValueError(f"{path} was saved with another tokenizer (file {saved!r}, given {here!r}): its token ids "
+                         "would read as other text, and text fed to it would become other ids. Load it with the "
+                         "tokenizer it was saved with, or with tokenizer=None")
 
 
 HEADER_KEYS = ("fingerprint", "tokens", "modified", "layout", "checkpoint_every", "recorder")
@@ -227,11 +239,10 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
     return {"position": state.position, "layers": layers}
 
 
-def _get_checkpoints(z, layout: dict, weights) -> dict:
-    """{t: checkpoint}, sharing their MLA caches as a session's own checkpoints do (`share_caches`; a pipeline's
-    in its stages)."""
-    kept = {t: _get_state(z, f"ckpt{t}", layout[f"ckpt{t}"], weights)
-            for t in sorted((int(k[4:]) for k in layout if k != "state"), reverse=True)}
+def _put_checkpoints(weights, host: dict) -> dict:
+    """{t: checkpoint} from {t: host state}, sharing their MLA caches as a session's own checkpoints do
+    (`share_caches`; a pipeline's in its stages)."""
+    kept = {t: _on_weights(weights, host[t]) for t in sorted(host, reverse=True)}
     longest_first = list(kept.values())
     if all(isinstance(state, KimiDecodeState) for state in longest_first):
         share_caches(longest_first, weights.xp)
@@ -280,7 +291,13 @@ def _same_bits(a, b, xp) -> bool:
     return a.shape == b.shape and bool(xp.array_equal(a.view(np.uint8), b.view(np.uint8)))
 
 
-def _get_state(z, key: str, layout: dict, weights):
+def _on_weights(weights, host: KimiDecodeState):
+    """A state read by `_read_state` on the weights' backend (a pipeline's: in its stages)."""
+    return weights.put_state(KimiDecodeState([ls.converted(weights.xp.asarray) for ls in host.layers], host.position))
+
+
+def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
+    """Saved state `key` as host arrays, checked against the layout of a fresh state of `weights`."""
     path, fresh = z.path, weights.host_state(weights.new_state())
     if len(layout["layers"]) != len(fresh.layers):
         raise ValueError(f"{path}: saved {key} has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
@@ -320,9 +337,9 @@ def _get_state(z, key: str, layout: dict, weights):
                 elif cache and a.shape[1] < kw["length"]:
                     raise ValueError(f"{path}: saved {key} layer {j} {f.name}: capacity {a.shape[1]} below its length "
                                      f"{kw['length']} (the file is damaged)")
-                kw[f.name] = weights.xp.asarray(a)
+                kw[f.name] = a
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
-    return weights.put_state(KimiDecodeState(layers, int(layout["position"])))
+    return KimiDecodeState(layers, int(layout["position"]))
 
 
 def weights_fingerprint(weights) -> dict:

@@ -151,9 +151,10 @@ class GgufFile:
             type_id, offset = c.scalar("<u4", f"tensor '{name}' type"), c.scalar("<u8", f"tensor '{name}' offset")
             infos.append((name, ne, type_id, offset))
             names.add(name)
-        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise CheckpointError(f"{self.path}: general.alignment = {self.alignment} is not a power of two")
+        self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(self.alignment) is not int or self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise CheckpointError(f"{self.path}: general.alignment = {self.alignment!r} is not a power of two (an "
+                                  "integer; a float was cut to one)")
         self.data_start = -(-c.pos // self.alignment) * self.alignment
         self.tensors: dict[str, GgufTensor] = {}
         expected = 0  # each tensor's data follows the previous one's, padded to the alignment (llama.cpp's rule)
