@@ -243,9 +243,10 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
                   checkpoint_every: int = 4096, workers: int = 1) -> RoutingStats:
     """Routing statistics of `weights` over `texts` (a string, or a list of strings / token-id lists).
 
-    classes: token id -> label (default: `byte_class` for a byte vocabulary). progress: a tqdm bar
-    over tokens. checkpoint: a path to save the partial result to and resume from. workers: texts
-    decoded at once, each in a forked process (see module docstring); 1 decodes here.
+    classes: token id -> label, a str, int, float, bool or None (default: `byte_class` for a byte
+    vocabulary). progress: a tqdm bar over tokens. checkpoint: a path to save the partial result to
+    and resume from. workers: texts decoded at once, each in a forked process (see module
+    docstring); 1 decodes here.
     """
     vocab = int(weights.config.vocab_size)
     if classes is None:
@@ -266,10 +267,12 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     start, since_save = len(stats.texts), 0
     bar = _progress(progress, sum(len(x) for x in ids), sum(len(x) for x in ids[:start]))
     routings = _routings(weights, ids[start:], workers)
+    labels: dict = {}  # token id -> its class label, checked once
     try:
         for text_ids, digest, routing in zip(ids[start:], digests[start:], routings, strict=True):
             if text_ids:
-                stats.add(routing, [classes(i) for i in text_ids])
+                stats.add(routing, [labels[i] if i in labels else labels.setdefault(i, _label(classes, i))
+                                    for i in text_ids])
             stats.texts.append(digest)
             since_save += len(text_ids)
             if bar is not None:
@@ -284,6 +287,19 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     if checkpoint is not None:
         stats.save(checkpoint)
     return stats
+
+
+def _label(classes, token_id: int):
+    """classes(token_id) as a label that a checkpoint keeps as it is (JSON): a str, int, float, bool or None (NumPy
+    scalars as the Python ones). A tuple came back from a checkpoint as a list, another class than the tuple of
+    the next call: a resumed run split every class in two."""
+    label = classes(token_id)
+    if isinstance(label, np.generic):
+        label = label.item()
+    if label is not None and not isinstance(label, (str, int, float, bool)):
+        raise TypeError(f"routing_stats: classes({token_id}) returned {label!r} ({type(label).__name__}); a class label "
+                        "must be a str, int, float, bool or None (it is saved as JSON in a checkpoint): e.g. str(label)")
+    return label
 
 
 def _routing(weights, ids: list[int]) -> dict:

@@ -249,22 +249,35 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
                     chunk: int | None = None, progress: bool = False, reuse_prefix: bool = True) -> SourceAblation:
     """Mask each source family at each layer and site; report mass, Δloss and KL (module docstring).
 
-    session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`.
+    session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`
+    (ids, or a string: encoded by the session's tokenizer, else as UTF-8 bytes for a byte model).
     families: source families (`inspection.source_masks`); layers: model layer ids (default all);
     sites: "attn" and/or "ffn"; chunk: tokens per pass of the sequence path (default `default_chunk`).
     reuse_prefix: a run masked at layer L starts from the clean run's block-residual stack before L
     (the same numbers, about half the work); off, or with session hooks or a pipeline, every run
     decodes all layers through `forward_sequence`.
     """
+    tokenizer = None
     if hasattr(session_or_weights, "weights") and hasattr(session_or_weights, "tokens"):
         s = session_or_weights
-        weights, extra = s.weights, (s.hooks if len(s.hooks) else None)
+        weights, extra, tokenizer = s.weights, (s.hooks if len(s.hooks) else None), getattr(s, "tokenizer", None)
         ids = list(s.tokens) if token_ids is None else token_ids
     else:
         weights, extra = session_or_weights, None
         if token_ids is None:
             raise ValueError("source_ablation(weights, token_ids): give the token ids to decode (or pass a Session)")
-        ids = token_ids.encode("utf-8") if isinstance(token_ids, str) else token_ids
+        ids = token_ids
+    if isinstance(ids, str):  # the session's tokenizer, else bytes for a byte model (a string is no other model's ids)
+        if tokenizer is not None:
+            ids = tokenizer.encode(ids)
+        elif weights.config.vocab_size == 256:
+            ids = ids.encode("utf-8")
+        else:
+            raise ValueError(f"source_ablation: got a string, but the model's vocabulary ({weights.config.vocab_size}) is "
+                             "not bytes and there is no tokenizer: pass token ids (or a Session with a tokenizer)")
+    elif isinstance(ids, (bytes, bytearray)) and weights.config.vocab_size != 256:
+        raise ValueError(f"source_ablation: got bytes, but the model's vocabulary ({weights.config.vocab_size}) is not "
+                         "bytes: pass token ids")
     try:
         ids = token_indices(ids, weights.config.vocab_size)
     except (TypeError, ValueError) as e:
