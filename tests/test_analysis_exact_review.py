@@ -11,6 +11,7 @@ sessions saved without checkpoints and loaded with another recorder), on both ti
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -502,3 +503,11 @@ def test_lens_and_attribution_under_a_persistent_mask_equal_the_twin(mask, weigh
         c, source_of, p = twins["reference"].attribution(runs[a.t], a.token)
         assert a.source_of == source_of and max(abs(a.source_weights[k] - v) for k, v in p.items()) <= 1e-12
         assert max(abs(a.contributions[k] - v) for k, v in c.items()) <= 1e-10
+
+
+def test_bug_routing_stats_refuses_another_models_tokenizer(ref_weights):
+    """A tokenizer of 678 ids on a 256-id model: its ids below 256 were counted as this model's tokens (the others
+    failed deep in the decoder, naming neither routing_stats nor the tokenizer); Session refuses it, so does this."""
+    tok = ke.load_tokenizer(Path(__file__).parent / "data" / "tokenizer" / "synthetic_k3")
+    with pytest.raises(ValueError, match=r"routing_stats: the tokenizer has 678 ids, the model's vocabulary 256"):
+        ke.routing_stats(ref_weights, ["hello world"], tokenizer=tok, classes=str, progress=False)

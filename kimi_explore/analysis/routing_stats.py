@@ -261,6 +261,9 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     if not texts:
         raise ValueError("routing_stats: texts is empty: give at least one text (a string or a list of token ids)")
     _check_workers(workers, weights)
+    if tokenizer is not None and getattr(tokenizer, "vocab_size", vocab) != vocab:  # its ids would be another model's
+        raise ValueError(f"routing_stats: the tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary {vocab} "
+                         "(vocab_size in its config): they belong to different models")
     ids = [_text_ids(j, x, tokenizer, vocab) for j, x in enumerate(texts)]
     digests = [_digest(x) for x in ids]
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
