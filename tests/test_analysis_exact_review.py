@@ -511,3 +511,24 @@ def test_bug_routing_stats_refuses_another_models_tokenizer(ref_weights):
     tok = ke.load_tokenizer(Path(__file__).parent / "data" / "tokenizer" / "synthetic_k3")
     with pytest.raises(ValueError, match=r"routing_stats: the tokenizer has 678 ids, the model's vocabulary 256"):
         ke.routing_stats(ref_weights, ["hello world"], tokenizer=tok, classes=str, progress=False)
+
+
+def test_bug_a_temporary_intervention_of_small_effect_is_not_analysed_as_history(ref_weights):
+    """A token decoded under a temporary hook that moved its logits by 3.5e-5 (below the replay check's tolerance)
+    was analysed as if decoded without it: the attribution's 'decoder's logit' was not the one the session stored.
+    Tokens decoded under value-changing hooks now replay bit for bit or are refused, as Session.recover does."""
+    s = ke.Session(ref_weights)
+    s.feed(TEXT[:11])
+    tiny = ke.Hooks()
+    tiny.add("layers.5.attn.out", lambda v, *, hook: v * (1 + 3e-5))
+    with s.intervene(tiny):
+        s.step(TEXT[11])
+    s.step(TEXT[12])
+    ke.logit_attribution(s, 10)  # before it: replays as stored
+    for analysis in (lambda: ke.logit_attribution(s, 11), lambda: ke.lens_at(s, 11), lambda: ke.logit_lens(s)):
+        with pytest.raises(ValueError, match="other logits at token 11 than the session stored"):
+            analysis()
+    kept = ke.Session(ref_weights, hooks=tiny)  # the same hook, persistent: replayed with it, bit for bit
+    kept.feed(TEXT[:13])
+    a = ke.logit_attribution(kept, 11)
+    assert a.logit == float(kept.logits[11, a.token])

@@ -12,9 +12,11 @@ fed (`Session.chunk_route`, whatever the session records now), stepped tokens st
 cut (its checkpoint there; without one, e.g. in a session file saved without checkpoints, the kept
 part re-decoded alone from a copy of the state before the chunk, as truncate decoded it). So the
 replay repeats the history's arithmetic, and its logits are the stored ones bit for bit; they are
-checked against them (to REPLAY_RTOL, which admits a BLAS that now splits its work otherwise). A
-history decoded under a temporary intervention (`with session.intervene(...)`) does not replay to
-the same logits: that is reported, never analysed silently. Capturing changes no value.
+checked against them: to REPLAY_RTOL (which admits a BLAS that now splits its work otherwise), and
+bit for bit for the tokens decoded under value-changing hooks (`Session.decoded_with_hooks`, as
+`Session.recover` checks them). A history decoded under a temporary intervention (`with
+session.intervene(...)`) does not replay to the same logits, however small its effect: that is
+reported, never analysed silently. Capturing changes no value.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
             logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
         records = capture.take_records()
         for t in range(a, b):
-            _check_replay(logits[t - a], session.logits_at(t), t)
+            _check_replay(logits[t - a], session.logits_at(t), t, _hooked(session, t))
             if t in wanted:
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
         if b > last:
@@ -121,10 +123,18 @@ def _position(p, T: int) -> int:
     return int(p) % T
 
 
-def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int) -> None:
+def _hooked(session, t: int) -> bool:
+    """`Session.decoded_with_hooks` (a driver without it: False)"""
+    return bool(session.decoded_with_hooks(t)) if hasattr(session, "decoded_with_hooks") else False
+
+
+def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int, exact: bool = False) -> None:
+    """The replayed logits against the stored ones: to REPLAY_RTOL, or bit for bit for a token decoded under
+    value-changing hooks (as `Session.recover` checks it), whose replay under other hooks (a temporary
+    intervention since removed) can differ by less than any tolerance and must not be analysed as its history."""
     err = float(np.max(np.abs(replayed.astype(np.float64) - recorded)))
     scale = 1.0 + float(np.max(np.abs(recorded)))
-    if not err <= REPLAY_RTOL * scale:
+    if not (np.array_equal(replayed, recorded) if exact else err <= REPLAY_RTOL * scale):
         raise ValueError(
             f"replaying the session's history gives other logits at token {t} than the session stored (max |diff| "
             f"{err:.3g}): that token was decoded under hooks the session no longer holds (a temporary "

@@ -396,6 +396,11 @@ class Session:
         decoded as tokens[start:end] + these, and a replay that re-decodes it so reproduces its values exactly."""
         return list(self._cut_tails.get(start, []))
 
+    def decoded_with_hooks(self, t: int) -> bool:
+        """Whether token t was decoded while hooks that may change values were attached (`session.hooks`, or hooks
+        added to the recorder): a replay of it must then give its logits bit for bit (`recover()`, the analyses)."""
+        return self._modified[t]
+
     def chunk_route(self, t: int) -> tuple:
         """The sites kept in full (`Recorder.route_sites`) when the fed chunk holding token t was fed (() for a
         stepped token): a replay of that chunk keeps them in full too, so it rounds as the feed did."""
