@@ -258,6 +258,19 @@ def test_bug_diff_of_trace_windows_at_other_positions_is_refused(ref_weights):
         ke.diff(a.trace(window=slice(-8, None)), b.trace(window=slice(-8, None)))
     same = ke.diff(a.trace(window=slice(4, 12)), b.trace(window=slice(4, 12)))
     assert len(same) == 8 and np.all(same.kl < 1e-9) and not same.routing_changes  # (other chunks: rounding)
+    assert same.positions.tolist() == list(range(4, 12))
+
+
+def test_bug_the_diff_figure_labels_a_window_with_its_positions(ref_weights):
+    """A diff of windows starting at token 4 was labelled from 0."""
+    from kimi_explore.views.figures.analysis_plots import diff_overview
+
+    a, b = ke.Session(ref_weights), ke.Session(ref_weights)
+    a.feed(TEXT[:12])
+    b.feed(TEXT[:8] + list(b"QRST"))
+    fig = diff_overview(ke.diff(a.trace(window=(4, 12)), b.trace(window=(4, 12))))
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels[0] == f"4 #{TEXT[4]}" and labels[-1].startswith("11 ")
 
 
 # ---------------------------------------------------------------------------------------------- source ablation

@@ -11,6 +11,7 @@ every difference as b - a:
     routing_changes list of (t, layer, removed ids, added ids) wherever the sets differ
     kl              [T]              KL(P_a || P_b) of the next-token distributions, in nats
     top1_a, top1_b  [T]; flips [T] bool: the top-1 prediction changed
+    positions       [T] the history positions of the rows (0.. for sessions; a Trace window's own)
 
 KL is exact when both runs have full logits (a `Session`, or a Trace that recorded "logits" in
 full). From Traces holding only the top-k predictions it is the KL of the coarse-grained
@@ -52,6 +53,7 @@ class RunDiff:
     kl_exact: bool = False
     top1_a: np.ndarray | None = None
     top1_b: np.ndarray | None = None
+    positions: np.ndarray | None = None  # [T] the history positions of the rows (a Trace window's start on)
 
     @property
     def flips(self) -> np.ndarray:
@@ -123,7 +125,7 @@ def diff(a, b) -> RunDiff:
     top_b = np.argmax(lb[:T], axis=-1) if lb is not None else tb["logits.top_ids"][:T, 0]
     return RunDiff(ta.tokens[:T], tb.tokens[:T], list(ta.layer_ids), ta.source_labels(),
                    tb.attn_res_weights()[:T] - ta.attn_res_weights()[:T], final, kda_a, sb[:T] - sa[:T], moe, jac,
-                   changes, kl, exact, top_a.astype(np.int64), top_b.astype(np.int64))
+                   changes, kl, exact, top_a.astype(np.int64), top_b.astype(np.int64), ta.positions[:T].copy())
 
 
 def _routing(ra: dict, rb: dict, T: int):

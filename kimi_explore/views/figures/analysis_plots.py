@@ -138,7 +138,8 @@ def diff_overview(d, token=None, tokenizer=None):
     if T == 0:
         raise ValueError("diff_overview: the diff covers no tokens")
     t = int(np.argmax(d.kl)) if token is None else int(token) % T
-    cols = _names(d.tokens_a, tokenizer)
+    start = 0 if getattr(d, "positions", None) is None else int(d.positions[0])  # windows of traces: their positions
+    cols = [escape_mathtext(s) for s in token_labels(d.tokens_a, tokenizer, start=start)]
     fig = InlineFigure(figsize=(14, 9.5), layout="constrained")
     grid = fig.subplots(2, 3)
     w = _symmetric(d.final_attn_res, d.attn_res[t, :, 1])  # one scale for the softmax-weight panels
