@@ -397,6 +397,16 @@ class Session:
         decoded as tokens[start:end] + these, and a replay that re-decodes it so reproduces its values exactly."""
         return list(self._cut_tails.get(start, []))
 
+    def decoded_with_hooks(self, t: int) -> bool:
+        """Whether token t was decoded while hooks that may change values were attached (`session.hooks`, or hooks
+        added to the recorder): a replay of it must then give its logits bit for bit (`recover()`, the analyses)."""
+        return self._modified[t]
+
+    def chunk_route(self, t: int) -> tuple:
+        """The sites kept in full (`Recorder.route_sites`) when the fed chunk holding token t was fed (() for a
+        stepped token): a replay of that chunk keeps them in full too, so it rounds as the feed did."""
+        return tuple(self._routes.get(self._chunk_of[t], ())) if self._chunk_of[t] >= 0 else ()
+
     def _drop_after(self, n: int) -> None:
         """Forget tokens n.. (the state is already the one after n tokens)."""
         del self._tokens[n:], self._logits[n:], self._modified[n:], self._chunk_of[n:]
