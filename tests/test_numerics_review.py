@@ -344,3 +344,16 @@ def test_compiled_elementwise_kernels_against_numpy_on_adversarial_inputs(monkey
         e = got["exp"]
         assert (e[(x < -87)] == 0).all() and np.isposinf(e[x > 88]).all()
     assert math.isnan(float(sequence_ops.exp_(np.array([np.nan], np.float32))[0]))
+
+
+def test_generate_refuses_nan_logits_rather_than_choosing_a_token():
+    """Fixed (`Session.generate`): greedy decoding took np.argmax of NaN logits, the id of the first NaN (0 here), and
+    went on decoding from it as if chosen; sampling failed with NumPy's "probabilities contain NaN"."""
+    w = fresh("float32")
+    w.embedding()[9] = np.nan
+    session = ke.Session(w)
+    session.feed([5, 9])
+    for temperature in (0.0, 1.0):
+        with pytest.raises(FloatingPointError, match="logits after token 1 hold NaN"):
+            session.generate(2, temperature=temperature, seed=0)
+    assert session.tokens == [5, 9]
