@@ -7,12 +7,14 @@ stepping, the float64 twin or Moonshot's eps-sensitive reference set at inputs t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
 import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
+from naive_decoder import NaiveDecoder
 from test_modules import layers_of
 
 import kimi_explore as ke
@@ -258,14 +260,30 @@ def test_chunked_rule_at_the_gates_lower_bound_matches_the_float64_twin(case):
             assert max(errs) <= tol, (dtype, chunk, errs)
 
 
+@pytest.fixture(scope="module")
+def naive_twin():
+    """The float64 twin of the random tiny model (tests/naive_decoder.py: reads the checkpoint itself)."""
+    return NaiveDecoder(random_tiny_checkpoint())
+
+
 @pytest.mark.parametrize("edge", ["embeddings-x1e4", "embeddings-x1e-4", "decays-at-the-bound"])
-def test_float64_prefill_equals_stepping_at_the_edges(edge):
+def test_float64_prefill_equals_stepping_and_the_twin_at_the_edges(edge, naive_twin):
     """Hidden states scaled by 1e4 / 1e-4 (the embedding table: every norm sees it, the residual stream carries
     it; at 1e-4 the first norms' mean squares sit below their eps), or every KDA decay at the gate's lower bound
-    (dt_bias + 100: sigmoid 1, g = -5). float64 prefill at chunks 1, 2, 7 and T (= 24; 64 and 512 are T here)
-    against float64 stepping: measured 6e-16 .. 7e-13 relative. float32 prefill against float64 stepping is
-    within 3x float32 stepping's own distance to it (measured 0.9x .. 1.5x; at 1e-4 both ~1e-3)."""
+    (dt_bias + 100: sigmoid 1, g = -5). float64 stepping against the float64 twin (the same change made to its
+    operands) over 8 tokens: measured 2e-15 .. 1e-12. float64 prefill at chunks 1, 2, 7 and T (= 24; 64 and 512
+    are T here) against float64 stepping: measured 6e-16 .. 7e-13 relative. float32 prefill against float64
+    stepping is within 3x float32 stepping's own distance to it (measured 0.9x .. 1.5x; at 1e-4 both ~1e-3)."""
     tokens = np.random.default_rng(4).integers(0, 256, 24).tolist()
+    twin = copy.deepcopy(naive_twin)
+    if edge.startswith("embeddings"):
+        twin.embed = twin.embed * (1e4 if edge.endswith("1e4") else 1e-4)
+        assert not twin.cfg.tie_word_embeddings
+    else:
+        for layer in twin.layers:
+            if layer.kind == "kda":
+                layer.attention.dt_bias = layer.attention.dt_bias + 100.0
+    naive = np.stack([twin.step(t)[0] for t in tokens[:8]])
     want, step32 = None, None
     for dtype in ("float64", "float32"):
         w = fresh(dtype)
@@ -276,6 +294,7 @@ def test_float64_prefill_equals_stepping_at_the_edges(edge):
                 kda_w.dt_bias[...] += 100.0
         if dtype == "float64":
             want = step_all(w, tokens)
+            assert rel(want[:8], naive) <= 1e-9
             for chunk in (1, 2, 7, len(tokens)):
                 assert rel(prefill(w, tokens, chunk), want) <= 1e-9, chunk
         else:
