@@ -218,20 +218,24 @@ def test_mxfp4_row_kernels_decode_overflowing_scales_as_dequantize_does(code):
     scale = rng.integers(120, 130, (E, R, C // 32), dtype=np.uint8)
     scale[:, :12, 0] = code
     scale[:, 16:, 2] = code
-    x = (rng.standard_normal((4, C)) * 1e-3).astype(np.float32)
+    x = (rng.standard_normal((13, C)) * 1e-3).astype(np.float32)
+    picks = [2, 0, 1] + [2] * 10  # one input each for three experts, then 10 more for expert 2 (13: the AVX2 panels)
     with np.errstate(all="ignore"):
         W = mxfp4.dequantize(packed, scale)
-        dense = np.stack([W[e] @ x[i] for i, e in enumerate([2, 0, 1])])
-        size = np.stack([np.abs(W[e]).astype(np.float64) @ np.abs(x[i]) for i, e in enumerate([2, 0, 1])])  # sum |W x|
+        dense = np.stack([W[e] @ x[i] for i, e in enumerate(picks)])
+        size = np.stack([np.abs(W[e]).astype(np.float64) @ np.abs(x[i]) for i, e in enumerate(picks)])  # sum |W x|
     for isa in mxfp4_matvec.isas():
-        token = mxfp4_matvec.expert_matvec(packed, scale, [2, 0, 1], x[:3], isa=isa, threads=1)
+        token = mxfp4_matvec.expert_matvec(packed, scale, picks[:3], x[:3], isa=isa, threads=1)
         grouped = mxfp4_matvec.grouped_matmat(packed, scale, [2, 0, 1], [0, 1, 2, 3], x[:3], isa=isa, threads=1)
-        for got in (token, grouped):
+        panels = mxfp4_matvec.grouped_matmat(packed, scale, [2], [0, 13], x[[0] + list(range(3, 13)) + [0, 0]],
+                                             isa=isa, threads=1)
+        for got, rows in ((token, [0, 1, 2]), (grouped, [0, 1, 2]), (panels, [0] + list(range(3, 13)) + [0, 0])):
+            want, size_ = dense[rows], size[rows]
             for test in (np.isnan, np.isposinf, np.isneginf):
-                np.testing.assert_array_equal(test(got), test(dense), err_msg=f"{isa} {test.__name__}")
-            fin = np.isfinite(dense)
+                np.testing.assert_array_equal(test(got), test(want), err_msg=f"{isa} {test.__name__}")
+            fin = np.isfinite(want)
             assert fin.any() and (~fin).any()
-            assert (np.abs(got - dense)[fin] <= 1e-6 * size[fin]).all()
+            assert (np.abs(got - want)[fin] <= 1e-6 * size_[fin]).all()
 
 
 # ---------------------------------------------------------------- real checks at the edges (no bug found)
