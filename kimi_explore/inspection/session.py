@@ -266,6 +266,11 @@ class Session:
         out = []
         for _ in range(n):
             logits = self._logits[-1]
+            if np.isnan(logits).any():  # argmax would return the first NaN's id: a token chosen from nothing
+                raise FloatingPointError(
+                    f"Session.generate: the logits after token {len(self._logits) - 1} hold NaN ({int(np.isnan(logits).sum())} "
+                    f"of {logits.size}, the first at id {int(np.flatnonzero(np.isnan(logits))[0])}): no token to choose; "
+                    "find where it entered with a Recorder (the first non-finite record) before generating")
             if temperature == 0:
                 tid = int(np.argmax(logits))
             else:

@@ -17,6 +17,7 @@ weights, not on the logits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -179,21 +180,33 @@ def select_experts(scores, bias, top_k: int):
 
     The biased scores are summed in the scores' dtype either way, so the selection sees the same
     numbers as an array implementation (a double-precision sum could break a float32 near-tie the
-    other way).
+    other way). A NaN ranks as +inf, above every number (torch.topk ranks NaN first too): a NaN score
+    is selected and its NaN weight reaches the output rather than being passed over. Every route
+    (compiled, Python floats, arrays) gives the same ids, ties and NaN included.
     """
     if token_ops.runs(scores, bias) and top_k <= scores.shape[0]:
         return token_ops.select_experts(scores, bias, top_k)
     choice = scores + bias
     E = choice.shape[0]
     if E <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
-        top = sorted(range(E), key=choice.tolist().__getitem__, reverse=True)[:top_k]  # sorted is stable
-        return np.array(sorted(top, key=scores.tolist().__getitem__, reverse=True), dtype=np.intp)
-    xp = array_namespace(scores)
-    if top_k < E:
-        ids = xp.argpartition(-choice, top_k - 1)[:top_k]
-    else:
-        ids = xp.arange(E)
-    return ids[xp.argsort(-scores[ids])]
+        key = [math.inf if c != c else c for c in choice.tolist()]
+        top = sorted(range(E), key=key.__getitem__, reverse=True)[:top_k]  # sorted is stable
+        s = [math.inf if c != c else c for c in scores.tolist()]
+        return np.array(sorted(top, key=s.__getitem__, reverse=True), dtype=np.intp)
+    ids = stable_argsort(-rank_keys(choice))[:top_k]  # (argpartition and NumPy's default argsort order ties arbitrarily)
+    return ids[stable_argsort(-rank_keys(scores[ids]))]
+
+
+def rank_keys(a):
+    """a with NaN as +inf: the order `select_experts` ranks by."""
+    xp = array_namespace(a)
+    return xp.where(xp.isnan(a), math.inf, a)
+
+
+def stable_argsort(a, axis: int = -1):
+    """argsort keeping equal keys in index order (CuPy's argsort is stable and takes no `kind`)."""
+    xp = array_namespace(a)
+    return xp.argsort(a, axis=axis, kind="stable") if on_host(xp) else xp.argsort(a, axis=axis)
 
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float):
