@@ -269,7 +269,7 @@ def _check_classing(path, stats: RoutingStats, classes) -> None:
     """A resumed count classes tokens as the checkpoint did: `classes` gives each token id the checkpoint has
     counted the class it was counted in (another classing would add its counts to the first one's classes)."""
     for i, c in stats.classed.items():
-        if (now := classes(i)) != stats.class_names[c]:
+        if (now := _label(classes, i)) != stats.class_names[c]:
             raise ValueError(f"{path}: the checkpoint counted token id {i} in class {stats.class_names[c]!r}, this "
                              f"call's classes= puts it in {now!r}: resume with the classing it was made with "
                              "(or use another checkpoint path)")
@@ -279,9 +279,10 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
                   checkpoint_every: int = 4096, workers: int = 1) -> RoutingStats:
     """Routing statistics of `weights` over `texts` (a string, or a list of strings / token-id lists).
 
-    classes: token id -> label (default: `byte_class` for a byte vocabulary). progress: a tqdm bar
-    over tokens. checkpoint: a path to save the partial result to and resume from. workers: texts
-    decoded at once, each in a forked process (see module docstring); 1 decodes here.
+    classes: token id -> label, a str, int, float, bool or None (default: `byte_class` for a byte
+    vocabulary). progress: a tqdm bar over tokens. checkpoint: a path to save the partial result to
+    and resume from. workers: texts decoded at once, each in a forked process (see module
+    docstring); 1 decodes here.
     """
     vocab = int(weights.config.vocab_size)
     if classes is None:
@@ -296,6 +297,9 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     if not texts:
         raise ValueError("routing_stats: texts is empty: give at least one text (a string or a list of token ids)")
     _check_workers(workers, weights)
+    if tokenizer is not None and getattr(tokenizer, "vocab_size", vocab) != vocab:  # its ids would be another model's
+        raise ValueError(f"routing_stats: the tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary {vocab} "
+                         "(vocab_size in its config): they belong to different models")
     ids = [_text_ids(j, x, tokenizer, vocab) for j, x in enumerate(texts)]
     digests = [_digest(x) for x in ids]
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
@@ -303,11 +307,13 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     if start < len(ids):
         _check_classing(checkpoint, stats, classes)
     bar = _progress(progress, sum(len(x) for x in ids), sum(len(x) for x in ids[:start]))
-    routings = _routings(weights, ids[start:], workers)
+    routings = _routings(weights, ids[start:], workers, start)
+    labels: dict = {}  # token id -> its class label, checked once
     try:
         for text_ids, digest, routing in zip(ids[start:], digests[start:], routings, strict=True):
             if text_ids:
-                stats.add(routing, [classes(i) for i in text_ids], text_ids)
+                stats.add(routing, [labels[i] if i in labels else labels.setdefault(i, _label(classes, i))
+                                    for i in text_ids], text_ids)
             stats.texts.append(digest)
             since_save += len(text_ids)
             if bar is not None:
@@ -322,6 +328,19 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     if checkpoint is not None:
         stats.save(checkpoint)
     return stats
+
+
+def _label(classes, token_id: int):
+    """classes(token_id) as a label that a checkpoint keeps as it is (JSON): a str, int, float, bool or None (NumPy
+    scalars as the Python ones). A tuple came back from a checkpoint as a list, another class than the tuple of
+    the next call: a resumed run split every class in two."""
+    label = classes(token_id)
+    if isinstance(label, np.generic):
+        label = label.item()
+    if label is not None and not isinstance(label, (str, int, float, bool)):
+        raise TypeError(f"routing_stats: classes({token_id}) returned {label!r} ({type(label).__name__}); a class label "
+                        "must be a str, int, float, bool or None (it is saved as JSON in a checkpoint): e.g. str(label)")
+    return label
 
 
 def _routing(weights, ids: list[int]) -> dict:
@@ -348,9 +367,10 @@ def _check_workers(workers, weights) -> None:
                          "cannot fork (Windows); use workers=1")
 
 
-def _routings(weights, texts: list[list[int]], workers: int):
+def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
     """Each text's `_routing` (None for an empty text), in order: decoded here, or by `workers` forked processes
-    at most two texts each ahead of the one being counted (a long corpus is never held whole in results)."""
+    at most two texts each ahead of the one being counted (a long corpus is never held whole in results).
+    texts[0] is text `first` of the call (after those a checkpoint holds)."""
     busy = [ids for ids in texts if ids]
     if min(workers, len(busy)) <= 1:
         for ids in texts:
@@ -358,7 +378,7 @@ def _routings(weights, texts: list[list[int]], workers: int):
         return
     pool = ProcessPoolExecutor(min(workers, len(busy)), mp_context=multiprocessing.get_context("fork"),
                                initializer=_start_worker, initargs=(weights,))  # fork: weights are shared, not sent
-    queue, ahead, failed = iter(enumerate(texts)), collections.deque(), True
+    queue, ahead, failed = iter(enumerate(texts, first)), collections.deque(), True
     try:
         for _ in range(2 * workers):
             _submit(pool, queue, ahead)

@@ -58,6 +58,7 @@ from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
 from .session_io import SessionSnapshot, check_tokenizer, copy_sharing, load_session, nbytes_once, save_session
+from .trace import window_slice
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -145,7 +146,7 @@ class Session:
         only for the tokens it shows."""
         if self.recorder is None:
             raise ValueError("this session records nothing: create it with Session(weights, recorder=True)")
-        return self.recorder.trace(window=window)
+        return self.recorder.trace(window=None if window is None else window_slice(window, "Session.trace"))
 
     def __repr__(self) -> str:
         state = self._state_nbytes() + sum(a.nbytes for a in self._logits)
@@ -265,6 +266,11 @@ class Session:
         out = []
         for _ in range(n):
             logits = self._logits[-1]
+            if np.isnan(logits).any():  # argmax would return the first NaN's id: a token chosen from nothing
+                raise FloatingPointError(
+                    f"Session.generate: the logits after token {len(self._logits) - 1} hold NaN ({int(np.isnan(logits).sum())} "
+                    f"of {logits.size}, the first at id {int(np.flatnonzero(np.isnan(logits))[0])}): no token to choose; "
+                    "find where it entered with a Recorder (the first non-finite record) before generating")
             if temperature == 0:
                 tid = int(np.argmax(logits))
             else:
@@ -395,6 +401,16 @@ class Session:
         """The tokens `truncate` cut off the fed chunk that starts at token `start` ([] if none): that chunk was
         decoded as tokens[start:end] + these, and a replay that re-decodes it so reproduces its values exactly."""
         return list(self._cut_tails.get(start, []))
+
+    def decoded_with_hooks(self, t: int) -> bool:
+        """Whether token t was decoded while hooks that may change values were attached (`session.hooks`, or hooks
+        added to the recorder): a replay of it must then give its logits bit for bit (`recover()`, the analyses)."""
+        return self._modified[t]
+
+    def chunk_route(self, t: int) -> tuple:
+        """The sites kept in full (`Recorder.route_sites`) when the fed chunk holding token t was fed (() for a
+        stepped token): a replay of that chunk keeps them in full too, so it rounds as the feed did."""
+        return tuple(self._routes.get(self._chunk_of[t], ())) if self._chunk_of[t] >= 0 else ()
 
     def _drop_after(self, n: int) -> None:
         """Forget tokens n.. (the state is already the one after n tokens)."""

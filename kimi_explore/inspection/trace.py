@@ -40,6 +40,18 @@ FORMAT = "kimi_explore.inspection.trace/1"
 SITES = ("attn", "ffn")
 
 
+def window_slice(window, who: str) -> slice:
+    """The `window=` argument of a `trace()`: a slice of token indices or a (start, stop) pair. A bare number is
+    refused: "from token 5 on" and "the last 5 tokens" are both natural readings of window=5."""
+    if isinstance(window, slice):
+        return window
+    if isinstance(window, tuple) and len(window) == 2:
+        return slice(*window)
+    hint = f": slice({window}, None) for tokens {window} on, slice(-{window}, None) for the last {window}" \
+        if isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window > 0 else ""
+    raise TypeError(f"{who}: window={window!r}: expected a slice of token indices or a (start, stop) pair{hint}")
+
+
 def stack_rows(rows: list, name: str = "") -> np.ndarray:
     """Stack per-token arrays, padding varying shapes at the end (NaN / -1 / False)."""
     if not rows:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common import bias_vectors
+from ..common import bias_vectors, trace_of
 from . import plots, plots_summary
 
 __all__ = ["default_layers", "write_report"]
@@ -142,9 +142,7 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     A report written to `out_dir` before is replaced whole: its PNGs this one does not write are removed
     (other files are left alone), and index.html is replaced in one step.
     """
-    trace = session_or_trace.trace() if hasattr(session_or_trace, "step") else session_or_trace
-    if tokenizer is None:
-        tokenizer = getattr(session_or_trace, "tokenizer", None)
+    trace, tokenizer = trace_of(session_or_trace, tokenizer)
     if len(trace) == 0:
         raise ValueError("write_report: the trace is empty; feed at least one token first")
     out = Path(out_dir)
