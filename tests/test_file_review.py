@@ -4,7 +4,9 @@ session states, traces, routing-stats checkpoints, engine dumps, GGUF files, tok
 The rule each test pins: a damaged or foreign file is refused with an error naming the file (and the
 entry, key or tensor), what was expected and what was found; nothing is left half-loaded; a write is
 atomic where a partial file could later be read; round trips are exact. Every damage here loaded
-silently, or failed with an error naming nothing, before its fix.
+silently, or failed with an error naming nothing, before its fix; a few tests pin refusals that already
+held (files swapped between the two tiny models, float32 / float64, a layer subset) and the good copies
+each damage starts from.
 """
 
 from __future__ import annotations
@@ -285,6 +287,19 @@ def test_resuming_with_another_classing_is_refused(ref_weights, tmp_path):
     np.testing.assert_array_equal(resumed.class_top1, full.class_top1)
     assert resumed.classed == full.classed == {i: full.class_names.index(byte_class(i))
                                                for i in {b for t in TEXTS for b in t.encode()}}
+
+
+@pytest.mark.parametrize("other", ["float64", "layers-0-5", "random-tiny"])
+def test_a_routing_stats_checkpoint_of_another_dtype_layer_subset_or_model_is_refused(ref_weights, tiny_weights,
+                                                                                      tmp_path, other):
+    path = tmp_path / "stats.npz"
+    ke.routing_stats(ref_weights, TEXTS[:2], progress=False, checkpoint=path)
+    w = {"float64": lambda: ke.from_pretrained(REFERENCE_DIR, device="cpu", dtype="float64"),
+         "layers-0-5": lambda: ke.from_pretrained(REFERENCE_DIR, device="cpu", layers=range(6)),
+         "random-tiny": lambda: tiny_weights}[other]()
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": this routing-stats checkpoint was made with another "
+                                         "model"):
+        ke.routing_stats(w, TEXTS, progress=False, checkpoint=path)
 
 
 def _stats_change(key, value):
