@@ -242,6 +242,7 @@ TRACE_DAMAGE = {
                           r"record 'layers.2.mla.probs' has \(3,\) rows, expected 4"),
     "record-missing": (lambda a, h: a.pop("record/layers.2.mla.probs"), r"no entry 'record/layers.2.mla.probs'"),
     "header-without-meta": (lambda a, h: h.pop("meta"), r"header lacks \['meta'\]"),
+    "meta-not-a-dict": (lambda a, h: h.__setitem__("meta", ["layer_ids"]), r"meta of type list; expected"),
 }
 
 
@@ -313,6 +314,8 @@ STATS_DAMAGE = {
                                     r"expected int64\[\d+, 6, \d+\]"),
     "texts-not-digests": (lambda a, h: h.__setitem__("texts", [1, 2]), r"texts \[1, 2\]: expected .* sha1 digests"),
     "header-key-missing": (lambda a, h: h.pop("top_k"), r"header lacks \['top_k'\]"),
+    "a-class-name-twice": (lambda a, h: h["class_names"].__setitem__(1, h["class_names"][0]),
+                           r"expected layer ids, experts > 0, 0 < top_k <= experts and distinct class names"),
     "weight_sum-missing": (lambda a, h: a.pop("weight_sum"), r"no entry 'weight_sum'"),
 }
 

@@ -201,7 +201,13 @@ class RoutingStats:
             h = z.header(FORMAT, required=("moe_layers", "num_experts", "top_k", "class_names", "tokens", "texts", "model"))
             arrays = {k: z[k] for k in ("counts", "weight_sum", "coactivation", "class_top1")}
             classed = z["classed"] if "classed" in z else np.zeros((0, 2), np.int64)  # (older files: not kept)
-        M, E, C = len(h["moe_layers"]), h["num_experts"], len(h["class_names"])
+        layers, E, k, names = h["moe_layers"], h["num_experts"], h["top_k"], h["class_names"]
+        if not (isinstance(layers, list) and all(type(i) is int for i in layers) and type(E) is int and E > 0
+                and type(k) is int and 0 < k <= E and isinstance(names, list) and len(set(map(str, names))) == len(names)):
+            raise ValueError(f"{path}: moe_layers {layers!r:.60}, num_experts {E!r}, top_k {k!r}, class_names "
+                             f"{names!r:.80}: expected layer ids, experts > 0, 0 < top_k <= experts and distinct class "
+                             "names (the file is damaged)")
+        M, C = len(layers), len(names)
         want = {"counts": ("int64", (M, E)), "weight_sum": ("float64", (M, E)), "coactivation": ("int64", (M, E, E)),
                 "class_top1": ("int64", (M, C, E))}
         for k, (dtype, shape) in want.items():

@@ -281,6 +281,12 @@ class Trace:
     def load(cls, path) -> Trace:
         with NpzReader(path, "trace") as z:
             header = z.header(FORMAT, required=("names", "meta"))
+            names, meta = header["names"], header["meta"]
+            if not (isinstance(names, list) and all(isinstance(k, str) for k in names) and len(set(names)) == len(names)
+                    and isinstance(meta, dict)):
+                raise ValueError(f"{path}: the trace's header holds names {names!r:.80} and meta of type "
+                                 f"{type(meta).__name__}; expected a list of distinct record names and a dict (the "
+                                 "file is damaged)")
             records = {k: z[f"record/{k}"] for k in header["names"]}
             tokens, positions = z["tokens"], z["positions"]
         if tokens.ndim != 1 or positions.shape != tokens.shape or tokens.dtype.kind != "i" or positions.dtype.kind != "i":
