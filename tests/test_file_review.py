@@ -731,3 +731,11 @@ def test_a_save_into_a_missing_directory_names_the_target(ref_weights, tmp_path)
         s.save_state(missing / "s.npz")
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing / "d.safetensors")) + ": its directory"):
         write_dump(missing / "d.safetensors", {"logits": np.zeros((1, 2), np.float32)}, tokens=[5])
+
+
+def test_captures_whose_token_ids_are_not_integers_are_refused(ref_weights, tmp_path):
+    """Captures saved with float token ids (np.savez of a float list) had each id cut by int(): 17.9 ran as 17."""
+    path = tmp_path / "captures.npz"
+    np.savez(path, tokens=np.array([17.9, 203.0, 5.0]), logits=np.zeros((3, 256), np.float32))
+    with pytest.raises(ValueError, match=r"compare: the other engine's 'tokens' are float64 \[17.9, 203.0, 5.0\]"):
+        ke.compare(Session(ref_weights, recorder=False), path)

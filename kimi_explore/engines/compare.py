@@ -97,7 +97,11 @@ def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, s
     if not isinstance(other, Mapping):
         raise TypeError(f"compare: other must be a mapping, a Dump or a path, got {type(other).__name__}")
     if "tokens" in other:
-        tokens = [int(t) for t in np.asarray(other["tokens"]).reshape(-1)]
+        ids = np.asarray(other["tokens"]).reshape(-1)
+        if ids.dtype.kind not in "iu" or (ids.size and ids.min() < 0):  # int(1.7) == 1 would name another token
+            raise ValueError(f"compare: the other engine's 'tokens' are {ids.dtype} {ids[:5].tolist()}...; expected "
+                             "token ids (integers >= 0)")
+        tokens = [int(t) for t in ids]
     if isinstance(names, str):
         if names not in _LLAMACPP:
             raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
