@@ -99,6 +99,8 @@ SESSION_DAMAGE = {  # damage -> (change, what the error must say)
     "state-entry-missing": (lambda a, h: a.pop("state/0/conv"), r"no entry 'state/0/conv'"),
     "record-entry-missing": (lambda a, h: a.pop(f"rec/{h['recorder']['keys'][1]}/shapes"), r"no entry 'rec/.*/shapes'"),
     "header-key-missing": (lambda a, h: h.pop("layout"), r"header lacks \['layout'\]"),
+    "fingerprint-not-a-dict": (lambda a, h: h.__setitem__("fingerprint", "b43bcc547bf8789b"),
+                               r"the header's fingerprint is 'b43bcc547bf8789b', expected"),
     "cut-tail-of-no-chunk": (lambda a, h: h.__setitem__("cut_tails", {"3": [5]}),
                              r"'cut_tails' is \{'3': \[5\]\}, expected \{first token of a fed chunk \[0\]"),
     "route-of-a-stepped-token": (lambda a, h: h.__setitem__("routes", {"5": ["layers.2.mla.probs"]}),

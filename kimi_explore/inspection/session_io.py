@@ -365,6 +365,9 @@ def weights_fingerprint(weights) -> dict:
 
 
 def _check_fingerprint(path, saved: dict, here: dict) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: the header's fingerprint is {saved!r:.80}, expected {{config, layer_ids, dtype, "
+                         "weights}} (the file is damaged)")
     diff = [k for k in ("config", "layer_ids", "dtype", "weights") if saved.get(k) != here.get(k)]
     if diff:
         parts = "; ".join(f"{k}: file {saved.get(k)!r}, weights {here.get(k)!r}" for k in diff)
