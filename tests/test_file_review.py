@@ -164,6 +164,22 @@ def test_the_undamaged_file_loads_and_decodes_on_bit_for_bit(ref_weights, saved_
     assert np.array_equal(a.feed(TOKENS[:3]).view(np.uint32), b.feed(TOKENS[:3]).view(np.uint32))
 
 
+@pytest.mark.parametrize("how", ["callable", "selects-nothing"])
+def test_a_session_recording_with_a_callable_filter_loads_recording_the_same_sites(ref_weights, tmp_path, how):
+    """A callable names_filter / full cannot go into the header: the file said "the default", so the loaded
+    session recorded every default site while its saved records held the filter's few, and its trace failed
+    after the next step ("record ... has (1,) rows, expected 4"). The file now holds the site names the callable
+    selected."""
+    flt = (lambda n: n.startswith("layers.0.")) if how == "callable" else (lambda n: False)
+    s = Session(ref_weights, recorder=Recorder(names_filter=flt, full=lambda n: n == "layers.2.mla.probs"))
+    s.feed(TOKENS[:3])
+    t = Session.load_state(s.save_state(tmp_path / "s.npz"), ref_weights)
+    s.step(TOKENS[3])
+    t.step(TOKENS[3])
+    assert t.trace().equals(s.trace()) and t.trace().names() == s.trace().names()
+    assert "layers.2.mla.probs" in t.trace()  # `full` records whatever names_filter says
+
+
 @pytest.mark.parametrize("damage", ["truncated", "cut-at-the-end", "flipped-byte", "empty", "not-an-npz"])
 def test_a_truncated_or_corrupt_session_file_names_the_file(ref_weights, saved_session, tmp_path, damage):
     """These raised zipfile.BadZipFile / EOFError / pickle complaints that named no file (a zip member's CRC

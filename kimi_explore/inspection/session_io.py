@@ -24,7 +24,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..model.fingerprint import GLOBAL_TENSORS
-from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
+from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names
 from .npz_io import NpzReader, write_npz
 from .recorder import Recorder
 
@@ -95,7 +95,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
         layout[key] = _put_state(arrays, key, weights.host_state(state))
     rec = None
     if snap.records is not None:
-        rec = {**_recorder_settings(recorder), "tokens": snap.records["tokens"], "positions": snap.records["positions"],
+        rec = {**_recorder_settings(recorder, weights), "tokens": snap.records["tokens"], "positions": snap.records["positions"],
                "keys": []}
         for k, rows in snap.records["rows"].items():
             if rows:
@@ -221,10 +221,19 @@ def _get_records(z, path, saved: dict, T: int) -> dict:
     return {"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]}
 
 
-def _recorder_settings(rec: Recorder) -> dict:
-    """What the recorder records, as the header keeps it (a callable filter cannot be saved: the default then)."""
-    settings = rec.settings()
-    portable = lambda v: None if callable(v) or not v else list(v)  # noqa: E731
+def _recorder_settings(rec: Recorder, weights) -> dict:
+    """What the recorder records, as the header keeps it. A callable filter cannot be saved: the site names of
+    `weights` it selects are (so the loaded session records the same sites; the default would record others,
+    and its records would no longer line up with the saved ones)."""
+    settings, names = rec.settings(), None
+
+    def portable(v):
+        nonlocal names
+        if callable(v):
+            names = hook_names(weights) if names is None else names
+            return [n for n in names if v(n)]
+        return list(v) if v else None
+
     return {"top_k": settings["top_k"], "filter": portable(settings["names_filter"]), "full": portable(settings["full"])}
 
 
