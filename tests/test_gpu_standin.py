@@ -729,3 +729,20 @@ def test_chunk_aware_routing_hooks_on_the_sequence_path_match_the_host(load, mak
     got, want = (sequence_logits(load("trained", "float64", where), hooks=hook()) for where in ("gpu", "cpu"))
     assert_close(got, want, "trained", "float64")
     assert np.abs(want - sequence_logits(load("trained", "float64", "cpu"))).max() > 1e-6  # the hook did change the run
+
+
+@pytest.mark.parametrize("path", ["token", "sequence"])
+def test_a_hook_returning_expert_ids_out_of_range_is_refused_on_the_device(load, path):
+    """A GPU's fancy indexing wraps an id out of range around to another expert (CuPy does not raise as NumPy does):
+    ids a hook returns anew are checked on the device as on the host (they went unchecked there)."""
+    w = load("trained")
+    E = w.config.num_experts
+    hooks = Hooks().bind(w)
+    if path == "token":
+        hooks.add("layers.1.moe.router.topk_ids", lambda ids, hook: XP.full(ids.shape, E, ids.dtype))
+        run = lambda: kimi_forward_token(w, KimiDecodeState.new(w), 5, hooks=hooks)  # noqa: E731
+    else:
+        hooks.add("layers.1.moe.router.topk_ids", lambda ids, hook: XP.full(ids.shape, E, ids.dtype), chunks=True)
+        run = lambda: kimi_forward_sequence(w, KimiDecodeState.new(w), TOKENS, hooks=hooks)  # noqa: E731
+    with pytest.raises(ValueError, match=rf"layers.1.moe.router.topk_ids: a hook returned expert ids .*\[{E}\].* 0..{E - 1}"):
+        run()

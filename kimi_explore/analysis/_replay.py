@@ -4,14 +4,19 @@ The default Recorder keeps cheap derived values (softmax weights, norms, top-k),
 vectors a logit lens or an attribution reads (running sums, sealed blocks, attention and FFN
 outputs). Rather than record those for every token up front, an analysis re-decodes the session's
 tokens from a fresh state with `session.hooks` (its persistent interventions) plus a Recorder that
-copies the wanted sites, in the same forward passes that decoded the history (fed chunks as chunks
-on the sequence path, stepped tokens stepped), and checks that the replay reproduces the logits the
-session stored, bit for bit. A chunk `truncate` cut (Back after a feed) is re-decoded whole, with the
-tokens cut off it (`Session.cut_tail`), as it was fed; the history then goes on from the state truncate
-left at the cut (its checkpoint there; without it, the kept part alone is replayed, to float32
-rounding, which a deep model amplifies past the check). A history decoded under a temporary
-intervention (`with session.intervene(...)`) does not replay to the same logits: that is reported,
-never analysed silently. Capturing changes no value.
+copies the wanted sites, in the same forward passes that decoded the history: fed chunks as chunks
+on the sequence path, each with the sites kept in full that changed how it was computed when it was
+fed (`Session.chunk_route`, whatever the session records now), stepped tokens stepped. A chunk
+`truncate` cut (Back after a feed) is re-decoded whole, with the tokens cut off it
+(`Session.cut_tail`), as it was fed; the history then goes on from the state truncate left at the
+cut (its checkpoint there; without one, e.g. in a session file saved without checkpoints, the kept
+part re-decoded alone from a copy of the state before the chunk, as truncate decoded it). So the
+replay repeats the history's arithmetic, and its logits are the stored ones bit for bit; they are
+checked against them: to REPLAY_RTOL (which admits a BLAS that now splits its work otherwise), and
+bit for bit for the tokens decoded under value-changing hooks (`Session.decoded_with_hooks`, as
+`Session.recover` checks them). A history decoded under a temporary intervention (`with
+session.intervene(...)`) does not replay to the same logits, however small its effect: that is
+reported, never analysed silently. Capturing changes no value.
 """
 
 from __future__ import annotations
@@ -55,33 +60,54 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
     wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
     model = session.weights
-    route = [] if session.recorder is None else session.recorder.route_sites(hook_names(model))  # fed as the feed was
-    capture = Recorder(names_filter=lambda name: False, full=list(names) + route).bind(model)
-    hooks = HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture
+    current = () if session.recorder is None else tuple(session.recorder.route_sites(hook_names(model)))
+    chains: dict[tuple, tuple] = {}  # route -> (hooks, capture): a fed chunk replays on the route it was fed on
+
+    def hooks_for(route: tuple):
+        if route not in chains:
+            capture = Recorder(names_filter=lambda name: False, full=list(names) + list(route)).bind(model)
+            chains[route] = (HookChain(session.hooks.copy(), capture) if len(session.hooks) else capture, capture)
+        return chains[route]
+
     c, state = session.checkpoint_before(min(wanted)) if from_checkpoint else (0, model.new_state())
     last = max(wanted)
     for a, b in session.runs(c):
-        tail, resume = ([], None) if b is None else (_cut_tail(session, a), None)
-        if tail and b <= last:  # the replay goes on past the cut: from the state truncate left there
-            at, resume = session.checkpoint_before(b)
-            tail = tail if at == b else []
+        route = () if b is None else _chunk_route(session, a, current)
+        hooks, capture = hooks_for(route)
+        tail = [] if b is None else _cut_tail(session, a)
         if b is None:
             hooks.begin_token(tokens[a], a)
             logits, b = to_numpy(model.forward_token(state, tokens[a], hooks))[None], a + 1
         elif tail:
             # a chunk `truncate` cut: re-decoded whole, as it was fed (its kept part alone rounds otherwise, and at
-            # K3's depth that flips near-tied experts and moves logits by up to ~1)
+            # K3's depth that flips near-tied experts and moves logits by up to ~1) ...
+            resume = None
+            if b <= last:  # ... and the history goes on from the state truncate left at the cut: its checkpoint
+                at, resume = session.checkpoint_before(b)
+                if at != b:  # (none kept, e.g. a file saved without checkpoints): the kept part alone, as truncate
+                    resume = state.copy()  # decoded it, on the chunk's route
+                    model.forward_sequence(resume, tokens[a:b], _route_recorder(model, route), chunk=b - a)
             logits = to_numpy(model.forward_sequence(state, tokens[a:b] + tail, hooks, chunk=b - a + len(tail)))
             state = resume if resume is not None else state
         else:
             logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
         records = capture.take_records()
         for t in range(a, b):
-            _check_replay(logits[t - a], session.logits_at(t), t)
+            _check_replay(logits[t - a], session.logits_at(t), t, _hooked(session, t))
             if t in wanted:
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
         if b > last:
             return
+
+
+def _chunk_route(session, t: int, current: tuple) -> tuple:
+    """`Session.chunk_route` (a driver without it: the route of the recorder it has now)"""
+    return tuple(session.chunk_route(t)) if hasattr(session, "chunk_route") else current
+
+
+def _route_recorder(model, route: tuple):
+    """The hooks a fed chunk's state is rebuilt with (`Session._chunk_replayer`): its route kept in full, or None."""
+    return Recorder(names_filter=lambda name: False, full=list(route)).bind(model) if route else None
 
 
 def _cut_tail(session, start: int) -> list[int]:
@@ -97,10 +123,18 @@ def _position(p, T: int) -> int:
     return int(p) % T
 
 
-def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int) -> None:
+def _hooked(session, t: int) -> bool:
+    """`Session.decoded_with_hooks` (a driver without it: False)"""
+    return bool(session.decoded_with_hooks(t)) if hasattr(session, "decoded_with_hooks") else False
+
+
+def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int, exact: bool = False) -> None:
+    """The replayed logits against the stored ones: to REPLAY_RTOL, or bit for bit for a token decoded under
+    value-changing hooks (as `Session.recover` checks it), whose replay under other hooks (a temporary
+    intervention since removed) can differ by less than any tolerance and must not be analysed as its history."""
     err = float(np.max(np.abs(replayed.astype(np.float64) - recorded)))
     scale = 1.0 + float(np.max(np.abs(recorded)))
-    if not err <= REPLAY_RTOL * scale:
+    if not (np.array_equal(replayed, recorded) if exact else err <= REPLAY_RTOL * scale):
         raise ValueError(
             f"replaying the session's history gives other logits at token {t} than the session stored (max |diff| "
             f"{err:.3g}): that token was decoded under hooks the session no longer holds (a temporary "

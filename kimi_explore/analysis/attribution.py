@@ -127,9 +127,9 @@ def logit_attribution(session, t=-1, token=None):
     """Split the logit of `token` (default: each step's top-1) at step `t` of `session`'s history into leaves.
 
     t: a step (negative counts from the end) -> an Attribution; or a list of steps -> a list of
-    Attributions in time order, from ONE replay of the history, which starts at the latest checkpoint
-    at or before the first step (`replay(..., from_checkpoint=True)`): one recent step costs the same
-    however long the history.
+    Attributions in time order, one per step given (a step given twice: twice), from ONE replay of the
+    history, which starts at the latest checkpoint at or before the first step (`replay(...,
+    from_checkpoint=True)`): one recent step costs the same however long the history.
     """
     w = session.weights.local_weights()  # every layer's arrays (a pipeline says how to get them)
     V = w.config.vocab_size
@@ -139,10 +139,25 @@ def logit_attribution(session, t=-1, token=None):
     steps = list(t) if many else [t]
     if many and not steps:
         raise ValueError("logit_attribution: t is empty: give a step, or a list of steps")
+    T = len(session.tokens)
+    if T == 0:
+        raise ValueError("logit_attribution: the session has no tokens: feed a prompt first (session.feed(ids))")
+    steps = sorted(_step(s, T) for s in steps)
     names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
     runs = replay(session, names, steps, from_checkpoint=True)
-    out = [_attribute(w, step, values, logits, token) for step, values, logits in runs]
+    done = {step: _attribute(w, step, values, logits, token) for step, values, logits in runs}
+    out = [done[step] for step in steps]
     return out if many else out[0]
+
+
+def _step(p, T: int) -> int:
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+        raise TypeError(f"logit_attribution: t: token position {p!r} ({type(p).__name__}): expected an int in 0..{T - 1} "
+                        f"(or -{T}..-1)")
+    if not -T <= p < T:
+        raise IndexError(f"logit_attribution: t: token position {p} is outside the session's history of {T} tokens "
+                         f"(0..{T - 1}, or -{T}..-1)")
+    return int(p) % T
 
 
 def _attribute(w, t: int, values: dict, logits: np.ndarray, token) -> Attribution:

@@ -1,6 +1,7 @@
 """Run diffs: what changed, site by site, between two runs (a session and its fork under an intervention, or two prompts).
 
-Both runs are compared token position by position over their common length T = min(T_a, T_b),
+Both runs are compared token position by position over their common length T = min(T_a, T_b)
+(Traces must hold the same positions in those rows: windows with another start are refused),
 every difference as b - a:
 
     attn_res        [T, L, site, S]  Δ block-residual softmax weights (site 0 attention, 1 FFN; NaN where absent)
@@ -10,6 +11,7 @@ every difference as b - a:
     routing_changes list of (t, layer, removed ids, added ids) wherever the sets differ
     kl              [T]              KL(P_a || P_b) of the next-token distributions, in nats
     top1_a, top1_b  [T]; flips [T] bool: the top-1 prediction changed
+    positions       [T] the history positions of the rows (0.. for sessions; a Trace window's own)
 
 KL is exact when both runs have full logits (a `Session`, or a Trace that recorded "logits" in
 full). From Traces holding only the top-k predictions it is the KL of the coarse-grained
@@ -51,6 +53,7 @@ class RunDiff:
     kl_exact: bool = False
     top1_a: np.ndarray | None = None
     top1_b: np.ndarray | None = None
+    positions: np.ndarray | None = None  # [T] the history positions of the rows (a Trace window's start on)
 
     @property
     def flips(self) -> np.ndarray:
@@ -60,20 +63,24 @@ class RunDiff:
         return len(self.tokens_a)
 
     def summary(self) -> dict:
-        """A few numbers: largest |Δ| of each kind, mean Jaccard per MoE layer, mean KL, top-1 flips."""
+        """A few numbers: largest |Δ| of each kind, mean Jaccard per MoE layer, mean KL, top-1 flips.
+        A kind neither run recorded (a Recorder's names_filter left it out) is NaN, and routing_changes None
+        when no MoE layer's routing was recorded: not 0, which would say that nothing changed."""
         def peak(x):
-            return float(np.nanmax(np.abs(x))) if x.size and np.isfinite(x).any() else 0.0
+            return float(np.nanmax(np.abs(x))) if x.size and np.isfinite(x).any() else float("nan")
 
         jaccard = np.mean(self.jaccard, axis=0).tolist() if len(self) else [1.0] * len(self.moe_layers)
         return {"tokens": len(self), "max_abs_d_attn_res": peak(self.attn_res),
                 "max_abs_d_final_attn_res": peak(self.final_attn_res), "max_abs_d_kda_state": peak(self.kda_state),
                 "mean_jaccard": dict(zip(self.moe_layers, jaccard, strict=True)),
-                "routing_changes": len(self.routing_changes), "mean_kl": float(np.mean(self.kl)) if len(self) else 0.0,
+                "routing_changes": len(self.routing_changes) if self.moe_layers else None,
+                "mean_kl": float(np.mean(self.kl)) if len(self) else 0.0,
                 "kl_exact": self.kl_exact, "top1_flips": int(self.flips.sum())}
 
     def __repr__(self) -> str:
         s = self.summary()
-        return (f"RunDiff({s['tokens']} tokens, {s['routing_changes']} routing changes, mean KL {s['mean_kl']:.4g}"
+        routing = "routing not recorded" if s["routing_changes"] is None else f"{s['routing_changes']} routing changes"
+        return (f"RunDiff({s['tokens']} tokens, {routing}, mean KL {s['mean_kl']:.4g}"
                 f"{'' if self.kl_exact else ' (lower bound)'}, {s['top1_flips']} top-1 flips)")
 
 
@@ -102,6 +109,11 @@ def diff(a, b) -> RunDiff:
     if other:  # else NumPy fails on the first difference of arrays of other shapes
         raise ValueError(f"diff: the runs come from different models ({'; '.join(other)}); compare runs of the same model")
     T = min(len(ta), len(tb))
+    if not np.array_equal(ta.positions[:T], tb.positions[:T]):  # rows are compared by index: they must be one position
+        first = int(np.flatnonzero(ta.positions[:T] != tb.positions[:T])[0])
+        raise ValueError(f"diff: row {first} is token position {int(ta.positions[first])} in a but {int(tb.positions[first])} "
+                         "in b (a Trace window, or traces of other positions): compare runs over the same positions, e.g. "
+                         "whole traces, or windows with the same start")
     final = tb.final_attn_res_weights()[:T] - ta.final_attn_res_weights()[:T]
     sa, kda_a = ta.kda_state_norms()
     sb, kda_b = tb.kda_state_norms()
@@ -113,7 +125,7 @@ def diff(a, b) -> RunDiff:
     top_b = np.argmax(lb[:T], axis=-1) if lb is not None else tb["logits.top_ids"][:T, 0]
     return RunDiff(ta.tokens[:T], tb.tokens[:T], list(ta.layer_ids), ta.source_labels(),
                    tb.attn_res_weights()[:T] - ta.attn_res_weights()[:T], final, kda_a, sb[:T] - sa[:T], moe, jac,
-                   changes, kl, exact, top_a.astype(np.int64), top_b.astype(np.int64))
+                   changes, kl, exact, top_a.astype(np.int64), top_b.astype(np.int64), ta.positions[:T].copy())
 
 
 def _routing(ra: dict, rb: dict, T: int):

@@ -104,8 +104,7 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
     first one to the last one (`replay(..., from_checkpoint=True)`: the Explorer asks for one token, at
     a cost that does not grow with the history).
     """
-    if not (isinstance(top, int) and top >= 1):
-        raise ValueError(f"logit_lens: top must be a positive int, got {top!r}")
+    top = _top(top, "logit_lens")
     w = session.weights
     tokens = np.asarray(session.tokens, dtype=np.int64)
     T, V = len(tokens), w.config.vocab_size
@@ -129,6 +128,13 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
     final_ids = np.argmax(np.asarray(session.logits)[rows], axis=-1).astype(np.int64)
     return LogitLens(list(w.layer_ids), tokens[rows], lens_ids, top_probs, final_ids,
                      None if target_ids is None else target_ids[rows], target_lp, rows)
+
+
+def _top(top, who: str) -> int:
+    """`top` checked: an int >= 1 (a NumPy one too; a bool is not a count)."""
+    if isinstance(top, (bool, np.bool_)) or not isinstance(top, (int, np.integer)) or top < 1:
+        raise ValueError(f"{who}: top must be a positive int (predictions kept per layer), got {top!r}")
+    return int(top)
 
 
 def _rows(positions, T: int) -> np.ndarray:
@@ -172,10 +178,12 @@ def lens_at(session, t: int, top: int = 1) -> LensStrip:
     history that no longer replays (decoded under a temporary intervention, or the weights changed
     since) raises, naming the token. Equal to `logit_lens(session)` at t (both replay exactly)."""
     T = len(session)
-    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not -T <= t < T:
+    if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+        raise TypeError(f"lens_at: t must be a token position (an int in 0..{T - 1}, or -{T}..-1), got {t!r} "
+                        f"({type(t).__name__})")
+    if not -T <= t < T:
         raise IndexError(f"lens_at: token position {t!r} is outside the session's history of {T} tokens")
-    if not (isinstance(top, int) and top >= 1):
-        raise ValueError(f"lens_at: top must be a positive int, got {top!r}")
+    top = _top(top, "lens_at")
     t, w = int(t) % T, session.weights
     names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
     ((_, values, _),) = replay(session, names, [t], from_checkpoint=True)

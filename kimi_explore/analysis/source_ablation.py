@@ -170,15 +170,20 @@ class SourceAblation:
         return "\n".join(lines)
 
 
-def _scores(logits, ids, a: int, clean_logp):
-    """(next-token losses of rows a.., KL rows to the clean log-probs or None, log-probs when clean)."""
-    logp = _log_softmax(to_numpy(logits))
+def _scores(logits, ids, a: int, clean_logits):
+    """(next-token losses of rows a.., KL rows to the clean run or None, the logits when clean).
+
+    The clean run is kept as its logits, in the model's dtype, and its log-probs are taken again in
+    float64 for each KL: log-probs kept in float32 would put ~1e-8 of rounding into every KL (a float64
+    model's too), and make the KL of a mask that changes nothing come out nonzero, even negative."""
+    host = to_numpy(logits)
+    logp = _log_softmax(host)
     b = a + logp.shape[0]
     nxt = ids[a + 1 : b + 1]
     loss = -logp[np.arange(len(nxt)), nxt]
-    if clean_logp is None:
-        return loss, None, logp.astype(np.float32)
-    c = clean_logp[a:b].astype(np.float64)
+    if clean_logits is None:
+        return loss, None, np.array(host, copy=True)
+    c = _log_softmax(clean_logits[a:b])
     return loss, (np.exp(c) * (c - logp)).sum(axis=-1), None
 
 
@@ -188,12 +193,12 @@ def _collect(parts):
     return cat(losses), cat(kls), cat(logps)
 
 
-def _run(weights, ids, hooks, chunk: int, clean_logp=None):
-    """(next-token losses [T-1], per-token KL to the clean run [T] or None, log-probs [T, V] when clean)."""
+def _run(weights, ids, hooks, chunk: int, clean_logits=None):
+    """(next-token losses [T-1], per-token KL to the clean run [T] or None, logits [T, V] when clean)."""
     state, parts = weights.new_state(), []
     for a in range(0, len(ids), chunk):
         b = min(a + chunk, len(ids))
-        parts.append(_scores(weights.forward_sequence(state, ids[a:b], hooks, chunk=b - a), ids, a, clean_logp))
+        parts.append(_scores(weights.forward_sequence(state, ids[a:b], hooks, chunk=b - a), ids, a, clean_logits))
     return _collect(parts)
 
 
@@ -224,7 +229,7 @@ class _Prefixes:
         hooks.end_chunk()
         return stack
 
-    def masked(self, layer: int, hooks: Hooks, clean_logp):
+    def masked(self, layer: int, hooks: Hooks, clean_logits):
         w, start = self.weights, list(self.weights.layer_ids).index(layer)
         if start < self.at:
             raise RuntimeError(f"source_ablation: layer {layer} was asked for after the held stacks moved past it")
@@ -236,7 +241,7 @@ class _Prefixes:
         state, n, parts = w.new_state(), len(w.layers), []
         for c, (a, _) in enumerate(self.spans):
             stack = self._through(c, start, n, state, hooks)
-            parts.append(_scores(finish_sequence(w.head(), stack), self.ids, a, clean_logp))
+            parts.append(_scores(finish_sequence(w.head(), stack), self.ids, a, clean_logits))
         return _collect(parts)
 
 
@@ -244,22 +249,35 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
                     chunk: int | None = None, progress: bool = False, reuse_prefix: bool = True) -> SourceAblation:
     """Mask each source family at each layer and site; report mass, Δloss and KL (module docstring).
 
-    session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`.
+    session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`
+    (ids, or a string: encoded by the session's tokenizer, else as UTF-8 bytes for a byte model).
     families: source families (`inspection.source_masks`); layers: model layer ids (default all);
     sites: "attn" and/or "ffn"; chunk: tokens per pass of the sequence path (default `default_chunk`).
     reuse_prefix: a run masked at layer L starts from the clean run's block-residual stack before L
     (the same numbers, about half the work); off, or with session hooks or a pipeline, every run
     decodes all layers through `forward_sequence`.
     """
+    tokenizer = None
     if hasattr(session_or_weights, "weights") and hasattr(session_or_weights, "tokens"):
         s = session_or_weights
-        weights, extra = s.weights, (s.hooks if len(s.hooks) else None)
+        weights, extra, tokenizer = s.weights, (s.hooks if len(s.hooks) else None), getattr(s, "tokenizer", None)
         ids = list(s.tokens) if token_ids is None else token_ids
     else:
         weights, extra = session_or_weights, None
         if token_ids is None:
             raise ValueError("source_ablation(weights, token_ids): give the token ids to decode (or pass a Session)")
-        ids = token_ids.encode("utf-8") if isinstance(token_ids, str) else token_ids
+        ids = token_ids
+    if isinstance(ids, str):  # the session's tokenizer, else bytes for a byte model (a string is no other model's ids)
+        if tokenizer is not None:
+            ids = tokenizer.encode(ids)
+        elif weights.config.vocab_size == 256:
+            ids = ids.encode("utf-8")
+        else:
+            raise ValueError(f"source_ablation: got a string, but the model's vocabulary ({weights.config.vocab_size}) is "
+                             "not bytes and there is no tokenizer: pass token ids (or a Session with a tokenizer)")
+    elif isinstance(ids, (bytes, bytearray)) and weights.config.vocab_size != 256:
+        raise ValueError(f"source_ablation: got bytes, but the model's vocabulary ({weights.config.vocab_size}) is not "
+                         "bytes: pass token ids")
     try:
         ids = token_indices(ids, weights.config.vocab_size)
     except (TypeError, ValueError) as e:
@@ -295,11 +313,11 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         record.add("layers.*.attn_res.*.weights",
                    lambda p, *, hook: seen.setdefault(hook.name, []).append(to_numpy(p).copy()), chunks=True)
         prefixes = _Prefixes(weights, ids, chunk, record)
-        clean_losses, _, clean_logp = prefixes.clean
+        clean_losses, _, clean_logits = prefixes.clean
         weights_at = {k: np.concatenate(v) for k, v in seen.items()}
     else:
         rec = Recorder(names_filter="layers.*.attn_res.*.weights").bind(weights)
-        clean_losses, _, clean_logp = _run(weights, ids, chain(rec), chunk)
+        clean_losses, _, clean_logits = _run(weights, ids, chain(rec), chunk)
         trace = rec.trace()
         weights_at = {k: trace[k] for k in trace.names()}
     clean_loss = float(clean_losses.mean())
@@ -323,9 +341,9 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     for n in sorted(range(len(cells)), key=lambda n: position[cells[n][0]]):  # layer order: the held stacks only move on
         i, site, f, cols, p = cells[n]
         if reuse:
-            losses, kl, _ = prefixes.masked(i, mask_sources(i, site, f), clean_logp)
+            losses, kl, _ = prefixes.masked(i, mask_sources(i, site, f), clean_logits)
         else:
-            losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logp)
+            losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logits)
         rows[n] = {"layer": i, "site": site, "family": f if isinstance(f, str) else str(f), "columns": list(cols),
                    "n_sources": int(p.shape[1]), "mass": float(p[:, cols].sum(axis=1).mean()),
                    "loss": float(losses.mean()), "delta_loss": float(losses.mean()) - clean_loss,

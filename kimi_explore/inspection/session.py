@@ -57,7 +57,8 @@ from ..model.kimi_decoder import KimiDecodeState, hook_names, token_indices
 from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
-from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
+from .session_io import SessionSnapshot, check_tokenizer, copy_sharing, load_session, nbytes_once, save_session
+from .trace import window_slice
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -145,7 +146,7 @@ class Session:
         only for the tokens it shows."""
         if self.recorder is None:
             raise ValueError("this session records nothing: create it with Session(weights, recorder=True)")
-        return self.recorder.trace(window=window)
+        return self.recorder.trace(window=None if window is None else window_slice(window, "Session.trace"))
 
     def __repr__(self) -> str:
         state = self._state_nbytes() + sum(a.nbytes for a in self._logits)
@@ -401,6 +402,16 @@ class Session:
         decoded as tokens[start:end] + these, and a replay that re-decodes it so reproduces its values exactly."""
         return list(self._cut_tails.get(start, []))
 
+    def decoded_with_hooks(self, t: int) -> bool:
+        """Whether token t was decoded while hooks that may change values were attached (`session.hooks`, or hooks
+        added to the recorder): a replay of it must then give its logits bit for bit (`recover()`, the analyses)."""
+        return self._modified[t]
+
+    def chunk_route(self, t: int) -> tuple:
+        """The sites kept in full (`Recorder.route_sites`) when the fed chunk holding token t was fed (() for a
+        stepped token): a replay of that chunk keeps them in full too, so it rounds as the feed did."""
+        return tuple(self._routes.get(self._chunk_of[t], ())) if self._chunk_of[t] >= 0 else ()
+
     def _drop_after(self, n: int) -> None:
         """Forget tokens n.. (the state is already the one after n tokens)."""
         del self._tokens[n:], self._logits[n:], self._modified[n:], self._chunk_of[n:]
@@ -540,14 +551,17 @@ class Session:
         checkpoints=False leaves the kept state copies out (smaller file; a loaded session can then
         truncate exactly only over tokens decoded without value-changing hooks).
         """
-        return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints)
+        return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints,
+                            self.tokenizer)
 
     @classmethod
     def load_state(cls, path, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None) -> Session:
-        """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs).
+        """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs, or if
+        `tokenizer` is not the one it was saved with).
 
         recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
         snap, saved = load_session(path, weights)
+        check_tokenizer(path, saved.tokenizer, tokenizer)
         if recorder is True:
             recorder = Recorder(**saved.recorder) if saved.recorder is not None else False
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)

@@ -250,12 +250,13 @@ def expert_outputs(experts, ids, z, act):
     return xp.matmul(w2, a[:, :, None])[:, :, 0]
 
 
-def hooked_ids(ids, E: int, name: str):
+def hooked_ids(ids, E: int, name: str, replaced: bool = True):
     """The ids a hook returned at a token's `moe.router.topk_ids`, checked: integers [k'], each an expert 0..E-1
-    (a -1 would index the last expert; to drop a selection, return the ids without it). On a GPU it is not
-    checked (that would cost a transfer per hooked layer)."""
-    if on_host(ids):
-        a = np.asarray(ids)
+    (a -1 would index the last expert; to drop a selection, return the ids without it). On a GPU only ids a hook
+    `replaced` (returned anew) are checked, at one transfer of k ids: the recorder's unchanged ids cost nothing
+    (and a GPU's fancy indexing wraps an id out of range around to another expert instead of raising)."""
+    if on_host(ids) or replaced:
+        a = to_numpy(ids)
         bad = a[(a < 0) | (a >= E)] if a.dtype.kind in "iu" else a
         if a.ndim != 1 or bad.size:
             raise ValueError(f"{name}: a hook returned expert ids {a.dtype} {a.shape} with "
@@ -279,7 +280,8 @@ def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
         scores = at["moe.router.scores"](scores)
     ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
     if "moe.router.topk_ids" in at:
-        ids = hooked_ids(at["moe.router.topk_ids"](ids), E, names["moe.router.topk_ids"] if names else "moe.router.topk_ids")
+        hooked = at["moe.router.topk_ids"](ids)
+        ids = hooked_ids(hooked, E, names["moe.router.topk_ids"] if names else "moe.router.topk_ids", hooked is not ids)
     weights = routing_weights(scores, ids, w.renormalize, w.routed_scaling_factor)
     if "moe.router.topk_weights" in at:
         weights = at["moe.router.topk_weights"](weights)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._xp import array_namespace
-from ..backend import on_host
+from ..backend import on_host, to_numpy
 from . import latent_moe as moe
 from . import sequence_ops, token_ops
 from .latent_moe import RENORM_EPS, LatentMoeWeights, select_experts
@@ -113,7 +113,7 @@ def expert_outputs_grouped(experts, ids, z, act):
 
 def _check_ids(ids, E: int, name: str) -> None:
     """The ids a hook returned: -1 (that selection dropped) or an expert 0..E-1, never silently another expert."""
-    ids = np.asarray(ids)
+    ids = to_numpy(ids)
     bad = ids[(ids < -1) | (ids >= E)] if ids.dtype.kind in "iu" else ids
     if ids.ndim != 2 or bad.size:
         raise ValueError(f"{name}: a hook returned expert ids {ids.dtype} {ids.shape} with "
@@ -144,9 +144,10 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
         scores = fire(site("moe.router.scores"), scores)
     ids = select_experts_rows(scores, w.e_score_correction_bias, w.top_k)
     if fire is not None:
-        ids = fire(site("moe.router.topk_ids"), ids)
-        if on_host(ids):  # on a GPU a check would cost a transfer per layer (the banks see the ids on the host later)
-            _check_ids(ids, E, site("moe.router.topk_ids"))
+        hooked = fire(site("moe.router.topk_ids"), ids)
+        if on_host(hooked) or hooked is not ids:  # on a GPU, ids a hook returned anew (one transfer; unchanged: none)
+            _check_ids(hooked, E, site("moe.router.topk_ids"))
+        ids = hooked
     weights = routing_weights_rows(scores, ids, w.renormalize, w.routed_scaling_factor)
     if fire is not None:
         weights = fire(site("moe.router.topk_weights"), weights)

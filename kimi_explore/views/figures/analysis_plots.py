@@ -40,9 +40,15 @@ def _cell_label(label: str) -> str:
 
 
 def _unchanged(ax, what: str, values) -> bool:
-    """Say so instead of drawing a map of noise when no |Δ| reaches NOISE; True if it said so."""
+    """Say so instead of drawing a map of noise when no |Δ| reaches NOISE, or that nothing was recorded
+    (no finite value); True if it said so."""
     a = np.asarray(values, dtype=float)
-    peak = float(np.nanmax(np.abs(a))) if a.size and np.isfinite(a).any() else 0.0
+    if not (a.size and np.isfinite(a).any()):  # nothing to compare: not "no change"
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"{what}:\nnot recorded in these runs", ha="center", va="center", fontsize=10,
+                transform=ax.transAxes)
+        return True
+    peak = float(np.nanmax(np.abs(a)))
     if peak >= NOISE:
         return False
     ax.axis("off")
@@ -65,9 +71,9 @@ def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
     t0 = max(0, T - max_tokens)
     probs = lens.top_probs[t0:, :, 0].T  # [L, T']
     ids = lens.top_ids[t0:, :, 0].T
-    cols = _names(lens.tokens[t0:], tokenizer)
-    for c in range(len(cols)):
-        cols[c] = f"{t0 + c}{cols[c][cols[c].index(' '):]}"
+    at = np.arange(T) if lens.positions is None else np.asarray(lens.positions)  # a lens of chosen positions
+    cols = [f"{int(p)} {name}" for p, name in zip(at[t0:], _names(lens.tokens[t0:], tokenizer, positions=False),
+                                                  strict=True)]
     rows = [str(i) for i in lens.layers]
     fig = InlineFigure(figsize=(span_inches(len(cols), 0.5, 7, 20) + 2.5, span_inches(len(rows), 0.42, 4, 14)),
                        layout="constrained")
@@ -89,7 +95,8 @@ def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
     side.set_xlim(0, 1)
     side.set_xlabel("agrees with final\ntop-1 (all tokens)")
     side.grid(axis="x", alpha=0.3)
-    shown = f"tokens {t0}-{T - 1} of {T}" if t0 else f"all {T} tokens"
+    shown = (f"tokens {t0}-{T - 1} of {T}" if t0 else f"all {T} tokens") if lens.positions is None or \
+        np.array_equal(lens.positions, np.arange(len(lens.positions))) else f"{T - t0} chosen positions"
     ax.set_title(f"Logit lens through the block residuals: top-1 after each layer ({shown}; "
                  "orange box: equals the final top-1; xNN: a byte that is not text alone)")
     return fig
@@ -131,7 +138,8 @@ def diff_overview(d, token=None, tokenizer=None):
     if T == 0:
         raise ValueError("diff_overview: the diff covers no tokens")
     t = int(np.argmax(d.kl)) if token is None else int(token) % T
-    cols = _names(d.tokens_a, tokenizer)
+    start = 0 if getattr(d, "positions", None) is None else int(d.positions[0])  # windows of traces: their positions
+    cols = [escape_mathtext(s) for s in token_labels(d.tokens_a, tokenizer, start=start)]
     fig = InlineFigure(figsize=(14, 9.5), layout="constrained")
     grid = fig.subplots(2, 3)
     w = _symmetric(d.final_attn_res, d.attn_res[t, :, 1])  # one scale for the softmax-weight panels
