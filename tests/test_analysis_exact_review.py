@@ -57,8 +57,11 @@ def twin_runs(twins):
 
 def mixed_history(w, text, tmp_path=None, how="mixed"):
     """A session whose tokens are `text`, decoded every way there is: fed chunks, steps, truncate and back
-    inside a chunk, then a fork of it or its file saved without checkpoints and loaded without a recorder."""
-    s = ke.Session(w, checkpoint_every=3)
+    inside a chunk, then a fork of it or its file saved without checkpoints and loaded without a recorder
+    ("route": recorded with a names_filter and kda.state in full, which runs the KDA layers of fed chunks token
+    by token, then saved without checkpoints and loaded without a recorder)."""
+    recorder = ke.Recorder(names_filter="layers.1?.*", full=["layers.*.kda.state"]) if how == "route" else True
+    s = ke.Session(w, recorder=recorder, checkpoint_every=3)
     s.feed(text[:9], chunk=4)  # chunks 0..3, 4..7, 8
     for tok in text[9:12]:
         s.step(tok)
@@ -73,7 +76,7 @@ def mixed_history(w, text, tmp_path=None, how="mixed"):
     assert s.tokens == list(text)
     if how == "fork":
         return s.fork()
-    if how == "loaded":
+    if how in ("loaded", "route"):
         return ke.Session.load_state(s.save_state(tmp_path / "mixed.npz", checkpoints=False), w, recorder=False)
     return s
 
@@ -81,7 +84,7 @@ def mixed_history(w, text, tmp_path=None, how="mixed"):
 # ---------------------------------------------------------------------------------------------- the lens
 
 
-@pytest.mark.parametrize("how", ["mixed", "loaded"])
+@pytest.mark.parametrize("how", ["mixed", "loaded", "route"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", list(PATHS))
 def test_lens_equals_the_twin(name, dtype, how, weights, twin_runs, tmp_path):
@@ -123,7 +126,7 @@ def test_lens_of_one_token_sessions_equals_the_twin(weights, twins):
 # ---------------------------------------------------------------------------------------------- attribution
 
 
-@pytest.mark.parametrize("how", ["mixed", "loaded", "fork"])
+@pytest.mark.parametrize("how", ["mixed", "loaded", "fork", "route"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", list(PATHS))
 def test_attribution_equals_the_twin(name, dtype, how, weights, twins, twin_runs, tmp_path):
