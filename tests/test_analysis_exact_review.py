@@ -248,7 +248,9 @@ def test_bug_diff_of_what_was_not_recorded_says_so_not_zero(ref_weights):
     assert s["routing_changes"] is None and "routing not recorded" in repr(d)
     assert s["max_abs_d_final_attn_res"] > 0.01
     texts = [t.get_text() for ax in diff_overview(d).axes for t in ax.texts]
-    assert any("not recorded" in t for t in texts) and not any("no change above" in t for t in texts)
+    assert not any("no change above" in t for t in texts)
+    for what in ("Δ FFN-site block weights", "Δ KDA state norm", "routing (Jaccard"):
+        assert any(t.startswith(what) and t.endswith("not recorded in these runs") for t in texts), what
 
 
 def test_bug_diff_of_trace_windows_at_other_positions_is_refused(ref_weights):
