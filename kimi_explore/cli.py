@@ -130,7 +130,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="routed experts: MXFP4-packed, left mapped in the shard files, or dequantised at load "
                         "(default auto: dense when small)")
     p.add_argument("--expert-cache-size", type=_at_least(0), metavar="N",
-                   help="packed experts: dequantised experts kept per layer (0: none; on the CPU the fused kernel)")
+                   help="packed experts: dequantised experts kept per layer (0: none; on the CPU the fused kernel); "
+                        "with --experts auto it chooses packed")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
 
 

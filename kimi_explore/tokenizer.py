@@ -141,6 +141,11 @@ class ByteTokenizer:
     def special_id(self, name: str) -> int:
         raise TokenizerError(f"special token {name!r}: the byte tokenizer has no special tokens")
 
+    @property
+    def fingerprint(self) -> str:
+        """Which tokenizer this is, as a session file records it (`Session.load_state` compares)."""
+        return "bytes/256"
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=256)"
 
@@ -214,14 +219,22 @@ def _special_tokens(n: int, config_path: Path) -> dict[str, int]:
     return specials
 
 
+def _json_object(path: Path) -> dict:
+    """A JSON file holding one object (config.json), or a TokenizerError naming the file."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for a file that is not text
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path}: expected a JSON object (a model config), found {type(raw).__name__}")
+    return raw
+
+
 def _int_field(path: Path, key: str):
     """config.json's (or its text_config's) integer `key`, else None."""
     if not path.is_file():
         return None
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    raw = _json_object(path)
     value = raw.get(key, (raw.get("text_config") or {}).get(key))
     return value if isinstance(value, int) else None
 
@@ -264,6 +277,14 @@ class KimiTokenizer:
                    bos_id=bos if bos is not None else specials.get("[BOS]"),
                    eos_id=eos if eos is not None else specials.get(STOP_TOKEN),
                    vocab_sha256=hashlib.sha256(vocab.read_bytes()).hexdigest())
+
+    @property
+    def fingerprint(self) -> str:
+        """Which tokenizer this is, as a session file records it: a hash of the BPE file, the special tokens' names
+        and ids, and the bos / eos ids (`Session.load_state` compares; Kimi K2's files share K3's BPE file but
+        not its special names)."""
+        ident = json.dumps([self.vocab_sha256, sorted(self.special_tokens.items()), self.bos_id, self.eos_id])
+        return f"kimi/{self.vocab_size}/{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
     @property
     def is_release_vocab(self) -> bool:
@@ -352,10 +373,7 @@ def load_tokenizer(path_or_config):
         if not path.is_dir():
             raise TokenizerError(f"{path}: not a checkpoint directory (expected {VOCAB_FILE} or a config.json)")
         cfg_path = path / "config.json"
-        try:
-            vocab = _vocab_size(json.loads(cfg_path.read_text())) if cfg_path.is_file() else None
-        except json.JSONDecodeError as e:
-            raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
+        vocab = _vocab_size(_json_object(cfg_path)) if cfg_path.is_file() else None
         if (path / VOCAB_FILE).is_file():
             tok = KimiTokenizer.from_pretrained(path)
             if vocab is not None and tok.vocab_size != vocab:   # K3: both 163,840 (k3-tokenizer.md 1)

@@ -189,6 +189,17 @@ def test_a_failing_worker_names_the_text_and_stops_the_run(ref_weights, monkeypa
         ke.routing_stats(ref_weights, TEXTS, progress=False, workers=2)
 
 
+def test_a_dying_worker_after_a_resume_names_the_text_of_the_call(ref_weights, monkeypatch, tmp_path):
+    from kimi_explore.analysis import routing_stats as module
+
+    path = tmp_path / "stats.npz"
+    ke.routing_stats(ref_weights, TEXTS[:2], progress=False, checkpoint=path)
+    monkeypatch.setattr(module, "_worker_routing", _dies)
+    with pytest.raises(RuntimeError, match="while decoding text 2 "):
+        ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, workers=2)
+    assert len(ke.RoutingStats.load(path).texts) == 2  # the checkpoint still holds what was counted
+
+
 def test_workers_are_checked(ref_weights):
     for bad in (0, -1, 1.5, "2", True, None):
         with pytest.raises(ValueError, match="workers must be a whole number >= 1"):

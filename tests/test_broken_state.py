@@ -11,23 +11,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_explore import KimiDecodeState, RayPipeline, Session, kimi_forward_sequence, kimi_forward_token
-from kimi_explore.inspection.hooks import Hooks
+from kimi_explore import KimiDecodeState, RayPipeline, Recorder, Session, kimi_forward_sequence, kimi_forward_token
+from kimi_explore.inspection.hooks import HookChain, Hooks
 
 TOKENS = [17, 203, 5, 88, 41, 9]
 
 
 Boom = ArithmeticError  # a builtin: a hook shipped to a pipeline stage must unpickle there without this module
 
-def raising_at(site: str, position: int = 0):
-    """Hooks whose `site` raises Boom at tokens from `position` on."""
+def raiser(position: int = 0):
+    """A hook that raises Boom at tokens from `position` on."""
 
     def fn(value, *, hook):
         if hook.position is None or hook.position >= position:
             raise Boom(f"planted at {hook.name}")
 
+    return fn
+
+
+def raising_at(site: str, position: int = 0):
+    """Hooks whose `site` raises Boom at tokens from `position` on."""
     hooks = Hooks()
-    hooks.add(site, fn)
+    hooks.add(site, raiser(position))
     return hooks
 
 
@@ -80,6 +85,51 @@ def test_a_chunk_stopped_part_way_leaves_a_state_that_refuses_to_decode(ref_weig
         kimi_forward_sequence(w, state, TOKENS[4:])
     with pytest.raises(ValueError, match="part-advanced"):
         kimi_forward_token(w, state, TOKENS[4])
+
+
+@pytest.mark.parametrize("path", ["token", "sequence"])
+@pytest.mark.parametrize("site", ["embed", "layers.3.attn.out", "layers.5.ffn.out", "logits"])
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_recorder_drops_what_a_failed_forward_recorded(ref_weights, path, site, chained):
+    """The raw API with a recorder: a forward pass that raises leaves the recorder as it was before the call (it kept
+    the failed token's or chunk's partial records, out of step with its tokens: its trace raised, or later
+    misread), so going on from a state copied before the call records exactly what an unbroken run records."""
+    first, rest = TOKENS[:2], TOKENS[2:]
+
+    def run(tokens, state, hooks):
+        if path == "token":
+            for t in tokens:
+                kimi_forward_token(ref_weights, state, t, hooks)
+        else:
+            kimi_forward_sequence(ref_weights, state, tokens, hooks, chunk=3)  # two chunks: the failure is in the first
+
+    def records(rec):
+        tr = rec.trace()
+        return list(tr.tokens), {k: np.array(v) for k, v in tr._records.items()}
+
+    want = Recorder().bind(ref_weights)
+    state = KimiDecodeState.new(ref_weights)
+    run(first, state, want)
+    run(rest, state, want)
+    rec = Recorder().bind(ref_weights)
+    state = KimiDecodeState.new(ref_weights)
+    run(first, state, rec)
+    before = state.copy()
+    if chained:
+        hooks = HookChain(raising_at(site), rec)
+    else:
+        hooks = rec
+        rec.hooks.add(site, raiser())  # the recorder's own hook
+    with pytest.raises(Boom):
+        run(rest, state, hooks)
+    assert len(rec.trace()) == len(first)
+    if not chained:
+        rec.hooks.remove(site)
+    run(rest, before, rec)
+    (got_tokens, got), (want_tokens, expected) = records(rec), records(want)
+    assert got_tokens == want_tokens and got.keys() == expected.keys()
+    for k in expected:
+        np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
 
 
 def test_a_session_rolls_back_and_never_holds_a_broken_state(ref_weights):

@@ -253,3 +253,18 @@ def test_expert_modes_and_their_errors(tmp_path, monkeypatch):
         from_pretrained(bf16, device="cpu", experts="packed")
     dense = from_pretrained(bf16, device="cpu", layers=[1])  # auto falls back to dense
     assert isinstance(dense.layers[0].ffn.experts, DenseExperts)
+
+
+def test_an_expert_cache_size_asks_for_packed_experts(tmp_path):
+    """expert_cache_size sizes the packed experts' cache: with experts='dense' it is refused (it was ignored), and
+    with 'auto' it chooses packed (auto chose dense for a small model, and the size was ignored)."""
+    tiny = random_tiny_checkpoint()
+    with pytest.raises(ValueError, match=r"expert_cache_size=2 sizes the cache of packed .* experts='dense' dequantises"):
+        from_pretrained(tiny, device="cpu", experts="dense", expert_cache_size=2)
+    w = from_pretrained(tiny, device="cpu", layers=[1], expert_cache_size=2)
+    assert (w.extra["experts"], w.extra["expert_cache_size"]) == ("packed", 2)
+    assert isinstance(w.layers[0].ffn.experts, PackedExperts) and w.layers[0].ffn.experts.capacity == 2
+    bf16 = write_checkpoint(tmp_path / "bf16-experts", experts="bf16", seed=3)
+    with pytest.raises(CheckpointError, match=r"experts='packed' \(expert_cache_size=0\) but layer 1's routed experts "
+                                              r"are not all MXFP4 on disk; load with experts='dense' and no expert_cache_size"):
+        from_pretrained(bf16, device="cpu", layers=[1], expert_cache_size=0)

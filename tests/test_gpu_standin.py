@@ -243,16 +243,19 @@ def test_mapped_experts_are_copied_to_the_device_per_use(load):
 def test_sequence_chunk_transfers(load):
     """A chunk on the device moves only small index vectors: its token ids to the device; per MoE layer
     the [T] near-tie flags and the [T, k] ids to the host (grouping by expert) and the grouping's two
-    index arrays back. With the recorder, also per KDA layer the [n] flags of which state-norm sub-blocks
+    index arrays back; per attention layer one flag of whether the chunk's values are finite (MLA) or the
+    [T] flags of its non-finite tokens (KDA's chunked rule): a NaN token must not reach the earlier tokens
+    of its chunk. With the recorder, also per KDA layer the [n] flags of which state-norm sub-blocks
     decay within float range, and the previous chunk's records in one transfer per dtype."""
     w = load("trained")
     cfg = w.config
     n_moe, n_kda = len(moe_layers(w)), sum(cfg.is_kda_layer(i) for i in w.layer_ids)
+    n_attn = len(w.layer_ids)
     state = KimiDecodeState.new(w)
     kimi_forward_sequence(w, state, TOKENS[:5], chunk=5)
     with XP.counting() as n:
         kimi_forward_sequence(w, state, TOKENS[5:10], chunk=5)
-    assert n["h2d_implicit"] == 0 and n["d2h"] == 2 * n_moe and n["h2d"] == 2 * n_moe + 1, n
+    assert n["h2d_implicit"] == 0 and n["d2h"] == 2 * n_moe + n_attn and n["h2d"] == 2 * n_moe + 1, n
     assert n["h2d_bytes"] + n["d2h_bytes"] < 2 * (n_moe + n_kda) * cfg.hidden_size  # index vectors only
     rec = Recorder().bind(w)
     state = KimiDecodeState.new(w)
@@ -260,7 +263,7 @@ def test_sequence_chunk_transfers(load):
     with XP.counting() as n:
         kimi_forward_sequence(w, state, TOKENS[5:10], rec, chunk=5)
     assert n["h2d_implicit"] == 0 and n["h2d"] == 2 * n_moe + 1, n
-    assert 2 * n_moe + n_kda + 1 <= n["d2h"] <= 2 * n_moe + n_kda + 3, n
+    assert 2 * n_moe + n_kda + n_attn + 1 <= n["d2h"] <= 2 * n_moe + n_kda + n_attn + 3, n
 
 
 GGUF = Path(__file__).parent / "data" / "engines" / "d" / "llamacpp" / "model-mxfp4.gguf"
@@ -726,3 +729,20 @@ def test_chunk_aware_routing_hooks_on_the_sequence_path_match_the_host(load, mak
     got, want = (sequence_logits(load("trained", "float64", where), hooks=hook()) for where in ("gpu", "cpu"))
     assert_close(got, want, "trained", "float64")
     assert np.abs(want - sequence_logits(load("trained", "float64", "cpu"))).max() > 1e-6  # the hook did change the run
+
+
+@pytest.mark.parametrize("path", ["token", "sequence"])
+def test_a_hook_returning_expert_ids_out_of_range_is_refused_on_the_device(load, path):
+    """A GPU's fancy indexing wraps an id out of range around to another expert (CuPy does not raise as NumPy does):
+    ids a hook returns anew are checked on the device as on the host (they went unchecked there)."""
+    w = load("trained")
+    E = w.config.num_experts
+    hooks = Hooks().bind(w)
+    if path == "token":
+        hooks.add("layers.1.moe.router.topk_ids", lambda ids, hook: XP.full(ids.shape, E, ids.dtype))
+        run = lambda: kimi_forward_token(w, KimiDecodeState.new(w), 5, hooks=hooks)  # noqa: E731
+    else:
+        hooks.add("layers.1.moe.router.topk_ids", lambda ids, hook: XP.full(ids.shape, E, ids.dtype), chunks=True)
+        run = lambda: kimi_forward_sequence(w, KimiDecodeState.new(w), TOKENS, hooks=hooks)  # noqa: E731
+    with pytest.raises(ValueError, match=rf"layers.1.moe.router.topk_ids: a hook returned expert ids .*\[{E}\].* 0..{E - 1}"):
+        run()

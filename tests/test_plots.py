@@ -310,3 +310,29 @@ def test_kda_state_difference_is_b_minus_a_on_a_symmetric_scale(tiny):
     with pytest.raises(ValueError, match="same tokens"):
         other.tokens = list(other.tokens)[:-1]
         plots.kda_state_difference(tiny, other, 5)
+
+
+def test_every_view_takes_a_session_its_trace_and_its_tokenizer(ref_weights):
+    """A Session stands for its trace, and its tokenizer labels the tokens where the call gives none (each view
+    raised AttributeError on a Session); a tokenizer given positionally or by name still wins."""
+    import kimi_explore as ke
+
+    session = ke.Session(ref_weights, tokenizer=ByteTokenizer())
+    session.feed(list(b"Hi, K3!\n"))
+    png = lambda views: {k: plots.figure_png(f) for k, f in views.items()}  # noqa: E731
+    as_session, as_trace = png(all_views(session, 2, 1)), png(all_views(session.trace(), 2, 1, ByteTokenizer()))
+    assert as_session == as_trace
+    plain = png(all_views(session.trace(), 2, 1))  # ids, not characters: the session's tokenizer made the difference
+    assert as_session["moe_routing_layer"] != plain["moe_routing_layer"]
+    labels = visible_ticks(plots.kda_state_heatmap(session, 1).axes[0], "y")
+    assert labels[:2] == ["0 'H'", "1 'i'"]
+
+    class Upper(ByteTokenizer):
+        def token_label(self, i):
+            return super().token_label(i).upper()
+
+    assert visible_ticks(plots.kda_state_heatmap(session, 1, Upper()).axes[0], "y")[1] == "1 'I'"
+    assert visible_ticks(plots.kda_state_heatmap(session, 1, tokenizer=Upper()).axes[0], "y")[1] == "1 'I'"
+    fork = session.fork()
+    diff = plots.kda_state_difference(session, fork, 1)
+    assert visible_ticks(diff.axes[0], "y")[:2] == labels[:2]

@@ -183,3 +183,20 @@ def test_stacked_rows_under_random_appends_truncates_and_reads(seed):
                 views.append((got, got.copy()))
     for view, copy in views:
         assert np.array_equal(view, copy, equal_nan=True)
+
+
+def test_a_trace_window_is_a_slice_or_a_pair_never_a_bare_number(ref_weights):
+    """window=5 read as 'from token 5 on' (a user may mean the last 5): refused with both spellings named."""
+    import kimi_explore as ke
+
+    s = ke.Session(ref_weights)
+    s.feed(list(b"hello world"))
+    assert list(s.trace(window=(2, 5)).tokens) == list(b"llo")
+    assert list(s.trace(window=slice(-3, None)).tokens) == list(b"rld")
+    with pytest.raises(TypeError, match=r"Session.trace: window=5: .*slice\(5, None\) for tokens 5 on, "
+                                        r"slice\(-5, None\) for the last 5"):
+        s.trace(window=5)
+    for bad in (0, True, [1, 2], "x"):
+        with pytest.raises(TypeError, match="Recorder.trace: window="):
+            s.recorder.trace(window=bad)
+    assert list(s.trace().window(5).tokens) == list(b" world")  # Trace.window(start, stop) keeps its numbers

@@ -180,8 +180,12 @@ def random_twin(weights, path, seed: int = 0):
 
     from ..weights.tiny_model import write_checkpoint
 
-    src = Path(weights.source) / "config.json"
-    text_config = dict(json.loads(src.read_text())["text_config"])
+    src = Path(str(weights.source)) / "config.json"
+    if not src.is_file():
+        raise ValueError(f"random_twin: the weights come from {weights.source}, which has no config.json to copy (a "
+                         "checkpoint directory has one)")
+    raw = json.loads(src.read_text())
+    text_config = dict(raw.get("text_config", raw))  # the kimi_k3 shell, or a bare kimi_linear config
     text_config.pop("quantization_config", None)
     return write_checkpoint(path, text_config, seed=seed)
 

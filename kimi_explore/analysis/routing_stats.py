@@ -38,7 +38,9 @@ float32 rounding). On the embedded model n cores give about n times the tokens p
 Checkpoints: with `checkpoint=path` the partial result is saved (atomically) after each text once
 `checkpoint_every` tokens have accumulated, and at the end; calling again with the same path and
 the same (or a longer) list of texts resumes after the texts already done. Texts are the unit:
-split a long corpus into documents.
+split a long corpus into documents. A resume is refused for another model, other texts, or another
+classing (`classes=` is asked again for every token id the checkpoint counted: a different label
+would add one classing's counts to another's classes).
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing
-import os
 import string
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -57,6 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import set_blas_threads
+from ..inspection.npz_io import NpzReader, write_npz
 from ..inspection.recorder import Recorder
 from ..inspection.session_io import weights_fingerprint
 from ..model.kimi_decoder import token_indices
@@ -100,6 +102,7 @@ class RoutingStats:
     tokens: int = 0
     texts: list = dataclasses.field(default_factory=list)  # sha1 of each text done, in order
     model: str = ""  # fingerprint of the model the counts come from
+    classed: dict = dataclasses.field(default_factory=dict)  # token id -> index in class_names, each id counted so far
 
     @classmethod
     def empty(cls, weights, model: str) -> RoutingStats:
@@ -158,11 +161,14 @@ class RoutingStats:
             self.class_top1 = np.concatenate([self.class_top1, np.zeros((M, 1, E), np.int64)], axis=1)
         return self.class_names.index(label)
 
-    def add(self, routing: dict, token_classes: list[str]) -> None:
-        """Accumulate one text's `trace.routing()` ([T, M, k] ids and weights; -1 / NaN padding is skipped)."""
+    def add(self, routing: dict, token_classes: list[str], token_ids=None) -> None:
+        """Accumulate one text's `trace.routing()` ([T, M, k] ids and weights; -1 / NaN padding is skipped).
+        token_ids: the text's ids, whose classes are then remembered (a resume checks its classing against them)."""
         ids, wts = routing["topk_ids"], routing["topk_weights"]
         T = ids.shape[0]
         cls = np.array([self._class_index(c) for c in token_classes], np.int64)
+        if token_ids is not None:
+            self.classed.update(zip(map(int, token_ids), cls.tolist(), strict=True))
         for j in range(len(self.moe_layers)):
             sel, w = ids[:, j], wts[:, j]
             valid = sel >= 0
@@ -178,23 +184,43 @@ class RoutingStats:
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:
         """Write one .npz atomically (a partial result survives an interrupted save)."""
-        path = Path(path)
         header = {"format": FORMAT, "moe_layers": self.moe_layers, "num_experts": self.num_experts, "top_k": self.top_k,
                   "class_names": self.class_names, "tokens": self.tokens, "texts": self.texts, "model": self.model}
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, header=np.array(json.dumps(header)), counts=self.counts, weight_sum=self.weight_sum,
-                 coactivation=self.coactivation, class_top1=self.class_top1)
-        os.replace(tmp, path)
-        return path
+        classed = np.array(sorted(self.classed.items()), np.int64).reshape(-1, 2)
+        return write_npz(path, {"header": np.array(json.dumps(header)), "counts": self.counts,
+                                "weight_sum": self.weight_sum, "coactivation": self.coactivation,
+                                "class_top1": self.class_top1, "classed": classed}, compressed=False)
 
     @classmethod
     def load(cls, path) -> RoutingStats:
-        with np.load(path, allow_pickle=False) as z:
-            header = json.loads(str(z["header"])) if "header" in z.files else {}
-            if header.get("format") != FORMAT:
-                raise ValueError(f"{path}: not a routing-stats checkpoint (format {header.get('format')!r}, expected {FORMAT!r})")
-            return cls(header["moe_layers"], header["num_experts"], header["top_k"], header["class_names"], z["counts"],
-                       z["weight_sum"], z["coactivation"], z["class_top1"], header["tokens"], header["texts"], header["model"])
+        """A `save`d result, checked whole: every header key, each array's shape and dtype against the header's
+        layers, experts and classes."""
+        with NpzReader(path, "routing-stats checkpoint") as z:
+            if "header" not in z:
+                raise ValueError(f"{path}: not a routing-stats checkpoint (no 'header' entry; found {z.files[:5]})")
+            h = z.header(FORMAT, required=("moe_layers", "num_experts", "top_k", "class_names", "tokens", "texts", "model"))
+            arrays = {k: z[k] for k in ("counts", "weight_sum", "coactivation", "class_top1")}
+            classed = z["classed"] if "classed" in z else np.zeros((0, 2), np.int64)  # (older files: not kept)
+        M, E, C = len(h["moe_layers"]), h["num_experts"], len(h["class_names"])
+        want = {"counts": ("int64", (M, E)), "weight_sum": ("float64", (M, E)), "coactivation": ("int64", (M, E, E)),
+                "class_top1": ("int64", (M, C, E))}
+        for k, (dtype, shape) in want.items():
+            a = arrays[k]
+            if a.dtype != np.dtype(dtype) or a.shape != shape:
+                raise ValueError(f"{path}: {k} is {a.dtype}{list(a.shape)}, expected {dtype}{list(shape)} (its "
+                                 f"{M} MoE layers x {E} experts x {C} classes): the file is damaged")
+        if classed.dtype != np.int64 or classed.ndim != 2 or classed.shape[1] != 2 or \
+                (len(classed) and not (0 <= classed[:, 1].min() and classed[:, 1].max() < C)):
+            raise ValueError(f"{path}: classed is {classed.dtype}{list(classed.shape)}, expected int64[n, 2] rows "
+                             f"(token id, class index below {C}): the file is damaged")
+        texts = h["texts"]
+        if not (type(h["tokens"]) is int and h["tokens"] >= 0 and isinstance(texts, list)
+                and all(isinstance(t, str) and len(t) == 40 for t in texts)):
+            raise ValueError(f"{path}: tokens {h['tokens']!r:.40} and texts {texts!r:.80}: expected a count >= 0 and a "
+                             "list of sha1 digests (the file is damaged)")
+        return cls(h["moe_layers"], E, h["top_k"], h["class_names"], arrays["counts"], arrays["weight_sum"],
+                   arrays["coactivation"], arrays["class_top1"], h["tokens"], texts, h["model"],
+                   dict(zip(classed[:, 0].tolist(), classed[:, 1].tolist(), strict=True)))
 
 
 def model_fingerprint(model) -> str:
@@ -239,6 +265,16 @@ def _resume(path, weights, model: str, digests: list[str]) -> RoutingStats:
     return stats
 
 
+def _check_classing(path, stats: RoutingStats, classes) -> None:
+    """A resumed count classes tokens as the checkpoint did: `classes` gives each token id the checkpoint has
+    counted the class it was counted in (another classing would add its counts to the first one's classes)."""
+    for i, c in stats.classed.items():
+        if (now := _label(classes, i)) != stats.class_names[c]:
+            raise ValueError(f"{path}: the checkpoint counted token id {i} in class {stats.class_names[c]!r}, this "
+                             f"call's classes= puts it in {now!r}: resume with the classing it was made with "
+                             "(or use another checkpoint path)")
+
+
 def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: bool = True, checkpoint=None,
                   checkpoint_every: int = 4096, workers: int = 1) -> RoutingStats:
     """Routing statistics of `weights` over `texts` (a string, or a list of strings / token-id lists).
@@ -268,14 +304,16 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     digests = [_digest(x) for x in ids]
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
     start, since_save = len(stats.texts), 0
+    if start < len(ids):
+        _check_classing(checkpoint, stats, classes)
     bar = _progress(progress, sum(len(x) for x in ids), sum(len(x) for x in ids[:start]))
-    routings = _routings(weights, ids[start:], workers)
+    routings = _routings(weights, ids[start:], workers, start)
     labels: dict = {}  # token id -> its class label, checked once
     try:
         for text_ids, digest, routing in zip(ids[start:], digests[start:], routings, strict=True):
             if text_ids:
                 stats.add(routing, [labels[i] if i in labels else labels.setdefault(i, _label(classes, i))
-                                    for i in text_ids])
+                                    for i in text_ids], text_ids)
             stats.texts.append(digest)
             since_save += len(text_ids)
             if bar is not None:
@@ -329,9 +367,10 @@ def _check_workers(workers, weights) -> None:
                          "cannot fork (Windows); use workers=1")
 
 
-def _routings(weights, texts: list[list[int]], workers: int):
+def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
     """Each text's `_routing` (None for an empty text), in order: decoded here, or by `workers` forked processes
-    at most two texts each ahead of the one being counted (a long corpus is never held whole in results)."""
+    at most two texts each ahead of the one being counted (a long corpus is never held whole in results).
+    texts[0] is text `first` of the call (after those a checkpoint holds)."""
     busy = [ids for ids in texts if ids]
     if min(workers, len(busy)) <= 1:
         for ids in texts:
@@ -339,7 +378,7 @@ def _routings(weights, texts: list[list[int]], workers: int):
         return
     pool = ProcessPoolExecutor(min(workers, len(busy)), mp_context=multiprocessing.get_context("fork"),
                                initializer=_start_worker, initargs=(weights,))  # fork: weights are shared, not sent
-    queue, ahead, failed = iter(enumerate(texts)), collections.deque(), True
+    queue, ahead, failed = iter(enumerate(texts, first)), collections.deque(), True
     try:
         for _ in range(2 * workers):
             _submit(pool, queue, ahead)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..inspection.npz_io import NpzReader
 from .comparison import Comparison, SiteComparison
 from .dump import Dump, read_dump
 from .name_maps import llamacpp_to_hooks
@@ -83,7 +84,7 @@ def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, s
         if not path.is_file():
             raise FileNotFoundError(f"compare: other={str(path)!r}: no such file")
         if path.suffix == ".npz":
-            with np.load(path) as z:
+            with NpzReader(path, "captures") as z:  # (a damaged entry or archive: an error naming the file)
                 other = {k: z[k] for k in z.files}
             engine = path.stem
         else:

@@ -25,6 +25,7 @@ From NumPy (see the README for the whole example):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,15 +66,21 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
             raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
         out[str(name)] = a
     path = Path(path)
-    save_file(out, str(path), metadata={"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine),
-                                        "dtype": dtype})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written beside it, then renamed: never half a dump
+    try:
+        save_file(out, str(tmp), metadata={"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)),
+                                           "engine": str(engine), "dtype": dtype})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
 def read_dump(path) -> Dump:
     """Read a dump written by `write_dump` (or by any engine following the format above)."""
     import ml_dtypes  # noqa: F401  (lets safetensors hand bfloat16 arrays to NumPy)
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
@@ -86,6 +93,13 @@ def read_dump(path) -> Dump:
     except CheckpointError as e:
         raise ValueError(f"engine dump: {e} (a dump is one safetensors file: ke.write_dump writes one; a .npz of "
                          "captures is read by ke.compare directly)") from None
+    try:
+        return _read(path, safe_open)
+    except SafetensorError as e:  # what our header check leaves to the library (overlapping data, ...): name the file
+        raise ValueError(f"engine dump {path}: not a valid safetensors file ({e})") from None
+
+
+def _read(path: Path, safe_open) -> Dump:
     with safe_open(str(path), framework="numpy") as f:
         meta = f.metadata() or {}
         missing = [k for k in ("format", "tokens") if k not in meta]
@@ -94,10 +108,15 @@ def read_dump(path) -> Dump:
                              f"a dump carries format={DUMP_FORMAT!r}, tokens='1,2,3', engine, dtype")
         if meta["format"] != DUMP_FORMAT:
             raise ValueError(f"engine dump {path}: format {meta['format']!r}, expected {DUMP_FORMAT!r}")
+        pieces = meta["tokens"].split(",")
+        if pieces and not pieces[-1].strip():  # "1,2,3," (a trailing comma) and "" (no tokens)
+            pieces.pop()
         try:
-            tokens = [int(t) for t in meta["tokens"].split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"engine dump {path}: metadata 'tokens' must be comma-separated ids, "
+            tokens = [int(t) for t in pieces]
+            if any(t < 0 for t in tokens):
+                raise ValueError
+        except ValueError:  # also an empty piece ("1,,2": an id left out) and a negative id
+            raise ValueError(f"engine dump {path}: metadata 'tokens' must be comma-separated ids >= 0, "
                              f"found {meta['tokens'][:80]!r}") from None
         dtype = meta.get("dtype", "float32")
         _check_dtype(dtype, f"engine dump {path}: metadata 'dtype'")

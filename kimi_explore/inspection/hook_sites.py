@@ -139,6 +139,14 @@ class HookChain:
             h.bind(weights)
         return self
 
+    def records_mark(self) -> tuple:
+        return tuple(getattr(h, "records_mark", lambda: None)() for h in self.hook_sets)
+
+    def discard_since(self, marks: tuple) -> None:
+        for h, mark in zip(self.hook_sets, marks, strict=True):
+            if mark is not None:
+                h.discard_since(mark)
+
     def begin_chunk(self, token_ids, positions) -> None:
         for h in self.hook_sets:
             h.begin_chunk(token_ids, positions)

@@ -62,7 +62,7 @@ from .hook_sites import ROUTE_SITES, SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
 from .stacked_rows import StackedRows
 from .topk import top_predictions
-from .trace import Trace
+from .trace import Trace, window_slice
 
 __all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
 
@@ -442,7 +442,7 @@ class Recorder:
         if len(toks) != n:
             raise ValueError(f"Recorder.trace: got {len(toks)} tokens for {n} recorded steps")
         out = Trace(records, toks, self.positions[:n], self.meta)
-        return out if window is None else out.window(window)
+        return out if window is None else out.window(window_slice(window, "Recorder.trace"))
 
     def truncate(self, n: int) -> None:
         """Keep the records of the first n tokens (in place)."""
@@ -460,6 +460,15 @@ class Recorder:
         del self.positions[n:]
         self._drop_token_buffers()
         self.hooks.position = self.positions[-1] if self.positions else None
+
+    def records_mark(self) -> int:
+        """The tokens recorded so far (`discard_since` goes back to here)."""
+        return len(self.positions)
+
+    def discard_since(self, mark: int) -> None:
+        """Drop the records after the first `mark` tokens, a token or chunk in progress included (a forward pass
+        that failed: `model.kimi_token.discard_records`)."""
+        self.truncate(mark)
 
     def _drop_token_buffers(self) -> None:
         """Forget a token in progress (after an error in the middle of one) and any unflushed batch."""

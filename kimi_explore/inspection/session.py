@@ -57,7 +57,8 @@ from ..model.kimi_decoder import KimiDecodeState, hook_names, token_indices
 from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
-from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
+from .session_io import SessionSnapshot, check_tokenizer, copy_sharing, load_session, nbytes_once, save_session
+from .trace import window_slice
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -145,7 +146,7 @@ class Session:
         only for the tokens it shows."""
         if self.recorder is None:
             raise ValueError("this session records nothing: create it with Session(weights, recorder=True)")
-        return self.recorder.trace(window=window)
+        return self.recorder.trace(window=None if window is None else window_slice(window, "Session.trace"))
 
     def __repr__(self) -> str:
         state = self._state_nbytes() + sum(a.nbytes for a in self._logits)
@@ -265,6 +266,11 @@ class Session:
         out = []
         for _ in range(n):
             logits = self._logits[-1]
+            if np.isnan(logits).any():  # argmax would return the first NaN's id: a token chosen from nothing
+                raise FloatingPointError(
+                    f"Session.generate: the logits after token {len(self._logits) - 1} hold NaN ({int(np.isnan(logits).sum())} "
+                    f"of {logits.size}, the first at id {int(np.flatnonzero(np.isnan(logits))[0])}): no token to choose; "
+                    "find where it entered with a Recorder (the first non-finite record) before generating")
             if temperature == 0:
                 tid = int(np.argmax(logits))
             else:
@@ -545,14 +551,17 @@ class Session:
         checkpoints=False leaves the kept state copies out (smaller file; a loaded session can then
         truncate exactly only over tokens decoded without value-changing hooks).
         """
-        return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints)
+        return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints,
+                            self.tokenizer)
 
     @classmethod
     def load_state(cls, path, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None) -> Session:
-        """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs).
+        """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs, or if
+        `tokenizer` is not the one it was saved with).
 
         recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
         snap, saved = load_session(path, weights)
+        check_tokenizer(path, saved.tokenizer, tokenizer)
         if recorder is True:
             recorder = Recorder(**saved.recorder) if saved.recorder is not None else False
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)

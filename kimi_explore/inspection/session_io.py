@@ -25,10 +25,10 @@ import numpy as np
 from ..backend import to_numpy
 from ..model.fingerprint import GLOBAL_TENSORS
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState
+from .npz_io import NpzReader, write_npz
 from .recorder import Recorder
-from .trace import read_npz_header
 
-__all__ = ["SavedSettings", "SessionSnapshot", "copy_sharing", "load_session", "nbytes_once", "save_session",
+__all__ = ["SavedSettings", "SessionSnapshot", "check_tokenizer", "copy_sharing", "load_session", "nbytes_once", "save_session",
            "share_caches", "weights_fingerprint"]
 
 FORMAT = "kimi_explore.inspection.session/2"  # /2: an MLA cache saved as its used positions and its capacity
@@ -78,10 +78,11 @@ class SavedSettings:
 
     checkpoint_every: int
     recorder: dict | None  # Recorder(**recorder) records as the saved session did; None: it recorded nothing
+    tokenizer: str | None = None  # the saved session's tokenizer's `fingerprint`; None: none, or one without it
 
 
 def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, recorder: Recorder | None,
-                 checkpoints: bool = True) -> Path:
+                 checkpoints: bool = True, tokenizer=None) -> Path:
     """Write `snap` (a `Session.snapshot()`) and the settings to continue it as one .npz."""
     path = Path(path)
     if path.is_dir():  # else numpy writes `DIR.npz` beside it
@@ -105,37 +106,111 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
               "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
               "cut_tails": {str(a): [int(t) for t in tail] for a, tail in (snap.cut_tails or {}).items()},
               **({"routes": {str(a): list(r) for a, r in snap.routes.items()}} if snap.routes is not None else {}),
-              "checkpoint_every": checkpoint_every, "recorder": rec}
+              "checkpoint_every": checkpoint_every, "recorder": rec,
+              "tokenizer": getattr(tokenizer, "fingerprint", None)}
     V = weights.config.vocab_size
     arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
-    np.savez_compressed(path, header=np.array(json.dumps(header)), **arrays)
-    return path
+    return write_npz(path, {"header": np.array(json.dumps(header)), **arrays})
 
 
 def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
-    """The history in a `save_session` file, checked to belong to `weights`, and the settings to continue it."""
-    with np.load(path, allow_pickle=False) as z:
-        header = read_npz_header(z, path, READS, "session state")
+    """The history in a `save_session` file, checked to belong to `weights`, and the settings to continue it.
+
+    Everything is read and checked before anything is built: the fingerprint, then that the parts agree
+    with each other and with `weights` (T tokens in the vocabulary, [T, vocab] logits of the weights'
+    dtype, states at the right positions with every array's shape and dtype, records that split into
+    their rows). A file that fails any check is refused with what it holds against what was expected."""
+    with NpzReader(path, "session state") as z:
+        header = z.header(READS, required=HEADER_KEYS)
         _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
+        T = _check_history(path, header, weights)
+        logits = z["logits"]
+        want = (T, weights.config.vocab_size)
+        if logits.shape != want or logits.dtype != np.dtype(weights.dtype):
+            raise ValueError(f"{path}: logits {logits.dtype}{list(logits.shape)}, expected {np.dtype(weights.dtype)}"
+                             f"{list(want)} (one row per token of the file's {T}, the model's vocabulary): the file is "
+                             "damaged")
         saved, records = header["recorder"], None
         if saved is not None:
-            rows = {}
-            for k in saved["keys"]:
-                flat, shapes = z[f"rec/{k}/flat"], z[f"rec/{k}/shapes"]
-                sizes = np.prod(shapes, axis=1).astype(int) if shapes.shape[1] else np.ones(len(shapes), int)
-                parts = np.split(flat, np.cumsum(sizes)[:-1])
-                rows[k] = [p.reshape(tuple(sh)) for p, sh in zip(parts, shapes, strict=True)]
-            records = {"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]}
-        snap = SessionSnapshot(
-            weights_id=id(weights), state=_get_state(z, "state", header["layout"]["state"], weights),
-            tokens=[int(t) for t in header["tokens"]], logits=list(z["logits"]),
-            modified=[bool(m) for m in header["modified"]],
-            checkpoints=_get_checkpoints(z, header["layout"], weights),
-            records=records, chunk_of=header.get("chunk_of"),
-            cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
-            routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
+            records = _get_records(z, path, saved, T)
+        host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
+    snap = SessionSnapshot(
+        weights_id=id(weights), state=_on_weights(weights, host.pop("state")),
+        tokens=[int(t) for t in header["tokens"]], logits=list(logits),
+        modified=[bool(m) for m in header["modified"]],
+        checkpoints=_put_checkpoints(weights, {int(k[4:]): s for k, s in host.items()}),
+        records=records, chunk_of=header.get("chunk_of"),
+        cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
+        routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
     settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
-    return snap, SavedSettings(header["checkpoint_every"], settings)
+    return snap, SavedSettings(header["checkpoint_every"], settings, header.get("tokenizer"))
+
+
+def check_tokenizer(path, saved: str | None, tokenizer) -> None:
+    """A tokenizer given to continue a saved session is the one it was saved with (when both are known)."""
+    here = getattr(tokenizer, "fingerprint", None)
+    if saved is not None and here is not None and here != saved:
+        raise ValueError(f"{path} was saved with another tokenizer (file {saved!r}, given {here!r}): its token ids "
+                         "would read as other text, and text fed to it would become other ids. Load it with the "
+                         "tokenizer it was saved with, or with tokenizer=None")
+
+
+HEADER_KEYS = ("fingerprint", "tokens", "modified", "layout", "checkpoint_every", "recorder")
+
+
+def _check_history(path, header: dict, weights) -> int:
+    """The header's history is one of T tokens throughout (returns T): ids in the vocabulary, `modified` and
+    `chunk_of` per token, the state at position T and each kept checkpoint `ckpt{t}` at position t <= T."""
+    def bad(what, found, expected):
+        return ValueError(f"{path}: {what} is {found!r:.120}, expected {expected} (the file is damaged)")
+
+    tokens, V = header["tokens"], weights.config.vocab_size
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < V for t in tokens):
+        raise bad("'tokens'", tokens, f"a list of token ids in 0..{V - 1}")
+    T = len(tokens)
+    modified, chunk_of = header["modified"], header.get("chunk_of")
+    if not isinstance(modified, list) or len(modified) != T or not all(type(m) is bool for m in modified):
+        raise bad("'modified'", modified, f"{T} booleans, one per token")
+    if chunk_of is not None and (not isinstance(chunk_of, list) or len(chunk_of) != T or
+                                 not all(type(c) is int and (c == -1 or 0 <= c <= t) for t, c in enumerate(chunk_of))):
+        raise bad("'chunk_of'", chunk_of, f"{T} ints, one per token: -1 (stepped) or the first token of its chunk")
+    every = header["checkpoint_every"]
+    if type(every) is not int or every < 0:
+        raise bad("'checkpoint_every'", every, "an int >= 0")
+    layout = header["layout"]
+    if not isinstance(layout, dict) or "state" not in layout:
+        raise bad("'layout'", layout, "{'state': ..., 'ckpt{t}': ...}")
+    for key, lay in layout.items():
+        at = T if key == "state" else int(key[4:]) if key[:4] == "ckpt" and key[4:].isdigit() else None
+        if at is None or at > T:
+            raise bad(f"layout entry {key!r}", key, f"'state' or 'ckpt{{t}}' with t <= {T} (the tokens)")
+        if not isinstance(lay, dict) or lay.get("position") != at or not isinstance(lay.get("layers"), list):
+            raise bad(f"layout {key!r}", lay, f"a state at position {at} (its tokens) with a list of layers")
+    return T
+
+
+def _get_records(z, path, saved: dict, T: int) -> dict:
+    """The recorder's rows: each key's `flat` values split by its `shapes` ([rows, ndim] ints), checked to add up."""
+    for k in ("keys", "tokens", "positions", "top_k", "filter", "full"):
+        if k not in saved:
+            raise ValueError(f"{path}: the header's 'recorder' lacks {k!r} (found {sorted(saved)}): the file is damaged")
+    if not (len(saved["tokens"]) == len(saved["positions"]) == T):
+        raise ValueError(f"{path}: the records hold {len(saved['tokens'])} tokens and {len(saved['positions'])} "
+                         f"positions, expected {T} of each (the file's tokens): the file is damaged")
+    rows = {}
+    for k in saved["keys"]:
+        flat, shapes = z[f"rec/{k}/flat"], z[f"rec/{k}/shapes"]
+        if shapes.ndim != 2 or shapes.dtype.kind != "i" or len(shapes) > T or (shapes < 0).any() or flat.ndim != 1:
+            raise ValueError(f"{path}: record {k!r}: shapes {shapes.dtype}{list(shapes.shape)}, values "
+                             f"{flat.dtype}{list(flat.shape)}; expected [rows <= {T}, ndim] non-negative ints and one "
+                             "flat array (the file is damaged)")
+        sizes = np.prod(shapes, axis=1).astype(int) if shapes.shape[1] else np.ones(len(shapes), int)
+        if int(sizes.sum()) != flat.size:
+            raise ValueError(f"{path}: record {k!r}: its {len(shapes)} row shapes hold {int(sizes.sum())} values, the "
+                             f"flat array {flat.size} (the file is damaged)")
+        parts = np.split(flat, np.cumsum(sizes)[:-1])
+        rows[k] = [p.reshape(tuple(sh)) for p, sh in zip(parts, shapes, strict=True)]
+    return {"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]}
 
 
 def _recorder_settings(rec: Recorder) -> dict:
@@ -164,11 +239,10 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
     return {"position": state.position, "layers": layers}
 
 
-def _get_checkpoints(z, layout: dict, weights) -> dict:
-    """{t: checkpoint}, sharing their MLA caches as a session's own checkpoints do (`share_caches`; a pipeline's
-    in its stages)."""
-    kept = {t: _get_state(z, f"ckpt{t}", layout[f"ckpt{t}"], weights)
-            for t in sorted((int(k[4:]) for k in layout if k != "state"), reverse=True)}
+def _put_checkpoints(weights, host: dict) -> dict:
+    """{t: checkpoint} from {t: host state}, sharing their MLA caches as a session's own checkpoints do
+    (`share_caches`; a pipeline's in its stages)."""
+    kept = {t: _on_weights(weights, host[t]) for t in sorted(host, reverse=True)}
     longest_first = list(kept.values())
     if all(isinstance(state, KimiDecodeState) for state in longest_first):
         share_caches(longest_first, weights.xp)
@@ -217,32 +291,55 @@ def _same_bits(a, b, xp) -> bool:
     return a.shape == b.shape and bool(xp.array_equal(a.view(np.uint8), b.view(np.uint8)))
 
 
-def _get_state(z, key: str, layout: dict, weights):
-    fresh = weights.host_state(weights.new_state())
+def _on_weights(weights, host: KimiDecodeState):
+    """A state read by `_read_state` on the weights' backend (a pipeline's: in its stages)."""
+    return weights.put_state(KimiDecodeState([ls.converted(weights.xp.asarray) for ls in host.layers], host.position))
+
+
+def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
+    """Saved state `key` as host arrays, checked against the layout of a fresh state of `weights`."""
+    path, fresh = z.path, weights.host_state(weights.new_state())
     if len(layout["layers"]) != len(fresh.layers):
-        raise ValueError(f"saved state has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
+        raise ValueError(f"{path}: saved {key} has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
     layers = []
     for j, (lay, ls) in enumerate(zip(layout["layers"], fresh.layers, strict=True)):
         att = ls.attention
-        if type(att).__name__ != lay["type"]:
-            raise ValueError(f"saved layer {j} state is {lay['type']}, these weights need {type(att).__name__}")
-        kw = dict(lay["scalars"])
+        if not isinstance(lay, dict) or type(att).__name__ != lay.get("type"):
+            raise ValueError(f"{path}: saved {key} layer {j} state is {lay.get('type') if isinstance(lay, dict) else lay!r}, "
+                             f"these weights need {type(att).__name__}")
+        kw = dict(lay.get("scalars", {}))
+        want = {f.name for f in dataclasses.fields(att) if not hasattr(getattr(att, f.name), "shape")}
+        if set(kw) != want or not all(type(v) is int for v in kw.values()):
+            raise ValueError(f"{path}: saved {key} layer {j} ({lay['type']}) scalars {kw}, expected ints for exactly "
+                             f"{sorted(want)} (the file is damaged)")
+        if "length" in kw and kw["length"] != layout["position"]:  # an MLA cache holds every position decoded
+            raise ValueError(f"{path}: saved {key} layer {j} caches {kw['length']} positions, its state is at position "
+                             f"{layout['position']} (the file is damaged)")
         for f in dataclasses.fields(att):
             v = getattr(att, f.name)
             if hasattr(v, "shape"):
                 a = z[f"{key}/{j}/{f.name}"]
-                if a.dtype != v.dtype or a.shape[0] != v.shape[0]:
-                    raise ValueError(f"saved {key} layer {j} {f.name}: {a.dtype}{a.shape}, these weights need {v.dtype}{v.shape}")
+                cache = "length" in kw  # [heads, positions (any capacity), dim]
+                same = (a.shape[:1] + a.shape[2:] == v.shape[:1] + v.shape[2:] and a.ndim == v.ndim) if cache else \
+                    a.shape == v.shape
+                if a.dtype != v.dtype or not same:
+                    need = f"{v.dtype}[{v.shape[0]}, positions, {', '.join(map(str, v.shape[2:]))}]" if cache else \
+                        f"{v.dtype}{list(v.shape)}"
+                    raise ValueError(f"{path}: saved {key} layer {j} {f.name}: {a.dtype}{list(a.shape)}, these weights "
+                                     f"need {need}")
                 if "capacity" in lay:  # a cache saved as its used positions: zeros up to its capacity, as it was
                     length = kw.get("length")
                     if not (a.ndim >= 2 and a.shape[1] == length <= lay["capacity"]):
-                        raise ValueError(f"saved {key} layer {j} {f.name}: {a.shape[1] if a.ndim >= 2 else '?'} cached "
-                                         f"positions, capacity {lay['capacity']}, length {length}: a cache is saved as "
-                                         "its first `length` positions, within its capacity (the file is damaged)")
+                        raise ValueError(f"{path}: saved {key} layer {j} {f.name}: {a.shape[1] if a.ndim >= 2 else '?'} "
+                                         f"cached positions, capacity {lay['capacity']}, length {length}: a cache is saved "
+                                         "as its first `length` positions, within its capacity (the file is damaged)")
                     a = np.concatenate([a, np.zeros((a.shape[0], lay["capacity"] - a.shape[1], *a.shape[2:]), a.dtype)], axis=1)
-                kw[f.name] = weights.xp.asarray(a)
+                elif cache and a.shape[1] < kw["length"]:
+                    raise ValueError(f"{path}: saved {key} layer {j} {f.name}: capacity {a.shape[1]} below its length "
+                                     f"{kw['length']} (the file is damaged)")
+                kw[f.name] = a
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
-    return weights.put_state(KimiDecodeState(layers, int(layout["position"])))
+    return KimiDecodeState(layers, int(layout["position"]))
 
 
 def weights_fingerprint(weights) -> dict:

@@ -32,11 +32,24 @@ from pathlib import Path
 import numpy as np
 
 from ..model.block_residual import source_labels
+from .npz_io import NpzReader, write_npz
 
 __all__ = ["Trace"]
 
 FORMAT = "kimi_explore.inspection.trace/1"
 SITES = ("attn", "ffn")
+
+
+def window_slice(window, who: str) -> slice:
+    """The `window=` argument of a `trace()`: a slice of token indices or a (start, stop) pair. A bare number is
+    refused: "from token 5 on" and "the last 5 tokens" are both natural readings of window=5."""
+    if isinstance(window, slice):
+        return window
+    if isinstance(window, tuple) and len(window) == 2:
+        return slice(*window)
+    hint = f": slice({window}, None) for tokens {window} on, slice(-{window}, None) for the last {window}" \
+        if isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window > 0 else ""
+    raise TypeError(f"{who}: window={window!r}: expected a slice of token indices or a (start, stop) pair{hint}")
 
 
 def stack_rows(rows: list, name: str = "") -> np.ndarray:
@@ -57,17 +70,6 @@ def stack_rows(rows: list, name: str = "") -> np.ndarray:
     return out
 
 
-
-def read_npz_header(z, path, fmt, what: str) -> dict:
-    """The JSON header of a kimi_explore .npz file, checked to be a `what` in format `fmt` (or one of a tuple)."""
-    if "header" not in z.files:
-        raise ValueError(f"{path}: not a kimi_explore {what} (no 'header' entry; found {z.files[:5]}...)")
-    header = json.loads(str(z["header"]))
-    reads = (fmt,) if isinstance(fmt, str) else tuple(fmt)
-    if header.get("format") not in reads:
-        raise ValueError(f"{path}: {what} format {header.get('format')!r}, this version reads "
-                         f"{' or '.join(map(repr, reads))}")
-    return header
 
 class Trace:
     """Recorded values over T tokens. Build with `Recorder.trace()` or `Trace.load(path)`."""
@@ -272,15 +274,22 @@ class Trace:
             path = path.with_name(path.name + ".npz")
         arrays = {f"record/{k}": v for k, v in self._records.items()}
         header = {"format": FORMAT, "names": list(self._records), "meta": self.meta}
-        np.savez_compressed(path, header=np.array(json.dumps(header)), tokens=self.tokens, positions=self.positions, **arrays)
-        return path
+        return write_npz(path, {"header": np.array(json.dumps(header)), "tokens": self.tokens,
+                                "positions": self.positions, **arrays})
 
     @classmethod
     def load(cls, path) -> Trace:
-        with np.load(path, allow_pickle=False) as z:
-            header = read_npz_header(z, path, FORMAT, "trace")
+        with NpzReader(path, "trace") as z:
+            header = z.header(FORMAT, required=("names", "meta"))
             records = {k: z[f"record/{k}"] for k in header["names"]}
-            return cls(records, z["tokens"], z["positions"], header["meta"])
+            tokens, positions = z["tokens"], z["positions"]
+        if tokens.ndim != 1 or positions.shape != tokens.shape or tokens.dtype.kind != "i" or positions.dtype.kind != "i":
+            raise ValueError(f"{path}: tokens {tokens.dtype}{list(tokens.shape)} and positions "
+                             f"{positions.dtype}{list(positions.shape)}: expected two integer arrays [T] (the file is damaged)")
+        try:
+            return cls(records, tokens, positions, header["meta"])
+        except ValueError as e:
+            raise ValueError(f"{path}: {e} (the file is damaged)") from None
 
     def to_pandas(self, names=None):
         """Long format, one row per recorded number: t, position, token, name, layer, index, value.

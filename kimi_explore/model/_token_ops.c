@@ -216,9 +216,15 @@ static PyObject *sigmoid(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* A selection key: NaN ranks as +inf, above every number (torch.topk ranks NaN first too), so a NaN score is
+   selected and its NaN weight reaches the output instead of being passed over; a NaN in the comparisons below
+   would also leave the kept list unsorted (every later comparison false), selecting experts that are not the top. */
+static inline float rank_key(float c) { return c != c ? INFINITY : c; }
+
 PyDoc_STRVAR(select_doc, "select_experts(scores, bias, ids)\n\n"
                          "The top k = len(ids) experts of scores + bias (float32 sums), ties to the lower id, then ordered by "
-                         "unbiased score (descending; ties keep that order): scores, bias float32 [E], ids int64 [k], k <= E.");
+                         "unbiased score (descending; ties keep that order); NaN ranks as +inf: scores, bias float32 [E], "
+                         "ids int64 [k], k <= E.");
 
 static PyObject *select_experts(PyObject *self, PyObject *args) {
     (void)self;
@@ -235,10 +241,10 @@ static PyObject *select_experts(PyObject *self, PyObject *args) {
         /* insertion into the k best so far, kept in (choice descending, id ascending) order: an expert goes
            before the first kept one it beats strictly, so an equal choice stays behind the lower id */
         for (Py_ssize_t e = 0; e < E; e++) {
-            const float c = s[e] + b[e];
-            if (have == k && !(c > s[top[k - 1]] + b[top[k - 1]])) continue;
+            const float c = rank_key(s[e] + b[e]);
+            if (have == k && !(c > rank_key(s[top[k - 1]] + b[top[k - 1]]))) continue;
             Py_ssize_t j = have < k ? have++ : k - 1;
-            while (j > 0 && c > s[top[j - 1]] + b[top[j - 1]]) {
+            while (j > 0 && c > rank_key(s[top[j - 1]] + b[top[j - 1]])) {
                 top[j] = top[j - 1];
                 j--;
             }
@@ -247,7 +253,7 @@ static PyObject *select_experts(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 1; i < k; i++) { /* stable insertion sort by unbiased score, descending */
             const int64_t e = top[i];
             Py_ssize_t j = i;
-            while (j > 0 && s[e] > s[top[j - 1]]) {
+            while (j > 0 && rank_key(s[e]) > rank_key(s[top[j - 1]])) {
                 top[j] = top[j - 1];
                 j--;
             }

@@ -76,6 +76,11 @@ def chunked_delta_rule(q, k, v, log_alpha, beta, S, chunk: int = 64, state_norms
     dt = S.dtype
     if T == 0:
         return xp.empty((0, H, V), dt), xp.empty((0, H), dt) if state_norms else None
+    cut = first_non_finite(k, v, log_alpha, beta)
+    if 0 < cut < T:  # the tokens before it, then the rest: its NaN must not reach them (below)
+        o0, n0 = chunked_delta_rule(q[:cut], k[:cut], v[:cut], log_alpha[:cut], beta[:cut], S, chunk, state_norms)
+        o1, n1 = chunked_delta_rule(q[cut:], k[cut:], v[cut:], log_alpha[cut:], beta[cut:], S, chunk, state_norms)
+        return xp.concatenate((o0, o1)), xp.concatenate((n0, n1)) if state_norms else None
     C = min(int(chunk), T)
     b = min(SUB, C)
     Cp = -(-C // b) * b  # a whole number of sub-blocks
@@ -109,6 +114,20 @@ def chunked_delta_rule(q, k, v, log_alpha, beta, S, chunk: int = 64, state_norms
     if state_norms:
         norms = xp.moveaxis(norms, 1, 2)[:, :C].reshape(nc * C, H)[:T]
     return o, norms
+
+
+def first_non_finite(k, v, log_alpha, beta) -> int:
+    """The first token whose k, v, beta or log alpha holds a NaN or +inf (-inf, a decay of 0, is fine), else T.
+
+    The chunked form multiplies by the zeros above its triangles (A, M, (I + A)^{-1}): 0 times a later
+    token's NaN is NaN, so that token would poison every earlier output and state norm of its chunk, which
+    the token form never shows (q only reaches its own row). `chunked_delta_rule` runs the tokens before it
+    on their own. One reduction per call (one transfer on a GPU)."""
+    xp = array_namespace(k)
+    ok = xp.isfinite(k).all(axis=(1, 2)) & xp.isfinite(v).all(axis=(1, 2)) & xp.isfinite(beta).all(axis=1)
+    ok &= xp.isfinite(xp.maximum(log_alpha, LOG_DECAY_FLOOR)).all(axis=(1, 2))  # NaN stays NaN in maximum
+    bad = np.flatnonzero(~np.asarray(to_numpy(ok)))
+    return int(bad[0]) if bad.size else int(k.shape[0])
 
 
 @dataclass

@@ -32,7 +32,16 @@ import numpy as np
 from ..backend import to_numpy
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
-from .kimi_token import OutputHead, check_state, decoder_layer, hooks_type_error, mark_broken, token_indices
+from .kimi_token import (
+    OutputHead,
+    check_state,
+    decoder_layer,
+    discard_records,
+    hooks_type_error,
+    mark_broken,
+    records_mark,
+    token_indices,
+)
 from .latent_moe_sequence import latent_moe_sequence
 from .mla import mla_sequence
 from .ops import dense_mlp_sequence, linear, rms_norm
@@ -171,7 +180,8 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     see `inspection.hooks.Hooks`). If a hook raises (or the run is interrupted), `state` is left
     part-advanced (the chunks before taken whole, the failing one by some layers) and marked so
     (`KimiDecodeState.broken`), as `kimi_forward_token` leaves it: forward passes refuse it; go on from a
-    copy taken before (`Session` does).
+    copy taken before (`Session` does). A recorder among the hooks then drops what it recorded in this call,
+    the finished chunks' too: its records match that copy.
     """
     check_state(weights, state)
     if hooks is not None and not hasattr(hooks, "fire_chunk"):
@@ -184,7 +194,12 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     chunk, xp = int(chunk), weights.xp
     if not ids:
         return xp.zeros((0, V), weights.dtype)
-    out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
+    mark = records_mark(hooks)
+    try:
+        out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
+    except BaseException:
+        discard_records(hooks, mark)
+        raise
     return out[0] if len(out) == 1 else xp.concatenate(out)
 
 

@@ -82,7 +82,8 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
     `finish_token`) are what a pipeline stage runs a share of (`kimi_explore.distributed`): the same
     operations in the same order, so a staged decode is bit-identical to this one.
     If a hook raises (or the call is interrupted) after the layers began to advance, `state` is marked
-    part-advanced (`KimiDecodeState.broken`) and every later forward pass refuses it.
+    part-advanced (`KimiDecodeState.broken`) and every later forward pass refuses it. Whatever stops it,
+    a recorder among the hooks drops what it had recorded of the token (`discard_records`).
     """
     check_state(weights, state)  # before "embed" fires: a recorder would otherwise have started a token
     if hooks is not None:  # the token's id and position (the state's), as on the sequence path, unless the driver announced them
@@ -91,12 +92,17 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
         default = getattr(hooks, "default_token", None)
         if default is not None:
             default(token_index(token_id, weights.config.vocab_size), state.position)
-    stack = embed_token(weights, token_id, hooks)
+    mark = records_mark(hooks)
     try:
-        run_layers(weights, state, stack, hooks)
-        logits = finish_token(weights.head(), stack, hooks)
-    except BaseException as e:
-        mark_broken(state, e)
+        stack = embed_token(weights, token_id, hooks)
+        try:
+            run_layers(weights, state, stack, hooks)
+            logits = finish_token(weights.head(), stack, hooks)
+        except BaseException as e:
+            mark_broken(state, e)
+            raise
+    except BaseException:
+        discard_records(hooks, mark)
         raise
     state.position += 1
     return logits
@@ -198,6 +204,20 @@ def mark_broken(state, error: BaseException, n_tokens: int = 1) -> None:
         where = f"position {p}" if n_tokens == 1 else f"positions {p}-{p + n_tokens - 1}"
         state.broken = (f"{type(error).__name__}({error}) stopped the forward pass of {where} after it had begun to "
                         "advance the layers")
+
+
+def records_mark(hooks):
+    """Where the records of the hooks' recorders end now (None: nothing records), for `discard_records`."""
+    mark = None if hooks is None else getattr(hooks, "records_mark", None)
+    return None if mark is None else mark()
+
+
+def discard_records(hooks, mark) -> None:
+    """After a forward pass failed: the hooks' recorders drop what they recorded since `mark` (a partial token or
+    chunk would leave their records out of step with their tokens, and the caller goes on from a state copied
+    before the call, which the records must match)."""
+    if mark is not None:
+        hooks.discard_since(mark)
 
 
 _FINAL_SITE = {"final.block_residual": "final.block_residual"}  # one table for every token (`site_table`)

@@ -17,6 +17,7 @@ weights, not on the logits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -179,21 +180,33 @@ def select_experts(scores, bias, top_k: int):
 
     The biased scores are summed in the scores' dtype either way, so the selection sees the same
     numbers as an array implementation (a double-precision sum could break a float32 near-tie the
-    other way).
+    other way). A NaN ranks as +inf, above every number (torch.topk ranks NaN first too): a NaN score
+    is selected and its NaN weight reaches the output rather than being passed over. Every route
+    (compiled, Python floats, arrays) gives the same ids, ties and NaN included.
     """
     if token_ops.runs(scores, bias) and top_k <= scores.shape[0]:
         return token_ops.select_experts(scores, bias, top_k)
     choice = scores + bias
     E = choice.shape[0]
     if E <= SMALL_ROUTER and (type(scores) is np.ndarray or on_host(scores)):
-        top = sorted(range(E), key=choice.tolist().__getitem__, reverse=True)[:top_k]  # sorted is stable
-        return np.array(sorted(top, key=scores.tolist().__getitem__, reverse=True), dtype=np.intp)
-    xp = array_namespace(scores)
-    if top_k < E:
-        ids = xp.argpartition(-choice, top_k - 1)[:top_k]
-    else:
-        ids = xp.arange(E)
-    return ids[xp.argsort(-scores[ids])]
+        key = [math.inf if c != c else c for c in choice.tolist()]
+        top = sorted(range(E), key=key.__getitem__, reverse=True)[:top_k]  # sorted is stable
+        s = [math.inf if c != c else c for c in scores.tolist()]
+        return np.array(sorted(top, key=s.__getitem__, reverse=True), dtype=np.intp)
+    ids = stable_argsort(-rank_keys(choice))[:top_k]  # (argpartition and NumPy's default argsort order ties arbitrarily)
+    return ids[stable_argsort(-rank_keys(scores[ids]))]
+
+
+def rank_keys(a):
+    """a with NaN as +inf: the order `select_experts` ranks by."""
+    xp = array_namespace(a)
+    return xp.where(xp.isnan(a), math.inf, a)
+
+
+def stable_argsort(a, axis: int = -1):
+    """argsort keeping equal keys in index order (CuPy's argsort is stable and takes no `kind`)."""
+    xp = array_namespace(a)
+    return xp.argsort(a, axis=axis, kind="stable") if on_host(xp) else xp.argsort(a, axis=axis)
 
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float):
@@ -237,12 +250,13 @@ def expert_outputs(experts, ids, z, act):
     return xp.matmul(w2, a[:, :, None])[:, :, 0]
 
 
-def hooked_ids(ids, E: int, name: str):
+def hooked_ids(ids, E: int, name: str, replaced: bool = True):
     """The ids a hook returned at a token's `moe.router.topk_ids`, checked: integers [k'], each an expert 0..E-1
-    (a -1 would index the last expert; to drop a selection, return the ids without it). On a GPU it is not
-    checked (that would cost a transfer per hooked layer)."""
-    if on_host(ids):
-        a = np.asarray(ids)
+    (a -1 would index the last expert; to drop a selection, return the ids without it). On a GPU only ids a hook
+    `replaced` (returned anew) are checked, at one transfer of k ids: the recorder's unchanged ids cost nothing
+    (and a GPU's fancy indexing wraps an id out of range around to another expert instead of raising)."""
+    if on_host(ids) or replaced:
+        a = to_numpy(ids)
         bad = a[(a < 0) | (a >= E)] if a.dtype.kind in "iu" else a
         if a.ndim != 1 or bad.size:
             raise ValueError(f"{name}: a hook returned expert ids {a.dtype} {a.shape} with "
@@ -266,7 +280,8 @@ def latent_moe(x, w: LatentMoeWeights, hooks=None, names=None):
         scores = at["moe.router.scores"](scores)
     ids = select_experts(scores, w.e_score_correction_bias, w.top_k)
     if "moe.router.topk_ids" in at:
-        ids = hooked_ids(at["moe.router.topk_ids"](ids), E, names["moe.router.topk_ids"] if names else "moe.router.topk_ids")
+        hooked = at["moe.router.topk_ids"](ids)
+        ids = hooked_ids(hooked, E, names["moe.router.topk_ids"] if names else "moe.router.topk_ids", hooked is not ids)
     weights = routing_weights(scores, ids, w.renormalize, w.routed_scaling_factor)
     if "moe.router.topk_weights" in at:
         weights = at["moe.router.topk_weights"](weights)

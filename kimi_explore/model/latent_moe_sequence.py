@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._xp import array_namespace
-from ..backend import on_host
+from ..backend import on_host, to_numpy
 from . import latent_moe as moe
-from . import sequence_ops
+from . import sequence_ops, token_ops
 from .latent_moe import RENORM_EPS, LatentMoeWeights, select_experts
 from .ops import linear, rms_norm, sigmoid
 
@@ -36,7 +36,7 @@ def select_experts_rows(scores, bias, top_k: int):
     gives, the token form's included; a row with a tie is handed to `select_experts` itself (its own
     tie order). Cheaper than a stable sort of every row (the embedded model: 5x)."""
     xp = array_namespace(scores)
-    choice = scores + bias  # summed in the scores' dtype, as the token form does
+    choice = moe.rank_keys(scores + bias)  # summed in the scores' dtype, as the token form does; NaN ranks as +inf
     T, E = scores.shape
     rows = xp.arange(T)[:, None]  # fancy indexing along rows: take_along_axis's result, without its Python cost
     if top_k < E:
@@ -47,13 +47,23 @@ def select_experts_rows(scores, bias, top_k: int):
     else:
         top = xp.broadcast_to(xp.arange(E), (T, E))
         tied = xp.zeros(T, dtype=bool)
-    chosen = scores[rows, top]
+    chosen = moe.rank_keys(scores[rows, top])
     by_score = xp.argsort(-chosen, axis=1)  # unbiased descending
     ids, s = top[rows, by_score], chosen[rows, by_score]
     tied |= (s[:, 1:] == s[:, :-1]).any(axis=1)
     for t in np.flatnonzero(np.asarray(tied.get() if hasattr(tied, "get") else tied)).tolist():
         ids[t] = select_experts(scores[t], bias, top_k)  # its own tie order
     return ids
+
+
+def router_scores(logits):
+    """sigmoid(logits [T, E]) rounded as the token form rounds each token's ([E]: `ops.sigmoid`, on the host in
+    float32 the compiled step, in double and rounded once). NumPy's float32 formula is up to ~3 ulp off and
+    differs from it on about a third of the scores (every logit in 16.0 .. 16.6: 0.9999999 against
+    0.99999994): the selection would see other numbers than stepping and resolve near-ties differently."""
+    if token_ops.AVAILABLE and type(logits) is np.ndarray and logits.dtype == np.float32:
+        return token_ops.sigmoid(np.ascontiguousarray(logits))
+    return sigmoid(logits)
 
 
 def routing_weights_rows(scores, ids, renormalize: bool, scaling: float):
@@ -103,7 +113,7 @@ def expert_outputs_grouped(experts, ids, z, act):
 
 def _check_ids(ids, E: int, name: str) -> None:
     """The ids a hook returned: -1 (that selection dropped) or an expert 0..E-1, never silently another expert."""
-    ids = np.asarray(ids)
+    ids = to_numpy(ids)
     bad = ids[(ids < -1) | (ids >= E)] if ids.dtype.kind in "iu" else ids
     if ids.ndim != 2 or bad.size:
         raise ValueError(f"{name}: a hook returned expert ids {ids.dtype} {ids.shape} with "
@@ -129,14 +139,15 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
     site = (lambda kind: kind) if names is None else names.__getitem__  # noqa: E731
     E, l = w.num_experts, w.latent_size
     y = linear(x, w.in_proj)  # [T, E + l + 2 Ish]
-    scores = sigmoid(y[:, :E])
+    scores = router_scores(y[:, :E])
     if fire is not None:
         scores = fire(site("moe.router.scores"), scores)
     ids = select_experts_rows(scores, w.e_score_correction_bias, w.top_k)
     if fire is not None:
-        ids = fire(site("moe.router.topk_ids"), ids)
-        if on_host(ids):  # on a GPU a check would cost a transfer per layer (the banks see the ids on the host later)
-            _check_ids(ids, E, site("moe.router.topk_ids"))
+        hooked = fire(site("moe.router.topk_ids"), ids)
+        if on_host(hooked) or hooked is not ids:  # on a GPU, ids a hook returned anew (one transfer; unchanged: none)
+            _check_ids(hooked, E, site("moe.router.topk_ids"))
+        ids = hooked
     weights = routing_weights_rows(scores, ids, w.renormalize, w.routed_scaling_factor)
     if fire is not None:
         weights = fire(site("moe.router.topk_weights"), weights)

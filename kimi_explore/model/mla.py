@@ -207,16 +207,18 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None, fi
     state.append_many(kv[:, :, :dn], y[:, ql + kl : ql + kl + dr], kv[:, :, dn:])  # k_pe is NOT normalised
     scale = 1.0 / math.sqrt(dn + dr)
     qh = q.swapaxes(0, 1)  # [nh, T, dq]
+    # a NaN or inf value of a later token must not reach an earlier query through its masked 0 (0 * inf = NaN)
+    finite = T < 2 or bool(to_numpy(xp.isfinite(state.values[:, L0 + 1 : L0 + T]).all()))
     if fire is not None and fire_probs:
         p = _causal_probs(qh, state, L0, scale)  # [nh, T, L0 + T]
         p = fire(site("mla.probs"), p.swapaxes(0, 1)).swapaxes(0, 1)
         _check_causal(p, L0, site("mla.probs"))
-        o = xp.matmul(p, state.values[:, : L0 + T]).swapaxes(0, 1)  # [T, nh, dv]
+        o = _causal_mix(p, state.values, L0, finite).swapaxes(0, 1)  # [T, nh, dv]
     else:
         o = xp.empty((nh, T, dv), dtype=q.dtype)
         for a in range(0, T, QUERY_BLOCK):  # queries a..b-1 see positions up to L0 + b - 1
             b = min(T, a + QUERY_BLOCK)
-            xp.matmul(_causal_probs(qh[:, a:b], state, L0 + a, scale), state.values[:, : L0 + b], out=o[:, a:b])
+            _causal_mix(_causal_probs(qh[:, a:b], state, L0 + a, scale), state.values, L0 + a, finite, out=o[:, a:b])
         o = o.swapaxes(0, 1)
     if fire is not None:
         o = fire(site("mla.o"), o)
@@ -241,6 +243,23 @@ def _check_causal(p, L0: int, name: str) -> None:
         raise ValueError(f"{name}: a hook left nonzero probabilities (or NaN) at positions after token {t} of the "
                          f"chunk (position {L0 + t}): token t of a chunk sees cache positions 0 .. L0 + t, the rest of "
                          "its row must stay 0 (masked), or the chunk attends to tokens not decoded yet")
+
+
+def _causal_mix(p, values, L0: int, finite: bool, out=None):
+    """o [nh, n, dv] = p [nh, n, L0 + n] @ values[:, :L0 + n] for queries at positions L0 .. L0 + n - 1.
+
+    A masked probability is exactly 0, but 0 times a NaN or inf value is NaN: one later token's non-finite
+    value would poison every earlier query of the chunk, which the token form never sees. Where the chunk's
+    values are not all finite (`finite` False), each query mixes only the positions it sees (the token form's
+    product), so a NaN reaches the logits from its own token on, as when stepping."""
+    xp = array_namespace(p)
+    n = p.shape[1]
+    if finite or n < 2:
+        return xp.matmul(p, values[:, : L0 + n], out=out)
+    out = xp.empty(p.shape[:2] + (values.shape[-1],), p.dtype) if out is None else out
+    for t in range(n):
+        out[:, t] = xp.matmul(p[:, t, None, : L0 + t + 1], values[:, : L0 + t + 1])[:, 0]
+    return out
 
 
 def _causal_probs(qh, state: MlaState, L0: int, scale: float):
@@ -269,6 +288,9 @@ def causal_softmax_(scores, L0: int):
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
+        # a row whose max is NaN (or -inf: nothing visible but -inf) gave its masked positions exp(-inf - NaN) = NaN:
+        # they stay exactly 0, as the compiled kernel leaves them (the hooks' `_check_causal` refuses anything else)
+        xp.copyto(s[:, :, L0:], 0.0, where=future)
     return scores
 
 

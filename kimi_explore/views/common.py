@@ -14,6 +14,13 @@ MAX_TICKS = 40  # labels per axis before thinning; ~40 stays readable at 100 dpi
 _NICE_STRIDES = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 250, 500, 1000, 2000, 5000)
 
 
+def trace_of(session_or_trace, tokenizer=None):
+    """(trace, tokenizer) of a `Session` (its trace; its tokenizer where none is given) or of a `Trace` (as given)."""
+    if hasattr(session_or_trace, "step") and callable(getattr(session_or_trace, "trace", None)):
+        return session_or_trace.trace(), tokenizer if tokenizer is not None else session_or_trace.tokenizer
+    return session_or_trace, tokenizer
+
+
 def token_labels(ids, tokenizer=None, positions: bool = True, start: int = 0) -> list[str]:
     """Readable labels for token ids: `tokenizer.token_label(id)` when given, the id otherwise.
 

@@ -6,7 +6,8 @@
 
    Each weight is the exact dequantised value (E2M1 value x power of two), applied as a power of
    two to the group's partial sum (the same product, exactly, barring under/overflow of the partial
-   sum). Only the float32 summation order differs from a BLAS matvec on the dequantised matrix.
+   sum; a scale byte from EDGE_SCALE on, where decoded weights overflow to inf, decodes them one at a
+   time). Only the float32 summation order differs from a BLAS matvec on the dequantised matrix.
 
    x arrives deinterleaved per row of inputs: xeo[m] = [x[0::2] | x[1::2]] (H floats each), so that
    the LOW nibble of byte j (column 2j) meets xe[j] and the HIGH nibble (column 2j + 1) meets xo[j].
@@ -42,9 +43,28 @@ static float POW2[256]; /* 2^(s - 127) as float32 (s = 0: 2^-127, subnormal; s =
 
 typedef void (*row_fn)(const uint8_t *row, const uint8_t *srow, const float *xe, const float *xo, Py_ssize_t G, float *y);
 
+/* From this scale byte on a decoded weight overflows float32: 4 x 2^126 and 6 x 2^126 are past FLT_MAX, and byte 255
+   is 2^128 = inf, where a zero code decodes to 0 x inf = NaN. mxfp4.dequantize (the dense route) and the grouped
+   kernels below hold those inf and NaN weights; the power of two applied to the group's partial sum would instead
+   give finite outputs from weights that do not exist in float32 (a finite token path where the sequence path and
+   the dense route give NaN). Such a group (never in a real checkpoint: K3's scales are 120..122) takes the dense
+   route's decoded weights, one at a time. */
+#define EDGE_SCALE 253
+
+static float edge_group(const uint8_t *bytes, uint8_t sbyte, const float *xe, const float *xo) {
+    const float p = POW2[sbyte];
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += (E2M1[bytes[j] & 15] * p) * xe[j] + (E2M1[bytes[j] >> 4] * p) * xo[j];
+    return s;
+}
+
 static void row_portable(const uint8_t *row, const uint8_t *srow, const float *xe, const float *xo, Py_ssize_t G, float *y) {
     float acc = 0.0f;
     for (Py_ssize_t g = 0; g < G; g++) {
+        if (srow[g] >= EDGE_SCALE) {
+            acc += edge_group(row + 16 * g, srow[g], xe + 16 * g, xo + 16 * g);
+            continue;
+        }
         float s = 0.0f;
         for (int j = 0; j < 16; j++) {
             Py_ssize_t i = 16 * g + j;
@@ -71,6 +91,11 @@ __attribute__((target("avx2,fma"))) static void row_avx2(const uint8_t *row, con
                                                         const float *xo, Py_ssize_t G, float *y) {
     __m256 acc = _mm256_setzero_ps();
     for (Py_ssize_t g = 0; g < G; g++) {
+        if (srow[g] >= EDGE_SCALE) {  /* into lane 0 */
+            acc = _mm256_add_ps(acc, _mm256_setr_ps(edge_group(row + 16 * g, srow[g], xe + 16 * g, xo + 16 * g),
+                                                    0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f));
+            continue;
+        }
         __m256 s = _mm256_setzero_ps();
         for (int h = 0; h < 16; h += 8) {
             const Py_ssize_t i = 16 * g + h;
@@ -94,6 +119,18 @@ __attribute__((target("avx512f"))) static void row_avx512(const uint8_t *row, co
     Py_ssize_t g = 0;
     for (; g + 1 < G; g += 2) {  /* two groups in flight */
         const Py_ssize_t i = 16 * g;
+        if (srow[g] >= EDGE_SCALE || srow[g + 1] >= EDGE_SCALE) {  /* both groups one at a time, into lane 0 */
+            for (int h = 0; h < 2; h++) {
+                const Py_ssize_t gh = g + h, ih = 16 * gh;
+                float part;
+                if (srow[gh] >= EDGE_SCALE)
+                    part = edge_group(row + ih, srow[gh], xe + ih, xo + ih);
+                else
+                    row_portable(row + ih, srow + gh, xe + ih, xo + ih, 1, &part);
+                acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps((__mmask16)1, _mm512_set1_ps(part)));
+            }
+            continue;
+        }
         __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
         __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i + 16)));
         __m512 s0 = _mm512_mul_ps(_mm512_permutexvar_ps(d0, lut), _mm512_loadu_ps(xe + i));
@@ -103,7 +140,10 @@ __attribute__((target("avx512f"))) static void row_avx512(const uint8_t *row, co
         acc0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(POW2[srow[g]]), acc0);
         acc1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(POW2[srow[g + 1]]), acc1);
     }
-    if (g < G) {
+    if (g < G && srow[g] >= EDGE_SCALE)
+        acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps((__mmask16)1, _mm512_set1_ps(edge_group(row + 16 * g, srow[g], xe + 16 * g,
+                                                                                                xo + 16 * g))));
+    else if (g < G) {
         const Py_ssize_t i = 16 * g;
         __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
         __m512 s0 = _mm512_mul_ps(_mm512_permutexvar_ps(d0, lut), _mm512_loadu_ps(xe + i));

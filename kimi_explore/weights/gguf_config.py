@@ -89,6 +89,9 @@ def config_from_gguf(meta: dict, types: dict, tensors: dict, source: str) -> Kim
     raw = {c: get(g) for c, g in KEYS.items() if "." not in c}
     la = {c.split(".", 1)[1]: get(g) for c, g in KEYS.items() if "." in c}
     n = raw["num_hidden_layers"]
+    if type(n) is not int or n < 1:  # (used below, before the config checks every value's type)
+        raise ConfigError(f"{source}: {ARCH}.block_count is {n!r} ({type(n).__name__}), expected a positive integer "
+                          "(the number of layers)")
     kinds = get("attention.head_count_kv")
     if not isinstance(kinds, list) or len(kinds) != n or any(k not in (0, 1) for k in kinds):
         raise ConfigError(f"{source}: {ARCH}.attention.head_count_kv must list 0 (KDA) or 1 (MLA) for each of the "

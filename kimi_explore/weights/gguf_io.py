@@ -16,7 +16,10 @@ is ne[0] / block blocks.
 
 Everything is checked at open (every length against the file size, every tensor's byte range
 against the data section), so a truncated file fails there, naming the tensor that does not fit,
-and never halfway through a load. The data is `np.memmap`ped: `raw(name)` is a zero-copy view.
+and never halfway through a load. As llama.cpp's reader does, a key or tensor name given twice is
+refused, and each tensor's data must start where the previous one's ends (padded to the alignment):
+a damaged offset would otherwise read another tensor's bytes as this one's. The data is
+`np.memmap`ped: `raw(name)` is a zero-copy view.
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ class GgufFile:
         self.metadata, self.types = {}, {}
         for j in range(n_kv):
             key = c.string(f"metadata key {j}")
+            if key in self.metadata:  # (llama.cpp refuses such a file too) the later value would win silently
+                raise CheckpointError(f"{self.path}: corrupt GGUF header: metadata key '{key}' appears twice")
             vtype = c.scalar("<u4", f"the type of '{key}'")
             value = c.value(vtype, f"metadata '{key}'")
             if vtype == ARRAY:
@@ -133,22 +138,34 @@ class GgufFile:
             else:
                 self.types[key] = vtype
             self.metadata[key] = value
-        infos = []
+        infos, names = [], set()
         for j in range(n_tensors):
             name = c.string(f"tensor name {j}")
+            if name in names:
+                raise CheckpointError(f"{self.path}: corrupt GGUF header: tensor '{name}' appears twice (one name, "
+                                      "two tensors: which one the model reads would be an accident)")
             n_dims = c.scalar("<u4", f"tensor '{name}' n_dims")
             if not 1 <= n_dims <= 4:
                 raise CheckpointError(f"{self.path}: corrupt GGUF header: tensor '{name}' has {n_dims} dimensions")
             ne = tuple(c.scalar("<u8", f"tensor '{name}' shape") for _ in range(n_dims))
             type_id, offset = c.scalar("<u4", f"tensor '{name}' type"), c.scalar("<u8", f"tensor '{name}' offset")
             infos.append((name, ne, type_id, offset))
-        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise CheckpointError(f"{self.path}: general.alignment = {self.alignment} is not a power of two")
+            names.add(name)
+        self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(self.alignment) is not int or self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise CheckpointError(f"{self.path}: general.alignment = {self.alignment!r} is not a power of two (an "
+                                  "integer; a float was cut to one)")
         self.data_start = -(-c.pos // self.alignment) * self.alignment
         self.tensors: dict[str, GgufTensor] = {}
+        expected = 0  # each tensor's data follows the previous one's, padded to the alignment (llama.cpp's rule)
         for name, ne, type_id, offset in infos:
-            self.tensors[name] = self._tensor(name, ne, type_id, offset, size)
+            t = self.tensors[name] = self._tensor(name, ne, type_id, offset, size)
+            if offset != expected:
+                raise CheckpointError(f"{self.path}: corrupt GGUF header: tensor '{name}' starts at data offset {offset}, "
+                                      f"expected {expected} (where the previous tensor's data ends, padded to "
+                                      f"general.alignment = {self.alignment}): its bytes would overlap another tensor's "
+                                      "or leave a gap")
+            expected += -(-(t.end - t.begin) // self.alignment) * self.alignment
 
     def _tensor(self, name: str, ne: tuple, type_id: int, offset: int, size: int) -> GgufTensor:
         if type_id not in TYPES:

@@ -84,8 +84,10 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         in the shard files as read-only memory maps, nothing copied at load, paged in by the OS on
         first use (bit-identical to "packed" with the same cache size; on a GPU the selected
         experts are copied to the device per use); "auto" (default) is dense when all requested
-        experts dequantised fit in 1 GiB (the tiny models), else packed (K3).
-    expert_cache_size: with packed experts, dequantised experts kept PER LAYER in an LRU cache;
+        experts dequantised fit in 1 GiB (the tiny models), else packed (K3); packed whenever
+        expert_cache_size is given.
+    expert_cache_size: with packed or mapped experts (refused with "dense"), dequantised experts kept PER
+        LAYER in an LRU cache;
         0 = no cache: on the CPU in float32 the selected experts are then multiplied straight from
         their packed bytes by the compiled kernel (`mxfp4_matvec`, when built; the same weights,
         float32 sums in another order), else dequantised per token. None = all of a layer's
@@ -113,7 +115,7 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         cfg = source.config
         layer_ids = resolve_layers(layers, cfg.num_hidden_layers)
         source.check(layer_ids, embedding, head)
-        mode = opts.resolve_experts(experts, cfg, layer_ids, source, dt)
+        mode = opts.resolve_experts(experts, cfg, layer_ids, source, dt, expert_cache_size)
         cache_size = opts.resolve_cache_size(expert_cache_size, cfg, dt, xp)
         extra = {"experts": mode, "expert_cache_size": cache_size if mode in ("packed", "mapped") else None,
                  "weight_dtype": "bfloat16" if bf16 else np.dtype(dt).name,

@@ -37,13 +37,20 @@ def check_forms(experts, expert_cache_size) -> None:
     size = expert_cache_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0):
         raise ValueError(f"expert_cache_size={size!r}: expected None or a number of experts per layer >= 0")
+    if experts == "dense" and size is not None:
+        raise ValueError(f"expert_cache_size={size!r} sizes the cache of packed or mapped experts, and experts='dense' "
+                         "dequantises every expert at load: leave expert_cache_size out, or pass experts='packed'")
 
 
-def resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, source: TensorSource, dtype) -> str:
-    """The expert mode for these layers: "auto" is dense when small (or not MXFP4 on disk), else packed."""
+def resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, source: TensorSource, dtype,
+                    cache_size: int | None = None) -> str:
+    """The expert mode for these layers: "auto" is dense when small (or not MXFP4 on disk), else packed; a
+    given `cache_size` (the caller's expert_cache_size) asks for packed."""
     check_forms(experts, None)
     moe = [i for i in layer_ids if cfg.is_moe_layer(i)]
     quantized = all(source.experts_quantized(i) for i in moe)
+    if experts == "auto" and cache_size is not None:
+        experts = "packed"  # (refused below where the experts are not MXFP4 on disk)
     if experts == "auto":
         if not quantized:
             return "dense"
@@ -51,8 +58,9 @@ def resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, source: Ten
     if experts in ("packed", "mapped") and not quantized:
         layer = next(i for i in moe if not source.experts_quantized(i))
         raise CheckpointError(
-            f"{source.path}: experts={experts!r} but layer {layer}'s routed experts are not all MXFP4 on disk; "
-            "load with experts='dense'"
+            f"{source.path}: experts={experts!r}{'' if cache_size is None else f' (expert_cache_size={cache_size})'} "
+            f"but layer {layer}'s routed experts are not all MXFP4 on disk; load with experts='dense' "
+            "and no expert_cache_size"
         )
     return experts
 

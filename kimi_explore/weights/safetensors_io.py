@@ -33,6 +33,20 @@ DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs):
+    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last silently)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 class SafetensorsFile:
     """One memory-mapped `.safetensors` file."""
 
@@ -53,9 +67,11 @@ class SafetensorsFile:
                 )
             raw = f.read(n)
         try:
-            header = json.loads(raw)
+            header = json.loads(raw, object_pairs_hook=_unique_keys)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.path}: corrupt safetensors header (not valid JSON: {e})") from None
+        except _DuplicateKey as e:
+            raise CheckpointError(f"{self.path}: corrupt safetensors header: '{e.args[0]}' appears twice") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (expected a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}
@@ -81,6 +97,16 @@ class SafetensorsFile:
                     f"but the file holds only {data_len} bytes of tensor data"
                 )
             self._entries[name] = (dtype, shape, data_start + begin, data_start + end)
+        at = data_start  # the tensors tile the data section, as the format requires: no overlap, no gap
+        for name, (_, _, b, e) in sorted(self._entries.items(), key=lambda item: item[1][2:]):
+            if b != at:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: tensor '{name}' starts at byte {b - data_start} "
+                                      f"of the data section, expected {at - data_start} (where the tensor before it "
+                                      "ends): its bytes would overlap another tensor's, or leave a gap")
+            at = e
+        if at != size:
+            raise CheckpointError(f"{self.path}: the tensors end at byte {at - data_start} of the data section, but it "
+                                  f"holds {data_len} bytes (a damaged header, or bytes appended to the file)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
 
     def keys(self):

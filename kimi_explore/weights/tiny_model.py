@@ -281,7 +281,16 @@ def describe_checkpoint(path) -> str:
     """One line saying what a tiny checkpoint is, from its `model_card.json` when it has one."""
     card = Path(path) / "model_card.json"
     if card.exists():
-        c = json.loads(card.read_text())
+        try:
+            c = json.loads(card.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise CheckpointError(f"{card}: not valid JSON ({e})") from None
+        need = {"name": str, "corpus": str, "params": int, "val_bits_per_byte": (int, float)}  # what the line shows
+        bad = [k for k, t in need.items() if not isinstance(c, dict) or not isinstance(c.get(k), t)]
+        if bad:
+            found = {k: c.get(k) for k in bad} if isinstance(c, dict) else c
+            raise CheckpointError(f"{card}: a model card needs name and corpus (text), params (an int) and "
+                                  f"val_bits_per_byte (a number); found {found!r:.200}")
         return (f"{c['name']}: a tiny K3 trained on {c['corpus']} ({c['params']:,} parameters), "
                 f"{c['val_bits_per_byte']:.2f} bits/byte on its held-out validation split")
     return f"{Path(path).name}: random weights (no model card)"

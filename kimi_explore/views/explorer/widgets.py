@@ -29,6 +29,7 @@ import html
 import ipywidgets as widgets
 import numpy as np
 
+from ...inspection.trace import window_slice
 from .. import summaries
 from ..common import bias_vectors, token_labels
 from .ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
@@ -302,7 +303,7 @@ class Explorer(widgets.VBox):
         of it (views of its records). The views read windows: a Step costs the same at any length."""
         if self._trace is None:
             self._trace = self.session.trace()
-        return self._trace if window is None else self._trace.window(window)
+        return self._trace if window is None else self._trace.window(window_slice(window, "Explorer.trace"))
 
     def history_memo(self, name: str, make):
         """A value computed once per history (dropped when the history changes)."""

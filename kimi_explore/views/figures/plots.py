@@ -1,6 +1,7 @@
 """Figures of what K3 did, token by token: pure functions `trace -> matplotlib.figure.Figure`.
 
-Every function reads a `kimi_explore.Trace` (what a `Recorder` collected) and returns a NEW
+Every function reads a `kimi_explore.Trace` (what a `Recorder` collected; or a `Session`: its trace,
+and its tokenizer where the call gives none) and returns a NEW
 `Figure` built with matplotlib's object-oriented API: no pyplot, no global state, safe under Agg, in
 threads and in a kernel without a display. `figure_png(fig)` turns one into PNG bytes for widgets
 and reports. The figures are `InlineFigure`s, a Figure with a `_repr_png_`, so a cell that ends with
@@ -26,12 +27,15 @@ heatmaps, and figure sizes grow with the data but stay bounded.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..common import MAX_TICKS, layer_position, moe_layer_labels, routing, softmax, token_index, token_labels
+from ..common import MAX_TICKS, layer_position, moe_layer_labels, routing, softmax, token_index, token_labels, trace_of
 from .mpl import InlineFigure, escape_mathtext, figure_png, heatmap, span_inches, ticks
 
 __all__ = [
@@ -56,6 +60,24 @@ __all__ = [
 def _labels(ids, tokenizer=None, positions: bool = True) -> list[str]:
     """`token_labels`, safe to draw."""
     return [escape_mathtext(s) for s in token_labels(ids, tokenizer, positions)]
+
+
+def _takes_session(fn):
+    """fn(trace, ...) that takes a Session too: its trace, and its tokenizer where the call gives none."""
+    params = list(inspect.signature(fn).parameters)
+    at = params.index("tokenizer") if "tokenizer" in params else None  # its place among fn's parameters
+
+    @functools.wraps(fn)
+    def taking_a_session(trace, *args, **kwargs):
+        positional = at is not None and len(args) >= at  # the tokenizer among args (args follow `trace`)
+        trace, tokenizer = trace_of(trace, args[at - 1] if positional else kwargs.get("tokenizer"))
+        if positional:
+            args = (*args[: at - 1], tokenizer, *args[at:])
+        elif at is not None:
+            kwargs["tokenizer"] = tokenizer
+        return fn(trace, *args, **kwargs)
+
+    return taking_a_session
 
 
 SITE_TITLES = ("before attention  (attn_res.attn)", "before the FFN  (attn_res.ffn)")
@@ -87,6 +109,7 @@ def _label_mla_rows(ax, rows: list[str]) -> None:
         ax.set_yticks(pos, [rows[j] for j in pos], fontsize=7)
 
 
+@_takes_session
 def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     """For one token: layer x source softmax weights at both sites, plus the final output mix.
 
@@ -123,6 +146,7 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     return fig
 
 
+@_takes_session
 def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
     """For one layer: source x token softmax weights over the prompt (tokens along x, as in the
     Explorer), before attention above, before the FFN below. The sources stay labelled at the left
@@ -170,6 +194,7 @@ def _kda_position(ids: list[int], layer: int) -> int:
     return ids.index(layer)
 
 
+@_takes_session
 def kda_state_heatmap(trace, layer: int, tokenizer=None, vmax=None) -> Figure:
     """For one KDA layer: token x head Frobenius norm of each head's recurrent state S [K, V].
     vmax: the top of the colour scale (pass one value to several KDA figures to compare them)."""
@@ -188,6 +213,7 @@ def kda_state_heatmap(trace, layer: int, tokenizer=None, vmax=None) -> Figure:
 def kda_state_difference(trace_a, trace_b, layer: int, tokenizer=None, names=("as run", "intervened")) -> Figure:
     """For one KDA layer: token x head ‖S‖ of run b minus run a, on a symmetric diverging scale
     (white: no change). The two traces must hold the same tokens (a fork and its original)."""
+    (trace_a, tokenizer), (trace_b, _) = trace_of(trace_a, tokenizer), trace_of(trace_b)
     (na, ia), (nb, ib) = _kda(trace_a), _kda(trace_b)
     if list(trace_a.tokens) != list(trace_b.tokens) or ia != ib:
         raise ValueError("kda_state_difference: the two traces must hold the same tokens and KDA layers "
@@ -206,6 +232,7 @@ def kda_state_difference(trace_a, trace_b, layer: int, tokenizer=None, names=("a
     return fig
 
 
+@_takes_session
 def kda_state_overview(trace, token: int = -1, tokenizer=None, vmax=None) -> Figure:
     """For one token: KDA layer x head state norms, after that token's update (vmax: as kda_state_heatmap)."""
     norms, ids = _kda(trace)
@@ -222,6 +249,7 @@ def kda_state_overview(trace, token: int = -1, tokenizer=None, vmax=None) -> Fig
     return fig
 
 
+@_takes_session
 def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 4) -> Figure:
     """State norm over tokens for chosen KDA layers: mean over heads, band = min..max head.
 
@@ -280,6 +308,7 @@ def _score_panel(fig, ax, scores, ids, weights, rows, n_experts) -> str:
     return _mark_topk(ax, ids, weights, n_experts, annotate=scores.size <= 600)
 
 
+@_takes_session
 def moe_routing_token(trace, token: int = -1, tokenizer=None) -> Figure:
     """For one token: MoE layer x expert router scores, chosen top-k outlined (numbers = combine weights)."""
     r = routing(trace)
@@ -294,6 +323,7 @@ def moe_routing_token(trace, token: int = -1, tokenizer=None) -> Figure:
     return fig
 
 
+@_takes_session
 def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
     """For one MoE layer: token x expert router scores over the prompt, chosen top-k outlined."""
     r = routing(trace)
@@ -310,6 +340,7 @@ def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
     return fig
 
 
+@_takes_session
 def expert_load(trace, layer=None) -> Figure:
     """How often each expert was chosen over the prompt: bars for one MoE layer, or a MoE layer x expert
     map of counts (each layer has its own experts: expert 3 of layer 1 and of layer 2 share only a
@@ -350,6 +381,7 @@ def expert_load(trace, layer=None) -> Figure:
     return fig
 
 
+@_takes_session
 def moe_output_norms(trace, token=None, tokenizer=None) -> Figure:
     """‖routed output‖ and ‖shared output‖ per MoE layer: at one token, or mean over tokens (band min..max)."""
     layers = routing(trace)["moe_layers"]
@@ -375,6 +407,7 @@ def moe_output_norms(trace, token=None, tokenizer=None) -> Figure:
 # ---------------------------------------------------------------- next-token predictions
 
 
+@_takes_session
 def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
     """Top-k next-token probabilities after one token; the token actually fed next is highlighted."""
     t = token_index(trace, token)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import base64
 import html
+import os
+import re
 from pathlib import Path
 
 import numpy as np
 
-from ..common import bias_vectors
+from ..common import bias_vectors, trace_of
 from . import plots, plots_summary
 
 __all__ = ["default_layers", "write_report"]
@@ -137,14 +139,15 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     deepest KDA + MoE layer).
     top: predictions per token in the table (at most the recorder's `top_k`).
     comparison: a `ke.compare` result, shown as its layer x site heatmaps (`engine_plots.report_figures`).
+    A report written to `out_dir` before is replaced whole: its PNGs this one does not write are removed
+    (other files are left alone), and index.html is replaced in one step.
     """
-    trace = session_or_trace.trace() if hasattr(session_or_trace, "step") else session_or_trace
-    if tokenizer is None:
-        tokenizer = getattr(session_or_trace, "tokenizer", None)
+    trace, tokenizer = trace_of(session_or_trace, tokenizer)
     if len(trace) == 0:
         raise ValueError("write_report: the trace is empty; feed at least one token first")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    before = _figures_of_page(out / "index.html")  # a report written here before: its PNGs are replaced below
     sections: dict[str, list[str]] = {}
     figures = _figures(trace, tokenizer, layers)
     if hasattr(session_or_trace, "step"):  # the analyses replay a session's history; a bare trace cannot
@@ -179,6 +182,19 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
         body += [f"<h2 id='s{n}'>{html.escape(section)}</h2>", *figs]
     page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
-    path = out / "index.html"
-    path.write_text(page, encoding="utf-8")
+    path, tmp = out / "index.html", out / f".index.html.{os.getpid()}.tmp"
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, path)  # a reader never sees half a page
+    for stem in before - {stem for _, stem, _, _ in figures}:  # the earlier report's figures this one does not have:
+        (out / f"{stem}.png").unlink(missing_ok=True)  # left, they would pass for this prompt's (other layers...)
     return path
+
+
+def _figures_of_page(page: Path) -> set[str]:
+    """The file stems of the figures an earlier `write_report` page shows (empty: no page there)."""
+    try:
+        text = page.read_text(encoding="utf-8")
+    except (FileNotFoundError, UnicodeDecodeError):
+        return set()
+    return {html.unescape(m) for m in re.findall(r'<figure id="([^"]+)"><img alt="[^"]*" src="data:image/png;base64,', text)
+            if re.fullmatch(r"[\w.-]+", html.unescape(m))}

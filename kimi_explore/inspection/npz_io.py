@@ -1,0 +1,105 @@
+"""The .npz files kimi_explore writes (session states, traces, routing-stats checkpoints): written
+atomically, read with errors that name the file and the entry.
+
+Each file is a zip of .npy entries plus a JSON `header` entry whose `format` says what it is. Writing
+goes to a temporary file beside the target, then `os.replace`: an interrupted save leaves the old
+file (or none), never a partial one under the final name. Reading: a zip member carries a CRC-32,
+checked as it is read, so a flipped or truncated byte fails the entry that holds it; every such
+failure (and a missing entry, and a file that is no zip at all) is one ValueError naming the file
+and the entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["NpzReader", "read_npz_header", "write_npz"]
+
+# what NumPy / zipfile raise on a damaged or truncated archive or entry
+_DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError)
+
+
+def write_npz(path, arrays: dict, compressed: bool = True) -> Path:
+    """Write {name: array} to `path` exactly as named (no suffix added), atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            (np.savez_compressed if compressed else np.savez)(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+class NpzReader:
+    """An open .npz (`with NpzReader(path, "session state") as z: z["logits"]`): entries read with errors
+    that name the file and the entry."""
+
+    def __init__(self, path, what: str):
+        self.path, self.what = Path(path), what
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{what} {self.path}: no such file" + (" (a directory)" if self.path.is_dir() else ""))
+        try:
+            z = np.load(self.path, allow_pickle=False)
+        except _DAMAGE as e:
+            raise ValueError(f"{self.path}: not a complete .npz archive, which a {what} file is (truncated or "
+                             f"damaged? {type(e).__name__}: {e})") from None
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError(f"{self.path}: a single .npy array, not a {what} file (an .npz archive)")
+        self._z = z
+        self.files = list(z.files)
+
+    def __enter__(self) -> NpzReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._z.close()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self.files:
+            raise ValueError(f"{self.path}: no entry {key!r}, which this {self.what} file needs (damaged, or not "
+                             f"written by kimi_explore; it holds {len(self.files)} entries)")
+        try:
+            return self._z[key]
+        except _DAMAGE as e:
+            raise ValueError(f"{self.path}: entry {key!r} is damaged or truncated ({type(e).__name__}: {e})") from None
+
+    def header(self, fmt, required=()) -> dict:
+        """The JSON header, checked to be a `what` in format `fmt` (or one of a tuple) with every `required` key."""
+        return read_npz_header(self, self.path, fmt, self.what, required)
+
+
+def read_npz_header(z, path, fmt, what: str, required=()) -> dict:
+    """The JSON header of a kimi_explore .npz file, checked to be a `what` in format `fmt` (or one of a tuple)
+    holding every key in `required` (all missing ones listed)."""
+    if "header" not in z.files:
+        raise ValueError(f"{path}: not a kimi_explore {what} (no 'header' entry; found {list(z.files)[:5]}...)")
+    raw = z["header"]
+    try:
+        header = json.loads(str(raw)) if raw.dtype.kind == "U" and raw.ndim == 0 else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: the {what}'s header is not valid JSON ({e}): the file is damaged") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the {what}'s header is not a JSON object (found {raw.dtype}{list(raw.shape)} "
+                         f"{str(raw)[:40]!r}): not a kimi_explore {what}")
+    reads = (fmt,) if isinstance(fmt, str) else tuple(fmt)
+    if header.get("format") not in reads:
+        raise ValueError(f"{path}: {what} format {header.get('format')!r}, this version reads "
+                         f"{' or '.join(map(repr, reads))}")
+    missing = [k for k in required if k not in header]
+    if missing:
+        raise ValueError(f"{path}: the {what}'s header lacks {missing} (found {sorted(header)}): the file is damaged")
+    return header
