@@ -152,6 +152,21 @@ def test_attribution_equals_the_twin(name, dtype, how, weights, twins, twin_runs
 # ---------------------------------------------------------------------------------------------- replays (bugs)
 
 
+@pytest.mark.parametrize("how", ["mixed", "fork", "loaded", "route"])
+@pytest.mark.parametrize("name", list(PATHS))
+def test_the_replay_of_every_history_gives_its_logits_bit_for_bit(name, how, weights, tmp_path):
+    """What the analyses read is what the history computed: the replayed logits are the stored ones exactly, from
+    token 0 and from the checkpoint before a position (at a cut, after it, at the end)."""
+    s = mixed_history(weights(name, "float32"), TEXT, tmp_path, how)
+    for positions in (None, [6], [12], [20], [len(TEXT) - 1]):
+        for from_checkpoint in (False, True):
+            seen = []
+            for t, _, logits in replay(s, ["embed"], positions, from_checkpoint=from_checkpoint):
+                np.testing.assert_array_equal(logits, s.logits[t], err_msg=f"token {t}")
+                seen.append(t)
+            assert seen == (list(range(len(TEXT))) if positions is None else positions)
+
+
 def test_bug_a_chunk_is_replayed_on_the_route_it_was_fed_on(ref_weights, tmp_path):
     """A session that fed its chunks with a recorder keeping `kda.state` in full (the KDA layers then run token by
     token inside the chunk), saved and loaded with recorder=False: the replay ran the chunks on the loaded session's
