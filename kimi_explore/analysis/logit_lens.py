@@ -10,7 +10,7 @@ mix; the lens applies the same formula after every layer:
     logits = lm_head @ norm(sum_j p_j V_j)                        ... values raw; then the final RMSNorm
 
 At the last layer this is exactly what `kimi_forward_token` computes (V is then the final stack and
-h), so `lens.logits(last) == model logits` up to float rounding of the batched lm_head product.
+h), so the last row of `lens_logits` is the model's logits up to float rounding of the batched lm_head product.
 Blocks are pushed by the decoder's rule: a layer with `is_block_boundary` pushes its raw input
 (the previous layer's h, or the embedding for layer 0) before its attention.
 

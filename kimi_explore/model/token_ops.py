@@ -95,7 +95,8 @@ def softmax_rows_(s, scale: float):
 
 
 def select_experts(scores, bias, top_k: int):
-    """The top-k of scores + bias (ties to the lower id), ordered by unbiased score: int64 [k] (`latent_moe.select_experts`)."""
+    """The top-k of scores + bias (ties to the lower id, NaN ranked as +inf), ordered by unbiased score: int64 [k]
+    (`latent_moe.select_experts`)."""
     ids = np.empty(top_k, np.int64)
     _ext.select_experts(scores, bias, ids)
     return ids

@@ -5,7 +5,9 @@
 At K3 size the 16 experts a token picks are 280 MB packed and 2.1 GB dequantised; dequantising
 them into memory and reading them back costs ~20x the packed bytes. The kernel
 (`_mxfp4_matvec.c`) decodes each 16-byte group in registers instead: every weight is its exact
-dequantised value, the group's power of two scales the group's partial sum, and only the float32
+dequantised value, the group's power of two scales the group's partial sum (a scale byte of 253..255,
+where dequantised weights overflow float32 to inf, or NaN for 0 x 2^128, multiplies the decoded weights
+instead, as `mxfp4.dequantize` holds them), and only the float32
 summation order differs from BLAS on the dequantised matrix (|error| ~1e-7 of sum |W x|, tested
 against float64). It is built at install when a C compiler is present (`setup.py`, optional);
 without it `AVAILABLE` is False and `experts.PackedExperts` dequantises instead.

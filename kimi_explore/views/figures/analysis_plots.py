@@ -168,13 +168,16 @@ def diff_overview(d, token=None, tokenizer=None):
         ax.set_ylabel("KDA layer")
         fig.colorbar(im, ax=ax, shrink=0.8)
     ax = grid[1, 0]
-    im = heatmap(ax, d.jaccard.T, rows=[str(i) for i in d.moe_layers], cols=cols, cmap="Greys_r", vmin=0.0, vmax=1.0,
-                 annotate=False)
-    ticks(ax, "x", cols, max_ticks=PANEL_TICKS)
-    ax.set_title(f"routing: Jaccard of the top-k sets ({len(d.routing_changes)} changes; white = same set)",
-                 fontsize=10)
-    ax.set_ylabel("MoE layer")
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    if not d.moe_layers:  # no MoE layer's routing recorded: nothing to compare (not "the same sets")
+        _unchanged(ax, "routing (Jaccard of the top-k sets)", np.zeros(0))
+    else:
+        im = heatmap(ax, d.jaccard.T, rows=[str(i) for i in d.moe_layers], cols=cols, cmap="Greys_r", vmin=0.0,
+                     vmax=1.0, annotate=False)
+        ticks(ax, "x", cols, max_ticks=PANEL_TICKS)
+        ax.set_title(f"routing: Jaccard of the top-k sets ({len(d.routing_changes)} changes; white = same set)",
+                     fontsize=10)
+        ax.set_ylabel("MoE layer")
+        fig.colorbar(im, ax=ax, shrink=0.8)
     ax = grid[1, 1]
     x = np.arange(T)
     ax.plot(x, d.kl, marker="o", ms=3, color="#444444")
