@@ -757,3 +757,14 @@ def test_captures_whose_token_ids_are_not_integers_are_refused(ref_weights, tmp_
     np.savez(path, tokens=np.array([17.9, 203.0, 5.0]), logits=np.zeros((3, 256), np.float32))
     with pytest.raises(ValueError, match=r"compare: the other engine's 'tokens' are float64 \[17.9, 203.0, 5.0\]"):
         ke.compare(Session(ref_weights, recorder=False), path)
+
+
+def test_a_checkpoint_directory_named_like_a_gguf_loads_as_a_directory(tmp_path):
+    """`is_gguf` went by the suffix alone: a checkpoint directory called `tiny.gguf` was opened as one GGUF file
+    (IsADirectoryError)."""
+    import shutil
+
+    d = tmp_path / "tiny.gguf"
+    shutil.copytree(REFERENCE_DIR, d)
+    w = ke.from_pretrained(d, device="cpu")
+    assert w.config.num_hidden_layers == 14

@@ -60,6 +60,8 @@ FUSED_SCORE = ("attn_res_norm", "attn_res_proj", "mlp_res_norm", "mlp_res_proj",
 def is_gguf(path) -> bool:
     """Whether `path` names a GGUF file (by its suffix, or by its magic for an existing file)."""
     p = Path(str(path))
+    if p.is_dir():  # a checkpoint directory, whatever its name ends with
+        return False
     if p.suffix == ".gguf":
         return True
     try:
