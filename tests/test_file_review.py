@@ -768,3 +768,12 @@ def test_a_checkpoint_directory_named_like_a_gguf_loads_as_a_directory(tmp_path)
     shutil.copytree(REFERENCE_DIR, d)
     w = ke.from_pretrained(d, device="cpu")
     assert w.config.num_hidden_layers == 14
+
+
+def test_a_routing_stats_checkpoint_with_labels_1_and_one_as_text_loads(ref_weights, tmp_path):
+    """Labels may be ints and strings: 1 and "1" are two classes (the damage check must not call them one)."""
+    path = tmp_path / "stats.npz"
+    classes = lambda i: 1 if chr(i).isalpha() else "1"  # noqa: E731
+    done = ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=classes)
+    back = ke.RoutingStats.load(path)
+    assert back.class_names == done.class_names == [1, "1"] and np.array_equal(back.class_top1, done.class_top1)

@@ -203,7 +203,8 @@ class RoutingStats:
             classed = z["classed"] if "classed" in z else np.zeros((0, 2), np.int64)  # (older files: not kept)
         layers, E, k, names = h["moe_layers"], h["num_experts"], h["top_k"], h["class_names"]
         if not (isinstance(layers, list) and all(type(i) is int for i in layers) and type(E) is int and E > 0
-                and type(k) is int and 0 < k <= E and isinstance(names, list) and len(set(map(str, names))) == len(names)):
+                and type(k) is int and 0 < k <= E and isinstance(names, list)
+                and len({json.dumps(n) for n in names}) == len(names)):  # (1 and "1" are two labels)
             raise ValueError(f"{path}: moe_layers {layers!r:.60}, num_experts {E!r}, top_k {k!r}, class_names "
                              f"{names!r:.80}: expected layer ids, experts > 0, 0 < top_k <= experts and distinct class "
                              "names (the file is damaged)")
