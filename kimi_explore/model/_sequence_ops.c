@@ -26,9 +26,7 @@
 
 #define KX_INLINE __attribute__((always_inline)) static inline
 
-KX_INLINE float kx_expf(float x) {
-    float xc = x < -87.0f ? -87.0f : x;
-    xc = xc > 88.0f ? 88.0f : xc;
+KX_INLINE float kx_expf_core(float xc) {
     float fx = xc * 1.44269504088896341f;
     fx = (fx + 12582912.0f) - 12582912.0f; /* round to nearest (1.5 * 2^23) */
     float r = xc - fx * 0.693359375f;
@@ -45,13 +43,30 @@ KX_INLINE float kx_expf(float x) {
     const uint32_t bits = (uint32_t)n << 23;
     float p;
     memcpy(&p, &bits, sizeof p);
-    const float out = y * p;
+    return y * p;
+}
+
+KX_INLINE float kx_expf_clamped(float x) {
+    float xc = x < -87.0f ? -87.0f : x;
+    xc = xc > 88.0f ? 88.0f : xc;
+    return kx_expf_core(xc);
+}
+
+KX_INLINE float kx_expf(float x) {
+    const float out = kx_expf_clamped(x);
     return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : out);
+}
+
+/* 1 + exp(x): kx_expf's edges selected after the add (1 + 0 = 1, 1 + inf = inf: the same values), so that a
+   division by it compiles to one divide, not one per edge (3.7 -> 2.7 ns per SiTU element, AVX2). */
+KX_INLINE float kx_one_plus_expf(float x) {
+    const float e = kx_expf_clamped(x);
+    return x < -87.0f ? 1.0f : (x > 88.0f ? INFINITY : 1.0f + e);
 }
 
 KX_INLINE float kx_tanhf(float x) {
     const float a = x < 0.0f ? -x : x;
-    const float e = kx_expf(2.0f * (a > 44.0f ? 44.0f : a));
+    const float e = kx_expf_core(2.0f * (a > 44.0f ? 44.0f : a)); /* in [0, 88] or NaN: kx_expf's clamps and selects are no-ops */
     const float big = 1.0f - 2.0f / (e + 1.0f);
     const float z = a * a;
     float p = -5.70498872745e-3f;
@@ -67,7 +82,7 @@ KX_INLINE float kx_tanhf(float x) {
 /* SiTU-GLU of one gate g and up u: tanh(g inv_b) / (1 + exp(-g)) * tanh(u inv_lb) * c (has_lb), else
    tanh(g inv_b) / (1 + exp(-g)) * u * c: the NumPy route's operations in its order (ops.situ_and_mul). */
 KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, int has_lb) {
-    const float a = kx_tanhf(g * inv_b) / (1.0f + kx_expf(-g));
+    const float a = kx_tanhf(g * inv_b) / kx_one_plus_expf(-g);
     return has_lb ? a * kx_tanhf(u * inv_lb) * c : a * u * c;
 }
 
@@ -77,9 +92,9 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
         if (what == 0)                                                                        \
             for (Py_ssize_t i = 0; i < n; i++) a[i] = kx_expf(a[i]);                          \
         else if (what == 1)                                                                   \
-            for (Py_ssize_t i = 0; i < n; i++) a[i] = 1.0f / (1.0f + kx_expf(-a[i]));         \
+            for (Py_ssize_t i = 0; i < n; i++) a[i] = 1.0f / kx_one_plus_expf(-a[i]);         \
         else                                                                                  \
-            for (Py_ssize_t i = 0; i < n; i++) a[i] = a[i] / (1.0f + kx_expf(-a[i]));         \
+            for (Py_ssize_t i = 0; i < n; i++) a[i] = a[i] / kx_one_plus_expf(-a[i]);         \
     }
 
 /* SiTU-GLU: gu [rows, 2n] (gate | up) -> out [rows, n]:
@@ -153,7 +168,7 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
                 const float *restrict ej = e + j * C, *restrict tj = taps + j * C;            \
                 for (Py_ssize_t c = 0; c < C; c++) o[c] += ej[c] * tj[c];                     \
             }                                                                                 \
-            for (Py_ssize_t c = 0; c < C; c++) o[c] = o[c] / (1.0f + kx_expf(-o[c]));         \
+            for (Py_ssize_t c = 0; c < C; c++) o[c] = o[c] / kx_one_plus_expf(-o[c]);         \
         }                                                                                     \
     }
 
