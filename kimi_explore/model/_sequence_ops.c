@@ -26,6 +26,12 @@
 
 #define KX_INLINE __attribute__((always_inline)) static inline
 
+/* 8 floats (and their compare masks) as one vector: the softmax's running max, which the vectoriser leaves
+   scalar when written lane by lane (a select, not a max: NaN and signed-zero order kept). */
+typedef float kx_v8f __attribute__((vector_size(32)));
+typedef int32_t kx_v8i __attribute__((vector_size(32)));
+
+/* exp's polynomial and exponent bits, before the edge selects: valid for x in [-87, 88] (or NaN). */
 KX_INLINE float kx_expf_core(float xc) {
     float fx = xc * 1.44269504088896341f;
     fx = (fx + 12582912.0f) - 12582912.0f; /* round to nearest (1.5 * 2^23) */
@@ -114,7 +120,7 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
 
 /* Causal softmax, in place on s [rows, L] (row i is query t = i mod T of a chunk after L0 cached
    positions): x = s * scale over the row's visible positions 0 .. L0 + t, then exp(x - max) / sum; the
-   positions after them set to 0. Sums in 8 lanes. */
+   positions after them set to 0. Maxima and sums in 8 lanes. */
 #define SOFTMAX_BODY                                                                          \
     {                                                                                         \
         for (Py_ssize_t i = 0; i < rows; i++) {                                               \
@@ -122,14 +128,18 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
             Py_ssize_t valid = L0 + i % T + 1;                                                \
             if (valid > L) valid = L;                                                         \
             float lane[8];                                                                    \
-            for (int k = 0; k < 8; k++) lane[k] = -INFINITY;                                  \
+            kx_v8f vlane = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,                       \
+                            -INFINITY, -INFINITY, -INFINITY, -INFINITY};                      \
             Py_ssize_t j = 0;                                                                 \
-            for (; j + 8 <= valid; j += 8)                                                    \
-                for (int k = 0; k < 8; k++) {                                                 \
-                    const float x = s[j + k] * scale;                                         \
-                    s[j + k] = x;                                                             \
-                    lane[k] = x > lane[k] ? x : lane[k];                                      \
-                }                                                                             \
+            for (; j + 8 <= valid; j += 8) { /* lane k: x > lane[k] ? x : lane[k], as a vector */ \
+                kx_v8f x;                                                                     \
+                memcpy(&x, s + j, sizeof x);                                                  \
+                x = x * scale;                                                                \
+                memcpy(s + j, &x, sizeof x);                                                  \
+                const kx_v8i gt = x > vlane;                                                  \
+                vlane = (kx_v8f)(((kx_v8i)x & gt) | ((kx_v8i)vlane & ~gt));                   \
+            }                                                                                 \
+            memcpy(lane, &vlane, sizeof lane);                                                \
             float m = -INFINITY;                                                              \
             for (int k = 0; k < 8; k++) m = lane[k] > m ? lane[k] : m;                        \
             for (; j < valid; j++) {                                                          \
