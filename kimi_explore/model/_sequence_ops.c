@@ -92,6 +92,20 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
     return has_lb ? a * kx_tanhf(u * inv_lb) * c : a * u * c;
 }
 
+/* kx_tanhf where |x| < 0.625: its small branch alone (the same operations), without the exp and divide of
+   the other branch, which kx_tanhf's select would discard. */
+KX_INLINE float kx_tanhf_small(float x) {
+    const float a = x < 0.0f ? -x : x;
+    const float z = a * a;
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const float small = p * z * a + a;
+    return x < 0.0f ? -small : small;
+}
+
 /* what: 0 exp, 1 sigmoid 1 / (1 + exp(-x)), 2 SiLU x / (1 + exp(-x)); in place on n floats */
 #define MAP_BODY                                                                              \
     {                                                                                         \
@@ -116,6 +130,27 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
             else                                                                              \
                 for (Py_ssize_t i = 0; i < n; i++) o[i] = kx_situ(g[i], u[i], inv_b, inv_lb, c, 0); \
         }                                                                                     \
+    }
+
+/* SiTU-GLU (has_lb) of one row whose ups all have |u inv_lb| < 0.625: kx_situ's value, the up's tanh by its
+   small branch alone (the embedded model: every row; a third fewer exps and divides). */
+#define SITU_SMALL_UP_BODY                                                                    \
+    {                                                                                         \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                  \
+            const float a = kx_tanhf(g[i] * inv_b) / kx_one_plus_expf(-g[i]);                 \
+            o[i] = a * kx_tanhf_small(u[i] * inv_lb) * c;                                     \
+        }                                                                                     \
+    }
+
+/* 1 when |u[i] inv| < 0.625 for all n (each up's tanh takes its small branch; NaN does not). */
+#define ALL_SMALL_BODY                                                                        \
+    {                                                                                         \
+        int big = 0;                                                                          \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                  \
+            const float x = u[i] * inv;                                                       \
+            big |= !((x < 0.0f ? -x : x) < 0.625f);                                           \
+        }                                                                                     \
+        return !big;                                                                          \
     }
 
 /* Causal softmax, in place on s [rows, L] (row i is query t = i mod T of a chunk after L0 cached
@@ -186,6 +221,9 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
                                    float inv_b, float inv_lb, float c, int has_lb) SITU_BODY                  \
+    attr static void situ_small_up_##suffix(const float *restrict g, const float *restrict u, float *restrict o,   \
+                                            Py_ssize_t n, float inv_b, float inv_lb, float c) SITU_SMALL_UP_BODY \
+    attr static int all_small_##suffix(const float *restrict u, Py_ssize_t n, float inv) ALL_SMALL_BODY         \
     attr static void softmax_##suffix(float *restrict S, Py_ssize_t rows, Py_ssize_t L, Py_ssize_t T,           \
                                       Py_ssize_t L0, float scale) SOFTMAX_BODY                                \
     attr static void conv_##suffix(const float *restrict ext, const float *restrict taps, float *restrict out,  \
@@ -247,8 +285,19 @@ static PyObject *situ(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "situ: expected gu float32 [rows, 2n] and out float32 [rows, n]");
     else if (isa >= 0) {
         void (*run)(const float *, float *, Py_ssize_t, Py_ssize_t, float, float, float, int) = PICK(situ, isa);
+        void (*run_small)(const float *, const float *, float *, Py_ssize_t, float, float, float) = PICK(situ_small_up, isa);
+        int (*small)(const float *, Py_ssize_t, float) = PICK(all_small, isa);
         Py_BEGIN_ALLOW_THREADS
-        run(gu.buf, out.buf, rows, n, inv_b, inv_lb, c, has_lb);
+        /* row by row: where every up's tanh takes its small branch, the kernel that skips the other branch;
+           else the general one (its own code: the same bits, a NaN's payload included) */
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const float *g = (const float *)gu.buf + r * 2 * n;
+            float *o = (float *)out.buf + r * n;
+            if (has_lb && small(g + n, n, inv_lb))
+                run_small(g, g + n, o, n, inv_b, inv_lb, c);
+            else
+                run(g, o, 1, n, inv_b, inv_lb, c, has_lb);
+        }
         Py_END_ALLOW_THREADS
         result = Py_None;
         Py_INCREF(result);
