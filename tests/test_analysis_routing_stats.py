@@ -182,8 +182,10 @@ def test_a_failing_worker_names_the_text_and_stops_the_run(ref_weights, monkeypa
     from kimi_explore.analysis import routing_stats as module
 
     monkeypatch.setattr(module, "_worker_routing", _raises)
-    with pytest.raises(ArithmeticError, match="no routing for a text of 18 tokens"):
+    with pytest.raises(ArithmeticError, match="no routing for a text of 18 tokens") as raised:
         ke.routing_stats(ref_weights, TEXTS, progress=False, workers=2)
+    if sys.version_info >= (3, 11):  # exceptions carry notes from 3.11 on
+        assert raised.value.__notes__ == ["routing_stats: while decoding text 0 of the call"]
     monkeypatch.setattr(module, "_worker_routing", _dies)
     with pytest.raises(RuntimeError, match="worker process ended abruptly while decoding text 0"):
         ke.routing_stats(ref_weights, TEXTS, progress=False, workers=2)
@@ -198,6 +200,22 @@ def test_a_dying_worker_after_a_resume_names_the_text_of_the_call(ref_weights, m
     with pytest.raises(RuntimeError, match="while decoding text 2 "):
         ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, workers=2)
     assert len(ke.RoutingStats.load(path).texts) == 2  # the checkpoint still holds what was counted
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exceptions carry notes from Python 3.11 on")
+def test_an_error_decoding_a_text_says_which_text(ref_weights, monkeypatch):
+    from kimi_explore.analysis import routing_stats as module
+
+    def failing_on_the_third(weights, ids):
+        if ids == list(TEXTS[2].encode()):
+            raise ArithmeticError("planted")
+        return routing(weights, ids)
+
+    routing = module._routing
+    monkeypatch.setattr(module, "_routing", failing_on_the_third)
+    with pytest.raises(ArithmeticError, match="planted") as raised:
+        ke.routing_stats(ref_weights, TEXTS, progress=False)
+    assert raised.value.__notes__ == ["routing_stats: while decoding text 2 of the call"]
 
 
 def test_workers_are_checked(ref_weights):

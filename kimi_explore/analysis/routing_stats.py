@@ -380,8 +380,13 @@ def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
     texts[0] is text `first` of the call (after those a checkpoint holds)."""
     busy = [ids for ids in texts if ids]
     if min(workers, len(busy)) <= 1:
-        for ids in texts:
-            yield _routing(weights, ids) if ids else None
+        for j, ids in enumerate(texts, first):
+            try:
+                routing = _routing(weights, ids) if ids else None
+            except Exception as e:
+                _note_text(e, j)
+                raise
+            yield routing
         return
     pool = ProcessPoolExecutor(min(workers, len(busy)), mp_context=multiprocessing.get_context("fork"),
                                initializer=_start_worker, initargs=(weights,))  # fork: weights are shared, not sent
@@ -396,11 +401,21 @@ def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
             except BrokenProcessPool as e:
                 raise RuntimeError(f"routing_stats: a worker process ended abruptly while decoding text {j} (killed, "
                                    "out of memory?); nothing of that text was counted") from e
+            except Exception as e:  # the worker's own, with its traceback
+                _note_text(e, j)
+                raise
             _submit(pool, queue, ahead)
             yield routing
         failed = False
     finally:  # (also when the caller stops early: what is queued is dropped, the running texts end on their own)
         pool.shutdown(wait=not failed, cancel_futures=True)
+
+
+def _note_text(e: Exception, j: int) -> None:
+    """Say which text an error came from, under its traceback (Python 3.11+: `add_note`; 3.10 has no notes)."""
+    note = getattr(e, "add_note", None)
+    if note is not None:
+        note(f"routing_stats: while decoding text {j} of the call")
 
 
 def _submit(pool, queue, ahead) -> None:
