@@ -70,18 +70,22 @@ KX_INLINE float kx_one_plus_expf(float x) {
     return x < -87.0f ? 1.0f : (x > 88.0f ? INFINITY : 1.0f + e);
 }
 
-KX_INLINE float kx_tanhf(float x) {
-    const float a = x < 0.0f ? -x : x;
-    const float e = kx_expf_core(2.0f * (a > 44.0f ? 44.0f : a)); /* in [0, 88] or NaN: kx_expf's clamps and selects are no-ops */
-    const float big = 1.0f - 2.0f / (e + 1.0f);
+/* tanh(a) for 0 <= a < 0.625: Cephes' odd polynomial */
+KX_INLINE float kx_tanh_small_abs(float a) {
     const float z = a * a;
     float p = -5.70498872745e-3f;
     p = p * z + 2.06390887954e-2f;
     p = p * z - 5.37397155531e-2f;
     p = p * z + 1.33314422036e-1f;
     p = p * z - 3.33332819422e-1f;
-    const float small = p * z * a + a;
-    const float r = a < 0.625f ? small : big;
+    return p * z * a + a;
+}
+
+KX_INLINE float kx_tanhf(float x) {
+    const float a = x < 0.0f ? -x : x;
+    const float e = kx_expf_core(2.0f * (a > 44.0f ? 44.0f : a)); /* in [0, 88] or NaN: kx_expf's clamps and selects are no-ops */
+    const float big = 1.0f - 2.0f / (e + 1.0f);
+    const float r = a < 0.625f ? kx_tanh_small_abs(a) : big;
     return x < 0.0f ? -r : r;
 }
 
@@ -95,14 +99,7 @@ KX_INLINE float kx_situ(float g, float u, float inv_b, float inv_lb, float c, in
 /* kx_tanhf where |x| < 0.625: its small branch alone (the same operations), without the exp and divide of
    the other branch, which kx_tanhf's select would discard. */
 KX_INLINE float kx_tanhf_small(float x) {
-    const float a = x < 0.0f ? -x : x;
-    const float z = a * a;
-    float p = -5.70498872745e-3f;
-    p = p * z + 2.06390887954e-2f;
-    p = p * z - 5.37397155531e-2f;
-    p = p * z + 1.33314422036e-1f;
-    p = p * z - 3.33332819422e-1f;
-    const float small = p * z * a + a;
+    const float small = kx_tanh_small_abs(x < 0.0f ? -x : x);
     return x < 0.0f ? -small : small;
 }
 
