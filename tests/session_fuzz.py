@@ -70,6 +70,14 @@ REC_CFGS = {"none": None, "default": {}, "full": {"full": ["layers.3.mla.probs",
             "filtered": {"names_filter": ["layers.[13].*", "logits", "final.*"], "full": ["layers.3.mla.*", "layers.1.kda.conv"], "top_k": 3}}
 
 
+
+def cached_prefix(cache: dict, key: tuple) -> int:
+    """The length of key's longest proper prefix that `cache` holds (0 if none): where a memoised replay resumes."""
+    i = len(key) - 1
+    while i > 0 and key[:i] not in cache:
+        i -= 1
+    return i
+
 class Boom(Exception):
     pass
 
@@ -104,9 +112,7 @@ class Truth:
             return self.states[hist]
         if not hist:
             return KimiDecodeState.new(self.w)
-        k = len(hist) - 1
-        while k > 0 and hist[:k] not in self.states:
-            k -= 1
+        k = cached_prefix(self.states, hist)
         st = copy.deepcopy(self.state(hist[:k]))
         for t in range(k, len(hist)):
             tok, tag = hist[t]
@@ -361,9 +367,7 @@ class Fuzz:
             return self.replays[key]
         if not key:
             return KimiDecodeState.new(self.w)
-        i = len(key) - 1
-        while i > 0 and key[:i] not in self.replays:
-            i -= 1
+        i = cached_prefix(self.replays, key)
         st = copy.deepcopy(self.replayed(key[:i])) if i else KimiDecodeState.new(self.w)
         for run in key[i:]:
             if run[0] == "s":

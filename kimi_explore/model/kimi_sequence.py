@@ -296,8 +296,8 @@ def _attention(x, layer, state, hooks):
     if att.kind == "mla":
         return mla_sequence(x, att, state.attention, fire=fire, names=names,
                             fire_probs=fire is not None and _listens(hooks, names["mla.probs"]))
-    norms = hooks is not None and (_listens(hooks, names["kda.state"]) or _listens(hooks, names["kda.conv"]))
-    out, norms = kda_sequence(x, att, state.attention, fire=fire, names=names, state_norms=norms,
+    recorded = hooks is not None and (_listens(hooks, names["kda.state"]) or _listens(hooks, names["kda.conv"]))
+    out, norms = kda_sequence(x, att, state.attention, fire=fire, names=names, state_norms=recorded,
                               fire_decay=fire is not None and _listens(hooks, names["kda.decay"]))
     if norms is not None:  # the recurrent sites reach a recorder as their per-token norms
         hooks.observe_chunk(names["kda.conv"], norms["kda.conv"])
