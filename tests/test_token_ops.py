@@ -44,6 +44,54 @@ def test_rms_norm_within_an_ulp_or_two():
         assert ulps(token_ops.rms_norm(x, w, 1e-5), x64 * w.astype(np.float64) * r).max() <= 0.501
 
 
+def test_rms_norm_of_rows_is_the_vector_step_on_each_row():
+    """The sequence path's RMSNorm: rows [T, n] in one call, each row bit for bit the token form's vector step,
+    a column slice (MLA's latents) through a C-ordered copy; a weight of another width is refused, not read as
+    more rows."""
+    from kimi_explore.model.ops import rms_norm
+
+    y = (RNG.standard_normal((9, 80)) * RNG.uniform(0.01, 50, (9, 1))).astype(np.float32)
+    w = RNG.uniform(0.5, 2.0, 48).astype(np.float32)
+    rows = y[:, 16:64]  # strided: every row 48 floats of an 80-wide row
+    got = rms_norm(rows, w, 1e-6)
+    assert got.shape == (9, 48) and got.dtype == np.float32
+    assert np.array_equal(got, np.stack([token_ops.rms_norm(r.copy(), w, 1e-6) for r in rows]))
+    assert rms_norm(np.zeros((0, 48), np.float32), w, 1e-6).shape == (0, 48)
+    with pytest.raises(ValueError, match=r"weight \[n\] expected, got \(2, 96\) and \(48,\)"):
+        token_ops.rms_norm(np.zeros((2, 96), np.float32), w, 1e-6)
+
+
+def test_a_chunks_stack_takes_the_token_forms_steps_per_token():
+    """SequenceSources (a chunk's block-residual stacks) on the compiled route: each token's 1/rms values and mix
+    weights bit for bit those of a SourceBuffer fed that token's rows (the token form), also after a hook's
+    replacement blocks (strided slices) and with more sources than the compiled softmax takes."""
+    from kimi_explore.model.kimi_sequence import SequenceSources
+
+    T, d, eps = 6, 40, 1e-5
+    vs = [(RNG.standard_normal((T, d)) * RNG.uniform(0.01, 20, (T, 1))).astype(np.float32) for _ in range(4)]
+    score = RNG.standard_normal(d).astype(np.float32)
+    seq = SequenceSources(np, T, 8, d, np.float32, eps)
+    assert seq.compiled
+    for v in vs[:3]:
+        seq.set_current(v)
+        seq.seal()
+    seq.set_current(vs[3])
+    seq.replace_blocks(np.stack(vs[:3], axis=1)[:, ::-1])  # every token's blocks, in the other order
+    p = seq.weights(score)
+    for t in range(T):
+        tok = SourceBuffer(np, 8, d, np.float32, eps)
+        for v in (vs[2], vs[1], vs[0], vs[3]):
+            tok.set_current(v[t])
+            if v is not vs[3]:
+                tok.seal()
+        assert np.array_equal(seq.inv_rms[t, :4], tok.inv_rms[:4])
+        np.testing.assert_allclose(p[t], tok.weights(score), rtol=2e-6)  # (the scores' dots: sgemv against matmul)
+    wide = SequenceSources(np, T, token_ops.MAX_SOURCES + 1, d, np.float32, eps)
+    assert not wide.compiled  # its softmax takes the NumPy formulation
+    wide.set_current(vs[0])
+    np.testing.assert_allclose(wide.weights(score), 1.0)
+
+
 @pytest.mark.parametrize("linear_beta", [25.0, None])
 def test_situ_within_a_few_ulp_and_empty_rows(linear_beta):
     gu = (RNG.standard_normal((5, 2 * 96)) * 8).astype(np.float32)

@@ -55,10 +55,17 @@ def check_pattern(pattern: str, known_names=None, what: str = "hook") -> None:
             raise ValueError(f"{pattern!r} is not a hook point of this model; {_why_not(pattern, list(known_names))}")
         return
     if is_glob(pattern):
-        if not fnmatch.filter(hook_grammar(_max_layer_in(pattern)), pattern):
+        if not _names_some_hook(pattern):
             raise ValueError(f"{what} glob {pattern!r} matches no possible hook name; {_suggest(pattern, hook_grammar(3))}")
     elif not _is_valid_name(pattern):
         raise ValueError(f"{pattern!r} is not a hook name; {_suggest(pattern, hook_grammar(max(3, _max_layer_in(pattern))))}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _names_some_hook(glob: str) -> bool:
+    """Whether `glob` matches a syntactically valid hook name (remembered: each new Recorder checks its filter,
+    and routing_stats makes one a text)."""
+    return bool(fnmatch.filter(hook_grammar(_max_layer_in(glob)), glob))
 
 
 def _is_valid_name(name: str) -> bool:

@@ -52,7 +52,8 @@ static PyObject *size_error(const char *what) {
 }
 
 PyDoc_STRVAR(rms_norm_doc, "rms_norm(x, weight, eps, out)\n\n"
-                           "out = x * weight / sqrt(sum(x^2) / n + eps) in double, rounded once; x, weight, out float32 [n].");
+                           "out = x * weight / sqrt(sum(x^2) / n + eps) for each row of x, in double, rounded once; "
+                           "weight float32 [n], x and out float32 [rows, n] (one row: the token form's vector).");
 
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
     (void)self;
@@ -60,14 +61,17 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
     double eps;
     if (!PyArg_ParseTuple(args, "y*y*dw*", &x, &w, &eps, &out)) return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t n = x.len / 4;
-    if (n == 0 || w.len != x.len || out.len != x.len)
-        size_error("rms_norm: x, weight, out float32 [n] expected");
+    const Py_ssize_t n = w.len / 4;
+    if (n == 0 || x.len % w.len != 0 || out.len != x.len)
+        size_error("rms_norm: weight float32 [n], x and out float32 [rows, n] expected");
     else {
-        const float *xx = x.buf, *ww = w.buf;
-        float *o = out.buf;
-        const double r = 1.0 / sqrt(sum_squares(xx, n) / (double)n + eps);
-        for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)((double)xx[i] * ww[i] * r);
+        const float *ww = w.buf;
+        for (Py_ssize_t r0 = 0; r0 < x.len / 4; r0 += n) {
+            const float *xx = (const float *)x.buf + r0;
+            float *o = (float *)out.buf + r0;
+            const double r = 1.0 / sqrt(sum_squares(xx, n) / (double)n + eps);
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)((double)xx[i] * ww[i] * r);
+        }
         DONE(1);
     }
     PyBuffer_Release(&x);
@@ -105,25 +109,27 @@ static PyObject *situ(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(set_row_doc, "set_row(rows, n, v, inv_rms, inv_d, eps)\n\n"
-                          "rows[n] = v and inv_rms[n] = 1 / sqrt(sum(v^2) inv_d + eps) (double): rows float32 [R, d], "
-                          "v float32 [d], inv_rms float64 [R].");
+PyDoc_STRVAR(set_row_doc, "set_row(rows, n, v, inv_rms, inv_d, eps, tokens)\n\n"
+                          "For each token t: rows[t, n] = v[t] and inv_rms[t, n] = 1 / sqrt(sum(v[t]^2) inv_d + eps) "
+                          "(double): rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R].");
 
 static PyObject *set_row(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer rows, v, inv;
-    Py_ssize_t n;
+    Py_ssize_t n, T;
     double inv_d, eps;
-    if (!PyArg_ParseTuple(args, "w*ny*w*dd", &rows, &n, &v, &inv, &inv_d, &eps)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*ny*w*ddn", &rows, &n, &v, &inv, &inv_d, &eps, &T)) return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t d = v.len / 4, R = inv.len / 8;
-    if (d == 0 || rows.len != 4 * R * d || n < 0 || n >= R)
-        size_error("set_row: rows float32 [R, d], v float32 [d], inv_rms float64 [R], 0 <= n < R expected");
+    const Py_ssize_t d = T > 0 ? v.len / (4 * T) : 0, R = T > 0 ? inv.len / (8 * T) : 0;
+    if (d == 0 || v.len != 4 * T * d || inv.len != 8 * T * R || rows.len != 4 * T * R * d || n < 0 || n >= R)
+        size_error("set_row: rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R], "
+                   "0 <= n < R expected");
     else {
-        const float *vv = v.buf;
-        float *row = (float *)rows.buf + n * d;
-        memcpy(row, vv, (size_t)d * sizeof(float));
-        ((double *)inv.buf)[n] = 1.0 / sqrt(sum_squares(vv, d) * inv_d + eps);
+        for (Py_ssize_t t = 0; t < T; t++) {
+            const float *vv = (const float *)v.buf + t * d;
+            memcpy((float *)rows.buf + (t * R + n) * d, vv, (size_t)d * sizeof(float));
+            ((double *)inv.buf)[t * R + n] = 1.0 / sqrt(sum_squares(vv, d) * inv_d + eps);
+        }
         DONE(1);
     }
     PyBuffer_Release(&rows);
@@ -132,28 +138,32 @@ static PyObject *set_row(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(source_softmax_doc, "source_softmax(s, inv_rms, out)\n\n"
-                                 "out = softmax(s * inv_rms) over m = len(out) sources, in double (exp: libm), rounded once: "
-                                 "s float32 [m], inv_rms float64 [>= m].");
+PyDoc_STRVAR(source_softmax_doc, "source_softmax(s, inv_rms, out, rows)\n\n"
+                                 "out = softmax(s * inv_rms) over m sources, for each of `rows` rows, in double (exp: libm), "
+                                 "rounded once: s, out float32 [rows, m] (1 <= m <= 64), inv_rms float64 [rows, S >= m].");
 
 static PyObject *source_softmax(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer s, inv, out;
-    if (!PyArg_ParseTuple(args, "y*y*w*", &s, &inv, &out)) return NULL;
+    Py_ssize_t rows;
+    if (!PyArg_ParseTuple(args, "y*y*w*n", &s, &inv, &out, &rows)) return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t m = out.len / 4;
-    if (m == 0 || m > 64 || s.len != out.len || inv.len < 8 * m)
-        size_error("source_softmax: s, out float32 [m] (1 <= m <= 64), inv_rms float64 [>= m] expected");
+    const Py_ssize_t m = rows > 0 ? out.len / (4 * rows) : 0, S = rows > 0 ? inv.len / (8 * rows) : 0;
+    if (m == 0 || m > 64 || out.len != 4 * rows * m || s.len != out.len || S < m || inv.len != 8 * rows * S)
+        size_error("source_softmax: s, out float32 [rows, m] (1 <= m <= 64), inv_rms float64 [rows, S >= m] expected");
     else {
-        const float *ss = s.buf;
-        const double *ir = inv.buf;
-        double z[64], top = -INFINITY, total = 0.0;
-        for (Py_ssize_t i = 0; i < m; i++) {
-            z[i] = (double)ss[i] * ir[i];
-            top = z[i] > top ? z[i] : top;
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const float *ss = (const float *)s.buf + r * m;
+            const double *ir = (const double *)inv.buf + r * S;
+            float *o = (float *)out.buf + r * m;
+            double z[64], top = -INFINITY, total = 0.0;
+            for (Py_ssize_t i = 0; i < m; i++) {
+                z[i] = (double)ss[i] * ir[i];
+                top = z[i] > top ? z[i] : top;
+            }
+            for (Py_ssize_t i = 0; i < m; i++) total += (z[i] = exp(z[i] - top));
+            for (Py_ssize_t i = 0; i < m; i++) o[i] = (float)(z[i] / total);
         }
-        for (Py_ssize_t i = 0; i < m; i++) total += (z[i] = exp(z[i] - top));
-        for (Py_ssize_t i = 0; i < m; i++) ((float *)out.buf)[i] = (float)(z[i] / total);
         DONE(1);
     }
     PyBuffer_Release(&s);

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
+from . import token_ops
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
 from .kimi_token import (
@@ -90,7 +91,8 @@ def default_chunk(config) -> int:
 class SequenceSources:
     """`SourceBuffer` for T tokens at once: rows [T, S, d] (token t's sealed blocks, then its running
     sum), their 1/rms [T, S]. The 1/rms values and the softmax are taken in float64, as the token
-    form's Python floats are, then rounded once to the activation dtype."""
+    form's Python floats are, then rounded once to the activation dtype. On the host in float32 both are
+    the token form's compiled steps (`token_ops.set_row`, `source_softmax`), a chunk's rows in one call."""
 
     def __init__(self, xp, T: int, rows: int, d: int, dtype, eps: float):
         self.xp, self.eps, self.inv_d, self.dtype = xp, eps, 1.0 / d, dtype
@@ -98,12 +100,22 @@ class SequenceSources:
         self.inv_rms = xp.empty((T, rows), np.float64)
         self.n = 0
         self.current = None
+        self.compiled = token_ops.runs(self.rows) and rows <= token_ops.MAX_SOURCES
 
     def set_current(self, v) -> None:
         """v [T, d] is the running sum (column n)."""
         self.current = v
-        self.rows[:, self.n] = v
-        self.inv_rms[:, self.n] = self._inv_rms(v)
+        self._set(self.n, v)
+
+    def _set(self, j: int, v) -> None:
+        """Column j of every token's stack: v [T, d] and its 1/rms."""
+        if self.compiled:
+            v = token_ops.in_c_order(v)  # (a hook's replacement blocks come as slices)
+            if token_ops.host_float32(v):
+                token_ops.set_row(self.rows, j, v, self.inv_rms, self.inv_d, self.eps)
+                return
+        self.rows[:, j] = v
+        self.inv_rms[:, j] = self._inv_rms(v)
 
     def _inv_rms(self, v):
         xp = self.xp
@@ -113,7 +125,10 @@ class SequenceSources:
     def weights(self, score_weight):
         """[T, n+1]: each token's softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight."""
         m, xp = self.n + 1, self.xp
-        s = xp.matmul(self.rows[:, :m], score_weight).astype(np.float64) * self.inv_rms[:, :m]
+        s = xp.matmul(self.rows[:, :m], score_weight)
+        if self.compiled and token_ops.host_float32(s):
+            return token_ops.source_softmax(s, self.inv_rms)
+        s = s.astype(np.float64) * self.inv_rms[:, :m]
         e = xp.exp(s - s.max(axis=1, keepdims=True))
         return (e / e.sum(axis=1, keepdims=True)).astype(self.dtype)
 
@@ -132,8 +147,7 @@ class SequenceSources:
     def replace_blocks(self, blocks) -> None:
         """Make `blocks` [T, n, d] every token's sealed blocks (a hook's replacement)."""
         for j in range(self.n):
-            self.rows[:, j] = blocks[:, j]
-            self.inv_rms[:, j] = self._inv_rms(blocks[:, j])
+            self._set(j, blocks[:, j])
 
     def token(self, t: int) -> SourceBuffer:
         """Token t's stack as the token form holds it (what `decoder_layer` runs on)."""

@@ -1,9 +1,11 @@
 """The token form's small steps in one compiled call each (host float32): `_token_ops.c`.
 
-    rms_norm(x, weight, eps)                       ops.rms_norm of a vector
+    rms_norm(x, weight, eps)                       ops.rms_norm of a vector or of rows [T, n]
     situ(gate_up, beta, linear_beta)               ops.situ_and_mul of [..., 2n]
-    set_row(rows, n, v, inv_rms, inv_d, eps)       a block-residual source and its 1/rms (SourceBuffer)
-    source_softmax(s, inv_rms)                     the block-residual mix's softmax (SourceBuffer.weights)
+    set_row(rows, n, v, inv_rms, inv_d, eps)       a block-residual source and its 1/rms (SourceBuffer; a chunk's
+                                                   tokens at once: SequenceSources)
+    source_softmax(s, inv_rms)                     the block-residual mix's softmax (SourceBuffer.weights; rows:
+                                                   SequenceSources.weights)
     sigmoid(x); select_experts(scores, bias, k); routing_weights(scores, ids, renormalize, scaling, eps)
                                                    the latent MoE's router (latent_moe)
     softmax_rows_(s, scale)                        MLA's attention probabilities over the cache (mla.mla_step)
@@ -34,8 +36,8 @@ AVAILABLE = _ext is not None
 MAX_SOURCES = 64  # source_softmax's bound on the sources of one mix
 _F32 = np.dtype(np.float32)
 
-__all__ = ["AVAILABLE", "host_float32", "kda_gates", "rms_norm", "routing_weights", "runs", "select_experts", "set_row",
-           "sigmoid", "situ", "softmax_rows_", "source_softmax"]
+__all__ = ["AVAILABLE", "host_float32", "in_c_order", "kda_gates", "rms_norm", "routing_weights", "runs", "select_experts",
+           "set_row", "sigmoid", "situ", "softmax_rows_", "source_softmax"]
 
 
 def host_float32(*arrays) -> bool:
@@ -51,8 +53,18 @@ def runs(*arrays) -> bool:
     return _ext is not None and host_float32(*arrays)
 
 
+def in_c_order(x):
+    """x, or a C-ordered copy of a strided host float32 array (a column slice: MLA's latents, a stack's block);
+    anything else as it is."""
+    if type(x) is np.ndarray and x.dtype == _F32 and not x.flags.c_contiguous:
+        return np.ascontiguousarray(x)
+    return x
+
+
 def rms_norm(x, weight, eps: float):
-    """x * weight / sqrt(mean(x^2) + eps), in double, rounded once: [n]."""
+    """x * weight / sqrt(mean(x^2) + eps) of a vector [n] or of each row of [T, n], in double, rounded once."""
+    if x.ndim not in (1, 2) or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: x [n] or [T, n] and weight [n] expected, got {x.shape} and {weight.shape}")
     out = np.empty(x.shape, _F32)
     _ext.rms_norm(x, weight, eps, out)
     return out
@@ -69,14 +81,16 @@ def situ(gate_up, beta: float, linear_beta: float | None):
 
 
 def set_row(rows, n: int, v, inv_rms, inv_d: float, eps: float) -> None:
-    """rows[n] = v; inv_rms[n] (float64) = 1 / sqrt(sum(v^2) inv_d + eps), the sum in double."""
-    _ext.set_row(rows, n, v, inv_rms, inv_d, eps)
+    """rows[n] = v; inv_rms[n] (float64) = 1 / sqrt(sum(v^2) inv_d + eps), the sum in double. Or for T tokens at
+    once (rows [T, R, d], v [T, d], inv_rms [T, R]): each token's row n and its 1/rms, the same steps."""
+    _ext.set_row(rows, n, v, inv_rms, inv_d, eps, v.shape[0] if v.ndim == 2 else 1)
 
 
 def source_softmax(s, inv_rms):
-    """softmax(s * inv_rms[:m]) over the m = len(s) sources, in double, rounded once: float32 [m]."""
+    """softmax(s * inv_rms[:m]) over the m = len(s) sources, in double, rounded once: float32 [m]. Or for T tokens
+    at once (s [T, m], inv_rms [T, S >= m]): float32 [T, m], each row the same steps."""
     out = np.empty(s.shape, _F32)
-    _ext.source_softmax(s, inv_rms, out)
+    _ext.source_softmax(s, inv_rms, out, s.shape[0] if s.ndim == 2 else 1)
     return out
 
 
