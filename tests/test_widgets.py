@@ -544,6 +544,23 @@ def test_snapshot_is_one_offline_page_of_the_open_tab_as_drawn(explorer, tmp_pat
     monkeypatch.chdir(tmp_path)
     ex.snapshot_button.click()  # the button writes to the working directory and says where
     assert "snapshot written to" in ex.status.value and list(tmp_path.glob("kimi_snapshot_t1_layer5_tab0.html"))
+    # written beside, then renamed: a write that fails (a full disk) leaves the earlier page whole, and no scrap
+    from pathlib import Path
+
+    write_text = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):  # half the page gets out, then the disk is full
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ex.snapshot(path)
+    monkeypatch.undo()
+    assert path.read_text(encoding="utf-8") == page and sorted(p.name for p in tmp_path.iterdir()) == [
+        "kimi_snapshot_t1_layer5_tab0.html", "snap.html"]
+    with pytest.raises(FileNotFoundError, match=r"nowhere/s\.html: its directory .*nowhere does not exist"):
+        ex.snapshot(tmp_path / "nowhere" / "s.html")
 
 
 def test_moe_tables_send_their_expert_ids_as_cell_labels_and_a_snapshot_draws_them_with_plotly(tiny_weights, tmp_path):

@@ -25,12 +25,12 @@ From NumPy (see the README for the whole example):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..inspection.npz_io import write_atomically
 from .tolerance import TOLERANCE_PRESETS
 
 __all__ = ["DUMP_FORMAT", "Dump", "read_dump", "write_dump"]
@@ -65,18 +65,8 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
         if a.ndim == 0 or a.shape[0] != T:
             raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
         out[str(name)] = a
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"write_dump: {path}: its directory {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written beside it, then renamed: never half a dump
-    try:
-        save_file(out, str(tmp), metadata={"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)),
-                                           "engine": str(engine), "dtype": dtype})
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    metadata = {"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine), "dtype": dtype}
+    return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump
 
 
 def read_dump(path) -> Dump:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["NpzReader", "read_npz_header", "write_npz"]
+__all__ = ["NpzReader", "read_npz_header", "write_atomically", "write_npz"]
 
 # what NumPy / zipfile raise on a damaged or truncated archive or entry
 _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError)
@@ -27,15 +27,24 @@ _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError)
 
 def write_npz(path, arrays: dict, compressed: bool = True) -> Path:
     """Write {name: array} to `path` exactly as named (no suffix added), atomically."""
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            (np.savez_compressed if compressed else np.savez)(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+    return write_atomically(path, write)
+
+
+def write_atomically(path, write) -> Path:
+    """`write(tmp)` fills a temporary file beside `path`, then it is renamed to `path`: an interrupted write leaves
+    the old file (or none), and a reader never sees part of one under the final name. Any file kimi_explore
+    writes goes this way (npz files, dumps, reports, snapshots)."""
     path = Path(path)
     if not path.parent.is_dir():  # (else the error would name the temporary file)
         raise FileNotFoundError(f"{path}: its directory {path.parent} does not exist")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            (np.savez_compressed if compressed else np.savez)(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

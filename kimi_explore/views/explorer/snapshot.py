@@ -14,6 +14,7 @@ import html
 import json
 from pathlib import Path
 
+from ...inspection.npz_io import write_atomically
 from .plotly_view import plotly_js_source
 
 __all__ = ["snapshot_html", "write_snapshot"]
@@ -65,5 +66,5 @@ def write_snapshot(explorer, path=None) -> Path:
              "tab": ex.tab_views.titles[tab], "zoom": {k: dict(shown[k].ranges) for k in views if shown[k].ranges},
              "text": "".join(ex.text.labels), "token_ids": [int(i) for i in ex.session.tokens]}
     path = Path(path) if path is not None else Path(f"kimi_snapshot_t{t}_layer{state['layer']}_tab{tab}.html")
-    path.write_text(snapshot_html(state, views), encoding="utf-8")
-    return path
+    page = snapshot_html(state, views)
+    return write_atomically(path, lambda tmp: tmp.write_text(page, encoding="utf-8"))  # never half a page

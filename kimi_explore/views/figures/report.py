@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 
+from ...inspection.npz_io import write_atomically
 from ..common import bias_vectors, trace_of
 from . import plots, plots_summary
 
@@ -182,9 +182,7 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
         body += [f"<h2 id='s{n}'>{html.escape(section)}</h2>", *figs]
     page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
-    path, tmp = out / "index.html", out / f".index.html.{os.getpid()}.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)  # a reader never sees half a page
+    path = write_atomically(out / "index.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
     for stem in before - {stem for _, stem, _, _ in figures}:  # the earlier report's figures this one does not have:
         (out / f"{stem}.png").unlink(missing_ok=True)  # left, they would pass for this prompt's (other layers...)
     return path
