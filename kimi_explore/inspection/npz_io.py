@@ -37,8 +37,8 @@ def write_npz(path, arrays: dict, compressed: bool = True) -> Path:
 
 def write_atomically(path, write) -> Path:
     """`write(tmp)` fills a temporary file beside `path`, then it is renamed to `path`: an interrupted write leaves
-    the old file (or none), and a reader never sees part of one under the final name. Any file kimi_explore
-    writes goes this way (npz files, dumps, reports, snapshots)."""
+    the old file (or none), and a reader never sees part of one under the final name. What a user saves goes
+    this way: npz files (states, traces, checkpoints), dumps, reports and their figures, snapshots."""
     path = Path(path)
     if not path.parent.is_dir():  # (else the error would name the temporary file)
         raise FileNotFoundError(f"{path}: its directory {path.parent} does not exist")

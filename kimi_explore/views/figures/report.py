@@ -160,7 +160,7 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
         figures += comparison_figures(comparison)
     for section, stem, caption, fig in figures:
         png = plots.figure_png(fig, dpi=dpi)
-        (out / f"{stem}.png").write_bytes(png)
+        write_atomically(out / f"{stem}.png", lambda tmp, png=png: tmp.write_bytes(png))
         data = base64.b64encode(png).decode("ascii")
         sections.setdefault(section, []).append(
             f'<figure id="{html.escape(stem)}"><img alt="{html.escape(stem)}" src="data:image/png;base64,{data}">'
