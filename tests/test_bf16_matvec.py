@@ -134,9 +134,10 @@ def test_decoder_with_the_kernel_matches_the_float32_trunk():
 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("C", [1, 7, 16, 17, 65, 1001], ids=lambda c: f"C{c}")
-@pytest.mark.parametrize("n", [1, 3, 4, 9], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("n", [1, 3, 4, 9, 12, 30], ids=lambda n: f"n{n}")
 def test_matmat_against_float64(isa, C, n):
-    """Tiles of 4 rows x 4 inputs and every remainder (37 rows, 1..9 inputs), every column tail."""
+    """Tiles of 4 rows x 4 inputs and every remainder (37 rows, 1..9 inputs), every column tail; panels (AVX2 from 5
+    inputs, AVX-512 from 12)."""
     rng = np.random.default_rng(C * 10 + n)
     bits, W = matrix(rng, 37, C)
     x = rng.standard_normal((n, C)).astype(np.float32)
@@ -146,6 +147,23 @@ def test_matmat_against_float64(isa, C, n):
         want, mag = x64 @ W.T, np.abs(x64) @ np.abs(W).T
         assert got.dtype == np.float32 and got.shape == (n, 37)
         assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-43), np.max(np.abs(got - want) / (mag + 1e-300))
+
+
+def test_matmat_panels_give_the_same_floats_in_every_simd_kernel():
+    """From 12 inputs both SIMD kernels take panels (AVX2: 8 rows, AVX-512: 16 rows, up to 12 inputs a call, cut
+    evenly): each output one FMA after another in column order, so the same floats, bit for bit, with 37 rows (no
+    whole 16-row panel at the end), column tails past a tile, and rows cut between threads."""
+    simd = [isa for isa in isas() if isa != "portable"]
+    if len(simd) < 2:
+        pytest.skip(f"needs two SIMD kernels on this CPU (it has {simd})")
+    rng = np.random.default_rng(12)
+    bits, _ = matrix(rng, 37, 517)
+    for n in (12, 13, 29):
+        x = rng.standard_normal((n, 517)).astype(np.float32)
+        for threads in (1, 3):
+            got = [bf16_matvec.bf16_matmat(bits, x, isa=isa, threads=threads) for isa in simd]
+            for other in got[1:]:
+                np.testing.assert_array_equal(other, got[0])
 
 
 def test_matmat_small_integers_are_exact_in_every_kernel():

@@ -199,8 +199,8 @@ def test_grouped_matmat_is_exact_on_small_integers_in_every_kernel():
 
 @pytest.mark.parametrize("C", [96, 2 * 16 * 48], ids=["one-column-block", "three-column-blocks"])
 def test_grouped_matmat_many_inputs_against_float64(C):
-    """A group of >= 12 inputs takes the panel route (AVX2: weights decoded once per tile, outer products), fewer the
-    4-input tiles: both within the float64 bound; the panel route the same floats whatever the thread count (a cut
+    """A group of >= 12 inputs takes the panel route (AVX2 and AVX-512: weights decoded once per tile, outer products),
+    fewer the 4-input tiles: both within the float64 bound; the panel route the same floats whatever the thread count (a cut
     inside a group) and whichever group an input is in. Groups of 7 to 300 inputs (remainders of 5), 37 rows (panels
     of 8, tiles of 64 rows and remainders), columns over 256 per tile, the same expert twice."""
     rng = np.random.default_rng(C)
@@ -218,6 +218,25 @@ def test_grouped_matmat_many_inputs_against_float64(C):
         # group 1 (300 inputs) again, as groups of 150 and 150: the same floats
         halves = mxfp4_matvec.grouped_matmat(packed, scale, [0, 0], [0, 150, 300], x[8:308], isa=isa, threads=1)
         np.testing.assert_array_equal(halves, got[8:308])
+
+
+def test_the_panel_route_gives_the_same_floats_in_every_simd_kernel():
+    """Groups of 12 or more inputs: AVX2 decodes a tile into panels of 8 rows, AVX-512 into panels of 16 and takes up
+    to 12 inputs a call (cut evenly: 13 = 7 + 6); each output is still one FMA after another in column order, so
+    both give the same floats, bit for bit, with rows that fill no whole panel (70 = 4 x 16 + 6), columns over
+    one tile, and row ranges cut by threads inside a panel."""
+    simd = [isa for isa in isas() if isa != "portable"]
+    if len(simd) < 2:
+        pytest.skip(f"needs two SIMD kernels on this CPU (it has {simd})")
+    rng = np.random.default_rng(16)
+    packed, scale = bank(rng, E=3, R=70, C=2 * 16 * 40)
+    sizes, experts = [12, 13, 40, 25, 100], [2, 0, 1, 2, 0]
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    x = rng.standard_normal((bounds[-1], packed.shape[2] * 2)).astype(np.float32)
+    for threads in (1, 3):
+        got = [mxfp4_matvec.grouped_matmat(packed, scale, experts, bounds, x, isa=isa, threads=threads) for isa in simd]
+        for other in got[1:]:
+            np.testing.assert_array_equal(other, got[0])
 
 
 def test_grouped_matmat_small_groups_are_the_same_floats_one_input_at_a_time():

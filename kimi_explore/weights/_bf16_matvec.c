@@ -13,8 +13,9 @@
 
    `bf16_matmat` (the sequence path) multiplies n input rows at once, out[i, r] = W[r] . x[i]: tiles of
    4 weight rows x 4 inputs, each weight vector widened once per tile and multiplied into the 4 inputs
-   (16 accumulators), so W's bytes come from memory once per call; from 5 inputs on (AVX2), float32
-   panels widened once per tile of 64 rows x 256 columns and multiplied as BLAS does (_panels_avx2.h). */
+   (16 accumulators), so W's bytes come from memory once per call; from 5 inputs on (AVX2; AVX-512 from 12), float32
+   panels widened once per tile of 64 rows x 256 columns and multiplied as BLAS does (_panels_avx2.h,
+   _panels_avx512.h). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,6 +24,7 @@
 
 #include "_kernel_isa.h"
 #include "_panels_avx2.h"
+#include "_panels_avx512.h"
 
 typedef void (*row_fn)(const uint16_t *w, const float *x, Py_ssize_t C, float *y);
 
@@ -224,38 +226,48 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint16_t *w, in
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
-/* BF16_PANEL_MIN_INPUTS or more inputs (AVX2): the weights widened once per tile of PANEL_ROWS rows x PANEL_K columns
-   into float32 panels, multiplied as BLAS does (_panels_avx2.h); each output the float32 sum of its products in
-   column order. Panels: P[(q * PANEL_K + k) * 8 + a] = f32(W[r0 + 8q + a, c0 + k]), rows past nr 0. */
-#define BF16_PANEL_MIN_INPUTS 5  /* fewer inputs: the tiles (no transposes) */
+/* BF16_PANEL_MIN_INPUTS or more inputs (AVX2, AVX-512): the weights widened once per tile of PANEL_ROWS rows x
+   PANEL_K columns into float32 panels of `width` rows (8: _panels_avx2.h, 16: _panels_avx512.h), multiplied as BLAS
+   does; each output the float32 sum of its products in column order (the same floats on either width). Panels:
+   P[(q * PANEL_K + k) * width + a] = f32(W[r0 + width q + a, c0 + k]), rows past nr 0. */
+#define BF16_PANEL_MIN_INPUTS 5     /* fewer inputs: the tiles (no transposes) */
+#define BF16_PANEL16_MIN_INPUTS 12  /* AVX-512's tiles are faster up to here (a Xeon, K3's 4096 x 7168: tiles 49-52
+                                       GFLOP/s at 5-16 inputs, 16-row panels 20-25 at 5-8, 65-74 at 12-16, 90-98 at
+                                       24-64) */
 
-__attribute__((target("avx2,fma"))) static void widen_panels_avx2(const uint16_t *W, Py_ssize_t C, Py_ssize_t r0, int nr,
-                                                                 Py_ssize_t c0, Py_ssize_t c1, float *P) {
-    for (int q = 0; 8 * q < nr; q++) {
+__attribute__((target("avx2,fma"))) static void widen_panels(const uint16_t *W, Py_ssize_t C, Py_ssize_t r0, int nr,
+                                                            Py_ssize_t c0, Py_ssize_t c1, float *P, int width) {
+    const int padded = (nr + width - 1) / width * width;
+    for (int q = 0; 8 * q < padded; q++) {  /* 8 rows: row 8q + a, stored at panel 8q / width, lane 8q % width + a */
         const uint16_t *row[8];
         for (int a = 0; a < 8; a++) row[a] = 8 * q + a < nr ? W + (r0 + 8 * q + a) * C : NULL;
-        float *panel = P + (Py_ssize_t)q * PANEL_K * 8 - c0 * 8;
+        float *panel = P + (Py_ssize_t)(8 * q / width) * PANEL_K * width + 8 * q % width - c0 * width;
         Py_ssize_t c = c0;
         for (; c + 8 <= c1; c += 8) {
             __m256 v[8];
             for (int a = 0; a < 8; a++) v[a] = row[a] ? widen8(row[a] + c) : _mm256_setzero_ps();
             transpose8(v);
-            for (int k = 0; k < 8; k++) _mm256_storeu_ps(panel + (c + k) * 8, v[k]);
+            for (int k = 0; k < 8; k++) _mm256_storeu_ps(panel + (c + k) * width, v[k]);
         }
         for (; c < c1; c++)
-            for (int a = 0; a < 8; a++) panel[c * 8 + a] = row[a] ? widen(row[a][c]) : 0.0f;
+            for (int a = 0; a < 8; a++) panel[c * width + a] = row[a] ? widen(row[a][c]) : 0.0f;
     }
 }
 
-/* out[i * R + r] = W[r] . x_i for rows start..stop-1, every input; P: [PANEL_ROWS / 8, PANEL_K, 8] floats (scratch) */
-__attribute__((target("avx2,fma"))) static void panels_avx2(const uint16_t *W, Py_ssize_t R, Py_ssize_t C, const float *X,
-                                                           Py_ssize_t n, float *Y, Py_ssize_t start, Py_ssize_t stop, float *P) {
+/* out[i * R + r] = W[r] . x_i for rows start..stop-1, every input, on panels of 8 rows (isa 1) or 16 (isa 2); P:
+   PANEL_ROWS x PANEL_K floats (scratch) */
+__attribute__((target("avx2,fma"))) static void panels_run(const uint16_t *W, Py_ssize_t R, Py_ssize_t C, const float *X,
+                                                          Py_ssize_t n, float *Y, Py_ssize_t start, Py_ssize_t stop, float *P,
+                                                          int isa) {
     for (Py_ssize_t rb = start; rb < stop; rb += PANEL_ROWS) {
         const int nr = (int)(stop - rb < PANEL_ROWS ? stop - rb : PANEL_ROWS);
         for (Py_ssize_t c0 = 0; c0 < C; c0 += PANEL_K) {
             const Py_ssize_t c1 = C - c0 < PANEL_K ? C : c0 + PANEL_K;
-            widen_panels_avx2(W, C, rb, nr, c0, c1, P);
-            panels_times_inputs_avx2(P, nr, X + c0, C, n, c1 - c0, Y + rb, R, c0 == 0);
+            widen_panels(W, C, rb, nr, c0, c1, P, isa == 2 ? 16 : 8);
+            if (isa == 2)
+                panels16_times_inputs_avx512(P, nr, X + c0, C, n, c1 - c0, Y + rb, R, c0 == 0);
+            else
+                panels_times_inputs_avx2(P, nr, X + c0, C, n, c1 - c0, Y + rb, R, c0 == 0);
         }
     }
 }
@@ -292,12 +304,13 @@ static PyObject *bf16_matmat(PyObject *self, PyObject *args) {
         float *Y = (float *)out.buf;
         float *P = NULL;
 #ifdef KX_X86
-        if (isa == 1 && n >= BF16_PANEL_MIN_INPUTS) P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K);  /* NULL: the tiles */
+        if (isa >= 1 && n >= (isa == 2 ? BF16_PANEL16_MIN_INPUTS : BF16_PANEL_MIN_INPUTS))
+            P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K);  /* NULL: the tiles */
 #endif
         Py_BEGIN_ALLOW_THREADS
 #ifdef KX_X86
         if (P != NULL) {
-            panels_avx2(W, R, C, X, n, Y, start, stop, P);
+            panels_run(W, R, C, X, n, Y, start, stop, P, isa);
             start = stop;  /* done: no tiles below */
         }
 #endif

@@ -24,8 +24,8 @@
 
    Two more (the sequence path, at the end of this file): `grouped_matmat` and `grouped_parts_matmat`
    multiply GROUPS of input rows, each by its own expert, decoding every weight once per tile of
-   input rows, or (AVX2, groups of 12 or more) once per tile of weights into float32 panels multiplied
-   as BLAS does (the expert's bytes come from memory once per call). */
+   input rows, or (groups of 12 or more, AVX2 and AVX-512) once per tile of weights into float32 panels
+   multiplied as BLAS does (the expert's bytes come from memory once per call). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,6 +36,7 @@
 
 #include "_kernel_isa.h"
 #include "_panels_avx2.h"
+#include "_panels_avx512.h"
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -488,22 +489,27 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
-/* A group of MXFP4_PANEL_MIN_INPUTS or more input rows (AVX2) is multiplied as BLAS does (_panels_avx2.h): the weights
-   of a tile of PANEL_ROWS rows x PANEL_K columns (PANEL_K / 2 bytes) are decoded once into float32 panels in the
-   columns' own order, which stay in L2 while all the group's inputs (as given: x, not xeo) meet them; a row's
-   outputs wait in `out` between column tiles. Each output is the float32 sum, in column order, of the exact
-   dequantised weights times the inputs: another order than the tiles', within the same float64 bound
-   (tests/test_mxfp4_matvec.py). */
+/* A group of MXFP4_PANEL_MIN_INPUTS or more input rows (AVX2, AVX-512) is multiplied as BLAS does (_panels_avx2.h,
+   _panels_avx512.h): the weights of a tile of PANEL_ROWS rows x PANEL_K columns (PANEL_K / 2 bytes) are decoded once
+   into float32 panels in the columns' own order, which stay in L2 while all the group's inputs (as given: x, not xeo)
+   meet them; a row's outputs wait in `out` between column tiles. Each output is the float32 sum, in column order, of
+   the exact dequantised weights times the inputs: another order than the tiles', within the same float64 bound
+   (tests/test_mxfp4_matvec.py), and the same floats on panels of 8 rows (AVX2) and 16 (AVX-512). At K3's expert
+   shape (6144 x 3584; a Xeon with AVX-512, one core) the 16-row panels reach 100-133 GFLOP/s from 36 inputs on
+   (sgemm 129-133 in the same runs), the 8-row ones 62-76 and AVX-512's tiles 56-77. */
 
 #define MXFP4_PANEL_MIN_INPUTS 12  /* fewer: the tiles, which decode each weight once per 4-5 inputs but skip the panels'
-                                      transposes, stores and loads (as fast at 12 inputs, faster below, on this AVX2 VM) */
+                                      transposes, stores and loads (as fast at 12 inputs, faster below, on an AVX2 VM;
+                                      on the Xeon, 4-10 inputs: tiles 55-85 GFLOP/s, 16-row panels 27-51) */
 
 /* The tile of rows r0 .. r0 + nr - 1 (nr <= PANEL_ROWS), bytes c0 .. c1 - 1 (c1 - c0 <= PANEL_K / 2) of group j's
-   expert, as panels: P[(q * PANEL_K + 2 (c - c0) + h) * 8 + a] = the weight of row r0 + 8q + a in byte c's low (h = 0,
-   column 2c) or high nibble (h = 1, column 2c + 1); rows past nr are 0. */
-__attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_source *src, Py_ssize_t j, Py_ssize_t r0, int nr,
-                                                                  Py_ssize_t c0, Py_ssize_t c1, float *P) {
-    for (int q = 0; q * 8 < nr; q++) {
+   expert, as panels of `width` rows (8: _panels_avx2.h's, 16: _panels_avx512.h's): P[(q * PANEL_K + 2 (c - c0) + h)
+   * width + a] = the weight of row r0 + width q + a in byte c's low (h = 0, column 2c) or high nibble (h = 1, column
+   2c + 1); rows past nr are 0. Decoded 8 rows at a time (AVX2: the values are exact, whatever the vectors). */
+__attribute__((target("avx2,fma"))) static void decode_panels(const row_source *src, Py_ssize_t j, Py_ssize_t r0, int nr,
+                                                             Py_ssize_t c0, Py_ssize_t c1, float *P, int width) {
+    const int padded = (nr + width - 1) / width * width;
+    for (int q = 0; q * 8 < padded; q++) {  /* 8 rows: row 8q + a, stored at panel 8q / width, lane 8q % width + a */
         const uint8_t *row[8], *srow[8];
         for (int a = 0; a < 8; a++) {
             if (8 * q + a < nr) source_row(src, j, r0 + 8 * q + a, &row[a], &srow[a]);
@@ -523,26 +529,30 @@ __attribute__((target("avx2,fma"))) static void decode_panels_avx2(const row_sou
             }
             transpose8(lo);
             transpose8(hi);
-            float *dst = P + ((Py_ssize_t)q * PANEL_K + 2 * (c - c0)) * 8;
+            float *dst = P + ((Py_ssize_t)(8 * q / width) * PANEL_K + 2 * (c - c0)) * width + 8 * q % width;
             for (int k = 0; k < 8; k++) {
-                _mm256_storeu_ps(dst + 16 * k, lo[k]);
-                _mm256_storeu_ps(dst + 16 * k + 8, hi[k]);
+                _mm256_storeu_ps(dst + 2 * k * width, lo[k]);
+                _mm256_storeu_ps(dst + (2 * k + 1) * width, hi[k]);
             }
         }
     }
 }
 
-/* Rows r0..r1-1 of group j's expert times its ni inputs X [ni, 2H] (x as given) -> Y[i * ldy + r]. P: [PANEL_ROWS / 8,
-   PANEL_K, 8] floats (scratch). */
-__attribute__((target("avx2,fma"))) static void panels_avx2(const row_source *src, Py_ssize_t j, Py_ssize_t r0, Py_ssize_t r1,
-                                                           const float *X, Py_ssize_t ni, float *Y, Py_ssize_t ldy, float *P) {
+/* Rows r0..r1-1 of group j's expert times its ni inputs X [ni, 2H] (x as given) -> Y[i * ldy + r], on panels of 8 rows
+   (isa 1, AVX2) or 16 (isa 2, AVX-512F): the same floats. P: PANEL_ROWS x PANEL_K floats (scratch). */
+__attribute__((target("avx2,fma"))) static void panels_run(const row_source *src, Py_ssize_t j, Py_ssize_t r0, Py_ssize_t r1,
+                                                          const float *X, Py_ssize_t ni, float *Y, Py_ssize_t ldy, float *P,
+                                                          int isa) {
     const Py_ssize_t H = src->H;
     for (Py_ssize_t rb = r0; rb < r1; rb += PANEL_ROWS) {
         const int nr = (int)(r1 - rb < PANEL_ROWS ? r1 - rb : PANEL_ROWS);
         for (Py_ssize_t c0 = 0; c0 < H; c0 += PANEL_K / 2) {
             const Py_ssize_t c1 = H - c0 < PANEL_K / 2 ? H : c0 + PANEL_K / 2;
-            decode_panels_avx2(src, j, rb, nr, c0, c1, P);
-            panels_times_inputs_avx2(P, nr, X + 2 * c0, 2 * H, ni, 2 * (c1 - c0), Y + rb, ldy, c0 == 0);
+            decode_panels(src, j, rb, nr, c0, c1, P, isa == 2 ? 16 : 8);
+            if (isa == 2)
+                panels16_times_inputs_avx512(P, nr, X + 2 * c0, 2 * H, ni, 2 * (c1 - c0), Y + rb, ldy, c0 == 0);
+            else
+                panels_times_inputs_avx2(P, nr, X + 2 * c0, 2 * H, ni, 2 * (c1 - c0), Y + rb, ldy, c0 == 0);
         }
     }
 }
@@ -558,7 +568,7 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
     const tile_fn tile = KX_TILE_KERNEL(isa);
 #ifdef KX_X86
     float *P = NULL;  /* the panel route's scratch, made at its first group */
-    int panels = isa == 1;
+    int panels = isa >= 1;
 #endif
     for (Py_ssize_t t = start; t < stop;) {
         const Py_ssize_t j = t / R, r = t - j * R, i0 = (Py_ssize_t)bounds[j], ni = (Py_ssize_t)bounds[j + 1] - i0;
@@ -567,7 +577,7 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
             if (P == NULL) panels = (P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K)) != NULL;  /* no memory: the tiles */
             if (panels) {
                 const Py_ssize_t r1 = stop - j * R < R ? stop - j * R : R;
-                panels_avx2(src, j, r, r1, Xin + i0 * 2 * H, ni, Y + i0 * R, R, P);
+                panels_run(src, j, r, r1, Xin + i0 * 2 * H, ni, Y + i0 * R, R, P, isa);
                 t += r1 - r;
                 continue;
             }
