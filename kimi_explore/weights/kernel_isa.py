@@ -1,8 +1,9 @@
 """Which SIMD kernel a compiled matvec (`mxfp4_matvec`, `bf16_matvec`) runs when none is asked for.
 
 Each C kernel comes as portable C, AVX2+FMA and AVX-512F (`_kernel_isa.h`). The tests run every one
-the CPU has, but the machines this package is developed and tested on hide AVX-512, so on a CPU
-with it the default kernel would be code no test has executed. Before its first product, each
+the CPU has, but not every CPU runs the tests: most of this package's development machines hid AVX-512
+(its kernels first ran, and passed, on a Xeon on 2026-12-05), and a compiler or CPU no test has seen
+may still miscompile or misrun one. Before its first product, each
 module multiplies small problems through every entry point with its kernels, best first: weights
 and inputs of small integers and power-of-two scales, so that every sum is exact in float32 and a
 sound kernel gives the portable kernel's floats bit for bit. A kernel that does not is skipped with
