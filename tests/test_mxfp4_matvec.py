@@ -240,9 +240,8 @@ def test_the_panel_route_gives_the_same_floats_in_every_simd_kernel():
 
 
 def test_grouped_matmat_small_groups_are_the_same_floats_one_input_at_a_time():
-    """Groups of 1 to 11 inputs take the tiles (AVX-512: passes of 4 inputs and a remainder; AVX2: as few passes of
-    up to 5 as that allows, as even as possible, 11 = 4 + 4 + 3): each output the same float as that input alone in
-    its own group, in every kernel."""
+    """Groups of 1 to 11 inputs take the tiles (AVX2 and AVX-512: as few passes of up to 5 as that allows, as even as
+    possible, 11 = 4 + 4 + 3): each output the same float as that input alone in its own group, in every kernel."""
     rng = np.random.default_rng(11)
     packed, scale = bank(rng, E=3, R=21, C=3 * 32 * 7)
     sizes, experts = [3, 2, 4, 1, 5, 6, 7, 9, 11], [1, 0, 2, 1, 0, 2, 1, 0, 2]

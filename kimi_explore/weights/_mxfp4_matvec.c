@@ -446,11 +446,13 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const uint8_t *const *
 #undef KX_TILE
 }
 
+#define AVX512_INPUTS 5 /* inputs per AVX-512 tile: 4 rows x 5 inputs are 20 accumulators, 8 decoded weights, 2 inputs
+                           and the table: 31 of the 32 registers */
 __attribute__((always_inline, target("avx512f"))) static inline void tile_avx512_n(const uint8_t *const *rows,
         const uint8_t *const *srows, const int nr, const float *X, Py_ssize_t ldx, const int ni, Py_ssize_t H, float *out,
         Py_ssize_t ldo) {
     const __m512 lut = _mm512_loadu_ps(E2M1);  /* vpermps reads the low 4 bits of each lane */
-    __m512 acc[MM_ROWS][MM_INPUTS];
+    __m512 acc[MM_ROWS][AVX512_INPUTS];
     for (int a = 0; a < nr; a++)
         for (int i = 0; i < ni; i++) acc[a][i] = _mm512_setzero_ps();
     for (Py_ssize_t c = 0; c < H; c += 16) {  /* one group: 16 bytes, 32 weights */
@@ -473,19 +475,30 @@ __attribute__((always_inline, target("avx512f"))) static inline void tile_avx512
 __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const *rows, const uint8_t *const *srows, int nr,
                                                           const float *X, Py_ssize_t ldx, int ni, Py_ssize_t H, float *out,
                                                           Py_ssize_t ldo) {
-    if (nr == MM_ROWS) {
-        int i = 0;
-        for (; i + MM_INPUTS <= ni; i += MM_INPUTS)
-            tile_avx512_n(rows, srows, MM_ROWS, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo, ldo);
-        for (; i < ni; i++) tile_avx512_n(rows, srows, MM_ROWS, X + i * ldx, ldx, 1, H, out + i * ldo, ldo);
-        return;
+    /* 4 rows (fewer: one at a time) x up to 5 inputs, the inputs cut into as few passes as that allows, as even as
+       possible (each pass decodes the rows again), as tile_avx2 does: a group of 5 is one pass, 7 is 4 + 3 (it was
+       4 + 1 + 1 + 1). Per (row, input) the same products in the same order as one input at a time. */
+#define KX_TILE(NR, NI) tile_avx512_n(rows + a, srows + a, NR, X + i * ldx, ldx, NI, H, out + i * ldo + a, ldo)
+#define KX_TILES(NR)                      \
+    switch (n) {                          \
+        case 5: KX_TILE(NR, 5); break;    \
+        case 4: KX_TILE(NR, 4); break;    \
+        case 3: KX_TILE(NR, 3); break;    \
+        case 2: KX_TILE(NR, 2); break;    \
+        default: KX_TILE(NR, 1); break;   \
     }
-    for (int a = 0; a < nr; a++) {
-        int i = 0;
-        for (; i + MM_INPUTS <= ni; i += MM_INPUTS)
-            tile_avx512_n(rows + a, srows + a, 1, X + i * ldx, ldx, MM_INPUTS, H, out + i * ldo + a, ldo);
-        for (; i < ni; i++) tile_avx512_n(rows + a, srows + a, 1, X + i * ldx, ldx, 1, H, out + i * ldo + a, ldo);
+    const int passes = (ni + AVX512_INPUTS - 1) / AVX512_INPUTS;
+    for (int a = 0; a < nr;) {
+        const int four = nr - a >= MM_ROWS;
+        for (int p = 0, i = 0; p < passes; p++) {
+            const int n = (ni - i + passes - p - 1) / (passes - p);
+            if (four) KX_TILES(MM_ROWS) else KX_TILES(1)
+            i += n;
+        }
+        a += four ? MM_ROWS : 1;
     }
+#undef KX_TILES
+#undef KX_TILE
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
