@@ -86,6 +86,9 @@ def test_a_chunks_stack_takes_the_token_forms_steps_per_token():
                 tok.seal()
         assert np.array_equal(seq.inv_rms[t, :4], tok.inv_rms[:4])
         np.testing.assert_allclose(p[t], tok.weights(score), rtol=2e-6)  # (the scores' dots: sgemv against matmul)
+    empty = SequenceSources(np, 0, 8, d, np.float32, eps)  # a chunk of no tokens
+    empty.set_current(np.zeros((0, d), np.float32))
+    assert empty.weights(score).shape == (0, 1)
     wide = SequenceSources(np, T, token_ops.MAX_SOURCES + 1, d, np.float32, eps)
     assert not wide.compiled  # its softmax takes the NumPy formulation
     wide.set_current(vs[0])

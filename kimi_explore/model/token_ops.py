@@ -83,14 +83,17 @@ def situ(gate_up, beta: float, linear_beta: float | None):
 def set_row(rows, n: int, v, inv_rms, inv_d: float, eps: float) -> None:
     """rows[n] = v; inv_rms[n] (float64) = 1 / sqrt(sum(v^2) inv_d + eps), the sum in double. Or for T tokens at
     once (rows [T, R, d], v [T, d], inv_rms [T, R]): each token's row n and its 1/rms, the same steps."""
-    _ext.set_row(rows, n, v, inv_rms, inv_d, eps, v.shape[0] if v.ndim == 2 else 1)
+    tokens = v.shape[0] if v.ndim == 2 else 1
+    if tokens:
+        _ext.set_row(rows, n, v, inv_rms, inv_d, eps, tokens)
 
 
 def source_softmax(s, inv_rms):
     """softmax(s * inv_rms[:m]) over the m = len(s) sources, in double, rounded once: float32 [m]. Or for T tokens
     at once (s [T, m], inv_rms [T, S >= m]): float32 [T, m], each row the same steps."""
     out = np.empty(s.shape, _F32)
-    _ext.source_softmax(s, inv_rms, out, s.shape[0] if s.ndim == 2 else 1)
+    if s.ndim == 1 or s.shape[0]:
+        _ext.source_softmax(s, inv_rms, out, s.shape[0] if s.ndim == 2 else 1)
     return out
 
 
