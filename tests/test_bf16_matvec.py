@@ -166,6 +166,19 @@ def test_matmat_panels_give_the_same_floats_in_every_simd_kernel():
                 np.testing.assert_array_equal(other, got[0])
 
 
+def test_matmat_tiles_are_the_same_floats_one_input_at_a_time():
+    """Below the panels' threshold (AVX2: 5 inputs, AVX-512: 12) the tiles take up to 4 inputs a pass (3 inputs: one
+    pass): each output the same float as that input alone, in every kernel, with 37 rows (tiles and remainders) and a
+    column tail."""
+    rng = np.random.default_rng(13)
+    bits, _ = matrix(rng, 37, 203)
+    x = rng.standard_normal((11, 203)).astype(np.float32)
+    for isa in isas():
+        alone = np.concatenate([bf16_matvec.bf16_matmat(bits, x[i : i + 1], isa=isa, threads=1) for i in range(11)])
+        for n in (2, 3, 4) if isa == "avx2" else (2, 3, 4, 7, 11):
+            np.testing.assert_array_equal(bf16_matvec.bf16_matmat(bits, x[:n], isa=isa, threads=1), alone[:n])
+
+
 def test_matmat_small_integers_are_exact_in_every_kernel():
     rng = np.random.default_rng(4)
     W = rng.integers(-8, 9, (50, 333)).astype(ml_dtypes.bfloat16)

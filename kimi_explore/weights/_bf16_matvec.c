@@ -184,14 +184,19 @@ __attribute__((always_inline, target("avx2,fma"))) static inline void tile_avx2_
 
 __attribute__((target("avx2,fma"))) static void tile_avx2(const uint16_t *w, int nr, const float *X, int ni, Py_ssize_t C,
                                                          float *out, Py_ssize_t ldo) {
-    /* 2 rows x 4 inputs: 8 accumulators, 2 weights and an input in the 16 ymm registers */
+    /* 2 rows x the ni <= 4 inputs in one pass (3 inputs: one pass, not three): 8 accumulators, 2 weights and an input in
+       the 16 ymm registers. Per (row, input) the same products in the same order whatever the pass holds. */
+#define KX_TILE(NR, NI) tile_avx2_n(w + a * C, NR, X, NI, C, out + a, ldo)
     for (int a = 0; a < nr; a += 2) {
         const int two = nr - a >= 2;
-        if (two && ni == MM_INPUTS) tile_avx2_n(w + a * C, 2, X, MM_INPUTS, C, out + a, ldo);
-        else if (two) for (int i = 0; i < ni; i++) tile_avx2_n(w + a * C, 2, X + i * C, 1, C, out + i * ldo + a, ldo);
-        else if (ni == MM_INPUTS) tile_avx2_n(w + a * C, 1, X, MM_INPUTS, C, out + a, ldo);
-        else for (int i = 0; i < ni; i++) tile_avx2_n(w + a * C, 1, X + i * C, 1, C, out + i * ldo + a, ldo);
+        switch (ni) {
+            case 4: if (two) KX_TILE(2, 4); else KX_TILE(1, 4); break;
+            case 3: if (two) KX_TILE(2, 3); else KX_TILE(1, 3); break;
+            case 2: if (two) KX_TILE(2, 2); else KX_TILE(1, 2); break;
+            default: if (two) KX_TILE(2, 1); else KX_TILE(1, 1); break;
+        }
     }
+#undef KX_TILE
 }
 
 __attribute__((always_inline, target("avx512f"))) static inline void tile_avx512_n(const uint16_t *w, const int nr, const float *X,
@@ -219,10 +224,19 @@ __attribute__((always_inline, target("avx512f"))) static inline void tile_avx512
 
 __attribute__((target("avx512f"))) static void tile_avx512(const uint16_t *w, int nr, const float *X, int ni, Py_ssize_t C,
                                                           float *out, Py_ssize_t ldo) {
-    if (nr == MM_ROWS && ni == MM_INPUTS) tile_avx512_n(w, MM_ROWS, X, MM_INPUTS, C, out, ldo);
-    else if (nr == MM_ROWS) for (int i = 0; i < ni; i++) tile_avx512_n(w, MM_ROWS, X + i * C, 1, C, out + i * ldo, ldo);
-    else if (ni == MM_INPUTS) for (int a = 0; a < nr; a++) tile_avx512_n(w + a * C, 1, X, MM_INPUTS, C, out + a, ldo);
-    else for (int a = 0; a < nr; a++) for (int i = 0; i < ni; i++) tile_avx512_n(w + a * C, 1, X + i * C, 1, C, out + i * ldo + a, ldo);
+    /* 4 rows (fewer: one at a time) x the ni <= 4 inputs in one pass, as tile_avx2 */
+#define KX_TILE(NR, NI) tile_avx512_n(w + a * C, NR, X, NI, C, out + a, ldo)
+    for (int a = 0; a < nr;) {
+        const int four = nr - a >= MM_ROWS;
+        switch (ni) {
+            case 4: if (four) KX_TILE(MM_ROWS, 4); else KX_TILE(1, 4); break;
+            case 3: if (four) KX_TILE(MM_ROWS, 3); else KX_TILE(1, 3); break;
+            case 2: if (four) KX_TILE(MM_ROWS, 2); else KX_TILE(1, 2); break;
+            default: if (four) KX_TILE(MM_ROWS, 1); else KX_TILE(1, 1); break;
+        }
+        a += four ? MM_ROWS : 1;
+    }
+#undef KX_TILE
 }
 #define KX_TILE_KERNEL(isa) ((isa) == 2 ? tile_avx512 : (isa) == 1 ? tile_avx2 : tile_portable)
 
