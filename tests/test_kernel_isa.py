@@ -64,3 +64,18 @@ def test_a_kernel_that_disagrees_is_skipped_with_a_warning(module, entry, out_ar
         x = rng.standard_normal((3, 40)).astype(np.float32)
         run = lambda isa=None: bf16_matvec.bf16_matmat(bits, x, isa=isa)  # noqa: E731
     np.testing.assert_array_equal(run(), run(module.isas()[-2]))
+
+
+def test_the_route_names_the_kernel_that_runs(monkeypatch):
+    """A model's expert route names the kernel its products take, the self-checked default: it named the CPU's
+    best, also after that one had been skipped for disagreeing."""
+    if not mxfp4_matvec.AVAILABLE or len(mxfp4_matvec.isas()) < 2:
+        pytest.skip("needs the compiled kernel and a SIMD one on this CPU")
+    from kimi_explore import from_pretrained
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+    weights = from_pretrained(random_tiny_checkpoint(), device="cpu", experts="packed", expert_cache_size=0)
+    bank = next(layer.ffn.experts for layer in weights.layers if hasattr(getattr(layer, "ffn", None), "experts"))
+    monkeypatch.setattr(mxfp4_matvec, "_DEFAULT", [mxfp4_matvec.isas()[-2]])  # as if the best had been skipped
+    assert bank.route.startswith(f"fused MXFP4 kernel ({mxfp4_matvec.isas()[-2]}), no cache")
+

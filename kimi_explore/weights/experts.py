@@ -268,7 +268,7 @@ class PackedExperts:
     def route(self) -> str:
         """How the selected experts are multiplied, in words."""
         if self.uses_fused:
-            return f"fused MXFP4 kernel ({mxfp4_matvec.isas()[-1]}), no cache"
+            return f"fused MXFP4 kernel ({mxfp4_matvec.default_isa()}), no cache"  # the one that runs (self-checked)
         return "dequantised per token" + (f", LRU cache of {self.capacity} per layer" if self.capacity else ", no cache")
 
     IN_PLACE_BYTES = 1 << 20  # host: experts this large are multiplied where they lie rather than copied
