@@ -58,6 +58,7 @@ import sys
 import time
 from pathlib import Path
 
+import machine  # (bench/: this script's directory)
 import ml_dtypes
 import numpy as np
 
@@ -497,6 +498,7 @@ def main(argv=None) -> int:
     # shared machine only lowers it, and a floor from a low measurement would flatter the ratios
     after = measure_bandwidth(args.device)
     bw = {k: max([before[k], after[k]] + [run["bandwidth"][k] for run in runs]) for k in before}
+    print(machine.line(machine.describe()))
     print(f"{args.device}: memory bandwidth {bw['bandwidth_GBps']:.1f} GB/s (1 GiB copy {bw['copy_GBps']:.1f} GB/s "
           f"read+write, 1 GiB float32 gemv {bw['gemv_read_GBps']:.1f} GB/s read; best of 10, in {len(runs) + 2} "
           "measurements before, during and after the layers)")
@@ -530,7 +532,7 @@ def main(argv=None) -> int:
         run["peak_over_kept"] = grown / (run["kept_bytes"] - scratch)
         print(f"{run['kind']:<10} {run['weight_dtype'][:8]:<8} {run['load_s']:>7.1f} {run['kept_bytes'] / 1e6:>8.0f} "
               f"{scratch / 1e6:>9.0f} {run['peak_rss_load'] / 1e6:>11.0f} {run['peak_over_kept']:>26.2f}")
-    out = {"device": args.device, "bandwidth": bw, "checkpoint": args.ckpt, "checkpoint_write_s": write_s,
+    out = {"device": args.device, **machine.describe(), "bandwidth": bw, "checkpoint": args.ckpt, "checkpoint_write_s": write_s,
            "experts_on_disk": args.experts, "balanced_routing": args.balanced, "vocab": args.vocab, "top_k": TOP_K,
            "rows": rows, "runs": runs}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

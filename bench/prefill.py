@@ -229,6 +229,8 @@ def main() -> int:
     if args.threads:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.threads)
+    import machine  # (bench/: this script's directory)
+
     import kimi_explore as ke  # after the thread settings: BLAS reads them when NumPy loads
     from kimi_explore.model.kimi_sequence import default_chunk
 
@@ -238,6 +240,8 @@ def main() -> int:
     load = os.getloadavg()
     print(f"prefill on the embedded model: {len(texts)} texts of {args.len} tokens, BLAS threads "
           f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')}, {os.cpu_count()} CPUs, load {load[0]:.2f}")
+    ran_on = machine.describe()
+    print(machine.line(ran_on))
 
     rows = routes(ke, weights, texts, args.step_tokens)
     if not args.no_mlx:
@@ -287,7 +291,7 @@ def main() -> int:
                                "floor": fl, "default_chunk": default_chunk(weights.config), "meets_tokens_per_s": ok_tps,
                                "meets_ratio": ok_ratio, "threads": args.threads, "load_average": load,
                                "machine": platform.machine(), "python": sys.version.split()[0],
-                               "cpus": os.cpu_count()}, indent=2) + "\n")
+                               "cpus": os.cpu_count(), **ran_on}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -64,11 +64,14 @@ def main() -> int:
     if args.threads:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.threads)
+    import machine  # (bench/: this script's directory)
     import numpy as np
 
     import kimi_explore as ke  # after the thread settings: BLAS reads them when NumPy loads
 
     weights = ke.from_pretrained(ke.tiny_checkpoint(), device="cpu")
+    ran_on = machine.describe()
+    print(machine.line(ran_on))
     text = (CORPUS * (args.text_len // len(CORPUS) + 1))[: args.text_len]
     texts = [text] * max(1, args.tokens // args.text_len)
     n = sum(len(t) for t in texts)
@@ -116,7 +119,7 @@ def main() -> int:
                                "meets_target_machine": machine >= TARGET, "load_average": os.getloadavg(),
                                "threads": args.threads, "workers": args.workers,
                                "machine": platform.machine(), "python": sys.version.split()[0],
-                               "cpus": os.cpu_count()}, indent=2) + "\n")
+                               "cpus": os.cpu_count(), **ran_on}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 
