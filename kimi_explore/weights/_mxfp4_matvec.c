@@ -513,7 +513,7 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
 
 #define MXFP4_PANEL_MIN_INPUTS 12  /* fewer: the tiles, which decode each weight once per 4-5 inputs but skip the panels'
                                       transposes, stores and loads (as fast at 12 inputs, faster below, on an AVX2 VM;
-                                      on the Xeon, 4-10 inputs: tiles 55-85 GFLOP/s, 16-row panels 27-51) */
+                                      on the Xeon, 4-10 inputs: tiles 73-99 GFLOP/s, 16-row panels 27-51) */
 
 /* The tile of rows r0 .. r0 + nr - 1 (nr <= PANEL_ROWS), bytes c0 .. c1 - 1 (c1 - c0 <= PANEL_K / 2) of group j's
    expert, as panels of `width` rows (8: _panels_avx2.h's, 16: _panels_avx512.h's): P[(q * PANEL_K + 2 (c - c0) + h)
