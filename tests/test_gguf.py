@@ -203,6 +203,37 @@ def test_mxfp4_gguf_is_the_checkpoint_bit_for_bit(s, route):
 
 
 @pytest.mark.parametrize("s", SETS)
+def test_a_prefill_from_the_gguf_reads_each_expert_once_and_is_the_checkpoints(s, monkeypatch):
+    """The sequence path on ggml blocks groups a chunk's selections by expert (`grouped_ggml_matmat`: each expert's
+    blocks read once per chunk, as the compressed-tensors banks are; it went row by row): logits and state the
+    same bits as the safetensors checkpoint's prefill, with groups large enough for the panels (>= 12 rows of an
+    expert in a chunk of 96) and small ones (chunk 7)."""
+    require_kernel()
+    g = ke.from_pretrained(mxfp4_gguf(s), device="cpu", experts="packed", expert_cache_size=0)
+    w = ke.from_pretrained(ENGINES / s / "tiny_k3", device="cpu", experts="packed", expert_cache_size=0)
+    V = g.config.vocab_size
+    ids = np.random.default_rng(7).integers(0, V, 96).tolist()
+    calls = []
+    real = mxfp4_matvec.grouped_ggml_matmat
+
+    def counted(blocks, experts, bounds, *args, **kwargs):
+        calls.append(int(np.max(np.diff(bounds))))
+        return real(blocks, experts, bounds, *args, **kwargs)
+
+    monkeypatch.setattr(mxfp4_matvec, "grouped_ggml_matmat", counted)
+    for chunk in (96, 7):
+        sg, sw = ke.KimiDecodeState.new(g), ke.KimiDecodeState.new(w)
+        lg = ke.kimi_forward_sequence(g, sg, ids, chunk=chunk)
+        lw = ke.kimi_forward_sequence(w, sw, ids, chunk=chunk)
+        np.testing.assert_array_equal(bits(lg), bits(lw))
+        for a, b in zip(sg.layers, sw.layers, strict=True):
+            for x, y in zip(vars(a.attention).values(), vars(b.attention).values(), strict=True):
+                if isinstance(x, np.ndarray):
+                    np.testing.assert_array_equal(bits(x), bits(y))
+    assert calls and max(calls) >= 12  # the panels ran
+
+
+@pytest.mark.parametrize("s", SETS)
 def test_kda_decay_recovered_as_the_checkpoint_computes_it(s):
     """A = f32(exp(f64(A_log))): recovered from ssm_a = -exp(A_log) bit for bit on every head, where
     -ssm_a itself (llama.cpp's value) is 1 ulp off on one head of set e."""

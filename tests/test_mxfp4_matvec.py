@@ -267,6 +267,29 @@ def test_grouped_parts_matmat_is_the_bank_kernel_on_blocks():
         np.testing.assert_array_equal(got, want)
 
 
+def test_grouped_ggml_matmat_is_the_bank_kernel_on_the_same_weights():
+    """llama.cpp's 17-byte blocks read in place, each row put in compressed-tensors order as the kernel reaches it
+    (a tile's rows whole, a panel's one column tile at a time): bit for bit `grouped_matmat` on the packed bytes of
+    the same weights, in every kernel, through the tiles (1-11 inputs) and the panels (12+), threads cutting rows."""
+    from kimi_explore.weights.ggml_quants import mxfp4_blocks_from_packed
+
+    rng = np.random.default_rng(17)
+    packed, scale = bank(rng, E=3, R=70, C=2 * 16 * 40)
+    blocks = mxfp4_blocks_from_packed(packed, scale)
+    for sizes in ([3, 12, 40], [1, 5, 100], [13, 7, 25]):
+        experts, bounds = [2, 0, 1], np.concatenate(([0], np.cumsum(sizes)))
+        x = rng.standard_normal((bounds[-1], packed.shape[2] * 2)).astype(np.float32)
+        for isa in isas():
+            for threads in (1, 3):
+                np.testing.assert_array_equal(
+                    mxfp4_matvec.grouped_ggml_matmat(blocks, experts, bounds, x, isa=isa, threads=threads),
+                    mxfp4_matvec.grouped_matmat(packed, scale, experts, bounds, x, isa=isa, threads=threads))
+    with pytest.raises(ValueError, match=r"blocks: expected a C-contiguous uint8 NumPy array \[E, R, C/32, 17\]"):
+        mxfp4_matvec.grouped_ggml_matmat(packed, [0], [0, 1], x[:1])
+    with pytest.raises(IndexError, match="expert id 3 outside 0..2"):
+        mxfp4_matvec.grouped_ggml_matmat(blocks, [3], [0, 1], x[:1])
+
+
 def test_grouped_bad_arguments_are_named():
     rng = np.random.default_rng(10)
     packed, scale = bank(rng)

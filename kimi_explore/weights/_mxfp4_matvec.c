@@ -331,6 +331,7 @@ done:
 /* Where the weight rows of a group come from: one [E, R, H] bank, or P row blocks per group (parts). */
 typedef struct {
     const uint8_t *P, *S;          /* bank: packed [E, R, H], scale [E, R, G] */
+    const uint8_t *B;              /* ggml: blocks [E, R, G, 17] (llama.cpp's layout), read through group_row */
     const int64_t *experts;        /* bank: group j's expert */
     const Py_buffer *bufs;         /* parts: group j's block p at j * nparts + p (packed), then m * nparts more (scales) */
     Py_ssize_t nparts, m, off[MAX_PARTS + 1];
@@ -350,6 +351,25 @@ static inline void source_row(const row_source *src, Py_ssize_t j, Py_ssize_t r,
     *row = (const uint8_t *)src->bufs[j * src->nparts + p].buf + rr * src->H;
     *srow = (const uint8_t *)src->bufs[src->m * src->nparts + j * src->nparts + p].buf + rr * src->G;
 }
+
+static void ggml_row_to_ct(const uint8_t *blocks, Py_ssize_t G, uint8_t *qs, uint8_t *sc);
+
+/* source_row for the grouped kernels, where the expert may be in ggml blocks (src->B): then the row's groups g0..g1-1
+   are put in compressed-tensors order into `slot` (16 G code bytes, then G scale bytes; `ggml_row_to_ct`), at their
+   places in a whole row, and the slot stands for the row: the same bytes the bank would hold, so the same floats. */
+static inline void group_row(const row_source *src, uint8_t *slot, Py_ssize_t g0, Py_ssize_t g1, Py_ssize_t j, Py_ssize_t r,
+                             const uint8_t **row, const uint8_t **srow) {
+    if (src->B == NULL) {
+        source_row(src, j, r, row, srow);
+        return;
+    }
+    const Py_ssize_t G = src->G;
+    const uint8_t *blocks = src->B + ((Py_ssize_t)src->experts[j] * src->R + r) * G * 17;
+    ggml_row_to_ct(blocks + 17 * g0, g1 - g0, slot + 16 * g0, slot + 16 * G + g0);
+    *row = slot;
+    *srow = slot + 16 * G;
+}
+#define GGML_SLOTS 8 /* rows converted at once: a panel's 8 (a tile's 4) */
 
 #define MM_ROWS 4   /* weight rows per tile */
 #define MM_INPUTS 4 /* input rows per tile */
@@ -519,13 +539,15 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
    expert, as panels of `width` rows (8: _panels_avx2.h's, 16: _panels_avx512.h's): P[(q * PANEL_K + 2 (c - c0) + h)
    * width + a] = the weight of row r0 + width q + a in byte c's low (h = 0, column 2c) or high nibble (h = 1, column
    2c + 1); rows past nr are 0. Decoded 8 rows at a time (AVX2: the values are exact, whatever the vectors). */
-__attribute__((target("avx2,fma"))) static void decode_panels(const row_source *src, Py_ssize_t j, Py_ssize_t r0, int nr,
-                                                             Py_ssize_t c0, Py_ssize_t c1, float *P, int width) {
+__attribute__((target("avx2,fma"))) static void decode_panels(const row_source *src, uint8_t *slots, Py_ssize_t j,
+                                                             Py_ssize_t r0, int nr, Py_ssize_t c0, Py_ssize_t c1, float *P,
+                                                             int width) {
     const int padded = (nr + width - 1) / width * width;
     for (int q = 0; q * 8 < padded; q++) {  /* 8 rows: row 8q + a, stored at panel 8q / width, lane 8q % width + a */
         const uint8_t *row[8], *srow[8];
         for (int a = 0; a < 8; a++) {
-            if (8 * q + a < nr) source_row(src, j, r0 + 8 * q + a, &row[a], &srow[a]);
+            if (8 * q + a < nr)
+                group_row(src, slots + a * 17 * src->G, c0 / 16, c1 / 16, j, r0 + 8 * q + a, &row[a], &srow[a]);
             else row[a] = srow[a] = NULL;
         }
         for (Py_ssize_t c = c0; c < c1; c += 8) {
@@ -553,15 +575,15 @@ __attribute__((target("avx2,fma"))) static void decode_panels(const row_source *
 
 /* Rows r0..r1-1 of group j's expert times its ni inputs X [ni, 2H] (x as given) -> Y[i * ldy + r], on panels of 8 rows
    (isa 1, AVX2) or 16 (isa 2, AVX-512F): the same floats. P: PANEL_ROWS x PANEL_K floats (scratch). */
-__attribute__((target("avx2,fma"))) static void panels_run(const row_source *src, Py_ssize_t j, Py_ssize_t r0, Py_ssize_t r1,
-                                                          const float *X, Py_ssize_t ni, float *Y, Py_ssize_t ldy, float *P,
-                                                          int isa) {
+__attribute__((target("avx2,fma"))) static void panels_run(const row_source *src, uint8_t *slots, Py_ssize_t j, Py_ssize_t r0,
+                                                          Py_ssize_t r1, const float *X, Py_ssize_t ni, float *Y, Py_ssize_t ldy,
+                                                          float *P, int isa) {
     const Py_ssize_t H = src->H;
     for (Py_ssize_t rb = r0; rb < r1; rb += PANEL_ROWS) {
         const int nr = (int)(r1 - rb < PANEL_ROWS ? r1 - rb : PANEL_ROWS);
         for (Py_ssize_t c0 = 0; c0 < H; c0 += PANEL_K / 2) {
             const Py_ssize_t c1 = H - c0 < PANEL_K / 2 ? H : c0 + PANEL_K / 2;
-            decode_panels(src, j, rb, nr, c0, c1, P, isa == 2 ? 16 : 8);
+            decode_panels(src, slots, j, rb, nr, c0, c1, P, isa == 2 ? 16 : 8);
             if (isa == 2)
                 panels16_times_inputs_avx512(P, nr, X + 2 * c0, 2 * H, ni, 2 * (c1 - c0), Y + rb, ldy, c0 == 0);
             else
@@ -575,8 +597,8 @@ __attribute__((target("avx2,fma"))) static void panels_run(const row_source *src
 
 /* The flat (group, row) range [start, stop), MM_ROWS rows per tile (never across a group); X: the inputs as xeo, Xin: as
    given (the panels'). GIL released by the caller. */
-static void grouped_run(const row_source *src, const int64_t *bounds, const float *X, const float *Xin, float *Y,
-                        Py_ssize_t start, Py_ssize_t stop, int isa) {
+static void grouped_run(const row_source *src, uint8_t *slots, const int64_t *bounds, const float *X, const float *Xin,
+                        float *Y, Py_ssize_t start, Py_ssize_t stop, int isa) {
     const Py_ssize_t R = src->R, H = src->H;
     const tile_fn tile = KX_TILE_KERNEL(isa);
 #ifdef KX_X86
@@ -590,7 +612,7 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
             if (P == NULL) panels = (P = malloc(sizeof(float) * PANEL_ROWS * PANEL_K)) != NULL;  /* no memory: the tiles */
             if (panels) {
                 const Py_ssize_t r1 = stop - j * R < R ? stop - j * R : R;
-                panels_run(src, j, r, r1, Xin + i0 * 2 * H, ni, Y + i0 * R, R, P, isa);
+                panels_run(src, slots, j, r, r1, Xin + i0 * 2 * H, ni, Y + i0 * R, R, P, isa);
                 t += r1 - r;
                 continue;
             }
@@ -599,7 +621,7 @@ static void grouped_run(const row_source *src, const int64_t *bounds, const floa
         Py_ssize_t nr = R - r < stop - t ? R - r : stop - t;
         if (nr > MM_ROWS) nr = MM_ROWS;
         const uint8_t *rows[MM_ROWS], *srows[MM_ROWS];
-        for (Py_ssize_t a = 0; a < nr; a++) source_row(src, j, r + a, &rows[a], &srows[a]);
+        for (Py_ssize_t a = 0; a < nr; a++) group_row(src, slots + a * 17 * src->G, 0, src->G, j, r + a, &rows[a], &srows[a]);
         for (Py_ssize_t i = 0; i < ni; i += 1 << 20)  /* ni fits an int */
             tile(rows, srows, (int)nr, X + (i0 + i) * 2 * H, 2 * H, (int)(ni - i < (1 << 20) ? ni - i : 1 << 20), H,
                  Y + (i0 + i) * R + r, R);
@@ -663,8 +685,8 @@ static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
     }
     row_source src = {.P = packed.buf, .S = scale.buf, .experts = id, .m = m, .R = R, .H = H, .G = H / 16};
     Py_BEGIN_ALLOW_THREADS
-    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start, stop,
-                isa);
+    grouped_run(&src, NULL, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start,
+                stop, isa);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -749,8 +771,8 @@ static PyObject *grouped_parts_matmat(PyObject *self, PyObject *args) {
     src.nparts = P;
     src.m = m;
     Py_BEGIN_ALLOW_THREADS
-    grouped_run(&src, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start, stop,
-                isa);
+    grouped_run(&src, NULL, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start,
+                stop, isa);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -844,12 +866,71 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(grouped_ggml_matmat_doc,
+             "grouped_ggml_matmat(blocks, experts, bounds, xeo, x, out, R, H, start, stop, isa)\n\n"
+             "grouped_matmat on ggml's MXFP4 blocks, blocks uint8 [E, R, H/16, 17] read in place (a bank or the mapped\n"
+             "GGUF); the rest as grouped_matmat. Each row is put in compressed-tensors order as it is needed (a tile's 4\n"
+             "rows whole, a panel's 8 rows one column tile at a time), so the same floats as grouped_matmat on the\n"
+             "compressed-tensors bytes of the same weights.");
+
+static PyObject *grouped_ggml_matmat(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer blocks, experts, bounds, xeo, x, out;
+    Py_ssize_t R, H, start, stop;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnns", &blocks, &experts, &bounds, &xeo, &x, &out, &R, &H, &start, &stop,
+                          &isa_name))
+        return NULL;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    uint8_t *slots = NULL;
+    Py_ssize_t m = experts.len / 8, G = H / 16, E = 0;
+    int isa = isa_index(isa_name);
+    if (R <= 0 || H <= 0 || H % 16) err = "R must be > 0 and H a positive multiple of 16 (whole 32-value blocks)";
+    else if (isa < 0) err = "isa: not one of isas() on this CPU";
+    else if (experts.len % 8) err = "experts: expected an int64 buffer";
+    else if (blocks.len % (R * G * 17) || (E = blocks.len / (R * G * 17)) == 0) err = "blocks: size is not E * R * H/16 * 17 bytes";
+    else err = check_groups(&bounds, m, &xeo, &x, &out, R, H, start, stop);
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    const int64_t *id = (const int64_t *)experts.buf;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (id[j] < 0 || id[j] >= E) {
+            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[j], E - 1);
+            goto done;
+        }
+    }
+    if ((slots = PyMem_Malloc((size_t)GGML_SLOTS * G * 17)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    row_source src = {.B = blocks.buf, .experts = id, .m = m, .R = R, .H = H, .G = G};
+    Py_BEGIN_ALLOW_THREADS
+    grouped_run(&src, slots, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf,
+                start, stop, isa);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(slots);
+    PyBuffer_Release(&blocks);
+    PyBuffer_Release(&experts);
+    PyBuffer_Release(&bounds);
+    PyBuffer_Release(&xeo);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"expert_matvec", expert_matvec, METH_VARARGS, expert_matvec_doc},
     {"parts_matvec", parts_matvec, METH_VARARGS, parts_matvec_doc},
     {"ggml_matvec", ggml_matvec, METH_VARARGS, ggml_matvec_doc},
     {"grouped_matmat", grouped_matmat, METH_VARARGS, grouped_matmat_doc},
     {"grouped_parts_matmat", grouped_parts_matmat, METH_VARARGS, grouped_parts_matmat_doc},
+    {"grouped_ggml_matmat", grouped_ggml_matmat, METH_VARARGS, grouped_ggml_matmat_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

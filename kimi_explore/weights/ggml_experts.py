@@ -9,8 +9,10 @@ A `kimi-k3` GGUF stacks each MoE layer's experts into three tensors, read here i
 
 - fused (host, float32, no cache, kernel built): `mxfp4_matvec.ggml_expert_matvec` multiplies
   each bank where it lies (w13 = the gate rows, then the up rows: rows are independent, so two
-  calls give what one call over [w1; w3] gives). Bit for bit the outputs of the fused route on
-  the compressed-tensors bytes of the same weights (tested on the engine sets);
+  calls give what one call over [w1; w3] gives), and on the sequence path
+  `mxfp4_matvec.grouped_ggml_matmat` each selected expert once for all its rows of a chunk. Bit for
+  bit the outputs of the fused route on the compressed-tensors bytes of the same weights (tested on
+  the engine sets);
 - dequantising (cache, float64, GPU): the selected experts' blocks are copied out
   ([m, rows, G, 17], to the device on a GPU) and dequantised by `ggml_quants.dequantize_mxfp4`:
   the same values as `mxfp4.dequantize`, so the same matmuls as `PackedExperts`.
@@ -117,12 +119,14 @@ class GgmlExperts(PackedExperts):
         return super().route + (", ggml blocks mapped from the GGUF" if self.mapped else ", ggml blocks")
 
     def _fused_grouped(self, groups, zs, act):
-        """The sequence path's fused route: each sorted selection's row through its expert's blocks, one
-        kernel call per bank (the token form's row products, so the same bits per token)."""
+        """The sequence path's fused route: each selected expert's blocks read once for all its rows of the chunk
+        (`grouped_ggml_matmat`, one call per bank): the floats `PackedExperts` gives on the compressed-tensors bytes
+        of the same weights. (It went row by row, each selection reading its expert again: at K3's density a chunk
+        of 1,000 tokens read each expert ~18 times.)"""
         pool = self._workspace.pool()
-        ids = np.repeat(np.asarray(groups.experts, dtype=np.int64), np.diff(groups.bounds))
-        h = np.concatenate([mxfp4_matvec.ggml_expert_matvec(b, ids, zs, pool=pool) for b in self.w13_packed], axis=1)
-        return mxfp4_matvec.ggml_expert_matvec(self.w2_packed[0], ids, act(h), pool=pool)
+        h = np.concatenate([mxfp4_matvec.grouped_ggml_matmat(b, groups.experts, groups.bounds, zs, pool=pool)
+                            for b in self.w13_packed], axis=1)
+        return mxfp4_matvec.grouped_ggml_matmat(self.w2_packed[0], groups.experts, groups.bounds, act(h), pool=pool)
 
     def _fused(self, ids, z, act):
         pool = self._workspace.pool()

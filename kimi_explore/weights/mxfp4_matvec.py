@@ -13,12 +13,12 @@ against float64). It is built at install when a C compiler is present (`setup.py
 without it `AVAILABLE` is False and `experts.PackedExperts` dequantises instead.
 
 The sequence path multiplies GROUPS of input rows, each group by its own expert (`grouped_matmat`,
-`grouped_parts_matmat`: a chunk's selections grouped by expert). The expert's bytes come from memory
-once per call, and the power of two multiplies the decoded weight (the exact dequantised value), so
-each output is a float32 dot product with the dequantised matrix, summed in the kernel's order. A group
-of fewer than 12 inputs decodes each weight once per tile of up to 4 inputs (AVX2: 5); a larger one (AVX2) decodes a
-tile of 64 rows x 256 columns once into float32 panels and multiplies them as BLAS does (outer
-products, 10 independent accumulators: `_panels_avx2.h`).
+`grouped_parts_matmat`, `grouped_ggml_matmat` for llama.cpp's blocks: a chunk's selections grouped by
+expert). The expert's bytes come from memory once per call, and the power of two multiplies the decoded
+weight (the exact dequantised value), so each output is a float32 dot product with the dequantised
+matrix, summed in the kernel's order. A group of fewer than 12 inputs decodes each weight once per tile
+of up to 5 inputs; a larger one decodes a tile of 64 rows x 256 columns once into float32 panels and
+multiplies them as BLAS does (outer products: `_panels_avx2.h`, `_panels_avx512.h`).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def _self_check(isa: str) -> str | None:
         "grouped_matmat": lambda i: grouped_matmat(packed, scale, experts, bounds, x, isa=i, threads=1),
         "grouped_parts_matmat": lambda i: grouped_parts_matmat(parts(packed, experts), parts(scale, experts), (20, 17),
                                                                bounds, x, isa=i, threads=1),
+        "grouped_ggml_matmat": lambda i: grouped_ggml_matmat(blocks, experts, bounds, x, isa=i, threads=1),
     }
     return first_mismatch(isa, calls)
 
@@ -192,6 +193,24 @@ def grouped_parts_matmat(packed, scale, rows, bounds, x, out=None, isa: str | No
     bounds, x, xeo, out = _group_inputs(bounds, m, x, R, H, out)
     flat_p, flat_s = [a for p in packed for a in p], [a for s in scale for a in s]
     run = lambda a, b: _ext.grouped_parts_matmat(flat_p, flat_s, rows, bounds, xeo, x, out, H, a, b, isa)  # noqa: E731
+    run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
+    return out
+
+
+def grouped_ggml_matmat(blocks, experts, bounds, x, out=None, isa: str | None = None, threads: int | None = None,
+                        pool=None):
+    """`grouped_matmat` from ggml's MXFP4 block layout (llama.cpp GGUF), read in place: blocks uint8 [E, R, C/32, 17].
+    Bit for bit what `grouped_matmat` gives on the compressed-tensors bytes of the same weights (each row is put in
+    that order in a small scratch as the kernel reaches it)."""
+    _require()
+    isa = isa or default_isa()
+    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 17 \
+            or not blocks.flags.c_contiguous:
+        raise ValueError(f"blocks: expected a C-contiguous uint8 NumPy array [E, R, C/32, 17], got {_describe(blocks)}")
+    E, R, G, _ = blocks.shape
+    experts = np.ascontiguousarray(experts, dtype=np.int64).reshape(-1)
+    bounds, x, xeo, out = _group_inputs(bounds, len(experts), x, R, 16 * G, out)
+    run = lambda a, b: _ext.grouped_ggml_matmat(blocks, experts, bounds, xeo, x, out, R, 16 * G, a, b, isa)  # noqa: E731
     run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
     return out
 
