@@ -369,7 +369,7 @@ static inline void group_row(const row_source *src, uint8_t *slot, Py_ssize_t g0
     *row = slot;
     *srow = slot + 16 * G;
 }
-#define GGML_SLOTS 8 /* rows converted at once: a panel's 8 (a tile's 4) */
+#define GGML_SLOTS 64 /* rows reordered at once: a panel tile's 64 (a tile's 4) */
 
 #define MM_ROWS 4   /* weight rows per tile */
 #define MM_INPUTS 4 /* input rows per tile */
@@ -539,16 +539,14 @@ __attribute__((target("avx512f"))) static void tile_avx512(const uint8_t *const 
    expert, as panels of `width` rows (8: _panels_avx2.h's, 16: _panels_avx512.h's): P[(q * PANEL_K + 2 (c - c0) + h)
    * width + a] = the weight of row r0 + width q + a in byte c's low (h = 0, column 2c) or high nibble (h = 1, column
    2c + 1); rows past nr are 0. Decoded 8 rows at a time (AVX2: the values are exact, whatever the vectors). */
-__attribute__((target("avx2,fma"))) static void decode_panels(const row_source *src, uint8_t *slots, Py_ssize_t j,
-                                                             Py_ssize_t r0, int nr, Py_ssize_t c0, Py_ssize_t c1, float *P,
-                                                             int width) {
+__attribute__((target("avx2,fma"))) static void decode_panels(const row_source *src, Py_ssize_t j, Py_ssize_t r0, int nr,
+                                                             Py_ssize_t c0, Py_ssize_t c1, float *P, int width) {
     const int padded = (nr + width - 1) / width * width;
     for (int q = 0; q * 8 < padded; q++) {  /* 8 rows: row 8q + a, stored at panel 8q / width, lane 8q % width + a */
         const uint8_t *row[8], *srow[8];
         for (int a = 0; a < 8; a++) {
             if (8 * q + a < nr)
-                group_row(src, slots + a * 17 * src->G, c0 / 16, c1 / 16, j, r0 + 8 * q + a, 1 /* panels: AVX2+ */, &row[a],
-                          &srow[a]);
+                source_row(src, j, r0 + 8 * q + a, &row[a], &srow[a]);
             else row[a] = srow[a] = NULL;
         }
         for (Py_ssize_t c = c0; c < c1; c += 8) {
@@ -579,12 +577,21 @@ __attribute__((target("avx2,fma"))) static void decode_panels(const row_source *
 __attribute__((target("avx2,fma"))) static void panels_run(const row_source *src, uint8_t *slots, Py_ssize_t j, Py_ssize_t r0,
                                                           Py_ssize_t r1, const float *X, Py_ssize_t ni, float *Y, Py_ssize_t ldy,
                                                           float *P, int isa) {
-    const Py_ssize_t H = src->H;
+    const Py_ssize_t H = src->H, G = src->G;
+    const int64_t first = 0;
     for (Py_ssize_t rb = r0; rb < r1; rb += PANEL_ROWS) {
         const int nr = (int)(r1 - rb < PANEL_ROWS ? r1 - rb : PANEL_ROWS);
+        /* ggml blocks: the tile's rows reordered once, whole (codes [nr, H] then scales [nr, G] in `slots`), and the
+           panels decoded from there as from a bank of one expert */
+        const row_source ct = {.P = slots, .S = slots + GGML_SLOTS * H, .experts = &first, .R = nr, .H = H, .G = G};
+        if (src->B != NULL)
+            for (int a = 0; a < nr; a++)
+                ggml_row_to_ct(src->B + ((Py_ssize_t)src->experts[j] * src->R + rb + a) * G * 17, G, slots + a * H,
+                               slots + GGML_SLOTS * H + a * G, isa);
+        const row_source *from = src->B != NULL ? &ct : src;
         for (Py_ssize_t c0 = 0; c0 < H; c0 += PANEL_K / 2) {
             const Py_ssize_t c1 = H - c0 < PANEL_K / 2 ? H : c0 + PANEL_K / 2;
-            decode_panels(src, slots, j, rb, nr, c0, c1, P, isa == 2 ? 16 : 8);
+            decode_panels(from, src->B != NULL ? 0 : j, src->B != NULL ? 0 : rb, nr, c0, c1, P, isa == 2 ? 16 : 8);
             if (isa == 2)
                 panels16_times_inputs_avx512(P, nr, X + 2 * c0, 2 * H, ni, 2 * (c1 - c0), Y + rb, ldy, c0 == 0);
             else
