@@ -354,18 +354,17 @@ static inline void source_row(const row_source *src, Py_ssize_t j, Py_ssize_t r,
 
 static void ggml_row_to_ct(const uint8_t *blocks, Py_ssize_t G, uint8_t *qs, uint8_t *sc, int isa);
 
-/* source_row for the grouped kernels, where the expert may be in ggml blocks (src->B): then the row's groups g0..g1-1
-   are put in compressed-tensors order into `slot` (16 G code bytes, then G scale bytes; `ggml_row_to_ct`), at their
-   places in a whole row, and the slot stands for the row: the same bytes the bank would hold, so the same floats. */
-static inline void group_row(const row_source *src, uint8_t *slot, Py_ssize_t g0, Py_ssize_t g1, Py_ssize_t j, Py_ssize_t r,
-                             int isa, const uint8_t **row, const uint8_t **srow) {
+/* source_row for the tiles, where the expert may be in ggml blocks (src->B): then the row is put in compressed-tensors
+   order into `slot` (16 G code bytes, then G scale bytes; `ggml_row_to_ct`), which stands for the row: the same bytes
+   the bank would hold, so the same floats. (The panels reorder a tile's rows in `panels_run`.) */
+static inline void group_row(const row_source *src, uint8_t *slot, Py_ssize_t j, Py_ssize_t r, int isa, const uint8_t **row,
+                             const uint8_t **srow) {
     if (src->B == NULL) {
         source_row(src, j, r, row, srow);
         return;
     }
     const Py_ssize_t G = src->G;
-    const uint8_t *blocks = src->B + ((Py_ssize_t)src->experts[j] * src->R + r) * G * 17;
-    ggml_row_to_ct(blocks + 17 * g0, g1 - g0, slot + 16 * g0, slot + 16 * G + g0, isa);
+    ggml_row_to_ct(src->B + ((Py_ssize_t)src->experts[j] * src->R + r) * G * 17, G, slot, slot + 16 * G, isa);
     *row = slot;
     *srow = slot + 16 * G;
 }
@@ -629,7 +628,7 @@ static void grouped_run(const row_source *src, uint8_t *slots, const int64_t *bo
         Py_ssize_t nr = R - r < stop - t ? R - r : stop - t;
         if (nr > MM_ROWS) nr = MM_ROWS;
         const uint8_t *rows[MM_ROWS], *srows[MM_ROWS];
-        for (Py_ssize_t a = 0; a < nr; a++) group_row(src, slots + a * 17 * src->G, 0, src->G, j, r + a, isa, &rows[a], &srows[a]);
+        for (Py_ssize_t a = 0; a < nr; a++) group_row(src, slots + a * 17 * src->G, j, r + a, isa, &rows[a], &srows[a]);
         for (Py_ssize_t i = 0; i < ni; i += 1 << 20)  /* ni fits an int */
             tile(rows, srows, (int)nr, X + (i0 + i) * 2 * H, 2 * H, (int)(ni - i < (1 << 20) ? ni - i : 1 << 20), H,
                  Y + (i0 + i) * R + r, R);
@@ -911,8 +910,8 @@ PyDoc_STRVAR(grouped_ggml_matmat_doc,
              "grouped_ggml_matmat(blocks, experts, bounds, xeo, x, out, R, H, start, stop, isa)\n\n"
              "grouped_matmat on ggml's MXFP4 blocks, blocks uint8 [E, R, H/16, 17] read in place (a bank or the mapped\n"
              "GGUF); the rest as grouped_matmat. Each row is put in compressed-tensors order as it is needed (a tile's 4\n"
-             "rows whole, a panel's 8 rows one column tile at a time), so the same floats as grouped_matmat on the\n"
-             "compressed-tensors bytes of the same weights.");
+             "rows, a panel tile's 64, each once), so the same floats as grouped_matmat on the compressed-tensors bytes\n"
+             "of the same weights.");
 
 static PyObject *grouped_ggml_matmat(PyObject *self, PyObject *args) {
     (void)self;
