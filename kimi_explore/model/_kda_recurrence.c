@@ -111,86 +111,97 @@ __attribute__((target("avx2,fma"))) static void heads_avx2(const float *q, const
     heads_body(q, k, v, alpha, beta, S, o, norms, T, H, K, V, h0, h1, scratch);
 }
 
-/* heads_body for V a multiple of 8 (AVX2): the same operations per column in the same order, 16 columns at a time (8 at
-   the end), each column's sums over the K rows (o, the square sum, the next token's u) kept in registers rather than
-   in the scratch rows, which heads_body loads and stores at every row (2.5x at the embedded model's 32 x 32 heads,
-   3.4x at K3's 128 x 128, this AVX2 VM). */
-__attribute__((always_inline, target("avx2,fma"))) static inline void cols_avx2(float *restrict Sh, const float *restrict w,
-        const float *restrict kt, const float *restrict qt, const float *restrict an, const float *restrict kn, float *restrict ot,
-        float *restrict sq, float *restrict un, Py_ssize_t K, Py_ssize_t V, Py_ssize_t j, const int next, const int two) {
-    const __m256 w0 = _mm256_loadu_ps(w + j), w1 = two ? _mm256_loadu_ps(w + j + 8) : w0;
-    __m256 o0 = _mm256_setzero_ps(), o1 = o0, s0 = o0, s1 = o0, u0 = o0, u1 = o0;
-    for (Py_ssize_t r = 0; r < K; r++) {
-        float *restrict row = Sh + r * V + j;
-        const __m256 kr = _mm256_set1_ps(kt[r]), qr = _mm256_set1_ps(qt[r]);
-        const __m256 x0 = _mm256_fmadd_ps(kr, w0, _mm256_loadu_ps(row));
-        o0 = _mm256_fmadd_ps(qr, x0, o0);
-        s0 = _mm256_fmadd_ps(x0, x0, s0);
-        __m256 x1 = x0;
-        if (two) {
-            x1 = _mm256_fmadd_ps(kr, w1, _mm256_loadu_ps(row + 8));
-            o1 = _mm256_fmadd_ps(qr, x1, o1);
-            s1 = _mm256_fmadd_ps(x1, x1, s1);
-        }
-        if (next) {
-            const __m256 a = _mm256_set1_ps(an[r]), k = _mm256_set1_ps(kn[r]);
-            const __m256 y0 = _mm256_mul_ps(x0, a);
-            _mm256_storeu_ps(row, y0);
-            u0 = _mm256_fmadd_ps(k, y0, u0);
-            if (two) {
-                const __m256 y1 = _mm256_mul_ps(x1, a);
-                _mm256_storeu_ps(row + 8, y1);
-                u1 = _mm256_fmadd_ps(k, y1, u1);
-            }
-        } else {
-            _mm256_storeu_ps(row, x0);
-            if (two) _mm256_storeu_ps(row + 8, x1);
-        }
+/* heads_body for V a multiple of the vector width W (AVX2: 8, AVX-512F: 16): the same operations per column in the
+   same order, 2W columns at a time (W at the end), each column's sums over the K rows (o, the square sum, the next
+   token's u) kept in registers rather than in the scratch rows, which heads_body loads and stores at every row (AVX2:
+   2.5x at the embedded model's 32 x 32 heads, 3.4x at K3's 128 x 128, an AVX2 VM; AVX-512: 1.8x and 1.3x the
+   compiler's vectorisation of heads_body, which it had run, on a Xeon). Both widths give the same floats, bit for bit
+   (tests/test_kda_recurrence.py). One definition, instantiated per width: VEC the vector type, PFX its intrinsics'
+   prefix. */
+#define KX_COLS(name, attr, VEC, PFX, W)                                                                                  \
+    __attribute__((always_inline, attr)) static inline void name(float *restrict Sh, const float *restrict w,               \
+            const float *restrict kt, const float *restrict qt, const float *restrict an, const float *restrict kn,         \
+            float *restrict ot, float *restrict sq, float *restrict un, Py_ssize_t K, Py_ssize_t V, Py_ssize_t j,           \
+            const int next, const int two) {                                                                                \
+        const VEC w0 = PFX##_loadu_ps(w + j), w1 = two ? PFX##_loadu_ps(w + j + W) : w0;                                   \
+        VEC o0 = PFX##_setzero_ps(), o1 = o0, s0 = o0, s1 = o0, u0 = o0, u1 = o0;                                           \
+        for (Py_ssize_t r = 0; r < K; r++) {                                                                                \
+            float *restrict row = Sh + r * V + j;                                                                           \
+            const VEC kr = PFX##_set1_ps(kt[r]), qr = PFX##_set1_ps(qt[r]);                                                 \
+            const VEC x0 = PFX##_fmadd_ps(kr, w0, PFX##_loadu_ps(row));                                                     \
+            o0 = PFX##_fmadd_ps(qr, x0, o0);                                                                                \
+            s0 = PFX##_fmadd_ps(x0, x0, s0);                                                                                \
+            VEC x1 = x0;                                                                                                    \
+            if (two) {                                                                                                      \
+                x1 = PFX##_fmadd_ps(kr, w1, PFX##_loadu_ps(row + W));                                                       \
+                o1 = PFX##_fmadd_ps(qr, x1, o1);                                                                            \
+                s1 = PFX##_fmadd_ps(x1, x1, s1);                                                                            \
+            }                                                                                                               \
+            if (next) {                                                                                                     \
+                const VEC a = PFX##_set1_ps(an[r]), k = PFX##_set1_ps(kn[r]);                                               \
+                const VEC y0 = PFX##_mul_ps(x0, a);                                                                         \
+                PFX##_storeu_ps(row, y0);                                                                                   \
+                u0 = PFX##_fmadd_ps(k, y0, u0);                                                                             \
+                if (two) {                                                                                                  \
+                    const VEC y1 = PFX##_mul_ps(x1, a);                                                                     \
+                    PFX##_storeu_ps(row + W, y1);                                                                           \
+                    u1 = PFX##_fmadd_ps(k, y1, u1);                                                                         \
+                }                                                                                                           \
+            } else {                                                                                                        \
+                PFX##_storeu_ps(row, x0);                                                                                   \
+                if (two) PFX##_storeu_ps(row + W, x1);                                                                      \
+            }                                                                                                               \
+        }                                                                                                                   \
+        PFX##_storeu_ps(ot + j, o0);                                                                                        \
+        PFX##_storeu_ps(sq + j, s0);                                                                                        \
+        PFX##_storeu_ps(un + j, u0);                                                                                        \
+        if (two) {                                                                                                          \
+            PFX##_storeu_ps(ot + j + W, o1);                                                                                \
+            PFX##_storeu_ps(sq + j + W, s1);                                                                                \
+            PFX##_storeu_ps(un + j + W, u1);                                                                                \
+        }                                                                                                                   \
     }
-    _mm256_storeu_ps(ot + j, o0);
-    _mm256_storeu_ps(sq + j, s0);
-    _mm256_storeu_ps(un + j, u0);
-    if (two) {
-        _mm256_storeu_ps(ot + j + 8, o1);
-        _mm256_storeu_ps(sq + j + 8, s1);
-        _mm256_storeu_ps(un + j + 8, u1);
-    }
-}
 
-__attribute__((target("avx2,fma"))) static void heads_avx2_cols(const float *q, const float *k, const float *v,
-        const float *alpha, const float *beta, float *S, float *o, float *norms, Py_ssize_t T, Py_ssize_t H, Py_ssize_t K,
-        Py_ssize_t V, Py_ssize_t h0, Py_ssize_t h1, float *scratch) {
-    float *u = scratch, *w = scratch + V, *sq = scratch + 2 * V, *un = scratch + 3 * V;
-    for (Py_ssize_t h = h0; h < h1 && T > 0; h++) {
-        float *Sh = S + h * K * V;
-        first_decay_read(Sh, alpha + h * K, k + h * K, u, K, V);
-        for (Py_ssize_t t = 0; t < T; t++) {
-            const Py_ssize_t at = (t * H + h) * K, nx = ((t + 1) * H + h) * K;
-            const float *vt = v + (t * H + h) * V;
-            float *ot = o + (t * H + h) * V;
-            const float b = beta[t * H + h];
-            for (Py_ssize_t j = 0; j < V; j++) w[j] = b * (vt[j] - u[j]);
-            const int next = t + 1 < T;
-            const float *an = next ? alpha + nx : NULL, *kn = next ? k + nx : NULL;
-            Py_ssize_t j = 0;
-            for (; j + 16 <= V; j += 16)
-                if (next) cols_avx2(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 1, 1);
-                else cols_avx2(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 0, 1);
-            if (j < V) {
-                if (next) cols_avx2(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 1, 0);
-                else cols_avx2(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 0, 0);
-            }
-            if (norms != NULL) {
-                float s = 0.0f;
-                for (Py_ssize_t jj = 0; jj < V; jj++) s += sq[jj];
-                norms[t * H + h] = sqrtf(s);
-            }
-            float *swap = u;  /* the next token's u */
-            u = un;
-            un = swap;
-        }
+#define KX_HEADS_COLS(name, attr, cols, W)                                                                                \
+    __attribute__((attr)) static void name(const float *q, const float *k, const float *v, const float *alpha,               \
+            const float *beta, float *S, float *o, float *norms, Py_ssize_t T, Py_ssize_t H, Py_ssize_t K, Py_ssize_t V,    \
+            Py_ssize_t h0, Py_ssize_t h1, float *scratch) {                                                                 \
+        float *u = scratch, *w = scratch + V, *sq = scratch + 2 * V, *un = scratch + 3 * V;                                 \
+        for (Py_ssize_t h = h0; h < h1 && T > 0; h++) {                                                                     \
+            float *Sh = S + h * K * V;                                                                                      \
+            first_decay_read(Sh, alpha + h * K, k + h * K, u, K, V);                                                        \
+            for (Py_ssize_t t = 0; t < T; t++) {                                                                            \
+                const Py_ssize_t at = (t * H + h) * K, nx = ((t + 1) * H + h) * K;                                          \
+                const float *vt = v + (t * H + h) * V;                                                                      \
+                float *ot = o + (t * H + h) * V;                                                                            \
+                const float b = beta[t * H + h];                                                                            \
+                for (Py_ssize_t j = 0; j < V; j++) w[j] = b * (vt[j] - u[j]);                                               \
+                const int next = t + 1 < T;                                                                                 \
+                const float *an = next ? alpha + nx : NULL, *kn = next ? k + nx : NULL;                                     \
+                Py_ssize_t j = 0;                                                                                           \
+                for (; j + 2 * W <= V; j += 2 * W)                                                                          \
+                    if (next) cols(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 1, 1);                               \
+                    else cols(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 0, 1);                                    \
+                if (j < V) {                                                                                                \
+                    if (next) cols(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 1, 0);                               \
+                    else cols(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 0, 0);                                    \
+                }                                                                                                           \
+                if (norms != NULL) {                                                                                        \
+                    float s = 0.0f;                                                                                         \
+                    for (Py_ssize_t jj = 0; jj < V; jj++) s += sq[jj];                                                      \
+                    norms[t * H + h] = sqrtf(s);                                                                            \
+                }                                                                                                           \
+                float *swap = u; /* the next token's u */                                                                   \
+                u = un;                                                                                                     \
+                un = swap;                                                                                                  \
+            }                                                                                                               \
+        }                                                                                                                   \
     }
-}
+
+KX_COLS(cols_avx2, target("avx2,fma"), __m256, _mm256, 8)
+KX_HEADS_COLS(heads_avx2_cols, target("avx2,fma"), cols_avx2, 8)
+KX_COLS(cols_avx512, target("avx512f"), __m512, _mm512, 16)
+KX_HEADS_COLS(heads_avx512_cols, target("avx512f"), cols_avx512, 16)
 
 __attribute__((target("avx512f"))) static void heads_avx512(const float *q, const float *k, const float *v, const float *alpha,
         const float *beta, float *S, float *o, float *norms, Py_ssize_t T, Py_ssize_t H, Py_ssize_t K, Py_ssize_t V,
@@ -198,86 +209,6 @@ __attribute__((target("avx512f"))) static void heads_avx512(const float *q, cons
     heads_body(q, k, v, alpha, beta, S, o, norms, T, H, K, V, h0, h1, scratch);
 }
 
-/* cols_avx2 with 16-column vectors (AVX-512F, V a multiple of 16): 32 columns at a time (16 at the end), the same
-   operations per column in the same order, so the AVX2 kernel's floats bit for bit (tests/test_kda_recurrence.py).
-   On a Xeon with AVX-512: 1.8x heads_avx512 at the embedded model's 32 x 32 heads, 1.3x at K3's (where the compiler's
-   own vectorisation of heads_body had been the default, slower than AVX2's columns). */
-__attribute__((always_inline, target("avx512f"))) static inline void cols_avx512(float *restrict Sh, const float *restrict w,
-        const float *restrict kt, const float *restrict qt, const float *restrict an, const float *restrict kn, float *restrict ot,
-        float *restrict sq, float *restrict un, Py_ssize_t K, Py_ssize_t V, Py_ssize_t j, const int next, const int two) {
-    const __m512 w0 = _mm512_loadu_ps(w + j), w1 = two ? _mm512_loadu_ps(w + j + 16) : w0;
-    __m512 o0 = _mm512_setzero_ps(), o1 = o0, s0 = o0, s1 = o0, u0 = o0, u1 = o0;
-    for (Py_ssize_t r = 0; r < K; r++) {
-        float *restrict row = Sh + r * V + j;
-        const __m512 kr = _mm512_set1_ps(kt[r]), qr = _mm512_set1_ps(qt[r]);
-        const __m512 x0 = _mm512_fmadd_ps(kr, w0, _mm512_loadu_ps(row));
-        o0 = _mm512_fmadd_ps(qr, x0, o0);
-        s0 = _mm512_fmadd_ps(x0, x0, s0);
-        __m512 x1 = x0;
-        if (two) {
-            x1 = _mm512_fmadd_ps(kr, w1, _mm512_loadu_ps(row + 16));
-            o1 = _mm512_fmadd_ps(qr, x1, o1);
-            s1 = _mm512_fmadd_ps(x1, x1, s1);
-        }
-        if (next) {
-            const __m512 a = _mm512_set1_ps(an[r]), k = _mm512_set1_ps(kn[r]);
-            const __m512 y0 = _mm512_mul_ps(x0, a);
-            _mm512_storeu_ps(row, y0);
-            u0 = _mm512_fmadd_ps(k, y0, u0);
-            if (two) {
-                const __m512 y1 = _mm512_mul_ps(x1, a);
-                _mm512_storeu_ps(row + 16, y1);
-                u1 = _mm512_fmadd_ps(k, y1, u1);
-            }
-        } else {
-            _mm512_storeu_ps(row, x0);
-            if (two) _mm512_storeu_ps(row + 16, x1);
-        }
-    }
-    _mm512_storeu_ps(ot + j, o0);
-    _mm512_storeu_ps(sq + j, s0);
-    _mm512_storeu_ps(un + j, u0);
-    if (two) {
-        _mm512_storeu_ps(ot + j + 16, o1);
-        _mm512_storeu_ps(sq + j + 16, s1);
-        _mm512_storeu_ps(un + j + 16, u1);
-    }
-}
-
-__attribute__((target("avx512f"))) static void heads_avx512_cols(const float *q, const float *k, const float *v,
-        const float *alpha, const float *beta, float *S, float *o, float *norms, Py_ssize_t T, Py_ssize_t H, Py_ssize_t K,
-        Py_ssize_t V, Py_ssize_t h0, Py_ssize_t h1, float *scratch) {
-    float *u = scratch, *w = scratch + V, *sq = scratch + 2 * V, *un = scratch + 3 * V;
-    for (Py_ssize_t h = h0; h < h1 && T > 0; h++) {
-        float *Sh = S + h * K * V;
-        first_decay_read(Sh, alpha + h * K, k + h * K, u, K, V);
-        for (Py_ssize_t t = 0; t < T; t++) {
-            const Py_ssize_t at = (t * H + h) * K, nx = ((t + 1) * H + h) * K;
-            const float *vt = v + (t * H + h) * V;
-            float *ot = o + (t * H + h) * V;
-            const float b = beta[t * H + h];
-            for (Py_ssize_t j = 0; j < V; j++) w[j] = b * (vt[j] - u[j]);
-            const int next = t + 1 < T;
-            const float *an = next ? alpha + nx : NULL, *kn = next ? k + nx : NULL;
-            Py_ssize_t j = 0;
-            for (; j + 32 <= V; j += 32)
-                if (next) cols_avx512(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 1, 1);
-                else cols_avx512(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 0, 1);
-            if (j < V) {
-                if (next) cols_avx512(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 1, 0);
-                else cols_avx512(Sh, w, k + at, q + at, an, kn, ot, sq, un, K, V, j, 0, 0);
-            }
-            if (norms != NULL) {
-                float s = 0.0f;
-                for (Py_ssize_t jj = 0; jj < V; jj++) s += sq[jj];
-                norms[t * H + h] = sqrtf(s);
-            }
-            float *swap = u;  /* the next token's u */
-            u = un;
-            un = swap;
-        }
-    }
-}
 #define KX_HEADS_KERNEL(isa) ((isa) == 2 ? heads_avx512 : (isa) == 1 ? heads_avx2 : heads_portable)
 #else
 #define KX_HEADS_KERNEL(isa) heads_portable

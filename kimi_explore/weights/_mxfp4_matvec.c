@@ -165,6 +165,17 @@ static const char *check_x_out(const Py_buffer *xeo, const Py_buffer *out, Py_ss
     return NULL;
 }
 
+/* Whether every expert id id[0..n-1] is in 0..E-1; else an IndexError naming the first that is not. */
+static int ids_in_range(const int64_t *id, Py_ssize_t n, Py_ssize_t E) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (id[i] < 0 || id[i] >= E) {
+            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[i], E - 1);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 PyDoc_STRVAR(expert_matvec_doc,
              "expert_matvec(packed, scale, ids, xeo, out, R, H, start, stop, isa)\n\n"
              "packed uint8 [E, R, H], scale uint8 [E, R, H/16], ids int64 [k], xeo float32 [1 or k, 2, H],\n"
@@ -193,12 +204,7 @@ static PyObject *expert_matvec(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *id = (const int64_t *)ids.buf;
-    for (Py_ssize_t n = 0; n < k; n++) {
-        if (id[n] < 0 || id[n] >= E) {
-            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[n], E - 1);
-            goto done;
-        }
-    }
+    if (!ids_in_range(id, k, E)) goto done;
     row_fn row = KX_ROW_KERNEL(isa);
     const uint8_t *P = (const uint8_t *)packed.buf, *S = (const uint8_t *)scale.buf;
     const float *X = (const float *)xeo.buf;
@@ -684,12 +690,7 @@ static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *id = (const int64_t *)experts.buf;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        if (id[j] < 0 || id[j] >= E) {
-            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[j], E - 1);
-            goto done;
-        }
-    }
+    if (!ids_in_range(id, m, E)) goto done;
     row_source src = {.P = packed.buf, .S = scale.buf, .experts = id, .m = m, .R = R, .H = H, .G = H / 16};
     Py_BEGIN_ALLOW_THREADS
     grouped_run(&src, NULL, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start,
@@ -873,12 +874,7 @@ static PyObject *ggml_matvec(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *id = (const int64_t *)ids.buf;
-    for (Py_ssize_t n = 0; n < k; n++) {
-        if (id[n] < 0 || id[n] >= E) {
-            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[n], E - 1);
-            goto done;
-        }
-    }
+    if (!ids_in_range(id, k, E)) goto done;
     if ((scratch = PyMem_Malloc((size_t)G * 17)) == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -936,12 +932,7 @@ static PyObject *grouped_ggml_matmat(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *id = (const int64_t *)experts.buf;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        if (id[j] < 0 || id[j] >= E) {
-            PyErr_Format(PyExc_IndexError, "expert id %lld outside 0..%zd", (long long)id[j], E - 1);
-            goto done;
-        }
-    }
+    if (!ids_in_range(id, m, E)) goto done;
     if ((slots = PyMem_Malloc((size_t)GGML_SLOTS * G * 17)) == NULL) {
         PyErr_NoMemory();
         goto done;

@@ -143,9 +143,7 @@ def ggml_expert_matvec(blocks, ids, x, out=None, isa: str | None = None, threads
     """
     _require()
     isa = isa or default_isa()
-    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 17 \
-            or not blocks.flags.c_contiguous:
-        raise ValueError(f"blocks: expected a C-contiguous uint8 NumPy array [E, R, C/32, 17], got {_describe(blocks)}")
+    _check_blocks(blocks)
     E, R, G, _ = blocks.shape
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     xeo, out = _inputs(x, len(ids), R, 16 * G, out)
@@ -204,15 +202,19 @@ def grouped_ggml_matmat(blocks, experts, bounds, x, out=None, isa: str | None = 
     that order in a small scratch as the kernel reaches it)."""
     _require()
     isa = isa or default_isa()
-    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 17 \
-            or not blocks.flags.c_contiguous:
-        raise ValueError(f"blocks: expected a C-contiguous uint8 NumPy array [E, R, C/32, 17], got {_describe(blocks)}")
+    _check_blocks(blocks)
     E, R, G, _ = blocks.shape
     experts = np.ascontiguousarray(experts, dtype=np.int64).reshape(-1)
     bounds, x, xeo, out = _group_inputs(bounds, len(experts), x, R, 16 * G, out)
     run = lambda a, b: _ext.grouped_ggml_matmat(blocks, experts, bounds, xeo, x, out, R, 16 * G, a, b, isa)  # noqa: E731
     run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
     return out
+
+
+def _check_blocks(blocks) -> None:
+    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 17 \
+            or not blocks.flags.c_contiguous:
+        raise ValueError(f"blocks: expected a C-contiguous uint8 NumPy array [E, R, C/32, 17], got {_describe(blocks)}")
 
 
 def _group_inputs(bounds, m: int, x, R: int, H: int, out):
