@@ -41,9 +41,9 @@ def rms_norm(x, weight, eps: float):
     float32/float64 decoder the cast is the identity.
     """
     n = x.shape[-1]
-    if x.ndim <= 2 and token_ops.runs(weight) and x.shape[-1:] == weight.shape:
-        rows = token_ops.in_c_order(x)  # on the host, a vector or rows: the token form's one compiled call (per row)
-        if token_ops.host_float32(rows):
+    if x.ndim <= 2:  # host float32, a vector or rows: the token form's compiled call (it checks the weight's width)
+        rows = token_ops.in_c_order(x)  # (MLA's latents are column slices)
+        if token_ops.runs(rows, weight):
             return token_ops.rms_norm(rows, weight, eps)
     if x.ndim == 1 and (type(x) is np.ndarray or on_host(array_namespace(x))):  # one scalar, on the host
         return x * (weight * (1.0 / math.sqrt(float(x @ x) / n + eps)))

@@ -56,14 +56,14 @@ def runs(*arrays) -> bool:
 def in_c_order(x):
     """x, or a C-ordered copy of a strided host float32 array (a column slice: MLA's latents, a stack's block);
     anything else as it is."""
-    if type(x) is np.ndarray and x.dtype == _F32 and not x.flags.c_contiguous:
+    if type(x) is np.ndarray and not x.flags.c_contiguous and x.dtype == _F32:
         return np.ascontiguousarray(x)
     return x
 
 
 def rms_norm(x, weight, eps: float):
     """x * weight / sqrt(mean(x^2) + eps) of a vector [n] or of each row of [T, n], in double, rounded once."""
-    if x.ndim not in (1, 2) or weight.shape != x.shape[-1:]:
+    if weight.shape != x.shape[-1:] or x.ndim > 2:
         raise ValueError(f"rms_norm: x [n] or [T, n] and weight [n] expected, got {x.shape} and {weight.shape}")
     out = np.empty(x.shape, _F32)
     _ext.rms_norm(x, weight, eps, out)

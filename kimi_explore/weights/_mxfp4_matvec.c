@@ -665,25 +665,34 @@ PyDoc_STRVAR(grouped_matmat_doc,
              "packed uint8 [E, R, H], scale uint8 [E, R, H/16], experts int64 [m], bounds int64 [m + 1] (group j:\n"
              "input rows bounds[j]..bounds[j+1]-1), xeo float32 [n, 2, H], x float32 [n, 2H] (the same inputs, as given:\n"
              "xeo[i] = [x[i, 0::2] | x[i, 1::2]]), out float32 [n, R] (flat (group, row)\n"
-             "units start..stop-1 written): C-contiguous buffers. isa: a name from isas() or '' for the best.");
+             "units start..stop-1 written): C-contiguous buffers. isa: a name from isas() or '' for the best.\n"
+             "scale None: packed is ggml's MXFP4 blocks, uint8 [E, R, H/16, 17], read in place (a bank or the mapped\n"
+             "GGUF); each row is put in compressed-tensors order as it is needed (a tile's 4 rows, a panel tile's 64,\n"
+             "each once), so the same floats as on the compressed-tensors bytes of the same weights.");
 
 static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer packed, scale, experts, bounds, xeo, x, out;
+    Py_buffer packed, scale = {0}, experts, bounds, xeo, x, out;
+    PyObject *scale_obj;
     Py_ssize_t R, H, start, stop;
     const char *isa_name;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*nnnns", &packed, &scale, &experts, &bounds, &xeo, &x, &out, &R, &H, &start,
-                          &stop, &isa_name))
+    if (!PyArg_ParseTuple(args, "y*Oy*y*y*y*w*nnnns", &packed, &scale_obj, &experts, &bounds, &xeo, &x, &out, &R, &H,
+                          &start, &stop, &isa_name))
         return NULL;
     PyObject *result = NULL;
     const char *err = NULL;
-    Py_ssize_t m = experts.len / 8, E = 0;
+    uint8_t *slots = NULL;
+    const int ggml = scale_obj == Py_None;
+    const Py_ssize_t m = experts.len / 8, G = H / 16, row_bytes = ggml ? 17 * G : H;
+    Py_ssize_t E = 0;
+    if (!ggml && PyObject_GetBuffer(scale_obj, &scale, PyBUF_C_CONTIGUOUS) < 0) goto done;
     int isa = isa_index(isa_name);
     if (R <= 0 || H <= 0 || H % 16) err = "R must be > 0 and H a positive multiple of 16 (whole 32-value groups)";
     else if (isa < 0) err = "isa: not one of isas() on this CPU";
     else if (experts.len % 8) err = "experts: expected an int64 buffer";
-    else if (packed.len % (R * H) || (E = packed.len / (R * H)) == 0) err = "packed: size is not E * R * H bytes";
-    else if (scale.len != E * R * (H / 16)) err = "scale: size is not E * R * H/16 bytes";
+    else if (packed.len % (R * row_bytes) || (E = packed.len / (R * row_bytes)) == 0)
+        err = ggml ? "blocks: size is not E * R * H/16 * 17 bytes" : "packed: size is not E * R * H bytes";
+    else if (!ggml && scale.len != E * R * G) err = "scale: size is not E * R * H/16 bytes";
     else err = check_groups(&bounds, m, &xeo, &x, &out, R, H, start, stop);
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
@@ -691,16 +700,23 @@ static PyObject *grouped_matmat(PyObject *self, PyObject *args) {
     }
     const int64_t *id = (const int64_t *)experts.buf;
     if (!ids_in_range(id, m, E)) goto done;
-    row_source src = {.P = packed.buf, .S = scale.buf, .experts = id, .m = m, .R = R, .H = H, .G = H / 16};
+    if (ggml && (slots = PyMem_Malloc((size_t)GGML_SLOTS * G * 17)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    row_source src = {.experts = id, .m = m, .R = R, .H = H, .G = G};
+    if (ggml) src.B = packed.buf;
+    else src.P = packed.buf, src.S = scale.buf;
     Py_BEGIN_ALLOW_THREADS
-    grouped_run(&src, NULL, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf, start,
-                stop, isa);
+    grouped_run(&src, slots, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf,
+                start, stop, isa);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
+    PyMem_Free(slots);
     PyBuffer_Release(&packed);
-    PyBuffer_Release(&scale);
+    if (scale.obj != NULL) PyBuffer_Release(&scale);
     PyBuffer_Release(&experts);
     PyBuffer_Release(&bounds);
     PyBuffer_Release(&xeo);
@@ -902,66 +918,12 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(grouped_ggml_matmat_doc,
-             "grouped_ggml_matmat(blocks, experts, bounds, xeo, x, out, R, H, start, stop, isa)\n\n"
-             "grouped_matmat on ggml's MXFP4 blocks, blocks uint8 [E, R, H/16, 17] read in place (a bank or the mapped\n"
-             "GGUF); the rest as grouped_matmat. Each row is put in compressed-tensors order as it is needed (a tile's 4\n"
-             "rows, a panel tile's 64, each once), so the same floats as grouped_matmat on the compressed-tensors bytes\n"
-             "of the same weights.");
-
-static PyObject *grouped_ggml_matmat(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer blocks, experts, bounds, xeo, x, out;
-    Py_ssize_t R, H, start, stop;
-    const char *isa_name;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnns", &blocks, &experts, &bounds, &xeo, &x, &out, &R, &H, &start, &stop,
-                          &isa_name))
-        return NULL;
-    PyObject *result = NULL;
-    const char *err = NULL;
-    uint8_t *slots = NULL;
-    Py_ssize_t m = experts.len / 8, G = H / 16, E = 0;
-    int isa = isa_index(isa_name);
-    if (R <= 0 || H <= 0 || H % 16) err = "R must be > 0 and H a positive multiple of 16 (whole 32-value blocks)";
-    else if (isa < 0) err = "isa: not one of isas() on this CPU";
-    else if (experts.len % 8) err = "experts: expected an int64 buffer";
-    else if (blocks.len % (R * G * 17) || (E = blocks.len / (R * G * 17)) == 0) err = "blocks: size is not E * R * H/16 * 17 bytes";
-    else err = check_groups(&bounds, m, &xeo, &x, &out, R, H, start, stop);
-    if (err) {
-        PyErr_SetString(PyExc_ValueError, err);
-        goto done;
-    }
-    const int64_t *id = (const int64_t *)experts.buf;
-    if (!ids_in_range(id, m, E)) goto done;
-    if ((slots = PyMem_Malloc((size_t)GGML_SLOTS * G * 17)) == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    row_source src = {.B = blocks.buf, .experts = id, .m = m, .R = R, .H = H, .G = G};
-    Py_BEGIN_ALLOW_THREADS
-    grouped_run(&src, slots, (const int64_t *)bounds.buf, (const float *)xeo.buf, (const float *)x.buf, (float *)out.buf,
-                start, stop, isa);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyMem_Free(slots);
-    PyBuffer_Release(&blocks);
-    PyBuffer_Release(&experts);
-    PyBuffer_Release(&bounds);
-    PyBuffer_Release(&xeo);
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&out);
-    return result;
-}
-
 static PyMethodDef methods[] = {
     {"expert_matvec", expert_matvec, METH_VARARGS, expert_matvec_doc},
     {"parts_matvec", parts_matvec, METH_VARARGS, parts_matvec_doc},
     {"ggml_matvec", ggml_matvec, METH_VARARGS, ggml_matvec_doc},
     {"grouped_matmat", grouped_matmat, METH_VARARGS, grouped_matmat_doc},
     {"grouped_parts_matmat", grouped_parts_matmat, METH_VARARGS, grouped_parts_matmat_doc},
-    {"grouped_ggml_matmat", grouped_ggml_matmat, METH_VARARGS, grouped_ggml_matmat_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

@@ -206,7 +206,7 @@ def grouped_ggml_matmat(blocks, experts, bounds, x, out=None, isa: str | None = 
     E, R, G, _ = blocks.shape
     experts = np.ascontiguousarray(experts, dtype=np.int64).reshape(-1)
     bounds, x, xeo, out = _group_inputs(bounds, len(experts), x, R, 16 * G, out)
-    run = lambda a, b: _ext.grouped_ggml_matmat(blocks, experts, bounds, xeo, x, out, R, 16 * G, a, b, isa)  # noqa: E731
+    run = lambda a, b: _ext.grouped_matmat(blocks, None, experts, bounds, xeo, x, out, R, 16 * G, a, b, isa)  # noqa: E731
     run_parts(pool, run, _group_cuts(bounds, R, threads or HOST_THREADS))
     return out
 
