@@ -329,10 +329,10 @@ done:
 
    Here the power of two multiplies each decoded weight (exactly the float32 `mxfp4.dequantize` value:
    the product of a power of two and a 2-bit-mantissa value is exact down to 2^-149), so each output is
-   an ordinary float32 dot product with the dequantised matrix, in the kernel's own order. A tile is up
-   to 4 weight rows x 4 input rows: each 16-byte group of each row is decoded once, then multiplied
-   into every input of the tile (16 accumulators in AVX-512 registers); the rows stay in L1 while the
-   next tiles of inputs pass. Threads split the flat (group, row) range [start, stop). */
+   an ordinary float32 dot product with the dequantised matrix, in the kernel's own order. A tile is a
+   few weight rows x a few input rows (portable 4 x 4, AVX2 2 x 5, AVX-512 4 x 5: 20 accumulators in
+   AVX-512's registers): each 16-byte group of each row is decoded once, then multiplied into every input
+   of the tile; the rows stay in L1 while the next tiles of inputs pass. Threads split the flat (group, row) range [start, stop). */
 
 /* Where the weight rows of a group come from: one [E, R, H] bank, or P row blocks per group (parts). */
 typedef struct {
@@ -380,7 +380,7 @@ static inline void group_row(const row_source *src, uint8_t *slot, Py_ssize_t j,
 #define MM_INPUTS 4 /* input rows per tile */
 
 /* out[i * ldo + a] = row a . input i, for a < nr <= MM_ROWS and every i < ni (inputs at X + i * ldx: [xe | xo],
-   H floats each), MM_INPUTS inputs at a time. */
+   H floats each), in passes of at most MM_INPUTS (portable), AVX2_INPUTS or AVX512_INPUTS inputs. */
 typedef void (*tile_fn)(const uint8_t *const *rows, const uint8_t *const *srows, int nr, const float *X, Py_ssize_t ldx,
                         int ni, Py_ssize_t H, float *out, Py_ssize_t ldo);
 

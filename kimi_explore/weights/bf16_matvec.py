@@ -54,12 +54,14 @@ def default_isa() -> str:
 def _self_check(isa: str) -> str | None:
     """None when `isa` gives the portable kernel's floats through both entry points, else what differed. Weights
     and inputs of small integers (bf16 holds them exactly): every sum exact. 37 rows and 300 columns cross the
-    vectors', tiles' and panels' edges; 1, 4, 5 and 13 input rows take every route."""
+    vectors', tiles' and panels' edges. The input counts run every compiled shape: the tiles' passes of 1-4
+    inputs, AVX2's panel calls of 1-5 (5-9 inputs: 5 + 1, ..., 5 + 4) and AVX-512's of 6-12 (12, 13, 16, 19, 21:
+    7 + 6, 8 + 8, 10 + 9, 11 + 10)."""
     bits = (small_exact_inputs(37, 300, seed=1) * 2).view(np.uint32) >> 16  # -8..8 as bf16 bits
     bits = np.ascontiguousarray(bits.astype(np.uint16))
-    x = small_exact_inputs(13, 300)
+    x = small_exact_inputs(21, 300)
     calls = {"bf16_matvec": lambda i: bf16_matvec(bits, x[0], isa=i, threads=1)}
-    for n in (1, 4, 5, 13):
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 19, 21):
         calls[f"bf16_matmat ({n} rows)"] = lambda i, n=n: bf16_matmat(bits, x[:n], isa=i, threads=1)
     return first_mismatch(isa, calls)
 

@@ -63,15 +63,19 @@ def default_isa() -> str:
 def _self_check(isa: str) -> str | None:
     """None when `isa` gives the portable kernel's floats through every entry point, else what differed. Codes
     of every value, scales 2^-2 .. 2^3, inputs of small integers: every sum exact. 37 rows and 288 columns
-    cross the tiles' and panels' edges; groups of 0, 1, 5 and 13 inputs take every route."""
+    cross the tiles' and panels' edges. The groups' sizes run every compiled shape the grouped entries can
+    reach: the tiles' passes of 1-5 inputs (groups of 1-5), AVX2's panel calls of 1-5 (12, 13, 16, 19: 5 + 5 + 2,
+    ...) and AVX-512's of 6-12 (12, 13, 16, 19, 21: 7 + 6, 8 + 8, 10 + 9, 11 + 10), and an empty group."""
     rng = np.random.default_rng(0)
     E, R, C = 3, 37, 288
     packed = rng.integers(0, 256, (E, R, C // 2), dtype=np.uint8)
     scale = rng.integers(125, 131, (E, R, C // 32), dtype=np.uint8)
     blocks = rng.integers(0, 256, (E, R, C // 32, 17), dtype=np.uint8)
     blocks[..., 0] = scale
-    x = small_exact_inputs(19, C)
-    ids, experts, bounds = [2, 0, 2], [1, 0, 2, 1], [0, 1, 6, 6, 19]
+    sizes = [1, 0, 2, 3, 4, 5, 12, 13, 16, 19, 21]
+    bounds = np.cumsum([0, *sizes]).tolist()
+    x = small_exact_inputs(bounds[-1], C)
+    ids, experts = [2, 0, 2], [i % E for i in range(len(sizes))]
     parts = lambda a, picks: [(a[e, :20], a[e, 20:]) for e in picks]  # noqa: E731
     calls = {
         "expert_matvec": lambda i: expert_matvec(packed, scale, ids, x[:3], isa=i, threads=1),
