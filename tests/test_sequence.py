@@ -86,9 +86,9 @@ def model_path(request):
 
 @pytest.fixture(scope="module")
 def stepped64(model_path):
-    """The float64 token form over the test text: the truth both float32 routes are judged against."""
+    """The float64 token form over the test text (logits, state): the truth both float32 routes are judged against."""
     w = from_pretrained(model_path, device="cpu", dtype="float64")
-    return step_all(w, text_tokens(w))[0]
+    return step_all(w, text_tokens(w))
 
 
 def text_tokens(w) -> list[int]:
@@ -108,23 +108,28 @@ def test_sequence_equals_stepping(model_path, stepped64, dtype, tol, chunk):
     layer, step_err = 6.2e-5 and |seq - step| <= 2.7e-4 (4.3 step_err; over its first 16 tokens 1.0e-4,
     which is why a fixed 1e-4 there failed by a hair). So: |seq - step| <= 6 step_err on both, plus the
     issue's 1e-4 on the trained model; the sequence path is about as close to the float64 truth as
-    stepping (<= 4 step_err, measured 3.3). State and records to 1e-4 of each one's scale."""
+    stepping (<= 4 step_err, measured 3.3). State and records to 1e-4 of each one's scale; on the random
+    model in float32 a state array may also differ by 6 times stepping's own distance to float64 (its last
+    MLA layer's keys: 0.94e-4 of their scale from stepping, 3x stepping's 3.4e-5, on a Xeon; 1.02e-4 once
+    AVX-512's softmax summed in 16 lanes)."""
     w = from_pretrained(model_path, device="cpu", dtype=dtype)
     tokens = text_tokens(w)
     step_rec, seq_rec = ke.Recorder().bind(w), ke.Recorder().bind(w)
     want, want_state = step_all(w, tokens, step_rec)
     state = KimiDecodeState.new(w)
     got = np.asarray(kimi_forward_sequence(w, state, tokens, hooks=seq_rec, chunk=chunk or len(tokens)))
+    truth, truth_state = stepped64
     if dtype == "float64":
         np.testing.assert_allclose(got, want, atol=tol, rtol=0)
     else:
-        step_err, seq_err = np.abs(want - stepped64).max(), np.abs(got - stepped64).max()
+        step_err, seq_err = np.abs(want - truth).max(), np.abs(got - truth).max()
         gap = np.abs(got - want).max()
         assert seq_err <= 4 * step_err + 1e-5, (seq_err, step_err)
         assert gap <= 6 * step_err, (gap, step_err)
         if model_path == ke.tiny_checkpoint():
             np.testing.assert_allclose(got, want, atol=tol, rtol=0)
-    assert_states_close(state, want_state, tol)
+    reference_f32 = dtype == "float32" and model_path != ke.tiny_checkpoint()
+    assert_states_close(state, want_state, tol, truth=truth_state if reference_f32 else None)
     assert_traces_close(seq_rec.trace(), step_rec.trace(), tol)
     # the state it leaves decodes on as stepping does
     more = tokens[:9]

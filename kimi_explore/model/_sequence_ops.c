@@ -152,8 +152,10 @@ KX_INLINE float kx_tanhf_small(float x) {
 
 /* Causal softmax, in place on s [rows, L] (row i is query t = i mod T of a chunk after L0 cached
    positions): x = s * scale over the row's visible positions 0 .. L0 + t, then exp(x - max) / sum; the
-   positions after them set to 0. Maxima and sums in 8 lanes. */
-#define SOFTMAX_BODY                                                                          \
+   positions after them set to 0. Maxima in 8 lanes, sums in LANES (8; AVX-512 16: with 8 its exp pass
+   ran at 1.24 ns per element against AVX2's 0.82 on a Xeon, the whole row 1.85 against 1.28 ns; with 16
+   1.07). */
+#define SOFTMAX_BODY(LANES)                                                                   \
     {                                                                                         \
         for (Py_ssize_t i = 0; i < rows; i++) {                                               \
             float *restrict s = S + i * L;                                                    \
@@ -179,12 +181,12 @@ KX_INLINE float kx_tanhf_small(float x) {
                 s[j] = x;                                                                     \
                 m = x > m ? x : m;                                                            \
             }                                                                                 \
-            for (int k = 0; k < 8; k++) lane[k] = 0.0f;                                       \
-            for (j = 0; j + 8 <= valid; j += 8)                                               \
-                for (int k = 0; k < 8; k++) {                                                 \
+            float part[LANES] = {0.0f};                                                       \
+            for (j = 0; j + LANES <= valid; j += LANES)                                       \
+                for (int k = 0; k < LANES; k++) {                                             \
                     const float e = kx_expf(s[j + k] - m);                                    \
                     s[j + k] = e;                                                             \
-                    lane[k] += e;                                                             \
+                    part[k] += e;                                                             \
                 }                                                                             \
             float sum = 0.0f;                                                                 \
             for (; j < valid; j++) {                                                          \
@@ -192,7 +194,7 @@ KX_INLINE float kx_tanhf_small(float x) {
                 s[j] = e;                                                                     \
                 sum += e;                                                                     \
             }                                                                                 \
-            for (int k = 0; k < 8; k++) sum += lane[k];                                       \
+            for (int k = 0; k < LANES; k++) sum += part[k];                                   \
             for (j = 0; j < valid; j++) s[j] = s[j] / sum;                                    \
             for (; j < L; j++) s[j] = 0.0f;                                                   \
         }                                                                                     \
@@ -214,7 +216,7 @@ KX_INLINE float kx_tanhf_small(float x) {
         }                                                                                     \
     }
 
-#define DEFINE_KERNELS(suffix, attr)                                                                              \
+#define DEFINE_KERNELS(suffix, attr, lanes)                                                                       \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
                                    float inv_b, float inv_lb, float c, int has_lb) SITU_BODY                  \
@@ -222,14 +224,14 @@ KX_INLINE float kx_tanhf_small(float x) {
                                             Py_ssize_t n, float inv_b, float inv_lb, float c) SITU_SMALL_UP_BODY \
     attr static int all_small_##suffix(const float *restrict u, Py_ssize_t n, float inv) ALL_SMALL_BODY         \
     attr static void softmax_##suffix(float *restrict S, Py_ssize_t rows, Py_ssize_t L, Py_ssize_t T,           \
-                                      Py_ssize_t L0, float scale) SOFTMAX_BODY                                \
+                                      Py_ssize_t L0, float scale) SOFTMAX_BODY(lanes)                             \
     attr static void conv_##suffix(const float *restrict ext, const float *restrict taps, float *restrict out,  \
                                    Py_ssize_t T, Py_ssize_t W, Py_ssize_t C) CONV_BODY
 
-DEFINE_KERNELS(portable, )
+DEFINE_KERNELS(portable, , 8)
 #ifdef KX_X86
-DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))))
-DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))))
+DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8)
+DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))), 16)
 #define PICK(name, isa) ((isa) == 2 ? name##_avx512 : (isa) == 1 ? name##_avx2 : name##_portable)
 #else
 #define PICK(name, isa) name##_portable
