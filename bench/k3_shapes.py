@@ -33,12 +33,13 @@ rows at once (`kda_sequence` / `mla_sequence`, then `latent_moe_sequence` with t
 256 / c), from rows of unit RMS. ms/token = chunk time / c, by this process's CPU time on the CPU
 (a shared machine's descheduled time does not count; run it with OPENBLAS_NUM_THREADS=1 there), by
 wall time on a GPU. Each half is judged against a roofline measured in the same run:
-max(bytes read / bandwidth, FLOPs / sgemm rate), the bandwidth as above and the sgemm rate of a
-float32 [256, 7168] x [7168, 4096] matmul (best of 5, in each layer's process and in the driver's,
-best kept). Bytes read per chunk: every attention and trunk matrix once, plus each DISTINCT expert
-the chunk selected (packed bytes on the fused route); FLOPs: 2 per weight element per row, the k
-selected experts per row, plus MLA's scores and mix over the cache (the warm-up chunk, then the
-chunk). "x decode" is the bytes a decoded token reads over the bytes per token of the chunk.
+max(bytes read / bandwidth, FLOPs / sgemm rate), the bandwidth as above and the sgemm peak: float32
+[m, 7168] x [7168, 4096] matmuls at m = 256 and 2048 (BLAS is slower at 256 rows; best of 5 each, in
+each layer's process and in the driver's, best kept). Bytes read per chunk: every attention and trunk
+matrix once, plus each DISTINCT expert the chunk selected (packed bytes on the fused route); FLOPs: 2 per
+weight element per row, the k selected experts per row, plus MLA's scores and mix over the cache (the
+warm-up chunk and the timed chunks before the fastest one, then the chunk). "x decode" is the bytes a
+decoded token reads over the bytes per token of the chunk.
 
 Expert density: what an expert's matmul costs per row depends on how many of a chunk's rows it gets,
 c k / E with a trained (load-balanced) router. With the default 32 experts every chunk above 8 gives
@@ -332,23 +333,32 @@ def sequence_clock(device: str):
     return time.process_time if device == "cpu" else time.perf_counter
 
 
+SGEMM_ROWS = (256, 2048)
+
+
 def measure_sgemm(device: str) -> float:
-    """GFLOP/s of a float32 [256, 7168] x [7168, 4096] matmul (a chunk through a K3 projection), best of 5,
-    by `sequence_clock`."""
+    """GFLOP/s of float32 [m, 7168] x [7168, 4096] matmuls (a chunk through a K3 projection), best of 5 at each
+    m in SGEMM_ROWS, the best kept, by `sequence_clock`. m = 256 alone is not the peak: BLAS gets faster with
+    more rows (one thread on a Xeon with AVX-512: m = 256 ran at ~0.85x of m = 1024-4096, interleaved), and a
+    roofline from a rate below the peak flatters every ratio, most at chunks above 256."""
     from kimi_explore.backend import resolve_device
 
     xp, _ = resolve_device(device)
     clock = sequence_clock(device)
-    a, b = xp.ones((256, 7168), xp.float32), xp.ones((7168, 4096), xp.float32)
-    a @ b
-    _sync(xp)
-    best = float("inf")
-    for _ in range(5):
-        t0 = clock()
+    b = xp.ones((7168, 4096), xp.float32)
+    rates = []
+    for m in SGEMM_ROWS:
+        a = xp.ones((m, 7168), xp.float32)
         a @ b
         _sync(xp)
-        best = min(best, clock() - t0)
-    return 2 * 256 * 7168 * 4096 / best / 1e9
+        best = float("inf")
+        for _ in range(5):
+            t0 = clock()
+            a @ b
+            _sync(xp)
+            best = min(best, clock() - t0)
+        rates.append(2 * m * 7168 * 4096 / best / 1e9)
+    return max(rates)
 
 
 def sequence_phase(w, args, attn_bytes: int, trunk: int) -> list[dict]:
@@ -391,6 +401,7 @@ def sequence_phase(w, args, attn_bytes: int, trunk: int) -> list[dict]:
             return dense_mlp_sequence(x, ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
         def best(fn, reps):
+            """(the best time, which timed run it was)"""
             fn()  # warm-up (and the MLA cache's first chunk)
             _sync(xp)
             ts = []
@@ -399,12 +410,14 @@ def sequence_phase(w, args, attn_bytes: int, trunk: int) -> list[dict]:
                 fn()
                 _sync(xp)
                 ts.append(clock() - t0)
-            return min(ts)
+            return min(ts), ts.index(min(ts))
 
         reps = max(1, min(args.tokens, 256 // c))
-        attn_s = best(attention, reps)
-        cache = state.length - c if att.kind == "mla" else 0  # the cache before the last timed chunk
-        ffn_s = best(feed_forward, reps)
+        attn_s, i = best(attention, reps)
+        # the MLA cache before the timed chunk that was fastest (the warm-up's chunk and i timed ones): the
+        # cache grows by c each run, and the FLOPs must be those of the run whose time is kept
+        cache = (i + 1) * c if att.kind == "mla" else 0
+        ffn_s, _ = best(feed_forward, reps)
         attn_flops = 2 * attn_bytes / item * c
         if att.kind == "mla":  # scores and mix: query t of the chunk sees cache + t + 1 positions
             attn_flops += 2 * att.num_heads * (att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim) * \

@@ -177,9 +177,10 @@ def kda_rules(T: int = 1024) -> list[dict]:
     return rows
 
 
-def floor(weights, T: int) -> dict:
-    """Matmul FLOPs per token of the embedded model (mean over a T-token text) and the transcendental count,
-    each against its rate measured here."""
+def floor_counts(weights, T: int) -> tuple[int, int]:
+    """(multiply-adds, exp/tanh) per token of the model, the mean over a T-token text from a fresh state:
+    every trunk matrix (lm_head, not the embedding lookup), the top-k experts, MLA's scores and mix over
+    the mean cache length; KDA's delta rule is not counted (not a matmul: 3 H K V multiply-adds per layer)."""
     import numpy as np
 
     cfg = weights.config
@@ -190,7 +191,8 @@ def floor(weights, T: int) -> dict:
         att, ffn = layer.attention, layer.ffn
         if att.kind == "kda":
             macs += size(att.in_proj) + size(att.f_b_proj) + size(att.o_proj)
-            trans += 5 * att.num_heads * att.head_dim + att.num_heads  # SiLU on q, k, v; gate; decay; beta; alpha
+            # SiLU on q, k, v (3 P); the output gate's sigmoid (P); the decay's sigmoid (P) and alpha = exp(g) (P); beta (H)
+            trans += 6 * att.num_heads * att.head_dim + att.num_heads
         else:
             macs += size(att.in_proj) + size(att.q_b_proj) + size(att.kv_b_proj) + size(att.o_proj)
             mean_len = (T + 1) // 2
@@ -205,6 +207,14 @@ def floor(weights, T: int) -> dict:
             macs += size(ffn.gate_up_proj) + size(ffn.down_proj)
             trans += 3 * ffn.down_proj.shape[-1]
     trans += cfg.vocab_size  # the recorder's top-k softmax
+    return macs, trans
+
+
+def floor(weights, T: int) -> dict:
+    """`floor_counts` (matmul FLOPs and the transcendental count per token), each against its rate measured here."""
+    import numpy as np
+
+    macs, trans = floor_counts(weights, T)
     a = np.random.default_rng(0).standard_normal((512, 512), dtype=np.float32)
     t = min(timed(lambda: a @ a)[1] for _ in range(5))
     gflops = 2 * 512**3 / t / 1e9

@@ -68,7 +68,8 @@ DEFAULT_CHUNK = 512
 # router gives each of E experts C k / E of a chunk's C tokens: at K3's density (896 experts, top-16) a chunk
 # of 512 gives each ~9. Measured (2026-12-05, load ~1; bench/k3_shapes.py --experts 224 --balanced --chunk
 # 128,512,2048: routing pinned to an even spread over 224 experts, so chunk c gives each expert c 16 / 224
-# rows, as K3's chunk 4c does), fused MXFP4 experts, ms/token and the ratio to the roofline:
+# rows, as K3's chunk 4c does), fused MXFP4 experts, ms/token and the ratio to the roofline (whose sgemm rate was
+# then taken at 256 rows, below the peak: ~0.85x on a Xeon; the ratios against the peak are higher, the ms the same):
 #   rows per expert       9.1 (K3's 512)    36.6 (K3's 2048)    146 (K3's 8192)
 #   MoE half              33.3-33.7, 2.0x   25.1, 1.51x         21.2, 1.27x
 #   KDA + MoE layer       45.9, 1.70x       37.8, 1.40x         33.8, 1.25x
