@@ -15,7 +15,7 @@ memory_report's resident total and the experts' bytes; ms/token warm (every page
 best of the timed tokens after a warm-up token); for mapped, ms/token cold: before each token the
 process's pages are dropped (madvise DONTNEED) and the shard files dropped from the page cache
 (posix_fadvise DONTNEED), so the token's 16 experts per layer come from disk (bytes read from
-storage per token, from /proc/self/io, show it). Each token's routing is pinned to 16 experts not
+storage per token, from /proc/self/io, show it: the median over the timed tokens). Each token's routing is pinned to 16 experts not
 used by the previous token (a topk_ids hook), so warm tokens read pages already cached and cold
 ones read new experts too.
 """
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     print(f"K3-width KDA + MoE layer on {args.device} ({args.experts} experts on disk, top-{TOP_K}, {runs[0]['route']}); "
           f"memory bandwidth {bw:.1f} GB/s (best in-process measurement)")
     print(f"{'experts':<8} {'load s':>6} {'peak RSS MB':>11} {'resident MB':>11} {'experts MB':>10} {'mapped MB':>9} "
-          f"{'phase':<5} {'ms/tok':>7} {'FFN ms':>7} {'disk MB/tok':>11}")
+          f"{'phase':<5} {'ms/tok':>7} {'FFN ms':>7} {'disk MB/tok (median)':>20}")
     packed_ms = min(ms for ms, _, _ in runs[0]["warm"])
     for run in runs:
         for phase in ("warm", "cold"):
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
             grown = (run["peak_rss_load"] - run["rss_before_load"]) / 1e6
             print(f"{run['mode']:<8} {run['load_s']:>6.1f} {grown:>11.0f} {run['resident_bytes'] / 1e6:>11.0f} "
                   f"{run['experts_bytes'] / 1e6:>10.0f} {run['mapped_bytes'] / 1e6:>9.0f} {phase:<5} {ms:>7.1f} {ffn:>7.1f} "
-                  f"{np.median([r for _, _, r in run[phase]]) / 1e6:>11.0f}")
+                  f"{np.median([r for _, _, r in run[phase]]) / 1e6:>20.0f}")
     print(f"\nwarm mapped / resident packed: {runs[1]['warm_ms'] / packed_ms:.2f}x per token "
           f"(FFN {runs[1]['warm_ffn_ms'] / runs[0]['warm_ffn_ms']:.2f}x); cold mapped / packed: "
           f"{runs[1]['cold_ms'] / packed_ms:.2f}x")

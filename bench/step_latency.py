@@ -1,6 +1,6 @@
 """Kernel-side cost of an Explorer Step at growing history: one `session.step` plus the trace refresh.
 
-    python bench/step_latency.py [--steps 7] [--histories 20 100 300] [--k3-dir DIR] [--json bench/results/step_latency.json]
+    python bench/step_latency.py [--steps 11] [--histories 20 100 300] [--k3-dir DIR] [--json bench/results/step_latency.json]
 
 Models: the embedded trained tiny model, and a K3-depth model (93 layers, 896 experts, top-16:
 `kimi-explore make-tiny`, written to a temporary folder unless --k3-dir names one already made).
