@@ -19,7 +19,9 @@ def assert_states_close(a: KimiDecodeState, b: KimiDecodeState, tol: float, trut
     """Every array of state a within `tol` times its scale of b's; with `truth` (b's route in float64), also
     allowed `factor` times b's own distance to it (a model whose weights amplify rounding layer after layer)."""
     assert a.position == b.position
-    for u, v, exact in zip(_state_arrays(a), _state_arrays(b), _state_arrays(truth or b), strict=True):
+    lengths = lambda s: [getattr(layer.attention, "length", None) for layer in s.layers]  # noqa: E731 (MLA caches)
+    assert lengths(a) == lengths(b)
+    for u, v, exact in zip(_state_arrays(a), _state_arrays(b), _state_arrays(b if truth is None else truth), strict=True):
         own = factor * np.abs(v - exact).max(initial=0.0) if truth is not None else 0.0
         np.testing.assert_allclose(u, v, atol=max(tol * max(1.0, np.abs(v).max(initial=0.0)), own), rtol=0)
 
