@@ -412,10 +412,14 @@ def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
 
 
 def _note_text(e: Exception, j: int) -> None:
-    """Say which text an error came from, under its traceback (Python 3.11+: `add_note`; 3.10 has no notes)."""
+    """Say which text an error came from: under its traceback (`add_note`, Python 3.11+), or on 3.10, which has no
+    notes, at the end of its message (its first argument, where that is a string; the exception's type is kept)."""
+    text = f"routing_stats: while decoding text {j} of the call"
     note = getattr(e, "add_note", None)
     if note is not None:
-        note(f"routing_stats: while decoding text {j} of the call")
+        note(text)
+    elif e.args and isinstance(e.args[0], str):
+        e.args = (f"{e.args[0]} ({text})", *e.args[1:])
 
 
 def _submit(pool, queue, ahead) -> None:
