@@ -15,8 +15,8 @@ memory_report's resident total and the experts' bytes; ms/token warm (every page
 best of the timed tokens after a warm-up token); for mapped, ms/token cold: before each token the
 process's pages are dropped (madvise DONTNEED) and the shard files dropped from the page cache
 (posix_fadvise DONTNEED), so the token's 16 experts per layer come from disk (bytes read from
-storage per token, from /proc/self/io, show it: the median over the timed tokens). Each token's routing is pinned to 16 experts not
-used by the previous token (a topk_ids hook), so warm tokens read pages already cached and cold
+storage per token, from /proc/self/io, show it: the median over the timed tokens). Each token's routing is
+pinned to 16 experts not used by the previous token (a topk_ids hook), so warm tokens read pages already cached and cold
 ones read new experts too.
 """
 

@@ -3,7 +3,7 @@
     python bench/prefill.py [--texts 3] [--len 1024] [--chunks 16,64,128,256,512] [--step-tokens 256]
                             [--threads 1] [--no-mlx] [--json bench/results/prefill.json]
 
-Texts: `--texts` windows of `--len` bytes of Python's `pydoc_data.topics` (what the embedded model was
+Texts: `--texts` windows of `--len` bytes of Python's `pydoc_data.topics` (`learned.pydoc_corpus()`: what the embedded model was
 trained on; its tokenizer is bytes, so `--len` tokens each), each fed from a fresh state.
 
 Rows (tokens/s by this process's CPU time and by wall clock; the median over the texts):
@@ -71,9 +71,9 @@ def rate(n: int, times: list[tuple[float, float]]) -> dict:
 
 
 def corpus_texts(count: int, length: int) -> list[list[int]]:
-    from pydoc_data.topics import topics
+    from kimi_explore.analysis.learned import pydoc_corpus
 
-    data = "".join(topics[k] for k in sorted(topics)).encode()
+    data = pydoc_corpus()
     stride = len(data) // (count + 1)
     return [list(data[i * stride : i * stride + length]) for i in range(count)]
 

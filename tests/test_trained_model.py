@@ -3,7 +3,9 @@ trainer's logits, and its model card's figures hold. No torch: the trainer's log
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +59,18 @@ def test_released_layout_and_size():
     assert not any(n.endswith("experts.0.w1.weight") for n in names)
     total = sum((SHIPPED / f).stat().st_size for f in set(names.values()))
     assert total <= 20e6
+
+
+def test_the_training_corpus_ships_with_the_model(card):
+    """Every CPython release has its own pydoc_data.topics (3.10's differ in half the validation split's first 256
+    bytes), so the text the model was trained on ships beside it; its card names the text by hash."""
+    data = learned.pydoc_corpus()
+    assert (len(data), hashlib.sha256(data).hexdigest()) == (466_117, card["corpus_sha256"])
+    assert learned.CORPUS.parent == SHIPPED and card["corpus_file"] == learned.CORPUS.name
+    if ".".join(map(str, sys.version_info[:3])) == card["corpus_python"]:  # where it came from
+        from pydoc_data.topics import topics
+
+        assert "".join(topics[k] for k in sorted(topics)).encode("utf-8") == data
 
 
 def test_package_reproduces_the_trainers_logits(trained):

@@ -10,6 +10,7 @@ README.md (the card) next to the checkpoint. Needs no torch.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ def file_bytes(path: Path) -> int:
 
 
 def write_card(checkpoint, fig: dict) -> None:
+    from kimi_explore.analysis import learned
+
     path = Path(checkpoint)
     log = json.loads((path / "train_log.json").read_text())
     tc = log["text_config"]
@@ -57,6 +60,9 @@ def write_card(checkpoint, fig: dict) -> None:
     card = {
         "name": path.name,
         "corpus": "Python's pydoc_data.topics",
+        "corpus_file": learned.CORPUS.name,
+        "corpus_python": learned.CORPUS_PYTHON,
+        "corpus_sha256": hashlib.sha256(learned.pydoc_corpus()).hexdigest(),
         "params": log["params"],
         "checkpoint_bytes": file_bytes(path),
         "train_seconds": log["train_seconds"],
@@ -145,7 +151,8 @@ block attention residuals with block size {tc['attn_res_block_size']} (sealed bl
 ## Corpus and licence
 
 Only the text of `pydoc_data.topics` (the values of its `topics` dict joined in sorted key order,
-UTF-8; {log['train_bytes'] + log['val_bytes']:,} bytes from CPython {_python()}), which every CPython ships. The last 5% is the
+UTF-8; {log['train_bytes'] + log['val_bytes']:,} bytes from CPython {learned.CORPUS_PYTHON}, shipped beside the weights as
+`corpus.txt.gz`: each CPython release has its own topics). The last 5% is the
 validation split and was never trained on. That text is part of the Python documentation,
 Copyright (c) Python Software Foundation, under the PSF License Agreement
 (https://docs.python.org/3/license.html); the model is derived from it.
@@ -163,12 +170,6 @@ and thread count ({log['threads']}) reproduces the weights; another thread count
 reductions, and training amplifies them (a different but equally good model).
 """
     (path / "README.md").write_text(text)
-
-
-def _python() -> str:
-    import sys
-
-    return ".".join(map(str, sys.version_info[:3]))
 
 
 def main(argv=None) -> int:

@@ -2,8 +2,9 @@
 
     python -m training.train_tiny --out kimi_explore/data/tiny_k3_pydoc
 
-Corpus: the values of `pydoc_data.topics.topics` joined in sorted key order, UTF-8 bytes (PSF
-licence; in every CPython). The last 5% is the validation split and is never trained on.
+Corpus: `learned.pydoc_corpus()`, the values of CPython 3.11.7's `pydoc_data.topics.topics` joined in sorted key
+order, UTF-8 bytes (PSF licence), shipped with the model (each CPython release has its own topics). The last 5% is
+the validation split and is never trained on.
 
 Schedule: AdamW, warmup, constant LR, then a final cosine decay over `--decay-steps`; random windows of the training
 split drawn from a seeded generator; every `--eval-every` steps the model is evaluated on the whole

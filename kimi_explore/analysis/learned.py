@@ -9,8 +9,10 @@ notebook 05, all decoded by `kimi_forward_token` itself.
     random_twin(weights, path)                               # a random-weight checkpoint of the same shape
     inside = look_inside(weights, text)                      # all of the above plus routing, in ONE decode
 
-Corpus: the values of `pydoc_data.topics.topics` joined in sorted key order, as UTF-8 (every CPython
-ships it; PSF licence). The last 5% of the bytes is the validation split.
+Corpus: the values of `pydoc_data.topics.topics` joined in sorted key order, as UTF-8 (PSF licence), as
+Python 3.11.7 ships it: the text the model was trained on, shipped beside it (`CORPUS`), since every Python
+release has its own topics (3.10's differ in half the validation split's first 256 bytes), and the card's
+figures hold on this text only. The last 5% of the bytes is the validation split.
 
 Bits per byte: the text is cut into consecutive windows of `window` bytes (plus the next byte as the
 last target); each window is decoded from a fresh state, and the mean of -log2 p(next byte) over
@@ -22,7 +24,9 @@ is a valid `hooks=`), so a long text costs one decode and no stored trace.
 
 from __future__ import annotations
 
+import gzip
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -31,13 +35,15 @@ __all__ = ["Inside", "look_inside", "attn_res_reads", "bits_per_byte", "kda_deca
            "source_labels", "split_corpus", "windows"]
 
 VAL_FRACTION = 0.05
+CORPUS_PYTHON = "3.11.7"  # the CPython whose pydoc_data.topics CORPUS holds, written there as the gzip (mtime 0) of
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_k3_pydoc" / "corpus.txt.gz"  # "".join(topics[k] for k
+# in sorted(topics)).encode("utf-8")
 
 
 def pydoc_corpus() -> bytes:
-    """The training corpus: `pydoc_data.topics.topics` values in sorted key order, UTF-8 (466,117 bytes in 3.11)."""
-    from pydoc_data.topics import topics
-
-    return "".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    """The training corpus (`CORPUS`): Python 3.11.7's `pydoc_data.topics.topics` values in sorted key order, UTF-8,
+    466,117 bytes, the same on every Python (the model card gives its sha256)."""
+    return gzip.decompress(CORPUS.read_bytes())
 
 
 def split_corpus(data: bytes, val_fraction: float = VAL_FRACTION) -> tuple[np.ndarray, np.ndarray]:
