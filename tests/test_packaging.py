@@ -9,6 +9,7 @@ import importlib.metadata as md
 import json
 import re
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -45,8 +46,13 @@ def test_a_wheel_installed_outside_the_repo_runs_the_trained_model(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = (tmp_path / "dist").glob("kimi_explore-*.whl")
     venv = tmp_path / "venv"  # numpy and the other dependencies come from this interpreter's site-packages
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    inside_a_venv = sys.prefix != sys.base_prefix  # (--system-site-packages would give the base Python's instead)
+    subprocess.run([sys.executable, "-m", "venv", *([] if inside_a_venv else ["--system-site-packages"]), str(venv)],
+                   check=True, timeout=120)
     python = venv / "bin" / "python"
+    if inside_a_venv:  # this venv's site-packages after the new one's (path lines: their own .pth files are not run)
+        inner = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        (inner / "outer_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     r = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], **pip)
     assert r.returncode == 0, r.stdout + r.stderr
     away = tmp_path / "elsewhere"

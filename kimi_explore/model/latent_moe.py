@@ -224,7 +224,10 @@ def routing_weights(scores, ids, renormalize: bool, scaling: float):
         return token_ops.routing_weights(scores, ids.astype(np.int64, copy=False), renormalize, scaling, RENORM_EPS)
     s = scores.tolist()
     w = [s[i] for i in ids.tolist()]
-    c = scaling / (sum(w) + RENORM_EPS) if renormalize else scaling
+    total = 0.0
+    for v in w:  # left to right, as the compiled step and the rows route (`sum` compensates from Python 3.12 on)
+        total += v
+    c = scaling / (total + RENORM_EPS) if renormalize else scaling
     return np.array([v * c for v in w], dtype=scores.dtype)
 
 
