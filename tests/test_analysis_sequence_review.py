@@ -143,10 +143,10 @@ def test_routing_stats_over_texts_of_several_chunks_equal_stepping_and_keep_no_s
     """Texts of 300 (two chunks: 256 + 44), 1 and 37 tokens, each from a fresh state: the counts are those of
     each text stepped token by token in its own session. No decode state is copied on the way (a Session's
     feed kept one per chunk, and every logit: at K3 width gigabytes per document)."""
-    import pydoc_data.topics
+    from kimi_explore.analysis.learned import pydoc_corpus
 
     w = trained_weights
-    corpus = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    corpus = pydoc_corpus().decode("utf-8")  # the model's own text, the same on every Python
     texts = [corpus[1000:1300], "x", corpus[9000:9037]]
     copies = []
     copy = ke.KimiDecodeState.copy
