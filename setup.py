@@ -10,7 +10,7 @@ chunked form, the sequence path's exp/sigmoid/SiTU/softmax and the token path's 
 
 from setuptools import Extension, setup
 
-# (all but _token_ops include _kernel_isa.h; the two weights kernels _panels_avx2.h and _panels_avx512.h)
+# (every kernel includes _kernel_isa.h; the two weights kernels _panels_avx2.h and _panels_avx512.h)
 HEADERS = ["kimi_explore/weights/_kernel_isa.h", "kimi_explore/weights/_panels_avx2.h", "kimi_explore/weights/_panels_avx512.h"]
 KERNELS = ("weights._mxfp4_matvec", "weights._bf16_matvec", "model._kda_recurrence", "model._sequence_ops", "model._token_ops")
 setup(ext_modules=[Extension(f"kimi_explore.{name}", [f"kimi_explore/{name.replace('.', '/')}.c"],

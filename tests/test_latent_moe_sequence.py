@@ -4,6 +4,7 @@ grouped by expert in every kind of bank, against the token form and the float64 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from test_modules import as64, layers_of
 
 from kimi_explore import from_pretrained
 from kimi_explore.model import latent_moe as moe
+from kimi_explore.model import token_ops
 from kimi_explore.model.config import FFN_SITES
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, group_selections, latent_moe, naive_latent_moe
 from kimi_explore.model.latent_moe_sequence import (
@@ -54,9 +56,22 @@ def tied_scores(rng, T, E, dtype=np.float32):
     return s
 
 
+@pytest.fixture(params=["compiled", "uncompiled"])
+def route(request, monkeypatch):
+    """Both forms with the compiled steps (`token_ops`: all rows in one call), and as an install without them
+    (rows: a partition, with tied rows handed to the token form's own rule)."""
+    if request.param == "uncompiled":
+        monkeypatch.setattr(token_ops, "runs", lambda *arrays: False)
+    elif not token_ops.AVAILABLE:
+        if os.environ.get("KIMI_EXPLORE_REQUIRE_KERNEL") == "1":
+            pytest.fail("kimi_explore.model._token_ops was not built, and KIMI_EXPLORE_REQUIRE_KERNEL=1")
+        pytest.skip("the compiled token steps were not built (no C compiler at install)")
+    return request.param
+
+
 @pytest.mark.parametrize("small", [True, False], ids=["python-router", "array-router"])
 @pytest.mark.parametrize("E,k", [(16, 4), (8, 8), (200, 8), (896, 16)], ids=["E16k4", "all-experts", "E200k8", "E896k16"])
-def test_rows_pick_the_token_forms_ids_ties_included(monkeypatch, small, E, k):
+def test_rows_pick_the_token_forms_ids_ties_included(monkeypatch, route, small, E, k):
     monkeypatch.setattr(moe, "SMALL_ROUTER", 10**6 if small else 0)
     rng = np.random.default_rng(E + k)
     scores = tied_scores(rng, 120, E)
@@ -72,7 +87,7 @@ def test_rows_pick_the_token_forms_ids_ties_included(monkeypatch, small, E, k):
 
 @pytest.mark.parametrize("small", [True, False], ids=["python-router", "array-router"])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renormalised", "raw"])
-def test_routing_weights_rows_bit_for_bit(monkeypatch, small, renormalize):
+def test_routing_weights_rows_bit_for_bit(monkeypatch, route, small, renormalize):
     monkeypatch.setattr(moe, "SMALL_ROUTER", 10**6 if small else 0)
     rng = np.random.default_rng(1)
     for dtype in (np.float32, np.float64):

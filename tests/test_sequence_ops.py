@@ -130,3 +130,89 @@ def test_conv_silu_against_float64(isa, T, W, C):
     assert got.shape == want.shape and got.dtype == np.float32
     assert np.abs(got - want).max(initial=0.0) <= 4e-6 * max(1.0, np.abs(pre).max(initial=0.0))
     assert sequence_ops.conv_silu(ext.astype(np.float64), taps) is None  # not float32: the caller's NumPy route
+
+
+def _numpy_route(monkeypatch, fn, *args):
+    """fn(*args) with the kernels off: the NumPy route (float32 arrays, the same formulas)."""
+    with monkeypatch.context() as m:
+        m.setattr(sequence_ops, "AVAILABLE", False)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("T,H,K", [(1, 4, 32), (37, 3, 24), (5, 2, 7), (0, 4, 32)])
+def test_kda_decay_against_the_passes_it_replaces_and_float64(isa, monkeypatch, T, H, K):
+    """g = lower_bound sigmoid(A (raw + dt_bias)) in place and alpha = exp(g): g bit for bit the passes it replaces
+    (the compiled sigmoid between NumPy's add and multiplies), alpha within 1 ulp of their compiled exp; within
+    float32 rounding of the NumPy route and of the float64 formula; the gate's bound (-5 per token) reached where
+    sigmoid saturates."""
+    rng = np.random.default_rng(5)
+    raw = (rng.standard_normal((T, H, K)) * 20).astype(np.float32)
+    dt = rng.standard_normal((H, K)).astype(np.float32)
+    A = np.ascontiguousarray(np.broadcast_to(rng.uniform(0.5, 16, (H, 1)), (H, K))).astype(np.float32)
+    g, alpha = sequence_ops.kda_decay_(raw.copy(), dt, A, -5.0)
+    assert g.shape == alpha.shape == (T, H, K) and g.dtype == alpha.dtype == np.float32
+    steps = raw + dt  # the five passes the kernel replaces, with the compiled sigmoid and exp
+    steps *= A
+    sequence_ops.sigmoid_(steps)
+    steps *= -5.0
+    assert np.array_equal(g, steps)
+    # exp's vectorised body and its tail may contract its polynomial differently (FMA): 1 ulp
+    assert (ulps(alpha, sequence_ops.exp_(steps.copy()).astype(np.float64)) <= 1).all()
+    with np.errstate(over="ignore"):
+        g_np, alpha_np = _numpy_route(monkeypatch, sequence_ops.kda_decay_, raw.copy(), dt, A, -5.0)
+    assert np.abs(g - g_np).max(initial=0.0) <= 2e-6 and np.abs(alpha - alpha_np).max(initial=0.0) <= 2e-6
+    z = (raw.astype(np.float64) + dt) * A
+    with np.errstate(over="ignore"):
+        want = -5.0 / (1.0 + np.exp(-z))
+    assert np.abs(g - want).max(initial=0.0) <= 4e-6
+    assert (ulps(alpha, np.exp(want)) <= 64).all()  # exp of g's own rounding (|g| <= 5: ~30 ulp of alpha) plus exp's
+    if T > 1:
+        assert g.min() == np.float32(-5.0)  # saturated sigmoid: the bound itself
+
+
+@pytest.mark.parametrize("T,H,K", [(1, 4, 32), (37, 3, 24), (5, 2, 7), (3, 2, 128), (0, 4, 32)])
+def test_l2_scale_qk_against_float64_and_the_numpy_route(isa, monkeypatch, T, H, K):
+    """q's and k's rows of qkv [T, 3, H, K] over their L2 norm, q's scale folded in (v is not touched)."""
+    rng = np.random.default_rng(6)
+    qkv = (rng.standard_normal((T, 3, H, K)) * np.array([1e-3, 1, 30])[rng.integers(0, 3, (T, 3, H, 1))]).astype(np.float32)
+    scale = np.repeat(np.array([1 / math.sqrt(K), 1.0], np.float32), H)
+    got = sequence_ops.l2_scale_qk(qkv, scale, 1e-6)
+    x = qkv[:, :2].astype(np.float64)
+    want = x * scale.reshape(2, H, 1) / np.sqrt((x * x).sum(-1, keepdims=True) + np.float32(1e-6))
+    assert got.shape == (T, 2, H, K) and got.dtype == np.float32
+    assert np.abs(got - want).max(initial=0.0) <= 3e-7
+    numpy_route = _numpy_route(monkeypatch, sequence_ops.l2_scale_qk, qkv, scale, 1e-6)
+    assert np.abs(got - numpy_route).max(initial=0.0) <= 3e-7
+
+
+@pytest.mark.parametrize("T,H,V", [(1, 4, 32), (37, 3, 24), (5, 2, 7), (3, 2, 128), (0, 4, 32)])
+def test_gated_norm_against_float64_and_the_numpy_route(isa, monkeypatch, T, H, V):
+    """o * (gain * gate) / sqrt(sum(o^2) + eps) per (token, head) row."""
+    rng = np.random.default_rng(7)
+    o = (rng.standard_normal((T, H, V)) * np.array([1e-4, 1, 50])[rng.integers(0, 3, (T, H, 1))]).astype(np.float32)
+    gate = rng.uniform(0, 1, (T, H, V)).astype(np.float32)
+    gain = rng.uniform(0.5, 2, V).astype(np.float32) * np.float32(math.sqrt(V))
+    eps = V * 1e-5
+    got = sequence_ops.gated_norm(o, gate, gain, eps)
+    o64 = o.astype(np.float64)
+    want = o64 * (gain * gate.astype(np.float64)) / np.sqrt((o64 * o64).sum(-1, keepdims=True) + np.float32(eps))
+    assert got.shape == o.shape and got.dtype == np.float32
+    assert np.abs(got - want).max(initial=0.0) <= 4e-7 * math.sqrt(V) * 2
+    numpy_route = _numpy_route(monkeypatch, sequence_ops.gated_norm, o, gate, gain, eps)
+    assert np.abs(got - numpy_route).max(initial=0.0) <= 4e-7 * math.sqrt(V) * 2
+
+
+def test_kda_steps_take_the_numpy_route_off_float32():
+    """float64 (or a slice that is not contiguous) goes the NumPy way, in its own dtype."""
+    rng = np.random.default_rng(8)
+    qkv = rng.standard_normal((4, 3, 2, 8))
+    scale = np.repeat(np.array([1 / math.sqrt(8), 1.0]), 2)
+    got = sequence_ops.l2_scale_qk(qkv, scale, 1e-6)
+    assert got.dtype == np.float64
+    assert np.allclose(got, qkv[:, :2] * scale.reshape(2, 2, 1) / np.sqrt((qkv[:, :2] ** 2).sum(-1, keepdims=True) + 1e-6),
+                       rtol=1e-14, atol=0)
+    o = rng.standard_normal((4, 2, 8))
+    gate = np.asfortranarray(rng.uniform(0, 1, (4, 2, 8)))
+    got = sequence_ops.gated_norm(o, gate, np.ones(8), 8e-5)
+    assert got.dtype == np.float64
+    assert np.allclose(got, o * gate / np.sqrt((o * o).sum(-1, keepdims=True) + 8e-5), rtol=1e-14, atol=0)

@@ -44,6 +44,28 @@ def test_rms_norm_within_an_ulp_or_two():
         assert ulps(token_ops.rms_norm(x, w, 1e-5), x64 * w.astype(np.float64) * r).max() <= 0.501
 
 
+@pytest.mark.parametrize("rows,n", [(1, 128), (3, 7), (4, 33), (9, 128), (513, 64)])
+def test_rms_norm_gives_the_same_values_on_every_isa(rows, n):
+    """The RMSNorm's AVX-512 and AVX2 builds (a chunk's rows, 4 at a time) give portable C's values, bit for bit,
+    and each row its own one-row call's."""
+    x = (RNG.standard_normal((rows, n)) * RNG.uniform(1e-3, 100, (rows, 1))).astype(np.float32)
+    w = RNG.standard_normal(n).astype(np.float32)
+    want = np.empty_like(x)
+    token_ops._ext.rms_norm(x, w, 1e-5, want, "portable")
+    for isa in token_ops._ext.isas():
+        got = np.empty_like(x)
+        token_ops._ext.rms_norm(x, w, 1e-5, got, isa)
+        assert np.array_equal(got, want), isa
+        one = np.empty_like(x)
+        for r in range(rows):
+            token_ops._ext.rms_norm(x[r].copy(), w, 1e-5, one[r], isa)
+        assert np.array_equal(one, want), isa
+    x64 = x.astype(np.float64)
+    assert ulps(want, x64 * w / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5)).max() <= 0.501
+    with pytest.raises(ValueError, match="isa"):
+        token_ops._ext.rms_norm(x, w, 1e-5, want, "sse9")
+
+
 def test_rms_norm_of_rows_is_the_vector_step_on_each_row():
     """The sequence path's RMSNorm: rows [T, n] in one call, each row bit for bit the token form's vector step,
     a column slice (MLA's latents) through a C-ordered copy; a weight of another width is refused, not read as
@@ -153,8 +175,30 @@ def test_routing_weights_in_double():
     for renormalize, want in ((True, w / (w.sum() + 1e-20) * 2.5), (False, w * 2.5)):
         got = token_ops.routing_weights(scores, ids, renormalize, 2.5, 1e-20)
         assert np.array_equal(got, want.astype(np.float32))  # rounded once from double
-    with pytest.raises(ValueError, match="ids int64 \\[k\\] in 0..E-1"):
+    with pytest.raises(ValueError, match="ids int64 \\[R, k\\] in 0..E-1"):
         token_ops.routing_weights(scores, np.array([200], np.int64), True, 1.0, 1e-20)
+
+
+@pytest.mark.parametrize("E,k", [(16, 2), (896, 16)])
+def test_select_and_weights_take_a_chunks_rows_each_as_one_token(E, k):
+    """Rows [T, E] in one call: row t is exactly the one-token call on scores[t] (ids, ties, NaN and weights)."""
+    grid = RNG.integers(0, 6, (40, E)) / 8
+    scores = np.where(RNG.random((40, 1)) < 0.5, grid, RNG.uniform(0, 1, (40, E))).astype(np.float32)
+    scores[3, 5] = np.nan
+    bias = (RNG.integers(-2, 3, E) / 16).astype(np.float32)
+    ids = token_ops.select_experts(scores, bias, k)
+    assert ids.shape == (40, k) and ids.dtype == np.int64
+    for t in range(40):
+        assert ids[t].tolist() == token_ops.select_experts(scores[t].copy(), bias, k).tolist()
+        if t != 3:
+            assert ids[t].tolist() == python_select(scores[t], bias, k)
+    w = token_ops.routing_weights(scores, ids, True, 2.5, 1e-20)
+    assert w.shape == (40, k)
+    for t in range(40):
+        assert np.array_equal(w[t], token_ops.routing_weights(scores[t].copy(), ids[t].copy(), True, 2.5, 1e-20),
+                              equal_nan=True)
+    assert token_ops.select_experts(scores[:0], bias, k).shape == (0, k)
+    assert token_ops.routing_weights(scores[:0], ids[:0], True, 2.5, 1e-20).shape == (0, k)
 
 
 def test_kda_gates_against_the_formulas():

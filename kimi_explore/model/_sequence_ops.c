@@ -103,6 +103,21 @@ KX_INLINE float kx_tanhf_small(float x) {
     return x < 0.0f ? -small : small;
 }
 
+/* sum(x^2) of n floats in 8 or 16 lanes (the vectoriser's shape; a float sum is not reordered for it) */
+#define DEFINE_SUM_SQUARES(LANES)                                                             \
+    KX_INLINE float kx_sum_squares_##LANES(const float *restrict x, Py_ssize_t n) {           \
+        float part[LANES] = {0.0f};                                                           \
+        Py_ssize_t j = 0;                                                                     \
+        for (; j + LANES <= n; j += LANES)                                                    \
+            for (int k = 0; k < LANES; k++) part[k] += x[j + k] * x[j + k];                   \
+        float sum = 0.0f;                                                                     \
+        for (; j < n; j++) sum += x[j] * x[j];                                                \
+        for (int k = 0; k < LANES; k++) sum += part[k];                                       \
+        return sum;                                                                           \
+    }
+DEFINE_SUM_SQUARES(8)
+DEFINE_SUM_SQUARES(16)
+
 /* what: 0 exp, 1 sigmoid 1 / (1 + exp(-x)), 2 SiLU x / (1 + exp(-x)); in place on n floats */
 #define MAP_BODY                                                                              \
     {                                                                                         \
@@ -216,6 +231,48 @@ KX_INLINE float kx_tanhf_small(float x) {
         }                                                                                     \
     }
 
+/* KDA's decay over rows of P channels, raw [rows, P] (f_b_proj's output) -> g (log alpha, in place) and alpha:
+   g = lower_bound * sigmoid((raw + dt_bias) A), alpha = exp(g): the NumPy route's operations in its order (add,
+   multiply, map's sigmoid, multiply, map's exp). Per row of P, so a chunk's size does not move the loop's
+   vectorised body and tail (whose exp may contract differently: 1 ulp). */
+#define DECAY_BODY                                                                            \
+    {                                                                                         \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                               \
+            float *restrict x = g + r * P, *restrict a = alpha + r * P;                       \
+            for (Py_ssize_t i = 0; i < P; i++) {                                              \
+                const float z = (x[i] + dt[i]) * A[i];                                        \
+                const float v = (1.0f / kx_one_plus_expf(-z)) * lb;                           \
+                x[i] = v;                                                                     \
+                a[i] = kx_expf(v);                                                            \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+/* q's and k's L2 norm, q's scale folded in: x = qkv [T, 3, H, K] (q, k, v streams), out [T, 2, H, K] with
+   out[t, s, h] = x[t, s, h] * (scale[s H + h] / sqrt(sum(x[t, s, h]^2) + eps)); the sum in LANES lanes. */
+#define L2_BODY(LANES)                                                                        \
+    {                                                                                         \
+        for (Py_ssize_t t = 0; t < T; t++)                                                    \
+            for (Py_ssize_t r = 0; r < 2 * H; r++) {                                          \
+                const float *restrict x = qkv + (t * 3 * H + r) * K;                          \
+                float *restrict o = out + (t * 2 * H + r) * K;                                \
+                const float f = scale[r] / sqrtf(kx_sum_squares_##LANES(x, K) + eps);         \
+                for (Py_ssize_t j = 0; j < K; j++) o[j] = x[j] * f;                           \
+            }                                                                                 \
+    }
+
+/* KDA's gated RMSNorm of the read-out, rows of V: out = o * (gain * gate) / sqrt(sum(o^2) + eps) (eps = V
+   rms_norm_eps, gain = o_norm sqrt(V)), the NumPy route's operations in its order; the sum in LANES lanes. */
+#define GATED_NORM_BODY(LANES)                                                                \
+    {                                                                                         \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                               \
+            const float *restrict x = o + r * V, *restrict gt = gate + r * V;                 \
+            float *restrict y = out + r * V;                                                  \
+            const float d = sqrtf(kx_sum_squares_##LANES(x, V) + eps);                        \
+            for (Py_ssize_t j = 0; j < V; j++) y[j] = x[j] * (gain[j] * gt[j]) / d;           \
+        }                                                                                     \
+    }
+
 #define DEFINE_KERNELS(suffix, attr, lanes)                                                                       \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
@@ -226,7 +283,14 @@ KX_INLINE float kx_tanhf_small(float x) {
     attr static void softmax_##suffix(float *restrict S, Py_ssize_t rows, Py_ssize_t L, Py_ssize_t T,           \
                                       Py_ssize_t L0, float scale) SOFTMAX_BODY(lanes)                             \
     attr static void conv_##suffix(const float *restrict ext, const float *restrict taps, float *restrict out,  \
-                                   Py_ssize_t T, Py_ssize_t W, Py_ssize_t C) CONV_BODY
+                                   Py_ssize_t T, Py_ssize_t W, Py_ssize_t C) CONV_BODY                         \
+    attr static void decay_##suffix(float *restrict g, float *restrict alpha, const float *restrict dt,         \
+                                    const float *restrict A, float lb, Py_ssize_t rows, Py_ssize_t P) DECAY_BODY \
+    attr static void l2_##suffix(const float *restrict qkv, const float *restrict scale, float eps,              \
+                                 float *restrict out, Py_ssize_t T, Py_ssize_t H, Py_ssize_t K) L2_BODY(lanes)   \
+    attr static void gated_norm_##suffix(const float *restrict o, const float *restrict gate,                   \
+                                         const float *restrict gain, float eps, float *restrict out,            \
+                                         Py_ssize_t rows, Py_ssize_t V) GATED_NORM_BODY(lanes)
 
 DEFINE_KERNELS(portable, , 8)
 #ifdef KX_X86
@@ -360,11 +424,104 @@ static PyObject *conv_silu(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(decay_doc, "kda_decay(g, alpha, dt_bias, A, lower_bound, rows, P, isa)\n\n"
+                        "g float32 [rows, P] (f_b_proj's output; in place: log alpha), alpha [rows, P] (written), dt_bias and "
+                        "A [P], C-contiguous: g = lower_bound sigmoid((g + dt_bias) A), alpha = exp(g).");
+
+static PyObject *kda_decay(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer g, alpha, dt, A;
+    Py_ssize_t rows, P;
+    float lb;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "w*w*y*y*fnns", &g, &alpha, &dt, &A, &lb, &rows, &P, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    if (isa >= 0 && (rows < 0 || P < 0 || g.len != 4 * rows * P || alpha.len != g.len || dt.len != 4 * P || A.len != 4 * P))
+        PyErr_SetString(PyExc_ValueError, "kda_decay: expected g, alpha float32 [rows, P], dt_bias and A [P]");
+    else if (isa >= 0) {
+        void (*run)(float *, float *, const float *, const float *, float, Py_ssize_t, Py_ssize_t) = PICK(decay, isa);
+        Py_BEGIN_ALLOW_THREADS
+        run(g.buf, alpha.buf, dt.buf, A.buf, lb, rows, P);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&alpha);
+    PyBuffer_Release(&dt);
+    PyBuffer_Release(&A);
+    return result;
+}
+
+PyDoc_STRVAR(l2_doc, "l2_scale_qk(qkv, scale, eps, out, T, H, K, isa)\n\n"
+                     "qkv float32 [T, 3, H, K], scale [2H], out [T, 2, H, K] (written), C-contiguous: q's and k's rows "
+                     "times scale / sqrt(sum of squares + eps).");
+
+static PyObject *l2_scale_qk(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer qkv, scale, out;
+    float eps;
+    Py_ssize_t T, H, K;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*fw*nnns", &qkv, &scale, &eps, &out, &T, &H, &K, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    if (isa >= 0 && (T < 0 || H < 0 || K < 0 || qkv.len != 12 * T * H * K || scale.len != 8 * H || out.len != 8 * T * H * K))
+        PyErr_SetString(PyExc_ValueError, "l2_scale_qk: expected qkv float32 [T, 3, H, K], scale [2H], out [T, 2, H, K]");
+    else if (isa >= 0) {
+        void (*run)(const float *, const float *, float, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t) = PICK(l2, isa);
+        Py_BEGIN_ALLOW_THREADS
+        run(qkv.buf, scale.buf, eps, out.buf, T, H, K);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&qkv);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(gated_norm_doc, "gated_norm(o, gate, gain, eps, out, rows, V, isa)\n\n"
+                             "o, gate, out float32 [rows, V] (out written), gain [V], C-contiguous: "
+                             "out = o * (gain * gate) / sqrt(sum(o^2) + eps) per row.");
+
+static PyObject *gated_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer o, gate, gain, out;
+    float eps;
+    Py_ssize_t rows, V;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*y*fw*nns", &o, &gate, &gain, &eps, &out, &rows, &V, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    if (isa >= 0 && (rows < 0 || V < 0 || o.len != 4 * rows * V || gate.len != o.len || out.len != o.len || gain.len != 4 * V))
+        PyErr_SetString(PyExc_ValueError, "gated_norm: expected o, gate, out float32 [rows, V], gain [V]");
+    else if (isa >= 0) {
+        void (*run)(const float *, const float *, const float *, float, float *, Py_ssize_t, Py_ssize_t) =
+            PICK(gated_norm, isa);
+        Py_BEGIN_ALLOW_THREADS
+        run(o.buf, gate.buf, gain.buf, eps, out.buf, rows, V);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&gate);
+    PyBuffer_Release(&gain);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"conv_silu", conv_silu, METH_VARARGS, conv_doc},
     {"map", map, METH_VARARGS, map_doc},
     {"situ", situ, METH_VARARGS, situ_doc},
     {"causal_softmax", causal_softmax, METH_VARARGS, softmax_doc},
+    {"kda_decay", kda_decay, METH_VARARGS, decay_doc},
+    {"l2_scale_qk", l2_scale_qk, METH_VARARGS, l2_doc},
+    {"gated_norm", gated_norm, METH_VARARGS, gated_norm_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

@@ -10,7 +10,8 @@
    float32 formulation of the same step, to which it agrees to rounding, not bit for bit. The route is the
    same for a token with and without hooks (they fire between the steps), so replays stay exact.
 
-   Portable C (at these sizes the call, not the loop, is the cost). The buffers are checked by size here;
+   Portable C (at these sizes the call, not the loop, is the cost), but for the RMSNorm, which the sequence
+   path runs on a chunk's rows: AVX-512F, AVX2 and portable C, the same values. The buffers are checked by size here;
    their dtype (float32, int64 ids) and C order by the caller (token_ops.runs). */
 
 #define PY_SSIZE_T_CLEAN
@@ -18,6 +19,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "../weights/_kernel_isa.h"
 
 static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
 
@@ -37,7 +40,7 @@ static inline float situ_d(double g, double u, double inv_b, double inv_lb, doub
     } while (0)
 
 /* sum(x^2) in double, in four lanes (vectorised; the same order every call) */
-static double sum_squares(const float *x, Py_ssize_t n) {
+__attribute__((always_inline)) static inline double sum_squares(const float *x, Py_ssize_t n) {
     double s[4] = {0.0, 0.0, 0.0, 0.0};
     Py_ssize_t i = 0;
     for (; i + 4 <= n; i += 4)
@@ -46,32 +49,77 @@ static double sum_squares(const float *x, Py_ssize_t n) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+
+/* sum_squares of 4 rows of n at once (x [4, n]), each in sum_squares' own order (the same values): the rows'
+   16 independent sums hide the adds' latency, which bounds one row's */
+__attribute__((always_inline)) static inline void sum_squares_4rows(const float *x, Py_ssize_t n, double out[4]) {
+    double s[4][4] = {{0.0}};
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 4; j++) s[r][j] += (double)x[r * n + i + j] * x[r * n + i + j];
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++) s[r][0] += (double)x[r * n + i] * x[r * n + i];
+    for (int r = 0; r < 4; r++) out[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+}
+
 static PyObject *size_error(const char *what) {
     PyErr_SetString(PyExc_ValueError, what);
     return NULL;
 }
 
-PyDoc_STRVAR(rms_norm_doc, "rms_norm(x, weight, eps, out)\n\n"
+/* RMSNorm of rows [rows, n]: out = x * w * r, r = 1 / sqrt(sum(x^2) / n + eps), in double, rounded once. Compiled
+   for AVX-512F, AVX2 and portable C (_kernel_isa.h; a chunk's rows: on AVX-512 ~3x portable C's SSE2): the same
+   values on each, as every operation is the same (the squares of floats are exact in double, so a fused
+   multiply-add of one is the multiply and the add). */
+#define RMS_BODY                                                                              \
+    {                                                                                         \
+        for (Py_ssize_t r0 = 0; r0 < rows; r0 += 4) {                                         \
+            const Py_ssize_t m = rows - r0 < 4 ? rows - r0 : 4;                              \
+            double sq[4];                                                                     \
+            if (m == 4) sum_squares_4rows(x + r0 * n, n, sq);                                 \
+            else                                                                              \
+                for (Py_ssize_t j = 0; j < m; j++) sq[j] = sum_squares(x + (r0 + j) * n, n);  \
+            for (Py_ssize_t j = 0; j < m; j++) {                                              \
+                const float *xx = x + (r0 + j) * n;                                           \
+                float *o = out + (r0 + j) * n;                                                \
+                const double r = 1.0 / sqrt(sq[j] / (double)n + eps);                        \
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)((double)xx[i] * w[i] * r);  \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+static void rms_portable(const float *x, const float *w, double eps, float *out, Py_ssize_t rows, Py_ssize_t n) RMS_BODY
+#ifdef KX_X86
+__attribute__((target("avx2,fma"))) static void rms_avx2(const float *x, const float *w, double eps, float *out,
+                                                          Py_ssize_t rows, Py_ssize_t n) RMS_BODY
+__attribute__((target("avx512f"))) static void rms_avx512(const float *x, const float *w, double eps, float *out,
+                                                           Py_ssize_t rows, Py_ssize_t n) RMS_BODY
+#define RMS_KERNEL(isa) ((isa) == 2 ? rms_avx512 : (isa) == 1 ? rms_avx2 : rms_portable)
+#else
+#define RMS_KERNEL(isa) rms_portable
+#endif
+
+PyDoc_STRVAR(rms_norm_doc, "rms_norm(x, weight, eps, out, isa='')\n\n"
                            "out = x * weight / sqrt(sum(x^2) / n + eps) for each row of x, in double, rounded once; "
-                           "weight float32 [n], x and out float32 [rows, n] (one row: the token form's vector).");
+                           "weight float32 [n], x and out float32 [rows, n] (one row: the token form's vector); isa: one "
+                           "of isas() ('' the best), each the same values.");
 
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer x, w, out;
     double eps;
-    if (!PyArg_ParseTuple(args, "y*y*dw*", &x, &w, &eps, &out)) return NULL;
+    const char *isa_name = "";
+    if (!PyArg_ParseTuple(args, "y*y*dw*|s", &x, &w, &eps, &out, &isa_name)) return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = w.len / 4;
-    if (n == 0 || x.len % w.len != 0 || out.len != x.len)
+    const int isa = isa_index(isa_name);
+    if (isa < 0)
+        PyErr_SetString(PyExc_ValueError, "isa: not one of isas() on this CPU");
+    else if (n == 0 || x.len % w.len != 0 || out.len != x.len)
         size_error("rms_norm: weight float32 [n], x and out float32 [rows, n] expected");
     else {
-        const float *ww = w.buf;
-        for (Py_ssize_t r0 = 0; r0 < x.len / 4; r0 += n) {
-            const float *xx = (const float *)x.buf + r0;
-            float *o = (float *)out.buf + r0;
-            const double r = 1.0 / sqrt(sum_squares(xx, n) / (double)n + eps);
-            for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)((double)xx[i] * ww[i] * r);
-        }
+        RMS_KERNEL(isa)(x.buf, w.buf, eps, out.buf, x.len / w.len, n);
         DONE(1);
     }
     PyBuffer_Release(&x);
@@ -232,42 +280,45 @@ static PyObject *sigmoid(PyObject *self, PyObject *args) {
 static inline float rank_key(float c) { return c != c ? INFINITY : c; }
 
 PyDoc_STRVAR(select_doc, "select_experts(scores, bias, ids)\n\n"
-                         "The top k = len(ids) experts of scores + bias (float32 sums), ties to the lower id, then ordered by "
-                         "unbiased score (descending; ties keep that order); NaN ranks as +inf: scores, bias float32 [E], "
-                         "ids int64 [k], k <= E.");
+                         "Each row's top k experts of scores + bias (float32 sums), ties to the lower id, then ordered by "
+                         "unbiased score (descending; ties keep that order); NaN ranks as +inf: bias float32 [E], scores "
+                         "float32 [R, E] (R >= 1 rows: one token's [E], or a chunk's), ids int64 [R, k], 1 <= k <= E.");
 
 static PyObject *select_experts(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer sc, bias, ids;
     if (!PyArg_ParseTuple(args, "y*y*w*", &sc, &bias, &ids)) return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t E = sc.len / 4, k = ids.len / 8;
-    if (E == 0 || bias.len != sc.len || k == 0 || k > E || ids.len != 8 * k)
-        size_error("select_experts: scores, bias float32 [E], ids int64 [k] with 1 <= k <= E expected");
+    const Py_ssize_t E = bias.len / 4, R = E > 0 ? sc.len / bias.len : 0, k = R > 0 ? ids.len / (8 * R) : 0;
+    if (E == 0 || R == 0 || sc.len != R * bias.len || k == 0 || k > E || ids.len != 8 * R * k)
+        size_error("select_experts: bias float32 [E], scores float32 [R, E], ids int64 [R, k] with 1 <= k <= E expected");
     else {
-        const float *s = sc.buf, *b = bias.buf;
-        int64_t *top = ids.buf;
-        Py_ssize_t have = 0;
-        /* insertion into the k best so far, kept in (choice descending, id ascending) order: an expert goes
-           before the first kept one it beats strictly, so an equal choice stays behind the lower id */
-        for (Py_ssize_t e = 0; e < E; e++) {
-            const float c = rank_key(s[e] + b[e]);
-            if (have == k && !(c > rank_key(s[top[k - 1]] + b[top[k - 1]]))) continue;
-            Py_ssize_t j = have < k ? have++ : k - 1;
-            while (j > 0 && c > rank_key(s[top[j - 1]] + b[top[j - 1]])) {
-                top[j] = top[j - 1];
-                j--;
+        const float *b = bias.buf;
+        for (Py_ssize_t row = 0; row < R; row++) {
+            const float *s = (const float *)sc.buf + row * E;
+            int64_t *top = (int64_t *)ids.buf + row * k;
+            Py_ssize_t have = 0;
+            /* insertion into the k best so far, kept in (choice descending, id ascending) order: an expert goes
+               before the first kept one it beats strictly, so an equal choice stays behind the lower id */
+            for (Py_ssize_t e = 0; e < E; e++) {
+                const float c = rank_key(s[e] + b[e]);
+                if (have == k && !(c > rank_key(s[top[k - 1]] + b[top[k - 1]]))) continue;
+                Py_ssize_t j = have < k ? have++ : k - 1;
+                while (j > 0 && c > rank_key(s[top[j - 1]] + b[top[j - 1]])) {
+                    top[j] = top[j - 1];
+                    j--;
+                }
+                top[j] = e;
             }
-            top[j] = e;
-        }
-        for (Py_ssize_t i = 1; i < k; i++) { /* stable insertion sort by unbiased score, descending */
-            const int64_t e = top[i];
-            Py_ssize_t j = i;
-            while (j > 0 && rank_key(s[e]) > rank_key(s[top[j - 1]])) {
-                top[j] = top[j - 1];
-                j--;
+            for (Py_ssize_t i = 1; i < k; i++) { /* stable insertion sort by unbiased score, descending */
+                const int64_t e = top[i];
+                Py_ssize_t j = i;
+                while (j > 0 && rank_key(s[e]) > rank_key(s[top[j - 1]])) {
+                    top[j] = top[j - 1];
+                    j--;
+                }
+                top[j] = e;
             }
-            top[j] = e;
         }
         DONE(1);
     }
@@ -277,29 +328,35 @@ static PyObject *select_experts(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(weights_doc, "routing_weights(scores, ids, renormalize, scaling, eps, out)\n\n"
-                          "out[j] = scores[ids[j]] * c in double, c = scaling / (sum + eps) when renormalize else scaling: "
-                          "scores float32 [E], ids int64 [k] (each in 0..E-1), out float32 [k].");
+PyDoc_STRVAR(weights_doc, "routing_weights(scores, ids, k, renormalize, scaling, eps, out)\n\n"
+                          "Each row's out[j] = scores[ids[j]] * c in double, c = scaling / (sum + eps) (the k summed left to "
+                          "right) when renormalize else scaling: scores float32 [R, E], ids int64 [R, k] (each in 0..E-1), "
+                          "out float32 [R, k].");
 
 static PyObject *routing_weights(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer sc, ids, out;
+    Py_ssize_t k;
     int renorm;
     double scaling, eps;
-    if (!PyArg_ParseTuple(args, "y*y*pddw*", &sc, &ids, &renorm, &scaling, &eps, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*npddw*", &sc, &ids, &k, &renorm, &scaling, &eps, &out)) return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t E = sc.len / 4, k = ids.len / 8;
+    const Py_ssize_t R = k > 0 ? ids.len / (8 * k) : 0, E = R > 0 ? sc.len / (4 * R) : 0;
     const int64_t *id = ids.buf;
-    int ok = ids.len == 8 * k && out.len == 4 * k;
-    for (Py_ssize_t j = 0; ok && j < k; j++) ok = id[j] >= 0 && id[j] < E;
+    int ok = R > 0 && E > 0 && ids.len == 8 * R * k && sc.len == 4 * R * E && out.len == 4 * R * k;
+    for (Py_ssize_t j = 0; ok && j < R * k; j++) ok = id[j] >= 0 && id[j] < E;
     if (!ok)
-        size_error("routing_weights: scores float32 [E], ids int64 [k] in 0..E-1, out float32 [k] expected");
+        size_error("routing_weights: scores float32 [R, E], ids int64 [R, k] in 0..E-1, out float32 [R, k] expected");
     else {
-        const float *s = sc.buf;
-        double sum = 0.0;
-        for (Py_ssize_t j = 0; j < k; j++) sum += s[id[j]];
-        const double c = renorm ? scaling / (sum + eps) : scaling;
-        for (Py_ssize_t j = 0; j < k; j++) ((float *)out.buf)[j] = (float)(s[id[j]] * c);
+        for (Py_ssize_t row = 0; row < R; row++) {
+            const float *s = (const float *)sc.buf + row * E;
+            const int64_t *ir = id + row * k;
+            float *o = (float *)out.buf + row * k;
+            double sum = 0.0;
+            for (Py_ssize_t j = 0; j < k; j++) sum += s[ir[j]];
+            const double c = renorm ? scaling / (sum + eps) : scaling;
+            for (Py_ssize_t j = 0; j < k; j++) o[j] = (float)(s[ir[j]] * c);
+        }
         DONE(1);
     }
     PyBuffer_Release(&sc);
@@ -355,6 +412,7 @@ static PyObject *kda_gates(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, rms_norm_doc},
+    {"isas", isas, METH_NOARGS, "The kernels this CPU can run (rms_norm's isa), best last."},
     {"situ", situ, METH_VARARGS, situ_doc},
     {"set_row", set_row, METH_VARARGS, set_row_doc},
     {"source_softmax", source_softmax, METH_VARARGS, source_softmax_doc},

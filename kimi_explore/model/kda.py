@@ -289,22 +289,15 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
             pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
         qkv = sequence_ops.silu_(pre)  # SiLU in place
     qkv = qkv.reshape(T, 3, H, K)
-    # the sigmoids of the output gate and beta (adjacent columns of y: one call) and of the decay
-    gb = sequence_ops.sigmoid_(y[:, 3 * P : 4 * P + H].copy())
-    gate, beta = gb[:, :P].reshape(T, H, K), gb[:, P:]
+    # the sigmoids of the output gate and beta, each contiguous (the gated norm and the recurrence read them so)
+    gate = sequence_ops.sigmoid_(y[:, 3 * P : 4 * P].copy()).reshape(T, H, K)
+    beta = sequence_ops.sigmoid_(y[:, 4 * P : 4 * P + H].copy())
     decay_in = linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K)
-    decay_in += w.dt_bias
-    decay_in *= w.A
-    g = sequence_ops.sigmoid_(decay_in)
-    g *= w.lower_bound  # log alpha: lower_bound * sigmoid(A (f + dt_bias))
-    alpha = sequence_ops.exp_(g.copy())  # the decay, taken the same way with and without hooks (replays are exact)
+    # log alpha = lower_bound * sigmoid(A (f + dt_bias)) and alpha, the same way with and without hooks (replays are exact)
+    g, alpha = sequence_ops.kda_decay_(decay_in, w.dt_bias, w.A_wide, w.lower_bound)
     if fire is not None:
         qkv = fire(site("kda.conv_out"), qkv)
-    qk = qkv[:, :2]
-    sq = xp.einsum("...k,...k->...", qk, qk)[..., None]
-    sq += L2NORM_EPS
-    xp.sqrt(sq, out=sq)
-    qk = qk * xp.divide(w.qk_scale, sq, out=sq)
+    qk = sequence_ops.l2_scale_qk(qkv, w.qk_scale_rows, L2NORM_EPS)
     q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
     if fire is not None:
         q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
@@ -336,11 +329,7 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     state.conv[...] = ext[T:].transpose(1, 2, 0)
     if fire is not None:
         o = fire(site("kda.o"), o)
-    r = xp.einsum("...k,...k->...", o, o)[..., None]
-    r += K * w.eps
-    xp.sqrt(r, out=r)
-    o = o * (w.o_norm_scaled * gate)
-    o /= r
+    o = sequence_ops.gated_norm(o, gate, w.o_norm_scaled, K * w.eps)  # o / sqrt(mean(o^2) + eps) * o_norm * gate
     return linear(o.reshape(T, P), w.o_proj), norms
 
 

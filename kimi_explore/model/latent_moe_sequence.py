@@ -34,7 +34,10 @@ def select_experts_rows(scores, bias, top_k: int):
     unbiased score. Where the result is unique (the k-th and (k+1)-th biased scores differ and the k
     chosen unbiased scores are distinct: every row but a rare exact tie) it is what any correct top-k
     gives, the token form's included; a row with a tie is handed to `select_experts` itself (its own
-    tie order). Cheaper than a stable sort of every row (the embedded model: 5x)."""
+    tie order). Cheaper than a stable sort of every row (the embedded model: 5x). Host float32 rows take the
+    token form's compiled step itself, all rows in one call."""
+    if token_ops.runs(scores, bias) and scores.ndim == 2 and top_k <= scores.shape[1]:
+        return token_ops.select_experts(scores, bias, top_k)
     xp = array_namespace(scores)
     choice = moe.rank_keys(scores + bias)  # summed in the scores' dtype, as the token form does; NaN ranks as +inf
     T, E = scores.shape
@@ -75,6 +78,9 @@ def routing_weights_rows(scores, ids, renormalize: bool, scaling: float):
     xp = array_namespace(scores)
     ids = xp.asarray(ids)
     kept = ids >= 0
+    if (moe.weights_in_double(scores) and token_ops.runs(scores) and type(ids) is np.ndarray and ids.ndim == 2
+            and ids.dtype.kind in "iu" and kept.all()):  # the token form's compiled step, all rows in one call
+        return token_ops.routing_weights(scores, np.ascontiguousarray(ids, np.int64), renormalize, scaling, RENORM_EPS)
     w = xp.where(kept, scores[xp.arange(ids.shape[0])[:, None], xp.where(kept, ids, 0)], 0.0).astype(scores.dtype)
     if moe.weights_in_double(scores):
         # the token form's double route: doubles summed left to right, each weight rounded once at the end

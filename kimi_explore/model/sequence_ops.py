@@ -4,6 +4,9 @@
     conv_silu(ext, taps)                    KDA's short conv and SiLU over a chunk (None: not here)
     situ_and_mul_rows(gate_up, beta, lb, fallback)   ops.situ_and_mul on rows [..., 2n] -> [..., n]
     causal_softmax_(scores, L0, scale)      in place on [nh, T, L0 + T]: scale, mask, softmax (as mla.causal_softmax_)
+    kda_decay_(raw, dt_bias, A, lower_bound)         KDA's log decay in place and its exp
+    l2_scale_qk(qkv, scale_rows, eps)                KDA's q and k L2-normalised, q's scale folded in
+    gated_norm(o, gate, gain, eps)                   KDA's gated RMSNorm of the read-out
 
 Why: on the embedded model a chunk's element-wise work, not its matmuls, is most of a layer's time, and
 NumPy's float32 exp and tanh cost ~1.4 ns per element here (AVX2), a softmax or a SiTU-GLU five to eight
@@ -113,4 +116,53 @@ def causal_softmax_(scores, L0: int, scale: float):
     return scores
 
 
-__all__ = ["AVAILABLE", "causal_softmax_", "conv_silu", "exp_", "isas", "runs", "sigmoid_", "silu_", "situ_and_mul_rows"]
+def kda_decay_(raw, dt_bias, A, lower_bound: float):
+    """KDA's decay over a chunk: raw [T, H, K] (f_b_proj's output), in place, becomes g = lower_bound sigmoid(A
+    (raw + dt_bias)), the log decay; returns (g, alpha = exp(g)). dt_bias, A: [H, K]. Compiled: the NumPy
+    route's five passes in one, the same operations (g bit for bit; alpha to 1 ulp: exp's polynomial may be
+    contracted differently)."""
+    if runs(raw) and raw.flags.writeable and runs(dt_bias) and runs(A) and dt_bias.shape == A.shape == raw.shape[1:]:
+        alpha = np.empty_like(raw)
+        _ext.kda_decay(raw, alpha, dt_bias, A, lower_bound, raw.shape[0], A.size, ISA)
+        return raw, alpha
+    raw += dt_bias
+    raw *= A
+    g = sigmoid_(raw)
+    g *= lower_bound
+    return g, exp_(g.copy())
+
+
+def l2_scale_qk(qkv, scale_rows, eps: float):
+    """KDA's q and k, L2-normalised per head with q's scale folded in: qkv [T, 3, H, K] (the conv outputs) ->
+    [T, 2, H, K], row (s, h) times scale_rows[s H + h] / sqrt(sum of squares + eps)."""
+    T, _, H, K = qkv.shape
+    if runs(qkv) and runs(scale_rows) and scale_rows.shape == (2 * H,):
+        out = np.empty((T, 2, H, K), np.float32)
+        _ext.l2_scale_qk(qkv, scale_rows, eps, out, T, H, K, ISA)
+        return out
+    xp = array_namespace(qkv)
+    qk = qkv[:, :2]
+    sq = xp.einsum("...k,...k->...", qk, qk)[..., None]
+    sq += eps
+    xp.sqrt(sq, out=sq)
+    return qk * xp.divide(scale_rows.reshape(2, H, 1), sq, out=sq)
+
+
+def gated_norm(o, gate, gain, eps: float):
+    """KDA's gated RMSNorm of the read-out: o, gate [T, H, V] -> o * (gain * gate) / sqrt(sum over V of o^2 + eps)
+    (gain [V]: o_norm sqrt(V); eps: V rms_norm_eps)."""
+    if runs(o) and runs(gate) and runs(gain) and gate.shape == o.shape and gain.shape == o.shape[-1:]:
+        out = np.empty_like(o)
+        _ext.gated_norm(o, gate, gain, eps, out, o.size // max(gain.size, 1), gain.size, ISA)
+        return out
+    xp = array_namespace(o)
+    r = xp.einsum("...k,...k->...", o, o)[..., None]
+    r += eps
+    xp.sqrt(r, out=r)
+    o = o * (gain * gate)
+    o /= r
+    return o
+
+
+__all__ = ["AVAILABLE", "causal_softmax_", "conv_silu", "exp_", "gated_norm", "isas", "kda_decay_", "l2_scale_qk", "runs",
+           "sigmoid_", "silu_", "situ_and_mul_rows"]

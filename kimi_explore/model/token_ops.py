@@ -113,16 +113,19 @@ def softmax_rows_(s, scale: float):
 
 def select_experts(scores, bias, top_k: int):
     """The top-k of scores + bias (ties to the lower id, NaN ranked as +inf), ordered by unbiased score: int64 [k]
-    (`latent_moe.select_experts`)."""
-    ids = np.empty(top_k, np.int64)
-    _ext.select_experts(scores, bias, ids)
+    (`latent_moe.select_experts`); scores [T, E], a chunk's rows: [T, k], each row's the same."""
+    ids = np.empty(scores.shape[:-1] + (top_k,), np.int64)
+    if ids.size:
+        _ext.select_experts(scores, bias, ids)
     return ids
 
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float, eps: float):
-    """scores[ids] (renormalised to sum 1 + eps when asked) times `scaling`, in double: float32 [k]; ids int64."""
+    """scores[ids] (renormalised to sum 1 + eps when asked) times `scaling`, in double: float32 [k]; ids int64 [k]
+    (scores [T, E] and ids [T, k]: each row's the same)."""
     out = np.empty(ids.shape, _F32)
-    _ext.routing_weights(scores, ids, renormalize, scaling, eps, out)
+    if out.size:
+        _ext.routing_weights(scores, ids, ids.shape[-1], renormalize, scaling, eps, out)
     return out
 
 
