@@ -278,8 +278,11 @@ def test_float64_prefill_equals_stepping_and_the_twin_at_the_edges(edge, naive_t
     it; at 1e-4 the first norms' mean squares sit below their eps), or every KDA decay at the gate's lower bound
     (dt_bias + 100: sigmoid 1, g = -5). float64 stepping against the float64 twin (the same change made to its
     operands) over 6 tokens: measured 2e-15 .. 1e-12. float64 prefill at chunks 1, 2, 7 and T (= 16; 64 and 512
-    are T here) against float64 stepping: measured 6e-16 .. 7e-13 relative. float32 prefill against float64
-    stepping is within 3x float32 stepping's own distance to it (measured 0.9x .. 1.5x; at 1e-4 both ~1e-3)."""
+    are T here) against float64 stepping: measured 6e-16 .. 7e-13 relative. float32 prefill at chunks 1, 2, 7 and T
+    against float64 stepping is within 6x float32 stepping's own distance to it: at these edges float32 rounding is
+    amplified, and where it lands moves with every summation order (measured over chunks 1 .. 16, 2026-12-05: decays
+    at the bound 0.2x .. 3.6x before that day's compiled KDA and block-residual steps, 0.96x .. 3.6x after; 1e-4
+    0.23x .. 2.7x, both ~1e-3; 1e4 0.9x .. 3.2x, both ~1e-6)."""
     tokens = np.random.default_rng(4).integers(0, 256, 16).tolist()
     twin = copy.deepcopy(naive_twin)
     if edge.startswith("embeddings"):
@@ -305,7 +308,8 @@ def test_float64_prefill_equals_stepping_and_the_twin_at_the_edges(edge, naive_t
                 assert rel(prefill(w, tokens, chunk), want) <= 1e-9, chunk
         else:
             step32 = rel(step_all(w, tokens), want)
-            assert rel(prefill(w, tokens, 7), want) <= 3 * step32 + 1e-6, step32
+            for chunk in (1, 2, 7, len(tokens)):
+                assert rel(prefill(w, tokens, chunk), want) <= 6 * step32 + 1e-6, (chunk, step32)
 
 
 def test_long_mla_context_across_query_blocks_float64():

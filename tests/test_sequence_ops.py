@@ -216,3 +216,25 @@ def test_kda_steps_take_the_numpy_route_off_float32():
     got = sequence_ops.gated_norm(o, gate, np.ones(8), 8e-5)
     assert got.dtype == np.float64
     assert np.allclose(got, o * gate / np.sqrt((o * o).sum(-1, keepdims=True) + 8e-5), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("T,S,m,d", [(1, 4, 1, 128), (37, 8, 5, 40), (5, 3, 3, 7), (0, 4, 2, 16), (3, 64, 64, 33)])
+def test_source_scores_and_mix_against_float64(isa, T, S, m, d):
+    """A chunk's block-residual stacks rows [T, S, d], the first m sources of each: scores rows[t, :m] @ w and mix
+    p[t] @ rows[t, :m], within float32 rounding of the exact sums; the NumPy route (float64) is exact to 1e-15."""
+    rng = np.random.default_rng(9)
+    rows = (rng.standard_normal((T, S, d)) * rng.uniform(0.01, 30, (T, S, 1))).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    p = rng.dirichlet(np.ones(m), T).astype(np.float32) if T else np.zeros((0, m), np.float32)
+    r64 = rows[:, :m].astype(np.float64)
+    scores = sequence_ops.source_scores(rows, m, w)
+    assert scores.shape == (T, m) and scores.dtype == np.float32
+    bound = d * 2.0**-24 * (np.abs(r64) @ np.abs(w.astype(np.float64)))  # a float32 dot's rounding, any order
+    assert (np.abs(scores - r64 @ w.astype(np.float64)) <= bound + 1e-30).all()
+    mix = sequence_ops.source_mix(rows, p)
+    want = np.einsum("tm,tmd->td", p.astype(np.float64), r64)
+    assert mix.shape == (T, d) and mix.dtype == np.float32
+    assert (np.abs(mix - want) <= m * 2.0**-23 * np.einsum("tm,tmd->td", p.astype(np.float64), np.abs(r64)) + 1e-30).all()
+    assert np.allclose(sequence_ops.source_scores(rows.astype(np.float64), m, w.astype(np.float64)),
+                       r64 @ w.astype(np.float64), rtol=1e-14, atol=1e-12)
+    assert np.allclose(sequence_ops.source_mix(rows.astype(np.float64), p.astype(np.float64)), want, rtol=1e-14, atol=1e-12)

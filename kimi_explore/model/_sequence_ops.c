@@ -273,6 +273,36 @@ DEFINE_SUM_SQUARES(16)
         }                                                                                     \
     }
 
+/* The block residuals' scores and mix over a chunk's stacks rows [T, S, d] (S: the stack's capacity; the first m
+   sources used). Scores: s[t, i] = rows[t, i] . w (float32, in LANES lanes). Mix: out[t] = sum_i p[t, i] rows[t, i],
+   i ascending. */
+#define SCORES_BODY(LANES)                                                                    \
+    {                                                                                         \
+        for (Py_ssize_t t = 0; t < T; t++)                                                    \
+            for (Py_ssize_t i = 0; i < m; i++) {                                              \
+                const float *restrict v = rows + (t * S + i) * d;                             \
+                float part[LANES] = {0.0f};                                                   \
+                Py_ssize_t j = 0;                                                             \
+                for (; j + LANES <= d; j += LANES)                                            \
+                    for (int k = 0; k < LANES; k++) part[k] += v[j + k] * w[j + k];           \
+                float sum = 0.0f;                                                             \
+                for (; j < d; j++) sum += v[j] * w[j];                                        \
+                for (int k = 0; k < LANES; k++) sum += part[k];                               \
+                s[t * m + i] = sum;                                                           \
+            }                                                                                 \
+    }
+
+#define MIX_BODY                                                                              \
+    {                                                                                         \
+        for (Py_ssize_t t = 0; t < T; t++) {                                                  \
+            float *restrict o = out + t * d;                                                  \
+            const float *restrict v = rows + t * S * d, *restrict pt = p + t * m;             \
+            for (Py_ssize_t j = 0; j < d; j++) o[j] = pt[0] * v[j];                           \
+            for (Py_ssize_t i = 1; i < m; i++)                                                \
+                for (Py_ssize_t j = 0; j < d; j++) o[j] += pt[i] * v[i * d + j];              \
+        }                                                                                     \
+    }
+
 #define DEFINE_KERNELS(suffix, attr, lanes)                                                                       \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
@@ -290,7 +320,11 @@ DEFINE_SUM_SQUARES(16)
                                  float *restrict out, Py_ssize_t T, Py_ssize_t H, Py_ssize_t K) L2_BODY(lanes)   \
     attr static void gated_norm_##suffix(const float *restrict o, const float *restrict gate,                   \
                                          const float *restrict gain, float eps, float *restrict out,            \
-                                         Py_ssize_t rows, Py_ssize_t V) GATED_NORM_BODY(lanes)
+                                         Py_ssize_t rows, Py_ssize_t V) GATED_NORM_BODY(lanes)                \
+    attr static void scores_##suffix(const float *restrict rows, const float *restrict w, float *restrict s,     \
+                                     Py_ssize_t T, Py_ssize_t S, Py_ssize_t m, Py_ssize_t d) SCORES_BODY(lanes)   \
+    attr static void mix_##suffix(const float *restrict rows, const float *restrict p, float *restrict out,      \
+                                  Py_ssize_t T, Py_ssize_t S, Py_ssize_t m, Py_ssize_t d) MIX_BODY
 
 DEFINE_KERNELS(portable, , 8)
 #ifdef KX_X86
@@ -514,6 +548,39 @@ static PyObject *gated_norm(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(sources_doc, "sources(rows, x, out, T, S, m, d, what, isa)\n\n"
+                          "rows float32 [T, S, d] (the first m of each token's S used), C-contiguous; what 0 (scores): x [d], "
+                          "out [T, m], out[t, i] = rows[t, i] . x; what 1 (mix): x [T, m], out [T, d], out[t] = "
+                          "sum_i x[t, i] rows[t, i].");
+
+static PyObject *sources(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer rows, x, out;
+    Py_ssize_t T, S, m, d;
+    int what;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnnis", &rows, &x, &out, &T, &S, &m, &d, &what, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    const int ok = T >= 0 && d >= 0 && m >= 1 && S >= m && rows.len == 4 * T * S * d &&
+                   (what == 0 ? x.len == 4 * d && out.len == 4 * T * m : what == 1 && x.len == 4 * T * m && out.len == 4 * T * d);
+    if (isa >= 0 && !ok)
+        PyErr_SetString(PyExc_ValueError, "sources: expected rows float32 [T, S, d], 1 <= m <= S; scores: x [d], out [T, m]; "
+                                          "mix: x [T, m], out [T, d]");
+    else if (isa >= 0) {
+        Py_BEGIN_ALLOW_THREADS
+        if (what == 0) PICK(scores, isa)(rows.buf, x.buf, out.buf, T, S, m, d);
+        else PICK(mix, isa)(rows.buf, x.buf, out.buf, T, S, m, d);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"conv_silu", conv_silu, METH_VARARGS, conv_doc},
     {"map", map, METH_VARARGS, map_doc},
@@ -522,6 +589,7 @@ static PyMethodDef methods[] = {
     {"kda_decay", kda_decay, METH_VARARGS, decay_doc},
     {"l2_scale_qk", l2_scale_qk, METH_VARARGS, l2_doc},
     {"gated_norm", gated_norm, METH_VARARGS, gated_norm_doc},
+    {"sources", sources, METH_VARARGS, sources_doc},
     {"isas", isas, METH_NOARGS, "The kernels this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
-from . import token_ops
+from . import sequence_ops, token_ops
 from .block_residual import SourceBuffer
 from .kda import kda_sequence
 from .kimi_token import (
@@ -126,7 +126,7 @@ class SequenceSources:
     def weights(self, score_weight):
         """[T, n+1]: each token's softmax over [sealed blocks..., current] of (V_i / rms_i) . score_weight."""
         m, xp = self.n + 1, self.xp
-        s = xp.matmul(self.rows[:, :m], score_weight)
+        s = sequence_ops.source_scores(self.rows, m, score_weight)
         if self.compiled and token_ops.host_float32(s):
             return token_ops.source_softmax(s, self.inv_rms)
         s = s.astype(np.float64) * self.inv_rms[:, :m]
@@ -135,7 +135,7 @@ class SequenceSources:
 
     def mix(self, p):
         """[T, d]: each token's sum_i p_i V_i over its raw sources."""
-        return self.xp.matmul(p[:, None, :], self.rows[:, : self.n + 1])[:, 0]
+        return sequence_ops.source_mix(self.rows, p)
 
     def seal(self) -> None:
         self.n += 1

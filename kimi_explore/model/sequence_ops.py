@@ -7,6 +7,7 @@
     kda_decay_(raw, dt_bias, A, lower_bound)         KDA's log decay in place and its exp
     l2_scale_qk(qkv, scale_rows, eps)                KDA's q and k L2-normalised, q's scale folded in
     gated_norm(o, gate, gain, eps)                   KDA's gated RMSNorm of the read-out
+    source_scores(rows, m, w), source_mix(rows, p)   the block residuals' scores and mix over a chunk's stacks
 
 Why: on the embedded model a chunk's element-wise work, not its matmuls, is most of a layer's time, and
 NumPy's float32 exp and tanh cost ~1.4 ns per element here (AVX2), a softmax or a SiTU-GLU five to eight
@@ -164,5 +165,28 @@ def gated_norm(o, gate, gain, eps: float):
     return o
 
 
+def source_scores(rows, m: int, w):
+    """Each token's scores of its first m sources: rows [T, S, d] (a chunk's stacks), w [d] -> [T, m], row t =
+    rows[t, :m] @ w (float32 dots in lanes: the token form's sgemv to rounding)."""
+    if runs(rows) and runs(w) and w.shape == rows.shape[-1:] and 1 <= m <= rows.shape[1]:
+        T, S, d = rows.shape
+        out = np.empty((T, m), np.float32)
+        _ext.sources(rows, w, out, T, S, m, d, 0, ISA)
+        return out
+    return array_namespace(rows).matmul(rows[:, :m], w)
+
+
+def source_mix(rows, p):
+    """Each token's mix of its first m = p.shape[1] sources: rows [T, S, d], p [T, m] -> [T, d], row t =
+    p[t] @ rows[t, :m] (float32, sources in order: the token form's product to rounding)."""
+    T, m = p.shape
+    if runs(rows) and runs(p) and rows.shape[0] == T and 1 <= m <= rows.shape[1]:
+        d = rows.shape[-1]
+        out = np.empty((T, d), np.float32)
+        _ext.sources(rows, p, out, T, rows.shape[1], m, d, 1, ISA)
+        return out
+    return array_namespace(rows).matmul(p[:, None, :], rows[:, :m])[:, 0]
+
+
 __all__ = ["AVAILABLE", "causal_softmax_", "conv_silu", "exp_", "gated_norm", "isas", "kda_decay_", "l2_scale_qk", "runs",
-           "sigmoid_", "silu_", "situ_and_mul_rows"]
+           "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix", "source_scores"]
