@@ -27,9 +27,8 @@ def kernels() -> dict:
 
     out = {"mxfp4_matvec": mxfp4_matvec.default_isa() if mxfp4_matvec.AVAILABLE else "not built",
            "bf16_matvec": bf16_matvec.default_isa() if bf16_matvec.AVAILABLE else "not built"}
-    for name, module in (("kda_recurrence", kda_recurrence), ("sequence_ops", sequence_ops)):  # the best the CPU has
-        out[name] = module.isas()[-1] if module.AVAILABLE else "not built"
-    out["token_ops"] = "portable C" if token_ops.AVAILABLE else "not built"
+    for name, module in (("kda_recurrence", kda_recurrence), ("sequence_ops", sequence_ops), ("token_ops", token_ops)):
+        out[name] = module.isas()[-1] if module.AVAILABLE else "not built"  # the best the CPU has (token_ops: its RMSNorm)
     return out
 
 

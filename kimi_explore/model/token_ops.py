@@ -33,11 +33,16 @@ except ImportError:  # no compiler at install time
     _ext = None
 
 AVAILABLE = _ext is not None
+
+
+def isas() -> tuple[str, ...]:
+    """Kernels this CPU can run for `rms_norm` (the one step built per ISA; the same values on each), best last."""
+    return _ext.isas() if AVAILABLE else ()
 MAX_SOURCES = 64  # source_softmax's bound on the sources of one mix
 _F32 = np.dtype(np.float32)
 
-__all__ = ["AVAILABLE", "host_float32", "in_c_order", "kda_gates", "rms_norm", "routing_weights", "runs", "select_experts",
-           "set_row", "sigmoid", "situ", "softmax_rows_", "source_softmax"]
+__all__ = ["AVAILABLE", "host_float32", "in_c_order", "isas", "kda_gates", "rms_norm", "routing_weights", "runs",
+           "select_experts", "set_row", "sigmoid", "situ", "softmax_rows_", "source_softmax"]
 
 
 def host_float32(*arrays) -> bool:
