@@ -93,7 +93,9 @@ class SequenceSources:
     """`SourceBuffer` for T tokens at once: rows [T, S, d] (token t's sealed blocks, then its running
     sum), their 1/rms [T, S]. The 1/rms values and the softmax are taken in float64, as the token
     form's Python floats are, then rounded once to the activation dtype. On the host in float32 both are
-    the token form's compiled steps (`token_ops.set_row`, `source_softmax`), a chunk's rows in one call."""
+    the token form's compiled steps (`token_ops.set_row`, `source_softmax`), a chunk's rows in one call, and the
+    scores and the mix are compiled passes over the stacks (`sequence_ops.source_scores`, `source_mix`: float32
+    sums, the token form's to rounding)."""
 
     def __init__(self, xp, T: int, rows: int, d: int, dtype, eps: float):
         self.xp, self.eps, self.inv_d, self.dtype = xp, eps, 1.0 / d, dtype

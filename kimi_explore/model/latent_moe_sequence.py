@@ -4,10 +4,12 @@ The equations are `latent_moe`'s (router, routing weights, latent down projectio
 ONE RMSNorm of each row's aggregate, up projection, shared experts), each over [T, .] rows.
 
 Selection (`select_experts_rows`) gives every row exactly the ids `select_experts` gives it, ties
-included: argpartition / argsort, which promise no order among ties, so rows with a tie that decides
+included: on the host in float32 by the token form's compiled step itself, all rows in one call;
+elsewhere by argpartition / argsort, which promise no order among ties, so rows with a tie that decides
 the set (k-th and (k+1)-th biased scores equal) or the order (two chosen unbiased scores equal) are
 handed to `select_experts` itself; every other row has one right answer. Routing weights follow the token form's
-two routes too (Python doubles on the host for few experts, float32 arrays otherwise): bit for bit.
+routes too (its compiled step over all rows, or Python doubles on the host for few experts, float32 arrays
+otherwise): bit for bit.
 
 Experts: `expert_outputs_grouped` groups the T*k selections by expert (`latent_moe.group_selections`)
 so that a bank reads each selected expert's weights once per chunk (`outputs_grouped` of
