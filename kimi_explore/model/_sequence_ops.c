@@ -107,20 +107,20 @@ KX_INLINE float kx_tanhf_small(float x) {
     return x < 0.0f ? -small : small;
 }
 
-/* sum(x^2) of n floats in 8 or 16 lanes (the vectoriser's shape; a float sum is not reordered for it) */
-#define DEFINE_SUM_SQUARES(LANES)                                                             \
-    KX_INLINE float kx_sum_squares_##LANES(const float *restrict x, Py_ssize_t n) {           \
+/* a . b of n floats in 8 or 16 lanes (the vectoriser's shape; a float sum is not reordered for it) */
+#define DEFINE_DOT(LANES)                                                                     \
+    KX_INLINE float kx_dot_##LANES(const float *restrict a, const float *restrict b, Py_ssize_t n) { \
         float part[LANES] = {0.0f};                                                           \
         Py_ssize_t j = 0;                                                                     \
         for (; j + LANES <= n; j += LANES)                                                    \
-            for (int k = 0; k < LANES; k++) part[k] += x[j + k] * x[j + k];                   \
+            for (int k = 0; k < LANES; k++) part[k] += a[j + k] * b[j + k];                   \
         float sum = 0.0f;                                                                     \
-        for (; j < n; j++) sum += x[j] * x[j];                                                \
+        for (; j < n; j++) sum += a[j] * b[j];                                                \
         for (int k = 0; k < LANES; k++) sum += part[k];                                       \
         return sum;                                                                           \
     }
-DEFINE_SUM_SQUARES(8)
-DEFINE_SUM_SQUARES(16)
+DEFINE_DOT(8)
+DEFINE_DOT(16)
 
 /* what: 0 exp, 1 sigmoid 1 / (1 + exp(-x)), 2 SiLU x / (1 + exp(-x)); in place on n floats */
 #define MAP_BODY                                                                              \
@@ -260,7 +260,7 @@ DEFINE_SUM_SQUARES(16)
             for (Py_ssize_t r = 0; r < 2 * H; r++) {                                          \
                 const float *restrict x = qkv + (t * 3 * H + r) * K;                          \
                 float *restrict o = out + (t * 2 * H + r) * K;                                \
-                const float f = scale[r] / sqrtf(kx_sum_squares_##LANES(x, K) + eps);         \
+                const float f = scale[r] / sqrtf(kx_dot_##LANES(x, x, K) + eps);         \
                 for (Py_ssize_t j = 0; j < K; j++) o[j] = x[j] * f;                           \
             }                                                                                 \
     }
@@ -272,7 +272,7 @@ DEFINE_SUM_SQUARES(16)
         for (Py_ssize_t r = 0; r < rows; r++) {                                               \
             const float *restrict x = o + r * V, *restrict gt = gate + r * V;                 \
             float *restrict y = out + r * V;                                                  \
-            const float d = sqrtf(kx_sum_squares_##LANES(x, V) + eps);                        \
+            const float d = sqrtf(kx_dot_##LANES(x, x, V) + eps);                        \
             for (Py_ssize_t j = 0; j < V; j++) y[j] = x[j] * (gain[j] * gt[j]) / d;           \
         }                                                                                     \
     }
@@ -283,17 +283,7 @@ DEFINE_SUM_SQUARES(16)
 #define SCORES_BODY(LANES)                                                                    \
     {                                                                                         \
         for (Py_ssize_t t = 0; t < T; t++)                                                    \
-            for (Py_ssize_t i = 0; i < m; i++) {                                              \
-                const float *restrict v = rows + (t * S + i) * d;                             \
-                float part[LANES] = {0.0f};                                                   \
-                Py_ssize_t j = 0;                                                             \
-                for (; j + LANES <= d; j += LANES)                                            \
-                    for (int k = 0; k < LANES; k++) part[k] += v[j + k] * w[j + k];           \
-                float sum = 0.0f;                                                             \
-                for (; j < d; j++) sum += v[j] * w[j];                                        \
-                for (int k = 0; k < LANES; k++) sum += part[k];                               \
-                s[t * m + i] = sum;                                                           \
-            }                                                                                 \
+            for (Py_ssize_t i = 0; i < m; i++) s[t * m + i] = kx_dot_##LANES(rows + (t * S + i) * d, w, d); \
     }
 
 #define MIX_BODY                                                                              \

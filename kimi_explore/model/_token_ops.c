@@ -49,7 +49,6 @@ __attribute__((always_inline)) static inline double sum_squares(const float *x, 
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-
 /* sum_squares of 4 rows of n at once (x [4, n]), each in sum_squares' own order (the same values): the rows'
    16 independent sums hide the adds' latency, which bounds one row's */
 __attribute__((always_inline)) static inline void sum_squares_4rows(const float *x, Py_ssize_t n, double out[4]) {

@@ -33,16 +33,16 @@ except ImportError:  # no compiler at install time
     _ext = None
 
 AVAILABLE = _ext is not None
-
-
-def isas() -> tuple[str, ...]:
-    """Kernels this CPU can run for `rms_norm` (the one step built per ISA; the same values on each), best last."""
-    return _ext.isas() if AVAILABLE else ()
 MAX_SOURCES = 64  # source_softmax's bound on the sources of one mix
 _F32 = np.dtype(np.float32)
 
 __all__ = ["AVAILABLE", "host_float32", "in_c_order", "isas", "kda_gates", "rms_norm", "routing_weights", "runs",
            "select_experts", "set_row", "sigmoid", "situ", "softmax_rows_", "source_softmax"]
+
+
+def isas() -> tuple[str, ...]:
+    """Kernels this CPU can run for `rms_norm` (the one step built per ISA; the same values on each), best last."""
+    return _ext.isas() if AVAILABLE else ()
 
 
 def host_float32(*arrays) -> bool:
@@ -118,7 +118,7 @@ def softmax_rows_(s, scale: float):
 
 def select_experts(scores, bias, top_k: int):
     """The top-k of scores + bias (ties to the lower id, NaN ranked as +inf), ordered by unbiased score: int64 [k]
-    (`latent_moe.select_experts`); scores [T, E], a chunk's rows: [T, k], each row's the same."""
+    (`latent_moe.select_experts`); scores [T, E], a chunk's rows: [T, k], row t the ids of scores[t]."""
     ids = np.empty(scores.shape[:-1] + (top_k,), np.int64)
     if ids.size:
         _ext.select_experts(scores, bias, ids)
@@ -127,7 +127,7 @@ def select_experts(scores, bias, top_k: int):
 
 def routing_weights(scores, ids, renormalize: bool, scaling: float, eps: float):
     """scores[ids] (renormalised to sum 1 + eps when asked) times `scaling`, in double: float32 [k]; ids int64 [k]
-    (scores [T, E] and ids [T, k]: each row's the same)."""
+    (scores [T, E] and ids [T, k]: row t the weights of scores[t], ids[t])."""
     out = np.empty(ids.shape, _F32)
     if out.size:
         _ext.routing_weights(scores, ids, ids.shape[-1], renormalize, scaling, eps, out)
