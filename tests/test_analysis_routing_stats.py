@@ -227,16 +227,36 @@ def test_an_error_without_notes_names_the_text_in_its_message():
 def test_an_error_decoding_a_text_says_which_text(ref_weights, monkeypatch):
     from kimi_explore.analysis import routing_stats as module
 
-    def failing_on_the_third(weights, ids):
+    def failing_on_the_third(weights, ids, recorder):
         if ids == list(TEXTS[2].encode()):
             raise ArithmeticError("planted")
-        return routing(weights, ids)
+        return routing(weights, ids, recorder)
 
     routing = module._routing
     monkeypatch.setattr(module, "_routing", failing_on_the_third)
     with pytest.raises(ArithmeticError, match="planted") as raised:
         ke.routing_stats(ref_weights, TEXTS, progress=False)
     assert _where(raised.value) == "routing_stats: while decoding text 2 of the call"
+
+
+def test_the_reused_recorder_starts_every_text_empty(ref_weights):
+    """One recorder serves a whole call (or worker): nothing of an earlier text reaches the next one's routing, not
+    even of a text that failed after its first chunk had been recorded."""
+    from kimi_explore.analysis import routing_stats as module
+
+    first, second = list(TEXTS[0].encode()), list(TEXTS[1].encode())
+    fresh = module._routing(ref_weights, second, module._router_recorder(ref_weights))
+    recorder = module._router_recorder(ref_weights)
+    module._routing(ref_weights, first, recorder)
+    chunk = module.default_chunk(ref_weights.config)
+    with pytest.raises(ValueError, match="256"):  # the second chunk's last id is outside the vocabulary
+        module._routing(ref_weights, (first * chunk)[: chunk + 3] + [256], recorder)
+    assert recorder.n_tokens == 0
+    again = module._routing(ref_weights, second, recorder)
+    assert sorted(again) == sorted(fresh) and set(again) >= {"topk_ids", "topk_weights"}
+    for key in ("topk_ids", "topk_weights"):
+        assert again[key].shape == (len(second), len(module.RoutingStats.empty(ref_weights, "").moe_layers), 2)
+        np.testing.assert_array_equal(again[key], fresh[key])
 
 
 def test_workers_are_checked(ref_weights):

@@ -178,8 +178,8 @@ def test_l2_scale_qk_against_float64_and_the_numpy_route(isa, monkeypatch, T, H,
     scale = np.repeat(np.array([1 / math.sqrt(K), 1.0], np.float32), H)
     got = sequence_ops.l2_scale_qk(qkv, scale, 1e-6)
     x = qkv[:, :2].astype(np.float64)
-    want = x * scale.reshape(2, H, 1) / np.sqrt((x * x).sum(-1, keepdims=True) + np.float32(1e-6))
-    assert got.shape == (T, 2, H, K) and got.dtype == np.float32
+    want = (x * scale.reshape(2, H, 1) / np.sqrt((x * x).sum(-1, keepdims=True) + np.float32(1e-6))).swapaxes(0, 1)
+    assert got.shape == (2, T, H, K) and got.dtype == np.float32 and got[0].flags.c_contiguous
     assert np.abs(got - want).max(initial=0.0) <= 3e-7
     numpy_route = _numpy_route(monkeypatch, sequence_ops.l2_scale_qk, qkv, scale, 1e-6)
     assert np.abs(got - numpy_route).max(initial=0.0) <= 3e-7
@@ -209,8 +209,8 @@ def test_kda_steps_take_the_numpy_route_off_float32():
     scale = np.repeat(np.array([1 / math.sqrt(8), 1.0]), 2)
     got = sequence_ops.l2_scale_qk(qkv, scale, 1e-6)
     assert got.dtype == np.float64
-    assert np.allclose(got, qkv[:, :2] * scale.reshape(2, 2, 1) / np.sqrt((qkv[:, :2] ** 2).sum(-1, keepdims=True) + 1e-6),
-                       rtol=1e-14, atol=0)
+    want = qkv[:, :2] * scale.reshape(2, 2, 1) / np.sqrt((qkv[:, :2] ** 2).sum(-1, keepdims=True) + 1e-6)
+    assert np.allclose(got, want.swapaxes(0, 1), rtol=1e-14, atol=0)
     o = rng.standard_normal((4, 2, 8))
     gate = np.asfortranarray(rng.uniform(0, 1, (4, 2, 8)))
     got = sequence_ops.gated_norm(o, gate, np.ones(8), 8e-5)

@@ -2,9 +2,9 @@
 
 `routing_stats(weights, texts)` decodes every text from a fresh state on the sequence path
 (`forward_sequence`, `default_chunk` tokens per pass, as `Session.feed` does) with a Recorder that
-keeps the router sites (`layers.*.moe.router.*`, the default Recorder's routing records), and nothing
-else: no logits, no state copies (a Session would keep [T, vocab] logits and a decode state per chunk,
-~20 MiB each on the embedded model and growing with the text; at K3 width gigabytes per document).
+keeps the routers' top-k ids and weights (`layers.*.moe.router.topk_*`), and nothing else: no logits, no
+state copies (a Session would keep [T, vocab] logits and a decode state per chunk, ~20 MiB each on the
+embedded model and growing with the text; at K3 width gigabytes per document).
 It accumulates, per MoE layer (M) x expert (E), over N routed tokens:
 
     counts[m, e]          tokens whose top-k set holds e
@@ -169,16 +169,18 @@ class RoutingStats:
         cls = np.array([self._class_index(c) for c in token_classes], np.int64)
         if token_ids is not None:
             self.classed.update(zip(map(int, token_ids), cls.tolist(), strict=True))
+        E, C = self.num_experts, len(self.class_names)
         for j in range(len(self.moe_layers)):
             sel, w = ids[:, j], wts[:, j]
             valid = sel >= 0
-            np.add.at(self.counts[j], sel[valid], 1)
-            np.add.at(self.weight_sum[j], sel[valid], w[valid])
-            onehot = np.zeros((T, self.num_experts))
-            onehot[np.nonzero(valid)[0], sel[valid]] = 1.0
+            picked = sel[valid]
+            self.counts[j] += np.bincount(picked, minlength=E)
+            self.weight_sum[j] += np.bincount(picked, weights=w[valid], minlength=E)  # this text's sums, in float64
+            onehot = np.zeros((T, E))
+            onehot[np.nonzero(valid)[0], picked] = 1.0
             self.coactivation[j] += np.rint(onehot.T @ onehot).astype(np.int64)  # BLAS; exact below 2**53
             has = valid[:, 0] if sel.shape[1] else np.zeros(T, bool)
-            np.add.at(self.class_top1[j], (cls[has], sel[has, 0]), 1)
+            self.class_top1[j] += np.bincount(cls[has] * E + sel[has, 0], minlength=C * E).reshape(C, E)
         self.tokens += T
 
     # ------------------------------------------------------------------ files
@@ -350,13 +352,22 @@ def _label(classes, token_id: int):
     return label
 
 
-def _routing(weights, ids: list[int]) -> dict:
-    """One text's `Trace.routing()`, decoded from a fresh state one chunk at a time (each chunk's logits dropped)."""
-    recorder, state = Recorder(names_filter="layers.*.moe.router.*").bind(weights), weights.new_state()
-    chunk = default_chunk(weights.config)
-    for a in range(0, len(ids), chunk):
-        weights.forward_sequence(state, ids[a : a + chunk], recorder, chunk=chunk)
-    return recorder.trace().routing()
+def _router_recorder(weights) -> Recorder:
+    """The Recorder `_routing` decodes with: the routers' top-k ids and weights (what `RoutingStats.add` counts).
+    One per call (or worker), its records taken after each text: its functions per site are built once."""
+    return Recorder(names_filter="layers.*.moe.router.topk_*").bind(weights)
+
+
+def _routing(weights, ids: list[int], recorder: Recorder) -> dict:
+    """One text's `Trace.routing()`, decoded from a fresh state one chunk at a time (each chunk's logits dropped);
+    `recorder` (`_router_recorder`) is left empty."""
+    state, chunk = weights.new_state(), default_chunk(weights.config)
+    try:
+        for a in range(0, len(ids), chunk):
+            weights.forward_sequence(state, ids[a : a + chunk], recorder, chunk=chunk)
+        return recorder.trace().routing()
+    finally:
+        recorder.take_blocks()
 
 
 def _check_workers(workers, weights) -> None:
@@ -380,9 +391,10 @@ def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
     texts[0] is text `first` of the call (after those a checkpoint holds)."""
     busy = [ids for ids in texts if ids]
     if min(workers, len(busy)) <= 1:
+        recorder = _router_recorder(weights)
         for j, ids in enumerate(texts, first):
             try:
-                routing = _routing(weights, ids) if ids else None
+                routing = _routing(weights, ids, recorder) if ids else None
             except Exception as e:
                 _note_text(e, j)
                 raise
@@ -430,18 +442,18 @@ def _submit(pool, queue, ahead) -> None:
         ahead.append((j, pool.submit(_worker_routing, ids) if ids else None))
 
 
-_WORKER: dict = {}  # in a worker process: the weights it decodes with
+_WORKER: dict = {}  # in a worker process: the weights it decodes with, and its recorder
 
 
 def _start_worker(weights) -> None:
     """A forked worker: one BLAS thread and one host thread (the workers are the parallelism)."""
     set_blas_threads(1)
     weights.workspace.threads = 1
-    _WORKER["weights"] = weights
+    _WORKER["weights"], _WORKER["recorder"] = weights, _router_recorder(weights)
 
 
 def _worker_routing(ids: list[int]) -> dict:
-    return _routing(_WORKER["weights"], ids)
+    return _routing(_WORKER["weights"], ids, _WORKER["recorder"])
 
 
 def _progress(enabled: bool, total: int, done: int):

@@ -252,14 +252,14 @@ DEFINE_DOT(16)
         }                                                                                     \
     }
 
-/* q's and k's L2 norm, q's scale folded in: x = qkv [T, 3, H, K] (q, k, v streams), out [T, 2, H, K] with
-   out[t, s, h] = x[t, s, h] * (scale[s H + h] / sqrt(sum(x[t, s, h]^2) + eps)); the sum in LANES lanes. */
+/* q's and k's L2 norm, q's scale folded in: x = qkv [T, 3, H, K] (q, k, v streams), out [2, T, H, K] with
+   out[s, t, h] = x[t, s, h] * (scale[s H + h] / sqrt(sum(x[t, s, h]^2) + eps)); the sum in LANES lanes. */
 #define L2_BODY(LANES)                                                                        \
     {                                                                                         \
         for (Py_ssize_t t = 0; t < T; t++)                                                    \
             for (Py_ssize_t r = 0; r < 2 * H; r++) {                                          \
                 const float *restrict x = qkv + (t * 3 * H + r) * K;                          \
-                float *restrict o = out + (t * 2 * H + r) * K;                                \
+                float *restrict o = out + ((r / H) * T * H + t * H + r % H) * K;             \
                 const float f = scale[r] / sqrtf(kx_dot_##LANES(x, x, K) + eps);         \
                 for (Py_ssize_t j = 0; j < K; j++) o[j] = x[j] * f;                           \
             }                                                                                 \
@@ -483,7 +483,7 @@ static PyObject *kda_decay(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(l2_doc, "l2_scale_qk(qkv, scale, eps, out, T, H, K, isa)\n\n"
-                     "qkv float32 [T, 3, H, K], scale [2H], out [T, 2, H, K] (written), C-contiguous: q's and k's rows "
+                     "qkv float32 [T, 3, H, K], scale [2H], out [2, T, H, K] (written: q, then k), C-contiguous: q's and k's rows "
                      "times scale / sqrt(sum of squares + eps).");
 
 static PyObject *l2_scale_qk(PyObject *self, PyObject *args) {
@@ -496,7 +496,7 @@ static PyObject *l2_scale_qk(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     int isa = get_isa(isa_name);
     if (isa >= 0 && (T < 0 || H < 0 || K < 0 || qkv.len != 12 * T * H * K || scale.len != 8 * H || out.len != 8 * T * H * K))
-        PyErr_SetString(PyExc_ValueError, "l2_scale_qk: expected qkv float32 [T, 3, H, K], scale [2H], out [T, 2, H, K]");
+        PyErr_SetString(PyExc_ValueError, "l2_scale_qk: expected qkv float32 [T, 3, H, K], scale [2H], out [2, T, H, K]");
     else if (isa >= 0) {
         void (*run)(const float *, const float *, float, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t) = PICK(l2, isa);
         Py_BEGIN_ALLOW_THREADS

@@ -298,7 +298,7 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     if fire is not None:
         qkv = fire(site("kda.conv_out"), qkv)
     qk = sequence_ops.l2_scale_qk(qkv, w.qk_scale_rows, L2NORM_EPS)
-    q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+    q, k, v = qk[0], qk[1], qkv[:, 2]
     if fire is not None:
         q, k, v = fire(site("kda.q"), q), fire(site("kda.k"), k), fire(site("kda.v"), v)
         beta = fire(site("kda.beta"), beta)

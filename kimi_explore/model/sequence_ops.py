@@ -135,10 +135,11 @@ def kda_decay_(raw, dt_bias, A, lower_bound: float):
 
 def l2_scale_qk(qkv, scale_rows, eps: float):
     """KDA's q and k, L2-normalised per head with q's scale folded in: qkv [T, 3, H, K] (the conv outputs) ->
-    [T, 2, H, K], row (s, h) times scale_rows[s H + h] / sqrt(sum of squares + eps)."""
+    [2, T, H, K] (q, then k: each contiguous where compiled, as the recurrence reads them), row (s, t, h) =
+    qkv[t, s, h] scale_rows[s H + h] / sqrt(sum of squares + eps)."""
     T, _, H, K = qkv.shape
     if runs(qkv) and runs(scale_rows) and scale_rows.shape == (2 * H,):
-        out = np.empty((T, 2, H, K), np.float32)
+        out = np.empty((2, T, H, K), np.float32)
         _ext.l2_scale_qk(qkv, scale_rows, eps, out, T, H, K, ISA)
         return out
     xp = array_namespace(qkv)
@@ -146,7 +147,7 @@ def l2_scale_qk(qkv, scale_rows, eps: float):
     sq = xp.einsum("...k,...k->...", qk, qk)[..., None]
     sq += eps
     xp.sqrt(sq, out=sq)
-    return qk * xp.divide(scale_rows.reshape(2, H, 1), sq, out=sq)
+    return (qk * xp.divide(scale_rows.reshape(2, H, 1), sq, out=sq)).swapaxes(0, 1)
 
 
 def gated_norm(o, gate, gain, eps: float):
