@@ -259,6 +259,31 @@ def test_the_reused_recorder_starts_every_text_empty(ref_weights):
         np.testing.assert_array_equal(again[key], fresh[key])
 
 
+def test_the_workers_fork_before_the_progress_bar_starts_its_thread(ref_weights, monkeypatch):
+    """A process forked while another thread holds a lock can deadlock in the child (Python 3.12+ warns of every
+    fork of a multi-threaded process): the workers start before the progress bar, whose monitor thread (tqdm's)
+    would otherwise run at each fork."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    for cls in tqdm.__mro__:  # a monitor an earlier bar left running: stopped, so that a new one would show
+        monitor = cls.__dict__.get("monitor")
+        if monitor is not None:
+            monitor.exit()
+            monkeypatch.setattr(cls, "monitor", None)
+    before, seen, fork = threading.active_count(), [], os.fork
+
+    def counting_fork():
+        seen.append(threading.active_count())
+        return fork()
+
+    monkeypatch.setattr(os, "fork", counting_fork)
+    got = ke.routing_stats(ref_weights, TEXTS, progress=True, workers=2)
+    assert len(seen) == 2 and set(seen) == {before}
+    np.testing.assert_array_equal(got.counts, ke.routing_stats(ref_weights, TEXTS, progress=False).counts)
+
+
 def test_workers_are_checked(ref_weights):
     for bad in (0, -1, 1.5, "2", True, None):
         with pytest.raises(ValueError, match="workers must be a whole number >= 1"):

@@ -315,10 +315,12 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     start, since_save = len(stats.texts), 0
     if start < len(ids):
         _check_classing(checkpoint, stats, classes)
-    bar = _progress(progress, sum(len(x) for x in ids), sum(len(x) for x in ids[:start]))
     routings = _routings(weights, ids[start:], workers, start)
+    next(routings)  # the workers start (fork) now, before a progress bar's monitor thread does (see `_routings`)
     labels: dict = {}  # token id -> its class label, checked once
+    bar = None
     try:
+        bar = _progress(progress, sum(len(x) for x in ids), sum(len(x) for x in ids[:start]))
         for text_ids, digest, routing in zip(ids[start:], digests[start:], routings, strict=True):
             if text_ids:
                 stats.add(routing, [labels[i] if i in labels else labels.setdefault(i, _label(classes, i))
@@ -388,9 +390,14 @@ def _check_workers(workers, weights) -> None:
 def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
     """Each text's `_routing` (None for an empty text), in order: decoded here, or by `workers` forked processes
     at most two texts each ahead of the one being counted (a long corpus is never held whole in results).
-    texts[0] is text `first` of the call (after those a checkpoint holds)."""
+    texts[0] is text `first` of the call (after those a checkpoint holds).
+
+    It first yields None once the workers are running: the caller starts its threads (tqdm's monitor) after
+    that. A process forked while another thread holds a lock (the allocator's, I/O's) can deadlock in it, and
+    Python 3.12+ warns of every fork of a multi-threaded process."""
     busy = [ids for ids in texts if ids]
     if min(workers, len(busy)) <= 1:
+        yield None
         recorder = _router_recorder(weights)
         for j, ids in enumerate(texts, first):
             try:
@@ -404,8 +411,10 @@ def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
                                initializer=_start_worker, initargs=(weights,))  # fork: weights are shared, not sent
     queue, ahead, failed = iter(enumerate(texts, first)), collections.deque(), True
     try:
-        for _ in range(2 * workers):
-            _submit(pool, queue, ahead)
+        running = 0  # (the pool forks all its workers at the first text it is given)
+        while running < 2 * workers and _submit(pool, queue, ahead):
+            running += ahead[-1][1] is not None
+        yield None
         while ahead:
             j, future = ahead.popleft()
             try:
@@ -434,12 +443,14 @@ def _note_text(e: Exception, j: int) -> None:
         e.args = (f"{e.args[0]} ({text})", *e.args[1:])
 
 
-def _submit(pool, queue, ahead) -> None:
-    """Queue the next text (an empty one needs no worker)."""
+def _submit(pool, queue, ahead) -> bool:
+    """Queue the next text (an empty one needs no worker); False when no text is left."""
     item = next(queue, None)
-    if item is not None:
-        j, ids = item
-        ahead.append((j, pool.submit(_worker_routing, ids) if ids else None))
+    if item is None:
+        return False
+    j, ids = item
+    ahead.append((j, pool.submit(_worker_routing, ids) if ids else None))
+    return True
 
 
 _WORKER: dict = {}  # in a worker process: the weights it decodes with, and its recorder
