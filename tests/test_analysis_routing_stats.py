@@ -255,7 +255,7 @@ def test_the_reused_recorder_starts_every_text_empty(ref_weights):
     again = module._routing(ref_weights, second, recorder)
     assert sorted(again) == sorted(fresh) and set(again) >= {"topk_ids", "topk_weights"}
     for key in ("topk_ids", "topk_weights"):
-        assert again[key].shape == (len(second), len(module.RoutingStats.empty(ref_weights, "").moe_layers), 2)
+        assert again[key].shape[0] == len(second)
         np.testing.assert_array_equal(again[key], fresh[key])
 
 

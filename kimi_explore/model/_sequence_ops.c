@@ -329,6 +329,15 @@ DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))), 16)
 #define PICK(name, isa) name##_portable
 #endif
 
+/* A binding's kernel call (statements), with the GIL released; the binding then returns None. */
+#define RUN_WITHOUT_GIL(...)                                                                  \
+    do {                                                                                      \
+        Py_BEGIN_ALLOW_THREADS __VA_ARGS__;                                                   \
+        Py_END_ALLOW_THREADS                                                                  \
+        result = Py_None;                                                                     \
+        Py_INCREF(result);                                                                    \
+    } while (0)
+
 static int get_isa(const char *name) {
     int isa = isa_index(name);
     if (isa < 0) PyErr_SetString(PyExc_ValueError, "isa: not one of isas() on this CPU");
@@ -347,14 +356,8 @@ static PyObject *map(PyObject *self, PyObject *args) {
     int isa = get_isa(isa_name);
     if (isa >= 0 && (what < 0 || what > 2)) PyErr_SetString(PyExc_ValueError, "what: 0 (exp), 1 (sigmoid) or 2 (SiLU)");
     else if (isa >= 0 && a.len % 4) PyErr_SetString(PyExc_ValueError, "a: expected float32");
-    else if (isa >= 0) {
-        void (*run)(float *, Py_ssize_t, int) = PICK(map, isa);
-        Py_BEGIN_ALLOW_THREADS
-        run(a.buf, a.len / 4, what);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL(PICK(map, isa)(a.buf, a.len / 4, what));
     PyBuffer_Release(&a);
     return result;
 }
@@ -378,20 +381,16 @@ static PyObject *situ(PyObject *self, PyObject *args) {
         void (*run)(const float *, float *, Py_ssize_t, Py_ssize_t, float, float, float, int) = PICK(situ, isa);
         void (*run_small)(const float *, const float *, float *, Py_ssize_t, float, float, float) = PICK(situ_small_up, isa);
         int (*small)(const float *, Py_ssize_t, float) = PICK(all_small, isa);
-        Py_BEGIN_ALLOW_THREADS
         /* row by row: where every up's tanh takes its small branch, the kernel that skips the other branch;
            else the general one (its own code: the same bits, a NaN's payload included) */
-        for (Py_ssize_t r = 0; r < rows; r++) {
+        RUN_WITHOUT_GIL(for (Py_ssize_t r = 0; r < rows; r++) {
             const float *g = (const float *)gu.buf + r * 2 * n;
             float *o = (float *)out.buf + r * n;
             if (has_lb && small(g + n, n, inv_lb))
                 run_small(g, g + n, o, n, inv_b, inv_lb, c);
             else
                 run(g, o, 1, n, inv_b, inv_lb, c, has_lb);
-        }
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
+        });
     }
     PyBuffer_Release(&gu);
     PyBuffer_Release(&out);
@@ -412,14 +411,8 @@ static PyObject *causal_softmax(PyObject *self, PyObject *args) {
     int isa = get_isa(isa_name);
     if (isa >= 0 && (rows < 0 || L < 1 || T < 1 || L0 < 0 || s.len != 4 * rows * L))
         PyErr_SetString(PyExc_ValueError, "causal_softmax: expected s float32 [rows, L], T >= 1, L0 >= 0");
-    else if (isa >= 0) {
-        void (*run)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, float) = PICK(softmax, isa);
-        Py_BEGIN_ALLOW_THREADS
-        run(s.buf, rows, L, T, L0, scale);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL(PICK(softmax, isa)(s.buf, rows, L, T, L0, scale));
     PyBuffer_Release(&s);
     return result;
 }
@@ -438,14 +431,8 @@ static PyObject *conv_silu(PyObject *self, PyObject *args) {
     int isa = get_isa(isa_name);
     if (isa >= 0 && (T < 0 || W < 1 || C < 0 || ext.len != 4 * (W + T) * C || taps.len != 4 * W * C || out.len != 4 * T * C))
         PyErr_SetString(PyExc_ValueError, "conv_silu: expected ext float32 [W + T, C], taps [W, C], out [T, C]");
-    else if (isa >= 0) {
-        void (*run)(const float *, const float *, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t) = PICK(conv, isa);
-        Py_BEGIN_ALLOW_THREADS
-        run(ext.buf, taps.buf, out.buf, T, W, C);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL(PICK(conv, isa)(ext.buf, taps.buf, out.buf, T, W, C));
     PyBuffer_Release(&ext);
     PyBuffer_Release(&taps);
     PyBuffer_Release(&out);
@@ -467,14 +454,8 @@ static PyObject *kda_decay(PyObject *self, PyObject *args) {
     int isa = get_isa(isa_name);
     if (isa >= 0 && (rows < 0 || P < 0 || g.len != 4 * rows * P || alpha.len != g.len || dt.len != 4 * P || A.len != 4 * P))
         PyErr_SetString(PyExc_ValueError, "kda_decay: expected g, alpha float32 [rows, P], dt_bias and A [P]");
-    else if (isa >= 0) {
-        void (*run)(float *, float *, const float *, const float *, float, Py_ssize_t, Py_ssize_t) = PICK(decay, isa);
-        Py_BEGIN_ALLOW_THREADS
-        run(g.buf, alpha.buf, dt.buf, A.buf, lb, rows, P);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL(PICK(decay, isa)(g.buf, alpha.buf, dt.buf, A.buf, lb, rows, P));
     PyBuffer_Release(&g);
     PyBuffer_Release(&alpha);
     PyBuffer_Release(&dt);
@@ -497,14 +478,8 @@ static PyObject *l2_scale_qk(PyObject *self, PyObject *args) {
     int isa = get_isa(isa_name);
     if (isa >= 0 && (T < 0 || H < 0 || K < 0 || qkv.len != 12 * T * H * K || scale.len != 8 * H || out.len != 8 * T * H * K))
         PyErr_SetString(PyExc_ValueError, "l2_scale_qk: expected qkv float32 [T, 3, H, K], scale [2H], out [2, T, H, K]");
-    else if (isa >= 0) {
-        void (*run)(const float *, const float *, float, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t) = PICK(l2, isa);
-        Py_BEGIN_ALLOW_THREADS
-        run(qkv.buf, scale.buf, eps, out.buf, T, H, K);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL(PICK(l2, isa)(qkv.buf, scale.buf, eps, out.buf, T, H, K));
     PyBuffer_Release(&qkv);
     PyBuffer_Release(&scale);
     PyBuffer_Release(&out);
@@ -526,15 +501,8 @@ static PyObject *gated_norm(PyObject *self, PyObject *args) {
     int isa = get_isa(isa_name);
     if (isa >= 0 && (rows < 0 || V < 0 || o.len != 4 * rows * V || gate.len != o.len || out.len != o.len || gain.len != 4 * V))
         PyErr_SetString(PyExc_ValueError, "gated_norm: expected o, gate, out float32 [rows, V], gain [V]");
-    else if (isa >= 0) {
-        void (*run)(const float *, const float *, const float *, float, float *, Py_ssize_t, Py_ssize_t) =
-            PICK(gated_norm, isa);
-        Py_BEGIN_ALLOW_THREADS
-        run(o.buf, gate.buf, gain.buf, eps, out.buf, rows, V);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL(PICK(gated_norm, isa)(o.buf, gate.buf, gain.buf, eps, out.buf, rows, V));
     PyBuffer_Release(&o);
     PyBuffer_Release(&gate);
     PyBuffer_Release(&gain);
@@ -561,14 +529,8 @@ static PyObject *sources(PyObject *self, PyObject *args) {
     if (isa >= 0 && !ok)
         PyErr_SetString(PyExc_ValueError, "sources: expected rows float32 [T, S, d], 1 <= m <= S; scores: x [d], out [T, m]; "
                                           "mix: x [T, m], out [T, d]");
-    else if (isa >= 0) {
-        Py_BEGIN_ALLOW_THREADS
-        if (what == 0) PICK(scores, isa)(rows.buf, x.buf, out.buf, T, S, m, d);
-        else PICK(mix, isa)(rows.buf, x.buf, out.buf, T, S, m, d);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL((what == 0 ? PICK(scores, isa) : PICK(mix, isa))(rows.buf, x.buf, out.buf, T, S, m, d));
     PyBuffer_Release(&rows);
     PyBuffer_Release(&x);
     PyBuffer_Release(&out);

@@ -80,7 +80,7 @@ def routing_weights_rows(scores, ids, renormalize: bool, scaling: float):
     xp = array_namespace(scores)
     ids = xp.asarray(ids)
     kept = ids >= 0
-    if token_ops.runs(scores) and type(ids) is np.ndarray and ids.ndim == 2 and ids.dtype.kind in "iu" and kept.all():
+    if token_ops.runs(scores) and ids.ndim == 2 and ids.dtype.kind in "iu" and kept.all():  # (host scores: ids is NumPy's)
         # the token form's compiled step (its double route: `weights_in_double` holds), all rows in one call
         return token_ops.routing_weights(scores, np.ascontiguousarray(ids, np.int64), renormalize, scaling, RENORM_EPS)
     w = xp.where(kept, scores[xp.arange(ids.shape[0])[:, None], xp.where(kept, ids, 0)], 0.0).astype(scores.dtype)
