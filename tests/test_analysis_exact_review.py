@@ -509,12 +509,31 @@ def test_bug_source_ablation_refuses_a_string_for_a_non_byte_model(vocab300):
     _, w, _ = vocab300
     with pytest.raises(ValueError, match=r"source_ablation: got a string, but the model's vocabulary \(300\) is not bytes"):
         ke.source_ablation(w, "hello", layers=[3])
-    with pytest.raises(ValueError, match=r"source_ablation: got bytes, but the model's vocabulary \(300\) is not bytes"):
+    with pytest.raises(ValueError, match=r"source_ablation: token_ids: got bytes .*, but the model's vocabulary \(300\) "
+                                         r"is not bytes"):
         ke.source_ablation(w, b"hello", layers=[3])
     s = ke.Session(w)
     s.feed([299, 3, 256])
     with pytest.raises(ValueError, match="got a string"):
         ke.source_ablation(s, "hello", layers=[3])
+
+
+def test_bug_bytes_are_token_ids_only_for_a_byte_vocabulary(vocab300, trained_weights):
+    """Session.feed (and a pipeline's forward_sequence) took b"hello" as the ids 104, 101, ... whatever the
+    vocabulary: another tokenizer's ids, decoded silently. Every entry point now shares one rule (`token_indices`)."""
+    _, w, _ = vocab300
+    s = ke.Session(w)
+    for feed in (s.feed, lambda ids: ke.kimi_forward_sequence(w, s.state, ids)):
+        for raw in (b"hello", bytearray(b"hello")):
+            with pytest.raises(ValueError, match=r"got (bytes|bytearray) b'hello', but the model's vocabulary \(300\) "
+                                                 r"is not bytes: pass token ids"):
+                feed(raw)
+    assert len(s) == 0 and s.state.position == 0 and s.state.broken is None
+    byte_model = ke.Session(trained_weights, recorder=False)  # where the vocabulary is bytes, they are its ids
+    np.testing.assert_array_equal(byte_model.feed(b"def f"), ke.Session(trained_weights, recorder=False).feed(list(b"def f")))
+    np.testing.assert_array_equal(
+        ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), bytearray(b"def f")),
+        ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), list(b"def f")))
 
 
 @pytest.mark.parametrize("mask", [(3, "ffn", "latest_block"), (6, "attn", "embedding"), (13, "ffn", "current")])

@@ -275,9 +275,6 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         else:
             raise ValueError(f"source_ablation: got a string, but the model's vocabulary ({weights.config.vocab_size}) is "
                              "not bytes and there is no tokenizer: pass token ids (or a Session with a tokenizer)")
-    elif isinstance(ids, (bytes, bytearray)) and weights.config.vocab_size != 256:
-        raise ValueError(f"source_ablation: got bytes, but the model's vocabulary ({weights.config.vocab_size}) is not "
-                         "bytes: pass token ids")
     try:
         ids = token_indices(ids, weights.config.vocab_size)
     except (TypeError, ValueError) as e:
