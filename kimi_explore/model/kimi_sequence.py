@@ -204,7 +204,7 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     if hooks is not None and not hasattr(hooks, "fire_chunk"):
         raise hooks_type_error(hooks)
     V = weights.config.vocab_size
-    ids = token_indices(_sequence(token_ids), V)
+    ids = token_indices(_checked_sequence(token_ids), V)
     chunk = default_chunk(weights.config) if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"kimi_forward_sequence: chunk must be a positive int (tokens per chunk), got {chunk!r}")
@@ -220,7 +220,7 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     return out[0] if len(out) == 1 else xp.concatenate(out)
 
 
-def _sequence(token_ids):
+def _checked_sequence(token_ids):
     if isinstance(token_ids, str) or not hasattr(token_ids, "__len__"):
         raise TypeError(f"token_ids must be a sequence of token ids, got {type(token_ids).__name__}")
     return token_ids

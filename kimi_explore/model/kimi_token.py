@@ -65,7 +65,7 @@ def token_indices(token_ids, vocab_size: int) -> list[int]:
     plain ints, each element's own check (and error) otherwise. Bytes are token ids only where the vocabulary
     is bytes (256 ids, the embedded model's): elsewhere b"def" would pass as the ids 100, 101, 102 of
     another tokenizer, a wrong text that runs."""
-    if isinstance(token_ids, (bytes, bytearray, memoryview)) and vocab_size != 256:
+    if isinstance(token_ids, (bytes, bytearray)) and vocab_size != 256:
         raise ValueError(f"got {type(token_ids).__name__} {bytes(token_ids)!r:.40}, but the model's vocabulary "
                          f"({vocab_size}) is not bytes: pass token ids (a text: its tokenizer's encode(text))")
     ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
