@@ -22,6 +22,7 @@ import kimi_explore as ke
 from kimi_explore.analysis._replay import replay
 from kimi_explore.analysis.routing_stats import byte_class
 from kimi_explore.inspection.source_masks import SOURCE_FAMILIES
+from kimi_explore.model.kimi_token import token_indices
 from kimi_explore.weights.tiny_model import make_text_config, random_tiny_checkpoint, write_checkpoint
 
 TEXT = list(b"Twins: 42 tokens, one by one!\n")
@@ -529,6 +530,7 @@ def test_bug_bytes_are_token_ids_only_for_a_byte_vocabulary(vocab300, trained_we
                                                  r"is not bytes: pass token ids"):
                 feed(raw)
     assert len(s) == 0 and s.state.position == 0 and s.state.broken is None
+    assert token_indices(memoryview(np.array([299, 3])), 300) == [299, 3]  # a buffer of integer ids stays ids
     byte_model = ke.Session(trained_weights, recorder=False)  # where the vocabulary is bytes, they are its ids
     np.testing.assert_array_equal(byte_model.feed(b"def f"), ke.Session(trained_weights, recorder=False).feed(list(b"def f")))
     np.testing.assert_array_equal(
