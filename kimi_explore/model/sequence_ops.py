@@ -142,12 +142,9 @@ def l2_scale_qk(qkv, scale_rows, eps: float):
         out = np.empty((2, T, H, K), np.float32)
         _ext.l2_scale_qk(qkv, scale_rows, eps, out, T, H, K, ISA)
         return out
-    xp = array_namespace(qkv)
     qk = qkv[:, :2]
-    sq = xp.einsum("...k,...k->...", qk, qk)[..., None]
-    sq += eps
-    xp.sqrt(sq, out=sq)
-    return (qk * xp.divide(scale_rows.reshape(2, H, 1), sq, out=sq)).swapaxes(0, 1)
+    r = _root_sum_squares(qk, eps)
+    return (qk * array_namespace(qkv).divide(scale_rows.reshape(2, H, 1), r, out=r)).swapaxes(0, 1)
 
 
 def gated_norm(o, gate, gain, eps: float):
@@ -157,13 +154,19 @@ def gated_norm(o, gate, gain, eps: float):
         out = np.empty_like(o)
         _ext.gated_norm(o, gate, gain, eps, out, o.size // max(gain.size, 1), gain.size, ISA)
         return out
-    xp = array_namespace(o)
-    r = xp.einsum("...k,...k->...", o, o)[..., None]
-    r += eps
-    xp.sqrt(r, out=r)
+    r = _root_sum_squares(o, eps)
     o = o * (gain * gate)
     o /= r
     return o
+
+
+def _root_sum_squares(x, eps: float):
+    """sqrt(sum over the last axis of x^2 + eps), the axis kept: the NumPy route's denominator of `l2_scale_qk` and
+    `gated_norm` (an einsum, then in place)."""
+    xp = array_namespace(x)
+    r = xp.einsum("...k,...k->...", x, x)[..., None]
+    r += eps
+    return xp.sqrt(r, out=r)
 
 
 def source_scores(rows, m: int, w):
