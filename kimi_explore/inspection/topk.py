@@ -35,7 +35,7 @@ def top_ids(scores, k: int):
         exact = above.sum(axis=-1) == k
         rows = xp.flatnonzero(~exact)
         keep = xp.flatnonzero(exact) if rows.size else slice(None)
-        top = xp.nonzero(above[keep])[1].reshape(-1, k)
+        top = (xp.flatnonzero(above[keep]) % V).reshape(-1, k)  # the columns (a 2-D nonzero is ~3x slower)
         ids = xp.take_along_axis(top, stable_argsort(-xp.take_along_axis(scores[keep], top, axis=-1)), axis=-1)
         if rows.size:
             whole = xp.empty((scores.shape[0], k), dtype=ids.dtype)

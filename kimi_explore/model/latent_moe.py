@@ -108,8 +108,8 @@ def group_selections(ids) -> ExpertGroups:
     ids = np.asarray(to_numpy(ids))
     if ids.ndim != 2:
         raise ValueError(f"expert ids: expected [T, k], got shape {ids.shape}")
-    flat = ids.reshape(-1).astype(np.int64)
-    order = np.argsort(flat, kind="stable")
+    flat = ids.reshape(-1).astype(np.int16 if ids.size and -1 <= ids.min() and ids.max() < 2**15 else np.int64)
+    order = np.argsort(flat, kind="stable")  # int16: NumPy's stable sort is then a radix sort, ~2.5x faster
     order = order[np.count_nonzero(flat < 0) :]  # dropped selections (-1) sort first: left out
     sorted_ids = flat[order]
     cuts = np.flatnonzero(np.diff(sorted_ids)) + 1
