@@ -106,6 +106,12 @@ def test_offline_layer_subset_equals_the_model_cut_to_those_layers(cache, tmp_pa
     np.testing.assert_array_equal(got, expected)
 
 
+def test_layers_as_an_iterator_are_taken_once(cache):
+    """The Hub plan consumed a generator, then the check saw layers=[] ("selects no layer") after the download."""
+    np.testing.assert_array_equal(decode(load(REPO, cache, layers=(i for i in range(4)))),
+                                  decode(load(REPO, cache, layers=range(0, 4))))
+
+
 def test_env_offline_and_hf_home(cache, tmp_path):
     """HF_HUB_OFFLINE=1 and HF_HOME set in the environment (read by huggingface_hub at import), in a fresh process."""
     home = tmp_path / "hf_home"

@@ -5,6 +5,8 @@ by up to 66 on the trained tiny model) or fail with an error that named nothing.
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import numpy as np
 import pytest
@@ -59,11 +61,20 @@ def test_config_values_of_the_wrong_json_type_are_refused_by_key(ckpt, key, valu
 
 @pytest.mark.parametrize("key, value, message", [
     ("moe_layer_freq", 0, "moe_layer_freq=0 (expected > 0)"),  # was ZeroDivisionError
-    ("rms_norm_eps", -1e-5, "rms_norm_eps=-1e-05 (expected > 0)"),  # was NaN logits
+    ("rms_norm_eps", -1e-5, "rms_norm_eps=-1e-05 (expected a finite number > 0)"),  # was NaN logits
     ("first_k_dense_replace", -1, "first_k_dense_replace=-1 (expected >= 0)"),
+    # JSON's Infinity and NaN parse as floats: all-zero logits, NaN logits, or a ZeroDivisionError at the first token
+    ("rms_norm_eps", float("inf"), "rms_norm_eps=inf (expected a finite number > 0)"),
+    ("activation_situ_beta", 0, "activation_situ_beta=0 (expected a finite number > 0)"),
+    ("activation_situ_linear_beta", float("nan"), "activation_situ_linear_beta=nan (expected a finite number > 0)"),
+    ("routed_scaling_factor", float("nan"), "routed_scaling_factor=nan (expected a finite number)"),
+    ("linear_attn_config", "gate_lower_bound=-inf", "gate_lower_bound=-inf (expected a finite number)"),
 ])
 def test_config_values_out_of_range_are_refused(ckpt, key, value, message):
-    edit_config(ckpt, lambda tc: tc.update({key: value}))
+    if key == "linear_attn_config":
+        edit_config(ckpt, lambda tc: tc[key].update(gate_lower_bound=-math.inf))
+    else:
+        edit_config(ckpt, lambda tc: tc.update({key: value}))
     with pytest.raises(ConfigError, match="unsupported configuration") as e:
         load(ckpt)
     assert message in str(e.value)
@@ -166,7 +177,7 @@ def test_gguf_unknown_tensor_is_named(tmp_path):
         from_pretrained(path, device="cpu")
 
 
-@pytest.mark.parametrize("layers", ["12", [1.5, 3], [True]])
+@pytest.mark.parametrize("layers", ["12", [1.5, 3], [True], {1: 0}])
 def test_layers_that_are_not_integer_indices_are_refused(layers):
     """layers="12" loaded layers 1 and 2, [1.5, 3] loaded [1, 3], [True] loaded [1]: another model, no error."""
     with pytest.raises(ValueError, match=r"layers=.*: expected None or an iterable of 0-based integer layer indices"):
@@ -250,3 +261,117 @@ def test_gguf_metadata_of_the_wrong_type_names_the_gguf_key(tmp_path):
     with pytest.raises(ConfigError, match=r"bad\.gguf: wrong value type: num_experts_per_token=2\.0 \(expected an "
                                           r"integer\) \(in the GGUF: num_experts_per_token is kimi-k3\.expert_used_count\)"):
         from_pretrained(path, device="cpu")
+
+
+# ---- one checkpoint, one model: what a file holds beside the planned tensors (found by probing, 2026-12-05)
+
+def test_a_routed_expert_stored_both_dense_and_packed_is_refused(ckpt):
+    """The MXFP4 pair was planned and checked, the dense copy allowed unchecked: experts="dense" (and "auto" at
+    this size) ran the dense copy, "packed" and "mapped" the pair, two models from one checkpoint, no error."""
+    from kimi_explore.weights import mxfp4
+
+    name = P + "model.layers.1.block_sparse_moe.experts.0.w1.weight"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    f = SafetensorsFile(ckpt / index[name + "_packed"])
+    dense = mxfp4.dequantize(np.array(f.array(name + "_packed")), np.array(f.array(name + "_scale")))
+    f.close()
+    add_tensor(ckpt, name, (dense * 2).astype(np.float32))  # the right shape: nothing else would tell
+    for experts in ("auto", "dense", "packed", "mapped"):
+        with pytest.raises(CheckpointError, match=r"1 routed expert weight\(s\) are in the weight map both dense and as "
+                                                  rf"an MXFP4 pair .*: {name}$"):
+            from_pretrained(ckpt, device="cpu", layers=[1], experts=experts)
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere/model.safetensors", None, 3, "/tmp/model.safetensors"])
+def test_an_index_entry_outside_the_checkpoint_is_refused(ckpt, shard):
+    """'../other/x.safetensors' read that tensor from another directory (logits off by 6.9); null or a number
+    failed in sorted() with a TypeError naming neither the index nor the tensor."""
+    path = ckpt / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"][P + "model.norm.weight"] = shard
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{path}: weight_map must name shard files inside {ckpt} .*found "
+                                              rf"'{P}model\.norm\.weight': {re.escape(repr(shard))}"):
+        load(ckpt)
+
+
+def test_a_language_model_tensor_outside_the_prefix_is_refused(ckpt):
+    """An unprefixed lm_head.weight beside the language_model.-prefixed ones counted as another tower's and was
+    ignored (with tied embeddings, the real head)."""
+    add_tensor(ckpt, "lm_head.weight", np.ones((256, 128), np.float32))
+    with pytest.raises(CheckpointError, match=r"'lm_head\.weight' is a language-model name outside the checkpoint's "
+                                              r"'language_model\.' prefix\): lm_head\.weight"):
+        load(ckpt)
+
+
+def test_mtp_layers_that_the_config_declares_load_unread(ckpt):
+    """num_nextn_predict_layers=1 accounts for a layer after the last (a draft for speculative decoding, never
+    read by the next-token forward): it loads, with the same logits; undeclared it is refused, naming the key."""
+    before = decode(load(ckpt))
+    n = json.loads((ckpt / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    add_tensor(ckpt, f"{P}model.layers.{n}.eh_proj.weight", np.ones((128, 256), np.float32))
+    with pytest.raises(CheckpointError, match=rf"num_hidden_layers={n} \(and num_nextn_predict_layers=0 MTP layers "
+                                              rf"after them\), but the checkpoint has layers \[{n}\]"):
+        load(ckpt)
+    edit_config(ckpt, lambda tc: tc.update(num_nextn_predict_layers=1))
+    np.testing.assert_array_equal(decode(load(ckpt)), before)
+
+
+def decode(w, tokens=(3, 1, 4, 1, 5)):
+    from kimi_explore import KimiDecodeState, kimi_forward_sequence
+
+    return kimi_forward_sequence(w, KimiDecodeState.new(w), list(tokens))
+
+
+def test_a_tied_head_loaded_without_the_embedding_refuses_token_ids(tmp_path):
+    """embedding=False kept the table as embed_tokens when the head is tied, so a later pipeline stage handed
+    token ids by mistake embedded them and ran on; it refuses them as an untied stage does."""
+    from kimi_explore import KimiDecodeState, kimi_forward_sequence
+    from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
+
+    path = write_checkpoint(tmp_path / "tied", make_text_config(tie_word_embeddings=True))
+    full, stage = from_pretrained(path, device="cpu"), from_pretrained(path, device="cpu", embedding=False)
+    assert stage.embed_tokens is None
+    np.testing.assert_array_equal(stage.head().lm_head, full.embed_tokens)  # the head still reads the table
+    with pytest.raises(ValueError, match="these weights were loaded with embedding=False"):
+        kimi_forward_sequence(stage, KimiDecodeState.new(stage), [1, 2])
+
+
+@pytest.mark.parametrize("entry, shown", [
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}, "0.0"),  # was a bare TypeError
+    ({"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}, "'2'"),  # "64" was read as the dims 6, 4
+    ({"dtype": "F32", "shape": [2.7], "data_offsets": [0, 8]}, "2.7"),  # int() read 2.7 as 2
+    ({"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}, "True"),
+])
+def test_a_header_entry_int_would_read_loosely_is_refused(tmp_path, entry, shown):
+    import struct
+
+    text = json.dumps({"w": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + np.zeros(2, np.float32).tobytes())
+    with pytest.raises(CheckpointError, match=rf"{path}: corrupt header entry for tensor 'w': .*{re.escape(shown)}"):
+        SafetensorsFile(path)
+
+
+def test_text_config_that_is_not_an_object_is_refused(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["text_config"] = [cfg["text_config"]]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"config\.json: 'text_config' is \[.*\]; expected an object"):
+        load(ckpt)
+
+
+def test_a_log_narrower_than_the_heads_is_refused_by_the_check():
+    """A_log stored head_dim wide where head_dim < num_heads passed the check, then the build failed reshaping
+    it, naming no tensor (here: the check's own read, with a config of more heads than A_log has values)."""
+    import dataclasses
+
+    from kimi_explore.model.config import KimiDecoderConfig
+    from kimi_explore.weights.safetensors_source import SafetensorsSource
+
+    cfg = KimiDecoderConfig.from_file(random_tiny_checkpoint() / "config.json")
+    wide = dataclasses.replace(cfg, linear_attn_config=dataclasses.replace(cfg.linear_attn_config, num_heads=64))
+    source = SafetensorsSource(random_tiny_checkpoint(), wide)
+    with pytest.raises(CheckpointError, match=r"tensor 'language_model\.model\.layers\.0\.self_attn\.A_log' has 32 "
+                                              r"values, fewer than num_heads=64"):
+        source.kda_decay(0)

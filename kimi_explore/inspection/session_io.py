@@ -364,7 +364,9 @@ def weights_fingerprint(weights) -> dict:
 
     A pipeline's samples (gathered from its stages) equal those of the same checkpoint loaded in one
     process, so a session file moves between the two."""
-    cfg = json.dumps(dataclasses.asdict(weights.config), sort_keys=True, default=str)
+    cfg = dataclasses.asdict(weights.config)
+    del cfg["num_nextn_predict_layers"]  # MTP layers are never read: files saved before the field existed still load
+    cfg = json.dumps(cfg, sort_keys=True, default=str)
     global_samples, layer_samples = weights.weight_samples()
     h = hashlib.sha256()
     for sample in [global_samples[k] for k in GLOBAL_TENSORS] + layer_samples:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,7 @@ class KimiDecoderConfig:
     linear_attn_config: LinearAttnConfig
     num_expert_group: int = 1
     topk_group: int = 1
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder's (not read: a speculative-decoding draft)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -159,8 +161,8 @@ class KimiDecoderConfig:
     def from_dict(cls, raw: dict, *, source: str = "config.json") -> KimiDecoderConfig:
         if "text_config" in raw:
             raw = raw["text_config"]
-            if raw is None:
-                raise ConfigError(f"{source}: 'text_config' is null; expected the language model's config")
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{source}: 'text_config' is {raw!r}; expected an object, the language model's config")
         return _build(cls, raw, source)
 
     @classmethod
@@ -209,7 +211,7 @@ def _build(cls, raw: dict, source: str) -> KimiDecoderConfig:
     la_kwargs["full_attn_layers"] = tuple(la_kwargs["full_attn_layers"])
     kwargs = {f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}
     kwargs["linear_attn_config"] = LinearAttnConfig(**la_kwargs)
-    for key in ("num_expert_group", "topk_group"):
+    for key in ("num_expert_group", "topk_group", "num_nextn_predict_layers"):
         if kwargs.get(key) is None:
             kwargs.pop(key, None)
     cfg = cls(**kwargs)
@@ -276,9 +278,15 @@ def _check_supported(cfg: KimiDecoderConfig, source: str) -> None:
     problems += [f"linear_attn_config.{k}={getattr(la, k)} (expected > 0)"
                  for k in ("num_heads", "head_dim", "short_conv_kernel_size") if getattr(la, k) < 1]
     problems += [f"{k}={getattr(cfg, k)} (expected >= 0)" for k in ("qk_rope_head_dim", "num_shared_experts",
-                                                                     "first_k_dense_replace") if getattr(cfg, k) < 0]
-    if not cfg.rms_norm_eps > 0:
-        problems.append(f"rms_norm_eps={cfg.rms_norm_eps} (expected > 0)")
+                                                                     "first_k_dense_replace", "num_nextn_predict_layers")
+                 if getattr(cfg, k) < 0]
+    # the constants: a NaN or infinite one (JSON's NaN and Infinity parse) gives NaN or all-zero logits, not an error
+    positive = {"rms_norm_eps": cfg.rms_norm_eps, "activation_situ_beta": cfg.activation_situ_beta,
+                "activation_situ_linear_beta": cfg.activation_situ_linear_beta}
+    problems += [f"{k}={v} (expected a finite number > 0)" for k, v in positive.items()
+                 if v is not None and not 0 < v < math.inf]
+    finite = {"routed_scaling_factor": cfg.routed_scaling_factor, "linear_attn_config.gate_lower_bound": la.gate_lower_bound}
+    problems += [f"{k}={v} (expected a finite number)" for k, v in finite.items() if v is not None and not math.isfinite(v)]
     n = cfg.num_hidden_layers
     bad = [x for x in la.kda_layers if not 1 <= x <= n]
     if bad:

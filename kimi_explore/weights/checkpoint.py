@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import numbers
-from pathlib import Path
+from collections.abc import Mapping
+from pathlib import Path, PurePath
 
 import numpy as np
 
@@ -51,6 +52,11 @@ class CheckpointDir:
                 self.weight_map = dict(raw["weight_map"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{index}: not a valid safetensors index (need a 'weight_map' object): {e}") from None
+            bad = [(k, v) for k, v in self.weight_map.items() if not _inside(v)]
+            if bad:
+                shown = ", ".join(f"{k!r}: {v!r}" for k, v in bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
+                raise CheckpointError(f"{index}: weight_map must name shard files inside {self.path} (relative paths, no "
+                                      f"'..'), found {shown}")
         elif (self.path / SINGLE_FILE).exists():
             single = self.open(SINGLE_FILE)
             self.weight_map = {k: SINGLE_FILE for k in single.keys()}
@@ -84,6 +90,11 @@ class CheckpointDir:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def _inside(shard) -> bool:
+    """Whether a weight_map value names a file inside the checkpoint directory."""
+    return isinstance(shard, str) and bool(shard) and not PurePath(shard).is_absolute() and ".." not in PurePath(shard).parts
 
 
 def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointDir, embedding: bool = True,
@@ -153,36 +164,56 @@ def check_checkpoint(ckpt: CheckpointDir, plan: dict[str, DiskTensor]) -> None:
 
 
 def _language_model(ckpt: CheckpointDir, full: str) -> bool:
-    """Whether a weight-map name belongs to the language model (not the vision tower or projector)."""
-    if ckpt.prefix:
-        return full.startswith(ckpt.prefix)
-    return full.startswith(("model.", "lm_head."))
+    """Whether a weight-map name belongs to the language model (not the vision tower or projector). Under
+    the `language_model.` prefix an unprefixed `model.*` or `lm_head.*` name is one too: a stray copy that
+    no loader should have to choose between."""
+    return full.startswith((ckpt.prefix or "model.", "model.", "lm_head."))
+
+
+def _mtp_layer(cfg: KimiDecoderConfig, name: str) -> bool:
+    """Whether an unprefixed name is a multi-token-prediction layer's (layers N .. N + num_nextn_predict_layers - 1
+    after the N decoder layers): a draft head for speculative decoding that the next-token forward never reads."""
+    layer = _layer_of(name)
+    return layer is not None and cfg.num_hidden_layers <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
 
 def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
-    """Every language-model tensor in the weight map is one the config's model reads (in some layer).
+    """Every language-model tensor in the weight map is one the config's model reads (in some layer), in one form.
 
     A tensor the config does not account for means config.json describes another model than the
     checkpoint holds (tie_word_embeddings true beside an `lm_head.weight`, num_hidden_layers too small,
     latent_moe_use_norm or mla_use_output_gate false beside their tensors): loading would ignore it
-    and run a wrong model, so refuse. The whole model's plan is used, whatever `layers=` asks.
+    and run a wrong model, so refuse. So is a routed expert stored both dense and as an MXFP4 pair
+    (which one runs would depend on `experts=`). The whole model's plan is used, whatever `layers=` asks;
+    the MTP layers that num_nextn_predict_layers declares are accounted for and left unread.
     """
-    allowed = set()
+    allowed, both = set(), []
     for t in table.plan(cfg):
         allowed.add(t.name)
         if t.dtype == table.MXFP4:
             allowed.update(table.mxfp4_names(t.name))
-    extra = [n for n in ckpt.weight_map if _language_model(ckpt, n) and n[len(ckpt.prefix):] not in allowed]
+            if ckpt.has(t.name) and any(ckpt.has(n) for n in table.mxfp4_names(t.name)):
+                both.append(ckpt.full(t.name))
+    if both:
+        shown = ", ".join(both[:6]) + (f" (and {len(both) - 6} more)" if len(both) > 6 else "")
+        raise CheckpointError(f"{ckpt.path}: {len(both)} routed expert weight(s) are in the weight map both dense and as "
+                              f"an MXFP4 pair (weight_packed, weight_scale), two versions of one tensor; keep one: {shown}")
+    extra = [n for n in ckpt.weight_map if _language_model(ckpt, n)
+             and not (n.startswith(ckpt.prefix) and (n[len(ckpt.prefix):] in allowed or _mtp_layer(cfg, n[len(ckpt.prefix):])))]
     if not extra:
         return
     hints = []
+    outside = [n for n in extra if not n.startswith(ckpt.prefix)]
+    if outside:
+        hints.append(f"{outside[0]!r} is a language-model name outside the checkpoint's {ckpt.prefix!r} prefix")
     if cfg.tie_word_embeddings and ckpt.full("lm_head.weight") in extra:
         hints.append("tie_word_embeddings is true, but the checkpoint has its own lm_head.weight")
     if not cfg.latent_moe_use_norm and any(n.endswith(table.MOE.row("latent_norm").name) for n in extra):
         hints.append("latent_moe_use_norm is false, but the checkpoint has routed_expert_norm weights")
     layers = sorted({i for n in extra if (i := _layer_of(n[len(ckpt.prefix):])) is not None and i >= cfg.num_hidden_layers})
     if layers:
-        hints.append(f"num_hidden_layers={cfg.num_hidden_layers}, but the checkpoint has layers {layers}")
+        hints.append(f"num_hidden_layers={cfg.num_hidden_layers} (and num_nextn_predict_layers="
+                     f"{cfg.num_nextn_predict_layers} MTP layers after them), but the checkpoint has layers {layers}")
     hint = "; ".join(hints) or ("check tie_word_embeddings, num_hidden_layers, mla_use_output_gate, "
                                 "latent_moe_use_norm and the layer lists")
     shown = ", ".join(extra[:12]) + (f" (and {len(extra) - 12} more)" if len(extra) > 12 else "")
@@ -219,9 +250,10 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
     """`layers=` (None = all) as a checked list of 0-based layer ids, strictly increasing."""
     if layers is None:
         return list(range(num_hidden_layers))
-    # a string is iterable ("12" would be layers 1 and 2), int() truncates 1.5 and takes True: refuse them
+    # a string is iterable ("12" would be layers 1 and 2), so is a dict (its keys), int() truncates 1.5 and takes
+    # True: refuse them
     try:
-        entries = None if isinstance(layers, (str, bytes)) else list(layers)
+        entries = None if isinstance(layers, (str, bytes, Mapping)) else list(layers)
     except TypeError:
         entries = None
     if entries is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_))

@@ -15,6 +15,7 @@ naming the file, tensor, key or argument.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +110,8 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     if bf16_kernel is not None and not bf16:
         raise ValueError(f"bf16_matvec={bf16_matvec!r} chooses how bf16 weights are multiplied, and needs "
                          f"weight_dtype='bfloat16'; got weight_dtype={weight_dtype!r} (leave bf16_matvec='auto')")
+    if isinstance(layers, Iterator):  # one pass only: the Hub plan would consume it before the checks see it
+        layers = list(layers)
     source = open_source(path, layers=layers, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                          token=token, progress=progress, embedding=embedding, head=head)
     try:

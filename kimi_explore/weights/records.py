@@ -171,7 +171,8 @@ def build_weights(source: TensorSource, layer_ids: list[int], o: BuildOptions, e
     tied = cfg.tie_word_embeddings
     embed = g.matrix("embed_tokens", by_rows=True) if o.embedding or (o.head and tied) else None
     return KimiDecoderWeights(
-        config=cfg, embed_tokens=embed, layers=[_layer(b, i) for i in layer_ids],
+        # tied: the head reads the table, but a stage loaded with embedding=False still refuses token ids
+        config=cfg, embed_tokens=embed if o.embedding else None, layers=[_layer(b, i) for i in layer_ids],
         output_attn_res_score=g.score("output_attn_res_score") if o.head else None,
         norm=g.one("norm") if o.head else None,
         lm_head=None if not o.head else embed if tied else g.matrix("lm_head"),

@@ -79,10 +79,7 @@ class SafetensorsFile:
         data_start = 8 + n
         data_len = size - data_start
         for name, e in header.items():
-            try:
-                dtype, shape, (begin, end) = e["dtype"], tuple(int(s) for s in e["shape"]), e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: corrupt header entry for tensor '{name}': {e!r}") from None
+            dtype, shape, (begin, end) = self._entry(name, e)
             if dtype not in DTYPES:
                 raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {dtype}")
             expected = DTYPES[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
@@ -108,6 +105,20 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: the tensors end at byte {at - data_start} of the data section, but it "
                                   f"holds {data_len} bytes (a damaged header, or bytes appended to the file)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+
+    def _entry(self, name: str, e) -> tuple:
+        """A header entry's (dtype, shape, (begin, end)), refusing anything but a dtype string, a list of
+        non-negative integer dims and two integer offsets (int() would read 64.7 as 64, "64" as dims 6, 4)."""
+        def whole(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        ok = isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= e.keys()
+        ok = ok and isinstance(e["dtype"], str) and isinstance(e["shape"], list) and all(map(whole, e["shape"]))
+        ok = ok and isinstance(e["data_offsets"], list) and len(e["data_offsets"]) == 2 and all(map(whole, e["data_offsets"]))
+        if not ok:
+            raise CheckpointError(f"{self.path}: corrupt header entry for tensor '{name}': {e!r} (expected "
+                                  "{'dtype': str, 'shape': [non-negative ints], 'data_offsets': [begin, end] ints})")
+        return e["dtype"], tuple(e["shape"]), tuple(e["data_offsets"])
 
     def keys(self):
         return self._entries.keys()

@@ -62,6 +62,9 @@ class SafetensorsSource(TensorSource):
     def kda_decay(self, i: int) -> np.ndarray:
         H, name = self.config.linear_attn_config.num_heads, table.KDA.name("A_log", i)
         a_log = self.read(name, np.float64)  # F32 on disk: widened exactly
+        if a_log.shape[0] < H:
+            raise CheckpointError(f"{self.path / self.ckpt.shard_of(name)}: tensor '{self.ckpt.full(name)}' has "
+                                  f"{a_log.shape[0]} values, fewer than num_heads={H} (one per head, zero-padded to head_dim)")
         if a_log.shape[0] != H and np.any(a_log[H:] != 0):
             raise CheckpointError(
                 f"{self.path / self.ckpt.shard_of(name)}: tensor '{self.ckpt.full(name)}' is stored {a_log.shape[0]} wide "
