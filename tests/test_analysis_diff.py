@@ -93,3 +93,12 @@ def test_two_prompts_of_different_lengths_and_mismatched_runs(ref_weights, tiny_
         ke.diff(a, other)
     with pytest.raises(TypeError, match="expected a Session or a Trace"):
         ke.diff(a, np.zeros(3))
+
+
+def test_traces_without_the_records_diff_compares_are_named(ref_weights):
+    """A names_filter that left out the final mix failed with a bare KeyError that suggested other sites."""
+    a, b = (ke.Session(ref_weights, recorder=ke.Recorder(names_filter="layers.*")) for _ in range(2))
+    a.feed([1, 2, 3], progress=False)
+    b.feed([1, 2, 4], progress=False)
+    with pytest.raises(ValueError, match=r"diff: run a's trace lacks 'final.attn_res.weights', which diff compares"):
+        ke.diff(a, b)

@@ -171,17 +171,22 @@ def test_the_replay_of_every_history_gives_its_logits_bit_for_bit(name, how, wei
 def test_bug_a_chunk_is_replayed_on_the_route_it_was_fed_on(ref_weights, tmp_path):
     """A session that fed its chunks with a recorder keeping `kda.state` in full (the KDA layers then run token by
     token inside the chunk), saved and loaded with recorder=False: the replay ran the chunks on the loaded session's
-    route (none), and the analyses showed values the history never had (~1e-6, below the replay check). And the
-    other way round: a plain session loaded with a recorder keeping them in full."""
-    for fed_with, loaded_with in ((["layers.*.kda.state"], False), ((), ke.Recorder(full=["layers.*.kda.state"]))):
-        s = ke.Session(ref_weights, recorder=ke.Recorder(full=list(fed_with)))
-        s.feed(TEXT, chunk=11)
-        loaded = ke.Session.load_state(s.save_state(tmp_path / "route.npz"), ref_weights, recorder=loaded_with)
-        for t, _, logits in replay(loaded, ["embed"]):
-            np.testing.assert_array_equal(logits, s.logits[t])
-        a, b = ke.logit_attribution(s, [3, 20]), ke.logit_attribution(loaded, [3, 20])
-        assert [x.contributions for x in a] == [x.contributions for x in b]
-        np.testing.assert_array_equal(ke.logit_lens(loaded, top=3).top_probs, ke.logit_lens(s, top=3).top_probs)
+    route (none), and the analyses showed values the history never had (~1e-6, below the replay check). (The other
+    way round, a plain session loaded with a recorder keeping them in full, is refused: its records would not line
+    up with that recorder's next ones.)"""
+    s = ke.Session(ref_weights, recorder=ke.Recorder(full=["layers.*.kda.state"]))
+    s.feed(TEXT, chunk=11)
+    loaded = ke.Session.load_state(s.save_state(tmp_path / "route.npz"), ref_weights, recorder=False)
+    for t, _, logits in replay(loaded, ["embed"]):
+        np.testing.assert_array_equal(logits, s.logits[t])
+    a, b = ke.logit_attribution(s, [3, 20]), ke.logit_attribution(loaded, [3, 20])
+    assert [x.contributions for x in a] == [x.contributions for x in b]
+    np.testing.assert_array_equal(ke.logit_lens(loaded, top=3).top_probs, ke.logit_lens(s, top=3).top_probs)
+    plain = ke.Session(ref_weights)
+    plain.feed(TEXT, chunk=11)
+    with pytest.raises(ValueError, match=r"other settings than this session's: full=\(\) \(this recorder: "):
+        ke.Session.load_state(plain.save_state(tmp_path / "plain.npz"), ref_weights,
+                              recorder=ke.Recorder(full=["layers.*.kda.state"]))
 
 
 def test_bug_a_cut_chunk_replays_exactly_without_its_checkpoint(tiny_weights, tmp_path):

@@ -770,3 +770,62 @@ def test_a_loaded_history_shares_its_checkpoints_caches_as_the_saved_one_did(ref
         x.truncate(13)
         x.feed(ids[::-1][:9], chunk=4)
     np.testing.assert_array_equal(s.logits, loaded.logits)
+
+
+# ---- a session's hooks and recorder are its own (found by probing, 2026-12-05)
+
+def test_a_hook_removed_inside_an_intervene_block_does_not_leave_the_intervention_attached(ref_weights):
+    """`with hooks:` kept the first n handles on exit (n counted at entry): removing an older hook inside the block
+    kept one of the block's hooks after it, and every later token decoded under the ablation, silently."""
+    tokens = [3, 1, 4, 1, 5]
+    clean = Session(ref_weights, recorder=False)
+    clean.feed(tokens, progress=False)
+    s = Session(ref_weights, recorder=False)
+    older = s.hooks.add("layers.2.attn.out", lambda v, *, hook: None)
+    with s.intervene(ablate_experts("all", "all")):
+        s.hooks.remove(older)
+    assert s.hooks.handles() == []
+    s.feed(tokens, progress=False)
+    np.testing.assert_array_equal(s.logits, clean.logits)
+
+
+def test_a_recorder_or_hooks_serving_a_session_is_refused_by_another(ref_weights):
+    """Both sessions wrote one recorder's records (each trace held the other's tokens) and shared one `with
+    intervene` block (b decoded under a's ablation, logits off by 6); each session needs its own."""
+    rec, hooks = Recorder(), ablate_experts(3, [0])
+    a = Session(ref_weights, recorder=rec, hooks=hooks)
+    with pytest.raises(ValueError, match=r"Session: recorder: this Recorder already serves another Session .* "
+                                         r"recorder\.copy\(\), or a new one"):
+        Session(ref_weights, recorder=rec)
+    with pytest.raises(ValueError, match=r"Session: hooks: this Hooks already serves another Session"):
+        Session(ref_weights, hooks=hooks)
+    b = Session(ref_weights, recorder=rec.copy(), hooks=hooks.copy())  # the copies are b's own
+    a.feed([60, 61, 62], progress=False)
+    b.feed([80, 81], progress=False)
+    assert len(a.trace()) == 3 and len(b.trace()) == 2
+    del a  # a recorder whose session is gone, with that session's records: still not a new session's
+    with pytest.raises(ValueError, match=r"it already holds the records of 3 token\(s\)"):
+        Session(ref_weights, recorder=rec)
+    rec.clear_records()
+    assert len(Session(ref_weights, recorder=rec, hooks=hooks)) == 0
+
+
+def test_records_of_a_recorder_with_other_settings_are_refused_at_restore_and_load(ref_weights, tmp_path):
+    """restore / load_state took records made with another names_filter or top_k: trace() failed a token later
+    naming neither ('has (20,) rows, expected 23'), or, with only top_k different, mixed 10- and 3-wide rows."""
+    a = Session(ref_weights)
+    a.feed(list(range(60, 80)), chunk=7, progress=False)
+    snap, path = a.snapshot(), a.save_state(tmp_path / "a.npz")
+    for rec, named in ((Recorder(top_k=3), r"top_k=10 \(this recorder: 3\)"),
+                       (Recorder(names_filter="layers.*.moe.router.topk_ids"), r"names_filter=None \(this recorder: ")):
+        b = Session(ref_weights, recorder=rec)
+        with pytest.raises(ValueError, match=rf"Session.restore: the snapshot's records were made by a Recorder with "
+                                             rf"other settings than this session's: {named}"):
+            b.restore(snap)
+        assert len(b) == 0 and len(rec.tokens) == 0  # refused before anything changed
+        with pytest.raises(ValueError, match=named):
+            Session.load_state(path, ref_weights, recorder=rec.copy(records=False))
+    # the same sites selected another way line up (a callable that keeps every site, for the default's None)
+    c = Session(ref_weights, recorder=Recorder(names_filter=lambda n: True))
+    c.restore(snap)
+    assert_traces_close(c.trace(), a.trace(), tol=0)

@@ -108,6 +108,12 @@ def diff(a, b) -> RunDiff:
              and ta.meta[k] != tb.meta[k]]
     if other:  # else NumPy fails on the first difference of arrays of other shapes
         raise ValueError(f"diff: the runs come from different models ({'; '.join(other)}); compare runs of the same model")
+    for label, t, logits in (("a", ta, la), ("b", tb, lb)):
+        lacks = [k for k in ("final.attn_res.weights",) + (("logits.top_ids",) if logits is None else ()) if k not in t]
+        if lacks:
+            raise ValueError(f"diff: run {label}'s trace lacks {', '.join(map(repr, lacks))}, which diff compares (its "
+                             "Recorder's names_filter left it out): record both runs with Recorder(), or a names_filter "
+                             "that keeps 'final.*' and 'logits'")
     T = min(len(ta), len(tb))
     if not np.array_equal(ta.positions[:T], tb.positions[:T]):  # rows are compared by index: they must be one position
         first = int(np.flatnonzero(ta.positions[:T] != tb.positions[:T])[0])

@@ -97,7 +97,7 @@ class Hooks:
         self._points: dict[str, HookPoint] = {}
         self._known: frozenset | None = None  # the bound model's names ...
         self._known_order: list[str] = []  # ... in firing order
-        self._marks: list[int] = []  # handle counts at each `with hooks:` entry
+        self._marks: list[list] = []  # the handles attached at each `with hooks:` entry
         self._seen: set[str] = set()  # names fired while unbound (for the first-token check)
         self._checked_after_first_token = False
         self._warned: set[str] = set()
@@ -184,15 +184,17 @@ class Hooks:
             self.remove(handle)
 
     def __enter__(self) -> Hooks:
-        """`with hooks:` detaches on exit every hook added inside the block (all of them for a fresh Hooks)."""
-        self._marks.append(len(self._handles))
+        """`with hooks:` detaches on exit every hook added inside the block (all of them for a fresh Hooks);
+        one attached before it and removed inside stays removed."""
+        self._marks.append(list(self._handles))
         return self
 
     def __exit__(self, *exc) -> None:
-        mark = self._marks.pop()
-        added = self._handles[mark:]
-        if added:
-            self._handles = self._handles[:mark]
+        entered = self._marks.pop()  # held through the block: no handle added in it can share an id with these
+        before = {id(h) for h in entered}
+        kept = [h for h in self._handles if id(h) in before]
+        if len(kept) != len(self._handles):
+            self._handles = kept
             self._changed()
 
     def __len__(self) -> int:

@@ -522,19 +522,41 @@ class Recorder:
         return {"names_filter": self._filter_patterns or self.names_filter, "full": self._full_patterns or self.full or (),
                 "top_k": self.top_k}
 
+    def differences(self, settings: dict) -> list[str]:
+        """How records made under `settings` (`settings()`'s keys) would not line up with this recorder's: its
+        top_k, and the bound model's sites each filter selects (a glob and a callable that select the same
+        sites agree). [] when they line up."""
+        names, mine = self.hooks.names or [], self.settings()
+
+        def selected(key: str, spec) -> list[str]:  # no names_filter: every site; no full: none
+            keep = _predicate(spec or None, f"Recorder {key}")[0]
+            return [n for n in names if keep(n)] if keep is not None else (list(names) if key == "names_filter" else [])
+
+        out = [] if settings["top_k"] == self.top_k else [f"top_k={settings['top_k']!r} (this recorder: {self.top_k})"]
+        out += [f"{key}={settings[key]!r} (this recorder: {mine[key]!r})" for key in ("names_filter", "full")
+                if selected(key, settings[key]) != selected(key, mine[key])]
+        return out
+
     def clear_records(self) -> None:
         self.truncate(0)
 
     def state_dict(self, copy_arrays: bool = False) -> dict:
-        """The records (lists of per-token host arrays). Arrays are shared unless copy_arrays."""
+        """The records (lists of per-token host arrays) and the settings that made them. Arrays are shared unless
+        copy_arrays."""
         self.flush()
         self._split_blocks()
         cp = (lambda a: a.copy()) if copy_arrays else (lambda a: a)
         return {"rows": {k: [cp(a) for a in v] for k, v in self._rows.items()},
-                "tokens": list(self.tokens), "positions": list(self.positions)}
+                "tokens": list(self.tokens), "positions": list(self.positions), "settings": self.settings()}
 
     def load_state_dict(self, d: dict) -> None:
-        """Replace the records by `d` (from `state_dict`); list objects are kept, their contents replaced."""
+        """Replace the records by `d` (from `state_dict`); list objects are kept, their contents replaced. Records
+        made under other settings (`differences`) are refused: their rows would not line up with this
+        recorder's next ones."""
+        differ = self.differences(d["settings"]) if "settings" in d else []
+        if differ:
+            raise ValueError("these records were made by a Recorder with other settings: " + "; ".join(differ) +
+                             ". Record with the same settings (Recorder(**settings)), or start without records")
         for k in self._rows:
             self._rows[k][:] = []
         for blocks in self._blocks.values():
@@ -548,13 +570,14 @@ class Recorder:
         self._drop_token_buffers()
         self.hooks.position = self.positions[-1] if self.positions else None
 
-    def copy(self, deep: bool = True) -> Recorder:
-        """A Recorder with the same settings, hooks and records (copied arrays when deep)."""
+    def copy(self, deep: bool = True, records: bool = True) -> Recorder:
+        """A Recorder with the same settings, hooks and records (copied arrays when deep; none without records)."""
         out = type(self)(top_k=self.top_k)
         out.names_filter, out._filter_patterns = self.names_filter, list(self._filter_patterns)
         out.full, out._full_patterns = self.full, list(self._full_patterns)
         out.hooks = self.hooks.copy(observer=out)
         out.fire, out.listening_sites, out._on_device = out.hooks.fire, out.hooks.listening_sites, self._on_device
         out.meta = json.loads(json.dumps(self.meta))
-        out.load_state_dict(self.state_dict(copy_arrays=deep))
+        if records:
+            out.load_state_dict(self.state_dict(copy_arrays=deep))
         return out

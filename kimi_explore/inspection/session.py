@@ -47,6 +47,7 @@ takes it, `fork()` builds a new Session and restores a copy into it, and a sessi
 from __future__ import annotations
 
 import contextlib
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,20 @@ from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
 from .session_io import SessionSnapshot, check_tokenizer, copy_sharing, load_session, nbytes_once, save_session
 from .trace import window_slice
+
+# a Recorder or Hooks -> the Session it serves: its records and its `with intervene` blocks are that session's
+_SERVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _serve(obj, session, what: str) -> None:
+    """Give `obj` (the `what` argument) to `session`, refusing one that serves another live Session: two sessions
+    would write one recorder's records (each trace holding the other's tokens, one's `back` cutting the other's)
+    or share one `with intervene` block (one session decoding under the other's interventions)."""
+    owner = _SERVES.get(obj)
+    if owner is not None and owner() is not None and owner() is not session:
+        raise ValueError(f"Session: {what}: this {type(obj).__name__} already serves another Session (its records and "
+                         f"interventions would be both sessions'); pass each Session its own: {what}.copy(), or a new one")
+    _SERVES[obj] = weakref.ref(session)
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -83,14 +98,25 @@ class Session:
             recorder = None
         if recorder is not None and not isinstance(recorder, Recorder):
             raise TypeError(f"Session: recorder must be True, False/None or a Recorder, got {type(recorder).__name__}")
-        self.recorder = recorder.bind(weights) if recorder is not None else None
+        if recorder is not None and recorder.tokens:
+            raise ValueError(f"Session: recorder: it already holds the records of {len(recorder.tokens)} token(s), and a "
+                             "new Session starts empty (its trace would not line up with its tokens): pass a new "
+                             "Recorder, or call recorder.clear_records() first")
         if hooks is not None and not isinstance(hooks, Hooks):
             raise TypeError(f"Session: hooks: {hooks_expected(hooks)}")
+        for what, obj in (("recorder", recorder), ("hooks", hooks)):  # all checked before either is taken
+            owner = _SERVES.get(obj) if obj is not None else None
+            if owner is not None and owner() is not None:
+                _serve(obj, self, what)  # raises
+        self.recorder = recorder.bind(weights) if recorder is not None else None
         if isinstance(tokenizer, (str, Path)) or (tokenizer is not None and not callable(getattr(tokenizer, "decode", None))):
             raise TypeError(f"Session: tokenizer: expected a tokenizer (ke.load_tokenizer(weights)), got "
                             f"{type(tokenizer).__name__}" + (" (a path: load it with ke.load_tokenizer(path))"
                                                              if isinstance(tokenizer, (str, Path)) else ""))
         self.hooks = (hooks if hooks is not None else Hooks()).bind(weights)
+        for what, obj in (("recorder", self.recorder), ("hooks", self.hooks)):
+            if obj is not None:
+                _serve(obj, self, what)
         if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
             raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every
@@ -511,6 +537,11 @@ class Session:
         if self.recorder is not None and snap.records is None:
             raise ValueError("Session.restore: the snapshot holds no records (its session recorded nothing) but this "
                              "session has a recorder; create it with recorder=False")
+        differ = self.recorder.differences(snap.records["settings"]) if self.recorder is not None else []
+        if differ:
+            raise ValueError("Session.restore: the snapshot's records were made by a Recorder with other settings than "
+                             "this session's: " + "; ".join(differ) + " (its rows would not line up with the next "
+                             "tokens'); create the session with a Recorder of the snapshot's settings")
         try:
             state = snap.state.copy()
         except StageLostError:  # a pipeline's: a stage was lost or restarted since the snapshot
@@ -538,7 +569,7 @@ class Session:
         """An independent session with the same weights, history, hooks and records (all arrays copied).
         Hooks a `with session.intervene(...)` block holds are the fork's own from then on: the block's end
         removes them from this session only."""
-        recorder = self.recorder.copy(deep=False) if self.recorder is not None else False
+        recorder = self.recorder.copy(records=False) if self.recorder is not None else False  # restore() copies them
         other = Session(self.weights, recorder=recorder, tokenizer=self.tokenizer, hooks=self.hooks.copy(),
                         checkpoint_every=self.checkpoint_every)
         other.restore(self.snapshot(copy_arrays=True))

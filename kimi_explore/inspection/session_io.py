@@ -130,9 +130,10 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
             raise ValueError(f"{path}: logits {logits.dtype}{list(logits.shape)}, expected {np.dtype(weights.dtype)}"
                              f"{list(want)} (one row per token of the file's {T}, the model's vocabulary): the file is "
                              "damaged")
-        saved, records = header["recorder"], None
-        if saved is not None:
-            records = _get_records(z, path, saved, T)
+        saved, records, settings = header["recorder"], None, None
+        if saved is not None:  # the settings as Recorder() takes them, beside the records they made
+            settings = {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
+            records = {**_get_records(z, path, saved, T), "settings": settings}
         host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
     snap = SessionSnapshot(
         weights_id=id(weights), state=_on_weights(weights, host.pop("state")),
@@ -142,7 +143,6 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
         records=records, chunk_of=header.get("chunk_of"),
         cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
         routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
-    settings = None if saved is None else {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
     return snap, SavedSettings(header["checkpoint_every"], settings, header.get("tokenizer"))
 
 
