@@ -528,9 +528,9 @@ class Recorder:
         sites agree). [] when they line up."""
         names, mine = self.hooks.names or [], self.settings()
 
-        def selected(key: str, spec) -> list[str]:  # no names_filter: every site; no full: none
-            keep = _predicate(spec or None, f"Recorder {key}")[0]
-            return [n for n in names if keep(n)] if keep is not None else (list(names) if key == "names_filter" else [])
+        def selected(key: str, spec) -> list[str]:  # names_filter None: every site ([]: none)
+            keep = _predicate(spec, f"Recorder {key}")[0]
+            return list(names) if keep is None else [n for n in names if keep(n)]
 
         out = [] if settings["top_k"] == self.top_k else [f"top_k={settings['top_k']!r} (this recorder: {self.top_k})"]
         out += [f"{key}={settings[key]!r} (this recorder: {mine[key]!r})" for key in ("names_filter", "full")
