@@ -9,31 +9,36 @@ Steps:
 2. kimi_explore replays the tokens from a fresh state, recording every site (`patching.replay`), and
    each site and token is judged against the tolerance model (`tolerance.py`).
 3. Local or inherited: one more replay with every captured value of the other engine patched in
-   (teacher forcing) records kimi_explore's operation at each site on the other engine's inputs; a
-   site still beyond tolerance there is local.
+   (teacher forcing; top-k weights only with their ids) records kimi_explore's operation at each site
+   on the other engine's inputs; a site still beyond tolerance there is local.
 4. Local sites that a known variant can explain (`operations.PROBES`: an eps) are replayed with the
    variant: the eps at which the other engine's values are matched is reported.
+Refused up front: weights of a layer subset that cannot compute a dumped site as the whole model does,
+and expert ids that are not this model's.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from ..inspection.npz_io import NpzReader
+from ..model.config import FINAL_SITES
 from .comparison import Comparison, SiteComparison
-from .dump import Dump, read_dump
+from .dump import Dump, read_dump, token_ids
 from .name_maps import llamacpp_to_hooks
 from .operations import PROBES, candidates, operation_of, probe_sites
 from .patching import replay
-from .tolerance import Tolerance, site_errors
+from .tolerance import IDS_SITE, Tolerance, beyond, site_errors
 
 __all__ = ["compare", "load_other"]
 
 _LLAMACPP = ("llama.cpp", "llamacpp")
+_LAYER_SITE = re.compile(r"layers\.(\d+)\.")
 
 
 def compare(session, other, *, names=None, tolerance=None, local: bool = True, probes: bool = True) -> Comparison:
@@ -51,6 +56,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     tokens = _tokens(session, tokens)
     tol = Tolerance.of(tolerance if tolerance is not None else dtype)
     order = _hook_names(weights)
+    _check_layers(weights, arrays)
     _check_names(arrays, order)
     sites = [n for n in order if n in arrays]
     if not sites:
@@ -59,6 +65,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     ours = replay(weights, tokens, order)
     theirs = {s: arrays[s] for s in sites}
     _check_shapes(ours, theirs, len(tokens))
+    _check_expert_ids(theirs, weights.config.num_experts)
 
     results = {}
     for s in sites:
@@ -68,11 +75,12 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, order, theirs))
     cmp = Comparison(results, tol, tokens, engine, weights.config)
     if local:
-        forced = replay(weights, tokens, order, patch=theirs)
+        patch = _patch(theirs)
+        forced = replay(weights, tokens, order, patch=patch)
         for s, r in results.items():
             r.local_rel = _local_rel(s, r.kind, forced, theirs, tol)
         if probes:
-            _run_probes(cmp, weights, tokens, order, theirs, tol)
+            _run_probes(cmp, weights, tokens, order, theirs, patch, tol)
     return cmp
 
 
@@ -97,11 +105,7 @@ def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, s
     if not isinstance(other, Mapping):
         raise TypeError(f"compare: other must be a mapping, a Dump or a path, got {type(other).__name__}")
     if "tokens" in other:
-        ids = np.asarray(other["tokens"]).reshape(-1)
-        if ids.dtype.kind not in "iu" or (ids.size and ids.min() < 0):  # int(1.7) == 1 would name another token
-            raise ValueError(f"compare: the other engine's 'tokens' are {ids.dtype} {ids[:5].tolist()}...; expected "
-                             "token ids (integers >= 0)")
-        tokens = [int(t) for t in ids]
+        tokens = token_ids(other["tokens"], "compare: the other engine's 'tokens'")
     if isinstance(names, str):
         if names not in _LLAMACPP:
             raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
@@ -155,6 +159,37 @@ def _check_names(arrays, order) -> None:
                        f"{' ...' if len(bad) > 5 else ''}; see ke.hook_names(weights) (llama.cpp captures: names='llama.cpp')")
 
 
+def _check_layers(weights, arrays) -> None:
+    """Refuse sites these weights cannot compute as the whole model does. Layer i's sites read every earlier
+    layer (through the AttnRes sources), so they are the model's only where the weights hold layers 0..i (a
+    prefix: `layers=range(k)`); the output sites (`final.*`, `logits`) only where they hold every layer. Else
+    another model would be compared: an engine that agrees looked local at `layers.3.attn.in` (layers=[3, 4]),
+    or the AttnRes weights had another number of sources."""
+    held, n = list(weights.layer_ids), weights.config.num_hidden_layers
+    if held == list(range(n)):
+        return
+    wrong, skipped = [], set()
+    for s in arrays:
+        if m := _LAYER_SITE.match(s):
+            needs = range(int(m[1]) + 1)  # the layer and every one before it
+        elif s in FINAL_SITES:
+            needs = range(n)
+        else:
+            continue  # "embed", or a name that `_check_names` refuses
+        missing = [i for i in needs if i not in held]
+        if missing:
+            wrong.append((len(needs), s))
+            skipped.update(missing)
+    wrong = [s for _, s in sorted(wrong, key=lambda w: w[0])]  # the earliest layer first
+    if wrong:
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ValueError(
+            f"compare: the weights hold only layers {held} of the model's {n}, while the other engine ran the whole model: "
+            f"its {', '.join(map(repr, wrong[:3]))}{more} depend on layer(s) {sorted(skipped)} that these weights leave out, "
+            "so kimi_explore would compute another model there. Load every layer (ke.from_pretrained(path)), or a prefix "
+            "layers=range(k) and compare only the sites of layers 0..k-1 (no final.* or logits)")
+
+
 def _check_shapes(ours, theirs, T: int) -> None:
     for s, a in theirs.items():
         a = np.asarray(a)
@@ -163,6 +198,31 @@ def _check_shapes(ours, theirs, T: int) -> None:
         want = ours[s][0].shape
         if a.shape[1:] != want:
             raise ValueError(f"compare: {s!r} has per-token shape {a.shape[1:]}, kimi_explore's is {want}")
+
+
+def _check_expert_ids(theirs, num_experts: int) -> None:
+    """The other engine's top-k ids are experts of this model. The forced replay routes to them: an id out of
+    range failed there, in a hook, naming neither the dump nor the token."""
+    for s, a in theirs.items():
+        if not s.endswith(IDS_SITE):
+            continue
+        a = np.asarray(a)
+        if a.dtype.kind not in "iuf":
+            raise ValueError(f"compare: the other engine's {s!r} is {a.dtype}; expected integer expert ids 0..{num_experts - 1}")
+        bad = np.argwhere(~((a >= 0) & (a < num_experts) & (a == np.floor(a))))  # NaN too
+        if bad.size:
+            t, j = (int(x) for x in bad[0])
+            raise ValueError(f"compare: the other engine's {s!r} holds expert id {a[t, j].item()!r} at token {t} (slot {j}; "
+                             f"{len(bad)} such id(s) in all); this model's experts are the integers 0..{num_experts - 1}")
+
+
+def _patch(theirs) -> dict:
+    """What the teacher-forced replay patches in: every value of the other engine, except top-k weights whose ids
+    it did not dump. Those are listed in its own order (llama.cpp's: by biased score), which need not be
+    kimi_explore's; forced onto kimi_explore's ids they weight the wrong experts, and every routed-experts site
+    of an engine that agrees looked local. Left out, the replay computes the weights of the ids it routes to."""
+    ids = {s.replace(IDS_SITE, "moe.router.topk_weights") for s in theirs if s.endswith(IDS_SITE)}
+    return {s: v for s, v in theirs.items() if not s.endswith("moe.router.topk_weights") or s in ids}
 
 
 # sites whose operation the next captured site's description already names (the conv window, the q/k L2
@@ -225,7 +285,7 @@ def _local_rel(site, kind, forced, theirs, tol) -> np.ndarray:
     return site_errors(kind, a, b, tol)[1]
 
 
-def _run_probes(cmp: Comparison, weights, tokens, order, theirs, tol) -> None:
+def _run_probes(cmp: Comparison, weights, tokens, order, theirs, patch, tol) -> None:
     local = set(cmp.local_sites)
     for probe, (probe_class, _, own_eps) in PROBES.items():
         targets = [s for s in probe_sites(probe, cmp.sites) if s in local]
@@ -233,10 +293,10 @@ def _run_probes(cmp: Comparison, weights, tokens, order, theirs, tol) -> None:
             continue
         open_ = set(targets)
         for eps in candidates(own_eps, weights.config):
-            forced = replay(weights, tokens, order, patch=theirs, probe=probe_class(weights, eps))
+            forced = replay(weights, tokens, order, patch=patch, probe=probe_class(weights, eps))
             for s in sorted(open_):
                 r = cmp.sites[s]
-                if np.all(_local_rel(s, r.kind, forced, theirs, tol) <= tol.rtol):
+                if not np.any(beyond(r.kind, _local_rel(s, r.kind, forced, theirs, tol), tol.rtol)):
                     r.operation = probe  # named only where one of its variants explains the site
                     r.explanation = f"other engine matches eps {eps:g} (kimi_explore: {own_eps:g})"
                     open_.discard(s)

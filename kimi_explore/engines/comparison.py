@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .operations import operation_of
-from .tolerance import Tolerance
+from .tolerance import Tolerance, beyond
 
 __all__ = ["Comparison", "Divergence", "SiteComparison"]
 
@@ -71,12 +71,21 @@ class SiteComparison:
     explanation: str = ""
 
     def beyond(self, rtol: float) -> np.ndarray:
-        return ~(self.rel <= rtol)  # NaN counts as beyond
+        """[T] bool: the other engine's value is beyond tolerance (NaN counts as beyond; top-k ids at one id)."""
+        return beyond(self.kind, self.rel, rtol)
+
+    def local_beyond(self, rtol: float) -> np.ndarray | None:
+        """[T] bool: kimi_explore's operation on the other engine's inputs is beyond tolerance (None: not tested)."""
+        return None if self.local_rel is None else beyond(self.kind, self.local_rel, rtol)
+
+    def is_local(self, rtol: float) -> bool | None:
+        """The site's operation disagrees at some token (None: not tested)."""
+        local = self.local_beyond(rtol)
+        return None if local is None else bool(np.any(local))
 
     def local_at(self, t: int, rtol: float) -> bool | None:
-        if self.local_rel is None:
-            return None
-        return bool(~(self.local_rel[t] <= rtol))
+        local = self.local_beyond(rtol)
+        return None if local is None else bool(local[t])
 
 
 @dataclass
@@ -116,7 +125,7 @@ class Comparison:
     @property
     def local_sites(self) -> list[str]:
         """Sites where kimi_explore's operation on the other engine's inputs disagrees at some token."""
-        return [s.site for s in self.sites.values() if s.local_rel is not None and np.any(~(s.local_rel <= self.rtol))]
+        return [s.site for s in self.sites.values() if s.is_local(self.rtol)]
 
     def table(self) -> list[dict]:
         rows = []
@@ -124,9 +133,7 @@ class Comparison:
             bad = np.flatnonzero(s.beyond(self.rtol))
             nan = np.flatnonzero(np.isnan(s.rel))  # a NaN is the worst error there is: never hidden by nan-max
             worst = int(nan[0]) if nan.size else int(np.argmax(s.rel))
-            local = None
-            if s.local_rel is not None:
-                local = bool(np.any(~(s.local_rel <= self.rtol)))
+            local = s.is_local(self.rtol)
             rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.max(s.max_abs)),
                          "rel": float(s.rel[worst]), "worst_token": worst,
                          "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),

@@ -33,7 +33,7 @@ import numpy as np
 from ..inspection.npz_io import write_atomically
 from .tolerance import TOLERANCE_PRESETS
 
-__all__ = ["DUMP_FORMAT", "Dump", "read_dump", "write_dump"]
+__all__ = ["DUMP_FORMAT", "Dump", "read_dump", "token_ids", "write_dump"]
 
 DUMP_FORMAT = "kimi_explore.dump/1"
 
@@ -56,7 +56,7 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     """Write {hook name: [T, ...] array} with the token ids, the engine's name and its activation dtype."""
     from safetensors.numpy import save_file
 
-    tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+    tokens = token_ids(tokens, "write_dump: tokens")
     _check_dtype(dtype, "write_dump(dtype=...)")
     T = len(tokens)
     out = {}
@@ -122,6 +122,16 @@ def _read(path: Path, safe_open) -> Dump:
                                  "(the number of ids in metadata 'tokens')")
             arrays[name] = a
     return Dump(arrays, tokens, meta.get("engine", ""), dtype, str(path))
+
+
+def token_ids(tokens, what: str) -> list[int]:
+    """The token ids in `tokens` (any array-like) as ints; refused unless integers >= 0: int(1.7) == 1 and
+    True == 1 would name another token, and a negative id is written but not read back."""
+    ids = np.asarray(tokens).reshape(-1)
+    if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
+        shown = f"{ids[:5].tolist()}{' ...' if ids.size > 5 else ''}"
+        raise ValueError(f"{what} are {ids.dtype} {shown}; expected token ids (integers >= 0)")
+    return [int(t) for t in ids]
 
 
 def _check_dtype(dtype, what: str) -> None:

@@ -28,7 +28,9 @@ to about 7.
     quantised   1e-1    0.1
 
 Integer sites (`moe.router.topk_ids`) are compared as sets: max_abs_t = the number of ids in one
-top-k set and not in the other, rel_t = max_abs_t / k, beyond tolerance as soon as one id differs.
+top-k set and not in the other, rel_t = max_abs_t / k (reported, never compared with rtol), beyond
+tolerance as soon as one id differs, whatever the preset: another expert is another computation, and
+1/16 of K3's top-16 would pass the quantised rtol of 0.1. `beyond` is the one verdict everything uses.
 `moe.router.topk_weights` are compared in the order of their expert ids (engines may list the same
 set in another order); where the other engine gives no ids, both sides largest first.
 """
@@ -40,7 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TOLERANCE_PRESETS", "Tolerance", "site_errors"]
+__all__ = ["IDS_SITE", "TOLERANCE_PRESETS", "Tolerance", "beyond", "site_errors"]
+
+IDS_SITE = "moe.router.topk_ids"  # the integer site kind: compared as sets
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance) -> tuple[np
     without its layer prefix). Each list holds one array per token, ours and theirs of one shape."""
     T = len(ours)
     max_abs, rel = np.zeros(T), np.zeros(T)
-    if kind.endswith("moe.router.topk_ids"):
+    if kind.endswith(IDS_SITE):
         for t in range(T):
             a, b = set(np.asarray(ours[t]).tolist()), set(np.asarray(theirs[t]).tolist())
             max_abs[t] = len(a ^ b) / 2
@@ -94,3 +98,12 @@ def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance) -> tuple[np
         scale = max(mags[t], tol.floor * site_mag[t], np.finfo(np.float32).tiny)
         rel[t] = max_abs[t] / scale
     return max_abs, rel
+
+
+def beyond(kind: str, rel, rtol: float) -> np.ndarray:
+    """Where the relative errors `rel` (from `site_errors` for site kind `kind`) are beyond tolerance: a NaN
+    always; top-k ids as soon as one id differs (their rel, the fraction of ids that differ, is not an rtol's)."""
+    rel = np.asarray(rel)
+    if kind.endswith(IDS_SITE):
+        return ~(rel == 0)
+    return ~(rel <= rtol)

@@ -26,7 +26,7 @@ Keys read (after `kimi-k3.`), each required unless said:
 Not carried by the GGUF, derived (a different model would show in a tensor shape, and `GgufSource.check`
 checks every shape against the config built here):
 
-    linear_attn_config.num_heads  the length of the first KDA layer's ssm_a ([H]); llama.cpp itself
+    linear_attn_config.num_heads  the length of the first KDA layer's ssm_a ([H]; ne (1, H) too); llama.cpp itself
                                   assumes it equals attention.head_count
     use_full_rank_gate = true     ssm_g is one [P, d] matrix (checked by its shape)
     mla_use_nope = true           kimi-k3 never rotates (rope.dimension_count only sizes the dims)
@@ -75,6 +75,15 @@ def _value(meta: dict, types: dict, key: str):
     return float(str(np.float32(v))) if types.get(key) == F32_TYPE else v
 
 
+def _head_count(shape: tuple, name: str, source: str) -> int:
+    """The KDA head count: the one axis of ssm_a [H] that is not 1 (a writer may give it ne (1, H) or (H, 1))."""
+    axes = [int(d) for d in shape if d != 1]
+    if len(axes) > 1:
+        raise ConfigError(f"{source}: tensor '{name}' has shape {list(shape)}; expected one value per KDA head ([H]), "
+                          "which gives the KDA head count")
+    return axes[0] if axes else 1
+
+
 def config_from_gguf(meta: dict, types: dict, tensors: dict, source: str) -> KimiDecoderConfig:
     """The config of a `kimi-k3` GGUF from its metadata ({key: value}, {key: value type}) and its tensors'
     {name: (ggml type, NumPy shape)}. Refuses another architecture, and lists every missing key at once."""
@@ -115,8 +124,8 @@ def config_from_gguf(meta: dict, types: dict, tensors: dict, source: str) -> Kim
     if kda and ssm_a is None:
         raise ConfigError(f"{source}: layer {kda[0]} is KDA (head_count_kv 0) but has no tensor 'blk.{kda[0]}.ssm_a', "
                           "which gives the KDA head count")
-    la.update(num_heads=ssm_a[1][-1] if kda else raw["num_attention_heads"], use_full_rank_gate=True,
-              kda_layers=[i + 1 for i in kda], full_attn_layers=[i + 1 for i in mla])
+    la.update(num_heads=_head_count(ssm_a[1], f"blk.{kda[0]}.ssm_a", source) if kda else raw["num_attention_heads"],
+              use_full_rank_gate=True, kda_layers=[i + 1 for i in kda], full_attn_layers=[i + 1 for i in mla])
     raw["linear_attn_config"] = la
     try:
         return KimiDecoderConfig.from_dict(raw, source=source)

@@ -18,7 +18,9 @@ Everything is checked at open (every length against the file size, every tensor'
 against the data section), so a truncated file fails there, naming the tensor that does not fit,
 and never halfway through a load. As llama.cpp's reader does, a key or tensor name given twice is
 refused, and each tensor's data must start where the previous one's ends (padded to the alignment):
-a damaged offset would otherwise read another tensor's bytes as this one's. The data is
+a damaged offset would otherwise read another tensor's bytes as this one's. The file must end where
+the last tensor's data ends (padded or not): a last tensor whose type or shape was damaged to a
+smaller one would otherwise read part of its bytes as garbage values. The data is
 `np.memmap`ped: `raw(name)` is a zero-copy view.
 """
 
@@ -157,15 +159,30 @@ class GgufFile:
                                   "integer; a float was cut to one)")
         self.data_start = -(-c.pos // self.alignment) * self.alignment
         self.tensors: dict[str, GgufTensor] = {}
-        expected = 0  # each tensor's data follows the previous one's, padded to the alignment (llama.cpp's rule)
+        expected, prev = 0, None  # each tensor's data follows the previous one's, padded to the alignment (llama.cpp's rule)
         for name, ne, type_id, offset in infos:
             t = self.tensors[name] = self._tensor(name, ne, type_id, offset, size)
             if offset != expected:
+                after = "the data section's start" if prev is None else (
+                    f"where the previous tensor '{prev.name}' ({prev.type}{list(prev.ne)}) ends")
                 raise CheckpointError(f"{self.path}: corrupt GGUF header: tensor '{name}' starts at data offset {offset}, "
-                                      f"expected {expected} (where the previous tensor's data ends, padded to "
-                                      f"general.alignment = {self.alignment}): its bytes would overlap another tensor's "
-                                      "or leave a gap")
+                                      f"expected {expected} ({after}, padded to general.alignment = {self.alignment}): "
+                                      "its bytes would overlap another tensor's or leave a gap; the offset, or the "
+                                      "type or shape of the tensor before, is wrong")
             expected += -(-(t.end - t.begin) // self.alignment) * self.alignment
+            prev = t
+        self._check_end(prev, self.data_start + expected, size)
+
+    def _check_end(self, last: GgufTensor | None, padded_end: int, size: int) -> None:
+        """The file ends where the last tensor's data ends, padded to the alignment (llama.cpp and gguf-py pad it;
+        unpadded is accepted too). Only the end can tell a last tensor whose header type or shape is too small
+        (F32 read as F16: half its bytes, garbage values) from a sound one; appended bytes are refused as well."""
+        if size <= padded_end:  # (a tensor past the end is refused as truncated in `_tensor`)
+            return
+        what = "the header" if last is None else f"the last tensor '{last.name}' ({last.type}{list(last.ne)})"
+        raise CheckpointError(f"{self.path}: {size - padded_end} byte(s) after the data: {what} ends at byte {padded_end} "
+                              f"(padded to general.alignment = {self.alignment}), the file has {size}; a type or shape "
+                              "in the header is wrong (that tensor's data is larger than it says), or bytes were appended")
 
     def _tensor(self, name: str, ne: tuple, type_id: int, offset: int, size: int) -> GgufTensor:
         if type_id not in TYPES:

@@ -174,9 +174,9 @@ class GgufSource(TensorSource):
         for i in layer_ids:
             if self.config.is_kda_layer(i):
                 a = self._values(f"blk.{i}.ssm_a", np.float64)
-                if not np.all(a < 0):
-                    raise CheckpointError(f"{self._where(f'blk.{i}.ssm_a')}: tensor 'blk.{i}.ssm_a' must be -exp(A_log) "
-                                          f"< 0 per head; found {a.tolist()}")
+                if not np.all(np.isfinite(a) & (a < 0)):  # -inf: A = inf, another model that runs
+                    raise CheckpointError(f"{self._where(f'blk.{i}.ssm_a')}: tensor 'blk.{i}.ssm_a' must be -exp(A_log), "
+                                          f"finite and < 0 per head; found {a.tolist()}")
 
     def _check_no_unexpected(self) -> None:
         """Every tensor in the GGUF is one the metadata's model reads (whatever `layers=` asks): one it
@@ -193,9 +193,12 @@ class GgufSource(TensorSource):
             )
 
     def info(self, name: str):
+        """(code, released shape). A tensor built from several GGUF tensors (kv_b_proj: attn_k_b + attn_v_b) is
+        'BF16' (its bits kept by weight_dtype="bfloat16") only when every part is; parts of mixed types give
+        the type they all widen to exactly, since bf16 bits would hold another part's values cast to integers."""
         t = self.released[name]
-        code, _ = self.where[self.gguf_names(t)[0]].info(self.gguf_names(t)[0])
-        return code, t.shape
+        codes = {self.where[g].info(g)[0] for g in self.gguf_names(t)}
+        return (codes.pop() if len(codes) == 1 else "F64" if "F64" in codes else "F32"), t.shape
 
     def read(self, name: str, dtype, out=None) -> np.ndarray:
         t = self.released[name]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.patches import Rectangle
 
+from ...engines.tolerance import IDS_SITE
 from .mpl import InlineFigure, heatmap, span_inches
 
 __all__ = ["divergence_heatmap", "divergence_grid", "report_figures"]
@@ -25,6 +26,7 @@ DECADES = 3.0  # the colour scale spans rtol * 10^-3 .. rtol * 10^3
 
 def divergence_grid(cmp, value: str = "rel"):
     """(rows [labels], cols [site kinds], M [rows, cols] worst `value` over tokens, local [rows, cols] bool).
+    M is inf for a NaN and for top-k ids that differ at some token (beyond tolerance whatever the rtol).
 
     value: "rel" (the other engine against kimi_explore) or "local_rel" (kimi_explore's operation on the
     other engine's inputs against the other engine). Per-layer sites fill the layer rows; "embed",
@@ -44,10 +46,10 @@ def divergence_grid(cmp, value: str = "rel"):
     for s in sites:
         r = rows.index(GLOBAL_ROW if s.layer is None else str(s.layer))
         c = cols.index(s.kind)
-        v = s.rel if value == "rel" else s.local_rel
-        if v is not None:
-            M[r, c] = np.inf if np.isnan(v).any() else float(np.max(v))
-        local[r, c] = s.local_rel is not None and bool(np.any(~(s.local_rel <= cmp.rtol)))
+        v, over = (s.rel, s.beyond(cmp.rtol)) if value == "rel" else (s.local_rel, s.local_beyond(cmp.rtol))
+        if v is not None:  # a NaN, or a top-k set with one id off (beyond whatever the rtol), is the worst colour
+            M[r, c] = np.inf if np.isnan(v).any() or (over.any() and s.kind == IDS_SITE) else float(np.max(v))
+        local[r, c] = bool(s.is_local(cmp.rtol))
     return rows, cols, M, local
 
 
