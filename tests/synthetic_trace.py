@@ -19,6 +19,8 @@ class SyntheticTrace:
         self.tokens = [int(t) for t in rng.integers(32, 127, n_tokens)]
         self.kda_ids = [i for i in self.layer_ids if i % mla_every != mla_every - 1 and i != n_layers - 1]
         self.moe_ids = [i for i in self.layer_ids if i >= 1]
+        self.kda_layers = list(self.kda_ids)  # the model's layer kinds, as a Trace reads them from its meta
+        self.meta = {"block_boundaries": [i for i in self.layer_ids if i % block_size == 0]}
         n_pushes = len([i for i in self.layer_ids if i % block_size == 0])
         S = n_pushes + 1
         self._labels = ["embedding", *[f"block {b}" for b in range(1, n_pushes)], "current"]

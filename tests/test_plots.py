@@ -243,7 +243,7 @@ def test_compare_predictions_reports_kl():
 
 
 def test_errors_name_what_is_wrong(tiny):
-    with pytest.raises(ValueError, match="layer 3 is not a recorded KDA layer"):
+    with pytest.raises(ValueError, match=r"layer 3 is not a KDA layer \(an MLA layer has no recurrent state\)"):
         plots.kda_state_heatmap(tiny, 3)
     with pytest.raises(ValueError, match="layer 0 is not a recorded MoE layer"):
         plots.moe_routing_layer(tiny, 0)

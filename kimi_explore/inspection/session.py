@@ -4,6 +4,7 @@
     s.feed([17, 203, 5]); s.step(88)          # logits of each token, host NumPy (feed: whole chunks at once)
     s.generate(8)                             # greedy (temperature=0) or seeded sampling
     s.tokens, s.logits, s.trace()             # history: [T] ids, [T, V] logits, the Recorder's Trace
+    s.history_version                         # a new number after every change of the history
     s.trace(window=slice(-32, None))          # only the last 32 tokens (as cheap at any history length)
     s.back()                                  # drop the last token (s.back(3): the last 3)
     s.truncate(2); s.step(5)                  # keep the first 2 tokens, then a different third
@@ -136,11 +137,20 @@ class Session:
         # (`Recorder.route_sites`; none: absent): its replays record them too, whatever records now
         self._routes: dict[int, tuple] = {}
         self._to_rebuild: set[int] = set()  # checkpoints a failed `recover()` dropped: the next one rebuilds them
+        self._version = 0  # `history_version`: bumped by every change of the history
 
     # ------------------------------------------------------------------ history
     @property
     def tokens(self) -> list[int]:
         return list(self._tokens)
+
+    @property
+    def history_version(self) -> int:
+        """A number that changes with every change of the history (a token decoded or dropped, a snapshot
+        restored): while it stays the same, so do the tokens, logits and records. A view caching what it drew
+        compares this, not the tokens, which a rewritten history can keep (`restore` of another run of them, or
+        `back` then the same token under an intervention)."""
+        return self._version
 
     @property
     def logits(self) -> np.ndarray:
@@ -212,6 +222,7 @@ class Session:
         self._tokens.append(int(token_id))
         self._logits.append(host)
         self._stacked = None
+        self._version += 1
         self._modified.append(modified)
         self._chunk_of.append(-1)
         if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
@@ -268,6 +279,7 @@ class Session:
         self._tokens += ids
         self._logits += list(host)  # row views of one array the session never writes
         self._stacked = None
+        self._version += 1
         self._modified += [False] * len(ids)
         self._chunk_of += [t] * len(ids)
         if route := self._route():
@@ -440,6 +452,8 @@ class Session:
 
     def _drop_after(self, n: int) -> None:
         """Forget tokens n.. (the state is already the one after n tokens)."""
+        if n < len(self._tokens):
+            self._version += 1
         del self._tokens[n:], self._logits[n:], self._modified[n:], self._chunk_of[n:]
         self._stacked = None
         # a checkpoint after n belongs to the discarded future: kept, it would seed a later replay of a new history
@@ -547,6 +561,7 @@ class Session:
         except StageLostError:  # a pipeline's: a stage was lost or restarted since the snapshot
             state = None
         self.state = state if state is not None else snap.state
+        self._version += 1
         self._tokens, self._logits, self._modified = list(snap.tokens), list(snap.logits), list(snap.modified)
         self._chunk_of = list(snap.chunk_of) if snap.chunk_of is not None else [-1] * len(snap.tokens)
         self._stacked = None

@@ -35,6 +35,31 @@ def token_labels(ids, tokenizer=None, positions: bool = True, start: int = 0) ->
     return [f"{p} {n}" for p, n in enumerate(names, start)] if positions else names
 
 
+def trace_labels(trace, tokenizer=None, positions: bool = True) -> list[str]:
+    """`token_labels` of a trace's tokens; a window (`Trace.window`) keeps its history positions."""
+    return token_labels(trace.tokens, tokenizer, positions, start=getattr(trace, "start", 0))
+
+
+def layer_labels(trace, layers=None) -> list[str]:
+    """'12 MLA' / '13 KDA' for each layer id (default: every layer of the trace). The kinds are the model's
+    (`trace.kda_layers`, from the config the trace carries), not what was recorded: a recorder that
+    left a KDA layer out does not make it an MLA layer."""
+    kda = {int(i) for i in trace.kda_layers}
+    return [f"{i} {'KDA' if i in kda else 'MLA'}" for i in (trace.layer_ids if layers is None else layers)]
+
+
+def why_no_mix(trace, layer: int, site: int) -> str:
+    """Why layer `layer` has no block-residual weight at all at `site` (0: before attention, 1: before the
+    FFN). The model mixes before the FFN at every layer, and before attention once a block is sealed before
+    the layer (`trace.meta["block_boundaries"]`): a mix the model has and the trace has not, the recorder
+    left out."""
+    bounds = trace.meta.get("block_boundaries")
+    if site == 0 and (bounds is None or not any(b < layer for b in bounds)):
+        return f"layer {layer} has no mix before attention: its block stack is still empty"
+    name = f"layers.{layer}.attn_res.{('attn', 'ffn')[site]}.weights"
+    return f"layer {layer}: {name} was not recorded (the Recorder's names_filter left it out)"
+
+
 def token_texts(ids, tokenizer=None) -> list[str]:
     """Each token's text alone, unquoted (a narrow cell's label): `tokenizer.token_label(id)`, '#id' without a
     tokenizer, '?' for -1. Stripping the quotes off `token_labels` would eat a token's own quotes (' or 's)."""

@@ -16,7 +16,7 @@ import ipywidgets as widgets
 
 from ...cli import parse_ids
 from ...inspection import interventions
-from ...inspection.source_masks import check_family
+from ...inspection.source_masks import check_family, source_columns
 from ...model.kimi_decoder import hook_names
 from . import specs_analysis, specs_moe
 from .history import window_routing
@@ -176,7 +176,8 @@ class Ablation:
         self.note.value = f"<span style='{style}'>{html.escape(message, quote=False)}</span>"
 
     def _hooks(self, t: int, layer: int):
-        """(hook sets, what they do in words, experts chosen at the selected layer or None)."""
+        """(hook sets, what they do in words, experts chosen at the selected layer or None, a note for the status:
+        '' or '; ...')."""
         ex, cfg = self.ex, self.ex.session.weights.config
         if self.what.value == "block sources":
             layers = parse_layers(self.layers.value, layer, list(ex.session.weights.layer_ids))
@@ -191,8 +192,9 @@ class Ablation:
                                  "alone): pick 'ffn:' or a later layer")
             where = "" if site == "both" else f" ({site} mix)"
             name = f"block {family[1]}" if isinstance(family, tuple) else family
+            note = self._sources_absent(t, family, name, at)
             hooks = [interventions.mask_sources(at[x], x, family, self._positions(t)) for x in sites if at[x]]
-            return hooks, f"source {name}{where} at {layers}", None
+            return hooks, f"source {name}{where} at {layers}", None, note
         if self.what.value == "KDA heads":
             if not ex.kda_layers:
                 raise ValueError("no KDA layer is loaded")
@@ -204,7 +206,7 @@ class Ablation:
             bad = [h for h in heads if not 0 <= h < H]
             if bad:
                 raise ValueError(f"heads {bad} do not exist: KDA heads run 0..{H - 1}")
-            return [interventions.zero_kda_head(layers, heads, self._positions(t))], f"KDA heads {heads} at {layers}", None
+            return [interventions.zero_kda_head(layers, heads, self._positions(t))], f"KDA heads {heads} at {layers}", None, ""
         if layer not in ex.moe_layers and self.layers.value.strip().lower() in ("", "this"):
             raise ValueError(f"layer {layer} has a dense FFN, no experts: pick an MoE layer")
         layers = parse_layers(self.layers.value, layer, ex.moe_layers)
@@ -213,10 +215,33 @@ class Ablation:
         if self.experts.value.strip().lower() in ("chosen", "topk", "top-k", ""):  # each layer's own choice at t
             hooks = [interventions.ablate_experts(i, chosen_at[i], self._positions(t)) for i in layers]
             what = f"the experts token {t} chose" + (f" at {layers}" if len(layers) > 1 else "")
-            return hooks, what, chosen_at.get(layer)
+            return hooks, what, chosen_at.get(layer), ""
         experts = parse_experts(self.experts.value, [], cfg.num_experts)
         name = "routed experts" if experts == "all" else f"experts {experts}"
-        return [interventions.ablate_experts(layers, experts, self._positions(t))], f"{name} at {layers}", experts
+        return [interventions.ablate_experts(layers, experts, self._positions(t))], f"{name} at {layers}", experts, ""
+
+    def _sources_absent(self, t: int, family, name: str, at: dict) -> str:
+        """'' or a note naming the chosen mixes that do not read the source family (a block not sealed yet
+        there). Raises when no chosen mix reads it (the ablation would change nothing: KL 0, unexplained), or
+        when a mask would leave a mix no source. at: {site: the chosen layers whose mix at that site exists}."""
+        one = self.ex.trace(window=slice(t, t + 1))
+        labels = one.source_labels()
+        if isinstance(family, tuple) and family[1] >= len(labels) - 1:
+            raise ValueError(f"{name} does not exist: the sources are {labels}")
+        absent, full = [], []
+        for i, x in sorted((i, x) for x, layers in at.items() for i in layers):  # in layer order, attn before ffn
+            n = one[f"layers.{i}.attn_res.{x}.weights"].shape[-1]  # a weight per source the mix reads
+            cols = source_columns(family, n)
+            if not cols:
+                absent.append(f"layer {i} {x}")
+            if len(cols) == n:
+                full.append(f"layer {i} {x}")
+        if full:
+            raise ValueError(f"masking {name} would leave no source at {', '.join(full)}: pick another family or layer")
+        if absent and len(absent) == sum(len(layers) for layers in at.values()):
+            raise ValueError(f"{name} is not read by the chosen mixes ({', '.join(absent)}: not sealed yet there), so "
+                             "masking it would change nothing: pick a later layer")
+        return f"; {name} is not read at {', '.join(absent)} (not sealed yet there): nothing masked there" if absent else ""
 
     def _positions(self, t: int):
         return {SCOPES[0]: t, SCOPES[1]: list(range(t, len(self.ex.session))), SCOPES[2]: None}[self.scope.value]
@@ -229,7 +254,7 @@ class Ablation:
             return self._say("step at least one token first")
         t, layer = min(ex.token.value, n - 1), ex.layer.value
         try:
-            hooks, what, listed = self._hooks(t, layer)
+            hooks, what, listed, why = self._hooks(t, layer)
         except ValueError as e:
             return self._say(str(e), error=True)
         start = 0 if self.scope.value == SCOPES[2] else t
@@ -244,7 +269,6 @@ class Ablation:
         from ...analysis.diff import diff
 
         self.diff_view.show(*specs_analysis.run_diff(diff(base, fork), start, ex.tokenizer, t), ex.tab_views.rev)
-        why = ""
         if self.what.value == "experts" and listed is not None and listed != "all" and self.scope.value == SCOPES[0]:
             r = window_routing(ex, t, t + 1)
             chosen = [int(e) for e in r["topk_ids"][0, r["moe_layers"].index(layer)] if e >= 0] \

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common import MISSING, nice_stride, token_labels
+from ..common import MISSING, layer_labels, nice_stride, trace_labels, why_no_mix
 from .plotly_view import typed
 
 __all__ = ["WINDOW", "block_layer", "block_token", "empty", "kda_layer", "kda_token", "layer_labels", "token_window",
@@ -32,17 +32,6 @@ GAP_NOTE = "<br>no weight: that block is not sealed yet here"
 NORM_SCALE = [[0.0, "#ffffd9"], [0.25, "#c7e9b4"], [0.5, "#41b6c4"], [0.75, "#225ea8"], [1.0, "#081d58"]]
 GAP_CELLS = 100  # heatmaps up to this many cells are drawn with gaps between the cells
 GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of the static figures too
-
-
-def trace_labels(trace, tokenizer=None) -> list[str]:
-    """Position-prefixed labels of a trace's tokens; a window (`Trace.window`) keeps its history positions."""
-    return token_labels(trace.tokens, tokenizer, start=getattr(trace, "start", 0))
-
-
-def layer_labels(trace, layers=None) -> list[str]:
-    """'12 MLA' / '13 KDA' for each layer id (default: every layer of the trace)."""
-    kda = {int(i) for i in trace.kda_state_norms()[1]}
-    return [f"{i} {'KDA' if i in kda else 'MLA'}" for i in (trace.layer_ids if layers is None else layers)]
 
 
 MIN_TICK_GAP = 3  # columns between two tick labels at K3 depth (rotated labels 2 apart overlap)
@@ -118,9 +107,12 @@ def heat(z, x, y, *, colorscale, zmin, zmax, hover, xaxis="x", yaxis="y", showsc
     return trace
 
 
-def _gap_notes(w: np.ndarray) -> list[list[str]]:
-    """Per cell: '' or why there is no weight (the hover text of a gap)."""
-    return [[GAP_NOTE if not np.isfinite(v) else "" for v in row] for row in w]
+def _gap_notes(w: np.ndarray, trace, layers: list[int], site: int) -> list[list[str]]:
+    """Per cell of w [S, layer]: '' or why there is no weight (the hover text of a gap): a block not sealed
+    yet there, or a layer whose mix is not in the trace (`why_no_mix`)."""
+    empty = ~np.isfinite(w).any(axis=0)
+    notes = [f"<br>{why_no_mix(trace, i, site)}" if e else GAP_NOTE for i, e in zip(layers, empty, strict=True)]
+    return [[notes[c] if not np.isfinite(v) else "" for c, v in enumerate(row)] for row in w]
 
 
 def _block_lines(w: np.ndarray, xref: str, yref: str) -> list[dict]:
@@ -146,7 +138,8 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
         data.append(heat(w[:, site, :].T, layers, sources, colorscale="Viridis", zmin=0, zmax=1,
                           hover="layer %{x}, " + SITE_NAMES[site] + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}",
-                          customdata=_gap_notes(w[:, site, :].T), gaps=True, xaxis=xa, yaxis=ya, showscale=site == 0,
+                          customdata=_gap_notes(w[:, site, :].T, trace, ids, site), gaps=True, xaxis=xa, yaxis=ya,
+                          showscale=site == 0,
                           colorbar={"title": {"text": "softmax weight"}, "len": 0.9, "x": 1.0}))
         shapes += _block_lines(w[:, site, :].T, xa, ya + " domain")
         if layer is not None and layer in trace.layer_ids:
@@ -175,11 +168,12 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
     for site, (xa, ya) in enumerate((("x", "y"), ("x2", "y2"))):
         data.append(heat(w[:, site, :].T, toks, sources, colorscale="Viridis", zmin=0, zmax=1, xaxis=xa, yaxis=ya,
                           hover="token %{x}, layer " + f"{layer}, {SITE_NAMES[site]}"
-                          + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}", customdata=_gap_notes(w[:, site, :].T),
+                          + "<br>source: %{y}<br>weight: %{z:.4f}%{customdata}",
+                          customdata=_gap_notes(w[:, site, :].T, trace, [layer] * len(toks), site),
                           gaps=True, showscale=False))  # the colour bar of the per-token map above: same scale
         shapes.append(outline(t, xa, ya + " domain"))
         if not np.isfinite(w[:, site]).any():
-            notes.append({"text": f"layer {layer} has no mix here: its block stack is still empty", "showarrow": False,
+            notes.append({"text": why_no_mix(trace, layer, site), "showarrow": False,
                           "xref": xa + " domain", "yref": ya + " domain", "x": 0.5, "y": 0.5, "font": {"color": "#555"}})
     axis_y = heat_axis(autorange="reversed", fixedrange=True)
     axis_x = token_axis(trace, t, tokenizer)
@@ -212,7 +206,10 @@ def kda_token(trace, t: int, layer: int | None = None, tokenizer=None, vmax=None
                   hover="layer %{x}, head %{y}<br>‖S‖ = %{z:.4f}", colorbar={"title": {"text": "‖S‖"}})]
     shapes = [outline(ids.index(layer))] if layer in ids else []
     label = trace_labels(trace, tokenizer)[t]
-    layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer)", "font": FONT},
+    left_out = [int(i) for i in trace.kda_layers if int(i) not in ids]
+    note = f"; not recorded: KDA layers {left_out}" if left_out else ""
+    layout = {"title": {"text": f"KDA recurrent-state norm per head after token {label}  (click a layer){note}",
+                        "font": FONT},
               "xaxis": layer_axis(labels, "KDA layer", labels[ids.index(layer)] if layer in ids else None),
               "yaxis": heat_axis(title={"text": "head"}, fixedrange=True),
               "shapes": shapes, "margin": {"l": 50, "r": 20, "t": 30, "b": 70}}
@@ -223,9 +220,12 @@ def kda_layer(trace, layer: int, t: int, tokenizer=None, vmax=None) -> tuple[lis
     """KDA layer `layer`: ‖S‖ of every head, token by token (x = token, y = head)."""
     norms, ids = trace.kda_state_norms()
     ids = [int(i) for i in ids]
-    if layer not in ids:
+    if layer not in trace.kda_layers:  # the model's kinds: a KDA layer the recorder left out is not an MLA layer
         return empty(f"layer {layer} is an MLA layer: it keeps a K/V cache, not a recurrent state. "
                      "Pick a KDA layer to see its heads.")
+    if layer not in ids:
+        return empty(f"KDA layer {layer}: layers.{layer}.kda.state was not recorded (the session's Recorder "
+                     "names_filter left it out)")
     d = np.asarray(norms[:, ids.index(layer)], dtype=float)  # [T, H]
     vmax = kda_vmax(trace) if vmax is None else vmax
     toks = trace_labels(trace, tokenizer)

@@ -17,6 +17,9 @@ Controls (ipywidgets 8; the figures are plotly.js views, see `plotly_view.py`):
               heads at one or several layers, this token / from it on / all tokens, with the fork's
               run diff) | Lens & attribution (the selected token's logit lens and logit attribution)
 
+The views read the session's records: its Recorder must keep the sites of `READS` (the default
+Recorder() does; a names_filter that leaves one out is refused here, naming what it lacks).
+
 Every view marks the selected token and layer, and a click on a token or a layer in any view
 selects it everywhere. Only the open tab is updated (in place); the others when they are opened.
 The model runs only on Step, Play and the ablation (which forks: the main session is never touched).
@@ -30,6 +33,7 @@ import ipywidgets as widgets
 import numpy as np
 
 from ...inspection.trace import window_slice
+from ...model.kimi_decoder import hook_names
 from .. import summaries
 from ..common import bias_vectors, token_labels
 from .ablation import Ablation, parse_experts, parse_ids, rerun, rerun_token
@@ -43,6 +47,29 @@ __all__ = ["Explorer", "TABS", "parse_experts", "parse_ids", "rerun", "rerun_tok
 
 STATUS_CSS = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;display:block;width:100%"
 BUSY = "<span class='kimi-busy' style='color:#b35900;font-weight:600'>&#9203; running&hellip;</span>"
+# the records the views read (the specs, the text's measures, the ablation's run diff), at every layer with the site
+READS = ("attn_res.attn.weights", "attn_res.ffn.weights", "final.attn_res.weights", "kda.state", "moe.router.scores",
+         "moe.router.topk_ids", "moe.router.topk_weights", "logits")
+
+
+def left_out(session) -> list[str]:
+    """The records of `READS` the session's recorder leaves out (its names_filter), by site: 'logits',
+    'kda.state at layers [4, 5, 6]', ...; [] when it keeps them all."""
+    keep = session.recorder.names_filter
+    if keep is None:
+        return []
+    have: dict[str, list] = {}  # site kind -> the layers with that site (None: a site outside the layers)
+    left: dict[str, list] = {}  # ... of them, those the filter leaves out
+    for name in hook_names(session.weights):
+        kind = next((k for k in READS if name == k or name.endswith("." + k)), None)
+        if kind is None:
+            continue
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        have.setdefault(kind, []).append(layer)
+        if not keep(name):
+            left.setdefault(kind, []).append(layer)
+    return [kind if ids == [None] else f"{kind} at " + ("every layer that has it" if ids == have[kind] else f"layers {ids}")
+            for kind, ids in left.items()]
 
 
 class Explorer(widgets.VBox):
@@ -53,6 +80,12 @@ class Explorer(widgets.VBox):
         if getattr(session, "recorder", None) is None:
             raise ValueError("Explorer: this session records nothing, and every view reads its records: create it with "
                              "Session(weights, recorder=True) (the default)")
+        missing = left_out(session)
+        if missing:  # refused here, not a view that raises or shows half a model on some later click
+            raise ValueError(f"Explorer: every view reads the session's records, and its Recorder's names_filter "
+                             f"({session.recorder.settings()['names_filter']!r}) leaves out {'; '.join(missing)}: "
+                             "create the session with Recorder() (the default), or a names_filter that keeps these "
+                             "(full=[...] adds full tensors to either)")
         self.session = session
         self.tokenizer = tokenizer if tokenizer is not None else getattr(session, "tokenizer", None)
         self.play_tokens = int(play_tokens)
@@ -61,6 +94,7 @@ class Explorer(widgets.VBox):
         self.moe_layers = [i for i in weights.layer_ids if cfg.is_moe_layer(i)]
         self.bias = bias_vectors(weights)
         self.history_id, self._memo, self._surprisal, self._trace = 0, {}, {}, None
+        self._version = None  # the session's `history_version` that everything kept below describes
         self.history = HistoryCache()  # per-token measures and expert counts, grown by each Step
         self._labels: dict[str, list] = {}  # (token id, label) per position, grown by each Step
         self._prompt_memo: tuple = (None, [])  # ((mode, text), ids): the prompt is parsed once per edit
@@ -114,7 +148,7 @@ class Explorer(widgets.VBox):
         self.layer.observe(lambda _: self._selection_changed(), names="value")
         self.text.observe(lambda ch: self.select(token=ch["new"]) if ch["new"] >= 0 else None, names="selected")
         self.tabs.observe(lambda _: self.refresh(), names="selected_index")
-        self.measure.observe(lambda _: self._show_text(), names="value")
+        self.measure.observe(lambda _: self._measure_changed(), names="value")
         self.prompt.observe(lambda _: self._update_status(), names="value")
         self.mode.observe(self._convert_prompt, names="value")
 
@@ -235,6 +269,7 @@ class Explorer(widgets.VBox):
 
     def step(self) -> None:
         """Decode one token (the next prompt token, or greedy) and show it."""
+        self.sync()  # what is kept per token holds for the history the Explorer saw last: a change from outside first
         ids = self._prompt()
         if ids is None:
             return None
@@ -246,6 +281,7 @@ class Explorer(widgets.VBox):
 
     def play(self) -> None:
         """Feed the rest of the prompt; if it is all in already, generate `play_tokens` greedily."""
+        self.sync()
         ids = self._prompt()
         if ids is None:
             return None
@@ -260,12 +296,14 @@ class Explorer(widgets.VBox):
 
     def back(self) -> None:
         """Drop the session's last token (exact)."""
+        self.sync()
         self._note = ""
         if len(self.session):
             self.session.back()
         self._history_changed()
 
     def reset(self) -> None:
+        self.sync()
         self._note = ""
         self.session.truncate(0)
         self._history_changed()
@@ -311,11 +349,19 @@ class Explorer(widgets.VBox):
             self._memo[name] = make()
         return self._memo[name]
 
-    def _history_changed(self) -> None:
+    def _history_changed(self, rewritten: bool = False) -> None:
+        """Show the session's history as it is now. The Explorer's own actions only drop tokens from the end
+        and decode new ones, so what is kept per token holds on the prefix the history still shares with the
+        one it was computed for; `rewritten`: the history changed outside the Explorer, where a token can
+        keep its id and change its values (`session.restore`, or `back` then the same token under an
+        intervention), so nothing per token is kept."""
         n = len(self.session)
         self.history_id += 1
+        self._version = self.session.history_version
         self._memo.clear()
         self._trace = None
+        if rewritten:
+            self.history, self._surprisal, self._labels = HistoryCache(), {}, {}
         # token t's surprisal reads the logits after tokens[:t]: it holds only inside the prefix the history
         # shares with the one it was computed for (a new prompt fed by Play can bring a token back at t
         # after another one at t - 1)
@@ -339,12 +385,13 @@ class Explorer(widgets.VBox):
     def sync(self) -> bool:
         """Catch up with a history changed outside the Explorer (`session.feed`, `generate`, `truncate` in
         another cell): every view, the slider and the per-history numbers are redone for the session as it
-        is now, the selected token kept where it still exists. True when there was something to catch up."""
-        if self.session.tokens == self.history.tokens:
+        is now, the selected token kept where it still exists. True when there was something to catch up.
+        Any change counts, also one that kept the token ids (`Session.history_version`: one int compared)."""
+        if self.session.history_version == self._version:
             return False
         t = self.token.value
         self._note = "the session was changed outside the Explorer: shown as it is now"
-        self._history_changed()  # selects the last token
+        self._history_changed(rewritten=True)  # selects the last token
         if t < len(self.session) and t != self.token.value:
             self.token.value = t  # back to the token that was selected (a refresh of its own)
         return True
@@ -403,6 +450,10 @@ class Explorer(widgets.VBox):
                 self._surprisal[t] = (toks[t], summaries.surprisal_bits(self.session.logits_at(t - 1), toks[t]))
             out[t] = self._surprisal[t][1]
         return out
+
+    def _measure_changed(self) -> None:
+        if not self.sync():  # the catch-up with a history changed outside shows the text, in the new measure
+            self._show_text()
 
     def _show_text(self) -> None:
         n = len(self.session)

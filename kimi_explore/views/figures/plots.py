@@ -35,7 +35,19 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..common import MAX_TICKS, layer_position, moe_layer_labels, routing, softmax, token_index, token_labels, trace_of
+from ..common import (
+    MAX_TICKS,
+    layer_labels,
+    layer_position,
+    moe_layer_labels,
+    routing,
+    softmax,
+    token_index,
+    token_labels,
+    trace_labels,
+    trace_of,
+    why_no_mix,
+)
 from .mpl import InlineFigure, escape_mathtext, figure_png, heatmap, span_inches, ticks
 
 __all__ = [
@@ -60,6 +72,11 @@ __all__ = [
 def _labels(ids, tokenizer=None, positions: bool = True) -> list[str]:
     """`token_labels`, safe to draw."""
     return [escape_mathtext(s) for s in token_labels(ids, tokenizer, positions)]
+
+
+def _trace_labels(trace, tokenizer=None) -> list[str]:
+    """`trace_labels` (a window's tokens keep their history positions), safe to draw."""
+    return [escape_mathtext(s) for s in trace_labels(trace, tokenizer)]
 
 
 def _takes_session(fn):
@@ -90,11 +107,6 @@ TOPK_COLOR = "#d62728"
 # ---------------------------------------------------------------- block attention residuals
 
 
-def _layer_row_labels(trace) -> list[str]:
-    kda = set(getattr(trace, "kda_layers", None) or trace.kda_state_norms()[1])
-    return [f"{i} {'KDA' if i in kda else 'MLA'}" for i in trace.layer_ids]
-
-
 def _mark_blocks(ax, valid: np.ndarray) -> None:
     """Dashed line above every layer row where a new block appears (valid: [L] sources present at this
     site: the site before attention sees a sealed block one layer later than the one before the FFN)."""
@@ -119,7 +131,7 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     t = token_index(trace, token)
     w = trace.attn_res_weights()[t]  # [L, 2, S]
     final = np.asarray(trace.final_attn_res_weights()[t], dtype=float)  # [S]
-    sources, rows = list(trace.source_labels()), _layer_row_labels(trace)
+    sources, rows = list(trace.source_labels()), layer_labels(trace)
     n_layers = len(rows)
     fig = InlineFigure(figsize=(13, span_inches(n_layers, 0.3, 4.5, 13)), layout="constrained")
     axes = fig.subplots(1, 3, width_ratios=[1, 1, 0.75])
@@ -142,7 +154,7 @@ def block_residual_token(trace, token: int = -1, tokenizer=None) -> Figure:
     ax.set_xlim(0, 1.15)
     ax.set_xlabel("softmax weight")
     ax.set_title("final output mix  (final.attn_res)", fontsize=10)
-    fig.suptitle(f"Block attention residuals of token {_labels(trace.tokens, tokenizer)[t]}")
+    fig.suptitle(f"Block attention residuals of token {_trace_labels(trace, tokenizer)[t]}")
     return fig
 
 
@@ -153,7 +165,7 @@ def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
     however long the prompt; cell values are written while the cells are wide enough to hold them."""
     j = layer_position(trace, layer)
     w = trace.attn_res_weights()[:, j]  # [T, 2, S]
-    cols, sources = _labels(trace.tokens, tokenizer), list(trace.source_labels())
+    cols, sources = _trace_labels(trace, tokenizer), list(trace.source_labels())
     panel = min(4.0, max(1.2, 0.6 + 0.28 * len(sources)))  # inches per site: a row per source
     fig = InlineFigure(figsize=(span_inches(len(cols), 0.32, 6, 15), 1.4 + 2 * panel), layout="constrained")
     axes = fig.subplots(2, 1, sharex=True)
@@ -161,8 +173,8 @@ def block_residual_layer(trace, layer: int, tokenizer=None) -> Figure:
     for site, ax in enumerate(axes):
         if not np.isfinite(w[:, site]).any():
             ax.axis("off")
-            ax.text(0.5, 0.5, f"layer {layer} has no {('attention', 'FFN')[site]}-site mix:\n"
-                    "the block stack is still empty there", ha="center", va="center", fontsize=10)
+            ax.text(0.5, 0.5, why_no_mix(trace, layer, site).replace(": ", ":\n", 1), ha="center", va="center",
+                    fontsize=10)
             continue
         im = heatmap(ax, w[:, site].T, rows=sources, cols=cols, cmap=WEIGHT_CMAP, vmin=0.0, vmax=1.0,
                      annotate=len(cols) <= 24)
@@ -188,10 +200,15 @@ def _kda(trace):
     return np.asarray(norms, dtype=float), ids
 
 
-def _kda_position(ids: list[int], layer: int) -> int:
-    if layer not in ids:
-        raise ValueError(f"layer {layer} is not a recorded KDA layer (it has no recurrent state); KDA layers: {ids}")
-    return ids.index(layer)
+def _kda_position(trace, ids: list[int], layer: int) -> int:
+    """Layer `layer`'s column among the recorded KDA layers `ids`."""
+    if layer in ids:
+        return ids.index(layer)
+    if layer in trace.kda_layers:  # the model's kinds: a KDA layer the recorder left out is still one
+        raise ValueError(f"KDA layer {layer}: layers.{layer}.kda.state was not recorded (the Recorder's names_filter "
+                         f"left it out); recorded KDA layers: {ids}")
+    raise ValueError(f"layer {layer} is not a KDA layer (an MLA layer has no recurrent state); KDA layers: "
+                     f"{[int(i) for i in trace.kda_layers]}")
 
 
 @_takes_session
@@ -199,8 +216,8 @@ def kda_state_heatmap(trace, layer: int, tokenizer=None, vmax=None) -> Figure:
     """For one KDA layer: token x head Frobenius norm of each head's recurrent state S [K, V].
     vmax: the top of the colour scale (pass one value to several KDA figures to compare them)."""
     norms, ids = _kda(trace)
-    data = norms[:, _kda_position(ids, layer)]  # [T, H]
-    rows = _labels(trace.tokens, tokenizer)
+    data = norms[:, _kda_position(trace, ids, layer)]  # [T, H]
+    rows = _trace_labels(trace, tokenizer)
     fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
@@ -218,10 +235,10 @@ def kda_state_difference(trace_a, trace_b, layer: int, tokenizer=None, names=("a
     if list(trace_a.tokens) != list(trace_b.tokens) or ia != ib:
         raise ValueError("kda_state_difference: the two traces must hold the same tokens and KDA layers "
                          f"(got {len(trace_a.tokens)} and {len(trace_b.tokens)} tokens, KDA layers {ia} and {ib})")
-    j = _kda_position(ia, layer)
+    j = _kda_position(trace_a, ia, layer)
     data = nb[:, j] - na[:, j]  # [T, H]
     half = float(np.nanmax(np.abs(data))) if np.isfinite(data).any() else 0.0
-    rows = _labels(trace_a.tokens, tokenizer)
+    rows = _trace_labels(trace_a, tokenizer)
     fig = InlineFigure(figsize=(span_inches(data.shape[1], 0.35, 6, 13), span_inches(len(rows), 0.3, 3.5, 12)),
                        layout="constrained")
     ax = fig.subplots()
@@ -244,7 +261,7 @@ def kda_state_overview(trace, token: int = -1, tokenizer=None, vmax=None) -> Fig
     im = heatmap(ax, data, rows=[str(i) for i in ids], cols=[str(h) for h in range(data.shape[1])],
                  cmap=NORM_CMAP, vmin=0.0, vmax=vmax)
     fig.colorbar(im, ax=ax, label="‖S‖ (Frobenius)")
-    label = _labels(trace.tokens, tokenizer)[t]
+    label = _trace_labels(trace, tokenizer)[t]
     ax.set(xlabel="head", ylabel="KDA layer", title=f"KDA recurrent-state norms after token {label}")
     return fig
 
@@ -264,10 +281,10 @@ def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 4) ->
     x = np.arange(norms.shape[0])
     colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, len(layers)))
     for layer, c in zip(layers, colors, strict=True):
-        d = norms[:, _kda_position(ids, int(layer))]  # [T, H]
+        d = norms[:, _kda_position(trace, ids, int(layer))]  # [T, H]
         ax.plot(x, d.mean(axis=1), color=c, lw=1.8, marker="o" if len(x) <= 40 else None, ms=3, label=f"layer {layer}")
         ax.fill_between(x, d.min(axis=1), d.max(axis=1), color=c, alpha=0.15 if len(layers) <= 3 else 0.06, lw=0)
-    ticks(ax, "x", _labels(trace.tokens, tokenizer), rotate=True)
+    ticks(ax, "x", _trace_labels(trace, tokenizer), rotate=True)
     ax.set(xlabel="token", ylabel="‖S‖, mean over heads (band: min..max)",
            title="KDA recurrent-state norm over the prompt")
     ax.set_ylim(bottom=0)
@@ -318,7 +335,7 @@ def moe_routing_token(trace, token: int = -1, tokenizer=None) -> Figure:
                  layout="constrained")
     ax = fig.subplots()
     key = _score_panel(fig, ax, r["scores"][t], r["topk_ids"][t], r["topk_weights"][t], moe_layer_labels(r), n_experts)
-    label = _labels(trace.tokens, tokenizer)[t]
+    label = _trace_labels(trace, tokenizer)[t]
     ax.set(xlabel="expert", ylabel="MoE layer", title=f"MoE routing of token {label}\n{key}")
     return fig
 
@@ -331,7 +348,7 @@ def moe_routing_layer(trace, layer: int, tokenizer=None) -> Figure:
         raise ValueError(f"layer {layer} is not a recorded MoE layer; MoE layers: {r['moe_layers']}")
     j = r["moe_layers"].index(layer)
     n_experts = r["scores"].shape[2]
-    rows = _labels(trace.tokens, tokenizer)
+    rows = _trace_labels(trace, tokenizer)
     fig = InlineFigure(figsize=(span_inches(n_experts, 0.45, 7, 14), span_inches(len(rows), 0.32, 3.5, 12)),
                  layout="constrained")
     ax = fig.subplots()
@@ -396,7 +413,7 @@ def moe_output_norms(trace, token=None, tokenizer=None) -> Figure:
             ax.plot(x, d.mean(axis=0), color=color, marker="o", ms=4, label=f"{part} experts (mean)")
             ax.fill_between(x, d.min(axis=0), d.max(axis=0), color=color, alpha=0.15, lw=0)
     ticks(ax, "x", [str(i) for i in layers])
-    when = "over the prompt" if token is None else f"for token {_labels(trace.tokens, tokenizer)[token_index(trace, token)]}"
+    when = "over the prompt" if token is None else f"for token {_trace_labels(trace, tokenizer)[token_index(trace, token)]}"
     ax.set(xlabel="MoE layer", ylabel="output L2 norm", title=f"Routed vs shared expert output magnitude {when}")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -431,7 +448,7 @@ def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
         note = "\n(red: the token fed next)"
     else:
         note = f"\n(the token fed next, {_labels([fed_next], tokenizer, positions=False)[0]}, is not in the top {len(ids)})"
-    label = _labels(trace.tokens, tokenizer)[t]
+    label = _trace_labels(trace, tokenizer)[t]
     ax.set(xlabel="probability", title=f"Next-token predictions after {label}{note}")
     return fig
 

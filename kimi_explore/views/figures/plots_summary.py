@@ -15,7 +15,7 @@ import html
 import numpy as np
 
 from .. import summaries
-from ..common import routing, token_index, token_labels
+from ..common import routing, token_index, trace_labels
 from .mpl import InlineFigure, escape_mathtext, heatmap, span_inches, ticks
 
 __all__ = ["moe_layer_stats", "moe_sorted_counts", "topk_table_html"]
@@ -31,7 +31,7 @@ def moe_layer_stats(trace, token: int = -1, tokenizer=None):
     fig = InlineFigure(figsize=(span_inches(len(layers), 0.12, 8, 14), 7), layout="constrained")
     axes = fig.subplots(4, 1, sharex=True)
     x = np.arange(len(layers))
-    label = escape_mathtext(token_labels(trace.tokens, tokenizer)[t])
+    label = escape_mathtext(trace_labels(trace, tokenizer)[t])
     axes[0].plot(x, h[t], marker="o", ms=3, color="#1f77b4", label=f"token {label}")
     axes[0].plot(x, np.nanmean(h, axis=0), color="#999", lw=1.2, label="mean over the prompt")
     axes[0].axhline(np.log2(k), color="black", ls=":", lw=1, label=f"log2 k = {np.log2(k):.1f} (all equal)")
@@ -92,7 +92,7 @@ def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=
             cells.append(f"<td title='rank {tab['rank'][j, c]} by unbiased score'><b>{e}{star}</b> "
                          f"{tab['weights'][j, c]:.3f} / {tab['scores'][j, c]:.3f}</td>")
         rows.append(f"<tr><th>{layer}</th>{''.join(cells)}<td>{len(tab['displaced'][j])}</td></tr>")
-    label = html.escape(token_labels(trace.tokens, tokenizer)[t])
+    label = html.escape(trace_labels(trace, tokenizer)[t])
     n_bias = int(tab["by_bias"].sum())
     return (f"<p>Experts of token {label} at every MoE layer, by unbiased score: <b>id</b> combine weight / unbiased "
             f"score; <b>*</b> = chosen only through the selection bias ({n_bias} of {int((tab['ids'] >= 0).sum())}); "

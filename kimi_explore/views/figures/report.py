@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ...inspection.npz_io import write_atomically
-from ..common import bias_vectors, trace_of
+from ..common import bias_vectors, trace_labels, trace_of
 from . import plots, plots_summary
 
 __all__ = ["default_layers", "write_report"]
@@ -54,7 +54,7 @@ def default_layers(trace) -> list[int]:
 def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
     """(section, file stem, caption, figure) for every view the trace supports."""
     last = len(trace) - 1
-    label = plots.token_labels(trace.tokens, tokenizer)[last]
+    label = trace_labels(trace, tokenizer)[last]
     layer_ids = [int(i) for i in trace.layer_ids]
     show = [i for i in (layers if layers is not None else default_layers(trace)) if i in layer_ids]
     out = [("Block attention residuals", "block_residuals_last_token",
@@ -119,7 +119,7 @@ def _bias(session_or_trace) -> dict | None:
 
 def _prediction_table(trace, tokenizer, top: int = 5, max_rows: int = 64) -> str:
     ids, probs = trace["logits.top_ids"], trace["logits.top_probs"]
-    labels = plots.token_labels(trace.tokens, tokenizer)
+    labels = trace_labels(trace, tokenizer)
     rows = []
     for t in range(min(len(trace), max_rows)):
         preds = ", ".join(f"{html.escape(plots.token_labels([int(i)], tokenizer, positions=False)[0])} {p:.3f}"
