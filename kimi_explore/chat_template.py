@@ -47,10 +47,12 @@ def _content(msg: dict, where: str) -> list[str]:
     content = msg.get("content") or ""
     if isinstance(content, str):
         return [content]
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where}.content: expected a string or a list of text parts, found {content!r}")
     parts = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            raise ValueError(f"{where}.content: only text parts are rendered, found {part!r}")
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"{where}.content: only text parts {{'type': 'text', 'text': str}} are rendered, found {part!r}")
         parts.append(part["text"])
     return parts
 

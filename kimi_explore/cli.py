@@ -16,6 +16,7 @@ reads every comma-separated id list (--ids here, the Explorer's prompt field and
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,14 +48,14 @@ def parse_ids(text: str, what: str = "token ids") -> list[int]:
     Names the first piece that is not an integer and what the field holds (`what`). Also an
     argparse `type=`: its IdsError is an ArgumentTypeError, so the message is shown as written.
     """
-    ids, pieces = [], text.replace(" ", "").split(",")
+    ids, pieces = [], [piece.strip() for piece in text.split(",")]
     if pieces[-1] == "":  # "" or a trailing comma
         pieces.pop()
     for piece in pieces:
         if not piece:  # "17,,5": an id left out, not a separator typed twice
             raise IdsError(f"{what}: {text.strip()!r} has an empty piece between commas (expected comma-separated "
                            "integers like 17,203,5)")
-        if not piece.lstrip("-").isdigit():
+        if not re.fullmatch(r"-?[0-9]+", piece):  # "17 203" is not 17203; "--5" and "²" are not integers either
             raise IdsError(f"{what}: {piece!r} is not an integer (expected comma-separated integers like 17,203,5)")
         ids.append(int(piece))
     return ids
@@ -225,7 +226,7 @@ def run(args) -> int:
         times.append((time.perf_counter() - t1) * 1e3)
         p = np.exp(logits - logits.max())
         p /= p.sum()
-        top = np.argsort(-p)[: args.top]
+        top = np.argsort(-logits, kind="stable")[: args.top]  # top[0] is argmax: Session.generate's greedy token
         preds = "  ".join(f"{_label(tok, int(i))} {p[i]:.3f}" for i in top)
         mark = "" if step < len(ids) else "+"
         print(f"{step:>4}{mark:1} {_label(tok, t):<14} {times[-1]:7.2f}   {preds}")

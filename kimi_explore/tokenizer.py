@@ -68,11 +68,12 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing or malformed, or an id/name is not in the vocabulary."""
 
 
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}  # a backslash doubled: the text \n is not a newline
 
 
 def _label_bytes(raw: bytes) -> str:
-    """Readable label: printable text as itself, \\n/\\t/\\r, other controls as \\xNN, broken UTF-8 as <0xNN>."""
+    """Readable label: printable text as itself, \\n/\\t/\\r, a backslash as \\\\, other controls as \\xNN, broken
+    UTF-8 as <0xNN>."""
     out = []
     text = raw.decode("utf-8", errors="surrogateescape")   # undecodable bytes -> U+DC80..U+DCFF
     for ch in text:
@@ -125,8 +126,12 @@ class ByteTokenizer:
         return {}
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        """`allow_special` is accepted for symmetry with KimiTokenizer; there are no special tokens."""
-        return list(text.encode("utf-8"))
+        """`allow_special` is accepted for symmetry with KimiTokenizer; there are no special tokens. A lone
+        surrogate (not text UTF-8 can hold) becomes U+FFFD, as KimiTokenizer's tiktoken makes it."""
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError:  # a pair written as two surrogates joins; a lone one is replaced
+            return list(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8"))
 
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")

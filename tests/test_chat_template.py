@@ -49,7 +49,11 @@ def test_render_chat_assistant_history_and_escaping():
     ({}, [{"role": "tool", "content": "18C"}], r"messages\[0\]"),
     ({}, [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "tool"),
     ({}, [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "text parts"),
-], ids=["medium_effort", "tool_role", "tool_calls", "image_part"])
+    # these failed with a bare TypeError / KeyError naming no message, or (text None) dropped the part silently
+    ({}, [{"role": "user", "content": 5}], r"messages\[0\]\.content: expected a string or a list of text parts"),
+    ({}, [{"role": "user", "content": [{"type": "text"}]}], r"messages\[0\]\.content: only text parts"),
+    ({}, [{"role": "user", "content": [{"type": "text", "text": None}]}], r"messages\[0\]\.content: only text parts"),
+], ids=["medium_effort", "tool_role", "tool_calls", "image_part", "int_content", "part_without_text", "text_none"])
 def test_render_chat_refuses_what_it_does_not_render(kwargs, msgs, match):
     with pytest.raises(ValueError, match=match):
         render_chat(msgs, **kwargs)

@@ -258,3 +258,51 @@ def test_an_interrupt_while_waiting_for_the_stages_leaves_the_pipeline_usable(pa
 
 def _feed_into(out: list, session, tokens) -> None:
     out.append(session.feed(tokens))
+
+
+def test_a_hook_set_that_failed_to_reach_every_stage_is_not_left_on_any(path, weights):
+    """A hook that cannot be pickled failed on the second stage after the first had taken the new set; the
+    pipeline still thought the old set was on every stage, so once the `with intervene` block ended the first
+    stage kept doubling a layer's output at every later token (logits off by ~1), silently."""
+    import threading
+
+    lock = threading.Lock()
+    doubled = ke.Hooks()
+    doubled.add("layers.1.ffn.out", lambda v, *, hook: v * 2)  # stage 0
+    doubled.add("layers.12.ffn.out", lambda v, *, hook: lock and None)  # stage 1: a lock cannot be pickled
+    with ke.RayPipeline(path, stages=2) as pipe:
+        s, ref = ke.Session(pipe), ke.Session(weights)
+        s.feed(TOKENS[:8], progress=False)
+        ref.feed(TOKENS[:8], progress=False)
+        with pytest.raises(TypeError), s.intervene(doubled):
+            s.step(TOKENS[8])
+        assert len(s) == 8
+        for t in TOKENS[8:]:
+            np.testing.assert_array_equal(s.step(t), ref.step(t))
+
+
+def test_stages_the_cluster_can_never_schedule_are_refused_not_waited_for(path):
+    """device='gpu' on a cluster without GPUs, num_cpus=2 per stage on 2 CPUs, or a resource no node has: the
+    actors waited forever."""
+    with pytest.raises(ValueError, match=r"RayPipeline: 2 stage\(s\) need more than the Ray cluster has \(CPU: 2 x 2 "
+                                         r"= 4, the cluster has 2\)"):
+        ke.RayPipeline(path, stages=2, actor_options={"num_cpus": 2})
+    with pytest.raises(ValueError, match=r"\(no_node_has_this: 2 x 1 = 2, the cluster has 0\)"):
+        ke.RayPipeline(path, stages=2, actor_options={"resources": {"no_node_has_this": 1}})
+
+
+def test_a_closed_pipeline_says_so_and_other_arguments_are_named(path, weights):
+    """After close() a step said the stages were lost and recover() restarted them; a KimiDecodeState failed with an
+    AttributeError; stages=np.int64(2) was refused as not a stage count."""
+    from kimi_explore.distributed.pipeline import split_layers
+
+    assert split_layers(list(range(4)), np.int64(2)) == [[0, 1], [2, 3]]
+    pipe = ke.RayPipeline(path, stages=2)
+    with pytest.raises(TypeError, match=r"expected this pipeline's state \(pipeline.new_state\(\)\), got KimiDecodeState"):
+        pipe.forward_token(weights.new_state(), 5)
+    s = ke.Session(pipe)
+    s.step(5)
+    pipe.close()
+    for call in (lambda: s.step(6), s.recover):
+        with pytest.raises(ke.StageLostError, match="was closed: its stages are stopped; start a new RayPipeline"):
+            call()

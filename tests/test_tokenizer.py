@@ -245,6 +245,16 @@ def test_token_labels(tok):
     assert tok.token_label(tok.encode("漢字")[0]) == "漢字"
     assert tok.token_label(tok.encode(" ")[0]) == " "
     assert tok.token_label(tok.encode("\x07")[0]) == "\\x07"
+    assert tok.token_label(tok.encode("\\")[0]) == "\\\\"  # else the text \n labels as the newline does
+
+
+def test_the_byte_tokenizer_replaces_a_lone_surrogate_as_tiktoken_does():
+    """ByteTokenizer raised UnicodeEncodeError where KimiTokenizer's tiktoken gives U+FFFD."""
+    from kimi_explore import ByteTokenizer
+
+    t = ByteTokenizer()
+    assert t.encode("a\ud800b") == list("a\ufffdb".encode())
+    assert t.encode("\ud83d\ude00") == list("\U0001f600".encode())  # a pair given as two surrogates joins
 
 
 # ---- long-input chunking ----

@@ -29,6 +29,7 @@ history, and `session.recover()` restarts the stage from its shards and replays 
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import weakref
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ __all__ = ["PipelineState", "RayPipeline", "StageLostError", "split_layers"]
 def split_layers(layer_ids: list[int], stages) -> list[list[int]]:
     """`stages`: a count (contiguous, as equal as can be, earlier stages one longer) or a list of layer
     ranges/lists whose concatenation is strictly increasing. Returns each stage's layer ids."""
-    if isinstance(stages, int) and not isinstance(stages, bool):
+    if isinstance(stages, numbers.Integral) and not isinstance(stages, (bool, np.bool_)):
+        stages = int(stages)
         if not 1 <= stages <= len(layer_ids):
             raise ValueError(f"RayPipeline: stages={stages}: expected 1..{len(layer_ids)} (one layer per stage at most "
                              f"for {len(layer_ids)} layers)")
@@ -156,7 +158,9 @@ class RayPipeline(LayerSequence):
         # BLAS's matrix products (the sequence path) round differently with another thread count: the stages
         # use this process's, which Ray would otherwise set to 1, so that chunks decode as in one process
         options["runtime_env"] = {"env_vars": blas_threads_env()}
-        self._actor_class = ray.remote(Stage).options(**{**options, **(actor_options or {})})
+        options = {**options, **(actor_options or {})}
+        _check_resources(options, len(parts), ray.cluster_resources())
+        self._actor_class = ray.remote(Stage).options(**options)
         names = hook_names(self)
         kw = {**load_kwargs, "device": device, "progress": False}
         self.stages = []
@@ -168,6 +172,7 @@ class RayPipeline(LayerSequence):
             self.stages.append(_StageRef(k, stage_ids, spec, names=frozenset(own)))
         self._ids = itertools.count(1)
         self._configured = None  # what the stages' hooks and recorders were last set to
+        self._closed = False  # `close()`d: the stages are stopped for good (not lost: `recover` does not restart them)
         self._graph = None  # the compiled Ray graph of one token through every stage
         self._head = None  # the output head, copied from the last stage once (`head`)
         self._garbage: list = []  # (state ids, epochs) of collected PipelineStates, to drop on their stages
@@ -374,7 +379,8 @@ class RayPipeline(LayerSequence):
         key = (handles, recorder, rec_handles)
         last = self._configured
         if last is None or not (_same(last[0], handles) and last[1] is recorder and _same(last[2], rec_handles)):
-            calls = []
+            self._configured = None  # until every stage has the new set: a failure (a hook that cannot be pickled,
+            calls = []  # an interrupt) leaves the stages before it configured, so the next call configures them all
             for s in self.stages:
                 mine = [_spec(h) for h in handles if any(h.matches(n) for n in s.names)]
                 rec = None
@@ -416,6 +422,8 @@ class RayPipeline(LayerSequence):
     def restart_lost_stages(self) -> list[int]:
         """Restart every stage whose process is gone (probing all of them first); returns their numbers."""
         import ray
+
+        self._refuse_if_closed()
 
         for s in self.stages:
             if not s.lost:
@@ -460,12 +468,16 @@ class RayPipeline(LayerSequence):
     def _check_alive(self) -> None:
         if self._garbage:
             self._drop_garbage()
+        self._refuse_if_closed()
         lost = [s.describe() for s in self.stages if s.lost]
         if lost:
             raise StageLostError(f"{', '.join(lost)} of {self.source!r} is lost: call session.recover() (or "
                                  "pipeline.restart_lost_stages()) first")
 
     def _check(self, state: PipelineState) -> None:
+        if not isinstance(state, PipelineState):
+            raise TypeError(f"RayPipeline: expected this pipeline's state (pipeline.new_state()), got {type(state).__name__}"
+                            " (a KimiDecodeState is a model's in one process)")
         if state.pipeline is not self:
             raise ValueError("this PipelineState belongs to another pipeline")
         self._check_alive()
@@ -474,6 +486,11 @@ class RayPipeline(LayerSequence):
             raise StageLostError(f"this state's part on {', '.join(stale)} was lost when the stage restarted; "
                                  "session.recover() rebuilds the session's states")
         refuse_broken(state)
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise StageLostError(f"this pipeline of {self.source!r} was closed: its stages are stopped; start a new "
+                                 "RayPipeline")
 
     def close(self) -> None:
         """Stop every stage actor (the Ray runtime stays up)."""
@@ -485,6 +502,7 @@ class RayPipeline(LayerSequence):
                 ray.kill(s.actor)
                 s.actor = None
             s.lost = True
+        self._closed = True
 
     def __enter__(self) -> RayPipeline:
         return self
@@ -505,6 +523,19 @@ def _spec(handle) -> tuple:
     stage would call a chunk-aware hook token by token and run its layer token by token, unlike one process."""
     return handle.pattern, handle.names_filter, handle.fn, handle.chunks
 
+
+def _check_resources(options: dict, stages: int, cluster: dict) -> None:
+    """Refuse stages that the Ray cluster can never schedule: each stage's actor holds its resources
+    (`actor_options`) for its lifetime, and one that does not fit waits forever, so a pipeline asking for more
+    than the cluster has would hang at start instead of failing."""
+    wants = {"CPU": options.get("num_cpus") or 0, "GPU": options.get("num_gpus") or 0,
+             "memory": options.get("memory") or 0, **(options.get("resources") or {})}
+    short = [f"{name}: {stages} x {amount} = {stages * amount:g}, the cluster has {cluster.get(name, 0):g}"
+             for name, amount in wants.items() if amount and stages * amount > cluster.get(name, 0)]
+    if short:
+        raise ValueError(f"RayPipeline: {stages} stage(s) need more than the Ray cluster has ({'; '.join(short)}): "
+                         "they could never start (device='gpu' needs a GPU per stage; lower actor_options, or fewer "
+                         "stages)")
 
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
