@@ -306,3 +306,15 @@ def test_a_closed_pipeline_says_so_and_other_arguments_are_named(path, weights):
     for call in (lambda: s.step(6), s.recover):
         with pytest.raises(ke.StageLostError, match="was closed: its stages are stopped; start a new RayPipeline"):
             call()
+
+
+def test_stages_get_the_blas_threads_this_process_may_run_on(monkeypatch):
+    """The stages were given the machine's core count while this process, pinned to fewer cores (taskset),
+    ran OpenBLAS on as many threads as it may use: another summation order in their matrix products."""
+    from kimi_explore.distributed.pipeline import blas_threads_env
+
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert blas_threads_env() == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}

@@ -513,8 +513,10 @@ class RayPipeline(LayerSequence):
 
 def blas_threads_env() -> dict:
     """The BLAS thread count of this process as environment variables for a stage's process: what the user
-    set (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS), else OpenBLAS's default, one thread per core."""
-    n = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+    set (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS), else OpenBLAS's default, one thread per core this process may
+    run on (its affinity: under `taskset -c 0` one, not the machine's count)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or str(cores or 1)
     return {"OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
 
 
