@@ -1,6 +1,6 @@
 """What hooks and recording cost per token on the tiny models.
 
-    python bench/hooks.py [--rounds 40] [--block 24] [--device cpu] [--json bench/results/hooks.json]
+    python bench/hooks.py [--rounds 40] [--block 32] [--device cpu] [--json bench/results/hooks.json]
 
 Configurations, each decoding the same `block` tokens from a fresh state in every round, interleaved
 token by token (each steps the same token in turn) so machine noise hits them alike:

@@ -73,14 +73,20 @@ def measure(path, stage_counts, tokens: int) -> list[dict]:
     return rows
 
 
-def k3_bytes_per_token() -> dict:
-    """Bytes one K3 token moves: per hop (after layer i), the records per layer kind, the logits."""
+def k3_config():
+    """K3's text config (896 experts, vocabulary 163,840), as `k3_shapes` writes it."""
     from k3_shapes import k3_text_config
 
-    from kimi_explore.model.block_residual import SourceBuffer
     from kimi_explore.model.config import KimiDecoderConfig
 
-    cfg = KimiDecoderConfig.from_dict(k3_text_config(896, 163840))
+    return KimiDecoderConfig.from_dict(k3_text_config(896, 163840))
+
+
+def k3_bytes_per_token() -> dict:
+    """Bytes one K3 token moves: per hop (after layer i), the records per layer kind, the logits."""
+    from kimi_explore.model.block_residual import SourceBuffer
+
+    cfg = k3_config()
     d, H, E, k = cfg.hidden_size, cfg.linear_attn_config.num_heads, cfg.num_experts, cfg.num_experts_per_token
     hop = {}
     for n in range(0, 9):  # sealed blocks when the hop happens: 0..8 for K3's 93 layers in blocks of 12
@@ -108,12 +114,9 @@ def k3_bytes_per_token() -> dict:
 def k3_layer_bytes() -> tuple[list[dict], int, int]:
     """Per layer: resident trunk bytes (bf16 matrices, f32 vectors as on disk) and routed expert bytes
     (MXFP4: a nibble per weight + a scale byte per 32); the global tensors; one token's expert reads."""
-    from k3_shapes import k3_text_config
-
-    from kimi_explore.model.config import KimiDecoderConfig
     from kimi_explore.weights import checkpoint_table as table
 
-    cfg = KimiDecoderConfig.from_dict(k3_text_config(896, 163840))
+    cfg = k3_config()
     layers = [{"trunk": 0, "experts": 0, "kind": cfg.layer_kind(i)} for i in range(93)]
     glob = 0
     for t in table.plan(cfg):
@@ -125,6 +128,26 @@ def k3_layer_bytes() -> tuple[list[dict], int, int]:
             layers[t.layer]["experts" if t.expert is not None else "trunk"] += b
     one_expert = layers[1]["experts"] // cfg.num_experts
     return layers, glob, one_expert * cfg.num_experts_per_token
+
+
+def largest_bf16_matrix(cfg, layer_ids) -> int:
+    """Elements of the largest bf16 matrix the loader keeps for these layers: projections fused as `records`
+    fuses them (a fused record field whose parts are all BF16 matrices), what its float32 widening scratch holds."""
+    from kimi_explore.weights import checkpoint_table as table
+
+    best = 0
+    for i in layer_ids:
+        for kind in table.layer_kinds(cfg, i):
+            present = {r.key for r in kind.present(cfg)}
+            in_fused = {k for keys in kind.fused.values() for k in keys}
+            for keys in [*kind.fused.values(), *((k,) for k in present - in_fused)]:
+                rows = [kind.row(k) for k in keys if k in present]
+                shapes = [kind.shape(cfg, r.key) for r in rows]
+                matrices = all(r.dtype == table.BF16 and "{e}" not in r.name and len(s) == 2
+                               for r, s in zip(rows, shapes, strict=True))
+                if rows and matrices:
+                    best = max(best, sum(s[0] for s in shapes) * shapes[0][1])
+    return best
 
 
 def split_by_bytes(sizes: list[int], parts: int) -> list[range]:
@@ -141,6 +164,7 @@ def split_by_bytes(sizes: list[int], parts: int) -> list[range]:
 
 def plan(state_per_layer: float) -> list[dict]:
     layers, glob, expert_reads = k3_layer_bytes()
+    cfg, hop_bytes = k3_config(), max(k3_bytes_per_token()["hop_bytes_by_sealed_blocks"].values())
     embed = lm_head = glob // 2
     plans = []
     # A: 16 x H200 on 2 hosts, everything resident on the GPUs
@@ -153,9 +177,9 @@ def plan(state_per_layer: float) -> list[dict]:
             trunk = sum(layers[i]["trunk"] for i in r) + (embed if k == 0 else 0) + (lm_head if k == stages - 1 else 0)
             experts = sum(layers[i]["experts"] for i in r)
             n_moe = sum(layers[i]["kind"].endswith("moe") for i in r)
-            # widening scratch of the largest bf16 matrix, as float32 (lm_head on the last stage; the
-            # dense MLP's 33792 x 7168 on the first; a KDA/MLA projection elsewhere)
-            scratch = 2 * lm_head if k == stages - 1 else 4 * 33792 * 7168 if k == 0 else 4 * 12288 * 7168
+            # widening scratch of the largest bf16 matrix, as float32 (lm_head on the last stage; else the
+            # largest fused projection: the dense MLP's gate_up on the first, KDA's in_proj elsewhere)
+            scratch = max(2 * lm_head if k == stages - 1 else 0, 4 * largest_bf16_matrix(cfg, r))
             device = trunk + (experts if experts_on_gpu else 0) + state_per_layer * len(r) + scratch
             # bytes read per token from HBM (or copied over PCIe): the whole trunk but the embedding (one row)
             read = trunk - (embed if k == 0 else 0) + n_moe * expert_reads
@@ -164,7 +188,7 @@ def plan(state_per_layer: float) -> list[dict]:
             rows.append({"stage": k, "layers": f"{r.start}-{r.stop - 1}", "n_layers": len(r), "device_bytes": device,
                          "host_mapped_bytes": 0 if experts_on_gpu else experts, "read_bytes": read,
                          "floor_ms": (t_hbm + t_pcie) * 1e3, "fits": device < H200_BYTES * 0.95})
-        hops = (stages - 1) * NET_LATENCY_S * 1e3 + (stages - 1) * 287_000 / 25e9 * 1e3
+        hops = (stages - 1) * NET_LATENCY_S * 1e3 + (stages - 1) * hop_bytes / 25e9 * 1e3
         plans.append({"plan": name, "stages": rows, "floor_ms_per_token": sum(r["floor_ms"] for r in rows) + hops,
                       "hop_ms": hops})
     return plans

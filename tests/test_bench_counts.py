@@ -49,3 +49,18 @@ def test_prefill_floor_counts_match_a_count_by_hand(T, macs, trans):
     cfg = json.loads((Path(path) / "config.json").read_text())["text_config"]
     assert hand_count(cfg, T) == (macs, trans)
     assert prefill.floor_counts(from_pretrained(path, device="cpu"), T) == (macs, trans)
+
+
+def test_the_pipeline_plans_scratch_is_the_largest_matrix_the_loader_widens():
+    """bench/pipeline.py sized each stage's widening scratch from unfused shapes (a KDA projection, the dense MLP's
+    gate), while the loader widens its fused matrices (KDA's in_proj, gate_up): ~1 GB per GPU low at K3. Its count,
+    against the scratch the loader reserves for the same layers."""
+    import pipeline  # bench/pipeline.py
+
+    from kimi_explore import memory_report
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+    for layers in ([0], [1, 2], [3], [4, 5]):  # dense, KDA + MoE, MLA + MoE
+        w = from_pretrained(random_tiny_checkpoint(), device="cpu", layers=layers, head=False, weight_dtype="bfloat16",
+                            bf16_matvec="widen")
+        assert 4 * pipeline.largest_bf16_matrix(w.config, layers) == memory_report(w)["bf16 widening scratch"], layers

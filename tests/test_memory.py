@@ -168,3 +168,11 @@ def test_session_fingerprint_sees_the_same_weights_whatever_their_resident_form(
     assert weights_fingerprint(bf16) == before
     decode(f32, TOKENS[:3])  # fills the expert caches
     assert weights_fingerprint(f32) == before
+
+
+def test_float64_bf16_weights_reserve_no_float32_scratch():
+    """In float64 a bf16 matrix widens afresh (never into the float32 scratch), yet the scratch was reserved and
+    counted: at K3 an lm_head-sized 4.7 GB the report called resident and nothing ever used."""
+    w = from_pretrained(random_tiny_checkpoint(), device="cpu", dtype="float64", weight_dtype="bfloat16", layers=[1, 2])
+    decode(w, TOKENS[:3])
+    assert memory_report(w)["bf16 widening scratch"] == 0

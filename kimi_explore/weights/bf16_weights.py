@@ -142,6 +142,11 @@ class Bf16Matrix(Bf16Array):
         """Whether `W @ vector` runs the compiled kernel (else the widening route)."""
         return self.kernel is not False and self.can_use_kernel()
 
+    @property
+    def uses_scratch(self) -> bool:
+        """Whether its products widen into the shared scratch (the widening route in float32; float64 widens afresh)."""
+        return self.dtype == np.float32 and not self.uses_kernel
+
     def widened(self):
         """The full matrix in `dtype` (float32: a view of the shared scratch, valid until its next use)."""
         if self.dtype == np.float32:

@@ -139,8 +139,9 @@ class DownloadPlan:
         shards = ", ".join(self.shards) if len(self.shards) <= 6 else f"{', '.join(self.shards[:3])}, ..., {self.shards[-1]}"
         size = _human(self.bytes) + (f" (+{len(self.unknown)} file(s) of unknown size)" if self.unknown else "")
         todo = self.to_fetch
-        fetch = (f"{_human(self.bytes_to_fetch)} in {len(todo)} file(s) to download" if todo
-                 else "all cached, nothing to download")
+        unsized = [f for f in todo if self.sizes.get(f) is None]
+        fetch = (f"{_human(self.bytes_to_fetch)}{f' (+{len(unsized)} of unknown size)' if unsized else ''} in {len(todo)} "
+                 "file(s) to download" if todo else "all cached, nothing to download")
         source = f" (cache only: {self.offline})" if self.offline else ""
         return (f"{self.repo_id}{at}: layers {lay} need {len(self.shards)} of {self.total_shards} weight shard(s) "
                 f"[{shards}], {len(self.files)} files, {size} in all; {fetch}{source}")

@@ -85,7 +85,7 @@ class _Builder:
         if not bits:
             return dev
         m = Bf16Matrix(dev, self.scratch, self.dtype, kernel=self.o.bf16_kernel, pool=self.workspace.pool)
-        if not by_rows and not m.uses_kernel:  # the widening route needs the scratch; reserve it now
+        if not by_rows and m.uses_scratch:  # the widening route in float32 needs the scratch; reserve it now
             self.scratch.reserve(dev.size)
         return m
 
