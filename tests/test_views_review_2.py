@@ -261,3 +261,24 @@ def test_a_block_source_ablation_that_cannot_change_anything_says_why(trained_we
             "(not sealed yet there): nothing masked there") in a.note.value
     a.layers.value = "this"  # layer 6 reads block 1 at both mixes: nothing to say
     assert ex.ablate() is not None and "not read" not in a.note.value
+
+
+def test_the_reports_pushed_out_column_names_the_experts(trained_weights, tok):
+    """The column held how many experts the bias pushed out, under a heading that reads as expert ids: a row
+    "... | 1" named expert 1 (chosen), where expert 12 was the one pushed out."""
+    from kimi_explore.views.common import bias_vectors
+    from kimi_explore.views.figures.plots_summary import routing
+
+    s = ke.Session(trained_weights, tokenizer=tok)
+    s.feed("def f(x):\n    return x + 1\n")
+    r, bias = routing(s.trace()), bias_vectors(trained_weights)
+    html = plots_summary.topk_table_html(s.trace(), 0, bias, tok)
+    rows = html.split("<tr>")[2:]
+    assert len(rows) == len(r["moe_layers"])
+    for j, row in enumerate(rows):
+        ids, scores = r["topk_ids"][0, j], r["scores"][0, j]
+        unbiased = set(np.argsort(-scores, kind="stable")[: len(ids)].tolist())  # the top-k without the bias
+        out = sorted(unbiased - set(ids.tolist()))
+        last = row.rsplit("<td>", 1)[1].split("</td>")[0]
+        assert last == (", ".join(f"{e} ({scores[e]:.3f})" for e in out) or "none"), (j, last)
+    assert any(row.rsplit("<td>", 1)[1] != "none</td></tr>" for row in rows)  # something was pushed out here

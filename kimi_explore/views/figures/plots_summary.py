@@ -91,10 +91,11 @@ def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=
             star = "*" if tab["by_bias"][j, c] else ""
             cells.append(f"<td title='rank {tab['rank'][j, c]} by unbiased score'><b>{e}{star}</b> "
                          f"{tab['weights'][j, c]:.3f} / {tab['scores'][j, c]:.3f}</td>")
-        rows.append(f"<tr><th>{layer}</th>{''.join(cells)}<td>{len(tab['displaced'][j])}</td></tr>")
+        out = ", ".join(f"{e} ({score:.3f})" for e, score in tab["displaced"][j]) or "none"  # ids: a count read as one
+        rows.append(f"<tr><th>{layer}</th>{''.join(cells)}<td>{out}</td></tr>")
     label = html.escape(trace_labels(trace, tokenizer)[t])
     n_bias = int(tab["by_bias"].sum())
     return (f"<p>Experts of token {label} at every MoE layer, by unbiased score: <b>id</b> combine weight / unbiased "
             f"score; <b>*</b> = chosen only through the selection bias ({n_bias} of {int((tab['ids'] >= 0).sum())}); "
-            "last column: experts of the unbiased top-k that the bias pushed out.</p>"
+            "last column: experts of the unbiased top-k that the bias pushed out (id (unbiased score)).</p>"
             f"<div class='wide'><table><tr><th>layer</th>{head}<th>pushed out</th></tr>{''.join(rows)}</table></div>")
