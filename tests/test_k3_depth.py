@@ -60,3 +60,16 @@ def test_make_tiny_refuses_bad_sizes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["make-tiny", "--top-k", "50", "--experts", "40", "--out", str(tmp_path / "x")])
     assert "--top-k must be in 1..--experts (40), got 50" in capsys.readouterr().err
+
+
+def test_shards_are_numbered_among_those_written(tmp_path):
+    """6 layers over 8 shards writes 7 files (one shard has no layer); they were named '-of-00008', with a number
+    skipped, as if a file were missing."""
+    import json
+
+    from kimi_explore.weights.k3_depth import write_k3_depth
+
+    path = write_k3_depth(tmp_path / "k3", layers=6, experts=8, top_k=2)
+    files = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert files == [f"model-{j:05d}-of-{len(files):05d}.safetensors" for j in range(1, len(files) + 1)]
+    assert sorted(p.name for p in path.glob("*.safetensors")) == files

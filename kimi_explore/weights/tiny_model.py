@@ -242,8 +242,10 @@ def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, 
         groups: dict[int, dict] = {}
         for name, a in tensors.items():
             groups.setdefault(_shard_key(name[len(prefix):], n_layers, shards), {})[name] = a
-        names = {k: "model.safetensors" if shards == 1 else f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-                 for k in groups}
+        # numbered among the shards written: fewer layers than shards leaves some empty, and "-of-00008" over 7
+        # files would say a file is missing
+        names = {k: "model.safetensors" if shards == 1 else f"model-{j + 1:05d}-of-{len(groups):05d}.safetensors"
+                 for j, k in enumerate(sorted(groups))}
         weight_map = {}
         for k, group in sorted(groups.items()):
             files[names[k]] = group
