@@ -6,7 +6,7 @@ and what was found.
 
 from __future__ import annotations
 
-__all__ = ["BackendError", "CheckpointError", "ConfigError", "StageLostError"]
+__all__ = ["BackendError", "CheckpointError", "ConfigError", "StageLostError", "listed"]
 
 
 class ConfigError(ValueError):
@@ -23,3 +23,10 @@ class BackendError(RuntimeError):
 
 class StageLostError(RuntimeError):
     """A pipeline stage's process is gone (killed, crashed, its node lost). `session.recover()` rebuilds it."""
+
+
+def listed(items, at_most: int = 12) -> str:
+    """'a, b, c (and 9 more)': the first `at_most` of `items` for an error message, and how many were left out."""
+    items = [str(x) for x in items]
+    more = f" (and {len(items) - at_most} more)" if len(items) > at_most else ""
+    return ", ".join(items[:at_most]) + more

@@ -66,15 +66,14 @@ from .trace import window_slice
 _SERVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _serve(obj, session, what: str) -> None:
-    """Give `obj` (the `what` argument) to `session`, refusing one that serves another live Session: two sessions
-    would write one recorder's records (each trace holding the other's tokens, one's `back` cutting the other's)
-    or share one `with intervene` block (one session decoding under the other's interventions)."""
-    owner = _SERVES.get(obj)
-    if owner is not None and owner() is not None and owner() is not session:
+def _refuse_if_served(obj, what: str) -> None:
+    """Refuse a Recorder or Hooks (the `what` argument) that serves another live Session: two sessions would write
+    one recorder's records (each trace holding the other's tokens, one's `back` cutting the other's) or share one
+    `with intervene` block (one session decoding under the other's interventions)."""
+    owner = _SERVES.get(obj) if obj is not None else None
+    if owner is not None and owner() is not None:
         raise ValueError(f"Session: {what}: this {type(obj).__name__} already serves another Session (its records and "
                          f"interventions would be both sessions'); pass each Session its own: {what}.copy(), or a new one")
-    _SERVES[obj] = weakref.ref(session)
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -105,19 +104,17 @@ class Session:
                              "Recorder, or call recorder.clear_records() first")
         if hooks is not None and not isinstance(hooks, Hooks):
             raise TypeError(f"Session: hooks: {hooks_expected(hooks)}")
-        for what, obj in (("recorder", recorder), ("hooks", hooks)):  # all checked before either is taken
-            owner = _SERVES.get(obj) if obj is not None else None
-            if owner is not None and owner() is not None:
-                _serve(obj, self, what)  # raises
+        _refuse_if_served(recorder, "recorder")  # both checked before either is bound
+        _refuse_if_served(hooks, "hooks")
         self.recorder = recorder.bind(weights) if recorder is not None else None
         if isinstance(tokenizer, (str, Path)) or (tokenizer is not None and not callable(getattr(tokenizer, "decode", None))):
             raise TypeError(f"Session: tokenizer: expected a tokenizer (ke.load_tokenizer(weights)), got "
                             f"{type(tokenizer).__name__}" + (" (a path: load it with ke.load_tokenizer(path))"
                                                              if isinstance(tokenizer, (str, Path)) else ""))
         self.hooks = (hooks if hooks is not None else Hooks()).bind(weights)
-        for what, obj in (("recorder", self.recorder), ("hooks", self.hooks)):
+        for obj in (self.recorder, self.hooks):
             if obj is not None:
-                _serve(obj, self, what)
+                _SERVES[obj] = weakref.ref(self)
         if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
             raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every

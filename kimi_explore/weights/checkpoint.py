@@ -25,7 +25,7 @@ from pathlib import Path, PurePath
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, listed
 from ..model.config import KimiDecoderConfig
 from . import checkpoint_table as table
 from . import mxfp4
@@ -54,9 +54,8 @@ class CheckpointDir:
                 raise CheckpointError(f"{index}: not a valid safetensors index (need a 'weight_map' object): {e}") from None
             bad = [(k, v) for k, v in self.weight_map.items() if not _inside(v)]
             if bad:
-                shown = ", ".join(f"{k!r}: {v!r}" for k, v in bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
                 raise CheckpointError(f"{index}: weight_map must name shard files inside {self.path} (relative paths, no "
-                                      f"'..'), found {shown}")
+                                      f"'..'), found {listed((f'{k!r}: {v!r}' for k, v in bad), 4)}")
         elif (self.path / SINGLE_FILE).exists():
             single = self.open(SINGLE_FILE)
             self.weight_map = {k: SINGLE_FILE for k in single.keys()}
@@ -125,11 +124,8 @@ def shards_needed(ckpt: CheckpointDir, plan: dict[str, tuple]) -> dict[str, list
     """
     missing = [n for n in plan if not ckpt.has(n)]
     if missing:
-        shown = ", ".join(ckpt.full(n) for n in missing[:12])
-        more = f" (and {len(missing) - 12} more)" if len(missing) > 12 else ""
-        raise CheckpointError(
-            f"{ckpt.path}: {len(missing)} tensor(s) the config requires are not in the weight map: {shown}{more}"
-        )
+        raise CheckpointError(f"{ckpt.path}: {len(missing)} tensor(s) the config requires are not in the weight map: "
+                              f"{listed(ckpt.full(n) for n in missing)}")
     by_shard: dict[str, set] = {}
     for n in plan:
         layer = _layer_of(n)
@@ -195,11 +191,14 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
             if ckpt.has(t.name) and any(ckpt.has(n) for n in table.mxfp4_names(t.name)):
                 both.append(ckpt.full(t.name))
     if both:
-        shown = ", ".join(both[:6]) + (f" (and {len(both) - 6} more)" if len(both) > 6 else "")
         raise CheckpointError(f"{ckpt.path}: {len(both)} routed expert weight(s) are in the weight map both dense and as "
-                              f"an MXFP4 pair (weight_packed, weight_scale), two versions of one tensor; keep one: {shown}")
-    extra = [n for n in ckpt.weight_map if _language_model(ckpt, n)
-             and not (n.startswith(ckpt.prefix) and (n[len(ckpt.prefix):] in allowed or _mtp_layer(cfg, n[len(ckpt.prefix):])))]
+                              f"an MXFP4 pair (weight_packed, weight_scale), two versions of one tensor; keep one: "
+                              f"{listed(both, 6)}")
+    def accounted(full: str) -> bool:  # under the prefix, and read by the model (or an MTP layer it declares)
+        name = full[len(ckpt.prefix):]
+        return full.startswith(ckpt.prefix) and (name in allowed or _mtp_layer(cfg, name))
+
+    extra = [n for n in ckpt.weight_map if _language_model(ckpt, n) and not accounted(n)]
     if not extra:
         return
     hints = []
@@ -216,10 +215,9 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
                      f"{cfg.num_nextn_predict_layers} MTP layers after them), but the checkpoint has layers {layers}")
     hint = "; ".join(hints) or ("check tie_word_embeddings, num_hidden_layers, mla_use_output_gate, "
                                 "latent_moe_use_norm and the layer lists")
-    shown = ", ".join(extra[:12]) + (f" (and {len(extra) - 12} more)" if len(extra) > 12 else "")
     raise CheckpointError(
         f"{ckpt.path}: {len(extra)} tensor(s) in the weight map are not part of the model config.json describes, "
-        f"so config.json and the weights disagree ({hint}): {shown}"
+        f"so config.json and the weights disagree ({hint}): {listed(extra)}"
     )
 
 

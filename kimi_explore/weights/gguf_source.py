@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, listed
 from ..model.latent_moe import DenseExperts
 from . import checkpoint_table as table
 from . import ggml_quants
@@ -165,9 +165,8 @@ class GgufSource(TensorSource):
                     bad.append(f"tensor '{name}' is {code}, read only through the optional `gguf` package: "
                                "pip install 'kimi-explore[gguf]'")
         if missing:
-            more = f" (and {len(missing) - 12} more)" if len(missing) > 12 else ""
             raise CheckpointError(f"{self.path}: {len(missing)} tensor(s) the config requires are not in the GGUF: "
-                                  f"{', '.join(missing[:12])}{more}")
+                                  f"{listed(missing)}")
         if bad:
             raise CheckpointError(f"{self.path}: " + "; ".join(bad))
         self._check_no_unexpected()
@@ -185,11 +184,10 @@ class GgufSource(TensorSource):
         allowed = {g for t in table.plan(self.config) for g in self.gguf_names(t)}
         extra = [n for n in self.where if n not in allowed]
         if extra:
-            more = f" (and {len(extra) - 12} more)" if len(extra) > 12 else ""
             raise CheckpointError(
                 f"{self.path}: {len(extra)} tensor(s) in the GGUF are not part of the model its metadata describes "
                 f"(block_count={self.config.num_hidden_layers}, attention.head_count_kv, and the tensors present "
-                f"decide it), so the metadata and the weights disagree: {', '.join(extra[:12])}{more}"
+                f"decide it), so the metadata and the weights disagree: {listed(extra)}"
             )
 
     def info(self, name: str):
