@@ -68,17 +68,20 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing or malformed, or an id/name is not in the vocabulary."""
 
 
+_BYTE_LABEL = re.compile(r"<0x[0-9A-F]{2}>")  # what a broken byte's label reads
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}  # a backslash doubled: the text \n is not a newline
 
 
 def _label_bytes(raw: bytes) -> str:
     """Readable label: printable text as itself, \\n/\\t/\\r, a backslash as \\\\, other controls as \\xNN, broken
-    UTF-8 as <0xNN>."""
+    UTF-8 as <0xNN> (text that reads <0xNN> itself has its `<` as \\x3c: the two never share a label)."""
     out = []
     text = raw.decode("utf-8", errors="surrogateescape")   # undecodable bytes -> U+DC80..U+DCFF
-    for ch in text:
+    for i, ch in enumerate(text):
         c = ord(ch)
-        if 0xDC80 <= c <= 0xDCFF:
+        if ch == "<" and _BYTE_LABEL.match(text, i):
+            out.append("\\x3c")
+        elif 0xDC80 <= c <= 0xDCFF:
             out.append(f"<0x{c - 0xDC00:02X}>")
         elif ch in _ESCAPES:
             out.append(_ESCAPES[ch])

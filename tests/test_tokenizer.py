@@ -248,6 +248,16 @@ def test_token_labels(tok):
     assert tok.token_label(tok.encode("\\")[0]) == "\\\\"  # else the text \n labels as the newline does
 
 
+def test_a_text_token_reading_like_a_broken_byte_keeps_its_own_label():
+    """A token whose text is `<0xE4>` labelled as the broken byte 0xE4 does: two tokens, one label."""
+    from kimi_explore.tokenizer import _label_bytes
+
+    assert _label_bytes(b"\xe4") == "<0xE4>"
+    assert _label_bytes(b"<0xE4>") == "\\x3c0xE4>"
+    assert _label_bytes(b"a<0xE4>") == "a\\x3c0xE4>"
+    assert _label_bytes(b"<0xe4> <0x") == "<0xe4> <0x"  # lower case or unfinished: nothing to confuse
+
+
 def test_the_byte_tokenizer_replaces_a_lone_surrogate_as_tiktoken_does():
     """ByteTokenizer raised UnicodeEncodeError where KimiTokenizer's tiktoken gives U+FFFD."""
     from kimi_explore import ByteTokenizer
