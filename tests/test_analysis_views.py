@@ -52,6 +52,9 @@ def test_diff_views_share_a_symmetric_diverging_scale(runs):
     assert first.get_clim() == second.get_clim() and first.get_clim()[0] == -first.get_clim()[1] > -np.inf
     peak = max(np.nanmax(np.abs(d.final_attn_res)), np.nanmax(np.abs(d.attn_res[int(np.argmax(d.kl)), :, 1])))
     assert first.get_clim()[1] == pytest.approx(peak)
+    # every colour bar says what it measures (the KDA and Jaccard bars had none)
+    bars = [ax.get_xlabel() or ax.get_ylabel() for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert bars == ["Δ softmax weight (b - a)", "Δ‖S‖ (b - a)", "Jaccard (1 = same set)"]
     assert figure_png(fig).startswith(PNG)
 
 

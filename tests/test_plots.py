@@ -336,3 +336,27 @@ def test_every_view_takes_a_session_its_trace_and_its_tokenizer(ref_weights):
     fork = session.fork()
     diff = plots.kda_state_difference(session, fork, 1)
     assert visible_ticks(diff.axes[0], "y")[:2] == labels[:2]
+
+
+def test_count_maps_write_counts_as_integers():
+    """expert_load's map wrote every count as '6.00' (the heatmap's weight format)."""
+    texts = [t.get_text() for t in plots.expert_load(SyntheticTrace(n_tokens=7, n_layers=4, seed=1)).axes[0].texts]
+    assert texts and all(t.isdigit() for t in texts)
+
+
+def test_kda_curves_say_when_they_show_only_some_layers(tiny):
+    """The curves drew 4 evenly spaced KDA layers of more without saying so (the report's caption spoke of all)."""
+    n = len(tiny.kda_layers)
+    assert n > 4
+    title = plots.kda_state_curves(tiny).axes[0].get_title()
+    assert f"4 of the {n} KDA layers" in title
+    assert "of the" not in plots.kda_state_curves(tiny, max_layers=n).axes[0].get_title()
+
+
+def test_moe_layer_stats_keeps_the_log2_k_line_inside_the_panel(tiny):
+    """With every entropy at or below log2 k the y-axis ended at log2 k: its reference line lay on the frame."""
+    from kimi_explore.views.figures.plots_summary import moe_layer_stats
+
+    ax = moe_layer_stats(tiny).axes[0]
+    k = tiny.routing()["topk_ids"].shape[2]
+    assert ax.get_ylim()[1] > np.log2(k) * 1.05

@@ -156,7 +156,7 @@ def diff_overview(d, token=None, tokenizer=None):
         ax.set_title(f"Δ FFN-site block weights at token {cols[t]}", fontsize=10)
         ax.set(xlabel="source", ylabel="layer")
     if im is not None:
-        fig.colorbar(im, ax=list(grid[0, :2]), label="Δ softmax weight (b - a)", shrink=0.8)
+        fig.colorbar(im, ax=list(grid[0, :2]), label="Δ softmax weight (b - a)", shrink=0.5, aspect=40, location="bottom")
     ax = grid[0, 2]
     kda = d.kda_state.sum(axis=2).T if d.kda_state.size else np.zeros((0, T))
     if not _unchanged(ax, "Δ KDA state norm", kda):
@@ -166,7 +166,7 @@ def diff_overview(d, token=None, tokenizer=None):
         ticks(ax, "x", cols, max_ticks=PANEL_TICKS)
         ax.set_title("Δ KDA state norm, summed over heads", fontsize=10)
         ax.set_ylabel("KDA layer")
-        fig.colorbar(im, ax=ax, shrink=0.8)
+        fig.colorbar(im, ax=ax, shrink=0.8, label="Δ‖S‖ (b - a)")
     ax = grid[1, 0]
     if not d.moe_layers:  # no MoE layer's routing recorded: nothing to compare (not "the same sets")
         _unchanged(ax, "routing (Jaccard of the top-k sets)", np.zeros(0))
@@ -177,7 +177,7 @@ def diff_overview(d, token=None, tokenizer=None):
         ax.set_title(f"routing: Jaccard of the top-k sets ({len(d.routing_changes)} changes; white = same set)",
                      fontsize=10)
         ax.set_ylabel("MoE layer")
-        fig.colorbar(im, ax=ax, shrink=0.8)
+        fig.colorbar(im, ax=ax, shrink=0.8, label="Jaccard (1 = same set)")
     ax = grid[1, 1]
     x = np.arange(T)
     ax.plot(x, d.kl, marker="o", ms=3, color="#444444")

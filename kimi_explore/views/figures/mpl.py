@@ -57,8 +57,9 @@ def span_inches(n: int, per_item: float, lo: float, hi: float) -> float:
     return float(min(hi, max(lo, 1.6 + per_item * n)))
 
 
-def heatmap(ax, data, *, rows, cols, cmap: str, vmin=None, vmax=None, annotate: bool = True):
-    """imshow of [rows, cols] data with NaN shown light grey, thinned ticks and small-map annotations."""
+def heatmap(ax, data, *, rows, cols, cmap: str, vmin=None, vmax=None, annotate: bool = True, fmt: str = ".2f"):
+    """imshow of [rows, cols] data with NaN shown light grey, thinned ticks and small-map annotations (`fmt`:
+    their format, ".0f" for counts)."""
     data = np.asarray(data, dtype=float)
     if data.shape != (len(rows), len(cols)):
         raise ValueError(f"heatmap data has shape {data.shape} but {len(rows)} row and {len(cols)} column labels")
@@ -73,6 +74,6 @@ def heatmap(ax, data, *, rows, cols, cmap: str, vmin=None, vmax=None, annotate: 
                 dark = (v - lo) / ((hi - lo) or 1.0) < 0.55 if cmap in ("viridis", "magma") else v > (lo + hi) / 2
                 # in_layout=False: cell labels sit inside the axes, and measuring each one for the
                 # constrained layout would double the rendering time
-                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if dark else "black",
+                ax.text(c, r, format(v, fmt), ha="center", va="center", fontsize=7, color="white" if dark else "black",
                         in_layout=False)
     return im

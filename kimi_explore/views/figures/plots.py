@@ -273,9 +273,12 @@ def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 4) ->
     layers: KDA layer ids; default all of them, or `max_layers` evenly spaced ones when there are more.
     """
     norms, ids = _kda(trace)
+    title = "KDA recurrent-state norm over the prompt"
     if layers is None:
         pick = np.unique(np.linspace(0, len(ids) - 1, min(len(ids), max_layers)).round().astype(int))
         layers = [ids[p] for p in pick]
+        if len(layers) < len(ids):
+            title += f" ({len(layers)} of the {len(ids)} KDA layers, evenly spaced)"
     fig = InlineFigure(figsize=(10, 4.5), layout="constrained")
     ax = fig.subplots()
     x = np.arange(norms.shape[0])
@@ -285,8 +288,7 @@ def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 4) ->
         ax.plot(x, d.mean(axis=1), color=c, lw=1.8, marker="o" if len(x) <= 40 else None, ms=3, label=f"layer {layer}")
         ax.fill_between(x, d.min(axis=1), d.max(axis=1), color=c, alpha=0.15 if len(layers) <= 3 else 0.06, lw=0)
     ticks(ax, "x", _trace_labels(trace, tokenizer), rotate=True)
-    ax.set(xlabel="token", ylabel="‖S‖, mean over heads (band: min..max)",
-           title="KDA recurrent-state norm over the prompt")
+    ax.set(xlabel="token", ylabel="‖S‖, mean over heads (band: min..max)", title=title)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2 if len(layers) > 4 else 1, loc="best")
@@ -377,7 +379,7 @@ def expert_load(trace, layer=None) -> Figure:
                            layout="constrained")
         ax = fig.subplots()
         im = heatmap(ax, counts, rows=moe_layer_labels(r), cols=[str(e) for e in range(n_experts)], cmap="viridis",
-                     vmin=0, annotate=counts.size <= 160)
+                     vmin=0, annotate=counts.size <= 160, fmt=".0f")
         fig.colorbar(im, ax=ax, label="times chosen")
         ax.set(xlabel="expert", ylabel="MoE layer",
                title=f"Expert load over {n_tokens} tokens, per MoE layer (balanced: {balanced:.2f} each)")

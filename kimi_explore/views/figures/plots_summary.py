@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from .. import summaries
 from ..common import routing, token_index, trace_labels
@@ -50,9 +51,11 @@ def moe_layer_stats(trace, token: int = -1, tokenizer=None):
         ax.set_ylabel(name, fontsize=8)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+    axes[0].set_ylim(top=1.12 * max(np.log2(k), float(np.nanmax(h, initial=0.0))))  # the log2 k line inside, not on the frame
+    axes[3].yaxis.set_major_locator(MaxNLocator(integer=True))  # a count of experts
     ticks(axes[3], "x", [str(i) for i in layers])
     axes[3].set_xlabel("MoE layer")
-    axes[0].set_title(f"Routing entropy of the combine weights, and expert load over {stats['tokens']} tokens, per MoE layer")
+    axes[0].set_title(f"Per MoE layer: routing entropy of the combine weights,\nand expert load over {stats['tokens']} tokens")
     return fig
 
 

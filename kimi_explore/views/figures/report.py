@@ -69,7 +69,8 @@ def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
     if len(kda_ids):
         kda_show = [i for i in show if i in kda_ids] or _pick([int(i) for i in kda_ids], 1)
         out += [("KDA recurrent state", "kda_state_curves",
-                 "Frobenius norm of each KDA head's recurrent state S over the prompt (mean over heads; band min..max).",
+                 "Frobenius norm of each KDA head's recurrent state S over the prompt (mean over heads; band min..max), "
+                 "for up to four evenly spaced KDA layers (the title says which share).",
                  plots.kda_state_curves(trace, tokenizer=tokenizer)),
                 ("KDA recurrent state", "kda_state_last_token", f"Every KDA layer and head after the last token {label}.",
                  plots.kda_state_overview(trace, last, tokenizer))]
