@@ -51,7 +51,10 @@ def kernel(histories: list[int], steps: int, k3_dir: str | None) -> dict:
         w = ke.from_pretrained(path)
         tok = ke.load_tokenizer(w.source)
         ids = tok.encode(TEXT)
-        for H in histories:
+        for H in histories:  # (ids[: H - 2 - 2 * steps] with H too small would slice from the end: a wrong history)
+            if not 2 * steps + 3 <= H <= len(ids):
+                raise SystemExit(f"--histories {H}: each must be in [{2 * steps + 3}, {len(ids)}] with --steps {steps} "
+                                 f"(the {name} model's text has {len(ids)} tokens)")
             s = ke.Session(w, tokenizer=tok)
             s.feed(ids[: H - 2 - 2 * steps])  # the Steps of the first tab start a little before H
             ex = Explorer(s, prompt=list(ids))
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--k3-dir")
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1 (Steps timed per tab), got {args.steps}")
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
     results = ROOT / "bench" / "results"
