@@ -44,7 +44,9 @@ def _message(attrs: dict, body: list[tuple[str, bool]]) -> list[tuple[str, bool]
 def _content(msg: dict, where: str) -> list[str]:
     """The content's texts, one per segment: each text part of a list is its own segment in the
     release (`_render_content` appends part by part), so BPE never merges across two parts."""
-    content = msg.get("content") or ""
+    content = msg.get("content")
+    if content is None:  # no content (or None): an empty message
+        return [""]
     if isinstance(content, str):
         return [content]
     if not isinstance(content, (list, tuple)):
@@ -65,9 +67,14 @@ def chat_segments(messages, *, thinking: bool = True, add_generation_prompt: boo
     thinking_effort="max" (the effort system message first). Every past assistant turn keeps its
     reasoning when thinking=True; with thinking=False the think channel is dropped everywhere."""
     segs: list[tuple[str, bool]] = []
+    if isinstance(messages, (dict, str)):  # else its keys (or characters) would be read as the messages
+        raise ValueError(f"messages: expected a list of message dicts, found a {type(messages).__name__} "
+                         f"{messages!r:.80} (one message? pass [message])")
+    # checked with thinking=False too (a typo must not pass until thinking is switched on); "medium" is named in the
+    # text but rejected
+    if thinking_effort is not None and thinking_effort not in ("low", "high", "max"):
+        raise ValueError(f"thinking_effort: expected 'low', 'high', 'max' or None, found {thinking_effort!r}")
     if thinking and thinking_effort is not None:
-        if thinking_effort not in ("low", "high", "max"):   # "medium" is named in the text but rejected
-            raise ValueError(f"thinking_effort: expected 'low', 'high', 'max' or None, found {thinking_effort!r}")
         body = [(_EFFORT_BODY.format(thinking_effort).strip(), False)]
         segs += _message({"role": "system", "type": "thinking-effort"}, body)
     for n, msg in enumerate(messages):
@@ -78,9 +85,14 @@ def chat_segments(messages, *, thinking: bool = True, add_generation_prompt: boo
                              f"not rendered here), found {msg!r}")
         if any(msg.get(k) for k in _UNSUPPORTED_KEYS):
             raise ValueError(f"{where}: tool declarations and tool calls are not rendered by render_chat")
+        if msg.get("name") is not None and not isinstance(msg["name"], str):
+            raise ValueError(f"{where}.name: expected a string, found {msg['name']!r}")
         attrs = {"role": role, **({"name": msg["name"]} if msg.get("name") else {})}
         body = [(text, False) for text in _content(msg, where)]
         if role == "assistant":
+            for key in ("reasoning_content", "reasoning"):
+                if msg.get(key) is not None and not isinstance(msg[key], str):
+                    raise ValueError(f"{where}.{key}: expected a string (the assistant's reasoning), found {msg[key]!r:.80}")
             reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
             think = _open("think", {}) + [(reasoning if reasoning.strip() else "", False)] + _close("think")
             body = (think if thinking else []) + _open("response", {}) + body + _close("response")

@@ -61,6 +61,7 @@ MAX_ENCODE_CHARS = 400_000        # release: TIKTOKEN_MAX_ENCODE_CHARS
 MAX_RUN_CHARS = 25_000            # release: MAX_NO_WHITESPACES_CHARS (same-class run cap)
 STOP_TOKEN = "<|end_of_msg|>"
 RELEASE_VOCAB_SHA256 = "b6c497a7469b33ced9c38afb1ad6e47f03f5e5dc05f15930799210ec050c5103"
+RELEASE_NUM_RANKS = 163_584       # the released tiktoken.model's rank count
 VOCAB_FILE, TOKENIZER_CONFIG = "tiktoken.model", "tokenizer_config.json"
 
 
@@ -117,6 +118,13 @@ def _as_ids(ids, vocab_size: int) -> list[int]:
     return out
 
 
+def _check_text(text) -> None:
+    """`encode` takes text: bytes (already encoded) or None would otherwise fail deep inside with another error."""
+    if not isinstance(text, str):
+        hint = " (bytes: decode them first, e.g. data.decode('utf-8'))" if isinstance(text, (bytes, bytearray)) else ""
+        raise TypeError(f"encode: expected a str, found {type(text).__name__}{hint}")
+
+
 class ByteTokenizer:
     """The tiny models' tokenizer: id = byte value of the UTF-8 encoding (vocabulary 256, no specials)."""
 
@@ -131,6 +139,7 @@ class ByteTokenizer:
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         """`allow_special` is accepted for symmetry with KimiTokenizer; there are no special tokens. A lone
         surrogate (not text UTF-8 can hold) becomes U+FFFD, as KimiTokenizer's tiktoken makes it."""
+        _check_text(text)
         try:
             return list(text.encode("utf-8"))
         except UnicodeEncodeError:  # a pair written as two surrogates joins; a lone one is replaced
@@ -189,6 +198,7 @@ def read_tiktoken_model(path: str | Path) -> dict[bytes, int]:
     """Parse a `tiktoken.model` file: `<base64> <rank>` per line; ranks must be exactly 0..n-1."""
     path = Path(path)
     ranks: dict[bytes, int] = {}
+    last = (0, None)  # (line, rank) of the last token read
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             fields = line.split()
@@ -199,12 +209,21 @@ def read_tiktoken_model(path: str | Path) -> dict[bytes, int]:
                 if len(fields) != 2:
                     raise ValueError
             except (ValueError, IndexError, binascii.Error):
-                raise TokenizerError(f"{path}:{lineno}: expected '<base64 bytes> <rank>', found {line[:80]!r}") from None
+                cut = "" if line.endswith(b"\n") else " (the last line, with no newline: is the file truncated?)"
+                raise TokenizerError(f"{path}:{lineno}: expected '<base64 bytes> <rank>', found {line[:80]!r}{cut}") from None
             if token in ranks:
                 raise TokenizerError(f"{path}:{lineno}: token {token!r} repeated (first with rank {ranks[token]})")
             ranks[token] = rank
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise TokenizerError(f"{path}: ranks must be exactly 0..{len(ranks) - 1} (they are the token ids)")
+            last = (lineno, rank)
+    values = sorted(ranks.values())
+    if values != list(range(len(ranks))):
+        n = len(ranks)
+        missing = sorted(set(range(n)) - set(values))
+        repeated = sorted({a for a, b in zip(values, values[1:], strict=False) if a == b})
+        found = ", ".join(f"{what} {v[:5]}{' ...' if len(v) > 5 else ''}"
+                          for what, v in (("missing", missing), ("repeated", repeated)) if v)
+        raise TokenizerError(f"{path}: ranks must be exactly 0..{n - 1} (they are the token ids); found {found}; its last "
+                             f"line ({last[0]}) has rank {last[1]}: is the file truncated or damaged?")
     return ranks
 
 
@@ -218,6 +237,12 @@ def _special_tokens(n: int, config_path: Path) -> dict[str, int]:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise TokenizerError(f"{config_path}: expected 'added_tokens_decoder': {{id: {{'content': name}}}} ({e!r})") from None
     outside = sorted(i for i in named if not n <= i < n + NUM_SPECIAL)
+    if outside and n < min(named):  # all above the ranks' specials: the vocabulary file is short
+        last = f" (its last rank is {n - 1})" if n else ""
+        raise TokenizerError(f"{config_path}: special ids {outside[:5]} are outside {n}..{n + NUM_SPECIAL - 1}: the "
+                             f"specials are the {NUM_SPECIAL} ids after the ranks, so ids up to {max(named)} need at least "
+                             f"{max(named) - NUM_SPECIAL + 1} ranks, and {config_path.parent / VOCAB_FILE} has {n}{last}; "
+                             f"is {VOCAB_FILE} truncated, or are the two files not from the same tokenizer?")
     if outside:
         raise TokenizerError(f"{config_path}: special ids {outside[:5]} are outside {n}..{n + NUM_SPECIAL - 1} "
                              f"(the vocabulary file has {n} ranks); the two files do not belong together")
@@ -273,6 +298,11 @@ class KimiTokenizer:
         if not vocab.is_file():
             raise TokenizerError(f"{path}: no {VOCAB_FILE} (the BPE ranks of the released tokenizer)")
         ranks = read_tiktoken_model(vocab)
+        sha256 = hashlib.sha256(vocab.read_bytes()).hexdigest()
+        if len(ranks) == RELEASE_NUM_RANKS and sha256 != RELEASE_VOCAB_SHA256:  # the release's size, not its bytes
+            raise TokenizerError(f"{vocab}: {len(ranks):,} ranks, the released file's count, but sha256 {sha256}; the "
+                                 f"released file's is {RELEASE_VOCAB_SHA256}. A damaged or edited copy gives other ids: "
+                                 "download it again")
         specials = _special_tokens(len(ranks), path / TOKENIZER_CONFIG)
         eos = _int_field(path / "config.json", "eos_token_id")
         bos = _int_field(path / "config.json", "bos_token_id")
@@ -284,7 +314,7 @@ class KimiTokenizer:
         return cls(ranks, specials,
                    bos_id=bos if bos is not None else specials.get("[BOS]"),
                    eos_id=eos if eos is not None else specials.get(STOP_TOKEN),
-                   vocab_sha256=hashlib.sha256(vocab.read_bytes()).hexdigest())
+                   vocab_sha256=sha256)
 
     @property
     def fingerprint(self) -> str:
@@ -304,6 +334,7 @@ class KimiTokenizer:
 
         allow_special=True: every special spelling (`<|open|>`, `[BOS]`, `<|reserved_token_163600|>`...)
         becomes its id (trusted / structural text). False: they are plain BPE (untrusted text)."""
+        _check_text(text)
         kw = {"allowed_special": "all"} if allow_special else {"disallowed_special": ()}
         if len(text) <= MAX_RUN_CHARS:          # no cut possible: skip the scan
             return self._enc.encode(text, **kw)
@@ -333,7 +364,8 @@ class KimiTokenizer:
             raise TokenizerError(f"special token {name!r}: not in this vocabulary; named ones: {named}") from None
 
     def is_special(self, token_id: int) -> bool:
-        return int(token_id) in self._special_names
+        (i,) = _as_ids([token_id], self.vocab_size)  # not int(): int(422.9) == 422 would answer for another id
+        return i in self._special_names
 
     def render_chat(self, messages, **kw) -> str:
         return render_chat(messages, **kw)

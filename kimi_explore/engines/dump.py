@@ -56,6 +56,8 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     """Write {hook name: [T, ...] array} with the token ids, the engine's name and its activation dtype."""
     from safetensors.numpy import save_file
 
+    if np.ndim(tokens) != 1:  # (token_ids flattens: [[1, 2], [3, 4]] would be 4 tokens)
+        raise ValueError(f"write_dump: tokens have shape {np.shape(tokens)}; expected a 1-D sequence of T token ids")
     tokens = token_ids(tokens, "write_dump: tokens")
     _check_dtype(dtype, "write_dump(dtype=...)")
     T = len(tokens)
@@ -64,6 +66,9 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
         a = np.ascontiguousarray(_to_host(a))
         if a.ndim == 0 or a.shape[0] != T:
             raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
+        if a.dtype.kind not in "fiub" and a.dtype.name != "bfloat16":  # complex, object, text: no activation
+            raise ValueError(f"write_dump: {name!r} is {a.dtype}; expected a float array (float32, float16, bfloat16, "
+                             "float64) or integer ids")
         out[str(name)] = a
     metadata = {"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine), "dtype": dtype}
     return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump

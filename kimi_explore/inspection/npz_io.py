@@ -42,6 +42,8 @@ def write_atomically(path, write) -> Path:
     path = Path(path)
     if not path.parent.is_dir():  # (else the error would name the temporary file)
         raise FileNotFoundError(f"{path}: its directory {path.parent} does not exist")
+    if path.is_dir():  # (else the error would name the temporary file, which os.replace cannot put over it)
+        raise IsADirectoryError(f"{path} is a directory; give a file path, e.g. {path / 'out'}{path.suffix}")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)

@@ -78,6 +78,21 @@ def _refuse_if_served(obj, what: str) -> None:
 __all__ = ["Session", "SessionSnapshot"]
 
 
+class _constructor(classmethod):
+    """A classmethod that builds a new object: called on an instance (`s.load_state(...)`, which reads like
+    loading into `s`) it raises instead of returning a session that the caller would drop."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return super().__get__(obj, owner)
+        name = self.__func__.__name__
+
+        def refuse(*args, **kwargs):
+            raise TypeError(f"{type(obj).__name__}.{name} returns a new session and leaves this one as it is: "
+                            f"s = {type(obj).__name__}.{name}(path, weights)")
+        return refuse
+
+
 class Session:
     """One decode stream over `weights`, with its history (see module docstring)."""
 
@@ -545,14 +560,9 @@ class Session:
             raise TypeError(f"Session.restore: expected a SessionSnapshot (session.snapshot()), got {type(snap).__name__}")
         if snap.weights_id != id(self.weights):
             raise ValueError("Session.restore: this snapshot was taken from a session over other weights")
-        if self.recorder is not None and snap.records is None:
-            raise ValueError("Session.restore: the snapshot holds no records (its session recorded nothing) but this "
-                             "session has a recorder; create it with recorder=False")
-        differ = self.recorder.differences(snap.records["settings"]) if self.recorder is not None else []
-        if differ:
-            raise ValueError("Session.restore: the snapshot's records were made by a Recorder with other settings than "
-                             "this session's: " + "; ".join(differ) + " (its rows would not line up with the next "
-                             "tokens'); create the session with a Recorder of the snapshot's settings")
+        _refuse_other_records(self.recorder, snap, "Session.restore: the snapshot",
+                              ("create the session with recorder=False",
+                               "create the session with a Recorder of the snapshot's settings"))
         try:
             state = snap.state.copy()
         except StageLostError:  # a pipeline's: a stage was lost or restarted since the snapshot
@@ -597,19 +607,37 @@ class Session:
         return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints,
                             self.tokenizer)
 
-    @classmethod
+    @_constructor
     def load_state(cls, path, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None) -> Session:
-        """A session over `weights` continuing exactly from a `save_state` file (errors if the model differs, or if
-        `tokenizer` is not the one it was saved with).
+        """A new session over `weights` continuing from a `save_state` file: `s = Session.load_state(path, weights)`
+        (errors if the model differs, or if `tokenizer` is not the one it was saved with). The continuation is bit
+        for bit the saved session's with the weights loaded as they were (the same `from_pretrained` options and
+        device); other options (say weight_dtype="bfloat16") continue it to rounding.
 
         recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
         snap, saved = load_session(path, weights)
         check_tokenizer(path, saved.tokenizer, tokenizer)
         if recorder is True:
             recorder = Recorder(**saved.recorder) if saved.recorder is not None else False
+        if isinstance(recorder, Recorder):  # refused before a session binds it (a failed load leaves it free)
+            _refuse_other_records(recorder, snap, f"Session.load_state: {path}",
+                                  ("pass recorder=False", "pass recorder=True (the file's settings)"))
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
+
+
+def _refuse_other_records(recorder, snap: SessionSnapshot, what: str, fix: tuple[str, str]) -> None:
+    """Refuse to continue `snap`'s records with `recorder` (None: nothing to check) when their rows would not line
+    up; `fix`: what to do (no records saved, other settings)."""
+    if recorder is None:
+        return
+    if snap.records is None:
+        raise ValueError(f"{what} holds no records (its session recorded nothing) but there is a recorder; {fix[0]}")
+    differ = recorder.differences(snap.records["settings"])
+    if differ:
+        raise ValueError(f"{what}'s records were made by a Recorder with other settings than this session's: "
+                         + "; ".join(differ) + f" (its rows would not line up with the next tokens'); {fix[1]}")
 
 
 def _progress(total: int):

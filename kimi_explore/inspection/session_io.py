@@ -10,7 +10,11 @@ its capacity, the rest zeros on loading), `logits` [T, V], and each record
 as `rec/{key}/flat` + `rec/{key}/shapes` (records may change shape from token to token).
 
 The fingerprint (config hash, layer ids, dtype, a hash of a strided sample of every weight
-tensor) makes loading into a different model fail with what differs instead of diverging.
+tensor) makes loading into a different model fail with what differs instead of diverging. A sample
+misses an edit elsewhere (one expert changed, one value), so the file also holds `probe`: the logits
+of PROBE_TOKEN decoded from the saved state by the weights that saved it; loading decodes it again
+and refuses weights that continue the state otherwise (beyond PROBE_RTOL: other options or another
+device round differently, another model does not agree).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from .recorder import Recorder
 __all__ = ["SavedSettings", "SessionSnapshot", "check_tokenizer", "copy_sharing", "load_session", "nbytes_once", "save_session",
            "share_caches", "weights_fingerprint"]
 
+PROBE_TOKEN = 0  # decoded (without hooks, on a copy) from the saved state, at saving and at loading
+PROBE_RTOL = 1e-3  # of the probe logits' scale: the bound on "the same model" (Moonshot's reference is met to 1e-4)
 FORMAT = "kimi_explore.inspection.session/2"  # /2: an MLA cache saved as its used positions and its capacity
 READS = (FORMAT, "kimi_explore.inspection.session/1")  # /1: every cache at its whole capacity
 
@@ -110,6 +116,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
               "tokenizer": getattr(tokenizer, "fingerprint", None)}
     V = weights.config.vocab_size
     arrays["logits"] = np.stack(snap.logits) if snap.logits else np.zeros((0, V), dtype=weights.dtype)
+    arrays["probe"] = probe_logits(weights, snap.state)
     return write_npz(path, {"header": np.array(json.dumps(header)), **arrays})
 
 
@@ -135,6 +142,10 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
             settings = {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
             records = {**_get_records(z, path, saved, T), "settings": settings}
         host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
+        probe = z["probe"] if "probe" in z else None  # (files saved before it existed: the fingerprint alone)
+        if probe is not None and (probe.shape != want[1:] or probe.dtype != np.dtype(weights.dtype)):
+            raise ValueError(f"{path}: probe {probe.dtype}{list(probe.shape)}, expected {np.dtype(weights.dtype)}"
+                             f"[{want[1]}] (the logits of one token decoded from the saved state): the file is damaged")
     snap = SessionSnapshot(
         weights_id=id(weights), state=_on_weights(weights, host.pop("state")),
         tokens=[int(t) for t in header["tokens"]], logits=list(logits),
@@ -143,6 +154,8 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
         records=records, chunk_of=header.get("chunk_of"),
         cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
         routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
+    if probe is not None:
+        _check_probe(path, probe, probe_logits(weights, snap.state))
     return snap, SavedSettings(header["checkpoint_every"], settings, header.get("tokenizer"))
 
 
@@ -373,6 +386,22 @@ def weights_fingerprint(weights) -> dict:
         h.update(sample)
     return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "layer_ids": [int(i) for i in weights.layer_ids],
             "dtype": np.dtype(weights.dtype).name, "weights": h.hexdigest()[:16]}
+
+
+def probe_logits(weights, state) -> np.ndarray:
+    """Host logits of PROBE_TOKEN decoded from a copy of `state` without hooks: what `weights` make of the state."""
+    return np.array(to_numpy(weights.forward_token(state.copy(), PROBE_TOKEN)), copy=True)
+
+
+def _check_probe(path, saved: np.ndarray, here: np.ndarray) -> None:
+    err = float(np.max(np.abs(here.astype(np.float64) - saved))) if np.isfinite(here).all() else float("inf")
+    scale = max(1.0, float(np.max(np.abs(saved))))
+    if not err <= PROBE_RTOL * scale:
+        raise ValueError(f"{path}: these weights continue the saved state otherwise than the weights that saved it: "
+                         f"decoding token {PROBE_TOKEN} from it gives logits off by {err:.3g} (allowed: "
+                         f"{PROBE_RTOL:g} x {scale:.3g}). The fingerprint's samples agree, so the weights differ "
+                         "elsewhere (an edited tensor or expert, another checkpoint of the same shapes); load the "
+                         "file with the weights it was saved with")
 
 
 def _check_fingerprint(path, saved: dict, here: dict) -> None:

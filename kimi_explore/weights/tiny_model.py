@@ -219,8 +219,16 @@ def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, 
     dense); a given U8 pair is written as it is. Writes config.json (the `kimi_k3` shell with
     `quantization_config` when any expert is MXFP4), the shards and `model.safetensors.index.json`.
     """
-    out = _released(KimiDecoderConfig.from_dict(text_config), tensors)
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ValueError(f"save_checkpoint: shards={shards!r}; expected a positive int (the number of safetensors files)")
+    if not index and shards > 1:  # the loader finds a sharded checkpoint's files through its index
+        raise ValueError(f"save_checkpoint: index=False with shards={shards}; a checkpoint of several files is loaded "
+                         f"through its {INDEX_FILE}: keep index=True, or write one file (shards=1)")
     path = Path(path)
+    if path.exists() and not path.is_dir():  # (else a bare FileExistsError from mkdir)
+        raise FileExistsError(f"save_checkpoint: {path} is a file; expected a checkpoint directory (new, or one to "
+                              "write over)")
+    out = _released(KimiDecoderConfig.from_dict(text_config), tensors)
     path.mkdir(parents=True, exist_ok=True)
     quantised = any(n.endswith("weight_packed") for n in out)
     tensors = {prefix + k: v for k, v in out.items()}
