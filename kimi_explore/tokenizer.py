@@ -401,11 +401,17 @@ def load_tokenizer(path_or_config):
     """The tokenizer of a checkpoint: KimiTokenizer if the directory has `tiktoken.model`, else
     ByteTokenizer when the model's vocab_size is 256, else a TokenizerError naming what is missing.
 
-    Accepts a checkpoint directory (or its config.json), a KimiDecoderConfig, a raw config dict, or
-    loaded weights (their source directory is used)."""
+    Accepts a checkpoint directory (or its config.json), a Hub repo id ('org/name': its config and tokenizer
+    files are fetched, or taken from the cache, as `from_pretrained` takes them), a KimiDecoderConfig, a raw
+    config dict, or loaded weights or a RayPipeline (their source directory or repo id is used)."""
+    from .weights.hub import fetch_tokenizer, is_repo_id
+
     obj = path_or_config
-    if hasattr(obj, "config") and hasattr(obj, "source"):       # KimiDecoderWeights
-        obj = obj.source if obj.source and Path(obj.source).is_dir() else obj.config
+    if hasattr(obj, "config") and hasattr(obj, "source"):       # KimiDecoderWeights, RayPipeline
+        src = obj.source
+        obj = src if src and (Path(src).is_dir() or is_repo_id(str(src))) else obj.config
+    if isinstance(obj, str) and is_repo_id(obj) and not Path(obj).exists():
+        obj = fetch_tokenizer(obj)
     if isinstance(obj, (str, Path)):
         path = Path(obj)
         if path.is_file() and path.name == "config.json":

@@ -331,3 +331,20 @@ def test_mutation_stage_plan_leaves_out_embedding_and_head_shards(tmp_path, glob
     w = load(REPO, tmp_path / "hub", layers=list(layers), embedding=embedding, head=head)
     assert w.layer_ids == list(layers)
     assert (w.embed_tokens is not None) == embedding and (w.lm_head is not None) == head
+
+
+def test_load_tokenizer_takes_a_repo_id_from_the_cache(tmp_path):
+    """The README's pipeline example called load_tokenizer("moonshotai/Kimi-K3"): it refused the repo id as a missing
+    directory (and a RayPipeline's source, a repo id, fell back to its config)."""
+    src = Path(__file__).parent / "data" / "tokenizer" / "synthetic_k3"
+    build_cache(tmp_path / "hub", "org/tok", src, ["config.json", "tiktoken.model", "tokenizer_config.json"])
+    code = ("import kimi_explore as ke\n"
+            "t = ke.load_tokenizer('org/tok')\n"
+            "print(type(t).__name__, t.encode('hello'), t.vocab_size)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=clean_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path)),
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent)
+    assert r.returncode == 0, r.stderr
+    from kimi_explore import load_tokenizer
+
+    here = load_tokenizer(src)
+    assert r.stdout.split()[0] == "KimiTokenizer" and r.stdout.strip().endswith(f"{here.encode('hello')} {here.vocab_size}")

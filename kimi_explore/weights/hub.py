@@ -42,7 +42,7 @@ from .checkpoint import (
     shards_needed,
 )
 
-__all__ = ["DownloadPlan", "TOKENIZER_FILES", "fetch", "is_repo_id", "plan_download", "resolve_checkpoint"]
+__all__ = ["DownloadPlan", "TOKENIZER_FILES", "fetch", "fetch_tokenizer", "is_repo_id", "plan_download", "resolve_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,23 @@ def fetch_config(repo_id: str, *, revision: str | None = None, cache_dir=None, l
             f"{repo_id}: {CONFIG_FILE} is not in the Hugging Face cache at {_cache_path(cache_dir)} {why}; "
             f"nor is {repo_id!r} a local directory"
         ) from None
+
+
+def fetch_tokenizer(repo_id: str, *, revision: str | None = None, cache_dir=None, local_files_only: bool | None = None,
+                    token=None) -> Path:
+    """The local snapshot directory holding `repo_id`'s config.json and the tokenizer's two files (`tiktoken.model`,
+    `tokenizer_config.json`), fetched or from the cache; no weights. A file the repo lacks is left to
+    `load_tokenizer` to name."""
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    snapshot = fetch_config(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                            token=token).parent
+    for f in TOKENIZER_FILES[:2]:
+        try:
+            _download(repo_id, f, revision=revision, cache_dir=cache_dir, offline=_offline(local_files_only), token=token)
+        except (EntryNotFoundError, LocalEntryNotFoundError):
+            pass
+    return snapshot
 
 
 def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cache_dir=None,
