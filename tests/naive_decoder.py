@@ -146,7 +146,8 @@ class NaiveDecoder:
             routed_expert_up_proj=g("routed_expert_up_proj.weight"),
             shared_down_proj=g("shared_experts.down_proj.weight"), num_experts=cfg.num_experts,
             top_k=cfg.num_experts_per_token, latent_size=cfg.routed_expert_hidden_size,
-            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
+            renormalize=cfg.moe_renormalize and cfg.num_experts_per_token > 1,  # KimiMoEGate: "if self.top_k > 1 and ..."
+            routed_scaling_factor=cfg.routed_scaling_factor,
             use_latent_norm=cfg.latent_moe_use_norm, eps=cfg.rms_norm_eps, situ_beta=cfg.activation_situ_beta,
             situ_linear_beta=cfg.activation_situ_linear_beta)
 

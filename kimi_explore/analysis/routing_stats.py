@@ -299,6 +299,10 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
             raise ValueError(f"routing_stats: the default token classing is for byte models (vocabulary 256); this one has "
                              f"{vocab} tokens: pass classes=fn(token_id) -> label")
         classes = byte_class
+    if not any(weights.config.is_moe_layer(int(i)) for i in weights.layer_ids):
+        raise ValueError(f"routing_stats: none of the loaded layers {list(weights.layer_ids)} is a MoE layer (dense: "
+                         f"first_k_dense_replace={weights.config.first_k_dense_replace}, moe_layer_freq="
+                         f"{weights.config.moe_layer_freq}): there is no routing to count")
     if isinstance(texts, (bytes, bytearray)) or not hasattr(texts, "__iter__"):
         raise TypeError(f"routing_stats: texts must be a string or a list of texts (strings or token-id lists), got "
                         f"{type(texts).__name__}")

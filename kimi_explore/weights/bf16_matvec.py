@@ -85,6 +85,9 @@ def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None =
     out = np.empty(R, np.float32) if out is None else out
     if out.shape != (R,) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{R}], got {_describe(out)}")
+    if R == 0 or C == 0:  # (the kernel takes R, C > 0) a model without shared experts has a [d, 0] down projection
+        out[...] = 0.0
+        return out
     isa = isa or default_isa()
     run = lambda a, b: _ext.bf16_matvec(bits, x, out, R, C, a, b, isa)  # noqa: E731
     run_rows(pool, run, R, threads or HOST_THREADS, _MIN_ROWS_PER_THREAD)
@@ -109,6 +112,9 @@ def bf16_matmat(bits, x, out=None, isa: str | None = None, threads: int | None =
     out = np.empty((n, R), np.float32) if out is None else out
     if out.shape != (n, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{n}, {R}], got {_describe(out)}")
+    if R == 0 or C == 0 or n == 0:  # (the kernel takes R, C > 0): x W^T of an empty sum is zeros
+        out[...] = 0.0
+        return out
     from .workspace import run_parts  # here: workspace -> bf16_weights -> this module at import time
 
     parts = max(1, min(threads or HOST_THREADS, R * max(n, 1) // (_MIN_ROWS_PER_THREAD * 16)))

@@ -140,7 +140,8 @@ def _moe(b: _Builder, i: int) -> LatentMoeWeights:
                             else b.dev(np.ones(cfg.routed_expert_hidden_size, b.dtype))),
         routed_expert_up_proj=t.matrix("latent_up"),
         shared_down_proj=t.matrix("shared_down"), num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_token, latent_size=cfg.routed_expert_hidden_size, renormalize=bool(cfg.moe_renormalize),
+        top_k=cfg.num_experts_per_token, latent_size=cfg.routed_expert_hidden_size,
+        renormalize=bool(cfg.moe_renormalize) and cfg.num_experts_per_token > 1,  # (the release: "top_k > 1 and ...")
         routed_scaling_factor=float(cfg.routed_scaling_factor), use_latent_norm=bool(cfg.latent_moe_use_norm),
         eps=cfg.rms_norm_eps, situ_beta=float(cfg.activation_situ_beta),
         situ_linear_beta=None if cfg.activation_situ_linear_beta is None else float(cfg.activation_situ_linear_beta),

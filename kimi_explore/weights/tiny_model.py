@@ -117,7 +117,7 @@ def _draw(rng: np.random.Generator, init: tuple, shape: tuple, heads: int) -> np
     """Float64 values for a table row's `init` (see `checkpoint_table`); the writer casts them to the disk dtype."""
     kind, *args = init
     if kind == "normal":  # std gain / sqrt(fan-in): unit-scale outputs for unit-scale inputs
-        return rng.standard_normal(shape) * (args[0] / np.sqrt(shape[-1]))
+        return rng.standard_normal(shape) * (args[0] / np.sqrt(max(shape[-1], 1)))  # (a [d, 0] matrix: no shared experts)
     if kind == "std":
         return rng.standard_normal(shape) * args[0]
     if kind == "gain":
@@ -125,7 +125,7 @@ def _draw(rng: np.random.Generator, init: tuple, shape: tuple, heads: int) -> np
     if kind == "uniform":
         return rng.uniform(args[0], args[1], shape)
     if kind == "per_head":  # one value per head, zero-padded to the stored width (A_log as released)
-        a = np.zeros(shape)
+        a = np.zeros(shape if heads <= shape[0] else (heads,))  # more heads than the width: stored [H] (the row's `also`)
         a[:heads] = rng.uniform(args[0], args[1], heads)
         return a
     if kind == "spread":  # distinct values, so the router bias changes which experts win
@@ -192,6 +192,10 @@ def _released(cfg: KimiDecoderConfig, tensors: dict[str, np.ndarray]) -> dict[st
             if a.dtype == BF16:
                 out[t.name] = a
             elif a.shape == t.shape:
+                if a.shape[-1] % mxfp4.GROUP:  # MXFP4 scales groups of 32 along each row
+                    raise ValueError(f"'{t.name}' {list(a.shape)}: MXFP4 experts need rows that are a multiple of "
+                                     f"{mxfp4.GROUP} wide (moe_intermediate_size and routed_expert_hidden_size); "
+                                     "write them with experts='bf16'")
                 packed, scale = table.mxfp4_names(t.name)
                 out[packed], out[scale] = mxfp4.quantize(a)
         else:  # already packed: the U8 pair as released
@@ -237,8 +241,8 @@ def save_checkpoint(path, text_config: dict, tensors: dict[str, np.ndarray], *, 
         tc["quantization_config"] = QUANTIZATION_CONFIG
     config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "dtype": "bfloat16",
               "bos_token_id": tc.get("bos_token_id"), "eos_token_id": tc.get("eos_token_id"),
-              "pad_token_id": tc.get("pad_token_id"), "tie_word_embeddings": False, "text_config": tc,
-              "vision_config": None}
+              "pad_token_id": tc.get("pad_token_id"), "tie_word_embeddings": bool(tc.get("tie_word_embeddings", False)),
+              "text_config": tc, "vision_config": None}
     if not index and (path / INDEX_FILE).exists():  # the loader would read it, and the old shards it names
         raise FileExistsError(f"{path / INDEX_FILE}: another checkpoint's index is there; a checkpoint written without "
                               "one (index=False) would load as that one. Write into an empty directory")
