@@ -74,3 +74,19 @@ def test_forward_sequence_equals_one_process(path, weights, stages):
         assert staged.tokens == one.tokens and np.array_equal(staged.logits, one.logits)
         assert_same_trace(staged.trace(), one.trace())
         assert_same_state(pipe.host_state(staged.state), one.state)
+
+
+def test_a_token_form_hook_steps_the_pipelines_chunk(path):
+    """A hook added without chunks=True made only its own layer run token by token inside each stage (layer by layer
+    over the chunk): now the pipeline steps such a chunk token by token, so it equals stepping, as one process does."""
+    def hooks():
+        h = ke.Hooks()
+        h.add("layers.5.attn.out", lambda v, *, hook: v * (1.0 + 0.01 * hook.position))
+        return h
+    with ke.RayPipeline(path, stages=2) as pipe:
+        fed, stepped = pipe.new_state(), pipe.new_state()
+        got = pipe.forward_sequence(fed, TEXT[:12], hooks=hooks(), chunk=5)
+        h = hooks()
+        want = np.stack([pipe.forward_token(stepped, t, hooks=h) for t in TEXT[:12]])
+        assert np.array_equal(got, want)
+        assert_same_state(pipe.host_state(fed), pipe.host_state(stepped))

@@ -49,7 +49,7 @@ from ..model.kimi_decoder import (
     token_index,
     token_indices,
 )
-from ..model.kimi_sequence import default_chunk
+from ..model.kimi_sequence import default_chunk, takes_tokens
 from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
@@ -261,6 +261,8 @@ class RayPipeline(LayerSequence):
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:  # as kimi_forward_sequence
             raise ValueError(f"RayPipeline.forward_sequence: chunk must be a positive int, got {chunk!r}")
         chunk = int(chunk)
+        if hooks is not None and takes_tokens(hooks, hook_names(self)):  # a hook for single tokens: stepping's order
+            return np.stack([self._run(state, i, hooks) for i in ids]) if ids else np.zeros((0, V), self.dtype)
         out = [self._run(state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
         return np.concatenate(out) if out else np.zeros((0, V), self.dtype)
 

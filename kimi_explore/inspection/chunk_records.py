@@ -12,12 +12,15 @@ shapes and (to float rounding) values the token form records:
                                     (`observe_chunk`): the full per-token states are never built
     full= records                   [T, ...]               T copies (mla.probs [T, nh, L0 + T]: the masked
                                                            positions after each token NaN, the padding its
-                                                           token-form row [nh, L0 + t + 1] gets in a Trace)
+                                                           token-form row [nh, L0 + t + 1] gets in a Trace;
+                                                           per-token rows are cut to that width)
 
 Routing ids with -1 (an expert dropped by a chunk-aware intervention at some tokens, e.g.
 `ablate_experts`) are recorded without the -1 entries, and the same tokens' weights without
 theirs: what stepping records, where a dropped expert is simply absent. That holds for default and
 `full=` records alike, and for the weights when the ids are not recorded (they are read all the same).
+The weights are dropped by the ids the layer routes by, which the decoder tells after every hook
+(`observe_chunk`): a hook set after the recorder in a HookChain may have changed the ids it recorded.
 A layer that runs token by token inside a chunk (a per-token hook there) records through
 `record(name, value[None])`, one row at a time, in order.
 
@@ -98,11 +101,18 @@ class ChunkRecording:
         if waiting is not None:
             self.rec.emit(waiting[0], _conv_norms(waiting[1], heads))
 
-    def observe(self, name: str, norms) -> None:
-        """The decoder's per-token norms of a site it does not fire whole (kda.state [T, H], kda.conv [T, 3, H])."""
+    def observe(self, name: str, value) -> None:
+        """The decoder's per-token norms of a site it does not fire whole (kda.state [T, H], kda.conv [T, 3, H]), or
+        the ids a MoE layer routes by after every hook (moe.router.topk_ids [T, k']): the weights that fire next are
+        theirs, so their -1 entries say which weights to drop (a hook set after this recorder may have changed the
+        ids it saw)."""
         m = LAYER_NAME.match(name)
-        if m and self.rec.recorded_kind(name, m.group(2)) is not None:
-            self.rec.emit(self.rec.chunk_put(name + ".norm"), norms)
+        if m and m.group(2) == IDS:
+            prefix = name[: -len(IDS)]
+            if self._recorded(prefix + WEIGHTS, WEIGHTS):
+                self._drop_by(prefix, value)
+        elif m and self.rec.recorded_kind(name, m.group(2)) is not None:
+            self.rec.emit(self.rec.chunk_put(name + ".norm"), value)
 
     def _recorded(self, name: str, kind: str) -> bool:
         return self.rec.recorded_kind(name, kind) is not None or (self.rec.full is not None and self.rec.full(name))
@@ -118,15 +128,22 @@ class ChunkRecording:
             yield lambda w: self._weights(prefix, put, w)
 
     def _ids(self, prefix: str, put, ids) -> None:
-        keep = ids >= 0
-        if not self.rec.on_device and keep.all():  # the common case (on a GPU, always compacted: no device sync)
-            self._dropped.pop(prefix, None)
-            if put is not None:
-                self.rec.emit(put, ids)
+        keep = self._drop_by(prefix, ids)
+        if put is None:
             return
-        self._dropped[prefix] = keep
-        if put is not None:
+        if keep is None:  # the common case (on a GPU, always compacted: no device sync)
+            self.rec.emit(put, ids)
+        else:
             self._emit_rows(put, ids, keep)
+
+    def _drop_by(self, prefix: str, ids):
+        """The layer's weights are dropped where `ids` [T, k] has -1: the mask kept (None: nothing dropped)."""
+        keep = ids >= 0
+        if not self.rec.on_device and keep.all():
+            self._dropped.pop(prefix, None)
+            return None
+        self._dropped[prefix] = keep
+        return keep
 
     def _weights(self, prefix: str, put, w) -> None:
         keep = self._dropped.pop(prefix, None)

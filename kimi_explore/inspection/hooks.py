@@ -116,9 +116,9 @@ class Hooks:
         chunks=True: fn also takes whole chunks on the sequence path (`kimi_forward_sequence`): it is
         then called once per chunk with the site's values of every token stacked on a leading axis
         [T, ...] and `hook.positions` [T] (and `hook.position` None); in the token form, and in a layer
-        that runs token by token inside a chunk, it is called as any hook. Without it, the sequence path
-        calls fn token by token, exactly as stepping would (a layer with such a hook runs token by token).
-        See the module docstring of `kimi_sequence`.
+        or chunk that runs token by token, it is called as any hook. Without it, the sequence path
+        calls fn token by token, exactly as stepping would (a chunk with such a hook runs token after token
+        through every layer, in the token form). See the module docstring of `kimi_sequence`.
         Raises ValueError when the name or glob can never fire (see module docstring).
         """
         if callable(name_or_glob) and fn is None and names_filter is not None:
@@ -334,6 +334,12 @@ class Hooks:
         recurrent state and conv window, `SEQUENTIAL_SITES`)."""
         return any(h.matches(n) and (not h.chunks or n.endswith(SEQUENTIAL_SITES)) for h in self._handles for n in names)
 
+    def takes_tokens(self, names) -> bool:
+        """Whether a hook here takes single tokens (added without chunks=True) at one of `names`: a chunk of
+        `kimi_forward_sequence` then runs token after token through every layer, as stepping (`kimi_sequence`)."""
+        single = [h for h in self._handles if not h.chunks]
+        return bool(single) and any(h.matches(n) for h in single for n in names)
+
     def listens_chunk(self, name: str) -> bool:
         """Whether `fire_chunk(name, ...)` calls anything (a hook matches `name`)."""
         return bool(self._chunk_functions(name))
@@ -420,7 +426,8 @@ class Hooks:
         self._checked_after_first_token = False  # re-check new exact names at the next "logits"
 
     def observe_chunk(self, name: str, value) -> None:
-        """A chunk's summary of a site that is not fired whole on the sequence path (a Recorder records it)."""
+        """A chunk's summary of a site that is not fired whole on the sequence path (a Recorder records it), or at
+        `moe.router.topk_ids` the ids the layer routes by after every hook (a Recorder drops weights by them)."""
 
     def __repr__(self) -> str:
         body = ", ".join(h.describe() for h in self._handles)

@@ -41,7 +41,8 @@ saw it changes the record too: return a new array instead (the contract's way an
 On the sequence path a site records a whole chunk [T, ...] at once (`chunk_records`). Such a record
 is kept as that one array, a "block" waiting after the key's per-token list, and is split into T
 per-token rows (one `list.extend`) only where per-token rows are read: `state_dict`, `take_records`,
-`truncate`, and the next token stepped (whose `list.append`s must come after it). A pipeline's stages hand
+`truncate`, and the next token stepped (whose `list.append`s must come after it); mla.probs rows are then cut to
+the token's own positions, [nh, position + 1], as stepping records them. A pipeline's stages hand
 their records over as such blocks (`take_blocks`, `add_blocks`).
 `trace()` copies blocks whole into its stacked buffers, so a feed then a trace never splits them.
 """
@@ -113,6 +114,16 @@ def _trim_positions(rows: list, width: int) -> bool:
         t -= 1
         rows[t] = rows[t][..., :width]
     return t < len(rows)
+
+
+def _block_rows(key: str, block):
+    """A block's per-token rows (iterating it gives them), as stepping records them: a fed chunk's mla.probs
+    [T, nh, L0 + T] (NaN past each token, `chunk_records`) cut to each token's own positions, row t [nh, L0 + t + 1]
+    (views)."""
+    if not key.endswith(".mla.probs") or len(block) < 2:
+        return block
+    T, width = len(block), block.shape[-1]
+    return [row[..., : width - T + 1 + t] for t, row in enumerate(block)]
 
 
 class Recorder:
@@ -267,6 +278,11 @@ class Recorder:
         return self.hooks.needs_tokens(names) or (self.full is not None and any(
             self.full(n) for n in names if n.endswith(SEQUENTIAL_SITES)))
 
+    def takes_tokens(self, names) -> bool:
+        """A hook added to this recorder takes single tokens at one of `names` (`Hooks.takes_tokens`; its own
+        recording is chunk-aware)."""
+        return self.hooks.takes_tokens(names)
+
     def fire_chunk(self, name: str, value):
         value = self.hooks.fire_chunk(name, value)
         self._chunks.record(name, value)
@@ -311,7 +327,7 @@ class Recorder:
             if blocks:
                 put = rows[k].extend
                 for b in blocks:
-                    put(b)
+                    put(_block_rows(k, b))
                 blocks.clear()
 
     def emit(self, put, arr) -> None:
@@ -496,7 +512,7 @@ class Recorder:
 
     def take_records(self) -> dict:
         """{key: per-token arrays}: `take_blocks` split into rows."""
-        return {k: [row for b in blocks for row in b] for k, blocks in self.take_blocks().items()}
+        return {k: [row for b in blocks for row in _block_rows(k, b)] for k, blocks in self.take_blocks().items()}
 
     def add_blocks(self, token_ids, positions, blocks: dict) -> None:
         """Append tokens' records made elsewhere ({key: [arrays [m, ...]]} from each pipeline stage's `take_blocks`),

@@ -266,7 +266,8 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
     order, named names[kind] (a layer's bound `names`; None: the kinds themselves): kda.conv_out
     [T, 3, H, K], kda.q, kda.k, kda.v [T, H, K], kda.beta [T, H], kda.decay [T, H, K] (alpha = exp(g); a
-    changed value, returned or edited in place, is used through its log, floored at LOG_DECAY_FLOOR; fired
+    changed value, returned or edited in place, is used through its log, floored at LOG_DECAY_FLOOR, so it
+    must be >= 0: a negative one raises ValueError, naming the site (the token form takes it); fired
     only with fire_decay: False when nothing listens there, which spares the copy that detects an edit), kda.gate [T, H, K],
     kda.o [T, H, V]; a returned array is used downstream. The recurrent sites kda.conv and kda.state
     (`SEQUENTIAL_SITES`: a changed value must reach the next token) are not fired; with
@@ -306,6 +307,12 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
             given = alpha.copy()
             hooked = fire(site("kda.decay"), alpha)
             if hooked is not alpha or not xp.array_equal(alpha, given):  # returned, or edited in place
+                negative = hooked < 0  # (NaN is not: it stays NaN here as in the token form)
+                if bool(negative.any()):  # the log would be NaN where the token form decays by a sign flip
+                    raise ValueError(f"{site('kda.decay')}: a hook returned {int(negative.sum())} negative decays (down to "
+                                     f"{float(hooked[negative].min()):.4g}): on the sequence path a decay must be >= 0, "
+                                     "as the chunked form carries log(decay); step these tokens, or add the hook without "
+                                     "chunks=True (the chunk then runs the token form, which takes any decay)")
                 with np.errstate(divide="ignore"):
                     g = xp.maximum(xp.log(hooked), LOG_DECAY_FLOOR)
                 alpha = None

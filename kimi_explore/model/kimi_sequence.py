@@ -12,17 +12,22 @@ with stepping to rounding (logits to ~1e-5, routing ids identical), float64 to ~
 does not depend on the chunk size beyond that rounding.
 
 Hooks on the sequence path (what a hook written for the token form gets is unchanged):
-- A hook added with `chunks=True` (the Recorder's recording, the built-in interventions) is called
-  once per chunk and site with the T tokens' values stacked, [T, ...], and `hook.positions` [T]; in a
-  layer that runs token by token (below) it gets single tokens, as in the token form (`hook.positions`
-  None, `hook.position` the token's).
-- Any other hook is called token by token with the token form's values: at a layer's site, that
-  layer runs token by token (`decoder_layer`, exactly as stepping); at a global site (embed, final.*,
-  logits) it is called per token on the chunk's rows.
+- A chunk whose hooks hold a hook added without `chunks=True` at any site it fires (a layer's, or embed,
+  final.*, logits) runs token after token, each token through every layer and the output head as
+  `kimi_forward_token` runs it (`_forward_tokens`): every hook is called as stepping calls it, in
+  stepping's order (a value a hook keeps at one site of a token and uses at a later one sees what it
+  sees stepping), so the logits and records are stepping's, bit for bit. A chunk-aware hook there gets
+  single tokens too, as in the token form (`hook.positions` None, `hook.position` the token's).
+- Otherwise (chunk-aware hooks only: the Recorder's recording, the built-in interventions) a hook is
+  called once per chunk and site with the T tokens' values stacked, [T, ...], and `hook.positions` [T];
+  sites fire layer by layer, every token of the chunk at layer i before layer i + 1.
 - `kda.conv` and `kda.state` are not built per token in the chunked form (K3: 6 MB of state per token
-  and layer): a hook there, chunk-aware or not, makes its layer run token by token; the Recorder gets
-  their per-token norms (`observe_chunk`).
-- Sites fire layer by layer: every token of the chunk at layer i before layer i + 1.
+  and layer): a chunk-aware hook there makes its layer run token by token (`decoder_layer`, exactly as
+  stepping), where that layer's hooks get single tokens; the Recorder gets their per-token norms
+  (`observe_chunk`).
+- A pipeline (`RayPipeline.forward_sequence`) asks the same question (`takes_tokens`) and steps such a chunk
+  token by token through its stages; otherwise each stage runs its share of the chunk with `embed_chunk`,
+  `run_layers_chunk` and `finish_sequence`.
 """
 
 from __future__ import annotations
@@ -32,15 +37,19 @@ import numpy as np
 from ..backend import to_numpy
 from . import sequence_ops, token_ops
 from .block_residual import SourceBuffer
+from .config import FINAL_SITES
 from .kda import kda_sequence
 from .kimi_token import (
     OutputHead,
     check_state,
     decoder_layer,
     discard_records,
+    embed_token,
+    finish_token,
     hooks_type_error,
     mark_broken,
     records_mark,
+    run_layers,
     token_indices,
 )
 from .latent_moe_sequence import latent_moe_sequence
@@ -48,7 +57,7 @@ from .mla import mla_sequence
 from .ops import dense_mlp_sequence, linear, rms_norm
 
 __all__ = ["DEFAULT_CHUNK", "ROWS_PER_EXPERT", "SequenceSources", "default_chunk", "embed_chunk", "finish_sequence",
-           "forward_chunk", "kimi_forward_sequence", "run_layers_chunk", "sequence_layer"]
+           "forward_chunk", "kimi_forward_sequence", "run_layers_chunk", "sequence_layer", "takes_tokens"]
 
 # Tokens per chunk, chosen by measurement (CPU time, 1 BLAS thread, this project's shared 2-core VM, 2026-12-04
 # night, load ~1, after MLA's scores went by query blocks):
@@ -194,8 +203,9 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
 
     hooks: as for `kimi_forward_token`, with the chunk protocol (`begin_chunk`, `fire_chunk`,
     `needs_tokens`, `token_in_chunk`, `observe_chunk`, `end_chunk`, and optionally `listens_chunk`;
-    see `inspection.hooks.Hooks`). If a hook raises (or the run is interrupted), `state` is left
-    part-advanced (the chunks before taken whole, the failing one by some layers) and marked so
+    see `inspection.hooks.Hooks`). If a hook raises (or the run is interrupted) after the state began to
+    advance, `state` is left part-advanced (the chunks before taken whole, the failing one by some layers, or
+    by none where it failed before them: at `begin_chunk` or `embed`) and marked so
     (`KimiDecodeState.broken`), as `kimi_forward_token` leaves it: forward passes refuse it; go on from a
     copy taken before (`Session` does). A recorder among the hooks then drops what it recorded in this call,
     the finished chunks' too: its records match that copy.
@@ -211,10 +221,12 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
     chunk, xp = int(chunk), weights.xp
     if not ids:
         return xp.zeros((0, V), weights.dtype)
-    mark = records_mark(hooks)
+    mark, start = records_mark(hooks), state.position
     try:
         out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
-    except BaseException:
+    except BaseException as e:  # (a chunk that failed inside its layers marked it already)
+        if state.position != start:  # chunks before were taken: the records of none are kept, so neither is the state
+            mark_broken(state, e, start + len(ids) - state.position)
         discard_records(hooks, mark)
         raise
     return out[0] if len(out) == 1 else xp.concatenate(out)
@@ -228,7 +240,10 @@ def _checked_sequence(token_ids):
 
 def forward_chunk(weights, state, ids: list[int], hooks=None):
     """One chunk of already-checked token ids: logits [T, vocab]; `state` advanced. The three parts
-    (`embed_chunk`, `run_layers_chunk`, `finish_sequence`) are what a pipeline stage runs a share of."""
+    (`embed_chunk`, `run_layers_chunk`, `finish_sequence`) are what a pipeline stage runs a share of; a chunk
+    with a hook that takes single tokens runs in the token form instead (`_forward_tokens`)."""
+    if hooks is not None and takes_tokens(hooks, _site_names(weights)):
+        return _forward_tokens(weights, state, ids, hooks)
     if hooks is not None:
         hooks.begin_chunk(ids, range(state.position, state.position + len(ids)))
     try:
@@ -244,6 +259,45 @@ def forward_chunk(weights, state, ids: list[int], hooks=None):
             hooks.end_chunk()
     state.position += len(ids)
     return logits
+
+
+def _forward_tokens(weights, state, ids: list[int], hooks):
+    """The chunk token after token, each as `kimi_forward_token` runs it (`embed_token`, `run_layers`, `finish_token`;
+    the hooks told each token's id and position, `begin_token`): every site of a token fires before the next
+    token's, as stepping fires them. `state` is left as `forward_chunk` leaves it: advanced by the whole chunk, or,
+    where a failure came after the first token's layers began, marked broken for the chunk's positions."""
+    head, out, begun = weights.head(), [], False
+    announce, p = getattr(hooks, "begin_token", None), state.position
+    try:
+        for i, t in enumerate(ids):
+            if announce is not None:
+                announce(t, p + i)
+            stack = embed_token(weights, t, hooks)
+            begun = True
+            run_layers(weights, state, stack, hooks)
+            out.append(finish_token(head, stack, hooks))
+    except BaseException as e:
+        if begun:
+            mark_broken(state, e, len(ids))
+        raise
+    state.position += len(ids)
+    return weights.xp.stack(out)
+
+
+def _site_names(weights) -> list[str]:
+    """The names the loaded layers and the output head fire."""
+    return [n for layer in weights.layers for n in layer.names.values()] + ["embed", *FINAL_SITES]
+
+
+def takes_tokens(hooks, names) -> bool:
+    """Whether a hook among `hooks` takes single tokens (added without chunks=True) at one of `names`
+    (`Hooks.takes_tokens`; a HookChain: any of its sets). A hooks object that cannot say: False (the chunk then runs
+    as its `needs_tokens` says, layer by layer)."""
+    sets = getattr(hooks, "hook_sets", None)
+    if sets is not None:
+        return any(takes_tokens(h, names) for h in sets)
+    own = getattr(hooks, "takes_tokens", None)
+    return own is not None and own(names)
 
 
 def embed_chunk(weights, ids: list[int], hooks=None, rows: int | None = None) -> SequenceSources:
@@ -330,5 +384,7 @@ def _listens(hooks, name: str) -> bool:
 
 def _ffn(y, layer, cfg, hooks):
     if layer.ffn.kind == "moe":
-        return latent_moe_sequence(y, layer.ffn, fire=None if hooks is None else hooks.fire_chunk, names=layer.names)
+        if hooks is None:
+            return latent_moe_sequence(y, layer.ffn, names=layer.names)
+        return latent_moe_sequence(y, layer.ffn, fire=hooks.fire_chunk, names=layer.names, observe=hooks.observe_chunk)
     return dense_mlp_sequence(y, layer.ffn, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)

@@ -4,7 +4,7 @@ Shapes: d = hidden, E experts, k = top-k, l = routed_expert_hidden_size (latent)
 
     s     = sigmoid(x @ gate^T)                      [E]  fp32, unbiased scores
     ids   = topk(s + e_score_correction_bias, k)          bias used for SELECTION only
-    w     = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor   (renormalise when moe_renormalize)
+    w     = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor   (renormalise when moe_renormalize and k > 1)
     z     = routed_expert_down_proj(x)               [l]  the latent
     y_e   = w2_e(SiTU([w1_e z | w3_e z]))            [l]  experts live in the latent space
     u     = routed_expert_norm(sum_e w_e y_e)        [l]  ONE RMSNorm on the aggregate (if latent_moe_use_norm)
@@ -221,7 +221,8 @@ def routing_weights(scores, ids, renormalize: bool, scaling: float):
             w = w / (w.sum() + RENORM_EPS)
         return w * scaling
     if token_ops.runs(scores) and type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu":
-        return token_ops.routing_weights(scores, ids.astype(np.int64, copy=False), renormalize, scaling, RENORM_EPS)
+        # (a hook's ids may be a strided view, ids[::-1]: the compiled step reads them C-ordered)
+        return token_ops.routing_weights(scores, np.ascontiguousarray(ids, dtype=np.int64), renormalize, scaling, RENORM_EPS)
     s = scores.tolist()
     w = [s[i] for i in ids.tolist()]
     total = 0.0

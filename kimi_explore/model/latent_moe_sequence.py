@@ -134,14 +134,18 @@ def _situ_rows(w: LatentMoeWeights):
     return lambda gate_up: sequence_ops.situ_and_mul_rows(gate_up, w.situ_beta, w.situ_linear_beta, w.situ)
 
 
-def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
+def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None, observe=None):
     """x: [T, d] (post_attention_layernorm outputs) -> [T, d].
 
     fire(name, value) -> value, when given, sees whole-chunk arrays at the token form's sites, in its
     order, named names[kind] (None: the kinds): moe.router.scores [T, E], moe.router.topk_ids [T, k]
     (another [T, k'] may be returned, and -1 entries drop that selection of that token: its weight is
-    0 and the others renormalise, as the token form without it), moe.router.topk_weights [T, k],
-    moe.experts_out [T, l] (the weighted sum before the latent norm), moe.routed_out, moe.shared_out [T, d].
+    0 and the others renormalise, as the token form without it), moe.router.topk_weights [T, k] (one per
+    id: a hook's weights of another shape raise), moe.experts_out [T, l] (the weighted sum before the latent
+    norm), moe.routed_out, moe.shared_out [T, d].
+    observe(name, value), when given, is told the ids the layer routes by (at moe.router.topk_ids, after every hook
+    there, before the weights fire): a hook set that saw the ids before a later one changed them (a Recorder
+    dropping the weights of -1 ids) learns them (`Hooks.observe_chunk`).
     """
     xp = array_namespace(x)
     site = (lambda kind: kind) if names is None else names.__getitem__  # noqa: E731
@@ -156,9 +160,14 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None):
         if on_host(hooked) or hooked is not ids:  # on a GPU, ids a hook returned anew (one transfer; unchanged: none)
             _check_ids(hooked, E, site("moe.router.topk_ids"))
         ids = hooked
+        if observe is not None:
+            observe(site("moe.router.topk_ids"), ids)
     weights = routing_weights_rows(scores, ids, w.renormalize, w.routed_scaling_factor)
     if fire is not None:
         weights = fire(site("moe.router.topk_weights"), weights)
+        if weights.shape != ids.shape:  # (the token form's check: else a matmul's shape error, naming no site)
+            raise ValueError(f"{site('moe.router.topk_weights')}: a hook returned weights {tuple(weights.shape)} for the "
+                             f"selected experts {tuple(ids.shape)} [T, k]: give one weight per expert")
 
     act = _situ_rows(w)
     routed_y = expert_outputs_grouped(w.experts, ids, y[:, E : E + l], act)  # [T, k, l], zeros where ids = -1
