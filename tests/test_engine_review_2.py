@@ -335,3 +335,33 @@ def test_ssm_a_of_minus_infinity_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(f"{path}: tensor 'blk.0.ssm_a' must be -exp(A_log), finite and "
                                                         "< 0 per head; found [-inf, ")):
         ke.from_pretrained(path, device="cpu")
+
+
+def _rewritten(tmp_path, name, meta=None, drop=()):
+    """The engine set d's llama.cpp GGUF with metadata overridden and tensors dropped."""
+    from kimi_explore.weights.gguf_io import GgufFile, write_gguf
+
+    f = GgufFile(ENGINES / "d" / "llamacpp" / "model-mxfp4.gguf")
+    out = tmp_path / name
+    write_gguf(out, {**f.metadata, **(meta or {})}, f.types,
+               [(n, t.ne, t.type, f.raw(n).tobytes()) for n, t in f.tensors.items() if n not in drop])
+    return out
+
+
+def _logits(path):
+    w = ke.from_pretrained(path, device="cpu")
+    s = w.new_state()
+    return np.stack([w.forward_token(s, t) for t in (5, 17, 42)])
+
+
+def test_gguf_expert_weights_scale_zero_means_unscaled_as_in_llama_cpp(tmp_path):
+    """llama.cpp scales the routed experts only by a factor other than 0 and 1 (0 is its default); it was read as
+    routed_scaling_factor 0, the routed experts silently zeroed (logits off by 4.5)."""
+    zero = _logits(_rewritten(tmp_path, "s0.gguf", {"kimi-k3.expert_weights_scale": 0.0}))
+    np.testing.assert_array_equal(zero, _logits(_rewritten(tmp_path, "s1.gguf", {"kimi-k3.expert_weights_scale": 1.0})))
+
+
+def test_gguf_without_the_output_head_is_refused(tmp_path):
+    """llama.cpp's kimi-k3 loader requires output.weight; a file without it ran as a tied model (logits off by 26)."""
+    with pytest.raises(ke.ConfigError, match=r"no tensor 'output\.weight' .* never falls back to token_embd"):
+        ke.from_pretrained(_rewritten(tmp_path, "no_head.gguf", drop=("output.weight",)), device="cpu")

@@ -32,14 +32,20 @@ checks every shape against the config built here):
     mla_use_nope = true           kimi-k3 never rotates (rope.dimension_count only sizes the dims)
     mla_use_output_gate           whether MLA layers have attn_gate
     latent_moe_use_norm           whether MoE layers have ffn_routed_norm
-    tie_word_embeddings           whether output.weight is absent (llama.cpp then uses token_embd)
+    tie_word_embeddings = false   output.weight must be there: llama.cpp's kimi-k3 loader requires it (no
+                                  fallback to token_embd), so a file without it is refused
+    routed_scaling_factor         expert_weights_scale, where 0.0 means 1.0: llama.cpp scales only by a
+                                  factor other than 0 and 1 (`build_moe_ffn`), and 0.0 is its default
     hidden_act = "situ", moe_layer_freq = 1   K3's fixed conventions (llama.cpp's kimi-k3 graph has
                                   no other activation and makes every layer from the leading dense
                                   ones on MoE)
 
 Trap: float keys are stored as F32 (rms_norm_eps 1e-5 reads 9.99999974e-06). They are taken as the
-shortest decimal that rounds to the stored float32 (1e-05), which is what config.json holds; in
-float32 arithmetic both are the same number, in float64 they are not.
+shortest decimal that rounds to the stored float32 (1e-05), which is what config.json holds where it
+has at most 7-8 significant digits (K3's constants: 1e-5, 2.827, 4.0). A config value with more digits
+than float32 holds (2.8271234567891) cannot come back from the GGUF; the scalars used in double
+(routing weights' scale, the SiTU betas, the token path's gate bound) then differ from the checkpoint's,
+and so do the logits, by ~1e-5.
 """
 
 from __future__ import annotations
@@ -96,6 +102,11 @@ def config_from_gguf(meta: dict, types: dict, tensors: dict, source: str) -> Kim
         raise ConfigError(f"{source}: missing GGUF metadata key(s): {', '.join(missing)}")
     get = lambda k: _value(meta, types, f"{ARCH}.{k}")  # noqa: E731
     raw = {c: get(g) for c, g in KEYS.items() if "." not in c}
+    if raw["routed_scaling_factor"] == 0.0:  # llama.cpp's "unscaled" (see the module docstring)
+        raw["routed_scaling_factor"] = 1.0
+    if "output.weight" not in tensors:
+        raise ConfigError(f"{source}: no tensor 'output.weight' (the output head): llama.cpp's {ARCH} loader requires it "
+                          "and never falls back to token_embd, so this file is not a model llama.cpp runs")
     la = {c.split(".", 1)[1]: get(g) for c, g in KEYS.items() if "." in c}
     n = raw["num_hidden_layers"]
     if type(n) is not int or n < 1:  # (used below, before the config checks every value's type)
@@ -115,7 +126,7 @@ def config_from_gguf(meta: dict, types: dict, tensors: dict, source: str) -> Kim
         mla_use_nope=True, hidden_act="situ", moe_layer_freq=1,
         mla_use_output_gate=bool(mla) and all(f"blk.{i}.attn_gate.weight" in tensors for i in mla),
         latent_moe_use_norm=any(name.endswith(".ffn_routed_norm.weight") for name in tensors),
-        tie_word_embeddings="output.weight" not in tensors,
+        tie_word_embeddings=False,
         num_expert_group=meta.get(f"{ARCH}.expert_group_count", 1), topk_group=meta.get(f"{ARCH}.expert_group_used_count", 1),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),

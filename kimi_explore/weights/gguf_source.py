@@ -15,9 +15,10 @@ ne [d, P]. Where llama.cpp's converter changed a tensor, this source undoes it:
                       path computes A (float64 exp, then cast). On the engine sets this gives A
                       bit-identical to the released checkpoint's on all 108 heads; -ssm_a itself
                       (what llama.cpp multiplies by) is 1 ulp off on one head of set `e`. Trap: the
-                      recovered A_log can be 1 float32 ulp off when |A_log| < 1 (one head of set
-                      `e`); rounded to float32 A is the same, but with dtype="float64" that head's A
-                      differs (logits by 2e-8 there); the GGUF does not hold A_log itself
+                      recovered A_log can be 1 float32 ulp off (one head of set `e`; 5-9 of 16 heads
+                      of random A_log in [-1, 1.5]); rounded to float32 A is the same, so float32 runs
+                      are bit-identical, but with dtype="float64" those heads' A differ (logits by
+                      2e-8 on set `e`, up to ~1e-5 on random models); the GGUF does not hold A_log
     attn_k_b          [nh, kl, dn]: the key half of kv_b_proj, TRANSPOSED per head; attn_v_b
                       [nh, dv, kl] the value half: kv_b_proj [nh (dn + dv), kl] is reassembled
     ssm_conv1d_{q,k,v}  ne [W, 1, P, 1]: the released [P, 1, W] values, reshaped
