@@ -38,8 +38,9 @@ def _arrays_of(layer, xp):
         obj = stack.pop(0)
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
-            if f.name == "experts":  # hash dequantised values, so packed and dense banks agree
-                yield from v.gather(xp.asarray([0, v.num_experts - 1]))
+            if f.name == "experts":  # hash dequantised values, so packed and dense banks agree (a packed bank's
+                ends = np.array([0, v.num_experts - 1])  # dequantize leaves its cache and counters as they are)
+                yield from (v.dequantize(ends) if hasattr(v, "dequantize") else v.gather(xp.asarray(ends)))
             elif hasattr(v, "shape") and hasattr(v, "reshape"):
                 yield v
             elif dataclasses.is_dataclass(v):

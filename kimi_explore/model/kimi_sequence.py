@@ -47,6 +47,7 @@ from .kimi_token import (
     embed_token,
     finish_token,
     hooks_type_error,
+    in_use,
     mark_broken,
     records_mark,
     run_layers,
@@ -223,7 +224,8 @@ def kimi_forward_sequence(weights, state, token_ids, hooks=None,
         return xp.zeros((0, V), weights.dtype)
     mark, start = records_mark(hooks), state.position
     try:
-        out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
+        with in_use(weights):
+            out = [forward_chunk(weights, state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
     except BaseException as e:  # (a chunk that failed inside its layers marked it already)
         if state.position != start:  # chunks before were taken: the records of none are kept, so neither is the state
             mark_broken(state, e, start + len(ids) - state.position)

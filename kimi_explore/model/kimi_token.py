@@ -23,6 +23,7 @@ lm_head: for layers 0..N-1 this is exactly the model cut to N layers.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from dataclasses import dataclass
 from operator import attrgetter
@@ -36,7 +37,7 @@ from .ops import dense_mlp, rms_norm
 from .sites import site_table
 
 __all__ = ["OutputHead", "check_state", "decoder_layer", "dtype_name", "embed_token", "finish_token", "hooks_type_error",
-           "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "run_layers", "token_index",
+           "in_use", "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "run_layers", "token_index",
            "token_indices"]
 
 
@@ -99,13 +100,14 @@ def kimi_forward_token(weights, state, token_id, hooks=None):
             default(token_index(token_id, weights.config.vocab_size), state.position)
     mark = records_mark(hooks)
     try:
-        stack = embed_token(weights, token_id, hooks)
-        try:
-            run_layers(weights, state, stack, hooks)
-            logits = finish_token(weights.head(), stack, hooks)
-        except BaseException as e:
-            mark_broken(state, e)
-            raise
+        with in_use(weights):
+            stack = embed_token(weights, token_id, hooks)
+            try:
+                run_layers(weights, state, stack, hooks)
+                logits = finish_token(weights.head(), stack, hooks)
+            except BaseException as e:
+                mark_broken(state, e)
+                raise
     except BaseException:
         discard_records(hooks, mark)
         raise
@@ -209,6 +211,13 @@ def mark_broken(state, error: BaseException, n_tokens: int = 1) -> None:
         where = f"position {p}" if n_tokens == 1 else f"positions {p}-{p + n_tokens - 1}"
         state.broken = (f"{type(error).__name__}({error}) stopped the forward pass of {where} after it had begun to "
                         "advance the layers")
+
+
+def in_use(weights):
+    """Hold `weights` for this thread's forward pass (`Workspace.in_use`: another thread's raises); weights
+    built without a workspace hold nothing."""
+    workspace = getattr(weights, "workspace", None)
+    return contextlib.nullcontext() if workspace is None else workspace.in_use()
 
 
 def records_mark(hooks):

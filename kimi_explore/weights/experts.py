@@ -169,6 +169,9 @@ class PackedExperts:
     def warm(self, ids, chunk: int = 16) -> None:
         """Dequantise experts `ids` into the cache now (`chunk` at a time), e.g. before timing or a sweep."""
         ids = [int(e) for e in to_numpy(ids).reshape(-1)][-self.capacity :] if self.capacity else []
+        for e in ids:  # those cached already become the most recent: storing the others must not evict them
+            if e in self._slots:
+                self._slots.move_to_end(e)
         for a in range(0, len(ids), chunk):
             part = [e for e in ids[a : a + chunk] if e not in self._slots]
             if part:

@@ -7,7 +7,9 @@ For a logical weight W [rows, cols] (nn.Linear [out, in]):
     value = (-1)^(code >> 3) * [0, .5, 1, 1.5, 2, 3, 4, 6][code & 7]     E2M1
     W[r, c] = value * 2^(weight_scale[r, c // 32] - 127)                 E8M0 scale per 32 columns
 
-Every result is exactly representable in bf16 and float32.
+Every result is exactly representable in bf16 and float32. Scale byte 255 (NaN in the OCP MX spec) is
+2^128, which the release computes in bf16 (`2.0 ** scale_exp`): inf, so its group's zeros are NaN and
+the rest inf. Every route here takes the factor as a float32 (then widens it), so float64 runs agree.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def dequantize(packed, scale, out=None, dtype=np.float32, pool=None, table=None)
         return out
     table = pair_table(xp, dtype) if table is None else table
     src = xp.ascontiguousarray(packed).reshape(-1)
-    fac = xp.ldexp(xp.ones(scale.size, dtype=dtype), xp.ascontiguousarray(scale).reshape(-1).astype(xp.int32) - 127)
+    fac = xp.ldexp(xp.ones(scale.size, dtype=np.float32),  # float32: byte 255 is inf in float64 too (module docstring)
+                   xp.ascontiguousarray(scale).reshape(-1).astype(xp.int32) - 127).astype(dtype, copy=False)
     if not on_host(xp):  # one gather of value pairs, one multiply
         vals = table[src.astype(xp.int32)]  # [n, 2]
         groups = vals.reshape(-1, GROUP)
@@ -98,7 +101,8 @@ def naive_dequantize(packed, scale) -> np.ndarray:
             byte = int(packed[r, c // 2])
             code = byte & 0xF if c % 2 == 0 else byte >> 4
             value = (-1.0 if code & 8 else 1.0) * mags[code & 7]
-            W[r, c] = value * 2.0 ** (int(scale[r, c // GROUP]) - 127)
+            e = int(scale[r, c // GROUP]) - 127
+            W[r, c] = value * (2.0**e if e < 128 else np.inf)  # 2^128: beyond float32, as in the release
     return W
 
 

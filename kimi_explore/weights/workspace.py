@@ -2,7 +2,9 @@
 
 Owned by the weights and shared by their layers, never by two models: loading a second model
 (another size, another device) cannot resize or free the first one's buffers. Like the decode
-state, one model is not meant to run from two threads at once: every call reuses these buffers.
+state, one model is not meant to run from two threads at once: every call reuses these buffers (and a
+packed bank's expert cache). `in_use()` enforces it: the forward passes hold it, so a second thread's
+forward pass on the same weights raises instead of corrupting the first one's numbers.
 
     widening:     float32 [largest bf16-resident matrix]   `Bf16Matrix @ x` widens into it
                   (weight_dtype="bfloat16"; None otherwise)
@@ -15,7 +17,9 @@ Fresh multi-GB arrays would cost the kernel's page zeroing on every token; these
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,6 +39,19 @@ class Workspace:
     threads: int = HOST_THREADS
     _pool: ThreadPoolExecutor | None = None
     _pool_pid: int = 0  # the process that started _pool: a forked child starts its own (the threads stay behind)
+    _busy: threading.RLock = field(default_factory=threading.RLock)  # held by the thread running a forward pass
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """Hold these weights for one forward pass of this thread (re-entrant); another thread's raises."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("these weights are running a forward pass in another thread: a model's scratch and expert "
+                               "cache serve one pass at a time. Run the threads' passes one after the other, or load a "
+                               "copy of the model per thread (ke.from_pretrained again)")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def take(self, name: str, shape: tuple, dtype):
         """A [shape] view of buffer `name` (grown when too small); its contents live until the next take."""
