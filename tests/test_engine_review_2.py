@@ -339,19 +339,11 @@ def test_ssm_a_of_minus_infinity_is_refused(tmp_path):
 
 def _rewritten(tmp_path, name, meta=None, drop=()):
     """The engine set d's llama.cpp GGUF with metadata overridden and tensors dropped."""
-    from kimi_explore.weights.gguf_io import GgufFile, write_gguf
-
     f = GgufFile(ENGINES / "d" / "llamacpp" / "model-mxfp4.gguf")
     out = tmp_path / name
     write_gguf(out, {**f.metadata, **(meta or {})}, f.types,
                [(n, t.ne, t.type, f.raw(n).tobytes()) for n, t in f.tensors.items() if n not in drop])
     return out
-
-
-def _logits(path):
-    w = ke.from_pretrained(path, device="cpu")
-    s = w.new_state()
-    return np.stack([w.forward_token(s, t) for t in (5, 17, 42)])
 
 
 def test_gguf_expert_weights_scale_zero_means_unscaled_as_in_llama_cpp(tmp_path):
