@@ -201,6 +201,20 @@ def test_a_dying_worker_after_a_resume_names_the_text_of_the_call(ref_weights, m
     assert len(ke.RoutingStats.load(path).texts) == 2  # the checkpoint still holds what was counted
 
 
+def test_a_failed_call_leaves_no_thread_of_its_pool(ref_weights, monkeypatch):
+    """A failed call stops its workers and joins its pool before it raises: a pool left shutting down in threads
+    holds its lock (Python 3.12+) while the next call forks, and that call's workers deadlock when they collect it."""
+    import threading
+
+    from kimi_explore.analysis import routing_stats as module
+
+    before = threading.active_count()
+    monkeypatch.setattr(module, "_worker_routing", _raises)
+    with pytest.raises(ArithmeticError):
+        ke.routing_stats(ref_weights, TEXTS, progress=False, workers=2)
+    assert threading.active_count() == before
+
+
 def _where(e: BaseException) -> str:
     """The text an error names: its note (Python 3.11+), else the end of its message (3.10: no notes)."""
     if sys.version_info >= (3, 11):

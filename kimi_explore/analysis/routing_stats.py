@@ -432,8 +432,13 @@ def _routings(weights, texts: list[list[int]], workers: int, first: int = 0):
             _submit(pool, queue, ahead)
             yield routing
         failed = False
-    finally:  # (also when the caller stops early: what is queued is dropped, the running texts end on their own)
-        pool.shutdown(wait=not failed, cancel_futures=True)
+    finally:  # (also when the caller stops early: what is queued is dropped, the running texts are stopped)
+        if failed:  # stop the workers rather than leave the pool shutting down in threads: from Python 3.12 its
+            # manager thread holds the pool's lock while it joins them, and a call forking meanwhile copies that
+            # lock held (its workers then deadlock when they collect the old pool)
+            for process in dict(getattr(pool, "_processes", None) or {}).values():
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _note_text(e: Exception, j: int) -> None:
@@ -453,7 +458,13 @@ def _submit(pool, queue, ahead) -> bool:
     if item is None:
         return False
     j, ids = item
-    ahead.append((j, pool.submit(_worker_routing, ids) if ids else None))
+    try:
+        future = pool.submit(_worker_routing, ids) if ids else None
+    except BrokenProcessPool:  # a worker died meanwhile: a text queued before raises it, naming itself
+        if all(f is None for _, f in ahead):
+            raise
+        return False
+    ahead.append((j, future))
     return True
 
 
