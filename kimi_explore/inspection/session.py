@@ -48,6 +48,7 @@ takes it, `fork()` builds a new Session and restores a copy into it, and a sessi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from pathlib import Path
 
@@ -55,7 +56,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import StageLostError
-from ..model.kimi_decoder import KimiDecodeState, hook_names, token_indices
+from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names, token_indices
 from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
@@ -433,9 +434,26 @@ class Session:
         tail = self._tail_cut_by(n)
         self.state = self._state_after(n)
         self._drop_after(n)
+        self._share_caches()
         self._cut_tails.update(tail)
         if n and self._chunk_of[n - 1] >= 0 and n not in self._checkpoints:  # cut inside a fed chunk
             self._checkpoints[n] = self.state.checkpoint()
+
+    def _share_caches(self) -> None:
+        """After a truncate, the kept checkpoints take the new state's MLA caches where they have its capacity:
+        the state was rebuilt as a copy (a checkpoint's, then an exact replay), so it holds their positions bit for
+        bit, and it only appends past them. Else every truncate would keep one more copy of the caches alive
+        (200 back()s over 6,400 tokens: 2.3 GB). New checkpoint records: a snapshot keeps the ones it holds."""
+        if not isinstance(self.state, KimiDecodeState):  # (a pipeline's states live in its stages)
+            return
+        live = [ls.attention for ls in self.state.layers]
+        for t, kept in self._checkpoints.items():
+            layers = [ls if ls.attention.kind != "mla" or ls.attention.keys is own.keys
+                      or ls.attention.keys.shape != own.keys.shape
+                      else KimiLayerState(dataclasses.replace(own, length=ls.attention.length))
+                      for ls, own in zip(kept.layers, live, strict=True)]
+            if any(a is not b for a, b in zip(layers, kept.layers, strict=True)):
+                self._checkpoints[t] = dataclasses.replace(kept, layers=layers)
 
     def _tail_cut_by(self, n: int) -> dict:
         """{first token of the fed chunk truncating to n cuts: every token of it after n-1, as fed}, or {}."""
