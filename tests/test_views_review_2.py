@@ -282,3 +282,26 @@ def test_the_reports_pushed_out_column_names_the_experts(trained_weights, tok):
         last = row.rsplit("<td>", 1)[1].split("</td>")[0]
         assert last == (", ".join(f"{e} ({scores[e]:.3f})" for e in out) or "none"), (j, last)
     assert any(row.rsplit("<td>", 1)[1] != "none</td></tr>" for row in rows)  # something was pushed out here
+
+
+def test_closing_an_explorer_frees_it_and_its_session():
+    """close() closed only the outer box: 154 widgets stayed registered with ipywidgets, their callbacks holding the
+    Explorer and its session alive (a re-run notebook cell kept one more session each time)."""
+    import gc
+    import weakref
+
+    from ipywidgets.widgets.widget import _instances
+
+    w = ke.from_pretrained(ke.tiny_checkpoint())
+    before = set(_instances)
+    s = ke.Session(w, tokenizer=ke.ByteTokenizer())
+    s.feed("def f(x):", progress=False)
+    ex = ke.Explorer(s)
+    ex.step()
+    assert len(set(_instances) - before) > 100
+    session = weakref.ref(s)
+    ex.close()
+    assert set(_instances) - before == set()
+    del s, ex
+    gc.collect()
+    assert session() is None

@@ -177,6 +177,14 @@ class Explorer(widgets.VBox):
         self._history_changed()
 
     # ------------------------------------------------------------------ the prompt
+    def close(self) -> None:
+        """Close the Explorer and every widget it made (the layouts and styles too): closing only the outer box left
+        the rest registered with ipywidgets, their callbacks holding the Explorer and its session alive."""
+        for w in _widgets_within(self):
+            if w is not self:
+                w.close()
+        super().close()
+
     def prompt_ids(self) -> list[int]:
         """The prompt box as token ids (raises ValueError naming what is wrong); parsed once per text."""
         key = (self.mode.value, self.prompt.value)
@@ -520,3 +528,26 @@ class Explorer(widgets.VBox):
     def _error(self, message: str) -> None:
         self._set_status(f"<span style='color:#b00'>{html.escape(message, quote=False)}</span>")
 
+
+def _widgets_within(root) -> list:
+    """Every widget reachable from `root`: through widget traits (children, layout, style...) and through the
+    attributes of this package's own helper objects (the ablation panel, the tabs and their views)."""
+    seen, out, stack = set(), [], [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, widgets.Widget):
+            out.append(obj)
+            stack += [getattr(obj, k, None) for k in obj.keys]
+            if obj is not root and not type(obj).__module__.startswith("kimi_explore"):
+                continue
+            stack += list(vars(obj).values())
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif type(obj).__module__.startswith("kimi_explore.views") and hasattr(obj, "__dict__"):
+            stack += list(vars(obj).values())
+    return out
