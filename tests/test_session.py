@@ -435,7 +435,8 @@ def test_a_cache_saved_inconsistently_with_its_length_or_capacity_is_refused(ref
 
 def test_a_file_of_the_first_format_still_loads_and_the_format_says_what_changed(ref_weights, tmp_path):
     """session/1 files hold every MLA cache at its whole capacity (no "capacity" in the layout); session/2 its
-    used positions. A /1 file (rebuilt here as the old writer wrote it) loads to the same history."""
+    used positions; session/3 a cache shared by several states once. A /1 file (rebuilt here as the old writer
+    wrote it) loads to the same history."""
     import json
 
     from kimi_explore.inspection.session_io import FORMAT
@@ -444,13 +445,13 @@ def test_a_file_of_the_first_format_still_loads_and_the_format_says_what_changed
     s.feed((TOKENS * 3)[:20], chunk=8)
     z = dict(np.load(s.save_state(tmp_path / "v2.npz")))
     header = json.loads(str(z["header"]))
-    assert header["format"] == FORMAT == "kimi_explore.inspection.session/2"
-    for key, layout in header["layout"].items():
+    assert header["format"] == FORMAT == "kimi_explore.inspection.session/3"
+    for key, layout in header["layout"].items():  # /3 -> /1: every cache its own arrays, at its whole capacity
         for j, lay in enumerate(layout["layers"]):
             if "capacity" in lay:
-                cap = lay.pop("capacity")
+                cap, src = lay.pop("capacity"), lay.pop("cache_of", key)
                 for f in ("keys", "values"):
-                    a = z[f"{key}/{j}/{f}"]
+                    a = z[f"{src}/{j}/{f}"][:, : lay["scalars"]["length"]]
                     z[f"{key}/{j}/{f}"] = np.concatenate([a, np.zeros((a.shape[0], cap - a.shape[1], *a.shape[2:]), a.dtype)], 1)
     header["format"] = "kimi_explore.inspection.session/1"
     z["header"] = np.array(json.dumps(header))
@@ -462,11 +463,11 @@ def test_a_file_of_the_first_format_still_loads_and_the_format_says_what_changed
     np.testing.assert_array_equal(old.logits, s.logits)
     for (name, a), (_, b) in zip(state_arrays(old.state), state_arrays(s.state), strict=True):
         assert a.shape == b.shape and np.array_equal(a, b), name
-    header["format"] = "kimi_explore.inspection.session/3"
+    header["format"] = "kimi_explore.inspection.session/4"
     z["header"] = np.array(json.dumps(header))
-    np.savez(tmp_path / "v3.npz", **z)
-    with pytest.raises(ValueError, match="format 'kimi_explore.inspection.session/3', this version reads"):
-        Session.load_state(tmp_path / "v3.npz", ref_weights)
+    np.savez(tmp_path / "v4.npz", **z)
+    with pytest.raises(ValueError, match="format 'kimi_explore.inspection.session/4', this version reads"):
+        Session.load_state(tmp_path / "v4.npz", ref_weights)
 
 
 def test_a_saved_state_loads_into_packed_or_dense_experts(tmp_path):
@@ -586,7 +587,7 @@ def _shared_or_copied_run(w, seed: int, tmp_path) -> list:
     and sampled generation, intervened steps and feeds, truncates, backs, forks, snapshots with and without
     copied arrays, restores (into the same session or a new one), state_after, checkpoint_before, save and load
     with and without checkpoints); what each leaves, as host arrays: tokens, logits, records, the state and
-    every checkpoint (as a checkpoint is used: copied), and each saved file's arrays."""
+    every checkpoint (as a checkpoint is used: copied), also of each session loaded from a saved file."""
     rng = np.random.default_rng(seed)
     every = [0, 1, 3, 16][seed % 4]
     s = Session(w, checkpoint_every=every)
@@ -630,9 +631,7 @@ def _shared_or_copied_run(w, seed: int, tmp_path) -> list:
                 out += [a for _, a in state_arrays(s.checkpoint_before(n)[1])]
             elif op == "save":
                 path = s.save_state(tmp_path / f"{seed}-{k}.npz", checkpoints=bool(rng.integers(2)))
-                with np.load(path) as z:
-                    out += [z[name] for name in sorted(z.files)]
-                sessions.append(Session.load_state(path, w))
+                sessions.append(Session.load_state(path, w))  # (the file's entries differ: a shared cache is saved once)
                 s = sessions[-1]
         except RuntimeError as e:  # a truncate across a token decoded under a temporary intervention
             out.append(np.array(str(e)))

@@ -123,3 +123,32 @@ def test_truncate_keeps_the_caches_held_once(monkeypatch):
                                                                              apart.feed([71, 72], progress=False))
     s.restore(snap)  # a snapshot from before keeps its own caches
     assert np.array_equal(s.step(65), want)
+
+
+def test_a_cache_shared_by_checkpoints_is_saved_once(tmp_path):
+    """Each checkpoint wrote its shared MLA cache again: 600 stepped tokens made a 475 MiB file (80 MiB now), and K3's
+    ~2.9 MB a position made a stepped history's file grow with the square of its length."""
+    import json
+
+    w = ke.from_pretrained(ke.tiny_checkpoint())
+    s = ke.Session(w, checkpoint_every=1)
+    s.feed(list(b"def add(a, b):\n    return a + b\n"), chunk=1, progress=False)  # 32 checkpoints
+    path = s.save_state(tmp_path / "s.npz")
+    with np.load(path) as z:
+        header, cached = json.loads(str(z["header"])), [k for k in z.files if k.endswith("/keys")]
+    mla = [j for j, ls in enumerate(s.state.layers) if ls.attention.kind == "mla"]
+    capacities = {(j, c.layers[j].attention.keys.shape[1]) for c in s._checkpoints.values() for j in mla}
+    assert len(cached) == len(capacities) + len(mla)  # one per cache the checkpoints share, and the live state's
+    loaded = ke.Session.load_state(path, w)
+    for t in (31, 17, 4):
+        loaded.truncate(t)
+        s.truncate(t)
+        assert np.array_equal(loaded.step(70), s.step(70))
+    layer = next(j for j, lay in enumerate(header["layout"]["ckpt3"]["layers"]) if "cache_of" in lay)
+    header["layout"]["ckpt3"]["layers"][layer]["cache_of"] = "ckpt999"  # a reference to nothing
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(ValueError, match=r"saved ckpt3 layer \d+ names 'ckpt999' as the holder of its cache"):
+        ke.Session.load_state(tmp_path / "bad.npz", w)

@@ -71,11 +71,13 @@ class NpzReader:
             raise ValueError(f"{self.path}: a single .npy array, not a {what} file (an .npz archive)")
         self._z = z
         self.files = list(z.files)
+        self._kept: dict = {}  # entries read through `kept` (read once however often they are asked for)
 
     def __enter__(self) -> NpzReader:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._kept.clear()
         self._z.close()
 
     def __contains__(self, key: str) -> bool:
@@ -89,6 +91,12 @@ class NpzReader:
             return self._z[key]
         except _DAMAGE as e:
             raise ValueError(f"{self.path}: entry {key!r} is damaged or truncated ({type(e).__name__}: {e})") from None
+
+    def kept(self, key: str) -> np.ndarray:
+        """`self[key]`, read (and decompressed) once while the reader is open: an entry many others refer to."""
+        if key not in self._kept:
+            self._kept[key] = self[key]
+        return self._kept[key]
 
     def header(self, fmt, required=()) -> dict:
         """The JSON header, checked to be a `what` in format `fmt` (or one of a tuple) with every `required` key."""

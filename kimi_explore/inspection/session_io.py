@@ -6,7 +6,8 @@ value-changing hooks, how each was decoded (fed chunks, the parts truncate cut o
 record changed a chunk's route), the array layout of every saved decode state, the recorder's settings),
 the decode state arrays `state/{layer}/{field}` (and the kept checkpoints `ckpt{t}/...`, every
 array with its full shape so replays run on the same layouts; an MLA cache as its used positions and
-its capacity, the rest zeros on loading), `logits` [T, V], and each record
+its capacity, the rest zeros on loading; a cache that checkpoints share, once, as its longest holder's
+positions, the others naming that holder, `cache_of`), `logits` [T, V], the `probe` logits, and each record
 as `rec/{key}/flat` + `rec/{key}/shapes` (records may change shape from token to token).
 
 The fingerprint (config hash, layer ids, dtype, a hash of a strided sample of every weight
@@ -37,8 +38,9 @@ __all__ = ["SavedSettings", "SessionSnapshot", "check_tokenizer", "copy_sharing"
 
 PROBE_TOKEN = 0  # decoded (without hooks, on a copy) from the saved state, at saving and at loading
 PROBE_RTOL = 1e-3  # of the probe logits' scale: the bound on "the same model" (Moonshot's reference is met to 1e-4)
-FORMAT = "kimi_explore.inspection.session/2"  # /2: an MLA cache saved as its used positions and its capacity
-READS = (FORMAT, "kimi_explore.inspection.session/1")  # /1: every cache at its whole capacity
+FORMAT = "kimi_explore.inspection.session/3"  # /3: a cache shared by several states saved once (`cache_of`)
+READS = (FORMAT, "kimi_explore.inspection.session/2",  # /2: every MLA cache as its used positions and its capacity
+         "kimi_explore.inspection.session/1")  # /1: every cache at its whole capacity
 
 
 @dataclasses.dataclass
@@ -97,8 +99,9 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
         path = path.with_name(path.name + ".npz")
     arrays, layout = {}, {}
     states = [("state", snap.state)] + ([(f"ckpt{t}", s) for t, s in snap.checkpoints.items()] if checkpoints else [])
+    owners = _cache_owners(states)
     for key, state in states:
-        layout[key] = _put_state(arrays, key, weights.host_state(state))
+        layout[key] = _put_state(arrays, key, weights.host_state(state), owners.get(key, {}))
     rec = None
     if snap.records is not None:
         rec = {**_recorder_settings(recorder, weights), "tokens": snap.records["tokens"], "positions": snap.records["positions"],
@@ -250,9 +253,11 @@ def _recorder_settings(rec: Recorder, weights) -> dict:
     return {"top_k": settings["top_k"], "filter": portable(settings["names_filter"]), "full": portable(settings["full"])}
 
 
-def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
+def _put_state(arrays: dict, key: str, state: KimiDecodeState, cache_of: dict) -> dict:
     """A cache (a state with a `length`: MLA) is saved as its first `length` positions (axis 1) and its capacity:
-    a checkpoint shares its arrays with the live state, which writes on past the checkpoint's length."""
+    a checkpoint shares its arrays with the live state, which writes on past the checkpoint's length. A cache whose
+    arrays another saved state holds with more positions (`cache_of`: {layer: that state's key}) is saved as a
+    reference to it, so a history's shared caches are written once, not once per checkpoint."""
     layers = []
     for j, ls in enumerate(state.layers):
         att = ls.attention
@@ -262,11 +267,33 @@ def _put_state(arrays: dict, key: str, state: KimiDecodeState) -> dict:
             if hasattr(v, "shape"):
                 if used is not None:
                     capacity, v = int(v.shape[1]), v[:, :used]
-                arrays[f"{key}/{j}/{f.name}"] = to_numpy(v)
+                if j not in cache_of:
+                    arrays[f"{key}/{j}/{f.name}"] = to_numpy(v)
             else:
                 scalars[f.name] = v
-        layers.append({"type": type(att).__name__, "scalars": scalars, **({"capacity": capacity} if capacity else {})})
+        layers.append({"type": type(att).__name__, "scalars": scalars, **({"capacity": capacity} if capacity else {}),
+                       **({"cache_of": cache_of[j]} if j in cache_of else {})})
     return {"position": state.position, "layers": layers}
+
+
+def _cache_owners(states: list) -> dict:
+    """{key: {layer: the key of the state holding this MLA cache's arrays with the most positions}} for the
+    caches that several of `states` [(key, state)] share (a history's checkpoints share theirs with the live state
+    and with each other, `KimiDecodeState.checkpoint`); a pipeline's states, held in its stages, share nothing here."""
+    def caches():
+        for key, state in states:
+            for j, ls in enumerate(getattr(state, "layers", ())):
+                if getattr(ls.attention, "length", None) is not None:
+                    yield key, j, (id(ls.attention.keys), id(ls.attention.values)), ls.attention.length
+    longest: dict = {}  # the arrays' ids -> (positions, key) of their longest holder (the first among equals)
+    for key, _, arrays, n in caches():
+        if arrays not in longest or n > longest[arrays][0]:
+            longest[arrays] = (n, key)
+    out: dict = {}
+    for key, j, arrays, _ in caches():
+        if longest[arrays][1] != key:
+            out.setdefault(key, {})[j] = longest[arrays][1]
+    return out
 
 
 def _put_checkpoints(weights, host: dict) -> dict:
@@ -348,7 +375,7 @@ def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
         for f in dataclasses.fields(att):
             v = getattr(att, f.name)
             if hasattr(v, "shape"):
-                a = z[f"{key}/{j}/{f.name}"]
+                a = _cache_from(z, lay, key, j, f.name, kw) if "cache_of" in lay else z[f"{key}/{j}/{f.name}"]
                 cache = "length" in kw  # [heads, positions (any capacity), dim]
                 same = (a.shape[:1] + a.shape[2:] == v.shape[:1] + v.shape[2:] and a.ndim == v.ndim) if cache else \
                     a.shape == v.shape
@@ -370,6 +397,19 @@ def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
                 kw[f.name] = a
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
     return KimiDecodeState(layers, int(layout["position"]))
+
+
+def _cache_from(z, lay: dict, key: str, j: int, name: str, kw: dict):
+    """A cache saved as a reference (`cache_of`): the first `length` positions of the state it names."""
+    src, length = lay["cache_of"], kw.get("length")
+    if not isinstance(src, str) or src == key or f"{src}/{j}/{name}" not in z or type(length) is not int:
+        raise ValueError(f"{z.path}: saved {key} layer {j} names {src!r} as the holder of its cache, which the file does "
+                         "not hold (the file is damaged)")
+    a = z.kept(f"{src}/{j}/{name}")  # (one holder serves every checkpoint of its capacity)
+    if a.ndim < 2 or a.shape[1] < length:
+        raise ValueError(f"{z.path}: saved {key} layer {j} {name}: its holder {src} has {a.shape[1] if a.ndim >= 2 else '?'} "
+                         f"positions, fewer than its length {length} (the file is damaged)")
+    return a[:, :length]
 
 
 def weights_fingerprint(weights) -> dict:
