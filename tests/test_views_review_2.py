@@ -292,7 +292,11 @@ def test_closing_an_explorer_frees_it_and_its_session():
 
     from ipywidgets.widgets.widget import _instances
 
+    from kimi_explore.views.explorer.plotly_view import PlotlyJS
+    from kimi_explore.views.explorer.widgets import _widgets_within
+
     w = ke.from_pretrained(ke.tiny_checkpoint())
+    PlotlyJS.shared()  # the kernel's one, which every Explorer shows and none closes
     before = set(_instances)
     s = ke.Session(w, tokenizer=ke.ByteTokenizer())
     s.feed("def f(x):", progress=False)
@@ -300,7 +304,12 @@ def test_closing_an_explorer_frees_it_and_its_session():
     ex.step()
     assert len(set(_instances) - before) > 100
     session = weakref.ref(s)
+    other = ke.Explorer(ke.Session(w, tokenizer=ke.ByteTokenizer()))
     ex.close()
+    theirs = {id(x) for x in _widgets_within(other)}
+    assert all(id(x) in theirs for k, x in _instances.items() if k not in before)  # only the other's stay open
+    other.step()  # and it still works
+    other.close()
     assert set(_instances) - before == set()
     del s, ex
     gc.collect()

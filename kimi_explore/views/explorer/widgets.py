@@ -531,13 +531,16 @@ class Explorer(widgets.VBox):
 
 def _widgets_within(root) -> list:
     """Every widget reachable from `root`: through widget traits (children, layout, style...) and through the
-    attributes of this package's own helper objects (the ablation panel, the tabs and their views)."""
+    attributes of this package's own helper objects (the ablation panel, the tabs and their views); not the kernel's
+    shared PlotlyJS."""
     seen, out, stack = set(), [], [root]
     while stack:
         obj = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
+        if isinstance(obj, PlotlyJS):  # the kernel's one (`PlotlyJS.shared()`), in every Explorer: not this one's
+            continue
         if isinstance(obj, widgets.Widget):
             out.append(obj)
             stack += [getattr(obj, k, None) for k in obj.keys]
