@@ -17,7 +17,6 @@ Fresh multi-GB arrays would cost the kernel's page zeroing on every token; these
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -31,6 +30,24 @@ from .memory import memory_report
 __all__ = ["Workspace", "run_parts", "run_rows"]
 
 
+class _Held:
+    """A context manager holding `lock` without waiting: taken by another thread, it raises."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError("these weights are running a forward pass in another thread: a model's scratch and expert "
+                               "cache serve one pass at a time. Run the threads' passes one after the other, or load a "
+                               "copy of the model per thread (ke.from_pretrained again)")
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
 @dataclass(repr=False)
 class Workspace:
     xp: object  # the weights' array namespace
@@ -39,19 +56,12 @@ class Workspace:
     threads: int = HOST_THREADS
     _pool: ThreadPoolExecutor | None = None
     _pool_pid: int = 0  # the process that started _pool: a forked child starts its own (the threads stay behind)
-    _busy: threading.RLock = field(default_factory=threading.RLock)  # held by the thread running a forward pass
+    _busy: _Held = field(default_factory=lambda: _Held(threading.RLock()))  # held by the thread in a forward pass
 
-    @contextlib.contextmanager
-    def in_use(self):
-        """Hold these weights for one forward pass of this thread (re-entrant); another thread's raises."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("these weights are running a forward pass in another thread: a model's scratch and expert "
-                               "cache serve one pass at a time. Run the threads' passes one after the other, or load a "
-                               "copy of the model per thread (ke.from_pretrained again)")
-        try:
-            yield
-        finally:
-            self._busy.release()
+    def in_use(self) -> _Held:
+        """`with workspace.in_use():` holds these weights for one forward pass of this thread (re-entrant); another
+        thread's raises. (One prebuilt guard: entered on every token, so no generator per call.)"""
+        return self._busy
 
     def take(self, name: str, shape: tuple, dtype):
         """A [shape] view of buffer `name` (grown when too small); its contents live until the next take."""
