@@ -14,9 +14,11 @@ part re-decoded alone from a copy of the state before the chunk, as truncate dec
 replay repeats the history's arithmetic, and its logits are the stored ones bit for bit; they are
 checked against them: to REPLAY_RTOL (which admits a BLAS that now splits its work otherwise), and
 bit for bit for the tokens decoded under value-changing hooks (`Session.decoded_with_hooks`, as
-`Session.recover` checks them). A history decoded under a temporary intervention (`with
-session.intervene(...)`) does not replay to the same logits, however small its effect: that is
-reported, never analysed silently. Capturing changes no value.
+`Session.recover` checks them; NaN matches NaN in the same places). A history decoded under a
+temporary intervention (`with session.intervene(...)`) does not replay to the same logits, however
+small its effect: that is reported, never analysed silently; so is one decoded before hooks were
+added to `session.hooks` (above REPLAY_RTOL: a token decoded without hooks is held to the tolerance
+only). Capturing changes no value.
 """
 
 from __future__ import annotations
@@ -131,13 +133,23 @@ def _hooked(session, t: int) -> bool:
 def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int, exact: bool = False) -> None:
     """The replayed logits against the stored ones: to REPLAY_RTOL, or bit for bit for a token decoded under
     value-changing hooks (as `Session.recover` checks it), whose replay under other hooks (a temporary
-    intervention since removed) can differ by less than any tolerance and must not be analysed as its history."""
-    err = float(np.max(np.abs(replayed.astype(np.float64) - recorded)))
-    scale = 1.0 + float(np.max(np.abs(recorded)))
-    if not (np.array_equal(replayed, recorded) if exact else err <= REPLAY_RTOL * scale):
+    intervention since removed) can differ by less than any tolerance and must not be analysed as its history.
+    NaN (a hook, or an overflow, put it into the history) matches NaN in the same places: NaN != NaN would refuse
+    every replay of such a history; a NaN where the stored logits hold a number, or the other way, is refused."""
+    r, s = np.asarray(replayed, np.float64), np.asarray(recorded, np.float64)
+    same = (r == s) | (np.isnan(r) & np.isnan(s))  # (equal infinities too: inf - inf is NaN)
+    with np.errstate(invalid="ignore"):
+        err = float(np.max(np.where(same, 0.0, np.abs(r - s))))  # NaN where only one of them is NaN
+    finite = np.abs(s[np.isfinite(s)])
+    scale = 1.0 + (float(np.max(finite)) if finite.size else 0.0)
+    if not (same.all() if exact else err <= REPLAY_RTOL * scale):
+        nan = int(np.sum(np.isnan(r) != np.isnan(s)))
         raise ValueError(
             f"replaying the session's history gives other logits at token {t} than the session stored (max |diff| "
-            f"{err:.3g}): that token was decoded under hooks the session no longer holds (a temporary "
-            "`session.intervene(...)` or hooks added to its recorder), or the weights changed since it was decoded. "
-            "Analyses replay with `session.hooks` only: attach the intervention to session.hooks (or decode the "
-            "history again) and retry")
+            f"{err:.3g}{f'; NaN in one but not the other at {nan} of {r.size} entries' if nan else ''}): analyses "
+            "replay under the hooks `session.hooks` holds now, and that token was decoded under others: either "
+            "decoded under hooks the session no longer holds (a temporary `session.intervene(...)`, hooks added to "
+            "its recorder, hooks removed since), or before hooks were added to or changed in session.hooks (they "
+            "would be analysed as if the history had had them); or the weights changed since it was decoded. Restore "
+            "the hooks it was decoded with, or decode the history again under session.hooks (e.g. a fresh "
+            "Session(weights, hooks=...) fed session.tokens), and retry")

@@ -16,7 +16,8 @@ FFN outputs of the layers since the previous push. So the leaves are
     embed                       the embedding (inside its source)
     layers.{i}.attn.out         attention output of layer i
     layers.{i}.ffn.out          dense FFN output (dense layers)
-    layers.{i}.moe.experts.{e}  routed expert e's share of the MoE output
+    layers.{i}.moe.experts.{e}  routed expert e's share of the MoE output (a hook that routes a token
+                                through e twice, [e, e] at moe.router.topk_ids: both shares, summed)
     layers.{i}.moe.shared       the shared experts' output
 
 and a leaf's value is p_j (u . v_leaf) for the source j it lives in.
@@ -29,7 +30,8 @@ expert, the weights w_e as routed (after any hook). Without the latent norm the 
 Exactness: the leaves sum to the logit and `.logit` is the decoder's logit, both to float rounding
 (the leaves are dotted in float64). The values are captured by replaying the session's history
 (`_replay`); a leaf vector that does not add up to what the decoder used (a hook that rewrote
-`moe.routed_out`, `ffn.out` or a running sum) is an error, not a silently wrong split.
+`moe.routed_out`, `ffn.out` or a running sum) is an error, not a silently wrong split; so is a NaN
+logit (a hook, or an overflow, put NaN into the values: every leaf is then NaN, and a NaN row has no top-1).
 """
 
 from __future__ import annotations
@@ -161,6 +163,11 @@ def _step(p, T: int) -> int:
 
 
 def _attribute(w, t: int, values: dict, logits: np.ndarray, token) -> Attribution:
+    if np.isnan(logits).any() and (token is None or np.isnan(logits[token])):
+        what = "it has no top-1 and no logit to split" if token is None else f"token {token}'s logit is NaN: no split exists"
+        raise ValueError(f"logit_attribution: the decoder's logits at step {t} hold NaN (a hook in session.hooks, or an "
+                         f"overflow, put NaN into the values), so {what}; ke.logit_lens(session) shows after which layer "
+                         "the NaN appears")
     token = int(np.argmax(logits)) if token is None else int(token)
     sources = _sources(w, values)  # [(label, [(leaf, vector)])], blocks in push order, current last
     p = _f64(values["final.attn_res.weights"])
@@ -174,7 +181,8 @@ def _attribute(w, t: int, values: dict, logits: np.ndarray, token) -> Attributio
     contributions, source_of = {}, {}
     for (label, leaves), pj in zip(sources, p, strict=True):
         for leaf, vec in leaves:
-            contributions[leaf] = float(pj * (u @ vec))
+            # (+=: a token routed twice through one expert has two leaves of that name; its share is both)
+            contributions[leaf] = contributions.get(leaf, 0.0) + float(pj * (u @ vec))
             source_of[leaf] = label
     logit, total = float(logits[token]), sum(contributions.values())
     if not abs(total - logit) <= CHECK_RTOL * (1.0 + abs(logit)):

@@ -8,9 +8,11 @@ every difference as b - a:
     final_attn_res  [T, S]           Δ output-mix weights
     kda_state       [T, K, H]        Δ Frobenius norms of each KDA head's recurrent state (K KDA layers)
     jaccard         [T, M]           |A ∩ B| / |A ∪ B| of the top-k expert sets per MoE layer (1 when both empty)
-    routing_changes list of (t, layer, removed ids, added ids) wherever the sets differ
+    routing_changes list of (t, layer, removed ids, added ids) wherever the sets differ; t is the
+                    ROW of the compared runs, not a history position: its position is positions[t]
     kl              [T]              KL(P_a || P_b) of the next-token distributions, in nats
-    top1_a, top1_b  [T]; flips [T] bool: the top-1 prediction changed
+    top1_a, top1_b  [T] the top-1 ids; -1 where a row's logits hold NaN (NaN has no order: no top-1)
+    flips           [T] bool: the top-1 prediction changed (never where either run has no top-1)
     positions       [T] the history positions of the rows (0.. for sessions; a Trace window's own)
 
 KL is exact when both runs have full logits (a `Session`, or a Trace that recorded "logits" in
@@ -57,7 +59,8 @@ class RunDiff:
 
     @property
     def flips(self) -> np.ndarray:
-        return self.top1_a != self.top1_b
+        """[T] the top-1 changed: both rows have one (a NaN row's is -1, no prediction) and they differ."""
+        return (self.top1_a != self.top1_b) & (self.top1_a >= 0) & (self.top1_b >= 0)
 
     def __len__(self) -> int:
         return len(self.tokens_a)
@@ -127,11 +130,20 @@ def diff(a, b) -> RunDiff:
         raise ValueError(f"diff: KDA state norms were recorded at layers {kda_a} in a and {kda_b} in b")
     jac, changes, moe = _routing(ta.routing(), tb.routing(), T)
     kl, exact = (_kl_full(la[:T], lb[:T]), True) if la is not None and lb is not None else (_kl_top(ta, tb, T), False)
-    top_a = np.argmax(la[:T], axis=-1) if la is not None else ta["logits.top_ids"][:T, 0]
-    top_b = np.argmax(lb[:T], axis=-1) if lb is not None else tb["logits.top_ids"][:T, 0]
     return RunDiff(ta.tokens[:T], tb.tokens[:T], list(ta.layer_ids), ta.source_labels(),
                    tb.attn_res_weights()[:T] - ta.attn_res_weights()[:T], final, kda_a, sb[:T] - sa[:T], moe, jac,
-                   changes, kl, exact, top_a.astype(np.int64), top_b.astype(np.int64), ta.positions[:T].copy())
+                   changes, kl, exact, _top1(ta, la, T), _top1(tb, lb, T), ta.positions[:T].copy())
+
+
+def _top1(trace, logits, T: int) -> np.ndarray:
+    """[T] each row's top-1 id, -1 where its logits hold NaN (np.argmax would call it id 0; a Trace's top-k of a
+    NaN row is ids 0.. with NaN probabilities)."""
+    if logits is not None:
+        ids, nan = np.argmax(logits[:T], axis=-1), np.isnan(logits[:T]).any(axis=-1)
+    else:
+        ids = trace["logits.top_ids"][:T, 0]
+        nan = np.isnan(trace["logits.top_probs"][:T, 0]) if "logits.top_probs" in trace else np.zeros(T, bool)
+    return np.where(nan, -1, ids).astype(np.int64)
 
 
 def _routing(ra: dict, rb: dict, T: int):

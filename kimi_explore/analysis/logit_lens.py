@@ -44,7 +44,7 @@ class LogitLens:
     tokens:      [T] the fed token ids
     top_ids:     [T, L, top] by probability, descending
     top_probs:   [T, L, top] softmax probabilities
-    final_ids:   [T] the model's own top-1 (argmax of the session's logits)
+    final_ids:   [T] the model's own top-1 (argmax of the session's logits; -1 where they hold NaN: no top-1)
     target_ids:  [T] or None: the chosen tokens whose log-probs were asked for (-1: none)
     target_logprobs: [T, L] or None: log p_layer(target) (NaN where target_ids is -1)
     positions:   [T] the history positions of the rows (all of them unless `positions=` was given)
@@ -125,7 +125,8 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
         top_probs[r] = np.exp(np.take_along_axis(logp, ids, axis=-1))
         if target_ids is not None and target_ids[t] >= 0:
             target_lp[r] = logp[:, target_ids[t]]
-    final_ids = np.argmax(np.asarray(session.logits)[rows], axis=-1).astype(np.int64)
+    logits = np.asarray(session.logits)[rows]
+    final_ids = np.where(np.isnan(logits).any(axis=-1), -1, np.argmax(logits, axis=-1)).astype(np.int64)
     return LogitLens(list(w.layer_ids), tokens[rows], lens_ids, top_probs, final_ids,
                      None if target_ids is None else target_ids[rows], target_lp, rows)
 

@@ -25,7 +25,10 @@ estimate from the joint counts n(c, x) (biased upwards when counts are small):
 
 A token's class is that of the INPUT token at its position (the one whose routing it is). The
 default classing, for byte models, is letters / space / digits / punctuation / newline / other;
-pass `classes=` (a function token id -> label) for another one.
+pass `classes=` (a function token id -> label) for another one. Labels are told apart by type and
+value, as a checkpoint keeps them (JSON): True, 1 and 1.0 are three classes, not one (Python's ==
+would merge them); a label that is not equal to itself (NaN) is refused: it would make a class of
+every token.
 
 Workers: with `workers=n` (n > 1) the texts are decoded n at a time, each in a process forked from
 this one (POSIX; host NumPy weights, which the processes share without copying), and counted here in
@@ -154,12 +157,15 @@ class RoutingStats:
                 f"{len(self.moe_layers)} MoE layers x {self.num_experts} experts)")
 
     # ------------------------------------------------------------------ accumulating
-    def _class_index(self, label: str) -> int:
-        if label not in self.class_names:
+    def _class_index(self, label) -> int:
+        key = _label_key(label)
+        at = next((c for c, name in enumerate(self.class_names) if _label_key(name) == key), None)
+        if at is None:
             self.class_names.append(label)
             M, _, E = self.class_top1.shape
             self.class_top1 = np.concatenate([self.class_top1, np.zeros((M, 1, E), np.int64)], axis=1)
-        return self.class_names.index(label)
+            at = len(self.class_names) - 1
+        return at
 
     def add(self, routing: dict, token_classes: list[str], token_ids=None) -> None:
         """Accumulate one text's `trace.routing()` ([T, M, k] ids and weights; -1 / NaN padding is skipped).
@@ -278,7 +284,7 @@ def _check_classing(path, stats: RoutingStats, classes) -> None:
     """A resumed count classes tokens as the checkpoint did: `classes` gives each token id the checkpoint has
     counted the class it was counted in (another classing would add its counts to the first one's classes)."""
     for i, c in stats.classed.items():
-        if (now := _label(classes, i)) != stats.class_names[c]:
+        if _label_key(now := _label(classes, i)) != _label_key(stats.class_names[c]):
             raise ValueError(f"{path}: the checkpoint counted token id {i} in class {stats.class_names[c]!r}, this "
                              f"call's classes= puts it in {now!r}: resume with the classing it was made with "
                              "(or use another checkpoint path)")
@@ -289,7 +295,8 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     """Routing statistics of `weights` over `texts` (a string, or a list of strings / token-id lists).
 
     classes: token id -> label, a str, int, float, bool or None (default: `byte_class` for a byte
-    vocabulary). progress: a tqdm bar over tokens. checkpoint: a path to save the partial result to
+    vocabulary); labels of other types are other classes (True, 1 and 1.0: three), NaN is refused
+    (module docstring). progress: a tqdm bar over tokens. checkpoint: a path to save the partial result to
     and resume from. workers: texts decoded at once, each in a forked process (see module
     docstring); 1 decodes here.
     """
@@ -355,7 +362,16 @@ def _label(classes, token_id: int):
     if label is not None and not isinstance(label, (str, int, float, bool)):
         raise TypeError(f"routing_stats: classes({token_id}) returned {label!r} ({type(label).__name__}); a class label "
                         "must be a str, int, float, bool or None (it is saved as JSON in a checkpoint): e.g. str(label)")
+    if label != label:  # NaN: no label would ever equal it, and each token would get a class of its own
+        raise ValueError(f"routing_stats: classes({token_id}) returned {label!r}, a label not equal to itself: a class "
+                         "label must equal itself to gather tokens (give e.g. None or 'nan' for tokens without a class)")
     return label
+
+
+def _label_key(label) -> tuple:
+    """What tells two class labels apart: type and value, as their JSON in a checkpoint does (1 == True == 1.0 in
+    Python, but a checkpoint keeps 1, true and 1.0, and a resumed run must find the class it counted in)."""
+    return type(label), label
 
 
 def _router_recorder(weights) -> Recorder:

@@ -26,6 +26,11 @@ full `forward_sequence`. Masks are exactly those of `mask_sources`; what a row m
 by hand in tests/test_source_ablation.py.
 A site's "mass" is what the weights say, a row's loss and KL what the model does without that family:
 a family with large mass and little effect is read but not needed (the question of arXiv 2606.13168).
+
+On a layer subset without layer 0 (`from_pretrained(..., layers=range(4, 8))`) column 0 is not the
+embedding but the input of the first loaded pushing layer (the embedding plus the outputs of the
+loaded layers before it): the "embedding" family masks it all the same, and its rows and the
+result's `families` name it as `Trace.source_labels()` does ("input of layer 6").
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ..backend import to_numpy
 from ..inspection.hooks import HookChain, Hooks
 from ..inspection.recorder import Recorder
 from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_sources, source_columns
+from ..model.block_residual import source_labels
 from ..model.kimi_decoder import token_indices
 from ..model.kimi_sequence import SequenceSources, default_chunk, embed_chunk, finish_sequence, sequence_layer
 
@@ -101,8 +107,9 @@ class SourceAblation:
         return pd.DataFrame(self.rows)
 
     def table(self) -> str:
-        head = f"{'layer':>5} {'site':<4} {'family':<13} {'mass':>6} {'Δloss':>8} {'KL':>8}"
-        lines = [head] + [f"{r['layer']:>5} {r['site']:<4} {r['family']:<13} {r['mass']:>6.3f} {r['delta_loss']:>8.4f} "
+        n = max([13] + [len(r["family"]) for r in self.rows])  # ("input of layer 12" on a layer subset)
+        head = f"{'layer':>5} {'site':<4} {'family':<{n}} {'mass':>6} {'Δloss':>8} {'KL':>8}"
+        lines = [head] + [f"{r['layer']:>5} {r['site']:<4} {r['family']:<{n}} {r['mass']:>6.3f} {r['delta_loss']:>8.4f} "
                           f"{r['kl']:>8.4f}" for r in self.rows]
         return "\n".join(lines + [f"clean loss {self.clean_loss:.4f} nats over {self.n_tokens} tokens"])
 
@@ -251,7 +258,9 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
 
     session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`
     (ids, or a string: encoded by the session's tokenizer, else as UTF-8 bytes for a byte model).
-    families: source families (`inspection.source_masks`); layers: model layer ids (default all);
+    families: source families (`inspection.source_masks`; "embedding" is named "input of layer i" in the
+    result on a layer subset without layer 0, see module docstring); layers: model layer ids (an int,
+    or a list / range of them; default all), rows in the order given (a layer given twice: its rows twice);
     sites: "attn" and/or "ffn"; chunk: tokens per pass of the sequence path (default `default_chunk`).
     reuse_prefix: a run masked at layer L starts from the clean run's block-residual stack before L
     (the same numbers, about half the work); off, or with session hooks or a pipeline, every run
@@ -290,7 +299,7 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         if site not in SITES:
             raise ValueError(f"source_ablation: sites must be among {SITES}, got {site!r}")
     layer_ids = list(weights.layer_ids)
-    layers = layer_ids if layers is None else [int(i) for i in layers]
+    layers = layer_ids if layers is None else _layer_list(layers)
     missing = [i for i in layers if i not in layer_ids]
     if missing:
         raise ValueError(f"source_ablation: layers {missing} are not in this model (layers {layer_ids[0]}..{layer_ids[-1]})")
@@ -335,13 +344,16 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
 
         bar = tqdm(total=len(cells), unit="run", desc="source ablation")
     rows, position = [None] * len(cells), {i: k for k, i in enumerate(layer_ids)}
+    first = source_labels([spec.index for spec in weights.specs if spec.is_block_boundary])[0]
+    renamed = {"embedding": first} if first.startswith("input of layer") else {}  # column 0 on a layer subset
+    name = lambda f: renamed.get(f, f) if isinstance(f, str) else str(f)  # noqa: E731
     for n in sorted(range(len(cells)), key=lambda n: position[cells[n][0]]):  # layer order: the held stacks only move on
         i, site, f, cols, p = cells[n]
         if reuse:
             losses, kl, _ = prefixes.masked(i, mask_sources(i, site, f), clean_logits)
         else:
             losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logits)
-        rows[n] = {"layer": i, "site": site, "family": f if isinstance(f, str) else str(f), "columns": list(cols),
+        rows[n] = {"layer": i, "site": site, "family": name(f), "columns": list(cols),
                    "n_sources": int(p.shape[1]), "mass": float(p[:, cols].sum(axis=1).mean()),
                    "loss": float(losses.mean()), "delta_loss": float(losses.mean()) - clean_loss,
                    "kl": float(kl.mean())}
@@ -349,5 +361,21 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
             bar.update(1)
     if bar is not None:
         bar.close()
-    return SourceAblation(rows, len(ids), clean_loss, tuple(f if isinstance(f, str) else str(f) for f in families),
+    return SourceAblation(rows, len(ids), clean_loss, tuple(name(f) for f in families),
                           {"chunk": chunk, "layers": layers, "sites": list(sites)})
+
+
+def _layer_list(layers) -> list[int]:
+    """`layers` checked: model layer ids (an int, or a list / range of them); int() would make 3.7 and "3" layer 3."""
+    is_id = lambda i: isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))  # noqa: E731
+    if is_id(layers):
+        return [int(layers)]
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"source_ablation: layers must be a layer id (an int) or a list of them, got {layers!r} "
+                        f"({type(layers).__name__})")
+    given = list(layers)
+    bad = [i for i in given if not is_id(i)]
+    if bad:
+        raise TypeError(f"source_ablation: layers must be layer ids (ints), got {bad[0]!r} ({type(bad[0]).__name__}) "
+                        f"in {given!r}")
+    return [int(i) for i in given]
