@@ -156,13 +156,13 @@ def test_one_hot_override_selects_exactly_that_source(ref_weights):
     eps = w.config.rms_norm_eps
     full = ["final.block_residual", "layers.6.prefix_sum", "layers.7.attn.in", "layers.7.attn.out", "layers.7.ffn.in",
             "final.hidden"]
-    for j in [0, 1, 2, "current", -2]:
+    for j in [0, 1, 2, "current", 5, -4]:  # model-wide columns (Trace.source_labels()): 6 of them, 5 = current
         rec = Recorder(full=full).bind(w)
         rec.extend(override_attn_res(layer, "attn", ("one_hot", j)))
         decode(w, TOKENS[:4], rec)
         tr = rec.trace()
         sources = np.concatenate([tr["final.block_residual"][:, :3], tr["layers.6.prefix_sum"][:, None]], axis=1)
-        col = {"current": 3, -2: 2}.get(j, j)
+        col = {"current": 3, 5: 3, -4: 2}.get(j, j)  # this site's column
         want_w = np.zeros(4)
         want_w[col] = 1
         np.testing.assert_array_equal(tr[f"layers.{layer}.attn_res.attn.weights"], np.tile(want_w, (4, 1)))
@@ -206,8 +206,8 @@ def test_override_mixes_sources_with_the_given_weights(ref_weights, weights):
 def test_override_errors_name_the_site(ref_weights):
     with pytest.raises(ValueError, match=r"layers\.4\.attn_res\.attn\.weights.*got 4 weights.*mixes 3 sources"):
         decode(ref_weights, TOKENS[:1], override_attn_res(4, "attn", [0.25] * 4))
-    with pytest.raises(ValueError, match=r"source 5 does not exist.*mixes 3"):
-        decode(ref_weights, TOKENS[:1], override_attn_res(4, "attn", ("one_hot", 5)))
+    with pytest.raises(ValueError, match=r"layers\.4\.attn_res\.attn\.weights.*does not mix source column 3.*mixes 3"):
+        decode(ref_weights, TOKENS[:1], Hooks().bind(ref_weights) + override_attn_res(4, "attn", ("one_hot", 3)))
     with pytest.raises(ValueError, match="site must be"):
         override_attn_res(4, "mlp", "uniform")
 

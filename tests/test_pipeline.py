@@ -344,3 +344,25 @@ def test_mutation_a_restarted_stage_gets_the_sessions_hooks_and_recorder_again(p
         expected.feed(TOKENS)
         assert_same_session(s, expected)
         assert s.trace()["layers.12.ffn.out"].shape == (len(TOKENS), weights.config.hidden_size)
+
+
+def test_integer_source_columns_count_model_wide_on_every_stage(pipe3, weights):
+    """A stage holds some layers only, but an integer source column is the model's (`Trace.source_labels()`):
+    each stage's hooks are told the whole pipeline's columns, so a mask of block 2, of the last block and of the
+    current sum acts where stepping in one process acts (before, a stage's hooks could not place such a column)."""
+    from kimi_explore.inspection.source_masks import mask_sources
+
+    S = weights.max_sources
+    runs = []
+    for w in (weights, pipe3):
+        s = ke.Session(w)
+        s.feed(TOKENS[:3])
+        with s.intervene(mask_sources("all", "both", [2, S - 2], positions=range(3, 9))):
+            s.feed(TOKENS[3:9])
+        with s.intervene(mask_sources(range(6, 16), "ffn", [-1], positions=[9, 10])):
+            s.feed(TOKENS[9:])
+        runs.append(s)
+    assert_same_session(runs[1], runs[0])
+    plain = ke.Session(weights)
+    plain.feed(TOKENS)
+    assert not np.array_equal(runs[0].logits[3:9], plain.logits[3:9])  # the masks did act

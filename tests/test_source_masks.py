@@ -181,7 +181,7 @@ def test_mask_errors_name_what_is_wrong(ref_weights):
     with pytest.raises(ValueError, match="'all'"):
         ablate_experts("every", [1])
     with pytest.raises(ValueError, match="leaves none of the 2 sources"):
-        decode(ref_weights, TOKENS[:2], mask_sources(1, "ffn", [0, 1]))
+        decode(ref_weights, TOKENS[:2], mask_sources(1, "ffn", [0, -1]))
 
 
 def test_mask_at_the_output_mix(ref_weights):

@@ -140,13 +140,22 @@ class Stage:
     # ------------------------------------------------------------------ hooks and recording
     def configure(self, hooks: list, recorder: tuple | None) -> None:
         """hooks: [(pattern, names_filter, fn, chunks)] on this stage's sites; recorder: None or (settings, its hooks)."""
-        self.hooks = _with_hooks(Hooks().bind(self.names), hooks) if hooks else None
+        self.hooks = _with_hooks(self._bound(Hooks()), hooks) if hooks else None
         self.recorder = None
         if recorder is not None:
             settings, recorder_hooks = recorder
-            self.recorder = _with_hooks(Recorder(**settings).bind(self.weights, names=self.names), recorder_hooks)
+            self.recorder = Recorder(**settings).bind(self.weights, names=self.names)
+            self._bound(self.recorder.hooks)
+            self.recorder = _with_hooks(self.recorder, recorder_hooks)
         parts = [h for h in (self.hooks, self.recorder) if h is not None]
         self.chain = parts[0] if len(parts) == 1 else HookChain(*parts) if parts else None
+
+    def _bound(self, hooks: Hooks) -> Hooks:
+        """`hooks` checked against the whole pipeline's names, and told its source columns (`rows`: integer source
+        columns count model-wide, `inspection.source_masks`), which this stage's own layers would not give."""
+        hooks.bind(self.names)
+        hooks.max_sources = self.rows
+        return hooks
 
     # ------------------------------------------------------------------ one token, or one chunk
     def run(self, token: tuple, previous: tuple | None = None):

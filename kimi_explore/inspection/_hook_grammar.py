@@ -46,6 +46,10 @@ def check_pattern(pattern: str, known_names=None, what: str = "hook") -> None:
     """
     if not isinstance(pattern, str):
         raise TypeError(f"{what} name must be a string (exact hook name or glob), got {pattern!r}")
+    m = LAYER_NAME.match(pattern)
+    if m and m.group(1) != str(int(m.group(1))):  # 'layers.01.kda.q' is no name the decoder fires
+        raise ValueError(f"{what} name {pattern!r}: write the layer number without leading zeros: "
+                         f"'layers.{int(m.group(1))}.{m.group(2)}'")
     if known_names is not None:
         if is_glob(pattern):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in known_names):

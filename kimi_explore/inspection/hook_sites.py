@@ -35,6 +35,8 @@ class HookPoint:
     token_id: that token's id when the driver told (`Hooks.begin_token`), else None
     positions: on the sequence path, the positions [T] (int array) of the chunk a chunk-aware hook
               gets; None in the token form, and for one token of a chunk (a layer run token by token)
+    max_sources: the model's block-residual source columns (`Trace.source_labels()`: the stored blocks,
+              then the current sum) when the Hooks was bound to the weights (`Hooks.bind`), else None
     """
 
     __slots__ = ("name", "layer", "kind", "_owner")
@@ -58,6 +60,10 @@ class HookPoint:
     def positions(self):
         o = self._owner  # a layer run token by token inside a chunk: one token (its position set), no positions
         return None if o is None or o.position is not None else o.positions
+
+    @property
+    def max_sources(self) -> int | None:
+        return None if self._owner is None else getattr(self._owner, "max_sources", None)
 
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, layer={self.layer}, kind={self.kind!r})"

@@ -97,6 +97,7 @@ class Hooks:
         self._points: dict[str, HookPoint] = {}
         self._known: frozenset | None = None  # the bound model's names ...
         self._known_order: list[str] = []  # ... in firing order
+        self.max_sources: int | None = None  # the bound weights' block-residual source columns (`HookPoint.max_sources`)
         self._marks: list[list] = []  # the handles attached at each `with hooks:` entry
         self._seen: set[str] = set()  # names fired while unbound (for the first-token check)
         self._checked_after_first_token = False
@@ -148,7 +149,7 @@ class Hooks:
     def __add__(self, other: Hooks) -> Hooks:
         """A new Hooks holding this set's hooks, then `other`'s (e.g. two interventions at once)."""
         out = Hooks()
-        out._known, out._known_order = self._known, self._known_order
+        out._known, out._known_order, out.max_sources = self._known, self._known_order, self.max_sources
         out.extend(self)
         out.extend(other)
         return out
@@ -208,7 +209,7 @@ class Hooks:
         """A new Hooks with the same functions attached (the functions themselves are shared), bound
         to the same names, at the same position; `observer` for the copy (an observer is not copied)."""
         out = Hooks(observer)
-        out._known, out._known_order = self._known, self._known_order
+        out._known, out._known_order, out.max_sources = self._known, self._known_order, self.max_sources
         for h in self._handles:
             out._handles.append(HookHandle(out, h.pattern, h.names_filter, h.fn, h.chunks))
         out.position, out.token_id = self.position, self.token_id
@@ -216,8 +217,11 @@ class Hooks:
 
     # ------------------------------------------------------------------ checking names
     def bind(self, weights_or_names) -> Hooks:
-        """Check every hook against a model's names (`hook_names(weights)` or a list); later `add`s too."""
-        names = weights_or_names if isinstance(weights_or_names, (list, tuple, set, frozenset)) else hook_names(weights_or_names)
+        """Check every hook against a model's names (`hook_names(weights)` or a list); later `add`s too. Bound to
+        the weights, the hooks also learn the model's source columns (`HookPoint.max_sources`)."""
+        listed = isinstance(weights_or_names, (list, tuple, set, frozenset))
+        names = weights_or_names if listed else hook_names(weights_or_names)
+        self.max_sources = None if listed else getattr(weights_or_names, "max_sources", None)
         self._known = frozenset(names)
         self._known_order = list(names)
         for h in self._handles:

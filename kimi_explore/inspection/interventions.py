@@ -3,8 +3,8 @@
 Each function returns a `Hooks` you can pass as `hooks=`, merge (`hooks.extend(...)`, `a + b`), or
 apply for a while with `session.intervene(...)`. `positions=` (an int, a collection or range of 0-based
 token positions, or a slice: `slice(a, b)`, `slice(a, None)` from a on) restricts any of them to those
-tokens; by default they act at every token. `layer=` takes an int, a list or range of layers, or
-"all" (every layer that has the site), except `override_attn_res`, which takes one layer (`targets.py`).
+tokens; by default they act at every token. `layer=` takes an int, a list or range of distinct layers,
+or "all" (every layer that has the site), except `override_attn_res`, which takes one layer (`targets.py`).
 
     ablate_experts(layer, experts)        drop experts from the selected set; the decoder renormalises the
                                           weights over the rest (all of them -> the routed output is 0)
@@ -21,14 +21,15 @@ tokens; by default they act at every token. `layer=` takes an int, a list or ran
     patch(name, source, positions=None)   clean/corrupt patching: put a value recorded in another run
                                           (a Trace, a Recorder, an array [T, ...] or {position: value}) in place
 
-Column j of an attn-res vector follows `Trace.source_labels()`: blocks 0..n-1, then the current
-running sum (also reachable as j = -1 or j = "current").
+A source column j (`mask_sources`' columns and ("block", j), `override_attn_res`'s ("one_hot", j)) is a
+model-wide column of `Trace.source_labels()` at every layer; how it lands at a site that has not sealed
+every block yet is stated once, in `source_masks.py`.
 
 On the sequence path each takes whole chunks (`Hooks.add(..., chunks=True)`): the chunk's rows at the
-wanted positions are changed at once. Routing ids of a chunk are [T, k] with -1 where a token has
-fewer experts (the MoE gives -1 no weight); a Recorder records each token's ids without them, as
-stepping does. `scale_kda_head` changes the recurrent state, which the chunked form never builds per
-token: its layer runs token by token there.
+wanted positions are changed at once; except `scale_kda_head`, which changes the recurrent state, which
+the chunked form never builds per token: its layer runs token by token there, its results equal to
+stepping. Routing ids of a chunk are [T, k] with -1 where a token has fewer experts (the MoE gives -1
+no weight); a Recorder records each token's ids without them, as stepping does.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import numpy as np
 from .._xp import array_namespace
 from ..backend import to_numpy
 from .hooks import Hooks
-from .source_masks import SOURCE_FAMILIES, mask_sources, source_columns
-from .targets import at_positions, layer_ids, layer_sites, named, position_filter
+from .source_masks import SOURCE_FAMILIES, mask_sources, model_sources, site_columns, source_columns
+from .targets import at_positions, layer_ids, layer_sites, named, position_filter, position_list
 
 __all__ = ["SOURCE_FAMILIES", "ablate_experts", "force_routing", "mask_sources", "override_attn_res", "patch",
            "scale_kda_head", "source_columns", "zero_kda_head"]
@@ -130,8 +131,9 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     """Replace the block-residual softmax at (layer, site) with `weights`.
 
     layer: int, or "final" for the output mix (then site is ignored). site: "attn" (before attention)
-    or "ffn" (before the FFN). weights: "uniform", ("one_hot", j) with j a source column (negative
-    counts from the end; "current" is the running sum), or an array over [stored blocks..., current].
+    or "ffn" (before the FFN). weights: "uniform"; ("one_hot", j) with j a model-wide source column
+    (`source_masks.py`; "current" or -1 is the running sum), an error at a site that does not mix that
+    source; or an array over the site's own sources [stored blocks..., current].
     """
     if layer == "final":
         name = "final.attn_res.weights"
@@ -148,7 +150,10 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
             raise ValueError(f"override_attn_res: weights must be 'uniform', ('one_hot', j) or an array, got {weights!r}")
         mode = "uniform"
     elif isinstance(weights, tuple) and len(weights) == 2 and weights[0] == "one_hot":
-        mode, j = "one_hot", (-1 if weights[1] == "current" else int(weights[1]))
+        j = weights[1]
+        if not (j == "current" or isinstance(j, (int, np.integer)) and not isinstance(j, bool)):
+            raise ValueError(f"override_attn_res: ('one_hot', j) needs j a source column (int) or 'current', got {j!r}")
+        mode, j = "one_hot", (-1 if j == "current" else int(j))
     else:
         mode, given = "given", np.array(to_numpy(weights), dtype=float, copy=True)  # not the caller's array
         if given.ndim != 1:
@@ -159,11 +164,13 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
         if mode == "uniform":
             new = xp.full(n, 1.0 / n, dtype=p.dtype)
         elif mode == "one_hot":
-            if not -n <= j < n:
-                raise ValueError(f"override_attn_res at {hook.name}: source {j} does not exist, this site mixes {n} sources "
-                                 "(stored blocks..., current)")
+            S, where = model_sources(hook, n), f"override_attn_res(('one_hot', {weights[1]!r})) at {hook.name}"
+            col = site_columns([j], n, S, where)
+            if not col:
+                raise ValueError(f"{where}: this site does not mix source column {j} (block {j % S}, sealed after it); it "
+                                 f"mixes {n} sources: blocks {list(range(n - 1))} and the current sum (column {S - 1})")
             new = xp.zeros(n, dtype=p.dtype)
-            new[j] = 1.0
+            new[col[0]] = 1.0
         else:
             if given.shape[0] != n:
                 raise ValueError(f"override_attn_res at {hook.name}: got {given.shape[0]} weights, this site mixes {n} "
@@ -183,9 +190,13 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
 def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
     """Multiply KDA head(s) `head`'s recurrent state by `factor` after each token's update (0 zeroes it).
 
-    The decoder reads the head's output from, and carries to the next token, the scaled state.
+    The decoder reads the head's output from, and carries to the next token, the scaled state. A head given
+    twice is scaled once; a layer given twice is refused (`targets.layer_ids`). On the sequence path its
+    layers run token by token (results equal to stepping).
     """
     heads = [int(h) for h in np.atleast_1d(to_numpy(head))]
+    if not heads:
+        raise ValueError(f"scale_kda_head: head must be a head index or a non-empty list of them, got {head!r}")
     factor = float(factor)
 
     def scale(S, rows, hook):
@@ -238,7 +249,7 @@ def patch(name: str, source, positions=None) -> Hooks:
                              f"{sorted(table)[:10]}...)")
         positions = inside
     if positions is not None:
-        wanted = [int(positions)] if isinstance(positions, (int, np.integer)) else [int(p) for p in positions]
+        wanted = position_list(positions)
         missing = [p for p in wanted if p not in table]
         if missing:
             raise ValueError(f"patch({name!r}): the source has no value at positions {missing} (it has {sorted(table)[:10]}...)")

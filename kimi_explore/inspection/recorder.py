@@ -468,8 +468,10 @@ class Recorder:
         width = max(kept) + 1 if kept and None not in kept else None
         for k, row in self._rows.items():
             del row[n:]
-            if width is not None and k.endswith(".mla.probs") and _trim_positions(row, width):
-                self._stacked.pop(k, None)  # narrower now: stack afresh
+            if width is not None and k.endswith(".mla.probs"):
+                st = self._stacked.get(k)  # a stack made from a fed chunk is as wide as the chunk, whatever rows it kept
+                if _trim_positions(row, width) or (st is not None and st.shape and st.shape[-1] > width):
+                    self._stacked.pop(k, None)  # narrower now: stack afresh
         for st in self._stacked.values():
             st.truncate(n)
         del self.tokens[n:]

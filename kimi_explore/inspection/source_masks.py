@@ -10,19 +10,33 @@ which is what the softmax would give if the masked scores were -inf. It acts thr
 `layers.{i}.attn_res.{attn,ffn}.weights` hook sites (the value returned there is what the mix
 uses), at the positions asked for, on the token form and on whole chunks of the sequence path alike.
 
+Source columns, the one rule for every intervention that names a source (`mask_sources`' [j, ...] and
+("block", j), `override_attn_res`'s ("one_hot", j)): they are the MODEL-WIDE columns of
+`Trace.source_labels()` / `Trace.attn_res_weights()`, the same at every layer. With S = the model's
+`max_sources` (every block it stores, plus the current sum): column j < S - 1 is block j (0: the
+embedding), column S - 1 is the current running sum; negative j counts from the end (-1: current).
+A site mixes only the n blocks sealed before it, so model-wide column j is its own column j for j < n,
+the current sum is its column n, and a block sealed after the site is not there. (A weight vector
+given to `override_attn_res` is the site's own: one weight per source it mixes.) The model's S comes
+from the Hooks the intervention runs in once bound to the weights (a Session's are; `hooks.bind(weights)`);
+unbound, a column the site cannot settle by itself (one past its sealed blocks, other than -1) is an error.
+
 Source families, resolved at each site from its number of sources m = n + 1 (`source_columns`):
 
     "embedding"      column 0 (the embedding, b_0)
-    "current"        column n (the running partial sum of the current block)
-    "latest_block"   column n - 1, the newest sealed block (when n >= 2: b_0 is the embedding)
+    "current"        the current running sum (the site's column n)
+    "latest_block"   the newest sealed block, n - 1 (when n >= 2: b_0 is the embedding)
     "older_blocks"   columns 1 .. n - 2: sealed blocks before the newest, the embedding excluded
     "blocks"         columns 1 .. n - 1: every sealed block but the embedding
-    ("block", j)     column j, the source labelled "block j" (j = 0: the embedding)
-    [j, ...]         these columns (negative counts from the end)
+    ("block", j)     the source labelled "block j" (j = 0: the embedding)
+    [j, ...]         these model-wide columns
 
-A family absent at a site (no older blocks yet at an early layer) leaves that site unchanged; a
-mask that would leave no source at all is an error. The attention-site mix of layer 0 does not
-exist (the stack is empty there), so a mask at it does nothing.
+A family or column absent at a site (no older blocks yet at an early layer, a block sealed later)
+leaves that site unchanged; a column or block the model does not have at all, or a mask that would
+leave no source, is an error. The attention-site mix of layer 0 does not exist (the stack is empty
+there), so a mask at it does nothing. On a layer subset that starts after layer 0, column 0 is the input of the
+first loaded layer (the embedding plus every earlier layer's output; `Trace.source_labels()` calls it "input of
+layer k"), and "embedding" and ("block", 0) name that column.
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from .._xp import array_namespace
 from .hooks import Hooks
 from .targets import at_positions, layer_sites, named
 
-__all__ = ["SOURCE_FAMILIES", "mask_sources", "source_columns"]
+__all__ = ["SOURCE_FAMILIES", "mask_sources", "model_sources", "site_columns", "source_columns"]
 
 # a partition of every site's sources: what `ke.source_ablation` masks one at a time
 SOURCE_FAMILIES = ("embedding", "older_blocks", "latest_block", "current")
@@ -55,8 +69,38 @@ def check_family(family):
     return family
 
 
-def source_columns(family, n_sources: int) -> list[int]:
-    """The columns (0 .. n_sources - 1) a family covers at a site mixing `n_sources` = n + 1 sources."""
+def site_columns(columns, n_sources: int, max_sources: int | None, where: str = "source columns") -> list[int]:
+    """Model-wide source columns (module docstring) -> the columns (0 .. n_sources - 1) of a site mixing `n_sources`
+    = n + 1 sources, those it has (a block sealed after the site has none). max_sources None: the model's count is
+    unknown (unbound hooks): only a sealed block (j < n) and -1 (current) resolve, any other column raises."""
+    n = n_sources - 1
+    out = set()
+    for j in map(int, columns):
+        if max_sources is None:
+            if j != -1 and not 0 <= j < n:
+                raise ValueError(f"{where}: source column {j} is past the {n} block(s) sealed at this site, so it is a "
+                                 "later block or the current sum depending on the model's number of sources, which these "
+                                 "hooks do not know: bind them to the model (hooks.bind(weights); a Session's are), or "
+                                 "name the source ('current', ('block', j))")
+            out.add(n if j == -1 else j)
+            continue
+        if not -max_sources <= j < max_sources:
+            raise ValueError(f"{where}: source column {j} does not exist: the model has {max_sources} source columns "
+                             f"(Trace.source_labels(): blocks 0..{max_sources - 2}, the current sum {max_sources - 1}; "
+                             "negative counts from the end)")
+        j %= max_sources
+        if j == max_sources - 1:
+            out.add(n)
+        elif j < n:
+            out.add(j)
+    return sorted(out)
+
+
+def source_columns(family, n_sources: int, max_sources: int | None = None, where: str = "source_columns") -> list[int]:
+    """The columns (0 .. n_sources - 1) a family covers at a site mixing `n_sources` = n + 1 sources.
+
+    max_sources: the model's number of source columns (`Trace.max_sources`), which integer columns count in
+    (module docstring); None: unknown, see `site_columns`. Named families need neither."""
     check_family(family)
     n = n_sources - 1  # sealed blocks; column n is the current sum
     if family == "embedding":
@@ -70,9 +114,20 @@ def source_columns(family, n_sources: int) -> list[int]:
     if family == "blocks":
         return list(range(1, n))
     if isinstance(family, tuple):
-        return [int(family[1])] if int(family[1]) < n else []
-    cols = sorted({int(c) % n_sources for c in family if -n_sources <= int(c) < n_sources})
-    return cols
+        j = int(family[1])
+        if max_sources is not None and j >= max_sources - 1:
+            raise ValueError(f"{where}: ('block', {j}) does not exist: the model stores blocks 0..{max_sources - 2} "
+                             "(Trace.source_labels())")
+        return [j] if j < n else []
+    return site_columns(family, n_sources, max_sources, where)
+
+
+def model_sources(hook, n_sources: int) -> int | None:
+    """The model's number of source columns at this hook: known to Hooks bound to the weights; the output mix
+    ("final.attn_res.weights") reads every source. None where unknown."""
+    if hook.max_sources is not None:
+        return hook.max_sources
+    return n_sources if hook.layer is None else None
 
 
 def masked_weights(p, cols: list[int]):
@@ -98,11 +153,12 @@ def mask_sources(layer, site="both", sources="current", positions=None) -> Hooks
         if site not in ("attn", "ffn", "both"):
             raise ValueError(f"mask_sources: site must be 'attn', 'ffn' or 'both', got {site!r}")
         sites = ("attn", "ffn") if site == "both" else (site,)
-        names = [n for s in sites for n in layer_sites(layer, f"attn_res.{s}.weights")]
+        # layer 0 has no attention-site mix (nothing sealed before it): a mask there does nothing
+        names = [n for s in sites for n in layer_sites(layer, f"attn_res.{s}.weights") if n != "layers.0.attn_res.attn.weights"]
 
     def mask(p, rows, hook):
         m = p.shape[-1]
-        cols = source_columns(sources, m)
+        cols = source_columns(sources, m, model_sources(hook, m), f"mask_sources({sources!r}) at {hook.name}")
         if not cols:
             return None
         if len(cols) == m:

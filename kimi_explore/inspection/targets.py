@@ -1,14 +1,16 @@
 """Where an intervention acts: which layers (sites) and which token positions.
 
-    layer_sites(layer, kind)          "layers.{i}.{kind}" for layer = an int, a list / range of them,
-                                      or "all" (a glob: every layer that has the site)
+    layer_sites(layer, kind)          "layers.{i}.{kind}" for layer = an int, a list / range of distinct
+                                      ones, or "all" (a glob: every layer that has the site)
     at_positions(fn, positions)       wrap fn(value, rows, hook) into a chunk-aware hook acting only at
-                                      `positions`: None (every token), an int, a collection / range of
-                                      ints, or a slice (slice(a, None): from token a on)
+                                      `positions`: None (every token), an int, a non-empty collection /
+                                      range of ints, or a non-empty slice (slice(a, None): from token a on)
     named(fn, label)                  give a hook function a readable name (what `Hooks` lists)
 
 In the token form the wrapped fn gets the value and rows=None; on a chunk of the sequence path it gets
-the chunk [T, ...] and rows, a [T] bool mask of the chunk rows to change.
+the chunk [T, ...] and rows, a [T] bool mask of the chunk rows to change. A 0-d integer array counts as
+an int. An empty list of positions or layers, or a layer given twice (a `scale_kda_head` would scale
+it twice), is refused: it would act nowhere, or not as written, without a word.
 """
 
 from __future__ import annotations
@@ -17,17 +19,26 @@ import numpy as np
 
 from .._xp import array_namespace
 
-__all__ = ["at_positions", "layer_ids", "layer_sites", "named", "position_filter"]
+__all__ = ["at_positions", "layer_ids", "layer_sites", "named", "position_filter", "position_list"]
+
+
+def _scalar(x):
+    """A 0-d array (np.array(5)) as the Python scalar it holds; anything else as it is."""
+    return x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x
 
 
 def layer_ids(layer) -> list[int]:
-    """An int or a list / range of them -> [int], checked (non-negative, not bool)."""
+    """An int or a list / range of distinct ones -> [int], checked (non-negative, not bool)."""
+    layer = _scalar(layer)
     layers = [layer] if isinstance(layer, (int, np.integer)) else list(layer) if hasattr(layer, "__iter__") else [layer]
     for i in layers:
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
             raise ValueError(f"layer must be a non-negative int, a list or range of them, or 'all'; got {layer!r}")
     if not layers:
         raise ValueError(f"layer: got an empty list of layers ({layer!r})")
+    twice = sorted({int(i) for i in layers if layers.count(i) > 1})
+    if twice:  # each would get its own hook: scale_kda_head would scale such a layer twice
+        raise ValueError(f"layer: layers {twice} are given more than once in {layer!r}; give each layer once")
     return [int(i) for i in layers]
 
 
@@ -47,22 +58,36 @@ def position_filter(positions):
     if isinstance(positions, slice):
         if positions.step not in (None, 1):
             raise ValueError(f"positions: a slice of token positions must have step 1, got {positions!r}")
-        a = 0 if positions.start is None else int(positions.start)
-        b = None if positions.stop is None else int(positions.stop)
+        a = 0 if positions.start is None else int(_scalar(positions.start))
+        b = None if positions.stop is None else int(_scalar(positions.stop))
         if a < 0 or (b is not None and b < 0):
             raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
+        if b is not None and b <= a:  # it would never act
+            raise ValueError(f"positions: {positions!r} holds no token position (stop <= start); slice({a}, None) is "
+                             f"every token from {a} on")
         return (f"{a}..{'' if b is None else b - 1}", lambda p: a <= p and (b is None or p < b),
                 lambda ps: (ps >= a) & (ps < b) if b is not None else ps >= a)
+    ordered = position_list(positions)
+    wanted = set(ordered)
+    return str(ordered), wanted.__contains__, lambda ps: np.isin(ps, ordered)
+
+
+def position_list(positions) -> list[int]:
+    """A token position (int, or a 0-d int array) or a non-empty collection / range of them -> sorted distinct
+    ints, checked (>= 0)."""
+    positions = _scalar(positions)
     items = [positions] if isinstance(positions, (int, np.integer)) else \
-        None if isinstance(positions, (str, bytes, float)) or not hasattr(positions, "__iter__") else list(positions)
+        None if isinstance(positions, (str, bytes, float)) or not hasattr(positions, "__iter__") else \
+        [_scalar(p) for p in positions]
     if items is None or not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in items):
         raise TypeError(f"positions: expected None, a token position (int), a collection or range of them, or a slice; "
                         f"got {positions!r}")
-    wanted = {int(p) for p in items}
-    ordered = sorted(wanted)
-    if ordered and ordered[0] < 0:  # -1 is not "the last token": it would silently never act
+    if not items:  # it would never act
+        raise ValueError(f"positions: got an empty collection of token positions ({positions!r}); None acts at every token")
+    ordered = sorted({int(p) for p in items})
+    if ordered[0] < 0:  # -1 is not "the last token": it would silently never act
         raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
-    return str(ordered), wanted.__contains__, lambda ps: np.isin(ps, ordered)
+    return ordered
 
 
 def at_positions(fn, positions):

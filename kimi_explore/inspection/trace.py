@@ -11,6 +11,7 @@
     trace.kda_state_norms()          ([token, kda_layer, head], kda_layer_ids)
     trace.kda_conv_norms()           ([token, kda_layer, stream (q, k, v), head], kda_layer_ids)
     trace.routing()                  topk_ids / topk_weights [token, moe_layer, k], scores [token, moe_layer, E]
+                                     (those recorded)
     trace.top_predictions()          (ids [T, top_k], probs [T, top_k])
 
 Source columns are fixed for the whole model: the stored blocks in push order in columns 0..m-1
@@ -94,6 +95,9 @@ class Trace:
         try:
             return self._records[name]
         except KeyError:
+            if not len(self) and not self._records:  # (a zero-row window keeps its records, rows none)
+                raise KeyError(f"{name!r}: this trace has no tokens yet (nothing decoded, or the history truncated to 0), "
+                               "so it holds no records; decode a token first") from None
             close = difflib.get_close_matches(name, list(self._records), n=3, cutoff=0.6)
             hint = f"did you mean {close}? " if close else ""
             raise KeyError(f"{name!r} was not recorded in this trace. {hint}Full tensors are kept only for names passed "
@@ -225,6 +229,8 @@ class Trace:
     def final_attn_res_weights(self) -> np.ndarray:
         """[token, source]: the output mix before the final norm, same columns as attn_res_weights()."""
         out = np.full((len(self), self.max_sources), np.nan)
+        if not len(self) and not self._records:  # no tokens yet: no rows (as attn_res_weights())
+            return out
         self._place(self["final.attn_res.weights"], out)
         return out
 
@@ -243,18 +249,23 @@ class Trace:
         return self._per_layer(self.kda_layers, "kda.conv.norm")
 
     def routing(self) -> dict:
-        """MoE routing in vLLM's routed-experts layout [token, layer, top_k] (padded -1 / NaN if k varied)."""
-        layers = [i for i in self.moe_layers if f"layers.{i}.moe.router.topk_ids" in self._records]
+        """MoE routing in vLLM's routed-experts layout [token, layer, top_k] (padded -1 / NaN if k varied): each of
+        topk_ids, topk_weights and scores that was recorded, over the MoE layers where any of them was (all padding
+        at a layer where that one was not)."""
+        keys = (("topk_ids", -1), ("topk_weights", np.nan), ("scores", np.nan))
+        layers = sorted(set().union(*(self._layers_with(f".moe.router.{key}") for key, _ in keys)))
         out = {"moe_layers": layers}
-        for key, fill in (("topk_ids", -1), ("topk_weights", np.nan), ("scores", np.nan)):
+        for key, fill in keys:
             rows = [self._records.get(f"layers.{i}.moe.router.{key}") for i in layers]
-            if not rows or any(r is None for r in rows):
+            got = [r for r in rows if r is not None]
+            if not got:
                 continue
-            width = max(r.shape[1] for r in rows)
-            dtype = np.int64 if key == "topk_ids" else np.result_type(*rows)
+            width = max(r.shape[1] for r in got)
+            dtype = np.int64 if key == "topk_ids" else np.result_type(*got)
             arr = np.full((len(self), len(layers), width), fill, dtype=dtype)
             for j, r in enumerate(rows):
-                arr[:, j, : r.shape[1]] = r
+                if r is not None:
+                    arr[:, j, : r.shape[1]] = r
             out[key] = arr
         if "num_experts" in self.meta:
             out["num_experts"] = int(self.meta["num_experts"])
