@@ -6,13 +6,17 @@
 Steps:
 1. `other` becomes {hook name: [T, ...]} (a mapping, an engine dump, or llama.cpp captures through
    `name_maps.llamacpp_to_hooks`); its tokens must be the session's (an empty session takes them).
-2. kimi_explore replays the tokens from a fresh state, recording every site (`patching.replay`), and
-   each site and token is judged against the tolerance model (`tolerance.py`).
+2. kimi_explore replays the tokens from a fresh state, recording the sites the other engine has
+   (`patching.replay`), and each site and token is judged against the tolerance model (`tolerance.py`,
+   per head where a per-head norm follows).
 3. Local or inherited: one more replay with every captured value of the other engine patched in
-   (teacher forcing; top-k weights only with their ids) records kimi_explore's operation at each site
-   on the other engine's inputs; a site still beyond tolerance there is local.
+   (teacher forcing; top-k weights only with their ids) records kimi_explore's operation at each of
+   those sites on the other engine's inputs; a site that diverges and is still beyond tolerance there
+   (at the same token) is local.
 4. Local sites that a known variant can explain (`operations.PROBES`: an eps) are replayed with the
-   variant: the eps at which the other engine's values are matched is reported.
+   variant, recording those sites only: the eps at which the other engine's values are matched is reported.
+Only the dumped sites are recorded (each replay holds T copies of every site it records: `kda.state` alone
+is 0.43 GB per token at K3's size), never every hook site.
 Refused up front: weights of a layer subset that cannot compute a dumped site as the whole model does,
 and expert ids that are not this model's.
 """
@@ -33,7 +37,7 @@ from .dump import Dump, read_dump, token_ids
 from .name_maps import llamacpp_to_hooks
 from .operations import PROBES, candidates, operation_of, probe_sites
 from .patching import replay
-from .tolerance import IDS_SITE, Tolerance, beyond, site_errors
+from .tolerance import IDS_SITE, Tolerance, beyond, head_floors, site_errors
 
 __all__ = ["compare", "load_other"]
 
@@ -62,25 +66,28 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     if not sites:
         raise ValueError("compare: the other engine's values name no site of this model (nothing to compare); "
                          "expected hook names (ke.hook_names(weights)) or names='llama.cpp'")
-    ours = replay(weights, tokens, order)
+    ours = replay(weights, tokens, sites)  # the dumped sites only (top-k ids are recorded where the dump has them)
     theirs = {s: arrays[s] for s in sites}
     _check_shapes(ours, theirs, len(tokens))
     _check_expert_ids(theirs, weights.config.num_experts)
 
+    floors = head_floors(weights.config)
     results = {}
     for s in sites:
         layer, kind = _split(s)
         a, b = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
-        max_abs, rel = site_errors(kind, a, b, tol)
+        max_abs, rel = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
         results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, order, theirs))
+    del ours
     cmp = Comparison(results, tol, tokens, engine, weights.config)
     if local:
         patch = _patch(theirs)
-        forced = replay(weights, tokens, order, patch=patch)
+        forced = replay(weights, tokens, sites, patch=patch)
         for s, r in results.items():
-            r.local_rel = _local_rel(s, r.kind, forced, theirs, tol)
+            r.local_rel = _local_rel(s, r.kind, forced, theirs, tol, floors)
+        del forced
         if probes:
-            _run_probes(cmp, weights, tokens, order, theirs, patch, tol)
+            _run_probes(cmp, weights, tokens, theirs, patch, tol, floors)
     return cmp
 
 
@@ -278,14 +285,14 @@ def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):
     return a, b
 
 
-def _local_rel(site, kind, forced, theirs, tol) -> np.ndarray:
+def _local_rel(site, kind, forced, theirs, tol, floors) -> np.ndarray:
     # in the forced replay the top-k weights are computed for the other engine's ids (patched in)
     ids = theirs.get(site.replace("topk_weights", "topk_ids")) if kind == "moe.router.topk_weights" else None
     a, b = _aligned(site, forced, theirs, ours_ids=ids)
-    return site_errors(kind, a, b, tol)[1]
+    return site_errors(kind, a, b, tol, floors.get(kind, 0.0))[1]
 
 
-def _run_probes(cmp: Comparison, weights, tokens, order, theirs, patch, tol) -> None:
+def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors) -> None:
     local = set(cmp.local_sites)
     for probe, (probe_class, _, own_eps) in PROBES.items():
         targets = [s for s in probe_sites(probe, cmp.sites) if s in local]
@@ -293,10 +300,11 @@ def _run_probes(cmp: Comparison, weights, tokens, order, theirs, patch, tol) -> 
             continue
         open_ = set(targets)
         for eps in candidates(own_eps, weights.config):
-            forced = replay(weights, tokens, order, patch=patch, probe=probe_class(weights, eps))
+            # the probe reads its inputs at every site as they flow; only the sites it may explain are recorded
+            forced = replay(weights, tokens, sorted(open_), patch=patch, probe=probe_class(weights, eps))
             for s in sorted(open_):
                 r = cmp.sites[s]
-                if not np.any(beyond(r.kind, _local_rel(s, r.kind, forced, theirs, tol), tol.rtol)):
+                if not np.any(beyond(r.kind, _local_rel(s, r.kind, forced, theirs, tol, floors), tol.rtol)):
                     r.operation = probe  # named only where one of its variants explains the site
                     r.explanation = f"other engine matches eps {eps:g} (kimi_explore: {own_eps:g})"
                     open_.discard(s)

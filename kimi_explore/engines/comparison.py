@@ -9,9 +9,12 @@
     cmp.heatmap()    the layer x site view (`views.figures.engine_plots.divergence_heatmap`); value="local_rel"
                      shows the teacher-forced errors
 
-A site is *local* at token t when kimi_explore's operation, run on the other engine's inputs
-(everything upstream patched in through the hooks, `patching.replay`), still disagrees with the
-other engine at t beyond tolerance; otherwise its divergence is *inherited* from upstream.
+A site is *local* at token t when it diverges there and kimi_explore's operation, run on the other
+engine's inputs (everything upstream patched in through the hooks, `patching.replay`), still disagrees
+with the other engine at t beyond tolerance; otherwise its divergence is *inherited* from upstream. A
+site that agrees at t is not local there, whatever the replay gives: its values need no explanation,
+and the replay only disagrees because an input the other engine dumped is not the one it used (a
+state written transposed made the agreeing `kda.o` read it as "the operation differs").
 """
 
 from __future__ import annotations
@@ -75,11 +78,14 @@ class SiteComparison:
         return beyond(self.kind, self.rel, rtol)
 
     def local_beyond(self, rtol: float) -> np.ndarray | None:
-        """[T] bool: kimi_explore's operation on the other engine's inputs is beyond tolerance (None: not tested)."""
-        return None if self.local_rel is None else beyond(self.kind, self.local_rel, rtol)
+        """[T] bool: the site diverges, and kimi_explore's operation on the other engine's inputs is beyond
+        tolerance too (None: not tested)."""
+        if self.local_rel is None:
+            return None
+        return beyond(self.kind, self.local_rel, rtol) & self.beyond(rtol)
 
     def is_local(self, rtol: float) -> bool | None:
-        """The site's operation disagrees at some token (None: not tested)."""
+        """The site's operation disagrees at some token where the site diverges (None: not tested)."""
         local = self.local_beyond(rtol)
         return None if local is None else bool(np.any(local))
 
@@ -124,7 +130,7 @@ class Comparison:
 
     @property
     def local_sites(self) -> list[str]:
-        """Sites where kimi_explore's operation on the other engine's inputs disagrees at some token."""
+        """Sites that diverge, with kimi_explore's operation on the other engine's inputs disagreeing, at some token."""
         return [s.site for s in self.sites.values() if s.is_local(self.rtol)]
 
     def table(self) -> list[dict]:

@@ -10,9 +10,12 @@ header, raw little-endian arrays; writers exist for Python, Rust, C, C++, Go, JS
   (`layers.i.kda.state` [T, H, K, V], `layers.i.moe.router.topk_ids` [T, k], ...). `mla.probs`, whose
   width grows with the position, is stored `[T, nh, T]`, row t holding positions 0..t and zeros after
   (NaN there, a Trace's padding, reads as those zeros).
-  float32, float16, bfloat16 or float64 (read back as float32/float64); integer ids int32/int64.
+  float32, float16, bfloat16 or float64 (read back as float32/float64); integer ids int32/int64 (the
+  safetensors types `weights.safetensors_io.DTYPES` reads: also int8, int16, uint8, bool; no float8, no
+  uint16..64, which `write_dump` refuses rather than write a file `read_dump` cannot open).
 - metadata (`__metadata__`, strings): `format` = "kimi_explore.dump/1", `tokens` = the T token ids,
-  comma-separated, `engine` = a free-form name ("llama.cpp 0c1e57098", "my-rust-engine 0.3"),
+  comma-separated, ASCII digits only ("1_0" and full-width digits are refused, not read as 10),
+  `engine` = a free-form name ("llama.cpp 0c1e57098", "my-rust-engine 0.3"),
   `dtype` = the engine's activation dtype, one of `TOLERANCE_PRESETS` ("float32", "bfloat16",
   "float16", "quantised"): `ke.compare` picks its tolerance from it.
 
@@ -25,6 +28,7 @@ From NumPy (see the README for the whole example):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from .tolerance import TOLERANCE_PRESETS
 __all__ = ["DUMP_FORMAT", "Dump", "read_dump", "token_ids", "write_dump"]
 
 DUMP_FORMAT = "kimi_explore.dump/1"
+_TOKEN = re.compile(r"-?[0-9]+", re.ASCII)  # what a token id in metadata 'tokens' may be (int() also takes "1_0", "１")
 
 
 @dataclass
@@ -64,11 +69,14 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     out = {}
     for name, a in arrays.items():
         a = np.ascontiguousarray(_to_host(a))
+        if not a.dtype.isnative:  # a big-endian '>f4' is float32 to write
+            a = a.astype(a.dtype.newbyteorder("="))
         if a.ndim == 0 or a.shape[0] != T:
             raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
-        if a.dtype.kind not in "fiub" and a.dtype.name != "bfloat16":  # complex, object, text: no activation
-            raise ValueError(f"write_dump: {name!r} is {a.dtype}; expected a float array (float32, float16, bfloat16, "
-                             "float64) or integer ids")
+        if a.dtype not in _readable():  # complex, text, float8, uint16..64: nothing read_dump opens
+            raise ValueError(f"write_dump: {name!r} is {a.dtype.name}; expected a float array (float32, float16, bfloat16, "
+                             "float64) or integer ids (int32, int64; also int8, int16, uint8, bool), the types read_dump "
+                             "reads back: convert it first, e.g. a.astype(np.float32)")
         out[str(name)] = a
     metadata = {"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine), "dtype": dtype}
     return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump
@@ -108,13 +116,12 @@ def _read(path: Path, safe_open) -> Dump:
         pieces = meta["tokens"].split(",")
         if pieces and not pieces[-1].strip():  # "1,2,3," (a trailing comma) and "" (no tokens)
             pieces.pop()
-        try:
-            tokens = [int(t) for t in pieces]
-            if any(t < 0 for t in tokens):
-                raise ValueError
-        except ValueError:  # also an empty piece ("1,,2": an id left out) and a negative id
+        # ASCII digits only: int() reads "1_0" as 10 and full-width digits as digits. Refused too: an empty piece
+        # ("1,,2": an id left out) and a negative id
+        if not all(_TOKEN.fullmatch(t) and not t.startswith("-") for t in pieces):
             raise ValueError(f"engine dump {path}: metadata 'tokens' must be comma-separated ids >= 0, "
-                             f"found {meta['tokens'][:80]!r}") from None
+                             f"found {meta['tokens'][:80]!r} (each id in ASCII digits, nothing else)")
+        tokens = [int(t) for t in pieces]
         dtype = meta.get("dtype", "float32")
         _check_dtype(dtype, f"engine dump {path}: metadata 'dtype'")
         arrays = {}
@@ -143,6 +150,13 @@ def _check_dtype(dtype, what: str) -> None:
     if dtype not in TOLERANCE_PRESETS:
         raise ValueError(f"{what}: {dtype!r} is not an activation dtype this format knows; "
                          f"expected one of {sorted(TOLERANCE_PRESETS)}")
+
+
+def _readable() -> tuple:
+    """The array dtypes `read_dump` reads back: those of `weights.safetensors_io` (the header check it runs first)."""
+    from ..weights.safetensors_io import DTYPES
+
+    return tuple(DTYPES.values())
 
 
 def _to_host(a):

@@ -33,18 +33,45 @@ tolerance as soon as one id differs, whatever the preset: another expert is anot
 1/16 of K3's top-16 would pass the quantised rtol of 0.1. `beyond` is the one verdict everything uses.
 `moe.router.topk_weights` are compared in the order of their expert ids (engines may list the same
 set in another order); where the other engine gives no ids, both sides largest first.
+
+Per-head sites (`HEAD_AXES`: `kda.conv_out`, `kda.v`, `kda.state`, `kda.o`, `mla.probs`) are judged head
+by head, because what comes next rescales each head by itself: the KDA output norm o_h / rms(o_h) after
+`kda.o` (and after `kda.state`, read out as o_h = S_h^T q_h, |o_h| <= max|S_h| since |q_h| = K^-1/2; and
+after `kda.v`, which moves S_h by at most its own error), the q/k L2 norm x_h / |x_h| after
+`kda.conv_out`, and each MLA head's softmax row. A 2% error on a head whose values are 2.5% of the
+largest head's is 5e-4 of the site's scale, within rtol, yet that norm scales it back up to 2% one site
+later, where it looked inherited. So for head h (the leading `HEAD_AXES[kind]` axes; its values r_th):
+
+    scale_th = max( max|r_th| , floor * max_{t' <= t} max|r_t'h| , min(head_floor, scale_t) )
+    rel_t    = max_h max|o_th - r_th| / scale_th                   (>= the whole-site rel_t above)
+
+`head_floor` (`head_floors(config)`) is where the downstream norm stops rescaling: x / sqrt(mean(x^2) + eps)
+(or sum, for the L2 norm) amplifies a head by at most 1/sqrt(eps), so a head whose values are below
+sqrt(eps) leaves the norm small next to the others, and its error matters against sqrt(eps), not against
+its own magnitude. Without it float32 rounding made false divergences: llama.cpp on set `d` is 4e-7 off
+on a `layers.11.kda.o` head of magnitude 4e-6 at token 0 (rel 0.1; 1e-4 against sqrt(1e-5)). The
+`min(.., scale_t)` keeps every per-head verdict at least as strict as the whole site's.
+
+NaN (or an infinity) in the same entry on both sides agrees there: an engine's NaN carried downstream in
+a teacher-forced replay meets the same NaN in kimi_explore's operation. A NaN on one side only differs
+(rel_t is NaN, beyond any tolerance). Magnitudes are taken over finite entries.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IDS_SITE", "TOLERANCE_PRESETS", "Tolerance", "beyond", "site_errors"]
+from ..model.kda import L2NORM_EPS
+
+__all__ = ["HEAD_AXES", "IDS_SITE", "TOLERANCE_PRESETS", "Tolerance", "beyond", "head_floors", "site_errors"]
 
 IDS_SITE = "moe.router.topk_ids"  # the integer site kind: compared as sets
+# per-head sites: kind -> how many leading axes of the per-token value index one head
+HEAD_AXES = {"kda.conv_out": 2, "kda.v": 1, "kda.state": 1, "kda.o": 1, "mla.probs": 1}  # [3, H, K]: q, k, v heads
 
 
 @dataclass(frozen=True)
@@ -78,9 +105,21 @@ TOLERANCE_PRESETS = {
 }
 
 
-def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance) -> tuple[np.ndarray, np.ndarray]:
+def head_floors(config) -> dict:
+    """{per-head site kind: the head scale below which its downstream norm no longer rescales} (module
+    docstring): sqrt(eps) of the KDA output norm (rms_norm_eps) for `kda.o`, `kda.state`, `kda.v`, the v rows
+    of `kda.conv_out`; of the q/k L2 norm for its q and k rows ([3, 1], broadcast over the heads); none for
+    `mla.probs` (a softmax row sums to 1: its largest entry is at least 1/(t + 1))."""
+    o_norm, l2 = math.sqrt(float(config.rms_norm_eps)), math.sqrt(L2NORM_EPS)
+    return {"kda.conv_out": np.array([[l2], [l2], [o_norm]]), "kda.v": o_norm, "kda.state": o_norm, "kda.o": o_norm,
+            "mla.probs": 0.0}
+
+
+def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance, head_floor=0.0) -> tuple[np.ndarray, np.ndarray]:
     """Per token (max_abs [T], rel [T]) of `theirs` against `ours` at one site (`kind` = the name
-    without its layer prefix). Each list holds one array per token, ours and theirs of one shape."""
+    without its layer prefix). Each list holds one array per token, ours and theirs of one shape.
+    A kind in `HEAD_AXES` is judged per head, each head's scale floored at `head_floor` (a float, or an
+    array broadcast over the head axes; `head_floors(config)[kind]`)."""
     T = len(ours)
     max_abs, rel = np.zeros(T), np.zeros(T)
     if kind.endswith(IDS_SITE):
@@ -89,15 +128,36 @@ def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance) -> tuple[np
             max_abs[t] = len(a ^ b) / 2
             rel[t] = max_abs[t] / max(len(a), 1)
         return max_abs, rel
-    mags = np.array([float(np.max(np.abs(r))) if np.size(r) else 0.0 for r in ours])
+    tiny = float(np.finfo(np.float32).tiny)
+    mags = np.array([float(_finite_max_abs(np.asarray(r, np.float64))) for r in ours])
     site_mag = np.maximum.accumulate(mags) if T else mags  # the site's largest magnitude up to each token
+    axes, head_mag = HEAD_AXES.get(kind), None
     for t in range(T):
         r = np.asarray(ours[t], np.float64)
         o = np.asarray(theirs[t], np.float64)
-        max_abs[t] = float(np.max(np.abs(o - r))) if r.size else 0.0
-        scale = max(mags[t], tol.floor * site_mag[t], np.finfo(np.float32).tiny)
-        rel[t] = max_abs[t] / scale
+        d = _differences(r, o)
+        max_abs[t] = float(np.max(d)) if r.size else 0.0
+        scale = max(mags[t], tol.floor * site_mag[t], tiny)
+        if axes is None or r.ndim <= axes or not r.size:
+            rel[t] = max_abs[t] / scale
+            continue
+        heads = r.shape[:axes]
+        m = _finite_max_abs(r.reshape(heads + (-1,)), axis=-1)
+        head_mag = m if head_mag is None else np.maximum(head_mag, m)  # each head's largest magnitude so far
+        head_scale = np.maximum(np.maximum(m, tol.floor * head_mag), np.minimum(head_floor, scale))
+        rel[t] = float(np.max(d.reshape(heads + (-1,)).max(axis=-1) / np.maximum(head_scale, tiny)))
     return max_abs, rel
+
+
+def _differences(r: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """|o - r|, 0 where both hold the same NaN or infinity (a NaN on one side only stays NaN)."""
+    with np.errstate(invalid="ignore"):  # inf - inf
+        return np.where((o == r) | (np.isnan(o) & np.isnan(r)), 0.0, np.abs(o - r))
+
+
+def _finite_max_abs(x: np.ndarray, axis=None):
+    """The largest |entry| over the finite entries (0 where there are none)."""
+    return np.max(np.abs(x), axis=axis, where=np.isfinite(x), initial=0.0)
 
 
 def beyond(kind: str, rel, rtol: float) -> np.ndarray:

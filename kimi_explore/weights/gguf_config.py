@@ -30,7 +30,8 @@ checks every shape against the config built here):
                                   assumes it equals attention.head_count
     use_full_rank_gate = true     ssm_g is one [P, d] matrix (checked by its shape)
     mla_use_nope = true           kimi-k3 never rotates (rope.dimension_count only sizes the dims)
-    mla_use_output_gate           whether MLA layers have attn_gate
+    mla_use_output_gate           whether MLA layers have attn_gate: all of them or none (some only: the
+                                  missing ones are named, not the others called extra)
     latent_moe_use_norm           whether MoE layers have ffn_routed_norm
     tie_word_embeddings = false   output.weight must be there: llama.cpp's kimi-k3 loader requires it (no
                                   fallback to token_embd), so a file without it is refused
@@ -118,13 +119,18 @@ def config_from_gguf(meta: dict, types: dict, tensors: dict, source: str) -> Kim
                           f"{n} layers; found {kinds!r}")
     kda = [i for i in range(n) if kinds[i] == 0]
     mla = [i for i in range(n) if kinds[i] == 1]
+    gated = [i for i in mla if f"blk.{i}.attn_gate.weight" in tensors]
+    if gated and len(gated) < len(mla):
+        absent = [f"blk.{i}.attn_gate.weight" for i in mla if i not in gated]
+        raise ConfigError(f"{source}: {len(absent)} MLA output gate tensor(s) missing: {', '.join(absent)}; the gate "
+                          f"(attn_gate) is in MLA layers {gated} and a K3 GGUF has it in every MLA layer {mla} or in none")
     gating = get("expert_gating_func")
     raw.update(
         qk_nope_head_dim=get("attention.key_length_mla") - raw["qk_rope_head_dim"],
         moe_router_activation_func=GATING.get(gating, f"ggml gating function {gating}"),
         vocab_size=meta.get(f"{ARCH}.vocab_size", tensors.get("token_embd.weight", (None, (None,)))[1][0]),
         mla_use_nope=True, hidden_act="situ", moe_layer_freq=1,
-        mla_use_output_gate=bool(mla) and all(f"blk.{i}.attn_gate.weight" in tensors for i in mla),
+        mla_use_output_gate=bool(gated),
         latent_moe_use_norm=any(name.endswith(".ffn_routed_norm.weight") for name in tensors),
         tie_word_embeddings=False,
         num_expert_group=meta.get(f"{ARCH}.expert_group_count", 1), topk_group=meta.get(f"{ARCH}.expert_group_used_count", 1),
