@@ -29,6 +29,7 @@ history, and `session.recover()` restarts the stage from its shards and replays 
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 import os
 import weakref
@@ -54,6 +55,41 @@ from ..weights.checkpoint import resolve_layers
 from .stage import Stage, unpack_records
 
 __all__ = ["PipelineState", "RayPipeline", "StageLostError", "split_layers"]
+
+
+RAY_GRAPH_LOGGER = "ray.dag.compiled_dag_node"  # Ray's compiled-graph module logs its teardowns here
+
+
+class _LostStageTeardown(logging.Filter):
+    """Ray's compiled-graph monitor thread tears a graph down by itself the moment one of its actors dies,
+    logging each step (INFO) and, for every dead actor it cannot cancel, "Error cancelling worker task" with
+    two ActorDiedError tracebacks: for a lost stage, which `StageLostError` reports once, that is noise, and it
+    comes from Ray's thread before `_teardown` runs (so `_teardown`'s level change cannot cover it). While a
+    pipeline's graph is alive (`graphs`), this filter on `RAY_GRAPH_LOGGER` drops those records and only
+    those: other warnings and errors of that logger pass, and with no pipeline graph alive everything does."""
+
+    def __init__(self):
+        super().__init__()
+        self.graphs = weakref.WeakSet()  # the compiled graphs of live pipelines
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.graphs:
+            return True
+        if record.levelno <= logging.INFO:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not _actor_died(exc)
+
+
+def _actor_died(exc) -> bool:
+    if exc is None:
+        return False
+    import ray
+
+    return isinstance(exc, ray.exceptions.RayActorError)  # ActorDiedError and the other ways an actor is lost
+
+
+LOST_STAGE_TEARDOWN = _LostStageTeardown()
 
 
 def split_layers(layer_ids: list[int], stages) -> list[list[int]]:
@@ -278,13 +314,13 @@ class RayPipeline(LayerSequence):
                     previous = s.actor.run.bind(token) if previous is None else s.actor.run.bind(token, previous)
                     outs.append(previous)
                 self._graph = MultiOutputNode(outs).experimental_compile(_submit_timeout=-1)
+            LOST_STAGE_TEARDOWN.graphs.add(self._graph)
+            logging.getLogger(RAY_GRAPH_LOGGER).addFilter(LOST_STAGE_TEARDOWN)  # (added once: Logger.addFilter dedups)
         return self._graph
 
     def _teardown(self) -> None:
-        import logging
-
         if self._graph is not None:
-            log = logging.getLogger("ray.dag.compiled_dag_node")
+            log = logging.getLogger(RAY_GRAPH_LOGGER)
             level = log.level
             log.setLevel(logging.CRITICAL)  # it logs each step, and a traceback for every dead actor it cancels
             try:
@@ -293,6 +329,7 @@ class RayPipeline(LayerSequence):
                 pass
             finally:
                 log.setLevel(level)
+            LOST_STAGE_TEARDOWN.graphs.discard(self._graph)
             self._graph = None
 
     def host_state(self, state: PipelineState) -> KimiDecodeState:

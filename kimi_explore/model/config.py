@@ -169,14 +169,36 @@ class KimiDecoderConfig:
     def from_file(cls, path: str | Path) -> KimiDecoderConfig:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file; a checkpoint needs its config.json") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except _DuplicateKey as e:
+            raise ConfigError(f"{path}: key '{e.args[0]}' is given twice in one object{e.args[1]}; JSON readers keep "
+                              "either value (Python's the last, silently), so which model the file means cannot be "
+                              "told: keep one") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs):
+    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last silently)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k, f" (values {out[k]!r} and {v!r})" if _short(out[k]) and _short(v) else "")
+        out[k] = v
+    return out
+
+
+def _short(v) -> bool:
+    return not isinstance(v, (dict, list)) and len(repr(v)) <= 40
 
 
 def _required(cls) -> list[str]:
@@ -270,6 +292,9 @@ def _check_supported(cfg: KimiDecoderConfig, source: str) -> None:
         problems.append("linear_attn_config.gate_lower_bound=null (the softplus gate is Kimi-Linear, not K3)")
     if cfg.num_expert_group != 1:
         problems.append(f"num_expert_group={cfg.num_expert_group} (grouped top-k is not implemented; K3 uses 1)")
+    if cfg.topk_group != 1:  # 0 would choose no group, > 1 more groups than there are: not the one-group router run here
+        problems.append(f"topk_group={cfg.topk_group} (with num_expert_group=1 the one group is chosen: expected 1, "
+                        "as K3)")
     if cfg.attn_res_block_size is None or cfg.attn_res_block_size < 1:
         problems.append(f"attn_res_block_size={cfg.attn_res_block_size!r} (expected a positive integer)")
     if not 1 <= cfg.num_experts_per_token <= cfg.num_experts:

@@ -30,9 +30,13 @@ from ..model.config import KimiDecoderConfig
 from . import checkpoint_table as table
 from . import mxfp4
 from .checkpoint_table import DiskTensor
-from .safetensors_io import SafetensorsFile
+from .safetensors_io import DuplicateKeyError, SafetensorsFile, unique_keys
 
-FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+# the float dtypes a released BF16 / F32 tensor loads from: its own, or a wider copy that holds its values
+# exactly. Not F16: its 5 exponent bits cannot hold BF16's range (no exact copy), and no K3 checkpoint
+# stores it, so an F16 header is a damaged dtype field or a lossy conversion (its bytes read as F16 run
+# another model)
+FLOAT_DTYPES = ("BF16", "F32", "F64")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -48,8 +52,11 @@ class CheckpointDir:
         index = self.path / INDEX_FILE
         if index.exists():
             try:
-                raw = json.loads(index.read_text())
+                raw = json.loads(index.read_text(), object_pairs_hook=unique_keys)
                 self.weight_map = dict(raw["weight_map"])
+            except DuplicateKeyError as e:  # json.loads would keep the last shard named, silently
+                raise CheckpointError(f"{index}: '{e.args[0]}' is given twice in one object (a tensor placed in two "
+                                      "shards, or a key repeated): which one is meant cannot be told; keep one") from None
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{index}: not a valid safetensors index (need a 'weight_map' object): {e}") from None
             bad = [(k, v) for k, v in self.weight_map.items() if not _inside(v)]
@@ -173,6 +180,34 @@ def _mtp_layer(cfg: KimiDecoderConfig, name: str) -> bool:
     return layer is not None and cfg.num_hidden_layers <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
 
+# the tensors of its own that make a layer an MTP block (DeepSeek-V3's layout, the one K3's config key comes
+# from; K3's release ships none): beside a decoder block, `enorm` / `hnorm` normalise the next token's embedding
+# and the hidden state, `eh_proj` [d, 2d] projects their concatenation (a `shared_head` may follow)
+MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+
+
+def check_mtp_layers(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
+    """Every layer the weight map holds among the MTP layers config.json declares (num_hidden_layers ..
+    + num_nextn_predict_layers - 1) is an MTP block: it has `MTP_TENSORS`. A decoder layer there (a config
+    whose num_hidden_layers is too small, and that declares MTP layers) would otherwise be left unread, and
+    a shorter model would run."""
+    n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    held: dict[int, list[str]] = {}
+    for full in ckpt.weight_map:
+        if full.startswith(ckpt.prefix) and (i := _layer_of(full[len(ckpt.prefix):])) is not None and n <= i < n + k:
+            held.setdefault(i, []).append(full[len(ckpt.prefix) + len(table.LAYER_PREFIX.format(i=i)):])
+    for i, names in sorted(held.items()):
+        lacking = [t for t in MTP_TENSORS if t not in names]
+        if lacking:
+            at = ckpt.full(table.LAYER_PREFIX.format(i=i))
+            found = listed(sorted(names, key=lambda t: (".experts." in t, t.count("."), t)), 6)  # the layer's norms first
+            raise CheckpointError(
+                f"{ckpt.path}: layer {i} is one of the num_nextn_predict_layers={k} MTP layers config.json declares "
+                f"after its num_hidden_layers={n} decoder layers, but it is not an MTP block: it has no "
+                f"{', '.join(at + t for t in lacking)} (an MTP layer's own tensors); under '{at}' it holds {found}. "
+                "A decoder layer there would be left unread: is num_hidden_layers too small?")
+
+
 def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
     """Every language-model tensor in the weight map is one the config's model reads (in some layer), in one form.
 
@@ -181,8 +216,10 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
     latent_moe_use_norm or mla_use_output_gate false beside their tensors): loading would ignore it
     and run a wrong model, so refuse. So is a routed expert stored both dense and as an MXFP4 pair
     (which one runs would depend on `experts=`). The whole model's plan is used, whatever `layers=` asks;
-    the MTP layers that num_nextn_predict_layers declares are accounted for and left unread.
+    the MTP layers that num_nextn_predict_layers declares are accounted for and left unread, once they are
+    seen to be MTP blocks (`check_mtp_layers`).
     """
+    check_mtp_layers(ckpt, cfg)
     allowed, both = set(), []
     for t in table.plan(cfg):
         allowed.add(t.name)
@@ -224,7 +261,8 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
 def check_tensor(path, full: str, dtype: str, shape: tuple, want: DiskTensor) -> None:
     """Raise CheckpointError unless a tensor of `dtype` and `shape` is what the table plans (`want`).
 
-    Floats load from any float dtype (BF16/F16/F32/F64); the halves of an MXFP4 pair must be U8.
+    Floats load from BF16, F32 or F64 (`FLOAT_DTYPES`: exact copies; F16 is refused); the halves of an
+    MXFP4 pair must be U8.
     """
     def bad(expected: str):
         raise CheckpointError(f"{path}: tensor '{full}': expected {expected}, found {dtype}{list(shape)}")
@@ -238,8 +276,13 @@ def check_tensor(path, full: str, dtype: str, shape: tuple, want: DiskTensor) ->
         return
     shapes = [want.shape] + ([want.also] if want.also is not None and want.also != want.shape else [])
     expected = " or ".join(str(list(s)) for s in shapes)
+    if dtype == "F16":
+        raise CheckpointError(f"{path}: tensor '{full}': expected {want.dtype} (or an exact F32/F64 copy), found "
+                              f"F16{list(shape)}: F16 cannot hold BF16 values exactly and no K3 checkpoint stores it, "
+                              "so the header's dtype is damaged or the conversion was lossy; re-download the shard, "
+                              "or convert again keeping BF16")
     if dtype not in FLOAT_DTYPES:
-        bad(f"a float tensor (released as {want.dtype}) of shape {expected}")
+        bad(f"a float tensor ({want.dtype}, or an exact F32/F64 copy) of shape {expected}")
     if tuple(shape) not in shapes:
         bad(f"shape {expected}")
 

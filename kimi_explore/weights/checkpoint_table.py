@@ -216,7 +216,7 @@ class DiskTensor:
     """What one planned name must be on disk."""
 
     name: str
-    dtype: str  # the safetensors code: BF16 | F32 | U8 (the loader accepts any float for BF16/F32)
+    dtype: str  # the safetensors code: BF16 | F32 | U8 (the loader accepts BF16, F32 or F64 for BF16/F32, not F16)
     shape: tuple[int, ...]
     also: tuple[int, ...] | None = None
     mxfp4_of: tuple[int, int] | None = None  # for the halves of an MXFP4 pair: the logical [r, c]

@@ -12,8 +12,9 @@ The decoder asks a bank for the k experts the router picked, in the router's ord
 
 and dequantises only the selected experts that are not in its LRU cache: one gather of their
 packed bytes and one dequantise call for all of them (no Python loop over experts). The cache
-holds up to `capacity` dequantised experts of THIS layer (the size is per layer: a model with n
-MoE layers holds at most n * capacity dequantised experts, `expert_bytes` each, in one slab).
+holds up to `capacity` dequantised experts of THIS layer (the size is per layer, capped at the layer's
+expert count E: a model with n MoE layers holds at most n * min(capacity, E) dequantised experts,
+`expert_bytes` each, in one slab).
 The decoder calls `outputs(ids, z, act)` (see `latent_moe.expert_outputs`), which takes one of
 three routes:
 
@@ -67,7 +68,8 @@ class PackedExperts:
 
     w13_packed: uint8 [E, 2I, l/2];  w13_scale: uint8 [E, 2I, l/32]
     w2_packed:  uint8 [E, l, I/2];   w2_scale:  uint8 [E, l, I/32]
-    capacity:   dequantised experts kept (this layer); 0 disables the cache
+    capacity:   dequantised experts kept (this layer); 0 disables the cache; capped at the layer's
+                expert count (a larger one would allocate slots no expert can fill)
     fused:      multiply straight from the packed bytes (`mxfp4_matvec`); None (default) = whenever
                 it can: host arrays, float32, capacity 0 and the kernel built. False keeps the
                 dequantising route (bit-identical to dense experts); True requires the kernel.
@@ -94,8 +96,8 @@ class PackedExperts:
         xp = self.xp
         self._workspace = Workspace(xp) if workspace is None else workspace
         self.dtype = np.dtype(self.dtype)
-        self.capacity = _check_capacity(self.capacity)
         self._check_shapes()
+        self.capacity = min(_check_capacity(self.capacity), self.num_experts)  # more slots than experts stay empty
         self._table = mxfp4.pair_table(xp, self.dtype)
         if self.fused and not self.can_fuse():
             raise ValueError(
@@ -154,8 +156,9 @@ class PackedExperts:
         return list(self._slots)
 
     def set_capacity(self, capacity: int) -> None:
-        """Resize the cache, keeping the most recently used experts that still fit."""
-        capacity = _check_capacity(capacity)
+        """Resize the cache, keeping the most recently used experts that still fit (at most the layer's
+        `num_experts` slots: a larger capacity keeps every expert)."""
+        capacity = min(_check_capacity(capacity), self.num_experts)
         keep = list(self._slots.items())[max(0, len(self._slots) - capacity) :] if capacity else []
         self.stats.evictions += len(self._slots) - len(keep)
         old13, old2 = self._slab13, self._slab2

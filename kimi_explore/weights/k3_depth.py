@@ -107,7 +107,8 @@ def main(argv=None, parser_class=argparse.ArgumentParser) -> int:
     """`kimi-explore make-tiny` (the CLI passes its one-line-error parser as `parser_class`)."""
     p = parser_class(prog="kimi-explore make-tiny",
                                 description="Write a random checkpoint with K3's depth and expert count but narrow "
-                                "widths, in the released layout (try the Explorer and the report at K3 scale).")
+                                "widths, in the released layout, routed experts BF16 unless --expert-format mxfp4 (try the "
+                                "Explorer and the report at K3 scale).")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--layers", type=int, default=93, help="decoder layers (default 93, as K3)")
     p.add_argument("--experts", type=int, default=896, help="routed experts per MoE layer (default 896)")

@@ -84,11 +84,12 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         CPU, multiplies them fused (see expert_cache_size); "mapped" is "packed" with the bytes left
         in the shard files as read-only memory maps, nothing copied at load, paged in by the OS on
         first use (bit-identical to "packed" with the same cache size; on a GPU the selected
-        experts are copied to the device per use); "auto" (default) is dense when all requested
+        experts are copied to the device per use; do not overwrite the shard files in place while
+        the model lives: it would run the new bytes); "auto" (default) is dense when all requested
         experts dequantised fit in 1 GiB (the tiny models), else packed (K3); packed whenever
         expert_cache_size is given.
     expert_cache_size: with packed or mapped experts (refused with "dense"), dequantised experts kept PER
-        LAYER in an LRU cache;
+        LAYER in an LRU cache, at most the layer's num_experts (a larger number keeps them all; capped);
         0 = no cache: on the CPU in float32 the selected experts are then multiplied straight from
         their packed bytes by the compiled kernel (`mxfp4_matvec`, when built; the same weights,
         float32 sums in another order), else dequantised per token. None = all of a layer's
@@ -110,6 +111,7 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
     if bf16_kernel is not None and not bf16:
         raise ValueError(f"bf16_matvec={bf16_matvec!r} chooses how bf16 weights are multiplied, and needs "
                          f"weight_dtype='bfloat16'; got weight_dtype={weight_dtype!r} (leave bf16_matvec='auto')")
+    opts.check_bf16_kernel(bf16_kernel, xp, dt, dev)
     if isinstance(layers, Iterator):  # one pass only: the Hub plan would consume it before the checks see it
         layers = list(layers)
     source = open_source(path, layers=layers, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,

@@ -1,7 +1,7 @@
 """`from_pretrained`'s options, checked and resolved against the config and the checkpoint.
 
     experts            "auto" | "dense" | "packed" | "mapped"   -> the mode every MoE layer is built in
-    expert_cache_size  None | n >= 0                            -> dequantised experts kept per layer
+    expert_cache_size  None | n >= 0                            -> dequantised experts kept per layer (<= E)
     weight_dtype       None | "bfloat16"                        -> keep BF16 matrices as bf16 bits
     bf16_matvec        "auto" | "kernel" | "widen"              -> Bf16Matrix's `kernel`
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..model.config import KimiDecoderConfig
-from . import mxfp4_matvec
+from . import bf16_matvec, mxfp4_matvec
 from .tensor_source import TensorSource
 
 EXPERT_MODES = ("auto", "packed", "mapped", "dense")
@@ -74,7 +74,7 @@ def resolve_cache_size(size, cfg: KimiDecoderConfig, dtype, xp) -> int:
         # multiplies straight from the packed bytes instead (capacity 0 selects it)
         return 0 if mxfp4_matvec.runs(xp, dtype) else fit
     check_forms("auto", size)
-    return int(size)
+    return min(int(size), cfg.num_experts)  # a cache of every expert is the most a layer can use
 
 
 def resolve_weight_dtype(weight_dtype, dtype) -> bool:
@@ -84,6 +84,15 @@ def resolve_weight_dtype(weight_dtype, dtype) -> bool:
     if weight_dtype in ("bfloat16", "bf16"):
         return True
     raise ValueError(f"weight_dtype={weight_dtype!r}: expected None (= dtype, {np.dtype(dtype).name!r}) or 'bfloat16'")
+
+
+def check_bf16_kernel(kernel: bool | None, xp, dtype, device: str) -> None:
+    """bf16_matvec="kernel" (kernel=True) where the compiled kernel cannot run is refused with the other option
+    checks, before the checkpoint is opened (`Bf16Matrix` would refuse it only at the first matrix built)."""
+    if kernel and not bf16_matvec.runs(xp, dtype):
+        raise ValueError(f"bf16_matvec='kernel' requires the compiled bf16 kernel, which runs on the CPU in float32 "
+                         f"when built (built: {bf16_matvec.AVAILABLE}); got device={device!r}, "
+                         f"dtype={np.dtype(dtype).name!r}: pass bf16_matvec='auto' (the kernel where it runs) or 'widen'")
 
 
 def resolve_bf16_matvec(route: str) -> bool | None:

@@ -23,6 +23,9 @@ The sequence path's `outputs_grouped` takes the same routes, the fused one throu
 
 Traps: a mapped shard must not change or shrink while the model is alive (a truncated file is
 refused at load, `checkpoint.check_checkpoint`; one cut afterwards faults on the first read of a missing page, SIGBUS).
+Do not overwrite a checkpoint's files in place while a model maps them: the maps read the new bytes, so
+the live model's experts change silently. Write a new file and rename it into place (`tiny_model`'s
+writers do): the model keeps the old file's pages until it goes.
 `memory_report` counts these bytes apart (`MemoryReport.mapped`): they are file-backed, shared
 with the page cache, and show in the process's RSS only while their pages are resident.
 """

@@ -33,16 +33,16 @@ DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class _DuplicateKey(Exception):
-    pass
+class DuplicateKeyError(Exception):
+    """A JSON object names a key twice (args: the key); `unique_keys` raises it."""
 
 
-def _unique_keys(pairs):
+def unique_keys(pairs):
     """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last silently)."""
     out = {}
     for k, v in pairs:
         if k in out:
-            raise _DuplicateKey(k)
+            raise DuplicateKeyError(k)
         out[k] = v
     return out
 
@@ -67,10 +67,10 @@ class SafetensorsFile:
                 )
             raw = f.read(n)
         try:
-            header = json.loads(raw, object_pairs_hook=_unique_keys)
+            header = json.loads(raw, object_pairs_hook=unique_keys)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.path}: corrupt safetensors header (not valid JSON: {e})") from None
-        except _DuplicateKey as e:
+        except DuplicateKeyError as e:
             raise CheckpointError(f"{self.path}: corrupt safetensors header: '{e.args[0]}' appears twice") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (expected a JSON object)")
@@ -154,7 +154,10 @@ class SafetensorsFile:
 
 
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
-    """Write {name: array} (bf16 as ml_dtypes.bfloat16) as a safetensors file, tensors in name order."""
+    """Write {name: array} (bf16 as ml_dtypes.bfloat16) as a safetensors file, tensors in name order.
+
+    Writes `path` in place: over a shard a model maps (experts="mapped"), write to a new name and
+    `os.replace` it into place (as `tiny_model.save_checkpoint` does), or the live model reads the new bytes."""
     codes = {v: k for k, v in DTYPES.items()}
     header, blobs, offset = {}, [], 0
     for name in sorted(tensors):
