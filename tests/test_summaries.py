@@ -50,13 +50,19 @@ def test_topk_table_ranks_bias_and_displaced_experts():
 
 
 def test_topk_table_handles_an_ablated_shorter_top_k():
-    r, _ = biased_routing()
+    """An ablation drops slots (-1) from the router's choice: the survivors keep their bias stars (rank > k, k
+    the router's top-k, not the slots left) and the experts the bias pushed out of that choice stay the same;
+    an ablated expert is not one of them."""
+    r, bias = biased_routing()
+    full = [summaries.topk_table(r, t, bias) for t in range(len(r["topk_ids"]))]
     r["topk_ids"] = r["topk_ids"].copy()
-    r["topk_ids"][0, 0, -1] = -1  # the trace pads a shortened top-k with -1
-    table = summaries.topk_table(r, 0)
-    assert table["rank"][0, -1] == -1 and not table["by_bias"][0, -1] and np.isnan(table["scores"][0, -1])
-    assert len(table["displaced"][0]) == sum(e not in set(r["topk_ids"][0, 0, :-1]) for e in
-                                             np.argsort(-r["scores"][0, 0])[:2])
+    r["topk_ids"][:, :, 0] = -1  # the trace pads a shortened top-k with -1: the top expert ablated everywhere
+    for t, before in enumerate(full):
+        table = summaries.topk_table(r, t, bias)
+        assert (table["rank"][:, 0] == -1).all() and not table["by_bias"][:, 0].any()
+        assert np.isnan(table["scores"][:, 0]).all()
+        assert (table["by_bias"][:, 1:] == before["by_bias"][:, 1:]).all()
+        assert table["displaced"] == before["displaced"]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -77,7 +83,9 @@ def test_topk_table_with_tied_and_missing_scores(seed):
             s = scores[t, j]
             chosen = [int(e) for e in ids[t, j] if e >= 0]
             order = sorted(range(E), key=lambda e: (math.isnan(s[e]), 0.0 if math.isnan(s[e]) else -s[e], e))
-            want = [e for e in order[: len(chosen)] if e not in chosen]
+            # without a bias the router chose by unbiased score: the ablated slots held the best experts not chosen
+            ablated = [e for e in order if e not in chosen][: k - len(chosen)]
+            want = [e for e in order[:k] if e not in chosen and e not in ablated]
             assert [e for e, _ in table["displaced"][j]] == want
             for c, e in enumerate(ids[t, j]):
                 higher = sum(1 for x in range(E) if s[x] > s[e]) if e >= 0 else None  # NaN compares False

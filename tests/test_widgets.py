@@ -923,10 +923,11 @@ def test_emptying_or_shortening_the_prompt_box_does_not_mark_prompt_tokens_gener
     ex.step_button.click()
     assert ex.text.generated_from == 3
     s = Session(tiny_weights, tokenizer=ByteTokenizer())
-    s.feed("hello")  # a history of unknown origin, no prompt: nothing is marked
+    s.feed("hello")  # a history of unknown origin, no prompt: none of it is marked
     ex = Explorer(s, prompt=None)
-    ex.step_button.click()
     assert ex.text.generated_from == -1
+    ex.step_button.click()  # ... but the greedy token the Explorer generated after it is
+    assert (ex.text.generated_from, ex.text.generated_runs) == (5, [[5, 6]])
 
 
 def test_the_ids_to_text_toggle_never_changes_what_step_feeds(tiny_weights):

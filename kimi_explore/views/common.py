@@ -76,12 +76,19 @@ def nice_stride(n: int, max_ticks: int = MAX_TICKS) -> int:
 
 
 def token_index(trace, token: int) -> int:
-    """A token position in the trace (negative counts from the end), checked."""
-    n = len(trace.tokens)
+    """A token row of the trace (negative counts from the end), checked. A row, not a history position: row 0
+    of a window (`Trace.window(12, 22)`) is position 12, and the error names both."""
+    return row_index(len(trace.tokens), token, "trace", getattr(trace, "start", 0))
+
+
+def row_index(n: int, token: int, what: str = "trace", start: int = 0) -> int:
+    """`token` as a row 0..n-1 of something holding n tokens (negative counts from the end), checked;
+    start: the history position of row 0 (named in the error where it is not 0)."""
     if n == 0:
-        raise ValueError("the trace is empty: step at least one token before plotting")
+        raise ValueError(f"the {what} is empty: step at least one token before plotting")
     if not -n <= int(token) < n:
-        raise IndexError(f"token={token} is outside the trace: it holds {n} tokens (0..{n - 1}, or -{n}..-1)")
+        at = f"; its rows are history positions {start}..{start + n - 1}: `token` is a row" if start else ""
+        raise IndexError(f"token={token} is outside the {what}: it holds {n} tokens (0..{n - 1}, or -{n}..-1){at}")
     return int(token) % n
 
 

@@ -5,8 +5,10 @@ Pure NumPy on host arrays from a Trace; shapes: T tokens, M MoE layers, k top-k,
 MoE routing (r = `common.routing(trace)`):
   topk_table(r, t, bias)   per MoE layer, the k chosen experts of token t: ids, combine weights,
                            unbiased scores σ(logit), bias, unbiased rank (1 = highest score), and
-                           `by_bias`: chosen only because of the selection bias (unbiased rank > k);
-                           `displaced`: the unbiased top-k experts the bias pushed out
+                           `by_bias`: chosen only because of the selection bias (unbiased rank > k,
+                           k the router's top-k, also where an ablation dropped slots: id -1);
+                           `displaced`: the unbiased top-k experts the bias pushed out of the router's
+                           choice (an expert an ablation removed from it is not one of them)
   routing_entropy(r)       [T, M] entropy (bits) of the combine weights: 0 = one expert carries the
                            token, log2 k = all k equal (4 bits at K3)
   load_stats(r)            over the tokens so far, per layer: counts [M, E], max/mean, coefficient
@@ -52,14 +54,26 @@ def topk_table(r: dict, t: int, bias: dict | None = None) -> dict:
         for j, layer in enumerate(r["moe_layers"]):
             if layer in bias:
                 b[j] = np.where(valid[j], np.asarray(bias[layer], dtype=np.float64)[safe[j]], np.nan)
-    n_top = valid.sum(axis=1)  # an ablation may shorten the top-k
     displaced = []
-    for j in range(M):
-        chosen = set(ids[j][valid[j]].tolist())
-        displaced.append([(e, float(scores[j, e])) for e in _top(scores[j], ascending[j], numbers[j], n_top[j])
-                          if e not in chosen])
+    for j, layer in enumerate(r["moe_layers"]):
+        # the router chose k experts; an ablation then dropped some of them (slots -1). Compared with the unbiased
+        # top-k is the router's own choice: the survivors plus, for the dropped slots, the experts it ranked next
+        # by the biased score (those the ablation removed; without a bias given, by the unbiased score, as a
+        # router without one chooses). An expert the ablation removed was not pushed out by the bias.
+        chosen = ids[j][valid[j]].tolist()
+        router = set(chosen)
+        if len(chosen) < k:
+            rest = np.setdiff1d(np.arange(scores.shape[1]), chosen)
+            b_rest = np.asarray(bias[layer], dtype=np.float64)[rest] if bias and layer in bias else 0.0
+            key = -(scores[j, rest] + b_rest)
+            key = np.where(np.isnan(key), np.inf, key)  # by biased score, NaN last, then by id
+            router |= set(rest[np.lexsort((rest, key))][: k - len(chosen)].tolist())
+        displaced.append([(e, float(scores[j, e])) for e in _top(scores[j], ascending[j], numbers[j], k)
+                          if e not in router])
+    # rank > k: outside the unbiased top-k of all k slots (not of the slots an ablation left: the survivors'
+    # ranks among all experts are what they were)
     return {"ids": ids, "weights": np.asarray(r["topk_weights"][t], dtype=np.float64), "scores": chosen_scores,
-            "bias": b, "rank": rank, "by_bias": valid & (rank > n_top[:, None]), "displaced": displaced,
+            "bias": b, "rank": rank, "by_bias": valid & (rank > k), "displaced": displaced,
             "moe_layers": list(r["moe_layers"])}
 
 

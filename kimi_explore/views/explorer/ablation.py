@@ -6,6 +6,11 @@ tokens that decodes tokens[start:stop] again with the hooks attached; the sessio
 touched. The control shows both next-token distributions and their KL, and says why when the
 answer is trivially "nothing changed" (experts the token did not choose). Its result is cleared as
 soon as it no longer matches what is selected (another token, layer, entry or history).
+
+A range holding a token decoded under hooks (`Session.decoded_with_hooks`: a `with s.intervene(...)`
+in another cell) is refused: the fork would re-decode it without those hooks, and the comparison
+would mix undoing them into the ablation (tokens before the range are fine: the fork starts from
+the exact state after them).
 """
 
 from __future__ import annotations
@@ -147,7 +152,8 @@ class Ablation:
         self.note = widgets.HTML(layout=widgets.Layout(min_height="22px"))
         self.view = PlotView(height=300, name="ablation", layout=widgets.Layout(width="100%"))
         self.diff_view = PlotView(height=300, name="ablation_diff", layout=widgets.Layout(width="100%"))
-        self.button.on_click(lambda _: self.run())
+        # an error is shown in the note and the status line (`Explorer._busy`), not lost in ipywidgets' log
+        self.button.on_click(lambda _: ex._busy(self.run, "Ablate & compare", lambda m: self._say(m, error=True)))
         for w in (self.experts, self.layers, self.scope, self.what):
             w.observe(lambda _: self.clear(), names="value")
         self.what.observe(self._what_changed, names="value")
@@ -259,6 +265,14 @@ class Ablation:
             return self._say(str(e), error=True)
         start = 0 if self.scope.value == SCOPES[2] else t
         stop = t + 1 if self.scope.value == SCOPES[0] else n
+        hooked = [u for u in range(start, stop) if s.decoded_with_hooks(u)]
+        if hooked:  # the fork would re-decode them without those hooks: 'as run' vs 'ablated' would mix in undoing them
+            one = len(hooked) == 1
+            return self._say(f"cannot ablate: {_tokens_named(hooked)} {'was' if one else 'were'} decoded under hooks "
+                             "(an intervention, or hooks attached then) that the fork cannot repeat: it would re-decode "
+                             f"{'it' if one else 'them'} without those hooks, and 'as run' against 'ablated' would mix "
+                             "undoing them into the ablation. Pick a token and scope that cover no such token, or "
+                             "ablate on a fork you decode under the same hooks yourself", error=True)
         fork = rerun(s, *hooks, start=start, stop=stop)  # stepped: the hooks change values
         base = baseline(s, start, stop)  # decoded as the fork was: the differences are the ablation's alone
         ablated = fork.logits[t]
@@ -281,8 +295,35 @@ class Ablation:
                 why = (f"; {missed} were not chosen by this token at layer {layer}: only "
                        f"{sorted(set(listed) - set(missed))} matter")
         if base is not s:
-            why += (f"; 'as run' is tokens {start}-{stop - 1} re-decoded one by one as the fork was (the session "
-                    "fed them as a chunk, which rounds differently)")
+            fed = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in s.runs(start, stop) if b is not None)
+            why += (f"; 'as run' is tokens {start}-{stop - 1} re-decoded one by one as the fork was (the session fed "
+                    f"tokens {fed} as a chunk, which rounds differently"
+                    + (", and the tokens stepped after it read that rounding" if _stepped_after_chunk(s, start, stop)
+                       else "") + ")")
         self.note.value = html.escape(f"forked at token {start}; the main session still has {n} tokens; "
                                       f"KL at token {t} {kl:.4g}{why}", quote=False)
         return ablated
+
+
+def _tokens_named(tokens: list[int], most: int = 8) -> str:
+    """'token 8', 'tokens 3-5, 9', ... (runs of consecutive positions; at most `most` runs named)."""
+    runs: list[list[int]] = []
+    for u in tokens:
+        if runs and u == runs[-1][1] + 1:
+            runs[-1][1] = u
+        else:
+            runs.append([u, u])
+    names = [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+    more = f" and {len(names) - most} more runs" if len(names) > most else ""
+    return ("token " if len(tokens) == 1 else "tokens ") + ", ".join(names[:most]) + more
+
+
+def _stepped_after_chunk(session, start: int, stop: int) -> bool:
+    """Whether a token of [start, stop) was stepped after a fed chunk of that range."""
+    seen_chunk = False
+    for _, b in session.runs(start, stop):
+        if b is not None:
+            seen_chunk = True
+        elif seen_chunk:
+            return True
+    return False

@@ -287,6 +287,10 @@ class PlotView(anywidget.AnyWidget):
         the drawn figure's `layout.meta` and its revision without redrawing it.
         meta: what the view shows (e.g. the selected token and layer), readable in the browser as
         the plot's `layout.meta`."""
+        # min_height: what the figure needs to stay readable (e.g. a label per row); the view grows to it, once
+        # per model (it depends on the model's shape, not on the history): the page does not jump at each Step
+        layout = dict(layout)
+        self.height = max(self.height, int(layout.pop("min_height", 0)))
         layout = {"height": self.height, "margin": {"l": 60, "r": 20, "t": 36, "b": 40}, **layout}
         int_axes = layout.pop("int_axes", [])  # axes of whole ids: the browser keeps their ticks whole when zoomed
         cell_text = layout.pop("cell_text", None)  # heatmap cell labels the view writes itself (module docstring)

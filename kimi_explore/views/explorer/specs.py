@@ -35,6 +35,8 @@ GAP_COLOR = MISSING  # the plot background, seen through NaN cells: the grey of 
 
 
 MIN_TICK_GAP = 3  # columns between two tick labels at K3 depth (rotated labels 2 apart overlap)
+SOURCE_ROW_PX = 10  # pixels per source row of a block-residual panel: every source is named, in a 9 px font
+PANEL = 0.47  # each of the two stacked block-residual panels, of the plot's height (K3's 9 sources fit in 300 px)
 
 
 def layer_ticks(labels: list[str], selected: str | None = None) -> list[str]:
@@ -49,6 +51,18 @@ def layer_ticks(labels: list[str], selected: str | None = None) -> list[str]:
         if all(abs(j - k) >= MIN_TICK_GAP for k in kept):
             kept.append(j)
     return [labels[j] for j in sorted(kept)]
+
+
+def source_axis(sources: list[str], **kw) -> dict:
+    """The source axis of a block-residual panel: every source named (plotly would drop every other label of
+    a crowded axis, and K3's 9 sources are all worth reading), top to bottom."""
+    return heat_axis(autorange="reversed", fixedrange=True, tickmode="array", tickvals=list(sources),
+                     ticktext=list(sources), **{"tickfont": {"size": 9}, **kw})
+
+
+def panels_height(n_sources: int, margins: int) -> int:
+    """The height (px) two stacked block-residual panels (PANEL of the plot each) need to name `n_sources` rows."""
+    return int(np.ceil(n_sources * SOURCE_ROW_PX / PANEL)) + margins
 
 
 def heat_axis(**kw) -> dict:
@@ -147,15 +161,16 @@ def block_token(trace, t: int, layer: int | None = None, tokenizer=None) -> tupl
     data.append(heat(final[:, None], ["output"], sources, colorscale="Viridis", zmin=0, zmax=1, xaxis="x3", yaxis="y3",
                       hover="final output mix (final.attn_res)<br>source: %{y}<br>weight: %{z:.4f}", showscale=False))
     label = trace_labels(trace, tokenizer)[t]
-    axis_y = heat_axis(autorange="reversed", fixedrange=True)
+    axis_y = source_axis(sources)
     layout = {"title": {"text": f"Block attention residuals of token {label}  (click a layer to select it)", "font": FONT},
               "xaxis": {**layer_axis(layers, "", sel), "domain": [0, 0.9], "anchor": "y", "showticklabels": False},
-              "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
+              "yaxis": {**axis_y, "domain": [1 - PANEL, 1], "title": {"text": "before attn", "font": {"size": 10}}},
               "xaxis2": {**layer_axis(layers, "layer", sel), "domain": [0, 0.9], "anchor": "y2"},
-              "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
+              "yaxis2": {**axis_y, "domain": [0, PANEL], "title": {"text": "before FFN", "font": {"size": 10}}},
               "xaxis3": heat_axis(domain=[0.92, 0.96], anchor="y3", fixedrange=True),
-              "yaxis3": {**axis_y, "domain": [0, 0.44], "anchor": "x3", "showticklabels": False},
-              "shapes": shapes, "plot_bgcolor": GAP_COLOR, "margin": {"l": 80, "r": 20, "t": 30, "b": 70}}
+              "yaxis3": {**axis_y, "domain": [0, PANEL], "anchor": "x3", "showticklabels": False},
+              "shapes": shapes, "plot_bgcolor": GAP_COLOR, "margin": {"l": 80, "r": 20, "t": 30, "b": 70},
+              "min_height": panels_height(len(sources), 100)}
     return data, layout
 
 
@@ -175,16 +190,16 @@ def block_layer(trace, layer: int, t: int, tokenizer=None) -> tuple[list, dict]:
         if not np.isfinite(w[:, site]).any():
             notes.append({"text": why_no_mix(trace, layer, site), "showarrow": False,
                           "xref": xa + " domain", "yref": ya + " domain", "x": 0.5, "y": 0.5, "font": {"color": "#555"}})
-    axis_y = heat_axis(autorange="reversed", fixedrange=True)
+    axis_y = source_axis(sources)
     axis_x = token_axis(trace, t, tokenizer)
     layout = {"title": {"text": f"Block attention residuals at layer {layer}, token by token  (click a token; "
                         "softmax weight on the colour scale above)", "font": FONT},
               "xaxis": {**axis_x, "anchor": "y", "showticklabels": False, "title": None, "matches": "x2"},
-              "yaxis": {**axis_y, "domain": [0.56, 1], "title": {"text": "before attn", "font": {"size": 10}}},
+              "yaxis": {**axis_y, "domain": [1 - PANEL, 1], "title": {"text": "before attn", "font": {"size": 10}}},
               "xaxis2": {**axis_x, "anchor": "y2"},
-              "yaxis2": {**axis_y, "domain": [0, 0.44], "title": {"text": "before FFN", "font": {"size": 10}}},
+              "yaxis2": {**axis_y, "domain": [0, PANEL], "title": {"text": "before FFN", "font": {"size": 10}}},
               "shapes": shapes, "annotations": notes, "dragmode": "pan", "plot_bgcolor": GAP_COLOR,
-              "margin": {"l": 80, "r": 20, "t": 30, "b": 80}}
+              "margin": {"l": 80, "r": 20, "t": 30, "b": 80}, "min_height": panels_height(len(sources), 110)}
     return data, layout
 
 

@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ..common import token_labels, token_texts
-from .specs import FONT, heat, layer_axis, outline
+from .specs import FONT, WINDOW, heat, layer_axis, layer_ticks, outline, token_window
 
 __all__ = ["leaf_layer", "lens_strip", "run_diff", "waterfall"]
 
@@ -44,14 +44,28 @@ def _short(label: str) -> str:
     return label.replace(" ", "␣")  # a space must be seen
 
 
+CELL_CHARS = 4  # characters of a top-1 written in a lens cell at K3 depth (3 cells of ~10 px: 4 at 10 px)
+
+
+def _fit(text: str, n: int = CELL_CHARS) -> str:
+    """`text` cut to n characters, the last one an ellipsis when it was longer."""
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
 def lens_strip(lens, labels: list[str], tokenizer=None, layer: int | None = None) -> tuple[list, dict]:
     """Row 0 of `lens` (one position): x = layer, colour = top-1 probability, text = top-1 token.
-    A cell whose top-1 already equals the model's final top-1 is marked with a ring."""
+    A cell whose top-1 already equals the model's final top-1 is marked with a ring. Past 32 layers (K3's
+    93: ~10 px a cell) the top-1 is written only in the cells of the layers the axis names (`layer_ticks`:
+    at least MIN_TICK_GAP cells apart), cut to CELL_CHARS characters; the hover of every cell has it all."""
     ids, probs = np.asarray(lens.top_ids[0]), np.asarray(lens.top_probs[0], dtype=float)  # [L, k]
     L, k = ids.shape
     final = int(lens.final_ids[0])
+    ids_sel = [int(i) for i in lens.layers]
+    selected = labels[ids_sel.index(layer)] if layer in ids_sel else None
     names = [token_labels(ids[j], tokenizer, positions=False) for j in range(L)]
-    text = [[_short(token_texts(ids[j, :1], tokenizer)[0]) for j in range(L)]]
+    written = set(labels) if L <= 32 else set(layer_ticks(labels, selected))
+    cell = (lambda x: x) if L <= 32 else _fit
+    text = [[cell(_short(token_texts(ids[j, :1], tokenizer)[0])) if labels[j] in written else "" for j in range(L)]]
     hover = [["<br>".join(f"{n} p={p:.4f}" for n, p in zip(names[j], probs[j], strict=True)) for j in range(L)]]
     hm = heat(probs[None, :, 0], labels, ["top-1"], colorscale="Viridis", zmin=0, zmax=1,
               hover="after layer %{x}<br>%{customdata}", customdata=hover, colorbar={"title": {"text": "p"}, "len": 1.2})
@@ -62,13 +76,12 @@ def lens_strip(lens, labels: list[str], tokenizer=None, layer: int | None = None
     t = int(lens.positions[0])
     fed = token_labels([int(lens.tokens[0])], tokenizer, positions=False)[0]
     fin = token_labels([final], tokenizer, positions=False)[0]
-    ids_sel = [int(i) for i in lens.layers]
     shapes = [outline(ids_sel.index(layer))] if layer in ids_sel else []
+    thinned = "" if L <= 32 else "; written at the named layers, hover any cell"
     layout = {"title": {"text": f"Logit lens of token {t} {fed}: top-1 next token after each layer "
-                        f"(ring: already the model's own top-1, {fin})", "font": FONT},
+                        f"(ring: already the model's own top-1, {fin}{thinned})", "font": FONT},
               # past 32 layers (K3) the selected layer and the MLA landmarks are named, as on every layer axis
-              "xaxis": {"tickangle": -60, **layer_axis(labels, "", labels[ids_sel.index(layer)] if layer in ids_sel else None),
-                        "title": None},
+              "xaxis": {"tickangle": -60, **layer_axis(labels, "", selected), "title": None},
               "yaxis": {"type": "category", "fixedrange": True, "showticklabels": False},
               "showlegend": False, "shapes": shapes, "margin": {"l": 20, "r": 20, "t": 30, "b": 60}}
     return [hm, ring], layout
@@ -131,9 +144,15 @@ def run_diff(d, t0: int, tokenizer=None, t: int | None = None) -> tuple[list, di
     flips = [c for c, f in zip(cols, d.flips[t0:T], strict=True) if f]
     data.append({"type": "scatter", "mode": "markers", "x": flips, "y": ["KL"] * len(flips), "hoverinfo": "skip",
                  "marker": {"symbol": "x", "size": 9, "color": "#111"}})
+    # past WINDOW tokens, a window of them that shows the selected one, as every view over tokens (pan to
+    # scroll): an ablation of every token of a long history would squeeze hundreds of columns into the width
+    windowed = T - t0 > WINDOW
     ax = {"type": "category", "tickfont": {"size": 9}, "tickangle": -60, "matches": "x"}
+    if windowed:
+        ax["range"] = token_window(T - t0, (T - 1 if t is None or not t0 <= t < T else t) - t0)
+    pan = f"; {WINDOW} of {T - t0} tokens, pan to scroll" if windowed else ""
     layout = {"title": {"text": f"What the fork changed from token {t0} on: KL strip (x: the top-1 flipped), "
-                        f"Δ output-mix weights, routing changes ({len(d.routing_changes)})", "font": FONT},
+                        f"Δ output-mix weights, routing changes ({len(d.routing_changes)}){pan}", "font": FONT},
               "xaxis": {**ax, "anchor": "y", "showticklabels": False, "matches": None},
               "yaxis": {"domain": [0.8, 0.95], "fixedrange": True},
               "xaxis2": {**ax, "anchor": "y2", "showticklabels": False},

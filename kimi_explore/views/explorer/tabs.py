@@ -65,7 +65,8 @@ class Tabs:
         self.views["expert_search"].layout.display = "none"
         self.compute_button = widgets.Button(description="Compute", icon="calculator", button_style="info",
                                              tooltip="the logit lens and the attribution of the selected token")
-        self.compute_button.on_click(lambda _: self.ex._busy(self.compute_analyses))
+        self.compute_button.on_click(lambda _: self.ex._busy(self.compute_analyses, "Compute",
+                                                             lambda m: self.views["lens"].show(*specs.empty(m))))
         self.auto_analyses = widgets.Checkbox(value=False, indent=False, layout=widgets.Layout(width="auto"),
                                               description="compute on every selection (a replay from the latest "
                                                           "checkpoint: seconds at K3 depth)")

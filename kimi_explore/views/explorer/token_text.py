@@ -5,7 +5,9 @@
     text.observe(fn, names="selected")         # a click on token t sets `selected = t`
 
 The strip has a fixed height and scrolls inside itself (never the page) to keep the selected token
-in view. Prompt tokens and generated ones differ by underline (`generated_from`).
+in view. Generated tokens are underlined (dotted): `generated_runs`, [[a, b), ...] (a history can hold
+generated tokens, then text fed from elsewhere, then generated ones again); `generated_from` is the
+first generated token (-1: none).
 """
 
 from __future__ import annotations
@@ -26,20 +28,25 @@ export default {
     el.appendChild(box);
     const style = (t, colors, sel, gen) => "cursor:pointer;border-radius:2px;padding:1px 0;background:" +
       (colors[t] || "transparent") + (t === sel ? ";outline:2px solid #d62728;outline-offset:0" : "") +
-      (gen >= 0 && t >= gen ? ";text-decoration:underline dotted" : "");
+      (gen[t] ? ";text-decoration:underline dotted" : "");
+    const flags = (runs, n) => {  // [[a, b), ...] -> one 0/1 per token
+      const g = new Uint8Array(n);
+      for (const [a, b] of runs || []) g.fill(1, Math.max(0, a), Math.min(b, n));
+      return g;
+    };
     // One draw per frame, however many traits a Step changed; a history that only grew keeps its spans
     // and gets the new ones appended. A kept span is written only where its title, colour, selection or
     // underline changed: rewriting every span's style each Step made the page restyle the whole strip.
-    let queued = false, drawn = { titles: [], colors: [], sel: -1, gen: -1 };
+    let queued = false, drawn = { titles: [], colors: [], sel: -1, gen: new Uint8Array(0) };
     const draw = () => {
       queued = false;
       const labels = model.get("labels"), colors = model.get("colors"), titles = model.get("titles");
-      const sel = model.get("selected"), gen = model.get("generated_from");
+      const sel = model.get("selected"), gen = flags(model.get("generated_runs"), labels.length);
       const spans = box.children;
       let keep = 0;
       while (keep < spans.length && keep < labels.length && spans[keep].textContent === labels[keep]) keep++;
       while (spans.length > keep) box.removeChild(box.lastChild);
-      const was = drawn, isGen = (t, g) => g >= 0 && t >= g;
+      const was = drawn;
       for (let t = 0; t < labels.length; t++) {
         let s = spans[t];
         const fresh = t >= keep;
@@ -50,7 +57,7 @@ export default {
           box.appendChild(s);
         }
         if (fresh || titles[t] !== was.titles[t]) s.title = titles[t] || "";
-        if (fresh || colors[t] !== was.colors[t] || (t === sel) !== (t === was.sel) || isGen(t, gen) !== isGen(t, was.gen)) {
+        if (fresh || colors[t] !== was.colors[t] || (t === sel) !== (t === was.sel) || gen[t] !== (was.gen[t] || 0)) {
           s.className = "kimi-token" + (t === sel ? " kimi-selected" : "");
           s.style.cssText = style(t, colors, sel, gen);
         }
@@ -70,7 +77,7 @@ export default {
       model.set("selected", Number(t));
       model.save_changes();
     });
-    model.on("change:labels change:colors change:titles change:selected change:generated_from", schedule);
+    model.on("change:labels change:colors change:titles change:selected change:generated_runs", schedule);
     draw();
   },
 };
@@ -86,15 +93,22 @@ class TokenText(anywidget.AnyWidget):
     colors = traitlets.List().tag(sync=True)
     titles = traitlets.List().tag(sync=True)
     selected = traitlets.Int(-1).tag(sync=True)
+    generated_runs = traitlets.List().tag(sync=True)  # [[a, b), ...] generated tokens, underlined
     generated_from = traitlets.Int(-1).tag(sync=True)  # first generated token (-1: none)
 
-    def set_tokens(self, labels: list[str], colors: list[str], titles: list[str], generated_from: int = -1) -> None:
+    def set_tokens(self, labels: list[str], colors: list[str], titles: list[str], generated_from: int = -1,
+                   generated_runs: list | None = None) -> None:
+        """generated_runs: [[a, b), ...] of generated tokens; or generated_from: every token from it on."""
         if not len(labels) == len(colors) == len(titles):
             raise ValueError(f"TokenText: {len(labels)} labels, {len(colors)} colours, {len(titles)} titles")
+        if generated_runs is None:
+            generated_runs = [[int(generated_from), len(labels)]] if 0 <= generated_from < len(labels) else []
+        runs = [[int(a), int(b)] for a, b in generated_runs if a < b]
         with self.hold_sync():
             self.labels, self.colors, self.titles = [str(x) for x in labels], [str(x) for x in colors], \
                 [str(x) for x in titles]
-            self.generated_from = int(generated_from)
+            self.generated_runs = runs
+            self.generated_from = runs[0][0] if runs else -1
 
 
 def measure_colors(values: np.ndarray) -> tuple[list[str], float, float]:

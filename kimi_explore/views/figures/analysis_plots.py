@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from ..common import token_labels, token_texts
+from ..common import row_index, token_labels, token_texts
 from .mpl import InlineFigure, escape_mathtext, heatmap, span_inches, ticks
 
 __all__ = ["attribution_waterfall", "diff_overview", "lens_grid", "report_figures", "routing_stats_overview"]
@@ -132,13 +132,15 @@ def attribution_waterfall(attr, top: int = 12, tokenizer=None):
 
 
 def diff_overview(d, token=None, tokenizer=None):
-    """A run diff (b - a) in five panels; `token` (default: the largest KL) picks the per-layer panel.
-    A panel whose |Δ| stays below NOISE says so in words instead of drawing rounding noise."""
+    """A run diff (b - a) in five panels; `token` (default: the largest KL) picks the per-layer panel: a row of
+    the diff (negative counts from the end), as `token` is a row of the trace in `plots` (`token_index`); the
+    labels show history positions (row 0 of a diff of `Trace.window(12, 22)`s is position 12). IndexError
+    outside the rows. A panel whose |Δ| stays below NOISE says so in words instead of drawing rounding noise."""
     T = len(d)
     if T == 0:
         raise ValueError("diff_overview: the diff covers no tokens")
-    t = int(np.argmax(d.kl)) if token is None else int(token) % T
     start = 0 if getattr(d, "positions", None) is None else int(d.positions[0])  # windows of traces: their positions
+    t = int(np.argmax(d.kl)) if token is None else row_index(T, token, "diff", start)
     cols = [escape_mathtext(s) for s in token_labels(d.tokens_a, tokenizer, start=start)]
     fig = InlineFigure(figsize=(14, 9.5), layout="constrained")
     grid = fig.subplots(2, 3)
