@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_explore import KimiDecodeState, kimi_forward_token
+from kimi_explore import KimiDecodeState, hook_names, kimi_forward_token
 from kimi_explore.inspection import interventions as I
 from kimi_explore.inspection.hooks import Hooks
 from kimi_explore.inspection.recorder import Recorder
@@ -167,6 +167,36 @@ def test_mask_with_layer_0_does_nothing_at_its_missing_attention_mix(trained_wei
                                rtol=1e-6, atol=1e-6)
     got = stepped(trained_weights, I.mask_sources(range(0, 8), "both", "current"))
     np.testing.assert_allclose(got, stepped(trained_weights, by_hand_mask([-1])), rtol=1e-6, atol=1e-6)
+
+
+
+def test_mask_of_a_subset_layer_without_an_attention_mix_masks_its_ffn_mix(trained_weights):
+    """On a subset from layer 4 (layers 4 and 5 have nothing sealed before their attention, no attention-site mix),
+    mask_sources(layer, "both") masks what each layer has (its FFN-site mix), as a plain hook there does; an explicit
+    layer the model lacks is still refused."""
+    from kimi_explore import from_pretrained
+    from kimi_explore.weights.tiny_model import tiny_checkpoint
+
+    w = from_pretrained(tiny_checkpoint(), device="cpu", layers=range(4, 8), dtype="float64")
+    for layer in (5, 6):  # 5: FFN mix only; 6: both mixes
+        hand = Hooks()
+        for name in (f"layers.{layer}.attn_res.attn.weights", f"layers.{layer}.attn_res.ffn.weights"):
+            if name in hook_names(w):
+                hand.add(name, _mask_first)
+        np.testing.assert_allclose(stepped(w, I.mask_sources(layer, "both", "embedding")), stepped(w, hand),
+                                   rtol=1e-12, atol=1e-12)
+    assert not np.allclose(stepped(w, I.mask_sources(6, "both", "embedding")), stepped(w, Hooks()))  # it acts
+    with pytest.raises(ValueError, match="layers.9"):
+        stepped(w, I.mask_sources([6, 9], "both", "embedding"))
+
+
+def _mask_first(p, *, hook):
+    """Column 0 (the subset's input) masked, the rest renormalised (None where it is the only source)."""
+    if p.shape[-1] < 2:
+        return None
+    q = p.copy()
+    q[0] = 0
+    return q / q.sum()
 
 
 # ---------------------------------------------------------------- 4: a layer given twice
