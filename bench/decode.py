@@ -96,7 +96,8 @@ def mlx_decode(path: Path, steps: int) -> dict:
     except ImportError as e:
         return {"skipped": f"mlx-lm is not installed ({e}); pip install 'mlx[cpu]' mlx-lm"}
     model, _ = load_model(path)
-    vocab = json.loads((path / "config.json").read_text()).get("vocab_size") or 256
+    config = json.loads((path / "config.json").read_text())
+    vocab = config.get("text_config", config)["vocab_size"]  # (the released layout nests the text model's keys)
     cache = make_prompt_cache(model)
     for t in range(10):
         mx.eval(model(mx.array([[t]]), cache=cache))

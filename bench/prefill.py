@@ -1,6 +1,6 @@
 """Prefill speed on the embedded model: whole texts through the sequence path, against the token path and mlx-lm.
 
-    python bench/prefill.py [--texts 3] [--len 1024] [--chunks 16,64,128,256,512] [--step-tokens 256]
+    python bench/prefill.py [--texts 3] [--len 1024] [--chunks 16,64,128,256,512] [--step-tokens N]
                             [--threads 1] [--no-mlx] [--json bench/results/prefill.json]
 
 Texts: `--texts` windows of `--len` bytes of Python's `pydoc_data.topics` (`learned.pydoc_corpus()`: what the embedded model was
@@ -51,7 +51,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--texts", type=int, default=3)
     p.add_argument("--len", type=int, default=1024, help="tokens per text")
     p.add_argument("--chunks", default="16,64,128,256,512")
-    p.add_argument("--step-tokens", type=int, default=256, help="tokens of each text the token path steps through")
+    p.add_argument("--step-tokens", type=int, default=0,
+                   help="tokens of each text the token path steps through (0: all --len of them, as the sequence path "
+                        "feeds: a shorter prefix steps over a shorter cache, ~5%% faster per token at 256 of 1024)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (0: leave the environment as it is)")
     p.add_argument("--no-mlx", action="store_true", help="skip mlx-lm (pip install 'mlx[cpu]' mlx-lm)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "prefill.json"))
@@ -253,7 +255,7 @@ def main() -> int:
     ran_on = machine.describe()
     print(machine.line(ran_on))
 
-    rows = routes(ke, weights, texts, args.step_tokens)
+    rows = routes(ke, weights, texts, args.step_tokens or args.len)
     if not args.no_mlx:
         rows["mlx-lm kimi_k3 (bf16)"] = mlx_route(Path(path), texts, ke, weights)
     token_cpu = rows["Session.step, recorder"]["tokens_per_s_cpu"]

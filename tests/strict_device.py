@@ -16,8 +16,9 @@ NumPy array inside but behaves like a CuPy array at the border between host and 
   `__array_function__` / `__array_ufunc__` do, and return device arrays;
 - transfers are counted (`xp.transfers`): "h2d" for `xp.asarray` / `xp.array` of host data and
   `d.set(host)`, "d2h" for `xp.asnumpy` / `d.get()` / `d.item()`, "h2d_implicit" for a host index
-  array or list inside `d[...]` (CuPy copies it to the device), and the bytes each way. `xp.counting()`
-  gives the counts of a block.
+  array or list inside `d[...]` (CuPy copies it to the device), "sync" for a gather by a boolean device
+  mask (`d[mask]`: CuPy reads the mask's count back to size the result), and the bytes each way.
+  `xp.counting()` gives the counts of a block.
 
 Like CuPy: reductions return 0-d device arrays, argsort/sort are stable. What it cannot show: anything
 about real device kernels (speed, float32 sums in another order, memory). It is not a GPU run.
@@ -196,7 +197,10 @@ class DeviceArray:
         return tuple(out) if type(key) is tuple else out[0]
 
     def __getitem__(self, key):
-        return _wrap(self._a[self._key(key)])
+        k = self._key(key)
+        if any(getattr(part, "dtype", None) == bool for part in (k if type(k) is tuple else (k,))):
+            _count("sync", 0)  # CuPy sizes a boolean-mask gather by a count it reads back: a device sync
+        return _wrap(self._a[k])
 
     def __setitem__(self, key, value):
         if isinstance(value, np.ndarray) or type(value) is list:
@@ -280,7 +284,7 @@ for _op in ("neg", "pos", "abs", "invert"):
     setattr(DeviceArray, f"__{_op}__", (lambda n: lambda self: DeviceArray(getattr(self._a, n)()))(f"__{_op}__"))
 
 
-_COUNTS = {"h2d": 0, "d2h": 0, "h2d_implicit": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+_COUNTS = {"h2d": 0, "d2h": 0, "h2d_implicit": 0, "sync": 0, "h2d_bytes": 0, "d2h_bytes": 0}
 
 
 def _count(kind: str, nbytes: int) -> None:
@@ -335,7 +339,7 @@ class StrictDevice(_Namespace):
     # ---------------------------------------------------------------- transfers
     @property
     def transfers(self) -> dict:
-        """{"h2d", "d2h", "h2d_implicit"}: transfers since the module was imported, and "h2d_bytes", "d2h_bytes"
+        """{"h2d", "d2h", "h2d_implicit", "sync"}: transfers (and boolean-mask syncs) since the module was imported, and "h2d_bytes", "d2h_bytes"
         (the implicit ones included) (a copy)."""
         return dict(_COUNTS)
 

@@ -215,3 +215,43 @@ def test_source_ablation_names_column_0_of_a_subset_as_the_trace_does(trained_we
     assert res.by_family()[first]["n"] == len(at0)
     whole = ke.source_ablation(trained_weights, "abcdef", layers=[6])  # the whole model: column 0 is the embedding
     assert {r["family"] for r in whole.rows if r["columns"] == [0]} == {"embedding"}
+
+
+@pytest.mark.parametrize("reuse_prefix", [True, False])
+def test_source_ablation_takes_model_wide_integer_columns(weights64, reuse_prefix):
+    """An integer family counts model-wide, as mask_sources' (`Trace.source_labels()`): the last column is the
+    current sum at every site (the rows of the named family "current"), column 2 is block 2 where it is sealed
+    (the rows of ("block", 2)); a block the model does not store is refused, as mask_sources refuses it."""
+    ids, S = list(b"def f(x): return x"), weights64.max_sources
+    run = lambda fams: ke.source_ablation(weights64, ids, families=fams, layers=[1, 4, 7],  # noqa: E731
+                                          reuse_prefix=reuse_prefix).rows
+    for integer, named in (([S - 1], "current"), ([-1], "current"), ([2], ("block", 2))):
+        got, want = run([integer]), run([named])
+        assert [(r["layer"], r["site"], r["columns"]) for r in got] == [(r["layer"], r["site"], r["columns"]) for r in want]
+        assert [r["kl"] for r in got] == [r["kl"] for r in want] and got
+    with pytest.raises(ValueError, match=r"\('block', 3\) does not exist"):
+        run([("block", S - 1)])
+
+
+def test_routing_stats_takes_enum_labels_as_their_values_and_resumes(trained_weights, tmp_path):
+    """A StrEnum or IntEnum label is its value (what the JSON checkpoint keeps): a resumed run finds the classes it
+    counted in (it was refused: 'other' in the checkpoint against <Kind.OTHER: 'other'>); True stays apart from 1."""
+    import enum
+
+    class Kind(str, enum.Enum):
+        VOWEL = "vowel"
+        OTHER = "other"
+
+    class Level(enum.IntEnum):
+        ONE = 1
+
+    kind = lambda i: Kind.VOWEL if chr(i) in "aeiou" else Kind.OTHER  # noqa: E731
+    texts = ["the cat sat", "on a mat"]
+    path = tmp_path / "stats.json"
+    first = ke.routing_stats(trained_weights, texts[:1], classes=kind, checkpoint=path)
+    assert first.class_names == ["other", "vowel"] and all(type(c) is str for c in first.class_names)
+    resumed = ke.routing_stats(trained_weights, texts, classes=kind, checkpoint=path)
+    whole = ke.routing_stats(trained_weights, texts, classes=lambda i: "vowel" if chr(i) in "aeiou" else "other")
+    assert resumed.class_names == whole.class_names and np.array_equal(resumed.class_top1, whole.class_top1)
+    mixed = ke.routing_stats(trained_weights, texts[:1], classes=lambda i: Level.ONE if i % 2 else True)
+    assert sorted(map(repr, mixed.class_names)) == ["1", "True"] and all(type(c) in (int, bool) for c in mixed.class_names)

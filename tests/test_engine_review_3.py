@@ -26,8 +26,9 @@ from kimi_explore.engines.dump import DUMP_FORMAT, read_dump, write_dump
 from kimi_explore.engines.name_maps import llamacpp_to_hooks
 from kimi_explore.engines.operations import KdaQkNormProbe
 from kimi_explore.engines.patching import replay
-from kimi_explore.engines.tolerance import Tolerance, site_errors
+from kimi_explore.engines.tolerance import TOLERANCE_PRESETS, Tolerance, head_floors, site_errors
 from kimi_explore.errors import ConfigError
+from kimi_explore.model.kda import L2NORM_EPS
 from kimi_explore.weights.gguf_io import GgufFile, write_gguf
 
 ENGINES = Path(__file__).parent / "data" / "engines"
@@ -257,8 +258,8 @@ def test_a_gguf_without_one_mla_gate_names_that_gate(tmp_path):
 # ---------------------------------------------------------------- 6. token ids in the metadata: ASCII digits only
 
 
-@pytest.mark.parametrize("tokens", ["1_0,2", "\uff11,\uff12", "+1,2", "1,2.0", " 1,2"],
-                         ids=["underscore", "fullwidth", "plus", "float", "space"])
+@pytest.mark.parametrize("tokens", ["1_0,2", "\uff11,\uff12", "+1,2", "1,2.0", "1 2,3", "1,\u00a02"],
+                         ids=["underscore", "fullwidth", "plus", "float", "inner-space", "non-ascii-space"])
 def test_dump_tokens_that_int_would_read_are_refused(tmp_path, tokens):
     path = tmp_path / "t.safetensors"
     save_file({"logits": np.zeros((2, 4), np.float32)}, str(path), metadata={"format": DUMP_FORMAT, "tokens": tokens})
@@ -266,3 +267,31 @@ def test_dump_tokens_that_int_would_read_are_refused(tmp_path, tokens):
         read_dump(path)
     save_file({"logits": np.zeros((2, 4), np.float32)}, str(path), metadata={"format": DUMP_FORMAT, "tokens": "10,7,"})
     assert read_dump(path).tokens == [10, 7]
+
+
+@pytest.mark.parametrize("tokens", ["3, 17, 200", " 3,17,200", "3,17,200\n", "3 ,\t17 , 200 ,"])
+def test_dump_tokens_with_spaces_around_the_ids_are_read(tmp_path, tokens):
+    """What a C++ or Rust join(", ") writes, or a line with its newline, reads as the ids (int() took these)."""
+    path = tmp_path / "t.safetensors"
+    save_file({"logits": np.zeros((3, 4), np.float32)}, str(path), metadata={"format": DUMP_FORMAT, "tokens": tokens})
+    assert read_dump(path).tokens == [3, 17, 200]
+
+
+def test_the_q_k_floor_is_where_the_l2_norm_stops_rescaling_a_head(trained_weights):
+    """The q/k L2 norm x / sqrt(sum x^2 + eps) rescales a head fully once |x| > sqrt(eps), which a head of K entries
+    reaches with its largest entry at sqrt(eps / K): a weak q head (entries 3e-4, |x| 1.7e-3 > sqrt(1e-6), K = 32)
+    with 8 entries 6% off is beyond the bfloat16 tolerance, as its error after the norm is (the floor sqrt(eps),
+    compared with the head's largest entry, called it 0.018 and let it pass)."""
+    cfg = trained_weights.config
+    K = cfg.linear_attn_config.head_dim
+    rng = np.random.default_rng(0)
+    ours = rng.standard_normal((3, cfg.linear_attn_config.num_heads, K))
+    ours[0, 1] = 3e-4 * np.sign(rng.standard_normal(K))
+    theirs = ours.copy()
+    theirs[0, 1, :8] *= 1.06
+    l2 = lambda x: x / np.sqrt((x * x).sum() + L2NORM_EPS)  # noqa: E731
+    after = np.abs(l2(theirs[0, 1]) - l2(ours[0, 1])).max() / np.abs(l2(ours[0, 1])).max()
+    tol = TOLERANCE_PRESETS["bfloat16"]
+    assert after > tol.rtol  # what the next operation sees
+    _, rel = site_errors("kda.conv_out", [ours], [theirs], tol, head_floors(cfg)["kda.conv_out"])
+    assert rel[0] > tol.rtol and rel[0] == pytest.approx(0.06, rel=1e-6)

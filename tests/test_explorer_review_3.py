@@ -80,6 +80,36 @@ def test_ablation_refuses_a_range_holding_a_token_decoded_under_hooks(trained_we
     assert ex.ablation.view.spec == {} and ex.ablation.diff_view.spec == {}
 
 
+@pytest.mark.parametrize("fed", [False, True], ids=["stepped", "fed"])
+def test_ablation_goes_on_for_tokens_decoded_under_the_hooks_the_session_holds(trained_weights, tok, fed):
+    """A Session built with hooks decodes every token under them (`decoded_with_hooks` True), and a fork repeats them
+    (it copies session.hooks): its ablations go on, with the KL of a separate session decoding the same tokens under
+    the same hooks plus the ablation (every ablation was refused)."""
+    held = iv.mask_sources(5, "both", "latest_block")
+    s = ke.Session(trained_weights, tokenizer=tok, hooks=held)
+    if fed:
+        s.feed(b"The cat s")
+    else:
+        for x in b"The cat s":
+            s.step(x)
+    assert all(s.decoded_with_hooks(u) for u in range(len(s)))
+    ex = Explorer(s, tab="Predictions")
+    ex.select(token=7, layer=2)
+    ex.ablation.what.value = "KDA heads"
+    ex.ablation.experts.value = "3"
+    ex.ablation.button.click()
+    note = plain(ex.ablation.note.value)
+    assert not is_red(ex.ablation.note.value), note
+    as_run, ablated = (ke.Session(trained_weights, hooks=iv.mask_sources(5, "both", "latest_block")) for _ in "ab")
+    for x in b"The cat ":  # token 7 is the space
+        as_run.step(x)
+    for x in b"The cat":
+        ablated.step(x)
+    with ablated.intervene(iv.zero_kda_head([2], [3], 7)):
+        ablated.step(ord(" "))
+    want = kl(softmax(as_run.logits_at(7)), softmax(ablated.logits_at(7)))
+    assert f"KL at token 7 {want:.4g}" in note
+
 def test_ablation_after_a_token_decoded_under_hooks_compares_with_the_run_as_it_was(trained_weights, tok):
     """Token 9, stepped after the intervened token 8, is ablated from the exact state after token 8 (intervened):
     the KL shown is that of a separate session decoding the same tokens under the same hooks."""

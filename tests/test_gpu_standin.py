@@ -147,10 +147,11 @@ def test_stand_in_allows_what_cupy_allows_and_counts_transfers():
         picked = d[np.array([3, 1])]  # a host index: copied to the device (as CuPy does), counted
         host = XP.asnumpy(picked)
         v = s.item()
+        masked = d[d > 1]  # a boolean device mask: CuPy syncs to size the result, counted
     assert type(e) is type(s) is type(picked) is XP.ndarray and s.shape == ()
-    assert isinstance(host, np.ndarray) and host.tolist() == [3.0, 1.0]
+    assert isinstance(host, np.ndarray) and host.tolist() == [3.0, 1.0] and masked.shape == (2,)
     assert v == pytest.approx(float(np.arange(4).sum() + (2 * np.exp(np.arange(4)) + 1).sum()), rel=1e-6)
-    assert n == {"h2d": 0, "d2h": 2, "h2d_implicit": 1, "h2d_bytes": 16, "d2h_bytes": 8 + 4}
+    assert n == {"h2d": 0, "d2h": 2, "h2d_implicit": 1, "sync": 1, "h2d_bytes": 16, "d2h_bytes": 8 + 4}
 
 
 def test_device_checks_see_the_stand_in(load):
@@ -246,7 +247,10 @@ def test_sequence_chunk_transfers(load):
     index arrays back; per attention layer one flag of whether the chunk's values are finite (MLA) or the
     [T] flags of its non-finite tokens (KDA's chunked rule): a NaN token must not reach the earlier tokens
     of its chunk. With the recorder, also per KDA layer the [n] flags of which state-norm sub-blocks
-    decay within float range, and the previous chunk's records in one transfer per dtype."""
+    decay within float range, per MoE layer two flags of whether the chunk dropped experts (the ids the
+    recorder saw, the ids the layer routed by: else their records are kept whole; emitted row by row,
+    each row's boolean mask was a sync per token and layer), and the previous chunk's records in one
+    transfer per dtype."""
     w = load("trained")
     cfg = w.config
     n_moe, n_kda = len(moe_layers(w)), sum(cfg.is_kda_layer(i) for i in w.layer_ids)
@@ -256,6 +260,7 @@ def test_sequence_chunk_transfers(load):
     with XP.counting() as n:
         kimi_forward_sequence(w, state, TOKENS[5:10], chunk=5)
     assert n["h2d_implicit"] == 0 and n["d2h"] == 2 * n_moe + n_attn and n["h2d"] == 2 * n_moe + 1, n
+    assert n["sync"] == 0, n
     assert n["h2d_bytes"] + n["d2h_bytes"] < 2 * (n_moe + n_kda) * cfg.hidden_size  # index vectors only
     rec = Recorder().bind(w)
     state = KimiDecodeState.new(w)
@@ -263,7 +268,8 @@ def test_sequence_chunk_transfers(load):
     with XP.counting() as n:
         kimi_forward_sequence(w, state, TOKENS[5:10], rec, chunk=5)
     assert n["h2d_implicit"] == 0 and n["h2d"] == 2 * n_moe + 1, n
-    assert 2 * n_moe + n_kda + n_attn + 1 <= n["d2h"] <= 2 * n_moe + n_kda + n_attn + 3, n
+    assert 4 * n_moe + n_kda + n_attn + 1 <= n["d2h"] <= 4 * n_moe + n_kda + n_attn + 3, n
+    assert n["sync"] == 0, n  # (the routing records were emitted row by row, a mask gather each: 2 T n_moe syncs)
 
 
 GGUF = Path(__file__).parent / "data" / "engines" / "d" / "llamacpp" / "model-mxfp4.gguf"
@@ -746,3 +752,33 @@ def test_a_hook_returning_expert_ids_out_of_range_is_refused_on_the_device(load,
         run = lambda: kimi_forward_sequence(w, KimiDecodeState.new(w), TOKENS, hooks=hooks)  # noqa: E731
     with pytest.raises(ValueError, match=rf"layers.1.moe.router.topk_ids: a hook returned expert ids .*\[{E}\].* 0..{E - 1}"):
         run()
+
+
+def test_a_chunk_hook_changing_kda_decay_runs_on_the_device(load):
+    """A chunk-aware hook at kda.decay, returning new decays or editing them in place, runs as on the host (its
+    change was detected by `bool()` of a device array: a refused implicit transfer); a negative decay is refused
+    with the same ValueError (it was an ImplicitTransferError)."""
+    def scaled(v, *, hook):
+        return v * 0.9
+
+    def in_place(v, *, hook):
+        v *= 0.9
+
+    def negative(v, *, hook):
+        return -v
+
+    for fn in (scaled, in_place):
+        runs = []
+        for where in ("gpu", "cpu"):
+            w = load("trained", "float64", where)
+            h = Hooks().bind(w)
+            h.add("layers.1.kda.decay", fn, chunks=True)
+            runs.append(sequence_logits(w, hooks=h))
+        assert_close(runs[0], runs[1], "trained", "float64")
+        assert not np.allclose(runs[1], sequence_logits(load("trained", "float64", "cpu")))  # the hook acts
+    for where in ("gpu", "cpu"):
+        w = load("trained", "float64", where)
+        h = Hooks().bind(w)
+        h.add("layers.1.kda.decay", negative, chunks=True)
+        with pytest.raises(ValueError, match="negative decays"):
+            sequence_logits(w, hooks=h)

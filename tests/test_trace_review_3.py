@@ -171,14 +171,16 @@ def test_mask_with_layer_0_does_nothing_at_its_missing_attention_mix(trained_wei
 
 
 def test_mask_of_a_subset_layer_without_an_attention_mix_masks_its_ffn_mix(trained_weights):
-    """On a subset from layer 4 (layers 4 and 5 have nothing sealed before their attention, no attention-site mix),
-    mask_sources(layer, "both") masks what each layer has (its FFN-site mix), as a plain hook there does; an explicit
-    layer the model lacks is still refused."""
+    """On a subset from layer 4 (layers 4, 5 and 6 have nothing sealed before their attention: 6, the first pushing
+    layer, pushes after it; no attention-site mix), mask_sources(layer, "both") masks what each layer has (its
+    FFN-site mix), as a plain hook there does; site="attn" there is refused, as at layer 0 of the whole model, and so
+    is a layer the model lacks."""
     from kimi_explore import from_pretrained
     from kimi_explore.weights.tiny_model import tiny_checkpoint
 
     w = from_pretrained(tiny_checkpoint(), device="cpu", layers=range(4, 8), dtype="float64")
-    for layer in (5, 6):  # 5: FFN mix only; 6: both mixes
+    assert [n for n in hook_names(w) if n.endswith("attn_res.attn.weights")] == ["layers.7.attn_res.attn.weights"]
+    for layer in (5, 6, 7):  # 5 and 6: the FFN-site mix only; 7: both mixes
         hand = Hooks()
         for name in (f"layers.{layer}.attn_res.attn.weights", f"layers.{layer}.attn_res.ffn.weights"):
             if name in hook_names(w):
@@ -188,6 +190,10 @@ def test_mask_of_a_subset_layer_without_an_attention_mix_masks_its_ffn_mix(train
     assert not np.allclose(stepped(w, I.mask_sources(6, "both", "embedding")), stepped(w, Hooks()))  # it acts
     with pytest.raises(ValueError, match="layers.9"):
         stepped(w, I.mask_sources([6, 9], "both", "embedding"))
+    with pytest.raises(ValueError, match="'layers.6.attn_res.attn.weights' is not a hook point"):
+        stepped(w, I.mask_sources(6, "attn", "embedding"))
+    with pytest.raises(ValueError, match="'layers.0.attn_res.attn.weights' is not a hook point"):
+        stepped(trained_weights, I.mask_sources(0, "attn", "embedding"))
 
 
 def _mask_first(p, *, hook):

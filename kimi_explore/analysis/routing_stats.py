@@ -354,11 +354,17 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
 
 def _label(classes, token_id: int):
     """classes(token_id) as a label that a checkpoint keeps as it is (JSON): a str, int, float, bool or None (NumPy
-    scalars as the Python ones). A tuple came back from a checkpoint as a list, another class than the tuple of
-    the next call: a resumed run split every class in two."""
+    scalars as the Python ones, an enum or other subclass of str, int or float as its base value). A tuple came back
+    from a checkpoint as a list, another class than the tuple of the next call: a resumed run split every class in
+    two."""
     label = classes(token_id)
     if isinstance(label, np.generic):
         label = label.item()
+    for base in (bool, int, float, str):  # a subclass (an IntEnum, a StrEnum) as its base, which JSON keeps
+        if isinstance(label, base):
+            if type(label) is not base:
+                label = str.__str__(label) if base is str else base(label)
+            break
     if label is not None and not isinstance(label, (str, int, float, bool)):
         raise TypeError(f"routing_stats: classes({token_id}) returned {label!r} ({type(label).__name__}); a class label "
                         "must be a str, int, float, bool or None (it is saved as JSON in a checkpoint): e.g. str(label)")

@@ -16,6 +16,9 @@ family masked at that site at every token, the softmax renormalised over the oth
     delta_loss  loss - the clean loss
     kl          mean over tokens t of KL(P_clean(. | x_<=t) || P_masked(. | x_<=t)), in nats
 
+(and layer, site, family, columns: the site's own columns masked, n_sources: the sources it mixes). A family
+may also be model-wide integer columns or ("block", j), as `mask_sources` takes them (`Trace.source_labels()`).
+
 All runs go through the sequence path (`chunk` tokens per pass). A run masked at layer L starts
 from the block-residual stack the clean run had before layer L (`SequenceSources.pack`), since the
 layers below compute the same numbers: the rows are bit for bit those of full passes, for about
@@ -327,6 +330,13 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         trace = rec.trace()
         weights_at = {k: trace[k] for k in trace.names()}
     clean_loss = float(clean_losses.mean())
+    S = int(weights.max_sources)  # integer columns and ("block", j) count model-wide (`inspection.source_masks`)
+
+    def masking(i: int, site: str, f):
+        hooks = mask_sources(i, site, f)
+        hooks.max_sources = S  # (not bound: they run beside the session's, or on the held stacks)
+        return hooks
+
     cells = []
     for i in layers:
         for site in sites:
@@ -335,7 +345,7 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
                 continue
             p = weights_at[name].astype(np.float64)  # [T, m]
             for f in families:
-                cols = source_columns(f, p.shape[1])
+                cols = source_columns(f, p.shape[1], S, "source_ablation")
                 if cols and len(cols) < p.shape[1]:
                     cells.append((i, site, f, cols, p))
     bar = None
@@ -350,9 +360,9 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     for n in sorted(range(len(cells)), key=lambda n: position[cells[n][0]]):  # layer order: the held stacks only move on
         i, site, f, cols, p = cells[n]
         if reuse:
-            losses, kl, _ = prefixes.masked(i, mask_sources(i, site, f), clean_logits)
+            losses, kl, _ = prefixes.masked(i, masking(i, site, f), clean_logits)
         else:
-            losses, kl, _ = _run(weights, ids, chain(mask_sources(i, site, f)), chunk, clean_logits)
+            losses, kl, _ = _run(weights, ids, chain(masking(i, site, f)), chunk, clean_logits)
         rows[n] = {"layer": i, "site": site, "family": name(f), "columns": list(cols),
                    "n_sources": int(p.shape[1]), "mass": float(p[:, cols].sum(axis=1).mean()),
                    "loss": float(losses.mean()), "delta_loss": float(losses.mean()) - clean_loss,

@@ -113,14 +113,14 @@ def _read(path: Path, safe_open) -> Dump:
                              f"a dump carries format={DUMP_FORMAT!r}, tokens='1,2,3', engine, dtype")
         if meta["format"] != DUMP_FORMAT:
             raise ValueError(f"engine dump {path}: format {meta['format']!r}, expected {DUMP_FORMAT!r}")
-        pieces = meta["tokens"].split(",")
-        if pieces and not pieces[-1].strip():  # "1,2,3," (a trailing comma) and "" (no tokens)
+        pieces = [t.strip(" \t\r\n") for t in meta["tokens"].split(",")]  # "3, 17, 200" (a join(", ")), a newline
+        if pieces and not pieces[-1]:  # "1,2,3," (a trailing comma) and "" (no tokens)
             pieces.pop()
         # ASCII digits only: int() reads "1_0" as 10 and full-width digits as digits. Refused too: an empty piece
         # ("1,,2": an id left out) and a negative id
         if not all(_TOKEN.fullmatch(t) and not t.startswith("-") for t in pieces):
             raise ValueError(f"engine dump {path}: metadata 'tokens' must be comma-separated ids >= 0, "
-                             f"found {meta['tokens'][:80]!r} (each id in ASCII digits, nothing else)")
+                             f"found {meta['tokens'][:80]!r} (each id in ASCII digits, spaces around it allowed)")
         tokens = [int(t) for t in pieces]
         dtype = meta.get("dtype", "float32")
         _check_dtype(dtype, f"engine dump {path}: metadata 'dtype'")

@@ -46,8 +46,9 @@ later, where it looked inherited. So for head h (the leading `HEAD_AXES[kind]` a
     rel_t    = max_h max|o_th - r_th| / scale_th                   (>= the whole-site rel_t above)
 
 `head_floor` (`head_floors(config)`) is where the downstream norm stops rescaling: x / sqrt(mean(x^2) + eps)
-(or sum, for the L2 norm) amplifies a head by at most 1/sqrt(eps), so a head whose values are below
-sqrt(eps) leaves the norm small next to the others, and its error matters against sqrt(eps), not against
+amplifies a head by at most 1/sqrt(eps), so a head whose values are below sqrt(eps) leaves the norm small next
+to the others (for the L2 norm x / sqrt(sum(x^2) + eps), whose sum reaches eps with entries of sqrt(eps / K):
+the floor is that), and its error matters against the floor, not against
 its own magnitude. Without it float32 rounding made false divergences: llama.cpp on set `d` is 4e-7 off
 on a `layers.11.kda.o` head of magnitude 4e-6 at token 0 (rel 0.1; 1e-4 against sqrt(1e-5)). The
 `min(.., scale_t)` keeps every per-head verdict at least as strict as the whole site's.
@@ -108,9 +109,12 @@ TOLERANCE_PRESETS = {
 def head_floors(config) -> dict:
     """{per-head site kind: the head scale below which its downstream norm no longer rescales} (module
     docstring): sqrt(eps) of the KDA output norm (rms_norm_eps) for `kda.o`, `kda.state`, `kda.v`, the v rows
-    of `kda.conv_out`; of the q/k L2 norm for its q and k rows ([3, 1], broadcast over the heads); none for
+    of `kda.conv_out` (an RMS norm: a head's largest entry is at least its rms); sqrt(eps / K) of the q/k L2 norm
+    for its q and k rows ([3, 1], broadcast over the heads: x / sqrt(sum x^2 + eps) rescales a head fully once
+    |x| > sqrt(eps), which a head of K entries reaches with its largest entry at sqrt(eps / K)); none for
     `mla.probs` (a softmax row sums to 1: its largest entry is at least 1/(t + 1))."""
-    o_norm, l2 = math.sqrt(float(config.rms_norm_eps)), math.sqrt(L2NORM_EPS)
+    K = int(config.linear_attn_config.head_dim)
+    o_norm, l2 = math.sqrt(float(config.rms_norm_eps)), math.sqrt(L2NORM_EPS / K)
     return {"kda.conv_out": np.array([[l2], [l2], [o_norm]]), "kda.v": o_norm, "kda.state": o_norm, "kda.o": o_norm,
             "mla.probs": 0.0}
 

@@ -31,6 +31,7 @@ split into per-token rows only where those are read); a ragged chunk goes as T o
 from __future__ import annotations
 
 from .._xp import array_namespace
+from ..backend import to_numpy
 from ._hook_grammar import LAYER_NAME
 
 __all__ = ["ChunkRecording"]
@@ -131,15 +132,17 @@ class ChunkRecording:
         keep = self._drop_by(prefix, ids)
         if put is None:
             return
-        if keep is None:  # the common case (on a GPU, always compacted: no device sync)
+        if keep is None:  # the common case: the chunk's block whole
             self.rec.emit(put, ids)
         else:
             self._emit_rows(put, ids, keep)
 
     def _drop_by(self, prefix: str, ids):
-        """The layer's weights are dropped where `ids` [T, k] has -1: the mask kept (None: nothing dropped)."""
+        """The layer's weights are dropped where `ids` [T, k] has -1: the mask kept (None: nothing dropped). On a GPU
+        the verdict is one flag to the host (one sync; twice per MoE layer and chunk: the ids the recorder saw, the ids
+        the layer routed by); only a chunk that dropped experts (an ablation) is then emitted row by row."""
         keep = ids >= 0
-        if not self.rec.on_device and keep.all():
+        if bool(to_numpy(keep.all())):
             self._dropped.pop(prefix, None)
             return None
         self._dropped[prefix] = keep

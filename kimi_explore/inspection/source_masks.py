@@ -33,11 +33,12 @@ Source families, resolved at each site from its number of sources m = n + 1 (`so
 
 A family or column absent at a site (no older blocks yet at an early layer, a block sealed later)
 leaves that site unchanged; a column or block the model does not have at all, or a mask that would
-leave no source, is an error. The attention-site mix of layer 0 does not exist (the stack is empty
-there), so a mask at it does nothing (on a layer subset, neither do those of its layers before the first block
-boundary: site="both" masks their FFN-site mix alone). On a layer subset that starts after layer 0, column 0 is the input of the
-first loaded layer (the embedding plus every earlier layer's output; `Trace.source_labels()` calls it "input of
-layer k"), and "embedding" and ("block", 0) name that column.
+leave no source, is an error. A layer with nothing sealed before its attention (layer 0; on a layer subset, its
+layers up to its first pushing layer) has no attention-site mix: site="both" masks its FFN-site mix alone, and
+site="attn" there is refused (not a hook point of the model), as is a layer the model lacks. On a layer subset
+that starts after layer 0, column 0 is the input of the first loaded layer (the embedding plus every earlier
+layer's output; `Trace.source_labels()` calls it "input of layer k"), and "embedding" and ("block", 0) name
+that column.
 """
 
 from __future__ import annotations
@@ -153,11 +154,10 @@ def mask_sources(layer, site="both", sources="current", positions=None) -> Hooks
     else:
         if site not in ("attn", "ffn", "both"):
             raise ValueError(f"mask_sources: site must be 'attn', 'ffn' or 'both', got {site!r}")
-        # "both": the glob layers.{i}.attn_res.*.weights, which a layer with nothing sealed before it (layer 0; on a
-        # subset, its layers before the first block boundary) matches at its FFN-site mix only: no attention-site mix
-        # there, so a mask there does nothing
+        # "both": the glob layers.{i}.attn_res.*.weights, which a layer with nothing sealed before its attention
+        # matches at its FFN-site mix only (module docstring)
         kind = "attn_res.*.weights" if site == "both" else f"attn_res.{site}.weights"
-        names = [n for n in layer_sites(layer, kind) if n != "layers.0.attn_res.attn.weights"]
+        names = layer_sites(layer, kind)
 
     def mask(p, rows, hook):
         m = p.shape[-1]

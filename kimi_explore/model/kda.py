@@ -306,11 +306,13 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
         if fire_decay:
             given = alpha.copy()
             hooked = fire(site("kda.decay"), alpha)
-            if hooked is not alpha or not xp.array_equal(alpha, given):  # returned, or edited in place
+            # returned, or edited in place (one flag to the host on a GPU, only where a hook listens at kda.decay)
+            if hooked is not alpha or not bool(to_numpy(xp.array_equal(alpha, given))):
                 negative = hooked < 0  # (NaN is not: it stays NaN here as in the token form)
-                if bool(negative.any()):  # the log would be NaN where the token form decays by a sign flip
-                    raise ValueError(f"{site('kda.decay')}: a hook returned {int(negative.sum())} negative decays (down to "
-                                     f"{float(hooked[negative].min()):.4g}): on the sequence path a decay must be >= 0, "
+                if bool(to_numpy(negative.any())):  # the log would be NaN where the token form decays by a sign flip
+                    bad = to_numpy(hooked)[to_numpy(negative)]  # (the error's numbers, on the host)
+                    raise ValueError(f"{site('kda.decay')}: a hook returned {bad.size} negative decays (down to "
+                                     f"{float(bad.min()):.4g}): on the sequence path a decay must be >= 0, "
                                      "as the chunked form carries log(decay); step these tokens, or add the hook without "
                                      "chunks=True (the chunk then runs the token form, which takes any decay)")
                 with np.errstate(divide="ignore"):

@@ -7,10 +7,13 @@ touched. The control shows both next-token distributions and their KL, and says 
 answer is trivially "nothing changed" (experts the token did not choose). Its result is cleared as
 soon as it no longer matches what is selected (another token, layer, entry or history).
 
-A range holding a token decoded under hooks (`Session.decoded_with_hooks`: a `with s.intervene(...)`
-in another cell) is refused: the fork would re-decode it without those hooks, and the comparison
-would mix undoing them into the ablation (tokens before the range are fine: the fork starts from
-the exact state after them).
+A token in the range decoded under hooks (`Session.decoded_with_hooks`) is re-decoded under the hooks the
+session holds now (`session.hooks`, which the fork copies): where that gives its stored logits (bit for
+bit where it was stepped; to float32 rounding where it was fed in a chunk) those hooks are the ones it was
+decoded under, and the ablation goes on. Otherwise (a `with s.intervene(...)` in another cell, hooks
+removed or added since) it is refused: the fork would re-decode it under other hooks, and the comparison
+would mix undoing them into the ablation (tokens before the range are fine: the fork starts from the
+exact state after them).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
+import numpy as np
 
+from ...backend import to_numpy
 from ...cli import parse_ids
 from ...inspection import interventions
 from ...inspection.source_masks import check_family, source_columns
@@ -265,16 +270,17 @@ class Ablation:
             return self._say(str(e), error=True)
         start = 0 if self.scope.value == SCOPES[2] else t
         stop = t + 1 if self.scope.value == SCOPES[0] else n
-        hooked = [u for u in range(start, stop) if s.decoded_with_hooks(u)]
-        if hooked:  # the fork would re-decode them without those hooks: 'as run' vs 'ablated' would mix in undoing them
-            one = len(hooked) == 1
-            return self._say(f"cannot ablate: {_tokens_named(hooked)} {'was' if one else 'were'} decoded under hooks "
-                             "(an intervention, or hooks attached then) that the fork cannot repeat: it would re-decode "
-                             f"{'it' if one else 'them'} without those hooks, and 'as run' against 'ablated' would mix "
-                             "undoing them into the ablation. Pick a token and scope that cover no such token, or "
-                             "ablate on a fork you decode under the same hooks yourself", error=True)
+        base = baseline(s, start, stop)  # decoded as the fork will be: the differences are the ablation's alone
+        unrepeated = _unrepeated(s, base, start, stop)
+        if unrepeated:  # the fork would re-decode them under other hooks: 'as run' vs 'ablated' would mix in undoing them
+            one = len(unrepeated) == 1
+            return self._say(f"cannot ablate: {_tokens_named(unrepeated)} {'was' if one else 'were'} decoded under hooks "
+                             "the session does not hold now (an intervention in another cell, or hooks removed or added "
+                             f"since): the fork would re-decode {'it' if one else 'them'} under session.hooks, and 'as "
+                             "run' against 'ablated' would mix undoing them into the ablation. Pick a token and scope "
+                             "that cover no such token, or ablate on a fork you decode under the same hooks yourself",
+                             error=True)
         fork = rerun(s, *hooks, start=start, stop=stop)  # stepped: the hooks change values
-        base = baseline(s, start, stop)  # decoded as the fork was: the differences are the ablation's alone
         ablated = fork.logits[t]
         label = ex.labels()[t]
         data, layout, kl = specs_moe.compare(base.logits_at(t), ablated, ex.tokenizer, names=("as run", "ablated"),
@@ -303,6 +309,32 @@ class Ablation:
         self.note.value = html.escape(f"forked at token {start}; the main session still has {n} tokens; "
                                       f"KL at token {t} {kl:.4g}{why}", quote=False)
         return ablated
+
+
+def _unrepeated(session, base, start: int, stop: int) -> list[int]:
+    """The tokens in start..stop-1 decoded under hooks (`Session.decoded_with_hooks`) that the session's hooks now do
+    not repeat: re-decoded token by token under them (`base`, or a fresh re-decode where `base` is the session) they
+    give other logits than the session stored (bit for bit where the session stepped the token, as the re-decode does;
+    within 1e-4 of the logits' scale where it fed it in a chunk, which rounds differently)."""
+    hooked = [u for u in range(start, stop) if session.decoded_with_hooks(u)]
+    if not hooked:
+        return []
+    replay = rerun(session, start=start, stop=stop, stepped=True) if base is session else base
+    fed = {u for a, b in session.runs(start, stop) if b is not None for u in range(a, b)}
+    out = []
+    for u in hooked:
+        r, stored = np.asarray(to_numpy(replay.logits_at(u)), np.float64), np.asarray(to_numpy(session.logits_at(u)), np.float64)
+        same = (r == stored) | (np.isnan(r) & np.isnan(stored))
+        if u in fed:
+            finite = np.abs(stored[np.isfinite(stored)])
+            with np.errstate(invalid="ignore"):
+                err = np.where(same, 0.0, np.abs(r - stored))
+            ok = bool(np.all(err <= 1e-4 * (1.0 + (finite.max() if finite.size else 0.0))))
+        else:
+            ok = bool(same.all())
+        if not ok:
+            out.append(u)
+    return out
 
 
 def _tokens_named(tokens: list[int], most: int = 8) -> str:

@@ -161,7 +161,7 @@ def diff_overview(d, token=None, tokenizer=None):
         fig.colorbar(im, ax=list(grid[0, :2]), label="Δ softmax weight (b - a)", shrink=0.5, aspect=40, location="bottom")
     ax = grid[0, 2]
     kda = d.kda_state.sum(axis=2).T if d.kda_state.size else np.zeros((0, T))
-    if not _unchanged(ax, "Δ KDA state norm", kda):
+    if not _unchanged(ax, "Δ KDA state norm, summed over heads", kda):
         s = _symmetric(kda)
         im = heatmap(ax, kda, rows=[str(i) for i in d.kda_layers], cols=cols, cmap=DIVERGING, vmin=-s, vmax=s,
                      annotate=False)
