@@ -198,7 +198,7 @@ class DeviceArray:
 
     def __getitem__(self, key):
         k = self._key(key)
-        if any(getattr(part, "dtype", None) == bool for part in (k if type(k) is tuple else (k,))):
+        if any(getattr(part, "dtype", None) == np.bool_ for part in (k if type(k) is tuple else (k,))):
             _count("sync", 0)  # CuPy sizes a boolean-mask gather by a count it reads back: a device sync
         return _wrap(self._a[k])
 
@@ -339,8 +339,8 @@ class StrictDevice(_Namespace):
     # ---------------------------------------------------------------- transfers
     @property
     def transfers(self) -> dict:
-        """{"h2d", "d2h", "h2d_implicit", "sync"}: transfers (and boolean-mask syncs) since the module was imported, and "h2d_bytes", "d2h_bytes"
-        (the implicit ones included) (a copy)."""
+        """{"h2d", "d2h", "h2d_implicit", "sync"}: transfers (and boolean-mask syncs) since the module was imported,
+        and "h2d_bytes", "d2h_bytes" (the implicit ones included) (a copy)."""
         return dict(_COUNTS)
 
     @contextlib.contextmanager
