@@ -6,7 +6,8 @@ and what was found.
 
 from __future__ import annotations
 
-__all__ = ["BackendError", "CheckpointError", "ConfigError", "StageLostError", "listed"]
+__all__ = ["BackendError", "CheckpointError", "ConfigError", "DuplicateKeyError", "StageLostError", "listed",
+           "unique_keys"]
 
 
 class ConfigError(ValueError):
@@ -23,6 +24,23 @@ class BackendError(RuntimeError):
 
 class StageLostError(RuntimeError):
     """A pipeline stage's process is gone (killed, crashed, its node lost). `session.recover()` rebuilds it."""
+
+
+class DuplicateKeyError(Exception):
+    """A JSON object names a key twice (args: the key, then its two values where short); `unique_keys` raises it and
+    each reader turns it into its own error, naming its file."""
+
+
+def unique_keys(pairs):
+    """A JSON object's pairs as a dict (json.loads' object_pairs_hook), refusing a key given twice: json.loads keeps
+    the last silently, so which value a file means cannot be told."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            short = all(not isinstance(x, (dict, list)) and len(repr(x)) <= 40 for x in (out[k], v))
+            raise DuplicateKeyError(k, f" (values {out[k]!r} and {v!r})" if short else "")
+        out[k] = v
+    return out
 
 
 def listed(items, at_most: int = 12) -> str:

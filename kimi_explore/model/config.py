@@ -17,7 +17,7 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DuplicateKeyError, unique_keys
 
 # The hook sites each component fires, in firing order (the decoder fires exactly these; `hook_names`,
 # the grammar of hook names and every outline of a layer derive from this table).
@@ -169,36 +169,18 @@ class KimiDecoderConfig:
     def from_file(cls, path: str | Path) -> KimiDecoderConfig:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
+            raw = json.loads(path.read_text(), object_pairs_hook=unique_keys)
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file; a checkpoint needs its config.json") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        except _DuplicateKey as e:
+        except DuplicateKeyError as e:
             raise ConfigError(f"{path}: key '{e.args[0]}' is given twice in one object{e.args[1]}; JSON readers keep "
                               "either value (Python's the last, silently), so which model the file means cannot be "
                               "told: keep one") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs):
-    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last silently)."""
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k, f" (values {out[k]!r} and {v!r})" if _short(out[k]) and _short(v) else "")
-        out[k] = v
-    return out
-
-
-def _short(v) -> bool:
-    return not isinstance(v, (dict, list)) and len(repr(v)) <= 40
 
 
 def _required(cls) -> list[str]:

@@ -25,12 +25,12 @@ from pathlib import Path, PurePath
 
 import numpy as np
 
-from ..errors import CheckpointError, listed
+from ..errors import CheckpointError, DuplicateKeyError, listed, unique_keys
 from ..model.config import KimiDecoderConfig
 from . import checkpoint_table as table
 from . import mxfp4
 from .checkpoint_table import DiskTensor
-from .safetensors_io import DuplicateKeyError, SafetensorsFile, unique_keys
+from .safetensors_io import SafetensorsFile
 
 # the float dtypes a released BF16 / F32 tensor loads from: its own, or a wider copy that holds its values
 # exactly. Not F16: its 5 exponent bits cannot hold BF16's range (no exact copy), and no K3 checkpoint

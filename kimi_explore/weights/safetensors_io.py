@@ -16,7 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DuplicateKeyError, unique_keys
 
 DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -31,20 +31,6 @@ DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class DuplicateKeyError(Exception):
-    """A JSON object names a key twice (args: the key); `unique_keys` raises it."""
-
-
-def unique_keys(pairs):
-    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last silently)."""
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise DuplicateKeyError(k)
-        out[k] = v
-    return out
 
 
 class SafetensorsFile:
