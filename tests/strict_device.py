@@ -17,7 +17,8 @@ NumPy array inside but behaves like a CuPy array at the border between host and 
 - transfers are counted (`xp.transfers`): "h2d" for `xp.asarray` / `xp.array` of host data and
   `d.set(host)`, "d2h" for `xp.asnumpy` / `d.get()` / `d.item()`, "h2d_implicit" for a host index
   array or list inside `d[...]` (CuPy copies it to the device), "sync" for a gather by a boolean device
-  mask (`d[mask]`: CuPy reads the mask's count back to size the result), and the bytes each way.
+  mask (`d[mask]`) and for `xp.flatnonzero` / `nonzero` / `argwhere` / `unique` (CuPy reads a count back to
+  size the result), and the bytes each way.
   `xp.counting()` gives the counts of a block.
 
 Like CuPy: reductions return 0-d device arrays, argsort/sort are stable. What it cannot show: anything
@@ -292,9 +293,14 @@ def _count(kind: str, nbytes: int) -> None:
     _COUNTS["d2h_bytes" if kind == "d2h" else "h2d_bytes"] += int(nbytes)
 
 
+_SIZED_BY_DATA = ("flatnonzero", "nonzero", "argwhere", "unique")  # CuPy reads a count back to size the result
+
+
 def _function(name, f):
     def fn(*args, **kwargs):
         where = f"xp.{name}"
+        if name in _SIZED_BY_DATA:
+            _count("sync", 0)
         r = f(*_unwrap(args, where), **{k: _unwrap(v, where) for k, v in kwargs.items()})
         out = kwargs.get("out")
         return out if out is not None else _wrap(r)

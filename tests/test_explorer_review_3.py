@@ -208,13 +208,16 @@ def test_errors_in_button_callbacks_are_shown_and_the_explorer_stays_usable(trai
     """A user's hook raises: Step, Play, Ablate & compare and Compute say so in a red status line (type and message),
     instead of ipywidgets swallowing it into its log; then, the hook removed, Step works again."""
     s = ke.Session(trained_weights, tokenizer=tok)
-    s.feed("abcdef")  # decoded without hooks
+    failing = [False]
 
     def boom(value, hook):
-        raise RuntimeError("user hook failed")
+        if failing[0]:
+            raise RuntimeError("user hook failed")
 
-    ex = Explorer(s, prompt="abcdef")
     handle = s.hooks.add("layers.2.kda.state", boom)
+    s.feed("abcdef")  # decoded under the hook, before it fails
+    ex = Explorer(s, prompt="abcdef")
+    failing[0] = True
     for button in (ex.step_button, ex.play_button):
         button.click()
         assert is_red(ex.status.value) and "failed: RuntimeError: user hook failed" in plain(ex.status.value)
@@ -400,3 +403,23 @@ def test_ablation_note_names_the_tokens_fed_as_a_chunk(trained_weights, tok):
     ex.select(token=fed + 1)  # stepped tokens only: compared with the session itself
     ex.ablation.button.click()
     assert "chunk" not in plain(ex.ablation.note.value) and not is_red(ex.ablation.note.value)
+
+
+def test_ablation_refuses_tokens_decoded_before_the_sessions_hooks_were_added(trained_weights, tok):
+    """Tokens stepped without hooks, then hooks attached for good: the fork re-decodes them under those hooks, so the
+    KL shown mixed the hooks' own effect into the ablation's (0.11 shown; 0.031 with both sides under the hooks, 0.055
+    with neither). Refused, naming the tokens; after the hooks it goes on."""
+    s = stepped(trained_weights, tok, b"The cat ")
+    s.hooks.extend(iv.mask_sources(5, "both", "latest_block"))
+    s.step(ord("s"))
+    ex = Explorer(s, tab="Predictions")
+    ex.select(token=7, layer=2)
+    ex.ablation.what.value = "KDA heads"
+    ex.ablation.experts.value = "3"
+    ex.ablation.button.click()
+    note = plain(ex.ablation.note.value)
+    assert is_red(ex.ablation.note.value) and "token 7 was decoded before the hooks the session holds now" in note
+    assert ex.ablation.view.spec == {}
+    ex.select(token=8, layer=2)
+    ex.ablation.button.click()
+    assert not is_red(ex.ablation.note.value) and "KL at token 8" in plain(ex.ablation.note.value)

@@ -260,7 +260,7 @@ def test_sequence_chunk_transfers(load):
     with XP.counting() as n:
         kimi_forward_sequence(w, state, TOKENS[5:10], chunk=5)
     assert n["h2d_implicit"] == 0 and n["d2h"] == 2 * n_moe + n_attn and n["h2d"] == 2 * n_moe + 1, n
-    assert n["sync"] == 0, n
+    assert n["sync"] == n_kda, n  # the chunked rule's sub-blocks out of float range, sized by the data (flatnonzero)
     assert n["h2d_bytes"] + n["d2h_bytes"] < 2 * (n_moe + n_kda) * cfg.hidden_size  # index vectors only
     rec = Recorder().bind(w)
     state = KimiDecodeState.new(w)
@@ -269,7 +269,9 @@ def test_sequence_chunk_transfers(load):
         kimi_forward_sequence(w, state, TOKENS[5:10], rec, chunk=5)
     assert n["h2d_implicit"] == 0 and n["h2d"] == 2 * n_moe + 1, n
     assert 4 * n_moe + n_kda + n_attn + 1 <= n["d2h"] <= 4 * n_moe + n_kda + n_attn + 3, n
-    assert n["sync"] == 0, n  # (the routing records were emitted row by row, a mask gather each: 2 T n_moe syncs)
+    # and the recorder's top-k on a small vocabulary (its ties: flatnonzero); the routing records were emitted row
+    # by row, a mask gather each: 2 T n_moe more syncs
+    assert n_kda <= n["sync"] <= n_kda + 2, n
 
 
 GGUF = Path(__file__).parent / "data" / "engines" / "d" / "llamacpp" / "model-mxfp4.gguf"

@@ -13,7 +13,8 @@ bit where it was stepped; to float32 rounding where it was fed in a chunk) those
 decoded under, and the ablation goes on. Otherwise (a `with s.intervene(...)` in another cell, hooks
 removed or added since) it is refused: the fork would re-decode it under other hooks, and the comparison
 would mix undoing them into the ablation (tokens before the range are fine: the fork starts from the
-exact state after them).
+exact state after them). A token decoded without hooks while the session holds hooks now (they were added
+since) is refused too, before any re-decode: the fork would decode it under them.
 """
 
 from __future__ import annotations
@@ -270,6 +271,15 @@ class Ablation:
             return self._say(str(e), error=True)
         start = 0 if self.scope.value == SCOPES[2] else t
         stop = t + 1 if self.scope.value == SCOPES[0] else n
+        if len(s.hooks):  # decoded before the session's hooks were added: the fork re-decodes them under those hooks
+            added = [u for u in range(start, stop) if not s.decoded_with_hooks(u)]
+            if added:
+                return self._say(f"cannot ablate: {_tokens_named(added)} {'was' if len(added) == 1 else 'were'} decoded "
+                                 "before the hooks the session holds now were added: the fork would re-decode "
+                                 f"{'it' if len(added) == 1 else 'them'} under session.hooks, and 'as run' against "
+                                 "'ablated' would mix those hooks' effect into the ablation. Pick a token and scope that "
+                                 "cover no such token, or decode the history again under the hooks (e.g. a fresh "
+                                 "Session(weights, hooks=...) fed session.tokens)", error=True)
         base = baseline(s, start, stop)  # decoded as the fork will be: the differences are the ablation's alone
         unrepeated = _unrepeated(s, base, start, stop)
         if unrepeated:  # the fork would re-decode them under other hooks: 'as run' vs 'ablated' would mix in undoing them
