@@ -48,6 +48,16 @@ def is_red(html: str) -> bool:
     return "color:#b00" in html
 
 
+def ablate_head_3(ex, token: int, scope: str = "this token") -> str:
+    """Click Ablate & compare for KDA head 3 at layer 2, at `token` and `scope`; the note's markup."""
+    ex.select(token=token, layer=2)
+    ex.ablation.what.value = "KDA heads"
+    ex.ablation.experts.value = "3"
+    ex.ablation.scope.value = scope
+    ex.ablation.button.click()
+    return ex.ablation.note.value
+
+
 # ---------------------------------------------------------------- 1. ablating a token decoded under hooks
 
 
@@ -70,12 +80,7 @@ def test_ablation_refuses_a_range_holding_a_token_decoded_under_hooks(trained_we
     s.step(ord("a"))
     assert s.decoded_with_hooks(8) and not s.decoded_with_hooks(9)
     ex = Explorer(s, tab="Predictions")
-    ex.select(token=token, layer=2)
-    ex.ablation.what.value = "KDA heads"
-    ex.ablation.experts.value = "3"
-    ex.ablation.scope.value = scope
-    ex.ablation.button.click()
-    note = ex.ablation.note.value
+    note = ablate_head_3(ex, token, scope)
     assert is_red(note) and "token 8 was decoded under hooks" in plain(note)
     assert ex.ablation.view.spec == {} and ex.ablation.diff_view.spec == {}
 
@@ -94,12 +99,9 @@ def test_ablation_goes_on_for_tokens_decoded_under_the_hooks_the_session_holds(t
             s.step(x)
     assert all(s.decoded_with_hooks(u) for u in range(len(s)))
     ex = Explorer(s, tab="Predictions")
-    ex.select(token=7, layer=2)
-    ex.ablation.what.value = "KDA heads"
-    ex.ablation.experts.value = "3"
-    ex.ablation.button.click()
-    note = plain(ex.ablation.note.value)
-    assert not is_red(ex.ablation.note.value), note
+    markup = ablate_head_3(ex, 7)
+    note = plain(markup)
+    assert not is_red(markup), note
     as_run, ablated = (ke.Session(trained_weights, hooks=iv.mask_sources(5, "both", "latest_block")) for _ in "ab")
     for x in b"The cat ":  # token 7 is the space
         as_run.step(x)
@@ -118,10 +120,7 @@ def test_ablation_after_a_token_decoded_under_hooks_compares_with_the_run_as_it_
         s.step(ord("s"))
     s.step(ord("a"))
     ex = Explorer(s, tab="Predictions")
-    ex.select(token=9, layer=2)
-    ex.ablation.what.value = "KDA heads"
-    ex.ablation.experts.value = "3"
-    ex.ablation.button.click()
+    ablate_head_3(ex, 9)
     other = stepped(trained_weights, tok, b"The cat ")
     with other.intervene(iv.ablate_experts(MOE, "all")):
         other.step(ord("s"))
@@ -413,13 +412,8 @@ def test_ablation_refuses_tokens_decoded_before_the_sessions_hooks_were_added(tr
     s.hooks.extend(iv.mask_sources(5, "both", "latest_block"))
     s.step(ord("s"))
     ex = Explorer(s, tab="Predictions")
-    ex.select(token=7, layer=2)
-    ex.ablation.what.value = "KDA heads"
-    ex.ablation.experts.value = "3"
-    ex.ablation.button.click()
-    note = plain(ex.ablation.note.value)
-    assert is_red(ex.ablation.note.value) and "token 7 was decoded before the hooks the session holds now" in note
+    markup = ablate_head_3(ex, 7)
+    assert is_red(markup) and "token 7 was decoded before the hooks the session holds now" in plain(markup)
     assert ex.ablation.view.spec == {}
-    ex.select(token=8, layer=2)
-    ex.ablation.button.click()
-    assert not is_red(ex.ablation.note.value) and "KL at token 8" in plain(ex.ablation.note.value)
+    markup = ablate_head_3(ex, 8)
+    assert not is_red(markup) and "KL at token 8" in plain(markup)
