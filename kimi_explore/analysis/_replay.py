@@ -130,24 +130,32 @@ def _hooked(session, t: int) -> bool:
     return bool(session.decoded_with_hooks(t)) if hasattr(session, "decoded_with_hooks") else False
 
 
-def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int, exact: bool = False) -> None:
-    """The replayed logits against the stored ones: to REPLAY_RTOL, or bit for bit for a token decoded under
-    value-changing hooks (as `Session.recover` checks it), whose replay under other hooks (a temporary
-    intervention since removed) can differ by less than any tolerance and must not be analysed as its history.
-    NaN (a hook, or an overflow, put it into the history) matches NaN in the same places: NaN != NaN would refuse
-    every replay of such a history; a NaN where the stored logits hold a number, or the other way, is refused."""
+def replay_mismatch(replayed, recorded, exact: bool = False) -> str | None:
+    """None where replayed logits are the stored ones: to REPLAY_RTOL of their scale, or bit for bit (`exact`).
+    NaN matches NaN in the same places (a hook, or an overflow, put it into the history; NaN != NaN would refuse
+    every replay of such a history); a NaN where the stored logits hold a number, or the other way, does not.
+    Else what differs, for a message ('max |diff| ...')."""
     r, s = np.asarray(replayed, np.float64), np.asarray(recorded, np.float64)
     same = (r == s) | (np.isnan(r) & np.isnan(s))  # (equal infinities too: inf - inf is NaN)
     with np.errstate(invalid="ignore"):
         err = float(np.max(np.where(same, 0.0, np.abs(r - s))))  # NaN where only one of them is NaN
     finite = np.abs(s[np.isfinite(s)])
     scale = 1.0 + (float(np.max(finite)) if finite.size else 0.0)
-    if not (same.all() if exact else err <= REPLAY_RTOL * scale):
-        nan = int(np.sum(np.isnan(r) != np.isnan(s)))
+    if same.all() if exact else err <= REPLAY_RTOL * scale:
+        return None
+    nan = int(np.sum(np.isnan(r) != np.isnan(s)))
+    return f"max |diff| {err:.3g}{f'; NaN in one but not the other at {nan} of {r.size} entries' if nan else ''}"
+
+
+def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int, exact: bool = False) -> None:
+    """The replayed logits against the stored ones (`replay_mismatch`): to REPLAY_RTOL, or bit for bit for a token
+    decoded under value-changing hooks (as `Session.recover` checks it), whose replay under other hooks (a temporary
+    intervention since removed) can differ by less than any tolerance and must not be analysed as its history."""
+    mismatch = replay_mismatch(replayed, recorded, exact)
+    if mismatch is not None:
         raise ValueError(
-            f"replaying the session's history gives other logits at token {t} than the session stored (max |diff| "
-            f"{err:.3g}{f'; NaN in one but not the other at {nan} of {r.size} entries' if nan else ''}): analyses "
-            "replay under the hooks `session.hooks` holds now, and that token was decoded under others: either "
+            f"replaying the session's history gives other logits at token {t} than the session stored ({mismatch}): "
+            "analyses replay under the hooks `session.hooks` holds now, and that token was decoded under others: either "
             "decoded under hooks the session no longer holds (a temporary `session.intervene(...)`, hooks added to "
             "its recorder, hooks removed since), or before hooks were added to or changed in session.hooks (they "
             "would be analysed as if the history had had them); or the weights changed since it was decoded. Restore "

@@ -22,8 +22,8 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
-import numpy as np
 
+from ...analysis._replay import replay_mismatch  # the analyses' replay check: one rule for both
 from ...backend import to_numpy
 from ...cli import parse_ids
 from ...inspection import interventions
@@ -325,26 +325,14 @@ def _unrepeated(session, base, start: int, stop: int) -> list[int]:
     """The tokens in start..stop-1 decoded under hooks (`Session.decoded_with_hooks`) that the session's hooks now do
     not repeat: re-decoded token by token under them (`base`, or a fresh re-decode where `base` is the session) they
     give other logits than the session stored (bit for bit where the session stepped the token, as the re-decode does;
-    within 1e-4 of the logits' scale where it fed it in a chunk, which rounds differently)."""
+    within `REPLAY_RTOL` of the logits' scale where it fed it in a chunk, which rounds differently)."""
     hooked = [u for u in range(start, stop) if session.decoded_with_hooks(u)]
     if not hooked:
         return []
     replay = rerun(session, start=start, stop=stop, stepped=True) if base is session else base
     fed = {u for a, b in session.runs(start, stop) if b is not None for u in range(a, b)}
-    out = []
-    for u in hooked:
-        r, stored = np.asarray(to_numpy(replay.logits_at(u)), np.float64), np.asarray(to_numpy(session.logits_at(u)), np.float64)
-        same = (r == stored) | (np.isnan(r) & np.isnan(stored))
-        if u in fed:
-            finite = np.abs(stored[np.isfinite(stored)])
-            with np.errstate(invalid="ignore"):
-                err = np.where(same, 0.0, np.abs(r - stored))
-            ok = bool(np.all(err <= 1e-4 * (1.0 + (finite.max() if finite.size else 0.0))))
-        else:
-            ok = bool(same.all())
-        if not ok:
-            out.append(u)
-    return out
+    return [u for u in hooked if replay_mismatch(to_numpy(replay.logits_at(u)), to_numpy(session.logits_at(u)),
+                                                 exact=u not in fed) is not None]
 
 
 def _tokens_named(tokens: list[int], most: int = 8) -> str:
