@@ -242,8 +242,8 @@ def test_errors_in_button_callbacks_are_shown_and_the_explorer_stays_usable(trai
 
 
 def test_only_tokens_the_explorer_generated_are_marked(trained_weights, tok):
-    """The Session does not record which tokens were generated: the Explorer marks those it generated itself
-    (Play past the prompt, a greedy Step), not text fed from another cell, nor its own tokens fed again."""
+    """The Explorer marks the tokens it generated (Play past the prompt, a greedy Step), not text fed from
+    another cell, nor its own tokens fed again."""
     s = ke.Session(trained_weights, tokenizer=tok)
     ex = Explorer(s, prompt="ab", play_tokens=4)
     ex.play_button.click()  # 'ab' fed

@@ -4,6 +4,7 @@
     s.feed([17, 203, 5]); s.step(88)          # logits of each token, host NumPy (feed: whole chunks at once)
     s.generate(8)                             # greedy (temperature=0) or seeded sampling
     s.tokens, s.logits, s.trace()             # history: [T] ids, [T, V] logits, the Recorder's Trace
+    s.generated                               # [T] bools: the tokens `generate` chose
     s.history_version                         # a new number after every change of the history
     s.trace(window=slice(-32, None))          # only the last 32 tokens (as cheap at any history length)
     s.back()                                  # drop the last token (s.back(3): the last 3)
@@ -139,6 +140,7 @@ class Session:
         self._logits: list[np.ndarray] = []  # host copies, never written after they are stored
         self._stacked = None  # `logits` as one read-only array, until the history changes
         self._modified: list[bool] = []  # per token: decoded with hooks that may change values
+        self._generated: list[bool] = []  # per token: chosen by `generate` from the logits before it
         self._chunk_of: list[int] = []  # per token: first token of the fed chunk it was decoded in; -1: stepped
         # t -> state after t tokens (`checkpoint()`): its first t cache positions never change (the live state only
         # writes on past them into the MLA caches it shares); only ever copied
@@ -156,6 +158,12 @@ class Session:
     @property
     def tokens(self) -> list[int]:
         return list(self._tokens)
+
+    @property
+    def generated(self) -> list[bool]:
+        """Per token: whether `generate` chose it (from the logits before it), rather than `step` or `feed`
+        being given it. Kept through truncate, fork, snapshot/restore and session files."""
+        return list(self._generated)
 
     @property
     def history_version(self) -> int:
@@ -216,6 +224,9 @@ class Session:
 
     def step(self, token_id) -> np.ndarray:
         """Decode one token; returns its logits [vocab] (a host copy)."""
+        return self._step(token_id, generated=False)
+
+    def _step(self, token_id, generated: bool) -> np.ndarray:
         t = len(self._tokens)
         parts = [h for h in (self.hooks if len(self.hooks) else None, self.recorder) if h is not None]
         hooks = parts[0] if len(parts) == 1 else (HookChain(*parts) if parts else None)
@@ -237,6 +248,7 @@ class Session:
         self._stacked = None
         self._version += 1
         self._modified.append(modified)
+        self._generated.append(generated)
         self._chunk_of.append(-1)
         if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
             self._checkpoints[t + 1] = self.state.checkpoint()
@@ -294,6 +306,7 @@ class Session:
         self._stacked = None
         self._version += 1
         self._modified += [False] * len(ids)
+        self._generated += [False] * len(ids)
         self._chunk_of += [t] * len(ids)
         if route := self._route():
             self._routes[t] = route
@@ -328,7 +341,7 @@ class Session:
                 z = logits.astype(np.float64) / temperature
                 p = np.exp(z - z.max())
                 tid = int(rng.choice(p.shape[0], p=p / p.sum()))
-            self.step(tid)
+            self._step(tid, generated=True)
             out.append(tid)
             if tid in stop_tokens:
                 break
@@ -484,7 +497,7 @@ class Session:
         """Forget tokens n.. (the state is already the one after n tokens)."""
         if n < len(self._tokens):
             self._version += 1
-        del self._tokens[n:], self._logits[n:], self._modified[n:], self._chunk_of[n:]
+        del self._tokens[n:], self._logits[n:], self._modified[n:], self._generated[n:], self._chunk_of[n:]
         self._stacked = None
         # a checkpoint after n belongs to the discarded future: kept, it would seed a later replay of a new history
         self._checkpoints = {k: v for k, v in self._checkpoints.items() if k <= n}
@@ -566,7 +579,8 @@ class Session:
             logits, checkpoints = list(self._logits), dict(self._checkpoints)
         return SessionSnapshot(id(self.weights), self.state.copy(), list(self._tokens), logits,
                                list(self._modified), checkpoints, records, list(self._chunk_of),
-                               {a: list(tail) for a, tail in self._cut_tails.items()}, dict(self._routes))
+                               {a: list(tail) for a, tail in self._cut_tails.items()}, dict(self._routes),
+                               list(self._generated))
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Go back (or forward) to `snap` exactly; the snapshot stays usable.
@@ -589,6 +603,7 @@ class Session:
         self._version += 1
         self._tokens, self._logits, self._modified = list(snap.tokens), list(snap.logits), list(snap.modified)
         self._chunk_of = list(snap.chunk_of) if snap.chunk_of is not None else [-1] * len(snap.tokens)
+        self._generated = list(snap.generated) if snap.generated is not None else [False] * len(snap.tokens)
         self._stacked = None
         self._checkpoints, self._to_rebuild = dict(snap.checkpoints), set()
         self._cut_tails = {int(a): list(tail) for a, tail in (snap.cut_tails or {}).items()}

@@ -59,6 +59,7 @@ class SessionSnapshot:
     cut_tails:   {first token of a fed chunk `truncate` cut: the tokens cut off it} (replays re-decode it whole)
     routes:      {first token of a fed chunk: the sites recorded in full that changed how it was computed} (replays
                  record them too; None: not known, a file from before they were kept)
+    generated:   [T] bools: token t was chosen by `generate` (None: none was, a file from before they were kept)
     """
 
     weights_id: int
@@ -71,6 +72,7 @@ class SessionSnapshot:
     chunk_of: list | None = None
     cut_tails: dict | None = None
     routes: dict | None = None
+    generated: list | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -113,6 +115,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
                 arrays[f"rec/{k}/shapes"] = np.array([np.shape(r) for r in rows], dtype=np.int64).reshape(len(rows), -1)
     header = {"format": FORMAT, "fingerprint": weights_fingerprint(weights), "tokens": snap.tokens,
               "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
+              **({"generated": snap.generated} if snap.generated is not None else {}),
               "cut_tails": {str(a): [int(t) for t in tail] for a, tail in (snap.cut_tails or {}).items()},
               **({"routes": {str(a): list(r) for a, r in snap.routes.items()}} if snap.routes is not None else {}),
               "checkpoint_every": checkpoint_every, "recorder": rec,
@@ -156,7 +159,8 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
         checkpoints=_put_checkpoints(weights, {int(k[4:]): s for k, s in host.items()}),
         records=records, chunk_of=header.get("chunk_of"),
         cut_tails={int(a): [int(t) for t in tail] for a, tail in header.get("cut_tails", {}).items()},
-        routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None)
+        routes={int(a): tuple(r) for a, r in header["routes"].items()} if "routes" in header else None,
+        generated=header.get("generated"))
     if probe is not None:
         _check_probe(path, probe, probe_logits(weights, snap.state))
     return snap, SavedSettings(header["checkpoint_every"], settings, header.get("tokenizer"))
@@ -175,8 +179,8 @@ HEADER_KEYS = ("fingerprint", "tokens", "modified", "layout", "checkpoint_every"
 
 
 def _check_history(path, header: dict, weights) -> int:
-    """The header's history is one of T tokens throughout (returns T): ids in the vocabulary, `modified` and
-    `chunk_of` per token, the state at position T and each kept checkpoint `ckpt{t}` at position t <= T."""
+    """The header's history is one of T tokens throughout (returns T): ids in the vocabulary, `modified`,
+    `generated` and `chunk_of` per token, the state at position T and each kept checkpoint `ckpt{t}` at position t <= T."""
     def bad(what, found, expected):
         return ValueError(f"{path}: {what} is {found!r:.120}, expected {expected} (the file is damaged)")
 
@@ -187,6 +191,9 @@ def _check_history(path, header: dict, weights) -> int:
     modified, chunk_of = header["modified"], header.get("chunk_of")
     if not isinstance(modified, list) or len(modified) != T or not all(type(m) is bool for m in modified):
         raise bad("'modified'", modified, f"{T} booleans, one per token")
+    generated = header.get("generated", [False] * T)
+    if not isinstance(generated, list) or len(generated) != T or not all(type(g) is bool for g in generated):
+        raise bad("'generated'", generated, f"{T} booleans, one per token")
     if chunk_of is not None and (not isinstance(chunk_of, list) or len(chunk_of) != T or
                                  not all(type(c) is int and (c == -1 or 0 <= c <= t) for t, c in enumerate(chunk_of))):
         raise bad("'chunk_of'", chunk_of, f"{T} ints, one per token: -1 (stepped) or the first token of its chunk")

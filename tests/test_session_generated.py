@@ -1,0 +1,75 @@
+"""A Session records which tokens `generate` chose (`session.generated`), through every change of the history and
+in session files; the Explorer marks them, also those generated in another cell."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import kimi_explore as ke
+from kimi_explore.inspection.session import Session
+from kimi_explore.views.explorer.widgets import Explorer
+
+
+def test_generate_marks_its_tokens_and_step_and_feed_do_not(tiny_weights):
+    s = Session(tiny_weights)
+    s.feed([1, 2, 3])
+    chosen = s.generate(3)
+    s.step(7)
+    assert s.generated == [False] * 3 + [True] * 3 + [False]
+    assert s.tokens[3:6] == chosen
+    s.truncate(5)  # inside the generated run: its first two stay marked
+    assert s.generated == [False] * 3 + [True] * 2
+    s.feed([9, 9])
+    assert s.generated == [False] * 3 + [True] * 2 + [False] * 2
+    snap = s.snapshot()
+    s.back(4)
+    assert s.generated == [False] * 3
+    s.restore(snap)
+    assert s.generated == [False] * 3 + [True] * 2 + [False] * 2
+    assert s.fork().generated == s.generated
+    s.generated.append(True)  # a copy: the session's own list does not change
+    assert len(s.generated) == len(s)
+
+
+def test_a_failed_generate_step_leaves_no_mark(tiny_weights):
+    s = Session(tiny_weights)
+    s.feed([1, 2])
+    s.hooks.add("layers.3.ffn.out", lambda v, hook: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        s.generate(2)
+    assert (len(s), s.generated) == (2, [False, False])
+
+
+def test_session_files_keep_the_marks_and_read_files_from_before_them(tiny_weights, tmp_path):
+    s = Session(tiny_weights)
+    s.feed([4, 5])
+    s.generate(2)
+    s.step(6)
+    path = s.save_state(tmp_path / "s.npz")
+    assert Session.load_state(path, tiny_weights).generated == [False, False, True, True, False]
+    z = dict(np.load(path))
+    header = json.loads(str(z["header"]))
+    del header["generated"]  # a file saved before the marks were kept: nothing generated
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "old.npz", **z)
+    assert Session.load_state(tmp_path / "old.npz", tiny_weights).generated == [False] * 5
+    header["generated"] = [True, False]  # two marks for five tokens
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "bad.npz", **z)
+    with pytest.raises(ValueError, match=r"bad.npz: 'generated' is \[True, False\], expected 5 booleans, one per token"):
+        Session.load_state(tmp_path / "bad.npz", tiny_weights)
+
+
+def test_the_explorer_marks_tokens_generated_in_another_cell(tiny_weights):
+    s = Session(tiny_weights, tokenizer=ke.ByteTokenizer())
+    ex = Explorer(s, prompt=None)
+    s.feed("ab")
+    s.generate(3)  # another cell
+    ex.select(token=0)  # any click catches up
+    assert ex.text.generated_runs == [[2, 5]]
+    assert "dotted = generated" in ex.legend.value
+    ex.step_button.click()  # no prompt: greedy, generated too
+    assert ex.text.generated_runs == [[2, 6]] and s.generated[-1]
