@@ -73,3 +73,4 @@ def test_the_explorer_marks_tokens_generated_in_another_cell(tiny_weights):
     assert "dotted = generated" in ex.legend.value
     ex.step_button.click()  # no prompt: greedy, generated too
     assert ex.text.generated_runs == [[2, 6]] and s.generated[-1]
+

@@ -255,6 +255,18 @@ class Ablation:
                              "masking it would change nothing: pick a later layer")
         return f"; {name} is not read at {', '.join(absent)} (not sealed yet there): nothing masked there" if absent else ""
 
+    def _baseline(self, start: int, stop: int):
+        """(`baseline(session, start, stop)`, `_unrepeated(...)`) for the last range ablated, kept until the history
+        or the hooks that decode it change: each is a re-decode of the range, the same for every ablation of it."""
+        s = self.ex.session
+        hooks = tuple(s.hooks.handles()) + (tuple(s.recorder.hooks.handles()) if s.recorder is not None else ())
+        key = (start, stop, tuple((h.fn, h.pattern, h.names_filter, h.chunks) for h in hooks))
+        kept = self.ex.history_memo("ablation baseline", dict)  # dropped with the history
+        if kept.get("key") != key:
+            base = baseline(s, start, stop)  # decoded as the fork will be: the differences are the ablation's alone
+            kept.update(key=key, value=(base, _unrepeated(s, base, start, stop)))
+        return kept["value"]
+
     def _positions(self, t: int):
         return {SCOPES[0]: t, SCOPES[1]: list(range(t, len(self.ex.session))), SCOPES[2]: None}[self.scope.value]
 
@@ -280,8 +292,7 @@ class Ablation:
                                  "'ablated' would mix those hooks' effect into the ablation. Pick a token and scope that "
                                  "cover no such token, or decode the history again under the hooks (e.g. a fresh "
                                  "Session(weights, hooks=...) fed session.tokens)", error=True)
-        base = baseline(s, start, stop)  # decoded as the fork will be: the differences are the ablation's alone
-        unrepeated = _unrepeated(s, base, start, stop)
+        base, unrepeated = self._baseline(start, stop)
         if unrepeated:  # the fork would re-decode them under other hooks: 'as run' vs 'ablated' would mix in undoing them
             one = len(unrepeated) == 1
             return self._say(f"cannot ablate: {_tokens_named(unrepeated)} {'was' if one else 'were'} decoded under hooks "
