@@ -74,3 +74,23 @@ def test_the_explorer_marks_tokens_generated_in_another_cell(tiny_weights):
     ex.step_button.click()  # no prompt: greedy, generated too
     assert ex.text.generated_runs == [[2, 6]] and s.generated[-1]
 
+
+
+def test_mask_sources_all_skips_a_subsets_mixes_of_the_current_sum_alone():
+    """On layers 4..7 (first push at layer 6), layers 4-5 mix the current sum alone: layer="all" masks every mix that
+    mixes, as source_ablation does (it raised at layer 4); a layer named there is still refused."""
+    from kimi_explore.inspection import interventions as iv
+
+    w = ke.from_pretrained(ke.tiny_checkpoint(), layers=range(4, 8))
+    ids = list(b"def f(x):")
+    got, want, plain = Session(w), Session(w), Session(w)
+    with got.intervene(iv.mask_sources("all", "both", "current")):
+        got.feed(ids)
+    with want.intervene(iv.mask_sources(6, "ffn", "current") + iv.mask_sources(7, "both", "current")):
+        want.feed(ids)
+    plain.feed(ids)
+    np.testing.assert_array_equal(got.logits, want.logits)
+    assert not np.allclose(got.logits, plain.logits)
+    with pytest.raises(ValueError, match=r"layers.4.attn_res.ffn.weights: masking 'current' leaves none of the 1 sources"):
+        with got.intervene(iv.mask_sources(4, "ffn", "current")):
+            got.step(5)

@@ -35,10 +35,11 @@ A family or column absent at a site (no older blocks yet at an early layer, a bl
 leaves that site unchanged; a column or block the model does not have at all, or a mask that would
 leave no source, is an error. A layer with nothing sealed before its attention (layer 0; on a layer subset, its
 layers up to its first pushing layer) has no attention-site mix: site="both" masks its FFN-site mix alone, and
-site="attn" there is refused (not a hook point of the model), as is a layer the model lacks. On a layer subset
-that starts after layer 0, column 0 is the input of the first loaded layer (the embedding plus every earlier
-layer's output; `Trace.source_labels()` calls it "input of layer k"), and "embedding" and ("block", 0) name
-that column.
+site="attn" there is refused (not a hook point of the model), as is a layer the model lacks. There, too, the FFN-site
+mix holds the current sum alone: masking it would leave nothing, an error for a layer named, and skipped by
+layer="all" (it mixes nothing). On a layer subset that starts after layer 0, column 0 is the input of its first
+pushing layer (the embedding plus every earlier layer's output; `Trace.source_labels()` calls it "input of layer
+k"), and "embedding" and ("block", 0) name that column.
 """
 
 from __future__ import annotations
@@ -144,11 +145,13 @@ def masked_weights(p, cols: list[int]):
 def mask_sources(layer, site="both", sources="current", positions=None) -> Hooks:
     """Mask the source family `sources` at the block-residual site(s) of `layer` (see module docstring).
 
-    layer: an int, a list / range of layers, "all", or "final" (the output mix before the final norm).
+    layer: an int, a list / range of layers, "all" (every mix that mixes: a mix of the current sum alone is
+    skipped), or "final" (the output mix before the final norm).
     site: "attn" (the mix before attention), "ffn" (before the FFN) or "both". positions: as for every
     intervention (None: every token; an int, a collection, a range, or a slice).
     """
     check_family(sources)
+    every = isinstance(layer, str) and layer == "all"
     if layer == "final":
         names = ["final.attn_res.weights"]
     else:
@@ -165,6 +168,8 @@ def mask_sources(layer, site="both", sources="current", positions=None) -> Hooks
         if not cols:
             return None
         if len(cols) == m:
+            if every and m == 1:  # the current sum alone (a subset's layers before its first push): nothing is mixed
+                return None
             raise ValueError(f"mask_sources at {hook.name}: masking {sources!r} leaves none of the {m} sources "
                              "(stored blocks..., current) to renormalise over")
         q = masked_weights(p, cols)
