@@ -1,6 +1,7 @@
 """RayPipeline on localhost, the bytes it moves at K3 width, and a paper plan for the full K3.
 
-    python bench/pipeline.py [--tokens 200] [--stages 1,2,4] [--checkpoint DIR] [--json bench/results/pipeline.json]
+    python bench/pipeline.py [--tokens 200] [--stages 1,2,4] [--checkpoint DIR] [--context 8192]
+                             [--json bench/results/pipeline.json]
 
 1. Measured (a local Ray, num_cpus=2, no dashboard; the embedded tiny model unless --checkpoint):
    ms/token of a Session over the weights in this process, and over RayPipelines of 1, 2, 4 stages,
@@ -13,7 +14,9 @@
 3. A plan for the full K3 (1.56 TB), sized from the checkpoint table (the released tensors'
    shapes and dtypes): 16 x H200 on 2 hosts (every weight resident on a GPU, bf16 trunk, packed
    MXFP4 experts), and 8 x H200 with the routed experts mapped in host RAM. Layers per stage,
-   bytes per device, and the bandwidth floor per token. ON PAPER: no cluster was at hand, and the
+   bytes per device (with the decode state of a --context-token history: the KDA matrices, and the MLA
+   layers' caches of decompressed per-head keys and values in float32, ~2.95 MB a position over K3's
+   24 MLA layers), and the bandwidth floor per token. ON PAPER: no cluster was at hand, and the
    CuPy path of this package has not run on a GPU yet (bench/gpu_check.sh is ready for that).
 """
 
@@ -162,9 +165,15 @@ def split_by_bytes(sizes: list[int], parts: int) -> list[range]:
     return out
 
 
-def plan(state_per_layer: float) -> list[dict]:
+def mla_cache_bytes_per_position(cfg) -> int:
+    """One MLA layer's cache per position: keys [heads, nope + rope] and values [heads, v] in float32."""
+    return 4 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+
+
+def plan(state_per_layer: float, context: int) -> list[dict]:
     layers, glob, expert_reads = k3_layer_bytes()
     cfg, hop_bytes = k3_config(), max(k3_bytes_per_token()["hop_bytes_by_sealed_blocks"].values())
+    cache = mla_cache_bytes_per_position(cfg) * context  # per MLA layer
     embed = lm_head = glob // 2
     plans = []
     # A: 16 x H200 on 2 hosts, everything resident on the GPUs
@@ -180,12 +189,14 @@ def plan(state_per_layer: float) -> list[dict]:
             # widening scratch of the largest bf16 matrix, as float32 (lm_head on the last stage; else the
             # largest fused projection: the dense MLP's gate_up on the first, KDA's in_proj elsewhere)
             scratch = max(2 * lm_head if k == stages - 1 else 0, 4 * largest_bf16_matrix(cfg, r))
-            device = trunk + (experts if experts_on_gpu else 0) + state_per_layer * len(r) + scratch
+            caches = cache * sum(layers[i]["kind"].startswith("mla") for i in r)
+            device = trunk + (experts if experts_on_gpu else 0) + state_per_layer * len(r) + caches + scratch
             # bytes read per token from HBM (or copied over PCIe): the whole trunk but the embedding (one row)
             read = trunk - (embed if k == 0 else 0) + n_moe * expert_reads
             t_hbm = read / H200_BW
             t_pcie = 0.0 if experts_on_gpu else n_moe * expert_reads / PCIE_BW
             rows.append({"stage": k, "layers": f"{r.start}-{r.stop - 1}", "n_layers": len(r), "device_bytes": device,
+                         "mla_cache_bytes": caches,
                          "host_mapped_bytes": 0 if experts_on_gpu else experts, "read_bytes": read,
                          "floor_ms": (t_hbm + t_pcie) * 1e3, "fits": device < H200_BYTES * 0.95})
         hops = (stages - 1) * NET_LATENCY_S * 1e3 + (stages - 1) * hop_bytes / 25e9 * 1e3
@@ -199,6 +210,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--stages", default="1,2,4")
     ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--context", type=int, default=8192, help="history length the plans' MLA caches hold")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "pipeline.json"))
     args = ap.parse_args()
     import kimi_explore as ke
@@ -221,18 +233,25 @@ def main() -> int:
     print(f"  records, whole model ({b['n_kda']} KDA, {b['n_moe']} MoE layers): {b['records_per_token']:,} bytes/token")
     print(f"  logits from the last stage: {b['logits_bytes']:,} bytes/token")
 
-    state_per_layer = 0.45e9 / 93  # ~0.45 GB of KDA + MLA state for the whole model (README)
-    plans = plan(state_per_layer)
-    print("\n3. full K3 plans (ON PAPER: sized from the checkpoint table, floors from H200 HBM 4.8 TB/s, PCIe 50 GB/s)")
+    state_per_layer = 0.45e9 / 93  # ~0.45 GB of KDA state (and conv windows) for the whole model (README)
+    plans = plan(state_per_layer, args.context)
+    per_position = mla_cache_bytes_per_position(k3_config()) * sum(k3_config().layer_kind(i).startswith("mla")
+                                                                     for i in range(93))
+    print("\n3. full K3 plans (ON PAPER: sized from the checkpoint table, floors from H200 HBM 4.8 TB/s, PCIe 50 GB/s;")
+    print(f"   GPU GB holds the state of a {args.context:,}-token history: MLA caches {per_position / 1e6:.2f} MB a "
+          f"position, {per_position * args.context / 1e9:.1f} GB in all)")
     for p in plans:
         print(f"\n  {p['plan']}: floor {p['floor_ms_per_token']:.1f} ms/token (hops {p['hop_ms']:.2f} ms)")
-        print(f"  {'stage':>5} {'layers':>7} {'n':>3} {'GPU GB':>7} {'host GB':>8} {'read GB/tok':>11} {'floor ms':>9} fits")
+        print(f"  {'stage':>5} {'layers':>7} {'n':>3} {'GPU GB':>7} {'cache GB':>8} {'host GB':>8} {'read GB/tok':>11} "
+              f"{'floor ms':>9} fits")
         for r in p["stages"]:
             print(f"  {r['stage']:>5} {r['layers']:>7} {r['n_layers']:>3} {r['device_bytes'] / 1e9:7.1f} "
+                  f"{r['mla_cache_bytes'] / 1e9:8.2f} "
                   f"{r['host_mapped_bytes'] / 1e9:8.1f} {r['read_bytes'] / 1e9:11.2f} {r['floor_ms']:9.2f} {r['fits']}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"localhost": rows, "k3_bytes": b, "plans": plans, "checkpoint": str(path)}, indent=2,
+    out.write_text(json.dumps({"localhost": rows, "k3_bytes": b, "plans": plans, "context": args.context,
+                              "checkpoint": str(path)}, indent=2,
                               default=str))
     print(f"\nwrote {out}")
     return 0

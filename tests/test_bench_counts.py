@@ -64,3 +64,20 @@ def test_the_pipeline_plans_scratch_is_the_largest_matrix_the_loader_widens():
         w = from_pretrained(random_tiny_checkpoint(), device="cpu", layers=layers, head=False, weight_dtype="bfloat16",
                             bf16_matvec="widen")
         assert 4 * pipeline.largest_bf16_matrix(w.config, layers) == memory_report(w)["bf16 widening scratch"], layers
+
+
+def test_the_pipeline_plans_mla_cache_is_what_a_decode_state_holds_per_position():
+    """bench/pipeline.py's plans left out the MLA caches (2.95 MB a position at K3: 24 GB at 8,192 tokens). Its
+    count per position, against the caches of a real decode state of the embedded model after 40 tokens."""
+    import pipeline  # bench/pipeline.py
+
+    from kimi_explore import Session
+
+    w = from_pretrained(tiny_checkpoint(), device="cpu")
+    s = Session(w, recorder=False)
+    s.feed(list(range(40)))
+    caches = [ls.attention for ls in s.state.layers if ls.attention.kind == "mla"]
+    assert len(caches) == 2
+    for c in caches:
+        per_position = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[1]  # [heads, capacity, ...]
+        assert c.length == 40 and pipeline.mla_cache_bytes_per_position(w.config) == per_position
