@@ -94,3 +94,26 @@ def test_mask_sources_all_skips_a_subsets_mixes_of_the_current_sum_alone():
     with pytest.raises(ValueError, match=r"layers.4.attn_res.ffn.weights: masking 'current' leaves none of the 1 sources"):
         with got.intervene(iv.mask_sources(4, "ffn", "current")):
             got.step(5)
+
+
+def test_an_error_in_a_selection_callback_is_shown_not_lost(tiny_weights, monkeypatch):
+    """With "compute on every selection" on, moving the token slider runs the analyses; an error there went to
+    ipywidgets' log (raised out of the trait change), the status line unchanged. It is shown in red, kept in
+    `last_error`, and the Explorer stays usable."""
+    s = Session(tiny_weights, tokenizer=ke.ByteTokenizer())
+    s.feed("abcdef")
+    ex = Explorer(s, tab="Lens & attribution")
+    tabs = ex.tab_views
+
+    def broken(t, compute):
+        raise RuntimeError("the lens is down")
+
+    monkeypatch.setattr(tabs, "_analyses", broken)
+    tabs.auto_analyses.value = True
+    assert "Computing the analyses failed: RuntimeError: the lens is down" in ex.status.value
+    ex.token.value = 2  # no exception out of the trait change
+    assert "Selecting a token failed: RuntimeError: the lens is down" in ex.status.value
+    assert "color:#b00" in ex.status.value and isinstance(ex.last_error, RuntimeError)
+    monkeypatch.undo()
+    ex.token.value = 3
+    assert "failed" not in ex.status.value and ex.busy.value == ""

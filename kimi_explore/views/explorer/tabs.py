@@ -54,13 +54,13 @@ class Tabs:
                       for name, (_, h, w, _) in VIEWS.items()}
         for name, (_, _, _, sel) in VIEWS.items():
             if sel is not None:
-                self.views[name].on_click(lambda p, sel=sel: self._clicked(p, *sel))
+                self.views[name].on_click(lambda p, sel=sel: ex._busy(lambda: self._clicked(p, *sel), "Selecting"))
         self.full_map = widgets.Checkbox(value=False, description="full layer x expert map (zoomable)", indent=False)
-        self.full_map.observe(lambda _: self._full_map_toggled(), names="value")
+        self.full_map.observe(ex.shown(self._full_map_toggled, "Showing the full map"), names="value")
         self.views["moe_full"].layout.display = "none"
         self.expert = widgets.Text(value="", description="find expert", placeholder="an id, e.g. 835",
                                    layout=widgets.Layout(width="260px"), style={"description_width": "80px"})
-        self.expert.observe(lambda _: self._expert_changed(), names="value")
+        self.expert.observe(ex.shown(self._expert_changed, "Finding the expert"), names="value")
         self.expert_note = widgets.HTML()
         self.views["expert_search"].layout.display = "none"
         self.compute_button = widgets.Button(description="Compute", icon="calculator", button_style="info",
@@ -70,7 +70,8 @@ class Tabs:
         self.auto_analyses = widgets.Checkbox(value=False, indent=False, layout=widgets.Layout(width="auto"),
                                               description="compute on every selection (a replay from the latest "
                                                           "checkpoint: seconds at K3 depth)")
-        self.auto_analyses.observe(lambda _: (self.drawn.pop(4, None), self.ex.refresh()), names="value")
+        self.auto_analyses.observe(ex.shown(lambda: (self.drawn.pop(4, None), self.ex.refresh()), "Computing the analyses"),
+                                   names="value")
         v = self.views
         self.widget = widgets.Tab(children=[
             widgets.VBox([v["block_token"], v["block_layer"]]),

@@ -25,8 +25,8 @@ Recorder() does; a names_filter that leaves one out is refused here, naming what
 Every view marks the selected token and layer, and a click on a token or a layer in any view
 selects it everywhere. Only the open tab is updated (in place); the others when they are opened.
 The model runs only on Step, Play and the ablation (which forks: the main session is never touched).
-An error in a button's action is shown in red on the status line ('Step failed: RuntimeError: ...';
-`explorer.last_error` keeps it), not lost in ipywidgets' log; the Explorer stays usable.
+An error in a button's action or a selection's callback is shown in red on the status line ('Step failed:
+RuntimeError: ...'; `explorer.last_error` keeps it), not lost in ipywidgets' log; the Explorer stays usable.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class Explorer(widgets.VBox):
         self._labels: dict[str, list] = {}  # (token id, label) per position, grown by each Step
         self._prompt_memo: tuple = (None, [])  # ((mode, text), ids): the prompt is parsed once per edit
         self._note = ""  # what the last action did to the history, for the status line
+        self._acting = False  # True while `_busy` runs an action
         self._quiet = False  # True while `_history_changed` moves the token slider
         self._keep_box = False  # True while the text/ids toggle is put back (no conversion of the box)
 
@@ -159,13 +160,13 @@ class Explorer(widgets.VBox):
         self.play_button.on_click(lambda _: self._busy(self.play, "Play"))
         self.reset_button.on_click(lambda _: self._busy(self.reset, "Reset"))
         self.snapshot_button.on_click(lambda _: self._busy(self._snapshot_clicked, "Snapshot"))
-        self.token.observe(lambda _: self._selection_changed(), names="value")
-        self.layer.observe(lambda _: self._selection_changed(), names="value")
-        self.text.observe(lambda ch: self._text_clicked(ch["new"]), names="selected")
-        self.tabs.observe(lambda _: self.refresh(), names="selected_index")
-        self.measure.observe(lambda _: self._measure_changed(), names="value")
-        self.prompt.observe(lambda _: self._update_status(), names="value")
-        self.mode.observe(self._convert_prompt, names="value")
+        self.token.observe(self.shown(self._selection_changed, "Selecting a token"), names="value")
+        self.layer.observe(self.shown(self._selection_changed, "Selecting a layer"), names="value")
+        self.text.observe(lambda ch: self._busy(lambda: self._text_clicked(ch["new"]), "Selecting a token"), names="selected")
+        self.tabs.observe(self.shown(self.refresh, "Opening the tab"), names="selected_index")
+        self.measure.observe(self.shown(self._measure_changed, "Changing the measure"), names="value")
+        self.prompt.observe(self.shown(self._update_status, "Reading the prompt"), names="value")
+        self.mode.observe(lambda ch: self._busy(lambda: self._convert_prompt(ch), "Converting the prompt"), names="value")
 
         super().__init__([
             PlotlyJS.shared(),
@@ -285,14 +286,26 @@ class Explorer(widgets.VBox):
         An exception is shown, not lost: ipywidgets would swallow it into its log, the status line still saying
         what the button was about to do. The status line turns red with '<what> failed: <type>: <message>' (`tell`,
         if given, is told too), `last_error` keeps the exception (its traceback), and the Explorer stays usable:
-        what the session decoded before the error is shown (a failed token leaves the session as it was)."""
-        self.busy.value = BUSY
+        what the session decoded before the error is shown (a failed token leaves the session as it was).
+        Inside another action (a callback its changes fire), the action runs as it is: the outer one reports. The
+        next action that succeeds without a message of its own puts the status line back from red."""
+        if self._acting:
+            return action()
+        self._acting, self.busy.value = True, BUSY
+        shown = self.status.value
         try:
             action()
+            if self.status.value == shown and "color:#b00" in shown:  # a red line from an earlier action
+                self._update_status()
         except Exception as e:  # the UI's edge: the error goes to the user instead of ipywidgets' log
             self._failed(what, e, tell)
         finally:
-            self.busy.value = ""
+            self._acting, self.busy.value = False, ""
+
+    def shown(self, action, what: str):
+        """A widget callback running `action()` under `_busy`: its errors shown in the status line, not in
+        ipywidgets' log (an analysis computed on every selection, a view that fails to draw)."""
+        return lambda *_: self._busy(action, what)
 
     def _failed(self, what: str, error: Exception, tell=None) -> None:
         self.last_error = error
