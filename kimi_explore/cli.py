@@ -181,10 +181,11 @@ def prompt_ids(args, weights, tokenizer) -> list[int]:
 
 
 def model_note(path) -> str:
-    """What to say about the weights: the random tiny model's mean nothing; a trained tiny model says what it is."""
-    from .weights.tiny_model import RANDOM_TINY_DIR, describe_checkpoint
+    """What to say about the weights: random ones (the tests' fixture, `make-tiny`, copies of them: their
+    model_card.json says so) mean nothing; a trained tiny model says what it is."""
+    from .weights.tiny_model import describe_checkpoint, random_weights
 
-    if Path(path).resolve() == RANDOM_TINY_DIR.resolve():
+    if random_weights(path):
         return RANDOM_NOTE
     return describe_checkpoint(path) if (Path(path) / "model_card.json").exists() else ""
 

@@ -156,12 +156,15 @@ def _shard_key(name: str, n_layers: int, shards: int) -> int:
 
 def write_checkpoint(path, text_config: dict | None = None, *, seed: int = 0, shards: int = 1,
                      experts: str = "mxfp4", prefix: str = table.RELEASE_PREFIX, index: bool = True) -> Path:
-    """Write a checkpoint of random weights; returns its path. `experts` is "mxfp4" or "bf16"."""
+    """Write a checkpoint of random weights; returns its path. `experts` is "mxfp4" or "bf16". Its
+    model_card.json says the weights are random (`describe_checkpoint`, the CLI's header), in copies too."""
     text_config = make_text_config() if text_config is None else text_config
     if experts not in ("mxfp4", "bf16"):
         raise ValueError(f"experts={experts!r}: expected 'mxfp4' or 'bf16'")
-    return save_checkpoint(path, text_config, _tensors(text_config, seed, experts), shards=shards, prefix=prefix,
-                           index=index)
+    out = save_checkpoint(path, text_config, _tensors(text_config, seed, experts), shards=shards, prefix=prefix,
+                          index=index)
+    (out / "model_card.json").write_text(json.dumps({"weights": "random", "seed": seed}) + "\n", encoding="utf-8")
+    return out
 
 
 _NUMPY_DTYPES = {table.BF16: BF16, table.F32: np.float32}
@@ -317,6 +320,19 @@ def random_tiny_checkpoint() -> Path:
     return RANDOM_TINY_DIR
 
 
+def is_random_card(card) -> bool:
+    """Whether a parsed model_card.json is the one `write_checkpoint` writes beside random weights."""
+    return isinstance(card, dict) and card.get("weights") == "random"
+
+
+def random_weights(path) -> bool:
+    """Whether the checkpoint at `path` says its weights are random (its model_card.json, `write_checkpoint`'s)."""
+    try:
+        return is_random_card(json.loads((Path(path) / "model_card.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):  # no card, or one `describe_checkpoint` names as damaged
+        return False
+
+
 def describe_checkpoint(path) -> str:
     """One line saying what a tiny checkpoint is, from its `model_card.json` when it has one."""
     card = Path(path) / "model_card.json"
@@ -325,6 +341,8 @@ def describe_checkpoint(path) -> str:
             c = json.loads(card.read_text(encoding="utf-8"))
         except ValueError as e:
             raise CheckpointError(f"{card}: not valid JSON ({e})") from None
+        if is_random_card(c):
+            return f"{Path(path).name}: random weights (seed {c.get('seed')}, `write_checkpoint`)"
         need = {"name": str, "corpus": str, "params": int, "val_bits_per_byte": (int, float)}  # what the line shows
         bad = [k for k, t in need.items() if not isinstance(c, dict) or not isinstance(c.get(k), t)]
         if bad:

@@ -1,5 +1,9 @@
-"""A Session records which tokens `generate` chose (`session.generated`), through every change of the history and
-in session files; the Explorer marks them, also those generated in another cell."""
+"""Fourth review: each test is a problem a probe (or the previous closing note) found, driven through the public API.
+
+Which tokens `generate` chose (kept by the Session and its files, marked by the Explorer), mask_sources("all")
+on a layer subset, errors in the Explorer's selection callbacks, the CLI on bad prompts, NaN logits and random
+weights, config values outside K3's ranges, tokenizer files, and the session's stop tokens and foreign files.
+"""
 
 from __future__ import annotations
 
@@ -117,3 +121,21 @@ def test_an_error_in_a_selection_callback_is_shown_not_lost(tiny_weights, monkey
     monkeypatch.undo()
     ex.token.value = 3
     assert "failed" not in ex.status.value and ex.busy.value == ""
+
+
+def test_the_cli_header_says_random_weights_for_make_tiny_and_copies_of_the_fixture(tmp_path, capsys):
+    """The header said so only for the fixture at its own path: a copy, or `make-tiny`'s output, printed no note.
+    Random checkpoints carry a model card saying so (`write_checkpoint`), which a copy keeps."""
+    import shutil
+
+    from kimi_explore.cli import RANDOM_NOTE, main
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+    shutil.copytree(random_tiny_checkpoint(), tmp_path / "copy")
+    assert main(["make-tiny", "--out", str(tmp_path / "mt"), "--layers", "4", "--experts", "4", "--top-k", "2"]) == 0
+    for ckpt in ("copy", "mt"):
+        capsys.readouterr()
+        assert main(["--checkpoint", str(tmp_path / ckpt), "--ids", "1,2"]) == 0
+        assert RANDOM_NOTE in capsys.readouterr().out.splitlines()[0], ckpt
+    assert main(["--ids", "1,2"]) == 0  # the trained default says what it is
+    assert RANDOM_NOTE not in capsys.readouterr().out
