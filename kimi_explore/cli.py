@@ -16,6 +16,7 @@ reads every comma-separated id list (--ids here, the Explorer's prompt field and
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -65,15 +66,21 @@ def parse_layers(text: str | None):
     """'0-3' or '0:4' -> range(0, 4); '1,5,9' -> [1, 5, 9]; None -> None (all layers)."""
     if text is None:
         return None
+
+    def number(x: str) -> int:  # ASCII digits only: int() takes any script's digits ('٣' is 3)
+        if not re.fullmatch(r"\s*[0-9]+\s*", x):
+            raise ValueError(x)
+        return int(x)
+
     try:
         if "-" in text:
-            a, b = (int(x) for x in text.split("-"))
+            a, b = (number(x) for x in text.split("-"))
             out = range(a, b + 1)
         elif ":" in text:
-            a, b = (int(x) for x in text.split(":"))
+            a, b = (number(x) for x in text.split(":"))
             out = range(a, b)
         else:
-            return [int(x) for x in text.split(",")]
+            return [number(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected '0-3', '0:4' or '1,5,9'") from None
     sep = "-" if "-" in text else ":"
@@ -103,6 +110,12 @@ def _at_least(low: int):
 def _prompt_text(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("the prompt is empty: give some text, or token ids with --ids")
+    # a byte that is not UTF-8 reaches Python as a lone surrogate (U+DC80..U+DCFF, `surrogateescape`): encoded, it
+    # would become U+FFFD's three bytes, not the byte typed
+    bad = next((i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff"), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"byte 0x{ord(text[bad]) - 0xDC00:02X} (character {bad} of the prompt) is not "
+                                         "UTF-8 text; pass token ids with --ids")
     return text
 
 
@@ -197,6 +210,7 @@ def _label(tok, i: int) -> str:
 def run(args) -> int:
     from . import KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
+    from .inspection.session import refuse_nan_logits
     from .model.latent_moe import LatentMoeWeights
 
     weights, path, load_s = load_model(args)
@@ -233,6 +247,7 @@ def run(args) -> int:
         print(f"{step:>4}{mark:1} {_label(tok, t):<14} {times[-1]:7.2f}   {preds}")
         step += 1
         if step == len(history) and step < len(ids) + args.generate:
+            refuse_nan_logits(logits, step - 1, "kimi-explore --generate")
             history.append(int(top[0]))
     print(f"\n{len(times)} tokens, median {np.median(times):.2f} ms/token "
           f"(first {times[0]:.2f} ms){'; + marks generated tokens' if args.generate else ''}")
@@ -257,6 +272,9 @@ def guarded(prog: str, fn, args) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a process the pipe's signal ends
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (else Python's exit flush raises again)
+        return 141
     except Exception as e:  # noqa: BLE001 - the command line's boundary: a person reads this, --debug shows the rest
         from .errors import BackendError
 

@@ -139,3 +139,64 @@ def test_the_cli_header_says_random_weights_for_make_tiny_and_copies_of_the_fixt
         assert RANDOM_NOTE in capsys.readouterr().out.splitlines()[0], ckpt
     assert main(["--ids", "1,2"]) == 0  # the trained default says what it is
     assert RANDOM_NOTE not in capsys.readouterr().out
+
+
+def nan_checkpoint(tmp_path):
+    """A copy of the embedded model whose final norm is NaN (bf16 0x7FC0): every logit NaN."""
+    import shutil
+
+    out = tmp_path / "nan"
+    shutil.copytree(ke.tiny_checkpoint(), out)
+    name = "language_model.model.norm.weight"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = out / index["weight_map"][name]
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    meta = json.loads(raw[8 : 8 + n])[name]
+    a, b = meta["data_offsets"]
+    raw[8 + n + a : 8 + n + b] = b"\xc0\x7f" * ((b - a) // 2)
+    shard.write_bytes(bytes(raw))
+    return out
+
+
+def test_the_cli_refuses_to_generate_from_nan_logits(tmp_path, capsys):
+    """--generate took argsort's first id of all-NaN logits (0) as the greedy token, printed 'generated ids: 0,0' and
+    exited 0; `Session.generate` (and `kimi-explore report`) refuse the same logits. Now the CLI does too, exit 2."""
+    from kimi_explore.cli import main
+
+    ckpt = nan_checkpoint(tmp_path)
+    assert main(["--checkpoint", str(ckpt), "--ids", "72,105"]) == 0  # showing NaN predictions is fine
+    capsys.readouterr()
+    assert main(["--checkpoint", str(ckpt), "--ids", "72,105", "--generate", "2"]) == 2
+    out = capsys.readouterr()
+    assert "kimi-explore --generate: the logits after token 1 hold NaN (256 of 256, the first at id 0): no token to " \
+           "choose" in out.err and "generated" not in out.out
+
+
+def test_the_cli_refuses_prompt_bytes_that_are_not_utf8_and_foreign_digits_in_layers(capsys):
+    """--prompt $'a\\xffb' fed 'a', U+FFFD's three bytes, 'b' (Python's surrogate escape of the byte, encoded); and
+    --layers '٣' (an Arabic-Indic 3) loaded layer 3, where --ids refuses such digits."""
+    from kimi_explore.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--prompt", "a" + b"\xff".decode("utf-8", "surrogateescape") + "b"])
+    assert e.value.code == 2
+    assert "byte 0xFF (character 1 of the prompt) is not UTF-8 text; pass token ids with --ids" in capsys.readouterr().err
+    for layers in ("\u0663", "0-\u0663", "1,\u0663"):
+        with pytest.raises(SystemExit) as e:
+            main(["--layers", layers, "--ids", "1"])
+        assert e.value.code == 2 and "expected '0-3', '0:4' or '1,5,9'" in capsys.readouterr().err
+
+
+def test_the_cli_stops_quietly_when_its_reader_leaves():
+    """`kimi-explore --generate 200 | head -3` ended with 'kimi-explore: error: [Errno 32] Broken pipe' (exit 2)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", "import sys; from kimi_explore.cli import main; sys.exit(main(sys.argv[1:]))",
+           "--ids", "1,2", "--generate", "200"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()  # the reader leaves after one line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err

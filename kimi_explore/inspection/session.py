@@ -330,11 +330,7 @@ class Session:
         out = []
         for _ in range(n):
             logits = self._logits[-1]
-            if np.isnan(logits).any():  # argmax would return the first NaN's id: a token chosen from nothing
-                raise FloatingPointError(
-                    f"Session.generate: the logits after token {len(self._logits) - 1} hold NaN ({int(np.isnan(logits).sum())} "
-                    f"of {logits.size}, the first at id {int(np.flatnonzero(np.isnan(logits))[0])}): no token to choose; "
-                    "find where it entered with a Recorder (the first non-finite record) before generating")
+            refuse_nan_logits(logits, len(self._logits) - 1, "Session.generate")
             if temperature == 0:
                 tid = int(np.argmax(logits))
             else:
@@ -658,6 +654,17 @@ class Session:
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
+
+
+def refuse_nan_logits(logits, t: int, what: str) -> None:
+    """Before choosing a token from the logits after token t: argmax (or a sample) of NaN logits would return the
+    first NaN's id, a token chosen from nothing."""
+    nan = np.isnan(logits)
+    if nan.any():
+        raise FloatingPointError(
+            f"{what}: the logits after token {t} hold NaN ({int(nan.sum())} of {logits.size}, the first at id "
+            f"{int(np.flatnonzero(nan)[0])}): no token to choose; find where it entered with a Recorder (the first "
+            "non-finite record) before generating")
 
 
 def _refuse_other_records(recorder, snap: SessionSnapshot, what: str, fix: tuple[str, str]) -> None:
