@@ -77,7 +77,10 @@ def resolve_device(device: str):
 
 
 def resolve_dtype(dtype) -> type:
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    try:  # (np.dtype(None) is float64: None is refused, not read as a double-precision model)
+        name = dtype if isinstance(dtype, str) else None if dtype is None else np.dtype(dtype).name
+    except TypeError:
+        name = None
     if name not in DTYPES:
         raise BackendError(f"dtype={dtype!r} is not one of {', '.join(repr(d) for d in DTYPES)}")
     return DTYPES[name]

@@ -67,12 +67,18 @@ def test_config_values_of_the_wrong_json_type_are_refused_by_key(ckpt, key, valu
     ("rms_norm_eps", float("inf"), "rms_norm_eps=inf (expected a finite number > 0)"),
     ("activation_situ_beta", 0, "activation_situ_beta=0 (expected a finite number > 0)"),
     ("activation_situ_linear_beta", float("nan"), "activation_situ_linear_beta=nan (expected a finite number > 0)"),
-    ("routed_scaling_factor", float("nan"), "routed_scaling_factor=nan (expected a finite number)"),
-    ("linear_attn_config", "gate_lower_bound=-inf", "gate_lower_bound=-inf (expected a finite number)"),
+    ("routed_scaling_factor", float("nan"), "routed_scaling_factor=nan (expected a finite number > 0)"),
+    # a factor <= 0 zeroes or flips the routed sum; a gate floor >= 0 stops the decay or makes the state grow (NaN
+    # logits from token ~20 at +5)
+    ("routed_scaling_factor", 0, "routed_scaling_factor=0 (expected a finite number > 0)"),
+    ("routed_scaling_factor", -2.5, "routed_scaling_factor=-2.5 (expected a finite number > 0)"),
+    ("linear_attn_config", -math.inf, "gate_lower_bound=-inf (expected a finite number < 0"),
+    ("linear_attn_config", 0.0, "gate_lower_bound=0.0 (expected a finite number < 0"),
+    ("linear_attn_config", 5.0, "gate_lower_bound=5.0 (expected a finite number < 0"),
 ])
 def test_config_values_out_of_range_are_refused(ckpt, key, value, message):
     if key == "linear_attn_config":
-        edit_config(ckpt, lambda tc: tc[key].update(gate_lower_bound=-math.inf))
+        edit_config(ckpt, lambda tc: tc[key].update(gate_lower_bound=value))
     else:
         edit_config(ckpt, lambda tc: tc.update({key: value}))
     with pytest.raises(ConfigError, match="unsupported configuration") as e:

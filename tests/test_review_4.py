@@ -8,6 +8,7 @@ weights, config values outside K3's ranges, tokenizer files, and the session's s
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -200,3 +201,22 @@ def test_the_cli_stops_quietly_when_its_reader_leaves():
     p.stdout.close()  # the reader leaves after one line
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and err == "", err
+
+
+def test_loading_refuses_dtype_none_and_a_config_json_that_is_not_utf8(tmp_path):
+    """dtype=None loaded float64 in silence (np.dtype(None)); a config.json with a Latin-1 byte raised a bare
+    UnicodeDecodeError naming no file (the index named its file)."""
+    import shutil
+
+    from kimi_explore.errors import BackendError, ConfigError
+
+    with pytest.raises(BackendError, match=r"dtype=None is not one of 'float32', 'float64'"):
+        ke.from_pretrained(ke.tiny_checkpoint(), dtype=None)
+    with pytest.raises(BackendError, match=r"dtype=<class 'object'> is not one of"):
+        ke.from_pretrained(ke.tiny_checkpoint(), dtype=object)
+    ckpt = tmp_path / "latin1"
+    shutil.copytree(ke.tiny_checkpoint(), ckpt)
+    cfg = (ckpt / "config.json").read_bytes()
+    (ckpt / "config.json").write_bytes(cfg.replace(b'"kimi_k3"', b'"kimi_k3\xe9"', 1))
+    with pytest.raises(ConfigError, match=re.escape(str(ckpt / "config.json")) + r": not UTF-8 text \(byte 0xE9 at offset"):
+        ke.from_pretrained(ckpt)

@@ -169,9 +169,14 @@ class KimiDecoderConfig:
     def from_file(cls, path: str | Path) -> KimiDecoderConfig:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text(), object_pairs_hook=unique_keys)
+            raw = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file; a checkpoint needs its config.json") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02X} at offset {e.start}); JSON "
+                              "is UTF-8") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: a directory, expected the checkpoint's config.json file") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         except DuplicateKeyError as e:
@@ -288,12 +293,18 @@ def _check_supported(cfg: KimiDecoderConfig, source: str) -> None:
                                                                      "first_k_dense_replace", "num_nextn_predict_layers")
                  if getattr(cfg, k) < 0]
     # the constants: a NaN or infinite one (JSON's NaN and Infinity parse) gives NaN or all-zero logits, not an error
+    # (a routed_scaling_factor <= 0 zeroes or flips the routed experts' sum through the latent norm)
     positive = {"rms_norm_eps": cfg.rms_norm_eps, "activation_situ_beta": cfg.activation_situ_beta,
-                "activation_situ_linear_beta": cfg.activation_situ_linear_beta}
+                "activation_situ_linear_beta": cfg.activation_situ_linear_beta,
+                "routed_scaling_factor": cfg.routed_scaling_factor}
     problems += [f"{k}={v} (expected a finite number > 0)" for k, v in positive.items()
                  if v is not None and not 0 < v < math.inf]
-    finite = {"routed_scaling_factor": cfg.routed_scaling_factor, "linear_attn_config.gate_lower_bound": la.gate_lower_bound}
-    problems += [f"{k}={v} (expected a finite number)" for k, v in finite.items() if v is not None and not math.isfinite(v)]
+    # g = lower_bound * sigmoid(...) must be < 0: the decay exp(g) <= 1 (K3: -5); at 0 the state never decays, above
+    # it grows by up to e^lower_bound per token (NaN logits within ~20 tokens)
+    lb = la.gate_lower_bound
+    if lb is not None and not -math.inf < lb < 0:
+        problems.append(f"linear_attn_config.gate_lower_bound={lb} (expected a finite number < 0: the gate's floor, "
+                        "K3's is -5.0)")
     n = cfg.num_hidden_layers
     bad = [x for x in la.kda_layers if not 1 <= x <= n]
     if bad:
