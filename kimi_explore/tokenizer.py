@@ -35,6 +35,7 @@ import re
 from pathlib import Path
 
 from .chat_template import chat_segments, render_chat
+from .errors import DuplicateKeyError, unique_keys
 
 __all__ = [
     "PAT_STR",
@@ -229,11 +230,12 @@ def read_tiktoken_model(path: str | Path) -> dict[bytes, int]:
 
 def _special_tokens(n: int, config_path: Path) -> dict[str, int]:
     """All 256 specials n..n+255, named from `added_tokens_decoder`, `<|reserved_token_{id}|>` otherwise."""
+    if not config_path.is_file():
+        raise TokenizerError(f"{config_path}: no such file; the special-token names are read from it")
+    raw = _json_object(config_path, "a tokenizer config")
     try:
-        decoder = json.loads(config_path.read_text())["added_tokens_decoder"]
+        decoder = raw["added_tokens_decoder"]
         named = {int(i): e["content"] for i, e in decoder.items()}
-    except FileNotFoundError:
-        raise TokenizerError(f"{config_path}: no such file; the special-token names are read from it") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise TokenizerError(f"{config_path}: expected 'added_tokens_decoder': {{id: {{'content': name}}}} ({e!r})") from None
     outside = sorted(i for i in named if not n <= i < n + NUM_SPECIAL)
@@ -252,24 +254,36 @@ def _special_tokens(n: int, config_path: Path) -> dict[str, int]:
     return specials
 
 
-def _json_object(path: Path) -> dict:
-    """A JSON file holding one object (config.json), or a TokenizerError naming the file."""
+def _json_object(path: Path, what: str = "a model config") -> dict:
+    """A JSON file holding one object (config.json, tokenizer_config.json), or a TokenizerError naming the file."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for a file that is not text
         raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    except DuplicateKeyError as e:  # json.loads keeps the last silently: a special token renamed, an eos id replaced
+        raise TokenizerError(f"{path}: key '{e.args[0]}' is given twice in one object{e.args[1]}; which one the file "
+                             "means cannot be told: keep one") from None
     if not isinstance(raw, dict):
-        raise TokenizerError(f"{path}: expected a JSON object (a model config), found {type(raw).__name__}")
+        raise TokenizerError(f"{path}: expected a JSON object ({what}), found {type(raw).__name__}")
     return raw
 
 
 def _int_field(path: Path, key: str):
-    """config.json's (or its text_config's) integer `key`, else None."""
+    """config.json's integer `key` (at the top or in its text_config, which the model's config reads), else None
+    (absent or null). A value that is not an int, or two that differ, is an error: the tokenizer would stop
+    generation at another id than the model's config names."""
     if not path.is_file():
         return None
     raw = _json_object(path)
-    value = raw.get(key, (raw.get("text_config") or {}).get(key))
-    return value if isinstance(value, int) else None
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    found = {where: obj[key] for where, obj in (("", raw), ("text_config.", text)) if obj.get(key) is not None}
+    for where, value in found.items():
+        if type(value) is not int:
+            raise TokenizerError(f"{path}: {where}{key} is {value!r}, expected a token id (an int) or null")
+    if len(set(found.values())) > 1:
+        raise TokenizerError(f"{path}: {key} {found['']} and text_config.{key} {found['text_config.']} differ; the "
+                             "model's config reads text_config's: keep one value")
+    return next(iter(found.values()), None)
 
 
 class KimiTokenizer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +221,48 @@ def test_loading_refuses_dtype_none_and_a_config_json_that_is_not_utf8(tmp_path)
     (ckpt / "config.json").write_bytes(cfg.replace(b'"kimi_k3"', b'"kimi_k3\xe9"', 1))
     with pytest.raises(ConfigError, match=re.escape(str(ckpt / "config.json")) + r": not UTF-8 text \(byte 0xE9 at offset"):
         ke.from_pretrained(ckpt)
+
+
+
+TOKENIZER = Path(__file__).parent / "data" / "tokenizer" / "synthetic_k3"
+
+
+def tokenizer_copy(tmp_path, config=None, tokenizer_text=None) -> Path:
+    """A copy of the synthetic K3 tokenizer, config.json edited by config(dict) and tokenizer_config.json's text by
+    tokenizer_text(str)."""
+    import shutil
+
+    out = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, out)
+    if config is not None:
+        c = json.loads((out / "config.json").read_text())
+        config(c)
+        (out / "config.json").write_text(json.dumps(c))
+    if tokenizer_text is not None:
+        f = out / "tokenizer_config.json"
+        f.write_text(tokenizer_text(f.read_text()))
+    return out
+
+
+def test_tokenizer_files_with_a_key_twice_or_eos_ids_that_disagree_are_refused(tmp_path):
+    """A second '425' entry renamed <|open|> in silence (the last one wins); an eos_token_id given as a string, or at
+    the top and in text_config with other values, fell back to <|end_of_msg|> (424) while the model's config read
+    text_config's 431."""
+    from kimi_explore.tokenizer import KimiTokenizer, TokenizerError
+
+    pytest.importorskip("tiktoken")
+    assert KimiTokenizer.from_pretrained(TOKENIZER).eos_id == 424
+    twice = tokenizer_copy(tmp_path / "a", tokenizer_text=lambda t: t.replace(
+        '"added_tokens_decoder": {', '"added_tokens_decoder": {"425": {"content": "<|im_user|>"}, ', 1))
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json: key '425' is given twice in one object"):
+        KimiTokenizer.from_pretrained(twice)
+    as_text = tokenizer_copy(tmp_path / "b", config=lambda c: c.update(eos_token_id="425"))
+    with pytest.raises(TokenizerError, match=r"config.json: eos_token_id is '425', expected a token id \(an int\) or null"):
+        KimiTokenizer.from_pretrained(as_text)
+    differ = tokenizer_copy(tmp_path / "c", config=lambda c: c.update(text_config={**c.get("text_config", {}),
+                                                                                      "eos_token_id": 431}))
+    with pytest.raises(TokenizerError, match=r"config.json: eos_token_id 424 and text_config.eos_token_id 431 differ"):
+        KimiTokenizer.from_pretrained(differ)
+    inner = tokenizer_copy(tmp_path / "d", config=lambda c: c.update(eos_token_id=None, text_config={
+        **c.get("text_config", {}), "eos_token_id": 431}))
+    assert KimiTokenizer.from_pretrained(inner).eos_id == 431  # null at the top: text_config's, as the model reads
