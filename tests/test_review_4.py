@@ -143,22 +143,34 @@ def test_the_cli_header_says_random_weights_for_make_tiny_and_copies_of_the_fixt
     assert RANDOM_NOTE not in capsys.readouterr().out
 
 
-def nan_checkpoint(tmp_path):
-    """A copy of the embedded model whose final norm is NaN (bf16 0x7FC0): every logit NaN."""
+def edited_copy(tmp_path, edit) -> Path:
+    """A copy of the embedded model whose tensors' bytes edit({name: bytes}) rewrites in place (same sizes)."""
     import shutil
 
-    out = tmp_path / "nan"
+    out = tmp_path / "edited"
     shutil.copytree(ke.tiny_checkpoint(), out)
-    name = "language_model.model.norm.weight"
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    shard = out / index["weight_map"][name]
-    raw = bytearray(shard.read_bytes())
-    n = int.from_bytes(raw[:8], "little")
-    meta = json.loads(raw[8 : 8 + n])[name]
-    a, b = meta["data_offsets"]
-    raw[8 + n + a : 8 + n + b] = b"\xc0\x7f" * ((b - a) // 2)
-    shard.write_bytes(bytes(raw))
+    for shard in sorted({out / f for f in index["weight_map"].values()}):
+        raw = bytearray(shard.read_bytes())
+        n = int.from_bytes(raw[:8], "little")
+        spans = {k: (8 + n + m["data_offsets"][0], 8 + n + m["data_offsets"][1])
+                 for k, m in json.loads(raw[8 : 8 + n]).items() if k != "__metadata__"}
+        data = {k: bytes(raw[a:b]) for k, (a, b) in spans.items()}
+        edit(data)
+        for k, (a, b) in spans.items():
+            assert len(data[k]) == b - a, k
+            raw[a:b] = data[k]
+        shard.write_bytes(bytes(raw))
     return out
+
+
+def nan_checkpoint(tmp_path):
+    """A copy of the embedded model whose final norm is NaN (bf16 0x7FC0): every logit NaN."""
+    def edit(data):
+        name = "language_model.model.norm.weight"
+        if name in data:
+            data[name] = b"\xc0\x7f" * (len(data[name]) // 2)
+    return edited_copy(tmp_path, edit)
 
 
 def test_the_cli_refuses_to_generate_from_nan_logits(tmp_path, capsys):
@@ -266,3 +278,26 @@ def test_tokenizer_files_with_a_key_twice_or_eos_ids_that_disagree_are_refused(t
     inner = tokenizer_copy(tmp_path / "d", config=lambda c: c.update(eos_token_id=None, text_config={
         **c.get("text_config", {}), "eos_token_id": 431}))
     assert KimiTokenizer.from_pretrained(inner).eos_id == 431  # null at the top: text_config's, as the model reads
+
+
+def test_a_session_file_refuses_a_copy_with_two_experts_swapped(tmp_path):
+    """The embedded model with layer 3's experts 1 and 2 swapped: the fingerprint sampled only each bank's first and
+    last expert, and the probe token routes elsewhere, so the file loaded and its continuation was off by 1.14 in
+    the logits. Every expert of a small bank is sampled now."""
+    w = ke.from_pretrained(ke.tiny_checkpoint())
+    s = Session(w)
+    s.feed(b"def foo(x):\n    return x + 1\n")
+    path = s.save_state(tmp_path / "s.npz")
+
+    def swap(data):
+        head = "language_model.model.layers.3.block_sparse_moe.experts."
+        for k in [k for k in data if k.startswith(head + "1.")]:
+            other = k.replace(head + "1.", head + "2.")
+            data[k], data[other] = data[other], data[k]
+    swapped = ke.from_pretrained(edited_copy(tmp_path, swap))
+    a, b = Session(w), Session(swapped)
+    a.feed(b"def foo(x):\n    return x + 1\n")
+    b.feed(b"def foo(x):\n    return x + 1\n")
+    assert np.abs(a.logits - b.logits).max() > 0.5  # a different model
+    with pytest.raises(ValueError, match=r"s\.npz was saved from a different model .*experts: the routed experts' values"):
+        Session.load_state(path, swapped)

@@ -29,13 +29,13 @@ def _edited(tmp_path, cfg, tensors, edit):
 
 
 def test_weights_that_differ_where_the_fingerprint_does_not_sample_are_refused(saved, tmp_path):
-    """Every expert but the first and the last negated (the fingerprint samples those two): the file loaded and the
-    next logits were off by 3.5."""
+    """Every expert but the first and the last negated (the fingerprint sampled those two): the file loaded and the
+    next logits were off by 3.5. The probe refused it; now the fingerprint samples every expert of a small bank."""
     _, _, path, cfg, tensors = saved
     first, last = ".experts.0.", f".experts.{cfg['num_experts'] - 1}."
     other = _edited(tmp_path, cfg, tensors,
                     lambda k, v: -v if ".experts." in k and first not in k and last not in k else v)
-    with pytest.raises(ValueError, match=r"a\.npz: these weights continue the saved state otherwise .* off by"):
+    with pytest.raises(ValueError, match=r"a\.npz was saved from a different model .*experts: the routed experts' values differ"):
         ke.Session.load_state(path, other)
 
 
@@ -152,3 +152,22 @@ def test_a_cache_shared_by_checkpoints_is_saved_once(tmp_path):
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(ValueError, match=r"saved ckpt3 layer \d+ names 'ckpt999' as the holder of its cache"):
         ke.Session.load_state(tmp_path / "bad.npz", w)
+
+
+def test_a_config_that_differs_is_named_by_key_and_files_from_before_load(saved, tmp_path):
+    """A copy whose config differs only in rms_norm_eps was refused naming two hashes; the keys are named now. A file
+    written before the expert samples and the config values were kept loads as before."""
+    import json
+
+    w, s, path, cfg, tensors = saved
+    other = ke.from_pretrained(save_checkpoint(tmp_path / "eps", {**cfg, "rms_norm_eps": 2e-5}, tensors))
+    with pytest.raises(ValueError, match=r"\(config: rms_norm_eps 1e-05 in the file, 2e-05 here\)"):
+        ke.Session.load_state(path, other)
+    z = dict(np.load(path))
+    header = json.loads(str(z["header"]))
+    for key in ("experts", "config_values"):
+        del header["fingerprint"][key]
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "old.npz", **z)
+    old = ke.Session.load_state(tmp_path / "old.npz", w)
+    assert np.array_equal(old.step(9), s.fork().step(9))

@@ -219,14 +219,15 @@ class RayPipeline(LayerSequence):
         """Each stage's `memory_report()` (bytes resident in that stage's process or GPU)."""
         return [d["memory"] for d in self._get([s.actor.describe.remote() for s in self.stages], self.stages)]
 
-    def weight_samples(self) -> tuple[dict, list]:
-        """(global tensors' samples, every layer tensor's samples in layer order), as in one process
-        (`weights_fingerprint`)."""
-        globals_, layers = {}, []
-        for g, lay in self._get([s.actor.weight_samples.remote() for s in self.stages], self.stages):
+    def weight_samples(self) -> tuple[dict, list, list]:
+        """(global tensors' samples, every layer tensor's samples in layer order, the small expert banks' samples
+        in layer order), as in one process (`weights_fingerprint`)."""
+        globals_, layers, experts = {}, [], []
+        for g, lay, ex in self._get([s.actor.weight_samples.remote() for s in self.stages], self.stages):
             globals_.update(g)
             layers += lay
-        return globals_, layers
+            experts += ex
+        return globals_, layers, experts
 
     def head(self) -> OutputHead:
         """The output head (output mix score, final norm, lm_head) copied from the last stage to this

@@ -134,7 +134,7 @@ class Stage:
         return tuple(np.array(to_numpy(np.asarray(a) if on_host(w.xp) else a), copy=True)
                      for a in (w.output_attn_res_score, w.norm, w.lm_head))
 
-    def weight_samples(self) -> tuple[dict, list]:
+    def weight_samples(self) -> tuple[dict, list, list]:
         return self.weights.weight_samples()
 
     # ------------------------------------------------------------------ hooks and recording

@@ -10,9 +10,10 @@ its capacity, the rest zeros on loading; a cache that checkpoints share, once, a
 positions, the others naming that holder, `cache_of`), `logits` [T, V], the `probe` logits, and each record
 as `rec/{key}/flat` + `rec/{key}/shapes` (records may change shape from token to token).
 
-The fingerprint (config hash, layer ids, dtype, a hash of a strided sample of every weight
-tensor) makes loading into a different model fail with what differs instead of diverging. A sample
-misses an edit elsewhere (one expert changed, one value), so the file also holds `probe`: the logits
+The fingerprint (config hash and values, layer ids, dtype, a hash of a strided sample of every weight
+tensor, and of every expert of a small bank: `model.fingerprint`) makes loading into a different model fail
+with what differs instead of diverging. A sample misses an edit elsewhere (one value; an expert of a
+K3-sized bank, where only the ends are sampled), so the file also holds `probe`: the logits
 of PROBE_TOKEN decoded from the saved state by the weights that saved it; loading decodes it again
 and refuses weights that continue the state otherwise (beyond PROBE_RTOL: other options or another
 device round differently, another model does not agree).
@@ -420,19 +421,23 @@ def _cache_from(z, lay: dict, key: str, j: int, name: str, kw: dict):
 
 
 def weights_fingerprint(weights) -> dict:
-    """Config, layer ids, dtype and a hash of a sample of every weight tensor (cheap even for K3).
+    """Config (hash and values), layer ids, dtype, a hash of a sample of every weight tensor and one of every expert of
+    the small banks (`model.fingerprint`; cheap even for K3).
 
     A pipeline's samples (gathered from its stages) equal those of the same checkpoint loaded in one
     process, so a session file moves between the two."""
     cfg = dataclasses.asdict(weights.config)
     del cfg["num_nextn_predict_layers"]  # MTP layers are never read: files saved before the field existed still load
     cfg = json.dumps(cfg, sort_keys=True, default=str)
-    global_samples, layer_samples = weights.weight_samples()
-    h = hashlib.sha256()
-    for sample in [global_samples[k] for k in GLOBAL_TENSORS] + layer_samples:
+    global_samples, layer_samples, expert_samples = weights.weight_samples()
+    h, e = hashlib.sha256(), hashlib.sha256()
+    for sample in [global_samples[k] for k in GLOBAL_TENSORS if k in global_samples] + layer_samples:
         h.update(sample)
+    for sample in expert_samples:
+        e.update(sample)
     return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "layer_ids": [int(i) for i in weights.layer_ids],
-            "dtype": np.dtype(weights.dtype).name, "weights": h.hexdigest()[:16]}
+            "dtype": np.dtype(weights.dtype).name, "weights": h.hexdigest()[:16], "experts": e.hexdigest()[:16],
+            "config_values": json.loads(cfg)}
 
 
 def probe_logits(weights, state) -> np.ndarray:
@@ -453,12 +458,26 @@ def _check_probe(path, saved: np.ndarray, here: np.ndarray) -> None:
                          "file with the weights it was saved with")
 
 
+def _differs(key: str, saved: dict, here: dict) -> str:
+    """How the fingerprints' `key` differs, in words: the config's keys by name where the file holds its values."""
+    if key == "experts":
+        return "experts: the routed experts' values differ (file {!r}, weights {!r})".format(saved[key], here[key])
+    old, new = saved.get("config_values"), here.get("config_values")
+    if key == "config" and isinstance(old, dict):
+        names = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        return "config: " + ", ".join(f"{k} {old.get(k)!r} in the file, {new.get(k)!r} here" for k in names[:6]) + \
+            (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return f"{key}: file {saved.get(key)!r}, weights {here.get(key)!r}"
+
+
 def _check_fingerprint(path, saved: dict, here: dict) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: the header's fingerprint is {saved!r:.80}, expected {{config, layer_ids, dtype, "
                          "weights}} (the file is damaged)")
-    diff = [k for k in ("config", "layer_ids", "dtype", "weights") if saved.get(k) != here.get(k)]
+    # "experts" (every expert of a small bank) and "config_values" came later: a file without them is checked without
+    keys = ("config", "layer_ids", "dtype", "weights") + (("experts",) if "experts" in saved else ())
+    diff = [k for k in keys if saved.get(k) != here.get(k)]
     if diff:
-        parts = "; ".join(f"{k}: file {saved.get(k)!r}, weights {here.get(k)!r}" for k in diff)
+        parts = "; ".join(_differs(k, saved, here) for k in diff)
         raise ValueError(f"{path} was saved from a different model than these weights ({parts}). "
                          "Load it with the same checkpoint, layers= and dtype= it was saved with.")

@@ -192,7 +192,7 @@ class KimiDecoderWeights(LayerSequence):
         raise TypeError("Session.recover() is for sessions over a RayPipeline, whose stages can be lost; these "
                         "weights live in this process")
 
-    def weight_samples(self) -> tuple[dict, list]:
+    def weight_samples(self) -> tuple[dict, list, list]:
         """Samples of every weight tensor for a session file's fingerprint (`model.fingerprint`)."""
         from .fingerprint import weight_samples
 
