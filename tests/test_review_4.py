@@ -301,3 +301,36 @@ def test_a_session_file_refuses_a_copy_with_two_experts_swapped(tmp_path):
     assert np.abs(a.logits - b.logits).max() > 0.5  # a different model
     with pytest.raises(ValueError, match=r"s\.npz was saved from a different model .*experts: the routed experts' values"):
         Session.load_state(path, swapped)
+
+
+def test_generate_stop_tokens_of_any_iterable_and_sampling_at_any_temperature(trained_weights):
+    """stop_tokens=map(...) or a generator never stopped (`in` used the iterator up at the first token), and ids
+    that can never be generated were accepted; temperature=1e-310 and a hook's +inf logit sampled NaN probabilities."""
+    s = Session(trained_weights)
+    s.feed(b"def f(x):\n    return")
+    want = s.fork().generate(30, stop_tokens=[ord("\n")])
+    assert want[-1] == ord("\n") and len(want) < 30
+    for stops in (map(ord, "\n"), iter([10]), (t for t in [10]), np.array([10])):
+        assert s.fork().generate(30, stop_tokens=stops) == want
+    for bad in ([b"\n"], [1000], [-1], [True]):
+        with pytest.raises(ValueError, match=r"stop_tokens holds .*, not a token id in 0\.\.255"):
+            s.fork().generate(3, stop_tokens=bad)
+    assert s.fork().generate(5, temperature=1e-310, seed=0) == s.fork().generate(5)  # a tiny temperature: greedy
+    hot = s.fork()
+    hot.hooks.add("logits", lambda v, hook: np.where(np.arange(v.shape[-1]) == 7, np.inf, v))
+    assert hot.generate(3, temperature=1.0, seed=0)[1:] == [7, 7]  # (the first reads the logits from before the hook)
+
+
+def test_feed_refuses_unordered_ids_and_load_state_its_calling_mistakes(tiny_weights, tmp_path):
+    """feed(set(...)) and feed(dict) decoded their ids reordered; load_state(path, 'a/path') read the file first and
+    raised AttributeError; load_state('x') after save_state('x') (which wrote x.npz) said 'no such file'."""
+    s = Session(tiny_weights)
+    for ids in (set(b"zab"), {122: 0, 97: 1}, frozenset([1, 2])):
+        with pytest.raises(TypeError, match=r"Session.feed: token_ids is a \w+, which has no order"):
+            s.feed(ids)
+    assert len(s) == 0
+    s.feed([1, 2, 3])
+    written = s.save_state(tmp_path / "x")
+    assert written.name == "x.npz" and Session.load_state(tmp_path / "x", tiny_weights).tokens == [1, 2, 3]
+    with pytest.raises(TypeError, match=r"load_state: weights: .*got str \(a path: load it with ke.from_pretrained"):
+        Session.load_state(written, str(ke.tiny_checkpoint()))

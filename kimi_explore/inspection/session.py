@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
+from collections.abc import Mapping, Set
 from pathlib import Path
 
 import numpy as np
@@ -270,6 +271,9 @@ class Session:
         elif not hasattr(token_ids, "__iter__") or getattr(token_ids, "ndim", 1) == 0:
             raise TypeError(f"Session.feed: token_ids must be a sequence of token ids (or text, with a tokenizer), got "
                             f"{token_ids!r} ({type(token_ids).__name__}); session.step(id) decodes one token")
+        elif isinstance(token_ids, (Set, Mapping)):  # no order of their own: the text would come out reordered
+            raise TypeError(f"Session.feed: token_ids is a {type(token_ids).__name__}, which has no order (feeding it "
+                            "would decode its ids reordered); give a list or an array")
         ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
         chunk = default_chunk(self.weights.config) if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
@@ -324,6 +328,12 @@ class Session:
         if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
             raise TypeError(f"Session.generate: stop_tokens must be a collection of token ids, got {stop_tokens!r}; "
                             f"one stop token t: stop_tokens=({stop_tokens!r},)")
+        stop_tokens = list(stop_tokens)  # (an iterator, once: `in` would use it up at the first token)
+        V = self.weights.config.vocab_size
+        bad = [t for t in stop_tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < V]
+        if bad:  # never generated: the stop would never come
+            raise ValueError(f"Session.generate: stop_tokens holds {bad[0]!r}, not a token id in 0..{V - 1}")
+        stops = {int(t) for t in stop_tokens}
         if not self._logits:
             raise ValueError("Session.generate: feed a prompt first (session.feed(ids)); there are no logits to continue from")
         rng = np.random.default_rng(seed)
@@ -334,12 +344,10 @@ class Session:
             if temperature == 0:
                 tid = int(np.argmax(logits))
             else:
-                z = logits.astype(np.float64) / temperature
-                p = np.exp(z - z.max())
-                tid = int(rng.choice(p.shape[0], p=p / p.sum()))
+                tid = int(rng.choice(logits.shape[0], p=sampling_probabilities(logits, temperature)))
             self._step(tid, generated=True)
             out.append(tid)
-            if tid in stop_tokens:
+            if tid in stops:
                 break
         return out
 
@@ -644,6 +652,11 @@ class Session:
         device); other options (say weight_dtype="bfloat16") continue it to rounding.
 
         recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
+        if not hasattr(weights, "config"):  # before the file is read (the Session's own check comes after)
+            raise TypeError(f"Session.load_state: weights: expected the model from ke.from_pretrained(...) or a "
+                            f"ke.RayPipeline, got {type(weights).__name__}" + (
+                                " (a path: load it with ke.from_pretrained(path) first)"
+                                if isinstance(weights, (str, Path)) else ""))
         snap, saved = load_session(path, weights)
         check_tokenizer(path, saved.tokenizer, tokenizer)
         if recorder is True:
@@ -654,6 +667,19 @@ class Session:
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
+
+
+def sampling_probabilities(logits, temperature: float) -> np.ndarray:
+    """softmax(logits / temperature) in float64, for any temperature > 0: shifted by the max before dividing (a tiny
+    temperature made inf - inf = NaN), and +inf logits share all the probability."""
+    z = logits.astype(np.float64)
+    top = z.max()
+    if top == np.inf:
+        p = (z == np.inf).astype(np.float64)
+    else:
+        with np.errstate(over="ignore", under="ignore"):
+            p = np.exp((z - top) / temperature)  # 1 at the max, the rest in [0, 1]
+    return p / p.sum()
 
 
 def refuse_nan_logits(logits, t: int, what: str) -> None:

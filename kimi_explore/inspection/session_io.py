@@ -133,7 +133,11 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
     Everything is read and checked before anything is built: the fingerprint, then that the parts agree
     with each other and with `weights` (T tokens in the vocabulary, [T, vocab] logits of the weights'
     dtype, states at the right positions with every array's shape and dtype, records that split into
-    their rows). A file that fails any check is refused with what it holds against what was expected."""
+    their rows). A file that fails any check is refused with what it holds against what was expected. A path
+    without `.npz` that names no file reads PATH.npz, the name `save_session` gave it."""
+    path = Path(path)
+    if not path.exists() and path.suffix != ".npz" and path.with_name(path.name + ".npz").is_file():
+        path = path.with_name(path.name + ".npz")
     with NpzReader(path, "session state") as z:
         header = z.header(READS, required=HEADER_KEYS)
         _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
