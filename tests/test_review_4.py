@@ -334,3 +334,29 @@ def test_feed_refuses_unordered_ids_and_load_state_its_calling_mistakes(tiny_wei
     assert written.name == "x.npz" and Session.load_state(tmp_path / "x", tiny_weights).tokens == [1, 2, 3]
     with pytest.raises(TypeError, match=r"load_state: weights: .*got str \(a path: load it with ke.from_pretrained"):
         Session.load_state(written, str(ke.tiny_checkpoint()))
+
+
+def test_the_explorers_all_layers_mask_skips_mixes_of_the_current_sum_alone():
+    """On layers 4..7 the panel's 'all' refused 'current' ("would leave no source at layer 4 ffn, layer 5 ffn") where
+    mask_sources("all", ...) now skips those mixes. The KL shown is that of a session stepped with that mask."""
+    w = ke.from_pretrained(ke.tiny_checkpoint(), layers=range(4, 8))
+    s = Session(w, tokenizer=ke.ByteTokenizer())
+    for x in b"def f(x):":
+        s.step(x)
+    ex = Explorer(s, tab="Predictions")
+    ex.select(token=8, layer=7)
+    ex.ablation.what.value = "block sources"
+    ex.ablation.experts.value = "current"
+    ex.ablation.layers.value = "all"
+    ex.ablation.button.click()
+    note = ex.ablation.note.value
+    assert "color:#b00" not in note and "no source" not in note, note
+    masked = Session(w)
+    for x in b"def f(x)":
+        masked.step(x)
+    from kimi_explore.inspection import interventions as iv
+
+    with masked.intervene(iv.mask_sources("all", "both", "current")):
+        masked.step(ord(":"))
+    p, q = (np.exp(v - v.max()) / np.exp(v - v.max()).sum() for v in (s.logits_at(8), masked.logits_at(8)))
+    assert f"KL at token 8 {float(np.sum(p * np.log(p / q))):.4g}" in note

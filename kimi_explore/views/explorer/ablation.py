@@ -199,6 +199,9 @@ class Ablation:
             known = set(hook_names(ex.session.weights))
             sites = ("attn", "ffn") if site == "both" else (site,)
             at = {x: [i for i in layers if f"layers.{i}.attn_res.{x}.weights" in known] for x in sites}
+            if self.layers.value.strip().lower() == "all":  # as mask_sources("all"): a mix of the current sum alone
+                one = ex.trace(window=slice(t, t + 1))  # (a subset's layers before its first push) mixes nothing
+                at = {x: [i for i in ls if one[f"layers.{i}.attn_res.{x}.weights"].shape[-1] > 1] for x, ls in at.items()}
             if not any(at.values()):
                 raise ValueError(f"layers {layers} have no {site} mix (layer 0's attention reads the embedding "
                                  "alone): pick 'ffn:' or a later layer")
@@ -255,18 +258,6 @@ class Ablation:
                              "masking it would change nothing: pick a later layer")
         return f"; {name} is not read at {', '.join(absent)} (not sealed yet there): nothing masked there" if absent else ""
 
-    def _baseline(self, start: int, stop: int):
-        """(`baseline(session, start, stop)`, `_unrepeated(...)`) for the last range ablated, kept until the history
-        or the hooks that decode it change: each is a re-decode of the range, the same for every ablation of it."""
-        s = self.ex.session
-        hooks = tuple(s.hooks.handles()) + (tuple(s.recorder.hooks.handles()) if s.recorder is not None else ())
-        key = (start, stop, tuple((h.fn, h.pattern, h.names_filter, h.chunks) for h in hooks))
-        kept = self.ex.history_memo("ablation baseline", dict)  # dropped with the history
-        if kept.get("key") != key:
-            base = baseline(s, start, stop)  # decoded as the fork will be: the differences are the ablation's alone
-            kept.update(key=key, value=(base, _unrepeated(s, base, start, stop)))
-        return kept["value"]
-
     def _positions(self, t: int):
         return {SCOPES[0]: t, SCOPES[1]: list(range(t, len(self.ex.session))), SCOPES[2]: None}[self.scope.value]
 
@@ -292,7 +283,8 @@ class Ablation:
                                  "'ablated' would mix those hooks' effect into the ablation. Pick a token and scope that "
                                  "cover no such token, or decode the history again under the hooks (e.g. a fresh "
                                  "Session(weights, hooks=...) fed session.tokens)", error=True)
-        base, unrepeated = self._baseline(start, stop)
+        base = baseline(s, start, stop)  # decoded as the fork will be: the differences are the ablation's alone
+        unrepeated = _unrepeated(s, base, start, stop)
         if unrepeated:  # the fork would re-decode them under other hooks: 'as run' vs 'ablated' would mix in undoing them
             one = len(unrepeated) == 1
             return self._say(f"cannot ablate: {_tokens_named(unrepeated)} {'was' if one else 'were'} decoded under hooks "
