@@ -360,3 +360,14 @@ def test_the_explorers_all_layers_mask_skips_mixes_of_the_current_sum_alone():
         masked.step(ord(":"))
     p, q = (np.exp(v - v.max()) / np.exp(v - v.max()).sum() for v in (s.logits_at(8), masked.logits_at(8)))
     assert f"KL at token 8 {float(np.sum(p * np.log(p / q))):.4g}" in note
+
+
+def test_a_refusal_repeated_keeps_its_red_line(tiny_weights):
+    """Step twice on an empty prompt: the second click wrote the same red line again, which read as 'the action wrote
+    nothing', and the status went back to normal. A red line goes only when a later action succeeds silently."""
+    ex = Explorer(Session(tiny_weights, tokenizer=ke.ByteTokenizer()), prompt="")
+    for _ in range(2):
+        ex.step_button.click()
+        assert "color:#b00" in ex.status.value and "type a prompt first" in ex.status.value
+    ex.prompt.value = "ab"  # a silent success (reading the prompt) puts the line back
+    assert "color:#b00" not in ex.status.value

@@ -116,6 +116,7 @@ class Explorer(widgets.VBox):
         self._prompt_memo: tuple = (None, [])  # ((mode, text), ids): the prompt is parsed once per edit
         self._note = ""  # what the last action did to the history, for the status line
         self._acting = False  # True while `_busy` runs an action
+        self._status_writes = 0  # how many times the status line was written
         self._quiet = False  # True while `_history_changed` moves the token slider
         self._keep_box = False  # True while the text/ids toggle is put back (no conversion of the box)
 
@@ -292,10 +293,10 @@ class Explorer(widgets.VBox):
         if self._acting:
             return action()
         self._acting, self.busy.value = True, BUSY
-        shown = self.status.value
+        writes = self._status_writes
         try:
             action()
-            if self.status.value == shown and "color:#b00" in shown:  # a red line from an earlier action
+            if self._status_writes == writes and "color:#b00" in self.status.value:  # an earlier action's red line
                 self._update_status()
         except Exception as e:  # the UI's edge: the error goes to the user instead of ipywidgets' log
             self._failed(what, e, tell)
@@ -599,6 +600,7 @@ class Explorer(widgets.VBox):
                          + (f" &middot; <i>{html.escape(note, quote=False)}</i>" if note else ""))
 
     def _set_status(self, inner: str) -> None:
+        self._status_writes += 1  # (`_busy` tells an action that wrote nothing from one that wrote the same line again)
         self.status.value = f"<span class='kimi-status' style='{STATUS_CSS}'>{inner}</span>"
 
     def _error(self, message: str) -> None:
