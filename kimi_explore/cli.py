@@ -210,7 +210,7 @@ def _label(tok, i: int) -> str:
 def run(args) -> int:
     from . import KimiDecodeState, kimi_forward_token
     from .backend import to_numpy
-    from .inspection.session import refuse_nan_logits
+    from .inspection.session import refuse_unchoosable
     from .model.latent_moe import LatentMoeWeights
 
     weights, path, load_s = load_model(args)
@@ -247,7 +247,7 @@ def run(args) -> int:
         print(f"{step:>4}{mark:1} {_label(tok, t):<14} {times[-1]:7.2f}   {preds}")
         step += 1
         if step == len(history) and step < len(ids) + args.generate:
-            refuse_nan_logits(logits, step - 1, "kimi-explore --generate")
+            refuse_unchoosable(logits, step - 1, "kimi-explore --generate")
             history.append(int(top[0]))
     print(f"\n{len(times)} tokens, median {np.median(times):.2f} ms/token "
           f"(first {times[0]:.2f} ms){'; + marks generated tokens' if args.generate else ''}")

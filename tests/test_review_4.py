@@ -371,3 +371,20 @@ def test_a_refusal_repeated_keeps_its_red_line(tiny_weights):
         assert "color:#b00" in ex.status.value and "type a prompt first" in ex.status.value
     ex.prompt.value = "ab"  # a silent success (reading the prompt) puts the line back
     assert "color:#b00" not in ex.status.value
+
+
+def test_sampling_with_masked_logits_at_an_infinite_temperature_and_all_ids_masked(trained_weights):
+    """-inf logits at temperature=inf gave -inf/inf = NaN probabilities; logits all -inf generated id 0 greedily (and
+    a NaN error from numpy when sampling). Masked ids get no probability at any temperature; all masked is refused."""
+    s = Session(trained_weights)
+    s.feed(b"def f(x):")
+    s.hooks.add("logits", lambda v, hook: np.where(np.arange(v.shape[-1]) < 100, -np.inf, v))
+    s.step(ord(" "))
+    got = s.fork().generate(3, temperature=float("inf"), seed=0)
+    assert all(t >= 100 for t in got)
+    s.hooks.clear()
+    s.hooks.add("logits", lambda v, hook: np.full_like(v, -np.inf))
+    s.step(ord("r"))
+    for temperature in (0.0, 1.0):
+        with pytest.raises(FloatingPointError, match=r"Session.generate: the logits after token 10 are all -inf"):
+            s.fork().generate(1, temperature=temperature)

@@ -340,7 +340,7 @@ class Session:
         out = []
         for _ in range(n):
             logits = self._logits[-1]
-            refuse_nan_logits(logits, len(self._logits) - 1, "Session.generate")
+            refuse_unchoosable(logits, len(self._logits) - 1, "Session.generate")
             if temperature == 0:
                 tid = int(np.argmax(logits))
             else:
@@ -671,26 +671,32 @@ class Session:
 
 def sampling_probabilities(logits, temperature: float) -> np.ndarray:
     """softmax(logits / temperature) in float64, for any temperature > 0: shifted by the max before dividing (a tiny
-    temperature made inf - inf = NaN), and +inf logits share all the probability."""
+    temperature made inf - inf = NaN), +inf logits share all the probability, -inf ones get none (also at an infinite
+    temperature, where the finite ones share it evenly). The logits hold a finite or +inf value (`refuse_unchoosable`)."""
     z = logits.astype(np.float64)
     top = z.max()
     if top == np.inf:
         p = (z == np.inf).astype(np.float64)
     else:
+        p = np.zeros_like(z)
+        live = z > -np.inf
         with np.errstate(over="ignore", under="ignore"):
-            p = np.exp((z - top) / temperature)  # 1 at the max, the rest in [0, 1]
+            p[live] = np.exp((z[live] - top) / temperature)  # 1 at the max, the rest in [0, 1]
     return p / p.sum()
 
 
-def refuse_nan_logits(logits, t: int, what: str) -> None:
-    """Before choosing a token from the logits after token t: argmax (or a sample) of NaN logits would return the
-    first NaN's id, a token chosen from nothing."""
+def refuse_unchoosable(logits, t: int, what: str) -> None:
+    """Before choosing a token from the logits after token t: argmax (or a sample) of NaN logits, or of logits all
+    -inf, would return id 0 or the first NaN's, a token chosen from nothing."""
     nan = np.isnan(logits)
     if nan.any():
         raise FloatingPointError(
             f"{what}: the logits after token {t} hold NaN ({int(nan.sum())} of {logits.size}, the first at id "
             f"{int(np.flatnonzero(nan)[0])}): no token to choose; find where it entered with a Recorder (the first "
             "non-finite record) before generating")
+    if not (logits > -np.inf).any():
+        raise FloatingPointError(f"{what}: the logits after token {t} are all -inf (a hook masked every id?): no token "
+                                 "to choose")
 
 
 def _refuse_other_records(recorder, snap: SessionSnapshot, what: str, fix: tuple[str, str]) -> None:

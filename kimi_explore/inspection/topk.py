@@ -3,6 +3,8 @@ predictions, the logit lens). Works on NumPy or CuPy arrays alike."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from .._xp import array_namespace
 from ..backend import on_host
 
@@ -50,5 +52,6 @@ def top_predictions(logits, k: int):
     """logits [..., V] -> (top_ids, their softmax probabilities [..., k])."""
     xp = array_namespace(logits)
     ids = top_ids(logits, k)
-    e = xp.exp(logits - xp.take_along_axis(logits, ids[..., :1], axis=-1))  # the top logit is the max
+    with np.errstate(invalid="ignore"):  # logits all -inf (a hook masked every id): NaN probabilities, as softmax's
+        e = xp.exp(logits - xp.take_along_axis(logits, ids[..., :1], axis=-1))  # the top logit is the max
     return ids, xp.take_along_axis(e, ids, axis=-1) / e.sum(axis=-1, keepdims=True)
