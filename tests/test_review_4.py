@@ -299,7 +299,7 @@ def test_a_session_file_refuses_a_copy_with_two_experts_swapped(tmp_path):
     a.feed(b"def foo(x):\n    return x + 1\n")
     b.feed(b"def foo(x):\n    return x + 1\n")
     assert np.abs(a.logits - b.logits).max() > 0.5  # a different model
-    with pytest.raises(ValueError, match=r"s\.npz was saved from a different model .*experts: the routed experts' values"):
+    with pytest.raises(ValueError, match=r"s\.npz was saved from a different model .*weights: sampled values differ"):
         Session.load_state(path, swapped)
 
 
@@ -388,3 +388,36 @@ def test_sampling_with_masked_logits_at_an_infinite_temperature_and_all_ids_mask
     for temperature in (0.0, 1.0):
         with pytest.raises(FloatingPointError, match=r"Session.generate: the logits after token 10 are all -inf"):
             s.fork().generate(1, temperature=temperature)
+
+
+def test_session_files_compare_config_values_and_read_minus_zero_as_zero(tmp_path):
+    """A copy whose config said 4 for 4.0 (bit-identical logits) was refused with an empty reason ('config: '); a
+    nested key that differs was named as two whole dicts; a file saved over the MXFP4 safetensors of engines set d
+    was refused by its f32-experts GGUF (bit-identical logits: MXFP4 dequantises to -0.0 where the GGUF holds 0.0)."""
+    import shutil
+
+    data = Path(__file__).parent / "data" / "engines" / "d"
+    w = ke.from_pretrained(ke.tiny_checkpoint())
+    s = Session(w)
+    s.feed(b"def f(x):")
+    path = s.save_state(tmp_path / "s.npz")
+
+    def copy_with(name, edit):
+        out = tmp_path / name
+        shutil.copytree(ke.tiny_checkpoint(), out)
+        c = json.loads((out / "config.json").read_text())
+        edit(c["text_config"])
+        (out / "config.json").write_text(json.dumps(c))
+        return ke.from_pretrained(out)
+
+    as_int = copy_with("int", lambda tc: tc.update(activation_situ_beta=4))
+    assert np.array_equal(Session.load_state(path, as_int).step(5), s.fork().step(5))
+    lower = copy_with("lb", lambda tc: tc["linear_attn_config"].update(gate_lower_bound=-4.0))
+    with pytest.raises(ValueError, match=r"\(config: linear_attn_config.gate_lower_bound -5.0 in the file, -4.0 here\)"):
+        Session.load_state(path, lower)
+    mx = ke.from_pretrained(data / "tiny_k3")
+    gguf = ke.from_pretrained(data / "llamacpp" / "model-f32experts.gguf")
+    a = Session(mx)
+    a.feed([1, 2, 3])
+    moved = Session.load_state(a.save_state(tmp_path / "d.npz"), gguf)
+    assert np.array_equal(moved.step(4), a.fork().step(4))

@@ -425,8 +425,10 @@ def _cache_from(z, lay: dict, key: str, j: int, name: str, kw: dict):
 
 
 def weights_fingerprint(weights) -> dict:
-    """Config (hash and values), layer ids, dtype, a hash of a sample of every weight tensor and one of every expert of
-    the small banks (`model.fingerprint`; cheap even for K3).
+    """What a session file checks its weights by (`model.fingerprint`; cheap even for K3): the config's values, layer
+    ids, dtype, and `values`, a hash of a strided sample of every weight tensor and of every expert of the small banks,
+    with -0.0 read as 0.0 (an MXFP4 expert dequantises to -0.0 where an f32 GGUF of it holds 0.0: the same model).
+    `config` and `weights` are the hashes files before `values` were checked by (raw bytes, ends of each bank only).
 
     A pipeline's samples (gathered from its stages) equal those of the same checkpoint loaded in one
     process, so a session file moves between the two."""
@@ -434,14 +436,15 @@ def weights_fingerprint(weights) -> dict:
     del cfg["num_nextn_predict_layers"]  # MTP layers are never read: files saved before the field existed still load
     cfg = json.dumps(cfg, sort_keys=True, default=str)
     global_samples, layer_samples, expert_samples = weights.weight_samples()
-    h, e = hashlib.sha256(), hashlib.sha256()
-    for sample in [global_samples[k] for k in GLOBAL_TENSORS if k in global_samples] + layer_samples:
-        h.update(sample)
-    for sample in expert_samples:
-        e.update(sample)
-    return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "layer_ids": [int(i) for i in weights.layer_ids],
-            "dtype": np.dtype(weights.dtype).name, "weights": h.hexdigest()[:16], "experts": e.hexdigest()[:16],
-            "config_values": json.loads(cfg)}
+    samples = [global_samples[k] for k in GLOBAL_TENSORS if k in global_samples] + layer_samples
+    legacy, values = hashlib.sha256(), hashlib.sha256()
+    for sample in samples:
+        legacy.update(sample.tobytes())
+    for sample in samples + expert_samples:
+        values.update((sample + 0.0).tobytes())  # -0.0 + 0.0 is 0.0
+    return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "config_values": json.loads(cfg),
+            "layer_ids": [int(i) for i in weights.layer_ids], "dtype": np.dtype(weights.dtype).name,
+            "weights": legacy.hexdigest()[:16], "values": values.hexdigest()[:16]}
 
 
 def probe_logits(weights, state) -> np.ndarray:
@@ -462,12 +465,20 @@ def _check_probe(path, saved: np.ndarray, here: np.ndarray) -> None:
                          "file with the weights it was saved with")
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1}: a nested config's keys as the messages name them."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def _differs(key: str, saved: dict, here: dict) -> str:
     """How the fingerprints' `key` differs, in words: the config's keys by name where the file holds its values."""
-    if key == "experts":
-        return "experts: the routed experts' values differ (file {!r}, weights {!r})".format(saved[key], here[key])
-    old, new = saved.get("config_values"), here.get("config_values")
-    if key == "config" and isinstance(old, dict):
+    if key == "values":
+        return f"weights: sampled values differ (file {saved[key]!r}, here {here[key]!r})"
+    if key == "config_values":
+        old, new = _flat(saved[key]), _flat(here[key])
         names = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         return "config: " + ", ".join(f"{k} {old.get(k)!r} in the file, {new.get(k)!r} here" for k in names[:6]) + \
             (f" and {len(names) - 6} more" if len(names) > 6 else "")
@@ -478,8 +489,10 @@ def _check_fingerprint(path, saved: dict, here: dict) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: the header's fingerprint is {saved!r:.80}, expected {{config, layer_ids, dtype, "
                          "weights}} (the file is damaged)")
-    # "experts" (every expert of a small bank) and "config_values" came later: a file without them is checked without
-    keys = ("config", "layer_ids", "dtype", "weights") + (("experts",) if "experts" in saved else ())
+    # a file from before `values` and `config_values` is checked by the hashes it holds; else by values, so that a
+    # config's 4 and 4.0 (the same model) agree
+    keys = ("config_values", "layer_ids", "dtype", "values") if "values" in saved and isinstance(
+        saved.get("config_values"), dict) else ("config", "layer_ids", "dtype", "weights")
     diff = [k for k in keys if saved.get(k) != here.get(k)]
     if diff:
         parts = "; ".join(_differs(k, saved, here) for k in diff)

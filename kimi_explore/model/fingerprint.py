@@ -25,15 +25,15 @@ BATCH = 64  # experts dequantised at once while sampling a small bank
 
 
 def weight_samples(weights) -> tuple[dict, list, list]:
-    """({global tensor: sample bytes} for those loaded, [sample bytes of each layer tensor, layer by layer],
-    [sample bytes of each expert matrix of the small banks, layer by layer])."""
+    """({global tensor: sample} for those loaded, [sample of each layer tensor, layer by layer], [sample of each
+    expert matrix of the small banks, layer by layer]); each sample a host float array of up to SAMPLES values."""
     xp = array_namespace(weights.layers[0].input_layernorm)
     globals_ = {k: _sample(getattr(weights, k)) for k in GLOBAL_TENSORS if getattr(weights, k) is not None}
     layers = [_sample(a) for layer in weights.layers for a in _arrays_of(layer, xp)]
     return globals_, layers, [s for layer in weights.layers for s in expert_samples(layer, xp)]
 
 
-def expert_samples(layer, xp) -> list[bytes]:
+def expert_samples(layer, xp) -> list[np.ndarray]:
     """Every expert's w13 and w2 sampled on its own, for a bank of at most SMALL_BANK dequantised values; else []."""
     bank = getattr(getattr(layer, "ffn", None), "experts", None)
     if bank is None:
@@ -54,9 +54,9 @@ def _dequantised(bank, ids, xp):
     return bank.dequantize(ids) if hasattr(bank, "dequantize") else bank.gather(xp.asarray(ids))
 
 
-def _sample(a) -> bytes:
+def _sample(a) -> np.ndarray:
     flat = a.reshape(-1)
-    return np.ascontiguousarray(to_numpy(flat[:: max(1, flat.shape[0] // SAMPLES)][:SAMPLES])).tobytes()
+    return np.ascontiguousarray(to_numpy(flat[:: max(1, flat.shape[0] // SAMPLES)][:SAMPLES]))
 
 
 def _arrays_of(layer, xp):
