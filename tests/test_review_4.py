@@ -120,6 +120,8 @@ def test_an_error_in_a_selection_callback_is_shown_not_lost(tiny_weights, monkey
     ex.token.value = 2  # no exception out of the trait change
     assert "Selecting a token failed: RuntimeError: the lens is down" in ex.status.value
     assert "color:#b00" in ex.status.value and isinstance(ex.last_error, RuntimeError)
+    with pytest.raises(RuntimeError, match="the lens is down"):  # called from code, an action raises
+        ex.select(token=4)
     monkeypatch.undo()
     ex.token.value = 3
     assert "failed" not in ex.status.value and ex.busy.value == ""

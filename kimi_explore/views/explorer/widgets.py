@@ -27,10 +27,12 @@ selects it everywhere. Only the open tab is updated (in place); the others when 
 The model runs only on Step, Play and the ablation (which forks: the main session is never touched).
 An error in a button's action or a selection's callback is shown in red on the status line ('Step failed:
 RuntimeError: ...'; `explorer.last_error` keeps it), not lost in ipywidgets' log; the Explorer stays usable.
+Called from code (`explorer.step()`, `select(...)`), the same actions raise.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 
 import ipywidgets as widgets
@@ -54,6 +56,19 @@ BUSY = "<span class='kimi-busy' style='color:#b35900;font-weight:600'>&#9203; ru
 # the records the views read (the specs, the text's measures, the ablation's run diff), at every layer with the site
 READS = ("attn_res.attn.weights", "attn_res.ffn.weights", "final.attn_res.weights", "kda.state", "moe.router.scores",
          "moe.router.topk_ids", "moe.router.topk_weights", "logits")
+
+
+def _from_code(method):
+    """A public action: called from code, the errors of the callbacks it fires raise out of it (a click shows them on
+    the status line instead: `Explorer._busy`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        acting, self._acting = self._acting, True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._acting = acting
+    return run
 
 
 def left_out(session) -> list[str]:
@@ -319,6 +334,7 @@ class Explorer(widgets.VBox):
             tell(message)
         self._error(message + " (explorer.last_error holds the traceback)")
 
+    @_from_code
     def step(self) -> None:
         """Decode one token (the next prompt token, or greedy) and show it."""
         self.sync()  # what is kept per token holds for the history the Explorer saw last: a change from outside first
@@ -334,6 +350,7 @@ class Explorer(widgets.VBox):
             return self._error("type a prompt first: there is nothing to decode yet")
         self._history_changed()
 
+    @_from_code
     def play(self) -> None:
         """Feed the rest of the prompt; if it is all in already, generate `play_tokens` greedily."""
         self.sync()
@@ -349,6 +366,7 @@ class Explorer(widgets.VBox):
             return self._error("type a prompt first: there is nothing to decode yet")
         self._history_changed()
 
+    @_from_code
     def back(self) -> None:
         """Drop the session's last token (exact)."""
         self.sync()
@@ -357,6 +375,7 @@ class Explorer(widgets.VBox):
             self.session.back()
         self._history_changed()
 
+    @_from_code
     def reset(self) -> None:
         self.sync()
         self._note = ""
@@ -381,6 +400,7 @@ class Explorer(widgets.VBox):
         self._set_status(self.status.value.split("'>", 1)[1].rsplit("</span>", 1)[0]
                          + f" &middot; snapshot written to <code>{html.escape(str(path.resolve()))}</code>")
 
+    @_from_code
     def select(self, token: int | None = None, layer: int | None = None) -> None:
         """Select a token and/or a layer in every view (what a click on one does). token: a history position,
         negative counting from the end (-1: the last token); IndexError outside the history. layer: a loaded
