@@ -423,3 +423,77 @@ def test_session_files_compare_config_values_and_read_minus_zero_as_zero(tmp_pat
     a.feed([1, 2, 3])
     moved = Session.load_state(a.save_state(tmp_path / "d.npz"), gguf)
     assert np.array_equal(moved.step(4), a.fork().step(4))
+
+
+def test_routing_stats_resume_compares_fingerprints_as_session_files_do(tmp_path):
+    """Resuming compared the fingerprints as JSON text: a checkpoint from before this version's fingerprint was refused
+    for the same model, and the f32-experts GGUF of the MXFP4 one (bit-identical) too, naming two equal prefixes."""
+    from kimi_explore.inspection.session_io import weights_fingerprint
+
+    data = Path(__file__).parent / "data" / "engines" / "d" / "llamacpp"
+    texts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    mx = ke.from_pretrained(data / "model-mxfp4.gguf")
+    f32 = ke.from_pretrained(data / "model-f32experts.gguf")
+    whole = ke.routing_stats(mx, texts, progress=False)
+    ke.routing_stats(mx, texts[:2], checkpoint=tmp_path / "a.npz", progress=False)
+    resumed = ke.routing_stats(f32, texts, checkpoint=tmp_path / "a.npz", progress=False)
+    assert np.array_equal(resumed.counts, whole.counts)
+    ke.routing_stats(mx, texts[:2], checkpoint=tmp_path / "old.npz", progress=False)
+    z = dict(np.load(tmp_path / "old.npz"))
+    old = {k: v for k, v in weights_fingerprint(mx).items() if k in ("config", "layer_ids", "dtype", "weights")}
+    header = json.loads(str(z["header"]))
+    assert json.loads(header["model"])["values"]  # the fingerprint as an older version wrote it: its four hashes alone
+    header["model"] = json.dumps(old, sort_keys=True)
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "old.npz", **z)
+    again = ke.routing_stats(mx, texts, checkpoint=tmp_path / "old.npz", progress=False)
+    assert np.array_equal(again.counts, whole.counts)
+    other = ke.from_pretrained(ke.tiny_checkpoint())
+    with pytest.raises(ValueError, match=r"a.npz: this routing-stats checkpoint was made with another model \(config: "):
+        ke.routing_stats(other, texts, checkpoint=tmp_path / "a.npz", progress=False)
+
+
+def test_a_session_file_with_an_experts_hash_is_checked_by_it(tmp_path):
+    """A file from before `values` that holds an `experts` hash (every expert of a small bank) was checked without it:
+    a copy with one expert's scales edited, which the probe token does not route to, loaded (0.34 off afterwards)."""
+    w = ke.from_pretrained(ke.tiny_checkpoint())
+    s = Session(w)
+    s.feed([1, 2, 3, 4, 5])
+    path = s.save_state(tmp_path / "s.npz")
+    z = dict(np.load(path))
+    header = json.loads(str(z["header"]))
+    del header["fingerprint"]["values"]  # as the version between wrote it: config, config_values, weights, experts
+    z["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "between.npz", **z)
+    assert Session.load_state(tmp_path / "between.npz", w).tokens == [1, 2, 3, 4, 5]
+
+    def edit(data):
+        name = "language_model.model.layers.3.block_sparse_moe.experts.1.w2.weight_scale"
+        if name in data:
+            data[name] = bytes((b + 2) % 256 for b in data[name])
+    with pytest.raises(ValueError, match=r"between.npz was saved from a different model .*weights: sampled values"):
+        Session.load_state(tmp_path / "between.npz", ke.from_pretrained(edited_copy(tmp_path, edit)))
+
+
+def test_the_explorers_other_public_actions_raise_from_code_and_huge_temperatures(tiny_weights, monkeypatch):
+    """sync(), ablate(), snapshot() and refresh() called from code showed a callback's error in red (snapshot also
+    raised it: reported twice); generate(temperature=10**400) raised a bare OverflowError."""
+    s = Session(tiny_weights, tokenizer=ke.ByteTokenizer())
+    s.feed("abcdef")
+    ex = Explorer(s)
+    ex.select(token=3)
+    real = ex.tab_views.refresh
+
+    def broken(tab, t, layer):
+        if t != len(s) - 1:
+            raise RuntimeError("the view is down")
+        return real(tab, t, layer)
+
+    monkeypatch.setattr(ex.tab_views, "refresh", broken)
+    for action in (ex.sync, ex.ablate, lambda: ex.snapshot(), ex.refresh):
+        s.step(7)  # changed outside: each action catches up, re-selects token 3, and its view fails
+        with pytest.raises(RuntimeError, match="the view is down"):
+            action()
+        assert "failed" not in ex.status.value
+    monkeypatch.undo()
+    assert s.fork().generate(2, temperature=10**400, seed=0)  # as hot as inf: a draw, not an OverflowError

@@ -63,7 +63,7 @@ import numpy as np
 from ..backend import set_blas_threads
 from ..inspection.npz_io import NpzReader, write_npz
 from ..inspection.recorder import Recorder
-from ..inspection.session_io import weights_fingerprint
+from ..inspection.session_io import fingerprint_differences, weights_fingerprint
 from ..model.kimi_decoder import token_indices
 from ..model.kimi_sequence import default_chunk
 
@@ -269,9 +269,15 @@ def _resume(path, weights, model: str, digests: list[str]) -> RoutingStats:
     if path is None or not Path(path).exists():
         return RoutingStats.empty(weights, model)
     stats = RoutingStats.load(path)
-    if stats.model != model:
-        raise ValueError(f"{path}: this routing-stats checkpoint was made with another model (fingerprint "
-                         f"{stats.model[:12]}..., these weights {model[:12]}...); use another checkpoint path")
+    try:
+        saved = json.loads(stats.model)
+    except ValueError:
+        saved = None
+    diff = fingerprint_differences(saved, json.loads(model)) if isinstance(saved, dict) else \
+        [f"its fingerprint is {stats.model!r:.60}, not one this version reads"]
+    if diff:
+        raise ValueError(f"{path}: this routing-stats checkpoint was made with another model ({'; '.join(diff)}); "
+                         "use another checkpoint path")
     done = stats.texts
     if digests[: len(done)] != done:
         first = next((i for i, (a, b) in enumerate(zip(digests, done, strict=False)) if a != b), len(digests))

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import weakref
 from collections.abc import Mapping, Set
 from pathlib import Path
@@ -325,6 +326,10 @@ class Session:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) or \
                 not temperature >= 0:  # NaN too
             raise ValueError(f"Session.generate: temperature must be a number >= 0, got {temperature!r}")
+        try:
+            temperature = float(temperature)
+        except OverflowError:  # an int past float's range (10**400): as hot as inf
+            temperature = math.inf
         if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
             raise TypeError(f"Session.generate: stop_tokens must be a collection of token ids, got {stop_tokens!r}; "
                             f"one stop token t: stop_tokens=({stop_tokens!r},)")
@@ -695,8 +700,7 @@ def refuse_unchoosable(logits, t: int, what: str) -> None:
             f"{int(np.flatnonzero(nan)[0])}): no token to choose; find where it entered with a Recorder (the first "
             "non-finite record) before generating")
     if not (logits > -np.inf).any():
-        raise FloatingPointError(f"{what}: the logits after token {t} are all -inf (a hook masked every id?): no token "
-                                 "to choose")
+        raise FloatingPointError(f"{what}: the logits after token {t} are all -inf: no token to choose")
 
 
 def _refuse_other_records(recorder, snap: SessionSnapshot, what: str, fix: tuple[str, str]) -> None:

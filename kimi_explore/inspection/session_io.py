@@ -428,7 +428,8 @@ def weights_fingerprint(weights) -> dict:
     """What a session file checks its weights by (`model.fingerprint`; cheap even for K3): the config's values, layer
     ids, dtype, and `values`, a hash of a strided sample of every weight tensor and of every expert of the small banks,
     with -0.0 read as 0.0 (an MXFP4 expert dequantises to -0.0 where an f32 GGUF of it holds 0.0: the same model).
-    `config` and `weights` are the hashes files before `values` were checked by (raw bytes, ends of each bank only).
+    `config`, `weights` and `experts` are the hashes files from before `values` are checked by (raw bytes; each bank's
+    ends, and its every expert where small).
 
     A pipeline's samples (gathered from its stages) equal those of the same checkpoint loaded in one
     process, so a session file moves between the two."""
@@ -437,14 +438,16 @@ def weights_fingerprint(weights) -> dict:
     cfg = json.dumps(cfg, sort_keys=True, default=str)
     global_samples, layer_samples, expert_samples = weights.weight_samples()
     samples = [global_samples[k] for k in GLOBAL_TENSORS if k in global_samples] + layer_samples
-    legacy, values = hashlib.sha256(), hashlib.sha256()
+    legacy, experts, values = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
     for sample in samples:
         legacy.update(sample.tobytes())
+    for sample in expert_samples:
+        experts.update(sample.tobytes())
     for sample in samples + expert_samples:
         values.update((sample + 0.0).tobytes())  # -0.0 + 0.0 is 0.0
     return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16], "config_values": json.loads(cfg),
             "layer_ids": [int(i) for i in weights.layer_ids], "dtype": np.dtype(weights.dtype).name,
-            "weights": legacy.hexdigest()[:16], "values": values.hexdigest()[:16]}
+            "weights": legacy.hexdigest()[:16], "experts": experts.hexdigest()[:16], "values": values.hexdigest()[:16]}
 
 
 def probe_logits(weights, state) -> np.ndarray:
@@ -475,7 +478,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _differs(key: str, saved: dict, here: dict) -> str:
     """How the fingerprints' `key` differs, in words: the config's keys by name where the file holds its values."""
-    if key == "values":
+    if key in ("values", "experts"):
         return f"weights: sampled values differ (file {saved[key]!r}, here {here[key]!r})"
     if key == "config_values":
         old, new = _flat(saved[key]), _flat(here[key])
@@ -485,16 +488,23 @@ def _differs(key: str, saved: dict, here: dict) -> str:
     return f"{key}: file {saved.get(key)!r}, weights {here.get(key)!r}"
 
 
+def fingerprint_differences(saved: dict, here: dict) -> list[str]:
+    """How a stored `weights_fingerprint` differs from these weights', in words ([]: the same model). A fingerprint
+    from before `values` and `config_values` is checked by the hashes it holds; else by values, so that a config's 4
+    and 4.0 (the same model) agree, as do an MXFP4 bank and its f32 copy."""
+    if "values" in saved and isinstance(saved.get("config_values"), dict):
+        keys = ("config_values", "layer_ids", "dtype", "values")
+    else:
+        keys = ("config", "layer_ids", "dtype", "weights") + (("experts",) if "experts" in saved else ())
+    return [_differs(k, saved, here) for k in keys if saved.get(k) != here.get(k)]
+
+
 def _check_fingerprint(path, saved: dict, here: dict) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: the header's fingerprint is {saved!r:.80}, expected {{config, layer_ids, dtype, "
                          "weights}} (the file is damaged)")
-    # a file from before `values` and `config_values` is checked by the hashes it holds; else by values, so that a
-    # config's 4 and 4.0 (the same model) agree
-    keys = ("config_values", "layer_ids", "dtype", "values") if "values" in saved and isinstance(
-        saved.get("config_values"), dict) else ("config", "layer_ids", "dtype", "weights")
-    diff = [k for k in keys if saved.get(k) != here.get(k)]
+    diff = fingerprint_differences(saved, here)
     if diff:
-        parts = "; ".join(_differs(k, saved, here) for k in diff)
+        parts = "; ".join(diff)
         raise ValueError(f"{path} was saved from a different model than these weights ({parts}). "
                          "Load it with the same checkpoint, layers= and dtype= it was saved with.")

@@ -27,7 +27,8 @@ selects it everywhere. Only the open tab is updated (in place); the others when 
 The model runs only on Step, Play and the ablation (which forks: the main session is never touched).
 An error in a button's action or a selection's callback is shown in red on the status line ('Step failed:
 RuntimeError: ...'; `explorer.last_error` keeps it), not lost in ipywidgets' log; the Explorer stays usable.
-Called from code (`explorer.step()`, `select(...)`), the same actions raise.
+Called from code (`explorer.step()`, `select(...)`, `sync()`, `ablate()`, `snapshot()`, `refresh()`), the same
+actions raise.
 """
 
 from __future__ import annotations
@@ -382,11 +383,13 @@ class Explorer(widgets.VBox):
         self.session.truncate(0)
         self._history_changed()
 
+    @_from_code
     def ablate(self):
         """Fork, re-decode the selected token without the chosen experts, plot both distributions.
         Returns the fork's logits for that token (None when the input is invalid)."""
         return self.ablation.run()
 
+    @_from_code
     def snapshot(self, path=None):
         """Write the open tab as drawn (selection, zoom) to one offline HTML file; returns its path."""
         return write_snapshot(self, path)
@@ -487,6 +490,7 @@ class Explorer(widgets.VBox):
                 runs.append([u, u + 1])
         return runs
 
+    @_from_code
     def sync(self) -> bool:
         """Catch up with a history changed outside the Explorer (`session.feed`, `generate`, `truncate` in
         another cell): every view, the slider and the per-history numbers are redone for the session as it
@@ -511,6 +515,7 @@ class Explorer(widgets.VBox):
         self.text.selected = min(self.token.value, len(self.session) - 1)
         self.refresh()
 
+    @_from_code
     def refresh(self, tab: int | None = None) -> None:
         """Update the open tab's views (or `tab`'s) for the selected token and layer."""
         self.sync()
@@ -525,6 +530,7 @@ class Explorer(widgets.VBox):
         rev = self.tab_views.tab_rev.get(self.tabs.selected_index, 0)  # what the open tab's views must show
         self.done.value = f"<span class='kimi-done' data-rev='{rev}' data-tokens='{n}'></span>"
 
+    @_from_code
     def refresh_all(self) -> None:
         """Draw every tab now (for exports, where hidden tabs are never opened)."""
         for tab in range(len(TABS)):
