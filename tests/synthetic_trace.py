@@ -25,6 +25,7 @@ class SyntheticTrace:
         S = n_pushes + 1
         self._labels = ["embedding", *[f"block {b}" for b in range(1, n_pushes)], "current"]
         w = np.full((n_tokens, n_layers, 2, S), np.nan)
+        self._site_records = {}
         pushed = 0
         for j, i in enumerate(self.layer_ids):
             # attn site sees the stack before this layer's push (absent while empty), ffn site after it
@@ -35,6 +36,7 @@ class SyntheticTrace:
                 p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
                 w[:, j, site, :n_stack] = p[:, :-1]
                 w[:, j, site, -1] = p[:, -1]
+                self._site_records[f"layers.{i}.attn_res.{('attn', 'ffn')[site]}.weights"] = p  # the mix's own columns
             pushed += i % block_size == 0
         self._attn_res = w
         f = np.exp(rng.normal(size=(n_tokens, S)))
@@ -59,7 +61,10 @@ class SyntheticTrace:
         return len(self.tokens)
 
     def __getitem__(self, name):
-        return self._values[name]
+        return self._values[name] if name in self._values else self._site_records[name]
+
+    def __contains__(self, name):
+        return name in self._values or name in self._site_records
 
     def attn_res_weights(self):
         return self._attn_res

@@ -497,3 +497,104 @@ def test_the_explorers_other_public_actions_raise_from_code_and_huge_temperature
         assert "failed" not in ex.status.value
     monkeypatch.undo()
     assert s.fork().generate(2, temperature=10**400, seed=0)  # as hot as inf: a draw, not an OverflowError
+
+
+# ---------------------------------------------------------------- the report, the figures and the measures
+
+
+def nan_from(position: int, site: str = "layers.5.attn.out"):
+    """Hooks that make `site` NaN at one position (everything after it reads NaN)."""
+    hooks = ke.Hooks()
+
+    def poison(v, *, hook):
+        return np.full_like(v, np.nan) if hook.position == position else v
+    hooks.add(site, poison)
+    return hooks
+
+
+def test_a_report_of_a_history_with_nan_keeps_its_figures_and_says_why_the_analyses_are_missing(trained_weights,
+                                                                                                 tmp_path):
+    """NaN from token 10 on: write_report raised out of the attribution and left no page; the predictions table and
+    figure named ids 0..9 (the top-k of NaN logits) as predictions; the per-token measures averaged the NaN layers
+    away ('routing entropy' 0.956 at a token whose logits are NaN)."""
+    from kimi_explore.views import summaries
+    from kimi_explore.views.figures.report import write_report
+
+    s = Session(trained_weights, tokenizer=ke.load_tokenizer(trained_weights), hooks=nan_from(10))
+    s.feed(b"def f(x):\n    return x")
+    page = write_report(s, tmp_path / "r").read_text()
+    assert "No attribution for this history:" in page and "logits" in page
+    assert "block_residuals_last_token.png" in page and (tmp_path / "r" / "kda_state_curves.png").is_file()
+    assert "none: the logits hold NaN" in page
+    m = summaries.token_measures(s.trace())
+    for name in ("routing entropy", "embedding weight", "KDA state change"):
+        assert np.isfinite(m[name][:10]).all() and np.isnan(m[name][11:]).all(), name
+
+
+def test_the_kda_scale_of_the_report_ignores_an_infinite_norm(trained_weights, tmp_path, monkeypatch):
+    """One inf state norm made the report's one KDA colour ceiling inf: every KDA heatmap drew blank."""
+    from kimi_explore.views.figures import plots, report
+
+    hooks = ke.Hooks()
+    hooks.add("layers.6.kda.state", lambda v, *, hook: np.where(np.arange(v.size).reshape(v.shape) == 0, np.inf, v)
+              if hook.position == 8 else v)
+    s = Session(trained_weights, hooks=hooks)
+    s.feed(b"def f(x):")
+    norms, _ = s.trace().kda_state_norms()
+    seen = []
+    real = plots.kda_state_heatmap
+    monkeypatch.setattr(plots, "kda_state_heatmap", lambda *a, vmax=None, **k: seen.append(vmax) or real(*a, vmax=vmax, **k))
+    report.write_report(s, tmp_path / "r")
+    assert np.isinf(norms).any() and seen and all(v == np.max(norms[np.isfinite(norms)]) for v in seen)
+
+
+def test_measures_of_a_window_and_of_a_layer_subset(trained_weights):
+    """A window's first row had its KDA state change taken from S = 0 (3.22 for 0.548); on a layer subset the
+    'embedding weight' is source 0's, the input of the first pushing layer, which the Explorer's legend names."""
+    from kimi_explore.views import summaries
+
+    s = Session(trained_weights)
+    s.feed(b"def f(x):\n    return x")
+    whole = summaries.token_measures(s.trace())["KDA state change"]
+    part = summaries.token_measures(s.trace(window=slice(10, None)))["KDA state change"]
+    assert np.isnan(part[0]) and np.allclose(part[1:], whole[11:])
+    sub = Session(ke.from_pretrained(ke.tiny_checkpoint(), layers=range(4, 8)), tokenizer=ke.ByteTokenizer())
+    sub.feed("def f(x):")
+    ex = Explorer(sub)
+    ex.measure.value = "embedding weight"
+    assert "embedding weight (source 0 here: input of layer 6)" in ex.legend.value
+
+
+def test_forced_routing_is_not_credited_to_the_bias(trained_weights):
+    """force_routing(5, [13, 2]) (the two lowest scores) was shown as '13*, 2*' ('chosen only through the selection
+    bias') with 'pushed out: 0, 12': now '†' (a hook's choice), and the bias pushes nothing out there."""
+    from kimi_explore.inspection import interventions as iv
+    from kimi_explore.views import summaries
+    from kimi_explore.views.common import bias_vectors, routing
+    from kimi_explore.views.figures.plots_summary import topk_table_html
+
+    s = Session(trained_weights, hooks=iv.force_routing(5, [13, 2]))
+    s.feed(b"def f(x):")
+    tab = summaries.topk_table(routing(s.trace()), -1, bias_vectors(trained_weights))
+    j = tab["moe_layers"].index(5)
+    assert tab["forced"][j].all() and not tab["by_bias"][j].any() and tab["displaced"][j] == []
+    assert not tab["forced"][[i for i in range(len(tab["moe_layers"])) if i != j]].any()
+    page = topk_table_html(s)  # a Session: its trace and its routers' bias
+    assert "<b>13\u2020</b>" in page and "chosen by a hook, outside the router's own top-k (2)" in page
+
+
+def test_the_report_sets_generated_tokens_apart_and_names_missing_records(trained_weights, tmp_path):
+    """`report --generate 3` folded the generated tokens into the prompt's lines; a Recorder that leaves out the
+    router scores raised a bare KeyError: 'scores'."""
+    from kimi_explore.views.figures.report import write_report
+
+    s = Session(trained_weights, tokenizer=ke.load_tokenizer(trained_weights))
+    s.feed("def f(x):")
+    new = s.generate(3)
+    page = write_report(s, tmp_path / "r").read_text()
+    assert "<p>Text: <code>def f(x):</code></p>" in page
+    assert f"Generated after it: Text: <code>{ke.load_tokenizer(trained_weights).decode(new)}" in page
+    part = Session(trained_weights, recorder=ke.Recorder(names_filter=lambda n: "router.scores" not in n))
+    part.feed(b"def f(x):")
+    with pytest.raises(ValueError, match=r"write_report: the trace has no 'scores' records"):
+        write_report(part, tmp_path / "p")

@@ -7,8 +7,11 @@ MoE routing (r = `common.routing(trace)`):
                            unbiased scores σ(logit), bias, unbiased rank (1 = highest score), and
                            `by_bias`: chosen only because of the selection bias (unbiased rank > k,
                            k the router's top-k, also where an ablation dropped slots: id -1);
+                           `forced` (with the bias known): chosen by neither the score nor the bias,
+                           outside the router's own top-k by biased score (a hook's choice:
+                           `force_routing`), and so not `by_bias`;
                            `displaced`: the unbiased top-k experts the bias pushed out of the router's
-                           choice (an expert an ablation removed from it is not one of them)
+                           choice (an expert an ablation removed from it, or a hook replaced, is not one)
   routing_entropy(r)       [T, M] entropy (bits) of the combine weights: 0 = one expert carries the
                            token, log2 k = all k equal (4 bits at K3)
   load_stats(r)            over the tokens so far, per layer: counts [M, E], max/mean, coefficient
@@ -18,10 +21,15 @@ MoE routing (r = `common.routing(trace)`):
 
 Per-token measures (`token_measures`), one number per token, for colouring the text:
   surprisal         -log2 p(token t | tokens < t) from the previous step's logits (NaN at t = 0)
-  routing entropy   routing_entropy averaged over MoE layers
-  embedding weight  the block-residual softmax weight on the embedding source, averaged over layers
-                    and both sites (where it exists)
-  KDA state change  mean over KDA layers and heads of | ‖S‖ after t - ‖S‖ before t | (S starts at 0)
+  routing entropy   routing_entropy averaged over MoE layers (a layer whose every slot an ablation
+                    dropped has none and is left out)
+  embedding weight  the block-residual softmax weight on source 0, averaged over layers and both sites
+                    (each mix that holds it): the embedding; on a layer subset, the input of its first
+                    pushing layer (`Trace.source_labels()[0]`)
+  KDA state change  mean over KDA layers and heads of | ‖S‖ after t - ‖S‖ before t | (S starts at 0; row 0
+                    of a window that starts later has no state before it in the trace: NaN)
+A NaN or inf value the model computed (a hook's, an overflow) makes that token's measure NaN, as its logits
+are: the measures never average it away.
 """
 
 from __future__ import annotations
@@ -54,27 +62,31 @@ def topk_table(r: dict, t: int, bias: dict | None = None) -> dict:
         for j, layer in enumerate(r["moe_layers"]):
             if layer in bias:
                 b[j] = np.where(valid[j], np.asarray(bias[layer], dtype=np.float64)[safe[j]], np.nan)
-    displaced = []
+    displaced, forced = [], np.zeros((M, k), dtype=bool)
     for j, layer in enumerate(r["moe_layers"]):
-        # the router chose k experts; an ablation then dropped some of them (slots -1). Compared with the unbiased
-        # top-k is the router's own choice: the survivors plus, for the dropped slots, the experts it ranked next
-        # by the biased score (those the ablation removed; without a bias given, by the unbiased score, as a
-        # router without one chooses). An expert the ablation removed was not pushed out by the bias.
-        chosen = ids[j][valid[j]].tolist()
+        # the router chose k experts; an ablation then dropped some of them (slots -1), or a hook chose others.
+        # Compared with the unbiased top-k is the router's own choice: the chosen experts it would choose too, plus,
+        # for the other slots, the experts it ranked next by the biased score (those the ablation removed or the hook
+        # replaced; without a bias given, by the unbiased score, as a router without one chooses). An expert the
+        # ablation removed or the hook replaced was not pushed out by the bias.
+        known = bias is not None and layer in bias
+        biased = scores[j] + (np.asarray(bias[layer], dtype=np.float64) if known else 0.0)
+        if known:  # below the router's k-th biased score (beyond rounding): not the router's choice
+            kth = np.sort(np.where(np.isnan(biased), -np.inf, biased))[-k]
+            forced[j] = valid[j] & (np.where(valid[j], biased[safe[j]], np.inf) < kth - 1e-5 * max(1.0, abs(kth)))
+        chosen = ids[j][valid[j] & ~forced[j]].tolist()
         router = set(chosen)
         if len(chosen) < k:
             rest = np.setdiff1d(np.arange(scores.shape[1]), chosen)
-            b_rest = np.asarray(bias[layer], dtype=np.float64)[rest] if bias and layer in bias else 0.0
-            key = -(scores[j, rest] + b_rest)
-            key = np.where(np.isnan(key), np.inf, key)  # by biased score, NaN last, then by id
+            key = np.where(np.isnan(biased[rest]), np.inf, -biased[rest])  # by biased score, NaN last, then by id
             router |= set(rest[np.lexsort((rest, key))][: k - len(chosen)].tolist())
         displaced.append([(e, float(scores[j, e])) for e in _top(scores[j], ascending[j], numbers[j], k)
                           if e not in router])
     # rank > k: outside the unbiased top-k of all k slots (not of the slots an ablation left: the survivors'
     # ranks among all experts are what they were)
     return {"ids": ids, "weights": np.asarray(r["topk_weights"][t], dtype=np.float64), "scores": chosen_scores,
-            "bias": b, "rank": rank, "by_bias": valid & (rank > k), "displaced": displaced,
-            "moe_layers": list(r["moe_layers"])}
+            "bias": b, "rank": rank, "by_bias": valid & (rank > k) & ~forced, "forced": forced,
+            "displaced": displaced, "moe_layers": list(r["moe_layers"])}
 
 
 def _top(scores: np.ndarray, ascending: np.ndarray, numbers: int, n: int) -> list[int]:
@@ -146,13 +158,26 @@ def token_measures(trace, surprisal=None) -> dict[str, np.ndarray]:
     r = dict(trace.routing())
     has_moe = len(r.get("moe_layers", [])) and "topk_weights" in r
     with np.errstate(invalid="ignore"):
-        out["routing entropy"] = _nanmean(routing_entropy(r), axis=1) if has_moe else np.full(T, np.nan)
-        w = trace.attn_res_weights()  # [T, L, site, S]; source 0 is the embedding
-        out["embedding weight"] = _nanmean(w[..., 0].reshape(T, -1), axis=1) if w.shape[-1] > 1 else np.full(T, np.nan)
+        if has_moe:
+            h = routing_entropy(r)  # [T, M]: NaN where every slot was dropped (left out) or a weight is not finite
+            kept = np.asarray(r["topk_ids"]) >= 0
+            computed = np.where(kept, ~np.isfinite(np.asarray(r["topk_weights"], dtype=np.float64)), False).any(axis=2)
+            out["routing entropy"] = np.where(computed.any(axis=1), np.nan, _nanmean(h, axis=1))
+        else:
+            out["routing entropy"] = np.full(T, np.nan)
+        # source 0 at each mix that holds it (the mixes a layer subset has before its first push hold the current
+        # sum alone); a NaN there is the model's, not a missing source
+        w = trace.attn_res_weights()  # [T, L, site, S]
+        held = [(li, s) for li, i in enumerate(trace.layer_ids) for s, site in enumerate(("attn", "ffn"))
+                if f"layers.{i}.attn_res.{site}.weights" in trace
+                and np.shape(trace[f"layers.{i}.attn_res.{site}.weights"])[-1] > 1]
+        out["embedding weight"] = np.stack([w[:, li, s, 0] for li, s in held], axis=1).mean(axis=1) if held and T \
+            else np.full(T, np.nan)
         norms, kda_ids = trace.kda_state_norms()
         if len(kda_ids):
             n = np.asarray(norms, dtype=np.float64)  # [T, kda_layer, H]
-            prev = np.concatenate([np.zeros_like(n[:1]), n[:-1]])
+            first = np.zeros_like(n[:1]) if getattr(trace, "start", 0) == 0 else np.full_like(n[:1], np.nan)
+            prev = np.concatenate([first, n[:-1]])
             out["KDA state change"] = np.abs(n - prev).reshape(T, -1).mean(axis=1)
         else:
             out["KDA state change"] = np.full(T, np.nan)

@@ -76,14 +76,15 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
                 row_t.append("")
                 row_h.append(f"layer {labels[j]}, slot {c + 1}: no expert (ablated)")
                 continue
-            star = bool(table["by_bias"][j, c])
+            star, forced = bool(table["by_bias"][j, c]), bool(table["forced"][j, c])
             bias = table["bias"][j, c]
-            row_t.append(f"{e}*" if star else str(e))
+            row_t.append(f"{e}*" if star else f"{e}\u2020" if forced else str(e))
             row_h.append(
                 f"layer {labels[j]}, expert <b>{e}</b> (chosen, slot {c + 1})<br>combine weight {w[j, c]:.4f}<br>"
                 f"unbiased score {table['scores'][j, c]:.4f} (rank {table['rank'][j, c]} of all experts)"
                 + (f"<br>selection bias {bias:+.4f}" if np.isfinite(bias) else "")
                 + ("<br><b>chosen only through the bias</b>" if star else "")
+                + ("<br><b>chosen by a hook</b>, outside the router's own top-k" if forced else "")
                 + (f"<br>bias pushed out: {gone}" if gone else ""))
         text.append(row_t)
         hover.append(row_h)
@@ -97,11 +98,12 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
               hover="%{customdata}", customdata=hover, colorbar={"title": {"text": "combine weight"}})
     hm.update(text=text, reversescale=True,  # plotly's Greens: dark = low
               xgap=0, ygap=0)  # gaps would make plotly draw cell by cell
-    n_bias = int(table["by_bias"].sum())
+    n_bias, n_forced = int(table["by_bias"].sum()), int(table["forced"].sum())
     label = trace_labels(trace, tokenizer)[t]
     rows = "" if window is None else (f"; MoE layers {labels[rows_shown[0]].split()[0]}-{labels[rows_shown[-1]].split()[0]}"
                                       f" of {M} (the layer menu moves this window)")
-    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){rows}",
+    forced = f"; \u2020 = chosen by a hook ({n_forced})" if n_forced else ""
+    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){forced}{rows}",
                         "font": FONT},
               "xaxis": specs.heat_axis(title={"text": "slot"}, fixedrange=True),
               "yaxis": _y_layers([labels[j] for j in rows_shown], None),

@@ -223,17 +223,29 @@ def routing_stats_overview(stats):
 
 
 def report_figures(session, tokenizer=None) -> list:
-    """(section, file stem, caption, figure) of the analyses for `kimi-explore report` (they replay the session)."""
+    """(section, file stem, caption, figure) of the analyses for `kimi-explore report` (they replay the session). An
+    analysis that cannot run on this history (NaN logits, tokens decoded under an intervention no longer attached)
+    gives (section, None, why, None): the report says so where its figure would be, and keeps the rest."""
     from ...analysis.attribution import logit_attribution
     from ...analysis.logit_lens import logit_lens
 
-    lens = logit_lens(session, top=1)
-    attr = logit_attribution(session, -1)
-    agree = lens.agreement()
-    return [("Logit lens", "logit_lens",
-             "Top-1 prediction after every layer through the block residuals (the output mix, final norm and lm_head "
-             f"applied to the stack so far); agreement with the final top-1: {agree[0]:.2f} after the first layer, "
-             f"{agree[len(agree) // 2]:.2f} mid-depth, {agree[-1]:.2f} at the last.", lens_grid(lens, tokenizer)),
-            ("Direct logit attribution", "attribution_last_token",
-             f"The last token's top-1 logit ({attr.logit:.3f}) split exactly into the embedding, attention, FFN, "
-             "routed-expert and shared-expert leaves (final norm frozen).", attribution_waterfall(attr, tokenizer=tokenizer))]
+    out = []
+    try:
+        lens = logit_lens(session, top=1)
+        agree = lens.agreement()
+        out.append(("Logit lens", "logit_lens",
+                    "Top-1 prediction after every layer through the block residuals (the output mix, final norm and "
+                    f"lm_head applied to the stack so far); agreement with the final top-1: {agree[0]:.2f} after the "
+                    f"first layer, {agree[len(agree) // 2]:.2f} mid-depth, {agree[-1]:.2f} at the last.",
+                    lens_grid(lens, tokenizer)))
+    except ValueError as e:
+        out.append(("Logit lens", None, f"No logit lens for this history: {e}", None))
+    try:
+        attr = logit_attribution(session, -1)
+        out.append(("Direct logit attribution", "attribution_last_token",
+                    f"The last token's top-1 logit ({attr.logit:.3f}) split exactly into the embedding, attention, FFN, "
+                    "routed-expert and shared-expert leaves (final norm frozen).",
+                    attribution_waterfall(attr, tokenizer=tokenizer)))
+    except ValueError as e:
+        out.append(("Direct logit attribution", None, f"No attribution for this history: {e}", None))
+    return out

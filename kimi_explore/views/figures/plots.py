@@ -432,6 +432,13 @@ def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
     t = token_index(trace, token)
     ids = np.asarray(trace["logits.top_ids"][t]).astype(int)
     probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
+    if np.isnan(probs).all():  # NaN logits: their top-k ids are a tie order, not predictions
+        fig = InlineFigure(figsize=(7, 2), layout="constrained")
+        ax = fig.subplots()
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"No predictions after {_trace_labels(trace, tokenizer)[t]}: the logits hold NaN",
+                ha="center", va="center", fontsize=10)
+        return fig
     fed_next = int(trace.tokens[t + 1]) if t + 1 < len(trace.tokens) else None
     names = [_labels([i], tokenizer, positions=False)[0] for i in ids]
     fig = InlineFigure(figsize=(7, span_inches(len(ids), 0.38, 3, 8)), layout="constrained")

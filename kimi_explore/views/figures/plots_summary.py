@@ -5,7 +5,9 @@ The same numbers as the Explorer's MoE tab (`summaries.py`), drawn with matplotl
                                   prompt), max/mean load, coefficient of variation, dead experts
   moe_sorted_counts(trace)        layer x rank heatmap of each layer's expert counts, sorted
   topk_table_html(trace, token)   per MoE layer, the chosen experts of one token with their combine
-                                  weights and unbiased scores; '*' marks a choice the selection bias made
+                                  weights and unbiased scores; '*' marks a choice the selection bias made,
+                                  '†' one a hook made (outside the router's top-k: `force_routing`)
+Each takes a Trace or a Session (its trace; the table also its routers' bias, and its tokenizer).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from matplotlib.ticker import MaxNLocator
 
 from .. import summaries
-from ..common import routing, token_index, trace_labels
+from ..common import bias_vectors, routing, token_index, trace_labels, trace_of
 from .mpl import InlineFigure, escape_mathtext, heatmap, span_inches, ticks
 
 __all__ = ["moe_layer_stats", "moe_sorted_counts", "topk_table_html"]
@@ -24,6 +26,7 @@ __all__ = ["moe_layer_stats", "moe_sorted_counts", "topk_table_html"]
 
 def moe_layer_stats(trace, token: int = -1, tokenizer=None):
     """Four stacked panels over the MoE layers: entropy, max/mean load, CV, dead experts."""
+    trace, tokenizer = trace_of(trace, tokenizer)
     r = routing(trace)
     t = token_index(trace, token)
     layers, k = r["moe_layers"], r["topk_ids"].shape[2]
@@ -61,6 +64,7 @@ def moe_layer_stats(trace, token: int = -1, tokenizer=None):
 
 def moe_sorted_counts(trace):
     """Each MoE layer's expert counts over the prompt, sorted descending (balanced: flat rows)."""
+    trace, _ = trace_of(trace)
     r = routing(trace)
     stats = summaries.load_stats(r)
     counts, _ = summaries.sorted_counts(stats["counts"])
@@ -77,7 +81,11 @@ def moe_sorted_counts(trace):
 
 
 def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=None) -> str:
-    """An HTML table: one row per MoE layer, one cell per chosen expert ('id weight / score', '*' = by the bias)."""
+    """An HTML table: one row per MoE layer, one cell per chosen expert ('id weight / score', '*' = by the bias,
+    '†' = by a hook). bias: the routers' selection bias by layer (a Session's by default)."""
+    if bias is None and hasattr(trace, "weights"):
+        bias = bias_vectors(trace.weights)
+    trace, tokenizer = trace_of(trace, tokenizer)
     r = routing(trace)
     t = token_index(trace, token)
     tab = summaries.topk_table(r, t, bias)
@@ -91,14 +99,15 @@ def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=
             if e < 0:
                 cells.append("<td></td>")
                 continue
-            star = "*" if tab["by_bias"][j, c] else ""
+            star = "*" if tab["by_bias"][j, c] else "\u2020" if tab["forced"][j, c] else ""
             cells.append(f"<td title='rank {tab['rank'][j, c]} by unbiased score'><b>{e}{star}</b> "
                          f"{tab['weights'][j, c]:.3f} / {tab['scores'][j, c]:.3f}</td>")
         out = ", ".join(f"{e} ({score:.3f})" for e, score in tab["displaced"][j]) or "none"  # ids: a count read as one
         rows.append(f"<tr><th>{layer}</th>{''.join(cells)}<td>{out}</td></tr>")
     label = html.escape(trace_labels(trace, tokenizer)[t])
-    n_bias = int(tab["by_bias"].sum())
+    n_bias, n_forced = int(tab["by_bias"].sum()), int(tab["forced"].sum())
+    forced = (f"; <b>\u2020</b> = chosen by a hook, outside the router's own top-k ({n_forced})" if n_forced else "")
     return (f"<p>Experts of token {label} at every MoE layer, by unbiased score: <b>id</b> combine weight / unbiased "
-            f"score; <b>*</b> = chosen only through the selection bias ({n_bias} of {int((tab['ids'] >= 0).sum())}); "
-            "last column: experts of the unbiased top-k that the bias pushed out (id (unbiased score)).</p>"
+            f"score; <b>*</b> = chosen only through the selection bias ({n_bias} of {int((tab['ids'] >= 0).sum())})"
+            f"{forced}; last column: experts of the unbiased top-k that the bias pushed out (id (unbiased score)).</p>"
             f"<div class='wide'><table><tr><th>layer</th>{head}<th>pushed out</th></tr>{''.join(rows)}</table></div>")

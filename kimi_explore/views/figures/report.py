@@ -74,7 +74,8 @@ def _figures(trace, tokenizer, layers) -> list[tuple[str, str, str, object]]:
                  plots.kda_state_curves(trace, tokenizer=tokenizer)),
                 ("KDA recurrent state", "kda_state_last_token", f"Every KDA layer and head after the last token {label}.",
                  plots.kda_state_overview(trace, last, tokenizer))]
-        vmax = float(np.nanmax(kda_norms)) if np.isfinite(kda_norms).any() else None  # one scale for the section
+        finite = np.asarray(kda_norms, dtype=np.float64)[np.isfinite(kda_norms)]  # (an inf norm would blank them all)
+        vmax = float(finite.max()) if finite.size else None  # one scale for the section
         out[-1] = (*out[-1][:3], plots.kda_state_overview(trace, last, tokenizer, vmax=vmax))
         out += [("KDA recurrent state", f"kda_state_layer{i}", f"KDA layer {i}: per head, token by token "
                  "(same colour scale as the figure above).", plots.kda_state_heatmap(trace, i, tokenizer, vmax=vmax))
@@ -123,6 +124,9 @@ def _prediction_table(trace, tokenizer, top: int = 5, max_rows: int = 64) -> str
     labels = trace_labels(trace, tokenizer)
     rows = []
     for t in range(min(len(trace), max_rows)):
+        if np.isnan(probs[t]).all():  # the ids of NaN logits are the top-k's tie order, not predictions
+            rows.append(f"<tr><td>{html.escape(labels[t])}</td><td>none: the logits hold NaN</td></tr>")
+            continue
         preds = ", ".join(f"{html.escape(plots.token_labels([int(i)], tokenizer, positions=False)[0])} {p:.3f}"
                           for i, p in zip(ids[t][:top], probs[t][:top], strict=True) if i >= 0)
         rows.append(f"<tr><td>{html.escape(labels[t])}</td><td>{preds}</td></tr>")
@@ -150,11 +154,17 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     out.mkdir(parents=True, exist_ok=True)
     before = _figures_of_page(out / "index.html")  # a report written here before: its PNGs are replaced below
     sections: dict[str, list[str]] = {}
-    figures = _figures(trace, tokenizer, layers)
+    try:
+        figures = _figures(trace, tokenizer, layers)
+    except KeyError as e:  # a Recorder(names_filter=...) that left out records every report draws
+        raise ValueError(f"write_report: the trace has no {e.args[0]!r} records, which the report draws (recorded with "
+                         "a names_filter= that leaves them out?); record with the default ke.Recorder()") from None
+    notes = []
     if hasattr(session_or_trace, "step"):  # the analyses replay a session's history; a bare trace cannot
         from .analysis_plots import report_figures
 
-        figures += report_figures(session_or_trace, tokenizer)
+        for entry in report_figures(session_or_trace, tokenizer):
+            (figures if entry[3] is not None else notes).append(entry)
     if comparison is not None:
         from .engine_plots import report_figures as comparison_figures
 
@@ -166,14 +176,12 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
         sections.setdefault(section, []).append(
             f'<figure id="{html.escape(stem)}"><img alt="{html.escape(stem)}" src="data:image/png;base64,{data}">'
             f"<figcaption><code>{html.escape(stem)}.png</code> &middot; {html.escape(caption)}</figcaption></figure>")
-    prompt = " ".join(plots.token_labels(trace.tokens, tokenizer, positions=False))
-    text = ""
-    if tokenizer is not None:
-        text = f"<p>Text: <code>{html.escape(tokenizer.decode([int(t) for t in trace.tokens if t >= 0]))}</code></p>"
+    for section, _, message, _ in notes:  # an analysis that could not run here: said where its figure would be
+        sections.setdefault(section, []).append(f"<p><i>{html.escape(message)}</i></p>")
     body = [f"<h1>{html.escape(title)}</h1>",
             f"<p>{len(trace)} tokens through layers {html.escape(str(list(trace.layer_ids)))}"
             + (f" of <code>{html.escape(str(source))}</code>" if source else "") + ".</p>",
-            text, f"<p>Tokens: <code>{html.escape(prompt)}</code></p>"]
+            *_tokens(trace, tokenizer, getattr(session_or_trace, "generated", None))]
     if len(trace.routing()["moe_layers"]):
         bias = _bias(session_or_trace)
         sections.setdefault("MoE routing", []).insert(0, plots_summary.topk_table_html(trace, -1, bias, tokenizer))
@@ -187,6 +195,20 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     for stem in before - {stem for _, stem, _, _ in figures}:  # the earlier report's figures this one does not have:
         (out / f"{stem}.png").unlink(missing_ok=True)  # left, they would pass for this prompt's (other layers...)
     return path
+
+
+def _tokens(trace, tokenizer, generated) -> list[str]:
+    """The text and tokens lines: the prompt, then the generated tokens apart (`Session.generated`)."""
+    tokens = [int(t) for t in trace.tokens]
+    n = len(tokens) if not generated or not any(generated) else generated.index(True)
+    parts = [("", tokens[:n])] + ([("Generated after it: ", tokens[n:])] if n < len(tokens) else [])
+    out = []
+    for lead, ids in parts:
+        if tokenizer is not None:
+            out.append(f"<p>{lead}Text: <code>{html.escape(tokenizer.decode([t for t in ids if t >= 0]))}</code></p>")
+        out.append(f"<p>{lead}Tokens: <code>{html.escape(' '.join(plots.token_labels(ids, tokenizer, positions=False)))}"
+                   "</code></p>")
+    return out
 
 
 def _figures_of_page(page: Path) -> set[str]:
