@@ -598,3 +598,41 @@ def test_the_report_sets_generated_tokens_apart_and_names_missing_records(traine
     part.feed(b"def f(x):")
     with pytest.raises(ValueError, match=r"write_report: the trace has no 'scores' records"):
         write_report(part, tmp_path / "p")
+
+
+# ---------------------------------------------------------------- decode states, loading options
+
+
+def test_a_checkpoint_state_is_refused_and_a_state_of_other_layers_too():
+    """Decoding on state.checkpoint() wrote its K/V into the MLA cache it shares with the live state (whose next
+    logits moved by 0.77); a state made for layers [0, 1] decoded under weights of layers [1, 2]."""
+    w = ke.from_pretrained(ke.tiny_checkpoint())
+    s = w.new_state()
+    for t in b"hello":
+        ke.kimi_forward_token(w, s, t)
+    c = s.checkpoint()
+    with pytest.raises(ValueError, match=r"state is a checkpoint .*decode on checkpoint.copy\(\)"):
+        ke.kimi_forward_token(w, c, 200)
+    with pytest.raises(ValueError, match=r"state is a checkpoint"):
+        ke.kimi_forward_sequence(w, c, [1, 2])
+    ref = s.copy()
+    ke.kimi_forward_token(w, c.copy(), 200)  # a copy of it decodes, leaving the live state alone
+    assert np.array_equal(ke.kimi_forward_token(w, s, 32), ke.kimi_forward_token(w, ref, 32))
+    a = ke.from_pretrained(ke.tiny_checkpoint(), layers=[0, 1])
+    b = ke.from_pretrained(ke.tiny_checkpoint(), layers=[1, 2])
+    sa = a.new_state()
+    ke.kimi_forward_token(a, sa, 3)
+    with pytest.raises(ValueError, match=r"state was made for layers \[0, 1\], these weights hold layers \[1, 2\]"):
+        ke.kimi_forward_token(b, sa, 8)
+
+
+def test_long_layer_lists_are_named_briefly_and_make_tiny_names_its_seed(capsys, tmp_path):
+    """layers=range(0, 3_000_000) built a 26-million-character error; make-tiny --seed -1 passed NumPy's message on."""
+    from kimi_explore.cli import main
+
+    with pytest.raises(ValueError) as e:
+        ke.from_pretrained(ke.tiny_checkpoint(), layers=range(0, 100_000))
+    assert len(str(e.value)) < 200 and "8, 9, 10" in str(e.value) and "(and 99980 more)" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        main(["make-tiny", "--out", str(tmp_path / "x"), "--seed", "-1"])
+    assert e.value.code == 2 and "--seed: expected an integer >= 0, got -1" in capsys.readouterr().err

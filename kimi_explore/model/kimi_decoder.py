@@ -244,11 +244,17 @@ class KimiDecodeState:
     broken: None, or why the state is unusable: an exception (a hook's, a KeyboardInterrupt) stopped a
     forward pass after it had begun to advance the layers, so some layers have seen a token the others
     have not. Forward passes refuse such a state (`check_state`) instead of decoding on from it.
+    shared: a `checkpoint()`: it shares its MLA caches with the state it was taken from, so decoding on it
+    would write into that state's caches; forward passes refuse it (decode on `checkpoint.copy()`).
+    layer_ids: the layers of the weights it was made for (`new`; None: not known, e.g. read from a file):
+    forward passes refuse it under weights of other layers (a subset's state under another subset).
     """
 
     layers: list[KimiLayerState]
     position: int = 0
     broken: str | None = None
+    shared: bool = False
+    layer_ids: tuple | None = None
 
     @classmethod
     def new(cls, weights: KimiDecoderWeights) -> KimiDecodeState:
@@ -259,18 +265,19 @@ class KimiDecodeState:
                                                                if isinstance(weights, (str, os.PathLike)) else ""))
         new = {"kda": KdaState.zeros, "mla": MlaState.empty}
         return cls([KimiLayerState(new[layer.attention.kind](layer.attention, weights.xp, weights.dtype))
-                    for layer in weights.layers], 0)
+                    for layer in weights.layers], 0, layer_ids=tuple(int(layer.index) for layer in weights.layers))
 
     def copy(self) -> KimiDecodeState:
         """An exact deep copy: it shares no array with this state and keeps every array's shape (an MLA
         cache keeps its capacity), so decoding on from the copy repeats the same arithmetic on the same
         layouts, bit for bit (what Session's checkpoints, truncates and forks rely on)."""
-        return KimiDecodeState([s.copy() for s in self.layers], self.position, self.broken)
+        return KimiDecodeState([s.copy() for s in self.layers], self.position, self.broken, layer_ids=self.layer_ids)
 
     def checkpoint(self) -> KimiDecodeState:
         """A copy to keep, never to decode on: only `copy()` it (a Session's checkpoints). The KDA arrays are
         copied; each MLA cache is shared with this state (`MlaState.checkpoint`), which only appends to it."""
-        return KimiDecodeState([s.checkpoint() for s in self.layers], self.position, self.broken)
+        return KimiDecodeState([s.checkpoint() for s in self.layers], self.position, self.broken, shared=True,
+                               layer_ids=self.layer_ids)
 
     def arrays(self) -> list:
         """Every array the state holds, layer by layer."""

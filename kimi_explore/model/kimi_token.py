@@ -147,6 +147,13 @@ def check_state(weights, state) -> None:
     if not hasattr(state, "layers") or not hasattr(state, "position"):
         raise TypeError(f"state: expected a KimiDecodeState (KimiDecodeState.new(weights)), got {type(state).__name__}")
     refuse_broken(state)
+    if getattr(state, "shared", False):
+        raise ValueError("state is a checkpoint (KimiDecodeState.checkpoint()): it shares its MLA caches with the state "
+                         "it was taken from, and decoding on it would write into them; decode on checkpoint.copy()")
+    made_for = getattr(state, "layer_ids", None)
+    if made_for is not None and list(made_for) != [int(layer.index) for layer in weights.layers]:
+        raise ValueError(f"state was made for layers {list(made_for)}, these weights hold layers "
+                         f"{[int(layer.index) for layer in weights.layers]}; make the state with KimiDecodeState.new(weights)")
     if len(state.layers) != len(weights.layers):
         raise ValueError(
             f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "

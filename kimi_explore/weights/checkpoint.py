@@ -305,9 +305,10 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
         raise ValueError("layers=[] selects no layer; pass None for all layers")
     bad = [i for i in ids if not 0 <= i < num_hidden_layers]
     if bad:
-        raise ValueError(f"layers: {bad} outside 0..{num_hidden_layers - 1} (the config has {num_hidden_layers} layers)")
+        raise ValueError(f"layers: {listed(bad)} outside 0..{num_hidden_layers - 1} (the config has {num_hidden_layers} "
+                         "layers)")
     if sorted(set(ids)) != ids:
-        raise ValueError(f"layers={ids}: expected strictly increasing layer indices")
+        raise ValueError(f"layers=[{listed(ids)}]: expected strictly increasing layer indices")
     return ids
 
 

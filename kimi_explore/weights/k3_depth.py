@@ -120,6 +120,8 @@ def main(argv=None, parser_class=argparse.ArgumentParser) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=8)
     args = p.parse_args(argv)
+    if args.seed < 0:  # (NumPy's own message names no argument)
+        p.error(f"--seed: expected an integer >= 0, got {args.seed}")
     t0 = time.perf_counter()
     try:
         out = write_k3_depth(args.out, args.layers, args.experts, args.top_k, args.kda_heads, args.block_size,

@@ -73,8 +73,10 @@ def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float
         or a llama.cpp `kimi-k3` GGUF file ('model.gguf', or any split '...-00001-of-00003.gguf'):
         the weights llama.cpp runs (`kimi_explore.weights.gguf_source`).
     dtype: compute dtype of activations and widened weights ("float32" | "float64").
-    weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the matrices stored as BF16 on
-        disk as bf16 bits (half the memory), multiplied as `bf16_matvec` says.
+    weight_dtype: None keeps every matrix in `dtype`; "bfloat16" keeps the trunk's matrices stored as BF16
+        on disk as bf16 bits (half the memory), multiplied as `bf16_matvec` says. Routed experts stored as
+        BF16 (a bf16-experts checkpoint, `make-tiny`'s default) stay a dense bank in `dtype`: the release's
+        are MXFP4, kept packed (`experts=`).
     bf16_matvec: with weight_dtype="bfloat16": "auto" (default) = the compiled bf16 kernel where it
         runs (CPU, float32, built; float32 sums in another order than BLAS, ~1e-7), else widening;
         "widen" = widen each matrix per use, then BLAS (logits bit-identical to the float32 trunk,
