@@ -636,3 +636,18 @@ def test_long_layer_lists_are_named_briefly_and_make_tiny_names_its_seed(capsys,
     with pytest.raises(SystemExit) as e:
         main(["make-tiny", "--out", str(tmp_path / "x"), "--seed", "-1"])
     assert e.value.code == 2 and "--seed: expected an integer >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_tied_heads_widening_scratch_is_reserved_at_load(tmp_path):
+    """With tied embeddings the head is the embedding table, built as read-by-rows: its widening scratch was not
+    reserved at load, and memory_report() grew from 0.28 MB to 4.2 MB of scratch after the first token."""
+    from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
+
+    attn = dict(num_heads=4, head_dim=32, short_conv_kernel_size=4, use_full_rank_gate=True, gate_lower_bound=-5.0,
+                kda_layers=[1, 2], full_attn_layers=[3])
+    path = write_checkpoint(tmp_path / "t", make_text_config(num_hidden_layers=3, tie_word_embeddings=True,
+                                                            vocab_size=8192, linear_attn_config=attn))
+    w = ke.from_pretrained(path, weight_dtype="bfloat16", bf16_matvec="widen")
+    before = ke.memory_report(w)["bf16 widening scratch"]
+    ke.kimi_forward_token(w, w.new_state(), 5)
+    assert before == ke.memory_report(w)["bf16 widening scratch"] == 4 * 8192 * w.config.hidden_size

@@ -170,7 +170,8 @@ def build_weights(source: TensorSource, layer_ids: list[int], o: BuildOptions, e
     b = _Builder(source, o)
     cfg, g = source.config, _At(b, table.GLOBAL)
     tied = cfg.tie_word_embeddings
-    embed = g.matrix("embed_tokens", by_rows=True) if o.embedding or (o.head and tied) else None
+    # read by rows, unless it is the tied head too (multiplied whole: its widening scratch is reserved at load)
+    embed = g.matrix("embed_tokens", by_rows=not (o.head and tied)) if o.embedding or (o.head and tied) else None
     return KimiDecoderWeights(
         # tied: the head reads the table, but a stage loaded with embedding=False still refuses token ids
         config=cfg, embed_tokens=embed if o.embedding else None, layers=[_layer(b, i) for i in layer_ids],
