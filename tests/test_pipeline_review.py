@@ -318,3 +318,28 @@ def test_stages_get_the_blas_threads_this_process_may_run_on(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert blas_threads_env() == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+# bug (fourth review): a pipeline decoded on a checkpoint's state, writing into the MLA caches it shares with the live
+# state (the next token 1.1 off); so did a session snapshot's copied checkpoints
+def test_a_pipeline_refuses_to_decode_on_a_checkpoint(path, weights, tmp_path):
+    with ke.RayPipeline(path, stages=2) as pipe:
+        st = pipe.new_state()
+        pipe.forward_sequence(st, TOKENS[:4])
+        ck = st.checkpoint()
+        with pytest.raises(ValueError, match=r"state is a checkpoint"):
+            pipe.forward_token(ck, 9)
+        pipe.forward_token(ck.copy(), 9)  # a copy decodes
+        s = ke.Session(pipe, recorder=False, checkpoint_every=2)
+        s.feed(TOKENS[:6])
+        for state in s.snapshot(copy_arrays=True).checkpoints.values():
+            with pytest.raises(ValueError, match=r"state is a checkpoint"):
+                pipe.forward_token(state, 9)
+        loaded = ke.Session.load_state(s.save_state(tmp_path / "p.npz"), pipe, recorder=False)
+        for state in loaded.snapshot().checkpoints.values():
+            with pytest.raises(ValueError, match=r"state is a checkpoint"):
+                pipe.forward_token(state, 9)
+        for x in (loaded, s):  # the session's own use of its checkpoints: copies
+            x.truncate(3)
+            x.feed(TOKENS[3:6])
+        np.testing.assert_array_equal(loaded.logits, s.logits)

@@ -603,7 +603,7 @@ def test_the_report_sets_generated_tokens_apart_and_names_missing_records(traine
 # ---------------------------------------------------------------- decode states, loading options
 
 
-def test_a_checkpoint_state_is_refused_and_a_state_of_other_layers_too():
+def test_a_checkpoint_state_is_refused_and_a_state_of_other_layers_too(tmp_path):
     """Decoding on state.checkpoint() wrote its K/V into the MLA cache it shares with the live state (whose next
     logits moved by 0.77); a state made for layers [0, 1] decoded under weights of layers [1, 2]."""
     w = ke.from_pretrained(ke.tiny_checkpoint())
@@ -624,6 +624,19 @@ def test_a_checkpoint_state_is_refused_and_a_state_of_other_layers_too():
     ke.kimi_forward_token(a, sa, 3)
     with pytest.raises(ValueError, match=r"state was made for layers \[0, 1\], these weights hold layers \[1, 2\]"):
         ke.kimi_forward_token(b, sa, 8)
+    # copies of a session's checkpoints (a snapshot's, a loaded file's) share caches too; forks and files keep layers
+    s = Session(a, checkpoint_every=2)
+    s.feed([1, 2, 3])
+    for t in (4, 5, 6):
+        s.step(t)
+    loaded = Session.load_state(s.save_state(tmp_path / "s.npz"), a)
+    for kept in (s.snapshot(copy_arrays=True).checkpoints, loaded.snapshot().checkpoints):
+        for state in kept.values():
+            with pytest.raises(ValueError, match=r"state is a checkpoint"):
+                ke.kimi_forward_token(a, state, 9)
+    for other in (s.fork(), loaded):
+        with pytest.raises(ValueError, match=r"state was made for layers \[0, 1\]"):
+            ke.kimi_forward_token(b, other.state_after(5), 8)
 
 
 def test_long_layer_lists_are_named_briefly_and_make_tiny_names_its_seed(capsys, tmp_path):
@@ -632,7 +645,7 @@ def test_long_layer_lists_are_named_briefly_and_make_tiny_names_its_seed(capsys,
 
     with pytest.raises(ValueError) as e:
         ke.from_pretrained(ke.tiny_checkpoint(), layers=range(0, 100_000))
-    assert len(str(e.value)) < 200 and "8, 9, 10" in str(e.value) and "(and 99980 more)" in str(e.value)
+    assert len(str(e.value)) < 200 and "[8, 9, 10" in str(e.value) and "(and 99980 more)]" in str(e.value)
     with pytest.raises(SystemExit) as e:
         main(["make-tiny", "--out", str(tmp_path / "x"), "--seed", "-1"])
     assert e.value.code == 2 and "--seed: expected an integer >= 0, got -1" in capsys.readouterr().err

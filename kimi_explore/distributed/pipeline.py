@@ -47,6 +47,7 @@ from ..model.kimi_decoder import (
     hook_names,
     mark_broken,
     refuse_broken,
+    refuse_shared,
     token_index,
     token_indices,
 )
@@ -136,11 +137,14 @@ class PipelineState:
 
     `copy()` copies inside each stage; a state that is garbage-collected is dropped from its stages.
     broken: as `KimiDecodeState.broken` (a token or chunk that raised part-way through the stages).
+    shared: as `KimiDecodeState.shared` (a checkpoint, whose MLA caches others share: never decoded on).
     """
 
-    def __init__(self, pipeline: RayPipeline, ids: list[int], epochs: list[int], position: int = 0):
+    def __init__(self, pipeline: RayPipeline, ids: list[int], epochs: list[int], position: int = 0,
+                 shared: bool = False):
         self.pipeline, self.ids, self.epochs, self.position = pipeline, ids, epochs, position
         self.broken: str | None = None
+        self.shared = shared
         self._finalizer = weakref.finalize(self, pipeline._drop_states, ids, epochs)
 
     def copy(self) -> PipelineState:
@@ -264,6 +268,7 @@ class RayPipeline(LayerSequence):
     def _run(self, state: PipelineState, what, hooks):
         """One token (an id) or one chunk (a list of ids) through the compiled graph."""
         self._check(state)
+        refuse_shared(state)
         position = state.position
         recorder = self._configure(hooks)
         doing = f"token {what} at position {position}" if isinstance(what, int) else \
@@ -358,7 +363,7 @@ class RayPipeline(LayerSequence):
         ids = [next(self._ids) for _ in self.stages]
         self._get([s.actor.copy_state.remote(src, dst, checkpoint)
                    for s, src, dst in zip(self.stages, state.ids, ids, strict=True)], self.stages)
-        return PipelineState(self, ids, list(state.epochs), state.position)
+        return PipelineState(self, ids, list(state.epochs), state.position, shared=checkpoint)
 
     def copy_kept(self, states: list[PipelineState]) -> list[PipelineState]:
         """Copies of these states (a session's checkpoints), made in each stage, sharing among themselves
@@ -368,7 +373,8 @@ class RayPipeline(LayerSequence):
         new = [[next(self._ids) for _ in self.stages] for _ in states]
         self._get([s.actor.copy_states.remote([(state.ids[k], ids[k]) for state, ids in zip(states, new, strict=True)])
                    for k, s in enumerate(self.stages)], self.stages)
-        return [PipelineState(self, ids, list(state.epochs), state.position) for state, ids in zip(states, new, strict=True)]
+        return [PipelineState(self, ids, list(state.epochs), state.position, shared=state.shared)
+                for state, ids in zip(states, new, strict=True)]
 
     def share_kept(self, states: list[PipelineState]) -> None:
         """Checkpoints loaded from a session file, longest first: their MLA caches shared in each stage where
@@ -377,6 +383,8 @@ class RayPipeline(LayerSequence):
             self._check(state)
         self._get([s.actor.share_caches.remote([state.ids[k] for state in states]) for k, s in enumerate(self.stages)],
                   self.stages)
+        for state in states:
+            state.shared = True
 
     def states_nbytes(self, states: list[PipelineState]) -> int:
         """Bytes these states hold in the stages, each array once (a session's checkpoints share MLA caches)."""

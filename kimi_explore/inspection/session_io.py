@@ -315,6 +315,8 @@ def _put_checkpoints(weights, host: dict) -> dict:
     longest_first = list(kept.values())
     if all(isinstance(state, KimiDecodeState) for state in longest_first):
         share_caches(longest_first, weights.xp)
+        for state in longest_first:  # checkpoints: never decoded on (their caches are shared)
+            state.shared = True
     else:
         weights.share_kept(longest_first)
     return dict(sorted(kept.items()))
@@ -346,7 +348,8 @@ def copy_sharing(states: list[KimiDecodeState]) -> list[KimiDecodeState]:
             memo[id(a)] = a.copy()
         return memo[id(a)]
 
-    return [KimiDecodeState([ls.converted(copied) for ls in s.layers], s.position) for s in states]
+    # copies of checkpoints are checkpoints: they share their caches among themselves
+    return [dataclasses.replace(s, layers=[ls.converted(copied) for ls in s.layers]) for s in states]
 
 
 def nbytes_once(states: list[KimiDecodeState]) -> int:
@@ -362,7 +365,8 @@ def _same_bits(a, b, xp) -> bool:
 
 def _on_weights(weights, host: KimiDecodeState):
     """A state read by `_read_state` on the weights' backend (a pipeline's: in its stages)."""
-    return weights.put_state(KimiDecodeState([ls.converted(weights.xp.asarray) for ls in host.layers], host.position))
+    return weights.put_state(KimiDecodeState([ls.converted(weights.xp.asarray) for ls in host.layers], host.position,
+                                             layer_ids=host.layer_ids))
 
 
 def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
@@ -408,7 +412,7 @@ def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
                                      f"{kw['length']} (the file is damaged)")
                 kw[f.name] = a
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
-    return KimiDecodeState(layers, int(layout["position"]))
+    return KimiDecodeState(layers, int(layout["position"]), layer_ids=getattr(fresh, "layer_ids", None))
 
 
 def _cache_from(z, lay: dict, key: str, j: int, name: str, kw: dict):

@@ -37,7 +37,8 @@ from .ops import dense_mlp, rms_norm
 from .sites import site_table
 
 __all__ = ["OutputHead", "check_state", "decoder_layer", "dtype_name", "embed_token", "finish_token", "hooks_type_error",
-           "in_use", "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "run_layers", "token_index",
+           "in_use", "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "refuse_shared", "run_layers",
+           "token_index",
            "token_indices"]
 
 
@@ -147,13 +148,7 @@ def check_state(weights, state) -> None:
     if not hasattr(state, "layers") or not hasattr(state, "position"):
         raise TypeError(f"state: expected a KimiDecodeState (KimiDecodeState.new(weights)), got {type(state).__name__}")
     refuse_broken(state)
-    if getattr(state, "shared", False):
-        raise ValueError("state is a checkpoint (KimiDecodeState.checkpoint()): it shares its MLA caches with the state "
-                         "it was taken from, and decoding on it would write into them; decode on checkpoint.copy()")
-    made_for = getattr(state, "layer_ids", None)
-    if made_for is not None and list(made_for) != [int(layer.index) for layer in weights.layers]:
-        raise ValueError(f"state was made for layers {list(made_for)}, these weights hold layers "
-                         f"{[int(layer.index) for layer in weights.layers]}; make the state with KimiDecodeState.new(weights)")
+    refuse_shared(state)
     if len(state.layers) != len(weights.layers):
         raise ValueError(
             f"state has {len(state.layers)} layer states but the weights have {len(weights.layers)} layers; "
@@ -181,6 +176,12 @@ def check_state(weights, state) -> None:
                 f"{' x '.join(map(str, want))}{' (heads x dim, any length)' if kind == 'mla' else ''} "
                 f"in {dtype_name(weights.dtype)}, found {' x '.join(map(str, shape))} in {dtype_name(found.dtype)}; "
                 "make the state with KimiDecodeState.new(weights)")
+    # the same kinds and widths, other layers (a subset's state under another subset): checked last, so that the
+    # messages above name what differs first
+    made_for = getattr(state, "layer_ids", None)
+    if made_for is not None and list(made_for) != [int(layer.index) for layer in weights.layers]:
+        raise ValueError(f"state was made for layers {list(made_for)}, these weights hold layers "
+                         f"{[int(layer.index) for layer in weights.layers]}; make the state with KimiDecodeState.new(weights)")
 
 
 def hooks_type_error(hooks) -> TypeError:
@@ -208,6 +209,13 @@ def refuse_broken(state) -> None:
         raise ValueError(f"this decode state is part-advanced and cannot be decoded on: {state.broken}. Go on from a "
                          "copy taken before that call (state.copy()), or from a new state (weights.new_state()); a "
                          "Session does this itself")
+
+
+def refuse_shared(state) -> None:
+    """Raise if `state` (a `KimiDecodeState` or a pipeline's) is a checkpoint, whose MLA caches it shares."""
+    if getattr(state, "shared", False):
+        raise ValueError("state is a checkpoint (state.checkpoint(), or a session's kept state): it shares its MLA caches "
+                         "with other states, and decoding on it would write into them; decode on checkpoint.copy()")
 
 
 def mark_broken(state, error: BaseException, n_tokens: int = 1) -> None:

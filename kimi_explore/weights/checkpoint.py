@@ -299,13 +299,13 @@ def resolve_layers(layers, num_hidden_layers: int) -> list[int]:
         entries = None
     if entries is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_))
                                   for i in entries):
-        raise ValueError(f"layers={layers!r}: expected None or an iterable of 0-based integer layer indices")
+        raise ValueError(f"layers={layers!r:.200}: expected None or an iterable of 0-based integer layer indices")
     ids = [int(i) for i in entries]
     if not ids:
         raise ValueError("layers=[] selects no layer; pass None for all layers")
     bad = [i for i in ids if not 0 <= i < num_hidden_layers]
     if bad:
-        raise ValueError(f"layers: {listed(bad)} outside 0..{num_hidden_layers - 1} (the config has {num_hidden_layers} "
+        raise ValueError(f"layers: [{listed(bad)}] outside 0..{num_hidden_layers - 1} (the config has {num_hidden_layers} "
                          "layers)")
     if sorted(set(ids)) != ids:
         raise ValueError(f"layers=[{listed(ids)}]: expected strictly increasing layer indices")
