@@ -60,8 +60,12 @@ class LogitLens:
     positions: np.ndarray | None = None
 
     def agreement(self) -> np.ndarray:
-        """[L]: fraction of tokens whose lens top-1 at each layer equals the model's final top-1."""
-        return (self.top_ids[:, :, 0] == self.final_ids[:, None]).mean(axis=0)
+        """[L]: fraction of tokens whose lens top-1 at each layer equals the model's final top-1, over the tokens that
+        have one (NaN logits have none: `final_ids` -1); NaN where none has."""
+        has = self.final_ids >= 0
+        if not has.any():
+            return np.full(self.top_ids.shape[1], np.nan)
+        return (self.top_ids[has, :, 0] == self.final_ids[has, None]).mean(axis=0)
 
     def __len__(self) -> int:
         return len(self.tokens)

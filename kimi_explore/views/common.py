@@ -123,9 +123,10 @@ def softmax(logits) -> np.ndarray:
 
 
 def bias_vectors(weights) -> dict[int, np.ndarray]:
-    """{MoE layer id: selection bias [E]} on the host, read from the loaded router weights."""
+    """{MoE layer id: selection bias [E]} on the host, read from the loaded router weights ({} for a RayPipeline:
+    its routers live in its stages)."""
     out = {}
-    for layer in weights.layers:
+    for layer in getattr(weights, "layers", ()):
         b = getattr(layer.ffn, "e_score_correction_bias", None)
         if b is not None:
             out[int(layer.index)] = np.asarray(to_numpy(b), dtype=np.float64)

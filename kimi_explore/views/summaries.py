@@ -7,9 +7,11 @@ MoE routing (r = `common.routing(trace)`):
                            unbiased scores σ(logit), bias, unbiased rank (1 = highest score), and
                            `by_bias`: chosen only because of the selection bias (unbiased rank > k,
                            k the router's top-k, also where an ablation dropped slots: id -1);
-                           `forced` (with the bias known): chosen by neither the score nor the bias,
-                           outside the router's own top-k by biased score (a hook's choice:
-                           `force_routing`), and so not `by_bias`;
+                           `forced` (with the bias known): outside the router's own choice, the top-k
+                           of score + bias as the router sums and ranks them (`latent_moe.select_experts`,
+                           in the recorded scores' dtype): a hook's choice (`force_routing`), not `by_bias`;
+                           k: the router's top-k (`top_k`; default the trace's width, which a hook that
+                           routes a token to more experts widens for every token)
                            `displaced`: the unbiased top-k experts the bias pushed out of the router's
                            choice (an expert an ablation removed from it, or a hook replaced, is not one)
   routing_entropy(r)       [T, M] entropy (bits) of the combine weights: 0 = one expert carries the
@@ -36,50 +38,53 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model.latent_moe import select_experts
+
 __all__ = ["MEASURES", "load_stats", "routing_entropy", "sorted_counts", "stats_from_counts", "surprisal_bits",
            "token_measures", "topk_table"]
 
 MEASURES = ("surprisal", "routing entropy", "embedding weight", "KDA state change")
 
 
-def topk_table(r: dict, t: int, bias: dict | None = None) -> dict:
-    """Token t's choice at every MoE layer (see module docstring); arrays [M, k], padding id -1."""
-    ids = np.asarray(r["topk_ids"][t], dtype=np.int64)  # [M, k]
-    scores = np.asarray(r["scores"][t], dtype=np.float64)  # [M, E]
-    M, k = ids.shape
+def topk_table(r: dict, t: int, bias: dict | None = None, top_k: int | None = None) -> dict:
+    """Token t's choice at every MoE layer (see module docstring); arrays [M, width], padding id -1."""
+    ids = np.asarray(r["topk_ids"][t], dtype=np.int64)  # [M, width]
+    raw = np.asarray(r["scores"][t])  # [M, E] as recorded: the router's own numbers
+    scores = raw.astype(np.float64)
+    M, width = ids.shape
+    k = width if top_k is None else int(top_k)
     valid = ids >= 0
     safe = np.where(valid, ids, 0)
     chosen_scores = np.where(valid, np.take_along_axis(scores, safe, axis=1), np.nan)
     # rank = 1 + how many experts score strictly higher (a NaN score is never higher, and ranks first):
     # from each row's scores sorted ascending, NaN last
     ascending, numbers = np.sort(scores, axis=1), (~np.isnan(scores)).sum(axis=1)
-    higher = np.zeros((M, k), np.int64)
+    higher = np.zeros((M, width), np.int64)
     for j in range(M):
         higher[j] = numbers[j] - np.searchsorted(ascending[j], chosen_scores[j], side="right")
     rank = np.where(valid, np.where(np.isnan(chosen_scores), 0, higher) + 1, -1)
-    b = np.full((M, k), np.nan)
+    b = np.full((M, width), np.nan)
     if bias:
         for j, layer in enumerate(r["moe_layers"]):
             if layer in bias:
                 b[j] = np.where(valid[j], np.asarray(bias[layer], dtype=np.float64)[safe[j]], np.nan)
-    displaced, forced = [], np.zeros((M, k), dtype=bool)
+    displaced, forced = [], np.zeros((M, width), dtype=bool)
     for j, layer in enumerate(r["moe_layers"]):
         # the router chose k experts; an ablation then dropped some of them (slots -1), or a hook chose others.
         # Compared with the unbiased top-k is the router's own choice: the chosen experts it would choose too, plus,
         # for the other slots, the experts it ranked next by the biased score (those the ablation removed or the hook
         # replaced; without a bias given, by the unbiased score, as a router without one chooses). An expert the
         # ablation removed or the hook replaced was not pushed out by the bias.
-        known = bias is not None and layer in bias
-        biased = scores[j] + (np.asarray(bias[layer], dtype=np.float64) if known else 0.0)
-        if known:  # below the router's k-th biased score (beyond rounding): not the router's choice
-            kth = np.sort(np.where(np.isnan(biased), -np.inf, biased))[-k]
-            forced[j] = valid[j] & (np.where(valid[j], biased[safe[j]], np.inf) < kth - 1e-5 * max(1.0, abs(kth)))
-        chosen = ids[j][valid[j] & ~forced[j]].tolist()
-        router = set(chosen)
-        if len(chosen) < k:
-            rest = np.setdiff1d(np.arange(scores.shape[1]), chosen)
-            key = np.where(np.isnan(biased[rest]), np.inf, -biased[rest])  # by biased score, NaN last, then by id
-            router |= set(rest[np.lexsort((rest, key))][: k - len(chosen)].tolist())
+        if bias is not None and layer in bias:  # the router's own choice, summed and ranked as it does
+            router = set(select_experts(raw[j], np.asarray(bias[layer]).astype(raw.dtype), k).tolist())
+            forced[j] = valid[j] & ~np.isin(ids[j], list(router))
+        else:  # the survivors, and for the slots an ablation dropped the experts ranked next (no bias: by score)
+            chosen = ids[j][valid[j]].tolist()
+            router = set(chosen)
+            if len(chosen) < k:
+                rest = np.setdiff1d(np.arange(scores.shape[1]), chosen)
+                key = np.where(np.isnan(scores[j, rest]), np.inf, -scores[j, rest])  # by score, NaN last, then id
+                router |= set(rest[np.lexsort((rest, key))][: k - len(chosen)].tolist())
         displaced.append([(e, float(scores[j, e])) for e in _top(scores[j], ascending[j], numbers[j], k)
                           if e not in router])
     # rank > k: outside the unbiased top-k of all k slots (not of the slots an ablation left: the survivors'

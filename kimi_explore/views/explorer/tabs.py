@@ -185,8 +185,8 @@ class Tabs:
             for name in ("moe_topk", "moe_layers", "moe_sorted", "moe_top", "expert_search", "moe_full"):
                 show(name, specs.empty("no MoE layer is loaded"))
             return
-        tok, bias, k = self.ex.tokenizer, self.ex.bias, r["topk_ids"].shape[2]
-        table = summaries.topk_table(r, 0, bias)
+        tok, bias, k = self.ex.tokenizer, self.ex.bias, self.ex.session.weights.config.num_experts_per_token
+        table = summaries.topk_table(r, 0, bias, k)
         entropy = summaries.routing_entropy(r)[0]
         counts, order = self.ex.history_memo("sorted_counts", lambda: summaries.sorted_counts(stats["counts"]))
         layers = list(r["moe_layers"])

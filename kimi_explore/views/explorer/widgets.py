@@ -587,8 +587,9 @@ class Explorer(widgets.VBox):
             self.text.set_tokens(shown, colors, titles, generated_runs=runs)
             self.text.selected = min(self.token.value, n - 1)
         scale = f"light {lo:.3g} &rarr; dark {hi:.3g}" if np.isfinite(values).any() else "no value yet"
-        if name == "embedding weight" and self.trace(window=slice(-1, None)).source_labels()[0] != "embedding":
-            name += f" (source 0 here: {self.trace(window=slice(-1, None)).source_labels()[0]})"  # a layer subset
+        first = self.trace(window=slice(-1, None)).source_labels()[0] if name == "embedding weight" else "embedding"
+        if first != "embedding":  # a layer subset: source 0 is the input of its first pushing layer, if it has one
+            name += " (none here: these layers seal no block)" if first == "current" else f" (source 0 here: {first})"
         self.legend.value = (f"<small>{html.escape(name)}: {scale}"
                              + ("; dotted = generated" if runs else "") + "</small>")
 

@@ -80,10 +80,10 @@ def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
     ax, side = fig.subplots(1, 2, width_ratios=[max(4, len(cols) / 6), 1], sharey=True)
     im = heatmap(ax, probs, rows=rows, cols=cols, cmap=PROB_CMAP, vmin=0.0, vmax=1.0, annotate=False)
     final = lens.final_ids[t0:]
-    same = ids == final[None, :]
+    same = (ids == final[None, :]) & (final[None, :] >= 0)
     if probs.size <= ANNOTATE_CELLS:
-        for (r, c), p in np.ndenumerate(probs):
-            label = _cell_label(escape_mathtext(token_texts([ids[r, c]], tokenizer)[0]))
+        for (r, c), p in np.ndenumerate(probs):  # NaN logits: no prediction (their top ids are a tie order)
+            label = "NaN" if np.isnan(p) else _cell_label(escape_mathtext(token_texts([ids[r, c]], tokenizer)[0]))
             ax.text(c, r, label, ha="center", va="center", fontsize=8.5, color="white" if p < 0.55 else "black",
                     in_layout=False, clip_on=True)
     for r, c in zip(*np.nonzero(same), strict=True):  # an outline, not bold: it shows at any size
@@ -93,7 +93,7 @@ def lens_grid(lens, tokenizer=None, max_tokens: int = 48):
     agree = lens.agreement()
     side.barh(np.arange(len(rows)), agree, color="#4c72b0")
     side.set_xlim(0, 1)
-    side.set_xlabel("agrees with final\ntop-1 (all tokens)")
+    side.set_xlabel("agrees with final\ntop-1 (tokens with one)")
     side.grid(axis="x", alpha=0.3)
     shown = (f"tokens {t0}-{T - 1} of {T}" if t0 else f"all {T} tokens") if lens.positions is None or \
         np.array_equal(lens.positions, np.arange(len(lens.positions))) else f"{T - t0} chosen positions"
@@ -238,7 +238,7 @@ def report_figures(session, tokenizer=None) -> list:
                     f"lm_head applied to the stack so far); agreement with the final top-1: {agree[0]:.2f} after the "
                     f"first layer, {agree[len(agree) // 2]:.2f} mid-depth, {agree[-1]:.2f} at the last.",
                     lens_grid(lens, tokenizer)))
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # (TypeError: an analysis a pipeline's session does not offer)
         out.append(("Logit lens", None, f"No logit lens for this history: {e}", None))
     try:
         attr = logit_attribution(session, -1)
@@ -246,6 +246,6 @@ def report_figures(session, tokenizer=None) -> list:
                     f"The last token's top-1 logit ({attr.logit:.3f}) split exactly into the embedding, attention, FFN, "
                     "routed-expert and shared-expert leaves (final norm frozen).",
                     attribution_waterfall(attr, tokenizer=tokenizer)))
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         out.append(("Direct logit attribution", None, f"No attribution for this history: {e}", None))
     return out
