@@ -11,7 +11,9 @@ MoE routing (r = `common.routing(trace)`):
                            of score + bias as the router sums and ranks them (`latent_moe.select_experts`,
                            in the recorded scores' dtype): a hook's choice (`force_routing`), not `by_bias`;
                            k: the router's top-k (`top_k`; default the trace's width, which a hook that
-                           routes a token to more experts widens for every token)
+                           routes a token to more experts widens for every token); `bias_known` per
+                           layer: without it `by_bias` means only "outside the unbiased top-k" (the bias,
+                           or a hook)
                            `displaced`: the unbiased top-k experts the bias pushed out of the router's
                            choice (an expert an ablation removed from it, or a hook replaced, is not one)
   routing_entropy(r)       [T, M] entropy (bits) of the combine weights: 0 = one expert carries the
@@ -91,7 +93,8 @@ def topk_table(r: dict, t: int, bias: dict | None = None, top_k: int | None = No
     # ranks among all experts are what they were)
     return {"ids": ids, "weights": np.asarray(r["topk_weights"][t], dtype=np.float64), "scores": chosen_scores,
             "bias": b, "rank": rank, "by_bias": valid & (rank > k) & ~forced, "forced": forced,
-            "displaced": displaced, "moe_layers": list(r["moe_layers"])}
+            "displaced": displaced, "moe_layers": list(r["moe_layers"]), "k": k,
+            "bias_known": [bias is not None and layer in bias for layer in r["moe_layers"]]}
 
 
 def _top(scores: np.ndarray, ascending: np.ndarray, numbers: int, n: int) -> list[int]:

@@ -74,7 +74,8 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
             e = int(ids[j, c])
             if e < 0:
                 row_t.append("")
-                row_h.append(f"layer {labels[j]}, slot {c + 1}: no expert (ablated)")
+                row_h.append(f"layer {labels[j]}, slot {c + 1}: no expert ("
+                             + ("ablated)" if c < table["k"] else "padding: another token was routed to more experts)"))
                 continue
             star, forced = bool(table["by_bias"][j, c]), bool(table["forced"][j, c])
             bias = table["bias"][j, c]
@@ -83,7 +84,9 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
                 f"layer {labels[j]}, expert <b>{e}</b> (chosen, slot {c + 1})<br>combine weight {w[j, c]:.4f}<br>"
                 f"unbiased score {table['scores'][j, c]:.4f} (rank {table['rank'][j, c]} of all experts)"
                 + (f"<br>selection bias {bias:+.4f}" if np.isfinite(bias) else "")
-                + ("<br><b>chosen only through the bias</b>" if star else "")
+                + (("<br><b>chosen only through the bias</b>" if table["bias_known"][j] else
+                     "<br><b>outside the unbiased top-k</b> (the bias or a hook: the bias is not known here)")
+                    if star else "")
                 + ("<br><b>chosen by a hook</b>, outside the router's own top-k" if forced else "")
                 + (f"<br>bias pushed out: {gone}" if gone else ""))
         text.append(row_t)
@@ -284,6 +287,8 @@ def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
     """Top next-token probabilities after token t; the token actually fed next in red."""
     ids = np.asarray(trace["logits.top_ids"][t]).astype(int)
     probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
+    if np.isnan(probs).all():  # NaN logits: their top ids are a tie order, not predictions
+        return specs.empty(f"No predictions after {trace_labels(trace, tokenizer)[t]}: the logits hold NaN")
     keep = ids >= 0
     ids, probs = ids[keep], probs[keep]
     fed = int(trace.tokens[t + 1]) if t + 1 < len(trace.tokens) else None

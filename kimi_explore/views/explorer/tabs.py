@@ -225,10 +225,13 @@ class Tabs:
         key = f"analyses@{t}"
         if compute and key not in ex._memo:
             target = s.tokens[t + 1] if t + 1 < len(s) else None  # the token fed next (else the top-1)
-            try:
-                ex._memo[key] = (logit_lens(s, top=3, positions=[t]), logit_attribution(s, t, token=target))
-            except ValueError as e:  # a history that does not replay (decoded under a temporary intervention, ...)
-                ex._memo[key] = str(e)
+            got = []
+            for run in (lambda: logit_lens(s, top=3, positions=[t]), lambda: logit_attribution(s, t, token=target)):
+                try:  # each on its own: the attribution refuses NaN logits that the lens shows layer by layer
+                    got.append(run())
+                except (ValueError, TypeError) as e:  # a history that does not replay, a pipeline: said in the view
+                    got.append(str(e))
+            ex._memo[key] = tuple(got)
         return ex._memo.get(key)
 
     def _refresh_analyses(self, t: int, layer: int, show) -> None:
@@ -240,11 +243,9 @@ class Tabs:
             show("lens", specs.empty(msg))
             show("attribution", specs.empty("(the waterfall of the logit of the token fed next, or of the top-1)"))
             return
-        if isinstance(got, str):  # why there is no lens for this token: said in the views, not raised from a click
-            show("lens", specs.empty(f"No lens for token {t}: {got[:300]}"))
-            show("attribution", specs.empty("(no attribution either: it replays the history too)"))
-            return
-        lens, attr = got
+        lens, attr = got  # each, or why it cannot run here: said in its view, not raised from a click
         labels = specs.layer_labels(self.ex.trace(window=slice(t, t + 1)))
-        show("lens", specs_analysis.lens_strip(lens, labels, self.ex.tokenizer, layer))
-        show("attribution", specs_analysis.waterfall(attr, self.ex.tokenizer))
+        show("lens", specs.empty(f"No lens for token {t}: {lens[:300]}") if isinstance(lens, str)
+             else specs_analysis.lens_strip(lens, labels, self.ex.tokenizer, layer))
+        show("attribution", specs.empty(f"No attribution for token {t}: {attr[:300]}") if isinstance(attr, str)
+             else specs_analysis.waterfall(attr, self.ex.tokenizer))

@@ -233,10 +233,11 @@ def report_figures(session, tokenizer=None) -> list:
     try:
         lens = logit_lens(session, top=1)
         agree = lens.agreement()
+        said = ("no token has a final top-1 (NaN logits)" if np.isnan(agree).all() else
+                f"{agree[0]:.2f} after the first layer, {agree[len(agree) // 2]:.2f} mid-depth, {agree[-1]:.2f} at the last")
         out.append(("Logit lens", "logit_lens",
                     "Top-1 prediction after every layer through the block residuals (the output mix, final norm and "
-                    f"lm_head applied to the stack so far); agreement with the final top-1: {agree[0]:.2f} after the "
-                    f"first layer, {agree[len(agree) // 2]:.2f} mid-depth, {agree[-1]:.2f} at the last.",
+                    f"lm_head applied to the stack so far); agreement with the final top-1: {said}.",
                     lens_grid(lens, tokenizer)))
     except (ValueError, TypeError) as e:  # (TypeError: an analysis a pipeline's session does not offer)
         out.append(("Logit lens", None, f"No logit lens for this history: {e}", None))

@@ -89,7 +89,8 @@ def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=
     trace, tokenizer = trace_of(trace, tokenizer)
     r = routing(trace)
     t = token_index(trace, token)
-    tab = summaries.topk_table(r, t, bias, weights.config.num_experts_per_token if weights is not None else None)
+    top_k = weights.config.num_experts_per_token if weights is not None else getattr(trace, "meta", {}).get("top_k")
+    tab = summaries.topk_table(r, t, bias, top_k)
     k = tab["ids"].shape[1]
     head = "".join(f"<th>{c + 1}</th>" for c in range(k))
     rows = []
@@ -109,6 +110,8 @@ def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=
     n_bias, n_forced = int(tab["by_bias"].sum()), int(tab["forced"].sum())
     forced = (f"; <b>\u2020</b> = chosen by a hook, outside the router's own top-k ({n_forced})" if n_forced else "")
     return (f"<p>Experts of token {label} at every MoE layer, by unbiased score: <b>id</b> combine weight / unbiased "
-            f"score; <b>*</b> = chosen only through the selection bias ({n_bias} of {int((tab['ids'] >= 0).sum())})"
+            f"score; <b>*</b> = " + ("chosen only through the selection bias" if all(tab["bias_known"]) else
+                                     "outside the unbiased top-k: the selection bias or a hook (the bias is not known "
+                                     "here)") + f" ({n_bias} of {int((tab['ids'] >= 0).sum())})"
             f"{forced}; last column: experts of the unbiased top-k that the bias pushed out (id (unbiased score)).</p>"
             f"<div class='wide'><table><tr><th>layer</th>{head}<th>pushed out</th></tr>{''.join(rows)}</table></div>")
