@@ -747,6 +747,10 @@ def test_the_views_without_the_bias_and_with_nan_logits(trained_weights):
         s.feed(b"def f(x):")
     page = topk_table_html(s.trace(), -1)
     assert "outside the unbiased top-k: the selection bias or a hook (the bias is not known here)" in page
+    ex = Explorer(s, tab="MoE routing")
+    ex.bias = {}  # as over a RayPipeline, whose routers live in its stages
+    ex.select(token=3)
+    assert "* = outside the unbiased top-k (bias or hook)" in ex.views["moe_topk"].spec["layout"]["title"]["text"]
     wide = Session(trained_weights, hooks=iv.force_routing(3, [0, 1, 2], positions=[0]))
     wide.feed(b"def f(x):")
     from kimi_explore.views.common import bias_vectors

@@ -106,7 +106,8 @@ def moe_topk(table: dict, trace, layer: int | None, tokenizer=None, t: int = 0) 
     rows = "" if window is None else (f"; MoE layers {labels[rows_shown[0]].split()[0]}-{labels[rows_shown[-1]].split()[0]}"
                                       f" of {M} (the layer menu moves this window)")
     forced = f"; \u2020 = chosen by a hook ({n_forced})" if n_forced else ""
-    layout = {"title": {"text": f"Experts of token {label}; * = chosen only through the bias ({n_bias}){forced}{rows}",
+    star = "chosen only through the bias" if all(table["bias_known"]) else "outside the unbiased top-k (bias or hook)"
+    layout = {"title": {"text": f"Experts of token {label}; * = {star} ({n_bias}){forced}{rows}",
                         "font": FONT},
               "xaxis": specs.heat_axis(title={"text": "slot"}, fixedrange=True),
               "yaxis": _y_layers([labels[j] for j in rows_shown], None),
