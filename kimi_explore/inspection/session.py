@@ -101,10 +101,7 @@ class Session:
     """One decode stream over `weights`, with its history (see module docstring)."""
 
     def __init__(self, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None, checkpoint_every: int = 16):
-        if not hasattr(weights, "config"):
-            raise TypeError(f"Session: weights: expected the model from ke.from_pretrained(...) or a ke.RayPipeline, "
-                            f"got {type(weights).__name__}" + (" (a path: load it with ke.from_pretrained(path) first)"
-                                                               if isinstance(weights, (str, Path)) else ""))
+        _refuse_not_weights(weights, "Session")
         self.weights = weights
         V = weights.config.vocab_size
         if tokenizer is not None and getattr(tokenizer, "vocab_size", V) != V:  # its ids would be another model's
@@ -657,11 +654,7 @@ class Session:
         device); other options (say weight_dtype="bfloat16") continue it to rounding.
 
         recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
-        if not hasattr(weights, "config"):  # before the file is read (the Session's own check comes after)
-            raise TypeError(f"Session.load_state: weights: expected the model from ke.from_pretrained(...) or a "
-                            f"ke.RayPipeline, got {type(weights).__name__}" + (
-                                " (a path: load it with ke.from_pretrained(path) first)"
-                                if isinstance(weights, (str, Path)) else ""))
+        _refuse_not_weights(weights, "Session.load_state")  # before the file is read
         snap, saved = load_session(path, weights)
         check_tokenizer(path, saved.tokenizer, tokenizer)
         if recorder is True:
@@ -672,6 +665,13 @@ class Session:
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
+
+
+def _refuse_not_weights(weights, what: str) -> None:
+    if not hasattr(weights, "config"):
+        raise TypeError(f"{what}: weights: expected the model from ke.from_pretrained(...) or a ke.RayPipeline, got "
+                        f"{type(weights).__name__}" + (" (a path: load it with ke.from_pretrained(path) first)"
+                                                       if isinstance(weights, (str, Path)) else ""))
 
 
 def sampling_probabilities(logits, temperature: float) -> np.ndarray:

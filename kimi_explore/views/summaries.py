@@ -73,10 +73,8 @@ def topk_table(r: dict, t: int, bias: dict | None = None, top_k: int | None = No
     displaced, forced = [], np.zeros((M, width), dtype=bool)
     for j, layer in enumerate(r["moe_layers"]):
         # the router chose k experts; an ablation then dropped some of them (slots -1), or a hook chose others.
-        # Compared with the unbiased top-k is the router's own choice: the chosen experts it would choose too, plus,
-        # for the other slots, the experts it ranked next by the biased score (those the ablation removed or the hook
-        # replaced; without a bias given, by the unbiased score, as a router without one chooses). An expert the
-        # ablation removed or the hook replaced was not pushed out by the bias.
+        # Compared with the unbiased top-k is the router's own choice (an expert the ablation removed or the hook
+        # replaced was not pushed out by the bias)
         if bias is not None and layer in bias:  # the router's own choice, summed and ranked as it does
             router = set(select_experts(raw[j], np.asarray(bias[layer]).astype(raw.dtype), k).tolist())
             forced[j] = valid[j] & ~np.isin(ids[j], list(router))
