@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_modules import as64, layers_of
 
-from kimi_explore.model import mla
+from kimi_explore.model import mla, sequence_ops
 from kimi_explore.model.config import ATTENTION_SITES
 from kimi_explore.model.mla import MlaState, mla_sequence, mla_step, naive_mla_prefill
 
@@ -29,12 +29,14 @@ def inputs(w, T, seed=0):
 @pytest.mark.parametrize("model", ["ref_weights", "trained_weights"], ids=["reference", "trained"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("cuts", [[40], [1, 1, 1, 37], [7, 7, 7, 7, 7, 5], [17, 3, 20]], ids=["T", "1s-then-rest", "7s", "mixed"])
-@pytest.mark.parametrize("block", [3, mla.QUERY_BLOCK], ids=["blocks-of-3", "one-block"])
+@pytest.mark.parametrize("block", [None, 3, mla.QUERY_BLOCK], ids=["fused", "blocks-of-3", "one-block"])
 def test_chunks_equal_stepping_and_the_naive_prefill(request, monkeypatch, model, dtype, cuts, block):
-    """Any cut of 40 tokens into chunks, the scores one query block or several: the outputs, the cache (same
-    capacity as 40 appends: 16 -> 32 -> 64), and the float64 full causal attention computed token by token,
-    head by head."""
-    monkeypatch.setattr(mla, "QUERY_BLOCK", block)
+    """Any cut of 40 tokens into chunks, the attention fused (float32 on the CPU: `sequence_ops.causal_attention`)
+    or the scores one query block or several (the fused kernel off): the outputs, the cache (same capacity as 40
+    appends: 16 -> 32 -> 64), and the float64 full causal attention computed token by token, head by head."""
+    if block is not None:
+        monkeypatch.setattr(mla, "QUERY_BLOCK", block)
+        monkeypatch.setattr(sequence_ops, "causal_attention", lambda *args: None)
     w = layer(request.getfixturevalue(model), 0, dtype)
     xs = inputs(w, 45, seed=len(cuts))
     ref_state = MlaState.empty(w, np, dtype)

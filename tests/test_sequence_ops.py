@@ -238,3 +238,70 @@ def test_source_scores_and_mix_against_float64(isa, T, S, m, d):
     assert np.allclose(sequence_ops.source_scores(rows.astype(np.float64), m, w.astype(np.float64)),
                        r64 @ w.astype(np.float64), rtol=1e-14, atol=1e-12)
     assert np.allclose(sequence_ops.source_mix(rows.astype(np.float64), p.astype(np.float64)), want, rtol=1e-14, atol=1e-12)
+
+
+def _attention_float64(q, keys, values, L0: int, scale: float):
+    """The token form's attention, query by query, in float64: query t over positions 0 .. L0 + t only."""
+    T, nh, _ = q.shape
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, keys, values))
+    out = np.empty((T, nh, values.shape[2]))
+    with np.errstate(invalid="ignore"):  # the planted inf: NaN rows, as the token form's
+        for t in range(T):
+            for h in range(nh):
+                x = k64[h, : L0 + t + 1] @ q64[t, h] * scale
+                e = np.exp(x - x.max())
+                out[t, h] = e @ v64[h, : L0 + t + 1] / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("T,L0,nh,dq,dv", [(1, 0, 4, 48, 32), (1, 9, 2, 48, 32), (5, 3, 4, 48, 32), (33, 0, 3, 19, 13),
+                                           (70, 100, 4, 48, 32), (40, 7, 2, 48, 35), (64, 64, 1, 8, 8)])
+def test_causal_attention_against_float64(isa, T, L0, nh, dq, dv):
+    """MLA's fused attention of a chunk (T queries after L0 cached positions, query blocks of 16 or 32 lanes, dims
+    not multiples of the lanes or of 8 value columns): each query's softmax over the positions it sees, mixed; within
+    float32 rounding of the float64 token form. The cache's capacity beyond L0 + T is never read (NaN there)."""
+    rng = np.random.default_rng(T + L0)
+    cap = L0 + T + 5
+    q = (rng.standard_normal((T, nh, dq)) * 0.6).astype(np.float32)
+    keys = (rng.standard_normal((nh, cap, dq)) * 0.6).astype(np.float32)
+    values = rng.standard_normal((nh, cap, dv)).astype(np.float32)
+    keys[:, L0 + T :] = values[:, L0 + T :] = np.nan
+    scale = 1.0 / math.sqrt(dq)
+    got = sequence_ops.causal_attention(q, keys, values, L0, scale)
+    assert got.shape == (T, nh, dv) and got.dtype == np.float32
+    assert np.abs(got - _attention_float64(q, keys, values, L0, scale)).max() <= 3e-6
+
+
+def test_causal_attention_keeps_a_later_non_finite_value_out_of_earlier_queries(isa):
+    """A NaN value at chunk position 20 (head 0) and an inf key at 30 (head 1): the queries before each are untouched
+    (a masked lane's product is selected away, not multiplied by 0), the later ones non-finite where the token form's
+    are, query by query (the inf key's score is +inf or -inf by the query's sign: NaN rows, or that position's
+    probability 0)."""
+    rng = np.random.default_rng(2)
+    T, L0, nh, dq, dv = 40, 5, 2, 48, 32
+    q = rng.standard_normal((T, nh, dq)).astype(np.float32)
+    keys = rng.standard_normal((nh, L0 + T, dq)).astype(np.float32)
+    values = rng.standard_normal((nh, L0 + T, dv)).astype(np.float32)
+    values[0, L0 + 20, 3] = np.nan
+    keys[1, L0 + 30, 0] = np.inf
+    got = sequence_ops.causal_attention(q, keys, values, L0, 0.2)
+    want = _attention_float64(q, keys, values, L0, 0.2)
+    assert (np.isnan(got) == np.isnan(want)).all()
+    assert np.isfinite(got[:20, 0]).all() and np.isnan(got[20:, 0, 3]).all() and np.isfinite(got[:30, 1]).all()
+    finite = np.isfinite(want)
+    assert np.abs(got[finite] - want[finite]).max() <= 3e-6
+
+
+def test_causal_attention_takes_the_numpy_route_or_refuses():
+    """Off float32 (or non-contiguous) the wrapper returns None (the caller's route); the binding refuses a cache too
+    short for the chunk or buffers of the wrong size, naming what it expected."""
+    q, keys, values = np.zeros((3, 2, 4), np.float32), np.zeros((2, 8, 4), np.float32), np.zeros((2, 8, 5), np.float32)
+    assert sequence_ops.causal_attention(q.astype(np.float64), keys, values, 0, 1.0) is None
+    assert sequence_ops.causal_attention(q, keys[:, ::2], values, 0, 1.0) is None
+    from kimi_explore.model import _sequence_ops as ext
+
+    out = np.empty((3, 2, 5), np.float32)
+    with pytest.raises(ValueError, match=r"L0 \+ T <= cap"):
+        ext.causal_attention(q, keys, values, out, 3, 2, 4, 5, 8, 6, 1.0, "")
+    with pytest.raises(ValueError, match=r"out \[T, nh, dv\]"):
+        ext.causal_attention(q, keys, values, out[:2], 3, 2, 4, 5, 8, 0, 1.0, "")

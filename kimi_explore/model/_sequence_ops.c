@@ -1,4 +1,5 @@
-/* Element-wise kernels of the sequence (prefill) path, compiled (CPU, float32): sequence_ops.py.
+/* Element-wise kernels of the sequence (prefill) path, and MLA's fused attention, compiled (CPU, float32):
+   sequence_ops.py.
 
    NumPy's float32 exp and tanh cost ~1.4 ns per element on this project's machines (AVX2), and a
    softmax or a SiTU-GLU is five to eight NumPy passes with their temporaries. These kernels take one
@@ -34,6 +35,9 @@
    scalar when written lane by lane (a select, not a max: NaN and signed-zero order kept). */
 typedef float kx_v8f __attribute__((vector_size(32)));
 typedef int32_t kx_v8i __attribute__((vector_size(32)));
+/* 16 floats: the attention kernel's lanes on AVX-512 (8 elsewhere) */
+typedef float kx_v16f __attribute__((vector_size(64)));
+typedef int32_t kx_v16i __attribute__((vector_size(64)));
 
 /* exp's polynomial and exponent bits, before the edge selects: valid for x in [-87, 88] (or NaN). */
 KX_INLINE float kx_expf_core(float xc) {
@@ -297,6 +301,146 @@ DEFINE_DOT(16)
         }                                                                                     \
     }
 
+/* kx_expf of each lane of a vector x (VF floats, VI int32 of the same width): its steps as vector operations (the
+   vectoriser does not keep a loop of kx_expf's in registers across the attention's passes); its edges by select. */
+#define KX_EXPF_V(VF, VI, x)                                                                  \
+    ({                                                                                        \
+        const VF x_ = (x), zero_ = {0.0f}, lo_ = zero_ - 87.0f, hi_ = zero_ + 88.0f;          \
+        const VI below_ = x_ < lo_, above_ = x_ > hi_;                                         \
+        const VF xc_ = (VF)((((VI)x_ & ~(below_ | above_)) | ((VI)lo_ & below_)) | ((VI)hi_ & above_)); \
+        VF fx_ = xc_ * 1.44269504088896341f;                                                  \
+        fx_ = (fx_ + 12582912.0f) - 12582912.0f;                                              \
+        VF r_ = xc_ - fx_ * 0.693359375f;                                                     \
+        r_ = r_ - fx_ * -2.12194440e-4f;                                                      \
+        const VF z_ = r_ * r_;                                                                \
+        VF y_ = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                     \
+        y_ = y_ * r_ + 8.3334519073e-3f;                                                      \
+        y_ = y_ * r_ + 4.1665795894e-2f;                                                      \
+        y_ = y_ * r_ + 1.6666665459e-1f;                                                      \
+        y_ = y_ * r_ + 5.0000001201e-1f;                                                      \
+        y_ = y_ * z_ + r_ + 1.0f;                                                             \
+        const VF e_ = y_ * (VF)((__builtin_convertvector(fx_, VI) + 127) << 23);              \
+        (VF)(((VI)e_ & ~(below_ | above_)) | ((VI)(zero_ + INFINITY) & above_));              \
+    })
+
+/* MLA's causal attention over a chunk, fused (the sequence path where no hook reads the probabilities): for head h
+   and query t (position L0 + t), o[t, h] = sum_j p_j values[h, j] / sum_j p_j over j = 0 .. L0 + t, with
+   p_j = exp(x_j - max x) and x_j = (q[t, h] . keys[h, j]) scale: SOFTMAX_BODY's steps (scale, max by select, exp of
+   the difference, sum), the division moved after the mix (one per output, not per position: rounding apart).
+   Queries go QB = 2 LANES at a time, one per vector lane, so that every step is vertical: their scores over the
+   positions they see are kept in a scratch p [L0 + T, QB] that stays in cache (the unfused route writes
+   [nh, T, L0 + T] and reads it three times). Four positions per pass over q's dims (eight accumulators) and eight
+   value columns per pass over the positions (sixteen) keep the FMA units, not the loads, the limit.
+   A position after a lane's own is masked there: its score -inf (exp gives 0), its value's product selected away
+   (0 times a later token's NaN or inf value would be NaN; the token form never sees that value). Lanes past the
+   chunk's last query compute on zero queries and are not written. */
+#define ATTENTION_BODY(LANES)                                                                 \
+    {                                                                                         \
+        typedef kx_v##LANES##f VF;                                                            \
+        typedef kx_v##LANES##i VI;                                                            \
+        enum { QB = 2 * LANES, VB = LANES * (int)sizeof(float) };                             \
+        VI lane;                                                                              \
+        for (int i = 0; i < LANES; i++) lane[i] = i;                                          \
+        const VF zero = {0.0f}, neg_inf = zero - INFINITY;                                    \
+        for (Py_ssize_t h = 0; h < nh; h++) {                                                 \
+            const float *restrict K = keys + h * cap * dq, *restrict V = values + h * cap * dv; \
+            for (Py_ssize_t a = 0; a < T; a += QB) {                                          \
+                const Py_ssize_t nq = T - a < QB ? T - a : QB, first = L0 + a, Lv = first + nq; \
+                for (Py_ssize_t d = 0; d < dq; d++)                                           \
+                    for (int i = 0; i < QB; i++)                                              \
+                        qt[d * QB + i] = i < nq ? q[((a + i) * nh + h) * dq + d] : 0.0f;      \
+                VF m0 = neg_inf, m1 = neg_inf;                                                \
+                Py_ssize_t j = 0;                                                             \
+                for (; j < Lv; j += 4) {                                                      \
+                    const int nj = Lv - j < 4 ? (int)(Lv - j) : 4;                            \
+                    VF s0[4] = {zero, zero, zero, zero}, s1[4] = {zero, zero, zero, zero};    \
+                    const float *restrict kj = K + j * dq;                                    \
+                    if (nj == 4)                                                              \
+                        for (Py_ssize_t d = 0; d < dq; d++) {                                 \
+                            VF qa, qb;                                                        \
+                            memcpy(&qa, qt + d * QB, VB);                                     \
+                            memcpy(&qb, qt + d * QB + LANES, VB);                             \
+                            for (int u = 0; u < 4; u++) {                                     \
+                                const float k = kj[u * dq + d];                               \
+                                s0[u] += qa * k;                                              \
+                                s1[u] += qb * k;                                              \
+                            }                                                                 \
+                        }                                                                     \
+                    else                                                                      \
+                        for (int u = 0; u < nj; u++)                                          \
+                            for (Py_ssize_t d = 0; d < dq; d++) {                             \
+                                VF qa, qb;                                                    \
+                                memcpy(&qa, qt + d * QB, VB);                                 \
+                                memcpy(&qb, qt + d * QB + LANES, VB);                         \
+                                const float k = kj[u * dq + d];                               \
+                                s0[u] += qa * k;                                              \
+                                s1[u] += qb * k;                                              \
+                            }                                                                 \
+                    for (int u = 0; u < nj; u++) {                                            \
+                        VF x0 = s0[u] * scale, x1 = s1[u] * scale;                            \
+                        const Py_ssize_t lo = j + u - first; /* lanes below lo come before position j + u */ \
+                        if (lo > 0) {                                                         \
+                            const VI v0 = lane >= (int)lo, v1 = lane + LANES >= (int)lo;      \
+                            x0 = (VF)(((VI)x0 & v0) | ((VI)neg_inf & ~v0));                   \
+                            x1 = (VF)(((VI)x1 & v1) | ((VI)neg_inf & ~v1));                   \
+                        }                                                                     \
+                        const VI g0 = x0 > m0, g1 = x1 > m1;                                  \
+                        m0 = (VF)(((VI)x0 & g0) | ((VI)m0 & ~g0));                            \
+                        m1 = (VF)(((VI)x1 & g1) | ((VI)m1 & ~g1));                            \
+                        memcpy(p + (j + u) * QB, &x0, VB);                                    \
+                        memcpy(p + (j + u) * QB + LANES, &x1, VB);                            \
+                    }                                                                         \
+                }                                                                             \
+                VF sum0 = zero, sum1 = zero;                                                  \
+                for (j = 0; j < Lv; j++) {                                                    \
+                    VF x0, x1;                                                                \
+                    memcpy(&x0, p + j * QB, VB);                                              \
+                    memcpy(&x1, p + j * QB + LANES, VB);                                      \
+                    x0 = KX_EXPF_V(VF, VI, x0 - m0);                                          \
+                    x1 = KX_EXPF_V(VF, VI, x1 - m1);                                          \
+                    memcpy(p + j * QB, &x0, VB);                                              \
+                    memcpy(p + j * QB + LANES, &x1, VB);                                      \
+                    sum0 += x0;                                                               \
+                    sum1 += x1;                                                               \
+                }                                                                             \
+                float sum[QB];                                                                \
+                memcpy(sum, &sum0, VB);                                                       \
+                memcpy(sum + LANES, &sum1, VB);                                               \
+                Py_ssize_t c = 0;                                                             \
+                for (; c < dv; c += 8) {                                                      \
+                    const int nc = dv - c < 8 ? (int)(dv - c) : 8;                            \
+                    VF o0[8], o1[8];                                                          \
+                    for (int u = 0; u < 8; u++) o0[u] = o1[u] = zero;                         \
+                    for (j = 0; j < Lv; j++) {                                                \
+                        VF pa, pb;                                                            \
+                        memcpy(&pa, p + j * QB, VB);                                          \
+                        memcpy(&pb, p + j * QB + LANES, VB);                                  \
+                        const float *restrict vj = V + j * dv + c;                            \
+                        const Py_ssize_t lo = j - first;                                      \
+                        if (lo <= 0 && nc == 8)                                               \
+                            for (int u = 0; u < 8; u++) {                                     \
+                                o0[u] += pa * vj[u];                                          \
+                                o1[u] += pb * vj[u];                                          \
+                            }                                                                 \
+                        else {                                                                \
+                            const VI v0 = lane >= (int)lo, v1 = lane + LANES >= (int)lo;      \
+                            for (int u = 0; u < nc; u++) {                                    \
+                                o0[u] += (VF)((VI)(pa * vj[u]) & v0);                         \
+                                o1[u] += (VF)((VI)(pb * vj[u]) & v1);                         \
+                            }                                                                 \
+                        }                                                                     \
+                    }                                                                         \
+                    for (int u = 0; u < nc; u++) {                                            \
+                        float r[QB];                                                          \
+                        memcpy(r, &o0[u], VB);                                                \
+                        memcpy(r + LANES, &o1[u], VB);                                        \
+                        for (Py_ssize_t i = 0; i < nq; i++) out[((a + i) * nh + h) * dv + c + u] = r[i] / sum[i]; \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
 #define DEFINE_KERNELS(suffix, attr, lanes)                                                                       \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
@@ -318,7 +462,11 @@ DEFINE_DOT(16)
     attr static void scores_##suffix(const float *restrict rows, const float *restrict w, float *restrict s,     \
                                      Py_ssize_t T, Py_ssize_t S, Py_ssize_t m, Py_ssize_t d) SCORES_BODY(lanes)   \
     attr static void mix_##suffix(const float *restrict rows, const float *restrict p, float *restrict out,      \
-                                  Py_ssize_t T, Py_ssize_t S, Py_ssize_t m, Py_ssize_t d) MIX_BODY
+                                  Py_ssize_t T, Py_ssize_t S, Py_ssize_t m, Py_ssize_t d) MIX_BODY                                                          \
+    attr static void attention_##suffix(const float *restrict q, const float *restrict keys,                    \
+                                        const float *restrict values, float *restrict out, float *restrict qt,  \
+                                        float *restrict p, Py_ssize_t T, Py_ssize_t nh, Py_ssize_t dq,           \
+                                        Py_ssize_t dv, Py_ssize_t cap, Py_ssize_t L0, float scale) ATTENTION_BODY(lanes)
 
 DEFINE_KERNELS(portable, , 8)
 #ifdef KX_X86
@@ -414,6 +562,42 @@ static PyObject *causal_softmax(PyObject *self, PyObject *args) {
     else if (isa >= 0)
         RUN_WITHOUT_GIL(PICK(softmax, isa)(s.buf, rows, L, T, L0, scale));
     PyBuffer_Release(&s);
+    return result;
+}
+
+PyDoc_STRVAR(attention_doc, "causal_attention(q, keys, values, out, T, nh, dq, dv, cap, L0, scale, isa)\n\n"
+                            "q float32 [T, nh, dq], keys [nh, cap, dq], values [nh, cap, dv], out (written) [T, nh, dv], "
+                            "all C-contiguous; query t sees positions 0 .. L0 + t (L0 + T <= cap).");
+
+static PyObject *causal_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer q, keys, values, out;
+    Py_ssize_t T, nh, dq, dv, cap, L0;
+    float scale;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfs", &q, &keys, &values, &out, &T, &nh, &dq, &dv, &cap, &L0, &scale,
+                          &isa_name))
+        return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    if (isa >= 0 && (T < 1 || nh < 1 || dq < 1 || dv < 1 || L0 < 0 || L0 + T > cap || q.len != 4 * T * nh * dq ||
+                     keys.len != 4 * nh * cap * dq || values.len != 4 * nh * cap * dv || out.len != 4 * T * nh * dv))
+        PyErr_SetString(PyExc_ValueError, "causal_attention: expected q float32 [T, nh, dq], keys [nh, cap, dq], values "
+                                          "[nh, cap, dv], out [T, nh, dv], T >= 1, L0 + T <= cap");
+    else if (isa >= 0) {
+        /* scratch: the block's queries [dq, 32] and its scores [L0 + T, 32] (32: the widest block) */
+        float *qt = PyMem_RawMalloc(sizeof(float) * 32 * (size_t)dq), *p = PyMem_RawMalloc(sizeof(float) * 32 * (size_t)(L0 + T));
+        if (qt == NULL || p == NULL)
+            PyErr_NoMemory();
+        else
+            RUN_WITHOUT_GIL(PICK(attention, isa)(q.buf, keys.buf, values.buf, out.buf, qt, p, T, nh, dq, dv, cap, L0, scale));
+        PyMem_RawFree(qt);
+        PyMem_RawFree(p);
+    }
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&out);
     return result;
 }
 
@@ -542,6 +726,7 @@ static PyMethodDef methods[] = {
     {"map", map, METH_VARARGS, map_doc},
     {"situ", situ, METH_VARARGS, situ_doc},
     {"causal_softmax", causal_softmax, METH_VARARGS, softmax_doc},
+    {"causal_attention", causal_attention, METH_VARARGS, attention_doc},
     {"kda_decay", kda_decay, METH_VARARGS, decay_doc},
     {"l2_scale_qk", l2_scale_qk, METH_VARARGS, l2_doc},
     {"gated_norm", gated_norm, METH_VARARGS, gated_norm_doc},

@@ -4,6 +4,7 @@
     conv_silu(ext, taps)                    KDA's short conv and SiLU over a chunk (None: not here)
     situ_and_mul_rows(gate_up, beta, lb, fallback)   ops.situ_and_mul on rows [..., 2n] -> [..., n]
     causal_softmax_(scores, L0, scale)      in place on [nh, T, L0 + T]: scale, mask, softmax (as mla.causal_softmax_)
+    causal_attention(q, keys, values, L0, scale)     MLA's attention of a chunk, fused (None: not here)
     kda_decay_(raw, dt_bias, A, lower_bound)         KDA's log decay in place and its exp
     l2_scale_qk(qkv, scale_rows, eps)                KDA's q and k L2-normalised, q's scale folded in
     gated_norm(o, gate, gain, eps)                   KDA's gated RMSNorm of the read-out
@@ -15,6 +16,9 @@ passes with their temporaries. `_sequence_ops.c` takes one pass with a polynomia
 ~1-2 ulp): float32 results agree with the NumPy route to rounding, not bit for bit, which the sequence
 path promises anyway (its sums run in another order than stepping). (The token path's small steps are
 compiled too, in double: `token_ops`.)
+
+MLA's attention (`causal_attention`) is one kernel for scores, softmax and mix, the queries in vector lanes so
+that every step is vertical and the probabilities stay in a cache-sized scratch (`_sequence_ops.c`, ATTENTION_BODY).
 
 Used where the kernel runs (`runs`: a host float32 NumPy array and the extension built, `AVAILABLE`);
 float64, CuPy and an install without a compiler take the NumPy route, the same formulas. Measured here
@@ -117,6 +121,20 @@ def causal_softmax_(scores, L0: int, scale: float):
     return scores
 
 
+def causal_attention(q, keys, values, L0: int, scale: float):
+    """MLA's attention of a chunk's queries q [T, nh, dq] (positions L0 .. L0 + T - 1) over a cache keys [nh, cap, dq],
+    values [nh, cap, dv] that holds them: [T, nh, dv], row t = softmax(scale q[t] . keys[:, :L0 + t + 1]) @ values[:,
+    :L0 + t + 1] per head, the probabilities never stored (`mla.mla_sequence` where no hook reads them); None where
+    the kernel does not run (the caller's NumPy route). The token form's softmax steps, its division after the mix."""
+    if not (runs(q) and runs(keys) and runs(values)):
+        return None
+    T, nh, dq = q.shape
+    out = np.empty((T, nh, values.shape[2]), np.float32)
+    if T:
+        _ext.causal_attention(q, keys, values, out, T, nh, dq, values.shape[2], keys.shape[1], L0, scale, ISA)
+    return out
+
+
 def kda_decay_(raw, dt_bias, A, lower_bound: float):
     """KDA's decay over a chunk: raw [T, H, K] (f_b_proj's output), in place, becomes g = lower_bound sigmoid(A
     (raw + dt_bias)), the log decay; returns (g, alpha = exp(g)). dt_bias, A: [H, K]. Compiled: the NumPy
@@ -192,5 +210,5 @@ def source_mix(rows, p):
     return array_namespace(rows).matmul(p[:, None, :], rows[:, :m])[:, 0]
 
 
-__all__ = ["AVAILABLE", "causal_softmax_", "conv_silu", "exp_", "gated_norm", "isas", "kda_decay_", "l2_scale_qk", "runs",
+__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "gated_norm", "isas", "kda_decay_", "l2_scale_qk", "runs",
            "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix", "source_scores"]
