@@ -210,5 +210,5 @@ def source_mix(rows, p):
     return array_namespace(rows).matmul(p[:, None, :], rows[:, :m])[:, 0]
 
 
-__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "gated_norm", "isas", "kda_decay_", "l2_scale_qk", "runs",
-           "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix", "source_scores"]
+__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "gated_norm", "isas", "kda_decay_",
+           "l2_scale_qk", "runs", "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix", "source_scores"]
