@@ -17,6 +17,7 @@ from kimi_explore.model import token_ops
 from kimi_explore.model.config import FFN_SITES
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, group_selections, latent_moe, naive_latent_moe
 from kimi_explore.model.latent_moe_sequence import (
+    _situ_rows,
     expert_outputs_grouped,
     latent_moe_sequence,
     routing_weights_rows,
@@ -225,14 +226,16 @@ def test_every_bank_grouped_equals_per_token(banks, name):
     ids = selections(rng, 37, w.num_experts, w.top_k)
     z = rng.standard_normal((37, w.latent_size)).astype(np.float32)
     ids[6, 0] = -1  # dropped by a chunk-aware hook: a row of zeros
-    got = expert_outputs_grouped(bank, ids, z, w.situ)
-    want = np.zeros(got.shape)
+    want = np.zeros((37, w.top_k, w.latent_size))
     for t in range(37):
         kept = ids[t] >= 0
         want[t, kept] = expert_outputs(bank, ids[t][kept], z[t], w.situ)
-    assert got.shape == (37, w.top_k, w.latent_size) and got.dtype == np.float32
-    close(got, want, np.float32)
-    assert not got[6, 0].any()
+    # the layer's own activation too (`_situ_rows`): a dense bank's compiled experts (`sequence_ops.experts_grouped`)
+    for act in (w.situ, _situ_rows(w)):
+        got = expert_outputs_grouped(bank, ids, z, act)
+        assert got.shape == (37, w.top_k, w.latent_size) and got.dtype == np.float32
+        close(got, want, np.float32)
+        assert not got[6, 0].any()
 
 
 def test_mapped_and_packed_fused_grouped_are_bit_identical(banks):

@@ -7,6 +7,7 @@ the extension absent) computes the same formulas.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -305,3 +306,54 @@ def test_causal_attention_takes_the_numpy_route_or_refuses():
         ext.causal_attention(q, keys, values, out, 3, 2, 4, 5, 8, 6, 1.0, "")
     with pytest.raises(ValueError, match=r"out \[T, nh, dv\]"):
         ext.causal_attention(q, keys, values, out[:2], 3, 2, 4, 5, 8, 0, 1.0, "")
+
+
+def _situ_partial(beta, linear_beta):
+    return functools.partial(sequence_ops.situ_and_mul_rows, beta=beta, linear_beta=linear_beta, fallback=None)
+
+
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+@pytest.mark.parametrize("E,l,I,T,k", [(16, 64, 64, 300, 2), (5, 7, 5, 70, 3), (3, 33, 9, 1, 2), (4, 8, 4, 0, 2)])
+def test_experts_grouped_against_float64(isa, linear_beta, E, l, I, T, k):
+    """A chunk's routed experts, dense float32, grouped by expert (groups of 1 to ~100 selections: blocks of 16/32
+    lanes and their tails; dims not multiples of the 4-column passes; a dropped selection, -1): each selection's
+    w2_e SiTU-GLU(w13_e z[t]) within float32 rounding of the float64 formula; the rows follow the groups' order."""
+    from kimi_explore.model.latent_moe import group_selections
+
+    rng = np.random.default_rng(E + l + T)
+    z = rng.standard_normal((T, l)).astype(np.float32)
+    w13 = (rng.standard_normal((E, 2 * I, l)) / math.sqrt(l) * 3).astype(np.float32)
+    w2 = (rng.standard_normal((E, l, I)) / math.sqrt(I)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]) if T else np.zeros((0, k), np.int64)
+    if T > 1:
+        ids[1, 0] = -1
+    groups = group_selections(ids)
+    got = sequence_ops.experts_grouped(groups, z, w13, w2, _situ_partial(4.0, linear_beta))
+    assert got.shape == (groups.n, l) and got.dtype == np.float32
+    flat = ids.reshape(-1)
+    for i, (sel, t) in enumerate(zip(groups.order, groups.rows, strict=True)):
+        e = flat[sel]
+        h = w13[e].astype(np.float64) @ z[t].astype(np.float64)
+        want = w2[e].astype(np.float64) @ ops.naive_situ_and_mul(h, 4.0, linear_beta)
+        assert np.abs(got[i] - want).max() <= 2e-6 * max(1.0, np.abs(want).max()), (i, e, t)
+
+
+def test_experts_grouped_takes_the_matmul_route_or_refuses():
+    """Another activation, float64 or a strided bank: None (the caller's matmuls); the binding refuses an index out
+    of range rather than read outside the buffers."""
+    from kimi_explore.model import _sequence_ops as ext
+    from kimi_explore.model.latent_moe import group_selections
+
+    z, w13, w2 = np.ones((2, 4), np.float32), np.ones((3, 6, 4), np.float32), np.ones((3, 4, 3), np.float32)
+    groups = group_selections(np.array([[0, 2], [1, 2]]))
+    act = _situ_partial(4.0, None)
+    assert sequence_ops.experts_grouped(groups, z, w13, w2, lambda h: h) is None
+    assert sequence_ops.experts_grouped(groups, z.astype(np.float64), w13, w2, act) is None
+    assert sequence_ops.experts_grouped(groups, z, w13[:, ::2], w2, act) is None
+    assert sequence_ops.experts_grouped(groups, z, w13, w2, act).shape == (4, 4)
+    y = np.empty((4, 4), np.float32)
+    rows, bounds, experts = np.array([0, 1, 0, 1]), np.array([0, 1, 2, 4]), np.array([0, 1, 2])
+    for bad in (dict(rows=np.array([0, 1, 0, 2])), dict(experts=np.array([0, 1, 3])), dict(bounds=np.array([0, 1, 2, 3]))):
+        args = {"rows": rows, "bounds": bounds, "experts": experts} | bad
+        with pytest.raises(ValueError, match="rows int64 \\[n\\] in 0..T-1"):
+            ext.experts(z, args["rows"], args["bounds"], args["experts"], w13, w2, y, 2, 4, 3, 3, 0.25, 1.0, 4.0, False, "")

@@ -441,6 +441,109 @@ DEFINE_DOT(16)
         }                                                                                     \
     }
 
+/* Out^T [ncols, NV LANES] = W [ncols, K] x^T, x^T [K, NV LANES] (rows in vector lanes, NV vectors of them): CB columns
+   per pass over K (NV CB accumulators: 8, enough for the FMA units), then one at a time; each column's sum over k
+   ascending, in every lane. */
+#define KX_ROWS_GEMM(VF, LANES, NV, CB, xt, W, K, ncols, outT)                                \
+    do {                                                                                      \
+        const VF zero_ = {0.0f};                                                              \
+        Py_ssize_t c_ = 0;                                                                    \
+        for (; c_ + (CB) <= (ncols); c_ += (CB)) {                                            \
+            VF acc_[CB][NV];                                                                  \
+            for (int u_ = 0; u_ < (CB); u_++)                                                 \
+                for (int v_ = 0; v_ < (NV); v_++) acc_[u_][v_] = zero_;                       \
+            const float *restrict w_ = (W) + c_ * (K);                                        \
+            for (Py_ssize_t k_ = 0; k_ < (K); k_++) {                                         \
+                VF x_[NV];                                                                    \
+                for (int v_ = 0; v_ < (NV); v_++) x_[v_] = KX_LOAD(VF, (xt) + (k_ * (NV) + v_) * LANES); \
+                for (int u_ = 0; u_ < (CB); u_++) {                                           \
+                    const float wk_ = w_[u_ * (K) + k_];                                      \
+                    for (int v_ = 0; v_ < (NV); v_++) acc_[u_][v_] += x_[v_] * wk_;           \
+                }                                                                             \
+            }                                                                                 \
+            for (int u_ = 0; u_ < (CB); u_++)                                                 \
+                for (int v_ = 0; v_ < (NV); v_++)                                             \
+                    KX_STORE(VF, (outT) + ((c_ + u_) * (NV) + v_) * LANES, acc_[u_][v_]);     \
+        }                                                                                     \
+        for (; c_ < (ncols); c_++) {                                                          \
+            VF acc_[NV];                                                                      \
+            for (int v_ = 0; v_ < (NV); v_++) acc_[v_] = zero_;                               \
+            const float *restrict w_ = (W) + c_ * (K);                                        \
+            for (Py_ssize_t k_ = 0; k_ < (K); k_++)                                           \
+                for (int v_ = 0; v_ < (NV); v_++)                                             \
+                    acc_[v_] += KX_LOAD(VF, (xt) + (k_ * (NV) + v_) * LANES) * w_[k_];        \
+            for (int v_ = 0; v_ < (NV); v_++) KX_STORE(VF, (outT) + (c_ * (NV) + v_) * LANES, acc_[v_]); \
+        }                                                                                     \
+    } while (0)
+
+/* a vector from / to floats anywhere (a load or store: memcpy of a named vector, which the compiler keeps in a register) */
+#define KX_LOAD(VF, p)                                                                        \
+    ({                                                                                        \
+        VF t_;                                                                                \
+        memcpy(&t_, (p), sizeof t_);                                                          \
+        t_;                                                                                   \
+    })
+#define KX_STORE(VF, p, v)                                                                    \
+    do {                                                                                      \
+        const VF t_ = (v);                                                                    \
+        memcpy((p), &t_, sizeof t_);                                                          \
+    } while (0)
+
+/* One block of nr <= QB = NV LANES selections r0 .. r0 + nr - 1 of expert e (EXPERTS_BODY), one per lane: the latents
+   gathered transposed [l, QB] (lanes past nr 0), the up projection [2I, QB], the SiTU-GLU of each (gate, up) pair
+   [I, QB] (kx_situ; where every up of the block is small, ALL_SMALL_BODY's test, the up's tanh by its small branch
+   alone, as the row kernel `situ` does: the same values), the down projection [l, QB], the rows of y written back. */
+#define KX_EXPERT_BLOCK(VF, LANES, NV, CB)                                                    \
+    do {                                                                                      \
+        enum { QB_ = (NV) * LANES };                                                          \
+        for (Py_ssize_t i = 0; i < QB_; i++) {                                                \
+            const float *restrict zr = z + rows[r0 + (i < nr ? i : 0)] * l;                   \
+            for (Py_ssize_t k = 0; k < l; k++) zt[k * QB_ + i] = i < nr ? zr[k] : 0.0f;       \
+        }                                                                                     \
+        KX_ROWS_GEMM(VF, LANES, NV, CB, zt, W13, l, 2 * I, ht);                               \
+        const float *restrict up = ht + I * QB_;                                              \
+        int big = !has_lb;                                                                    \
+        for (Py_ssize_t j = 0; j < I * QB_; j++) {                                            \
+            const float x = up[j] * inv_lb;                                                   \
+            big |= !((x < 0.0f ? -x : x) < 0.625f);                                           \
+        }                                                                                     \
+        if (big)                                                                              \
+            for (Py_ssize_t j = 0; j < I * QB_; j++) at[j] = kx_situ(ht[j], up[j], inv_b, inv_lb, c, has_lb); \
+        else                                                                                  \
+            for (Py_ssize_t j = 0; j < I * QB_; j++) {                                        \
+                const float a = kx_tanhf(ht[j] * inv_b) / kx_one_plus_expf(-ht[j]);           \
+                at[j] = a * kx_tanhf_small(up[j] * inv_lb) * c;                               \
+            }                                                                                 \
+        KX_ROWS_GEMM(VF, LANES, NV, CB, at, W2, I, l, yt);                                    \
+        for (Py_ssize_t i = 0; i < nr; i++) {                                                 \
+            float *restrict yr = y + (r0 + i) * l;                                            \
+            for (Py_ssize_t k = 0; k < l; k++) yr[k] = yt[k * QB_ + i];                       \
+        }                                                                                     \
+    } while (0)
+
+/* The routed experts of a chunk, dense float32 (the sequence path's `DenseExperts.outputs_grouped`): the selections
+   sorted by expert, rows[i] the token of selection i, expert e's selections bounds[g] .. bounds[g + 1] - 1 for
+   e = experts[g]; y[i] = w2_e SiTU-GLU(w13_e z[rows[i]]) (w13 [E, 2I, l] gate rows then up rows, w2 [E, l, I]).
+   2 LANES selections at a time (a last block of at most LANES: one vector of them), one per vector lane
+   (KX_EXPERT_BLOCK), each product register-blocked with every step vertical (KX_ROWS_GEMM). The products' sums run
+   over k ascending, BLAS's in some other order: float32 rounding apart from the matmul route; the SiTU-GLU's values
+   are the row kernel's. */
+#define EXPERTS_BODY(LANES)                                                                   \
+    {                                                                                         \
+        typedef kx_v##LANES##f VF;                                                            \
+        for (Py_ssize_t g = 0; g < m; g++) {                                                  \
+            const Py_ssize_t e = experts[g];                                                  \
+            const float *restrict W13 = w13 + e * 2 * I * l, *restrict W2 = w2 + e * l * I;   \
+            for (Py_ssize_t r0 = bounds[g]; r0 < bounds[g + 1]; r0 += 2 * LANES) {            \
+                const Py_ssize_t nr = bounds[g + 1] - r0 < 2 * LANES ? bounds[g + 1] - r0 : 2 * LANES; \
+                if (nr > LANES)                                                               \
+                    KX_EXPERT_BLOCK(VF, LANES, 2, 4);                                         \
+                else                                                                          \
+                    KX_EXPERT_BLOCK(VF, LANES, 1, 8);                                         \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
 #define DEFINE_KERNELS(suffix, attr, lanes)                                                                       \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
@@ -466,7 +569,13 @@ DEFINE_DOT(16)
     attr static void attention_##suffix(const float *restrict q, const float *restrict keys,                    \
                                         const float *restrict values, float *restrict out, float *restrict qt,  \
                                         float *restrict p, Py_ssize_t T, Py_ssize_t nh, Py_ssize_t dq,           \
-                                        Py_ssize_t dv, Py_ssize_t cap, Py_ssize_t L0, float scale) ATTENTION_BODY(lanes)
+                                        Py_ssize_t dv, Py_ssize_t cap, Py_ssize_t L0, float scale) ATTENTION_BODY(lanes) \
+    attr static void experts_##suffix(const float *restrict z, const int64_t *restrict rows,                      \
+                                      const int64_t *restrict bounds, const int64_t *restrict experts, Py_ssize_t m, \
+                                      const float *restrict w13, const float *restrict w2, float *restrict y,      \
+                                      float *restrict zt, float *restrict ht, float *restrict at, float *restrict yt, \
+                                      Py_ssize_t l, Py_ssize_t I, float inv_b, float inv_lb, float c, int has_lb)   \
+        EXPERTS_BODY(lanes)
 
 DEFINE_KERNELS(portable, , 8)
 #ifdef KX_X86
@@ -601,6 +710,51 @@ static PyObject *causal_attention(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(experts_doc, "experts(z, rows, bounds, experts, w13, w2, y, inv_b, inv_lb, c, has_lb, isa)\n\n"
+                          "z float32 [T, l]; rows int64 [n] (tokens, sorted by expert), bounds int64 [m + 1], experts int64 [m]; "
+                          "w13 float32 [E, 2I, l], w2 [E, l, I]; y (written) [n, l]; all C-contiguous.");
+
+static PyObject *experts(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer z, rows, bounds, ex, w13, w2, y;
+    Py_ssize_t T, l, I, E;
+    float inv_b, inv_lb, c;
+    int has_lb;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*nnnnfffps", &z, &rows, &bounds, &ex, &w13, &w2, &y, &T, &l, &I, &E, &inv_b,
+                          &inv_lb, &c, &has_lb, &isa_name))
+        return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    const Py_ssize_t n = rows.len / 8, m = ex.len / 8;
+    int ok = isa >= 0 && T >= 0 && l >= 1 && I >= 1 && E >= 1 && rows.len % 8 == 0 && ex.len % 8 == 0 &&
+             bounds.len == 8 * (m + 1) && z.len == 4 * T * l && w13.len == 4 * E * 2 * I * l && w2.len == 4 * E * l * I &&
+             y.len == 4 * n * l;
+    if (ok) { /* every index in range (a wrong one would read outside the buffers) */
+        const int64_t *r = rows.buf, *b = bounds.buf, *e = ex.buf;
+        ok = b[0] == 0 && b[m] == n;
+        for (Py_ssize_t i = 0; ok && i < n; i++) ok = r[i] >= 0 && r[i] < T;
+        for (Py_ssize_t g = 0; ok && g < m; g++) ok = e[g] >= 0 && e[g] < E && b[g] <= b[g + 1];
+    }
+    if (isa >= 0 && !ok)
+        PyErr_SetString(PyExc_ValueError, "experts: expected z float32 [T, l], rows int64 [n] in 0..T-1, bounds int64 [m + 1] "
+                                          "from 0 to n, experts int64 [m] in 0..E-1, w13 [E, 2I, l], w2 [E, l, I], y [n, l]");
+    else if (isa >= 0) {
+        /* scratch, 32 rows (the widest block): latents [l, 32], up projection [2I, 32], SiTU [I, 32], down [l, 32] */
+        float *buf = PyMem_RawMalloc(sizeof(float) * 32 * (size_t)(2 * l + 3 * I));
+        if (buf == NULL)
+            PyErr_NoMemory();
+        else
+            RUN_WITHOUT_GIL(PICK(experts, isa)(z.buf, rows.buf, bounds.buf, ex.buf, m, w13.buf, w2.buf, y.buf, buf,
+                                               buf + 32 * l, buf + 32 * (l + 2 * I), buf + 32 * (l + 3 * I), l, I, inv_b,
+                                               inv_lb, c, has_lb));
+        PyMem_RawFree(buf);
+    }
+    Py_buffer *all[] = {&z, &rows, &bounds, &ex, &w13, &w2, &y};
+    for (int i = 0; i < 7; i++) PyBuffer_Release(all[i]);
+    return result;
+}
+
 PyDoc_STRVAR(conv_doc, "conv_silu(ext, taps, out, T, W, C, isa)\n\n"
                        "ext float32 [W + T, C], taps float32 [W, C], out float32 [T, C] (written), C-contiguous:\n"
                        "out[t] = silu(sum_j ext[t + 1 + j] * taps[j]).");
@@ -727,6 +881,7 @@ static PyMethodDef methods[] = {
     {"situ", situ, METH_VARARGS, situ_doc},
     {"causal_softmax", causal_softmax, METH_VARARGS, softmax_doc},
     {"causal_attention", causal_attention, METH_VARARGS, attention_doc},
+    {"experts", experts, METH_VARARGS, experts_doc},
     {"kda_decay", kda_decay, METH_VARARGS, decay_doc},
     {"l2_scale_qk", l2_scale_qk, METH_VARARGS, l2_doc},
     {"gated_norm", gated_norm, METH_VARARGS, gated_norm_doc},

@@ -19,6 +19,8 @@ another order than the token form: float32 results agree to rounding, float64 to
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .._xp import array_namespace
@@ -130,8 +132,10 @@ def _check_ids(ids, E: int, name: str) -> None:
 
 
 def _situ_rows(w: LatentMoeWeights):
-    """The layer's SiTU-GLU on rows: compiled in one pass where it runs (`sequence_ops`), else `w.situ`."""
-    return lambda gate_up: sequence_ops.situ_and_mul_rows(gate_up, w.situ_beta, w.situ_linear_beta, w.situ)
+    """The layer's SiTU-GLU on rows: compiled in one pass where it runs (`sequence_ops`), else `w.situ`. A partial, so
+    that a bank's compiled experts (`sequence_ops.experts_grouped`) read which activation it is, and its constants."""
+    return functools.partial(sequence_ops.situ_and_mul_rows, beta=w.situ_beta, linear_beta=w.situ_linear_beta,
+                             fallback=w.situ)
 
 
 def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None, observe=None):

@@ -5,6 +5,7 @@
     situ_and_mul_rows(gate_up, beta, lb, fallback)   ops.situ_and_mul on rows [..., 2n] -> [..., n]
     causal_softmax_(scores, L0, scale)      in place on [nh, T, L0 + T]: scale, mask, softmax (as mla.causal_softmax_)
     causal_attention(q, keys, values, L0, scale)     MLA's attention of a chunk, fused (None: not here)
+    experts_grouped(groups, z, w13, w2, act)         dense routed experts of a chunk, fused (None: not here)
     kda_decay_(raw, dt_bias, A, lower_bound)         KDA's log decay in place and its exp
     l2_scale_qk(qkv, scale_rows, eps)                KDA's q and k L2-normalised, q's scale folded in
     gated_norm(o, gate, gain, eps)                   KDA's gated RMSNorm of the read-out
@@ -135,6 +136,24 @@ def causal_attention(q, keys, values, L0: int, scale: float):
     return out
 
 
+def experts_grouped(groups, z, w13, w2, act):
+    """Dense routed experts over a chunk's selections grouped by expert (`latent_moe.ExpertGroups`): y [n, l], row i =
+    w2_e act(w13_e z[groups.rows[i]]) for selection i's expert e (w13 [E, 2I, l], w2 [E, l, I], z [T, l]), in one
+    compiled pass per 16-32 selections (gather, up projection, SiTU-GLU, down projection); None where it does not run:
+    `act` not this module's SiTU-GLU on rows (a `functools.partial` of `situ_and_mul_rows` naming its constants), or
+    an operand not a host float32 C-contiguous array. Float32 rounding apart from the matmul route."""
+    situ = getattr(act, "keywords", None) if getattr(act, "func", None) is situ_and_mul_rows else None
+    if situ is None or not (runs(z) and runs(w13) and runs(w2)):
+        return None
+    E, I2, l = w13.shape
+    beta, lb = situ["beta"], situ["linear_beta"]
+    y = np.empty((groups.n, l), np.float32)
+    _ext.experts(z, np.ascontiguousarray(groups.rows, np.int64), np.asarray(groups.bounds, np.int64),
+                 np.asarray(groups.experts, np.int64), w13, w2, y, z.shape[0], l, I2 // 2, E, 1.0 / beta,
+                 1.0 / (lb or 1.0), beta if lb is None else beta * lb, lb is not None, ISA)
+    return y
+
+
 def kda_decay_(raw, dt_bias, A, lower_bound: float):
     """KDA's decay over a chunk: raw [T, H, K] (f_b_proj's output), in place, becomes g = lower_bound sigmoid(A
     (raw + dt_bias)), the log decay; returns (g, alpha = exp(g)). dt_bias, A: [H, K]. Compiled: the NumPy
@@ -210,5 +229,6 @@ def source_mix(rows, p):
     return array_namespace(rows).matmul(p[:, None, :], rows[:, :m])[:, 0]
 
 
-__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "gated_norm", "isas", "kda_decay_",
-           "l2_scale_qk", "runs", "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix", "source_scores"]
+__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "experts_grouped", "gated_norm",
+           "isas", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix",
+           "source_scores"]
