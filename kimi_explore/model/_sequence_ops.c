@@ -39,6 +39,19 @@ typedef int32_t kx_v8i __attribute__((vector_size(32)));
 typedef float kx_v16f __attribute__((vector_size(64)));
 typedef int32_t kx_v16i __attribute__((vector_size(64)));
 
+/* a vector from / to floats anywhere (a load or store: memcpy of a named vector, which the compiler keeps in a register) */
+#define KX_LOAD(VF, p)                                                                        \
+    ({                                                                                        \
+        VF t_;                                                                                \
+        memcpy(&t_, (p), sizeof t_);                                                          \
+        t_;                                                                                   \
+    })
+#define KX_STORE(VF, p, v)                                                                    \
+    do {                                                                                      \
+        const VF t_ = (v);                                                                    \
+        memcpy((p), &t_, sizeof t_);                                                          \
+    } while (0)
+
 /* exp's polynomial and exponent bits, before the edge selects: valid for x in [-87, 88] (or NaN). */
 KX_INLINE float kx_expf_core(float xc) {
     float fx = xc * 1.44269504088896341f;
@@ -338,7 +351,7 @@ DEFINE_DOT(16)
     {                                                                                         \
         typedef kx_v##LANES##f VF;                                                            \
         typedef kx_v##LANES##i VI;                                                            \
-        enum { QB = 2 * LANES, VB = LANES * (int)sizeof(float) };                             \
+        enum { QB = 2 * LANES };                                                              \
         VI lane;                                                                              \
         for (int i = 0; i < LANES; i++) lane[i] = i;                                          \
         const VF zero = {0.0f}, neg_inf = zero - INFINITY;                                    \
@@ -349,17 +362,15 @@ DEFINE_DOT(16)
                 for (Py_ssize_t d = 0; d < dq; d++)                                           \
                     for (int i = 0; i < QB; i++)                                              \
                         qt[d * QB + i] = i < nq ? q[((a + i) * nh + h) * dq + d] : 0.0f;      \
+                /* scores, scaled, masked and stored, and each lane's max (SOFTMAX_BODY's select) */ \
                 VF m0 = neg_inf, m1 = neg_inf;                                                \
-                Py_ssize_t j = 0;                                                             \
-                for (; j < Lv; j += 4) {                                                      \
+                for (Py_ssize_t j = 0; j < Lv; j += 4) {                                      \
                     const int nj = Lv - j < 4 ? (int)(Lv - j) : 4;                            \
                     VF s0[4] = {zero, zero, zero, zero}, s1[4] = {zero, zero, zero, zero};    \
                     const float *restrict kj = K + j * dq;                                    \
                     if (nj == 4)                                                              \
                         for (Py_ssize_t d = 0; d < dq; d++) {                                 \
-                            VF qa, qb;                                                        \
-                            memcpy(&qa, qt + d * QB, VB);                                     \
-                            memcpy(&qb, qt + d * QB + LANES, VB);                             \
+                            const VF qa = KX_LOAD(VF, qt + d * QB), qb = KX_LOAD(VF, qt + d * QB + LANES); \
                             for (int u = 0; u < 4; u++) {                                     \
                                 const float k = kj[u * dq + d];                               \
                                 s0[u] += qa * k;                                              \
@@ -369,12 +380,9 @@ DEFINE_DOT(16)
                     else                                                                      \
                         for (int u = 0; u < nj; u++)                                          \
                             for (Py_ssize_t d = 0; d < dq; d++) {                             \
-                                VF qa, qb;                                                    \
-                                memcpy(&qa, qt + d * QB, VB);                                 \
-                                memcpy(&qb, qt + d * QB + LANES, VB);                         \
                                 const float k = kj[u * dq + d];                               \
-                                s0[u] += qa * k;                                              \
-                                s1[u] += qb * k;                                              \
+                                s0[u] += KX_LOAD(VF, qt + d * QB) * k;                        \
+                                s1[u] += KX_LOAD(VF, qt + d * QB + LANES) * k;                \
                             }                                                                 \
                     for (int u = 0; u < nj; u++) {                                            \
                         VF x0 = s0[u] * scale, x1 = s1[u] * scale;                            \
@@ -387,54 +395,49 @@ DEFINE_DOT(16)
                         const VI g0 = x0 > m0, g1 = x1 > m1;                                  \
                         m0 = (VF)(((VI)x0 & g0) | ((VI)m0 & ~g0));                            \
                         m1 = (VF)(((VI)x1 & g1) | ((VI)m1 & ~g1));                            \
-                        memcpy(p + (j + u) * QB, &x0, VB);                                    \
-                        memcpy(p + (j + u) * QB + LANES, &x1, VB);                            \
+                        KX_STORE(VF, p + (j + u) * QB, x0);                                   \
+                        KX_STORE(VF, p + (j + u) * QB + LANES, x1);                           \
                     }                                                                         \
                 }                                                                             \
+                /* exp(x - max) in place, and each lane's sum */                              \
                 VF sum0 = zero, sum1 = zero;                                                  \
-                for (j = 0; j < Lv; j++) {                                                    \
-                    VF x0, x1;                                                                \
-                    memcpy(&x0, p + j * QB, VB);                                              \
-                    memcpy(&x1, p + j * QB + LANES, VB);                                      \
-                    x0 = KX_EXPF_V(VF, VI, x0 - m0);                                          \
-                    x1 = KX_EXPF_V(VF, VI, x1 - m1);                                          \
-                    memcpy(p + j * QB, &x0, VB);                                              \
-                    memcpy(p + j * QB + LANES, &x1, VB);                                      \
-                    sum0 += x0;                                                               \
-                    sum1 += x1;                                                               \
+                for (Py_ssize_t j = 0; j < Lv; j++) {                                         \
+                    const VF e0 = KX_EXPF_V(VF, VI, KX_LOAD(VF, p + j * QB) - m0);            \
+                    const VF e1 = KX_EXPF_V(VF, VI, KX_LOAD(VF, p + j * QB + LANES) - m1);    \
+                    KX_STORE(VF, p + j * QB, e0);                                             \
+                    KX_STORE(VF, p + j * QB + LANES, e1);                                     \
+                    sum0 += e0;                                                               \
+                    sum1 += e1;                                                               \
                 }                                                                             \
-                float sum[QB];                                                                \
-                memcpy(sum, &sum0, VB);                                                       \
-                memcpy(sum + LANES, &sum1, VB);                                               \
-                Py_ssize_t c = 0;                                                             \
-                for (; c < dv; c += 8) {                                                      \
+                /* the mix, 8 value columns at a time: the positions every lane sees, then the chunk's own (masked) */ \
+                for (Py_ssize_t c = 0; c < dv; c += 8) {                                      \
                     const int nc = dv - c < 8 ? (int)(dv - c) : 8;                            \
                     VF o0[8], o1[8];                                                          \
                     for (int u = 0; u < 8; u++) o0[u] = o1[u] = zero;                         \
-                    for (j = 0; j < Lv; j++) {                                                \
-                        VF pa, pb;                                                            \
-                        memcpy(&pa, p + j * QB, VB);                                          \
-                        memcpy(&pb, p + j * QB + LANES, VB);                                  \
-                        const float *restrict vj = V + j * dv + c;                            \
-                        const Py_ssize_t lo = j - first;                                      \
-                        if (lo <= 0 && nc == 8)                                               \
+                    Py_ssize_t j = 0;                                                         \
+                    if (nc == 8)                                                              \
+                        for (; j < first; j++) {                                              \
+                            const VF pa = KX_LOAD(VF, p + j * QB), pb = KX_LOAD(VF, p + j * QB + LANES); \
+                            const float *restrict vj = V + j * dv + c;                        \
                             for (int u = 0; u < 8; u++) {                                     \
                                 o0[u] += pa * vj[u];                                          \
                                 o1[u] += pb * vj[u];                                          \
                             }                                                                 \
-                        else {                                                                \
-                            const VI v0 = lane >= (int)lo, v1 = lane + LANES >= (int)lo;      \
-                            for (int u = 0; u < nc; u++) {                                    \
-                                o0[u] += (VF)((VI)(pa * vj[u]) & v0);                         \
-                                o1[u] += (VF)((VI)(pb * vj[u]) & v1);                         \
-                            }                                                                 \
+                        }                                                                     \
+                    for (; j < Lv; j++) {                                                     \
+                        const VF pa = KX_LOAD(VF, p + j * QB), pb = KX_LOAD(VF, p + j * QB + LANES); \
+                        const float *restrict vj = V + j * dv + c;                            \
+                        const Py_ssize_t lo = j - first;                                      \
+                        const VI v0 = lane >= (int)lo, v1 = lane + LANES >= (int)lo;          \
+                        for (int u = 0; u < nc; u++) {                                        \
+                            o0[u] += (VF)((VI)(pa * vj[u]) & v0);                             \
+                            o1[u] += (VF)((VI)(pb * vj[u]) & v1);                             \
                         }                                                                     \
                     }                                                                         \
                     for (int u = 0; u < nc; u++) {                                            \
-                        float r[QB];                                                          \
-                        memcpy(r, &o0[u], VB);                                                \
-                        memcpy(r + LANES, &o1[u], VB);                                        \
-                        for (Py_ssize_t i = 0; i < nq; i++) out[((a + i) * nh + h) * dv + c + u] = r[i] / sum[i]; \
+                        const VF r0 = o0[u] / sum0, r1 = o1[u] / sum1;                        \
+                        for (Py_ssize_t i = 0; i < nq; i++)                                   \
+                            out[((a + i) * nh + h) * dv + c + u] = i < LANES ? r0[i] : r1[i - LANES]; \
                     }                                                                         \
                 }                                                                             \
             }                                                                                 \
@@ -474,19 +477,6 @@ DEFINE_DOT(16)
                     acc_[v_] += KX_LOAD(VF, (xt) + (k_ * (NV) + v_) * LANES) * w_[k_];        \
             for (int v_ = 0; v_ < (NV); v_++) KX_STORE(VF, (outT) + (c_ * (NV) + v_) * LANES, acc_[v_]); \
         }                                                                                     \
-    } while (0)
-
-/* a vector from / to floats anywhere (a load or store: memcpy of a named vector, which the compiler keeps in a register) */
-#define KX_LOAD(VF, p)                                                                        \
-    ({                                                                                        \
-        VF t_;                                                                                \
-        memcpy(&t_, (p), sizeof t_);                                                          \
-        t_;                                                                                   \
-    })
-#define KX_STORE(VF, p, v)                                                                    \
-    do {                                                                                      \
-        const VF t_ = (v);                                                                    \
-        memcpy((p), &t_, sizeof t_);                                                          \
     } while (0)
 
 /* One block of nr <= QB = NV LANES selections r0 .. r0 + nr - 1 of expert e (EXPERTS_BODY), one per lane: the latents
