@@ -284,3 +284,18 @@ def test_a_bank_with_only_gather(ref_weights):
     want = np.stack([expert_outputs(w.experts, ids[t], z[t], w.situ) for t in range(11)])
     close(expert_outputs_grouped(GatherOnly(w.experts), ids, z, w.situ), want, np.float64)
     close(expert_outputs_grouped(w.experts, ids, z, w.situ), want, np.float64)
+
+
+def test_a_dense_bank_takes_the_compiled_experts_on_chunks(monkeypatch, trained_weights):
+    """Found by review: the layer's latents are a column slice of its input projection, which the compiled experts
+    refused as not C-contiguous, so chunks of 2 or more tokens never took them (only single tokens did)."""
+    from kimi_explore.model import sequence_ops
+
+    if not sequence_ops.AVAILABLE:
+        pytest.skip("the compiled sequence ops were not built")
+    ran = []
+    real = sequence_ops.experts_grouped
+    monkeypatch.setattr(sequence_ops, "experts_grouped", lambda *a: ran.append(real(*a) is not None) or real(*a))
+    w = layers_of(trained_weights, "moe", "ffn")[0]
+    latent_moe_sequence(np.random.default_rng(0).standard_normal((33, w.in_proj.shape[1])).astype(np.float32), w)
+    assert ran == [True]

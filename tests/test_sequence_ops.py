@@ -357,3 +357,34 @@ def test_experts_grouped_takes_the_matmul_route_or_refuses():
         args = {"rows": rows, "bounds": bounds, "experts": experts} | bad
         with pytest.raises(ValueError, match="rows int64 \\[n\\] in 0..T-1"):
             ext.experts(z, args["rows"], args["bounds"], args["experts"], w13, w2, y, 2, 4, 3, 3, 0.25, 1.0, 4.0, False, "")
+
+
+def test_causal_attention_normalises_before_the_mix():
+    """Found by review: the kernel divided by the softmax sum after mixing, so sum_j e_j v_j overflowed where the token
+    form's normalised mix stays finite (values 3e37 over 12 positions; 2e35 over 3,000): inf for 3e37."""
+    T, nh, dq, dv = 4, 1, 8, 3
+    for L0, v in ((8, 3e37), (2996, 2e35)):
+        q = np.zeros((T, nh, dq), np.float32)  # every score 0: uniform probabilities
+        keys = np.ones((nh, L0 + T, dq), np.float32)
+        values = np.full((nh, L0 + T, dv), v, np.float32)
+        got = sequence_ops.causal_attention(q, keys, values, L0, 0.1)
+        assert np.isfinite(got).all() and np.abs(got / v - 1).max() <= 1e-3, (L0, got.max())
+
+
+def test_experts_grouped_falls_back_on_what_it_cannot_take():
+    """Found by review: a w2 laid out [E, I, l] (same size) ran on wrong values, a partial without its constants raised
+    KeyError; both now take the caller's route (None), which names what is wrong. A column slice of z (the layer's
+    latents) runs, as a copy."""
+    from kimi_explore.model.latent_moe import group_selections
+
+    rng = np.random.default_rng(0)
+    E, l, I = 3, 6, 4
+    z = rng.standard_normal((5, l + 2)).astype(np.float32)[:, 1 : l + 1]
+    w13, w2 = rng.standard_normal((E, 2 * I, l)).astype(np.float32), rng.standard_normal((E, l, I)).astype(np.float32)
+    groups = group_selections(np.array([[0, 1], [2, 1], [0, 2], [1, 0], [2, 0]]))
+    act = _situ_partial(4.0, None)
+    assert sequence_ops.experts_grouped(groups, z, w13, np.ascontiguousarray(w2.swapaxes(1, 2)), act) is None
+    assert sequence_ops.experts_grouped(groups, z, w13, w2, functools.partial(sequence_ops.situ_and_mul_rows)) is None
+    got = sequence_ops.experts_grouped(groups, z, w13, w2, act)
+    want = sequence_ops.experts_grouped(groups, np.ascontiguousarray(z), w13, w2, act)
+    assert got is not None and np.array_equal(got, want)

@@ -337,9 +337,9 @@ DEFINE_DOT(16)
     })
 
 /* MLA's causal attention over a chunk, fused (the sequence path where no hook reads the probabilities): for head h
-   and query t (position L0 + t), o[t, h] = sum_j p_j values[h, j] / sum_j p_j over j = 0 .. L0 + t, with
+   and query t (position L0 + t), o[t, h] = sum_j (p_j / sum_i p_i) values[h, j] over j, i = 0 .. L0 + t, with
    p_j = exp(x_j - max x) and x_j = (q[t, h] . keys[h, j]) scale: SOFTMAX_BODY's steps (scale, max by select, exp of
-   the difference, sum), the division moved after the mix (one per output, not per position: rounding apart).
+   the difference, sum, each probability normalised before the mix: times 1 / sum, not divided, rounding apart).
    Queries go QB = 2 LANES at a time, one per vector lane, so that every step is vertical: their scores over the
    positions they see are kept in a scratch p [L0 + T, QB] that stays in cache (the unfused route writes
    [nh, T, L0 + T] and reads it three times). Four positions per pass over q's dims (eight accumulators) and eight
@@ -409,6 +409,13 @@ DEFINE_DOT(16)
                     sum0 += e0;                                                               \
                     sum1 += e1;                                                               \
                 }                                                                             \
+                /* the probabilities (times 1 / sum: within 1 ulp of the token form's division), before the mix: mixed \
+                   unnormalised, values near the float32 maximum would overflow where the token form's stay finite */ \
+                const VF r0 = 1.0f / sum0, r1 = 1.0f / sum1;                                  \
+                for (Py_ssize_t j = 0; j < Lv; j++) {                                         \
+                    KX_STORE(VF, p + j * QB, KX_LOAD(VF, p + j * QB) * r0);                   \
+                    KX_STORE(VF, p + j * QB + LANES, KX_LOAD(VF, p + j * QB + LANES) * r1);   \
+                }                                                                             \
                 /* the mix, 8 value columns at a time: the positions every lane sees, then the chunk's own (masked) */ \
                 for (Py_ssize_t c = 0; c < dv; c += 8) {                                      \
                     const int nc = dv - c < 8 ? (int)(dv - c) : 8;                            \
@@ -434,11 +441,9 @@ DEFINE_DOT(16)
                             o1[u] += (VF)((VI)(pb * vj[u]) & v1);                             \
                         }                                                                     \
                     }                                                                         \
-                    for (int u = 0; u < nc; u++) {                                            \
-                        const VF r0 = o0[u] / sum0, r1 = o1[u] / sum1;                        \
+                    for (int u = 0; u < nc; u++)                                              \
                         for (Py_ssize_t i = 0; i < nq; i++)                                   \
-                            out[((a + i) * nh + h) * dv + c + u] = i < LANES ? r0[i] : r1[i - LANES]; \
-                    }                                                                         \
+                            out[((a + i) * nh + h) * dv + c + u] = i < LANES ? o0[u][i] : o1[u][i - LANES]; \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \

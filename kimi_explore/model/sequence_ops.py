@@ -140,12 +140,17 @@ def experts_grouped(groups, z, w13, w2, act):
     """Dense routed experts over a chunk's selections grouped by expert (`latent_moe.ExpertGroups`): y [n, l], row i =
     w2_e act(w13_e z[groups.rows[i]]) for selection i's expert e (w13 [E, 2I, l], w2 [E, l, I], z [T, l]), in one
     compiled pass per 16-32 selections (gather, up projection, SiTU-GLU, down projection); None where it does not run:
-    `act` not this module's SiTU-GLU on rows (a `functools.partial` of `situ_and_mul_rows` naming its constants), or
-    an operand not a host float32 C-contiguous array. Float32 rounding apart from the matmul route."""
+    `act` not this module's SiTU-GLU on rows (a `functools.partial` of `situ_and_mul_rows` naming its constants), an
+    operand not a host float32 array (the banks C-contiguous), or shapes that do not fit. Float32 rounding apart from
+    the matmul route."""
     situ = getattr(act, "keywords", None) if getattr(act, "func", None) is situ_and_mul_rows else None
-    if situ is None or not (runs(z) and runs(w13) and runs(w2)):
+    if not situ or {"beta", "linear_beta"} - situ.keys() or not (runs(w13) and runs(w2)) or w13.ndim != 3:
         return None
     E, I2, l = w13.shape
+    if w2.shape != (E, l, I2 // 2) or I2 % 2 or not (isinstance(z, np.ndarray) and z.dtype == np.float32 and
+                                                    z.ndim == 2 and z.shape[1] == l):
+        return None  # (the matmul route names what is wrong)
+    z = np.ascontiguousarray(z)  # the layer's latents are a column slice of its input projection
     beta, lb = situ["beta"], situ["linear_beta"]
     y = np.empty((groups.n, l), np.float32)
     _ext.experts(z, np.ascontiguousarray(groups.rows, np.int64), np.asarray(groups.bounds, np.int64),
