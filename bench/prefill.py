@@ -1,12 +1,16 @@
 """Prefill speed on the embedded model: whole texts through the sequence path, against the token path and mlx-lm.
 
-    python bench/prefill.py [--texts 3] [--len 1024] [--chunks 16,64,128,256,512] [--step-tokens N]
+    python bench/prefill.py [--texts 3] [--len 1024] [--rounds 2] [--chunks 16,64,128,256,512] [--step-tokens N]
                             [--threads 1] [--no-mlx] [--json bench/results/prefill.json]
 
 Texts: `--texts` windows of `--len` bytes of Python's `pydoc_data.topics` (`learned.pydoc_corpus()`: what the embedded model was
 trained on; its tokenizer is bytes, so `--len` tokens each), each fed from a fresh state.
 
-Rows (tokens/s by this process's CPU time and by wall clock; the median over the texts):
+Rows (tokens/s by this process's CPU time and by wall clock; the median over every timing). The routes are
+interleaved: per text and round (`--rounds`), feed and kimi_forward_sequence run just before and just after the
+two token routes, and "x step" is the median over texts and rounds of each route's CPU time per token against the
+Session.step between them (this shared VM's speed drifts by up to 2x within a minute, so rows timed apart can differ
+by that much; mlx-lm's row is against the median step):
 
     Session.feed, recorder     the product's prefill: `Session(weights).feed(ids)` with the default
                                Recorder and the default chunk (`kimi_sequence.default_chunk`: 512 here)
@@ -54,6 +58,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-tokens", type=int, default=0,
                    help="tokens of each text the token path steps through (0: all --len of them, as the sequence path "
                         "feeds: a shorter prefix steps over a shorter cache, ~5%% faster per token at 256 of 1024)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over the texts (each gives one paired ratio per text)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (0: leave the environment as it is)")
     p.add_argument("--no-mlx", action="store_true", help="skip mlx-lm (pip install 'mlx[cpu]' mlx-lm)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "prefill.json"))
@@ -80,7 +85,7 @@ def corpus_texts(count: int, length: int) -> list[list[int]]:
     return [list(data[i * stride : i * stride + length]) for i in range(count)]
 
 
-def routes(ke, weights, texts, step_tokens: int) -> dict:
+def routes(ke, weights, texts, step_tokens: int, rounds: int) -> dict:
     from kimi_explore.model.kimi_sequence import kimi_forward_sequence
 
     def feed(ids):
@@ -103,12 +108,33 @@ def routes(ke, weights, texts, step_tokens: int) -> dict:
                 ke.kimi_forward_token(weights, st, t)
         return run
 
-    out = {}
-    for name, make, part in (("Session.feed, recorder", feed, None), ("kimi_forward_sequence", seq, None),
-                             ("Session.step, recorder", step, step_tokens), ("kimi_forward_token", token, step_tokens)):
+    # Interleaved: per text and round, each sequence route runs just before and just after the token routes, and its
+    # ratio to stepping is taken against the step between them (the VM's speed drifts by up to 2x within a minute: a
+    # ratio of rows timed minutes apart measures the drift). Rates: the median over every timing of the route.
+    makers = {"Session.feed, recorder": (feed, None), "kimi_forward_sequence": (seq, None),
+              "Session.step, recorder": (step, step_tokens), "kimi_forward_token": (token, step_tokens)}
+    for make, _ in makers.values():
         make(texts[0][:64])()  # warm up
-        n = len((texts[0][:part]))
-        out[name] = rate(n, [timed(make(ids[:part])) for ids in texts])
+    times = {name: [] for name in makers}
+    paired = {name: [] for name in makers}
+    sequence = ("Session.feed, recorder", "kimi_forward_sequence")
+    for _ in range(rounds):
+        for ids in texts:
+            got = {}
+            for name in (*sequence, "Session.step, recorder", "kimi_forward_token", *sequence):
+                make, part = makers[name]
+                got.setdefault(name, []).append(timed(make(ids[:part])))
+            n_seq, n_step = len(ids), len(ids[:step_tokens])
+            step_cpu = got["Session.step, recorder"][0][1] / n_step  # CPU s per token
+            for name, ts in got.items():
+                times[name] += ts
+                per_token = statistics.mean(t[1] for t in ts) / (n_step if name not in sequence else n_seq)
+                paired[name].append(step_cpu / per_token)
+    out = {}
+    for name, (_, part) in makers.items():
+        out[name] = rate(len(texts[0][:part]), times[name])
+        out[name]["x_step_paired_cpu"] = statistics.median(paired[name])
+        out[name]["x_step_pairs"] = paired[name]
     return out
 
 
@@ -255,7 +281,7 @@ def main() -> int:
     ran_on = machine.describe()
     print(machine.line(ran_on))
 
-    rows = routes(ke, weights, texts, args.step_tokens or args.len)
+    rows = routes(ke, weights, texts, args.step_tokens or args.len, args.rounds)
     if not args.no_mlx:
         rows["mlx-lm kimi_k3 (bf16)"] = mlx_route(Path(path), texts, ke, weights)
     token_cpu = rows["Session.step, recorder"]["tokens_per_s_cpu"]
@@ -264,7 +290,7 @@ def main() -> int:
         if "skipped" in r:
             print(f"{name:28s} skipped: {r['skipped']}")
             continue
-        r["x_token_path_cpu"] = r["tokens_per_s_cpu"] / token_cpu
+        r["x_token_path_cpu"] = r.get("x_step_paired_cpu", r["tokens_per_s_cpu"] / token_cpu)
         print(f"{name:28s} {r['tokens']:6d} {r['tokens_per_s_cpu']:12.0f} {r['tokens_per_s_wall']:13.0f} "
               f"{r['x_token_path_cpu']:13.1f}")
     m = rows.get("mlx-lm kimi_k3 (bf16)", {})

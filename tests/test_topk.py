@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from kimi_explore.inspection.topk import top_ids
+from kimi_explore.inspection.topk import top_ids, top_predictions
+from kimi_explore.model import sequence_ops
 
 
 @pytest.mark.parametrize("V", [300, 20000], ids=["sorted", "partitioned"])
@@ -34,3 +35,44 @@ def test_rows_of_a_chunk_are_the_full_stable_sort_row_by_row(dtype):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
         np.testing.assert_array_equal(top_ids(x[:16], k), want[:16])  # every row exact: the fast route alone
+
+
+@pytest.fixture(params=sequence_ops.isas() or ("portable",))
+def isa(request, monkeypatch):
+    if not sequence_ops.AVAILABLE:
+        pytest.skip("the compiled sequence ops were not built")
+    monkeypatch.setattr(sequence_ops, "ISA", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("V", [256, 3000, 163840, 9, 5])
+def test_compiled_predictions_are_the_full_stable_sort_and_numpys_probabilities(isa, V):
+    """`top_predictions` on host float32 rows (`sequence_ops.top_rows`: the k best by a bound from each lane's max,
+    then in index order): ids as NumPy's stable sort of -x (ties by the lower id, also straddling the k-th place of a
+    large vocabulary; -0.0 == 0.0; -inf; NaN last, by id), probabilities as the NumPy route's formula to rounding
+    (NaN rows alike)."""
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((14, V)).astype(np.float32) * 3
+    x[1, : min(20, V)] = 9.0  # a tie over the whole top
+    x[2, V // 2] = np.nan
+    x[3] = -np.inf
+    x[4, ::2] = np.nan  # (V = 5: fewer numbers than k)
+    x[5] = np.round(x[5])  # ties everywhere
+    x[6, V - 1] = np.inf
+    x[7] = np.nan
+    x[8] = np.where(x[8] > 0, -1.0, x[8])
+    x[8, [1, V - 2]] = [0.0, -0.0]
+    x[9, [0, V - 1]] = 50.0
+    x[10] = 1.0
+    x[11, :-1] = -np.inf  # one number
+    x[12] = rng.integers(0, 3, V)  # ties straddling the k-th place
+    for k in [k for k in (1, 7, 10, 17) if k < V] + ([V] if V <= 17 else []):  # k = V: the whole row
+        ids, probs = top_predictions(x, k)
+        assert ids.dtype == np.int64 and probs.dtype == np.float32 and ids.shape == probs.shape == (14, k)
+        np.testing.assert_array_equal(ids, np.argsort(-x, axis=-1, kind="stable")[:, :k], err_msg=f"k={k}")
+        with np.errstate(invalid="ignore"):
+            e = np.exp(x.astype(np.float64) - np.take_along_axis(x, ids[:, :1], axis=-1))
+            want = np.take_along_axis(e, ids, axis=-1) / e.sum(axis=-1, keepdims=True)
+        assert (np.isnan(probs) == np.isnan(want)).all()
+        finite = ~np.isnan(want)
+        assert np.abs(probs[finite] - want[finite]).max() <= 1e-6

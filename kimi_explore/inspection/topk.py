@@ -7,6 +7,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import on_host
+from ..model import sequence_ops
 
 __all__ = ["stable_argsort", "top_ids", "top_predictions"]
 
@@ -49,7 +50,12 @@ def top_ids(scores, k: int):
 
 
 def top_predictions(logits, k: int):
-    """logits [..., V] -> (top_ids, their softmax probabilities [..., k])."""
+    """logits [..., V] -> (top_ids, their softmax probabilities [..., k]). Host float32 rows take one compiled pass
+    (`sequence_ops.top_rows`: the same order, also where ties straddle the k-th place of a large vocabulary; the
+    probabilities to float32 rounding)."""
+    rows = sequence_ops.top_rows(logits, min(k, logits.shape[-1])) if logits.ndim == 2 else None
+    if rows is not None:
+        return rows
     xp = array_namespace(logits)
     ids = top_ids(logits, k)
     with np.errstate(invalid="ignore"):  # logits all -inf (a hook masked every id): NaN probabilities, as softmax's

@@ -539,6 +539,73 @@ DEFINE_DOT(16)
         }                                                                                     \
     }
 
+/* Top-k of rows with their softmax probabilities (the recorder's predictions, `topk.top_predictions`): x [R, V] ->
+   ids [R, k] by value descending, ties by the lower id, NaN after every number (NumPy's stable argsort of -x), and
+   probs [R, k] = exp(x[id] - x[ids[0]]) / sum_j exp(x[j] - x[ids[0]]) (a NaN anywhere in the row, or a top value
+   of +-inf, makes them NaN, as NumPy's formula does).
+   The k best are kept in order, positions taken in index order, each entering only by beating the k-th (a later
+   equal value never does). Where k <= LANES, a bound first: each lane's max over the row's full blocks of LANES (NaN
+   never wins), and t0 the k-th largest of those maxima; k of the row's values reach t0, so the top k do, and only
+   values >= t0 are looked at (a few dozen of the embedded model's 256). NaN ids fill what numbers leave empty, in
+   index order. The exps are summed in LANES lanes of double (in float32 a K3 vocabulary's 163,840 drifted ~1e-6). */
+#define KX_TOPK_PUT(v, j)                                                                     \
+    do {                                                                                      \
+        Py_ssize_t p_ = n < k ? n++ : k - 1;                                                  \
+        for (; p_ > 0 && KX_BEATS((v), best[p_ - 1]); p_--) {                                 \
+            best[p_] = best[p_ - 1];                                                          \
+            id[p_] = id[p_ - 1];                                                              \
+        }                                                                                     \
+        best[p_] = (v);                                                                       \
+        id[p_] = (j);                                                                         \
+    } while (0)
+
+#define TOPK_BODY(LANES)                                                                      \
+    {                                                                                         \
+        typedef kx_v##LANES##f VF;                                                            \
+        typedef kx_v##LANES##i VI;                                                            \
+        for (Py_ssize_t r = 0; r < R; r++) {                                                  \
+            const float *restrict x = X + r * V;                                              \
+            int64_t *restrict id = ids + r * k;                                               \
+            float *restrict best = probs + r * k; /* the values kept, until the probabilities */ \
+            Py_ssize_t n = 0;                                                                 \
+            float t0 = -INFINITY;                                                             \
+            if (k <= LANES && V >= LANES) {                                                   \
+                const VF none = (VF){0.0f} - INFINITY;                                        \
+                VF mx = none;                                                                 \
+                for (Py_ssize_t j = 0; j + LANES <= V; j += LANES) {                          \
+                    const VF v = KX_LOAD(VF, x + j);                                          \
+                    const VI gt = v > mx;                                                     \
+                    mx = (VF)(((VI)v & gt) | ((VI)mx & ~gt));                                 \
+                }                                                                             \
+                float lane[LANES];                                                            \
+                KX_STORE(VF, lane, mx);                                                       \
+                for (int i = 1; i < LANES; i++) /* descending */                              \
+                    for (int q = i; q > 0 && lane[q] > lane[q - 1]; q--) {                    \
+                        const float t = lane[q];                                              \
+                        lane[q] = lane[q - 1];                                                \
+                        lane[q - 1] = t;                                                      \
+                    }                                                                         \
+                t0 = lane[k - 1];                                                             \
+            }                                                                                 \
+            for (Py_ssize_t j = 0; j < V; j++)                                                \
+                if (x[j] >= t0 && (n < k || KX_BEATS(x[j], best[k - 1]))) KX_TOPK_PUT(x[j], j); \
+            for (Py_ssize_t j = 0; j < V && n < k; j++) /* fewer than k numbers: NaN next */  \
+                if (x[j] != x[j]) KX_TOPK_PUT(x[j], j);                                       \
+            const float m = best[0];                                                          \
+            double part[LANES] = {0.0};                                                       \
+            Py_ssize_t j = 0;                                                                 \
+            for (; j + LANES <= V; j += LANES)                                                \
+                for (int i = 0; i < LANES; i++) part[i] += (double)kx_expf(x[j + i] - m);     \
+            double sum = 0.0;                                                                 \
+            for (; j < V; j++) sum += (double)kx_expf(x[j] - m);                              \
+            for (int i = 0; i < LANES; i++) sum += part[i];                                   \
+            for (Py_ssize_t i = 0; i < k; i++) best[i] = (float)((double)kx_expf(best[i] - m) / sum); \
+        }                                                                                     \
+    }
+
+/* a ranks before b: a number above b, or any number before NaN */
+#define KX_BEATS(a, b) ((a) == (a) && ((b) != (b) || (a) > (b)))
+
 #define DEFINE_KERNELS(suffix, attr, lanes)                                                                       \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
@@ -570,7 +637,9 @@ DEFINE_DOT(16)
                                       const float *restrict w13, const float *restrict w2, float *restrict y,      \
                                       float *restrict zt, float *restrict ht, float *restrict at, float *restrict yt, \
                                       Py_ssize_t l, Py_ssize_t I, float inv_b, float inv_lb, float c, int has_lb)   \
-        EXPERTS_BODY(lanes)
+        EXPERTS_BODY(lanes)                                                                                      \
+    attr static void topk_##suffix(const float *restrict X, int64_t *restrict ids, float *restrict probs, Py_ssize_t R, \
+                                   Py_ssize_t V, Py_ssize_t k) TOPK_BODY(lanes)
 
 DEFINE_KERNELS(portable, , 8)
 #ifdef KX_X86
@@ -750,6 +819,28 @@ static PyObject *experts(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(top_rows_doc, "top_rows(x, ids, probs, R, V, k, isa)\n\n"
+                           "x float32 [R, V]; ids (written) int64 [R, k], probs (written) float32 [R, k]; C-contiguous, 1 <= k <= V.");
+
+static PyObject *top_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer x, ids, probs;
+    Py_ssize_t R, V, k;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*w*w*nnns", &x, &ids, &probs, &R, &V, &k, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    if (isa >= 0 && (R < 0 || k < 1 || k > V || x.len != 4 * R * V || ids.len != 8 * R * k || probs.len != 4 * R * k))
+        PyErr_SetString(PyExc_ValueError, "top_rows: expected x float32 [R, V], ids int64 [R, k], probs float32 [R, k], "
+                                          "1 <= k <= V");
+    else if (isa >= 0)
+        RUN_WITHOUT_GIL(PICK(topk, isa)(x.buf, ids.buf, probs.buf, R, V, k));
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&probs);
+    return result;
+}
+
 PyDoc_STRVAR(conv_doc, "conv_silu(ext, taps, out, T, W, C, isa)\n\n"
                        "ext float32 [W + T, C], taps float32 [W, C], out float32 [T, C] (written), C-contiguous:\n"
                        "out[t] = silu(sum_j ext[t + 1 + j] * taps[j]).");
@@ -877,6 +968,7 @@ static PyMethodDef methods[] = {
     {"causal_softmax", causal_softmax, METH_VARARGS, softmax_doc},
     {"causal_attention", causal_attention, METH_VARARGS, attention_doc},
     {"experts", experts, METH_VARARGS, experts_doc},
+    {"top_rows", top_rows, METH_VARARGS, top_rows_doc},
     {"kda_decay", kda_decay, METH_VARARGS, decay_doc},
     {"l2_scale_qk", l2_scale_qk, METH_VARARGS, l2_doc},
     {"gated_norm", gated_norm, METH_VARARGS, gated_norm_doc},

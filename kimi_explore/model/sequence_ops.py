@@ -6,6 +6,7 @@
     causal_softmax_(scores, L0, scale)      in place on [nh, T, L0 + T]: scale, mask, softmax (as mla.causal_softmax_)
     causal_attention(q, keys, values, L0, scale)     MLA's attention of a chunk, fused (None: not here)
     experts_grouped(groups, z, w13, w2, act)         dense routed experts of a chunk, fused (None: not here)
+    top_rows(logits, k)                              each row's top k and their probabilities (None: not here)
     kda_decay_(raw, dt_bias, A, lower_bound)         KDA's log decay in place and its exp
     l2_scale_qk(qkv, scale_rows, eps)                KDA's q and k L2-normalised, q's scale folded in
     gated_norm(o, gate, gain, eps)                   KDA's gated RMSNorm of the read-out
@@ -159,6 +160,18 @@ def experts_grouped(groups, z, w13, w2, act):
     return y
 
 
+def top_rows(logits, k: int):
+    """Each row's k largest ids and their softmax probabilities: logits [R, V] -> (ids int64 [R, k], probs float32
+    [R, k]) in one compiled pass per row (`topk.top_predictions`' order: descending, ties by the lower id, NaN last;
+    its probabilities, the exps summed in lanes: float32 rounding apart); None where the kernel does not run."""
+    if not (runs(logits) and logits.ndim == 2 and 1 <= k <= logits.shape[1]):
+        return None
+    R, V = logits.shape
+    ids, probs = np.empty((R, k), np.int64), np.empty((R, k), np.float32)
+    _ext.top_rows(logits, ids, probs, R, V, k, ISA)
+    return ids, probs
+
+
 def kda_decay_(raw, dt_bias, A, lower_bound: float):
     """KDA's decay over a chunk: raw [T, H, K] (f_b_proj's output), in place, becomes g = lower_bound sigmoid(A
     (raw + dt_bias)), the log decay; returns (g, alpha = exp(g)). dt_bias, A: [H, K]. Compiled: the NumPy
@@ -236,4 +249,4 @@ def source_mix(rows, p):
 
 __all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "experts_grouped", "gated_norm",
            "isas", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix",
-           "source_scores"]
+           "source_scores", "top_rows"]
