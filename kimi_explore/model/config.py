@@ -11,6 +11,7 @@ layer `i` is KDA / MoE / a block boundary is decided here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import numbers
@@ -62,11 +63,17 @@ class LayerSpec:
 
 def site_names(specs) -> list[str]:
     """Every hook site a model with these layer specs fires, in firing order."""
+    return list(_site_names(tuple(specs)))
+
+
+@functools.lru_cache(maxsize=64)
+def _site_names(specs: tuple) -> tuple:
+    """`site_names` of frozen specs (a session asks at every chunk it feeds: built once per layer layout)."""
     names, sealed = list(FIRST_SITES), False
     for spec in specs:
         names += [spec.hook_prefix + s for s in spec.site_kinds(sealed)]
         sealed = sealed or spec.is_block_boundary
-    return names + list(FINAL_SITES)
+    return tuple(names + list(FINAL_SITES))
 
 
 @dataclass(frozen=True)
