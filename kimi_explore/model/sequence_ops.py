@@ -19,8 +19,10 @@ passes with their temporaries. `_sequence_ops.c` takes one pass with a polynomia
 path promises anyway (its sums run in another order than stepping). (The token path's small steps are
 compiled too, in double: `token_ops`.)
 
-MLA's attention (`causal_attention`) is one kernel for scores, softmax and mix, the queries in vector lanes so
-that every step is vertical and the probabilities stay in a cache-sized scratch (`_sequence_ops.c`, ATTENTION_BODY).
+MLA's attention (`causal_attention`: scores, softmax and mix) and the dense routed experts (`experts_grouped`:
+gather, up projection, SiTU-GLU, down projection) are one kernel each, with 16-32 queries or selections in vector
+lanes so that every step is vertical and the intermediates stay in a cache-sized scratch (`_sequence_ops.c`); the
+recorder's top-k of a chunk's logits (`top_rows`) is one pass per row.
 
 Used where the kernel runs (`runs`: a host float32 NumPy array and the extension built, `AVAILABLE`);
 float64, CuPy and an install without a compiler take the NumPy route, the same formulas. Measured here
@@ -127,7 +129,8 @@ def causal_attention(q, keys, values, L0: int, scale: float):
     """MLA's attention of a chunk's queries q [T, nh, dq] (positions L0 .. L0 + T - 1) over a cache keys [nh, cap, dq],
     values [nh, cap, dv] that holds them: [T, nh, dv], row t = softmax(scale q[t] . keys[:, :L0 + t + 1]) @ values[:,
     :L0 + t + 1] per head, the probabilities never stored (`mla.mla_sequence` where no hook reads them); None where
-    the kernel does not run (the caller's NumPy route). The token form's softmax steps, its division after the mix."""
+    the kernel does not run (the caller's NumPy route). The token form's softmax steps (each probability times
+    1 / sum, not divided: rounding apart)."""
     if not (runs(q) and runs(keys) and runs(values)):
         return None
     T, nh, dq = q.shape
@@ -163,7 +166,8 @@ def experts_grouped(groups, z, w13, w2, act):
 def top_rows(logits, k: int):
     """Each row's k largest ids and their softmax probabilities: logits [R, V] -> (ids int64 [R, k], probs float32
     [R, k]) in one compiled pass per row (`topk.top_predictions`' order: descending, ties by the lower id, NaN last;
-    its probabilities, the exps summed in lanes: float32 rounding apart); None where the kernel does not run."""
+    its probabilities, the exps summed in lanes of double: float32 rounding apart); None where the kernel does not
+    run."""
     if not (runs(logits) and logits.ndim == 2 and 1 <= k <= logits.shape[1]):
         return None
     R, V = logits.shape
