@@ -47,8 +47,8 @@ def isa(request, monkeypatch):
 
 @pytest.mark.parametrize("V", [256, 3000, 163840, 9, 5])
 def test_compiled_predictions_are_the_full_stable_sort_and_numpys_probabilities(isa, V):
-    """`top_predictions` on host float32 rows (`sequence_ops.top_rows`: the k best by a bound from each lane's max,
-    then in index order): ids as NumPy's stable sort of -x (ties by the lower id, also straddling the k-th place of a
+    """`top_predictions` on host float32 rows (`sequence_ops.top_rows`, k <= 16: the k best by a bound from each
+    lane's max, then in index order): ids as NumPy's stable sort of -x (ties by the lower id, also straddling the k-th place of a
     large vocabulary; -0.0 == 0.0; -inf; NaN last, by id), probabilities as the NumPy route's formula to rounding
     (NaN rows alike)."""
     rng = np.random.default_rng(V)
@@ -66,7 +66,8 @@ def test_compiled_predictions_are_the_full_stable_sort_and_numpys_probabilities(
     x[10] = 1.0
     x[11, :-1] = -np.inf  # one number
     x[12] = rng.integers(0, 3, V)  # ties straddling the k-th place
-    for k in [k for k in (1, 7, 10, 17) if k < V] + ([V] if V <= 17 else []):  # k = V: the whole row
+    assert V <= 16 or sequence_ops.top_rows(x, 17) is None  # above TOP_ROWS_MAX_K: the NumPy route
+    for k in [k for k in (1, 7, 10, 16) if k < V] + ([V] if V <= 16 else []):  # k = V: the whole row
         ids, probs = top_predictions(x, k)
         assert ids.dtype == np.int64 and probs.dtype == np.float32 and ids.shape == probs.shape == (14, k)
         np.testing.assert_array_equal(ids, np.argsort(-x, axis=-1, kind="stable")[:, :k], err_msg=f"k={k}")

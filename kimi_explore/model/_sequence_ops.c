@@ -544,10 +544,10 @@ DEFINE_DOT(16)
    probs [R, k] = exp(x[id] - x[ids[0]]) / sum_j exp(x[j] - x[ids[0]]) (a NaN anywhere in the row, or a top value
    of +-inf, makes them NaN, as NumPy's formula does).
    The k best are kept in order, positions taken in index order, each entering only by beating the k-th (a later
-   equal value never does). Where k <= LANES, a bound first: each lane's max over the row's full blocks of LANES (NaN
-   never wins), and t0 the k-th largest of those maxima; k of the row's values reach t0, so the top k do, and only
-   values >= t0 are looked at (a few dozen of the embedded model's 256). NaN ids fill what numbers leave empty, in
-   index order. The exps are summed in LANES lanes of double (in float32 a K3 vocabulary's 163,840 drifted ~1e-6). */
+   equal value never does). Where k <= 2 LANES (`top_rows` asks for k <= 16 only: the kept list's shifts grow with
+   k), a bound first: each of 2 LANES lanes' max over the row's full blocks (NaN never wins), and t0 the k-th largest
+   of those maxima; k of the row's values reach t0, so the top k do, and only values >= t0 are looked at (a few dozen
+   of the embedded model's 256; an ascending row: k). NaN ids fill what numbers leave empty, in index order. The exps are summed in LANES lanes of double (in float32 a K3 vocabulary's 163,840 drifted ~1e-6). */
 #define KX_TOPK_PUT(v, j)                                                                     \
     do {                                                                                      \
         Py_ssize_t p_ = n < k ? n++ : k - 1;                                                  \
@@ -569,17 +569,19 @@ DEFINE_DOT(16)
             float *restrict best = probs + r * k; /* the values kept, until the probabilities */ \
             Py_ssize_t n = 0;                                                                 \
             float t0 = -INFINITY;                                                             \
-            if (k <= LANES && V >= LANES) {                                                   \
+            if (k <= 2 * LANES && V >= 2 * LANES) {                                           \
                 const VF none = (VF){0.0f} - INFINITY;                                        \
-                VF mx = none;                                                                 \
-                for (Py_ssize_t j = 0; j + LANES <= V; j += LANES) {                          \
-                    const VF v = KX_LOAD(VF, x + j);                                          \
-                    const VI gt = v > mx;                                                     \
-                    mx = (VF)(((VI)v & gt) | ((VI)mx & ~gt));                                 \
+                VF mx0 = none, mx1 = none;                                                    \
+                for (Py_ssize_t j = 0; j + 2 * LANES <= V; j += 2 * LANES) {                  \
+                    const VF v0 = KX_LOAD(VF, x + j), v1 = KX_LOAD(VF, x + j + LANES);        \
+                    const VI g0 = v0 > mx0, g1 = v1 > mx1;                                    \
+                    mx0 = (VF)(((VI)v0 & g0) | ((VI)mx0 & ~g0));                              \
+                    mx1 = (VF)(((VI)v1 & g1) | ((VI)mx1 & ~g1));                              \
                 }                                                                             \
-                float lane[LANES];                                                            \
-                KX_STORE(VF, lane, mx);                                                       \
-                for (int i = 1; i < LANES; i++) /* descending */                              \
+                float lane[2 * LANES];                                                        \
+                KX_STORE(VF, lane, mx0);                                                      \
+                KX_STORE(VF, lane + LANES, mx1);                                              \
+                for (int i = 1; i < 2 * LANES; i++) /* descending */                          \
                     for (int q = i; q > 0 && lane[q] > lane[q - 1]; q--) {                    \
                         const float t = lane[q];                                              \
                         lane[q] = lane[q - 1];                                                \

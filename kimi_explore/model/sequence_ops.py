@@ -163,12 +163,15 @@ def experts_grouped(groups, z, w13, w2, act):
     return y
 
 
+TOP_ROWS_MAX_K = 16  # `top_rows` above: the NumPy route (the kernel's kept list would shift ~V k / 2 times a row)
+
+
 def top_rows(logits, k: int):
     """Each row's k largest ids and their softmax probabilities: logits [R, V] -> (ids int64 [R, k], probs float32
     [R, k]) in one compiled pass per row (`topk.top_predictions`' order: descending, ties by the lower id, NaN last;
     its probabilities, the exps summed in lanes of double: float32 rounding apart); None where the kernel does not
-    run."""
-    if not (runs(logits) and logits.ndim == 2 and 1 <= k <= logits.shape[1]):
+    run, or for k > TOP_ROWS_MAX_K."""
+    if not (runs(logits) and logits.ndim == 2 and 1 <= k <= min(TOP_ROWS_MAX_K, logits.shape[1])):
         return None
     R, V = logits.shape
     ids, probs = np.empty((R, k), np.int64), np.empty((R, k), np.float32)
