@@ -776,7 +776,7 @@ static PyObject *causal_attention(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(experts_doc, "experts(z, rows, bounds, experts, w13, w2, y, inv_b, inv_lb, c, has_lb, isa)\n\n"
+PyDoc_STRVAR(experts_doc, "experts(z, rows, bounds, experts, w13, w2, y, T, l, I, E, inv_b, inv_lb, c, has_lb, isa)\n\n"
                           "z float32 [T, l]; rows int64 [n] (tokens, sorted by expert), bounds int64 [m + 1], experts int64 [m]; "
                           "w13 float32 [E, 2I, l], w2 [E, l, I]; y (written) [n, l]; all C-contiguous.");
 
