@@ -1,5 +1,5 @@
-/* Element-wise kernels of the sequence (prefill) path, and MLA's fused attention, compiled (CPU, float32):
-   sequence_ops.py.
+/* Element-wise kernels of the sequence (prefill) path, and its fused ones (MLA's attention, the dense routed experts,
+   the recorder's top-k of a chunk's logits), compiled (CPU, float32): sequence_ops.py.
 
    NumPy's float32 exp and tanh cost ~1.4 ns per element on this project's machines (AVX2), and a
    softmax or a SiTU-GLU is five to eight NumPy passes with their temporaries. These kernels take one
@@ -35,7 +35,7 @@
    scalar when written lane by lane (a select, not a max: NaN and signed-zero order kept). */
 typedef float kx_v8f __attribute__((vector_size(32)));
 typedef int32_t kx_v8i __attribute__((vector_size(32)));
-/* 16 floats: the attention kernel's lanes on AVX-512 (8 elsewhere) */
+/* 16 floats: the fused kernels' lanes on AVX-512 (kx_v8f elsewhere) */
 typedef float kx_v16f __attribute__((vector_size(64)));
 typedef int32_t kx_v16i __attribute__((vector_size(64)));
 
