@@ -38,8 +38,7 @@ from .sites import site_table
 
 __all__ = ["OutputHead", "check_state", "decoder_layer", "dtype_name", "embed_token", "finish_token", "hooks_type_error",
            "in_use", "kimi_forward_token", "mark_broken", "output_hidden", "refuse_broken", "refuse_shared", "run_layers",
-           "token_index",
-           "token_indices"]
+           "token_index", "token_indices"]
 
 
 @dataclass(frozen=True)
@@ -179,9 +178,11 @@ def check_state(weights, state) -> None:
     # the same kinds and widths, other layers (a subset's state under another subset): checked last, so that the
     # messages above name what differs first
     made_for = getattr(state, "layer_ids", None)
-    if made_for is not None and list(made_for) != [int(layer.index) for layer in weights.layers]:
-        raise ValueError(f"state was made for layers {list(made_for)}, these weights hold layers "
-                         f"{[int(layer.index) for layer in weights.layers]}; make the state with KimiDecodeState.new(weights)")
+    if made_for is not None:
+        here = [int(layer.index) for layer in weights.layers]
+        if list(made_for) != here:
+            raise ValueError(f"state was made for layers {list(made_for)}, these weights hold layers {here}; make the "
+                             "state with KimiDecodeState.new(weights)")
 
 
 def hooks_type_error(hooks) -> TypeError:

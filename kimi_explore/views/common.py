@@ -122,6 +122,12 @@ def softmax(logits) -> np.ndarray:
     return e / e.sum()
 
 
+def no_predictions(top_probs) -> bool:
+    """Whether a token's recorded top-k probabilities say its logits hold NaN (all NaN): its top ids are then the
+    top-k's tie order, not predictions, and the views show none."""
+    return bool(np.isnan(np.asarray(top_probs, dtype=float)).all())
+
+
 def bias_vectors(weights) -> dict[int, np.ndarray]:
     """{MoE layer id: selection bias [E]} on the host, read from the loaded router weights ({} for a RayPipeline:
     its routers live in its stages)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common import softmax, token_labels
+from ..common import no_predictions, softmax, token_labels
 from . import specs
 from .plotly_view import typed
 from .specs import FONT, SELECT, heat, layer_labels, outline, trace_labels
@@ -288,7 +288,7 @@ def predictions(trace, t: int, tokenizer=None) -> tuple[list, dict]:
     """Top next-token probabilities after token t; the token actually fed next in red."""
     ids = np.asarray(trace["logits.top_ids"][t]).astype(int)
     probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
-    if np.isnan(probs).all():  # NaN logits: their top ids are a tie order, not predictions
+    if no_predictions(probs):
         return specs.empty(f"No predictions after {trace_labels(trace, tokenizer)[t]}: the logits hold NaN")
     keep = ids >= 0
     ids, probs = ids[keep], probs[keep]

@@ -40,6 +40,7 @@ from ..common import (
     layer_labels,
     layer_position,
     moe_layer_labels,
+    no_predictions,
     routing,
     softmax,
     token_index,
@@ -432,7 +433,7 @@ def predictions(trace, token: int = -1, tokenizer=None) -> Figure:
     t = token_index(trace, token)
     ids = np.asarray(trace["logits.top_ids"][t]).astype(int)
     probs = np.asarray(trace["logits.top_probs"][t], dtype=float)
-    if np.isnan(probs).all():  # NaN logits: their top-k ids are a tie order, not predictions
+    if no_predictions(probs):
         fig = InlineFigure(figsize=(7, 2), layout="constrained")
         ax = fig.subplots()
         ax.axis("off")

@@ -83,14 +83,13 @@ def moe_sorted_counts(trace):
 def topk_table_html(trace, token: int = -1, bias: dict | None = None, tokenizer=None) -> str:
     """An HTML table: one row per MoE layer, one cell per chosen expert ('id weight / score', '*' = by the bias,
     '†' = by a hook). bias: the routers' selection bias by layer (a Session's by default)."""
-    weights = getattr(trace, "weights", None)  # a Session's: its routers' bias and top-k
+    weights = getattr(trace, "weights", None)  # a Session's: its routers' bias
     if bias is None and weights is not None:
         bias = bias_vectors(weights)
     trace, tokenizer = trace_of(trace, tokenizer)
     r = routing(trace)
     t = token_index(trace, token)
-    top_k = weights.config.num_experts_per_token if weights is not None else getattr(trace, "meta", {}).get("top_k")
-    tab = summaries.topk_table(r, t, bias, top_k)
+    tab = summaries.topk_table(r, t, bias, getattr(trace, "meta", {}).get("top_k"))  # the router's top-k (model_meta)
     k = tab["ids"].shape[1]
     head = "".join(f"<th>{c + 1}</th>" for c in range(k))
     rows = []

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ...inspection.npz_io import write_atomically
-from ..common import trace_labels, trace_of
+from ..common import no_predictions, trace_labels, trace_of
 from . import plots, plots_summary
 
 __all__ = ["default_layers", "write_report"]
@@ -116,7 +116,7 @@ def _prediction_table(trace, tokenizer, top: int = 5, max_rows: int = 64) -> str
     labels = trace_labels(trace, tokenizer)
     rows = []
     for t in range(min(len(trace), max_rows)):
-        if np.isnan(probs[t]).all():  # the ids of NaN logits are the top-k's tie order, not predictions
+        if no_predictions(probs[t]):
             rows.append(f"<tr><td>{html.escape(labels[t])}</td><td>none: the logits hold NaN</td></tr>")
             continue
         preds = ", ".join(f"{html.escape(plots.token_labels([int(i)], tokenizer, positions=False)[0])} {p:.3f}"
