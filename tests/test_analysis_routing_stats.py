@@ -19,6 +19,7 @@ import pytest
 from strict_device import StrictDevice
 
 import kimi_explore as ke
+from kimi_explore.analysis import routing_stats as routing_stats_module
 from kimi_explore.analysis.routing_stats import byte_class
 from kimi_explore.backend import stand_in_device
 
@@ -99,7 +100,7 @@ def test_byte_classes():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_saved_partial_result_resumes_to_the_full_result(ref_weights, tmp_path, workers):
+def test_a_saved_partial_result_resumes_to_the_full_result(ref_weights, tmp_path, workers, monkeypatch):
     full = ke.routing_stats(ref_weights, TEXTS, progress=False)
     path = tmp_path / "stats.npz"
     calls = []
@@ -122,8 +123,22 @@ def test_a_saved_partial_result_resumes_to_the_full_result(ref_weights, tmp_path
     np.testing.assert_allclose(resumed.weight_sum, full.weight_sum, rtol=1e-6)  # bit for bit with one BLAS thread (below)
     assert resumed.class_names == full.class_names and resumed.tokens == full.tokens
     np.testing.assert_array_equal(resumed.class_top1, full.class_top1)
-    again = ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=failing_on_text_3)
-    assert calls == [] and again.tokens == full.tokens  # everything was done: nothing is decoded again
+    def no_decoding(*args):
+        raise AssertionError("a text the checkpoint holds was decoded again")
+
+    monkeypatch.setattr(routing_stats_module, "_routing", no_decoding)
+    again = ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=byte_class)
+    assert again.tokens == full.tokens and again.class_names == full.class_names  # everything was done
+    with pytest.raises(ValueError, match="the checkpoint counted token id .* this call's classes= puts it in 'all'"):
+        ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint=path, classes=lambda i: "all")  # not its result
+
+
+def test_bad_arguments_are_named(ref_weights):
+    with pytest.raises(TypeError, match="classes must be a function token id -> class label .* got dict"):
+        ke.routing_stats(ref_weights, TEXTS, progress=False, classes={97: "a"})
+    for bad in ("x", -1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="checkpoint_every must be a positive int"):
+            ke.routing_stats(ref_weights, TEXTS, progress=False, checkpoint_every=bad)
 
 
 def test_a_checkpoint_refuses_other_texts_or_another_model(ref_weights, tiny_weights, tmp_path):

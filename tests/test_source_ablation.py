@@ -126,6 +126,8 @@ def test_bad_arguments_are_named(ref_weights):
         ke.source_ablation(ref_weights, TOKENS, layers=[99])
     with pytest.raises(ValueError, match="source family must be one of"):
         ke.source_ablation(ref_weights, TOKENS, families=["residual"])
+    with pytest.raises(TypeError, match="families must be a list of source families, got the string 'current'"):
+        ke.source_ablation(ref_weights, TOKENS, families="current")
 
 
 def test_the_figure_shows_each_cell_where_its_numbers_say(ref_weights):

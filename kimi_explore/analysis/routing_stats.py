@@ -312,6 +312,12 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
             raise ValueError(f"routing_stats: the default token classing is for byte models (vocabulary 256); this one has "
                              f"{vocab} tokens: pass classes=fn(token_id) -> label")
         classes = byte_class
+    if not callable(classes):
+        raise TypeError(f"routing_stats: classes must be a function token id -> class label (e.g. a dict's .get), got "
+                        f"{type(classes).__name__}")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, np.integer)) or checkpoint_every < 1:
+        raise ValueError(f"routing_stats: checkpoint_every must be a positive int (tokens between saves), got "
+                         f"{checkpoint_every!r}")
     if not any(weights.config.is_moe_layer(int(i)) for i in weights.layer_ids):
         raise ValueError(f"routing_stats: none of the loaded layers {list(weights.layer_ids)} is a MoE layer (dense: "
                          f"first_k_dense_replace={weights.config.first_k_dense_replace}, moe_layer_freq="
@@ -330,8 +336,7 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     digests = [_digest(x) for x in ids]
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
     start, since_save = len(stats.texts), 0
-    if start < len(ids):
-        _check_classing(checkpoint, stats, classes)
+    _check_classing(checkpoint, stats, classes)  # (also when it holds every text: its result is this call's)
     routings = _routings(weights, ids[start:], workers, start)
     next(routings)  # the workers start (fork) now, before a progress bar's monitor thread does (see `_routings`)
     labels: dict = {}  # token id -> its class label, checked once

@@ -293,6 +293,9 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         raise type(e)(f"source_ablation: token_ids: {e}") from None
     if len(ids) < 2:
         raise ValueError(f"source_ablation: needs at least 2 tokens (one next-token prediction), got {len(ids)}")
+    if isinstance(families, str):
+        raise TypeError(f"source_ablation: families must be a list of source families, got the string {families!r} "
+                        f"(one family: [{families!r}])")
     for f in families:
         check_family(f)
     if isinstance(sites, str):
