@@ -105,6 +105,20 @@ def test_a_log_with_a_non_zero_tail_is_refused(ckpt):
 
 
 
+@pytest.mark.parametrize("bad", [np.inf, np.nan, -np.inf, 1000.0])
+def test_a_log_giving_no_finite_positive_decay_rate_is_refused(ckpt, bad):
+    """A = exp(A_log) inf (A_log inf or 1000) loaded and ran another model; NaN gave NaN logits; -inf gives A = 0. The GGUF
+    loader refused the same damage (its ssm_a), the safetensors loader did not."""
+    name = "language_model.model.layers.0.self_attn.A_log"
+    f = SafetensorsFile(ckpt / shard_of(ckpt, name))
+    a_log = np.array(f.array(name))
+    f.close()
+    a_log[1] = bad
+    rewrite_tensor(ckpt, name, a_log)
+    with pytest.raises(CheckpointError, match=f"{name}' must give a finite decay rate exp\\(A_log\\) > 0 per head; found A_log "):
+        load(ckpt)
+
+
 # mutation: the A_log padding check fired only when ALL padding entries were non-zero (np.all instead of np.any)
 @pytest.mark.parametrize("where", ["first", "last"], ids=["first-padding-entry", "last-padding-entry"])
 def test_mutation_a_log_padding_any_nonzero_entry_is_refused(ckpt, where):

@@ -379,7 +379,8 @@ def _rewrite(tmp_path, *, drop_keys=(), meta=None, drop=(), reshape=None) -> Pat
         ne, raw = t.ne, f.raw(name).tobytes()
         if reshape and name in reshape:
             ne = reshape[name]
-            raw = raw[: int(np.prod(ne)) * 4]
+            if int(np.prod(ne)) != int(np.prod(t.ne)):  # (F32 values cut; unit axes keep every byte)
+                raw = raw[: int(np.prod(ne)) * 4]
         tensors.append((name, ne, t.type, raw))
     path = tmp_path / "bad.gguf"
     write_gguf(path, m, f.types, tensors)
@@ -423,6 +424,19 @@ def test_wrong_shape_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"blk.4.attn_q.weight' \(model.layers.4.self_attn.q_proj.weight\): "
                                               r"expected shape \[192, 64\], found F32\[96, 64\]"):
         ke.from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("experts", ["packed", "dense", "mapped"])
+def test_unit_axes_move_no_byte_and_load_the_same_model(tmp_path, experts):
+    """`check` compares shapes without their size-1 axes; an expert bank or attn_k_b stored with one more (ne [32, 32,
+    1, 8]) is the same bytes and must load as the same model (its readers took the stored 4-D shape: bare NumPy
+    errors)."""
+    f = GgufFile(mxfp4_gguf("d"))
+    ne = {n: f.tensors[n].ne for n in ("blk.5.ffn_up_exps.weight", "blk.5.ffn_down_exps.weight", "blk.2.attn_k_b.weight")}
+    path = _rewrite(tmp_path, reshape={n: (*e[:2], 1, *e[2:]) for n, e in ne.items()})
+    assert GgufFile(path).tensors["blk.5.ffn_up_exps.weight"].ne[2] == 1
+    assert_same_run(ke.from_pretrained(path, device="cpu", experts=experts),
+                    ke.from_pretrained(mxfp4_gguf("d"), device="cpu", experts=experts), "d")
 
 
 def test_revision_is_refused_for_a_file():

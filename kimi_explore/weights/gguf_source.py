@@ -205,8 +205,9 @@ class GgufSource(TensorSource):
         if t.row.key == "kv_b_proj":  # [nh, dn + dv, kl] = per head [k_b^T; v_b]
             cfg, (k_name, v_name) = self.config, self.gguf_names(t)
             heads = out.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-            heads[:, : cfg.qk_nope_head_dim] = self._values(k_name, dtype).transpose(0, 2, 1)
-            heads[:, cfg.qk_nope_head_dim :] = self._values(v_name, dtype)
+            shapes = self._expected(t)
+            heads[:, : cfg.qk_nope_head_dim] = self._values(k_name, dtype).reshape(shapes[k_name]).transpose(0, 2, 1)
+            heads[:, cfg.qk_nope_head_dim :] = self._values(v_name, dtype).reshape(shapes[v_name])
             return out
         return self._values(self.gguf_names(t)[0], dtype, out)
 
@@ -233,25 +234,30 @@ class GgufSource(TensorSource):
         a_log = np.log(-self._values(f"blk.{i}.ssm_a", np.float64).reshape(-1)).astype(np.float32)
         return np.exp(a_log.astype(np.float64))
 
-    def _expert_tensors(self, i: int) -> list[str]:
-        return [self.gguf_names(self.released[table.MOE.name(k, i, 0)])[0] for k in table.MOE.expert_keys]  # w1, w3, w2
+    def _expert_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
+        """{GGUF name: its NumPy shape [E, rows, cols]} of layer i's expert banks: w1, w3, w2. (`check` compared the stored
+        shapes without their size-1 axes, which do not move a byte: each is read as this shape.)"""
+        shapes = {}
+        for k in table.MOE.expert_keys:
+            shapes.update(self._expected(self.released[table.MOE.name(k, i, 0)]))
+        return shapes
 
     def experts_quantized(self, i: int) -> bool:
         return all(self.where[n].info(n)[0] == "MXFP4" for n in self._expert_tensors(i))
 
     def experts(self, i, mode, *, dtype, xp, capacity, workspace):
-        gate, up, down = self._expert_tensors(i)
+        shapes = self._expert_tensors(i)
+        gate, up, down = shapes
         if mode == "dense":
-            cfg = self.config
-            E, I, l = cfg.num_experts, cfg.moe_intermediate_size, cfg.routed_expert_hidden_size
+            (E, I, l), values = shapes[gate], lambda name: self._values(name, dtype).reshape(shapes[name])
             w13 = np.empty((E, 2 * I, l), dtype)
-            w13[:, :I], w13[:, I:] = self._values(gate, dtype), self._values(up, dtype)
-            return DenseExperts(xp.asarray(w13), xp.asarray(self._values(down, dtype)))
+            w13[:, :I], w13[:, I:] = values(gate), values(up)
+            return DenseExperts(xp.asarray(w13), xp.asarray(values(down)))
         mapped = mode == "mapped"
 
         def bank(name):
-            ne = self.where[name].tensors[name].ne  # [cols, rows, E]
-            blocks = self.where[name].raw(name).reshape(ne[2], ne[1], ne[0] // 32, ggml_quants.MXFP4_BLOCK)
+            E, rows, cols = shapes[name]
+            blocks = self.where[name].raw(name).reshape(E, rows, cols // 32, ggml_quants.MXFP4_BLOCK)
             return blocks if mapped else xp.asarray(np.array(blocks))
 
         return GgmlExperts(w13_packed=(bank(gate), bank(up)), w13_scale=None, w2_packed=(bank(down),), w2_scale=None,

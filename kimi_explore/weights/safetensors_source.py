@@ -71,7 +71,12 @@ class SafetensorsSource(TensorSource):
                 "with non-zero entries "
                 f"past num_heads={H}; K3 stores one value per head, zero-padded to head_dim. Refusing to guess its layout."
             )
-        return np.exp(a_log[:H])
+        with np.errstate(over="ignore"):  # (an overflow is refused below)
+            A = np.exp(a_log[:H])
+        if not np.all(np.isfinite(A) & (A > 0)):  # inf: another model that runs (the GGUF loader refuses it too)
+            raise CheckpointError(f"{self.path / self.ckpt.shard_of(name)}: tensor '{self.ckpt.full(name)}' must give a "
+                                  f"finite decay rate exp(A_log) > 0 per head; found A_log {a_log[:H].tolist()}")
+        return A
 
     def experts_quantized(self, i: int) -> bool:
         return experts_packed_on_disk(self.ckpt, self.config, i)
