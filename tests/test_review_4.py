@@ -329,8 +329,10 @@ def test_feed_refuses_unordered_ids_and_load_state_its_calling_mistakes(tiny_wei
     raised AttributeError; load_state('x') after save_state('x') (which wrote x.npz) said 'no such file'."""
     s = Session(tiny_weights)
     for ids in (set(b"zab"), {122: 0, 97: 1}, frozenset([1, 2])):
-        with pytest.raises(TypeError, match=r"Session.feed: token_ids is a \w+, which has no order"):
+        with pytest.raises(TypeError, match=r"token_ids is a \w+, which has no order"):
             s.feed(ids)
+        with pytest.raises(TypeError, match=r"token_ids is a \w+, which has no order"):  # (the public function too)
+            ke.kimi_forward_sequence(tiny_weights, tiny_weights.new_state(), ids)
     assert len(s) == 0
     s.feed([1, 2, 3])
     written = s.save_state(tmp_path / "x")

@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import math
 import weakref
-from collections.abc import Mapping, Set
 from pathlib import Path
 
 import numpy as np
@@ -269,9 +268,6 @@ class Session:
         elif not hasattr(token_ids, "__iter__") or getattr(token_ids, "ndim", 1) == 0:
             raise TypeError(f"Session.feed: token_ids must be a sequence of token ids (or text, with a tokenizer), got "
                             f"{token_ids!r} ({type(token_ids).__name__}); session.step(id) decodes one token")
-        elif isinstance(token_ids, (Set, Mapping)):  # no order of their own: the text would come out reordered
-            raise TypeError(f"Session.feed: token_ids is a {type(token_ids).__name__}, which has no order (feeding it "
-                            "would decode its ids reordered); give a list or an array")
         ids = token_indices(token_ids, self.weights.config.vocab_size)  # all checked before any decodes
         chunk = default_chunk(self.weights.config) if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:

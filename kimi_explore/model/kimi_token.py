@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -69,6 +70,9 @@ def token_indices(token_ids, vocab_size: int) -> list[int]:
     if isinstance(token_ids, (bytes, bytearray)) and vocab_size != 256:
         raise ValueError(f"got {type(token_ids).__name__} {bytes(token_ids)!r:.40}, but the model's vocabulary "
                          f"({vocab_size}) is not bytes: pass token ids (a text: its tokenizer's encode(text))")
+    if isinstance(token_ids, (Set, Mapping)):  # no order of their own: the text would come out reordered
+        raise TypeError(f"token_ids is a {type(token_ids).__name__}, which has no order (decoding it would take its ids "
+                        "reordered); give a list or an array")
     ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab_size)):
         return ids
