@@ -72,6 +72,13 @@ def _first_record(a, h, change):
     a[f"rec/{k}/flat"] = change(a[f"rec/{k}/flat"])
 
 
+def _first_record_one_row_short(a, h):
+    """The first record without its last token's row, its values and shapes still adding up."""
+    k = h["recorder"]["keys"][0]
+    shapes = a[f"rec/{k}/shapes"]
+    a[f"rec/{k}/shapes"], a[f"rec/{k}/flat"] = shapes[:-1], a[f"rec/{k}/flat"][: -int(np.prod(shapes[-1]))]
+
+
 SESSION_DAMAGE = {  # damage -> (change, what the error must say)
     "logits-short": (_set("logits", lambda x: x[:5]), r"logits float32\[5, 256\], expected float32\[7, 256\]"),
     "logits-narrow": (_set("logits", lambda x: x[:, :200]), r"logits float32\[7, 200\], expected float32\[7, 256\]"),
@@ -95,7 +102,17 @@ SESSION_DAMAGE = {  # damage -> (change, what the error must say)
                      r"saved state layer \d+ keys: float32\[.*these weights need float32\[\d+, positions, "),
     "record-one-value-short": (lambda a, h: _first_record(a, h, lambda x: x[:-1]), r"row shapes hold \d+ values, the flat"),
     "record-tokens-short": (lambda a, h: h["recorder"].__setitem__("tokens", h["recorder"]["tokens"][:2]),
-                            r"the records hold 2 tokens and 7 positions, expected 7"),
+                            r"the records hold tokens \[\d+, \d+\] and positions \[0, 1, .*expected the file's 7 tokens"),
+    "record-tokens-other": (lambda a, h: h["recorder"].__setitem__("tokens", [7] * len(h["recorder"]["tokens"])),
+                            r"the records hold tokens \[7, 7, .*expected the file's 7 tokens \[(?!7,)"),
+    "record-positions-str": (lambda a, h: h["recorder"].__setitem__("positions", [str(p) for p in h["recorder"]["positions"]]),
+                             r"and positions \['0', '1'.* and 7 int positions"),
+    "record-row-short": (_first_record_one_row_short,
+                         r"shapes int64\[6, \d\].*expected \[7 rows \(one per token\) or none"),
+    "record-top-k": (lambda a, h: h["recorder"].__setitem__("top_k", 3), r"'logits.top_ids' has rows of \[\d+\] predictions, "
+                     r"the header's top_k 3"),
+    "recorder-not-a-dict": (lambda a, h: h.__setitem__("recorder", [1, 2]), r"the header's 'recorder' is a list"),
+    "recorder-key-missing": (lambda a, h: h["recorder"].pop("top_k"), r"the header's 'recorder' lacks 'top_k'"),
     "state-entry-missing": (lambda a, h: a.pop("state/0/conv"), r"no entry 'state/0/conv'"),
     "record-entry-missing": (lambda a, h: a.pop(f"rec/{h['recorder']['keys'][1]}/shapes"), r"no entry 'rec/.*/shapes'"),
     "header-key-missing": (lambda a, h: h.pop("layout"), r"header lacks \['layout'\]"),

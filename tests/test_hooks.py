@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
+import kimi_explore as ke
 from kimi_explore import KimiDecodeState, hook_names, kimi_forward_token
 from kimi_explore.inspection.hooks import HookChain, HookPoint, Hooks
 
@@ -254,6 +257,20 @@ def test_bad_hook_returns_are_reported(ref_weights):
         decode(ref_weights, TOKENS[:1], hooks)
     with pytest.raises(TypeError, match="callable"):
         Hooks().add("logits", "not a function")
+
+
+@pytest.mark.parametrize("chunks", [False, True])
+@pytest.mark.parametrize("site, dtype", [("logits", np.float64), ("logits", np.int64), ("layers.1.attn.in", np.complex64)])
+def test_a_replacement_of_another_dtype_is_refused(ref_weights, site, dtype, chunks):
+    """float64 logits made the session's own file unloadable; int logits ran; complex lost its imaginary part in chunks
+    and failed deep in NumPy when stepping: each is refused at once, naming the hook and the site."""
+    hooks = Hooks()
+    hooks.add(site, lambda v, *, hook: v.astype(dtype), chunks=chunks)
+    with pytest.raises(TypeError, match=f"{re.escape(site)}' returned dtype {np.dtype(dtype)}; this site's value is float32"):
+        ke.kimi_forward_sequence(ref_weights, ref_weights.new_state(), TOKENS[:3], hooks)
+    if not chunks:
+        with pytest.raises(TypeError, match=f"{re.escape(site)}' returned dtype {np.dtype(dtype)}"):
+            decode(ref_weights, TOKENS[:1], hooks)
 
 
 class DeviceArray:

@@ -295,3 +295,18 @@ def test_routing_returns_topk_weights_recorded_without_ids(trained_weights):
     assert r["moe_layers"] == sorted(seen) and "topk_ids" not in r
     want = np.stack([np.stack(seen[i]) for i in sorted(seen)], axis=1)
     np.testing.assert_array_equal(r["topk_weights"], want)
+
+
+def test_an_empty_window_gives_an_empty_table_and_a_saved_trace_loads_by_the_name_it_was_given(trained_weights, tmp_path):
+    """to_pandas of a zero-token window failed (reshape(0, -1)); Trace.load(p) after save(p) without .npz found no file,
+    where Session.load_state reads PATH.npz."""
+    pytest.importorskip("pandas")
+    s = Session(trained_weights)
+    s.feed(list(b"hello world"))
+    tr = s.trace()
+    empty = tr.window(3, 3).to_pandas()
+    assert len(empty) == 0 and list(empty.columns) == list(tr.to_pandas().columns)
+    written = tr.save(tmp_path / "run")
+    assert written.name == "run.npz"
+    back = type(tr).load(tmp_path / "run")
+    assert back.equals(tr)

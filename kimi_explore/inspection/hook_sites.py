@@ -201,3 +201,7 @@ def check_replacement(point: HookPoint, old, new, fn, chunk: bool = False) -> No
     if point.kind not in RESHAPE_OK and shape != old.shape:
         raise ValueError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned shape {tuple(shape)}; "
                          f"this site needs shape {tuple(old.shape)}")
+    if getattr(new, "dtype", None) != old.dtype:  # float64 logits broke the session's own file, complex lost its imaginary part
+        raise TypeError(f"hook {getattr(fn, '__qualname__', fn)!r} at {point.name!r} returned dtype "
+                        f"{getattr(new, 'dtype', type(new).__name__)}; this site's value is {old.dtype}: return "
+                        f"value.astype({str(old.dtype)!r}) (a NumPy float64 scalar times a float32 array gives float64)")

@@ -19,10 +19,24 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["NpzReader", "read_npz_header", "write_atomically", "write_npz"]
+__all__ = ["NpzReader", "npz_to_read", "read_npz_header", "with_npz_suffix", "write_atomically", "write_npz"]
 
 # what NumPy / zipfile raise on a damaged or truncated archive or entry
 _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError)
+
+
+def with_npz_suffix(path) -> Path:
+    """The name a state or trace file is saved under: `path`, `.npz` added if it has another suffix or none."""
+    path = Path(path)
+    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+
+
+def npz_to_read(path) -> Path:
+    """The file a load of `path` reads: `path`, or PATH.npz where `path` names no file (the name a save gave it)."""
+    path = Path(path)
+    if not path.exists() and path.suffix != ".npz" and with_npz_suffix(path).is_file():
+        return with_npz_suffix(path)
+    return path
 
 
 def write_npz(path, arrays: dict, compressed: bool = True) -> Path:

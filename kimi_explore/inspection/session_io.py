@@ -31,7 +31,7 @@ import numpy as np
 from ..backend import to_numpy
 from ..model.fingerprint import GLOBAL_TENSORS
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names
-from .npz_io import NpzReader, write_npz
+from .npz_io import NpzReader, npz_to_read, with_npz_suffix, write_npz
 from .recorder import Recorder
 
 __all__ = ["SavedSettings", "SessionSnapshot", "check_tokenizer", "copy_sharing", "load_session", "nbytes_once", "save_session",
@@ -98,8 +98,7 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
     path = Path(path)
     if path.is_dir():  # else numpy writes `DIR.npz` beside it
         raise IsADirectoryError(f"save_state: {path} is a directory; give a file path, e.g. {path / 'session.npz'}")
-    if path.suffix != ".npz":
-        path = path.with_name(path.name + ".npz")
+    path = with_npz_suffix(path)
     arrays, layout = {}, {}
     states = [("state", snap.state)] + ([(f"ckpt{t}", s) for t, s in snap.checkpoints.items()] if checkpoints else [])
     owners = _cache_owners(states)
@@ -135,9 +134,7 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
     dtype, states at the right positions with every array's shape and dtype, records that split into
     their rows). A file that fails any check is refused with what it holds against what was expected. A path
     without `.npz` that names no file reads PATH.npz, the name `save_session` gave it."""
-    path = Path(path)
-    if not path.exists() and path.suffix != ".npz" and path.with_name(path.name + ".npz").is_file():
-        path = path.with_name(path.name + ".npz")
+    path = npz_to_read(path)
     with NpzReader(path, "session state") as z:
         header = z.header(READS, required=HEADER_KEYS)
         _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
@@ -150,8 +147,9 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
                              "damaged")
         saved, records, settings = header["recorder"], None, None
         if saved is not None:  # the settings as Recorder() takes them, beside the records they made
+            records = _get_records(z, path, saved, header["tokens"], weights.config.vocab_size)
             settings = {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
-            records = {**_get_records(z, path, saved, T), "settings": settings}
+            records["settings"] = settings
         host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
         probe = z["probe"] if "probe" in z else None  # (files saved before it existed: the fingerprint alone)
         if probe is not None and (probe.shape != want[1:] or probe.dtype != np.dtype(weights.dtype)):
@@ -225,21 +223,34 @@ def _check_history(path, header: dict, weights) -> int:
     return T
 
 
-def _get_records(z, path, saved: dict, T: int) -> dict:
-    """The recorder's rows: each key's `flat` values split by its `shapes` ([rows, ndim] ints), checked to add up."""
+def _get_records(z, path, saved, tokens: list, vocab: int) -> dict:
+    """The recorder's rows: each key's `flat` values split by its `shapes` ([rows, ndim] ints), checked to add up, one
+    row per token of the file's history (or none yet); the records' tokens are the history's."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: the header's 'recorder' is a {type(saved).__name__}, expected a dict of the recorder's "
+                         "settings and records: the file is damaged")
     for k in ("keys", "tokens", "positions", "top_k", "filter", "full"):
         if k not in saved:
             raise ValueError(f"{path}: the header's 'recorder' lacks {k!r} (found {sorted(saved)}): the file is damaged")
-    if not (len(saved["tokens"]) == len(saved["positions"]) == T):
-        raise ValueError(f"{path}: the records hold {len(saved['tokens'])} tokens and {len(saved['positions'])} "
-                         f"positions, expected {T} of each (the file's tokens): the file is damaged")
+    T = len(tokens)
+    if [int(t) for t in tokens] != saved["tokens"] or len(saved["positions"]) != T or not all(
+            type(p) is int for p in saved["positions"]):
+        raise ValueError(f"{path}: the records hold tokens {saved['tokens']!r:.80} and positions {saved['positions']!r:.80}, "
+                         f"expected the file's {T} tokens {tokens!r:.80} and {T} int positions: the file is damaged")
+    top_k = saved["top_k"]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"{path}: the header's recorder top_k is {top_k!r}, expected a positive int: the file is damaged")
     rows = {}
     for k in saved["keys"]:
         flat, shapes = z[f"rec/{k}/flat"], z[f"rec/{k}/shapes"]
-        if shapes.ndim != 2 or shapes.dtype.kind != "i" or len(shapes) > T or (shapes < 0).any() or flat.ndim != 1:
+        if (shapes.ndim != 2 or shapes.dtype.kind != "i" or len(shapes) not in (0, T) or (shapes < 0).any()
+                or flat.ndim != 1):
             raise ValueError(f"{path}: record {k!r}: shapes {shapes.dtype}{list(shapes.shape)}, values "
-                             f"{flat.dtype}{list(flat.shape)}; expected [rows <= {T}, ndim] non-negative ints and one "
-                             "flat array (the file is damaged)")
+                             f"{flat.dtype}{list(flat.shape)}; expected [{T} rows (one per token) or none, ndim] "
+                             "non-negative ints and one flat array (the file is damaged)")
+        if k in ("logits.top_ids", "logits.top_probs") and len(shapes) and (shapes != [min(top_k, vocab)]).any():
+            raise ValueError(f"{path}: record {k!r} has rows of {sorted(set(shapes[:, -1].tolist()))} predictions, the "
+                             f"header's top_k {top_k} ({min(top_k, vocab)} of the vocabulary): the file is damaged")
         sizes = np.prod(shapes, axis=1).astype(int) if shapes.shape[1] else np.ones(len(shapes), int)
         if int(sizes.sum()) != flat.size:
             raise ValueError(f"{path}: record {k!r}: its {len(shapes)} row shapes hold {int(sizes.sum())} values, the "

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..model.block_residual import source_labels
-from .npz_io import NpzReader, write_npz
+from .npz_io import NpzReader, npz_to_read, with_npz_suffix, write_npz
 
 __all__ = ["Trace"]
 
@@ -281,8 +281,7 @@ class Trace:
         path = Path(path)
         if path.is_dir():  # else numpy writes `DIR.npz` beside it
             raise IsADirectoryError(f"Trace.save: {path} is a directory; give a file path, e.g. {path / 'trace.npz'}")
-        if path.suffix != ".npz":
-            path = path.with_name(path.name + ".npz")
+        path = with_npz_suffix(path)
         arrays = {f"record/{k}": v for k, v in self._records.items()}
         header = {"format": FORMAT, "names": list(self._records), "meta": self.meta}
         return write_npz(path, {"header": np.array(json.dumps(header)), "tokens": self.tokens,
@@ -290,6 +289,8 @@ class Trace:
 
     @classmethod
     def load(cls, path) -> Trace:
+        """A trace `save` wrote (PATH.npz where `path` names no file and has no .npz suffix, as `save` named it)."""
+        path = npz_to_read(path)
         with NpzReader(path, "trace") as z:
             header = z.header(FORMAT, required=("names", "meta"))
             names, meta = header["names"], header["meta"]
@@ -321,7 +322,7 @@ class Trace:
         frames = []
         for name in self.names() if names is None else list(names):
             v = self[name]
-            flat = v.reshape(len(self), -1)
+            flat = v.reshape(len(self), -1) if len(self) else v.reshape(0, int(np.prod(v.shape[1:])))  # (-1: none in 0 rows)
             if v.dtype.kind in "fc":
                 keep = ~np.isnan(flat)
             else:
