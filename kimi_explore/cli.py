@@ -7,8 +7,9 @@
     kimi-explore make-tiny --out DIR               a random checkpoint at K3 depth (weights/k3_depth.py)
 
 Errors are one line, `kimi-explore: error: ...`, with exit status 2 (argparse's convention);
-`--debug` shows the traceback instead. The arguments shared with `report` (the model, the prompt,
-the backend) are defined once here, in `add_model_arguments`, and checked before anything is
+`--debug` shows the traceback instead of an error found once the arguments are read (loading, checking the
+ids against the model, decoding; a mistake in the arguments themselves stays one line). The arguments shared
+with `report` (the model, the prompt, the backend) are defined once here, in `add_model_arguments`, and checked before anything is
 decoded: a token id outside the vocabulary is reported before step 0, not after it. `parse_ids`
 reads every comma-separated id list (--ids here, the Explorer's prompt field and expert lists).
 """
@@ -146,7 +147,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cache-size", type=_at_least(0), metavar="N",
                    help="packed experts: dequantised experts kept per layer (0: none; on the CPU the fused kernel); "
                         "with --experts auto it chooses packed")
-    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
+    p.add_argument("--debug", action="store_true",
+                   help="on an error once the arguments are read, show the Python traceback, not one line")
 
 
 def load_model(args):
