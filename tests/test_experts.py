@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from kimi_explore import CheckpointError, KimiDecodeState, from_pretrained, kimi_forward_token
+from kimi_explore import CheckpointError, KimiDecodeState, from_pretrained, kimi_forward_sequence, kimi_forward_token
 from kimi_explore.model.latent_moe import LatentMoeWeights, expert_outputs, latent_moe, naive_latent_moe
 from kimi_explore.weights import load_options, mxfp4, mxfp4_matvec
 from kimi_explore.weights.experts import DenseExperts, PackedExperts, dense_from_packed
@@ -209,6 +209,21 @@ def test_packed_logits_bit_identical_to_dense(path, cache, in_place, monkeypatch
     assert all(b.stats.hits + b.stats.misses == len(tokens) * k for b in banks)  # every pick counted once
     if cache == 0:
         assert all(b.stats.hits == 0 and not b.cached_ids() for b in banks)
+
+
+@pytest.mark.parametrize("path", [random_tiny_checkpoint(), REFERENCE_DIR], ids=["random_tiny", "reference"])
+@pytest.mark.parametrize("cache", [0, 3, None], ids=["no-cache", "cache-3", "cache-default"])
+def test_packed_sequence_bit_identical_to_dense(path, cache, monkeypatch):
+    """The sequence path too: a dense bank's chunk takes the compiled experts (`sequence_ops.experts_grouped`), and
+    the dequantising route took the matmul route (3e-5 apart) until it took the same kernel (`experts_rows`)."""
+    monkeypatch.setattr(mxfp4_matvec, "AVAILABLE", False)
+    dense = from_pretrained(path, device="cpu", experts="dense")
+    packed = from_pretrained(path, device="cpu", experts="packed", expert_cache_size=cache)
+    tokens = [t % packed.config.vocab_size for t in TOKENS * 12]
+    for chunk in (5, 64):
+        got = kimi_forward_sequence(packed, KimiDecodeState.new(packed), tokens, chunk=chunk)
+        np.testing.assert_array_equal(bits(got), bits(kimi_forward_sequence(dense, KimiDecodeState.new(dense), tokens,
+                                                                             chunk=chunk)))
 
 
 class RerouteTo:

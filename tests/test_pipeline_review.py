@@ -343,3 +343,57 @@ def test_a_pipeline_refuses_to_decode_on_a_checkpoint(path, weights, tmp_path):
             x.truncate(3)
             x.feed(TOKENS[3:6])
         np.testing.assert_array_equal(loaded.logits, s.logits)
+
+
+# bug: experts="auto" was decided by each stage from its own MoE layers, so a stage of few layers loaded a dense bank
+# where one process loads packed experts (the K3-depth writer's 93 layers x 1,024 experts: packed in one process,
+# dense in each of 2 stages); stage lists were read with int(), so stages="12" ran layers 1 and 2, 2.5 ran layer 2,
+# and stages that left a layer out ran another model; an interrupt while the stages loaded left them loading on
+def test_auto_experts_are_decided_once_for_the_whole_pipeline(path, weights, monkeypatch):
+    from kimi_explore.distributed import pipeline
+
+    seen = []
+
+    def decide(cfg, moe_layers, quantized, dtype):
+        seen.append((moe_layers, quantized))
+        return "packed"  # (the tiny model is small: each stage alone would load dense experts)
+
+    monkeypatch.setattr(pipeline, "auto_experts", decide)
+    cfg = weights.config
+    with ke.RayPipeline(path, stages=2) as pipe:
+        assert seen == [(sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)), True)]
+        for report in pipe.memory_reports():
+            assert report["routed experts, MXFP4 packed"] > 0 and report["routed experts, dequantised (dense bank)"] == 0
+        s = ke.Session(pipe)
+        s.feed(TOKENS)
+        one = ke.Session(ke.from_pretrained(path, experts="packed"))
+        one.feed(TOKENS)
+        assert_same_session(s, one)
+
+
+@pytest.mark.parametrize("stages, error, match", [
+    ("12", TypeError, r"stages must be a stage count or a list of layer ranges, got '12'"),
+    (["01", "2"], TypeError, r"stages\[0\] must be a range or list of layer indices, got '01'"),
+    ([[0, 1, 2.5], [3.9, 4]], TypeError, r"stages\[0\] holds 2.5 \(float\)"),
+    ([range(0, 8), [" "]], TypeError, r"stages\[1\] holds ' ' \(str\)"),
+    ([range(0, 8), [True]], TypeError, r"stages\[1\] holds True \(bool\)"),
+    ([range(0, 7), range(8, 16)], ValueError, r"the stages' layers \[0, .*, 6, 8, .*\] are not the layers to load, "
+                                              r"\[0, .*\] \(all of the model's: give layers= to load a subset\)"),
+])
+def test_stage_lists_are_read_as_layer_indices_and_cover_the_model(path, stages, error, match):
+    with pytest.raises(error, match=match):
+        ke.RayPipeline(path, stages=stages)
+
+
+def test_an_interrupt_while_the_stages_load_stops_them(path, monkeypatch):
+    killed, real_kill, real_get = [], ray.kill, ray.get
+
+    def interrupted_get(ref, *args, **kwargs):
+        real_get(ref, *args, **kwargs)
+        raise KeyboardInterrupt  # as Ctrl-C in a notebook while the stages load
+
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: (killed.append(actor), real_kill(actor, **kw)))
+    monkeypatch.setattr(ray, "get", interrupted_get)
+    with pytest.raises(KeyboardInterrupt):
+        ke.RayPipeline(path, stages=2)
+    assert len(killed) == 2

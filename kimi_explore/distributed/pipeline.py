@@ -53,6 +53,7 @@ from ..model.kimi_decoder import (
 )
 from ..model.kimi_sequence import default_chunk, takes_tokens
 from ..weights.checkpoint import resolve_layers
+from ..weights.load_options import auto_experts
 from .stage import Stage, unpack_records
 
 __all__ = ["PipelineState", "RayPipeline", "StageLostError", "split_layers"]
@@ -104,10 +105,17 @@ def split_layers(layer_ids: list[int], stages) -> list[list[int]]:
         q, r = divmod(len(layer_ids), stages)
         bounds = list(itertools.accumulate([q + (k < r) for k in range(stages)], initial=0))
         return [layer_ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    try:
-        parts = [[int(i) for i in part] for part in stages]
-    except TypeError:
-        raise TypeError(f"RayPipeline: stages must be a stage count or a list of layer ranges, got {stages!r}") from None
+    if isinstance(stages, (str, bytes)) or not hasattr(stages, "__iter__"):
+        raise TypeError(f"RayPipeline: stages must be a stage count or a list of layer ranges, got {stages!r}")
+    parts = []
+    for k, part in enumerate(stages):  # int() would take "12" as layers 1 and 2, 2.5 as 2, True as 1
+        if isinstance(part, (str, bytes)) or not hasattr(part, "__iter__"):
+            raise TypeError(f"RayPipeline: stages[{k}] must be a range or list of layer indices, got {part!r}")
+        bad = [i for i in part if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral)]
+        if bad:
+            raise TypeError(f"RayPipeline: stages[{k}] holds {bad[0]!r} ({type(bad[0]).__name__}); layer indices are "
+                            "integers")
+        parts.append([int(i) for i in part])
     flat = [i for part in parts for i in part]
     if not parts or any(not part for part in parts):
         raise ValueError(f"RayPipeline: stages={stages!r}: every stage needs at least one layer")
@@ -189,8 +197,9 @@ class RayPipeline(LayerSequence):
         ids = resolve_layers(layers, self.config.num_hidden_layers)
         parts = split_layers(ids, stages)
         flat = resolve_layers([i for p in parts for i in p], self.config.num_hidden_layers)  # checks the range
-        if layers is not None and flat != ids:
-            raise ValueError(f"RayPipeline: the stages' layers {flat} are not layers={ids}")
+        if flat != ids:  # (stages that left a layer out would run another model)
+            raise ValueError(f"RayPipeline: the stages' layers {flat} are not the layers to load, {ids}"
+                             + (" (all of the model's: give layers= to load a subset)" if layers is None else ""))
         self.specs = [self.config.layer_spec(i) for i in flat]
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False)  # stages' prints (a hook's) reach this process
@@ -216,6 +225,8 @@ class RayPipeline(LayerSequence):
         self._graph = None  # the compiled Ray graph of one token through every stage
         self._head = None  # the output head, copied from the last stage once (`head`)
         self._garbage: list = []  # (state ids, epochs) of collected PipelineStates, to drop on their stages
+        auto = kw.get("experts", "auto") == "auto" and kw.get("expert_cache_size") is None
+        self._experts = None if auto else kw.get("experts")  # "auto": decided once for all stages, at the first start
         self._start(self.stages)
 
     # ------------------------------------------------------------------ the model, as Session and Recorder see it
@@ -446,16 +457,27 @@ class RayPipeline(LayerSequence):
 
         for s in stages:
             s.actor = self._actor_class.remote(*s.spec)
-        failed = None
-        for s, ref in [(s, s.actor.load.remote()) for s in stages]:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as e:
-                failed = failed or (s, e)
+        try:
+            failed = None
+            if self._experts is None:  # experts="auto", for the whole model: what one process would load
+                facts = self._each(stages, lambda s: s.actor.experts_on_disk.remote())
+                if isinstance(facts, tuple):
+                    failed = facts
+                else:
+                    self._experts = auto_experts(self.config, sum(n for n, _ in facts), all(q for _, q in facts),
+                                                 self.dtype)
+            if failed is None:
+                result = self._each(stages, lambda s: s.actor.load.remote(self._experts))
+                failed = result if isinstance(result, tuple) else None
+        except BaseException:  # (an interrupt while they load: none may stay, loading on)
+            failed = "interrupted"
+            raise
+        finally:
+            if failed is not None:
+                for s in stages:
+                    ray.kill(s.actor)
+                    s.actor, s.lost = None, True
         if failed is not None:
-            for s in stages:
-                ray.kill(s.actor)
-                s.actor, s.lost = None, True
             stage, e = failed
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
             message = f"{stage.describe()} of {self.source!r} could not load: {cause}"
@@ -466,6 +488,19 @@ class RayPipeline(LayerSequence):
             raise error from e
         for s in stages:
             s.lost = False
+
+    @staticmethod
+    def _each(stages, call):
+        """ray.get of call(s) for each stage: their results, or (the first stage that failed, its RayError)."""
+        import ray
+
+        results, failed = [], None
+        for s, ref in [(s, call(s)) for s in stages]:
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                failed = failed or (s, e)
+        return failed if failed is not None else results
 
     def restart_lost_stages(self) -> list[int]:
         """Restart every stage whose process is gone (probing all of them first); returns their numbers."""

@@ -74,12 +74,29 @@ class Stage:
         self.recorder: Recorder | None = None
         self.chain = None  # what the decoder fires: hooks, recorder, both or None
 
-    def load(self) -> None:
-        """Load the layers (a method, not the constructor, so a bad checkpoint raises its own error)."""
+    def load(self, experts: str | None = None) -> None:
+        """Load the layers (a method, not the constructor, so a bad checkpoint raises its own error); `experts`: the
+        expert mode the pipeline decided for all its stages (`experts_on_disk`), else the load_kwargs' own."""
         from ..weights.load import load_weights
 
         path, layer_ids, kwargs = self._load
+        kwargs = kwargs if experts is None else {**kwargs, "experts": experts}
         self.weights = load_weights(path, layers=layer_ids, embedding=self.first, head=self.last, **kwargs)
+
+    def experts_on_disk(self) -> tuple[int, bool]:
+        """(this stage's MoE layers, whether their routed experts are all MXFP4 on disk): what experts="auto" goes by,
+        which the pipeline decides once for the whole model (`load_options.auto_experts`): decided per stage, a stage
+        of few MoE layers would load dense experts where one process loads packed ones, another route."""
+        from ..weights.load import open_source
+
+        path, layer_ids, kwargs = self._load
+        hub = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs}
+        source = open_source(path, layers=layer_ids, embedding=self.first, head=self.last, progress=False, **hub)
+        try:
+            moe = [i for i in layer_ids if source.config.is_moe_layer(i)]
+            return len(moe), all(source.experts_quantized(i) for i in moe)
+        finally:
+            source.close()
 
     def describe(self) -> dict:
         from ..weights.memory import memory_report

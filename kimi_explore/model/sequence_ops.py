@@ -6,6 +6,7 @@
     causal_softmax_(scores, L0, scale)      in place on [nh, T, L0 + T]: scale, mask, softmax (as mla.causal_softmax_)
     causal_attention(q, keys, values, L0, scale)     MLA's attention of a chunk, fused (None: not here)
     experts_grouped(groups, z, w13, w2, act)         dense routed experts of a chunk, fused (None: not here)
+    experts_rows(z, rows, bounds, experts, w13, w2, act)   the same, the selections as arrays (a packed bank's)
     top_rows(logits, k)                              each row's top k and their probabilities (None: not here)
     kda_decay_(raw, dt_bias, A, lower_bound)         KDA's log decay in place and its exp
     l2_scale_qk(qkv, scale_rows, eps)                KDA's q and k L2-normalised, q's scale folded in
@@ -147,6 +148,14 @@ def experts_grouped(groups, z, w13, w2, act):
     `act` not this module's SiTU-GLU on rows (a `functools.partial` of `situ_and_mul_rows` naming its constants), an
     operand not a host float32 array (the banks C-contiguous), or shapes that do not fit. Float32 rounding apart from
     the matmul route."""
+    return experts_rows(z, groups.rows, groups.bounds, groups.experts, w13, w2, act)
+
+
+def experts_rows(z, rows, bounds, experts, w13, w2, act):
+    """`experts_grouped` of selections given as arrays: segment i (rows[bounds[i]:bounds[i + 1]], the rows of z it
+    reads) goes through expert experts[i] of the banks w13 [E, 2I, l], w2 [E, l, I]; y [bounds[-1], l], or None.
+    Each selection's lane is computed alone, so a selection's row does not depend on the others given with it (a
+    packed bank's cache slots and dequantised experts give a dense bank's bits)."""
     situ = getattr(act, "keywords", None) if getattr(act, "func", None) is situ_and_mul_rows else None
     if not situ or {"beta", "linear_beta"} - situ.keys() or not (runs(w13) and runs(w2)) or w13.ndim != 3:
         return None
@@ -156,10 +165,10 @@ def experts_grouped(groups, z, w13, w2, act):
         return None  # (the matmul route names what is wrong)
     z = np.ascontiguousarray(z)  # the layer's latents are a column slice of its input projection
     beta, lb = situ["beta"], situ["linear_beta"]
-    y = np.empty((groups.n, l), np.float32)
-    _ext.experts(z, np.ascontiguousarray(groups.rows, np.int64), np.asarray(groups.bounds, np.int64),
-                 np.asarray(groups.experts, np.int64), w13, w2, y, z.shape[0], l, I2 // 2, E, 1.0 / beta,
-                 1.0 / (lb or 1.0), beta if lb is None else beta * lb, lb is not None, ISA)
+    y = np.empty((int(bounds[-1]), l), np.float32)
+    _ext.experts(z, np.ascontiguousarray(rows, np.int64), np.asarray(bounds, np.int64), np.asarray(experts, np.int64),
+                 w13, w2, y, z.shape[0], l, I2 // 2, E, 1.0 / beta, 1.0 / (lb or 1.0), beta if lb is None else beta * lb,
+                 lb is not None, ISA)
     return y
 
 
@@ -254,6 +263,6 @@ def source_mix(rows, p):
     return array_namespace(rows).matmul(p[:, None, :], rows[:, :m])[:, 0]
 
 
-__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "experts_grouped", "gated_norm",
-           "isas", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix",
+__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "experts_grouped", "experts_rows",
+           "gated_norm", "isas", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix",
            "source_scores", "top_rows"]

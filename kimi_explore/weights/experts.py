@@ -47,6 +47,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import on_host, to_numpy
+from ..model import sequence_ops
 from ..model.latent_moe import DenseExperts, group_selections
 from . import mxfp4, mxfp4_matvec
 from .workspace import Workspace
@@ -327,26 +328,35 @@ class PackedExperts:
 
     def _dequantised_grouped(self, groups, zs, act):
         """Hits multiplied from their cache slots first (storing new experts may evict them), then the missing
-        experts dequantised `GROUPED_BYTES` at a time, multiplied, and stored."""
+        experts dequantised `GROUPED_BYTES` at a time, multiplied, and stored. On the host in float32 the products are
+        the dense bank's compiled experts (`sequence_ops.experts_rows`, each bank's experts in one call): the same bits
+        as `experts="dense"`; elsewhere the matmul route, as the dense bank's."""
         xp = self.xp
         order, missing = self._lookup(groups.experts)
         where = {e: (a, b) for e, a, b in groups}
         y = xp.empty((groups.n, self.shape2[0]), self.dtype)
 
-        def run(e, w13, w2):
-            a, b = where[e]
-            y[a:b] = act(zs[a:b] @ w13.T) @ w2.T
+        def run(w13, w2, picks):
+            """picks: (index in the banks w13 [m, 2I, l], w2 [m, l, I], expert)."""
+            segments = [where[e] for _, e in picks]
+            rows = np.concatenate([np.arange(a, b) for a, b in segments])
+            bounds = np.cumsum([0] + [b - a for a, b in segments])
+            out = sequence_ops.experts_rows(zs, rows, bounds, [j for j, _ in picks], w13, w2, act)
+            if out is not None:
+                y[rows] = out
+                return
+            for (j, _), (a, b) in zip(picks, segments, strict=True):
+                y[a:b] = act(zs[a:b] @ w13[j].T) @ w2[j].T
 
         lost = set(missing)
-        for e in order:
-            if e not in lost:
-                run(e, self._slab13[self._slots[e]], self._slab2[self._slots[e]])
+        hits = [(self._slots[e], e) for e in order if e not in lost]
+        if hits:
+            run(self._slab13, self._slab2, hits)
         step = max(1, self.GROUPED_BYTES // self.expert_bytes)
         for i in range(0, len(missing), step):
             part = missing[i : i + step]
             w13, w2 = self.dequantize(part, workspace=True)
-            for j, e in enumerate(part):
-                run(e, w13[j], w2[j])
+            run(w13, w2, list(enumerate(part)))
             self._store(part, w13, w2)
         return y
 

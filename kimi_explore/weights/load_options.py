@@ -42,6 +42,14 @@ def check_forms(experts, expert_cache_size) -> None:
                          "dequantises every expert at load: leave expert_cache_size out, or pass experts='packed'")
 
 
+def auto_experts(cfg: KimiDecoderConfig, moe_layers: int, quantized: bool, dtype) -> str:
+    """What experts="auto" loads for a model of `moe_layers` MoE layers whose routed experts are (`quantized`) or are
+    not all MXFP4 on disk: dense when small (or not MXFP4), else packed. A pipeline decides it once for all its stages."""
+    if not quantized:
+        return "dense"
+    return "dense" if moe_layers * cfg.num_experts * expert_bytes(cfg, dtype) <= AUTO_DENSE_BYTES else "packed"
+
+
 def resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, source: TensorSource, dtype,
                     cache_size: int | None = None) -> str:
     """The expert mode for these layers: "auto" is dense when small (or not MXFP4 on disk), else packed; a
@@ -52,9 +60,7 @@ def resolve_experts(experts: str, cfg: KimiDecoderConfig, layer_ids, source: Ten
     if experts == "auto" and cache_size is not None:
         experts = "packed"  # (refused below where the experts are not MXFP4 on disk)
     if experts == "auto":
-        if not quantized:
-            return "dense"
-        return "dense" if len(moe) * cfg.num_experts * expert_bytes(cfg, dtype) <= AUTO_DENSE_BYTES else "packed"
+        return auto_experts(cfg, len(moe), quantized, dtype)
     if experts in ("packed", "mapped") and not quantized:
         layer = next(i for i in moe if not source.experts_quantized(i))
         raise CheckpointError(
