@@ -458,40 +458,21 @@ class RayPipeline(LayerSequence):
         for s in stages:
             s.actor = self._actor_class.remote(*s.spec)
         try:
-            failed = None
             if self._experts is None:  # experts="auto", for the whole model: what one process would load
                 facts = self._each(stages, lambda s: s.actor.experts_on_disk.remote())
-                if isinstance(facts, tuple):
-                    failed = facts
-                else:
-                    self._experts = auto_experts(self.config, sum(n for n, _ in facts), all(q for _, q in facts),
-                                                 self.dtype)
-            if failed is None:
-                result = self._each(stages, lambda s: s.actor.load.remote(self._experts))
-                failed = result if isinstance(result, tuple) else None
-        except BaseException:  # (an interrupt while they load: none may stay, loading on)
-            failed = "interrupted"
+                self._experts = auto_experts(self.config, sum(n for n, _ in facts), all(q for _, q in facts), self.dtype)
+            self._each(stages, lambda s: s.actor.load.remote(self._experts))
+        except BaseException:  # a stage that failed, or an interrupt while they load: none may stay, loading on
+            for s in stages:
+                ray.kill(s.actor)
+                s.actor, s.lost = None, True
             raise
-        finally:
-            if failed is not None:
-                for s in stages:
-                    ray.kill(s.actor)
-                    s.actor, s.lost = None, True
-        if failed is not None:
-            stage, e = failed
-            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
-            message = f"{stage.describe()} of {self.source!r} could not load: {cause}"
-            try:
-                error = type(cause)(message)  # the loader's own error type (CheckpointError, ValueError, ...)
-            except Exception:
-                error = RuntimeError(message)
-            raise error from e
         for s in stages:
             s.lost = False
 
-    @staticmethod
-    def _each(stages, call):
-        """ray.get of call(s) for each stage: their results, or (the first stage that failed, its RayError)."""
+    def _each(self, stages, call) -> list:
+        """ray.get of call(s) for each stage, all awaited; the first that failed raises as the loader's own error type
+        (CheckpointError, ValueError, ...), naming the stage."""
         import ray
 
         results, failed = [], None
@@ -500,7 +481,16 @@ class RayPipeline(LayerSequence):
                 results.append(ray.get(ref))
             except ray.exceptions.RayError as e:
                 failed = failed or (s, e)
-        return failed if failed is not None else results
+        if failed is None:
+            return results
+        stage, e = failed
+        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+        message = f"{stage.describe()} of {self.source!r} could not load: {cause}"
+        try:
+            error = type(cause)(message)
+        except Exception:
+            error = RuntimeError(message)
+        raise error from e
 
     def restart_lost_stages(self) -> list[int]:
         """Restart every stage whose process is gone (probing all of them first); returns their numbers."""
@@ -642,7 +632,6 @@ def _is_dead(actor) -> bool:
 
 def _config(path, load_kwargs: dict) -> KimiDecoderConfig:
     """The checkpoint's config, read here (a local directory, a GGUF's header, or config.json alone from the Hub)."""
-    from ..weights.load import read_config
+    from ..weights.load import hub_options, read_config
 
-    hub = {k: load_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in load_kwargs}
-    return read_config(path, **hub)
+    return read_config(path, **hub_options(load_kwargs))

@@ -87,11 +87,11 @@ class Stage:
         """(this stage's MoE layers, whether their routed experts are all MXFP4 on disk): what experts="auto" goes by,
         which the pipeline decides once for the whole model (`load_options.auto_experts`): decided per stage, a stage
         of few MoE layers would load dense experts where one process loads packed ones, another route."""
-        from ..weights.load import open_source
+        from ..weights.load import hub_options, open_source
 
         path, layer_ids, kwargs = self._load
-        hub = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs}
-        source = open_source(path, layers=layer_ids, embedding=self.first, head=self.last, progress=False, **hub)
+        source = open_source(path, layers=layer_ids, embedding=self.first, head=self.last, progress=False,
+                             **hub_options(kwargs))
         try:
             moe = [i for i in layer_ids if source.config.is_moe_layer(i)]
             return len(moe), all(source.experts_quantized(i) for i in moe)

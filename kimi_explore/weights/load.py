@@ -32,7 +32,15 @@ from .records import BuildOptions, build_weights
 from .safetensors_source import SafetensorsSource
 from .tensor_source import TensorSource
 
-__all__ = ["load_weights", "open_source", "read_config"]
+__all__ = ["hub_options", "load_weights", "open_source", "read_config"]
+
+HUB_OPTIONS = ("revision", "cache_dir", "local_files_only", "token")  # what `open_source` and `read_config` pass to the Hub
+
+
+def hub_options(load_kwargs: dict) -> dict:
+    """The Hub's keywords among `from_pretrained`'s (a pipeline reads the config, or a stage probes its layers, with
+    them)."""
+    return {k: load_kwargs[k] for k in HUB_OPTIONS if k in load_kwargs}
 
 
 def open_source(path, *, layers=None, revision=None, cache_dir=None, local_files_only=None, token=None,
