@@ -115,3 +115,45 @@ def test_delta_rule_against_float64_steps(K, V):
                                                              state_norms=True, isa=isa)
         for a, b in ((got, o), (state, S), (got_norms, norms)):
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * max(1.0, np.abs(S).max()), err_msg=isa)
+
+
+def test_an_out_over_the_input_is_refused():
+    """The bf16 kernels and the grouped MXFP4 panels write `out` while they still read x: out=x (a square matrix) gave
+    values 1e3-1e10 off, silently (NumPy's matmul handles the overlap)."""
+    rng = np.random.default_rng(0)
+    R = C = 64
+    bits = (rng.standard_normal((R, C)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    packed = rng.integers(0, 256, (2, R, C // 2), dtype=np.uint8)
+    scale = rng.integers(120, 128, (2, R, C // 32), dtype=np.uint8)
+    x = rng.standard_normal((20, C)).astype(np.float32)
+    calls = [lambda y: bf16_matvec.bf16_matvec(bits, y[0], out=y[0]), lambda y: bf16_matvec.bf16_matmat(bits, y, out=y),
+             lambda y: mxfp4_matvec.grouped_matmat(packed, scale, [1, 0], [0, 3, 20], y, out=y),
+             lambda y: mxfp4_matvec.grouped_ggml_matmat(ggml_blocks(packed, scale), [1, 0], [0, 3, 20], y, out=y)]
+    for call in calls:
+        y = x.copy()
+        with pytest.raises(ValueError, match="out: shares memory with x"):
+            call(y)
+        assert np.array_equal(y, x)
+    got = mxfp4_matvec.grouped_matmat(packed, scale, [1, 0], [0, 3, 20], x)  # a separate out: the format's product
+    W = decode(packed, scale)
+    np.testing.assert_allclose(got, np.concatenate([x[:3] @ W[1].T, x[3:] @ W[0].T]), rtol=1e-5, atol=1e-4)
+
+
+def test_router_and_softmax_steps_refuse_operands_that_do_not_fit():
+    """The compiled steps read their buffers by size: a bias [4] for 8 experts picked expert 1 twice ([1, 1]), ids for 2
+    of 4 tokens gave rows of other tokens' scores, and L0 + T short of the keys let query 0 attend to later ones."""
+    from kimi_explore.model import latent_moe, sequence_ops, token_ops
+
+    if not (token_ops.AVAILABLE and sequence_ops.AVAILABLE):
+        pytest.skip("the compiled steps were not built")
+    s = np.array([0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.4, 0.6], np.float32)
+    with pytest.raises(ValueError, match=r"select_experts: bias \[4\], expected \[8\]"):
+        latent_moe.select_experts(s, np.zeros(4, np.float32), 2)
+    assert latent_moe.select_experts(s, np.zeros(8, np.float32), 2).tolist() == [1, 3]
+    scores = np.arange(16, dtype=np.float32).reshape(4, 4) / 16
+    with pytest.raises(ValueError, match=r"routing_weights: ids \[2, 2\] for scores \[4, 4\]"):
+        token_ops.routing_weights(scores, np.array([[0, 1], [0, 1]], np.int64), False, 1.0, 1e-20)
+    with pytest.raises(ValueError, match=r"scores \[1, 4, 4\] with L0 2: expected L0 \+ T = 6 keys"):
+        sequence_ops.causal_softmax_(np.ones((1, 4, 4), np.float32), 2, 1.0)
+    p = sequence_ops.causal_softmax_(np.ones((1, 4, 6), np.float32), 2, 1.0)
+    assert np.allclose(p[0, 0], [1 / 3, 1 / 3, 1 / 3, 0, 0, 0])

@@ -121,6 +121,8 @@ def causal_softmax_(scores, L0: int, scale: float):
         raise ValueError("sequence_ops.causal_softmax_: expected a writable C-contiguous float32 NumPy array "
                          f"(runs()), got {type(scores).__name__} {getattr(scores, 'dtype', '')}")
     nh, T, L = scores.shape
+    if L != L0 + T:
+        raise ValueError(f"sequence_ops.causal_softmax_: scores [{nh}, {T}, {L}] with L0 {L0}: expected L0 + T = {L0 + T} keys")
     if scores.size:
         _ext.causal_softmax(scores, nh * T, L, T, L0, scale, ISA)
     return scores

@@ -119,6 +119,8 @@ def softmax_rows_(s, scale: float):
 def select_experts(scores, bias, top_k: int):
     """The top-k of scores + bias (ties to the lower id, NaN ranked as +inf), ordered by unbiased score: int64 [k]
     (`latent_moe.select_experts`); scores [T, E], a chunk's rows: [T, k], row t the ids of scores[t]."""
+    if bias.shape != scores.shape[-1:]:  # (the kernel reads the buffers by their sizes)
+        raise ValueError(f"select_experts: bias {list(bias.shape)}, expected [{scores.shape[-1]}] (scores {list(scores.shape)})")
     ids = np.empty(scores.shape[:-1] + (top_k,), np.int64)
     if ids.size:
         _ext.select_experts(scores, bias, ids)
@@ -128,6 +130,9 @@ def select_experts(scores, bias, top_k: int):
 def routing_weights(scores, ids, renormalize: bool, scaling: float, eps: float):
     """scores[ids] (renormalised to sum 1 + eps when asked) times `scaling`, in double: float32 [k]; ids int64 [k]
     (scores [T, E] and ids [T, k]: row t the weights of scores[t], ids[t])."""
+    if ids.shape[:-1] != scores.shape[:-1]:
+        raise ValueError(f"routing_weights: ids {list(ids.shape)} for scores {list(scores.shape)}: expected a row of ids per row "
+                         "of scores")
     out = np.empty(ids.shape, _F32)
     if out.size:
         _ext.routing_weights(scores, ids, ids.shape[-1], renormalize, scaling, eps, out)

@@ -238,6 +238,8 @@ def _group_inputs(bounds, m: int, x, R: int, H: int, out):
     out = np.empty((n, R), np.float32) if out is None else out
     if out.shape != (n, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{n}, {R}], got {_describe(out)}")
+    if np.may_share_memory(out, x):  # the panels read x while they write out
+        raise ValueError("out: shares memory with x (the kernel reads x while it writes out); pass another array")
     return bounds, x, xeo, out
 
 
