@@ -72,6 +72,10 @@ def _first_record(a, h, change):
     a[f"rec/{k}/flat"] = change(a[f"rec/{k}/flat"])
 
 
+def _record(a, key, change):
+    a[f"rec/{key}/flat"] = change(a[f"rec/{key}/flat"])
+
+
 def _first_record_one_row_short(a, h):
     """The first record without its last token's row, its values and shapes still adding up."""
     k = h["recorder"]["keys"][0]
@@ -111,6 +115,14 @@ SESSION_DAMAGE = {  # damage -> (change, what the error must say)
                          r"shapes int64\[6, \d\].*expected \[7 rows \(one per token\) or none"),
     "record-top-k": (lambda a, h: h["recorder"].__setitem__("top_k", 3), r"'logits.top_ids' has rows of \[\d+\] predictions, "
                      r"the header's top_k 3"),
+    "record-values-float64": (lambda a, h: _record(a, "logits.top_probs", lambda x: x.astype(np.float64)),
+                              r"'logits.top_probs' holds float64 values, expected float32"),
+    "record-ids-float": (lambda a, h: _record(a, "layers.1.moe.router.topk_ids", lambda x: x.astype(np.float32)),
+                         r"'layers.1.moe.router.topk_ids' holds float32, expected ints in \[0, 8\)"),
+    "record-ids-past-the-experts": (lambda a, h: _record(a, "layers.1.moe.router.topk_ids", lambda x: x + 16),
+                                    r"'layers.1.moe.router.topk_ids' holds int64 in \[1\d, \d\d\], expected ints in \[0, 8\)"),
+    "record-ids-past-the-vocabulary": (lambda a, h: _record(a, "logits.top_ids", lambda x: -x - 1),
+                                       r"'logits.top_ids' holds int64 in \[-\d+, -\d+\], expected ints in \[0, 256\)"),
     "recorder-not-a-dict": (lambda a, h: h.__setitem__("recorder", [1, 2]), r"the header's 'recorder' is a list"),
     "recorder-key-missing": (lambda a, h: h["recorder"].pop("top_k"), r"the header's 'recorder' lacks 'top_k'"),
     "state-entry-missing": (lambda a, h: a.pop("state/0/conv"), r"no entry 'state/0/conv'"),

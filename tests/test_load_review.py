@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from kimi_explore import CheckpointError, ConfigError, from_pretrained
+from kimi_explore import CheckpointError, ConfigError, KimiDecodeState, from_pretrained, kimi_forward_sequence
 from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
 from kimi_explore.weights.tiny_model import random_tiny_checkpoint
 
@@ -223,6 +223,34 @@ def test_nulls_the_decoder_understands_still_load(ckpt):
     edit_config(ckpt, lambda tc: tc.update(activation_situ_linear_beta=None, num_expert_group=None, topk_group=None))
     w = load(ckpt)
     assert w.config.activation_situ_linear_beta is None and w.config.num_expert_group == 1
+
+
+def test_a_null_situ_beta_is_hfs_one(ckpt, tmp_path):
+    """HF's SituAndMul takes beta1 = 1.0 where activation_situ_beta is null (architecture doc 2.2): it was refused as
+    a wrong value type. The null model runs as beta 1.0 does, bit for bit, and not as the file's beta (4) does."""
+    import shutil
+
+    ids = [3, 17, 250, 9]
+
+    def logits(path):
+        w = from_pretrained(path, device="cpu", progress=False)
+        return kimi_forward_sequence(w, KimiDecodeState.new(w), ids)
+
+    one = tmp_path / "one"
+    shutil.copytree(ckpt, one)
+    base = logits(ckpt)
+    edit_config(one, lambda tc: tc.update(activation_situ_beta=1.0))
+    edit_config(ckpt, lambda tc: tc.update(activation_situ_beta=None))
+    assert from_pretrained(ckpt, device="cpu", layers=[0], progress=False).config.activation_situ_beta == 1.0
+    null = logits(ckpt)
+    assert np.array_equal(null, logits(one)) and np.abs(null - base).max() > 1e-4
+
+
+def test_a_config_without_block_residuals_says_what_it_is(ckpt):
+    edit_config(ckpt, lambda tc: tc.pop("attn_res_block_size"))
+    with pytest.raises(ConfigError, match=r"missing required key\(s\): attn_res_block_size \(without it the model has "
+                                          r"plain pre-norm residuals"):
+        load(ckpt)
 
 
 def test_another_familys_key_beside_ours_must_agree(ckpt):

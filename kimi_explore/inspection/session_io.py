@@ -147,7 +147,7 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
                              "damaged")
         saved, records, settings = header["recorder"], None, None
         if saved is not None:  # the settings as Recorder() takes them, beside the records they made
-            records = _get_records(z, path, saved, header["tokens"], weights.config.vocab_size)
+            records = _get_records(z, path, saved, header["tokens"], weights)
             settings = {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
             records["settings"] = settings
         host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
@@ -223,9 +223,11 @@ def _check_history(path, header: dict, weights) -> int:
     return T
 
 
-def _get_records(z, path, saved, tokens: list, vocab: int) -> dict:
+def _get_records(z, path, saved, tokens: list, weights) -> dict:
     """The recorder's rows: each key's `flat` values split by its `shapes` ([rows, ndim] ints), checked to add up, one
-    row per token of the file's history (or none yet); the records' tokens are the history's."""
+    row per token of the file's history (or none yet); the records' tokens are the history's. Values are in the
+    weights' activation dtype, ids (`*_ids`) ints within the vocabulary or the experts, as the Recorder makes them."""
+    vocab = weights.config.vocab_size
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: the header's 'recorder' is a {type(saved).__name__}, expected a dict of the recorder's "
                          "settings and records: the file is damaged")
@@ -251,6 +253,7 @@ def _get_records(z, path, saved, tokens: list, vocab: int) -> dict:
         if k in ("logits.top_ids", "logits.top_probs") and len(shapes) and (shapes != [min(top_k, vocab)]).any():
             raise ValueError(f"{path}: record {k!r} has rows of {sorted(set(shapes[:, -1].tolist()))} predictions, the "
                              f"header's top_k {top_k} ({min(top_k, vocab)} of the vocabulary): the file is damaged")
+        _check_record_values(path, k, flat, weights)
         sizes = np.prod(shapes, axis=1).astype(int) if shapes.shape[1] else np.ones(len(shapes), int)
         if int(sizes.sum()) != flat.size:
             raise ValueError(f"{path}: record {k!r}: its {len(shapes)} row shapes hold {int(sizes.sum())} values, the "
@@ -258,6 +261,19 @@ def _get_records(z, path, saved, tokens: list, vocab: int) -> dict:
         parts = np.split(flat, np.cumsum(sizes)[:-1])
         rows[k] = [p.reshape(tuple(sh)) for p, sh in zip(parts, shapes, strict=True)]
     return {"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]}
+
+
+def _check_record_values(path, key: str, flat, weights) -> None:
+    """A record's values as the Recorder makes them for `weights`: ids (`*_ids`) ints below the vocabulary (logits) or
+    the experts (routing), every other value in the activation dtype."""
+    if key.endswith("_ids"):
+        bound = weights.config.vocab_size if key.startswith("logits.") else weights.config.num_experts
+        if flat.dtype.kind not in "iu" or (flat.size and (flat.min() < 0 or flat.max() >= bound)):
+            found = f"{flat.dtype} in [{flat.min()}, {flat.max()}]" if flat.size and flat.dtype.kind in "iub" else str(flat.dtype)
+            raise ValueError(f"{path}: record {key!r} holds {found}, expected ints in [0, {bound}): the file is damaged")
+    elif flat.dtype != np.dtype(weights.dtype):
+        raise ValueError(f"{path}: record {key!r} holds {flat.dtype} values, expected {np.dtype(weights.dtype)} (these "
+                         "weights' activations): the file is damaged")
 
 
 def _recorder_settings(rec: Recorder, weights) -> dict:

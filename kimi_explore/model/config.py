@@ -204,14 +204,21 @@ _ALIAS_OF = {"num_experts_per_token": "num_experts_per_tok", "num_experts": "n_r
              "num_shared_experts": "n_shared_experts"}
 
 
+# what a missing key means, where the file may be another model's on purpose
+_MISSING_MEANS = {"attn_res_block_size": "without it the model has plain pre-norm residuals, not K3's Block Attention "
+                                         "Residuals: not implemented here"}
+
+
 def _build(cls, raw: dict, source: str) -> KimiDecoderConfig:
+    if "activation_situ_beta" in raw and raw["activation_situ_beta"] is None:  # HF's SituAndMul: beta1 then 1.0
+        raw = {**raw, "activation_situ_beta": 1.0}
     missing = [k for k in _required(cls) if k not in raw]
     la_raw = raw.get("linear_attn_config")
     if isinstance(la_raw, dict):
         missing += [f"linear_attn_config.{k}" for k in _required(LinearAttnConfig) if k not in la_raw]
     if missing:
-        named = [f"{k} (the file has {a!r}, another model family's name for it)" if a in raw else k
-                 for k in missing for a in [_ALIAS_OF.get(k)]]
+        named = [f"{k} (the file has {a!r}, another model family's name for it)" if a in raw else
+                 f"{k} ({_MISSING_MEANS[k]})" if k in _MISSING_MEANS else k for k in missing for a in [_ALIAS_OF.get(k)]]
         raise ConfigError(f"{source}: missing required key(s): {', '.join(named)}")
     # another family's name for a key beside ours: which one the file's author edited cannot be told
     clash = [f"{a}={raw[a]!r} but {k}={raw[k]!r}" for k, a in _ALIAS_OF.items() if a in raw and raw[a] != raw[k]]
