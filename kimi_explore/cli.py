@@ -135,7 +135,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", type=_prompt_text,
                      help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 17,203,5")
-    p.add_argument("--generate", type=_at_least(0), default=0, metavar="N", help="then greedily generate N more tokens")
+    p.add_argument("--generate", type=_at_least(0), default=0, metavar="N", help="then greedily generate N more tokens (fewer where a K3 tokenizer's stop token, <|end_of_msg|>, comes first)")
     p.add_argument("--top", type=_at_least(1), default=5, metavar="K", help="next-token predictions shown per step (default 5)")
     p.add_argument("--layers", type=parse_layers, help="run only these 0-based layers, e.g. 0-3 (default: all)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="array backend (default auto)")
@@ -235,6 +235,7 @@ def run(args) -> int:
     state = KimiDecodeState.new(weights)
     times = []
     history = list(ids)  # the prompt, then each generated token
+    stop = getattr(tok, "eos_id", None)  # a K3 tokenizer's stop token (<|end_of_msg|>) ends the generation, as in chat
     step = 0
     while step < len(history):
         t = history[step]
@@ -248,13 +249,16 @@ def run(args) -> int:
         mark = "" if step < len(ids) else "+"
         print(f"{step:>4}{mark:1} {_label(tok, t):<14} {times[-1]:7.2f}   {preds}")
         step += 1
-        if step == len(history) and step < len(ids) + args.generate:
+        stopped = stop is not None and len(history) > len(ids) and history[-1] == stop
+        if step == len(history) and step < len(ids) + args.generate and not stopped:
             refuse_unchoosable(logits, step - 1, "kimi-explore --generate")
             history.append(int(top[0]))
     print(f"\n{len(times)} tokens, median {np.median(times):.2f} ms/token "
           f"(first {times[0]:.2f} ms){'; + marks generated tokens' if args.generate else ''}")
     if args.generate:
         print(generated_line(history, len(ids), tok))
+        if len(history) < len(ids) + args.generate:
+            print(f"stopped at the stop token {_label(tok, stop)} after {len(history) - len(ids)} of {args.generate}")
     return 0
 
 
@@ -326,7 +330,8 @@ def run_report(args) -> int:
     session = Session(weights, recorder=Recorder(top_k=max(10, args.top)), tokenizer=tokenizer)
     session.feed(ids)
     if args.generate:
-        session.generate(args.generate)
+        stop = getattr(tokenizer, "eos_id", None)
+        session.generate(args.generate, stop_tokens=() if stop is None else (stop,))
     note = model_note(path)
     page = write_report(session, args.out, title=args.title, source=f"{path} ({note})" if note else path, top=args.top)
     print(f"wrote {page} (open it in any browser, offline) and its figures as PNGs in {page.parent}")

@@ -225,6 +225,15 @@ def read_tiktoken_model(path: str | Path) -> dict[bytes, int]:
                           for what, v in (("missing", missing), ("repeated", repeated)) if v)
         raise TokenizerError(f"{path}: ranks must be exactly 0..{n - 1} (they are the token ids); found {found}; its last "
                              f"line ({last[0]}) has rank {last[1]}: is the file truncated or damaged?")
+    # byte-level BPE starts from single bytes: one without a rank cannot be encoded (tiktoken panics on it)
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    longer = sorted((r, t) for t, r in ranks.items() if r < 256 and len(t) != 1)
+    if missing or longer:
+        found = (f"{'byte' if len(missing) == 1 else 'bytes'} {', '.join(f'0x{b:02X}' for b in missing[:5])}"
+                 f"{' ...' if len(missing) > 5 else ''} {'has' if len(missing) == 1 else 'have'} no rank"
+                 if missing else f"rank {longer[0][0]} is {longer[0][1]!r}")
+        raise TokenizerError(f"{path}: the first 256 ranks must be the 256 single bytes (the BPE starts from them); {found}: "
+                             "the file is damaged or not a byte-level BPE vocabulary")
     return ranks
 
 
@@ -238,6 +247,10 @@ def _special_tokens(n: int, config_path: Path) -> dict[str, int]:
         named = {int(i): e["content"] for i, e in decoder.items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise TokenizerError(f"{config_path}: expected 'added_tokens_decoder': {{id: {{'content': name}}}} ({e!r})") from None
+    bad = [(i, name) for i, name in named.items() if not isinstance(name, str) or not name]
+    if bad:  # an empty name matches everywhere (encode never returned); a number failed inside tiktoken
+        raise TokenizerError(f"{config_path}: added_tokens_decoder[{bad[0][0]}].content is {bad[0][1]!r}, expected a "
+                             "non-empty string (the special token's spelling)")
     outside = sorted(i for i in named if not n <= i < n + NUM_SPECIAL)
     if outside and n < min(named):  # all above the ranks' specials: the vocabulary file is short
         last = f" (its last rank is {n - 1})" if n else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,3 +164,40 @@ def test_generate_prints_the_generated_text_as_one_string(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == f"generated ids (3 after the prompt): {','.join(map(str, ids))}"
     assert main(["--ids", "84"]) == 0
     assert "generated" not in capsys.readouterr().out  # nothing generated, nothing printed
+
+
+def test_generate_stops_after_the_tokenizers_stop_token(tmp_path, capsys, monkeypatch):
+    """--generate ran past K3's stop token (<|end_of_msg|>, which ends an assistant turn), and `report --generate` too.
+    Here the stop id is set to the first greedy token that is new after the first (a random model seldom picks a
+    special): the CLI must stop right after generating it, and the report's session must be asked to."""
+    import shutil
+
+    from kimi_explore import cli, from_pretrained, load_tokenizer
+    from kimi_explore.inspection.session import Session
+    from kimi_explore.views.figures import report
+    from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
+
+    ck = write_checkpoint(tmp_path / "ck", make_text_config(vocab_size=678))
+    for f in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(Path(__file__).parent / "data" / "tokenizer" / "synthetic_k3" / f, ck / f)
+    tok = load_tokenizer(ck)
+    greedy = _greedy(from_pretrained(ck, device="cpu"), tok.encode("hello"), 8)
+    i = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])
+    real = cli.prompt_tokenizer
+
+    def stopping(args, weights):
+        t = real(args, weights)
+        t.eos_id = greedy[i]
+        return t
+
+    monkeypatch.setattr(cli, "prompt_tokenizer", stopping)
+    assert main(["--checkpoint", str(ck), "--prompt", "hello", "--generate", "8", "--top", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == f"generated text ({i + 1} tokens after the prompt): {tok.decode(greedy[: i + 1])!r}"
+    assert lines[-1] == f"stopped at the stop token '{tok.token_label(greedy[i])}' after {i + 1} of 8"
+
+    asked = []
+    monkeypatch.setattr(Session, "generate", lambda self, n, **kw: asked.append((n, kw)) or [])
+    monkeypatch.setattr(report, "write_report", lambda *a, **kw: tmp_path / "r" / "index.html")  # (its figures: elsewhere)
+    assert main(["report", "--checkpoint", str(ck), "--prompt", "hello", "--generate", "8", "--out", str(tmp_path / "r")]) == 0
+    assert asked == [(8, {"stop_tokens": (greedy[i],)})]

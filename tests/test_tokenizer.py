@@ -9,6 +9,7 @@ checked here. Instead the K3 tokenizer is checked against
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib.util
 import json
@@ -519,3 +520,47 @@ def test_tiktoken_pre_tokenizer_matches_the_regex_reference_on_tricky_text(text)
     # Emoji (ZWJ, flags, variation selectors), Hangul/Thai marks, non-ASCII digits, titlecase/modifier
     # letters, exotic whitespace, CRLF runs, contractions in any case, Han next to kana and Latin.
     assert _tiktoken_pieces(text) == PIECES.findall(text)
+
+
+def _damaged_copy(tmp_path, vocab=None, config=None):
+    """The synthetic K3 tokenizer with its vocabulary lines or its tokenizer_config.json changed."""
+    d = make_synthetic.write(tmp_path / "damaged")
+    if vocab is not None:
+        lines = (d / "tiktoken.model").read_bytes().splitlines(keepends=True)
+        (d / "tiktoken.model").write_bytes(b"".join(vocab(lines)))
+    if config is not None:
+        raw = json.loads((d / "tokenizer_config.json").read_text())
+        config(raw)
+        (d / "tokenizer_config.json").write_text(json.dumps(raw))
+    return d
+
+
+def _rename_rank(lines, rank: int, token: bytes):
+    return [base64.b64encode(token) + b" %d\n" % rank if line.split()[1] == b"%d" % rank else line for line in lines]
+
+
+def test_a_vocabulary_that_cannot_encode_every_byte_is_refused(tmp_path):
+    """Byte 'z' renamed 'zz' (the ranks still 0..n-1) loaded, and encode('az') raised tiktoken's Rust panic (not an
+    Exception: the CLI printed a traceback); a rank below 256 holding two bytes is no GPT-2 byte table either."""
+    z = _damaged_copy(tmp_path / "z", vocab=lambda lines: _rename_rank(lines, 89, b"zz"))  # rank 89 is 'z'
+    with pytest.raises(TokenizerError, match=re.escape(str(z / "tiktoken.model")) + r": the first 256 ranks must be the "
+                                             r"256 single bytes .*; byte 0x7A has no rank"):
+        load_tokenizer(z)
+    two = _damaged_copy(tmp_path / "two", vocab=lambda lines: _swap_ranks(lines, 5, 300))
+    with pytest.raises(TokenizerError, match=r"tiktoken.model: the first 256 ranks must be the 256 single bytes"):
+        load_tokenizer(two)
+
+
+def _swap_ranks(lines, a: int, b: int):
+    swap = {b"%d" % a: b"%d" % b, b"%d" % b: b"%d" % a}
+    return [line.split()[0] + b" " + swap[line.split()[1]] + b"\n" if line.split()[1] in swap else line for line in lines]
+
+
+@pytest.mark.parametrize("content", ["", 5, None])
+def test_a_special_token_spelled_as_nothing_is_refused(tmp_path, content):
+    """An empty spelling loaded, and encode() with specials never returned (4 GB and counting); a number failed inside
+    tiktoken with a TypeError naming no file."""
+    d = _damaged_copy(tmp_path, config=lambda raw: next(iter(raw["added_tokens_decoder"].values())).update(content=content))
+    with pytest.raises(TokenizerError, match=re.escape(str(d / "tokenizer_config.json")) +
+                       r": added_tokens_decoder\[\d+\]\.content is .*, expected a non-empty string"):
+        load_tokenizer(d)
