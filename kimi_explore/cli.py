@@ -135,7 +135,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", type=_prompt_text,
                      help=f"prompt text, encoded with the checkpoint's tokenizer (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 17,203,5")
-    p.add_argument("--generate", type=_at_least(0), default=0, metavar="N", help="then greedily generate N more tokens (fewer where a K3 tokenizer's stop token, <|end_of_msg|>, comes first)")
+    p.add_argument("--generate", type=_at_least(0), default=0, metavar="N",
+                   help="then greedily generate N more tokens (fewer where a K3 tokenizer's stop token, <|end_of_msg|>, "
+                        "comes first)")
     p.add_argument("--top", type=_at_least(1), default=5, metavar="K", help="next-token predictions shown per step (default 5)")
     p.add_argument("--layers", type=parse_layers, help="run only these 0-based layers, e.g. 0-3 (default: all)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="array backend (default auto)")
