@@ -56,7 +56,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
     """
     weights = session.weights
-    arrays, tokens, engine, dtype = load_other(other, names=names, weights=weights)
+    sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
+    arrays, tokens, engine, dtype = load_other(other, names=names, weights=weights, sources=sources)
     tokens = _tokens(session, tokens)
     tol = Tolerance.of(tolerance if tolerance is not None else dtype)
     order = _hook_names(weights)
@@ -68,8 +69,12 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
                          "expected hook names (ke.hook_names(weights)) or names='llama.cpp'")
     ours = replay(weights, tokens, sites)  # the dumped sites only (top-k ids are recorded where the dump has them)
     theirs = {s: arrays[s] for s in sites}
-    _check_shapes(ours, theirs, len(tokens))
-    _check_expert_ids(theirs, weights.config.num_experts)
+    if names is None:  # hook-named values may come from a Trace, whose attention rows are NaN after the position
+        theirs = _without_trace_padding(theirs)
+    named = {s: f"{s!r} (llama.cpp's {sources[s]})" if s in sources else repr(s) for s in sites}
+    _check_shapes(ours, theirs, len(tokens), named)
+    _check_expert_ids(theirs, weights.config.num_experts, named)
+    theirs = {s: np.asarray(a).astype(np.int64) if s.endswith(IDS_SITE) else a for s, a in theirs.items()}  # (whole numbers)
 
     floors = head_floors(weights.config)
     results = {}
@@ -91,8 +96,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     return cmp
 
 
-def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, str, str]:
-    """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype) from anything `compare` takes."""
+def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str]:
+    """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype) from anything `compare` takes. sources: a dict
+    filled with the llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`)."""
     engine, dtype, tokens = "", "float32", None
     if isinstance(other, (str, Path)):
         path = Path(other)
@@ -118,7 +124,7 @@ def load_other(other, *, names=None, weights=None) -> tuple[dict, list | None, s
             raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
         if weights is None:
             raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
-        return llamacpp_to_hooks(other, weights.config, weights), tokens, engine or "llama.cpp", dtype
+        return llamacpp_to_hooks(other, weights.config, weights, sources), tokens, engine or "llama.cpp", dtype
     if callable(names):
         arrays = dict(names(other))
     elif isinstance(names, Mapping):
@@ -197,17 +203,17 @@ def _check_layers(weights, arrays) -> None:
             "layers=range(k) and compare only the sites of layers 0..k-1 (no final.* or logits)")
 
 
-def _check_shapes(ours, theirs, T: int) -> None:
+def _check_shapes(ours, theirs, T: int, named: dict) -> None:
     for s, a in theirs.items():
         a = np.asarray(a)
         if a.ndim == 0 or a.shape[0] != T:
-            raise ValueError(f"compare: {s!r} has shape {a.shape}, expected one row per token ({T})")
+            raise ValueError(f"compare: {named[s]} has shape {a.shape}, expected one row per token ({T})")
         want = ours[s][0].shape
         if a.shape[1:] != want:
-            raise ValueError(f"compare: {s!r} has per-token shape {a.shape[1:]}, kimi_explore's is {want}")
+            raise ValueError(f"compare: {named[s]} has per-token shape {a.shape[1:]}, kimi_explore's is {want}")
 
 
-def _check_expert_ids(theirs, num_experts: int) -> None:
+def _check_expert_ids(theirs, num_experts: int, named: dict) -> None:
     """The other engine's top-k ids are experts of this model. The forced replay routes to them: an id out of
     range failed there, in a hook, naming neither the dump nor the token."""
     for s, a in theirs.items():
@@ -215,11 +221,12 @@ def _check_expert_ids(theirs, num_experts: int) -> None:
             continue
         a = np.asarray(a)
         if a.dtype.kind not in "iuf":
-            raise ValueError(f"compare: the other engine's {s!r} is {a.dtype}; expected integer expert ids 0..{num_experts - 1}")
+            raise ValueError(f"compare: the other engine's {named[s]} is {a.dtype}; expected integer expert ids "
+                             f"0..{num_experts - 1}")
         bad = np.argwhere(~((a >= 0) & (a < num_experts) & (a == np.floor(a))))  # NaN too
         if bad.size:
             t, j = (int(x) for x in bad[0])
-            raise ValueError(f"compare: the other engine's {s!r} holds expert id {a[t, j].item()!r} at token {t} (slot {j}; "
+            raise ValueError(f"compare: the other engine's {named[s]} holds expert id {a[t, j].item()!r} at token {t} (slot {j}; "
                              f"{len(bad)} such id(s) in all); this model's experts are the integers 0..{num_experts - 1}")
 
 
@@ -262,16 +269,28 @@ def _split(site: str):
     return None, site
 
 
+def _without_trace_padding(theirs: dict) -> dict:
+    """Attention probabilities whose every entry after token t's position is NaN (a Trace's padding of the rows
+    [nh, t + 1]) with zeros there, as the dump format and kimi_explore's replay have the masked slots. Only a whole
+    NaN tail: a NaN among masked slots that hold numbers is an engine's, and differs; llama.cpp's captures
+    (zeros there, as masked) are never changed."""
+    out = dict(theirs)
+    for site, v in theirs.items():
+        if not site.endswith("mla.probs"):
+            continue
+        v = np.asarray(v)
+        tails = [t for t in range(len(v)) if v[t][..., t + 1 :].size and np.isnan(v[t][..., t + 1 :]).all()]
+        if tails:
+            v = v.copy()
+            for t in tails:
+                v[t][..., t + 1 :] = 0.0
+            out[site] = v
+    return out
+
+
 def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):
-    """Per-token lists (ours, theirs) ready to compare: top-k weights in the order of their expert ids; attention
-    probabilities with NaN after the token's position read as 0 (a Trace's padding of a row [nh, t + 1], where the
-    dump format has the masked zeros)."""
+    """Per-token lists (ours, theirs) ready to compare: top-k weights in the order of their expert ids."""
     a, b = list(ours[site]), [np.asarray(x) for x in theirs[site]]
-    if site.endswith("mla.probs"):
-        for t in range(len(b)):
-            if np.isnan(b[t][..., t + 1 :]).any():
-                b[t] = b[t].copy()
-                b[t][..., t + 1 :] = np.nan_to_num(b[t][..., t + 1 :], nan=0.0)
     if site.endswith("moe.router.topk_weights"):
         ids_name = site.replace("topk_weights", "topk_ids")
         their_ids = theirs.get(ids_name) if their_ids is None else their_ids

@@ -3,6 +3,10 @@
     cmp.first        the earliest divergence (token first, then firing order), a `Divergence`, or None
     cmp.divergences  every (site, first diverging token) beyond tolerance, in that order
     cmp.local_sites  the sites whose own operation disagrees (on the other engine's inputs)
+    cmp.suspects     every site whose own operation is off by more than one operation's rounding
+                     (`Tolerance.local_rtol`), at its first such token, in that order, whether or not the
+                     site itself is beyond tolerance: where `first` is inherited, the earliest suspect is
+                     where to look (a 1e-3 bug crosses rtol only layers later)
     cmp.table()      one dict per compared site (firing order): max |delta|, worst relative error, the
                      first diverging token, local or inherited, the operation, what a probe found
     cmp.to_pandas()  the same as a DataFrame (pandas: the `[notebook]` extra)
@@ -39,7 +43,8 @@ class Divergence:
     kimi_explore computes there (every operation since the last site the dump has, where the sites
     between are missing; a probe's name when a probe explains it); max_abs, rel: the error
     at that token; local_rel: the error of kimi_explore's operation on the other engine's inputs;
-    explanation: what a probe found ("other engine matches eps 1e-05"), or "".
+    explanation: what a probe found ("other engine matches eps 1e-05"), or "". diverges: False for a
+    suspect within tolerance (`Comparison.suspects`).
     """
 
     token: int
@@ -51,10 +56,15 @@ class Divergence:
     rel: float
     local_rel: float | None = None
     explanation: str = ""
+    diverges: bool = True
 
     def __str__(self) -> str:
         where = f"layer {self.layer}" if self.layer is not None else "global"
         how = {True: "local", False: "inherited", None: "local/inherited not tested"}[self.local]
+        if not self.diverges:
+            how = "within tolerance"
+        if self.local_rel is not None and (self.local or not self.diverges):
+            how += f", its own operation {self.local_rel:.3g} off on the other engine's inputs"
         text = (f"token {self.token}, {where}, {self.site}: max|delta| {self.max_abs:.3g} (rel {self.rel:.3g}), {how}; "
                 f"operation: {self.operation}")
         return text + (f"; {self.explanation}" if self.explanation else "")
@@ -84,6 +94,10 @@ class SiteComparison:
             return None
         return beyond(self.kind, self.local_rel, rtol) & self.beyond(rtol)
 
+    def suspect(self, local_rtol: float) -> np.ndarray | None:
+        """[T] bool: kimi_explore's operation on the other engine's inputs is beyond `local_rtol` (None: not tested)."""
+        return None if self.local_rel is None else beyond(self.kind, self.local_rel, local_rtol)
+
     def is_local(self, rtol: float) -> bool | None:
         """The site's operation disagrees at some token where the site diverges (None: not tested)."""
         local = self.local_beyond(rtol)
@@ -111,17 +125,29 @@ class Comparison:
     def _divergence(self, s: SiteComparison, t: int) -> Divergence:
         return Divergence(t, s.layer, s.site, s.local_at(t, self.rtol), s.operation or operation_of(s.kind),
                           float(s.max_abs[t]), float(s.rel[t]), None if s.local_rel is None else float(s.local_rel[t]),
-                          s.explanation)
+                          s.explanation, bool(s.beyond(self.rtol)[t]))
+
+    def _in_order(self, flags) -> list[Divergence]:
+        """Each site at its first flagged token (`flags(site)`: [T] bool or None), ordered by (token, firing order)."""
+        found = []
+        for order, s in enumerate(self.sites.values()):
+            f = flags(s)
+            bad = np.flatnonzero(f) if f is not None else ()
+            if len(bad):
+                found.append((int(bad[0]), order, s))
+        return [self._divergence(s, t) for t, _, s in sorted(found, key=lambda x: x[:2])]
 
     @property
     def divergences(self) -> list[Divergence]:
         """Each diverging site at its first diverging token, ordered by (token, firing order)."""
-        found = []
-        for order, s in enumerate(self.sites.values()):
-            bad = np.flatnonzero(s.beyond(self.rtol))
-            if bad.size:
-                found.append((int(bad[0]), order, s))
-        return [self._divergence(s, t) for t, _, s in sorted(found, key=lambda x: x[:2])]
+        return self._in_order(lambda s: s.beyond(self.rtol))
+
+    @property
+    def suspects(self) -> list[Divergence]:
+        """Each site whose own operation, on the other engine's inputs, is beyond `tolerance.local_rtol` at some token
+        (the site itself within tolerance or not), at its first such token, ordered by (token, firing order); empty
+        where the teacher-forced replay did not run (compare(local=False))."""
+        return self._in_order(lambda s: s.suspect(self.tolerance.local_rtol))
 
     @property
     def first(self) -> Divergence | None:
@@ -140,11 +166,14 @@ class Comparison:
             nan = np.flatnonzero(np.isnan(s.rel))  # a NaN is the worst error there is: never hidden by nan-max
             worst = int(nan[0]) if nan.size else int(np.argmax(s.rel))
             local = s.is_local(self.rtol)
+            suspect = s.suspect(self.tolerance.local_rtol)
+            suspect = np.flatnonzero(suspect) if suspect is not None else ()
             rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.max(s.max_abs)),
                          "rel": float(s.rel[worst]), "worst_token": worst,
                          "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
                          "local": local,
                          "local_rel": None if s.local_rel is None else float(np.max(s.local_rel)),
+                         "suspect_token": int(suspect[0]) if len(suspect) else None,
                          "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})
         return rows
 
@@ -161,7 +190,9 @@ class Comparison:
         return divergence_heatmap(self, ax=ax, value=value)
 
     def __repr__(self) -> str:
-        first = self.first
+        first, suspects = self.first, self.suspects
         what = "no site beyond tolerance" if first is None else f"first divergence: {first}"
+        if suspects and (first is None or not first.local):
+            what += f"; earliest suspect: {suspects[0]}"
         return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens, {len(self.sites)} sites, "
                 f"tolerance {self.tolerance.name} rtol={self.rtol:g}; {what})")

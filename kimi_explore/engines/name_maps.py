@@ -40,27 +40,35 @@ per token stacked on a leading axis; prefill: one record over all T tokens) and 
     result_norm                     -> final.hidden
     logits (or result_output)       -> logits
 
-Not mapped (no kimi_explore site): the rms_norm records before their weight (`norm-i#k`, except the
-MLA latents above), `kqv`, `kqv_out`, `mla_gated`, `v_cont`, `kq` (unscaled scores), the router's
-intermediate sums. kimi_explore sites llama.cpp does not name: `kda.conv` (the window), `kda.q` and
-`kda.k` (llama.cpp names q/k only before their L2 norm), `final.block_residual`.
+Not mapped (no kimi_explore site; `UNMAPPED`): the rms_norm records before their weight (`norm-i#k`, except the
+MLA latents above, and the final `norm`), `kqv`, `kqv_out`, `mla_gated`, `v_cont`, `kq` (unscaled scores),
+`kda_scan_out`, `kda_normed`, `prefix_sum_attn` off a block boundary, the router's and the experts' intermediates
+(`ffn_moe_logits`, `ffn_moe_argsort`, ...). Any other name is refused: a renamed `l_out-i` was dropped, and
+the comparison passed without its most telling site. kimi_explore sites llama.cpp does not name: `kda.conv`
+(the window), `kda.q` and `kda.k` (llama.cpp names q/k only before their L2 norm), `final.block_residual`.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 
 import numpy as np
 
 from ..backend import to_numpy
 
-__all__ = ["LLAMACPP_GLOBAL", "ggml_to_numpy", "llamacpp_to_hooks", "parse_llamacpp_name"]
+__all__ = ["LLAMACPP_GLOBAL", "UNMAPPED", "ggml_to_numpy", "llamacpp_to_hooks", "parse_llamacpp_name"]
 
 _NAME = re.compile(r"^(?P<base>[A-Za-z_][A-Za-z0-9_]*?)(?:-(?P<layer>\d+))?(?:#(?P<k>\d+))?$")
 
 # global (no layer) names -> hook names
 LLAMACPP_GLOBAL = {"inp_embd": "embed", "res_probs": "final.attn_res.weights", "result_norm": "final.hidden",
                    "logits": "logits"}
+# what llama.cpp's K3 graph names and no kimi_explore site is (the module docstring), and what is read beside the arrays
+UNMAPPED = frozenset({"norm", "kq", "kqv", "kqv_out", "mla_gated", "v_cont", "kda_scan_out", "kda_normed", "prefix_sum_attn",
+                      "ffn_moe_logits", "ffn_moe_probs_biased", "ffn_moe_argsort", "ffn_moe_weights", "ffn_moe_weights_sum",
+                      "ffn_moe_weights_sum_clamped", "ffn_moe_weights_norm", "ffn_moe_gate", "ffn_moe_up", "ffn_moe_situ",
+                      "ffn_moe_down", "ffn_moe_weighted", "tokens", "mixed_prefill_len", "result_output"})
 # per-layer names whose value maps as it is (after the per-token reshape)
 _DIRECT = {"attn_norm": "attn.in", "kda_v_conv": "kda.v", "attn_output": "kda.o", "ffn_norm": "ffn.in",
            "ffn_moe_probs": "moe.router.scores", "ffn_moe_out": "moe.experts_out", "ffn_shexp": "moe.shared_out",
@@ -88,14 +96,15 @@ def ggml_to_numpy(data, ne, dtype=np.float32) -> np.ndarray:
     return a.reshape(tuple(reversed(ne)))
 
 
-def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
+def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None) -> dict:
     """{llama.cpp name: array} for T tokens -> {kimi_explore hook name: [T, ...] array}.
 
     arrays: a mapping (an opened `llamacpp_<kind>_<mode>.npz`), with `tokens` [T]; decode captures
     (one record per token on a leading axis) or prefill captures (one record over the T tokens).
     config: the model's `KimiDecoderConfig` (which layer is KDA / MLA / a block boundary).
     weights: the loaded weights, for the MLA latents (llama.cpp names them before the norm weight);
-    without them those two sites are left out.
+    without them those two sites are left out. sources: a dict filled with {hook name: the llama.cpp name(s) it
+    was made from}, for errors that name the capture. A name neither mapped nor in `UNMAPPED` is refused.
     """
     if "tokens" not in arrays:
         raise KeyError("llama.cpp captures: no 'tokens' array (the token ids fed, [T])")
@@ -109,17 +118,21 @@ def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
         return a[None] if T == 1 and a.ndim and a.shape[0] != 1 else a
     by_layer: dict = {}
     out: dict = {}
+    sources = {} if sources is None else sources
+    _check_known(arrays)
     for key in arrays:
-        if key in ("tokens", "mixed_prefill_len", "result_output"):
+        if key in UNMAPPED:
             continue
         base, layer, k = parse_llamacpp_name(key)
         if layer is None:
             if k is None and base in LLAMACPP_GLOBAL:
                 out[LLAMACPP_GLOBAL[base]] = _f32(raw(key))
+                sources[LLAMACPP_GLOBAL[base]] = repr(key)
             continue
         by_layer.setdefault(layer, {})[base if k is None else f"{base}#{k}"] = key
     if "logits" not in out and "result_output" in arrays:
         out["logits"] = _f32(raw("result_output"))
+        sources["logits"] = "'result_output'"
     layer_weights = {lw.index: lw for lw in getattr(weights, "layers", [])} if weights is not None else {}
     for i in sorted(by_layer):
         names = by_layer[i]
@@ -128,6 +141,7 @@ def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
             return _f32(raw(names[base]))
 
         p = f"layers.{i}."
+        before = set(out)
         for base, site in _DIRECT.items():
             if base in names:
                 out[p + site] = get(base)
@@ -151,34 +165,76 @@ def llamacpp_to_hooks(arrays, config, weights=None) -> dict:
         ffn_res = "res_probs#1" if "res_probs#1" in names else "res_probs"
         if ffn_res in names:
             out[p + "attn_res.ffn.weights"] = get(ffn_res)
-        if "ffn_moe_topk" in names:
-            out[p + "moe.router.topk_ids"] = raw(names["ffn_moe_topk"]).astype(np.int64)
+        if "ffn_moe_topk" in names:  # (as stored: `compare` checks they are whole numbers, then casts)
+            out[p + "moe.router.topk_ids"] = raw(names["ffn_moe_topk"])
         if "ffn_moe_weights_scaled" in names:
             out[p + "moe.router.topk_weights"] = get("ffn_moe_weights_scaled")[..., 0]
         if "ffn_out" in names and "ffn_shexp" in names:
             out[p + "moe.routed_out"] = get("ffn_out") - get("ffn_shexp")
         if "kq_soft_max" in names:
-            out[p + "mla.probs"] = _per_token_heads(get("kq_soft_max"), T)[:, :, :T]
+            out[p + "mla.probs"] = _per_token_heads(get("kq_soft_max"), T, names["kq_soft_max"])[:, :, :T]
         if "kqv_mla" in names:
-            out[p + "mla.o"] = _per_token_heads(get("kqv_mla"), T)
+            out[p + "mla.o"] = _per_token_heads(get("kqv_mla"), T, names["kqv_mla"])
         lw = layer_weights.get(i)
         if lw is not None and lw.attention.kind == "mla":
             for k, site, norm in ((1, "mla.q_latent", "q_a_layernorm"), (2, "mla.kv_latent", "kv_a_layernorm")):
                 if f"norm#{k}" in names:
                     out[p + site] = get(f"norm#{k}") * np.asarray(to_numpy(getattr(lw.attention, norm)), np.float32)
+        for site in set(out) - before:
+            sources[site] = _source(site, i, names)
     for name, a in out.items():
-        if a.shape[0] != T:
-            raise ValueError(f"llama.cpp captures: {name!r} has {a.shape[0]} rows, expected one per token ({T})")
+        if a.ndim == 0 or a.shape[0] != T:
+            raise ValueError(f"llama.cpp captures: {name!r} (from {sources.get(name, '?')}) has shape {a.shape}, expected "
+                             f"one row per token ({T})")
     return out
 
 
-def _per_token_heads(a, T: int):
+# which llama.cpp names each per-layer hook site is made of (for errors)
+_MADE_OF = {**{site: (base,) for base, site in _DIRECT.items()}, "kda.conv_out": ("kda_q_conv", "kda_k_conv", "kda_v_conv"),
+            "kda.beta": ("kda_beta",), "kda.decay": ("kda_g1",), "kda.gate": ("kda_g2",), "kda.state": ("new_state",),
+            "attn.out": ("kda_out", "mla_out", "prefix_sum_attn"), "attn_res.attn.weights": ("res_probs#0",),
+            "attn_res.ffn.weights": ("res_probs#1", "res_probs"), "moe.router.topk_ids": ("ffn_moe_topk",),
+            "moe.router.topk_weights": ("ffn_moe_weights_scaled",), "moe.routed_out": ("ffn_out", "ffn_shexp"),
+            "mla.probs": ("kq_soft_max",), "mla.o": ("kqv_mla",), "mla.q_latent": ("norm#1",), "mla.kv_latent": ("norm#2",)}
+
+
+def _source(site: str, i: int, names: dict) -> str:
+    kind = site[len(f"layers.{i}."):]
+    return " and ".join(repr(names[b]) for b in _MADE_OF.get(kind, ()) if b in names) or "?"
+
+
+def _check_known(arrays) -> None:
+    """Every name is one the mapping reads or knows to have no site (`UNMAPPED`): a misspelt or renamed capture
+    (`layer_out-5` for `l_out-5`) was dropped, and the comparison passed without it."""
+    known = set(_DIRECT) | set(LLAMACPP_GLOBAL) | UNMAPPED | {b for bases in _MADE_OF.values() for b in bases}
+    bad = []
+    for key in arrays:
+        if key in UNMAPPED:
+            continue
+        base, _, k = parse_llamacpp_name(key)
+        full = base if k is None else f"{base}#{k}"
+        if base not in known and full not in known:
+            bad.append(key)
+    if bad:
+        first = {}  # one example per base name ('layer_out-0' for layer_out-0..92)
+        for key in bad:
+            first.setdefault(parse_llamacpp_name(key)[0], key)
+        hints = [f"{k!r} (did you mean {' or '.join(map(repr, m))}?)" if (m := difflib.get_close_matches(b, sorted(known), 2))
+                 else repr(k) for b, k in list(first.items())[:5]]
+        raise KeyError(f"llama.cpp captures: {len(bad)} name(s) that llama.cpp's K3 graph does not give, such as "
+                       f"{', '.join(hints)}{' ...' if len(first) > 5 else ''}. The names read are listed in "
+                       "kimi_explore.engines.name_maps; drop "
+                       "names you added, or map them yourself (compare(..., names={their name: hook name}))")
+
+
+def _per_token_heads(a, T: int, key: str):
     """MLA records: decode [T, H, 1, n] -> [T, H, n]; prefill [H, T, n] -> [T, H, n]."""
     if a.ndim == 4:
         return a[:, :, 0, :]
     if a.ndim == 3 and a.shape[1] == T:
         return a.swapaxes(0, 1)
-    raise ValueError(f"MLA record of shape {a.shape}: expected decode [T, H, 1, n] or prefill [H, T, n] with T={T}")
+    raise ValueError(f"llama.cpp captures: {key!r} has shape {a.shape}, expected decode [T, H, 1, n] or prefill [H, T, n] "
+                     f"with T={T}")
 
 
 def _f32(a):

@@ -21,11 +21,20 @@ relative per operation and drift to a few 1e-4 over a deep model; bf16 / fp16 ac
 every value to 8 / 11 bits; quantised activations (e.g. ggml's Q8_0 blocks before an MXFP4 matmul)
 to about 7.
 
-    preset      rtol    floor
-    float32     2e-3    0.1
-    float16     1e-2    0.1
-    bfloat16    3e-2    0.1
-    quantised   1e-1    0.1
+    preset      rtol    floor   local_rtol
+    float32     2e-3    0.1     1e-4
+    float16     1e-2    0.1     2.5e-3
+    bfloat16    3e-2    0.1     7.5e-3
+    quantised   1e-1    0.1     5e-2
+
+`local_rtol` judges one operation alone: kimi_explore's operation on the other engine's inputs (the
+teacher-forced replay, `Comparison.suspects`) against the other engine's output. One operation rounds
+far less than a deep model drifts: on llama.cpp's own K3 with float32 experts (set d) the largest such
+error is 1.2e-5, where whole-model drift reaches 7.1e-4. A bug too small to cross rtol where it happens
+(a 1e-3 gate) crosses it layers later, where it is inherited; `local_rtol` still names it. Below
+float32 the presets are rtol / 4 (rtol / 2 for quantised: ggml's Q8_0 activations put llama.cpp's MXFP4
+experts 2.6e-2 to 3.7e-2 off on their own inputs, which is that engine's arithmetic, not a bug);
+measured on no such engine here. A float rtol takes rtol / 20.
 
 Integer sites (`moe.router.topk_ids`) are compared as sets: max_abs_t = the number of ids in one
 top-k set and not in the other, rel_t = max_abs_t / k (reported, never compared with rtol), beyond
@@ -83,6 +92,11 @@ class Tolerance:
     rtol: float
     floor: float = 0.1
     name: str = "custom"
+    local_rtol: float | None = None  # one operation's (module docstring); None: rtol / 20
+
+    def __post_init__(self):
+        if self.local_rtol is None:
+            object.__setattr__(self, "local_rtol", self.rtol / 20)
 
     @classmethod
     def of(cls, spec) -> Tolerance:
@@ -99,10 +113,10 @@ class Tolerance:
 
 
 TOLERANCE_PRESETS = {
-    "float32": Tolerance(2e-3, 0.1, "float32"),
-    "float16": Tolerance(1e-2, 0.1, "float16"),
-    "bfloat16": Tolerance(3e-2, 0.1, "bfloat16"),
-    "quantised": Tolerance(1e-1, 0.1, "quantised"),
+    "float32": Tolerance(2e-3, 0.1, "float32", 1e-4),
+    "float16": Tolerance(1e-2, 0.1, "float16", 2.5e-3),
+    "bfloat16": Tolerance(3e-2, 0.1, "bfloat16", 7.5e-3),
+    "quantised": Tolerance(1e-1, 0.1, "quantised", 5e-2),
 }
 
 
