@@ -385,3 +385,35 @@ def test_generate_refuses_nan_logits_rather_than_choosing_a_token():
         with pytest.raises(FloatingPointError, match="logits after token 1 hold NaN"):
             session.generate(2, temperature=temperature, seed=0)
     assert session.tokens == [5, 9]
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 40])
+def test_float64_state_norms_stay_finite_through_a_decay_below_e_minus_355(chunk):
+    """A legal chunk-aware hook sets one token's decay at layer 1 to 1e-200 (float64): the recorder's `kda.state.norm`
+    on the sequence path was NaN for the whole sub-block, earlier tokens included, where stepping gives finite norms
+    (the Gram route's float64 terms hold 1 / decay squared, which overflowed below e^-355)."""
+    w = ke.from_pretrained(ke.tiny_checkpoint(), device="cpu", dtype="float64")
+    ids = list(b"The decay of a token can be tiny: 1e-200 here")
+
+    def tiny_decay(alpha, *, hook):
+        a = alpha.copy()
+        if hook.positions is None:
+            a[...] = 1e-200 if hook.position == 3 else a
+        elif 3 in list(hook.positions):
+            a[list(hook.positions).index(3)] = 1e-200
+        return a
+
+    def norms(sequence):
+        rec = ke.Recorder(names_filter="layers.1.kda.state")
+        rec.add("layers.1.kda.decay", tiny_decay, chunks=True)
+        state = ke.KimiDecodeState.new(w)
+        if sequence:
+            kimi_forward_sequence(w, state, ids, hooks=rec, chunk=chunk)
+        else:
+            for t in ids:
+                ke.kimi_forward_token(w, state, t, hooks=rec)
+        return np.asarray(rec.trace()["layers.1.kda.state.norm"])
+
+    stepped, fed = norms(False), norms(True)
+    assert np.isfinite(stepped).all() and np.isfinite(fed).all()
+    np.testing.assert_allclose(fed, stepped, rtol=1e-12, atol=1e-12)

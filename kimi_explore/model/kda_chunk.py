@@ -57,6 +57,8 @@ from ..backend import to_numpy
 SUB = 16  # sub-block length: decays relative to its start inside, one matmul through a reference point across
 BUDGET = 1 << 25  # bytes of one pairwise temporary (a slice of sub-blocks, or of per-token states)
 LOG_DECAY_FLOOR = -1000.0  # log of a decay of 0 (exp(-1000) is 0 in float32 and float64), without -inf - -inf = nan
+# the smallest decay over a sub-block that `gram_norms` takes: its float64 terms hold (1 / decay)^2 (below: built states)
+GRAM_DECAY_FLOOR = float(np.finfo(np.float32).tiny)
 
 
 def chunked_delta_rule(q, k, v, log_alpha, beta, S, chunk: int = 64, state_norms: bool = False):
@@ -273,8 +275,10 @@ def chunk_state_norms(S0, k, W, eL, kt, tot, log_alpha):
     dt = S0.dtype
     H, n, b, K = eL.shape
     out = xp.empty((H, n * b), dt)
-    # which sub-blocks decay within float range: one explicit device -> host copy for the chunk
-    exact = to_numpy(tot.min(axis=(0, 2)) >= float(np.finfo(dt).tiny)).tolist()
+    # which sub-blocks decay within range of the Gram route, whose float64 terms hold 1 / decay squared: float32's
+    # tiny (1e-38) for float64 states too (float64's own, 1e-308, overflowed those squares to inf, then NaN norms).
+    # One explicit device -> host copy for the chunk.
+    exact = to_numpy(tot.min(axis=(0, 2)) >= GRAM_DECAY_FLOOR).tolist()
     Sr = S0
     for i in range(n):
         a = i * b
