@@ -8,6 +8,7 @@ recorded sources, or a copy of the weights with a head's output columns zeroed.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import naive_decoder
 import numpy as np
@@ -347,3 +348,55 @@ def test_intervention_argument_errors(ref_weights):
         ablate_experts(3, "none")
     with pytest.raises(ValueError, match="layer must be"):
         ablate_experts(-1, [0])
+
+
+@pytest.fixture(scope="module")
+def trained64():
+    from kimi_explore import tiny_checkpoint
+
+    return from_pretrained(tiny_checkpoint(), device="cpu", dtype="float64")
+
+
+def _two_ways(w, ids, make, chunk):
+    """(stepping's logits or its error, the sequence path's logits or its error) under the hooks make() gives."""
+    from kimi_explore import kimi_forward_sequence
+
+    out = []
+    for run in (lambda st, h: np.stack([to_numpy(kimi_forward_token(w, st, t, hooks=h)) for t in ids]),
+                lambda st, h: to_numpy(kimi_forward_sequence(w, st, ids, hooks=h, chunk=chunk))):
+        try:
+            out.append(run(KimiDecodeState.new(w), make().bind(w)))
+        except ValueError as e:
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+@pytest.mark.parametrize("make, says", [
+    (lambda: force_routing(7, [5], [0.229]) + force_routing(7, [4, 12, 15, 2]),
+     r"1 weights .*for the 4 selected experts \[4, 12, 15, 2\]"),
+    (lambda: force_routing(7, [5, 6], [0.5, 0.5]) + ablate_experts(7, [5]), r"2 weights .*for the 1 selected experts \[6\]")])
+def test_routing_weights_that_do_not_pair_with_the_experts_raise_on_both_paths(trained64, make, says, chunk):
+    """Stepping refused both; the chunk form padded the given weights with 0 (experts 12, 15, 2 weighted 0) or kept
+    the weight of an expert another hook dropped, and decoded (logits 1.1-1.3 from the unhooked run)."""
+    stepped, fed = _two_ways(trained64, [100, 101, 32, 115, 116], make, chunk)
+    assert isinstance(stepped, ValueError) and isinstance(fed, ValueError)
+    assert re.search(r"layers\.7\.moe\.router\.topk_weights: .*" + says + r": give one weight per expert", str(fed))
+
+
+def test_a_patch_of_weights_for_fewer_experts_raises_on_both_paths_and_forcing_fewer_with_weights_runs(trained64):
+    trained = trained64
+    """Weights recorded with one expert per token (an ablation) patched into a run with two: the chunk form padded
+    them with 0. Forcing one expert with its weight at some tokens of a chunk (the rows ragged) is fine: stepping's."""
+    site = "layers.2.moe.router.topk_weights"
+    ids = [100, 101, 32, 115, 116]
+    rec = Recorder(names_filter=lambda n: False, full=[site])
+    state = KimiDecodeState.new(trained)
+    for t in ids:
+        kimi_forward_token(trained, state, t, hooks=HookChain((ablate_experts(2, "all") + force_routing(2, [3])).bind(trained),
+                                                              rec.bind(trained)))
+    stepped, fed = _two_ways(trained, ids, lambda: patch(site, rec.trace()), 5)
+    assert isinstance(stepped, ValueError) and isinstance(fed, ValueError)
+    assert re.search(r"token 0 of the chunk has 1 weights \[[\d.e-]+\] for the 2 selected experts", str(fed))
+    stepped, fed = _two_ways(trained, ids, lambda: force_routing(2, [3], [0.7], positions=[1, 3]), 5)
+    np.testing.assert_allclose(fed, stepped, rtol=0, atol=1e-12)

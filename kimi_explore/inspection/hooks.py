@@ -19,7 +19,10 @@ are re-weighted from the scores. A replacement must have the value's shape (only
 change k, the weights keeping one per id), live where the value lives (host or GPU), and be an array:
 anything else raises at once, naming the hook and the site. A hook may instead edit
 the value in place and return None: the edited value is what the rest reads, on both paths (`embed`
-hands hooks a copy of the embedding row, so an edit never reaches the table).
+hands hooks a copy of the embedding row, so an edit never reaches the table). Only while its site fires:
+an array a hook keeps and edits when a later site fires (the decay at `kda.gate`, a running sum at
+`final.block_residual`) may or may not reach the rest, and differently on the token and sequence paths
+(the sequence path has read it already); return or edit a value at its own site, and keep copies.
 
 Several hooks on one site run in the order they were added, each seeing the value the previous one
 returned. The decoder calls `fire(name, value)` at every site of `hook_names(weights)`;

@@ -38,6 +38,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
+from ..model.latent_moe_sequence import NO_WEIGHT
 from .hooks import Hooks
 from .source_masks import SOURCE_FAMILIES, mask_sources, model_sources, site_columns, source_columns
 from .targets import at_positions, layer_ids, layer_sites, named, position_filter, position_list
@@ -100,7 +101,7 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
         return _put_rows(ids, ids_req, rows, -1)
 
     def forced_weights(w, rows, hook):
-        return _put_rows(w, weights, rows, 0)
+        return _put_rows(w, weights, rows, NO_WEIGHT)
 
     hooks = Hooks()
     for name in layer_sites(layer, "moe.router."):
@@ -257,8 +258,9 @@ def patch(name: str, source, positions=None) -> Hooks:
 
     ids_site = name.endswith("moe.router.topk_ids")
     # routing rows are ragged: a row is cut to its own entries and a chunk's row filled after them (ids -1: no
-    # expert; weights 0), never with the trace's padding (a NaN weight made the whole chunk NaN)
-    routing, fill = ids_site or name.endswith("moe.router.topk_weights"), -1 if ids_site else 0
+    # expert; weights NO_WEIGHT, which the MoE checks against the ids), never with the trace's padding (a NaN weight
+    # made the whole chunk NaN)
+    routing, fill = ids_site or name.endswith("moe.router.topk_weights"), -1 if ids_site else NO_WEIGHT
     probs_site = name.endswith("mla.probs")  # a chunk's rows [nh, L0 + T]: the token form's [nh, L0 + t + 1], then masked
 
     def patch_value(value, *, hook):

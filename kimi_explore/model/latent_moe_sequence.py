@@ -121,6 +121,24 @@ def expert_outputs_grouped(experts, ids, z, act):
     return groups.scatter(y)
 
 
+def _paired_weights(weights, ids, name: str):
+    """Each token's weights one per selected expert, as the token form requires of a hook: a row with `NO_WEIGHT`
+    where an expert is selected, or a non-zero weight where none is (id -1), was given as many weights as another
+    row's experts. Those slots then weigh 0."""
+    xp = array_namespace(weights)
+    missing = weights == NO_WEIGHT
+    extra = (ids < 0) & ~missing & (weights != 0) & ~xp.isnan(weights)
+    bad = (missing & (ids >= 0)) | extra
+    if bool(bad.any()):
+        t = int(to_numpy(xp.argmax(bad.any(axis=1))))
+        row_ids, row_w = to_numpy(ids[t]), to_numpy(weights[t])
+        experts = [int(e) for e in row_ids if e >= 0]
+        given = [float(v) for v, e in zip(row_w, row_ids, strict=True) if v != NO_WEIGHT and (e >= 0 or v != 0)]
+        raise ValueError(f"{name}: token {t} of the chunk has {len(given)} weights {given} for the {len(experts)} selected "
+                         f"experts {experts}: give one weight per expert (stepping raises the same)")
+    return xp.where(missing, 0.0, weights).astype(weights.dtype) if bool(missing.any()) else weights
+
+
 def _check_ids(ids, E: int, name: str) -> None:
     """The ids a hook returned: -1 (that selection dropped) or an expert 0..E-1, never silently another expert."""
     ids = to_numpy(ids)
@@ -138,6 +156,11 @@ def _situ_rows(w: LatentMoeWeights):
                              fallback=w.situ)
 
 
+# A chunk's routing rows are ragged when a hook gives some tokens other experts: a weight slot no weight was given
+# for (an intervention's row shorter than the chunk's, `inspection.interventions`) holds this, never a weight.
+NO_WEIGHT = -np.inf
+
+
 def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None, observe=None):
     """x: [T, d] (post_attention_layernorm outputs) -> [T, d].
 
@@ -145,7 +168,8 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None, observ
     order, named names[kind] (None: the kinds): moe.router.scores [T, E], moe.router.topk_ids [T, k]
     (another [T, k'] may be returned, and -1 entries drop that selection of that token: its weight is
     0 and the others renormalise, as the token form without it), moe.router.topk_weights [T, k] (one per
-    id: a hook's weights of another shape raise), moe.experts_out [T, l] (the weighted sum before the latent
+    id: a hook's weights of another shape raise, and so do rows that leave a selected expert without a weight,
+    `NO_WEIGHT`, or weight an id -1), moe.experts_out [T, l] (the weighted sum before the latent
     norm), moe.routed_out, moe.shared_out [T, d].
     observe(name, value), when given, is told the ids the layer routes by (at moe.router.topk_ids, after every hook
     there, before the weights fire): a hook set that saw the ids before a later one changed them (a Recorder
@@ -172,6 +196,7 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None, observ
         if weights.shape != ids.shape:  # (the token form's check: else a matmul's shape error, naming no site)
             raise ValueError(f"{site('moe.router.topk_weights')}: a hook returned weights {tuple(weights.shape)} for the "
                              f"selected experts {tuple(ids.shape)} [T, k]: give one weight per expert")
+        weights = _paired_weights(weights, ids, site("moe.router.topk_weights"))
 
     act = _situ_rows(w)
     routed_y = expert_outputs_grouped(w.experts, ids, y[:, E : E + l], act)  # [T, k, l], zeros where ids = -1
