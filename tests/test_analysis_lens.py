@@ -12,7 +12,8 @@ import pytest
 
 import kimi_explore as ke
 from kimi_explore.analysis._replay import replay
-from kimi_explore.analysis.logit_lens import lens_logits, log_softmax
+from kimi_explore.analysis.logit_lens import lens_logits
+from kimi_explore.analysis.logprobs import log_softmax
 from kimi_explore.inspection import interventions
 
 TEXT = list(b"The cat sat. 42 cats!\n")

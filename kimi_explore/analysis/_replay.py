@@ -12,7 +12,8 @@ fed (`Session.chunk_route`, whatever the session records now), stepped tokens st
 cut (its checkpoint there; without one, e.g. in a session file saved without checkpoints, the kept
 part re-decoded alone from a copy of the state before the chunk, as truncate decoded it). So the
 replay repeats the history's arithmetic, and its logits are the stored ones bit for bit; they are
-checked against them: to REPLAY_RTOL (which admits a BLAS that now splits its work otherwise), and
+checked against them: to REPLAY_RTOL (which admits a BLAS that now splits its work otherwise; REPLAY_RTOL_FLOAT64 in
+float64), and
 bit for bit for the tokens decoded under value-changing hooks (`Session.decoded_with_hooks`, as
 `Session.recover` checks them; NaN matches NaN in the same places). A history decoded under a
 temporary intervention (`with session.intervene(...)`) does not replay to the same logits, however
@@ -31,6 +32,8 @@ from ..inspection.recorder import Recorder
 from ..model.kimi_decoder import hook_names
 
 REPLAY_RTOL = 1e-4  # the sequence path agrees with stepping to float32 rounding (~1e-6 of the logits' scale)
+# ... and to float64 rounding in float64 (~1e-12; a temporary intervention 2e-5 off the logits passed 1e-4 there)
+REPLAY_RTOL_FLOAT64 = 1e-9
 
 
 def site_names(model, suffixes, globals_=()) -> list[str]:
@@ -95,7 +98,7 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
             logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
         records = capture.take_records()
         for t in range(a, b):
-            _check_replay(logits[t - a], session.logits_at(t), t, _hooked(session, t))
+            check_replay(logits[t - a], session.logits_at(t), t, _hooked(session, t))
             if t in wanted:
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
         if b > last:
@@ -131,23 +134,25 @@ def _hooked(session, t: int) -> bool:
 
 
 def replay_mismatch(replayed, recorded, exact: bool = False) -> str | None:
-    """None where replayed logits are the stored ones: to REPLAY_RTOL of their scale, or bit for bit (`exact`).
+    """None where replayed logits are the stored ones: to REPLAY_RTOL of their scale (REPLAY_RTOL_FLOAT64 for float64
+    logits), or bit for bit (`exact`).
     NaN matches NaN in the same places (a hook, or an overflow, put it into the history; NaN != NaN would refuse
     every replay of such a history); a NaN where the stored logits hold a number, or the other way, does not.
     Else what differs, for a message ('max |diff| ...')."""
+    rtol = REPLAY_RTOL_FLOAT64 if np.asarray(recorded).dtype == np.float64 else REPLAY_RTOL
     r, s = np.asarray(replayed, np.float64), np.asarray(recorded, np.float64)
     same = (r == s) | (np.isnan(r) & np.isnan(s))  # (equal infinities too: inf - inf is NaN)
     with np.errstate(invalid="ignore"):
         err = float(np.max(np.where(same, 0.0, np.abs(r - s))))  # NaN where only one of them is NaN
     finite = np.abs(s[np.isfinite(s)])
     scale = 1.0 + (float(np.max(finite)) if finite.size else 0.0)
-    if same.all() if exact else err <= REPLAY_RTOL * scale:
+    if same.all() if exact else err <= rtol * scale:
         return None
     nan = int(np.sum(np.isnan(r) != np.isnan(s)))
     return f"max |diff| {err:.3g}{f'; NaN in one but not the other at {nan} of {r.size} entries' if nan else ''}"
 
 
-def _check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int, exact: bool = False) -> None:
+def check_replay(replayed: np.ndarray, recorded: np.ndarray, t: int, exact: bool = False) -> None:
     """The replayed logits against the stored ones (`replay_mismatch`): to REPLAY_RTOL, or bit for bit for a token
     decoded under value-changing hooks (as `Session.recover` checks it), whose replay under other hooks (a temporary
     intervention since removed) can differ by less than any tolerance and must not be analysed as its history."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..inspection.trace import Trace
-from .logit_lens import log_softmax
+from .logprobs import kl_divergence, log_softmax
 
 __all__ = ["RunDiff", "diff"]
 
@@ -166,8 +166,7 @@ def _routing(ra: dict, rb: dict, T: int):
 
 
 def _kl_full(la: np.ndarray, lb: np.ndarray) -> np.ndarray:
-    pa, pb = log_softmax(la), log_softmax(lb)
-    return np.sum(np.exp(pa) * (pa - pb), axis=-1)
+    return kl_divergence(log_softmax(la), log_softmax(lb))
 
 
 def _kl_top(ta, tb, T: int) -> np.ndarray:

@@ -32,6 +32,7 @@ from ..inspection.topk import top_ids
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import OutputHead, output_hidden
 from ._replay import replay
+from .logprobs import log_softmax
 
 __all__ = ["LensStrip", "LogitLens", "lens_at", "lens_logits", "logit_lens"]
 
@@ -89,13 +90,6 @@ def lens_logits(model, head: OutputHead, values: dict):
         stack.set_current(values[spec.hook_prefix + "prefix_sum"])
         rows.append(output_hidden(head, stack))
     return (head.lm_head @ xp.stack(rows).T).T
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis (host arrays)."""
-    z = logits.astype(np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens:

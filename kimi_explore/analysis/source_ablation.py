@@ -49,16 +49,12 @@ from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_source
 from ..model.block_residual import source_labels
 from ..model.kimi_decoder import token_indices
 from ..model.kimi_sequence import SequenceSources, default_chunk, embed_chunk, finish_sequence, sequence_layer
+from ._replay import check_replay
+from .logprobs import kl_divergence, log_softmax
 
 __all__ = ["SourceAblation", "source_ablation", "spearman"]
 
 SITES = ("attn", "ffn")
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -187,14 +183,14 @@ def _scores(logits, ids, a: int, clean_logits):
     float64 for each KL: log-probs kept in float32 would put ~1e-8 of rounding into every KL (a float64
     model's too), and make the KL of a mask that changes nothing come out nonzero, even negative."""
     host = to_numpy(logits)
-    logp = _log_softmax(host)
+    logp = log_softmax(host)
     b = a + logp.shape[0]
     nxt = ids[a + 1 : b + 1]
     loss = -logp[np.arange(len(nxt)), nxt]
     if clean_logits is None:
         return loss, None, np.array(host, copy=True)
-    c = _log_softmax(clean_logits[a:b])
-    return loss, (np.exp(c) * (c - logp)).sum(axis=-1), None
+    c = log_softmax(clean_logits[a:b])
+    return loss, kl_divergence(c, logp), None
 
 
 def _collect(parts):
@@ -259,8 +255,9 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
                     chunk: int | None = None, progress: bool = False, reuse_prefix: bool = True) -> SourceAblation:
     """Mask each source family at each layer and site; report mass, Δloss and KL (module docstring).
 
-    session_or_weights: a Session (its tokens, weights and `session.hooks`), or weights with `token_ids`
-    (ids, or a string: encoded by the session's tokenizer, else as UTF-8 bytes for a byte model).
+    session_or_weights: a Session (its tokens, weights and `session.hooks`; its clean run is checked against the
+    logits it stored, as the lens checks its replay: a history decoded under other hooks is refused), or weights
+    with `token_ids` (ids, or a string: encoded by the session's tokenizer, else as UTF-8 bytes for a byte model).
     families: source families (`inspection.source_masks`; "embedding" is named "input of layer i" in the
     result on a layer subset without layer 0, see module docstring); layers: model layer ids (an int,
     or a list / range of them; default all), rows in the order given (a layer given twice: its rows twice);
@@ -269,7 +266,7 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     (the same numbers, about half the work); off, or with session hooks or a pipeline, every run
     decodes all layers through `forward_sequence`.
     """
-    tokenizer = None
+    tokenizer, s = None, None
     if hasattr(session_or_weights, "weights") and hasattr(session_or_weights, "tokens"):
         s = session_or_weights
         weights, extra, tokenizer = s.weights, (s.hooks if len(s.hooks) else None), getattr(s, "tokenizer", None)
@@ -332,6 +329,9 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
         clean_losses, _, clean_logits = _run(weights, ids, chain(rec), chunk)
         trace = rec.trace()
         weights_at = {k: trace[k] for k in trace.names()}
+    if token_ids is None and s is not None:  # the session's own history: the clean run must be it (as the lens checks)
+        for t in range(len(ids)):
+            check_replay(clean_logits[t], s.logits_at(t), t)
     clean_loss = float(clean_losses.mean())
     S = int(weights.max_sources)  # integer columns and ("block", j) count model-wide (`inspection.source_masks`)
 

@@ -125,18 +125,18 @@ def _paired_weights(weights, ids, name: str):
     """Each token's weights one per selected expert, as the token form requires of a hook: a row with `NO_WEIGHT`
     where an expert is selected, or a non-zero weight where none is (id -1), was given as many weights as another
     row's experts. Those slots then weigh 0."""
-    xp = array_namespace(weights)
-    missing = weights == NO_WEIGHT
-    extra = (ids < 0) & ~missing & (weights != 0) & ~xp.isnan(weights)
-    bad = (missing & (ids >= 0)) | extra
-    if bool(bad.any()):
-        t = int(to_numpy(xp.argmax(bad.any(axis=1))))
-        row_ids, row_w = to_numpy(ids[t]), to_numpy(weights[t])
-        experts = [int(e) for e in row_ids if e >= 0]
-        given = [float(v) for v, e in zip(row_w, row_ids, strict=True) if v != NO_WEIGHT and (e >= 0 or v != 0)]
+    w, i = to_numpy(weights), to_numpy(ids)
+    missing = w == NO_WEIGHT
+    bad = (missing & (i >= 0)) | ((i < 0) & ~missing & (w != 0) & ~np.isnan(w))
+    if bad.any():
+        t = int(np.argmax(bad.any(axis=1)))
+        experts = [int(e) for e in i[t] if e >= 0]
+        given = [float(v) for v, e in zip(w[t], i[t], strict=True) if v != NO_WEIGHT and (e >= 0 or v != 0)]
         raise ValueError(f"{name}: token {t} of the chunk has {len(given)} weights {given} for the {len(experts)} selected "
                          f"experts {experts}: give one weight per expert (stepping raises the same)")
-    return xp.where(missing, 0.0, weights).astype(weights.dtype) if bool(missing.any()) else weights
+    if not missing.any():
+        return weights
+    return array_namespace(weights).asarray(np.where(missing, 0.0, w).astype(w.dtype))
 
 
 def _check_ids(ids, E: int, name: str) -> None:
@@ -192,11 +192,12 @@ def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None, observ
             observe(site("moe.router.topk_ids"), ids)
     weights = routing_weights_rows(scores, ids, w.renormalize, w.routed_scaling_factor)
     if fire is not None:
-        weights = fire(site("moe.router.topk_weights"), weights)
+        computed, weights = weights, fire(site("moe.router.topk_weights"), weights)
         if weights.shape != ids.shape:  # (the token form's check: else a matmul's shape error, naming no site)
             raise ValueError(f"{site('moe.router.topk_weights')}: a hook returned weights {tuple(weights.shape)} for the "
                              f"selected experts {tuple(ids.shape)} [T, k]: give one weight per expert")
-        weights = _paired_weights(weights, ids, site("moe.router.topk_weights"))
+        if weights is not computed:  # weights a hook returned anew (on a GPU: one transfer; unchanged: none)
+            weights = _paired_weights(weights, ids, site("moe.router.topk_weights"))
 
     act = _situ_rows(w)
     routed_y = expert_outputs_grouped(w.experts, ids, y[:, E : E + l], act)  # [T, k, l], zeros where ids = -1
