@@ -54,18 +54,17 @@ def test_kl_of_runs_with_a_banned_token_is_a_number(w64):
 
 @pytest.mark.parametrize("analysis", [ke.logit_attribution, ke.logit_lens])
 def test_a_float64_history_decoded_under_a_small_temporary_intervention_is_refused(w64, analysis):
-    """scale_kda_head(5, 0, 0.99) at the last token moves the float64 logits by ~1e-4: under float32's tolerance
-    the analyses ran on a computation the history never had (attribution's .logit 2.4e-5 off the stored one)."""
+    """Analysed inside `intervene(scale_kda_head(5, 0, 0.99))` at the last token, a history decoded without it
+    replays ~1e-4 off in float64: under float32's tolerance the analyses ran on a computation the history never had
+    (attribution's .logit 2.4e-5 off the stored one)."""
     s = ke.Session(w64)
-    s.feed(TEXT[:39])
+    s.feed(TEXT)
+    run = (lambda: analysis(s, positions=[39])) if analysis is ke.logit_lens else (lambda: analysis(s, 39))
     with s.intervene(ke.interventions.scale_kda_head(5, 0, 0.99, positions=[39])):
-        s.step(TEXT[39])
-    with pytest.raises(ValueError, match="replaying the session's history gives other logits at token 39"):
-        analysis(s, positions=[39]) if analysis is ke.logit_lens else analysis(s, 39)
-    clean = ke.Session(w64)
-    clean.feed(TEXT[:39])
-    clean.step(TEXT[39])
-    assert ke.logit_attribution(clean, 39).logit == clean.logits[39, int(np.argmax(clean.logits[39]))]
+        with pytest.raises(ValueError, match="replaying the session's history gives other logits at token 39"):
+            run()
+    run()  # without it: the history
+    assert ke.logit_attribution(s, 39).logit == s.logits[39, int(np.argmax(s.logits[39]))]
 
 
 def test_source_ablation_of_a_session_checks_its_clean_run_against_the_history(w64):
