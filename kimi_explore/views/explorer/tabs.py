@@ -92,11 +92,14 @@ class Tabs:
         try:
             value = first_int(point.get(coord))
         except (TypeError, ValueError):
-            return  # a click on something without an id (the final-mix column)
+            self.ex.sync()  # a click on something without an id (the final-mix column): a change made elsewhere shows
+            return
         if what == "token" and 0 <= value < len(self.ex.session):
             self.ex.select(token=value)
         elif what == "layer" and value in self.ex.session.weights.layer_ids:
             self.ex.select(layer=value)
+        else:  # a token gone since the view was drawn (a truncate in another cell)
+            self.ex.sync()
 
     def _full_map_toggled(self) -> None:
         self.views["moe_full"].layout.display = None if self.full_map.value else "none"
@@ -211,18 +214,21 @@ class Tabs:
         n = len(ex.session)
         if not n:
             return
-        self._analyses(min(ex.token.value, n - 1), compute=True)
+        self._analyses(min(ex.token.value, n - 1), compute=True, retry=True)
         self.drawn.pop(4, None)
         ex.refresh()
 
-    def _analyses(self, t: int, compute: bool = False):
+    def _analyses(self, t: int, compute: bool = False, retry: bool = False):
         """(lens, attribution) of token t, kept per (history, token); None until computed (each replays the
-        tokens from the latest checkpoint before t: ~0.1-0.5 s at K3 depth, so they run on the Compute button)."""
+        tokens from the latest checkpoint before t: ~0.1-0.5 s at K3 depth, so they run on the Compute button).
+        retry (the button): run again what failed (the reason kept: the hooks that stopped the replay may be gone)."""
         from ...analysis.attribution import logit_attribution
         from ...analysis.logit_lens import logit_lens
 
         ex, s = self.ex, self.ex.session
         key = f"analyses@{t}"
+        if retry and any(isinstance(g, str) for g in ex._memo.get(key, ())):
+            del ex._memo[key]
         if compute and key not in ex._memo:
             target = s.tokens[t + 1] if t + 1 < len(s) else None  # the token fed next (else the top-1)
             got = []

@@ -465,6 +465,9 @@ class Explorer(widgets.VBox):
         # after another one at t - 1)
         keep = self.history.shared_prefix(self.session.tokens)
         self._surprisal = {t: v for t, v in self._surprisal.items() if t < keep}
+        for key, have in self._labels.items():  # every measure's titles, not only the one shown (a token decoded
+            if key.startswith("titles:"):      # again after Back, its id the same, can have other values)
+                del have[keep:]
         # the per-history numbers first: the views drawn below read them (the expert counts, the measures)
         self.history.update(self, self._surprisals())
         self._quiet = True  # moving the slider must not refresh the views before the text and status are sent
