@@ -397,3 +397,56 @@ def test_an_interrupt_while_the_stages_load_stops_them(path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         ke.RayPipeline(path, stages=2)
     assert len(killed) == 2
+
+
+def test_a_cache_size_alone_loads_packed_experts_as_one_process(path):
+    """expert_cache_size without experts=: one process reads it as packed experts; the pipeline decided 'auto' itself,
+    chose dense, and every stage refused the cache size."""
+    one = ke.from_pretrained(path, expert_cache_size=4)
+    ids = list(b"hello there")
+    with ke.RayPipeline(path, stages=2, expert_cache_size=4) as pipe:
+        got = pipe.forward_sequence(pipe.new_state(), ids, chunk=4)
+    assert np.array_equal(got, one.forward_sequence(one.new_state(), ids, chunk=4))
+
+
+def test_a_stage_that_died_while_idle_is_a_lost_stage_on_the_next_decode(path, weights):
+    """The next forward_token / forward_sequence raised Ray's RayChannelError (from the compiled graph's execute, outside
+    the conversion of lost actors), the stage not marked lost."""
+    with ke.RayPipeline(path, stages=2) as pipe:
+        state = pipe.new_state()
+        pipe.forward_token(state, 1)
+        kill_stage(pipe, 1)
+        with pytest.raises(ke.StageLostError, match=r"stage 1 .* died while decoding token 2 at position 1"):
+            pipe.forward_token(state, 2)
+        assert [s.lost for s in pipe.stages] == [False, True]
+        assert pipe.restart_lost_stages() == [1]
+        s = ke.Session(pipe, recorder=False)
+        s.feed(list(b"kill me"), chunk=3)
+        kill_stage(pipe, 0)
+        with pytest.raises(ke.StageLostError):
+            pipe.forward_sequence(pipe.new_state(), list(b"abc"))
+
+
+def test_recorders_a_pipeline_cannot_place_as_one_process_does_are_refused(path, weights):
+    """A Recorder before value-changing hooks recorded their values (2x off: each stage records after its hooks); a
+    second Recorder got nothing; an unbound hook on a site the model lacks never fired, without the warning one process
+    gives."""
+    from kimi_explore.inspection.hooks import HookChain
+
+    double = ke.Hooks()
+    double.add("layers.5.attn.out", lambda v, *, hook: v * 2)
+    with ke.RayPipeline(path, stages=2) as pipe:
+        with pytest.raises(ValueError, match=r"a Recorder before other hooks .* put the Recorder last"):
+            pipe.forward_token(pipe.new_state(), 1, hooks=HookChain(ke.Recorder(), double))
+        with pytest.raises(ValueError, match=r"2 Recorders in one HookChain"):
+            pipe.forward_token(pipe.new_state(), 1, hooks=HookChain(ke.Recorder(), ke.Recorder()))
+        rec = ke.Recorder()
+        state, one = pipe.new_state(), weights.new_state()
+        got = pipe.forward_token(state, 1, hooks=HookChain(double, rec))  # the Recorder last: one process's records
+        ref_rec = ke.Recorder()
+        assert np.array_equal(got, weights.forward_token(one, 1, hooks=HookChain(double, ref_rec)))
+        assert rec.trace().equals(ref_rec.trace())
+        stray = ke.Hooks()
+        stray.add("layers.3.kda.q", lambda v, *, hook: v)  # layer 3 is MLA
+        with pytest.warns(UserWarning, match=r"never fire on this pipeline"):
+            pipe.forward_token(state, 2, hooks=stray)

@@ -32,6 +32,7 @@ import itertools
 import logging
 import numbers
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ import numpy as np
 
 from ..backend import resolve_dtype
 from ..errors import StageLostError
+from ..inspection._hook_grammar import is_glob
 from ..model.config import KimiDecoderConfig
 from ..model.kimi_decoder import (
     KimiDecodeState,
@@ -226,7 +228,8 @@ class RayPipeline(LayerSequence):
         self._head = None  # the output head, copied from the last stage once (`head`)
         self._garbage: list = []  # (state ids, epochs) of collected PipelineStates, to drop on their stages
         auto = kw.get("experts", "auto") == "auto" and kw.get("expert_cache_size") is None
-        self._experts = None if auto else kw.get("experts")  # "auto": decided once for all stages, at the first start
+        # "auto" (None): decided once for all stages, at the first start; with a cache size, "auto" is packed or mapped
+        self._experts = None if auto else kw.get("experts", "auto")
         self._start(self.stages)
 
     # ------------------------------------------------------------------ the model, as Session and Recorder see it
@@ -278,6 +281,8 @@ class RayPipeline(LayerSequence):
 
     def _run(self, state: PipelineState, what, hooks):
         """One token (an id) or one chunk (a list of ids) through the compiled graph."""
+        import ray
+
         self._check(state)
         refuse_shared(state)
         position = state.position
@@ -285,7 +290,10 @@ class RayPipeline(LayerSequence):
         doing = f"token {what} at position {position}" if isinstance(what, int) else \
             f"tokens {position}..{position + len(what) - 1}"
         try:
-            refs = self._compiled().execute((tuple(state.ids), what, position))
+            try:
+                refs = self._compiled().execute((tuple(state.ids), what, position))
+            except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as e:  # a stage that died while idle
+                self._lost(e, self.stages, doing)
             outs = self._get(refs, self.stages, doing)
         except BaseException as e:  # e.g. KeyboardInterrupt while waiting: the graph still holds this execution, whose
             self._teardown()  # results nobody reads, and the next one would wait for them forever: a new graph
@@ -431,13 +439,21 @@ class RayPipeline(LayerSequence):
         from ..inspection.recorder import Recorder
 
         sets = [] if hooks is None else list(getattr(hooks, "hook_sets", [hooks]))
-        recorder = next((h for h in sets if isinstance(h, Recorder)), None)
+        recorders = [k for k, h in enumerate(sets) if isinstance(h, Recorder)]
+        if len(recorders) > 1:  # (a stage holds one: the second got nothing)
+            raise ValueError(f"RayPipeline: {len(recorders)} Recorders in one HookChain; a pipeline's stages record for one")
+        if recorders and any(h.handles() for h in sets[recorders[0] + 1 :]):  # (it recorded their values, 2x off)
+            raise ValueError("RayPipeline: a Recorder before other hooks in a HookChain records what they change; each "
+                             "stage records after its hooks: put the Recorder last (HookChain(hooks, recorder), as Session "
+                             "does), or add the hooks to the recorder")
+        recorder = sets[recorders[0]] if recorders else None
         plain = [h for h in sets if not isinstance(h, Recorder)]
         handles = [h for hs in plain for h in hs.handles()]
         rec_handles = recorder.hooks.handles() if recorder is not None else []
         key = (handles, recorder, rec_handles)
         last = self._configured
         if last is None or not (_same(last[0], handles) and last[1] is recorder and _same(last[2], rec_handles)):
+            _warn_unmatched(handles + list(rec_handles), self.stages)
             self._configured = None  # until every stage has the new set: a failure (a hook that cannot be pickled,
             calls = []  # an interrupt) leaves the stages before it configured, so the next call configures them all
             for s in self.stages:
@@ -528,15 +544,19 @@ class RayPipeline(LayerSequence):
                 self._teardown()
             raise
         except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as e:
-            self._teardown()
-            dead = [s for s in stages if _is_dead(s.actor)]
-            for s in dead:
-                s.lost = True
-            what = ", ".join(s.describe() for s in dead) or "a pipeline stage"
-            during = f" while {'decoding ' if doing.startswith('token') else ''}{doing}" if doing else ""
-            raise StageLostError(f"{what} of {self.source!r} died{during}: {e.__class__.__name__}: "
-                                 f"{str(e).splitlines()[0].rstrip('.') if str(e) else ''}. The session's history is intact; "
-                                 "session.recover() restarts the stage from its shards and replays it") from e
+            self._lost(e, stages, doing)
+
+    def _lost(self, e: BaseException, stages: list[_StageRef], doing: str = ""):
+        """Raise `StageLostError` for Ray's error `e`, naming (and marking lost) the stages that died."""
+        self._teardown()
+        dead = [s for s in stages if _is_dead(s.actor)]
+        for s in dead:
+            s.lost = True
+        what = ", ".join(s.describe() for s in dead) or "a pipeline stage"
+        during = f" while {'decoding ' if doing.startswith('token') else ''}{doing}" if doing else ""
+        raise StageLostError(f"{what} of {self.source!r} died{during}: {e.__class__.__name__}: "
+                             f"{str(e).splitlines()[0].rstrip('.') if str(e) else ''}. The session's history is intact; "
+                             "session.recover() restarts the stage from its shards and replays it") from e
 
     def _check_alive(self) -> None:
         if self._garbage:
@@ -618,6 +638,18 @@ def _same(a: list, b: list) -> bool:
 
 def _site_layer(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def _warn_unmatched(handles: list, stages: list[_StageRef]) -> None:
+    """An unbound hook on a name no stage has never fires: warned, as one process warns after a token (the stages'
+    own hooks are bound to their names, so none would)."""
+    names = [n for s in stages for n in s.names]
+    missing = [h.pattern for h in handles if h.names_filter is None and not is_glob(h.pattern)
+               and not any(h.matches(n) for n in names)]
+    if missing:
+        warnings.warn(f"hooks on {missing} never fire on this pipeline: these names are not hook points of this model "
+                      "(e.g. a KDA site on an MLA layer). Call hooks.bind(pipeline) to get an error at add time.",
+                      stacklevel=5)
 
 
 def _is_dead(actor) -> bool:
