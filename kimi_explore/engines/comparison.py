@@ -60,9 +60,8 @@ class Divergence:
 
     def __str__(self) -> str:
         where = f"layer {self.layer}" if self.layer is not None else "global"
-        how = {True: "local", False: "inherited", None: "local/inherited not tested"}[self.local]
-        if not self.diverges:
-            how = "within tolerance"
+        how = {True: "local", False: "inherited", None: "local/inherited not tested"}[self.local] if self.diverges \
+            else "within tolerance"
         if self.local_rel is not None and (self.local or not self.diverges):
             how += f", its own operation {self.local_rel:.3g} off on the other engine's inputs"
         text = (f"token {self.token}, {where}, {self.site}: max|delta| {self.max_abs:.3g} (rel {self.rel:.3g}), {how}; "
@@ -129,12 +128,7 @@ class Comparison:
 
     def _in_order(self, flags) -> list[Divergence]:
         """Each site at its first flagged token (`flags(site)`: [T] bool or None), ordered by (token, firing order)."""
-        found = []
-        for order, s in enumerate(self.sites.values()):
-            f = flags(s)
-            bad = np.flatnonzero(f) if f is not None else ()
-            if len(bad):
-                found.append((int(bad[0]), order, s))
+        found = [(t, order, s) for order, s in enumerate(self.sites.values()) if (t := _first(flags(s))) is not None]
         return [self._divergence(s, t) for t, _, s in sorted(found, key=lambda x: x[:2])]
 
     @property
@@ -166,14 +160,12 @@ class Comparison:
             nan = np.flatnonzero(np.isnan(s.rel))  # a NaN is the worst error there is: never hidden by nan-max
             worst = int(nan[0]) if nan.size else int(np.argmax(s.rel))
             local = s.is_local(self.rtol)
-            suspect = s.suspect(self.tolerance.local_rtol)
-            suspect = np.flatnonzero(suspect) if suspect is not None else ()
             rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.max(s.max_abs)),
                          "rel": float(s.rel[worst]), "worst_token": worst,
                          "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
                          "local": local,
                          "local_rel": None if s.local_rel is None else float(np.max(s.local_rel)),
-                         "suspect_token": int(suspect[0]) if len(suspect) else None,
+                         "suspect_token": _first(s.suspect(self.tolerance.local_rtol)),
                          "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})
         return rows
 
@@ -196,3 +188,9 @@ class Comparison:
             what += f"; earliest suspect: {suspects[0]}"
         return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens, {len(self.sites)} sites, "
                 f"tolerance {self.tolerance.name} rtol={self.rtol:g}; {what})")
+
+
+def _first(flags) -> int | None:
+    """The first token flagged in `flags` ([T] bool; None: not tested), or None."""
+    hit = np.flatnonzero(flags) if flags is not None else ()
+    return int(hit[0]) if len(hit) else None

@@ -203,23 +203,19 @@ def _source(site: str, i: int, names: dict) -> str:
     return " and ".join(repr(names[b]) for b in _MADE_OF.get(kind, ()) if b in names) or "?"
 
 
+# every name the mapping reads, or knows to have no site
+_KNOWN = frozenset(LLAMACPP_GLOBAL) | UNMAPPED | {b.split("#")[0] for bases in _MADE_OF.values() for b in bases}
+
+
 def _check_known(arrays) -> None:
     """Every name is one the mapping reads or knows to have no site (`UNMAPPED`): a misspelt or renamed capture
     (`layer_out-5` for `l_out-5`) was dropped, and the comparison passed without it."""
-    known = set(_DIRECT) | set(LLAMACPP_GLOBAL) | UNMAPPED | {b for bases in _MADE_OF.values() for b in bases}
-    bad = []
-    for key in arrays:
-        if key in UNMAPPED:
-            continue
-        base, _, k = parse_llamacpp_name(key)
-        full = base if k is None else f"{base}#{k}"
-        if base not in known and full not in known:
-            bad.append(key)
+    bad = [key for key in arrays if parse_llamacpp_name(key)[0] not in _KNOWN]
     if bad:
         first = {}  # one example per base name ('layer_out-0' for layer_out-0..92)
         for key in bad:
             first.setdefault(parse_llamacpp_name(key)[0], key)
-        hints = [f"{k!r} (did you mean {' or '.join(map(repr, m))}?)" if (m := difflib.get_close_matches(b, sorted(known), 2))
+        hints = [f"{k!r} (did you mean {' or '.join(map(repr, m))}?)" if (m := difflib.get_close_matches(b, sorted(_KNOWN), 2))
                  else repr(k) for b, k in list(first.items())[:5]]
         raise KeyError(f"llama.cpp captures: {len(bad)} name(s) that llama.cpp's K3 graph does not give, such as "
                        f"{', '.join(hints)}{' ...' if len(first) > 5 else ''}. The names read are listed in "

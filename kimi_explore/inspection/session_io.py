@@ -269,7 +269,7 @@ def _check_record_values(path, key: str, flat, weights) -> None:
     if key.endswith("_ids"):
         bound = weights.config.vocab_size if key.startswith("logits.") else weights.config.num_experts
         if flat.dtype.kind not in "iu" or (flat.size and (flat.min() < 0 or flat.max() >= bound)):
-            found = f"{flat.dtype} in [{flat.min()}, {flat.max()}]" if flat.size and flat.dtype.kind in "iub" else str(flat.dtype)
+            found = f"{flat.dtype} in [{flat.min()}, {flat.max()}]" if flat.size and flat.dtype.kind in "iu" else str(flat.dtype)
             raise ValueError(f"{path}: record {key!r} holds {found}, expected ints in [0, {bound}): the file is damaged")
     elif flat.dtype != np.dtype(weights.dtype):
         raise ValueError(f"{path}: record {key!r} holds {flat.dtype} values, expected {np.dtype(weights.dtype)} (these "

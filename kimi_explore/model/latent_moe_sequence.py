@@ -121,6 +121,11 @@ def expert_outputs_grouped(experts, ids, z, act):
     return groups.scatter(y)
 
 
+# A chunk's routing rows are ragged when a hook gives some tokens other experts: a weight slot no weight was given
+# for (an intervention's row shorter than the chunk's, `inspection.interventions`) holds this, never a weight.
+NO_WEIGHT = -np.inf
+
+
 def _paired_weights(weights, ids, name: str):
     """Each token's weights one per selected expert, as the token form requires of a hook: a row with `NO_WEIGHT`
     where an expert is selected, or a non-zero weight where none is (id -1), was given as many weights as another
@@ -154,11 +159,6 @@ def _situ_rows(w: LatentMoeWeights):
     that a bank's compiled experts (`sequence_ops.experts_grouped`) read which activation it is, and its constants."""
     return functools.partial(sequence_ops.situ_and_mul_rows, beta=w.situ_beta, linear_beta=w.situ_linear_beta,
                              fallback=w.situ)
-
-
-# A chunk's routing rows are ragged when a hook gives some tokens other experts: a weight slot no weight was given
-# for (an intervention's row shorter than the chunk's, `inspection.interventions`) holds this, never a weight.
-NO_WEIGHT = -np.inf
 
 
 def latent_moe_sequence(x, w: LatentMoeWeights, *, fire=None, names=None, observe=None):

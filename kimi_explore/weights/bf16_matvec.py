@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
-from .kernel_isa import first_mismatch, first_sound, small_exact_inputs
+from .kernel_isa import check_apart, first_mismatch, first_sound, small_exact_inputs
 from .workspace import run_rows
 
 try:
@@ -85,7 +85,7 @@ def bf16_matvec(bits, x, out=None, isa: str | None = None, threads: int | None =
     out = np.empty(R, np.float32) if out is None else out
     if out.shape != (R,) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{R}], got {_describe(out)}")
-    _check_apart(out, x)
+    check_apart(out, x)
     if R == 0 or C == 0:  # (the kernel takes R, C > 0) a model without shared experts has a [d, 0] down projection
         out[...] = 0.0
         return out
@@ -113,7 +113,7 @@ def bf16_matmat(bits, x, out=None, isa: str | None = None, threads: int | None =
     out = np.empty((n, R), np.float32) if out is None else out
     if out.shape != (n, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{n}, {R}], got {_describe(out)}")
-    _check_apart(out, x)
+    check_apart(out, x)
     if R == 0 or C == 0 or n == 0:  # (the kernel takes R, C > 0): x W^T of an empty sum is zeros
         out[...] = 0.0
         return out
@@ -125,12 +125,6 @@ def bf16_matmat(bits, x, out=None, isa: str | None = None, threads: int | None =
     run = lambda a, b: _ext.bf16_matmat(bits, x, out, R, C, n, a, b, isa)  # noqa: E731
     run_parts(pool, run, [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a])
     return out
-
-
-def _check_apart(out, x) -> None:
-    """The kernels write `out` while they still read `x`: an `out` over x's memory gives garbage."""
-    if np.may_share_memory(out, x):
-        raise ValueError("out: shares memory with x (the kernel reads x while it writes out); pass another array")
 
 
 def _describe(a) -> str:

@@ -8,7 +8,7 @@ module multiplies small problems through every entry point with its kernels, bes
 and inputs of small integers and power-of-two scales, so that every sum is exact in float32 and a
 sound kernel gives the portable kernel's floats bit for bit. A kernel that does not is skipped with
 a RuntimeWarning naming it and what differed, and the next best one is used: a wrong number is
-worse than a slower one.
+worse than a slower one. (`check_apart`: what every kernel that writes while it reads needs of `out`.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ import warnings
 
 import numpy as np
 
-__all__ = ["first_mismatch", "first_sound", "mismatch", "small_exact_inputs"]
+__all__ = ["check_apart", "first_mismatch", "first_sound", "mismatch", "small_exact_inputs"]
+
+
+def check_apart(out, x) -> None:
+    """The kernels write `out` while they still read `x`: an `out` over x's memory gives garbage (1e3-1e10 off)."""
+    if np.may_share_memory(out, x):
+        raise ValueError("out: shares memory with x (the kernel reads x while it writes out); pass another array")
 
 
 def first_sound(module: str, isas, differs) -> str:

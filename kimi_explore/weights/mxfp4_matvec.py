@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import HOST_THREADS, on_host
-from .kernel_isa import first_mismatch, first_sound, small_exact_inputs
+from .kernel_isa import check_apart, first_mismatch, first_sound, small_exact_inputs
 from .workspace import run_parts, run_rows
 
 try:
@@ -238,8 +238,7 @@ def _group_inputs(bounds, m: int, x, R: int, H: int, out):
     out = np.empty((n, R), np.float32) if out is None else out
     if out.shape != (n, R) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 [{n}, {R}], got {_describe(out)}")
-    if np.may_share_memory(out, x):  # the panels read x while they write out
-        raise ValueError("out: shares memory with x (the kernel reads x while it writes out); pass another array")
+    check_apart(out, x)  # the panels read x while they write out
     return bounds, x, xeo, out
 
 

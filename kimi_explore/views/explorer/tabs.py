@@ -92,13 +92,12 @@ class Tabs:
         try:
             value = first_int(point.get(coord))
         except (TypeError, ValueError):
-            self.ex.sync()  # a click on something without an id (the final-mix column): a change made elsewhere shows
-            return
-        if what == "token" and 0 <= value < len(self.ex.session):
+            value = None  # something without an id (the final-mix column)
+        if what == "token" and value is not None and 0 <= value < len(self.ex.session):
             self.ex.select(token=value)
         elif what == "layer" and value in self.ex.session.weights.layer_ids:
             self.ex.select(layer=value)
-        else:  # a token gone since the view was drawn (a truncate in another cell)
+        else:  # no id, or a token gone since the view was drawn (a truncate in another cell): a change made elsewhere shows
             self.ex.sync()
 
     def _full_map_toggled(self) -> None:
