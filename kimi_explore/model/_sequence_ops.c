@@ -340,18 +340,21 @@ DEFINE_DOT(16)
    and query t (position L0 + t), o[t, h] = sum_j (p_j / sum_i p_i) values[h, j] over j, i = 0 .. L0 + t, with
    p_j = exp(x_j - max x) and x_j = (q[t, h] . keys[h, j]) scale: SOFTMAX_BODY's steps (scale, max by select, exp of
    the difference, sum, each probability normalised before the mix: times 1 / sum, not divided, rounding apart).
-   Queries go QB = 2 LANES at a time, one per vector lane, so that every step is vertical: their scores over the
-   positions they see are kept in a scratch p [L0 + T, QB] that stays in cache (the unfused route writes
-   [nh, T, L0 + T] and reads it three times). Four positions per pass over q's dims (eight accumulators) and eight
-   value columns per pass over the positions (sixteen) keep the FMA units, not the loads, the limit.
-   A position after a lane's own is masked there: its score -inf (exp gives 0), its value's product selected away
-   (0 times a later token's NaN or inf value would be NaN; the token form never sees that value). Lanes past the
-   chunk's last query compute on zero queries and are not written. */
+   Queries go QB = 2 LANES at a time, one per vector lane, so that the scores, their max, exp and sum are vertical:
+   kept in a scratch p [L0 + T, QB] that stays in cache (the unfused route writes [nh, T, L0 + T] and reads it three
+   times). The scores take NK = 6 positions per pass over q's dims: 12 accumulators, enough for the FMA units, beside
+   the 2 query vectors and a broadcast key in AVX2's 16 registers (4 query vectors x 3 positions spill); a position
+   after a lane's own is masked there (score -inf: exp gives 0). The mix goes R = 8 queries x CV value vectors (1; 2
+   on AVX-512) at a time, each probability broadcast and the values in the lanes, each query over exactly the
+   positions it sees, so a later token's value never reaches it (0 times its NaN or inf would be NaN; the token form
+   never sees that value); each output is one FMA after another over the positions, in order. 1.2x the 2 x 4 score
+   and masked mix blocks before, at the embedded model's widths and K3's. Lanes past the chunk's last query compute
+   on zero queries and are not written. */
 #define ATTENTION_BODY(LANES)                                                                 \
     {                                                                                         \
         typedef kx_v##LANES##f VF;                                                            \
         typedef kx_v##LANES##i VI;                                                            \
-        enum { QB = 2 * LANES };                                                              \
+        enum { NVQ = 2, NK = 6, QB = NVQ * LANES, R = 8, CV = LANES == 16 ? 2 : 1 };          \
         VI lane;                                                                              \
         for (int i = 0; i < LANES; i++) lane[i] = i;                                          \
         const VF zero = {0.0f}, neg_inf = zero - INFINITY;                                    \
@@ -363,91 +366,106 @@ DEFINE_DOT(16)
                     for (int i = 0; i < QB; i++)                                              \
                         qt[d * QB + i] = i < nq ? q[((a + i) * nh + h) * dq + d] : 0.0f;      \
                 /* scores, scaled, masked and stored, and each lane's max (SOFTMAX_BODY's select) */ \
-                VF m0 = neg_inf, m1 = neg_inf;                                                \
-                for (Py_ssize_t j = 0; j < Lv; j += 4) {                                      \
-                    const int nj = Lv - j < 4 ? (int)(Lv - j) : 4;                            \
-                    VF s0[4] = {zero, zero, zero, zero}, s1[4] = {zero, zero, zero, zero};    \
+                VF m[NVQ];                                                                    \
+                for (int v = 0; v < NVQ; v++) m[v] = neg_inf;                                 \
+                for (Py_ssize_t j = 0; j < Lv; j += NK) {                                     \
+                    const int nj = Lv - j < NK ? (int)(Lv - j) : NK;                          \
+                    VF s[NK][NVQ];                                                            \
+                    for (int u = 0; u < NK; u++)                                              \
+                        for (int v = 0; v < NVQ; v++) s[u][v] = zero;                         \
                     const float *restrict kj = K + j * dq;                                    \
-                    if (nj == 4)                                                              \
+                    if (nj == NK)                                                             \
                         for (Py_ssize_t d = 0; d < dq; d++) {                                 \
-                            const VF qa = KX_LOAD(VF, qt + d * QB), qb = KX_LOAD(VF, qt + d * QB + LANES); \
-                            for (int u = 0; u < 4; u++) {                                     \
+                            VF qv[NVQ];                                                       \
+                            for (int v = 0; v < NVQ; v++) qv[v] = KX_LOAD(VF, qt + d * QB + v * LANES); \
+                            for (int u = 0; u < NK; u++) {                                    \
                                 const float k = kj[u * dq + d];                               \
-                                s0[u] += qa * k;                                              \
-                                s1[u] += qb * k;                                              \
+                                for (int v = 0; v < NVQ; v++) s[u][v] += qv[v] * k;           \
                             }                                                                 \
                         }                                                                     \
                     else                                                                      \
                         for (int u = 0; u < nj; u++)                                          \
                             for (Py_ssize_t d = 0; d < dq; d++) {                             \
                                 const float k = kj[u * dq + d];                               \
-                                s0[u] += KX_LOAD(VF, qt + d * QB) * k;                        \
-                                s1[u] += KX_LOAD(VF, qt + d * QB + LANES) * k;                \
+                                for (int v = 0; v < NVQ; v++) s[u][v] += KX_LOAD(VF, qt + d * QB + v * LANES) * k; \
                             }                                                                 \
                     for (int u = 0; u < nj; u++) {                                            \
-                        VF x0 = s0[u] * scale, x1 = s1[u] * scale;                            \
                         const Py_ssize_t lo = j + u - first; /* lanes below lo come before position j + u */ \
-                        if (lo > 0) {                                                         \
-                            const VI v0 = lane >= (int)lo, v1 = lane + LANES >= (int)lo;      \
-                            x0 = (VF)(((VI)x0 & v0) | ((VI)neg_inf & ~v0));                   \
-                            x1 = (VF)(((VI)x1 & v1) | ((VI)neg_inf & ~v1));                   \
+                        for (int v = 0; v < NVQ; v++) {                                       \
+                            VF x = s[u][v] * scale;                                           \
+                            if (lo > v * LANES) {                                             \
+                                const VI ok = lane + v * LANES >= (int)lo;                    \
+                                x = (VF)(((VI)x & ok) | ((VI)neg_inf & ~ok));                 \
+                            }                                                                 \
+                            const VI g = x > m[v];                                            \
+                            m[v] = (VF)(((VI)x & g) | ((VI)m[v] & ~g));                       \
+                            KX_STORE(VF, p + (j + u) * QB + v * LANES, x);                    \
                         }                                                                     \
-                        const VI g0 = x0 > m0, g1 = x1 > m1;                                  \
-                        m0 = (VF)(((VI)x0 & g0) | ((VI)m0 & ~g0));                            \
-                        m1 = (VF)(((VI)x1 & g1) | ((VI)m1 & ~g1));                            \
-                        KX_STORE(VF, p + (j + u) * QB, x0);                                   \
-                        KX_STORE(VF, p + (j + u) * QB + LANES, x1);                           \
                     }                                                                         \
                 }                                                                             \
                 /* exp(x - max) in place, and each lane's sum */                              \
-                VF sum0 = zero, sum1 = zero;                                                  \
-                for (Py_ssize_t j = 0; j < Lv; j++) {                                         \
-                    const VF e0 = KX_EXPF_V(VF, VI, KX_LOAD(VF, p + j * QB) - m0);            \
-                    const VF e1 = KX_EXPF_V(VF, VI, KX_LOAD(VF, p + j * QB + LANES) - m1);    \
-                    KX_STORE(VF, p + j * QB, e0);                                             \
-                    KX_STORE(VF, p + j * QB + LANES, e1);                                     \
-                    sum0 += e0;                                                               \
-                    sum1 += e1;                                                               \
-                }                                                                             \
+                VF sum[NVQ];                                                                  \
+                for (int v = 0; v < NVQ; v++) sum[v] = zero;                                  \
+                for (Py_ssize_t j = 0; j < Lv; j++)                                           \
+                    for (int v = 0; v < NVQ; v++) {                                           \
+                        const VF e = KX_EXPF_V(VF, VI, KX_LOAD(VF, p + j * QB + v * LANES) - m[v]); \
+                        KX_STORE(VF, p + j * QB + v * LANES, e);                              \
+                        sum[v] += e;                                                          \
+                    }                                                                         \
                 /* the probabilities (times 1 / sum: within 1 ulp of the token form's division), before the mix: mixed \
                    unnormalised, values near the float32 maximum would overflow where the token form's stay finite */ \
-                const VF r0 = 1.0f / sum0, r1 = 1.0f / sum1;                                  \
-                for (Py_ssize_t j = 0; j < Lv; j++) {                                         \
-                    KX_STORE(VF, p + j * QB, KX_LOAD(VF, p + j * QB) * r0);                   \
-                    KX_STORE(VF, p + j * QB + LANES, KX_LOAD(VF, p + j * QB + LANES) * r1);   \
-                }                                                                             \
-                /* the mix, 8 value columns at a time: the positions every lane sees, then the chunk's own (masked) */ \
-                for (Py_ssize_t c = 0; c < dv; c += 8) {                                      \
-                    const int nc = dv - c < 8 ? (int)(dv - c) : 8;                            \
-                    VF o0[8], o1[8];                                                          \
-                    for (int u = 0; u < 8; u++) o0[u] = o1[u] = zero;                         \
-                    Py_ssize_t j = 0;                                                         \
-                    if (nc == 8)                                                              \
-                        for (; j < first; j++) {                                              \
-                            const VF pa = KX_LOAD(VF, p + j * QB), pb = KX_LOAD(VF, p + j * QB + LANES); \
-                            const float *restrict vj = V + j * dv + c;                        \
-                            for (int u = 0; u < 8; u++) {                                     \
-                                o0[u] += pa * vj[u];                                          \
-                                o1[u] += pb * vj[u];                                          \
-                            }                                                                 \
+                VF r[NVQ];                                                                    \
+                for (int v = 0; v < NVQ; v++) r[v] = 1.0f / sum[v];                           \
+                for (Py_ssize_t j = 0; j < Lv; j++)                                           \
+                    for (int v = 0; v < NVQ; v++)                                             \
+                        KX_STORE(VF, p + j * QB + v * LANES, KX_LOAD(VF, p + j * QB + v * LANES) * r[v]); \
+                /* the mix: R queries (lanes i0 .. i0 + R - 1 of p; QB is a multiple of R, those past nq not written) \
+                   x CV value vectors, then one vector, then single columns */                \
+                for (Py_ssize_t i0 = 0; i0 < nq; i0 += R) {                                   \
+                    const Py_ssize_t common = first + i0 + 1, /* positions all R queries see */ \
+                        own = first + i0 + R < Lv ? first + i0 + R : Lv;                      \
+                    Py_ssize_t c = 0;                                                         \
+                    for (; c + CV * LANES <= dv; c += CV * LANES)                             \
+                        ATTENTION_MIX_TILE(CV, LANES);                                        \
+                    if (CV > 1)                                                               \
+                        for (; c + LANES <= dv; c += LANES)                                   \
+                            ATTENTION_MIX_TILE(1, LANES);                                     \
+                    for (; c < dv; c++)                                                       \
+                        for (Py_ssize_t i = i0; i < i0 + R && i < nq; i++) {                  \
+                            float o = 0.0f;                                                   \
+                            for (Py_ssize_t j = 0; j <= first + i; j++) o += p[j * QB + i] * V[j * dv + c]; \
+                            out[((a + i) * nh + h) * dv + c] = o;                             \
                         }                                                                     \
-                    for (; j < Lv; j++) {                                                     \
-                        const VF pa = KX_LOAD(VF, p + j * QB), pb = KX_LOAD(VF, p + j * QB + LANES); \
-                        const float *restrict vj = V + j * dv + c;                            \
-                        const Py_ssize_t lo = j - first;                                      \
-                        const VI v0 = lane >= (int)lo, v1 = lane + LANES >= (int)lo;          \
-                        for (int u = 0; u < nc; u++) {                                        \
-                            o0[u] += (VF)((VI)(pa * vj[u]) & v0);                             \
-                            o1[u] += (VF)((VI)(pb * vj[u]) & v1);                             \
-                        }                                                                     \
-                    }                                                                         \
-                    for (int u = 0; u < nc; u++)                                              \
-                        for (Py_ssize_t i = 0; i < nq; i++)                                   \
-                            out[((a + i) * nh + h) * dv + c + u] = i < LANES ? o0[u][i] : o1[u][i - LANES]; \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
     }
+
+/* ATTENTION_BODY's mix of queries i0 .. i0 + R - 1 over value columns c .. c + CVN LANES - 1: the positions all of
+   them see, then each query's own positions in the chunk (query i0 + r sees first + i0 + r and before). */
+#define ATTENTION_MIX_TILE(CVN, LANES)                                                \
+    do {                                                                                      \
+        VF acc[R][CVN];                                                                       \
+        for (int r_ = 0; r_ < R; r_++)                                                        \
+            for (int w_ = 0; w_ < (CVN); w_++) acc[r_][w_] = zero;                            \
+        for (Py_ssize_t j = 0; j < common; j++) {                                             \
+            VF vv[CVN];                                                                       \
+            for (int w_ = 0; w_ < (CVN); w_++) vv[w_] = KX_LOAD(VF, V + j * dv + c + w_ * LANES); \
+            for (int r_ = 0; r_ < R; r_++) {                                                  \
+                const float pr = p[j * QB + i0 + r_];                                         \
+                for (int w_ = 0; w_ < (CVN); w_++) acc[r_][w_] += vv[w_] * pr;                \
+            }                                                                                 \
+        }                                                                                     \
+        for (Py_ssize_t j = common; j < own; j++)                                             \
+            for (int r_ = 0; r_ < R; r_++)                                                    \
+                if (j <= first + i0 + r_)                                                     \
+                    for (int w_ = 0; w_ < (CVN); w_++)                                        \
+                        acc[r_][w_] += KX_LOAD(VF, V + j * dv + c + w_ * LANES) * p[j * QB + i0 + r_]; \
+        for (int r_ = 0; r_ < R && i0 + r_ < nq; r_++)                                        \
+            for (int w_ = 0; w_ < (CVN); w_++)                                                \
+                KX_STORE(VF, out + ((a + i0 + r_) * nh + h) * dv + c + w_ * LANES, acc[r_][w_]); \
+    } while (0)
+
 
 /* Out^T [ncols, NV LANES] = W [ncols, K] x^T, x^T [K, NV LANES] (rows in vector lanes, NV vectors of them): CB columns
    per pass over K (NV CB accumulators: 8, enough for the FMA units), then one at a time; each column's sum over k
