@@ -41,7 +41,7 @@ from ..backend import to_numpy
 from ..model.latent_moe_sequence import NO_WEIGHT
 from .hooks import Hooks
 from .source_masks import SOURCE_FAMILIES, mask_sources, model_sources, site_columns, source_columns
-from .targets import at_positions, layer_ids, layer_sites, named, position_filter, position_list
+from .targets import at_positions, index_list, layer_ids, layer_sites, named, position_filter, position_list
 
 __all__ = ["SOURCE_FAMILIES", "ablate_experts", "force_routing", "mask_sources", "override_attn_res", "patch",
            "scale_kda_head", "source_columns", "zero_kda_head"]
@@ -52,7 +52,7 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
     drop_all = isinstance(experts, str)
     if drop_all and experts != "all":
         raise ValueError(f"ablate_experts: experts must be 'all' or a list of expert ids, got {experts!r}")
-    drop = [] if drop_all else [int(e) for e in np.atleast_1d(to_numpy(experts))]
+    drop = [] if drop_all else index_list(_ids(experts), "ablate_experts: experts")
     if any(e < 0 for e in drop):  # -1 marks a dropped slot: it would match nothing and ablate nothing
         raise ValueError(f"ablate_experts: expert ids {[e for e in drop if e < 0]} must be >= 0")
     seen = {}  # layer -> number of experts (from the router's scores): an id past it would ablate nothing
@@ -82,7 +82,7 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
 def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     """Route through `expert_ids` at `layer`. Without `weights` the decoder recomputes them from these
     experts' scores (renormalised, scaled) as it does for its own choice; with them, they are used as given."""
-    ids_req = [int(e) for e in np.atleast_1d(to_numpy(expert_ids))]
+    ids_req = index_list(_ids(expert_ids), "force_routing: expert_ids")
     if len(set(ids_req)) != len(ids_req):
         raise ValueError(f"force_routing: expert_ids has duplicates: {ids_req}")
     weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # (a copy) a GPU array is fine too
@@ -113,6 +113,16 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     return hooks
 
 
+def _ids(ids):
+    """Ids as given, a GPU array's on the host (a list, a NumPy array and an int as they are)."""
+    return ids if isinstance(ids, (int, np.integer, list, tuple, range, np.ndarray)) or not hasattr(ids, "shape") \
+        else to_numpy(ids)
+
+
+def _scalar_number(x):
+    return x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x
+
+
 def _put_rows(value, given, rows, fill):
     """`given` [k'] as the value (one token, rows None), or in the masked rows of a chunk [T, k]: the
     chunk widened to max(k, k') with `fill` where a row has fewer entries."""
@@ -138,6 +148,8 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
     """
     if layer == "final":
         name = "final.attn_res.weights"
+    elif isinstance(layer, str):
+        raise ValueError(f"override_attn_res: layer must be one layer (an int) or 'final', got {layer!r}")
     else:
         if site not in ("attn", "ffn"):
             raise ValueError(f"override_attn_res: site must be 'attn' or 'ffn', got {site!r}")
@@ -156,7 +168,13 @@ def override_attn_res(layer, site=None, weights="uniform", positions=None) -> Ho
             raise ValueError(f"override_attn_res: ('one_hot', j) needs j a source column (int) or 'current', got {j!r}")
         mode, j = "one_hot", (-1 if j == "current" else int(j))
     else:
-        mode, given = "given", np.array(to_numpy(weights), dtype=float, copy=True)  # not the caller's array
+        try:
+            if isinstance(weights, tuple) and weights and isinstance(weights[0], str):
+                raise ValueError("a tagged tuple other than ('one_hot', j)")
+            mode, given = "given", np.array(to_numpy(weights), dtype=float, copy=True)  # not the caller's array
+        except (TypeError, ValueError):
+            raise ValueError(f"override_attn_res: weights must be 'uniform', ('one_hot', j) or an array of numbers, "
+                             f"got {weights!r}") from None
         if given.ndim != 1:
             raise ValueError(f"override_attn_res: a weight vector must be 1-D, got shape {given.shape}")
 
@@ -195,9 +213,9 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
     twice is scaled once; a layer given twice is refused (`targets.layer_ids`). On the sequence path its
     layers run token by token (results equal to stepping).
     """
-    heads = [int(h) for h in np.atleast_1d(to_numpy(head))]
-    if not heads:
-        raise ValueError(f"scale_kda_head: head must be a head index or a non-empty list of them, got {head!r}")
+    heads = index_list(_ids(head), "scale_kda_head: head")
+    if isinstance(factor, bool) or not isinstance(_scalar_number(factor), (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale_kda_head: factor must be a number, got {factor!r}")
     factor = float(factor)
 
     def scale(S, rows, hook):
@@ -237,7 +255,11 @@ def patch(name: str, source, positions=None) -> Hooks:
             again = sorted({int(p) for p in source.positions if np.count_nonzero(source.positions == p) > 1})
             raise ValueError(f"patch({name!r}): the source trace has positions {again[:10]} more than once (several "
                              "texts in one recorder); patch from one text's rows: trace.window(start, stop)")
-    elif isinstance(source, dict):
+    elif isinstance(source, dict):  # its keys checked as positions= is (ints >= 0: -1 is no "last token" here)
+        try:
+            position_list(list(source))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"patch({name!r}): the source dict's keys must be token positions: {e}") from None
         table = {int(p): to_numpy(v) for p, v in source.items()}
     else:
         rows = to_numpy(source)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._xp import array_namespace
 
-__all__ = ["at_positions", "layer_ids", "layer_sites", "named", "position_filter", "position_list"]
+__all__ = ["at_positions", "index_list", "layer_ids", "layer_sites", "named", "position_filter", "position_list"]
 
 
 def _scalar(x):
@@ -40,6 +40,20 @@ def layer_ids(layer) -> list[int]:
     if twice:  # each would get its own hook: scale_kda_head would scale such a layer twice
         raise ValueError(f"layer: layers {twice} are given more than once in {layer!r}; give each layer once")
     return [int(i) for i in layers]
+
+
+def index_list(ids, what: str) -> list[int]:
+    """Expert or head ids: an int (or a 0-d int array) or a non-empty collection / array of them -> [int] in the
+    order given, checked to be ints (not bool: True would be id 1; not float: 3.7 would be id 3). `what` names
+    the argument in the error ("ablate_experts: experts")."""
+    ids = _scalar(ids)
+    items = [ids] if isinstance(ids, (int, np.integer)) else \
+        None if isinstance(ids, (str, bytes, float)) or not hasattr(ids, "__iter__") else [_scalar(i) for i in ids]
+    if items is None or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
+        raise TypeError(f"{what}: expected an int id or a collection of int ids, got {ids!r}")
+    if not items:  # it would act nowhere
+        raise ValueError(f"{what}: got an empty collection of ids ({ids!r}), which would act nowhere")
+    return [int(i) for i in items]
 
 
 def layer_sites(layer, kind: str) -> list[str]:

