@@ -111,3 +111,39 @@ def test_a_stray_prefixed_copy_in_an_unprefixed_checkpoint_is_refused(tmp_path):
     with pytest.raises(ke.CheckpointError, match=f"'{stray}' is a language-model name outside the checkpoint's "
                                                  "unprefixed names"):
         ke.from_pretrained(tmp_path / "stray")
+
+
+# ---- ke.diff on top-k traces: a lower bound of the true KL, also where run b's top-k add up to 1 in float32
+
+def _true_kl(a, b):
+    def log_softmax(z):
+        z = np.asarray(z, np.float64)
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    la, lb = log_softmax(a.logits), log_softmax(b.logits)
+    return (np.exp(la) * (la - lb)).sum(-1)
+
+
+def test_the_top_k_kl_stays_below_the_true_kl_where_bs_top_k_sum_to_one(trained_weights):
+    ids = list(b"def add(a, b):\n    return a + b\n")
+    a = ke.Session(trained_weights)
+    a.feed(ids)
+    sharpen = ke.Hooks()
+    sharpen.add("logits", lambda x, *, hook: x * 4.0)  # the same ranking, a sharper distribution
+    b = ke.Session(trained_weights, hooks=sharpen)
+    b.feed(ids)
+    assert (b.trace()["logits.top_probs"].astype(np.float64).sum(-1) >= 1.0).any()  # the case: b's rest rounds to 0
+    true, d = _true_kl(a, b), ke.diff(a.trace(), b.trace())
+    assert not d.kl_exact
+    assert (d.kl <= true + 1e-6).all(), (d.kl - true).max()  # was 25.5 against 2.27 nats
+    assert d.kl.mean() > 0.5 * true.mean()  # and still a bound worth having
+
+
+def test_the_top_k_kl_of_two_routes_of_one_model_is_near_zero(trained_weights):
+    ids = list(b"import os\nprint(os.getcwd())\n")
+    a, b = ke.Session(trained_weights, recorder=ke.Recorder(top_k=256)), ke.Session(trained_weights, recorder=ke.Recorder(top_k=256))
+    a.feed(ids)
+    for t in ids:
+        b.step(t)
+    d = ke.diff(a.trace(), b.trace())
+    assert (d.kl <= _true_kl(a, b) + 1e-6).all() and d.kl.max() < 1e-6  # was up to 6.3e-5 (the rest against 1e-300)

@@ -19,7 +19,8 @@ KL is exact when both runs have full logits (a `Session`, or a Trace that record
 full). From Traces holding only the top-k predictions it is the KL of the coarse-grained
 distributions over the ids in BOTH top-k sets (the only ones whose probability both runs know)
 plus one "everything else" bucket: by the data processing inequality a LOWER bound of the true
-KL (`kl_exact` says which).
+KL (`kl_exact` says which), to the rounding of the recorded float32 probabilities (run b's are taken at the
+top of what they allow: where its top-k add up to 1 in float32, its rest is not taken to be 0).
 """
 
 from __future__ import annotations
@@ -169,8 +170,18 @@ def _kl_full(la: np.ndarray, lb: np.ndarray) -> np.ndarray:
     return kl_divergence(log_softmax(la), log_softmax(lb))
 
 
+# How far the rest of a distribution, 1 - (a sum of recorded float32 probabilities), may be below the true rest
+# (their rounding). Run b's rest is taken this much larger: where b's top-k sum to 1 or more in float32, its rest is
+# not known to be 0, and a rest of 0 (or 1e-300) would charge run a's rest log(1e300) = 690 nats, far above the true KL.
+REST_SLACK = 1e-6
+SMALLEST_F32 = float(np.finfo(np.float32).smallest_subnormal)  # a recorded probability of 0 is below this
+
+
 def _kl_top(ta, tb, T: int) -> np.ndarray:
-    """KL of the distributions coarse-grained to (the ids in both top-k sets, the rest): a lower bound."""
+    """KL of the distributions coarse-grained to (the ids in both top-k sets, the rest): a lower bound (to the
+    rounding of the recorded probabilities), with run b's probabilities taken at the top of what their float32
+    values allow (b's rest REST_SLACK larger, a probability recorded as 0 at float32's smallest): each term, and so
+    the sum, no larger than the exact coarse-grained KL's; clipped at 0."""
     ia, pa = ta.top_predictions()
     ib, pb = tb.top_predictions()
     out = np.zeros(T)
@@ -178,7 +189,7 @@ def _kl_top(ta, tb, T: int) -> np.ndarray:
         qa, qb = dict(zip(ia[t].tolist(), pa[t].tolist(), strict=True)), dict(zip(ib[t].tolist(), pb[t].tolist(), strict=True))
         support = sorted(set(qa) & set(qb))  # known in both; an id in only one top-k goes to "the rest" for both
         xa = np.array([qa[i] for i in support] + [max(0.0, 1.0 - sum(qa[i] for i in support))])
-        xb = np.array([qb[i] for i in support] + [max(0.0, 1.0 - sum(qb[i] for i in support))])
+        xb = np.array([max(qb[i], SMALLEST_F32) for i in support] + [max(0.0, 1.0 - sum(qb[i] for i in support)) + REST_SLACK])
         keep = xa > 0
-        out[t] = float(np.sum(xa[keep] * (np.log(xa[keep]) - np.log(np.maximum(xb[keep], 1e-300)))))
+        out[t] = max(0.0, float(np.sum(xa[keep] * (np.log(xa[keep]) - np.log(xb[keep])))))
     return out
