@@ -13,6 +13,13 @@ REFERENCE_DIR = DATA / "reference" / "tiny_k3"
 REFERENCE_NPZ = DATA / "reference" / "tiny_k3_expected.npz"
 
 
+def undigested(path) -> dict:
+    """A kimi_explore .npz's entries without its `digests`: what a file written before them holds (edited and
+    written back, its entries meet each one's own checks, not the digests)."""
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files if k != "digests"}
+
+
 @pytest.fixture(scope="session")
 def ref():
     with np.load(REFERENCE_NPZ) as z:

@@ -17,7 +17,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import DATA, REFERENCE_DIR
+from conftest import DATA, REFERENCE_DIR, undigested
 
 import kimi_explore as ke
 from kimi_explore import CheckpointError, ConfigError
@@ -34,8 +34,7 @@ TOKENS = [17, 203, 5, 88, 88, 141, 250, 3, 64, 199]
 
 def rewrite(src, dst, change):
     """Copy the kimi_explore .npz `src` to `dst`, with `change(arrays, header)` applied to its entries and header."""
-    with np.load(src) as z:
-        arrays = {k: z[k] for k in z.files}
+    arrays = undigested(src)
     header = json.loads(str(arrays.pop("header")))
     change(arrays, header)
     np.savez(dst, header=np.array(json.dumps(header)), **arrays)

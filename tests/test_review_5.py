@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import REFERENCE_DIR
+from conftest import REFERENCE_DIR, undigested
 
 import kimi_explore as ke
 from kimi_explore.inspection import interventions as I
@@ -141,9 +141,96 @@ def test_the_top_k_kl_stays_below_the_true_kl_where_bs_top_k_sum_to_one(trained_
 
 def test_the_top_k_kl_of_two_routes_of_one_model_is_near_zero(trained_weights):
     ids = list(b"import os\nprint(os.getcwd())\n")
-    a, b = ke.Session(trained_weights, recorder=ke.Recorder(top_k=256)), ke.Session(trained_weights, recorder=ke.Recorder(top_k=256))
+    a, b = (ke.Session(trained_weights, recorder=ke.Recorder(top_k=256)) for _ in range(2))
     a.feed(ids)
     for t in ids:
         b.step(t)
     d = ke.diff(a.trace(), b.trace())
     assert (d.kl <= _true_kl(a, b) + 1e-6).all() and d.kl.max() < 1e-6  # was up to 6.3e-5 (the rest against 1e-300)
+
+
+# ---- files edited after saving: each entry checked against the digest saved with it
+
+def _saved(weights, tmp_path):
+    s = ke.Session(weights, checkpoint_every=4)
+    s.feed(TEXT[:10], chunk=6)
+    return s, s.save_state(tmp_path / "s.npz")
+
+
+def _written_back(path, out, edit, keep_digests=True):
+    """np.savez of a file's entries, one changed: what a user's edit writes (the zip's CRCs made anew)."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    edit(arrays)
+    if not keep_digests:
+        del arrays["digests"]
+    np.savez(out, **arrays)
+    return out
+
+
+def _scaled(key, factor):
+    def edit(arrays):
+        arrays[key] = arrays[key] * factor
+    return edit
+
+
+def _token_edited(arrays):
+    import json
+
+    header = json.loads(str(arrays["header"]))
+    header["tokens"][5] = 200
+    arrays["header"] = np.array(json.dumps(header))
+
+
+@pytest.mark.parametrize("entry, edit", [("ckpt6/1/recurrent", _scaled("ckpt6/1/recurrent", 2.0)),
+                                         ("state/1/recurrent", _scaled("state/1/recurrent", 1.5)),
+                                         ("header", _token_edited)], ids=["checkpoint", "state", "a token"])
+def test_a_session_file_edited_after_saving_is_refused_naming_the_entry(trained_weights, tmp_path, entry, edit):
+    s, path = _saved(trained_weights, tmp_path)
+    bad = _written_back(path, tmp_path / "bad.npz", edit)
+    with pytest.raises(ValueError, match=f"bad.npz: entry '{entry}' is not what was saved \\(its bytes differ from the "
+                                         "digest saved with it\\): the session state file was changed after it was saved"):
+        ke.Session.load_state(bad, trained_weights)
+    # the edits loaded before (a checkpoint's: logits off by 4 after a truncate and a step); the file itself loads
+    assert np.array_equal(ke.Session.load_state(path, trained_weights).step(9), s.step(9))
+
+
+def test_an_entry_the_digests_do_not_list_is_refused_and_a_file_without_digests_still_loads(trained_weights, tmp_path):
+    s, path = _saved(trained_weights, tmp_path)
+
+    def add(arrays):
+        arrays["extra"] = np.zeros(3)
+        arrays["logits"] = arrays["logits"].copy()
+    ke.Session.load_state(_written_back(path, tmp_path / "plus.npz", add), trained_weights)  # an unread entry: unread
+    old = _written_back(path, tmp_path / "old.npz", lambda arrays: None, keep_digests=False)
+    assert np.array_equal(ke.Session.load_state(old, trained_weights).logits, s.logits)
+    from kimi_explore.inspection.npz_io import NpzReader
+
+    with NpzReader(tmp_path / "plus.npz", "session state") as z, \
+            pytest.raises(ValueError, match="entry 'extra' is not what was saved \\(the file's digests do not list it\\)"):
+        z["extra"]
+
+
+def test_a_trace_file_edited_after_saving_is_refused(trained_weights, tmp_path):
+    s, _ = _saved(trained_weights, tmp_path)
+    path = s.trace().save(tmp_path / "t.npz")
+    key = "record/layers.1.kda.state.norm"
+    bad = _written_back(path, tmp_path / "bad.npz", _scaled(key, 2.0))
+    with pytest.raises(ValueError, match=f"entry '{key}' is not what was saved .*the trace file was changed"):
+        ke.Trace.load(bad)
+
+
+@pytest.mark.parametrize("field, value", [("filter", ["nonsense.*"]), ("full", [123])])
+def test_recorder_settings_a_recorder_refuses_are_named_as_the_files(trained_weights, tmp_path, field, value):
+    """A file without digests (from before them) whose recorder settings Recorder() refuses: the error names the file."""
+    import json
+
+    _, path = _saved(trained_weights, tmp_path)
+    arrays = undigested(path)
+    header = json.loads(str(arrays["header"]))
+    header["recorder"][field] = value
+    arrays["header"] = np.array(json.dumps(header))
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(ValueError, match="bad.npz: the header's 'recorder' settings are not a Recorder's .*: the file is "
+                                         "damaged"):
+        ke.Session.load_state(tmp_path / "bad.npz", trained_weights)

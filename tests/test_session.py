@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 from closeness import assert_close, assert_states_close, assert_traces_close
-from conftest import REFERENCE_DIR
+from conftest import REFERENCE_DIR, undigested
 from numpy.lib.array_utils import byte_bounds
 
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
@@ -419,7 +419,7 @@ def test_a_cache_saved_inconsistently_with_its_length_or_capacity_is_refused(ref
 
     s = Session(ref_weights, checkpoint_every=0)
     s.feed(TOKENS[:8], chunk=8)
-    z = dict(np.load(s.save_state(tmp_path / "good.npz")))
+    z = undigested(s.save_state(tmp_path / "good.npz"))
     header = json.loads(str(z["header"]))
     j = next(j for j, lay in enumerate(header["layout"]["ckpt8"]["layers"]) if lay["type"] == "MlaState")
     assert header["layout"]["ckpt8"]["layers"][j]["scalars"]["length"] == 8
@@ -443,7 +443,7 @@ def test_a_file_of_the_first_format_still_loads_and_the_format_says_what_changed
 
     s = Session(ref_weights, checkpoint_every=0)
     s.feed((TOKENS * 3)[:20], chunk=8)
-    z = dict(np.load(s.save_state(tmp_path / "v2.npz")))
+    z = undigested(s.save_state(tmp_path / "v2.npz"))
     header = json.loads(str(z["header"]))
     assert header["format"] == FORMAT == "kimi_explore.inspection.session/3"
     for key, layout in header["layout"].items():  # /3 -> /1: every cache its own arrays, at its whole capacity

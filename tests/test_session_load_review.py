@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import undigested
 
 import kimi_explore as ke
 from kimi_explore.inspection import npz_io
@@ -64,8 +65,8 @@ def test_other_load_options_continue_to_rounding(saved):
 def test_a_file_without_the_probe_still_loads(saved, tmp_path):
     """Files saved before the probe existed: the fingerprint alone decides."""
     w, s, path, *_ = saved
-    with np.load(path) as z:
-        arrays = {k: z[k] for k in z.files if k != "probe"}
+    arrays = undigested(path)
+    del arrays["probe"]
     old = npz_io.write_npz(tmp_path / "old.npz", arrays)
     assert ke.Session.load_state(old, w).tokens == IDS
 
@@ -146,8 +147,7 @@ def test_a_cache_shared_by_checkpoints_is_saved_once(tmp_path):
         assert np.array_equal(loaded.step(70), s.step(70))
     layer = next(j for j, lay in enumerate(header["layout"]["ckpt3"]["layers"]) if "cache_of" in lay)
     header["layout"]["ckpt3"]["layers"][layer]["cache_of"] = "ckpt999"  # a reference to nothing
-    with np.load(path) as z:
-        arrays = {k: z[k] for k in z.files}
+    arrays = undigested(path)
     arrays["header"] = np.array(json.dumps(header))
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(ValueError, match=r"saved ckpt3 layer \d+ names 'ckpt999' as the holder of its cache"):
@@ -163,7 +163,7 @@ def test_a_config_that_differs_is_named_by_key_and_files_from_before_load(saved,
     other = ke.from_pretrained(save_checkpoint(tmp_path / "eps", {**cfg, "rms_norm_eps": 2e-5}, tensors))
     with pytest.raises(ValueError, match=r"\(config: rms_norm_eps 1e-05 in the file, 2e-05 here\)"):
         ke.Session.load_state(path, other)
-    z = dict(np.load(path))
+    z = undigested(path)
     header = json.loads(str(z["header"]))
     for key in ("values", "config_values"):
         del header["fingerprint"][key]

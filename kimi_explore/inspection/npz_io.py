@@ -6,11 +6,15 @@ goes to a temporary file beside the target, then `os.replace`: an interrupted sa
 file (or none), never a partial one under the final name. Reading: a zip member carries a CRC-32,
 checked as it is read, so a flipped or truncated byte fails the entry that holds it; every such
 failure (and a missing entry, and a file that is no zip at all) is one ValueError naming the file
-and the entry.
+and the entry. The CRC is the zip's own, so an entry edited and written back (np.savez of the loaded
+entries, one changed) passes it: every file also holds `digests`, a hash of each entry's dtype, shape and
+bytes made when it was written, and an entry read that does not match its hash (or that it does not list) is
+refused as changed after saving. Files written before digests (and other programs' .npz) are read without.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zipfile
@@ -23,6 +27,15 @@ __all__ = ["NpzReader", "npz_to_read", "read_npz_header", "with_npz_suffix", "wr
 
 # what NumPy / zipfile raise on a damaged or truncated archive or entry
 _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError)
+DIGESTS = "digests"  # the entry holding {entry: digest(its array)} as JSON
+
+
+def digest(a) -> str:
+    """A hash of an array's dtype, shape and bytes: what a file's `digests` hold for each of its entries."""
+    a = np.asanyarray(a)
+    h = hashlib.blake2b(f"{a.dtype.str}{a.shape}".encode(), digest_size=16)
+    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return h.hexdigest()
 
 
 def with_npz_suffix(path) -> Path:
@@ -40,7 +53,10 @@ def npz_to_read(path) -> Path:
 
 
 def write_npz(path, arrays: dict, compressed: bool = True) -> Path:
-    """Write {name: array} to `path` exactly as named (no suffix added), atomically."""
+    """Write {name: array} to `path` exactly as named (no suffix added), atomically, with their `digests`."""
+    arrays = {k: np.asanyarray(v) for k, v in arrays.items() if k != DIGESTS}  # (a read file's: made again)
+    arrays[DIGESTS] = np.array(json.dumps({k: digest(v) for k, v in arrays.items()}))
+
     def write(tmp):
         with open(tmp, "wb") as f:
             (np.savez_compressed if compressed else np.savez)(f, **arrays)
@@ -84,8 +100,19 @@ class NpzReader:
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError(f"{self.path}: a single .npy array, not a {what} file (an .npz archive)")
         self._z = z
-        self.files = list(z.files)
+        self.files = [f for f in z.files if f != DIGESTS]
         self._kept: dict = {}  # entries read through `kept` (read once however often they are asked for)
+        self._digests = None  # {entry: digest} (None: a file without them)
+        if DIGESTS in z.files:
+            raw = self._read(DIGESTS)
+            try:
+                self._digests = json.loads(str(raw)) if raw.dtype.kind == "U" and raw.ndim == 0 else None
+            except json.JSONDecodeError:
+                pass
+            if not isinstance(self._digests, dict):
+                z.close()
+                raise ValueError(f"{self.path}: entry {DIGESTS!r} is not a JSON object of the entries' digests (found "
+                                 f"{raw.dtype}{list(raw.shape)}): the file is damaged")
 
     def __enter__(self) -> NpzReader:
         return self
@@ -101,6 +128,15 @@ class NpzReader:
         if key not in self.files:
             raise ValueError(f"{self.path}: no entry {key!r}, which this {self.what} file needs (damaged, or not "
                              f"written by kimi_explore; it holds {len(self.files)} entries)")
+        a = self._read(key)
+        if self._digests is not None and self._digests.get(key) != digest(a):
+            raise ValueError(f"{self.path}: entry {key!r} is not what was saved ("
+                             + ("the file's digests do not list it" if key not in self._digests else
+                                "its bytes differ from the digest saved with it")
+                             + f"): the {self.what} file was changed after it was saved")
+        return a
+
+    def _read(self, key: str) -> np.ndarray:
         try:
             return self._z[key]
         except _DAMAGE as e:

@@ -654,7 +654,11 @@ class Session:
         snap, saved = load_session(path, weights)
         check_tokenizer(path, saved.tokenizer, tokenizer)
         if recorder is True:
-            recorder = Recorder(**saved.recorder) if saved.recorder is not None else False
+            try:
+                recorder = Recorder(**saved.recorder) if saved.recorder is not None else False
+            except (TypeError, ValueError) as e:  # (a file from before digests, edited)
+                raise ValueError(f"{path}: the header's 'recorder' settings are not a Recorder's ({e}): the file is "
+                                 "damaged") from None
         if isinstance(recorder, Recorder):  # refused before a session binds it (a failed load leaves it free)
             _refuse_other_records(recorder, snap, f"Session.load_state: {path}",
                                   ("pass recorder=False", "pass recorder=True (the file's settings)"))

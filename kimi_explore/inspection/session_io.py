@@ -495,8 +495,9 @@ def _check_probe(path, saved: np.ndarray, here: np.ndarray) -> None:
         raise ValueError(f"{path}: these weights continue the saved state otherwise than the weights that saved it: "
                          f"decoding token {PROBE_TOKEN} from it gives logits off by {err:.3g} (allowed: "
                          f"{PROBE_RTOL:g} x {scale:.3g}). The fingerprint's samples agree, so the weights differ "
-                         "elsewhere (an edited tensor or expert, another checkpoint of the same shapes); load the "
-                         "file with the weights it was saved with")
+                         "elsewhere (an edited tensor or expert, another checkpoint of the same shapes), or the file's "
+                         "saved state was edited (a file without digests); load the file with the weights it was saved "
+                         "with")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
