@@ -7,9 +7,11 @@ forms the name map never read, and reports of a comparison of other tokens.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
-from conftest import REFERENCE_DIR, undigested
+from conftest import DATA, REFERENCE_DIR, undigested
 
 import kimi_explore as ke
 from kimi_explore.inspection import interventions as I
@@ -234,3 +236,74 @@ def test_recorder_settings_a_recorder_refuses_are_named_as_the_files(trained_wei
     with pytest.raises(ValueError, match="bad.npz: the header's 'recorder' settings are not a Recorder's .*: the file is "
                                          "damaged"):
         ke.Session.load_state(tmp_path / "bad.npz", trained_weights)
+
+
+# ---- llama.cpp captures in forms the name map never read; malformed ones; reports of other tokens
+
+ENGINE_D = DATA / "engines" / "d"
+
+
+@pytest.fixture(scope="module")
+def set_d():
+    w = ke.from_pretrained(ENGINE_D / "tiny_k3")
+    with np.load(ENGINE_D / "llamacpp" / "llamacpp_f32experts_decode.npz") as z:
+        return w, {k: z[k] for k in z.files}
+
+
+def _renamed(z, old, new, factor=10.0):
+    out = {k: v for k, v in z.items() if k != old}
+    out[new] = z[old] * factor
+    return out
+
+
+@pytest.mark.parametrize("old, new", [("l_out-5", "l_out-5#0"), ("result_norm", "result_norm#0"), ("l_out-5", "l_out"),
+                                      ("inp_embd", "inp_embd-0"), ("res_probs-3#0", "res_probs-3")])
+def test_a_known_llamacpp_name_in_a_form_never_read_is_refused_not_dropped(set_d, old, new):
+    w, z = set_d
+    with pytest.raises(KeyError, match=f"1 name\\(s\\) llama.cpp's K3 graph gives, in a form the mapping does not read: "
+                                       f"'{re.escape(new)}'"):
+        ke.compare(ke.Session(w), _renamed(z, old, new), names="llama.cpp", local=False)
+
+
+@pytest.mark.parametrize("key, shape, message", [
+    ("kda_q_conv-3", lambda a: a[:-1], r"'kda_q_conv-3' \[15, 6, 32\], 'kda_k_conv-3' \[16, 6, 32\], 'kda_v_conv-3' "
+                                       r"\[16, 6, 32\]: expected one shape"),
+    ("norm-2#1", lambda a: a[:, :40], r"'norm-2#1' has shape \[16, 40\], expected \[16 tokens, 48\] \(layer 2's "
+                                      r"mla.q_latent"),
+    ("norm-2#2", lambda a: a.T, r"'norm-2#2' has shape \[32, 16\], expected \[16 tokens, 32\]")])
+def test_malformed_llamacpp_captures_are_refused_naming_them(set_d, key, shape, message):
+    w, z = set_d
+    with pytest.raises(ValueError, match="llama.cpp captures: " + message):
+        ke.compare(ke.Session(w), {**z, key: shape(z[key])}, names="llama.cpp", local=False)
+
+
+def test_compare_feeds_an_empty_session_and_a_report_refuses_a_comparison_of_other_tokens(set_d, tmp_path):
+    from kimi_explore.views.figures.report import write_report
+
+    w, z = set_d
+    s = ke.Session(w)
+    cmp = ke.compare(s, z, names="llama.cpp", local=False)
+    assert s.tokens == z["tokens"].tolist() == list(cmp.tokens)
+    other = ke.Session(w)
+    other.feed([1, 2, 3])
+    with pytest.raises(ValueError, match="write_report: the comparison's 16 token ids are not the trace's 3"):
+        write_report(other, tmp_path / "r", comparison=cmp)
+    failed = ke.Session(w)
+    with pytest.raises(ValueError):
+        ke.compare(failed, {**z, "tokens": z["tokens"].reshape(2, 8)}, names="llama.cpp", local=False)
+    assert failed.tokens == []  # a comparison that fails feeds nothing
+
+
+def test_compare_refuses_token_ids_that_are_not_one_sequence(set_d):
+    w, z = set_d
+    with pytest.raises(ValueError, match=r"compare: the other engine's 'tokens' have shape \(2, 8\); expected a 1-D"):
+        ke.compare(ke.Session(w), {"logits": z["logits"], "tokens": z["tokens"].reshape(2, 8)})
+
+
+def test_compare_routing_on_an_empty_session_without_tokens_says_so(set_d):
+    from kimi_explore.engines.routed_experts import compare_routing
+
+    w, z = set_d
+    ids = np.stack([z[f"ffn_moe_topk-{i}"] for i in range(1, 14)], axis=1)
+    with pytest.raises(ValueError, match="compare_routing: the session has no tokens and none are known: pass tokens="):
+        compare_routing(ke.Session(w), ids)

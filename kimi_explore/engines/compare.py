@@ -5,7 +5,7 @@
 
 Steps:
 1. `other` becomes {hook name: [T, ...]} (a mapping, an engine dump, or llama.cpp captures through
-   `name_maps.llamacpp_to_hooks`); its tokens must be the session's (an empty session takes them).
+   `name_maps.llamacpp_to_hooks`); its tokens must be the session's (an empty session is fed them).
 2. kimi_explore replays the tokens from a fresh state, recording the sites the other engine has
    (`patching.replay`), and each site and token is judged against the tolerance model (`tolerance.py`,
    per head where a per-head norm follows).
@@ -48,7 +48,8 @@ _LAYER_SITE = re.compile(r"layers\.(\d+)\.")
 def compare(session, other, *, names=None, tolerance=None, local: bool = True, probes: bool = True) -> Comparison:
     """Compare another engine's values with kimi_explore's at every site they both have.
 
-    session: a `Session` on the same weights (its tokens; an empty session takes the other engine's).
+    session: a `Session` on the same weights (its tokens; an empty session is fed the other engine's, once the
+    comparison has run, as `compare_routing` feeds it: a report or the Explorer then shows the tokens compared).
     other: {hook name: [T, ...]}, a `Dump`, a dump file (.safetensors), or llama.cpp captures (an .npz
     path, mapping or dump, with names="llama.cpp"). names: None (keys are hook names), "llama.cpp", a mapping
     {other name: hook name}, or a function arrays -> {hook name: array}. tolerance: a preset name, a
@@ -93,6 +94,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         del forced
         if probes:
             _run_probes(cmp, weights, tokens, theirs, patch, tol, floors)
+    if not session.tokens:
+        session.feed(tokens, progress=False)
     return cmp
 
 

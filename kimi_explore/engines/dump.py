@@ -61,8 +61,6 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     """Write {hook name: [T, ...] array} with the token ids, the engine's name and its activation dtype."""
     from safetensors.numpy import save_file
 
-    if np.ndim(tokens) != 1:  # (token_ids flattens: [[1, 2], [3, 4]] would be 4 tokens)
-        raise ValueError(f"write_dump: tokens have shape {np.shape(tokens)}; expected a 1-D sequence of T token ids")
     tokens = token_ids(tokens, "write_dump: tokens")
     _check_dtype(dtype, "write_dump(dtype=...)")
     T = len(tokens)
@@ -137,9 +135,12 @@ def _read(path: Path, safe_open) -> Dump:
 
 
 def token_ids(tokens, what: str) -> list[int]:
-    """The token ids in `tokens` (any array-like) as ints; refused unless integers >= 0: int(1.7) == 1 and
-    True == 1 would name another token, and a negative id is written but not read back."""
-    ids = np.asarray(tokens).reshape(-1)
+    """The token ids in `tokens` (a 1-D array-like) as ints; refused unless integers >= 0: int(1.7) == 1 and
+    True == 1 would name another token, and a negative id is written but not read back; refused unless 1-D:
+    [[1, 2], [3, 4]] flattened would be 4 tokens of one text."""
+    if np.ndim(tokens) != 1:
+        raise ValueError(f"{what} have shape {np.shape(tokens)}; expected a 1-D sequence of T token ids")
+    ids = np.asarray(tokens)
     if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
         shown = f"{ids[:5].tolist()}{' ...' if ids.size > 5 else ''}"
         raise ValueError(f"{what} are {ids.dtype} {shown}; expected token ids (integers >= 0)")

@@ -104,16 +104,20 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
     config: the model's `KimiDecoderConfig` (which layer is KDA / MLA / a block boundary).
     weights: the loaded weights, for the MLA latents (llama.cpp names them before the norm weight);
     without them those two sites are left out. sources: a dict filled with {hook name: the llama.cpp name(s) it
-    was made from}, for errors that name the capture. A name neither mapped nor in `UNMAPPED` is refused.
+    was made from}, for errors that name the capture. A name neither mapped nor in `UNMAPPED` is refused, and so
+    is a known name in a form the mapping does not read (`l_out-5#0`, a layer-less `l_out`, `inp_embd-0`, a plain
+    `res_probs-3` beside `res_probs-3#1`): dropped, the comparison would pass without it.
     """
     if "tokens" not in arrays:
         raise KeyError("llama.cpp captures: no 'tokens' array (the token ids fed, [T])")
     T = int(np.asarray(arrays["tokens"]).shape[0])
+    read = set()
 
     def raw(key):
         """The array, with a one-token prefill capture's token axis put back: ggml drops a record's trailing unit
         axes (README: `reversed(ne[:n_dims])`), so a one-token batch's records come without it ([64], not [1, 64]),
         where a decode capture's per-token records are stacked on a leading axis of T = 1."""
+        read.add(key)
         a = np.asarray(arrays[key])
         return a[None] if T == 1 and a.ndim and a.shape[0] != 1 else a
     by_layer: dict = {}
@@ -146,7 +150,12 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
             if base in names:
                 out[p + site] = get(base)
         if all(f"kda_{c}_conv" in names for c in "qkv"):
-            out[p + "kda.conv_out"] = np.stack([get(f"kda_{c}_conv") for c in "qkv"], axis=1)
+            convs = [get(f"kda_{c}_conv") for c in "qkv"]
+            if len({c.shape for c in convs}) != 1:
+                raise ValueError("llama.cpp captures: " + ", ".join(f"{names[f'kda_{c}_conv']!r} {list(a.shape)}" for c, a
+                                                                    in zip("qkv", convs, strict=True))
+                                 + f": expected one shape, [{T} tokens, heads, head dim] each (layer {i}'s q, k and v)")
+            out[p + "kda.conv_out"] = np.stack(convs, axis=1)
         if "kda_beta" in names:
             out[p + "kda.beta"] = get("kda_beta")[..., 0]
         if "kda_g1" in names:
@@ -179,9 +188,20 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
         if lw is not None and lw.attention.kind == "mla":
             for k, site, norm in ((1, "mla.q_latent", "q_a_layernorm"), (2, "mla.kv_latent", "kv_a_layernorm")):
                 if f"norm#{k}" in names:
-                    out[p + site] = get(f"norm#{k}") * np.asarray(to_numpy(getattr(lw.attention, norm)), np.float32)
+                    gain, a = np.asarray(to_numpy(getattr(lw.attention, norm)), np.float32), get(f"norm#{k}")
+                    if a.ndim != 2 or a.shape[1] != gain.shape[0]:
+                        raise ValueError(f"llama.cpp captures: {names[f'norm#{k}']!r} has shape {list(a.shape)}, "
+                                         f"expected [{T} tokens, {gain.shape[0]}] (layer {i}'s {site}, before its norm weight)")
+                    out[p + site] = a * gain
         for site in set(out) - before:
             sources[site] = _source(site, i, names)
+    unread = [key for key in arrays if key not in read and parse_llamacpp_name(key)[0] not in UNMAPPED]
+    if unread:
+        raise KeyError(f"llama.cpp captures: {len(unread)} name(s) llama.cpp's K3 graph gives, in a form the mapping "
+                       f"does not read: {', '.join(map(repr, unread[:6]))}{' ...' if len(unread) > 6 else ''} (a global "
+                       "name with a layer or '#k', a per-layer one without its layer or with a '#k' it never has, a plain "
+                       "'res_probs-i' beside 'res_probs-i#1'); dropped, the comparison would pass without them. Name "
+                       "them as llama.cpp does, or map them yourself (compare(..., names={their name: hook name}))")
     for name, a in out.items():
         if a.ndim == 0 or a.shape[0] != T:
             raise ValueError(f"llama.cpp captures: {name!r} (from {sources.get(name, '?')}) has shape {a.shape}, expected "

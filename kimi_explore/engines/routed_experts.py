@@ -133,6 +133,9 @@ def compare_routing(session, other, tokens=None) -> RoutingComparison:
             first = next((i for i in range(n) if ran[i] != tokens[i]), n)
             raise ValueError(f"compare_routing: the session ran other tokens than the engine: {len(ran)} ids against "
                              f"its {len(tokens)}, first difference at position {first}")
+    if not session.tokens:
+        raise ValueError("compare_routing: the session has no tokens and none are known: pass tokens= (the ids the "
+                         "engine ran; an empty session is fed them)")
     ours = session.trace().routing()
     if "topk_ids" not in ours:
         raise ValueError("compare_routing: the session's recorder kept no routing (layers.*.moe.router.topk_ids)")

@@ -142,6 +142,10 @@ def write_report(session_or_trace, out_dir, tokenizer=None, layers=None, title: 
     trace, tokenizer = trace_of(session_or_trace, tokenizer)
     if len(trace) == 0:
         raise ValueError("write_report: the trace is empty; feed at least one token first")
+    if comparison is not None and [int(t) for t in comparison.tokens] != trace.tokens.tolist():
+        raise ValueError(f"write_report: the comparison's {len(comparison.tokens)} token ids are not the trace's "
+                         f"{len(trace)}; report a session that ran the tokens compared (ke.compare feeds them to an "
+                         "empty session)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     before = _figures_of_page(out / "index.html")  # a report written here before: its PNGs are replaced below
