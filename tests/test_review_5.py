@@ -307,3 +307,12 @@ def test_compare_routing_on_an_empty_session_without_tokens_says_so(set_d):
     ids = np.stack([z[f"ffn_moe_topk-{i}"] for i in range(1, 14)], axis=1)
     with pytest.raises(ValueError, match="compare_routing: the session has no tokens and none are known: pass tokens="):
         compare_routing(ke.Session(w), ids)
+
+
+def test_a_damaged_digests_entry_is_refused_naming_it(trained_weights, tmp_path):
+    _, path = _saved(trained_weights, tmp_path)
+
+    def damage(arrays):
+        arrays["digests"] = np.array("{not json")
+    with pytest.raises(ValueError, match="bad.npz: entry 'digests' is not a JSON object of the entries' digests"):
+        ke.Session.load_state(_written_back(path, tmp_path / "bad.npz", damage), trained_weights)

@@ -41,7 +41,7 @@ from ..backend import to_numpy
 from ..model.latent_moe_sequence import NO_WEIGHT
 from .hooks import Hooks
 from .source_masks import SOURCE_FAMILIES, mask_sources, model_sources, site_columns, source_columns
-from .targets import at_positions, index_list, layer_ids, layer_sites, named, position_filter, position_list
+from .targets import at_positions, index_list, layer_ids, layer_sites, named, number, position_filter, position_list
 
 __all__ = ["SOURCE_FAMILIES", "ablate_experts", "force_routing", "mask_sources", "override_attn_res", "patch",
            "scale_kda_head", "source_columns", "zero_kda_head"]
@@ -52,7 +52,7 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
     drop_all = isinstance(experts, str)
     if drop_all and experts != "all":
         raise ValueError(f"ablate_experts: experts must be 'all' or a list of expert ids, got {experts!r}")
-    drop = [] if drop_all else index_list(_ids(experts), "ablate_experts: experts")
+    drop = [] if drop_all else index_list(experts, "ablate_experts: experts")
     if any(e < 0 for e in drop):  # -1 marks a dropped slot: it would match nothing and ablate nothing
         raise ValueError(f"ablate_experts: expert ids {[e for e in drop if e < 0]} must be >= 0")
     seen = {}  # layer -> number of experts (from the router's scores): an id past it would ablate nothing
@@ -82,7 +82,7 @@ def ablate_experts(layer, experts, positions=None) -> Hooks:
 def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     """Route through `expert_ids` at `layer`. Without `weights` the decoder recomputes them from these
     experts' scores (renormalised, scaled) as it does for its own choice; with them, they are used as given."""
-    ids_req = index_list(_ids(expert_ids), "force_routing: expert_ids")
+    ids_req = index_list(expert_ids, "force_routing: expert_ids")
     if len(set(ids_req)) != len(ids_req):
         raise ValueError(f"force_routing: expert_ids has duplicates: {ids_req}")
     weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # (a copy) a GPU array is fine too
@@ -111,16 +111,6 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
             fn = at_positions(named(forced_weights, "force_routing.weights"), positions)
             hooks.add(name + "topk_weights", fn, chunks=True)
     return hooks
-
-
-def _ids(ids):
-    """Ids as given, a GPU array's on the host (a list, a NumPy array and an int as they are)."""
-    return ids if isinstance(ids, (int, np.integer, list, tuple, range, np.ndarray)) or not hasattr(ids, "shape") \
-        else to_numpy(ids)
-
-
-def _scalar_number(x):
-    return x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x
 
 
 def _put_rows(value, given, rows, fill):
@@ -213,10 +203,8 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
     twice is scaled once; a layer given twice is refused (`targets.layer_ids`). On the sequence path its
     layers run token by token (results equal to stepping).
     """
-    heads = index_list(_ids(head), "scale_kda_head: head")
-    if isinstance(factor, bool) or not isinstance(_scalar_number(factor), (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale_kda_head: factor must be a number, got {factor!r}")
-    factor = float(factor)
+    heads = index_list(head, "scale_kda_head: head")
+    factor = number(factor, "scale_kda_head: factor")
 
     def scale(S, rows, hook):
         if max(heads) >= S.shape[0] or min(heads) < -S.shape[0]:

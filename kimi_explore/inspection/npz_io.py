@@ -104,15 +104,15 @@ class NpzReader:
         self._kept: dict = {}  # entries read through `kept` (read once however often they are asked for)
         self._digests = None  # {entry: digest} (None: a file without them)
         if DIGESTS in z.files:
-            raw = self._read(DIGESTS)
             try:
+                raw = self._read(DIGESTS)
                 self._digests = json.loads(str(raw)) if raw.dtype.kind == "U" and raw.ndim == 0 else None
-            except json.JSONDecodeError:
+            except ValueError:  # (the entry damaged, or not JSON)
                 pass
             if not isinstance(self._digests, dict):
                 z.close()
-                raise ValueError(f"{self.path}: entry {DIGESTS!r} is not a JSON object of the entries' digests (found "
-                                 f"{raw.dtype}{list(raw.shape)}): the file is damaged")
+                raise ValueError(f"{self.path}: entry {DIGESTS!r} is not a JSON object of the entries' digests: the file "
+                                 "is damaged")
 
     def __enter__(self) -> NpzReader:
         return self

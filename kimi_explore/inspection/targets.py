@@ -19,7 +19,7 @@ import numpy as np
 
 from .._xp import array_namespace
 
-__all__ = ["at_positions", "index_list", "layer_ids", "layer_sites", "named", "position_filter", "position_list"]
+__all__ = ["at_positions", "index_list", "layer_ids", "layer_sites", "named", "number", "position_filter", "position_list"]
 
 
 def _scalar(x):
@@ -54,6 +54,14 @@ def index_list(ids, what: str) -> list[int]:
     if not items:  # it would act nowhere
         raise ValueError(f"{what}: got an empty collection of ids ({ids!r}), which would act nowhere")
     return [int(i) for i in items]
+
+
+def number(x, what: str) -> float:
+    """A real number (a Python or NumPy int or float, or a 0-d array of one) as a float; not a bool or a string."""
+    x = _scalar(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what}: expected a number, got {x!r}")
+    return float(x)
 
 
 def layer_sites(layer, kind: str) -> list[str]:
