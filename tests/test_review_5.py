@@ -316,3 +316,13 @@ def test_a_damaged_digests_entry_is_refused_naming_it(trained_weights, tmp_path)
         arrays["digests"] = np.array("{not json")
     with pytest.raises(ValueError, match="bad.npz: entry 'digests' is not a JSON object of the entries' digests"):
         ke.Session.load_state(_written_back(path, tmp_path / "bad.npz", damage), trained_weights)
+
+
+def test_numpy_ints_are_taken_where_ints_are_and_a_bool_top_k_is_not(trained_weights):
+    assert ke.Recorder(top_k=np.int64(3)).top_k == 3
+    with pytest.raises(ValueError, match="Recorder: top_k must be a positive int, got True"):
+        ke.Recorder(top_k=True)
+    s = ke.Session(trained_weights)
+    s.feed(TEXT[:6])
+    a, b = ke.logit_attribution(s, t=np.array(3)), ke.logit_attribution(s, t=3)
+    assert a.logit == b.logit and a.token == b.token

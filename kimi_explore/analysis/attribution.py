@@ -138,7 +138,7 @@ def logit_attribution(session, t=-1, token=None):
     if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < V):
         raise ValueError(f"logit_attribution: token must be an id in 0..{V - 1} (or None for the top-1), got {token!r}")
     many = np.ndim(t) > 0
-    steps = list(t) if many else [t]
+    steps = list(t) if many else [t.item() if isinstance(t, np.ndarray) else t]  # (a 0-d array: the int it holds)
     if many and not steps:
         raise ValueError("logit_attribution: t is empty: give a step, or a list of steps")
     T = len(session.tokens)

@@ -138,9 +138,9 @@ class Recorder:
         self.hooks = Hooks(observer=self)
         self.fire = self.hooks.fire  # the decoder calls rec.fire: straight into the Hooks
         self.listening_sites = self.hooks.listening_sites  # ... and its sites (`model.sites.site_table`): the Hooks' own
-        if not (isinstance(top_k, int) and top_k >= 1):
+        if isinstance(top_k, bool) or not (isinstance(top_k, (int, np.integer)) and top_k >= 1):  # (True would be 1)
             raise ValueError(f"Recorder: top_k must be a positive int, got {top_k!r}")
-        self.top_k = top_k
+        self.top_k = int(top_k)
         self.names_filter, self._filter_patterns = _predicate(names_filter, "Recorder names_filter")
         self.full, self._full_patterns = _predicate(full if full else None, "Recorder full")
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
