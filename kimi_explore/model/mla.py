@@ -18,8 +18,8 @@ go (`MlaState.append_many`, the same doubling, so the same capacity as T appends
 attention of the T queries over the L0 cached positions plus the chunk: query t sees positions
 0..L0+t, the later ones masked to -inf (probability exactly 0). Unless a hook wants the whole
 chunk's probabilities, the probabilities are never stored: on the CPU in float32 one compiled kernel
-scores, normalises and mixes 16-32 queries at a time in cache (`sequence_ops.causal_attention`: 1.7x
-the matmul route at the embedded model's widths, 1.0-1.4x at K3's); elsewhere the queries go
+scores, normalises and mixes 16-32 queries at a time in cache (`sequence_ops.causal_attention`: 2x
+the matmul route at the embedded model's widths, 1.2-1.7x at K3's); elsewhere the queries go
 QUERY_BLOCK at a time, each block scored against the positions its last query sees. Either way the
 masked products above the diagonal are mostly never computed (a chunk of T scores ~L0 T + T^2 / 2
 pairs instead of L0 T + T^2), and every row's softmax takes the token form's steps.
