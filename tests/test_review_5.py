@@ -326,3 +326,49 @@ def test_numpy_ints_are_taken_where_ints_are_and_a_bool_top_k_is_not(trained_wei
     s.feed(TEXT[:6])
     a, b = ke.logit_attribution(s, t=np.array(3)), ke.logit_attribution(s, t=3)
     assert a.logit == b.logit and a.token == b.token
+
+
+# ---- the Explorer: a snapshot of a text holding '</script>', the prompt box after a change in another cell
+
+def _explorer(weights, prompt):
+    from kimi_explore.views.explorer.widgets import Explorer
+
+    s = ke.Session(weights, tokenizer=ke.load_tokenizer(weights))
+    return s, Explorer(s, prompt=prompt)
+
+
+def test_a_snapshot_of_a_text_closing_a_script_reads_back(trained_weights, tmp_path):
+    import html.parser
+    import json
+
+    s, ex = _explorer(trained_weights, 'x = "</script><b>&amp;"')
+    ex.play()
+
+    class States(html.parser.HTMLParser):
+        blocks, inside = [], False
+
+        def handle_starttag(self, tag, attrs):
+            self.inside = tag == "script" and ("id", "kimi-state") in attrs
+
+        def handle_data(self, data):
+            if self.inside:
+                self.blocks.append(data)
+
+        def handle_endtag(self, tag):
+            self.inside = False
+    page = States()
+    page.feed(ex.snapshot(tmp_path / "snap.html").read_text(encoding="utf-8"))
+    assert json.loads(page.blocks[0])["text"] == 'x = "</script><b>&amp;"'  # was cut at its '</script>'
+
+
+@pytest.mark.parametrize("act", ["type", "toggle"])
+def test_the_prompt_box_catches_up_with_a_history_changed_in_another_cell(trained_weights, act):
+    s, ex = _explorer(trained_weights, "def f(x): return x")
+    ex.play()
+    s.truncate(3)  # another cell
+    if act == "type":
+        ex.prompt.value = "def g(y): return y"
+    else:
+        ex.mode.value = "ids"
+    assert len(ex.text.labels) == 3 and ex.token.max == 2  # the strip and slider showed 18 tokens under "3 decoded"
+    assert "changed outside the Explorer" in ex.status.value

@@ -24,13 +24,19 @@ h1 { font-size: 1.3em; } .state { color: #555; } .view { border: 1px solid #eee;
 pre { white-space: pre-wrap; background: #f6f6f6; padding: .5em; }"""
 
 
+def _in_script(value) -> str:
+    """JSON for inside a <script> element: '<', '>' and '&' as \\u escapes (the same JSON and JavaScript values), so a
+    decoded text holding '</script>' cannot close the element and leave the rest as page text."""
+    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def snapshot_html(state: dict, views: dict[str, dict]) -> str:
     """The page: `state` (token, layer, tab, ...) and `views` {name: {"data", "layout"}} in order."""
     blocks, calls = [], []
     for i, (name, spec) in enumerate(views.items()):
         blocks.append(f'<div class="view" id="v{i}" data-name="{html.escape(name)}" '
                       f'style="height:{int(spec["layout"].get("height", 320))}px"></div>')
-        calls.append(f"Plotly.newPlot('v{i}', {json.dumps(spec['data'])}, {json.dumps(spec['layout'])}, "
+        calls.append(f"Plotly.newPlot('v{i}', {_in_script(spec['data'])}, {_in_script(spec['layout'])}, "
                      "{displayModeBar: false, responsive: true});")
     title = f"Kimi K3 Explorer: token {state['token']} {state['token_label']}, layer {state['layer']}, {state['tab']}"
     return "\n".join([
@@ -41,7 +47,7 @@ def snapshot_html(state: dict, views: dict[str, dict]) -> str:
         f"<p class='state'>{state['tokens']} tokens decoded; layer {state['layer']} ({html.escape(state['layer_kind'])})</p>",
         f"<pre>{html.escape(state['text'])}</pre>",
         *blocks,
-        f'<script type="application/json" id="kimi-state">{json.dumps(state)}</script>',
+        f'<script type="application/json" id="kimi-state">{_in_script(state)}</script>',
         "<script>" + "\n".join(calls) + "</script>",
         "</body></html>"])
 

@@ -182,7 +182,7 @@ class Explorer(widgets.VBox):
         self.text.observe(lambda ch: self._busy(lambda: self._text_clicked(ch["new"]), "Selecting a token"), names="selected")
         self.tabs.observe(self.shown(self.refresh, "Opening the tab"), names="selected_index")
         self.measure.observe(self.shown(self._measure_changed, "Changing the measure"), names="value")
-        self.prompt.observe(self.shown(self._update_status, "Reading the prompt"), names="value")
+        self.prompt.observe(self.shown(self._prompt_changed, "Reading the prompt"), names="value")
         self.mode.observe(lambda ch: self._busy(lambda: self._convert_prompt(ch), "Converting the prompt"), names="value")
 
         super().__init__([
@@ -228,10 +228,15 @@ class Explorer(widgets.VBox):
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         return ids
 
+    def _prompt_changed(self) -> None:
+        self.sync()  # a history changed in another cell: the status line below speaks of the views shown
+        self._update_status()
+
     def _convert_prompt(self, change) -> None:
         """The text/ids toggle converts what is in the box (text -> its ids, ids -> their text)."""
         if self._keep_box:
             return  # the toggle is being put back: the box keeps what the user typed
+        self.sync()
         if change["old"] == "text" and change["new"] == "ids":
             self.prompt.value = ", ".join(str(i) for i in self.tokenizer.encode(self.prompt.value))
         elif change["old"] == "ids" and change["new"] == "text":
