@@ -372,3 +372,55 @@ def test_the_prompt_box_catches_up_with_a_history_changed_in_another_cell(traine
         ex.mode.value = "ids"
     assert len(ex.text.labels) == 3 and ex.token.max == 2  # the strip and slider showed 18 tokens under "3 decoded"
     assert "changed outside the Explorer" in ex.status.value
+
+
+# ---- the sequence path: a Recorder before an in-place hook; a NaN weight in a dropped slot
+
+@pytest.mark.parametrize("site", ["layers.1.moe.routed_out", "layers.1.moe.shared_out", "layers.2.kda.state",
+                                  "layers.2.kda.conv"])
+def test_a_recorder_before_an_in_place_hook_records_the_same_on_both_paths(trained_weights, site):
+    from kimi_explore.inspection.hooks import HookChain
+
+    def halve(v, *, hook):  # in place, at its own site (the contract allows it)
+        v *= np.float32(0.5)
+    records = []
+    for chunks in (False, True):
+        rec, h = ke.Recorder(), ke.Hooks()
+        h.add(site, halve, chunks=chunks)
+        st = ke.KimiDecodeState.new(trained_weights)
+        if chunks:
+            ke.kimi_forward_sequence(trained_weights, st, TEXT, hooks=HookChain(rec, h))
+        else:
+            for t in TEXT:
+                ke.kimi_forward_token(trained_weights, st, t, hooks=HookChain(rec, h))
+        records.append(np.asarray(rec.trace()[site + ".norm"], np.float64))
+    np.testing.assert_allclose(records[1], records[0], rtol=1e-4)  # stepping recorded the halved value: 0.5x
+    ordered = ke.Recorder()  # what the recorder saw: the value before the hook, as with the hook first in a Session
+    st = ke.KimiDecodeState.new(trained_weights)
+    for t in TEXT:
+        ke.kimi_forward_token(trained_weights, st, t, hooks=ordered)
+    assert records[0][0].ravel()[0] == pytest.approx(np.asarray(ordered.trace()[site + ".norm"])[0].ravel()[0], rel=1e-5)
+
+
+def test_a_nan_weight_in_a_dropped_slot_weighs_nothing_as_the_slot_the_token_form_lacks(trained_weights):
+    site = "layers.1.moe.router."
+
+    def drop_last_at_3(ids, *, hook):
+        out = ids.copy()
+        out[hook.positions == 3, -1] = -1
+        return out
+
+    def nan_there(w, *, hook):
+        out = w.copy()
+        out[hook.positions == 3, -1] = np.nan  # a Trace's padding of a shorter row
+        return out
+    h = ke.Hooks()
+    h.add(site + "topk_ids", drop_last_at_3, chunks=True)
+    h.add(site + "topk_weights", nan_there, chunks=True)
+    seq = ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), TEXT, hooks=h)
+    token = ke.Hooks()
+    token.add(site + "topk_ids", lambda ids, *, hook: ids[:-1].copy() if hook.position == 3 else None)
+    st = ke.KimiDecodeState.new(trained_weights)
+    step = np.stack([ke.kimi_forward_token(trained_weights, st, t, hooks=token) for t in TEXT])
+    assert np.isfinite(seq).all()  # rows 3.. were NaN
+    np.testing.assert_allclose(seq, step, atol=1e-4)

@@ -19,6 +19,8 @@ RESHAPE_OK = ("moe.router.topk_ids", "moe.router.topk_weights")
 # Sites whose chunked form cannot honour a changed value (the recurrence reads them token by token):
 # a hook there makes its layer run token by token on the sequence path.
 SEQUENTIAL_SITES = ("kda.conv", "kda.state")
+# the sites whose value a Recorder keeps by reference until the token ends (their norms are taken then)
+KEPT_SITES = (*SEQUENTIAL_SITES, "moe.routed_out", "moe.shared_out")
 # Sites whose full record changes how a fed chunk is computed (so a replay must keep them too): the recurrent ones run
 # their layer token by token; MLA's probabilities are then fired whole (the scores in one block, not by query blocks).
 ROUTE_SITES = (*SEQUENTIAL_SITES, "mla.probs")
@@ -95,6 +97,12 @@ class HookHandle:
         return f"HookHandle({self.describe()})"
 
 
+def _acts_at(hook_set, name: str) -> bool:
+    """Whether a hook set may change the value at `name` (a set that cannot say: it may)."""
+    acts = getattr(hook_set, "acts_at", None)
+    return acts is None or acts(name)
+
+
 class HookChain:
     """Several hook sets fired one after another at each site (e.g. interventions, then a Recorder).
 
@@ -103,18 +111,23 @@ class HookChain:
 
     def __init__(self, *hook_sets):
         self.hook_sets = [h for h in hook_sets if h is not None]
+        # whether a set before set i may keep a reference to a value (a Recorder, until the token ends)
+        self._keeper_before = [any(hasattr(h, "keep_value") for h in self.hook_sets[:i]) for i in range(len(self.hook_sets))]
 
     def fire(self, name: str, value):
         for i, h in enumerate(self.hook_sets):
-            new = h.fire(name, value)
-            if new is not value and i and name.endswith(SEQUENTIAL_SITES):  # the decoder copies `new` into the live
-                self.keep_value(name, self.hook_sets[:i])  # buffer the sets before may have kept a reference to
-            value = new
+            if self._keeper_before[i] and name.endswith(KEPT_SITES) and _acts_at(h, name):
+                self.keep_value(name, self.hook_sets[:i])  # h may edit it in place, or replace it (the decoder
+            value = h.fire(name, value)                    # then copies a kda value into the live buffer)
         return value
 
+    def acts_at(self, name: str) -> bool:
+        return any(_acts_at(h, name) for h in self.hook_sets)
+
     def keep_value(self, name: str, sets=None) -> None:
-        """A later set replaced the live buffer's value at `name` (kda.conv / kda.state): each set before it that
-        kept a reference there (a Recorder's norms, taken when the token ends) keeps a copy of what it saw."""
+        """A later set is about to run at `name` (`KEPT_SITES`): each set before it that kept a reference there (a
+        Recorder's norms, taken when the token ends) keeps a copy of what it saw, which the later set may edit in
+        place or replace (the decoder copies a replaced kda.conv / kda.state into the live buffer)."""
         for h in self.hook_sets if sets is None else sets:
             keep = getattr(h, "keep_value", None)
             if keep is not None:

@@ -347,6 +347,10 @@ class Hooks:
         single = [h for h in self._handles if not h.chunks]
         return bool(single) and any(h.matches(n) for h in single for n in names)
 
+    def acts_at(self, name: str) -> bool:
+        """Whether a hook of this set runs at `name` (the observer's bookkeeping aside: it changes no value)."""
+        return any(h.matches(name) for h in self._handles)
+
     def listens_chunk(self, name: str) -> bool:
         """Whether `fire_chunk(name, ...)` calls anything (a hook matches `name`)."""
         return bool(self._chunk_functions(name))

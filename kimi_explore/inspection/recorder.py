@@ -385,9 +385,18 @@ class Recorder:
             self._on_device = not self._on_device
             self.hooks.refresh()  # rebuild the site functions for device arrays
 
+    def acts_at(self, name: str) -> bool:
+        """A recorder never changes a value (`HookChain`: no earlier set need keep a copy for it)."""
+        return False
+
     def keep_value(self, name: str) -> None:
-        """A hook set after this one in a HookChain replaced the value at `name`, which the decoder then copies into
-        the live buffer (kda.state, kda.conv) referenced here until the token ends: keep a copy of what was recorded."""
+        """A hook set after this one in a HookChain is about to run at `name`, whose value is referenced here until
+        the token ends (kda.state and kda.conv live buffers, the MoE outputs, for their norms): keep a copy of what
+        was recorded, which that set may edit in place or replace."""
+        if name.endswith(("moe.routed_out", "moe.shared_out")):
+            if name + ".norm" in self._norm_stash:
+                self._norm_stash[name + ".norm"] = self._norm_stash[name + ".norm"].copy()
+            return
         prefix = name[: name.rindex("kda.") + 4] if "kda." in name else None
         stash = self._state_stash if name.endswith("kda.state") else self._conv_stash if name.endswith("kda.conv") else None
         if stash is not None and prefix in stash:

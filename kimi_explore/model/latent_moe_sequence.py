@@ -129,7 +129,8 @@ NO_WEIGHT = -np.inf
 def _paired_weights(weights, ids, name: str):
     """Each token's weights one per selected expert, as the token form requires of a hook: a row with `NO_WEIGHT`
     where an expert is selected, or a non-zero weight where none is (id -1), was given as many weights as another
-    row's experts. Those slots then weigh 0."""
+    row's experts. Every slot of no expert then weighs 0, a NaN there too (a Trace's padding of ragged rows: the token
+    form has no such slot, and NaN times the slot's zero output would make the token's output NaN)."""
     w, i = to_numpy(weights), to_numpy(ids)
     missing = w == NO_WEIGHT
     bad = (missing & (i >= 0)) | ((i < 0) & ~missing & (w != 0) & ~np.isnan(w))
@@ -139,9 +140,10 @@ def _paired_weights(weights, ids, name: str):
         given = [float(v) for v, e in zip(w[t], i[t], strict=True) if v != NO_WEIGHT and (e >= 0 or v != 0)]
         raise ValueError(f"{name}: token {t} of the chunk has {len(given)} weights {given} for the {len(experts)} selected "
                          f"experts {experts}: give one weight per expert (stepping raises the same)")
-    if not missing.any():
+    empty = missing | (i < 0)
+    if not empty.any():
         return weights
-    return array_namespace(weights).asarray(np.where(missing, 0.0, w).astype(w.dtype))
+    return array_namespace(weights).asarray(np.where(empty, 0.0, w).astype(w.dtype))
 
 
 def _check_ids(ids, E: int, name: str) -> None:
