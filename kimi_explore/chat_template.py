@@ -67,7 +67,7 @@ def chat_segments(messages, *, thinking: bool = True, add_generation_prompt: boo
     thinking_effort="max" (the effort system message first). Every past assistant turn keeps its
     reasoning when thinking=True; with thinking=False the think channel is dropped everywhere."""
     segs: list[tuple[str, bool]] = []
-    if isinstance(messages, (dict, str)):  # else its keys (or characters) would be read as the messages
+    if not isinstance(messages, (list, tuple)):  # a dict's keys or a str's characters would be read as the messages
         raise ValueError(f"messages: expected a list of message dicts, found a {type(messages).__name__} "
                          f"{messages!r:.80} (one message? pass [message])")
     # checked with thinking=False too (a typo must not pass until thinking is switched on); "medium" is named in the

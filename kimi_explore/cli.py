@@ -174,7 +174,8 @@ def prompt_tokenizer(args, weights):
         return load_tokenizer(weights)
     except TokenizerError as e:
         if args.ids is None:
-            raise TokenizerError(f"--prompt needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
+            what = "--prompt" if args.prompt is not None else f"the default prompt ({DEFAULT_PROMPT!r}, text)"
+            raise TokenizerError(f"{what} needs the checkpoint's tokenizer: {e}. Pass --ids instead") from None
         return None
 
 
@@ -219,7 +220,8 @@ def run(args) -> int:
 
     weights, path, load_s = load_model(args)
     cfg = weights.config
-    tok = prompt_tokenizer(args, weights) if args.ids is None else None
+    checkpoint_tok = prompt_tokenizer(args, weights)  # with --ids: the checkpoint's where it has one, else None
+    tok = checkpoint_tok if args.ids is None else None  # --ids: the prompt, predictions and generated tokens as ids
     ids = prompt_ids(args, weights, tok)
     kinds = [cfg.layer_kind(i) for i in weights.layer_ids]
     n_kda = sum(k.startswith("kda") for k in kinds)
@@ -237,7 +239,8 @@ def run(args) -> int:
     state = KimiDecodeState.new(weights)
     times = []
     history = list(ids)  # the prompt, then each generated token
-    stop = getattr(tok, "eos_id", None)  # a K3 tokenizer's stop token (<|end_of_msg|>) ends the generation, as in chat
+    stop = getattr(checkpoint_tok, "eos_id", None)  # a K3 tokenizer's stop token (<|end_of_msg|>) ends the generation,
+    # as in chat and in `report` (with --ids too)
     step = 0
     while step < len(history):
         t = history[step]

@@ -97,6 +97,8 @@ def _label_bytes(raw: bytes) -> str:
 def _as_ids(ids, vocab_size: int) -> list[int]:
     """Plain ints from any int sequence (lists, NumPy arrays), each checked against the vocabulary.
     Floats, bools and strings are refused: int(1.7) == 1 would silently name another token."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):  # (a bare id: list(5) says nothing of ids)
+        raise TokenizerError(f"ids: expected a sequence of token ids (one id: [id]), found {type(ids).__name__} {ids!r:.40}")
     ids = list(ids)
 
     def not_int(i) -> bool:
@@ -453,7 +455,7 @@ def load_tokenizer(path_or_config):
                 raise TokenizerError(f"{path}: the tokenizer has {tok.vocab_size} ids but config.json vocab_size is "
                                      f"{vocab}; {VOCAB_FILE} does not belong to this model")
             return tok
-        source = f"{path}: no {VOCAB_FILE}, and " + ("config.json" if cfg_path.is_file() else "no config.json, so vocab_size")
+        source = f"{path}: no {VOCAB_FILE}, and " + ("its config.json" if cfg_path.is_file() else "no config.json, so vocab_size")
     elif isinstance(obj, dict):
         vocab, source = _vocab_size(obj), "config dict"
     elif hasattr(obj, "vocab_size"):                            # KimiDecoderConfig
@@ -462,6 +464,7 @@ def load_tokenizer(path_or_config):
         raise TypeError(f"path_or_config: expected a checkpoint directory, a config or weights, found {type(obj).__name__}")
     if vocab == ByteTokenizer.vocab_size:
         return ByteTokenizer()
-    found = "is missing" if vocab is None else f"vocab_size is {vocab}"
+    found = "is missing" if source.endswith("vocab_size") else "has no vocab_size" if vocab is None else \
+        f"vocab_size is {vocab!r}" + ("" if type(vocab) is int else f" (a {type(vocab).__name__}, not an int)")
     raise TokenizerError(f"{source} {found}: a byte tokenizer needs vocab_size 256, any other model needs its "
                          f"{VOCAB_FILE} + {TOKENIZER_CONFIG} (pass the checkpoint directory that holds them)")

@@ -424,3 +424,78 @@ def test_a_nan_weight_in_a_dropped_slot_weighs_nothing_as_the_slot_the_token_for
     step = np.stack([ke.kimi_forward_token(trained_weights, st, t, hooks=token) for t in TEXT])
     assert np.isfinite(seq).all()  # rows 3.. were NaN
     np.testing.assert_allclose(seq, step, atol=1e-4)
+
+
+# ---- the tokenizer's messages, and the CLI's stop token with --ids
+
+@pytest.mark.parametrize("config, message", [({"hidden_size": 8}, "config dict has no vocab_size"),
+                                             ({"vocab_size": "256"}, r"config dict vocab_size is '256' \(a str, not an int\)")])
+def test_load_tokenizer_says_what_the_config_lacks(config, message):
+    from kimi_explore.tokenizer import TokenizerError
+
+    with pytest.raises(TokenizerError, match=message):
+        ke.load_tokenizer(config)
+
+
+def test_load_tokenizer_on_a_config_json_without_vocab_size_does_not_call_it_missing(tmp_path):
+    import json
+
+    from kimi_explore.tokenizer import TokenizerError
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(TokenizerError, match="no tiktoken.model, and its config.json has no vocab_size"):
+        ke.load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("call", [lambda: ke.ByteTokenizer().decode(5), lambda: ke.ByteTokenizer().decode(None),
+                                  lambda: ke.ByteTokenizer().decode_bytes(65)])
+def test_decoding_a_bare_id_names_the_argument(call):
+    from kimi_explore.tokenizer import TokenizerError
+
+    with pytest.raises(TokenizerError, match=r"ids: expected a sequence of token ids \(one id: \[id\]\), found"):
+        call()
+
+
+def test_a_chat_of_no_list_names_the_argument():
+    from kimi_explore.chat_template import render_chat
+
+    with pytest.raises(ValueError, match="messages: expected a list of message dicts, found a NoneType"):
+        render_chat(None)
+
+
+def test_generate_with_ids_stops_at_the_tokenizers_stop_token_as_report_does(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from test_cli import _greedy
+
+    from kimi_explore import cli
+    from kimi_explore.cli import main
+    from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
+
+    ck = write_checkpoint(tmp_path / "ck", make_text_config(vocab_size=678))
+    for f in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(DATA / "tokenizer" / "synthetic_k3" / f, ck / f)
+    prompt = ke.load_tokenizer(ck).encode("hello")
+    greedy = _greedy(ke.from_pretrained(ck, device="cpu"), prompt, 8)
+    i = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])
+    real = cli.prompt_tokenizer
+
+    def stopping(args, weights):
+        t = real(args, weights)
+        t.eos_id = greedy[i]
+        return t
+    monkeypatch.setattr(cli, "prompt_tokenizer", stopping)
+    assert main(["--checkpoint", str(ck), "--ids", ",".join(map(str, prompt)), "--generate", "8", "--top", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == f"generated ids ({i + 1} after the prompt): {','.join(map(str, greedy[: i + 1]))}"
+    assert lines[-1] == f"stopped at the stop token {greedy[i]} after {i + 1} of 8"  # it ran on to 8
+
+
+def test_the_default_prompt_without_a_tokenizer_is_named_not_prompt(tmp_path, capsys):
+    from kimi_explore.cli import main
+    from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
+
+    ck = write_checkpoint(tmp_path / "ck", make_text_config(vocab_size=678))
+    assert main(["--checkpoint", str(ck)]) == 2
+    assert "error: the default prompt ('Kimi K3, one token at a time.', text) needs the checkpoint's tokenizer" in \
+        capsys.readouterr().err
