@@ -127,12 +127,12 @@ class Session:
                             f"{type(tokenizer).__name__}" + (" (a path: load it with ke.load_tokenizer(path))"
                                                              if isinstance(tokenizer, (str, Path)) else ""))
         self.hooks = (hooks if hooks is not None else Hooks()).bind(weights)
+        if isinstance(checkpoint_every, bool) or not (isinstance(checkpoint_every, (int, np.integer)) and checkpoint_every >= 0):
+            raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
         for obj in (self.recorder, self.hooks):
             if obj is not None:
                 _SERVES[obj] = weakref.ref(self)
-        if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
-            raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every = int(checkpoint_every)
         self.state = weights.new_state()
         self._tokens: list[int] = []
         self._logits: list[np.ndarray] = []  # host copies, never written after they are stored
