@@ -195,6 +195,11 @@ def test_generate_stops_after_the_tokenizers_stop_token(tmp_path, capsys, monkey
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2] == f"generated text ({i + 1} tokens after the prompt): {tok.decode(greedy[: i + 1])!r}"
     assert lines[-1] == f"stopped at the stop token '{tok.token_label(greedy[i])}' after {i + 1} of 8"
+    ids = ",".join(map(str, tok.encode("hello")))  # --ids stops there too (it ran on; `report --ids` stopped)
+    assert main(["--checkpoint", str(ck), "--ids", ids, "--generate", "8", "--top", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        f"generated ids ({i + 1} after the prompt): {','.join(map(str, greedy[: i + 1]))}",
+        f"stopped at the stop token {greedy[i]} after {i + 1} of 8"]
 
     asked = []
     monkeypatch.setattr(Session, "generate", lambda self, n, **kw: asked.append((n, kw)) or [])

@@ -463,34 +463,6 @@ def test_a_chat_of_no_list_names_the_argument():
         render_chat(None)
 
 
-def test_generate_with_ids_stops_at_the_tokenizers_stop_token_as_report_does(tmp_path, capsys, monkeypatch):
-    import shutil
-
-    from test_cli import _greedy
-
-    from kimi_explore import cli
-    from kimi_explore.cli import main
-    from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
-
-    ck = write_checkpoint(tmp_path / "ck", make_text_config(vocab_size=678))
-    for f in ("tiktoken.model", "tokenizer_config.json"):
-        shutil.copy(DATA / "tokenizer" / "synthetic_k3" / f, ck / f)
-    prompt = ke.load_tokenizer(ck).encode("hello")
-    greedy = _greedy(ke.from_pretrained(ck, device="cpu"), prompt, 8)
-    i = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])
-    real = cli.prompt_tokenizer
-
-    def stopping(args, weights):
-        t = real(args, weights)
-        t.eos_id = greedy[i]
-        return t
-    monkeypatch.setattr(cli, "prompt_tokenizer", stopping)
-    assert main(["--checkpoint", str(ck), "--ids", ",".join(map(str, prompt)), "--generate", "8", "--top", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[-2] == f"generated ids ({i + 1} after the prompt): {','.join(map(str, greedy[: i + 1]))}"
-    assert lines[-1] == f"stopped at the stop token {greedy[i]} after {i + 1} of 8"  # it ran on to 8
-
-
 def test_the_default_prompt_without_a_tokenizer_is_named_not_prompt(tmp_path, capsys):
     from kimi_explore.cli import main
     from kimi_explore.weights.tiny_model import make_text_config, write_checkpoint
