@@ -100,19 +100,19 @@ def text_tokens(w) -> list[int]:
 def test_sequence_equals_stepping(model_path, stepped64, dtype, tol, chunk):
     """Logits, the state and every record of the sequence path against stepping. float64: to 1e-9.
 
-    float32: the two routes round differently (sgemm against sgemv sums, the chunked sums), so the logits
-    are judged against the rounding of the token path itself, measured here as its float32 logits' max
-    distance to the float64 token form over the same 100 tokens (step_err). Measured (max over chunk
-    sizes 1, 7, 64, T and 1 or 2 BLAS threads): on the trained model step_err = 5.3e-6 and |seq - step|
-    <= 1.9e-5 (3.6 step_err); on the random reference model, whose weights amplify rounding layer after
-    layer, step_err = 6.2e-5 and |seq - step| <= 2.7e-4 (4.3 step_err; over its first 16 tokens 1.0e-4,
-    which is why a fixed 1e-4 there failed by a hair). Again after the token path's compiled steps
-    (2026-12-06, one BLAS thread): step_err 4.4e-6 and 8.8e-5, |seq - step| 1.7e-5 (default chunk) and up
-    to 1.8e-4 (chunk 7). So: |seq - step| <= 6 step_err on both, plus the issue's 1e-4 on the trained
-    model; the sequence path is about as close to the float64 truth as stepping (<= 4 step_err, measured 3.3). State and records to 1e-4 of each one's scale; on the random
-    model in float32 a state array may also differ by 6 times stepping's own distance to float64 (its last
-    MLA layer's keys: 0.94e-4 of their scale from stepping, 3x stepping's 3.4e-5, on a Xeon; 1.02e-4 once
-    AVX-512's softmax summed in 16 lanes)."""
+    float32: the two routes round differently (sgemm against sgemv sums, the chunked sums), so the logits are
+    judged against the rounding of the token path itself, measured here as its float32 logits' max distance to the
+    float64 token form over the same 100 tokens (step_err). Measured (max over chunk sizes 1, 7, 64, T and 1 or 2
+    BLAS threads): on the trained model step_err = 5.3e-6 and |seq - step| <= 1.9e-5 (3.6 step_err); on the random
+    reference model, whose weights amplify rounding layer after layer, step_err = 6.2e-5 and |seq - step| <=
+    2.7e-4 (4.3 step_err; over its first 16 tokens 1.0e-4, which is why a fixed 1e-4 there failed by a hair).
+    Again after the token path's compiled steps (2026-12-06, one BLAS thread): step_err 4.4e-6 and 8.8e-5, |seq -
+    step| 1.7e-5 (default chunk) and up to 1.8e-4 (chunk 7). So: |seq - step| <= 6 step_err on both, plus the
+    issue's 1e-4 on the trained model; the sequence path is about as close to the float64 truth as stepping (<= 4
+    step_err, measured 3.3). State and records to 1e-4 of each one's scale; on the random model in float32 a state
+    array may also differ by 6 times stepping's own distance to float64 (its last MLA layer's keys: 0.94e-4 of
+    their scale from stepping, 3x stepping's 3.4e-5, on a Xeon; 1.02e-4 once AVX-512's softmax summed in 16
+    lanes)."""
     w = from_pretrained(model_path, device="cpu", dtype=dtype)
     tokens = text_tokens(w)
     step_rec, seq_rec = ke.Recorder().bind(w), ke.Recorder().bind(w)
