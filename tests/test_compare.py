@@ -172,7 +172,7 @@ def test_report_shows_the_comparison(tmp_path, cmp_e, monkeypatch):
     from kimi_explore.views.figures import report
 
     session = ke.Session(_weights("e"))
-    session.feed(cmp_e.tokens[:2], progress=False)
+    session.feed(cmp_e.tokens, progress=False)  # the tokens compared (a report refuses a comparison of others)
     monkeypatch.setattr(report, "_figures", lambda *a: [])  # the session's own views: tested in test_report.py
     page = report.write_report(session.trace(), tmp_path, comparison=cmp_e).read_text()
     assert (tmp_path / "engine_divergence.png").stat().st_size > 1000 and (tmp_path / "engine_local.png").is_file()
