@@ -12,7 +12,8 @@ from ..backend import on_host
 from ..model.sites import site_table
 from ._hook_grammar import LAYER_NAME, is_glob
 
-__all__ = ["RESHAPE_OK", "ROUTE_SITES", "SEQUENTIAL_SITES", "HookChain", "HookHandle", "HookPoint", "check_replacement"]
+__all__ = ["MOE_OUTPUT_SITES", "RESHAPE_OK", "ROUTE_SITES", "SEQUENTIAL_SITES", "HookChain", "HookHandle", "HookPoint",
+           "check_replacement"]
 
 # Sites whose replacement may legitimately change shape (routing with fewer / other experts).
 RESHAPE_OK = ("moe.router.topk_ids", "moe.router.topk_weights")
@@ -20,7 +21,8 @@ RESHAPE_OK = ("moe.router.topk_ids", "moe.router.topk_weights")
 # a hook there makes its layer run token by token on the sequence path.
 SEQUENTIAL_SITES = ("kda.conv", "kda.state")
 # the sites whose value a Recorder keeps by reference until the token ends (their norms are taken then)
-KEPT_SITES = (*SEQUENTIAL_SITES, "moe.routed_out", "moe.shared_out")
+MOE_OUTPUT_SITES = ("moe.routed_out", "moe.shared_out")
+KEPT_SITES = (*SEQUENTIAL_SITES, *MOE_OUTPUT_SITES)
 # Sites whose full record changes how a fed chunk is computed (so a replay must keep them too): the recurrent ones run
 # their layer token by token; MLA's probabilities are then fired whole (the scores in one block, not by query blocks).
 ROUTE_SITES = (*SEQUENTIAL_SITES, "mla.probs")
@@ -120,9 +122,6 @@ class HookChain:
                 self.keep_value(name, self.hook_sets[:i])  # h may edit it in place, or replace it (the decoder
             value = h.fire(name, value)                    # then copies a kda value into the live buffer)
         return value
-
-    def acts_at(self, name: str) -> bool:
-        return any(_acts_at(h, name) for h in self.hook_sets)
 
     def keep_value(self, name: str, sets=None) -> None:
         """A later set is about to run at `name` (`KEPT_SITES`): each set before it that kept a reference there (a

@@ -59,7 +59,7 @@ from ..backend import on_host
 from ._hook_grammar import LAYER_NAME
 from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host
 from .chunk_records import ChunkRecording
-from .hook_sites import ROUTE_SITES, SEQUENTIAL_SITES
+from .hook_sites import MOE_OUTPUT_SITES, ROUTE_SITES, SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
 from .stacked_rows import StackedRows
 from .topk import top_predictions
@@ -410,7 +410,7 @@ class Recorder:
         """A hook set after this one in a HookChain is about to run at `name`, whose value is referenced here until
         the token ends (kda.state and kda.conv live buffers, the MoE outputs, for their norms): keep a copy of what
         was recorded, which that set may edit in place or replace."""
-        if name.endswith(("moe.routed_out", "moe.shared_out")):
+        if name.endswith(MOE_OUTPUT_SITES):
             if name + ".norm" in self._norm_stash:
                 self._norm_stash[name + ".norm"] = self._norm_stash[name + ".norm"].copy()
             return

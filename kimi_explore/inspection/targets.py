@@ -27,6 +27,17 @@ def _scalar(x):
     return x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x
 
 
+def _int_items(x) -> list | None:
+    """An int (or a 0-d int array) or a collection / array of them -> the ints as given; None if anything is not an
+    int (a bool, a float, a string, a non-collection)."""
+    x = _scalar(x)
+    items = [x] if isinstance(x, (int, np.integer)) else \
+        None if isinstance(x, (str, bytes, float)) or not hasattr(x, "__iter__") else [_scalar(i) for i in x]
+    if items is None or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
+        return None
+    return items
+
+
 def layer_ids(layer) -> list[int]:
     """An int or a list / range of distinct ones -> [int], checked (non-negative, not bool)."""
     layer = _scalar(layer)
@@ -46,10 +57,8 @@ def index_list(ids, what: str) -> list[int]:
     """Expert or head ids: an int (or a 0-d int array) or a non-empty collection / array of them -> [int] in the
     order given, checked to be ints (not bool: True would be id 1; not float: 3.7 would be id 3). `what` names
     the argument in the error ("ablate_experts: experts")."""
-    ids = _scalar(ids)
-    items = [ids] if isinstance(ids, (int, np.integer)) else \
-        None if isinstance(ids, (str, bytes, float)) or not hasattr(ids, "__iter__") else [_scalar(i) for i in ids]
-    if items is None or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
+    items = _int_items(ids)
+    if items is None:
         raise TypeError(f"{what}: expected an int id or a collection of int ids, got {ids!r}")
     if not items:  # it would act nowhere
         raise ValueError(f"{what}: got an empty collection of ids ({ids!r}), which would act nowhere")
@@ -97,11 +106,8 @@ def position_filter(positions):
 def position_list(positions) -> list[int]:
     """A token position (int, or a 0-d int array) or a non-empty collection / range of them -> sorted distinct
     ints, checked (>= 0)."""
-    positions = _scalar(positions)
-    items = [positions] if isinstance(positions, (int, np.integer)) else \
-        None if isinstance(positions, (str, bytes, float)) or not hasattr(positions, "__iter__") else \
-        [_scalar(p) for p in positions]
-    if items is None or not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in items):
+    items = _int_items(positions)
+    if items is None:
         raise TypeError(f"positions: expected None, a token position (int), a collection or range of them, or a slice; "
                         f"got {positions!r}")
     if not items:  # it would never act
