@@ -98,7 +98,7 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
             logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
         records = capture.take_records()
         for t in range(a, b):
-            check_replay(logits[t - a], session.logits_at(t), t, _hooked(session, t))
+            check_replay(logits[t - a], session.logits_at(t), t, hooked(session, t))
             if t in wanted:
                 yield t, {k: model.xp.asarray(rows[t - a]) for k, rows in records.items()}, logits[t - a]
         if b > last:
@@ -128,7 +128,7 @@ def _position(p, T: int) -> int:
     return int(p) % T
 
 
-def _hooked(session, t: int) -> bool:
+def hooked(session, t: int) -> bool:
     """`Session.decoded_with_hooks` (a driver without it: False)"""
     return bool(session.decoded_with_hooks(t)) if hasattr(session, "decoded_with_hooks") else False
 

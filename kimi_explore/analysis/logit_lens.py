@@ -97,7 +97,7 @@ def logit_lens(session, top: int = 5, targets=None, positions=None) -> LogitLens
 
     top: predictions kept per (token, layer). targets: None; "next" (the token fed after each one;
     -1 for the last); or token ids [T] (-1 skips a token): their log-prob at every layer is returned.
-    positions: history positions (negative counts from the end); the lens then has one row per
+    positions: history positions (negative counts from the end; or a slice of them); the lens then has one row per
     position, in increasing order, and the replay runs from the latest checkpoint at or before the
     first one to the last one (`replay(..., from_checkpoint=True)`: the Explorer asks for one token, at
     a cost that does not grow with the history).
@@ -138,6 +138,8 @@ def _top(top, who: str) -> int:
 
 def _rows(positions, T: int) -> np.ndarray:
     """The history rows asked for, in increasing order, each once."""
+    if isinstance(positions, slice):  # (as the interventions take them)
+        positions = range(T)[positions]
     ps = [positions] if np.ndim(positions) == 0 else list(positions)
     if not ps:
         raise ValueError("logit_lens: positions is empty: give at least one token position (or None for every token)")

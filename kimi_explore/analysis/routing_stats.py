@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import set_blas_threads
-from ..inspection.npz_io import NpzReader, write_npz
+from ..inspection.npz_io import NpzReader, npz_to_read, with_npz_suffix, write_npz
 from ..inspection.recorder import Recorder
 from ..inspection.session_io import fingerprint_differences, weights_fingerprint
 from ..model.kimi_decoder import token_indices
@@ -191,7 +191,9 @@ class RoutingStats:
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:
-        """Write one .npz atomically (a partial result survives an interrupted save)."""
+        """Write one .npz atomically (a partial result survives an interrupted save; the suffix is added if missing,
+        as `Session.save_state` and `Trace.save` add it)."""
+        path = with_npz_suffix(path, "RoutingStats.save")
         header = {"format": FORMAT, "moe_layers": self.moe_layers, "num_experts": self.num_experts, "top_k": self.top_k,
                   "class_names": self.class_names, "tokens": self.tokens, "texts": self.texts, "model": self.model}
         classed = np.array(sorted(self.classed.items()), np.int64).reshape(-1, 2)
@@ -202,7 +204,8 @@ class RoutingStats:
     @classmethod
     def load(cls, path) -> RoutingStats:
         """A `save`d result, checked whole: every header key, each array's shape and dtype against the header's
-        layers, experts and classes."""
+        layers, experts and classes (PATH.npz where `path` names no file and has no .npz suffix, as `save` named it)."""
+        path = npz_to_read(path)
         with NpzReader(path, "routing-stats checkpoint") as z:
             if "header" not in z:
                 raise ValueError(f"{path}: not a routing-stats checkpoint (no 'header' entry; found {z.files[:5]})")
@@ -303,7 +306,7 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     classes: token id -> label, a str, int, float, bool or None (default: `byte_class` for a byte
     vocabulary); labels of other types are other classes (True, 1 and 1.0: three), NaN is refused
     (module docstring). progress: a tqdm bar over tokens. checkpoint: a path to save the partial result to
-    and resume from. workers: texts decoded at once, each in a forked process (see module
+    and resume from (`.npz` added if missing). workers: texts decoded at once, each in a forked process (see module
     docstring); 1 decodes here.
     """
     vocab = int(weights.config.vocab_size)
@@ -334,6 +337,8 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
                          "(vocab_size in its config): they belong to different models")
     ids = [_text_ids(j, x, tokenizer, vocab) for j, x in enumerate(texts)]
     digests = [_digest(x) for x in ids]
+    if checkpoint is not None:
+        checkpoint = with_npz_suffix(checkpoint, "routing_stats: checkpoint")  # (what `save` writes, and so what a resume reads)
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
     start, since_save = len(stats.texts), 0
     _check_classing(checkpoint, stats, classes)  # (also when it holds every text: its result is this call's)

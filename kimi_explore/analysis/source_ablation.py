@@ -49,7 +49,7 @@ from ..inspection.source_masks import SOURCE_FAMILIES, check_family, mask_source
 from ..model.block_residual import source_labels
 from ..model.kimi_decoder import token_indices
 from ..model.kimi_sequence import SequenceSources, default_chunk, embed_chunk, finish_sequence, sequence_layer
-from ._replay import check_replay
+from ._replay import check_replay, hooked, replay
 from .logprobs import kl_divergence, log_softmax
 
 __all__ = ["SourceAblation", "source_ablation", "spearman"]
@@ -332,6 +332,9 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
     if token_ids is None and s is not None:  # the session's own history: the clean run must be it (as the lens checks)
         for t in range(len(ids)):
             check_replay(clean_logits[t], s.logits_at(t), t)
+        if any(hooked(s, t) for t in range(len(ids))):  # ... bit for bit where hooks changed values: only a replay
+            for _ in replay(s, ()):  # of its own passes shows it (a temporary intervention moves them below any tolerance)
+                pass
     clean_loss = float(clean_losses.mean())
     S = int(weights.max_sources)  # integer columns and ("block", j) count model-wide (`inspection.source_masks`)
 

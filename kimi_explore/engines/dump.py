@@ -66,10 +66,13 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     T = len(tokens)
     out = {}
     for name, a in arrays.items():
-        a = np.ascontiguousarray(_to_host(a))
+        a = np.asarray(_to_host(a))
+        if a.ndim == 0:  # (before np.ascontiguousarray, which makes a 0-d value [1])
+            raise ValueError(f"write_dump: {name!r} is a scalar (shape ()); expected [T, ...] with T = {T} (one row per token)")
+        a = np.ascontiguousarray(a)
         if not a.dtype.isnative:  # a big-endian '>f4' is float32 to write
             a = a.astype(a.dtype.newbyteorder("="))
-        if a.ndim == 0 or a.shape[0] != T:
+        if a.shape[0] != T:
             raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
         if a.dtype not in _readable():  # complex, text, float8, uint16..64: nothing read_dump opens
             raise ValueError(f"write_dump: {name!r} is {a.dtype.name}; expected a float array (float32, float16, bfloat16, "
@@ -87,7 +90,7 @@ def read_dump(path) -> Dump:
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"engine dump {path}: no such file")
+        raise FileNotFoundError(f"engine dump {path}: no such file" + (" (a directory)" if path.is_dir() else ""))
     from ..errors import CheckpointError
     from ..weights.safetensors_io import SafetensorsFile
 

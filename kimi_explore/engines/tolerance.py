@@ -107,7 +107,9 @@ class Tolerance:
             if spec not in TOLERANCE_PRESETS:
                 raise ValueError(f"tolerance={spec!r}: expected one of {sorted(TOLERANCE_PRESETS)}, a float rtol or a Tolerance")
             return TOLERANCE_PRESETS[spec]
-        if isinstance(spec, numbers.Real) and not isinstance(spec, (bool, np.bool_)) and spec > 0:
+        if isinstance(spec, numbers.Real) and not isinstance(spec, (bool, np.bool_)):
+            if not spec > 0:  # (0, a negative rtol, NaN: a number, but no tolerance)
+                raise ValueError(f"tolerance={spec!r}: a float rtol must be > 0")
             return cls(float(spec))  # a NumPy scalar (np.float32(3e-2), from a dtype's eps) too
         raise TypeError(f"tolerance={spec!r}: expected a preset name, a positive float rtol or a Tolerance")
 

@@ -84,9 +84,13 @@ def _max_layer_in(pattern: str) -> int:
 
 def _suggest(pattern: str, names) -> str:
     m = LAYER_NAME.match(pattern)
-    if m and not is_glob(m.group(1)):  # a typo in the site: suggest sites of the same layer
-        close = difflib.get_close_matches(m.group(2), sorted(LAYER_SUFFIXES), n=3, cutoff=0.6)
-        close = [f"layers.{m.group(1)}.{c}" for c in close]
+    if m and not is_glob(m.group(1)):  # a typo in the site: suggest sites of the same layer (the model's, where known)
+        prefix = f"layers.{m.group(1)}."
+        here = [n[len(prefix):] for n in names if n.startswith(prefix)]
+        close = difflib.get_close_matches(m.group(2), here or sorted(LAYER_SUFFIXES), n=3, cutoff=0.6)
+        if here and not close:
+            return f"layer {m.group(1)} has the sites {here}"
+        close = [prefix + c for c in close]
     else:
         close = difflib.get_close_matches(pattern, list(names), n=3, cutoff=0.6)
     return f"did you mean {close}?" if close else "list the valid names with kimi_explore.hook_names(weights)"

@@ -8,15 +8,17 @@ checked as it is read, so a flipped or truncated byte fails the entry that holds
 failure (and a missing entry, and a file that is no zip at all) is one ValueError naming the file
 and the entry. The CRC is the zip's own, so an entry edited and written back (np.savez of the loaded
 entries, one changed) passes it: every file also holds `digests`, a hash of each entry's dtype, shape and
-bytes made when it was written, and an entry read that does not match its hash (or that it does not list) is
-refused as changed after saving. Files written before digests (and other programs' .npz) are read without.
+bytes made when it was written, and an entry read that does not match its hash (or that it does not list), or an
+entry it lists that the file no longer holds, is refused as changed after saving. Files written before digests (and other programs' .npz) are read without.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import itertools
 import os
+import threading
 import zipfile
 import zlib
 from pathlib import Path
@@ -28,6 +30,7 @@ __all__ = ["NpzReader", "npz_to_read", "read_npz_header", "with_npz_suffix", "wr
 # what NumPy / zipfile raise on a damaged or truncated archive or entry
 _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError)
 DIGESTS = "digests"  # the entry holding {entry: digest(its array)} as JSON
+_WRITES = itertools.count()  # numbers each write's temporary file (threads of a process may save to one path at once)
 
 
 def digest(a) -> str:
@@ -38,9 +41,12 @@ def digest(a) -> str:
     return h.hexdigest()
 
 
-def with_npz_suffix(path) -> Path:
-    """The name a state or trace file is saved under: `path`, `.npz` added if it has another suffix or none."""
+def with_npz_suffix(path, what: str = "save") -> Path:
+    """The name a state, trace or checkpoint file is saved under: `path`, `.npz` added if it has another suffix or
+    none. A directory is refused (`what` names the caller): else the file would be `DIR.npz` beside it."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what}: {path} is a directory; give a file path, e.g. {path / 'out.npz'}")
     return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
 
@@ -69,19 +75,20 @@ def write_atomically(path, write) -> Path:
     """`write(tmp)` fills a temporary file beside `path`, then it is renamed to `path`: an interrupted write leaves
     the old file (or none), and a reader never sees part of one under the final name. What a user saves goes
     this way: npz files (states, traces, checkpoints), dumps, reports and their figures, snapshots."""
-    path = Path(path)
+    given = Path(path)
+    path = Path(os.path.realpath(given)) if given.is_symlink() else given  # (a link stays: written where it points)
     if not path.parent.is_dir():  # (else the error would name the temporary file)
         raise FileNotFoundError(f"{path}: its directory {path.parent} does not exist")
     if path.is_dir():  # (else the error would name the temporary file, which os.replace cannot put over it)
         raise IsADirectoryError(f"{path} is a directory; give a file path, e.g. {path / 'out'}{path.suffix}")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_WRITES)}.tmp")  # (one per write)
     try:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
+    return given
 
 
 class NpzReader:
@@ -113,6 +120,12 @@ class NpzReader:
                 z.close()
                 raise ValueError(f"{self.path}: entry {DIGESTS!r} is not a JSON object of the entries' digests: the file "
                                  "is damaged")
+            missing = [k for k in self._digests if k not in self.files]
+            if missing:  # (else a reader that takes a missing entry for an older file's would read on without it)
+                z.close()
+                raise ValueError(f"{self.path}: entries {missing} were saved in this {what} file and are no longer in "
+                                 f"it (it holds {self.files[:8]}{'...' if len(self.files) > 8 else ''}): the file was "
+                                 "changed after it was saved")
 
     def __enter__(self) -> NpzReader:
         return self
@@ -138,9 +151,13 @@ class NpzReader:
 
     def _read(self, key: str) -> np.ndarray:
         try:
-            return self._z[key]
+            a = self._z[key]
         except _DAMAGE as e:
             raise ValueError(f"{self.path}: entry {key!r} is damaged or truncated ({type(e).__name__}: {e})") from None
+        if not isinstance(a, np.ndarray):  # (np.load gives a member without .npy framing as its raw bytes)
+            raise ValueError(f"{self.path}: entry {key!r} is not an .npy array (found {type(a).__name__}): the file is "
+                             f"damaged or not a {self.what} file")
+        return a
 
     def kept(self, key: str) -> np.ndarray:
         """`self[key]`, read (and decompressed) once while the reader is open: an entry many others refer to."""

@@ -87,6 +87,12 @@ DEFAULT_SITES = {
 }
 
 
+def _kind(name: str) -> str:
+    """A site's kind: its name without the "layers.{i}." prefix."""
+    m = LAYER_NAME.match(name)
+    return m.group(2) if m else name
+
+
 def _predicate(spec, what: str):
     """None | name | glob | list of them | callable -> (name -> bool, patterns to check)."""
     if spec is None:
@@ -216,12 +222,23 @@ class Recorder:
         self.hooks.bind(weights_or_names if names is None else names)
         for p in self._filter_patterns + self._full_patterns:
             check_pattern(p, self.hooks.names, "Recorder pattern")
+        self._refuse_filters_recording_nothing()
         if hasattr(weights_or_names, "specs"):
             self.meta = model_meta(weights_or_names)
             self._on_device = not on_host(weights_or_names.xp)
             self.hooks.refresh()
             self._chunks.clear()  # (built from the meta: the heads of the KDA layers)
         return self
+
+    def _refuse_filters_recording_nothing(self) -> None:
+        """A names_filter pattern that selects only sites this recorder keeps nothing of (no default record, not in
+        `full`) is refused: a right name would otherwise record nothing without a word."""
+        for p in self._filter_patterns:
+            picked = [n for n in self.hooks.names if n == p or (is_glob(p) and fnmatch.fnmatchcase(n, p))]
+            if picked and not any(_kind(n) in DEFAULT_SITES or (self.full is not None and self.full(n)) for n in picked):
+                raise ValueError(f"Recorder names_filter {p!r} selects only sites a Recorder keeps nothing of by default "
+                                 f"({picked[:3]}{'...' if len(picked) > 3 else ''}: it records {sorted(DEFAULT_SITES)}); "
+                                 f"to record their values pass full=[{p!r}] (the whole value per token)")
 
     def _wants(self, name: str, kind: str) -> bool:
         return kind in DEFAULT_SITES and (self.names_filter is None or self.names_filter(name))
@@ -239,8 +256,7 @@ class Recorder:
         fns = []
         if name == "embed":
             fns.append(self._start_token)
-        m = LAYER_NAME.match(name)
-        kind = m.group(2) if m else name
+        kind = _kind(name)
         wanted = self._wants(name, kind)
         if wanted or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
             fn = self._recording_fn(name, kind)
@@ -566,11 +582,11 @@ class Recorder:
         return {"names_filter": self._filter_patterns or self.names_filter, "full": self._full_patterns or self.full or (),
                 "top_k": self.top_k}
 
-    def differences(self, settings: dict) -> list[str]:
+    def differences(self, settings: dict, names=None) -> list[str]:
         """How records made under `settings` (`settings()`'s keys) would not line up with this recorder's: its
-        top_k, and the bound model's sites each filter selects (a glob and a callable that select the same
-        sites agree). [] when they line up."""
-        names, mine = self.hooks.names or [], self.settings()
+        top_k, and the sites each filter selects of `names` (default: the bound model's; a glob and a callable
+        that select the same sites agree). [] when they line up."""
+        names, mine = (self.hooks.names or []) if names is None else names, self.settings()
 
         def selected(key: str, spec) -> list[str]:  # names_filter None: every site ([]: none)
             keep = _predicate(spec, f"Recorder {key}")[0]

@@ -62,7 +62,7 @@ from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names, to
 from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import Recorder
-from .session_io import SessionSnapshot, check_tokenizer, copy_sharing, load_session, nbytes_once, save_session
+from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
 from .trace import window_slice
 
 # a Recorder or Hooks -> the Session it serves: its records and its `with intervene` blocks are that session's
@@ -182,6 +182,12 @@ class Session:
 
     def logits_at(self, t: int) -> np.ndarray:
         """A copy of token t's logits [vocab] (negative t counts from the end)."""
+        T = len(self._logits)
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"Session.logits_at: t must be an int token position in 0..{T - 1} (or -{T}..-1), got {t!r}")
+        if not -T <= t < T:
+            raise IndexError(f"Session.logits_at: token {t} is outside the session's history of {T} tokens "
+                             + (f"(0..{T - 1}, or -{T}..-1)" if T else "(feed a prompt first)"))
         return self._logits[t].copy()
 
     def __len__(self) -> int:
@@ -419,7 +425,12 @@ class Session:
     def runs(self, c: int = 0, t: int | None = None):
         """Tokens c..t-1 (default: the whole history) as the forward passes that decoded them: (s, None) for
         a stepped token, (a, b) for the part of a fed chunk. Replaying these exactly reproduces the history."""
-        t = len(self._tokens) if t is None else t
+        T = len(self._tokens)
+        t = T if t is None else t
+        for what, v, lo in (("c", c, 0), ("t", t, c)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= T:
+                raise ValueError(f"Session.runs: {what} must be an int in {lo}..{T} (0 <= c <= t <= the {T} tokens), "
+                                 f"got {v!r}")
         s = c
         while s < t:
             start = self._chunk_of[s]
@@ -651,8 +662,7 @@ class Session:
 
         recorder=True records as the saved session did (off if it recorded nothing); False: no recorder."""
         _refuse_not_weights(weights, "Session.load_state")  # before the file is read
-        snap, saved = load_session(path, weights)
-        check_tokenizer(path, saved.tokenizer, tokenizer)
+        snap, saved = load_session(path, weights, tokenizer)
         if recorder is True:
             try:
                 recorder = Recorder(**saved.recorder) if saved.recorder is not None else False
@@ -661,7 +671,7 @@ class Session:
                                  "damaged") from None
         if isinstance(recorder, Recorder):  # refused before a session binds it (a failed load leaves it free)
             _refuse_other_records(recorder, snap, f"Session.load_state: {path}",
-                                  ("pass recorder=False", "pass recorder=True (the file's settings)"))
+                                  ("pass recorder=False", "pass recorder=True (the file's settings)"), hook_names(weights))
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
@@ -703,14 +713,15 @@ def refuse_unchoosable(logits, t: int, what: str) -> None:
         raise FloatingPointError(f"{what}: the logits after token {t} are all -inf: no token to choose")
 
 
-def _refuse_other_records(recorder, snap: SessionSnapshot, what: str, fix: tuple[str, str]) -> None:
+def _refuse_other_records(recorder, snap: SessionSnapshot, what: str, fix: tuple[str, str], names=None) -> None:
     """Refuse to continue `snap`'s records with `recorder` (None: nothing to check) when their rows would not line
-    up; `fix`: what to do (no records saved, other settings)."""
+    up; `fix`: what to do (no records saved, other settings); `names`: the model's sites (default: the recorder's
+    bound model's; an unbound recorder has none, and every filter would seem to agree)."""
     if recorder is None:
         return
     if snap.records is None:
         raise ValueError(f"{what} holds no records (its session recorded nothing) but there is a recorder; {fix[0]}")
-    differ = recorder.differences(snap.records["settings"])
+    differ = recorder.differences(snap.records["settings"], names)
     if differ:
         raise ValueError(f"{what}'s records were made by a Recorder with other settings than this session's: "
                          + "; ".join(differ) + f" (its rows would not line up with the next tokens'); {fix[1]}")

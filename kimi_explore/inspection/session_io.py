@@ -95,10 +95,7 @@ class SavedSettings:
 def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, recorder: Recorder | None,
                  checkpoints: bool = True, tokenizer=None) -> Path:
     """Write `snap` (a `Session.snapshot()`) and the settings to continue it as one .npz."""
-    path = Path(path)
-    if path.is_dir():  # else numpy writes `DIR.npz` beside it
-        raise IsADirectoryError(f"save_state: {path} is a directory; give a file path, e.g. {path / 'session.npz'}")
-    path = with_npz_suffix(path)
+    path = with_npz_suffix(path, "save_state")
     arrays, layout = {}, {}
     states = [("state", snap.state)] + ([(f"ckpt{t}", s) for t, s in snap.checkpoints.items()] if checkpoints else [])
     owners = _cache_owners(states)
@@ -126,10 +123,11 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
     return write_npz(path, {"header": np.array(json.dumps(header)), **arrays})
 
 
-def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
+def load_session(path, weights, tokenizer=None) -> tuple[SessionSnapshot, SavedSettings]:
     """The history in a `save_session` file, checked to belong to `weights`, and the settings to continue it.
 
-    Everything is read and checked before anything is built: the fingerprint, then that the parts agree
+    Everything is read and checked before anything is built: the fingerprint, the tokenizer's (`check_tokenizer`:
+    `tokenizer`, where given, is the one it was saved with), then that the parts agree
     with each other and with `weights` (T tokens in the vocabulary, [T, vocab] logits of the weights'
     dtype, states at the right positions with every array's shape and dtype, records that split into
     their rows). A file that fails any check is refused with what it holds against what was expected. A path
@@ -138,6 +136,7 @@ def load_session(path, weights) -> tuple[SessionSnapshot, SavedSettings]:
     with NpzReader(path, "session state") as z:
         header = z.header(READS, required=HEADER_KEYS)
         _check_fingerprint(path, header["fingerprint"], weights_fingerprint(weights))
+        check_tokenizer(path, header.get("tokenizer"), tokenizer)
         T = _check_history(path, header, weights)
         logits = z["logits"]
         want = (T, weights.config.vocab_size)

@@ -57,18 +57,24 @@ SOURCE_FAMILIES = ("embedding", "older_blocks", "latest_block", "current")
 _NAMED = ("embedding", "current", "latest_block", "older_blocks", "blocks")
 
 
+def _is_block(family) -> bool:
+    """Whether a family is ('block', j); any other tuple is columns, as a list is."""
+    return isinstance(family, tuple) and len(family) == 2 and isinstance(family[0], str) and family[0] == "block"
+
+
 def check_family(family):
     """Raise a clear error for anything `source_columns` cannot resolve."""
     if isinstance(family, str):
         if family not in _NAMED:
             raise ValueError(f"source family must be one of {list(_NAMED)}, ('block', j) or a list of columns; got {family!r}")
-    elif isinstance(family, tuple) and len(family) == 2 and family[0] == "block":
-        if not isinstance(family[1], (int, np.integer)) or family[1] < 0:
+    elif _is_block(family):
+        if not isinstance(family[1], (int, np.integer)) or isinstance(family[1], bool) or family[1] < 0:
             raise ValueError(f"('block', j): j must be an int >= 0 (a block of Trace.source_labels()), got {family[1]!r}")
     else:
-        cols = list(family)
+        cols = list(family) if isinstance(family, (list, tuple, range, np.ndarray)) else None
         if not cols or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in cols):
-            raise ValueError(f"source family must be a name, ('block', j) or a non-empty list of int columns; got {family!r}")
+            raise ValueError(f"source family must be a name, ('block', j) or a non-empty list of int columns; got {family!r}"
+                             + (f" (one column: [{family}])" if isinstance(family, (int, np.integer)) else ""))
     return family
 
 
@@ -116,7 +122,7 @@ def source_columns(family, n_sources: int, max_sources: int | None = None, where
         return list(range(1, n - 1))
     if family == "blocks":
         return list(range(1, n))
-    if isinstance(family, tuple):
+    if _is_block(family):
         j = int(family[1])
         if max_sources is not None and j >= max_sources - 1:
             raise ValueError(f"{where}: ('block', {j}) does not exist: the model stores blocks 0..{max_sources - 2} "

@@ -279,13 +279,19 @@ class Trace:
     # ------------------------------------------------------------------ files and frames
     def save(self, path) -> Path:
         """Write one .npz (the suffix is added if missing); `Trace.load` reads it back exactly."""
-        path = Path(path)
-        if path.is_dir():  # else numpy writes `DIR.npz` beside it
-            raise IsADirectoryError(f"Trace.save: {path} is a directory; give a file path, e.g. {path / 'trace.npz'}")
-        path = with_npz_suffix(path)
+        path = with_npz_suffix(path, "Trace.save")
         arrays = {f"record/{k}": v for k, v in self._records.items()}
+        held = [k for k, v in self._records.items() if np.asanyarray(v).dtype.hasobject]
+        if held:  # (a file holds numbers: NumPy would pickle them, which no load reads back)
+            raise TypeError(f"Trace.save: {path}: records {held[:5]} hold Python objects (dtype object); a trace file "
+                            "holds numeric arrays: convert them, e.g. np.asarray(values, np.float32)")
         header = {"format": FORMAT, "names": list(self._records), "meta": self.meta}
-        return write_npz(path, {"header": np.array(json.dumps(header)), "tokens": self.tokens,
+        try:
+            header = json.dumps(header)
+        except TypeError as e:
+            raise TypeError(f"Trace.save: {path}: the trace's meta is not JSON ({e}; meta keys {sorted(self.meta)}): "
+                            "give it str, int, float, bool, None, lists and dicts (an array: .tolist())") from None
+        return write_npz(path, {"header": np.array(header), "tokens": self.tokens,
                                 "positions": self.positions, **arrays})
 
     @classmethod
@@ -311,7 +317,8 @@ class Trace:
             raise ValueError(f"{path}: {e} (the file is damaged)") from None
 
     def to_pandas(self, names=None):
-        """Long format, one row per recorded number: t, position, token, name, layer, index, value.
+        """Long format, one row per recorded number: t, position, token, name, layer, index, value (`names`: a record's
+        name or a list of them; default all).
 
         `index` is the element's index tuple inside the per-token value; padding (NaN / -1 from
         varying shapes) is left out. Needs pandas.
@@ -321,6 +328,8 @@ class Trace:
         except ImportError as e:
             raise ImportError("Trace.to_pandas needs pandas: pip install pandas") from e
         frames = []
+        if isinstance(names, str):  # one record (a string is not iterated as its letters)
+            names = [names]
         for name in self.names() if names is None else list(names):
             v = self[name]
             flat = v.reshape(len(self), -1) if len(self) else v.reshape(0, int(np.prod(v.shape[1:])))  # (-1: none in 0 rows)

@@ -108,6 +108,9 @@ class MemoryReport(dict):
 
 def memory_report(weights) -> MemoryReport:
     """Resident bytes of `weights` (a KimiDecoderWeights) by component."""
+    if not hasattr(weights, "embed_tokens"):
+        raise TypeError(f"memory_report: expected the weights from ke.from_pretrained(...), got {type(weights).__name__}"
+                        + (" (a session's are session.weights)" if hasattr(weights, "weights") else ""))
     parts, mapped = dict.fromkeys(COMPONENTS, 0), {}
     parts["embed_tokens"] = _nbytes(weights.embed_tokens)
     if weights.lm_head is not weights.embed_tokens:  # tied embeddings are counted once

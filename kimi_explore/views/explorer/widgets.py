@@ -416,9 +416,12 @@ class Explorer(widgets.VBox):
         self.sync()  # a click on what is selected already still shows a history changed outside the Explorer
         n = len(self.session)
         if token is not None:
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise TypeError(f"Explorer.select: token must be an int history position, got {token!r} "
+                                f"({type(token).__name__})")
             if n == 0:
                 raise IndexError(f"Explorer.select: token={token}, but nothing is decoded yet: Step first")
-            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not -n <= token < n:
+            if not -n <= token < n:
                 raise IndexError(f"Explorer.select: token={token!r} is outside the history: it holds {n} tokens "
                                  f"(0..{n - 1}, or -{n}..-1)")
             token = int(token) % n

@@ -275,6 +275,8 @@ def kda_state_curves(trace, layers=None, tokenizer=None, max_layers: int = 4) ->
     """
     norms, ids = _kda(trace)
     title = "KDA recurrent-state norm over the prompt"
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):  # one layer
+        layers = [layers]
     if layers is None:
         pick = np.unique(np.linspace(0, len(ids) - 1, min(len(ids), max_layers)).round().astype(int))
         layers = [ids[p] for p in pick]
@@ -468,7 +470,15 @@ def compare_predictions(base_logits, other_logits, tokenizer=None, k: int = 10,
     """Next-token distributions of two runs side by side (the union of both top-k), with their KL.
 
     base_logits, other_logits: [vocab] host arrays (e.g. a session's logits and its ablated fork's).
+    k: the top ids of each shown (>= 1).
     """
+    for what, a in (("base_logits", base_logits), ("other_logits", other_logits)):
+        if np.ndim(a) != 1:  # (a [T, vocab] history would be one softmax over T * vocab "ids")
+            raise ValueError(f"compare_predictions: {what} must be one token's logits [vocab], got shape "
+                             f"{list(np.shape(a))}" + (" (a history: pick a token's row, e.g. logits[-1])"
+                                                       if np.ndim(a) == 2 else ""))
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"compare_predictions: k (top ids shown from each) must be an int >= 1, got {k!r}")
     p, q = softmax(base_logits), softmax(other_logits)
     if p.shape != q.shape:
         raise ValueError(f"the two logit vectors differ in shape: {p.shape} vs {q.shape}")
