@@ -9,14 +9,15 @@ failure (and a missing entry, and a file that is no zip at all) is one ValueErro
 and the entry. The CRC is the zip's own, so an entry edited and written back (np.savez of the loaded
 entries, one changed) passes it: every file also holds `digests`, a hash of each entry's dtype, shape and
 bytes made when it was written, and an entry read that does not match its hash (or that it does not list), or an
-entry it lists that the file no longer holds, is refused as changed after saving. Files written before digests (and other programs' .npz) are read without.
+entry it lists that the file no longer holds, is refused as changed after saving. Files written before digests
+(and other programs' .npz) are read without.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import itertools
+import json
 import os
 import threading
 import zipfile

@@ -89,7 +89,8 @@ def resolve_weight_dtype(weight_dtype, dtype) -> bool:
         return False
     if weight_dtype in ("bfloat16", "bf16"):
         return True
-    raise ValueError(f"weight_dtype={weight_dtype!r}: expected None (= dtype, {np.dtype(dtype).name!r}) or 'bfloat16' (or 'bf16')")
+    raise ValueError(f"weight_dtype={weight_dtype!r}: expected None (= dtype, {np.dtype(dtype).name!r}) or 'bfloat16' "
+                     "(or 'bf16')")
 
 
 def check_bf16_kernel(kernel: bool | None, xp, dtype, device: str) -> None:
