@@ -266,3 +266,105 @@ def test_argument_errors_name_the_argument(trained_weights):
         ke.compare(s, {"logits": s.logits}, tolerance=-1.0)
     lens = ke.logit_lens(s, positions=slice(0, 3))
     np.testing.assert_array_equal(lens.positions, [0, 1, 2])
+
+
+# ---- the words around the analyses' numbers ----
+
+def test_the_ablation_verdict_says_an_undefined_or_negative_correlation_as_such():
+    """NaN and every negative rho fell through to 'mass not predicts importance', a -1 (mass ranks importance
+    backwards) worded as a 0."""
+    from kimi_explore.analysis.source_ablation import SourceAblation
+
+    def rows(pairs):
+        return [{"layer": i, "site": "ffn", "family": "current", "columns": [0], "n_sources": 2, "mass": m, "loss": 0.0,
+                 "delta_loss": e, "kl": e} for i, (m, e) in enumerate(pairs)]
+
+    first = lambda pairs: SourceAblation(rows(pairs), 10, 1.0).verdict().splitlines()[0]  # noqa: E731
+    assert "is undefined (fewer than 3 cells" in first([(0.1, 0.4), (0.2, 0.3)])
+    assert "is -1.00: the more mass a source gets, the less masking it matters" in first(
+        [(0.1, 0.4), (0.2, 0.3), (0.3, 0.2), (0.4, 0.1)])
+    assert "is 1.00: mass strongly predicts importance for this model" in first([(0.1, 0.1), (0.2, 0.2), (0.3, 0.3)])
+    assert "mass does not predict importance" in first([(0.1, 0.2), (0.2, 0.4), (0.3, 0.1), (0.4, 0.3)])  # rho 0.0
+
+
+def test_routing_load_is_undefined_before_any_token_and_look_inside_counts_its_text(trained_weights):
+    """With no tokens max/mean and CV were 0.0 (CV 0 reads as perfectly balanced; max/mean is >= 1 by definition);
+    look_inside's stats said '0 texts' for the one text it decoded."""
+    from kimi_explore.analysis import learned
+
+    empty = ke.routing_stats(trained_weights, [""], progress=False)
+    assert np.isnan(empty.max_over_mean).all() and np.isnan(empty.cv).all()
+    inside = learned.look_inside(trained_weights, "The cat sat.")
+    assert len(inside.routing.texts) == 1
+    counted = ke.routing_stats(trained_weights, ["The cat sat."], progress=False)
+    assert inside.routing.texts == counted.texts
+    np.testing.assert_array_equal(inside.routing.counts, counted.counts)
+
+
+# ---- a pipeline's arguments, refused before any stage starts (no Ray needed) ----
+
+def test_pipeline_stage_lists_read_iterators_once_and_name_a_negative_layer():
+    """A part given as an iterator was read twice (refused as empty); a -1 was refused as 'not strictly increasing'."""
+    from kimi_explore.distributed.pipeline import split_layers
+
+    assert split_layers(list(range(8)), [range(0, 4), iter(range(4, 8))]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match=r"stages\[1\] holds layer -1; layer indices are 0-based"):
+        split_layers(list(range(8)), [[0, 1, 2, 3], [-1, 4, 5, 6, 7]])
+
+
+def test_pipeline_keyword_mistakes_are_refused_before_the_stages_start():
+    """A typo (expert=) was reported by each stage after it started, as load_weights(); embedding= as 'multiple values'."""
+    path = ke.tiny_checkpoint()
+    with pytest.raises(TypeError, match=r"RayPipeline: unexpected keyword argument\(s\) \['expert'\]: from_pretrained "
+                                        r"takes \['dtype', 'weight_dtype', 'experts'"):
+        ke.RayPipeline(path, expert="mapped")
+    with pytest.raises(TypeError, match=r"\['embedding'\] are set by RayPipeline itself"):
+        ke.RayPipeline(path, embedding=False)
+    with pytest.raises(ValueError, match="expert_cache_size=-2"):
+        ke.RayPipeline(path, expert_cache_size=-2)
+
+
+# ---- interventions across chunks ----
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_lens_accepts_tokens_decoded_under_held_hooks_after_a_chunk_fed_without_them(dtype):
+    """The replay ran the chunk fed before the hooks were held on another route (a token-form hook, or one at
+    kda.state, sends it token by token): its state rounded otherwise, and the next token, decoded under the held
+    hooks and checked bit for bit, was refused as if decoded under hooks since removed (2.9e-6 off; 7e-15 in
+    float64), naming the chunk's end, which no hook touched."""
+    w = ke.from_pretrained(ke.tiny_checkpoint(), dtype=dtype)
+    ids = list(b"def add(a, b):\n    return a + b\nprint(add(1, 2))\n")
+    token_form = ke.Hooks()
+    token_form.add("layers.3.attn.out", lambda v, *, hook: v * 2 if hook.position == 40 else None)
+    for hooks in (token_form, ke.interventions.zero_kda_head(4, [1], positions=40)):
+        s = ke.Session(w)
+        s.feed(ids[:36], chunk=12, progress=False)
+        with s.intervene(hooks):
+            s.feed(ids[36:44], progress=False)  # stepped: held hooks take single tokens (or a layer's)
+            lens = ke.logit_lens(s)
+            np.testing.assert_array_equal(lens.top_ids[:, -1, 0], np.argmax(s.logits, axis=1))
+            ke.logit_lens(s, positions=slice(30, 45))
+        with pytest.raises(ValueError, match="other logits at token 40 than the session stored"):
+            ke.logit_lens(s)  # (the hooks gone: token 40 was decoded under them)
+
+
+def test_scale_kda_head_runs_only_its_layer_token_by_token(trained_weights, monkeypatch):
+    """Its hooks took single tokens, so a chunk ran through every layer in the token form (stepping's speed), where
+    the docs said its layer alone does."""
+    from kimi_explore.model import kimi_sequence
+
+    ran = {"chunked": 0, "by tokens": 0}
+    for attr, key in (("sequence_layer", "chunked"), ("_layer_by_tokens", "by tokens")):
+        real = getattr(kimi_sequence, attr)
+        monkeypatch.setattr(kimi_sequence, attr,
+                            lambda *a, _real=real, _key=key, **k: (ran.__setitem__(_key, ran[_key] + 1), _real(*a, **k))[1])
+    ids = list(b"def f(x):\n    return x\n")
+    fed = ke.kimi_forward_sequence(trained_weights, trained_weights.new_state(), ids,
+                                   hooks=ke.interventions.zero_kda_head(1, 0, positions=[5]).bind(trained_weights))
+    assert ran == {"chunked": 7, "by tokens": 1}
+    stepped_state, hooks = trained_weights.new_state(), ke.interventions.zero_kda_head(1, 0, positions=[5]).bind(trained_weights)
+    stepped = []
+    for p, t in enumerate(ids):
+        hooks.begin_token(t, p)
+        stepped.append(ke.kimi_forward_token(trained_weights, stepped_state, t, hooks=hooks))
+    np.testing.assert_allclose(fed, np.stack(stepped), atol=1e-4 * (1 + np.abs(stepped).max()))

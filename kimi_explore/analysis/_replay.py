@@ -96,6 +96,12 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
             state = resume if resume is not None else state
         else:
             logits = to_numpy(model.forward_sequence(state, tokens[a:b], hooks, chunk=b - a))
+            if b <= last and any(hooked(session, t) for t in range(b, last + 1)):
+                # ... and the tokens after it, checked bit for bit, go on from the history's own state after it (its
+                # checkpoint): hooks held now that were not when it was fed (a token-form hook, one at kda.state)
+                # run it on another route, whose state rounds otherwise
+                at, kept = session.checkpoint_before(b)
+                state = kept if at == b else state
         records = capture.take_records()
         for t in range(a, b):
             check_replay(logits[t - a], session.logits_at(t), t, hooked(session, t))

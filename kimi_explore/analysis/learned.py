@@ -241,7 +241,7 @@ def look_inside(weights, text, classes=None) -> Inside:
     classes: token id -> label for the routing MI (default: `routing_stats.byte_class`).
     """
     from ..backend import to_numpy
-    from .routing_stats import RoutingStats, byte_class, model_fingerprint
+    from .routing_stats import RoutingStats, byte_class, model_fingerprint, text_digest
 
     ids = _ids(text)
     sums: dict = {}
@@ -277,5 +277,6 @@ def look_inside(weights, text, classes=None) -> Inside:
         routing = {"topk_ids": np.stack([np.stack(topk[m]) for m in layers], axis=1),
                    "topk_weights": np.stack([np.stack(wts[m]) for m in layers], axis=1)}
         stats.add(routing, [(classes or byte_class)(i) for i in ids])
+        stats.texts.append(text_digest(list(ids)))  # (one text: `routing_stats` counts it so)
     return Inside(np.asarray(ids), reads, {k: np.stack(v) for k, v in sorted(norms.items())},
                   {k: np.stack(v) for k, v in sorted(logs.items())}, stats)

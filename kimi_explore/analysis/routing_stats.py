@@ -125,11 +125,18 @@ class RoutingStats:
 
     @property
     def max_over_mean(self) -> np.ndarray:
-        return self.counts.max(axis=1) / np.maximum(self.counts.mean(axis=1), 1e-300)
+        """[M] max_e load_e / mean_e load_e (NaN before any token: no load to compare)."""
+        return self._over_mean(self.counts.max(axis=1))
 
     @property
     def cv(self) -> np.ndarray:
-        return self.counts.std(axis=1) / np.maximum(self.counts.mean(axis=1), 1e-300)
+        """[M] std_e load_e / mean_e load_e (NaN before any token: 0 would read as perfectly balanced)."""
+        return self._over_mean(self.counts.std(axis=1))
+
+    def _over_mean(self, x) -> np.ndarray:
+        mean = self.counts.mean(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(mean > 0, x / np.maximum(mean, 1e-300), np.nan)
 
     @property
     def dead_experts(self) -> dict:
@@ -264,7 +271,8 @@ def _text_ids(j: int, text, tokenizer, vocab: int) -> list[int]:
         raise type(e)(f"routing_stats: text {j}: {e}") from None
 
 
-def _digest(ids: list[int]) -> str:
+def text_digest(ids: list[int]) -> str:
+    """What `RoutingStats.texts` holds for a text of these ids."""
     return hashlib.sha1(np.asarray(ids, np.int64).tobytes()).hexdigest()
 
 
@@ -336,7 +344,7 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
         raise ValueError(f"routing_stats: the tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary {vocab} "
                          "(vocab_size in its config): they belong to different models")
     ids = [_text_ids(j, x, tokenizer, vocab) for j, x in enumerate(texts)]
-    digests = [_digest(x) for x in ids]
+    digests = [text_digest(x) for x in ids]
     if checkpoint is not None:
         checkpoint = with_npz_suffix(checkpoint, "routing_stats: checkpoint")  # (what `save` writes, and so what a resume reads)
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)

@@ -145,11 +145,18 @@ class SourceAblation:
     def verdict(self, effect: str = "kl") -> str:
         """A few sentences computed from the rows: does mass predict importance here, and where not."""
         rho = self.spearman(effect)
-        strength = ("strongly" if rho >= 0.7 else "moderately" if rho >= 0.4 else "weakly" if rho >= 0.2
-                    else "not")
         what = "KL to the clean run" if effect == "kl" else "increase of the next-token loss"
+        if np.isnan(rho):
+            finding = ("undefined (fewer than 3 cells, or mass or effect the same in every cell): these rows cannot say "
+                       "whether mass predicts importance")
+        elif rho <= -0.2:
+            finding = f"{rho:.2f}: the more mass a source gets, the less masking it matters (mass ranks importance backwards)"
+        else:
+            strength = "strongly" if rho >= 0.7 else "moderately" if rho >= 0.4 else "weakly" if rho >= 0.2 else None
+            finding = f"{rho:.2f}: " + (f"mass {strength} predicts importance" if strength else
+                                        "mass does not predict importance") + " for this model"
         lines = [f"Over {len(self)} (layer, site, family) cells and {self.n_tokens} tokens, the Spearman correlation "
-                 f"of softmax mass with the {what} is {rho:.2f}: mass {strength} predicts importance for this model."]
+                 f"of softmax mass with the {what} is {finding}."]
         fam = self.by_family(effect)
         e_all = self.column(effect)
         m_all = self.column("mass")

@@ -28,6 +28,7 @@ history, and `session.recover()` restarts the stage from its shards and replays 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import numbers
@@ -55,7 +56,9 @@ from ..model.kimi_decoder import (
 )
 from ..model.kimi_sequence import default_chunk, takes_tokens
 from ..weights.checkpoint import resolve_layers
+from ..weights.load import check_options, hub_options, read_config
 from ..weights.load_options import auto_experts
+from ..weights.workspace import OnePass
 from .stage import Stage, unpack_records
 
 __all__ = ["PipelineState", "RayPipeline", "StageLostError", "split_layers"]
@@ -113,10 +116,14 @@ def split_layers(layer_ids: list[int], stages) -> list[list[int]]:
     for k, part in enumerate(stages):  # int() would take "12" as layers 1 and 2, 2.5 as 2, True as 1
         if isinstance(part, (str, bytes)) or not hasattr(part, "__iter__"):
             raise TypeError(f"RayPipeline: stages[{k}] must be a range or list of layer indices, got {part!r}")
+        part = list(part)  # (an iterator is read once)
         bad = [i for i in part if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral)]
         if bad:
             raise TypeError(f"RayPipeline: stages[{k}] holds {bad[0]!r} ({type(bad[0]).__name__}); layer indices are "
                             "integers")
+        negative = [int(i) for i in part if i < 0]
+        if negative:
+            raise ValueError(f"RayPipeline: stages[{k}] holds layer {negative[0]}; layer indices are 0-based, >= 0")
         parts.append([int(i) for i in part])
     flat = [i for part in parts for i in part]
     if not parts or any(not part for part in parts):
@@ -124,6 +131,16 @@ def split_layers(layer_ids: list[int], stages) -> list[list[int]]:
     if any(b <= a for a, b in zip(flat, flat[1:], strict=False)):
         raise ValueError(f"RayPipeline: stages={stages!r}: the stages' layers, in order, must be strictly increasing")
     return parts
+
+
+def _one_thread(method):
+    """`method` run holding the pipeline for this thread: another thread's call meanwhile raises (the stages' compiled
+    graph serves one pass at a time, and a second thread's would wait on the first's channels forever)."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self._one_pass:
+            return method(self, *args, **kwargs)
+    return held
 
 
 @dataclass
@@ -192,6 +209,7 @@ class RayPipeline(LayerSequence):
 
         if device not in ("cpu", "gpu"):
             raise ValueError(f"RayPipeline: device must be 'cpu' or 'gpu', got {device!r}")
+        check_options("RayPipeline", load_kwargs, fixed=("device", "layers", "embedding", "head", "progress"))
         self.source, self.device = str(path), device
         self.config = _config(path, load_kwargs)
         self.dtype = resolve_dtype(load_kwargs.get("dtype", "float32"))
@@ -222,9 +240,14 @@ class RayPipeline(LayerSequence):
             spec = (k, str(path), stage_ids, last, self.max_sources, names, kw)
             self.stages.append(_StageRef(k, stage_ids, spec, names=frozenset(own)))
         self._ids = itertools.count(1)
+        self._one_pass = OnePass("this RayPipeline is decoding in another thread: its stages serve one call at a time. "
+                                 "Run the threads' calls one after the other, or start a RayPipeline per thread")
         self._configured = None  # what the stages' hooks and recorders were last set to
         self._closed = False  # `close()`d: the stages are stopped for good (not lost: `recover` does not restart them)
-        self._graph = None  # the compiled Ray graph of one token through every stage
+        self._held = {"graph": None}  # the compiled Ray graph of one token through every stage (`_graph`)
+        # a pipeline dropped without close(): Ray keeps a compiled graph (and so its actors) alive until it shuts down
+        self._finalizer = weakref.finalize(self, _stop, self._held, self.stages)
+        self._finalizer.atexit = False  # (at exit Ray's own shutdown stops them)
         self._head = None  # the output head, copied from the last stage once (`head`)
         self._garbage: list = []  # (state ids, epochs) of collected PipelineStates, to drop on their stages
         auto = kw.get("experts", "auto") == "auto" and kw.get("expert_cache_size") is None
@@ -268,6 +291,7 @@ class RayPipeline(LayerSequence):
 
     # ------------------------------------------------------------------ decoding
     # State calls are waited for: the compiled graph's runs are not ordered with ordinary actor calls.
+    @_one_thread
     def new_state(self) -> PipelineState:
         self._check_alive()
         ids = [next(self._ids) for _ in self.stages]
@@ -279,6 +303,7 @@ class RayPipeline(LayerSequence):
         `Session` would pass `kimi_forward_token` (None, Hooks, a Recorder, or a HookChain of them)."""
         return self._run(state, token_index(token_id, self.config.vocab_size), hooks)  # checked here, not in a stage
 
+    @_one_thread
     def _run(self, state: PipelineState, what, hooks):
         """One token (an id) or one chunk (a list of ids) through the compiled graph."""
         import ray
@@ -327,6 +352,14 @@ class RayPipeline(LayerSequence):
         out = [self._run(state, ids[a : a + chunk], hooks) for a in range(0, len(ids), chunk)]
         return np.concatenate(out) if out else np.zeros((0, V), self.dtype)
 
+    @property
+    def _graph(self):
+        return self._held["graph"]
+
+    @_graph.setter
+    def _graph(self, graph) -> None:
+        self._held["graph"] = graph
+
     def _compiled(self):
         """One token through every stage as a compiled Ray graph: the stages' channels stay open, so a
         hop costs a shared-memory write and read (~0.2 ms) instead of a task submission (~1.5 ms)."""
@@ -344,39 +377,52 @@ class RayPipeline(LayerSequence):
         return self._graph
 
     def _teardown(self) -> None:
-        if self._graph is not None:
-            log = logging.getLogger(RAY_GRAPH_LOGGER)
-            level = log.level
-            log.setLevel(logging.CRITICAL)  # it logs each step, and a traceback for every dead actor it cancels
-            try:
-                self._graph.teardown()
-            except Exception:  # a lost stage's channel; the graph is rebuilt anyway
-                pass
-            finally:
-                log.setLevel(level)
-            LOST_STAGE_TEARDOWN.graphs.discard(self._graph)
-            self._graph = None
+        _teardown_graph(self._held)
 
+    @_one_thread
     def host_state(self, state: PipelineState) -> KimiDecodeState:
-        """The whole decode state in this process (host arrays), layer by layer."""
+        """The whole decode state in this process (host arrays of its own, writable: one process's weights of the
+        same layers decode on it), layer by layer."""
         self._check(state)
         parts = self._get([s.actor.get_state.remote(sid) for s, sid in zip(self.stages, state.ids, strict=True)],
                           self.stages)
-        return KimiDecodeState([ls for p in parts for ls in p.layers], state.position)
+        own = lambda a: np.array(a, copy=True)  # noqa: E731 (what Ray hands over: read-only views of its object store)
+        return KimiDecodeState([ls.converted(own) for p in parts for ls in p.layers], state.position,
+                               layer_ids=tuple(int(spec.index) for spec in self.specs))
 
+    @_one_thread
     def put_state(self, host: KimiDecodeState) -> PipelineState:
-        """A pipeline state holding `host`'s layers (as `host_state` gives them), each on its stage."""
+        """A pipeline state holding `host`'s layers (as `host_state` gives them), each on its stage. Refused as one
+        process refuses it (`check_state`): another layer count, kinds, widths or dtype, other layers, part-advanced."""
+        if not hasattr(host, "layers") or not hasattr(host, "position"):
+            raise TypeError(f"RayPipeline.put_state: expected a KimiDecodeState (as host_state gives it), got "
+                            f"{type(host).__name__}")
+        refuse_broken(host)
         if len(host.layers) != len(self.specs):
             raise ValueError(f"RayPipeline.put_state: the state has {len(host.layers)} layers, the pipeline {len(self.specs)}")
+        here = [int(spec.index) for spec in self.specs]
+        made_for = getattr(host, "layer_ids", None)
+        if made_for is not None and list(made_for) != here:
+            raise ValueError(f"RayPipeline.put_state: state was made for layers {list(made_for)}, this pipeline holds "
+                             f"layers {here}")
+        for i, (ls, spec) in enumerate(zip(host.layers, self.specs, strict=True)):
+            kind = ls.attention.kind
+            wrong = [f"{k} in {a.dtype}" for k, a in ls.arrays().items() if a.dtype != np.dtype(self.dtype)]
+            if kind != spec.attention or wrong:
+                raise ValueError(f"RayPipeline.put_state: state.layers[{i}] is not a state of this pipeline's layer "
+                                 f"{spec.index} ({spec.attention} in {np.dtype(self.dtype).name}): found "
+                                 + (f"a {kind} state" if kind != spec.attention else ", ".join(wrong)))
         self._check_alive()
         ids, at, calls = [next(self._ids) for _ in self.stages], 0, []
         for s, sid in zip(self.stages, ids, strict=True):
-            n = len(s.layer_ids)
-            calls.append(s.actor.put_state.remote(sid, KimiDecodeState(host.layers[at:at + n], host.position)))
+            n = len(s.layer_ids)  # (each stage checks its layers' widths against its weights: `check_state`)
+            calls.append(s.actor.put_state.remote(sid, KimiDecodeState(host.layers[at:at + n], host.position,
+                                                                        layer_ids=tuple(here[at:at + n]))))
             at += n
         self._get(calls, self.stages)
         return PipelineState(self, ids, [s.epoch for s in self.stages], host.position)
 
+    @_one_thread
     def _copy_state(self, state: PipelineState, checkpoint: bool = False) -> PipelineState:
         self._check(state)
         ids = [next(self._ids) for _ in self.stages]
@@ -384,6 +430,7 @@ class RayPipeline(LayerSequence):
                    for s, src, dst in zip(self.stages, state.ids, ids, strict=True)], self.stages)
         return PipelineState(self, ids, list(state.epochs), state.position, shared=checkpoint)
 
+    @_one_thread
     def copy_kept(self, states: list[PipelineState]) -> list[PipelineState]:
         """Copies of these states (a session's checkpoints), made in each stage, sharing among themselves
         the arrays these share (their MLA caches), as `Session.snapshot(copy_arrays=True)` copies in one process."""
@@ -395,6 +442,7 @@ class RayPipeline(LayerSequence):
         return [PipelineState(self, ids, list(state.epochs), state.position, shared=state.shared)
                 for state, ids in zip(states, new, strict=True)]
 
+    @_one_thread
     def share_kept(self, states: list[PipelineState]) -> None:
         """Checkpoints loaded from a session file, longest first: their MLA caches shared in each stage where
         they hold the same positions (`session_io.share_caches`), as a session's own checkpoints share them."""
@@ -405,6 +453,7 @@ class RayPipeline(LayerSequence):
         for state in states:
             state.shared = True
 
+    @_one_thread
     def states_nbytes(self, states: list[PipelineState]) -> int:
         """Bytes these states hold in the stages, each array once (a session's checkpoints share MLA caches)."""
         for state in states:
@@ -412,6 +461,7 @@ class RayPipeline(LayerSequence):
         return sum(self._get([s.actor.states_nbytes.remote([state.ids[k] for state in states])
                               for k, s in enumerate(self.stages)], self.stages))
 
+    @_one_thread
     def _state_nbytes(self, state: PipelineState) -> int:
         self._check(state)
         return sum(self._get([s.actor.state_nbytes.remote(sid) for s, sid in zip(self.stages, state.ids, strict=True)],
@@ -508,6 +558,7 @@ class RayPipeline(LayerSequence):
             error = RuntimeError(message)
         raise error from e
 
+    @_one_thread
     def restart_lost_stages(self) -> list[int]:
         """Restart every stage whose process is gone (probing all of them first); returns their numbers."""
         import ray
@@ -604,6 +655,38 @@ class RayPipeline(LayerSequence):
         self.close()
 
 
+def _teardown_graph(held: dict) -> None:
+    """Tear down the compiled graph in `held` (a pipeline's), quietly."""
+    graph, held["graph"] = held["graph"], None
+    if graph is not None:
+        log = logging.getLogger(RAY_GRAPH_LOGGER)
+        level = log.level
+        log.setLevel(logging.CRITICAL)  # it logs each step, and a traceback for every dead actor it cancels
+        try:
+            graph.teardown()
+        except Exception:  # a lost stage's channel; the graph is rebuilt anyway
+            pass
+        finally:
+            log.setLevel(level)
+        LOST_STAGE_TEARDOWN.graphs.discard(graph)
+
+
+def _stop(held: dict, stages: list) -> None:
+    """A collected pipeline's graph torn down and its stage actors stopped (what close() does, without a pipeline)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    _teardown_graph(held)
+    for s in stages:
+        if s.actor is not None:
+            try:
+                ray.kill(s.actor)
+            except Exception:  # (already gone)
+                pass
+            s.actor = None
+
+
 def blas_threads_env() -> dict:
     """The BLAS thread count of this process as environment variables for a stage's process: what the user
     set (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS), else OpenBLAS's default, one thread per core this process may
@@ -664,6 +747,4 @@ def _is_dead(actor) -> bool:
 
 def _config(path, load_kwargs: dict) -> KimiDecoderConfig:
     """The checkpoint's config, read here (a local directory, a GGUF's header, or config.json alone from the Hub)."""
-    from ..weights.load import hub_options, read_config
-
     return read_config(path, **hub_options(load_kwargs))

@@ -25,6 +25,7 @@ from ..inspection.session_io import copy_sharing, nbytes_once, share_caches
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import KimiDecodeState, embed_token, finish_token, run_layers
 from ..model.kimi_sequence import SequenceSources, embed_chunk, finish_sequence, run_layers_chunk
+from ..model.kimi_token import check_state
 
 __all__ = ["Stage", "pack_records", "unpack_records"]
 
@@ -140,7 +141,9 @@ class Stage:
     def put_state(self, sid: int, state: KimiDecodeState) -> None:
         # a copy: arrays Ray hands over are read-only views of its object store, and states are written in place
         own = self.weights.xp.array
-        self.states[sid] = KimiDecodeState([ls.converted(own) for ls in state.layers], state.position)
+        state = KimiDecodeState([ls.converted(own) for ls in state.layers], state.position, layer_ids=state.layer_ids)
+        check_state(self.weights, state)  # (its widths against this stage's weights)
+        self.states[sid] = state
 
     def state_nbytes(self, sid: int) -> int:
         return self.states[sid].nbytes

@@ -27,9 +27,10 @@ every block yet is stated once, in `source_masks.py`.
 
 On the sequence path each takes whole chunks (`Hooks.add(..., chunks=True)`): the chunk's rows at the
 wanted positions are changed at once; except `scale_kda_head`, which changes the recurrent state, which
-the chunked form never builds per token: its layer runs token by token there, its results equal to
-stepping. Routing ids of a chunk are [T, k] with -1 where a token has fewer experts (the MoE gives -1
-no weight); a Recorder records each token's ids without them, as stepping does.
+the chunked form never builds per token: its layer runs token by token there (the chunk's other layers
+stay chunked), its results equal to stepping's to rounding. Routing ids of a chunk are [T, k] with -1 where a
+token has fewer experts (the MoE gives -1 no weight); a Recorder records each token's ids without them, as stepping
+does.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
 
     The decoder reads the head's output from, and carries to the next token, the scaled state. A head given
     twice is scaled once; a layer given twice is refused (`targets.layer_ids`). On the sequence path its
-    layers run token by token (results equal to stepping).
+    layers run token by token, the chunk's other layers chunked (results equal to stepping's to rounding).
     """
     heads = index_list(head, "scale_kda_head: head")
     factor = number(factor, "scale_kda_head: factor")
@@ -215,7 +216,7 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
 
     hooks = Hooks()
     for name in layer_sites(layer, "kda.state"):
-        hooks.add(name, at_positions(named(scale, f"scale_kda_head({heads}, {factor})"), positions))
+        hooks.add(name, at_positions(named(scale, f"scale_kda_head({heads}, {factor})"), positions), chunks=True)
     return hooks
 
 

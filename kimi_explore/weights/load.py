@@ -14,6 +14,7 @@ naming the file, tensor, key or argument.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from .records import BuildOptions, build_weights
 from .safetensors_source import SafetensorsSource
 from .tensor_source import TensorSource
 
-__all__ = ["hub_options", "load_weights", "open_source", "read_config"]
+__all__ = ["check_options", "hub_options", "load_weights", "open_source", "read_config"]
 
 HUB_OPTIONS = ("revision", "cache_dir", "local_files_only", "token")  # what `open_source` and `read_config` pass to the Hub
 
@@ -67,6 +68,24 @@ def read_config(path, *, revision=None, cache_dir=None, local_files_only=None, t
         return KimiDecoderConfig.from_file(Path(path) / "config.json")
     return KimiDecoderConfig.from_file(fetch_config(str(path), revision=revision, cache_dir=cache_dir,
                                                     local_files_only=local_files_only, token=token))
+
+
+def check_options(who: str, options: dict, fixed=()) -> None:
+    """Refuse, before anything is opened, the keyword arguments `load_weights` would refuse by their values alone (an
+    unknown name, a dtype, weight_dtype, bf16_matvec or experts / expert_cache_size out of range); `fixed`: names
+    the caller sets itself (a RayPipeline's per stage). What depends on the device or the checkpoint is left to it."""
+    takes = [k for k in inspect.signature(load_weights).parameters if k != "path"]
+    unknown = [k for k in options if k not in takes]
+    if unknown:
+        raise TypeError(f"{who}: unexpected keyword argument(s) {unknown}: from_pretrained takes "
+                        f"{[k for k in takes if k not in fixed]}")
+    set_here = [k for k in options if k in fixed]
+    if set_here:
+        raise TypeError(f"{who}: {set_here} are set by {who} itself; leave them out")
+    dt = resolve_dtype(options.get("dtype", "float32"))
+    opts.resolve_weight_dtype(options.get("weight_dtype"), dt)
+    opts.resolve_bf16_matvec(options.get("bf16_matvec", "auto"))
+    opts.check_forms(options.get("experts", "auto"), options.get("expert_cache_size"))
 
 
 def load_weights(path, *, layers=None, device: str = "auto", dtype: str = "float32", weight_dtype: str | None = None,

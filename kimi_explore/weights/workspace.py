@@ -27,22 +27,22 @@ import numpy as np
 from ..backend import HOST_THREADS
 from .memory import memory_report
 
-__all__ = ["Workspace", "run_parts", "run_rows"]
+__all__ = ["OnePass", "Workspace", "run_parts", "run_rows"]
 
 
-class _Held:
-    """A context manager holding `lock` without waiting: taken by another thread, it raises."""
+class OnePass:
+    """A context manager holding a re-entrant lock without waiting: held by another thread, it raises `busy`."""
 
-    __slots__ = ("lock",)
+    __slots__ = ("busy", "lock")
 
-    def __init__(self, lock):
-        self.lock = lock
+    def __init__(self, busy: str = "these weights are running a forward pass in another thread: a model's scratch and "
+                 "expert cache serve one pass at a time. Run the threads' passes one after the other, or load a copy of "
+                 "the model per thread (ke.from_pretrained again)"):
+        self.lock, self.busy = threading.RLock(), busy
 
     def __enter__(self) -> None:
         if not self.lock.acquire(blocking=False):
-            raise RuntimeError("these weights are running a forward pass in another thread: a model's scratch and expert "
-                               "cache serve one pass at a time. Run the threads' passes one after the other, or load a "
-                               "copy of the model per thread (ke.from_pretrained again)")
+            raise RuntimeError(self.busy)
 
     def __exit__(self, *exc) -> None:
         self.lock.release()
@@ -56,9 +56,9 @@ class Workspace:
     threads: int = HOST_THREADS
     _pool: ThreadPoolExecutor | None = None
     _pool_pid: int = 0  # the process that started _pool: a forked child starts its own (the threads stay behind)
-    _busy: _Held = field(default_factory=lambda: _Held(threading.RLock()))  # held by the thread in a forward pass
+    _busy: OnePass = field(default_factory=OnePass)  # held by the thread in a forward pass
 
-    def in_use(self) -> _Held:
+    def in_use(self) -> OnePass:
         """`with workspace.in_use():` holds these weights for one forward pass of this thread (re-entrant); another
         thread's raises. (One prebuilt guard: entered on every token, so no generator per call.)"""
         return self._busy
