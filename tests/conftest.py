@@ -90,28 +90,3 @@ def ckpt(tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(random_tiny_checkpoint(), dst)
     return dst
-
-
-def pytest_configure(config):
-    """Under pytest-xdist, its workers (started after this) run OpenBLAS on one thread each: two workers of two threads
-    on a 2-core machine spin on each other's cores. Set here, in the process that starts them, before they load NumPy:
-    a RayPipeline's stages get the same count (`blas_threads_env`), so they sum as the worker that drives them."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-            os.environ.setdefault(var, "1")
-
-
-_STARTS_RAY = ("ray.init", "local_ray", "RayPipeline", "pipeline_fuzz")
-
-
-def pytest_collection_modifyitems(config, items):
-    """For pytest-xdist's `--dist loadgroup` (.ci/run: two workers): each test module is one group, so its module
-    fixtures are made once, and every module that starts a local Ray is in one group "ray", so no two Rays run at
-    once on the 2-core machine."""
-    starts_ray: dict[str, bool] = {}
-    for item in items:
-        path = str(item.path)
-        if path not in starts_ray:
-            text = Path(path).read_text(encoding="utf-8")
-            starts_ray[path] = any(s in text for s in _STARTS_RAY)
-        item.add_marker(pytest.mark.xdist_group("ray" if starts_ray[path] else item.path.stem))

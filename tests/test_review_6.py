@@ -241,7 +241,7 @@ def test_session_positions_are_checked(trained_weights):
 def test_a_recorder_filter_that_selects_only_unrecorded_sites_is_refused(trained_weights):
     """names_filter='layers.3.attn.out' (a site, but no default record) recorded nothing without a word."""
     with pytest.raises(ValueError, match=r"names_filter 'layers\.3\.attn\.out' selects only sites a Recorder keeps "
-                                         r"nothing of by default .*full=\['layers\.3\.attn\.out'\]"):
+                                         r"nothing of by default .*full='layers\.3\.attn\.out'"):
         ke.Session(trained_weights, recorder=ke.Recorder(names_filter="layers.3.attn.out"))
     s = ke.Session(trained_weights, recorder=ke.Recorder(names_filter="layers.3.attn.out", full="layers.3.attn.out"))
     s.feed(list(b"ab"))

@@ -231,14 +231,16 @@ class Recorder:
         return self
 
     def _refuse_filters_recording_nothing(self) -> None:
-        """A names_filter pattern that selects only sites this recorder keeps nothing of (no default record, not in
-        `full`) is refused: a right name would otherwise record nothing without a word."""
-        for p in self._filter_patterns:
-            picked = [n for n in self.hooks.names if n == p or (is_glob(p) and fnmatch.fnmatchcase(n, p))]
-            if picked and not any(_kind(n) in DEFAULT_SITES or (self.full is not None and self.full(n)) for n in picked):
-                raise ValueError(f"Recorder names_filter {p!r} selects only sites a Recorder keeps nothing of by default "
-                                 f"({picked[:3]}{'...' if len(picked) > 3 else ''}: it records {sorted(DEFAULT_SITES)}); "
-                                 f"to record their values pass full=[{p!r}] (the whole value per token)")
+        """A names_filter (of names or globs) that selects only sites this recorder keeps nothing of (no default
+        record, not in `full`) is refused: a right name would otherwise record nothing without a word."""
+        if not self._filter_patterns:
+            return
+        picked = [n for n in self.hooks.names if self.names_filter(n)]
+        if picked and not any(_kind(n) in DEFAULT_SITES or (self.full is not None and self.full(n)) for n in picked):
+            given = self._filter_patterns[0] if len(self._filter_patterns) == 1 else self._filter_patterns
+            raise ValueError(f"Recorder names_filter {given!r} selects only sites a Recorder keeps nothing of by default "
+                             f"({picked[:3]}{'...' if len(picked) > 3 else ''}: it records {sorted(DEFAULT_SITES)}); "
+                             f"to record their values pass full={given!r} (the whole value per token)")
 
     def _wants(self, name: str, kind: str) -> bool:
         return kind in DEFAULT_SITES and (self.names_filter is None or self.names_filter(name))
