@@ -368,3 +368,55 @@ def test_scale_kda_head_runs_only_its_layer_token_by_token(trained_weights, monk
         hooks.begin_token(t, p)
         stepped.append(ke.kimi_forward_token(trained_weights, stepped_state, t, hooks=hooks))
     np.testing.assert_allclose(fed, np.stack(stepped), atol=1e-4 * (1 + np.abs(stepped).max()))
+
+
+# ---- the Recorder and Trace as a user reads them ----
+
+def test_a_sessions_recorder_is_cut_by_the_session_only(trained_weights):
+    """session.recorder.clear_records() (or .truncate(k)) left rows of positions 20..29 in a session of 20 tokens:
+    a later truncate(25) kept them all (it cut by row count), truncate(10) too, a step appended position 10 after
+    29, and the session's own file was then refused by load_state as damaged."""
+    ids = list(b"The quick brown fox jumps over the lazy dog")
+    s = ke.Session(trained_weights)
+    s.feed(ids[:20], progress=False)
+    rec = s.recorder
+    for cut in (rec.clear_records, lambda: rec.truncate(5)):
+        with pytest.raises(ValueError, match=r"this Recorder serves a Session, whose records line up with its tokens.*"
+                                             r"session\.truncate\(n\)"):
+            cut()
+    s.truncate(10)
+    assert s.trace().positions.tolist() == list(range(10))
+    del s  # its session gone, a recorder may be cleared for another
+    rec.clear_records()
+    assert len(ke.Session(trained_weights, recorder=rec)) == 0
+
+
+def test_conv_norms_name_their_layers_without_state_norms_or_meta(trained_weights):
+    """An unbound recorder of kda.conv alone: kda_layers (read from '.kda.state.norm' records) was [], and
+    kda_conv_norms() empty beside six conv-norm records."""
+    rec = ke.Recorder(names_filter="layers.*.kda.conv")
+    st = ke.KimiDecodeState.new(trained_weights)
+    for t in b"hello":
+        ke.kimi_forward_token(trained_weights, st, t, hooks=rec)
+    tr = rec.trace()
+    assert tr.kda_layers == [0, 1, 2, 4, 5, 6]
+    assert tr.kda_conv_norms()[0].shape == (5, 6, 3, 4)
+
+
+def test_a_trace_indexed_by_position_says_how_to_take_rows(trained_weights):
+    s = ke.Session(trained_weights)
+    s.feed(list(b"hello"), progress=False)
+    for key in (0, slice(0, 5)):
+        with pytest.raises(TypeError, match=r"Trace\[\.\.\.\] takes a record's name .*trace\.window\(a, b\)"):
+            s.trace()[key]
+
+
+def test_a_callable_or_empty_filter_that_records_nothing_is_refused(trained_weights):
+    """The glob 'layers.*.kda.q' was refused, its callable twin and names_filter=[] recorded nothing silently."""
+    with pytest.raises(ValueError, match="selects only sites a Recorder keeps nothing of by default"):
+        ke.Session(trained_weights, recorder=ke.Recorder(names_filter=lambda n: n.endswith(".kda.q")))
+    with pytest.raises(ValueError, match=r"names_filter=\[\] selects no site, and full= names none"):
+        ke.Recorder(names_filter=[])
+    s = ke.Session(trained_weights, recorder=ke.Recorder(names_filter=[], full=["layers.0.kda.q"]))
+    s.feed(list(b"ab"), progress=False)
+    assert s.trace().names() == ["layers.0.kda.q"]

@@ -52,6 +52,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import weakref
 
 import numpy as np
 
@@ -72,6 +73,9 @@ FLUSH_BYTES = 8 << 20  # ... or fewer, when their logits copies reach this size 
 
 # site kind -> how it is recorded by default. "fresh": the decoder makes a new small array there every
 # token and never writes it again, so the record is that array itself (no copy; style rule 8).
+# a Recorder or Hooks -> weakref to the live Session it serves (set by Session; one session each)
+SERVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 DEFAULT_SITES = {
     "attn_res.attn.weights": "fresh",
     "attn_res.ffn.weights": "fresh",
@@ -147,6 +151,9 @@ class Recorder:
         if isinstance(top_k, bool) or not (isinstance(top_k, (int, np.integer)) and top_k >= 1):  # (True would be 1)
             raise ValueError(f"Recorder: top_k must be a positive int, got {top_k!r}")
         self.top_k = int(top_k)
+        if isinstance(names_filter, (list, tuple)) and not names_filter and not full:
+            raise ValueError("Recorder: names_filter=[] selects no site, and full= names none: it would record nothing "
+                             "(names_filter=None records every default site)")
         self.names_filter, self._filter_patterns = _predicate(names_filter, "Recorder names_filter")
         self.full, self._full_patterns = _predicate(full if full else None, "Recorder full")
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
@@ -231,13 +238,14 @@ class Recorder:
         return self
 
     def _refuse_filters_recording_nothing(self) -> None:
-        """A names_filter (of names or globs) that selects only sites this recorder keeps nothing of (no default
+        """A names_filter (names, globs or a callable) that selects only sites this recorder keeps nothing of (no default
         record, not in `full`) is refused: a right name would otherwise record nothing without a word."""
-        if not self._filter_patterns:
+        if self.names_filter is None:
             return
         picked = [n for n in self.hooks.names if self.names_filter(n)]
         if picked and not any(_kind(n) in DEFAULT_SITES or (self.full is not None and self.full(n)) for n in picked):
-            given = self._filter_patterns[0] if len(self._filter_patterns) == 1 else self._filter_patterns
+            given = self._filter_patterns or self.names_filter
+            given = given[0] if isinstance(given, list) and len(given) == 1 else given
             raise ValueError(f"Recorder names_filter {given!r} selects only sites a Recorder keeps nothing of by default "
                              f"({picked[:3]}{'...' if len(picked) > 3 else ''}: it records {sorted(DEFAULT_SITES)}); "
                              f"to record their values pass full={given!r} (the whole value per token)")
@@ -505,7 +513,20 @@ class Recorder:
         return out if window is None else out.window(window_slice(window, "Recorder.trace"))
 
     def truncate(self, n: int) -> None:
-        """Keep the records of the first n tokens (in place)."""
+        """Keep the records of the first n tokens (in place). A Session's recorder is cut by the session
+        (`session.truncate`, `back`): cut here, its rows would no longer line up with the session's tokens."""
+        self._refuse_if_serving("truncate")
+        self.cut_for_session(n)
+
+    def _refuse_if_serving(self, what: str) -> None:
+        owner = SERVED.get(self)
+        if owner is not None and owner() is not None:
+            raise ValueError(f"Recorder.{what}: this Recorder serves a Session, whose records line up with its tokens, one "
+                             "row per token: cut them with the session (session.truncate(n), session.back(k)), or record "
+                             "afresh with a new Session(weights, recorder=Recorder(...)) fed the tokens you want")
+
+    def cut_for_session(self, n: int) -> None:
+        """`truncate` for the Session that owns this recorder, or the recorder's own bookkeeping."""
         self.flush()
         self._cut_blocks(n)
         kept = self.positions[:n]  # a kept token's attention covers cache positions up to its own
@@ -530,7 +551,7 @@ class Recorder:
     def discard_since(self, mark: int) -> None:
         """Drop the records after the first `mark` tokens, a token or chunk in progress included (a forward pass
         that failed: `model.kimi_token.discard_records`)."""
-        self.truncate(mark)
+        self.cut_for_session(mark)
 
     def _drop_token_buffers(self) -> None:
         """Forget a token in progress (after an error in the middle of one) and any unflushed batch."""
@@ -600,7 +621,8 @@ class Recorder:
         return out
 
     def clear_records(self) -> None:
-        self.truncate(0)
+        self._refuse_if_serving("clear_records")
+        self.cut_for_session(0)
 
     def state_dict(self, copy_arrays: bool = False) -> dict:
         """The records (lists of per-token host arrays) and the settings that made them. Arrays are shared unless

@@ -61,19 +61,18 @@ from ..errors import StageLostError
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names, token_indices
 from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
-from .recorder import Recorder
+from .recorder import SERVED, Recorder
 from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
 from .trace import window_slice
 
 # a Recorder or Hooks -> the Session it serves: its records and its `with intervene` blocks are that session's
-_SERVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _refuse_if_served(obj, what: str) -> None:
     """Refuse a Recorder or Hooks (the `what` argument) that serves another live Session: two sessions would write
     one recorder's records (each trace holding the other's tokens, one's `back` cutting the other's) or share one
     `with intervene` block (one session decoding under the other's interventions)."""
-    owner = _SERVES.get(obj) if obj is not None else None
+    owner = SERVED.get(obj) if obj is not None else None
     if owner is not None and owner() is not None:
         raise ValueError(f"Session: {what}: this {type(obj).__name__} already serves another Session (its records and "
                          f"interventions would be both sessions'); pass each Session its own: {what}.copy(), or a new one")
@@ -131,7 +130,7 @@ class Session:
             raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
         for obj in (self.recorder, self.hooks):
             if obj is not None:
-                _SERVES[obj] = weakref.ref(self)
+                SERVED[obj] = weakref.ref(self)
         self.checkpoint_every = int(checkpoint_every)
         self.state = weights.new_state()
         self._tokens: list[int] = []
@@ -242,7 +241,7 @@ class Session:
             host = np.array(to_numpy(logits), copy=True)
         except StageLostError:
             if self.recorder is not None:  # the history stays as it was before this token; `recover()` rebuilds the state
-                self.recorder.truncate(t)
+                self.recorder.cut_for_session(t)
             raise
         except BaseException:
             self._recover(t)  # a failed step leaves the state half-advanced: put it back as it was
@@ -300,7 +299,7 @@ class Session:
             host = np.array(to_numpy(self.weights.forward_sequence(self.state, ids, self.recorder, chunk=len(ids))), copy=True)
         except StageLostError:
             if self.recorder is not None:
-                self.recorder.truncate(t)
+                self.recorder.cut_for_session(t)
             raise
         except BaseException:
             self._recover(t)
@@ -447,7 +446,7 @@ class Session:
     def _recover(self, t: int) -> None:
         self.state = self._state_after(t)
         if self.recorder is not None:
-            self.recorder.truncate(t)
+            self.recorder.cut_for_session(t)
 
     def truncate(self, n_tokens: int) -> None:
         """Keep the first `n_tokens` tokens (0 <= n_tokens <= len) and drop the rest: state, logits, records
@@ -518,7 +517,7 @@ class Session:
         self._routes = {a: route for a, route in self._routes.items() if a < n}
         self._to_rebuild = {k for k in self._to_rebuild if k <= n}
         if self.recorder is not None:
-            self.recorder.truncate(n)
+            self.recorder.cut_for_session(n)
 
     def back(self, k: int = 1) -> None:
         """Drop the last `k` tokens (0 <= k <= len): `truncate(len(self) - k)`."""

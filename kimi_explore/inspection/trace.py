@@ -92,6 +92,9 @@ class Trace:
 
     # ------------------------------------------------------------------ mapping access
     def __getitem__(self, name: str) -> np.ndarray:
+        if not isinstance(name, str):  # (an int or a slice: the rows of tokens, which window() gives)
+            raise TypeError(f"Trace[...] takes a record's name (trace.names() lists them), got {name!r}; the rows of "
+                            "tokens a..b-1 are trace.window(a, b), token t's value of a record trace[name][t]")
         try:
             return self._records[name]
         except KeyError:
@@ -159,7 +162,8 @@ class Trace:
                      start=self.start + a)
 
     # ------------------------------------------------------------------ model structure
-    def _layers_with(self, suffix: str) -> list[int]:
+    def _layers_with(self, suffix) -> list[int]:
+        """Layers with a record ending in `suffix` (a str, or a tuple of them)."""
         out = []
         for name in self._records:
             if name.startswith("layers.") and name.endswith(suffix):
@@ -181,7 +185,7 @@ class Trace:
 
     @property
     def kda_layers(self) -> list[int]:
-        return self._kind_layers("attention_kinds", "kda", ".kda.state.norm")
+        return self._kind_layers("attention_kinds", "kda", (".kda.state.norm", ".kda.conv.norm"))
 
     @property
     def mla_layers(self) -> list[int]:
