@@ -1,6 +1,6 @@
 """Decode speed and load memory on the tiny models.
 
-    python bench/decode.py [--steps 300] [--checkpoint DIR] [--json bench/results/decode.json]
+    python bench/decode.py [--steps 300] [--json bench/results/decode.json]
 
 Prints ms/token (median of many single-token steps after warm-up) per checkpoint and dtype, without
 hooks and with the default Recorder (its batched work included: the mean over the steps), a
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from argtypes import at_least  # (bench/: the script's directory, on sys.path)
 
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.inspection.recorder import Recorder
@@ -190,8 +191,8 @@ def load_memory(path: Path, dtype: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--json", default="bench/results/decode.json")
+    p.add_argument("--steps", type=at_least(1), default=300)
+    p.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "decode.json"))
     args = p.parse_args()
 
     results = {"decode": [], "breakdown": {}, "memory": []}

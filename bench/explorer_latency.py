@@ -13,7 +13,7 @@ target for the kernel side: cost at 300 tokens within 1.3x of the cost at 20.
 
 browser: the end-to-end scenario of tests/browser_e2e.py at a 300-token history (Step on every tab,
 timed in the page from the click to every visible view redrawn): targets <= 150 ms (embedded) and
-<= 300 ms (K3 depth). Both write bench/results/explorer_latency*.json and print the machine's load.
+<= 300 ms (K3 depth). Both write bench/results/explorer_latency*.json (or --json PATH) and print the machine's load.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("mode", choices=["kernel", "browser"])
     ap.add_argument("--histories", type=int, nargs="+", default=[20, 300])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", default=None, help="where to write the JSON (default bench/results/explorer_latency[_MODE].json)")
     ap.add_argument("--k3-dir")
     args = ap.parse_args()
     if args.steps < 1:
@@ -102,7 +103,7 @@ def main() -> None:
     if args.mode == "kernel":
         res = kernel(args.histories, args.steps, args.k3_dir)
         print(kernel_table(res, args.histories))
-        path = results / "explorer_latency_kernel.json"
+        path = Path(args.json) if args.json else results / "explorer_latency_kernel.json"
         path.write_text(json.dumps({"load": load, "results": res}, indent=1) + "\n")
     else:
         from browser_e2e import latency_table, run
@@ -111,7 +112,7 @@ def main() -> None:
         print(latency_table(seen))
         res = {m: {tab: {"median_ms": statistics.median(ms), "max_ms": max(ms), "samples_ms": ms}
                    for tab, ms in seen[m]["latency_ms"].items()} for m in ("embedded", "k3_depth")}
-        path = results / "explorer_latency.json"
+        path = Path(args.json) if args.json else results / "explorer_latency.json"
         path.write_text(json.dumps({"load": load, "results": res}, indent=1) + "\n")
     print(f"wrote {path}")
 

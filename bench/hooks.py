@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from argtypes import at_least  # (bench/: the script's directory, on sys.path)
+
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.inspection.hooks import Hooks
 from kimi_explore.inspection.recorder import Recorder
@@ -121,8 +123,8 @@ def bench(weights, rounds: int, block: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--rounds", type=at_least(1), default=40)
+    ap.add_argument("--block", type=at_least(1), default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "hooks.json"))
     args = ap.parse_args(argv)

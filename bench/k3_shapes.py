@@ -63,6 +63,7 @@ from pathlib import Path
 import machine  # (bench/: this script's directory)
 import ml_dtypes
 import numpy as np
+from argtypes import at_least, int_list  # (bench/: the script's directory, on sys.path)
 
 from kimi_explore.backend import on_host
 from kimi_explore.weights import checkpoint_table as table
@@ -471,12 +472,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--weight-dtype", default="float32", help="comma list of float32 / bfloat16")
     p.add_argument("--recorder", action="store_true", help="decode with a kimi_explore.Recorder (default sites) attached")
-    p.add_argument("--tokens", type=int, default=4, help="timed tokens per phase (after one warm-up token)")
+    p.add_argument("--tokens", type=at_least(1), default=4, help="timed tokens per phase (after one warm-up token)")
     p.add_argument("--layers", default="0,1,3", help="layers to time (each alone; only these are written, 0..92)")
-    p.add_argument("--experts", type=int, default=32, help="experts per layer on disk")
+    p.add_argument("--experts", type=at_least(16), default=32, help="experts per layer on disk (>= top-16)")
     p.add_argument("--balanced", action="store_true",
                    help="sequence path: route each chunk evenly over the experts (a trained router's balance)")
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--vocab", type=at_least(1), default=8192)
     p.add_argument("--ckpt", default=str(ROOT / "bench" / "results" / "k3_shapes_ckpt"))
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "k3_shapes.json"))
     p.add_argument("--chunk", default="", help="comma list of chunk sizes for the sequence path (e.g. 1,16,64,256)")
@@ -486,6 +487,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.balanced and not args.chunk:
         p.error("--balanced pins the sequence path's routing: give --chunk too")
+    try:  # (checked here, before a checkpoint of gigabytes is written; the children take them as text)
+        layers = int_list(0)(args.layers)
+        if args.chunk:
+            int_list(1)(args.chunk)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--layers / --chunk: {e}")
+    if max(layers) > 92:
+        p.error(f"--layers: K3 has layers 0..92, got {max(layers)}")
     if args.child:
         print(json.dumps(child(args)))
         return 0

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from argtypes import at_least  # (bench/: the script's directory, on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from k3_shapes import TOP_K, _Marks, _status, ensure_checkpoint, measure_bandwidth  # noqa: E402
@@ -101,9 +102,9 @@ def child(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--tokens", type=int, default=4)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--tokens", type=at_least(1), default=4)
+    p.add_argument("--experts", type=at_least(1), default=32)
+    p.add_argument("--vocab", type=at_least(1), default=8192)
     p.add_argument("--ckpt", default=str(ROOT / "bench" / "results" / "k3_l1_ckpt"))
     p.add_argument("--keep", action="store_true", help="keep the checkpoint (deleted afterwards by default)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "mapped_experts.json"))
@@ -137,12 +138,13 @@ def main(argv=None) -> int:
         for phase in ("warm", "cold"):
             if not run[phase]:
                 continue
-            ms, ffn, read = min(run[phase])  # the best token (the table); every token in the JSON
+            ms, ffn, read = min(run[phase])  # the best token's times (the table); every token in the JSON
             run[f"{phase}_ms"], run[f"{phase}_ffn_ms"], run[f"{phase}_disk_bytes"] = ms, ffn, read
+            run[f"{phase}_disk_bytes_median"] = float(np.median([r for _, _, r in run[phase]]))  # the table's column
             grown = (run["peak_rss_load"] - run["rss_before_load"]) / 1e6
             print(f"{run['mode']:<8} {run['load_s']:>6.1f} {grown:>11.0f} {run['resident_bytes'] / 1e6:>11.0f} "
                   f"{run['experts_bytes'] / 1e6:>10.0f} {run['mapped_bytes'] / 1e6:>9.0f} {phase:<5} {ms:>7.1f} {ffn:>7.1f} "
-                  f"{np.median([r for _, _, r in run[phase]]) / 1e6:>20.0f}")
+                  f"{run[f'{phase}_disk_bytes_median'] / 1e6:>20.0f}")
     print(f"\nwarm mapped / resident packed: {runs[1]['warm_ms'] / packed_ms:.2f}x per token "
           f"(FFN {runs[1]['warm_ffn_ms'] / runs[0]['warm_ffn_ms']:.2f}x); cold mapped / packed: "
           f"{runs[1]['cold_ms'] / packed_ms:.2f}x")

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from argtypes import at_least, int_list  # (bench/: the script's directory, on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -207,16 +208,16 @@ def plan(state_per_layer: float, context: int) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--stages", default="1,2,4")
+    ap.add_argument("--tokens", type=at_least(1), default=200)
+    ap.add_argument("--stages", type=int_list(1), default=[1, 2, 4])
     ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--context", type=int, default=8192, help="history length the plans' MLA caches hold")
+    ap.add_argument("--context", type=at_least(1), default=8192, help="history length the plans' MLA caches hold")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "pipeline.json"))
     args = ap.parse_args()
     import kimi_explore as ke
 
     path = Path(args.checkpoint) if args.checkpoint else ke.tiny_checkpoint()
-    rows = measure(path, [int(s) for s in args.stages.split(",")], args.tokens)
+    rows = measure(path, args.stages, args.tokens)
     print(f"1. localhost, {path.name}, median of {args.tokens} steps (wall clock, ms/token)")
     print(f"{'model':<24} {'no recorder':>12} {'recorder':>10} {'hop, no rec':>12} {'hop, rec':>10}")
     for r in rows:

@@ -46,20 +46,22 @@ import sys
 import time
 from pathlib import Path
 
+from argtypes import at_least, int_list  # (bench/: the script's directory, on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_TPS, TARGET_RATIO = 30_000.0, 20.0  # the bars for Session.feed on the embedded model
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--texts", type=int, default=3)
-    p.add_argument("--len", type=int, default=1024, help="tokens per text")
-    p.add_argument("--chunks", default="16,64,128,256,512")
-    p.add_argument("--step-tokens", type=int, default=0,
+    p.add_argument("--texts", type=at_least(1), default=3)
+    p.add_argument("--len", type=at_least(1), default=1024, help="tokens per text")
+    p.add_argument("--chunks", type=int_list(1), default=[16, 64, 128, 256, 512])
+    p.add_argument("--step-tokens", type=at_least(0), default=0,
                    help="tokens of each text the token path steps through (0: all --len of them, as the sequence path "
                         "feeds: a shorter prefix steps over a shorter cache, ~5%% faster per token at 256 of 1024)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds over the texts (each gives one paired ratio per text)")
-    p.add_argument("--threads", type=int, default=1, help="BLAS threads (0: leave the environment as it is)")
+    p.add_argument("--rounds", type=at_least(1), default=2, help="rounds over the texts (each gives one paired ratio per text)")
+    p.add_argument("--threads", type=at_least(0), default=1, help="BLAS threads (0: leave the environment as it is)")
     p.add_argument("--no-mlx", action="store_true", help="skip mlx-lm (pip install 'mlx[cpu]' mlx-lm)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "prefill.json"))
     return p.parse_args()
@@ -298,7 +300,7 @@ def main() -> int:
         print(f"(mlx-lm against kimi_forward_sequence on text 0: max |logit delta| {m['max_abs_logit_delta']:.3f}, "
               f"argmax agreement {m['argmax_agreement']:.1%}; mlx {m['mlx']} on {m['device']})")
 
-    chunks = [int(c) for c in args.chunks.split(",") if c]
+    chunks = args.chunks
     sweep = chunk_sweep(ke, weights, texts, chunks)
     print(f"\nSession.feed (recorder) by chunk size (the default here: {default_chunk(weights.config)}):")
     print(f"{'chunk':>6s} {'tok/s (cpu)':>12s} {'tok/s (wall)':>13s}")

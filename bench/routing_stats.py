@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from argtypes import at_least  # (bench/: the script's directory, on sys.path)
+
 TARGET = 20_000.0  # tokens/s, the issue's bar for the embedded model on the sequence path
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ("The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts flew 384,400 km to the Moon.\n"
@@ -38,11 +40,11 @@ CORPUS = ("The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts fl
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--text-len", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="BLAS threads (0: leave the environment as it is)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes of the workers row (1: no row)")
+    p.add_argument("--tokens", type=at_least(1), default=8192)
+    p.add_argument("--text-len", type=at_least(1), default=1024)
+    p.add_argument("--rounds", type=at_least(1), default=3)
+    p.add_argument("--threads", type=at_least(0), default=1, help="BLAS threads (0: leave the environment as it is)")
+    p.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1, help="processes of the workers row (1: no row)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "routing_stats.json"))
     return p.parse_args()
 

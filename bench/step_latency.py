@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from argtypes import at_least  # (bench/: the script's directory, on sys.path)
 
 from kimi_explore import from_pretrained
 from kimi_explore.analysis.logit_lens import lens_at
@@ -98,8 +99,8 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=11)
-    p.add_argument("--histories", type=int, nargs="+", default=[20, 100, 300])
+    p.add_argument("--steps", type=at_least(1), default=11)
+    p.add_argument("--histories", type=at_least(1), nargs="+", default=[20, 100, 300])
     p.add_argument("--k3-dir", default=None, help="a K3-depth checkpoint already made (kimi-explore make-tiny)")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "step_latency.json"))
     args = p.parse_args(argv)
