@@ -420,3 +420,34 @@ def test_a_callable_or_empty_filter_that_records_nothing_is_refused(trained_weig
     s = ke.Session(trained_weights, recorder=ke.Recorder(names_filter=[], full=["layers.0.kda.q"]))
     s.feed(list(b"ab"), progress=False)
     assert s.trace().names() == ["layers.0.kda.q"]
+
+
+# ---- generation arguments, and a download plan for a directory ----
+
+def test_generate_arguments_are_named(trained_weights):
+    """A 0-d array of stop tokens failed in NumPy ('iteration over a 0-d array'), None was refused with the hint
+    '(None,)', a Fraction temperature was 'not a number', and bad seeds raised NumPy's messages naming no argument."""
+    from fractions import Fraction
+
+    s = ke.Session(trained_weights)
+    s.feed([1, 2, 3], progress=False)
+    with pytest.raises(TypeError, match=r"stop_tokens must be a collection of token ids, got array\(97\)"):
+        s.generate(2, stop_tokens=np.array(97))
+    assert len(s.fork().generate(2, stop_tokens=None)) == 2
+    assert len(s.fork().generate(2, temperature=Fraction(1, 2), seed=0)) == 2
+    for seed, kind in ((-1, ValueError), (1.5, TypeError)):
+        with pytest.raises(kind, match=r"Session\.generate: seed must be None, an int >= 0"):
+            s.generate(1, temperature=1.0, seed=seed)
+    assert len(s) == 3  # (nothing decoded by a refused call)
+
+
+def test_plan_download_of_a_local_directory_says_so(monkeypatch):
+    """A relative directory shaped 'a/b' was taken for a Hub repo id, and refused saying it is not a local directory
+    (online it would have asked the Hub for it); an absolute one was 'not a Hub repo id'."""
+    from kimi_explore.weights.tiny_model import random_tiny_checkpoint
+
+    path = random_tiny_checkpoint()
+    monkeypatch.chdir(path.parent.parent)  # tests/: 'data/tiny_k3'
+    for given in ("data/tiny_k3", path):
+        with pytest.raises(ValueError, match=r"is a local directory: from_pretrained reads it as it is"):
+            ke.plan_download(given, layers=[0])

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import weakref
 from pathlib import Path
 
@@ -321,14 +322,17 @@ class Session:
         from softmax(logits / temperature) with `np.random.default_rng(seed)`. Stops early after a stop token."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"Session.generate: n (how many tokens to decode) must be an int >= 0, got {n!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) or \
-                not temperature >= 0:  # NaN too
+        if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, numbers.Real) or \
+                not temperature >= 0:  # NaN too; a Fraction is a number, a Decimal or a string is not a float's
             raise ValueError(f"Session.generate: temperature must be a number >= 0, got {temperature!r}")
         try:
             temperature = float(temperature)
         except OverflowError:  # an int past float's range (10**400): as hot as inf
             temperature = math.inf
-        if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
+        if stop_tokens is None:  # (no stop token)
+            stop_tokens = ()
+        if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__") or \
+                (isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim == 0):
             raise TypeError(f"Session.generate: stop_tokens must be a collection of token ids, got {stop_tokens!r}; "
                             f"one stop token t: stop_tokens=({stop_tokens!r},)")
         stop_tokens = list(stop_tokens)  # (an iterator, once: `in` would use it up at the first token)
@@ -339,7 +343,11 @@ class Session:
         stops = {int(t) for t in stop_tokens}
         if not self._logits:
             raise ValueError("Session.generate: feed a prompt first (session.feed(ids)); there are no logits to continue from")
-        rng = np.random.default_rng(seed)
+        try:
+            rng = np.random.default_rng(seed)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Session.generate: seed must be None, an int >= 0, a SeedSequence or a Generator, got "
+                          f"{seed!r} ({e})") from None
         out = []
         for _ in range(n):
             logits = self._logits[-1]

@@ -237,6 +237,9 @@ def plan_download(repo_id: str, *, layers=None, revision: str | None = None, cac
     """
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
+    if isinstance(repo_id, (str, os.PathLike)) and Path(repo_id).is_dir():  # (as from_pretrained reads it: before the Hub)
+        raise ValueError(f"plan_download: {str(repo_id)!r} is a local directory: from_pretrained reads it as it is, and "
+                         "nothing is downloaded (a plan is for a Hub repo id, 'org/name')")
     offline = _offline(local_files_only)
     kw = dict(revision=revision, cache_dir=cache_dir, offline=offline, token=token)
     config_path = fetch_config(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
