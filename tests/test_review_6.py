@@ -171,6 +171,10 @@ def test_routing_stats_files_take_the_npz_suffix_as_sessions_and_traces_do(train
     np.testing.assert_array_equal(again.counts, r.counts)
     with pytest.raises(IsADirectoryError, match=r"RoutingStats\.save: .* is a directory"):
         r.save(tmp_path)
+    # a checkpoint saved before the suffix was added, under the name given: resumed and kept there
+    (tmp_path / "ck.npz").rename(tmp_path / "old_ck")
+    again = ke.routing_stats(trained_weights, TEXTS[:2], progress=False, checkpoint=tmp_path / "old_ck")
+    assert not (tmp_path / "old_ck.npz").exists() and RoutingStats.load(tmp_path / "old_ck").tokens == again.tokens
 
 
 # ---- the public API against its docstrings ----
@@ -188,6 +192,7 @@ def test_a_tuple_of_source_columns_masks_those_columns(trained_weights):
         return rec.trace()[site]
 
     np.testing.assert_array_equal(weights((0, 1)), weights([0, 1]))
+    np.testing.assert_array_equal(weights({0, 1}), weights([0, 1]))  # (any collection of columns)
     np.testing.assert_array_equal(weights((1,)), weights([1]))
     assert (weights((0, 1))[:, :2] == 0).all()
     with pytest.raises(ValueError, match=r"non-empty list of int columns; got 0 \(one column: \[0\]\)"):
@@ -411,15 +416,18 @@ def test_a_trace_indexed_by_position_says_how_to_take_rows(trained_weights):
             s.trace()[key]
 
 
-def test_a_callable_or_empty_filter_that_records_nothing_is_refused(trained_weights):
-    """The glob 'layers.*.kda.q' was refused, its callable twin and names_filter=[] recorded nothing silently."""
+def test_a_callable_filter_that_records_nothing_is_refused(trained_weights, tmp_path):
+    """The glob 'layers.*.kda.q' was refused, its callable twin recorded nothing silently. A filter of no default site
+    beside full= elsewhere records that, and one that selects no site says so itself: both stay accepted, and a
+    session file of the latter (its callable kept as the empty list it chose) loads."""
     with pytest.raises(ValueError, match="selects only sites a Recorder keeps nothing of by default"):
         ke.Session(trained_weights, recorder=ke.Recorder(names_filter=lambda n: n.endswith(".kda.q")))
-    with pytest.raises(ValueError, match=r"names_filter=\[\] selects no site, and full= names none"):
-        ke.Recorder(names_filter=[])
-    s = ke.Session(trained_weights, recorder=ke.Recorder(names_filter=[], full=["layers.0.kda.q"]))
+    s = ke.Session(trained_weights, recorder=ke.Recorder(names_filter="embed", full=["layers.3.attn.out"]))
     s.feed(list(b"ab"), progress=False)
-    assert s.trace().names() == ["layers.0.kda.q"]
+    assert s.trace().names() == ["layers.3.attn.out"]
+    s = ke.Session(trained_weights, recorder=ke.Recorder(names_filter=lambda n: False))
+    s.feed([1, 2, 3], progress=False)
+    assert len(ke.Session.load_state(s.save_state(tmp_path / "s.npz"), trained_weights)) == 3
 
 
 # ---- generation arguments, and a download plan for a directory ----

@@ -200,7 +200,10 @@ class RoutingStats:
     def save(self, path) -> Path:
         """Write one .npz atomically (a partial result survives an interrupted save; the suffix is added if missing,
         as `Session.save_state` and `Trace.save` add it)."""
-        path = with_npz_suffix(path, "RoutingStats.save")
+        return self._write(with_npz_suffix(path, "RoutingStats.save"))
+
+    def _write(self, path: Path) -> Path:
+        """`save` to `path` exactly as named."""
         header = {"format": FORMAT, "moe_layers": self.moe_layers, "num_experts": self.num_experts, "top_k": self.top_k,
                   "class_names": self.class_names, "tokens": self.tokens, "texts": self.texts, "model": self.model}
         classed = np.array(sorted(self.classed.items()), np.int64).reshape(-1, 2)
@@ -346,7 +349,9 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
     ids = [_text_ids(j, x, tokenizer, vocab) for j, x in enumerate(texts)]
     digests = [text_digest(x) for x in ids]
     if checkpoint is not None:
-        checkpoint = with_npz_suffix(checkpoint, "routing_stats: checkpoint")  # (what `save` writes, and so what a resume reads)
+        # what `save` writes, and so what a resume reads; a file already there under the name given (one saved before
+        # the suffix was added) is resumed and written as it is named
+        checkpoint = Path(checkpoint) if Path(checkpoint).is_file() else with_npz_suffix(checkpoint, "routing_stats: checkpoint")
     stats = _resume(checkpoint, weights, model_fingerprint(weights), digests)
     start, since_save = len(stats.texts), 0
     _check_classing(checkpoint, stats, classes)  # (also when it holds every text: its result is this call's)
@@ -365,14 +370,14 @@ def routing_stats(weights, texts, *, tokenizer=None, classes=None, progress: boo
             if bar is not None:
                 bar.update(len(text_ids))
             if checkpoint is not None and since_save >= checkpoint_every:
-                stats.save(checkpoint)
+                stats._write(checkpoint)
                 since_save = 0
     finally:
         routings.close()  # (stops the workers now, also when counting failed)
         if bar is not None:
             bar.close()
     if checkpoint is not None:
-        stats.save(checkpoint)
+        stats._write(checkpoint)
     return stats
 
 

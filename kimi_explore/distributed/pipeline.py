@@ -209,7 +209,7 @@ class RayPipeline(LayerSequence):
 
         if device not in ("cpu", "gpu"):
             raise ValueError(f"RayPipeline: device must be 'cpu' or 'gpu', got {device!r}")
-        check_options("RayPipeline", load_kwargs, fixed=("device", "layers", "embedding", "head", "progress"))
+        check_options("RayPipeline", load_kwargs, fixed=("device", "layers", "embedding", "head"))  # (progress: off)
         self.source, self.device = str(path), device
         self.config = _config(path, load_kwargs)
         self.dtype = resolve_dtype(load_kwargs.get("dtype", "float32"))

@@ -151,9 +151,6 @@ class Recorder:
         if isinstance(top_k, bool) or not (isinstance(top_k, (int, np.integer)) and top_k >= 1):  # (True would be 1)
             raise ValueError(f"Recorder: top_k must be a positive int, got {top_k!r}")
         self.top_k = int(top_k)
-        if isinstance(names_filter, (list, tuple)) and not names_filter and not full:
-            raise ValueError("Recorder: names_filter=[] selects no site, and full= names none: it would record nothing "
-                             "(names_filter=None records every default site)")
         self.names_filter, self._filter_patterns = _predicate(names_filter, "Recorder names_filter")
         self.full, self._full_patterns = _predicate(full if full else None, "Recorder full")
         self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
@@ -238,12 +235,15 @@ class Recorder:
         return self
 
     def _refuse_filters_recording_nothing(self) -> None:
-        """A names_filter (names, globs or a callable) that selects only sites this recorder keeps nothing of (no default
-        record, not in `full`) is refused: a right name would otherwise record nothing without a word."""
+        """A names_filter (names, globs or a callable) that selects sites but only ones without a default record, in a
+        recorder whose `full=` selects none, is refused: it would record nothing, without a word. (One that selects no
+        site at all, `[]` or `lambda n: False`, says so itself: a session file keeps a callable's choice as a list.)"""
         if self.names_filter is None:
             return
         picked = [n for n in self.hooks.names if self.names_filter(n)]
-        if picked and not any(_kind(n) in DEFAULT_SITES or (self.full is not None and self.full(n)) for n in picked):
+        if self.full is not None and any(self.full(n) for n in self.hooks.names):
+            return  # (it records those: a filter of no default site beside full= is a way to say "only these")
+        if picked and not any(_kind(n) in DEFAULT_SITES for n in picked):
             given = self._filter_patterns or self.names_filter
             given = given[0] if isinstance(given, list) and len(given) == 1 else given
             raise ValueError(f"Recorder names_filter {given!r} selects only sites a Recorder keeps nothing of by default "

@@ -71,7 +71,7 @@ def check_family(family):
         if not isinstance(family[1], (int, np.integer)) or isinstance(family[1], bool) or family[1] < 0:
             raise ValueError(f"('block', j): j must be an int >= 0 (a block of Trace.source_labels()), got {family[1]!r}")
     else:
-        cols = list(family) if isinstance(family, (list, tuple, range, np.ndarray)) else None
+        cols = list(family) if hasattr(family, "__iter__") else None  # (a list, tuple, set, range or array)
         if not cols or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in cols):
             raise ValueError(f"source family must be a name, ('block', j) or a non-empty list of int columns; got {family!r}"
                              + (f" (one column: [{family}])" if isinstance(family, (int, np.integer)) else ""))
