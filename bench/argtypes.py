@@ -2,6 +2,9 @@
 running into a division by zero, an empty median or a slice from the end.
 
     from argtypes import at_least, int_list   # bench/ is the script's directory, so on sys.path
+
+`at_least` is the CLI's `_at_least` again on purpose: importing `kimi_explore.cli` loads NumPy, and prefill.py and
+routing_stats.py set the BLAS thread count (--threads) after parsing, before NumPy may load.
 """
 
 from __future__ import annotations
