@@ -101,5 +101,5 @@ def test_the_lens_at_chosen_positions_is_those_rows_of_the_full_lens(model):
     np.testing.assert_array_equal(some.final_ids, full.final_ids[[2, T - 1]])
     np.testing.assert_array_equal(some.target_logprobs, full.target_logprobs[[2, T - 1]])
     assert full.positions.tolist() == list(range(T))
-    with pytest.raises(IndexError, match=f"position {T} is outside the history of {T} tokens"):
+    with pytest.raises(IndexError, match=f"token position {T} is outside the session.s history of {T} tokens"):
         ke.logit_lens(s, positions=[T])

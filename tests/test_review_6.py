@@ -236,10 +236,10 @@ def test_session_positions_are_checked(trained_weights):
     with pytest.raises(ValueError, match=r"Session\.runs: t must be an int in 0\.\.14"):
         list(s.runs(0, 999))
     assert list(s.runs(3, 5)) == [(3, 5)]
-    with pytest.raises(IndexError, match=r"logits_at: token 14 is outside the session's history of 14 tokens"):
+    with pytest.raises(IndexError, match=r"logits_at: t: token position 14 is outside the session's history of 14 tokens"):
         s.logits_at(14)
     for bad in (True, 2.0):
-        with pytest.raises(TypeError, match="logits_at: t must be an int"):
+        with pytest.raises(TypeError, match="logits_at: t: token position .* expected an int"):
             s.logits_at(bad)
 
 

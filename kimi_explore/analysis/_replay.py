@@ -29,6 +29,7 @@ import numpy as np
 from ..backend import to_numpy
 from ..inspection.hooks import HookChain
 from ..inspection.recorder import Recorder
+from ..inspection.targets import history_position
 from ..model.kimi_decoder import hook_names
 
 REPLAY_RTOL = 1e-4  # the sequence path agrees with stepping to float32 rounding (~1e-6 of the logits' scale)
@@ -63,7 +64,7 @@ def replay(session, names, positions=None, from_checkpoint: bool = False):
     T = len(tokens)
     if T == 0:
         raise ValueError("the session has no tokens: feed a prompt first (session.feed(ids))")
-    wanted = set(range(T)) if positions is None else {_position(p, T) for p in positions}
+    wanted = set(range(T)) if positions is None else {history_position(p, T, "replay: positions") for p in positions}
     model = session.weights
     current = () if session.recorder is None else tuple(session.recorder.route_sites(hook_names(model)))
     chains: dict[tuple, tuple] = {}  # route -> (hooks, capture): a fed chunk replays on the route it was fed on
@@ -124,14 +125,6 @@ def _route_recorder(model, route: tuple):
 def _cut_tail(session, start: int) -> list[int]:
     """`Session.cut_tail` (a driver without it: [])"""
     return session.cut_tail(start) if hasattr(session, "cut_tail") else []
-
-
-def _position(p, T: int) -> int:
-    if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
-        raise TypeError(f"token position {p!r} ({type(p).__name__}): expected an int in 0..{T - 1} (or -{T}..-1)")
-    if not -T <= p < T:
-        raise IndexError(f"token position {p!r} is outside the session's history of {T} tokens (0..{T - 1}, or -{T}..-1)")
-    return int(p) % T
 
 
 def hooked(session, t: int) -> bool:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import to_numpy
+from ..inspection.targets import history_position
 from ..model.block_residual import source_labels, source_of_layers
 from ..model.latent_moe import expert_outputs
 from ..model.ops import situ_and_mul
@@ -144,22 +145,12 @@ def logit_attribution(session, t=-1, token=None):
     T = len(session.tokens)
     if T == 0:
         raise ValueError("logit_attribution: the session has no tokens: feed a prompt first (session.feed(ids))")
-    steps = sorted(_step(s, T) for s in steps)
+    steps = sorted(history_position(s, T, "logit_attribution: t") for s in steps)
     names = site_names(w, _SITES, ("embed", "final.attn_res.weights", "final.block_residual"))
     runs = replay(session, names, steps, from_checkpoint=True)
     done = {step: _attribute(w, step, values, logits, token) for step, values, logits in runs}
     out = [done[step] for step in steps]
     return out if many else out[0]
-
-
-def _step(p, T: int) -> int:
-    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
-        raise TypeError(f"logit_attribution: t: token position {p!r} ({type(p).__name__}): expected an int in 0..{T - 1} "
-                        f"(or -{T}..-1)")
-    if not -T <= p < T:
-        raise IndexError(f"logit_attribution: t: token position {p} is outside the session's history of {T} tokens "
-                         f"(0..{T - 1}, or -{T}..-1)")
-    return int(p) % T
 
 
 def _attribute(w, t: int, values: dict, logits: np.ndarray, token) -> Attribution:

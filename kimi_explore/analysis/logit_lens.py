@@ -28,6 +28,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
+from ..inspection.targets import history_position
 from ..inspection.topk import top_ids
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import OutputHead, output_hidden
@@ -143,15 +144,7 @@ def _rows(positions, T: int) -> np.ndarray:
     ps = [positions] if np.ndim(positions) == 0 else list(positions)
     if not ps:
         raise ValueError("logit_lens: positions is empty: give at least one token position (or None for every token)")
-    return np.unique([_position(p, T) for p in ps])
-
-
-def _position(p, T: int) -> int:
-    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
-        raise TypeError(f"logit_lens: positions must be ints (token positions), got {p!r} ({type(p).__name__})")
-    if not -T <= p < T:
-        raise IndexError(f"logit_lens: position {p} is outside the history of {T} tokens (0..{T - 1}, or -{T}..-1)")
-    return int(p) % T
+    return np.unique([history_position(p, T, "logit_lens: positions") for p in ps])
 
 
 @dataclass
@@ -179,13 +172,9 @@ def lens_at(session, t: int, top: int = 1) -> LensStrip:
     history that no longer replays (decoded under a temporary intervention, or the weights changed
     since) raises, naming the token. Equal to `logit_lens(session)` at t (both replay exactly)."""
     T = len(session)
-    if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
-        raise TypeError(f"lens_at: t must be a token position (an int in 0..{T - 1}, or -{T}..-1), got {t!r} "
-                        f"({type(t).__name__})")
-    if not -T <= t < T:
-        raise IndexError(f"lens_at: token position {t!r} is outside the session's history of {T} tokens")
+    t = history_position(t, T, "lens_at: t")
     top = _top(top, "lens_at")
-    t, w = int(t) % T, session.weights
+    w = session.weights
     names = ["embed"] + [spec.hook_prefix + "prefix_sum" for spec in w.specs]
     ((_, values, _),) = replay(session, names, [t], from_checkpoint=True)
     logp = log_softmax(to_numpy(lens_logits(w, w.head(), values)))

@@ -64,6 +64,7 @@ from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import SERVED, Recorder
 from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
+from .targets import history_position
 from .trace import window_slice
 
 # a Recorder or Hooks -> the Session it serves: its records and its `with intervene` blocks are that session's
@@ -182,13 +183,7 @@ class Session:
 
     def logits_at(self, t: int) -> np.ndarray:
         """A copy of token t's logits [vocab] (negative t counts from the end)."""
-        T = len(self._logits)
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"Session.logits_at: t must be an int token position in 0..{T - 1} (or -{T}..-1), got {t!r}")
-        if not -T <= t < T:
-            raise IndexError(f"Session.logits_at: token {t} is outside the session's history of {T} tokens "
-                             + (f"(0..{T - 1}, or -{T}..-1)" if T else "(feed a prompt first)"))
-        return self._logits[t].copy()
+        return self._logits[history_position(t, len(self._logits), "Session.logits_at: t")].copy()
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -384,17 +379,15 @@ class Session:
         the nearest kept checkpoint, then the tokens after it re-decoded as they were (at most
         `checkpoint_every` stepped tokens or one fed chunk), so its cost does not grow with the history."""
         T = len(self._tokens)
-        if isinstance(n_tokens, bool) or not (isinstance(n_tokens, (int, np.integer)) and 0 <= n_tokens <= T):
-            raise ValueError(f"Session.state_after: n_tokens must be an int in 0..{T}, got {n_tokens!r}")
-        return self.state.copy() if n_tokens == T else self._state_after(int(n_tokens))
+        n_tokens = _int_in(n_tokens, 0, T, "Session.state_after: n_tokens")
+        return self.state.copy() if n_tokens == T else self._state_after(n_tokens)
 
     def checkpoint_before(self, t: int) -> tuple[int, KimiDecodeState]:
         """(c, a copy of the decode state after the first c tokens) for the latest kept checkpoint c <= t
         (c = 0: a fresh state). Re-decoding tokens c..t from it reaches token t in at most
         `checkpoint_every` stepped tokens or one fed chunk, however long the history."""
         T = len(self._tokens)
-        if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t <= T):
-            raise ValueError(f"Session.checkpoint_before: t must be an int in 0..{T}, got {t!r}")
+        t = _int_in(t, 0, T, "Session.checkpoint_before: t")
         c = max([k for k in self._checkpoints if k <= t], default=0)
         return c, (self._checkpoints[c].copy() if c else self.weights.new_state())
 
@@ -434,10 +427,8 @@ class Session:
         a stepped token, (a, b) for the part of a fed chunk. Replaying these exactly reproduces the history."""
         T = len(self._tokens)
         t = T if t is None else t
-        for what, v, lo in (("c", c, 0), ("t", t, c)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= T:
-                raise ValueError(f"Session.runs: {what} must be an int in {lo}..{T} (0 <= c <= t <= the {T} tokens), "
-                                 f"got {v!r}")
+        c = _int_in(c, 0, T, "Session.runs: c", f" (0 <= c <= t <= the {T} tokens)")
+        t = _int_in(t, c, T, "Session.runs: t", f" (0 <= c <= t <= the {T} tokens)")
         s = c
         while s < t:
             start = self._chunk_of[s]
@@ -460,10 +451,7 @@ class Session:
         """Keep the first `n_tokens` tokens (0 <= n_tokens <= len) and drop the rest: state, logits, records
         and checkpoints as they were after token n_tokens - 1. `truncate(0)` empties the session."""
         T = len(self._tokens)
-        if isinstance(n_tokens, bool) or not (isinstance(n_tokens, (int, np.integer)) and 0 <= n_tokens <= T):
-            raise ValueError(f"Session.truncate: n_tokens (how many tokens to keep) must be an int in 0..{T}, "
-                             f"got {n_tokens!r}; session.back(k) drops the last k")
-        n = int(n_tokens)
+        n = _int_in(n_tokens, 0, T, "Session.truncate: n_tokens (how many tokens to keep)", "; session.back(k) drops the last k")
         tail = self._tail_cut_by(n)
         self.state = self._state_after(n)
         self._drop_after(n)
@@ -530,9 +518,7 @@ class Session:
     def back(self, k: int = 1) -> None:
         """Drop the last `k` tokens (0 <= k <= len): `truncate(len(self) - k)`."""
         T = len(self._tokens)
-        if isinstance(k, bool) or not (isinstance(k, (int, np.integer)) and 0 <= k <= T):
-            raise ValueError(f"Session.back: k (how many tokens to drop) must be an int in 0..{T}, got {k!r}")
-        self.truncate(T - int(k))
+        self.truncate(T - _int_in(k, 0, T, "Session.back: k (how many tokens to drop)"))
 
     def recover(self) -> list[int]:
         """After a pipeline stage was lost (`StageLostError`): restart it from its shards and rebuild the
@@ -682,6 +668,13 @@ class Session:
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
+
+
+def _int_in(v, lo: int, hi: int, what: str, more: str = "") -> int:
+    """v as an int, checked: an int (not a bool) in lo..hi; else ValueError, `what` first and `more` last."""
+    if isinstance(v, (bool, np.bool_)) or not (isinstance(v, (int, np.integer)) and lo <= v <= hi):
+        raise ValueError(f"{what} must be an int in {lo}..{hi}, got {v!r}{more}")
+    return int(v)
 
 
 def _refuse_not_weights(weights, what: str) -> None:

@@ -1,4 +1,4 @@
-"""Where an intervention acts: which layers (sites) and which token positions.
+"""Where an intervention acts: which layers (sites) and which token positions; a position in a history.
 
     layer_sites(layer, kind)          "layers.{i}.{kind}" for layer = an int, a list / range of distinct
                                       ones, or "all" (a glob: every layer that has the site)
@@ -6,6 +6,8 @@
                                       `positions`: None (every token), an int, a non-empty collection /
                                       range of ints, or a non-empty slice (slice(a, None): from token a on)
     named(fn, label)                  give a hook function a readable name (what `Hooks` lists)
+    history_position(p, T, who)       a token position of a session's history (negative from the end) as 0..T-1,
+                                      checked: what every analysis taking a position `t` reads it with
 
 In the token form the wrapped fn gets the value and rows=None; on a chunk of the sequence path it gets
 the chunk [T, ...] and rows, a [T] bool mask of the chunk rows to change. A 0-d integer array counts as
@@ -19,7 +21,10 @@ import numpy as np
 
 from .._xp import array_namespace
 
-__all__ = ["at_positions", "index_list", "layer_ids", "layer_sites", "named", "number", "position_filter", "position_list"]
+__all__ = [
+    "at_positions", "history_position", "index_list", "layer_ids", "layer_sites", "named", "number", "position_filter",
+    "position_list",
+]
 
 
 def _scalar(x):
@@ -116,6 +121,18 @@ def position_list(positions) -> list[int]:
     if ordered[0] < 0:  # -1 is not "the last token": it would silently never act
         raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
     return ordered
+
+
+def history_position(p, T: int, who: str) -> int:
+    """Token position p of a history of T tokens (negative counts from the end) as its index 0..T-1; `who` leads
+    the message of a p that is not an int (a bool is not) or lies outside the history."""
+    span = f"0..{T - 1}, or -{T}..-1" if T else "none yet: feed a prompt first"
+    p = _scalar(p)
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+        raise TypeError(f"{who}: token position {p!r} ({type(p).__name__}): expected an int ({span})")
+    if not -T <= p < T:
+        raise IndexError(f"{who}: token position {p} is outside the session's history of {T} tokens ({span})")
+    return int(p) % T
 
 
 def at_positions(fn, positions):
