@@ -32,10 +32,10 @@ from . import mxfp4
 from .checkpoint_table import DiskTensor
 from .safetensors_io import SafetensorsFile
 
-# the float dtypes a released BF16 / F32 tensor loads from: its own, or a wider copy that holds its values
-# exactly. Not F16: its 5 exponent bits cannot hold BF16's range (no exact copy), and no K3 checkpoint
-# stores it, so an F16 header is a damaged dtype field or a lossy conversion (its bytes read as F16 run
-# another model)
+# the float dtypes a released BF16 / F32 tensor loads from, narrowest first: its own, or a wider copy that holds
+# its values exactly (a narrower one rounded them: refused). Not F16: its 5 exponent bits cannot hold BF16's
+# range (no exact copy), and no K3 checkpoint stores it, so an F16 header is a damaged dtype field or a lossy
+# conversion (its bytes read as F16 run another model)
 FLOAT_DTYPES = ("BF16", "F32", "F64")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,7 +53,9 @@ class CheckpointDir:
         if index.exists():
             try:
                 raw = json.loads(index.read_text(), object_pairs_hook=unique_keys)
-                self.weight_map = dict(raw["weight_map"])
+                self.weight_map = raw["weight_map"]
+                if not isinstance(self.weight_map, dict):
+                    raise TypeError(f"'weight_map' is a {type(self.weight_map).__name__}, not an object")
             except DuplicateKeyError as e:  # json.loads would keep the last shard named, silently
                 raise CheckpointError(f"{index}: '{e.args[0]}' is given twice in one object (a tensor placed in two "
                                       "shards, or a key repeated): which one is meant cannot be told; keep one") from None
@@ -153,7 +155,7 @@ def missing_shards_message(missing: dict[str, list[int]]) -> str:
 
 
 def check_checkpoint(ckpt: CheckpointDir, plan: dict[str, DiskTensor]) -> None:
-    """Every planned tensor exists, in a shard that exists, with the right dtype and shape."""
+    """Every planned tensor exists, in a shard that exists, with the right dtype and shape; the F32 ones finite."""
     needed = shards_needed(ckpt, plan)
     absent = {s: ids for s, ids in needed.items() if not (ckpt.path / s).exists()}
     if absent:
@@ -169,6 +171,25 @@ def check_checkpoint(ckpt: CheckpointDir, plan: dict[str, DiskTensor]) -> None:
             raise CheckpointError(f"{f.path}: the index places tensor '{full}' in this shard, but it is not there")
         dtype, shape = f.info(full)
         check_tensor(f.path, full, dtype, shape, want)
+        if want.dtype == "F32":  # the small F32 vectors (a few KB a layer, read now): NaN in the router bias runs
+            check_finite(f.path, full, f.array(full))
+    for s in needed:  # a tensor the index leaves out would go unseen by `check_no_unexpected`
+        f = ckpt.open(s)
+        unlisted = [k for k in f.keys() if _language_model(ckpt, k) and ckpt.weight_map.get(k) != s]
+        if unlisted:
+            raise CheckpointError(f"{f.path}: holds {len(unlisted)} language-model tensor(s) that {INDEX_FILE} does not "
+                                  f"place in this shard, so the index and the shards disagree (a tensor the index leaves "
+                                  f"out would be ignored, another model run): {listed(unlisted, 4)}")
+
+
+def check_finite(path, full: str, values: np.ndarray) -> None:
+    """Refuse a tensor with a NaN or an infinity: in a small F32 vector (the router bias, dt_bias) it would run another
+    model whose logits stay finite (a NaN bias ranks its expert first; an infinite dt_bias fixes a decay)."""
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise CheckpointError(f"{path}: tensor '{full}' holds {bad.size} non-finite value(s) (NaN or inf; the first at "
+                              f"flat index {bad[0]}: {values.reshape(-1)[bad[0]]}): a damaged tensor would run another "
+                              "model; re-download or re-convert it")
 
 
 def _language_model(ckpt: CheckpointDir, full: str) -> bool:
@@ -268,8 +289,8 @@ def check_no_unexpected(ckpt: CheckpointDir, cfg: KimiDecoderConfig) -> None:
 def check_tensor(path, full: str, dtype: str, shape: tuple, want: DiskTensor) -> None:
     """Raise CheckpointError unless a tensor of `dtype` and `shape` is what the table plans (`want`).
 
-    Floats load from BF16, F32 or F64 (`FLOAT_DTYPES`: exact copies; F16 is refused); the halves of an
-    MXFP4 pair must be U8.
+    Floats load from their released dtype or a wider one (`FLOAT_DTYPES`: exact copies; a narrower one, and F16,
+    are refused); the halves of an MXFP4 pair must be U8.
     """
     def bad(expected: str):
         raise CheckpointError(f"{path}: tensor '{full}': expected {expected}, found {dtype}{list(shape)}")
@@ -290,6 +311,11 @@ def check_tensor(path, full: str, dtype: str, shape: tuple, want: DiskTensor) ->
                               "or convert again keeping BF16")
     if dtype not in FLOAT_DTYPES:
         bad(f"a float tensor ({want.dtype}, or an exact F32/F64 copy) of shape {expected}")
+    if FLOAT_DTYPES.index(dtype) < FLOAT_DTYPES.index(want.dtype):
+        raise CheckpointError(f"{path}: tensor '{full}': expected {want.dtype} (or an exact F64 copy), found "
+                              f"{dtype}{list(shape)}: narrower than the release's {want.dtype}, so its values were "
+                              f"rounded (a lossy export, such as model.to(torch.bfloat16)) and would run another model; "
+                              f"convert again keeping this tensor in {want.dtype}")
     if tuple(shape) not in shapes:
         bad(f"shape {expected}")
 

@@ -26,6 +26,7 @@ smaller one would otherwise read part of its bytes as garbage values. The data i
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,12 +115,20 @@ class GgufFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
+            self.file = open(self.path, "rb", buffering=0)  # (the map's and the tensor reader's: see SafetensorsFile)
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: no such file") from None
+        try:
+            self._read_header()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _read_header(self) -> None:
+        size = os.fstat(self.file.fileno()).st_size
         if size < 24:
             raise CheckpointError(f"{self.path}: not a GGUF file (only {size} bytes; truncated?)")
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._map = np.memmap(self.file, dtype=np.uint8, mode="r")
         c = _Cursor(self._map, self.path)
         magic = c.take(4, "magic").tobytes()
         if magic != MAGIC:
@@ -223,6 +232,7 @@ class GgufFile:
     def close(self) -> None:
         """Drop this file's map; views handed out keep it alive (see `SafetensorsFile.close` for why not mmap.close)."""
         self._map = None
+        self.file.close()
 
 
 # ---------------------------------------------------------------- writing (tests, splitting)

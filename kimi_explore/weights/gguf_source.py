@@ -46,6 +46,7 @@ from ..errors import CheckpointError, listed
 from ..model.latent_moe import DenseExperts
 from . import checkpoint_table as table
 from . import ggml_quants
+from .checkpoint import check_finite
 from .ggml_experts import GgmlExperts
 from .gguf_config import config_from_gguf
 from .gguf_io import GgufFile
@@ -177,6 +178,10 @@ class GgufSource(TensorSource):
                 if not np.all(np.isfinite(a) & (a < 0)):  # -inf: A = inf, another model that runs
                     raise CheckpointError(f"{self._where(f'blk.{i}.ssm_a')}: tensor 'blk.{i}.ssm_a' must be -exp(A_log), "
                                           f"finite and < 0 per head; found {a.tolist()}")
+        for t in table.plan(self.config, layer_ids, embedding, head):  # the small vectors released in F32
+            if t.dtype == table.F32:
+                for g in self.gguf_names(t):
+                    check_finite(self._where(g), g, self._values(g, np.float64))
 
     def _check_no_unexpected(self) -> None:
         """Every tensor in the GGUF is one the metadata's model reads (whatever `layers=` asks): one it
@@ -264,7 +269,6 @@ class GgufSource(TensorSource):
                            dtype=dtype, capacity=capacity, workspace=workspace, mapped=mapped, device=xp)
 
     def close(self) -> None:
-        self.reader.close()
         for f in self.files:
             f.close()
 

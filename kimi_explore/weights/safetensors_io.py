@@ -10,6 +10,7 @@ size up front: a truncated download fails at open, not halfway through a load.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -34,24 +35,36 @@ _MAX_HEADER = 100 * 1024 * 1024
 
 
 class SafetensorsFile:
-    """One memory-mapped `.safetensors` file."""
+    """One memory-mapped `.safetensors` file.
+
+    `file` is the file the header was read from, open (unbuffered) until `close`: the map and every read of
+    its tensors (`tensor_reader`) go through it, not through the path, which a writer may have replaced since
+    (a re-download's `os.replace`: the new file's bytes read at the old header's offsets)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
+            self.file = open(self.path, "rb", buffering=0)
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: no such file") from None
+        try:
+            self._read_header()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _read_header(self) -> None:
+        f = self.file
+        size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise CheckpointError(f"{self.path}: not a safetensors file (only {size} bytes; truncated?)")
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(size - 8, _MAX_HEADER):
-                raise CheckpointError(
-                    f"{self.path}: corrupt or truncated safetensors header: header length field says {n} bytes, "
-                    f"file has {size - 8} after it"
-                )
-            raw = f.read(n)
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(size - 8, _MAX_HEADER):
+            raise CheckpointError(
+                f"{self.path}: corrupt or truncated safetensors header: header length field says {n} bytes, "
+                f"file has {size - 8} after it"
+            )
+        raw = f.read(n)
         try:
             header = json.loads(raw, object_pairs_hook=unique_keys)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -90,7 +103,7 @@ class SafetensorsFile:
         if at != size:
             raise CheckpointError(f"{self.path}: the tensors end at byte {at - data_start} of the data section, but it "
                                   f"holds {data_len} bytes (a damaged header, or bytes appended to the file)")
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+        self._map = np.memmap(f, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
 
     def _entry(self, name: str, e) -> tuple:
         """A header entry's (dtype, shape, (begin, end)), refusing anything but a dtype string, a list of
@@ -137,6 +150,7 @@ class SafetensorsFile:
         (experts="mapped" keeps them for the model's lifetime) unmaps the pages and the view segfaults.
         """
         self._map = None
+        self.file.close()
 
 
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:

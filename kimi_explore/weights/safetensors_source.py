@@ -148,5 +148,4 @@ class SafetensorsSource(TensorSource):
         return DenseExperts(xp.asarray(banks["w13"]), xp.asarray(banks["w2"]))
 
     def close(self) -> None:
-        self.reader.close()
         self.ckpt.close()

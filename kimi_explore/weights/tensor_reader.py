@@ -9,58 +9,43 @@ then what is kept plus one bounce buffer (`BOUNCE_BYTES`); the file bytes go thr
 cache only (measured in `bench/k3_shapes.py`).
 
 The shard headers are parsed and checked by `safetensors_io.SafetensorsFile` (the loader's
-`checkpoint.check_checkpoint`); we take each tensor's byte range from it.
+`checkpoint.check_checkpoint`) or `gguf_io.GgufFile`; we take each tensor's byte range from it and read
+through its open `file`, the file that header was read from.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from ..errors import CheckpointError
-from .safetensors_io import DTYPES, SafetensorsFile
+from .safetensors_io import DTYPES
 
 BOUNCE_BYTES = 64 * 1024 * 1024
 
 
-def byte_range(f: SafetensorsFile, name: str) -> tuple[int, int]:
-    """Absolute [start, end) file offsets of tensor `name`'s bytes."""
-    public = getattr(f, "byte_range", None)
-    if public is not None:
-        return public(name)
-    begin, end = f.byte_range(name)
-    return begin, end
-
-
 class TensorReader:
-    """Reads tensors of one checkpoint by name; `open_shard(name) -> SafetensorsFile` resolves shards."""
+    """Reads tensors of one checkpoint by name; `open_shard(name) -> (file, full name)` resolves shards (the file: a
+    `SafetensorsFile` or `GgufFile`)."""
 
     def __init__(self, open_shard):
         self._open_shard = open_shard
-        self._files: dict[Path, object] = {}
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype code, shape)."""
         f, full = self._open_shard(name)
         return f.info(full)
 
-    def _fh(self, path: Path):
-        if path not in self._files:
-            self._files[path] = open(path, "rb", buffering=0)
-        return self._files[path]
-
     def _read_bytes(self, name: str, out: np.ndarray, skip: int = 0) -> None:
         """Fill the C-contiguous `out` with the tensor's bytes starting `skip` bytes into it."""
         f, full = self._open_shard(name)
-        begin, end = byte_range(f, full)
+        begin, end = f.byte_range(full)
         begin += skip
         view = memoryview(out.reshape(-1).view(np.uint8))
         if begin + len(view) > end:
             raise CheckpointError(
                 f"{f.path}: tensor '{full}': asked for {len(view)} bytes at offset {skip}, it has {end - begin + skip}"
             )
-        fh = self._fh(f.path)
+        fh = f.file  # the file its header was read from (the path may name another by now)
         fh.seek(begin)
         done = 0
         while done < len(view):
@@ -95,8 +80,3 @@ class TensorReader:
             else:
                 flat[a : a + chunk.size] = chunk
         return out
-
-    def close(self) -> None:
-        for fh in self._files.values():
-            fh.close()
-        self._files.clear()
