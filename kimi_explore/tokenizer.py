@@ -97,7 +97,8 @@ def _label_bytes(raw: bytes) -> str:
 def _as_ids(ids, vocab_size: int) -> list[int]:
     """Plain ints from any int sequence (lists, NumPy arrays), each checked against the vocabulary.
     Floats, bools and strings are refused: int(1.7) == 1 would silently name another token."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):  # (a bare id: list(5) says nothing of ids)
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__") or getattr(ids, "ndim", 1) == 0:
+        # (a bare id, or a 0-d array: list(5) says nothing of ids)
         raise TokenizerError(f"ids: expected a sequence of token ids (one id: [id]), found {type(ids).__name__} {ids!r:.40}")
     ids = list(ids)
 

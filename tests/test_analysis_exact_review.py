@@ -469,9 +469,9 @@ def test_bug_position_errors_name_the_function_and_argument(ref_weights):
         ke.logit_attribution(s, 8)
     with pytest.raises(TypeError, match=r"logit_attribution: t: token position None \(NoneType\)"):
         ke.logit_attribution(s, None)
-    with pytest.raises(TypeError, match=r"lens_at: t must be a token position .*got 1.0 \(float\)"):
+    with pytest.raises(TypeError, match=r"lens_at: t: token position 1.0 \(float\)"):
         ke.lens_at(s, 1.0)
-    with pytest.raises(TypeError, match=r"lens_at: t must be a token position .*got True \(bool\)"):
+    with pytest.raises(TypeError, match=r"lens_at: t: token position True \(bool\)"):
         ke.lens_at(s, True)
     with pytest.raises(ValueError, match=r"logit_lens: top must be a positive int .*got True"):
         ke.logit_lens(s, top=True)  # (a bool is an int: it reached top_ids, which raised 'an integer is required')

@@ -442,3 +442,20 @@ def test_a_dump_of_a_trace_reads_its_probability_padding_as_the_masked_zeros(tmp
     arrays["layers.6.mla.probs"][5, 2, 3] = np.nan
     first = ke.compare(ke.Session(weights_d), {**arrays, "tokens": np.array(tokens)}, local=False).first
     assert (first.token, first.site) == (5, "layers.6.mla.probs") and np.isnan(first.max_abs)
+
+
+def test_divergences_are_ordered_by_token_before_firing_order(weights_d, hooks_d):
+    """`first` is the earliest token's divergence, whichever site it is at: ordered by firing order alone, a site
+    firing early but diverging late came first (a mutation left every other test passing)."""
+    mapped, tokens = hooks_d
+    order = [n for n in ke.hook_names(weights_d) if n in mapped and not n.endswith("topk_ids")]
+    early_site, late_site = order[0], order[-1]
+    planted = {k: v.copy() for k, v in mapped.items()}
+    for site, t in ((early_site, len(tokens) - 1), (late_site, 1)):
+        row = planted[site][t].reshape(-1)
+        row[0] += 0.05 * float(np.abs(row).max()) + 1.0
+    session = ke.Session(weights_d)
+    session.feed(tokens, progress=False)
+    cmp = ke.compare(session, planted, local=False, probes=False)
+    assert [(d.token, d.site) for d in cmp.divergences] == [(1, late_site), (len(tokens) - 1, early_site)]
+    assert (cmp.first.token, cmp.first.site) == (1, late_site)

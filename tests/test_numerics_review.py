@@ -70,35 +70,38 @@ def test_a_nan_token_leaves_the_earlier_logits_of_its_chunk_alone(dtype, tol):
             assert not np.isfinite(got[bad:]).any(axis=1).any()
 
 
+@pytest.mark.parametrize("at", [11, 17], ids=["mid", "last"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-def test_mla_sequence_queries_never_see_a_later_nan_value(monkeypatch, dtype):
+def test_mla_sequence_queries_never_see_a_later_nan_value(monkeypatch, dtype, at):
     """Fixed (`mla._causal_mix`): the same at the layer, with query blocks of 4 over a 13-token chunk after 5 cached
     positions; and the NumPy softmax (float64) left NaN at the masked positions of a row whose max is NaN, which
     `_check_causal` then blamed on a hook that had returned the probabilities unchanged."""
     monkeypatch.setattr(mla, "QUERY_BLOCK", 4)
     w = layers_of(fresh(np.dtype(dtype).name), "mla")[0]
     xs = np.random.default_rng(0).standard_normal((18, w.in_proj.shape[1])).astype(dtype)
-    xs[11] = np.nan  # chunk token 6: its values (and its own query) NaN
+    xs[at] = np.nan  # chunk token 6 (or the chunk's last, 12): its values (and its own query) NaN
     state = mla.MlaState.empty(w, np, np.dtype(dtype))
     want = np.stack([mla.mla_step(x, w, state) for x in xs])
     for fire in (None, lambda name, value: value):
         state = mla.MlaState.empty(w, np, np.dtype(dtype))
         head = mla.mla_sequence(xs[:5], w, state)
         got = mla.mla_sequence(xs[5:], w, state, fire=fire)
-        np.testing.assert_allclose(np.concatenate([head, got])[:11], want[:11], rtol=1e-4 if dtype == np.float32 else 1e-12,
+        np.testing.assert_allclose(np.concatenate([head, got])[:at], want[:at], rtol=1e-4 if dtype == np.float32 else 1e-12,
                                    atol=1e-6 if dtype == np.float32 else 1e-14)
-        assert np.isnan(got[6:]).all()
+        assert np.isnan(got[at - 5 :]).all()
     s = np.array([[[1.0, np.nan, 2.0, 3.0]] * 4], dtype)
     p = mla.causal_softmax_(s, 0)
     assert p[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0] and np.isnan(p[0, 1, :2]).all() and (p[0, 1, 2:] == 0).all()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the planted inf, as NumPy reports it
+@pytest.mark.parametrize("at", [9, 19], ids=["mid", "last"])
 @pytest.mark.parametrize("where", ["k", "v", "beta", "log_alpha", "log_alpha+inf"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-def test_chunked_delta_rule_keeps_a_later_nan_out_of_earlier_tokens(where, dtype):
+def test_chunked_delta_rule_keeps_a_later_nan_out_of_earlier_tokens(where, dtype, at):
     """Fixed (`kda_chunk.first_non_finite`): a NaN (or +inf log decay) at token 9 made every output and state norm of
-    its chunk NaN. A decay of exactly 0 (log -inf) is no such input: it must stay exact."""
+    its chunk NaN. A decay of exactly 0 (log -inf) is no such input: it must stay exact. At the last token too (the
+    split there is its own case)."""
     rng = np.random.default_rng(1)
     T, H, K, V = 20, 2, 8, 4
     q, k = rng.standard_normal((T, H, K)), rng.standard_normal((T, H, K))
@@ -107,15 +110,15 @@ def test_chunked_delta_rule_keeps_a_later_nan_out_of_earlier_tokens(where, dtype
     la[3, :, ::2] = -np.inf  # decay 0 on half the channels
     arrays = {"k": k, "v": v, "beta": beta, "log_alpha": la}
     name = where.split("+")[0]
-    arrays[name][9] = np.inf if where.endswith("+inf") else np.nan
+    arrays[name][at] = np.inf if where.endswith("+inf") else np.nan
     S0 = rng.standard_normal((H, K, V))
     o_ref, _, n_ref = naive_recurrent_delta_rule(q, k, v, np.exp(la), beta, S0)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     for chunk in (1, 2, 7, 16, 64):
         S = S0.astype(dtype)
         o, n = chunked_delta_rule(*(a.astype(dtype) for a in (q, k, v, la, beta)), S, chunk=chunk, state_norms=True)
-        assert rel(o[:9].astype(np.float64), o_ref[:9]) <= tol and rel(n[:9].astype(np.float64), n_ref[:9]) <= tol, chunk
-        assert not np.isfinite(o[9:]).any() and not np.isfinite(n[9:]).any() and not np.isfinite(S).any()
+        assert rel(o[:at].astype(np.float64), o_ref[:at]) <= tol and rel(n[:at].astype(np.float64), n_ref[:at]) <= tol, chunk
+        assert not np.isfinite(o[at:]).any() and not np.isfinite(n[at:]).any() and not np.isfinite(S).any()
 
 
 # ---------------------------------------------------------------- routing: near-ties, ties, NaN

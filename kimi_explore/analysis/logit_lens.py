@@ -28,7 +28,7 @@ import numpy as np
 
 from .._xp import array_namespace
 from ..backend import to_numpy
-from ..inspection.targets import history_position
+from ..inspection.targets import history_position, int_slice
 from ..inspection.topk import top_ids
 from ..model.block_residual import SourceBuffer
 from ..model.kimi_decoder import OutputHead, output_hidden
@@ -140,8 +140,9 @@ def _top(top, who: str) -> int:
 def _rows(positions, T: int) -> np.ndarray:
     """The history rows asked for, in increasing order, each once."""
     if isinstance(positions, slice):  # (as the interventions take them)
-        positions = range(T)[positions]
-    ps = [positions] if np.ndim(positions) == 0 else list(positions)
+        positions = range(T)[int_slice(positions, "logit_lens: positions")]
+    one = isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__") or getattr(positions, "ndim", 1) == 0
+    ps = [positions] if one else list(positions)  # (a set or a generator too: the rows come out sorted)
     if not ps:
         raise ValueError("logit_lens: positions is empty: give at least one token position (or None for every token)")
     return np.unique([history_position(p, T, "logit_lens: positions") for p in ps])
@@ -189,8 +190,8 @@ def _targets(targets, tokens: np.ndarray, V: int):
         if targets != "next":
             raise ValueError(f"logit_lens: targets must be None, 'next' or token ids [T], got {targets!r}")
         return np.append(tokens[1:], -1)
-    ids = np.asarray(to_numpy(targets)).reshape(-1)
-    if ids.shape[0] != tokens.shape[0] or ids.dtype.kind not in "iu":
+    ids = np.asarray(to_numpy(targets))
+    if ids.shape != tokens.shape or ids.dtype.kind not in "iu":  # (not reshaped: [2, 3] is not 6 tokens' targets)
         raise ValueError(f"logit_lens: targets must be {tokens.shape[0]} integer token ids (one per token, -1 to skip), "
                          f"got shape {ids.shape} dtype {ids.dtype}")
     bad = ids[(ids < -1) | (ids >= V)]

@@ -391,6 +391,8 @@ def source_ablation(session_or_weights, token_ids=None, families=SOURCE_FAMILIES
 def _layer_list(layers) -> list[int]:
     """`layers` checked: model layer ids (an int, or a list / range of them); int() would make 3.7 and "3" layer 3."""
     is_id = lambda i: isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))  # noqa: E731
+    if getattr(layers, "ndim", None) == 0:  # a 0-d array: the id it holds (as every other layer argument takes it)
+        layers = layers.item()
     if is_id(layers):
         return [int(layers)]
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):

@@ -56,6 +56,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     float rtol or a `Tolerance` (default: the dump's dtype, else "float32"). local: run the
     teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
     """
+    if not (hasattr(session, "weights") and hasattr(session, "tokens")):
+        raise TypeError(f"compare: session must be a Session on the weights (ke.Session(weights)), got "
+                        f"{type(session).__name__} {session!r:.40}")
     weights = session.weights
     sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
     arrays, tokens, engine, dtype = load_other(other, names=names, weights=weights, sources=sources)
@@ -157,6 +160,11 @@ def _tokens(session, theirs) -> list[int]:
                              "session the token ids the other engine ran")
         if not theirs:
             raise ValueError("compare: the other engine's values carry 0 token ids: nothing to compare")
+        V = session.weights.config.vocab_size
+        bad = [(i, t) for i, t in enumerate(theirs) if t >= V]
+        if bad:  # (fed to the session below, it would fail inside the model, naming neither)
+            raise ValueError(f"compare: the other engine's 'tokens' hold id {bad[0][1]} at position {bad[0][0]}, outside "
+                             f"this model's vocabulary 0..{V - 1}: another model's tokenizer ran")
         return list(theirs)
     if theirs is not None and list(theirs) != ours:
         n = min(len(ours), len(theirs))

@@ -86,7 +86,13 @@ def force_routing(layer, expert_ids, weights=None, positions=None) -> Hooks:
     ids_req = index_list(expert_ids, "force_routing: expert_ids")
     if len(set(ids_req)) != len(ids_req):
         raise ValueError(f"force_routing: expert_ids has duplicates: {ids_req}")
-    weights = None if weights is None else np.atleast_1d(to_numpy(weights)).astype(float)  # (a copy) a GPU array is fine too
+    if min(ids_req) < 0:  # (refused now, not when a feed reaches the layer, halfway through its tokens)
+        raise ValueError(f"force_routing: expert_ids are >= 0, got {ids_req}")
+    if weights is not None:
+        given = np.atleast_1d(to_numpy(weights))  # a GPU array is fine too
+        if given.dtype.kind not in "iuf" or given.ndim != 1 or not np.isfinite(given).all():
+            raise ValueError(f"force_routing: weights must be finite real numbers, one per expert, got {weights!r}")
+        weights = given.astype(float)  # (a copy)
     if weights is not None and len(weights) != len(ids_req):
         raise ValueError(f"force_routing: {len(weights)} weights for {len(ids_req)} experts")
     seen = {}
@@ -205,10 +211,12 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
     layers run token by token, the chunk's other layers chunked (results equal to stepping's to rounding).
     """
     heads = index_list(head, "scale_kda_head: head")
+    if min(heads) < 0:  # (as every other id: -1 is not "the last head" but a mistake that would act elsewhere)
+        raise ValueError(f"scale_kda_head: head ids are >= 0, got {heads}")
     factor = number(factor, "scale_kda_head: factor")
 
     def scale(S, rows, hook):
-        if max(heads) >= S.shape[0] or min(heads) < -S.shape[0]:
+        if max(heads) >= S.shape[0]:
             raise ValueError(f"scale_kda_head at {hook.name}: heads {heads} do not exist, the layer has {S.shape[0]} heads")
         out = S.copy()
         out[heads] *= factor

@@ -63,6 +63,7 @@ from .chunk_records import ChunkRecording
 from .hook_sites import MOE_OUTPUT_SITES, ROUTE_SITES, SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
 from .stacked_rows import StackedRows
+from .targets import index_list, int_in
 from .topk import top_predictions
 from .trace import Trace, window_slice
 
@@ -506,7 +507,9 @@ class Recorder:
                 if st is None:
                     st = stacked[k] = StackedRows()
                 records[k] = st.sync(v, min(n, m), k, b)
-        toks = self.tokens[:n] if tokens is None else [int(t) for t in tokens]
+        toks = self.tokens[:n] if tokens is None else list(tokens)
+        if tokens is not None and toks:
+            toks = index_list(toks, "Recorder.trace: tokens")  # (int() would take 1.5 for 1 and True for 1)
         if len(toks) != n:
             raise ValueError(f"Recorder.trace: got {len(toks)} tokens for {n} recorded steps")
         out = Trace(records, toks, self.positions[:n], self.meta)
@@ -516,7 +519,7 @@ class Recorder:
         """Keep the records of the first n tokens (in place). A Session's recorder is cut by the session
         (`session.truncate`, `back`): cut here, its rows would no longer line up with the session's tokens."""
         self._refuse_if_serving("truncate")
-        self.cut_for_session(n)
+        self.cut_for_session(int_in(n, 0, self.n_tokens, "Recorder.truncate: n (how many tokens' records to keep)"))
 
     def _refuse_if_serving(self, what: str) -> None:
         owner = SERVED.get(self)

@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import math
 import numbers
+import os
 import weakref
 from pathlib import Path
 
@@ -64,7 +65,7 @@ from ..model.kimi_sequence import default_chunk
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import SERVED, Recorder
 from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
-from .targets import history_position
+from .targets import history_position, int_in
 from .trace import window_slice
 
 # a Recorder or Hooks -> the Session it serves: its records and its `with intervene` blocks are that session's
@@ -123,10 +124,12 @@ class Session:
         _refuse_if_served(recorder, "recorder")  # both checked before either is bound
         _refuse_if_served(hooks, "hooks")
         self.recorder = recorder.bind(weights) if recorder is not None else None
-        if isinstance(tokenizer, (str, Path)) or (tokenizer is not None and not callable(getattr(tokenizer, "decode", None))):
-            raise TypeError(f"Session: tokenizer: expected a tokenizer (ke.load_tokenizer(weights)), got "
-                            f"{type(tokenizer).__name__}" + (" (a path: load it with ke.load_tokenizer(path))"
-                                                             if isinstance(tokenizer, (str, Path)) else ""))
+        not_one = tokenizer is not None and not callable(getattr(tokenizer, "decode", None))
+        if not_one or isinstance(tokenizer, (str, Path, type)):  # (a class has a decode too: not one)
+            raise TypeError("Session: tokenizer: expected a tokenizer (ke.load_tokenizer(weights)), got "
+                            + (f"the class {tokenizer.__name__} (an instance: {tokenizer.__name__}())"
+                               if isinstance(tokenizer, type) else type(tokenizer).__name__)
+                            + (" (a path: load it with ke.load_tokenizer(path))" if isinstance(tokenizer, (str, Path)) else ""))
         self.hooks = (hooks if hooks is not None else Hooks()).bind(weights)
         if isinstance(checkpoint_every, bool) or not (isinstance(checkpoint_every, (int, np.integer)) and checkpoint_every >= 0):
             raise ValueError(f"Session: checkpoint_every must be an int >= 0 (0: only where needed), got {checkpoint_every!r}")
@@ -339,6 +342,8 @@ class Session:
         if not self._logits:
             raise ValueError("Session.generate: feed a prompt first (session.feed(ids)); there are no logits to continue from")
         try:
+            if isinstance(seed, (bool, np.bool_)):  # (default_rng takes True for seed 1)
+                raise TypeError("a bool is not a seed")
             rng = np.random.default_rng(seed)
         except (TypeError, ValueError) as e:
             raise type(e)(f"Session.generate: seed must be None, an int >= 0, a SeedSequence or a Generator, got "
@@ -379,7 +384,7 @@ class Session:
         the nearest kept checkpoint, then the tokens after it re-decoded as they were (at most
         `checkpoint_every` stepped tokens or one fed chunk), so its cost does not grow with the history."""
         T = len(self._tokens)
-        n_tokens = _int_in(n_tokens, 0, T, "Session.state_after: n_tokens")
+        n_tokens = int_in(n_tokens, 0, T, "Session.state_after: n_tokens")
         return self.state.copy() if n_tokens == T else self._state_after(n_tokens)
 
     def checkpoint_before(self, t: int) -> tuple[int, KimiDecodeState]:
@@ -387,7 +392,7 @@ class Session:
         (c = 0: a fresh state). Re-decoding tokens c..t from it reaches token t in at most
         `checkpoint_every` stepped tokens or one fed chunk, however long the history."""
         T = len(self._tokens)
-        t = _int_in(t, 0, T, "Session.checkpoint_before: t")
+        t = int_in(t, 0, T, "Session.checkpoint_before: t")
         c = max([k for k in self._checkpoints if k <= t], default=0)
         return c, (self._checkpoints[c].copy() if c else self.weights.new_state())
 
@@ -427,8 +432,8 @@ class Session:
         a stepped token, (a, b) for the part of a fed chunk. Replaying these exactly reproduces the history."""
         T = len(self._tokens)
         t = T if t is None else t
-        c = _int_in(c, 0, T, "Session.runs: c", f" (0 <= c <= t <= the {T} tokens)")
-        t = _int_in(t, c, T, "Session.runs: t", f" (0 <= c <= t <= the {T} tokens)")
+        c = int_in(c, 0, T, "Session.runs: c", f" (0 <= c <= t <= the {T} tokens)")
+        t = int_in(t, c, T, "Session.runs: t", f" (0 <= c <= t <= the {T} tokens)")
         s = c
         while s < t:
             start = self._chunk_of[s]
@@ -451,7 +456,7 @@ class Session:
         """Keep the first `n_tokens` tokens (0 <= n_tokens <= len) and drop the rest: state, logits, records
         and checkpoints as they were after token n_tokens - 1. `truncate(0)` empties the session."""
         T = len(self._tokens)
-        n = _int_in(n_tokens, 0, T, "Session.truncate: n_tokens (how many tokens to keep)", "; session.back(k) drops the last k")
+        n = int_in(n_tokens, 0, T, "Session.truncate: n_tokens (how many tokens to keep)", "; session.back(k) drops the last k")
         tail = self._tail_cut_by(n)
         self.state = self._state_after(n)
         self._drop_after(n)
@@ -489,17 +494,18 @@ class Session:
     def cut_tail(self, start: int) -> list[int]:
         """The tokens `truncate` cut off the fed chunk that starts at token `start` ([] if none): that chunk was
         decoded as tokens[start:end] + these, and a replay that re-decodes it so reproduces its values exactly."""
-        return list(self._cut_tails.get(start, []))
+        return list(self._cut_tails.get(int_in(start, 0, len(self._tokens), "Session.cut_tail: start"), []))
 
     def decoded_with_hooks(self, t: int) -> bool:
         """Whether token t was decoded while hooks that may change values were attached (`session.hooks`, or hooks
         added to the recorder): a replay of it must then give its logits bit for bit (`recover()`, the analyses)."""
-        return self._modified[t]
+        return self._modified[history_position(t, len(self._tokens), "Session.decoded_with_hooks: t")]
 
     def chunk_route(self, t: int) -> tuple:
         """The sites kept in full (`Recorder.route_sites`) when the fed chunk holding token t was fed (() for a
         stepped token): a replay of that chunk keeps them in full too, so it rounds as the feed did."""
-        return tuple(self._routes.get(self._chunk_of[t], ())) if self._chunk_of[t] >= 0 else ()
+        chunk = self._chunk_of[history_position(t, len(self._tokens), "Session.chunk_route: t")]
+        return tuple(self._routes.get(chunk, ())) if chunk >= 0 else ()
 
     def _drop_after(self, n: int) -> None:
         """Forget tokens n.. (the state is already the one after n tokens)."""
@@ -518,7 +524,7 @@ class Session:
     def back(self, k: int = 1) -> None:
         """Drop the last `k` tokens (0 <= k <= len): `truncate(len(self) - k)`."""
         T = len(self._tokens)
-        self.truncate(T - _int_in(k, 0, T, "Session.back: k (how many tokens to drop)"))
+        self.truncate(T - int_in(k, 0, T, "Session.back: k (how many tokens to drop)"))
 
     def recover(self) -> list[int]:
         """After a pipeline stage was lost (`StageLostError`): restart it from its shards and rebuild the
@@ -643,6 +649,10 @@ class Session:
         checkpoints=False leaves the kept state copies out (smaller file; a loaded session can then
         truncate exactly only over tokens decoded without value-changing hooks).
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"Session.save_state: path must be a file path (str or Path), got {type(path).__name__} {path!r}")
+        if not isinstance(checkpoints, (bool, np.bool_)):  # ("no" would be true)
+            raise TypeError(f"Session.save_state: checkpoints must be True or False, got {checkpoints!r}")
         return save_session(path, self.weights, self.snapshot(), self.checkpoint_every, self.recorder, checkpoints,
                             self.tokenizer)
 
@@ -668,13 +678,6 @@ class Session:
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
         s.restore(snap)
         return s
-
-
-def _int_in(v, lo: int, hi: int, what: str, more: str = "") -> int:
-    """v as an int, checked: an int (not a bool) in lo..hi; else ValueError, `what` first and `more` last."""
-    if isinstance(v, (bool, np.bool_)) or not (isinstance(v, (int, np.integer)) and lo <= v <= hi):
-        raise ValueError(f"{what} must be an int in {lo}..{hi}, got {v!r}{more}")
-    return int(v)
 
 
 def _refuse_not_weights(weights, what: str) -> None:

@@ -22,8 +22,8 @@ import numpy as np
 from .._xp import array_namespace
 
 __all__ = [
-    "at_positions", "history_position", "index_list", "layer_ids", "layer_sites", "named", "number", "position_filter",
-    "position_list",
+    "at_positions", "history_position", "index_list", "int_in", "int_slice", "layer_ids", "layer_sites", "named", "number",
+    "position_filter", "position_list",
 ]
 
 
@@ -92,10 +92,11 @@ def position_filter(positions):
     if positions is None:
         return None
     if isinstance(positions, slice):
+        positions = int_slice(positions, "positions")
         if positions.step not in (None, 1):
             raise ValueError(f"positions: a slice of token positions must have step 1, got {positions!r}")
-        a = 0 if positions.start is None else int(_scalar(positions.start))
-        b = None if positions.stop is None else int(_scalar(positions.stop))
+        a = 0 if positions.start is None else positions.start
+        b = positions.stop
         if a < 0 or (b is not None and b < 0):
             raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
         if b is not None and b <= a:  # it would never act
@@ -121,6 +122,28 @@ def position_list(positions) -> list[int]:
     if ordered[0] < 0:  # -1 is not "the last token": it would silently never act
         raise ValueError(f"positions: token positions are absolute (>= 0), got {positions!r}")
     return ordered
+
+
+def int_in(v, lo: int, hi: int, what: str, more: str = "") -> int:
+    """v as an int, checked: an int (not a bool; a 0-d int array counts) in lo..hi; else ValueError, `what` first
+    and `more` last."""
+    v = _scalar(v)
+    if isinstance(v, (bool, np.bool_)) or not (isinstance(v, (int, np.integer)) and lo <= v <= hi):
+        raise ValueError(f"{what} must be an int in {lo}..{hi}, got {v!r}{more}")
+    return int(v)
+
+
+def int_slice(sl: slice, what: str) -> slice:
+    """`sl` with ints (or None) for its start, stop and step, checked: Python's own slicing takes True for 1, and
+    of 1.5 says only 'slice indices must be integers', naming no argument."""
+    parts = []
+    for v in (sl.start, sl.stop, sl.step):
+        v = _scalar(v)
+        if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))):
+            raise TypeError(f"{what}: {sl!r}: a slice of token positions takes ints (or None), got {v!r} "
+                            f"({type(v).__name__})")
+        parts.append(None if v is None else int(v))
+    return slice(*parts)
 
 
 def history_position(p, T: int, who: str) -> int:

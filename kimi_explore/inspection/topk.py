@@ -22,9 +22,9 @@ def top_ids(scores, k: int):
     """scores [..., V] -> the k largest ids [..., k], descending, ties by lower id.
 
     A full stable sort for small vocabularies (fewest calls; rows of them: a partition of the values
-    first, the same ids, ties included); a partition first for large ones (K3's
-    163840: a full sort would cost more than everything else), where exact ties that straddle the k-th
-    place are broken by the partition (deterministically, not by id)."""
+    first, the same ids, ties included); a partition first for large ones (K3's 163840: a full sort would
+    cost more than everything else), a row whose k-th place is tied with an id left out sorted whole, so
+    the ids are the same on every route (the host's compiled `top_rows` included) and on a GPU."""
     xp, V = array_namespace(scores), scores.shape[-1]
     k = min(k, V)
     if V <= 8192 and (scores.ndim != 2 or V <= 4 * k):
@@ -45,8 +45,15 @@ def top_ids(scores, k: int):
             whole[keep], whole[rows] = ids, stable_argsort(-scores[rows])[:, :k]
             ids = whole
         return ids
-    part = xp.sort(xp.argpartition(-scores, k - 1, axis=-1)[..., :k], axis=-1)
-    return xp.take_along_axis(part, stable_argsort(-xp.take_along_axis(scores, part, axis=-1)), axis=-1)
+    rows = scores.reshape(-1, V)
+    part = xp.argpartition(-rows, k - 1, axis=-1)[:, :k]
+    kth = xp.take_along_axis(rows, part, axis=-1).min(axis=-1, keepdims=True)
+    part = xp.sort(part, axis=-1)  # ids ascending: the stable sort below breaks ties by the lower id
+    ids = xp.take_along_axis(part, stable_argsort(-xp.take_along_axis(rows, part, axis=-1)), axis=-1)
+    tied = xp.flatnonzero((rows >= kth).sum(axis=-1) != k)  # a tie across the k-th place (or a NaN): the
+    if tied.size:  # partition chose among the tied ids by its own order (NumPy's and CuPy's differ): sorted whole
+        ids[tied] = stable_argsort(-rows[tied])[:, :k]
+    return ids.reshape(scores.shape[:-1] + (k,))
 
 
 def top_predictions(logits, k: int):

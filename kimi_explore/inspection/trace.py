@@ -34,6 +34,7 @@ import numpy as np
 
 from ..model.block_residual import source_labels
 from .npz_io import NpzReader, npz_to_read, with_npz_suffix, write_npz
+from .targets import int_slice
 
 __all__ = ["Trace"]
 
@@ -45,9 +46,9 @@ def window_slice(window, who: str) -> slice:
     """The `window=` argument of a `trace()`: a slice of token indices or a (start, stop) pair. A bare number is
     refused: "from token 5 on" and "the last 5 tokens" are both natural readings of window=5."""
     if isinstance(window, slice):
-        return window
+        return int_slice(window, f"{who}: window")
     if isinstance(window, tuple) and len(window) == 2:
-        return slice(*window)
+        return int_slice(slice(*window), f"{who}: window")
     hint = f": slice({window}, None) for tokens {window} on, slice(-{window}, None) for the last {window}" \
         if isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window > 0 else ""
     raise TypeError(f"{who}: window={window!r}: expected a slice of token indices or a (start, stop) pair{hint}")
@@ -154,7 +155,7 @@ class Trace:
             sl = slice(*start)
         else:
             sl = slice(start, stop)
-        a, b, step = sl.indices(len(self))
+        a, b, step = int_slice(sl, "Trace.window").indices(len(self))
         if step != 1:
             raise ValueError(f"Trace.window: a window is contiguous (step 1), got step {sl.step}")
         b = max(a, b)

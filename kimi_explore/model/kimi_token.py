@@ -73,6 +73,9 @@ def token_indices(token_ids, vocab_size: int) -> list[int]:
     if isinstance(token_ids, (Set, Mapping)):  # no order of their own: the text would come out reordered
         raise TypeError(f"token_ids is a {type(token_ids).__name__}, which has no order (decoding it would take its ids "
                         "reordered); give a list or an array")
+    if getattr(token_ids, "ndim", 1) != 1:  # (a 0-d array's tolist() is one int; a 2-D one's, lists)
+        raise TypeError(f"token_ids: expected a 1-D sequence of token ids, got an array of shape {token_ids.shape}"
+                        + (" (one id: [id], or kimi_forward_token)" if token_ids.ndim == 0 else ""))
     ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab_size)):
         return ids

@@ -139,7 +139,9 @@ def _paired_weights(weights, ids, name: str):
         experts = [int(e) for e in i[t] if e >= 0]
         given = [float(v) for v, e in zip(w[t], i[t], strict=True) if v != NO_WEIGHT and (e >= 0 or v != 0)]
         raise ValueError(f"{name}: token {t} of the chunk has {len(given)} weights {given} for the {len(experts)} selected "
-                         f"experts {experts}: give one weight per expert (stepping raises the same)")
+                         f"experts {experts}: give one weight per expert (stepping raises the same). A chunk's weight of "
+                         f"-inf marks a slot no weight was given for (an intervention's shorter row), so a hook's own -inf "
+                         f"weight is refused here too (stepping would carry it into NaN logits)")
     empty = missing | (i < 0)
     if not empty.any():
         return weights

@@ -304,11 +304,12 @@ def causal_softmax_(scores, L0: int):
     return scores
 
 
-_FUTURE: dict = {}  # (namespace, T) -> [T, T] bool, True above the diagonal (built once per chunk size)
+_FUTURE: dict = {}  # (namespace, its device, T) -> [T, T] bool, True above the diagonal (once per chunk size)
 
 
 def _future(xp, T: int):
-    key = (xp.__name__, T)
+    device = xp.cuda.Device().id if hasattr(xp, "cuda") else None  # (CuPy: a mask made on GPU 0 is not GPU 1's)
+    key = (xp, device, T)
     m = _FUTURE.get(key)
     if m is None:
         if len(_FUTURE) > 16:

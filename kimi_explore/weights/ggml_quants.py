@@ -100,7 +100,8 @@ def dequantize_mxfp4(blocks, out=None, dtype=np.float32, table=None):
     qs = blocks[..., 1:]
     codes = xp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(xp.intp)  # [..., G, 32]: values j, then j + 16
     vals = (xp.asarray(mxfp4.E2M1.astype(dtype)) if table is None else table)[codes]
-    vals *= xp.ldexp(xp.ones(blocks.shape[:-1], dtype=dtype), blocks[..., 0].astype(xp.int32) - 127)[..., None]
+    fac = xp.ldexp(xp.ones(blocks.shape[:-1], dtype=np.float32), blocks[..., 0].astype(xp.int32) - 127)  # float32:
+    vals *= fac.astype(dtype, copy=False)[..., None]  # byte 255 is inf in float64 too, as in `mxfp4.dequantize`
     if out is None:
         return vals.reshape(want)
     out[...] = vals.reshape(want)
