@@ -28,7 +28,6 @@ history, and `session.recover()` restarts the stage from its shards and replays 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import numbers
@@ -58,7 +57,7 @@ from ..model.kimi_sequence import default_chunk, takes_tokens
 from ..weights.checkpoint import resolve_layers
 from ..weights.load import check_options, hub_options, read_config
 from ..weights.load_options import auto_experts
-from ..weights.workspace import OnePass
+from ..weights.workspace import OnePass, one_thread
 from .stage import Stage, unpack_records
 
 __all__ = ["PipelineState", "RayPipeline", "StageLostError", "split_layers"]
@@ -131,16 +130,6 @@ def split_layers(layer_ids: list[int], stages) -> list[list[int]]:
     if any(b <= a for a, b in zip(flat, flat[1:], strict=False)):
         raise ValueError(f"RayPipeline: stages={stages!r}: the stages' layers, in order, must be strictly increasing")
     return parts
-
-
-def _one_thread(method):
-    """`method` run holding the pipeline for this thread: another thread's call meanwhile raises (the stages' compiled
-    graph serves one pass at a time, and a second thread's would wait on the first's channels forever)."""
-    @functools.wraps(method)
-    def held(self, *args, **kwargs):
-        with self._one_pass:
-            return method(self, *args, **kwargs)
-    return held
 
 
 @dataclass
@@ -291,7 +280,7 @@ class RayPipeline(LayerSequence):
 
     # ------------------------------------------------------------------ decoding
     # State calls are waited for: the compiled graph's runs are not ordered with ordinary actor calls.
-    @_one_thread
+    @one_thread
     def new_state(self) -> PipelineState:
         self._check_alive()
         ids = [next(self._ids) for _ in self.stages]
@@ -303,7 +292,7 @@ class RayPipeline(LayerSequence):
         `Session` would pass `kimi_forward_token` (None, Hooks, a Recorder, or a HookChain of them)."""
         return self._run(state, token_index(token_id, self.config.vocab_size), hooks)  # checked here, not in a stage
 
-    @_one_thread
+    @one_thread
     def _run(self, state: PipelineState, what, hooks):
         """One token (an id) or one chunk (a list of ids) through the compiled graph."""
         import ray
@@ -379,7 +368,7 @@ class RayPipeline(LayerSequence):
     def _teardown(self) -> None:
         _teardown_graph(self._held)
 
-    @_one_thread
+    @one_thread
     def host_state(self, state: PipelineState) -> KimiDecodeState:
         """The whole decode state in this process (host arrays of its own, writable: one process's weights of the
         same layers decode on it), layer by layer."""
@@ -390,7 +379,7 @@ class RayPipeline(LayerSequence):
         return KimiDecodeState([ls.converted(own) for p in parts for ls in p.layers], state.position,
                                layer_ids=tuple(int(spec.index) for spec in self.specs))
 
-    @_one_thread
+    @one_thread
     def put_state(self, host: KimiDecodeState) -> PipelineState:
         """A pipeline state holding `host`'s layers (as `host_state` gives them), each on its stage. Refused as one
         process refuses it (`check_state`): another layer count, kinds, widths or dtype, other layers, part-advanced."""
@@ -422,7 +411,7 @@ class RayPipeline(LayerSequence):
         self._get(calls, self.stages)
         return PipelineState(self, ids, [s.epoch for s in self.stages], host.position)
 
-    @_one_thread
+    @one_thread
     def _copy_state(self, state: PipelineState, checkpoint: bool = False) -> PipelineState:
         self._check(state)
         ids = [next(self._ids) for _ in self.stages]
@@ -430,7 +419,7 @@ class RayPipeline(LayerSequence):
                    for s, src, dst in zip(self.stages, state.ids, ids, strict=True)], self.stages)
         return PipelineState(self, ids, list(state.epochs), state.position, shared=checkpoint)
 
-    @_one_thread
+    @one_thread
     def copy_kept(self, states: list[PipelineState]) -> list[PipelineState]:
         """Copies of these states (a session's checkpoints), made in each stage, sharing among themselves
         the arrays these share (their MLA caches), as `Session.snapshot(copy_arrays=True)` copies in one process."""
@@ -442,7 +431,7 @@ class RayPipeline(LayerSequence):
         return [PipelineState(self, ids, list(state.epochs), state.position, shared=state.shared)
                 for state, ids in zip(states, new, strict=True)]
 
-    @_one_thread
+    @one_thread
     def share_kept(self, states: list[PipelineState]) -> None:
         """Checkpoints loaded from a session file, longest first: their MLA caches shared in each stage where
         they hold the same positions (`session_io.share_caches`), as a session's own checkpoints share them."""
@@ -453,7 +442,7 @@ class RayPipeline(LayerSequence):
         for state in states:
             state.shared = True
 
-    @_one_thread
+    @one_thread
     def states_nbytes(self, states: list[PipelineState]) -> int:
         """Bytes these states hold in the stages, each array once (a session's checkpoints share MLA caches)."""
         for state in states:
@@ -461,7 +450,7 @@ class RayPipeline(LayerSequence):
         return sum(self._get([s.actor.states_nbytes.remote([state.ids[k] for state in states])
                               for k, s in enumerate(self.stages)], self.stages))
 
-    @_one_thread
+    @one_thread
     def _state_nbytes(self, state: PipelineState) -> int:
         self._check(state)
         return sum(self._get([s.actor.state_nbytes.remote(sid) for s, sid in zip(self.stages, state.ids, strict=True)],
@@ -558,7 +547,7 @@ class RayPipeline(LayerSequence):
             error = RuntimeError(message)
         raise error from e
 
-    @_one_thread
+    @one_thread
     def restart_lost_stages(self) -> list[int]:
         """Restart every stage whose process is gone (probing all of them first); returns their numbers."""
         import ray

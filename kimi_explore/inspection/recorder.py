@@ -56,6 +56,7 @@ import weakref
 
 import numpy as np
 
+from .._interrupts import uninterrupted
 from ..backend import on_host
 from ._hook_grammar import LAYER_NAME
 from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host
@@ -350,12 +351,13 @@ class Recorder:
             self.flush()
             self._chunked = False
         rows = self._rows
-        for k, blocks in self._blocks.items():
-            if blocks:
-                put = rows[k].extend
-                for b in blocks:
-                    put(_block_rows(k, b))
-                blocks.clear()
+        with uninterrupted():  # (a Ctrl-C between a block's rows and its clear() kept the chunk's records twice)
+            for k, blocks in self._blocks.items():
+                if blocks:
+                    put = rows[k].extend
+                    for b in blocks:
+                        put(_block_rows(k, b))
+                    blocks.clear()
 
     def _cut_blocks(self, n: int) -> None:
         """The chunks' blocks cut after the first n tokens' records: the blocks before token n kept whole, the one it

@@ -58,10 +58,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .._interrupts import uninterrupted
 from ..backend import to_numpy
 from ..errors import StageLostError
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names, token_indices
 from ..model.kimi_sequence import default_chunk
+from ..weights.workspace import OnePass, one_thread
 from .hooks import HookChain, Hooks, hooks_expected
 from .recorder import SERVED, Recorder
 from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once, save_session
@@ -104,6 +106,9 @@ class Session:
     def __init__(self, weights, recorder=True, tokenizer=None, hooks: Hooks | None = None, checkpoint_every: int = 16):
         _refuse_not_weights(weights, "Session")
         self.weights = weights
+        self._one_pass = OnePass("this Session is decoding in another thread: its state and records serve one call at a "
+                                 "time (a second thread's step swapped the state under the first's). Call it from one "
+                                 "thread, or give each thread its own (session.fork())")
         V = weights.config.vocab_size
         if tokenizer is not None and getattr(tokenizer, "vocab_size", V) != V:  # its ids would be another model's
             raise ValueError(f"Session: the tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary "
@@ -224,6 +229,7 @@ class Session:
     def _may_modify(self) -> bool:
         return len(self.hooks) > 0 or (self.recorder is not None and len(self.recorder) > 0)
 
+    @one_thread
     def step(self, token_id) -> np.ndarray:
         """Decode one token; returns its logits [vocab] (a host copy)."""
         return self._step(token_id, generated=False)
@@ -234,28 +240,32 @@ class Session:
         hooks = parts[0] if len(parts) == 1 else (HookChain(*parts) if parts else None)
         if hooks is not None:
             hooks.begin_token(token_id if isinstance(token_id, (int, np.integer)) else None, t)
-        modified = self._may_modify()
+        modified, committed = self._may_modify(), False
         try:
             logits = self.weights.forward_token(self.state, token_id, hooks)
             host = np.array(to_numpy(logits), copy=True)
+            with uninterrupted():  # (a Ctrl-C between these lines left the lists, state and records disagreeing)
+                self._tokens.append(int(token_id))
+                self._logits.append(host)
+                self._stacked = None
+                self._version += 1
+                self._modified.append(modified)
+                self._generated.append(generated)
+                self._chunk_of.append(-1)
+                if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
+                    self._checkpoints[t + 1] = self.state.checkpoint()
+                committed = True  # (a Ctrl-C held meanwhile comes at the section's end: the token is in the history)
         except StageLostError:
             if self.recorder is not None:  # the history stays as it was before this token; `recover()` rebuilds the state
                 self.recorder.cut_for_session(t)
             raise
         except BaseException:
-            self._recover(t)  # a failed step leaves the state half-advanced: put it back as it was
+            if not committed:
+                self._recover(t)  # a failed step leaves the state half-advanced: put it back as it was
             raise
-        self._tokens.append(int(token_id))
-        self._logits.append(host)
-        self._stacked = None
-        self._version += 1
-        self._modified.append(modified)
-        self._generated.append(generated)
-        self._chunk_of.append(-1)
-        if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
-            self._checkpoints[t + 1] = self.state.checkpoint()
         return host.copy()
 
+    @one_thread
     def feed(self, token_ids, chunk: int | None = None, progress: bool | None = None) -> np.ndarray:
         """Decode several tokens (ids, or a string when the session has a tokenizer); returns their logits [n, vocab].
 
@@ -294,27 +304,32 @@ class Session:
         t = len(self._tokens)
         if self.recorder is not None:
             self.recorder.flush()
+        committed = False
         try:
             host = np.array(to_numpy(self.weights.forward_sequence(self.state, ids, self.recorder, chunk=len(ids))), copy=True)
+            with uninterrupted():  # (as `_step`'s)
+                self._tokens += ids
+                self._logits += list(host)  # row views of one array the session never writes
+                self._stacked = None
+                self._version += 1
+                self._modified += [False] * len(ids)
+                self._generated += [False] * len(ids)
+                self._chunk_of += [t] * len(ids)
+                if route := self._route():
+                    self._routes[t] = route
+                self._checkpoints[t + len(ids)] = self.state.checkpoint()
+                committed = True
         except StageLostError:
             if self.recorder is not None:
                 self.recorder.cut_for_session(t)
             raise
         except BaseException:
-            self._recover(t)
+            if not committed:
+                self._recover(t)
             raise
-        self._tokens += ids
-        self._logits += list(host)  # row views of one array the session never writes
-        self._stacked = None
-        self._version += 1
-        self._modified += [False] * len(ids)
-        self._generated += [False] * len(ids)
-        self._chunk_of += [t] * len(ids)
-        if route := self._route():
-            self._routes[t] = route
-        self._checkpoints[t + len(ids)] = self.state.checkpoint()
         return host
 
+    @one_thread
     def generate(self, n: int, temperature: float = 0.0, seed=None, stop_tokens=()) -> list[int]:
         """Decode n more tokens, each chosen from the previous logits: argmax at temperature 0, else sampled
         from softmax(logits / temperature) with `np.random.default_rng(seed)`. Stops early after a stop token."""
@@ -452,18 +467,21 @@ class Session:
         if self.recorder is not None:
             self.recorder.cut_for_session(t)
 
+    @one_thread
     def truncate(self, n_tokens: int) -> None:
         """Keep the first `n_tokens` tokens (0 <= n_tokens <= len) and drop the rest: state, logits, records
         and checkpoints as they were after token n_tokens - 1. `truncate(0)` empties the session."""
         T = len(self._tokens)
         n = int_in(n_tokens, 0, T, "Session.truncate: n_tokens (how many tokens to keep)", "; session.back(k) drops the last k")
         tail = self._tail_cut_by(n)
-        self.state = self._state_after(n)
-        self._drop_after(n)
-        self._share_caches()
-        self._cut_tails.update(tail)
-        if n and self._chunk_of[n - 1] >= 0 and n not in self._checkpoints:  # cut inside a fed chunk
-            self._checkpoints[n] = self.state.checkpoint()
+        state = self._state_after(n)  # (a replay: interrupted, nothing has changed yet)
+        with uninterrupted():  # the cut, whole (a Ctrl-C inside left the recorder's records uncut, or half cut)
+            self.state = state
+            self._drop_after(n)
+            self._share_caches()
+            self._cut_tails.update(tail)
+            if n and self._chunk_of[n - 1] >= 0 and n not in self._checkpoints:  # cut inside a fed chunk
+                self._checkpoints[n] = self.state.checkpoint()
 
     def _share_caches(self) -> None:
         """After a truncate, the kept checkpoints take the new state's MLA caches where they have its capacity:
@@ -526,6 +544,7 @@ class Session:
         T = len(self._tokens)
         self.truncate(T - int_in(k, 0, T, "Session.back: k (how many tokens to drop)"))
 
+    @one_thread
     def recover(self) -> list[int]:
         """After a pipeline stage was lost (`StageLostError`): restart it from its shards and rebuild the
         decode state and the kept checkpoints by replaying the token history through the pipeline, each
@@ -594,6 +613,7 @@ class Session:
                                {a: list(tail) for a, tail in self._cut_tails.items()}, dict(self._routes),
                                list(self._generated))
 
+    @one_thread
     def restore(self, snap: SessionSnapshot) -> None:
         """Go back (or forward) to `snap` exactly; the snapshot stays usable.
 
@@ -611,6 +631,16 @@ class Session:
             state = snap.state.copy()
         except StageLostError:  # a pipeline's: a stage was lost or restarted since the snapshot
             state = None
+        with uninterrupted():  # the whole history at once (a Ctrl-C inside left the records another history's)
+            self._take(snap, state)
+        if state is None:
+            self.recover()
+        T, last = len(self._tokens), max(self._checkpoints, default=0)
+        if any(self._modified[last:T]):  # a file saved without checkpoints: keep one of this exact state, which a
+            self._checkpoints[T] = self.state.checkpoint()  # failed step goes back to (nothing could rebuild it)
+
+    def _take(self, snap: SessionSnapshot, state) -> None:
+        """`restore`'s assignments: the snapshot's history (`state`: a copy of its state, or None to rebuild)."""
         self.state = state if state is not None else snap.state
         self._version += 1
         self._tokens, self._logits, self._modified = list(snap.tokens), list(snap.logits), list(snap.modified)
@@ -626,11 +656,6 @@ class Session:
             self._routes = {a: route for a in set(self._chunk_of) if a >= 0} if route else {}
         if self.recorder is not None:
             self.recorder.load_state_dict(snap.records)
-        if state is None:
-            self.recover()
-        T, last = len(self._tokens), max(self._checkpoints, default=0)
-        if any(self._modified[last:T]):  # a file saved without checkpoints: keep one of this exact state, which a
-            self._checkpoints[T] = self.state.checkpoint()  # failed step goes back to (nothing could rebuild it)
 
     def fork(self) -> Session:
         """An independent session with the same weights, history, hooks and records (all arrays copied).

@@ -17,6 +17,7 @@ Fresh multi-GB arrays would cost the kernel's page zeroing on every token; these
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -27,7 +28,7 @@ import numpy as np
 from ..backend import HOST_THREADS
 from .memory import memory_report
 
-__all__ = ["OnePass", "Workspace", "run_parts", "run_rows"]
+__all__ = ["OnePass", "Workspace", "one_thread", "run_parts", "run_rows"]
 
 
 class OnePass:
@@ -46,6 +47,17 @@ class OnePass:
 
     def __exit__(self, *exc) -> None:
         self.lock.release()
+
+
+def one_thread(method):
+    """`method` run holding its object's `_one_pass` (a `OnePass`) for this thread: another thread's call meanwhile
+    raises, before anything is touched (a pipeline's compiled graph, a session's state and records serve one call at
+    a time)."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self._one_pass:
+            return method(self, *args, **kwargs)
+    return held
 
 
 @dataclass(repr=False)
