@@ -1,7 +1,7 @@
 """A Ctrl-C (KeyboardInterrupt) landing in the lines that commit a finished step, chunk, cut or restore, and a
 second thread's call on a session: each used to leave the session's lists, state and records disagreeing, and
 later calls gave wrong numbers without an error. Each SIGINT here is sent at a chosen line by a trace function (at
-random moments it lands there too rarely to test).""" 
+random moments it lands there too rarely to test)."""
 
 from __future__ import annotations
 
@@ -167,3 +167,20 @@ def test_a_second_threads_step_is_refused_before_it_touches_the_session(w):
     ref.step(5)
     assert s.tokens == [1, 2, 3, 4, 5] and s.state.position == 5
     np.testing.assert_array_equal(s.step(7), ref.step(7))
+
+
+@pytest.mark.parametrize("how", ["step", "feed"])
+def test_a_checkpoint_that_fails_leaves_the_history_before_the_call(w, monkeypatch, how):
+    """An error taking the checkpoint at a token's or chunk's end (out of memory; a pipeline's lost stage) rolled the
+    state and records back but kept the new tokens: the next step 6.8 off. It is now part of the pass that failed."""
+    s = ke.Session(w, checkpoint_every=4)
+    s.feed([1, 2, 3], progress=False)
+
+    def fail(self):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(ke.KimiDecodeState, "checkpoint", fail)
+    with pytest.raises(MemoryError):
+        s.step(4) if how == "step" else s.feed([4, 5, 6], progress=False)
+    monkeypatch.undo()
+    same_as(s, fed(w, [1, 2, 3]))

@@ -305,3 +305,22 @@ def test_a_replay_three_parts_in_ten_thousand_off_is_refused_in_float32():
     w.head().lm_head[...] *= np.float32(1 + 3e-4)
     with pytest.raises(ValueError, match=r"replaying the session's history gives other logits at token 0"):
         ke.logit_lens(s)
+
+
+def test_a_refused_gguf_closes_the_file_it_opened(tmp_path):
+    """A shard's file stays open from its header to `close()` (so reads come from the file checked); a GGUF refused
+    after its header was read was left open (a ResourceWarning, an fd held while Jupyter keeps the exception)."""
+    import gc
+    import warnings
+
+    from kimi_explore.weights.gguf_io import write_gguf
+
+    write_gguf(tmp_path / "other.gguf", {"general.architecture": "llama"}, {"general.architecture": 8}, [])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        try:
+            load(tmp_path / "other.gguf")
+        except ke.ConfigError:
+            pass
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]

@@ -211,7 +211,7 @@ def scale_kda_head(layer, head, factor: float, positions=None) -> Hooks:
     layers run token by token, the chunk's other layers chunked (results equal to stepping's to rounding).
     """
     heads = index_list(head, "scale_kda_head: head")
-    if min(heads) < 0:  # (as every other id: -1 is not "the last head" but a mistake that would act elsewhere)
+    if min(heads) < 0:  # ids count from 0, as every intervention's (expert ids, layers, positions refuse -1 too)
         raise ValueError(f"scale_kda_head: head ids are >= 0, got {heads}")
     factor = number(factor, "scale_kda_head: factor")
 

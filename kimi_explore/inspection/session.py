@@ -244,6 +244,8 @@ class Session:
         try:
             logits = self.weights.forward_token(self.state, token_id, hooks)
             host = np.array(to_numpy(logits), copy=True)
+            keep = modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0)
+            checkpoint = self.state.checkpoint() if keep else None  # (failing, as the pass: a pipeline's stage lost)
             with uninterrupted():  # (a Ctrl-C between these lines left the lists, state and records disagreeing)
                 self._tokens.append(int(token_id))
                 self._logits.append(host)
@@ -252,8 +254,8 @@ class Session:
                 self._modified.append(modified)
                 self._generated.append(generated)
                 self._chunk_of.append(-1)
-                if modified or (self.checkpoint_every and (t + 1) % self.checkpoint_every == 0):
-                    self._checkpoints[t + 1] = self.state.checkpoint()
+                if checkpoint is not None:
+                    self._checkpoints[t + 1] = checkpoint
                 committed = True  # (a Ctrl-C held meanwhile comes at the section's end: the token is in the history)
         except StageLostError:
             if self.recorder is not None:  # the history stays as it was before this token; `recover()` rebuilds the state
@@ -307,6 +309,7 @@ class Session:
         committed = False
         try:
             host = np.array(to_numpy(self.weights.forward_sequence(self.state, ids, self.recorder, chunk=len(ids))), copy=True)
+            checkpoint = self.state.checkpoint()
             with uninterrupted():  # (as `_step`'s)
                 self._tokens += ids
                 self._logits += list(host)  # row views of one array the session never writes
@@ -317,7 +320,7 @@ class Session:
                 self._chunk_of += [t] * len(ids)
                 if route := self._route():
                     self._routes[t] = route
-                self._checkpoints[t + len(ids)] = self.state.checkpoint()
+                self._checkpoints[t + len(ids)] = checkpoint
                 committed = True
         except StageLostError:
             if self.recorder is not None:
@@ -512,7 +515,9 @@ class Session:
     def cut_tail(self, start: int) -> list[int]:
         """The tokens `truncate` cut off the fed chunk that starts at token `start` ([] if none): that chunk was
         decoded as tokens[start:end] + these, and a replay that re-decodes it so reproduces its values exactly."""
-        return list(self._cut_tails.get(int_in(start, 0, len(self._tokens), "Session.cut_tail: start"), []))
+        if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"Session.cut_tail: start must be an int >= 0 (a fed chunk's first token), got {start!r}")
+        return list(self._cut_tails.get(int(start), []))
 
     def decoded_with_hooks(self, t: int) -> bool:
         """Whether token t was decoded while hooks that may change values were attached (`session.hooks`, or hooks

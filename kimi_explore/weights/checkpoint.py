@@ -47,6 +47,13 @@ class CheckpointDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._files: dict[str, SafetensorsFile] = {}
+        try:
+            self._read_index()
+        except BaseException:
+            self.close()  # (the single file opened for its names: refused, not left open)
+            raise
+
+    def _read_index(self) -> None:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a checkpoint directory (expected config.json + safetensors)")
         index = self.path / INDEX_FILE

@@ -80,6 +80,7 @@ def open_splits(path: str | Path) -> list[GgufFile]:
     if m is None:
         f = GgufFile(path)
         if f.metadata.get("split.count", 1) > 1:
+            f.close()
             raise CheckpointError(f"{path}: split {f.metadata.get('split.no', 0) + 1} of {f.metadata['split.count']}, "
                                   "but its name is not '<name>-0000N-of-0000M.gguf', so the other splits cannot be found")
         return [f]
@@ -88,7 +89,19 @@ def open_splits(path: str | Path) -> list[GgufFile]:
     missing = [str(p.name) for p in names if not p.exists()]
     if missing:
         raise CheckpointError(f"{path}: split GGUF of {count} file(s); missing: {', '.join(missing)} (in {path.parent})")
-    files = [GgufFile(p) for p in names]
+    files = []
+    try:  # (a refusal closes the files opened: each holds its file open until `close`)
+        for p in names:
+            files.append(GgufFile(p))
+        _check_splits(files, count)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return files
+
+
+def _check_splits(files: list[GgufFile], count: int) -> None:
     for k, f in enumerate(files):
         no, n = f.metadata.get("split.no"), f.metadata.get("split.count")
         if no != k or n != count:
@@ -97,7 +110,6 @@ def open_splits(path: str | Path) -> list[GgufFile]:
     total, want = sum(len(f.tensors) for f in files), files[0].metadata.get("split.tensors.count")
     if want is not None and total != want:
         raise CheckpointError(f"{files[0].path}: split.tensors.count = {want}, but the {count} splits hold {total} tensors")
-    return files
 
 
 def _squeezed(shape) -> tuple[int, ...]:
@@ -109,6 +121,13 @@ class GgufSource(TensorSource):
 
     def __init__(self, path: str | Path):
         self.files = open_splits(path)
+        try:
+            self._read(path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, path) -> None:
         self.path = self.files[0].path
         self.where: dict[str, GgufFile] = {}
         for f in self.files:
