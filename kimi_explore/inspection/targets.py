@@ -8,6 +8,8 @@
     named(fn, label)                  give a hook function a readable name (what `Hooks` lists)
     history_position(p, T, who)       a token position of a session's history (negative from the end) as 0..T-1,
                                       checked: what every analysis taking a position `t` reads it with
+    int_in(v, lo, hi, what)           a count checked to be an int in lo..hi (a session's n_tokens, k, ...)
+    int_slice(sl, what)               a slice of positions checked to hold ints (True and 1.5 are not)
 
 In the token form the wrapped fn gets the value and rows=None; on a chunk of the sequence path it gets
 the chunk [T, ...] and rows, a [T] bool mask of the chunk rows to change. A 0-d integer array counts as
