@@ -324,3 +324,14 @@ def test_a_refused_gguf_closes_the_file_it_opened(tmp_path):
             pass
         gc.collect()
     assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+
+
+def test_saving_under_a_file_says_it_is_a_file(w, tmp_path):
+    """save_state("a.npz/x") where a.npz is a file said its directory 'does not exist'."""
+    (tmp_path / "a.npz").write_bytes(b"x")
+    s = ke.Session(w)
+    s.feed([1, 2, 3], progress=False)
+    with pytest.raises(NotADirectoryError, match=r"a\.npz is a file, not a directory"):
+        s.save_state(tmp_path / "a.npz" / "x")
+    with pytest.raises(FileNotFoundError, match=r"its directory .*nowhere does not exist"):
+        s.save_state(tmp_path / "nowhere" / "x")
