@@ -73,11 +73,11 @@ __all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
 FLUSH_TOKENS = 32  # tokens whose batched records (top-k, square roots, device transfers) are done together
 FLUSH_BYTES = 8 << 20  # ... or fewer, when their logits copies reach this size (K3: a 163840 vocabulary)
 
-# site kind -> how it is recorded by default. "fresh": the decoder makes a new small array there every
-# token and never writes it again, so the record is that array itself (no copy; style rule 8).
 # a Recorder or Hooks -> weakref to the live Session it serves (set by Session; one session each)
 SERVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+# site kind -> how it is recorded by default. "fresh": the decoder makes a new small array there every
+# token and never writes it again, so the record is that array itself (no copy; style rule 8).
 DEFAULT_SITES = {
     "attn_res.attn.weights": "fresh",
     "attn_res.ffn.weights": "fresh",

@@ -70,8 +70,6 @@ from .session_io import SessionSnapshot, copy_sharing, load_session, nbytes_once
 from .targets import history_position, int_in
 from .trace import window_slice
 
-# a Recorder or Hooks -> the Session it serves: its records and its `with intervene` blocks are that session's
-
 
 def _refuse_if_served(obj, what: str) -> None:
     """Refuse a Recorder or Hooks (the `what` argument) that serves another live Session: two sessions would write
@@ -240,7 +238,7 @@ class Session:
         hooks = parts[0] if len(parts) == 1 else (HookChain(*parts) if parts else None)
         if hooks is not None:
             hooks.begin_token(token_id if isinstance(token_id, (int, np.integer)) else None, t)
-        modified, committed = self._may_modify(), False
+        modified = self._may_modify()
         try:
             logits = self.weights.forward_token(self.state, token_id, hooks)
             host = np.array(to_numpy(logits), copy=True)
@@ -256,14 +254,14 @@ class Session:
                 self._chunk_of.append(-1)
                 if checkpoint is not None:
                     self._checkpoints[t + 1] = checkpoint
-                committed = True  # (a Ctrl-C held meanwhile comes at the section's end: the token is in the history)
+            # (a Ctrl-C held meanwhile comes at the section's end: the token is then in the history, and kept)
         except StageLostError:
             if self.recorder is not None:  # the history stays as it was before this token; `recover()` rebuilds the state
                 self.recorder.cut_for_session(t)
             raise
         except BaseException:
-            if not committed:
-                self._recover(t)  # a failed step leaves the state half-advanced: put it back as it was
+            if len(self._tokens) == t:  # not committed: the state is half-advanced; put it back as it was
+                self._recover(t)
             raise
         return host.copy()
 
@@ -306,7 +304,6 @@ class Session:
         t = len(self._tokens)
         if self.recorder is not None:
             self.recorder.flush()
-        committed = False
         try:
             host = np.array(to_numpy(self.weights.forward_sequence(self.state, ids, self.recorder, chunk=len(ids))), copy=True)
             checkpoint = self.state.checkpoint()
@@ -321,13 +318,12 @@ class Session:
                 if route := self._route():
                     self._routes[t] = route
                 self._checkpoints[t + len(ids)] = checkpoint
-                committed = True
         except StageLostError:
             if self.recorder is not None:
                 self.recorder.cut_for_session(t)
             raise
         except BaseException:
-            if not committed:
+            if len(self._tokens) == t:  # (as `_step`'s)
                 self._recover(t)
             raise
         return host
