@@ -30,6 +30,7 @@ from ..model.config import KimiDecoderConfig
 from . import checkpoint_table as table
 from . import mxfp4
 from .checkpoint_table import DiskTensor
+from .mapped_file import closed_on_error
 from .safetensors_io import SafetensorsFile
 
 # the float dtypes a released BF16 / F32 tensor loads from, narrowest first: its own, or a wider copy that holds
@@ -47,11 +48,8 @@ class CheckpointDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._files: dict[str, SafetensorsFile] = {}
-        try:
+        with closed_on_error(self):  # (the single file opened for its names: refused, not left open)
             self._read_index()
-        except BaseException:
-            self.close()  # (the single file opened for its names: refused, not left open)
-            raise
 
     def _read_index(self) -> None:
         if not self.path.is_dir():

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .ggml_quants import TYPE_IDS, TYPES
+from .mapped_file import MappedFile
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -105,24 +106,12 @@ class _Cursor:
         return bool(v) if vtype == BOOL else v
 
 
-class GgufFile:
-    """One memory-mapped GGUF file.
+class GgufFile(MappedFile):
+    """One memory-mapped GGUF file (held open until `close`: see `MappedFile`).
 
     metadata: {key: value} (an array is a list)     types: {key: value type} (an array: (9, item type))
     tensors:  {name: GgufTensor}, in file order    alignment, data_start: where the data section begins
     """
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        try:
-            self.file = open(self.path, "rb", buffering=0)  # (the map's and the tensor reader's: see SafetensorsFile)
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: no such file") from None
-        try:
-            self._read_header()
-        except BaseException:
-            self.file.close()
-            raise
 
     def _read_header(self) -> None:
         size = os.fstat(self.file.fileno()).st_size
@@ -228,11 +217,6 @@ class GgufFile:
         """A read-only zero-copy uint8 view of the tensor's bytes (valid after `close`)."""
         t = self.tensors[name]
         return self._map[t.begin : t.end]
-
-    def close(self) -> None:
-        """Drop this file's map; views handed out keep it alive (see `SafetensorsFile.close` for why not mmap.close)."""
-        self._map = None
-        self.file.close()
 
 
 # ---------------------------------------------------------------- writing (tests, splitting)

@@ -50,6 +50,7 @@ from .checkpoint import check_finite
 from .ggml_experts import GgmlExperts
 from .gguf_config import config_from_gguf
 from .gguf_io import GgufFile
+from .mapped_file import closed_on_error
 from .tensor_reader import TensorReader
 from .tensor_source import TensorSource
 
@@ -79,10 +80,11 @@ def open_splits(path: str | Path) -> list[GgufFile]:
     m = SPLIT.match(path.name)
     if m is None:
         f = GgufFile(path)
-        if f.metadata.get("split.count", 1) > 1:
-            f.close()
-            raise CheckpointError(f"{path}: split {f.metadata.get('split.no', 0) + 1} of {f.metadata['split.count']}, "
-                                  "but its name is not '<name>-0000N-of-0000M.gguf', so the other splits cannot be found")
+        with closed_on_error(f):
+            if f.metadata.get("split.count", 1) > 1:
+                raise CheckpointError(f"{path}: split {f.metadata.get('split.no', 0) + 1} of {f.metadata['split.count']}, "
+                                      "but its name is not '<name>-0000N-of-0000M.gguf', so the other splits cannot be "
+                                      "found")
         return [f]
     count = int(m["count"])
     names = [path.with_name(f"{m['prefix']}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
@@ -90,14 +92,10 @@ def open_splits(path: str | Path) -> list[GgufFile]:
     if missing:
         raise CheckpointError(f"{path}: split GGUF of {count} file(s); missing: {', '.join(missing)} (in {path.parent})")
     files = []
-    try:  # (a refusal closes the files opened: each holds its file open until `close`)
+    with closed_on_error(files):  # (a refusal closes the files opened: each holds its file open until `close`)
         for p in names:
             files.append(GgufFile(p))
         _check_splits(files, count)
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
     return files
 
 
@@ -121,11 +119,8 @@ class GgufSource(TensorSource):
 
     def __init__(self, path: str | Path):
         self.files = open_splits(path)
-        try:
+        with closed_on_error(self):
             self._read(path)
-        except BaseException:
-            self.close()
-            raise
 
     def _read(self, path) -> None:
         self.path = self.files[0].path

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import CheckpointError, DuplicateKeyError, unique_keys
+from .mapped_file import MappedFile
 
 DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -34,24 +35,8 @@ DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class SafetensorsFile:
-    """One memory-mapped `.safetensors` file.
-
-    `file` is the file the header was read from, open (unbuffered) until `close`: the map and every read of
-    its tensors (`tensor_reader`) go through it, not through the path, which a writer may have replaced since
-    (a re-download's `os.replace`: the new file's bytes read at the old header's offsets)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        try:
-            self.file = open(self.path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: no such file") from None
-        try:
-            self._read_header()
-        except BaseException:
-            self.file.close()
-            raise
+class SafetensorsFile(MappedFile):
+    """One memory-mapped `.safetensors` file (held open until `close`: see `MappedFile`)."""
 
     def _read_header(self) -> None:
         f = self.file
@@ -142,15 +127,6 @@ class SafetensorsFile:
         """A read-only zero-copy view of the tensor (bf16 as ml_dtypes.bfloat16)."""
         dtype, shape, b, e = self._entries[name]
         return self._map[b:e].view(DTYPES[dtype]).reshape(shape)
-
-    def close(self) -> None:
-        """Drop this file's map; it is unmapped when the last view of it goes (`array()` views stay valid).
-
-        Not `mmap.close()`: NumPy holds no buffer export on the map, so closing it under a live view
-        (experts="mapped" keeps them for the model's lifetime) unmaps the pages and the view segfaults.
-        """
-        self._map = None
-        self.file.close()
 
 
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
