@@ -265,7 +265,7 @@ def _text_ids(j: int, text, tokenizer, vocab: int) -> list[int]:
             raise ValueError(f"routing_stats: got a string but no tokenizer, and the model's vocabulary ({vocab}) is not "
                              "bytes: pass tokenizer=ke.load_tokenizer(...) or token ids")
         return list(text.encode("utf-8"))
-    if isinstance(text, (bytes, bytearray)) or not hasattr(text, "__len__"):
+    if not hasattr(text, "__len__"):
         raise TypeError(f"routing_stats: text {j} is {type(text).__name__} {text!r:.40}; expected a string or a list of "
                         "token ids (a single text of ids goes in a list: [ids])")
     try:
