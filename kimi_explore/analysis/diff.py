@@ -170,26 +170,29 @@ def _kl_full(la: np.ndarray, lb: np.ndarray) -> np.ndarray:
     return kl_divergence(log_softmax(la), log_softmax(lb))
 
 
-# How far the rest of a distribution, 1 - (a sum of recorded float32 probabilities), may be below the true rest
-# (their rounding). Run b's rest is taken this much larger: where b's top-k sum to 1 or more in float32, its rest is
-# not known to be 0, and a rest of 0 (or 1e-300) would charge run a's rest log(1e300) = 690 nats, far above the true KL.
-REST_SLACK = 1e-6
-SMALLEST_F32 = float(np.finfo(np.float32).smallest_subnormal)  # a recorded probability of 0 is below this
+def _rest_slack(p: np.ndarray, n: int) -> float:
+    """How far the rest of a distribution, 1 - (a sum of n recorded probabilities of p's dtype), may be below the true
+    rest: each probability's rounding (a few units in the last place) and the sum's (n halves). Run b's rest is taken
+    this much larger: where b's top-k sum to 1 or more as recorded, its rest is not known to be 0, and a rest of 0 (or
+    1e-300) would charge run a's rest log(1e300) = 690 nats, far above the true KL. Sized by the dtype: a float64 run's
+    KL is not blurred by float32's rounding."""
+    return (4 + n) * float(np.finfo(p.dtype).eps)
 
 
 def _kl_top(ta, tb, T: int) -> np.ndarray:
     """KL of the distributions coarse-grained to (the ids in both top-k sets, the rest): a lower bound (to the
-    rounding of the recorded probabilities), with run b's probabilities taken at the top of what their float32
-    values allow (b's rest REST_SLACK larger, a probability recorded as 0 at float32's smallest): each term, and so
-    the sum, no larger than the exact coarse-grained KL's; clipped at 0."""
+    rounding of the recorded probabilities), with run b's probabilities taken at the top of what their recorded
+    values allow (b's rest `_rest_slack` larger, a probability recorded as 0 at its dtype's smallest): each term, and
+    so the sum, no larger than the exact coarse-grained KL's; clipped at 0."""
     ia, pa = ta.top_predictions()
     ib, pb = tb.top_predictions()
+    slack, smallest = _rest_slack(pb, pb.shape[-1]), float(np.finfo(pb.dtype).smallest_subnormal)
     out = np.zeros(T)
     for t in range(T):
         qa, qb = dict(zip(ia[t].tolist(), pa[t].tolist(), strict=True)), dict(zip(ib[t].tolist(), pb[t].tolist(), strict=True))
         support = sorted(set(qa) & set(qb))  # known in both; an id in only one top-k goes to "the rest" for both
         xa = np.array([qa[i] for i in support] + [max(0.0, 1.0 - sum(qa[i] for i in support))])
-        xb = np.array([max(qb[i], SMALLEST_F32) for i in support] + [max(0.0, 1.0 - sum(qb[i] for i in support)) + REST_SLACK])
+        xb = np.array([max(qb[i], smallest) for i in support] + [max(0.0, 1.0 - sum(qb[i] for i in support)) + slack])
         keep = xa > 0
         out[t] = max(0.0, float(np.sum(xa[keep] * (np.log(xa[keep]) - np.log(xb[keep])))))
     return out
