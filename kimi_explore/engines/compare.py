@@ -35,7 +35,7 @@ from ..model.config import FINAL_SITES
 from .comparison import Comparison, SiteComparison
 from .dump import Dump, read_dump, token_ids
 from .name_maps import llamacpp_to_hooks
-from .operations import PROBES, candidates, operation_of, probe_sites
+from .operations import PROBES, candidates, input_graph, operation_of, probe_sites
 from .patching import replay
 from .tolerance import IDS_SITE, Tolerance, beyond, head_floors, site_errors
 
@@ -80,13 +80,13 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     _check_expert_ids(theirs, weights.config.num_experts, named)
     theirs = {s: np.asarray(a).astype(np.int64) if s.endswith(IDS_SITE) else a for s, a in theirs.items()}  # (whole numbers)
 
-    floors = head_floors(weights.config)
+    floors, graph, at = head_floors(weights.config), input_graph(order), {s: i for i, s in enumerate(order)}
     results = {}
     for s in sites:
         layer, kind = _split(s)
         a, b = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
         max_abs, rel = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
-        results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, order, theirs))
+        results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, at, theirs, graph))
     del ours
     cmp = Comparison(results, tol, tokens, engine, weights.config)
     if local:
@@ -255,21 +255,29 @@ def _patch(theirs) -> dict:
 _FOLDED = ("kda.conv", "kda.q", "kda.k", "final.block_residual")
 
 
-def _operation(site, kind, order, captured) -> str:
+def _operation(site, kind, at, captured, graph) -> str:
     """What kimi_explore computes at `site` from the other engine's values: its own operation, and every
-    operation since the last captured site when the sites between are not in the dump (a sparse dump
-    cannot place a local difference closer than that)."""
-    i, skipped, since = order.index(site), [], "the token ids"
-    for prev in reversed(order[:i]):
-        if prev in captured:
-            since = prev
-            break
-        if _split(prev)[1] not in _FOLDED:
-            skipped.append(prev)
+    operation it reads through sites not in the dump (`operations.input_graph`, walked back to captured sites: a
+    sparse dump cannot place a local difference closer than that). Only the sites it reads: a captured site off its
+    path (top-k ids, beside the experts' input) bounds nothing."""
+    skipped, frontier, todo, seen = [], [], list(graph[site]), set()
+    while todo:
+        s = todo.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        if s in captured:
+            frontier.append(s)
+            continue
+        if _split(s)[1] not in _FOLDED:
+            skipped.append(s)
+        todo.extend(graph[s])
     op = operation_of(kind)
     if not skipped:
         return op
-    between = skipped[0] if len(skipped) == 1 else f"{skipped[-1]} .. {skipped[0]}"
+    skipped.sort(key=at.__getitem__)
+    since = max((s for s in frontier if at[s] < at[skipped[0]]), key=at.__getitem__, default="the token ids")
+    between = skipped[0] if len(skipped) == 1 else f"{skipped[0]} .. {skipped[-1]}"
     return f"{op}, and everything since {since}: {len(skipped)} site(s) not in the dump ({between})"
 
 

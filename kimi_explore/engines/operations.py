@@ -26,7 +26,8 @@ from ..model.kda import L2NORM_EPS
 from ..model.mla import LATENT_NORM_EPS
 from ..model.ops import rms_norm
 
-__all__ = ["EPS_CANDIDATES", "OPERATIONS", "PROBES", "EpsProbe", "KdaQkNormProbe", "MlaLatentNormProbe", "operation_of"]
+__all__ = ["EPS_CANDIDATES", "INPUTS", "OPERATIONS", "PROBES", "EpsProbe", "KdaQkNormProbe", "MlaLatentNormProbe", "input_graph",
+           "operation_of"]
 
 OPERATIONS = {
     "embed": "embedding lookup",
@@ -62,6 +63,58 @@ OPERATIONS = {
     "final.hidden": "output AttnRes mix + final RMSNorm",
     "logits": "lm_head",
 }
+
+# The sites each site's operation reads, by kind within its layer. STREAM is the residual stream before the layer (the
+# sources its AttnRes mixes): the previous layer's prefix_sum, or the embedding at layer 0. The MLP side reads that
+# stream through attn.in, which mixes the same sources: a dump whose attn.in agrees has them right.
+STREAM = "<stream>"
+INPUTS = {
+    "attn_res.attn.weights": (STREAM,),
+    "attn.in": ("attn_res.attn.weights", STREAM),
+    "kda.conv": ("attn.in",),
+    "kda.conv_out": ("kda.conv",),
+    "kda.q": ("kda.conv_out",),
+    "kda.k": ("kda.conv_out",),
+    "kda.v": ("kda.conv_out",),
+    "kda.beta": ("attn.in",),
+    "kda.decay": ("attn.in",),
+    "kda.gate": ("attn.in",),
+    "kda.state": ("kda.q", "kda.k", "kda.v", "kda.beta", "kda.decay"),
+    "kda.o": ("kda.state", "kda.q"),
+    "mla.q_latent": ("attn.in",),
+    "mla.kv_latent": ("attn.in",),
+    "mla.probs": ("mla.q_latent", "mla.kv_latent"),
+    "mla.o": ("mla.probs", "mla.kv_latent"),
+    "attn.out": ("kda.o", "kda.gate", "mla.o"),
+    "attn_res.ffn.weights": ("attn.out", "attn.in"),
+    "ffn.in": ("attn_res.ffn.weights", "attn.out", "attn.in"),
+    "moe.router.scores": ("ffn.in",),
+    "moe.router.topk_ids": ("moe.router.scores",),
+    "moe.router.topk_weights": ("moe.router.scores", "moe.router.topk_ids"),
+    "moe.experts_out": ("ffn.in", "moe.router.topk_ids", "moe.router.topk_weights"),
+    "moe.routed_out": ("moe.experts_out",),
+    "moe.shared_out": ("ffn.in",),
+    "ffn.out": ("moe.routed_out", "moe.shared_out", "ffn.in"),  # (a dense MLP reads ffn.in)
+    "prefix_sum": ("attn.out", "ffn.out", "attn.in"),
+    "final.block_residual": (STREAM,),
+    "final.attn_res.weights": ("final.block_residual", STREAM),
+    "final.hidden": ("final.attn_res.weights", "final.block_residual", STREAM),
+    "logits": ("final.hidden",),
+}
+
+
+def input_graph(names: list[str]) -> dict[str, list[str]]:
+    """{site: the sites among `names` (a model's hook names, in firing order) that its operation reads} (`INPUTS`)."""
+    names_set, graph, stream = set(names), {}, "embed"  # the stream before each layer, in firing order
+    for site in names:
+        parts = site.split(".", 2)
+        layer, kind = (parts[1], parts[2]) if parts[0] == "layers" else (None, site)
+        reads = [stream if k == STREAM else k if layer is None else f"layers.{layer}.{k}" for k in INPUTS.get(kind, ())]
+        graph[site] = [n for n in reads if n in names_set]
+        if kind == "prefix_sum":
+            stream = site
+    return graph
+
 
 # eps values engines use for these norms: the reference's 1e-6, rms_norm_eps-like 1e-5, and others seen
 EPS_CANDIDATES = (1e-5, 1e-6, 1e-8, 1e-12, 0.0)
