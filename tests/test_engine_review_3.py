@@ -161,16 +161,17 @@ def test_a_nan_carried_downstream_is_local_only_where_it_is_made(tiny):
 
 
 def test_a_site_that_agrees_is_never_local(tiny):
-    """A dump whose layers.2.kda.state is written transposed, every other site right: layers.2.kda.o agrees
-    exactly, but the replay that reads the transposed state disagrees there; it was labelled local."""
+    """A dump whose layers.2.kda.state is written wrong (negated; written transposed, it is refused: see
+    test_review_8), every other site right: layers.2.kda.o agrees exactly, but the replay that reads the wrong state
+    disagrees there; it was labelled local."""
     theirs = _engine(tiny, TOKENS)
-    theirs["layers.2.kda.state"] = theirs["layers.2.kda.state"].swapaxes(-1, -2).copy()
+    theirs["layers.2.kda.state"] = -theirs["layers.2.kda.state"]
     cmp = ke.compare(ke.Session(tiny), theirs, probes=False)
     assert (cmp.first.token, cmp.first.site, cmp.first.local) == (0, "layers.2.kda.state", True)
     assert cmp.local_sites == ["layers.2.kda.state"]
     row = {r["site"]: r for r in cmp.table()}["layers.2.kda.o"]
     assert row["diverges"] is False and row["rel"] == 0.0 and row["local"] is False
-    assert row["local_rel"] > 1  # the replay on the transposed state does disagree: measured, not blamed
+    assert row["local_rel"] > 1  # the replay on the wrong state does disagree: measured, not blamed
     assert not cmp.sites["layers.2.kda.o"].local_beyond(cmp.rtol).any()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import REFERENCE_DIR as REFERENCE
 
 import kimi_explore as ke
 from kimi_explore.inspection.interventions import override_attn_res
@@ -54,3 +55,58 @@ def test_diff_of_traces_is_as_exact_as_the_runs_dtype(dtype, within):
     assert exact[:10].max() < 1e-12 and exact[10:].min() > 1e-6  # (the override moved every later token)
     assert np.all(d.kl <= exact + 1e-12)
     np.testing.assert_allclose(d.kl, exact, rtol=0, atol=within)
+
+
+def test_compare_refuses_an_expert_selected_twice():
+    """An engine whose top-k named one expert twice was reported as "0.5" ids differing (sets compared), with no word
+    of the repeat."""
+    from kimi_explore.engines.patching import replay
+
+    w = ke.from_pretrained(REFERENCE, device="cpu")
+    tokens = [3, 1, 4]
+    ids = np.stack(replay(w, tokens, ["layers.5.moe.router.topk_ids"])["layers.5.moe.router.topk_ids"])
+    ids[1, 1] = ids[1, 0]
+    with pytest.raises(ValueError, match=rf"selects expert {ids[1, 0]} more than once at token 1 \(slots \[0, 1\]"):
+        ke.compare(ke.Session(w), {"layers.5.moe.router.topk_ids": ids, "tokens": np.array(tokens)})
+
+
+def test_compare_names_a_kda_state_written_in_the_other_layout():
+    """A state written [H, V, K] (fla's, mlx-lm's) was reported as a local bug at its operation, with an eps hint."""
+    from kimi_explore.engines.patching import replay
+
+    w = ke.from_pretrained(REFERENCE, device="cpu")
+    tokens, site = [3, 1, 4, 1, 5], "layers.0.kda.state"
+    state = np.stack(replay(w, tokens, [site])[site])
+    assert state.shape[-1] == state.shape[-2]  # (square heads: the shape check cannot tell)
+    dump = {site: state, "tokens": np.array(tokens)}
+    assert ke.compare(ke.Session(w), dump).first is None
+    with pytest.raises(ValueError, match=r"layers.0.kda.state' agrees with kimi_explore's transposed .*swap its last two"):
+        ke.compare(ke.Session(w), {**dump, site: np.ascontiguousarray(state.swapaxes(-1, -2))})
+
+
+def test_compare_says_when_an_engine_attends_to_later_positions():
+    """An off-by-one causal mask (probability after the token's own position, where the format's slots are zeros) was
+    reported with no word of what is wrong."""
+    from kimi_explore.engines.patching import replay
+
+    w = ke.from_pretrained(REFERENCE, device="cpu")
+    tokens, site = [3, 1, 4, 1], "layers.2.mla.probs"
+    probs = np.stack(replay(w, tokens, [site])[site])  # [T, heads, T], zeros after each token's position
+    clean = ke.compare(ke.Session(w), {site: probs, "tokens": np.array(tokens)})
+    assert clean.first is None and clean.sites[site].explanation == ""
+    probs[1, :, 1:3] = probs[1, :, 1:2] / 2  # half of the token's own weight moved one position ahead
+    first = ke.compare(ke.Session(w), {site: probs, "tokens": np.array(tokens)}).first
+    assert (first.site, first.token) == (site, 1)
+    assert "positions after the token's own at 1 token(s), first token 1: its causal mask" in first.explanation
+
+
+def test_engine_messages_name_the_layer_and_the_id_type():
+    """A KDA site of an MLA layer was answered "did you mean" a KDA site of another layer; integer ids of a type a dump
+    does not hold were told to become float32."""
+    w = ke.from_pretrained(REFERENCE, device="cpu")
+    with pytest.raises(KeyError, match=r"'layers.2.kda.q' \(layer 2 has the sites \['attn_res.attn.weights', 'attn.in', "
+                                       r"'mla.q_latent'"):
+        ke.compare(ke.Session(w), {"layers.2.kda.q": np.zeros((1, 4, 32), np.float32), "tokens": np.array([3])})
+    with pytest.raises(ValueError, match=r"is uint32; .* e\.g\. a\.astype\(np\.int64\)"):
+        ke.write_dump("unused.safetensors", {"layers.1.moe.router.topk_ids": np.zeros((1, 2), np.uint32)}, tokens=[3],
+                      engine="mine", dtype="float32")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..inspection._hook_grammar import LAYER_NAME, LAYER_SUFFIXES, _why_not
 from ..inspection.npz_io import NpzReader
 from ..model.config import FINAL_SITES
 from .comparison import Comparison, SiteComparison
@@ -81,6 +82,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     theirs = {s: np.asarray(a).astype(np.int64) if s.endswith(IDS_SITE) else a for s, a in theirs.items()}  # (whole numbers)
 
     floors, graph, at = head_floors(weights.config), input_graph(order), {s: i for i, s in enumerate(order)}
+    _check_state_layout(ours, theirs, tol, floors, named)
     results = {}
     for s in sites:
         layer, kind = _split(s)
@@ -88,6 +90,10 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         max_abs, rel = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
         results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, at, theirs, graph))
     del ours
+    for s in sites:
+        if s.endswith("mla.probs") and (late := _attends_ahead(theirs[s])):
+            results[s].explanation = (f"the other engine gives probability to positions after the token's own at {len(late)} "
+                                      f"token(s), first token {late[0]}: its causal mask lets a token see later ones")
     cmp = Comparison(results, tol, tokens, engine, weights.config)
     if local:
         patch = _patch(theirs)
@@ -178,9 +184,19 @@ def _check_names(arrays, order) -> None:
     known = set(order)
     bad = [k for k in arrays if k not in known]
     if bad:
-        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, order, 1)) else repr(k) for k in bad[:5]]
+        hints = [_hint(k, order) for k in bad[:5]]
         raise KeyError(f"compare: {len(bad)} key(s) of the other engine are not hook names of this model: {', '.join(hints)}"
                        f"{' ...' if len(bad) > 5 else ''}; see ke.hook_names(weights) (llama.cpp captures: names='llama.cpp')")
+
+
+def _hint(key: str, order) -> str:
+    """A key that is no hook name of this model: a site its layer does not have (a KDA site of an MLA layer: the
+    layer's own sites, not a KDA site of another layer), else the closest name."""
+    m = LAYER_NAME.match(key)
+    if m and m.group(2) in LAYER_SUFFIXES:
+        return f"{key!r} ({_why_not(key, order)})"
+    close = difflib.get_close_matches(key, order, 1)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
 def _check_layers(weights, arrays) -> None:
@@ -239,6 +255,34 @@ def _check_expert_ids(theirs, num_experts: int, named: dict) -> None:
             t, j = (int(x) for x in bad[0])
             raise ValueError(f"compare: the other engine's {named[s]} holds expert id {a[t, j].item()!r} at token {t} (slot {j}; "
                              f"{len(bad)} such id(s) in all); this model's experts are the integers 0..{num_experts - 1}")
+        for t, row in enumerate(a.reshape(len(a), -1)):  # (compared as sets, a repeat read as half an id differing)
+            ids, counts = np.unique(row, return_counts=True)
+            if (counts > 1).any():
+                e = ids[counts > 1][0].item()
+                raise ValueError(f"compare: the other engine's {named[s]} selects expert {int(e)} more than once at token "
+                                 f"{t} (slots {np.flatnonzero(row == e).tolist()}: {row.tolist()}); a top-k selection names "
+                                 f"{row.size} distinct experts, so the other engine's top-k repeats one")
+
+
+def _check_state_layout(ours, theirs, tol, floors, named) -> None:
+    """A KDA state written [H, V, K] (mlx-lm's layout, for one) where the format's is [H, K, V]: square heads pass the
+    shape check, and the comparison then blamed the state's operation (and patched the transposed state into the
+    replay, so every later kda.o looked local). Refused where the state differs as written but agrees transposed."""
+    for s in theirs:
+        if not s.endswith("kda.state"):
+            continue
+        b = [np.asarray(x) for x in theirs[s]]
+        if b[0].shape[-1] != b[0].shape[-2]:
+            continue
+        rel = site_errors("kda.state", ours[s], b, tol, floors.get("kda.state", 0.0))[1]
+        if not beyond("kda.state", rel, tol.rtol).any():
+            continue
+        rel_t = site_errors("kda.state", ours[s], [x.swapaxes(-1, -2) for x in b], tol, floors.get("kda.state", 0.0))[1]
+        if not beyond("kda.state", rel_t, tol.rtol).any():
+            raise ValueError(f"compare: the other engine's {named[s]} agrees with kimi_explore's transposed (largest "
+                             f"relative error {np.nanmax(rel_t):.2g}, against {np.nanmax(rel):.2g} as written): it holds each "
+                             "head's state as [V, K] (mlx-lm's layout, for one); the dump format's is [H, K, V] (S with k in, "
+                             "v out: o = S^T q), so swap its last two axes")
 
 
 def _patch(theirs) -> dict:
@@ -305,6 +349,11 @@ def _without_trace_padding(theirs: dict) -> dict:
                 v[t][..., t + 1 :] = 0.0
             out[site] = v
     return out
+
+
+def _attends_ahead(probs) -> list[int]:
+    """The tokens t whose probabilities [heads, T] are not zero after position t (the format's masked slots)."""
+    return [t for t, p in enumerate(probs) if np.any(np.asarray(p)[..., t + 1 :] != 0)]
 
 
 def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):

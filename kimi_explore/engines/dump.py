@@ -77,7 +77,8 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
         if a.dtype not in _readable():  # complex, text, float8, uint16..64: nothing read_dump opens
             raise ValueError(f"write_dump: {name!r} is {a.dtype.name}; expected a float array (float32, float16, bfloat16, "
                              "float64) or integer ids (int32, int64; also int8, int16, uint8, bool), the types read_dump "
-                             "reads back: convert it first, e.g. a.astype(np.float32)")
+                             "reads back: convert it first, e.g. "
+                             + ("a.astype(np.int64)" if a.dtype.kind in "ui" else "a.astype(np.float32)"))
         out[str(name)] = a
     metadata = {"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine), "dtype": dtype}
     return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump
