@@ -392,8 +392,8 @@ def test_an_engine_off_at_one_site_is_found_there_on_decode_and_prefill(weights_
 
 def test_a_sparse_dump_names_every_operation_since_its_last_site(weights_d, hooks_d):
     # an engine 5% off at layers.3.kda.o (token 2) that dumps four sites: the divergence can only be placed at
-    # layers.5.prefix_sum, and its operation is not "residual sum" alone (was), but everything it reads since the sites
-    # the dump has: since layers.0.attn.in (layer 0's kda.o reads q, from kda.conv_out, which the dump lacks)
+    # layers.5.prefix_sum, and its operation is not "residual sum" alone (was), but everything it reads that the dump
+    # lacks: back to the embedding (a sealed block, which every mix reads) and layer 0's kda.conv_out (kda.o reads q)
     from kimi_explore.engines.patching import replay
 
     tokens = hooks_d[1]
@@ -402,25 +402,26 @@ def test_a_sparse_dump_names_every_operation_since_its_last_site(weights_d, hook
     sparse = {k: np.stack(full[k]) for k in ("layers.0.attn.in", "layers.0.kda.state", "layers.5.prefix_sum", "logits")}
     first = ke.compare(ke.Session(weights_d), {**sparse, "tokens": np.array(tokens)}).first
     assert (first.token, first.site, first.local) == (2, "layers.5.prefix_sum", True)
-    assert first.operation.startswith("residual sum, and everything since layers.0.attn.in: ")
-    assert "(layers.0.kda.conv_out .. layers.5.ffn.out)" in first.operation
+    assert first.operation.startswith("residual sum, and everything it reads that the dump lacks: ")
+    assert first.operation.endswith(" sites, embed .. layers.5.ffn.out")
 
 
 def test_a_sparse_dumps_top_k_ids_bound_no_span_they_are_off_the_path_of(weights_d, hooks_d):
-    # an engine 2% off at layer 6's post-attention norm (ffn.in) dumping attn.out, topk_ids and prefix_sum: the span
-    # ran back to the last dumped site in firing order, layers.6.moe.router.topk_ids ("topk_weights .. ffn.out"),
+    # an engine 2% off at layer 6's post-attention norm (ffn.in) dumping embed, attn.out, topk_ids and prefix_sum: the
+    # span ran back to the last dumped site in firing order, layers.6.moe.router.topk_ids ("topk_weights .. ffn.out"),
     # leaving out the mix and the norm where the engine is off. The ids are not the experts' input: the span now
-    # covers what layer 6's prefix_sum reads, back to the dumped sites on its path (layer 5's prefix_sum)
+    # covers what layer 6's prefix_sum reads that the dump lacks
     from kimi_explore.engines.patching import replay
 
     tokens, names = hooks_d[1], ke.hook_names(weights_d)
     full = replay(weights_d, tokens, names, probe=_Scale("layers.6.ffn.in", 0, 1.02))
-    kinds = ("attn.out", "moe.router.topk_ids", "prefix_sum")
+    kinds = ("embed", "attn.out", "moe.router.topk_ids", "prefix_sum")
     sparse = {k: np.stack(v) for k, v in full.items() if k.split(".", 2)[-1] in kinds}
     first = ke.compare(ke.Session(weights_d), {**sparse, "tokens": np.array(tokens)}, probes=False).first
     assert (first.token, first.site, first.local) == (0, "layers.6.prefix_sum", True)
-    assert first.operation.startswith("residual sum, and everything since layers.5.prefix_sum: ")
-    assert first.operation.endswith("(layers.6.attn_res.attn.weights .. layers.6.ffn.out)")
+    lacks = [f"layers.6.{k}" for k in ("attn_res.ffn.weights", "ffn.in", "moe.router.scores", "moe.router.topk_weights",
+                                        "moe.experts_out", "moe.routed_out", "moe.shared_out", "ffn.out")]
+    assert first.operation == "residual sum, and everything it reads that the dump lacks: " + ", ".join(lacks)
 
 
 def _first_step(name):

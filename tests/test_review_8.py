@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import REFERENCE_DIR as REFERENCE
@@ -110,3 +112,158 @@ def test_engine_messages_name_the_layer_and_the_id_type():
     with pytest.raises(ValueError, match=r"is uint32; .* e\.g\. a\.astype\(np\.int64\)"):
         ke.write_dump("unused.safetensors", {"layers.1.moe.router.topk_ids": np.zeros((1, 2), np.uint32)}, tokens=[3],
                       engine="mine", dtype="float32")
+
+
+# ---------------------------------------------------------------- checks a mutation left passing (no library change)
+
+
+def test_lens_agreement_counts_a_final_top1_of_token_0():
+    """`agreement` skips only rows with no top-1 (-1), not a top-1 of token 0 (a mutant `> 0` passed)."""
+    from kimi_explore.analysis.logit_lens import LogitLens
+
+    top = np.zeros((2, 1, 3), np.int64)
+    top[:, 0, 0] = [7, 5]
+    lens = LogitLens(layers=[0], tokens=np.array([1, 2]), top_ids=top, top_probs=np.ones((2, 1, 3)),
+                     final_ids=np.array([0, 5]))
+    np.testing.assert_array_equal(lens.agreement(), [0.5])  # row 0: 7 against 0; row 1: 5 against 5
+
+
+def test_attribution_by_layer_sums_each_layers_leaves(trained_weights):
+    """`by_layer` keys each layer once ("layers.i": attention, FFN and expert leaves), as documented; only the total
+    was checked (a mutant keying "layers.i.attn" apart passed)."""
+    s = ke.Session(trained_weights)
+    s.feed(b"def f(x):")
+    a = ke.logit_attribution(s)
+    got = a.by_layer()
+    assert list(got) == ["embed"] + [f"layers.{i}" for i in trained_weights.layer_ids]
+    for key, v in got.items():
+        want = sum(c for leaf, c in a.contributions.items() if leaf == key or leaf.startswith(key + "."))
+        assert v == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_trace_routing_widens_to_the_widest_layer(trained_weights):
+    """A layer routed through more experts than k (force_routing) widens `routing()` to its width, the other layers
+    padded with -1 (a mutant taking the narrowest failed to broadcast, untested)."""
+    from kimi_explore.inspection.interventions import force_routing
+
+    s = ke.Session(trained_weights)
+    k = trained_weights.config.num_experts_per_token
+    with s.intervene(force_routing(1, range(k + 2))):
+        s.feed(b"def f(x):")
+    r = s.trace().routing()
+    ids = r["topk_ids"]
+    assert ids.shape == (len(s), len(r["moe_layers"]), k + 2)
+    j = r["moe_layers"].index(1)
+    np.testing.assert_array_equal(ids[:, j], np.tile(np.arange(k + 2), (len(s), 1)))
+    others = np.delete(ids, j, axis=1)
+    assert (others[..., k:] == -1).all() and (others[..., :k] >= 0).all()
+
+
+def test_a_slice_of_positions_acts_on_those_positions_within_a_chunk(trained_weights):
+    """positions=slice(2, 5) on the sequence path ablates positions 2, 3 and 4, as stepping does (only a range was
+    tested in a chunk: a mutant that took position 5 too passed)."""
+    from kimi_explore.inspection.interventions import ablate_experts
+
+    tokens = list(b"def f(x): return")
+    hooks = ablate_experts(3, "all", positions=slice(2, 5))
+    stepped = np.stack([ke.kimi_forward_token(trained_weights, st, t, hooks=hooks)
+                        for st in [ke.KimiDecodeState.new(trained_weights)] for t in tokens])
+    chunk = ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), tokens,
+                                     hooks=ablate_experts(3, "all", positions=slice(2, 5)), chunk=len(tokens))
+    np.testing.assert_allclose(chunk, stepped, rtol=0, atol=1e-4)
+    plain = ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), tokens)
+    changed = np.flatnonzero(np.abs(chunk - plain).max(axis=1) > 1e-6)
+    assert changed.min() == 2 and 5 in changed  # (4's ablation reaches 5 through the state; 0 and 1 untouched)
+    ablate5 = ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), tokens,
+                                       hooks=ablate_experts(3, "all", positions=slice(2, 6)), chunk=len(tokens))
+    assert np.abs(ablate5[5] - chunk[5]).max() > 1e-6  # position 5 itself was not ablated above
+
+
+def test_a_removed_chunk_hook_no_longer_runs(trained_weights):
+    """After a chunk-aware hook is removed the next chunk runs without it (a mutant that kept the chunk cache ran it,
+    1.78 off)."""
+    tokens = list(b"def f(x):")
+    plain = ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), tokens)
+    hooks = ke.Hooks().bind(trained_weights)
+    with hooks.hooked("layers.1.ffn.out", lambda v, *, hook: v * 3.0, chunks=True):
+        hooked = ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), tokens, hooks=hooks)
+    assert np.abs(hooked - plain).max() > 1e-3
+    again = ke.kimi_forward_sequence(trained_weights, ke.KimiDecodeState.new(trained_weights), tokens, hooks=hooks)
+    np.testing.assert_array_equal(again, plain)
+
+
+def test_state_after_the_whole_history_is_a_copy(trained_weights):
+    """Decoding on `state_after(len(s))` leaves the session as it was (a mutant handing out the live state passed)."""
+    s = ke.Session(trained_weights)
+    s.feed(b"def f(x):")
+    fork = s.fork()
+    ke.kimi_forward_token(trained_weights, s.state_after(len(s)), 7)
+    np.testing.assert_array_equal(s.step(9), fork.step(9))
+
+
+def test_compare_names_a_token_outside_the_vocabulary_in_the_dump(trained_weights):
+    """The dump's token ids are checked against the vocabulary with an error naming the dump and position (a mutant
+    letting V through failed later, in the decoder, naming neither)."""
+    V = trained_weights.config.vocab_size
+    with pytest.raises(ValueError, match=rf"the other engine's 'tokens' hold id {V} at position 1"):
+        ke.compare(ke.Session(trained_weights), {"embed": np.zeros((2, 128), np.float32), "tokens": np.array([72, V])})
+
+
+def test_a_dump_keeps_float64_and_widens_half_floats(tmp_path):
+    """A float64 array reads back float64, exactly (a mutant reading it as float32 passed); float16 and bfloat16 read
+    back as float32, with their values."""
+    import ml_dtypes
+
+    x = np.array([[1 + 1e-12, -2.5]])
+    path = ke.write_dump(tmp_path / "d.safetensors", {"embed": x, "logits": x.astype(np.float16),
+                                                       "final.hidden": x.astype(ml_dtypes.bfloat16)},
+                         tokens=[3], engine="mine", dtype="float32")
+    d = ke.read_dump(path)
+    assert d.arrays["embed"].dtype == np.float64 and np.array_equal(d.arrays["embed"], x)
+    for key, narrow in (("logits", np.float16), ("final.hidden", ml_dtypes.bfloat16)):
+        assert d.arrays[key].dtype == np.float32
+        np.testing.assert_array_equal(d.arrays[key], x.astype(narrow).astype(np.float32))
+
+
+@pytest.mark.parametrize("layers", [[0, 1, 1, 2], [2, 2]])
+def test_a_layer_given_twice_is_refused(layers):
+    """layers=[0, 1, 1, 2] would run layer 1 twice: another model (only a decreasing list was tested)."""
+    from kimi_explore.weights.tiny_model import tiny_checkpoint
+
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ke.from_pretrained(tiny_checkpoint(), device="cpu", layers=layers)
+
+
+def test_the_input_graph_follows_the_forward_pass(ref_weights):
+    """`operations.input_graph`, read against kimi_token.decoder_layer and the layer modules: a MoE layer's ffn.out is
+    routed + shared (it read ffn.in too, widening every span), MLA's probs and output gate read attn.in (k_pe and the
+    gate), the KDA state never reads q, and every AttnRes mix reads the sealed blocks (the embedding, and the running
+    sums pushed at block boundaries: the reference model's block size is 3)."""
+    from kimi_explore.engines.operations import input_graph
+
+    g = input_graph(ke.hook_names(ref_weights), ref_weights.config)
+    assert g["layers.1.ffn.out"] == ["layers.1.moe.routed_out", "layers.1.moe.shared_out"]
+    assert g["layers.0.ffn.out"] == ["layers.0.ffn.in"]  # (layer 0: the dense MLP)
+    assert "layers.2.attn.in" in g["layers.2.mla.probs"] and "layers.2.attn.in" in g["layers.2.attn.out"]
+    assert g["layers.1.attn.out"] == ["layers.1.kda.o", "layers.1.kda.gate"]
+    assert g["layers.0.kda.state"] == ["layers.0.kda.k", "layers.0.kda.v", "layers.0.kda.beta", "layers.0.kda.decay"]
+    assert g["layers.4.attn.in"] == ["layers.4.attn_res.attn.weights", "embed", "layers.2.prefix_sum", "layers.3.prefix_sum"]
+    assert g["layers.3.prefix_sum"] == ["layers.3.attn.out", "layers.3.ffn.out"]  # (a boundary: the sum restarts)
+    assert g["final.hidden"][1:] == ["embed"] + [f"layers.{i}.prefix_sum" for i in (2, 5, 8, 11, 13)]
+
+
+def test_a_nan_row_is_not_attention_ahead_and_layer_numbers_are_explained(ref_weights):
+    """A softmax of a NaN row (NaN in the masked slots too) was named a causal-mask bug; 'layers.01.kda.q' lost its
+    "did you mean", and a layer past the model's last was said to be not loaded."""
+    from kimi_explore.engines.compare import _attends_ahead
+
+    probs = np.zeros((3, 2, 3))
+    probs[1] = np.nan
+    assert _attends_ahead(probs) == []
+    probs[2, 0, 0] = probs[0, 1, 2] = 0.5
+    assert _attends_ahead(probs) == [0]
+    n = ref_weights.config.num_hidden_layers
+    for key, says in (("layers.01.kda.q", "write the layer without leading zeros: 'layers.1.kda.q'"),
+                      (f"layers.{n}.kda.q", f"the model's layers are 0..{n - 1}: does the other engine count layers from 1?")):
+        with pytest.raises(KeyError, match=re.escape(says)):
+            ke.compare(ke.Session(ref_weights), {key: np.zeros((1, 4, 32), np.float32), "tokens": np.array([3])})

@@ -81,7 +81,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     _check_expert_ids(theirs, weights.config.num_experts, named)
     theirs = {s: np.asarray(a).astype(np.int64) if s.endswith(IDS_SITE) else a for s, a in theirs.items()}  # (whole numbers)
 
-    floors, graph, at = head_floors(weights.config), input_graph(order), {s: i for i, s in enumerate(order)}
+    floors, graph, at = head_floors(weights.config), input_graph(order, weights.config), {s: i for i, s in enumerate(order)}
     _check_state_layout(ours, theirs, tol, floors, named)
     results = {}
     for s in sites:
@@ -194,6 +194,12 @@ def _hint(key: str, order) -> str:
     layer's own sites, not a KDA site of another layer), else the closest name."""
     m = LAYER_NAME.match(key)
     if m and m.group(2) in LAYER_SUFFIXES:
+        i, held = int(m.group(1)), sorted({int(n.split(".")[1]) for n in order if n.startswith("layers.")})
+        if m.group(1) != str(i):
+            return f"{key!r} (write the layer without leading zeros: 'layers.{i}.{m.group(2)}')"
+        if held and not held[0] <= i <= held[-1]:
+            return (f"{key!r} (the model's layers are {held[0]}..{held[-1]}"
+                    + (": does the other engine count layers from 1?)" if i == held[-1] + 1 else ")"))
         return f"{key!r} ({_why_not(key, order)})"
     close = difflib.get_close_matches(key, order, 1)
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
@@ -301,18 +307,16 @@ _FOLDED = ("kda.conv", "kda.q", "kda.k", "final.block_residual")
 
 def _operation(site, kind, at, captured, graph) -> str:
     """What kimi_explore computes at `site` from the other engine's values: its own operation, and every
-    operation it reads through sites not in the dump (`operations.input_graph`, walked back to captured sites: a
-    sparse dump cannot place a local difference closer than that). Only the sites it reads: a captured site off its
-    path (top-k ids, beside the experts' input) bounds nothing."""
-    skipped, frontier, todo, seen = [], [], list(graph[site]), set()
+    operation it reads through sites not in the dump (`operations.input_graph`, walked back to dumped sites: a
+    sparse dump cannot place a local difference closer than that). Only what it reads: a dumped site beside its path
+    (top-k ids, beside the experts' input) bounds nothing, and one it reads through several paths (the sealed blocks,
+    which every AttnRes mix reads) bounds only the path through it."""
+    skipped, todo, seen = [], list(graph[site]), set()
     while todo:
         s = todo.pop()
-        if s in seen:
+        if s in seen or s in captured:
             continue
         seen.add(s)
-        if s in captured:
-            frontier.append(s)
-            continue
         if _split(s)[1] not in _FOLDED:
             skipped.append(s)
         todo.extend(graph[s])
@@ -320,9 +324,8 @@ def _operation(site, kind, at, captured, graph) -> str:
     if not skipped:
         return op
     skipped.sort(key=at.__getitem__)
-    since = max((s for s in frontier if at[s] < at[skipped[0]]), key=at.__getitem__, default="the token ids")
-    between = skipped[0] if len(skipped) == 1 else f"{skipped[0]} .. {skipped[-1]}"
-    return f"{op}, and everything since {since}: {len(skipped)} site(s) not in the dump ({between})"
+    listed = ", ".join(skipped) if len(skipped) <= 10 else f"{len(skipped)} sites, {skipped[0]} .. {skipped[-1]}"
+    return f"{op}, and everything it reads that the dump lacks: {listed}"
 
 
 def _split(site: str):
@@ -352,8 +355,10 @@ def _without_trace_padding(theirs: dict) -> dict:
 
 
 def _attends_ahead(probs) -> list[int]:
-    """The tokens t whose probabilities [heads, T] are not zero after position t (the format's masked slots)."""
-    return [t for t, p in enumerate(probs) if np.any(np.asarray(p)[..., t + 1 :] != 0)]
+    """The tokens t whose probabilities [heads, T] hold a number other than zero after position t (the format's masked
+    slots; NaN there is not attention ahead: a softmax of a NaN row is NaN everywhere)."""
+    tails = ((t, np.asarray(p)[..., t + 1 :]) for t, p in enumerate(probs))
+    return [t for t, tail in tails if np.any((tail != 0) & np.isfinite(tail))]
 
 
 def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):

@@ -64,13 +64,15 @@ OPERATIONS = {
     "logits": "lm_head",
 }
 
-# The sites each site's operation reads, by kind within its layer. STREAM is the residual stream before the layer (the
-# sources its AttnRes mixes): the previous layer's prefix_sum, or the embedding at layer 0. The MLP side reads that
-# stream through attn.in, which mixes the same sources: a dump whose attn.in agrees has them right.
-STREAM = "<stream>"
+# The sites each site's operation reads, by kind within its layer (kimi_token.decoder_layer and the layer modules;
+# where an attention or FFN kind reads differently, by kind). STREAM is the running sum before the layer (the previous
+# layer's prefix_sum, or the embedding at layer 0); BLOCKS the sealed blocks of the stack (the embedding and the
+# running sums pushed at block boundaries), which every AttnRes mix reads. A boundary layer pushes STREAM first, and its
+# prefix_sum restarts: attention out + FFN out.
+STREAM, BLOCKS = "<stream>", "<blocks>"
 INPUTS = {
-    "attn_res.attn.weights": (STREAM,),
-    "attn.in": ("attn_res.attn.weights", STREAM),
+    "attn_res.attn.weights": (BLOCKS, STREAM),
+    "attn.in": ("attn_res.attn.weights", BLOCKS, STREAM),
     "kda.conv": ("attn.in",),
     "kda.conv_out": ("kda.conv",),
     "kda.q": ("kda.conv_out",),
@@ -79,40 +81,60 @@ INPUTS = {
     "kda.beta": ("attn.in",),
     "kda.decay": ("attn.in",),
     "kda.gate": ("attn.in",),
-    "kda.state": ("kda.q", "kda.k", "kda.v", "kda.beta", "kda.decay"),
+    "kda.state": ("kda.k", "kda.v", "kda.beta", "kda.decay"),
     "kda.o": ("kda.state", "kda.q"),
     "mla.q_latent": ("attn.in",),
     "mla.kv_latent": ("attn.in",),
-    "mla.probs": ("mla.q_latent", "mla.kv_latent"),
+    "mla.probs": ("mla.q_latent", "mla.kv_latent", "attn.in"),  # (k_pe: attn.in's kv_a projection, not normed)
     "mla.o": ("mla.probs", "mla.kv_latent"),
-    "attn.out": ("kda.o", "kda.gate", "mla.o"),
-    "attn_res.ffn.weights": ("attn.out", "attn.in"),
-    "ffn.in": ("attn_res.ffn.weights", "attn.out", "attn.in"),
+    "attn.out": {"kda": ("kda.o", "kda.gate"), "mla": ("mla.o", "attn.in")},  # (MLA's output gate reads attn.in)
+    "attn_res.ffn.weights": ("attn.out", BLOCKS, STREAM),
+    "ffn.in": ("attn_res.ffn.weights", "attn.out", BLOCKS, STREAM),
     "moe.router.scores": ("ffn.in",),
     "moe.router.topk_ids": ("moe.router.scores",),
     "moe.router.topk_weights": ("moe.router.scores", "moe.router.topk_ids"),
     "moe.experts_out": ("ffn.in", "moe.router.topk_ids", "moe.router.topk_weights"),
     "moe.routed_out": ("moe.experts_out",),
     "moe.shared_out": ("ffn.in",),
-    "ffn.out": ("moe.routed_out", "moe.shared_out", "ffn.in"),  # (a dense MLP reads ffn.in)
-    "prefix_sum": ("attn.out", "ffn.out", "attn.in"),
-    "final.block_residual": (STREAM,),
-    "final.attn_res.weights": ("final.block_residual", STREAM),
-    "final.hidden": ("final.attn_res.weights", "final.block_residual", STREAM),
+    "ffn.out": {"moe": ("moe.routed_out", "moe.shared_out"), "dense": ("ffn.in",)},
+    "prefix_sum": ("attn.out", "ffn.out", STREAM),  # (STREAM: not at a block boundary)
+    "final.block_residual": (BLOCKS,),
+    "final.attn_res.weights": (BLOCKS, STREAM),
+    "final.hidden": ("final.attn_res.weights", BLOCKS, STREAM),
     "logits": ("final.hidden",),
 }
 
 
-def input_graph(names: list[str]) -> dict[str, list[str]]:
-    """{site: the sites among `names` (a model's hook names, in firing order) that its operation reads} (`INPUTS`)."""
-    names_set, graph, stream = set(names), {}, "embed"  # the stream before each layer, in firing order
+def input_graph(names: list[str], config) -> dict[str, list[str]]:
+    """{site: the sites among `names` (a model's hook names, in firing order) that its operation reads} (`INPUTS`),
+    for a model of `config` (its block boundaries)."""
+    names_set, graph = set(names), {}
+    stream, blocks, layer_now, before, after = "embed", [], None, [], []  # the running sum and sealed blocks so far
     for site in names:
         parts = site.split(".", 2)
-        layer, kind = (parts[1], parts[2]) if parts[0] == "layers" else (None, site)
-        reads = [stream if k == STREAM else k if layer is None else f"layers.{layer}.{k}" for k in INPUTS.get(kind, ())]
-        graph[site] = [n for n in reads if n in names_set]
+        layer, kind = (int(parts[1]), parts[2]) if parts[0] == "layers" else (None, site)
+        prefix = "" if layer is None else f"layers.{layer}."
+        if layer is not None and layer != layer_now:  # a new layer: its stack before and after its push
+            layer_now, before = layer, blocks
+            after = [*blocks, stream] if config.is_block_boundary(layer) else blocks
+        sealed = blocks if layer is None else before if kind in ("attn_res.attn.weights", "attn.in") else after
+        reads = INPUTS.get(kind, ())
+        if isinstance(reads, dict):
+            variant = ("mla" if prefix + "mla.o" in names_set else "kda") if kind == "attn.out" else \
+                ("moe" if prefix + "moe.routed_out" in names_set else "dense")
+            reads = reads[variant]
+        out = []
+        for k in reads:
+            if k == BLOCKS:
+                out += sealed
+            elif k == STREAM:
+                if not (kind == "prefix_sum" and config.is_block_boundary(layer)):
+                    out.append(stream)
+            else:
+                out.append(prefix + k)
+        graph[site] = [n for n in dict.fromkeys(out) if n in names_set]
         if kind == "prefix_sum":
-            stream = site
+            stream, blocks = site, after
     return graph
 
 
