@@ -211,7 +211,7 @@ def test_probe_replays_record_only_the_sites_they_may_explain(recorded):
     assert "matches eps 1e-05" in cmp.first.explanation
     plain, probed = [s for p, s, _ in recorded if not p], [s for p, s, _ in recorded if p]
     assert plain == [set(dumped), set(dumped)]
-    # the local sites a probe may explain (logits: local too, everything since layers.0.kda.state being left out)
+    # the local sites a probe may explain (logits: local too, what it reads through layers.0.kda.state being left out)
     local = set(cmp.local_sites) & {"layers.0.kda.q", "layers.0.kda.k", "layers.0.kda.state"}
     assert probed and all(s <= local for s in probed) and probed[0] == local
 
