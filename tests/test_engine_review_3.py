@@ -183,8 +183,8 @@ def recorded(monkeypatch):
     """Each replay `compare` runs: (with a probe, the sites it recorded, the bytes it held)."""
     calls = []
 
-    def spy(weights, tokens, sites, patch=None, probe=None):
-        out = replay(weights, tokens, sites, patch=patch, probe=probe)
+    def spy(weights, tokens, sites, patch=None, probe=None, prefill=0):
+        out = replay(weights, tokens, sites, patch=patch, probe=probe, prefill=prefill)
         calls.append((probe is not None, set(out), sum(v.nbytes for vs in out.values() for v in vs)))
         return out
 

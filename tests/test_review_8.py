@@ -267,3 +267,62 @@ def test_a_nan_row_is_not_attention_ahead_and_layer_numbers_are_explained(ref_we
                       (f"layers.{n}.kda.q", f"the model's layers are 0..{n - 1}: does the other engine count layers from 1?")):
         with pytest.raises(KeyError, match=re.escape(says)):
             ke.compare(ke.Session(ref_weights), {key: np.zeros((1, 4, 32), np.float32), "tokens": np.array([3])})
+
+
+def _prefill_engine(w, tokens, sites):
+    """An engine that prefills: `kimi_forward_sequence` over all the tokens at once, its values taken per site as
+    whole chunks (a hook of this test's own), one row per token; `mla.probs` padded to [T, heads, T] with zeros."""
+    got = {}
+
+    def keep(value, *, hook):
+        rows = np.array(value, copy=True)
+        if hook.name.endswith("mla.probs"):  # [T, heads, L0 + T] with L0 = 0
+            rows = np.pad(rows, ((0, 0), (0, 0), (0, len(tokens) - rows.shape[-1])))
+        got[hook.name] = rows
+
+    hooks = ke.Hooks().bind(w)
+    for s in sites:
+        hooks.add(s, keep, chunks=True)
+    ke.kimi_forward_sequence(w, ke.KimiDecodeState.new(w), tokens, hooks=hooks, chunk=len(tokens))
+    return got
+
+
+def test_compare_replays_a_prefill_on_the_sequence_path(ref_weights):
+    """compare(prefill=T) replays the tokens as one pass of the sequence path, as the engine prefilled: a prefill
+    built on that route then agrees at every site bit for bit, where the stepped replay (prefill=0, the default)
+    agrees only to rounding; and an error made at one site and token is still found there, local."""
+    w, tokens = ref_weights, [3, 1, 4, 1, 5, 9, 2, 6]
+    sites = [n for n in ke.hook_names(w) if not n.endswith(("kda.conv", "kda.state"))]  # (those run a layer stepped)
+    dump = {**_prefill_engine(w, tokens, sites), "tokens": np.array(tokens)}
+    exact = ke.compare(ke.Session(w), dump, prefill=len(tokens))
+    assert exact.first is None and max(r.max_abs.max() for r in exact.sites.values()) == 0
+    stepped = ke.compare(ke.Session(w), dump)
+    assert stepped.first is None and max(r.max_abs.max() for r in stepped.sites.values()) > 0
+    site = "layers.4.kda.o"
+    dump[site] = dump[site].copy()
+    dump[site][5] *= 1.01
+    cmp = ke.compare(ke.Session(w), dump, prefill=len(tokens), probes=False)
+    assert (cmp.first.site, cmp.first.token, cmp.first.local) == (site, 5, True) and cmp.local_sites == [site]
+    with pytest.raises(ValueError, match=r"prefill must be a number of tokens in 0..8 .*got 9"):
+        ke.compare(ke.Session(w), dump, prefill=9)
+
+
+def test_a_probe_on_a_prefill_reads_each_tokens_own_input():
+    """The eps probes kept one input per layer (the token's: stepping replaced it before the next token); a prefill
+    captures a whole chunk before it replaces any, so each token's input is kept apart. An engine whose MLA latent
+    norms use eps 1e-5 (the eps-sensitive set, where it shows) is matched by that eps on the prefill route as on the
+    stepped one."""
+    w, tokens = ke.from_pretrained(REFERENCE.parent / "eps_sensitive" / "tiny_k3", device="cpu"), [3, 1, 4, 1, 5, 9, 2, 6]
+    sites = [n for n in ke.hook_names(w) if n.endswith(("attn.in", "mla.q_latent", "mla.kv_latent", "logits"))]
+    dump = _prefill_engine(w, tokens, sites)
+    for s in [s for s in dump if s.endswith(("q_latent", "kv_latent"))]:
+        i = int(s.split(".")[1])
+        att = w.layers[w.layer_ids.index(i)].attention
+        y = dump[f"layers.{i}.attn.in"].astype(np.float64) @ att.in_proj.T.astype(np.float64)
+        q, kv = att.q_lora_rank, att.kv_lora_rank
+        part, norm = (y[:, :q], att.q_a_layernorm) if "q_latent" in s else (y[:, q : q + kv], att.kv_a_layernorm)
+        dump[s] = (part / np.sqrt((part**2).mean(-1, keepdims=True) + 1e-5) * norm).astype(np.float32)
+    for prefill in (0, len(tokens)):
+        cmp = ke.compare(ke.Session(w), {**dump, "tokens": np.array(tokens)}, prefill=prefill)
+        local = [s for s in cmp.local_sites if "latent" in s]
+        assert local and all(cmp.sites[s].explanation.startswith("other engine matches eps 1e-05") for s in local)

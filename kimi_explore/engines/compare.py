@@ -46,7 +46,8 @@ _LLAMACPP = ("llama.cpp", "llamacpp")
 _LAYER_SITE = re.compile(r"layers\.(\d+)\.")
 
 
-def compare(session, other, *, names=None, tolerance=None, local: bool = True, probes: bool = True) -> Comparison:
+def compare(session, other, *, names=None, tolerance=None, local: bool = True, probes: bool = True,
+            prefill: int = 0) -> Comparison:
     """Compare another engine's values with kimi_explore's at every site they both have.
 
     session: a `Session` on the same weights (its tokens; an empty session is fed the other engine's, once the
@@ -56,6 +57,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     {other name: hook name}, or a function arrays -> {hook name: array}. tolerance: a preset name, a
     float rtol or a `Tolerance` (default: the dump's dtype, else "float32"). local: run the
     teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
+    prefill: the other engine ran its first `prefill` tokens as one prefill (a prefill capture: all of them): they are
+    replayed as one pass of the sequence path, the rest stepped (default 0: every token stepped, as a decode). The two
+    routes agree to float32 rounding; this one compares a prefill with the route that computes as one.
     """
     if not (hasattr(session, "weights") and hasattr(session, "tokens")):
         raise TypeError(f"compare: session must be a Session on the weights (ke.Session(weights)), got "
@@ -64,6 +68,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
     arrays, tokens, engine, dtype = load_other(other, names=names, weights=weights, sources=sources)
     tokens = _tokens(session, tokens)
+    if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= len(tokens):
+        raise ValueError(f"compare: prefill must be a number of tokens in 0..{len(tokens)} (the tokens the other engine "
+                         f"ran as one prefill), got {prefill!r}")
     tol = Tolerance.of(tolerance if tolerance is not None else dtype)
     order = _hook_names(weights)
     _check_layers(weights, arrays)
@@ -72,7 +79,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     if not sites:
         raise ValueError("compare: the other engine's values name no site of this model (nothing to compare); "
                          "expected hook names (ke.hook_names(weights)) or names='llama.cpp'")
-    ours = replay(weights, tokens, sites)  # the dumped sites only (top-k ids are recorded where the dump has them)
+    ours = replay(weights, tokens, sites, prefill=prefill)  # the dumped sites only (top-k ids recorded where dumped)
     theirs = {s: arrays[s] for s in sites}
     if names is None:  # hook-named values may come from a Trace, whose attention rows are NaN after the position
         theirs = _without_trace_padding(theirs)
@@ -97,12 +104,12 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     cmp = Comparison(results, tol, tokens, engine, weights.config)
     if local:
         patch = _patch(theirs)
-        forced = replay(weights, tokens, sites, patch=patch)
+        forced = replay(weights, tokens, sites, patch=patch, prefill=prefill)
         for s, r in results.items():
             r.local_rel = _local_rel(s, r.kind, forced, theirs, tol, floors)
         del forced
         if probes:
-            _run_probes(cmp, weights, tokens, theirs, patch, tol, floors)
+            _run_probes(cmp, weights, tokens, theirs, patch, tol, floors, prefill)
     if not session.tokens:
         session.feed(tokens, progress=False)
     return cmp
@@ -384,7 +391,7 @@ def _local_rel(site, kind, forced, theirs, tol, floors) -> np.ndarray:
     return site_errors(kind, a, b, tol, floors.get(kind, 0.0))[1]
 
 
-def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors) -> None:
+def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, prefill: int) -> None:
     local = set(cmp.local_sites)
     for probe, (probe_class, _, own_eps) in PROBES.items():
         targets = [s for s in probe_sites(probe, cmp.sites) if s in local]
@@ -393,7 +400,7 @@ def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors) ->
         open_ = set(targets)
         for eps in candidates(own_eps, weights.config):
             # the probe reads its inputs at every site as they flow; only the sites it may explain are recorded
-            forced = replay(weights, tokens, sorted(open_), patch=patch, probe=probe_class(weights, eps))
+            forced = replay(weights, tokens, sorted(open_), patch=patch, probe=probe_class(weights, eps), prefill=prefill)
             for s in sorted(open_):
                 r = cmp.sites[s]
                 if not np.any(beyond(r.kind, _local_rel(s, r.kind, forced, theirs, tol, floors), tol.rtol)):

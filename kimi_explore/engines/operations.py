@@ -156,7 +156,7 @@ class EpsProbe:
     def __init__(self, weights, eps: float):
         self.eps = float(eps)
         self._layers = {lw.index: lw for lw in weights.layers}
-        self._inputs: dict = {}  # layer -> the captured input of the norm
+        self._inputs: dict = {}  # (layer, token) -> the captured input of the norm, until its last output is replaced
 
     @staticmethod
     def _split(site: str):
@@ -172,14 +172,14 @@ class KdaQkNormProbe(EpsProbe):
     def capture(self, site: str, value, t: int) -> None:
         i, kind = self._split(site)
         if kind == "kda.conv_out":
-            self._inputs[i] = value[:2]
+            self._inputs[i, t] = value[:2]
 
     def replace(self, site: str, value, t: int):
         i, kind = self._split(site)
         if kind not in ("kda.q", "kda.k"):
             return value
         row = 0 if kind == "kda.q" else 1
-        x = self._inputs[i][row]
+        x = self._inputs[i, t][row] if row == 0 else self._inputs.pop((i, t))[row]  # (q fires before k)
         scale = 1.0 / math.sqrt(self._layers[i].attention.head_dim) if row == 0 else 1.0
         sq = (x * x).sum(axis=-1, keepdims=True)
         return (x * (scale / (sq + self.eps) ** 0.5)).astype(value.dtype)
@@ -192,15 +192,15 @@ class MlaLatentNormProbe(EpsProbe):
 
     def capture(self, site: str, value, t: int) -> None:
         i, kind = self._split(site)
-        if kind == "attn.in":
-            self._inputs[i] = value
+        if kind == "attn.in" and self._layers[i].attention.kind == "mla":
+            self._inputs[i, t] = value
 
     def replace(self, site: str, value, t: int):
         i, kind = self._split(site)
         if kind not in ("mla.q_latent", "mla.kv_latent"):
             return value
         w = self._layers[i].attention
-        y = w.in_proj @ self._inputs[i]
+        y = w.in_proj @ (self._inputs[i, t] if kind == "mla.q_latent" else self._inputs.pop((i, t)))  # (q fires first)
         if kind == "mla.q_latent":
             return rms_norm(y[: w.q_lora_rank], w.q_a_layernorm, self.eps)
         return rms_norm(y[w.q_lora_rank : w.q_lora_rank + w.kv_lora_rank], w.kv_a_layernorm, self.eps)

@@ -1,7 +1,8 @@
 """Replays that record every site, optionally with another engine's values patched in through hooks.
 
-`replay(weights, tokens, sites, patch=None, probe=None)` runs `kimi_forward_token` token by token from
-a fresh state with ONE hook on every site of `sites`; at each firing, in this order:
+`replay(weights, tokens, sites, patch=None, probe=None, prefill=0)` runs `kimi_forward_token` token by token from
+a fresh state (the first `prefill` tokens as one pass of the sequence path) with ONE hook on every site of
+`sites`; at each firing, for each token, in this order:
 
     1. probe.replace(site, value)   a variant of the operation (e.g. another eps), when a probe is given
     2. record a copy of the value   what kimi_explore computed at this site, from the inputs it was given
@@ -24,12 +25,15 @@ from ..backend import to_numpy
 __all__ = ["replay"]
 
 
-def replay(weights, tokens, sites, patch=None, probe=None) -> dict:
+def replay(weights, tokens, sites, patch=None, probe=None, prefill: int = 0) -> dict:
     """{site: [value at token t for t in range(T)]} (host arrays; `mla.probs` padded to [nh, T]).
 
     tokens: the T token ids. sites: the hook names to record. patch: {site: [T, ...] other values}
     (per-token shapes as in `engines.dump`). probe: an object with `replace(site, value, t)` and
-    `capture(site, value, t)` (see `operations.EpsProbe`), or None.
+    `capture(site, value, t)` (see `operations.EpsProbe`), or None. prefill: the first `prefill` tokens run as one
+    pass of the sequence path (`kimi_forward_sequence`, chunk = prefill), as an engine's prefill did; the rest are
+    stepped. The hook then sees each site once for those tokens, [prefill, ...] rows, and steps 1-4 run row by row
+    (a site of the recurrent state, `kda.conv` or `kda.state`, runs its layer token by token, as any hook there does).
     """
     from ..inspection.hooks import Hooks
 
@@ -39,13 +43,12 @@ def replay(weights, tokens, sites, patch=None, probe=None) -> dict:
     patch = patch or {}
     recorded = {s: [None] * T for s in sites}
 
-    def hook(value, *, hook):
-        name, t = hook.name, hook.position
+    def one(name, value, t):
         if probe is not None:
             value = probe.replace(name, value, t)
         if name in sites:
             ours = np.array(to_numpy(value), copy=True)
-            if name.endswith("mla.probs"):  # [nh, t+1] -> [nh, T], zeros after t
+            if name.endswith("mla.probs"):  # [nh, t+1] (a chunk's row: [nh, L0 + T'], zeros after t) -> [nh, T]
                 padded = np.zeros(ours.shape[:-1] + (T,), ours.dtype)
                 padded[..., : ours.shape[-1]] = ours
                 ours = padded
@@ -59,11 +62,21 @@ def replay(weights, tokens, sites, patch=None, probe=None) -> dict:
             probe.capture(name, value, t)
         return value
 
+    def hook(value, *, hook):
+        if hook.positions is None:  # one token (stepped, or a chunk's layer run token by token)
+            return one(hook.name, value, hook.position)
+        given = [value[i] for i in range(len(hook.positions))]
+        rows = [one(hook.name, v, int(t)) for v, t in zip(given, to_numpy(hook.positions), strict=True)]
+        return xp.stack(rows) if any(r is not v for r, v in zip(rows, given, strict=True)) else value
+
     hooks = Hooks().bind(weights)
     # a probe reads its inputs at sites of its own (`kda.conv_out`, `attn.in`): then every site is hooked
-    hooks.add(hook, names_filter=(lambda n: True) if probe is not None else (lambda n: n in sites or n in patch))
+    hooks.add(hook, names_filter=(lambda n: True) if probe is not None else (lambda n: n in sites or n in patch),
+              chunks=True)
     state = weights.new_state()
-    for t, tid in enumerate(tokens):
-        hooks.begin_token(int(tid), t)
-        weights.forward_token(state, int(tid), hooks)
+    if prefill:
+        weights.forward_sequence(state, [int(t) for t in tokens[:prefill]], hooks, chunk=prefill)
+    for t in range(prefill, T):
+        hooks.begin_token(int(tokens[t]), t)
+        weights.forward_token(state, int(tokens[t]), hooks)
     return recorded
