@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from naive_decoder import read_safetensors  # (the tests' own reader of the bytes, not the package's)
 
 import kimi_explore as ke
 from kimi_explore.model import kda_recurrence
@@ -684,22 +685,6 @@ def test_bf16_matrix_both_routes_against_the_bits():
 # ================================================================ the whole decoder, from the checkpoint's bytes
 
 
-def read_safetensors(path: Path) -> dict:
-    """u64 header length, JSON header {name: dtype, shape, data_offsets}, raw bytes; BF16 = the high half of an F32."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__", None)
-    out = {}
-    for name, h in header.items():
-        a, b = h["data_offsets"]
-        buf = raw[8 + n + a : 8 + n + b]
-        if h["dtype"] == "BF16":
-            arr = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
-        else:
-            arr = np.frombuffer(buf, {"F32": "<f4", "U8": "u1"}[h["dtype"]])
-        out[name] = arr.reshape(h["shape"])
-    return out
 
 
 class TwinDecoder:
