@@ -326,3 +326,27 @@ def test_a_probe_on_a_prefill_reads_each_tokens_own_input():
         cmp = ke.compare(ke.Session(w), {**dump, "tokens": np.array(tokens)}, prefill=prefill)
         local = [s for s in cmp.local_sites if "latent" in s]
         assert local and all(cmp.sites[s].explanation.startswith("other engine matches eps 1e-05") for s in local)
+
+
+def test_a_dump_says_it_was_a_prefill(ref_weights, tmp_path):
+    """write_dump(prefill=T) records it (metadata 'prefill'); compare then replays on the sequence path by default,
+    as compare(prefill=T) does. A dump without the key, or with "0", is a decode; a bad count is refused."""
+    from safetensors.numpy import save_file
+
+    w, tokens = ref_weights, [3, 1, 4, 1, 5, 9, 2, 6]
+    sites = [n for n in ke.hook_names(w) if n.endswith(("attn.out", "ffn.out", "logits"))]
+    arrays = _prefill_engine(w, tokens, sites)
+    path = ke.write_dump(tmp_path / "p.safetensors", arrays, tokens=tokens, engine="mine", prefill=len(tokens))
+    d = ke.read_dump(path)
+    assert d.prefill == len(tokens) and "prefill=8" in repr(d)
+    assert max(r.max_abs.max() for r in ke.compare(ke.Session(w), path).sites.values()) == 0
+    stepped = ke.compare(ke.Session(w), path, prefill=0)
+    assert max(r.max_abs.max() for r in stepped.sites.values()) > 0
+    assert ke.read_dump(ke.write_dump(tmp_path / "d.safetensors", arrays, tokens=tokens)).prefill == 0
+    with pytest.raises(ValueError, match=r"write_dump: prefill must be a number of tokens in 0..8 .*got 9"):
+        ke.write_dump(tmp_path / "x.safetensors", arrays, tokens=tokens, prefill=9)
+    for bad in ("-1", "x", "9", "1_0"):
+        save_file(arrays, str(tmp_path / "bad.safetensors"), metadata={"format": "kimi_explore.dump/1", "prefill": bad,
+                                                                     "tokens": ",".join(map(str, tokens))})
+        with pytest.raises(ValueError, match=rf"metadata 'prefill' must be a number of tokens 0..8 .*found '{bad}'"):
+            ke.read_dump(tmp_path / "bad.safetensors")

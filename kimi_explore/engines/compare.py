@@ -47,7 +47,7 @@ _LAYER_SITE = re.compile(r"layers\.(\d+)\.")
 
 
 def compare(session, other, *, names=None, tolerance=None, local: bool = True, probes: bool = True,
-            prefill: int = 0) -> Comparison:
+            prefill: int | None = None) -> Comparison:
     """Compare another engine's values with kimi_explore's at every site they both have.
 
     session: a `Session` on the same weights (its tokens; an empty session is fed the other engine's, once the
@@ -58,16 +58,18 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     float rtol or a `Tolerance` (default: the dump's dtype, else "float32"). local: run the
     teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
     prefill: the other engine ran its first `prefill` tokens as one prefill (a prefill capture: all of them): they are
-    replayed as one pass of the sequence path, the rest stepped (default 0: every token stepped, as a decode). The two
-    routes agree to float32 rounding; this one compares a prefill with the route that computes as one.
+    replayed as one pass of the sequence path, the rest stepped (default: the dump's metadata 'prefill', else 0: every
+    token stepped, as a decode). The two routes agree to float32 rounding; this one compares a prefill with the route
+    that computes as one.
     """
     if not (hasattr(session, "weights") and hasattr(session, "tokens")):
         raise TypeError(f"compare: session must be a Session on the weights (ke.Session(weights)), got "
                         f"{type(session).__name__} {session!r:.40}")
     weights = session.weights
     sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
-    arrays, tokens, engine, dtype = load_other(other, names=names, weights=weights, sources=sources)
+    arrays, tokens, engine, dtype, dumped = load_other(other, names=names, weights=weights, sources=sources)
     tokens = _tokens(session, tokens)
+    prefill = dumped if prefill is None else prefill
     if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= len(tokens):
         raise ValueError(f"compare: prefill must be a number of tokens in 0..{len(tokens)} (the tokens the other engine "
                          f"ran as one prefill), got {prefill!r}")
@@ -115,10 +117,11 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     return cmp
 
 
-def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str]:
-    """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype) from anything `compare` takes. sources: a dict
-    filled with the llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`)."""
-    engine, dtype, tokens = "", "float32", None
+def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str, int]:
+    """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype, prefill) from anything `compare` takes (prefill:
+    a dump's, else 0). sources: a dict filled with the llama.cpp name(s) of each hook name
+    (`name_maps.llamacpp_to_hooks`)."""
+    engine, dtype, tokens, prefill = "", "float32", None, 0
     if isinstance(other, (str, Path)):
         path = Path(other)
         if not path.is_file():
@@ -131,8 +134,8 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
             other = read_dump(path)
     if isinstance(other, Dump):
         if names is None:
-            return dict(other.arrays), list(other.tokens), other.engine, other.dtype
-        engine, dtype = other.engine, other.dtype  # a dump under the other engine's own names: map them below
+            return dict(other.arrays), list(other.tokens), other.engine, other.dtype, other.prefill
+        engine, dtype, prefill = other.engine, other.dtype, other.prefill  # under the other engine's names: mapped below
         other = {**other.arrays, "tokens": np.asarray(other.tokens)}
     if not isinstance(other, Mapping):
         raise TypeError(f"compare: other must be a mapping, a Dump or a path, got {type(other).__name__}")
@@ -143,7 +146,7 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
             raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
         if weights is None:
             raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
-        return llamacpp_to_hooks(other, weights.config, weights, sources), tokens, engine or "llama.cpp", dtype
+        return llamacpp_to_hooks(other, weights.config, weights, sources), tokens, engine or "llama.cpp", dtype, prefill
     if callable(names):
         arrays = dict(names(other))
     elif isinstance(names, Mapping):
@@ -156,7 +159,7 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
         arrays = {k: v for k, v in other.items() if k not in ("tokens",)}
     else:
         raise TypeError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
-    return arrays, tokens, engine, dtype
+    return arrays, tokens, engine, dtype, prefill
 
 
 def _hook_names(weights) -> list[str]:
