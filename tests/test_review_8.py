@@ -264,7 +264,7 @@ def test_a_nan_row_is_not_attention_ahead_and_layer_numbers_are_explained(ref_we
     assert _attends_ahead(probs) == [0]
     n = ref_weights.config.num_hidden_layers
     for key, says in (("layers.01.kda.q", "write the layer without leading zeros: 'layers.1.kda.q'"),
-                      (f"layers.{n}.kda.q", f"the model's layers are 0..{n - 1}: does the other engine count layers from 1?")):
+                      (f"layers.{n}.kda.q", f"they hold layers 0..{n - 1}; does the other side count layers from 1?")):
         with pytest.raises(KeyError, match=re.escape(says)):
             ke.compare(ke.Session(ref_weights), {key: np.zeros((1, 4, 32), np.float32), "tokens": np.array([3])})
 
@@ -303,7 +303,7 @@ def test_compare_replays_a_prefill_on_the_sequence_path(ref_weights):
     dump[site][5] *= 1.01
     cmp = ke.compare(ke.Session(w), dump, prefill=len(tokens), probes=False)
     assert (cmp.first.site, cmp.first.token, cmp.first.local) == (site, 5, True) and cmp.local_sites == [site]
-    with pytest.raises(ValueError, match=r"prefill must be a number of tokens in 0..8 .*got 9"):
+    with pytest.raises(ValueError, match=r"compare: prefill must be an int in 0..8, got 9"):
         ke.compare(ke.Session(w), dump, prefill=9)
 
 
@@ -343,7 +343,7 @@ def test_a_dump_says_it_was_a_prefill(ref_weights, tmp_path):
     stepped = ke.compare(ke.Session(w), path, prefill=0)
     assert max(r.max_abs.max() for r in stepped.sites.values()) > 0
     assert ke.read_dump(ke.write_dump(tmp_path / "d.safetensors", arrays, tokens=tokens)).prefill == 0
-    with pytest.raises(ValueError, match=r"write_dump: prefill must be a number of tokens in 0..8 .*got 9"):
+    with pytest.raises(ValueError, match=r"write_dump: prefill must be an int in 0..8, got 9"):
         ke.write_dump(tmp_path / "x.safetensors", arrays, tokens=tokens, prefill=9)
     for bad in ("-1", "x", "9", "1_0"):
         save_file(arrays, str(tmp_path / "bad.safetensors"), metadata={"format": "kimi_explore.dump/1", "prefill": bad,

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..inspection._hook_grammar import LAYER_NAME, LAYER_SUFFIXES, _why_not
 from ..inspection.npz_io import NpzReader
+from ..inspection.targets import int_in
 from ..model.config import FINAL_SITES
 from .comparison import Comparison, SiteComparison
 from .dump import Dump, read_dump, token_ids
@@ -69,10 +70,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
     arrays, tokens, engine, dtype, dumped = load_other(other, names=names, weights=weights, sources=sources)
     tokens = _tokens(session, tokens)
-    prefill = dumped if prefill is None else prefill
-    if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= len(tokens):
-        raise ValueError(f"compare: prefill must be a number of tokens in 0..{len(tokens)} (the tokens the other engine "
-                         f"ran as one prefill), got {prefill!r}")
+    prefill = int_in(dumped if prefill is None else prefill, 0, len(tokens), "compare: prefill",
+                     " (the first tokens the other engine ran as one prefill)")
     tol = Tolerance.of(tolerance if tolerance is not None else dtype)
     order = _hook_names(weights)
     _check_layers(weights, arrays)
@@ -204,12 +203,6 @@ def _hint(key: str, order) -> str:
     layer's own sites, not a KDA site of another layer), else the closest name."""
     m = LAYER_NAME.match(key)
     if m and m.group(2) in LAYER_SUFFIXES:
-        i, held = int(m.group(1)), sorted({int(n.split(".")[1]) for n in order if n.startswith("layers.")})
-        if m.group(1) != str(i):
-            return f"{key!r} (write the layer without leading zeros: 'layers.{i}.{m.group(2)}')"
-        if held and not held[0] <= i <= held[-1]:
-            return (f"{key!r} (the model's layers are {held[0]}..{held[-1]}"
-                    + (": does the other engine count layers from 1?)" if i == held[-1] + 1 else ")"))
         return f"{key!r} ({_why_not(key, order)})"
     close = difflib.get_close_matches(key, order, 1)
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)

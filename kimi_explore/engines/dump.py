@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..inspection.npz_io import write_atomically
+from ..inspection.targets import int_in
 from .tolerance import TOLERANCE_PRESETS
 
 __all__ = ["DUMP_FORMAT", "Dump", "read_dump", "token_ids", "write_dump"]
@@ -68,9 +69,7 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     from safetensors.numpy import save_file
 
     tokens = token_ids(tokens, "write_dump: tokens")
-    if isinstance(prefill, bool) or not isinstance(prefill, (int, np.integer)) or not 0 <= prefill <= len(tokens):
-        raise ValueError(f"write_dump: prefill must be a number of tokens in 0..{len(tokens)} (the first tokens the engine "
-                         f"ran as one prefill), got {prefill!r}")
+    prefill = int_in(prefill, 0, len(tokens), "write_dump: prefill", " (the first tokens the engine ran as one prefill)")
     _check_dtype(dtype, "write_dump(dtype=...)")
     T = len(tokens)
     out = {}
@@ -91,7 +90,7 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
         out[str(name)] = a
     metadata = {"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine), "dtype": dtype}
     if prefill:
-        metadata["prefill"] = str(int(prefill))
+        metadata["prefill"] = str(prefill)
     return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump
 
 

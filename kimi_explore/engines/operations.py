@@ -87,7 +87,8 @@ INPUTS = {
     "mla.kv_latent": ("attn.in",),
     "mla.probs": ("mla.q_latent", "mla.kv_latent", "attn.in"),  # (k_pe: attn.in's kv_a projection, not normed)
     "mla.o": ("mla.probs", "mla.kv_latent"),
-    "attn.out": {"kda": ("kda.o", "kda.gate"), "mla": ("mla.o", "attn.in")},  # (MLA's output gate reads attn.in)
+    # (by the layer's kind, told by a site only that kind has; MLA's output gate reads attn.in)
+    "attn.out": {"mla.o": ("mla.o", "attn.in"), "kda.o": ("kda.o", "kda.gate")},
     "attn_res.ffn.weights": ("attn.out", BLOCKS, STREAM),
     "ffn.in": ("attn_res.ffn.weights", "attn.out", BLOCKS, STREAM),
     "moe.router.scores": ("ffn.in",),
@@ -96,7 +97,7 @@ INPUTS = {
     "moe.experts_out": ("ffn.in", "moe.router.topk_ids", "moe.router.topk_weights"),
     "moe.routed_out": ("moe.experts_out",),
     "moe.shared_out": ("ffn.in",),
-    "ffn.out": {"moe": ("moe.routed_out", "moe.shared_out"), "dense": ("ffn.in",)},
+    "ffn.out": {"moe.routed_out": ("moe.routed_out", "moe.shared_out"), "ffn.in": ("ffn.in",)},
     "prefix_sum": ("attn.out", "ffn.out", STREAM),  # (STREAM: not at a block boundary)
     "final.block_residual": (BLOCKS,),
     "final.attn_res.weights": (BLOCKS, STREAM),
@@ -119,10 +120,8 @@ def input_graph(names: list[str], config) -> dict[str, list[str]]:
             after = [*blocks, stream] if config.is_block_boundary(layer) else blocks
         sealed = blocks if layer is None else before if kind in ("attn_res.attn.weights", "attn.in") else after
         reads = INPUTS.get(kind, ())
-        if isinstance(reads, dict):
-            variant = ("mla" if prefix + "mla.o" in names_set else "kda") if kind == "attn.out" else \
-                ("moe" if prefix + "moe.routed_out" in names_set else "dense")
-            reads = reads[variant]
+        if isinstance(reads, dict):  # the first variant whose marking site the layer has
+            reads = next((v for marker, v in reads.items() if prefix + marker in names_set), ())
         out = []
         for k in reads:
             if k == BLOCKS:

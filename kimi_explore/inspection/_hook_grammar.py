@@ -100,9 +100,14 @@ def _why_not(name: str, known_order: list[str]) -> str:
     m = LAYER_NAME.match(name)
     if m and m.group(2) in LAYER_SUFFIXES:
         layer = int(m.group(1))
+        if m.group(1) != str(layer):
+            return f"write the layer without leading zeros: 'layers.{layer}.{m.group(2)}'"
         prefix = f"layers.{layer}."
         here = [n[len(prefix):] for n in known_order if n.startswith(prefix)]
         if not here:
-            return f"layer {layer} is not loaded in these weights"
+            held = sorted({int(n.split(".")[1]) for n in known_order if n.startswith("layers.")})
+            span = f": they hold layers {held[0]}..{held[-1]}" if held and not held[0] <= layer <= held[-1] else ""
+            return (f"layer {layer} is not loaded in these weights{span}"
+                    + ("; does the other side count layers from 1?" if span and layer == held[-1] + 1 else ""))
         return f"layer {layer} has the sites {here}"
     return _suggest(name, known_order)
