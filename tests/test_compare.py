@@ -478,3 +478,46 @@ def test_divergences_are_ordered_by_token_before_firing_order(weights_d, hooks_d
     cmp = ke.compare(session, planted, local=False, probes=False)
     assert [(d.token, d.site) for d in cmp.divergences] == [(1, late_site), (len(tokens) - 1, early_site)]
     assert (cmp.first.token, cmp.first.site) == (1, late_site)
+
+
+def test_a_site_kind_judged_by_a_tolerance_of_its_own(weights_d, hooks_d):
+    # an engine whose decay is 5% off at token 6 of layer 4 (carried on downstream): beyond the bfloat16 rtol (3e-2)
+    # there; with tolerance={"kda.decay": 0.1} every layer's decay is judged at 0.1, so the decay is within tolerance,
+    # still the earliest suspect (its own operation is off by more than 0.1 / 20), and what diverges later inherits
+    tokens = hooks_d[1]
+    theirs = {**_engine_run(weights_d, tokens, "layers.4.kda.decay", 6, 1.05, False), "tokens": np.array(tokens)}
+    plain = ke.compare(ke.Session(weights_d), theirs, tolerance="bfloat16", probes=False)
+    assert (plain.first.token, plain.first.site, plain.first.local) == (6, "layers.4.kda.decay", True)
+    own = ke.compare(ke.Session(weights_d), theirs, tolerance={"default": "bfloat16", "kda.decay": 0.1}, probes=False)
+    assert "layers.4.kda.decay" not in [d.site for d in own.divergences]
+    suspect = own.suspects[0]
+    assert (suspect.token, suspect.site, suspect.diverges) == (6, "layers.4.kda.decay", False)
+    assert 0.049 < suspect.rel < 0.051
+    assert all(d.token >= 6 and d.local is False for d in own.divergences)
+    row = next(r for r in own.table() if r["site"] == "layers.4.kda.decay")
+    assert (row["rtol"], row["diverges"], row["suspect_token"]) == (0.1, False, 6)
+    assert "bfloat16 rtol=0.03, kda.decay custom rtol=0.1" in repr(own)
+    # the heatmap colours each column by its own kind's rtol: the decay cell is log10(0.05 / 0.1)
+    from kimi_explore.views.figures.engine_plots import divergence_grid, divergence_heatmap
+
+    rows, cols, M, _ = divergence_grid(own)
+    shown = divergence_heatmap(own).axes[0].images[0].get_array()
+    r, c = rows.index("4"), cols.index("kda.decay")
+    assert shown[r, c] == pytest.approx(np.log10(M[r, c] / 0.1)) and -0.31 < shown[r, c] < -0.29
+    c = cols.index("kda.state")
+    assert shown[r, c] == pytest.approx(np.log10(M[r, c] / 0.03))
+    # the key "default" absent: the dump's dtype (here float32) for the rest
+    assert ke.compare(ke.Session(weights_d), theirs, tolerance={"kda.decay": 0.1}, local=False).tolerance.rtol == 2e-3
+
+
+@pytest.mark.parametrize(("spec", "error", "match"), [
+    ({"kda.decy": 0.1}, ValueError, "site kind 'kda.decy', which this model has none of; did you mean 'kda.decay'"),
+    ({"layers.4.kda.decay": 0.1}, ValueError, "a tolerance is per kind, for every layer's site: give 'kda.decay'"),
+    ({"kda.decay": {"rtol": 0.1}}, TypeError, "expected {site kind"),
+    ({"kda.decay": -0.1}, ValueError, "a float rtol must be > 0"),
+    ({"default": "bf16"}, ValueError, "expected one of"),
+])
+def test_a_bad_per_kind_tolerance_is_refused(weights_d, hooks_d, spec, error, match):
+    with pytest.raises(error, match=match):
+        ke.compare(ke.Session(weights_d), {"layers.0.attn.in": np.zeros((2, 32)), "tokens": np.array([1, 2])},
+                   tolerance=spec)

@@ -56,7 +56,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     other: {hook name: [T, ...]}, a `Dump`, a dump file (.safetensors), or llama.cpp captures (an .npz
     path, mapping or dump, with names="llama.cpp"). names: None (keys are hook names), "llama.cpp", a mapping
     {other name: hook name}, or a function arrays -> {hook name: array}. tolerance: a preset name, a
-    float rtol or a `Tolerance` (default: the dump's dtype, else "float32"). local: run the
+    float rtol, a `Tolerance` (default: the dump's dtype, else "float32"), or a mapping {site kind: any of those}
+    whose kinds are judged by their own (e.g. {"kda.decay": 0.1}; the key "default": the rest). local: run the
     teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
     prefill: the other engine ran its first `prefill` tokens as one prefill (a prefill capture: all of them): they are
     replayed as one pass of the sequence path, the rest stepped (default: the dump's metadata 'prefill', else 0: every
@@ -72,8 +73,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     tokens = _tokens(session, tokens)
     prefill = int_in(dumped if prefill is None else prefill, 0, len(tokens), "compare: prefill",
                      " (the first tokens the other engine ran as one prefill)")
-    tol = Tolerance.of(tolerance if tolerance is not None else dtype)
+    tol = Tolerance.of(tolerance if tolerance is not None else dtype, default=dtype)
     order = _hook_names(weights)
+    _check_tolerance_kinds(tol, order)
     _check_layers(weights, arrays)
     _check_names(arrays, order)
     sites = [n for n in order if n in arrays]
@@ -208,6 +210,19 @@ def _hint(key: str, order) -> str:
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
+def _check_tolerance_kinds(tol: Tolerance, order: list) -> None:
+    """Refuse a tolerance for a site kind this model has none of (a typo judged nothing), or for one layer's site."""
+    kinds = list(dict.fromkeys(_split(s)[1] for s in order))
+    for kind, _ in tol.kinds:
+        if kind in kinds:
+            continue
+        layer, own = _split(kind) if _LAYER_SITE.match(kind) else (None, kind)
+        hint = (f"; a tolerance is per kind, for every layer's site: give {own!r}" if layer is not None and own in kinds
+                else f"; did you mean {close[0]!r}?" if (close := difflib.get_close_matches(kind, kinds, 1)) else "")
+        raise ValueError(f"compare: tolerance names site kind {kind!r}, which this model has none of{hint} (its kinds: "
+                         f"{', '.join(kinds)})")
+
+
 def _check_layers(weights, arrays) -> None:
     """Refuse sites these weights cannot compute as the whole model does. Layer i's sites read every earlier
     layer (through the AttnRes sources), so they are the model's only where the weights hold layers 0..i (a
@@ -284,10 +299,10 @@ def _check_state_layout(ours, theirs, tol, floors, named) -> None:
         if b[0].shape[-1] != b[0].shape[-2]:
             continue
         rel = site_errors("kda.state", ours[s], b, tol, floors.get("kda.state", 0.0))[1]
-        if not beyond("kda.state", rel, tol.rtol).any():
+        if not beyond("kda.state", rel, tol.for_kind("kda.state").rtol).any():
             continue
         rel_t = site_errors("kda.state", ours[s], [x.swapaxes(-1, -2) for x in b], tol, floors.get("kda.state", 0.0))[1]
-        if not beyond("kda.state", rel_t, tol.rtol).any():
+        if not beyond("kda.state", rel_t, tol.for_kind("kda.state").rtol).any():
             raise ValueError(f"compare: the other engine's {named[s]} agrees with kimi_explore's transposed (largest "
                              f"relative error {np.nanmax(rel_t):.2g}, against {np.nanmax(rel):.2g} as written): it holds each "
                              "head's state as [V, K] (mlx-lm's layout, for one); the dump format's is [H, K, V] (S with k in, "
@@ -399,7 +414,7 @@ def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, pr
             forced = replay(weights, tokens, sorted(open_), patch=patch, probe=probe_class(weights, eps), prefill=prefill)
             for s in sorted(open_):
                 r = cmp.sites[s]
-                if not np.any(beyond(r.kind, _local_rel(s, r.kind, forced, theirs, tol, floors), tol.rtol)):
+                if not np.any(beyond(r.kind, _local_rel(s, r.kind, forced, theirs, tol, floors), tol.for_kind(r.kind).rtol)):
                     r.operation = probe  # named only where one of its variants explains the site
                     r.explanation = f"other engine matches eps {eps:g} (kimi_explore: {own_eps:g})"
                     open_.discard(s)

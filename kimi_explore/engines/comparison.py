@@ -119,12 +119,18 @@ class Comparison:
 
     @property
     def rtol(self) -> float:
+        """The rtol of every site kind without a tolerance of its own (`rtol_of`)."""
         return self.tolerance.rtol
 
+    def rtol_of(self, s: SiteComparison) -> float:
+        """The rtol judging site `s` (its kind's, `Tolerance.for_kind`)."""
+        return self.tolerance.for_kind(s.kind).rtol
+
     def _divergence(self, s: SiteComparison, t: int) -> Divergence:
-        return Divergence(t, s.layer, s.site, s.local_at(t, self.rtol), s.operation or operation_of(s.kind),
+        rtol = self.rtol_of(s)
+        return Divergence(t, s.layer, s.site, s.local_at(t, rtol), s.operation or operation_of(s.kind),
                           float(s.max_abs[t]), float(s.rel[t]), None if s.local_rel is None else float(s.local_rel[t]),
-                          s.explanation, bool(s.beyond(self.rtol)[t]))
+                          s.explanation, bool(s.beyond(rtol)[t]))
 
     def _in_order(self, flags) -> list[Divergence]:
         """Each site at its first flagged token (`flags(site)`: [T] bool or None), ordered by (token, firing order)."""
@@ -134,14 +140,14 @@ class Comparison:
     @property
     def divergences(self) -> list[Divergence]:
         """Each diverging site at its first diverging token, ordered by (token, firing order)."""
-        return self._in_order(lambda s: s.beyond(self.rtol))
+        return self._in_order(lambda s: s.beyond(self.rtol_of(s)))
 
     @property
     def suspects(self) -> list[Divergence]:
         """Each site whose own operation, on the other engine's inputs, is beyond `tolerance.local_rtol` at some token
         (the site itself within tolerance or not), at its first such token, ordered by (token, firing order); empty
         where the teacher-forced replay did not run (compare(local=False))."""
-        return self._in_order(lambda s: s.suspect(self.tolerance.local_rtol))
+        return self._in_order(lambda s: s.suspect(self.tolerance.for_kind(s.kind).local_rtol))
 
     @property
     def first(self) -> Divergence | None:
@@ -151,21 +157,22 @@ class Comparison:
     @property
     def local_sites(self) -> list[str]:
         """Sites that diverge, with kimi_explore's operation on the other engine's inputs disagreeing, at some token."""
-        return [s.site for s in self.sites.values() if s.is_local(self.rtol)]
+        return [s.site for s in self.sites.values() if s.is_local(self.rtol_of(s))]
 
     def table(self) -> list[dict]:
         rows = []
         for s in self.sites.values():
-            bad = np.flatnonzero(s.beyond(self.rtol))
+            tol = self.tolerance.for_kind(s.kind)
+            bad = np.flatnonzero(s.beyond(tol.rtol))
             nan = np.flatnonzero(np.isnan(s.rel))  # a NaN is the worst error there is: never hidden by nan-max
             worst = int(nan[0]) if nan.size else int(np.argmax(s.rel))
-            local = s.is_local(self.rtol)
+            local = s.is_local(tol.rtol)
             rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.max(s.max_abs)),
                          "rel": float(s.rel[worst]), "worst_token": worst,
                          "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
                          "local": local,
                          "local_rel": None if s.local_rel is None else float(np.max(s.local_rel)),
-                         "suspect_token": _first(s.suspect(self.tolerance.local_rtol)),
+                         "suspect_token": _first(s.suspect(tol.local_rtol)), "rtol": tol.rtol,
                          "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})
         return rows
 
@@ -187,7 +194,7 @@ class Comparison:
         if suspects and (first is None or not first.local):
             what += f"; earliest suspect: {suspects[0]}"
         return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens, {len(self.sites)} sites, "
-                f"tolerance {self.tolerance.name} rtol={self.rtol:g}; {what})")
+                f"tolerance {self.tolerance}; {what})")
 
 
 def _first(flags) -> int | None:

@@ -27,6 +27,11 @@ to about 7.
     bfloat16    3e-2    0.1     7.5e-3
     quantised   1e-1    0.1     5e-2
 
+A site kind may be judged by a tolerance of its own (`Tolerance.kinds`; `compare(tolerance={"kda.decay": 0.1})`,
+every layer's `kda.decay` at rtol 0.1 and the rest at the dump's dtype), for an engine that computes one operation
+more coarsely than its dtype's preset assumes: mlx-lm in its native bf16 computes the decay as the exponential of
+a bf16 gate, and the exponential magnifies the gate's rounding past the bfloat16 rtol at `kda.decay`.
+
 `local_rtol` judges one operation alone: kimi_explore's operation on the other engine's inputs (the
 teacher-forced replay, `Comparison.suspects`) against the other engine's output. One operation rounds
 far less than a deep model drifts: on llama.cpp's own K3 with float32 experts (set d) the largest such
@@ -71,7 +76,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -93,14 +99,36 @@ class Tolerance:
     floor: float = 0.1
     name: str = "custom"
     local_rtol: float | None = None  # one operation's (module docstring); None: rtol / 20
+    kinds: tuple = ()  # ((site kind, Tolerance), ...): the kinds judged by a tolerance of their own (`for_kind`)
 
     def __post_init__(self):
         if self.local_rtol is None:
             object.__setattr__(self, "local_rtol", self.rtol / 20)
 
+    def for_kind(self, kind: str) -> Tolerance:
+        """The tolerance judging sites of `kind` (e.g. "kda.decay", every layer's): its own where `kinds` names it."""
+        return dict(self.kinds).get(kind, self)
+
+    def __str__(self) -> str:
+        own = "".join(f", {k} {t.name} rtol={t.rtol:g}" for k, t in self.kinds)
+        return f"{self.name} rtol={self.rtol:g}{own}"
+
     @classmethod
-    def of(cls, spec) -> Tolerance:
-        """A `Tolerance`, a preset name ("float32", "bfloat16", "float16", "quantised") or a float rtol."""
+    def of(cls, spec, default="float32") -> Tolerance:
+        """A `Tolerance`, a preset name ("float32", "bfloat16", "float16", "quantised"), a float rtol, or a mapping
+        {site kind: any of those} with the optional key "default" for every other kind (else `default`): e.g.
+        {"kda.decay": 0.1} judges every layer's `kda.decay` at rtol 0.1 (a float's local_rtol: rtol / 20), the rest
+        at the default."""
+        if isinstance(spec, Mapping):
+            spec = dict(spec)
+            base = cls.of(spec.pop("default", default))
+            own = {}
+            for kind, value in spec.items():
+                if not isinstance(kind, str) or isinstance(value, Mapping):
+                    raise TypeError(f"tolerance={{{kind!r}: {value!r:.40}}}: expected {{site kind (a str, e.g. "
+                                    "'kda.decay'): a preset name, a positive float rtol or a Tolerance}")
+                own[kind] = replace(cls.of(value), kinds=())
+            return replace(base, kinds=tuple({**dict(base.kinds), **own}.items()))
         if isinstance(spec, Tolerance):
             return spec
         if isinstance(spec, str):
@@ -111,7 +139,8 @@ class Tolerance:
             if not spec > 0:  # (0, a negative rtol, NaN: a number, but no tolerance)
                 raise ValueError(f"tolerance={spec!r}: a float rtol must be > 0")
             return cls(float(spec))  # a NumPy scalar (np.float32(3e-2), from a dtype's eps) too
-        raise TypeError(f"tolerance={spec!r}: expected a preset name, a positive float rtol or a Tolerance")
+        raise TypeError(f"tolerance={spec!r}: expected a preset name, a positive float rtol, a Tolerance or a mapping "
+                        "{site kind: one of those}")
 
 
 TOLERANCE_PRESETS = {
@@ -140,7 +169,7 @@ def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance, head_floor=
     without its layer prefix). Each list holds one array per token, ours and theirs of one shape.
     A kind in `HEAD_AXES` is judged per head, each head's scale floored at `head_floor` (a float, or an
     array broadcast over the head axes; `head_floors(config)[kind]`)."""
-    T = len(ours)
+    T, tol = len(ours), tol.for_kind(kind)
     max_abs, rel = np.zeros(T), np.zeros(T)
     if kind.endswith(IDS_SITE):
         for t in range(T):

@@ -1,7 +1,8 @@
 """The view of `ke.compare`: where another engine parts from the model, layer by layer and site by site.
 
     divergence_heatmap(cmp)    rows = layers (and one row for the global sites), columns = site kinds in
-                               firing order; colour = log10(worst relative error over tokens / rtol):
+                               firing order; colour = log10(worst relative error over tokens / rtol, the
+                               column's kind's where the tolerance gives it one):
                                red cells are beyond tolerance, blue ones within, grey = not compared.
                                "L" marks a local site (its operation disagrees on the other engine's
                                inputs); the black frame is the first divergence.
@@ -46,18 +47,20 @@ def divergence_grid(cmp, value: str = "rel"):
     for s in sites:
         r = rows.index(GLOBAL_ROW if s.layer is None else str(s.layer))
         c = cols.index(s.kind)
-        v, over = (s.rel, s.beyond(cmp.rtol)) if value == "rel" else (s.local_rel, s.local_beyond(cmp.rtol))
+        rtol = cmp.rtol_of(s)
+        v, over = (s.rel, s.beyond(rtol)) if value == "rel" else (s.local_rel, s.local_beyond(rtol))
         if v is not None:  # a NaN, or a top-k set with one id off (beyond whatever the rtol), is the worst colour
             M[r, c] = np.inf if np.isnan(v).any() or (over.any() and s.kind == IDS_SITE) else float(np.max(v))
-        local[r, c] = bool(s.is_local(cmp.rtol))
+        local[r, c] = bool(s.is_local(rtol))
     return rows, cols, M, local
 
 
 def divergence_heatmap(cmp, ax=None, value: str = "rel"):
     """The layer x site view of a `Comparison` (see the module docstring). Returns the Figure."""
     rows, cols, M, local = divergence_grid(cmp, value)
+    rtol = np.array([cmp.tolerance.for_kind(c).rtol for c in cols])  # each column's kind's
     with np.errstate(divide="ignore"):
-        shown = np.clip(np.log10(np.where(np.isfinite(M), M, 10.0 ** DECADES * cmp.rtol) / cmp.rtol), -DECADES, DECADES)
+        shown = np.clip(np.log10(np.where(np.isfinite(M), M / rtol, 10.0 ** DECADES)), -DECADES, DECADES)
     shown[np.isnan(M)] = np.nan
     if ax is None:
         fig = InlineFigure(figsize=(span_inches(len(cols), 0.34, 8, 18), span_inches(len(rows), 0.3, 4, 14)),
@@ -76,10 +79,11 @@ def divergence_heatmap(cmp, ax=None, value: str = "rel"):
         c = cols.index(first.site.split(".", 2)[2] if first.layer is not None else first.site)
         ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.2))
     bar = fig.colorbar(im, ax=ax, shrink=0.8)
-    bar.set_label(f"log10({'local ' if value == 'local_rel' else ''}relative error / rtol {cmp.rtol:g})")
+    per = f"rtol {cmp.rtol:g}" if not cmp.tolerance.kinds else "its kind's rtol"
+    bar.set_label(f"log10({'local ' if value == 'local_rel' else ''}relative error / {per})")
     what = "no site beyond tolerance" if first is None else (
         f"first divergence: token {first.token}, {first.site}, {'local' if first.local else 'inherited'}")
-    ax.set_title(f"{cmp.engine or 'other engine'} vs kimi_explore ({cmp.tolerance.name}): {what}", fontsize=9)
+    ax.set_title(f"{cmp.engine or 'other engine'} vs kimi_explore ({cmp.tolerance}): {what}", fontsize=9)
     return fig
 
 
