@@ -521,3 +521,31 @@ def test_a_bad_per_kind_tolerance_is_refused(weights_d, hooks_d, spec, error, ma
     with pytest.raises(error, match=match):
         ke.compare(ke.Session(weights_d), {"layers.0.attn.in": np.zeros((2, 32)), "tokens": np.array([1, 2])},
                    tolerance=spec)
+
+
+def test_a_llamacpp_prefill_capture_is_replayed_as_a_prefill(weights_d):
+    # llama.cpp ran set d's 16 tokens as one prefill (its records span the batch): compare replays them as one pass
+    # of the sequence path without being told, as prefill=16 does, and llama.cpp agrees there
+    path = ENGINES / "d" / "llamacpp" / "llamacpp_f32experts_prefill.npz"
+    cmp = ke.compare(ke.Session(weights_d), path, names="llama.cpp", probes=False)
+    assert cmp.prefill == 16 and cmp.first is None and "(the first 16 as one prefill)" in repr(cmp)
+    told = ke.compare(ke.Session(weights_d), path, names="llama.cpp", probes=False, prefill=16)
+    assert cmp.table() == told.table()
+    stepped = ke.compare(ke.Session(weights_d), path, names="llama.cpp", probes=False, prefill=0)
+    assert stepped.prefill == 0 and stepped.table() != cmp.table()
+    assert ke.compare(ke.Session(weights_d), _captures("d"), names="llama.cpp", local=False).prefill == 0
+
+
+def test_llamacpp_prefill_is_read_from_the_capture():
+    from kimi_explore.engines.name_maps import llamacpp_prefill
+
+    tokens = np.arange(16)
+    with np.load(ENGINES / "d" / "llamacpp" / "llamacpp_f32experts_prefill.npz") as z:
+        prefill = {k: z[k] for k in z.files}
+    with np.load(_captures("d")) as z:
+        decode = {k: z[k] for k in z.files}
+    assert llamacpp_prefill(prefill) == 16 and llamacpp_prefill(decode) == 0
+    assert llamacpp_prefill({"tokens": tokens, "kq_soft_max-2": np.zeros((6, 16, 16))}) == 16  # MLA alone tells too
+    assert llamacpp_prefill({"tokens": tokens, "kq_soft_max-2": np.zeros((16, 6, 1, 16))}) == 0
+    assert llamacpp_prefill({**decode, "mixed_prefill_len": np.int64(7)}) == 7  # a mixed run: its first step's 7
+    assert llamacpp_prefill({"tokens": tokens[:1], "new_state-0": np.zeros((6, 32, 32))}) == 0  # one token: the same

@@ -36,7 +36,7 @@ from ..inspection.targets import int_in
 from ..model.config import FINAL_SITES
 from .comparison import Comparison, SiteComparison
 from .dump import Dump, read_dump, token_ids
-from .name_maps import llamacpp_to_hooks
+from .name_maps import llamacpp_prefill, llamacpp_to_hooks
 from .operations import PROBES, candidates, input_graph, operation_of, probe_sites
 from .patching import replay
 from .tolerance import IDS_SITE, Tolerance, beyond, head_floors, site_errors
@@ -60,8 +60,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     whose kinds are judged by their own (e.g. {"kda.decay": 0.1}; the key "default": the rest). local: run the
     teacher-forced replay that tells local from inherited. probes: try the known variants on local sites.
     prefill: the other engine ran its first `prefill` tokens as one prefill (a prefill capture: all of them): they are
-    replayed as one pass of the sequence path, the rest stepped (default: the dump's metadata 'prefill', else 0: every
-    token stepped, as a decode). The two routes agree to float32 rounding; this one compares a prefill with the route
+    replayed as one pass of the sequence path, the rest stepped (default: the dump's metadata 'prefill', else what
+    llama.cpp captures show: a prefill capture all T, a mixed one its `mixed_prefill_len`; else 0: every token
+    stepped, as a decode). The two routes agree to float32 rounding; this one compares a prefill with the route
     that computes as one.
     """
     if not (hasattr(session, "weights") and hasattr(session, "tokens")):
@@ -104,7 +105,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         if s.endswith("mla.probs") and (late := _attends_ahead(theirs[s])):
             results[s].explanation = (f"the other engine gives probability to positions after the token's own at {len(late)} "
                                       f"token(s), first token {late[0]}: its causal mask lets a token see later ones")
-    cmp = Comparison(results, tol, tokens, engine, weights.config)
+    cmp = Comparison(results, tol, tokens, engine, weights.config, prefill)
     if local:
         patch = _patch(theirs)
         forced = replay(weights, tokens, sites, patch=patch, prefill=prefill)
@@ -120,8 +121,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
 
 def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str, int]:
     """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype, prefill) from anything `compare` takes (prefill:
-    a dump's, else 0). sources: a dict filled with the llama.cpp name(s) of each hook name
-    (`name_maps.llamacpp_to_hooks`)."""
+    a dump's, else llama.cpp captures' own (`name_maps.llamacpp_prefill`), else 0). sources: a dict filled with the
+    llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`)."""
     engine, dtype, tokens, prefill = "", "float32", None, 0
     if isinstance(other, (str, Path)):
         path = Path(other)
@@ -147,7 +148,8 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
             raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
         if weights is None:
             raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
-        return llamacpp_to_hooks(other, weights.config, weights, sources), tokens, engine or "llama.cpp", dtype, prefill
+        arrays = llamacpp_to_hooks(other, weights.config, weights, sources)
+        return arrays, tokens, engine or "llama.cpp", dtype, prefill or llamacpp_prefill(other)
     if callable(names):
         arrays = dict(names(other))
     elif isinstance(names, Mapping):

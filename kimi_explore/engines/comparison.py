@@ -109,13 +109,15 @@ class SiteComparison:
 
 @dataclass
 class Comparison:
-    """See the module docstring. `sites`: {name: SiteComparison} in firing order; `tokens`: the ids."""
+    """See the module docstring. `sites`: {name: SiteComparison} in firing order; `tokens`: the ids; `prefill`: the
+    first tokens replayed as one prefill (the sequence path), the rest stepped."""
 
     sites: dict
     tolerance: Tolerance
     tokens: list
     engine: str = ""
     config: object = field(default=None, repr=False)
+    prefill: int = 0
 
     @property
     def rtol(self) -> float:
@@ -193,7 +195,8 @@ class Comparison:
         what = "no site beyond tolerance" if first is None else f"first divergence: {first}"
         if suspects and (first is None or not first.local):
             what += f"; earliest suspect: {suspects[0]}"
-        return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens, {len(self.sites)} sites, "
+        route = f" (the first {self.prefill} as one prefill)" if self.prefill else ""
+        return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens{route}, {len(self.sites)} sites, "
                 f"tolerance {self.tolerance}; {what})")
 
 

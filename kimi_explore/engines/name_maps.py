@@ -57,7 +57,7 @@ import numpy as np
 
 from ..backend import to_numpy
 
-__all__ = ["LLAMACPP_GLOBAL", "UNMAPPED", "ggml_to_numpy", "llamacpp_to_hooks", "parse_llamacpp_name"]
+__all__ = ["LLAMACPP_GLOBAL", "UNMAPPED", "ggml_to_numpy", "llamacpp_prefill", "llamacpp_to_hooks", "parse_llamacpp_name"]
 
 _NAME = re.compile(r"^(?P<base>[A-Za-z_][A-Za-z0-9_]*?)(?:-(?P<layer>\d+))?(?:#(?P<k>\d+))?$")
 
@@ -82,6 +82,26 @@ def parse_llamacpp_name(name: str) -> tuple[str, int | None, int | None]:
         raise ValueError(f"{name!r} is not a llama.cpp graph name: expected 'name', 'name-<layer>' or 'name-<layer>#<k>'")
     layer, k = m.group("layer"), m.group("k")
     return m.group("base"), None if layer is None else int(layer), None if k is None else int(k)
+
+
+# records that span the whole batch in a prefill capture, and their rank there: a decode capture stacks one per token
+# (one more axis; MLA's [T, H, 1, n] two more)
+_BATCH_RECORDS = {"new_state": 3, "v_cont": 2, "kq": 3, "kq_soft_max": 3}
+
+
+def llamacpp_prefill(arrays) -> int:
+    """How many of the captured tokens llama.cpp ran as one prefill: a mixed capture's `mixed_prefill_len`; all T
+    of a prefill capture, known by a record that spans the whole batch (`new_state-i` [H, V, K] after the last
+    token, MLA's `kq_soft_max-i` [H, T, n], ...); else 0, a decode (one record per token). A prefill capture that
+    holds none of those records (or one token) reads as a decode: the two replays agree to float32 rounding."""
+    if "mixed_prefill_len" in arrays:
+        return int(np.asarray(arrays["mixed_prefill_len"]))
+    T = int(np.asarray(arrays["tokens"]).shape[0]) if "tokens" in arrays else 0
+    for key in arrays:
+        base = key.split("-", 1)[0]
+        if T > 1 and base in _BATCH_RECORDS and "-" in key and np.ndim(arrays[key]) == _BATCH_RECORDS[base]:
+            return T
+    return 0
 
 
 def ggml_to_numpy(data, ne, dtype=np.float32) -> np.ndarray:

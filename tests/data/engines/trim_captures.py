@@ -1,4 +1,4 @@
-"""Trim the shared llama.cpp decode captures (../shared/reference/engines/<set>/llamacpp/) to what
+"""Trim the shared llama.cpp decode captures (and set d's prefill capture) (../shared/reference/engines/<set>/llamacpp/) to what
 the tests and notebook 07 use: run from the repository root, `python tests/data/engines/trim_captures.py [DIR]`."""
 
 import os
@@ -24,14 +24,15 @@ def keep(base: str, layer, k) -> bool:
     return base != "new_state" or layer in STATE_LAYERS
 
 
-for st, kind in (("d", "f32experts"), ("d", "mxfp4"), ("e", "f32experts")):
-    z = np.load(os.path.join(SOURCE, f"{st}/llamacpp/llamacpp_{kind}_decode.npz"))
+for st, kind, mode in (("d", "f32experts", "decode"), ("d", "mxfp4", "decode"), ("e", "f32experts", "decode"),
+                       ("d", "f32experts", "prefill")):
+    z = np.load(os.path.join(SOURCE, f"{st}/llamacpp/llamacpp_{kind}_{mode}.npz"))
     T = z["tokens"].shape[0]
     out = {"tokens": z["tokens"], "logits": z["logits"]}
     for name in z.files:
         if name not in out and keep(*parse_llamacpp_name(name)):
             a = z[name]
-            out[name] = a[..., :T] if name.startswith("kq_soft_max") else a
-    path = f"tests/data/engines/{st}/llamacpp/llamacpp_{kind}_decode.npz"
+            out[name] = a[..., :T] if name.startswith("kq_soft_max") else a  # (decode [T, H, 1, 256], prefill [H, T, 256])
+    path = f"tests/data/engines/{st}/llamacpp/llamacpp_{kind}_{mode}.npz"
     np.savez_compressed(path, **out)
     print(path, f"{os.path.getsize(path) / 1e6:.2f} MB", len(out), "arrays")
