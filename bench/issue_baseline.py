@@ -22,7 +22,9 @@ in this one, on the workloads the issue named:
 Each baseline row gives a machine factor (its rate here over the rate the issue quoted), and each bar
 is carried here as bar x factor; equivalently today's route must reach bar / quoted baseline times the
 baseline measured in the same round (feed: 30,000 / 1,400 = 21.4x the baseline decoder; routing_stats:
-20,000 / 1,272 = 15.7x the baseline routing_stats). The median over rounds of each paired ratio is judged.
+20,000 / 1,272 = 15.7x the baseline routing_stats). "x baseline" is that paired ratio: it carries the machine
+factor, and is no speedup of like for like (feed runs other texts, with a recorder). A route meets its bar
+when every round's ratio reaches it, misses when none does, and is "within noise" otherwise (the median said).
 mlx-lm's factor (against the 775 midpoint of the issue's range) is a cross-check made with other code.
 Rates are by CPU time of each process (BLAS on `--threads` threads), so descheduled time does not count.
 """
@@ -134,7 +136,11 @@ def main() -> int:
     import machine  # (bench/: this script's directory)
     from prefill import corpus_texts, mlx_route, timed
 
+    sys.path.insert(0, str(ROOT))  # today's code is this checkout's, whatever is installed
     import kimi_explore as ke  # after the thread settings: BLAS reads them when NumPy loads
+
+    if ROOT not in Path(ke.__file__).resolve().parents:
+        sys.exit(f"today's side imported {ke.__file__}, not {ROOT}'s kimi_explore")
 
     path = ke.tiny_checkpoint()
     weights = ke.from_pretrained(path, device="cpu")
@@ -180,18 +186,26 @@ def main() -> int:
         factors["mlx-lm"] = mlx["tokens_per_s_wall"] / QUOTED["mlx"]
         print(f"{'mlx-lm kimi_k3 (wall)':28s} {QUOTED['mlx']:8,.0f} {mlx['tokens_per_s_wall']:8,.0f} {factors['mlx-lm']:7.3f}"
               "  (cross-check: other code)")
-    print(f"\n{'route':28s} {'tok/s':>8s} {'bar':>7s} {'carried':>8s} {'x baseline':>11s} {'needed':>7s}  verdict")
+    print(f"\n{'route':28s} {'tok/s':>8s} {'bar':>7s} {'carried':>8s} {'x baseline':>11s} {'range':>12s} {'needed':>7s}  "
+          "verdict (rounds at or above needed)")
     results = {}
     for name, (base_name, quoted_key, bar_key) in pairs.items():
         paired = [ours / theirs for ours, theirs in zip(rates[name], rates[base_name], strict=True)]
         ratio, needed = statistics.median(paired), BARS[bar_key] / QUOTED[quoted_key]
         tps = statistics.median(rates[name])
-        meets = ratio >= needed
+        above = sum(r >= needed for r in paired)
+        verdict = "meets" if above == len(paired) else "MISSES" if not above else \
+            f"within noise: the median {'meets' if ratio >= needed else 'misses'}"
         results[name] = {"tokens_per_s_cpu": tps, "bar_tokens_per_s": BARS[bar_key],
                          "carried_bar_tokens_per_s": BARS[bar_key] * factors[base_name], "x_baseline_paired": paired,
-                         "x_baseline_median": ratio, "x_baseline_needed": needed, "meets": meets}
+                         "x_baseline_median": ratio, "x_baseline_needed": needed, "rounds_at_or_above": above,
+                         "verdict": verdict}
         print(f"{name:28s} {tps:8,.0f} {BARS[bar_key]:7,.0f} {BARS[bar_key] * factors[base_name]:8,.0f} {ratio:10.1f}x "
-              f"{needed:6.1f}x  {'meets' if meets else 'MISSES'}")
+              f"{min(paired):5.1f}-{max(paired):5.1f}x {needed:6.1f}x  {verdict} ({above}/{len(paired)})")
+    if "mlx-lm" in factors and abs(factors["mlx-lm"] / factors["baseline decoder"] - 1) > 0.2:
+        print(f"(mlx-lm's factor {factors['mlx-lm']:.3f} is not the baseline decoder's {factors['baseline decoder']:.3f}: "
+              f"carried by it, the feed bar here would be {BARS['feed'] * factors['mlx-lm']:,.0f} tokens/s. The baseline "
+              "is the issue's own code on its own workload, so its factor is the one judged)")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"baseline": args.baseline, "quoted": QUOTED, "bars": BARS, "rates": rates,

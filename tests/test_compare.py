@@ -8,6 +8,7 @@ KDA q/k L2 norm and the MLA q_a/kv_a latent RMSNorms, where Moonshot's reference
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -506,21 +507,43 @@ def test_a_site_kind_judged_by_a_tolerance_of_its_own(weights_d, hooks_d):
     assert shown[r, c] == pytest.approx(np.log10(M[r, c] / 0.1)) and -0.31 < shown[r, c] < -0.29
     c = cols.index("kda.state")
     assert shown[r, c] == pytest.approx(np.log10(M[r, c] / 0.03))
-    # the key "default" absent: the dump's dtype (here float32) for the rest
-    assert ke.compare(ke.Session(weights_d), theirs, tolerance={"kda.decay": 0.1}, local=False).tolerance.rtol == 2e-3
+    # a float given for a kind keeps the default's local_rtol / rtol (bfloat16's 1/4): loosening never tightens it
+    assert own.tolerance.for_kind("kda.decay").local_rtol == pytest.approx(0.025)
+    # the key "default" absent: the dump's dtype for the rest
+    from kimi_explore.engines.dump import Dump
+
+    dump = Dump({k: v for k, v in theirs.items() if k != "tokens"}, tokens, "mine", "bfloat16")
+    tol = ke.compare(ke.Session(weights_d), dump, tolerance={"kda.decay": 0.1}, local=False).tolerance
+    assert (tol.name, tol.rtol, str(tol)) == ("bfloat16", 3e-2, "bfloat16 rtol=0.03, kda.decay custom rtol=0.1")
 
 
 @pytest.mark.parametrize(("spec", "error", "match"), [
     ({"kda.decy": 0.1}, ValueError, "site kind 'kda.decy', which this model has none of; did you mean 'kda.decay'"),
     ({"layers.4.kda.decay": 0.1}, ValueError, "a tolerance is per kind, for every layer's site: give 'kda.decay'"),
-    ({"kda.decay": {"rtol": 0.1}}, TypeError, "expected {site kind"),
+    ({"kda.decay": {"rtol": 0.1}}, TypeError, r"tolerance\['kda.decay'\]: .* got \{'rtol': 0.1\}"),
+    ({1: 0.1}, TypeError, "a key must be a site kind"),
     ({"kda.decay": -0.1}, ValueError, "a float rtol must be > 0"),
     ({"default": "bf16"}, ValueError, "expected one of"),
+    ({"kda.decay": "bf16"}, ValueError, r"tolerance\['kda.decay'\]: tolerance='bf16': expected one of"),
+    ({"kda.decay": None}, TypeError, r"tolerance\['kda.decay'\]: expected a preset name, a positive float rtol or a "
+                                     "Tolerance without kinds of its own, got None"),
+    ({"moe.router.topk_ids": 0.9}, ValueError, "top-k ids are compared as sets"),
+    ({"default": {"kda.decay": 0.1}}, TypeError, r"tolerance\['default'\]: .* not a mapping"),
+    ({"kda.decay": Tolerance.of({"kda.state": 0.5})}, TypeError, "without kinds of its own"),
 ])
 def test_a_bad_per_kind_tolerance_is_refused(weights_d, hooks_d, spec, error, match):
     with pytest.raises(error, match=match):
         ke.compare(ke.Session(weights_d), {"layers.0.attn.in": np.zeros((2, 32)), "tokens": np.array([1, 2])},
                    tolerance=spec)
+
+
+def test_a_per_kind_tolerance_names_what_the_loaded_layers_lack():
+    w = ke.from_pretrained(ENGINES / "d" / "tiny_k3", device="cpu", layers=[0, 1])  # no MLA layer among them
+    with pytest.raises(ValueError, match=r"'mla.probs', which the loaded layers \[0, 1\] have none of"):
+        ke.compare(ke.Session(w), {"layers.0.attn.in": np.zeros((2, 64)), "tokens": np.array([1, 2])},
+                   tolerance={"mla.probs": 0.1})
+    with pytest.raises(TypeError, match=r"Tolerance.kinds: expected \(\(site kind, Tolerance without kinds\)"):
+        Tolerance(2e-3, kinds=(("kda.decay", 0.1),))
 
 
 def test_a_llamacpp_prefill_capture_is_replayed_as_a_prefill(weights_d):
@@ -549,3 +572,24 @@ def test_llamacpp_prefill_is_read_from_the_capture():
     assert llamacpp_prefill({"tokens": tokens, "kq_soft_max-2": np.zeros((16, 6, 1, 16))}) == 0
     assert llamacpp_prefill({**decode, "mixed_prefill_len": np.int64(7)}) == 7  # a mixed run: its first step's 7
     assert llamacpp_prefill({"tokens": tokens[:1], "new_state-0": np.zeros((6, 32, 32))}) == 0  # one token: the same
+    with pytest.raises(ValueError, match=r"'mixed_prefill_len' must be a number of tokens 0..16"):
+        llamacpp_prefill({**decode, "mixed_prefill_len": np.int64(40)})
+    # one head: ggml drops the unit axis, so a decode's state is [T, V, K] (a prefill's rank with more heads) and a
+    # prefill's [V, K]; MLA's records read alike either way and say nothing
+    one = _weights("d").config
+    one = dataclasses.replace(one, num_attention_heads=1, linear_attn_config=dataclasses.replace(
+        one.linear_attn_config, num_heads=1))
+    assert llamacpp_prefill({"tokens": tokens, "new_state-0": np.zeros((16, 32, 32))}, one) == 0
+    assert llamacpp_prefill({"tokens": tokens, "new_state-0": np.zeros((32, 32))}, one) == 16
+    assert llamacpp_prefill({"tokens": tokens, "kq_soft_max-2": np.zeros((16, 16))}, one) == 0
+
+
+def test_a_dumps_own_prefill_wins_over_what_llamacpp_names_show(weights_d):
+    from kimi_explore.engines.dump import Dump
+
+    with np.load(ENGINES / "d" / "llamacpp" / "llamacpp_f32experts_prefill.npz") as z:
+        arrays = {k: z[k] for k in z.files if k != "tokens"}
+        tokens = z["tokens"].tolist()
+    said = [ke.compare(ke.Session(weights_d), Dump(arrays, tokens, "llama.cpp", "float32", None, p), names="llama.cpp",
+                       local=False).prefill for p in (0, 5, None)]
+    assert said == [0, 5, 16]

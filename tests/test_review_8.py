@@ -342,7 +342,9 @@ def test_a_dump_says_it_was_a_prefill(ref_weights, tmp_path):
     assert max(r.max_abs.max() for r in ke.compare(ke.Session(w), path).sites.values()) == 0
     stepped = ke.compare(ke.Session(w), path, prefill=0)
     assert max(r.max_abs.max() for r in stepped.sites.values()) > 0
-    assert ke.read_dump(ke.write_dump(tmp_path / "d.safetensors", arrays, tokens=tokens)).prefill == 0
+    unsaid = ke.read_dump(ke.write_dump(tmp_path / "d.safetensors", arrays, tokens=tokens))  # no metadata 'prefill'
+    assert unsaid.prefill is None and ke.compare(ke.Session(w), unsaid, local=False).prefill == 0  # a decode
+    assert ke.read_dump(ke.write_dump(tmp_path / "z.safetensors", arrays, tokens=tokens, prefill=0)).prefill == 0
     with pytest.raises(ValueError, match=r"write_dump: prefill must be an int in 0..8, got 9"):
         ke.write_dump(tmp_path / "x.safetensors", arrays, tokens=tokens, prefill=9)
     for bad in ("-1", "x", "9", "1_0"):

@@ -152,6 +152,39 @@ def test_an_unbound_hook_on_a_site_this_model_lacks_warns_on_the_sequence_path(t
     assert "['layers.3.kda.q'] never fired" in message
 
 
+@pytest.mark.parametrize("route", ["token", "sequence"])
+def test_an_unbound_recorder_whose_filter_selects_nothing_warns_at_the_callers_line(trained_weights, route):
+    """Bound (a Session), such a Recorder is refused; passed straight to the decoder it recorded nothing, without a
+    word. Now it warns after the first token, pointing at the line that ran the decoder; valid filters, also those
+    of sites the sequence path only observes (kda.conv), say nothing."""
+    w = trained_weights
+
+    def run(**settings):
+        rec = ke.Recorder(**settings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if route == "token":
+                state = ke.KimiDecodeState.new(w)
+                for t in TEXT[:3]:
+                    kimi_forward_token(w, state, t, hooks=rec)
+            else:
+                kimi_forward_sequence(w, ke.KimiDecodeState.new(w), TEXT[:5], hooks=rec, chunk=3)
+        return [(str(c.message), c.filename) for c in caught], rec
+
+    for quiet in ({}, {"names_filter": "layers.1.kda.conv"}, {"names_filter": "layers.1.kda.state"},
+                  {"names_filter": "layers.1.*"}, {"full": ["layers.3.mla.probs"]}):
+        caught, rec = run(**quiet)
+        assert caught == [] and rec.trace().keys(), quiet
+    for loud, says in (({"names_filter": "layers.99.*"}, "glob 'layers.99.*' matches none"),
+                       ({"names_filter": "layers.3.kda.q"}, "'layers.3.kda.q' is not a hook point of this model"),
+                       ({"full": ["layers.3.kda.q"]}, "'layers.3.kda.q' is not a hook point of this model"),
+                       ({"names_filter": lambda n: n.startswith("layer.")}, "accepts none of the 170 sites that fired"),
+                       ({"names_filter": "layers.1.kda.q"}, "selects only sites a Recorder keeps nothing of by default")):
+        caught, _ = run(**loud)
+        assert len(caught) == 1 and says in caught[0][0] and caught[0][1] == __file__, (loud, caught)
+        assert "rec.bind(weights) makes this an error" in caught[0][0]
+
+
 def test_feed_under_an_intervention_returns_one_row_per_token(trained_weights):
     s, stepped = ke.Session(trained_weights), ke.Session(trained_weights)
     with s.intervene(interventions.ablate_experts(3, "all")):

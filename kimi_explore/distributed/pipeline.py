@@ -32,12 +32,12 @@ import itertools
 import logging
 import numbers
 import os
-import warnings
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from .._warnings import warn_at_caller
 from ..backend import resolve_dtype
 from ..errors import StageLostError
 from ..inspection._hook_grammar import is_glob
@@ -719,9 +719,8 @@ def _warn_unmatched(handles: list, stages: list[_StageRef]) -> None:
     missing = [h.pattern for h in handles if h.names_filter is None and not is_glob(h.pattern)
                and not any(h.matches(n) for n in names)]
     if missing:
-        warnings.warn(f"hooks on {missing} never fire on this pipeline: these names are not hook points of this model "
-                      "(e.g. a KDA site on an MLA layer). Call hooks.bind(pipeline) to get an error at add time.",
-                      stacklevel=5)
+        warn_at_caller(f"hooks on {missing} never fire on this pipeline: these names are not hook points of this model "
+                       "(e.g. a KDA site on an MLA layer). Call hooks.bind(pipeline) to get an error at add time.")
 
 
 def _is_dead(actor) -> bool:

@@ -76,7 +76,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
                      " (the first tokens the other engine ran as one prefill)")
     tol = Tolerance.of(tolerance if tolerance is not None else dtype, default=dtype)
     order = _hook_names(weights)
-    _check_tolerance_kinds(tol, order)
+    _check_tolerance_kinds(tol, weights, order)
     _check_layers(weights, arrays)
     _check_names(arrays, order)
     sites = [n for n in order if n in arrays]
@@ -121,9 +121,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
 
 def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str, int]:
     """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype, prefill) from anything `compare` takes (prefill:
-    a dump's, else llama.cpp captures' own (`name_maps.llamacpp_prefill`), else 0). sources: a dict filled with the
-    llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`)."""
-    engine, dtype, tokens, prefill = "", "float32", None, 0
+    a dump's where its metadata says (0 too), else llama.cpp captures' own (`name_maps.llamacpp_prefill`), else 0).
+    sources: a dict filled with the llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`)."""
+    engine, dtype, tokens, prefill = "", "float32", None, None
     if isinstance(other, (str, Path)):
         path = Path(other)
         if not path.is_file():
@@ -136,7 +136,7 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
             other = read_dump(path)
     if isinstance(other, Dump):
         if names is None:
-            return dict(other.arrays), list(other.tokens), other.engine, other.dtype, other.prefill
+            return dict(other.arrays), list(other.tokens), other.engine, other.dtype, other.prefill or 0
         engine, dtype, prefill = other.engine, other.dtype, other.prefill  # under the other engine's names: mapped below
         other = {**other.arrays, "tokens": np.asarray(other.tokens)}
     if not isinstance(other, Mapping):
@@ -149,7 +149,8 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
         if weights is None:
             raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
         arrays = llamacpp_to_hooks(other, weights.config, weights, sources)
-        return arrays, tokens, engine or "llama.cpp", dtype, prefill or llamacpp_prefill(other)
+        return arrays, tokens, engine or "llama.cpp", dtype, llamacpp_prefill(other, weights.config) if prefill is None \
+            else prefill
     if callable(names):
         arrays = dict(names(other))
     elif isinstance(names, Mapping):
@@ -162,7 +163,7 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
         arrays = {k: v for k, v in other.items() if k not in ("tokens",)}
     else:
         raise TypeError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
-    return arrays, tokens, engine, dtype, prefill
+    return arrays, tokens, engine, dtype, prefill or 0
 
 
 def _hook_names(weights) -> list[str]:
@@ -212,8 +213,9 @@ def _hint(key: str, order) -> str:
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
-def _check_tolerance_kinds(tol: Tolerance, order: list) -> None:
-    """Refuse a tolerance for a site kind this model has none of (a typo judged nothing), or for one layer's site."""
+def _check_tolerance_kinds(tol: Tolerance, weights, order: list) -> None:
+    """Refuse a tolerance for a site kind the loaded layers have none of (a typo judged nothing), or for one layer's
+    site."""
     kinds = list(dict.fromkeys(_split(s)[1] for s in order))
     for kind, _ in tol.kinds:
         if kind in kinds:
@@ -221,7 +223,10 @@ def _check_tolerance_kinds(tol: Tolerance, order: list) -> None:
         layer, own = _split(kind) if _LAYER_SITE.match(kind) else (None, kind)
         hint = (f"; a tolerance is per kind, for every layer's site: give {own!r}" if layer is not None and own in kinds
                 else f"; did you mean {close[0]!r}?" if (close := difflib.get_close_matches(kind, kinds, 1)) else "")
-        raise ValueError(f"compare: tolerance names site kind {kind!r}, which this model has none of{hint} (its kinds: "
+        held = list(weights.layer_ids)
+        which = ("this model has" if held == list(range(weights.config.num_hidden_layers))
+                 else f"the loaded layers {held} have")
+        raise ValueError(f"compare: tolerance names site kind {kind!r}, which {which} none of{hint} (their kinds: "
                          f"{', '.join(kinds)})")
 
 

@@ -18,8 +18,9 @@ header, raw little-endian arrays; writers exist for Python, Rust, C, C++, Go, JS
   `engine` = a free-form name ("llama.cpp 0c1e57098", "my-rust-engine 0.3"),
   `dtype` = the engine's activation dtype, one of `TOLERANCE_PRESETS` ("float32", "bfloat16",
   "float16", "quantised"): `ke.compare` picks its tolerance from it; optional `prefill` = how many of the
-  first tokens the engine ran as one prefill (all T for a prefill; "0" or absent: a decode, token by token):
-  `ke.compare` replays those on the sequence path.
+  first tokens the engine ran as one prefill (all T for a prefill; "0": a decode, token by token; absent: not
+  said, a decode unless the arrays are llama.cpp captures that show a prefill): `ke.compare` replays those on
+  the sequence path.
 
 From NumPy (see the README for the whole example):
 
@@ -49,27 +50,29 @@ _TOKEN = re.compile(r"-?[0-9]+", re.ASCII)  # what a token id in metadata 'token
 @dataclass
 class Dump:
     """A read dump: `arrays` {hook name: [T, ...]}, `tokens` [T] ids, `engine`, `dtype`, `prefill` (the first tokens
-    run as one prefill; 0: a decode)."""
+    run as one prefill; 0: a decode; None: the dump does not say, and `compare` takes a decode unless llama.cpp
+    captures under their own names show a prefill)."""
 
     arrays: dict
     tokens: list
     engine: str = ""
     dtype: str = "float32"
     path: str | None = field(default=None, repr=False)
-    prefill: int = 0
+    prefill: int | None = None
 
     def __repr__(self) -> str:
         return (f"Dump(engine={self.engine!r}, dtype={self.dtype!r}, tokens={len(self.tokens)}, sites={len(self.arrays)}"
-                + (f", prefill={self.prefill})" if self.prefill else ")"))
+                + (f", prefill={self.prefill})" if self.prefill is not None else ")"))
 
 
-def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32", prefill: int = 0) -> Path:
+def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32", prefill: int | None = None) -> Path:
     """Write {hook name: [T, ...] array} with the token ids, the engine's name, its activation dtype and how many of
-    the first tokens it ran as one prefill (0: a decode)."""
+    the first tokens it ran as one prefill (0: a decode; None: not said, no metadata 'prefill')."""
     from safetensors.numpy import save_file
 
     tokens = token_ids(tokens, "write_dump: tokens")
-    prefill = int_in(prefill, 0, len(tokens), "write_dump: prefill", " (the first tokens the engine ran as one prefill)")
+    if prefill is not None:
+        prefill = int_in(prefill, 0, len(tokens), "write_dump: prefill", " (the first tokens the engine ran as one prefill)")
     _check_dtype(dtype, "write_dump(dtype=...)")
     T = len(tokens)
     out = {}
@@ -89,7 +92,7 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
                              + ("a.astype(np.int64)" if a.dtype.kind in "ui" else "a.astype(np.float32)"))
         out[str(name)] = a
     metadata = {"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine), "dtype": dtype}
-    if prefill:
+    if prefill is not None:
         metadata["prefill"] = str(prefill)
     return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump
 
@@ -136,8 +139,9 @@ def _read(path: Path, safe_open) -> Dump:
         tokens = [int(t) for t in pieces]
         dtype = meta.get("dtype", "float32")
         _check_dtype(dtype, f"engine dump {path}: metadata 'dtype'")
-        prefill = meta.get("prefill", "0").strip(" \t\r\n")
-        if not (_TOKEN.fullmatch(prefill) and not prefill.startswith("-") and int(prefill) <= len(tokens)):
+        prefill = meta.get("prefill")
+        if prefill is not None and not (_TOKEN.fullmatch(p := prefill.strip(" \t\r\n")) and not p.startswith("-")
+                                        and int(p) <= len(tokens)):
             raise ValueError(f"engine dump {path}: metadata 'prefill' must be a number of tokens 0..{len(tokens)} (the "
                              f"first tokens the engine ran as one prefill), found {meta['prefill'][:40]!r}")
         arrays = {}
@@ -149,7 +153,7 @@ def _read(path: Path, safe_open) -> Dump:
                 raise ValueError(f"engine dump {path}: {name!r} has shape {a.shape}; expected [T, ...] with T = {len(tokens)} "
                                  "(the number of ids in metadata 'tokens')")
             arrays[name] = a
-    return Dump(arrays, tokens, meta.get("engine", ""), dtype, str(path), int(prefill))
+    return Dump(arrays, tokens, meta.get("engine", ""), dtype, str(path), None if prefill is None else int(prefill))
 
 
 def token_ids(tokens, what: str) -> list[int]:

@@ -84,22 +84,38 @@ def parse_llamacpp_name(name: str) -> tuple[str, int | None, int | None]:
     return m.group("base"), None if layer is None else int(layer), None if k is None else int(k)
 
 
-# records that span the whole batch in a prefill capture, and their rank there: a decode capture stacks one per token
-# (one more axis; MLA's [T, H, 1, n] two more)
-_BATCH_RECORDS = {"new_state": 3, "v_cont": 2, "kq": 3, "kq_soft_max": 3}
+# records that span the whole batch in a prefill capture: base -> (their rank there with more than one head, which
+# head count: "kda", "mla" or None). A decode capture stacks one record per token: one more axis (MLA's [T, H, 1, n],
+# two). ggml drops leading unit axes, so with one head a prefill's new_state is [V, K] and a decode's [T, V, K], and
+# MLA's records read alike ([T, n]): those say nothing.
+_BATCH_RECORDS = {"new_state": (3, "kda"), "v_cont": (2, None), "kq": (3, "mla"), "kq_soft_max": (3, "mla")}
 
 
-def llamacpp_prefill(arrays) -> int:
+def llamacpp_prefill(arrays, config=None) -> int:
     """How many of the captured tokens llama.cpp ran as one prefill: a mixed capture's `mixed_prefill_len`; all T
     of a prefill capture, known by a record that spans the whole batch (`new_state-i` [H, V, K] after the last
     token, MLA's `kq_soft_max-i` [H, T, n], ...); else 0, a decode (one record per token). A prefill capture that
-    holds none of those records (or one token) reads as a decode: the two replays agree to float32 rounding."""
-    if "mixed_prefill_len" in arrays:
-        return int(np.asarray(arrays["mixed_prefill_len"]))
+    holds none of those records (or one token) reads as a decode: the two replays agree to float32 rounding.
+    config: the model's (its head counts; without it, more than one head is assumed)."""
     T = int(np.asarray(arrays["tokens"]).shape[0]) if "tokens" in arrays else 0
+    if "mixed_prefill_len" in arrays:
+        n = np.asarray(arrays["mixed_prefill_len"])
+        if n.shape != () or n.dtype.kind not in "iu" or not 0 <= int(n) <= T:
+            raise ValueError(f"llama.cpp captures: 'mixed_prefill_len' must be a number of tokens 0..{T} (the tokens of "
+                             f"the mixed run's first step), found {n!r:.60}")
+        return int(n)
+    heads = {"kda": config.linear_attn_config.num_heads if config is not None else 2,
+             "mla": config.num_attention_heads if config is not None else 2, None: 2}
     for key in arrays:
         base = key.split("-", 1)[0]
-        if T > 1 and base in _BATCH_RECORDS and "-" in key and np.ndim(arrays[key]) == _BATCH_RECORDS[base]:
+        if T < 2 or base not in _BATCH_RECORDS or "-" not in key:
+            continue
+        rank, of = _BATCH_RECORDS[base]
+        if heads[of] == 1:
+            if of == "mla":
+                continue
+            rank -= 1
+        if np.ndim(arrays[key]) == rank:
             return T
     return 0
 

@@ -28,9 +28,10 @@ to about 7.
     quantised   1e-1    0.1     5e-2
 
 A site kind may be judged by a tolerance of its own (`Tolerance.kinds`; `compare(tolerance={"kda.decay": 0.1})`,
-every layer's `kda.decay` at rtol 0.1 and the rest at the dump's dtype), for an engine that computes one operation
-more coarsely than its dtype's preset assumes: mlx-lm in its native bf16 computes the decay as the exponential of
-a bf16 gate, and the exponential magnifies the gate's rounding past the bfloat16 rtol at `kda.decay`.
+every layer's `kda.decay` at rtol 0.1 and the rest at the dump's dtype), for an engine known to compute one
+operation differently from the rest (a fused kernel with its own rounding, a fast approximate exp). A float
+given for a kind keeps the default's local_rtol / rtol ratio (bfloat16's: rtol / 4), so loosening a kind never
+tightens its local test. Top-k ids take none: they differ at one id, whatever the rtol.
 
 `local_rtol` judges one operation alone: kimi_explore's operation on the other engine's inputs (the
 teacher-forced replay, `Comparison.suspects`) against the other engine's output. One operation rounds
@@ -104,6 +105,11 @@ class Tolerance:
     def __post_init__(self):
         if self.local_rtol is None:
             object.__setattr__(self, "local_rtol", self.rtol / 20)
+        for pair in self.kinds:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                    and isinstance(pair[1], Tolerance) and not pair[1].kinds):
+                raise TypeError(f"Tolerance.kinds: expected ((site kind, Tolerance without kinds), ...), got {pair!r:.60} "
+                                "(Tolerance.of({kind: rtol or preset, ...}) builds them)")
 
     def for_kind(self, kind: str) -> Tolerance:
         """The tolerance judging sites of `kind` (e.g. "kda.decay", every layer's): its own where `kinds` names it."""
@@ -117,17 +123,32 @@ class Tolerance:
     def of(cls, spec, default="float32") -> Tolerance:
         """A `Tolerance`, a preset name ("float32", "bfloat16", "float16", "quantised"), a float rtol, or a mapping
         {site kind: any of those} with the optional key "default" for every other kind (else `default`): e.g.
-        {"kda.decay": 0.1} judges every layer's `kda.decay` at rtol 0.1 (a float's local_rtol: rtol / 20), the rest
-        at the default."""
+        {"kda.decay": 0.1} judges every layer's `kda.decay` at rtol 0.1, the rest at the default (module docstring)."""
         if isinstance(spec, Mapping):
             spec = dict(spec)
-            base = cls.of(spec.pop("default", default))
+            base = spec.pop("default", default)
+            if isinstance(base, Mapping):
+                raise TypeError("tolerance['default']: expected a preset name, a positive float rtol or a Tolerance, "
+                                "not a mapping (give the kinds beside it)")
+            base = cls.of(base)
             own = {}
             for kind, value in spec.items():
-                if not isinstance(kind, str) or isinstance(value, Mapping):
-                    raise TypeError(f"tolerance={{{kind!r}: {value!r:.40}}}: expected {{site kind (a str, e.g. "
-                                    "'kda.decay'): a preset name, a positive float rtol or a Tolerance}")
-                own[kind] = replace(cls.of(value), kinds=())
+                if not isinstance(kind, str):
+                    raise TypeError(f"tolerance: a key must be a site kind (a str, e.g. 'kda.decay'), got {kind!r}")
+                if kind.endswith(IDS_SITE):
+                    raise ValueError(f"tolerance[{kind!r}]: top-k ids are compared as sets and differ at one id, "
+                                     "whatever the rtol: no tolerance applies to them")
+                if not isinstance(value, (str, numbers.Real, Tolerance)) or isinstance(value, (bool, np.bool_)) \
+                        or (isinstance(value, Tolerance) and value.kinds):
+                    raise TypeError(f"tolerance[{kind!r}]: expected a preset name, a positive float rtol or a Tolerance "
+                                    f"without kinds of its own, got {value!r:.60}")
+                try:
+                    one = cls.of(value)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"tolerance[{kind!r}]: {e}") from None
+                if isinstance(value, numbers.Real):  # the default's local/rtol ratio, not a bare float's 1/20
+                    one = cls(one.rtol, base.floor, local_rtol=one.rtol * base.local_rtol / base.rtol)
+                own[kind] = one
             return replace(base, kinds=tuple({**dict(base.kinds), **own}.items()))
         if isinstance(spec, Tolerance):
             return spec

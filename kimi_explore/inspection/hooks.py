@@ -53,10 +53,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 
 import numpy as np
 
+from .._warnings import warn_at_caller
 from .._xp import array_namespace
 from ..model.kimi_decoder import hook_names
 from ._hook_grammar import check_pattern, hook_grammar, is_glob
@@ -252,9 +252,11 @@ class Hooks:
                    and h.pattern not in self._seen and h.pattern not in self._warned]
         if missing:
             self._warned.update(missing)
-            warnings.warn(f"hooks on {missing} never fired during a whole token: these names are not hook points of this "
-                          "model (e.g. a KDA site on an MLA layer). Call hooks.bind(weights) to get an error at add time.",
-                          stacklevel=4)
+            warn_at_caller(f"hooks on {missing} never fired during a whole token: these names are not hook points of this "
+                           "model (e.g. a KDA site on an MLA layer). Call hooks.bind(weights) to get an error at add time.")
+        check = getattr(self.observer, "check_fired", None)  # a Recorder's own names_filter and full=
+        if check is not None:
+            check(self._seen)
 
     # ------------------------------------------------------------------ firing
     def begin_token(self, token_id=None, position=None) -> None:

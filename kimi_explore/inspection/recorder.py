@@ -57,6 +57,7 @@ import weakref
 import numpy as np
 
 from .._interrupts import uninterrupted
+from .._warnings import warn_at_caller
 from ..backend import on_host
 from ._hook_grammar import LAYER_NAME
 from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host
@@ -176,6 +177,7 @@ class Recorder:
         self._on_device = False
         self.meta: dict = {}
         self._chunks = ChunkRecording(self)  # how whole chunks of the sequence path are recorded
+        self._observed: set[str] = set()  # sites observed (not fired) on the sequence path while unbound
 
     # ------------------------------------------------------------------ the Hooks it holds
     def add(self, name_or_glob=None, fn=None, *, names_filter=None, chunks: bool = False):
@@ -236,14 +238,16 @@ class Recorder:
             self._chunks.clear()  # (built from the meta: the heads of the KDA layers)
         return self
 
-    def _refuse_filters_recording_nothing(self) -> None:
+    def _refuse_filters_recording_nothing(self, names=None) -> None:
         """A names_filter (names, globs or a callable) that selects sites but only ones without a default record, in a
         recorder whose `full=` selects none, is refused: it would record nothing, without a word. (One that selects no
-        site at all, `[]` or `lambda n: False`, says so itself: a session file keeps a callable's choice as a list.)"""
+        site at all, `[]` or `lambda n: False`, says so itself: a session file keeps a callable's choice as a list.)
+        names: the model's (default: the bound ones)."""
         if self.names_filter is None:
             return
-        picked = [n for n in self.hooks.names if self.names_filter(n)]
-        if self.full is not None and any(self.full(n) for n in self.hooks.names):
+        names = self.hooks.names if names is None else names
+        picked = [n for n in names if self.names_filter(n)]
+        if self.full is not None and any(self.full(n) for n in names):
             return  # (it records those: a filter of no default site beside full= is a way to say "only these")
         if picked and not any(_kind(n) in DEFAULT_SITES for n in picked):
             given = self._filter_patterns or self.names_filter
@@ -251,6 +255,30 @@ class Recorder:
             raise ValueError(f"Recorder names_filter {given!r} selects only sites a Recorder keeps nothing of by default "
                              f"({picked[:3]}{'...' if len(picked) > 3 else ''}: it records {sorted(DEFAULT_SITES)}); "
                              f"to record their values pass full={given!r} (the whole value per token)")
+
+    def check_fired(self, fired) -> None:
+        """Unbound (no `bind`, which a Session does): after the first whole token, by the names that fired there
+        (`fired`, and the ones observed on the sequence path), warn of what `bind` refuses: a names_filter or full=
+        pattern matching none of them, or a filter of sites without a default record. Else it records nothing there,
+        without a word."""
+        names = sorted(set(fired) | self._observed)
+        problems = []
+        for p in self._filter_patterns + self._full_patterns:
+            try:
+                check_pattern(p, names, "Recorder pattern")
+            except ValueError as e:
+                problems.append(str(e))
+        for what, predicate in (("names_filter", self.names_filter), ("full", self.full)):
+            if predicate is not None and not (self._filter_patterns if what == "names_filter" else self._full_patterns) \
+                    and not any(predicate(n) for n in names):
+                problems.append(f"Recorder {what} {predicate!r} accepts none of the {len(names)} sites that fired")
+        try:
+            self._refuse_filters_recording_nothing(names)
+        except ValueError as e:
+            problems.append(str(e))
+        if problems:
+            warn_at_caller("; ".join(problems) + " (during the first whole token: this recorder is not bound to the model; "
+                           "rec.bind(weights) makes this an error before anything runs)")
 
     def _wants(self, name: str, kind: str) -> bool:
         return kind in DEFAULT_SITES and (self.names_filter is None or self.names_filter(name))
@@ -321,6 +349,8 @@ class Recorder:
         return self.hooks.listens_chunk(name) or bool(self._chunks.functions(name))
 
     def observe_chunk(self, name: str, value) -> None:
+        if self.hooks.names is None:
+            self._observed.add(name)  # (a site the sequence path summarises without firing: `check_fired`)
         self._chunks.observe(name, value)
 
     def _fire_in_chunk(self, name: str, value):
