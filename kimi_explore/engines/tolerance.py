@@ -24,13 +24,13 @@ to about 7.
     preset      rtol    floor   local_rtol
     float32     2e-3    0.1     1e-4
     float16     1e-2    0.1     2.5e-3
-    bfloat16    3e-2    0.1     7.5e-3
+    bfloat16    3e-2    0.1     3e-2
     quantised   1e-1    0.1     5e-2
 
 A site kind may be judged by a tolerance of its own (`Tolerance.kinds`; `compare(tolerance={"kda.decay": 0.1})`,
 every layer's `kda.decay` at rtol 0.1 and the rest at the dump's dtype), for an engine known to compute one
 operation differently from the rest (a fused kernel with its own rounding, a fast approximate exp). A float
-given for a kind keeps the default's local_rtol / rtol ratio (bfloat16's: rtol / 4), so loosening a kind never
+given for a kind keeps the default's local_rtol / rtol ratio (float16's: rtol / 4), so loosening a kind never
 tightens its local test. Top-k ids take none: they differ at one id, whatever the rtol.
 
 `local_rtol` judges one operation alone: kimi_explore's operation on the other engine's inputs (the
@@ -38,8 +38,11 @@ teacher-forced replay, `Comparison.suspects`) against the other engine's output.
 far less than a deep model drifts: on llama.cpp's own K3 with float32 experts (set d) the largest such
 error is 1.4e-5, where whole-model drift reaches 7.1e-4. A bug too small to cross rtol where it happens
 (a 1e-3 gate) crosses it layers later, where it is inherited; `local_rtol` still names it. Below
-float32 the presets are rtol / 4 (rtol / 2 for quantised: ggml's Q8_0 activations put llama.cpp's MXFP4
-experts 1.7e-2 to 3.7e-2 off on their own inputs, which is that engine's arithmetic, not a bug);
+float32 an operation rounds its steps as coarsely as the drift: bfloat16's is rtol itself (mlx-lm 0.32's
+`kimi_k3` in its native bf16, the trained tiny model, 48 tokens decoded: its operations on their own inputs are
+up to 2.7e-2 off, the routed experts; 1.5e-2 the MLA probabilities, 1.0e-2 the short conv; a quarter of rtol
+named 27 such suspects in a correct engine); quantised's rtol / 2 (ggml's Q8_0 activations put llama.cpp's MXFP4
+experts 1.7e-2 to 3.7e-2 off on their own inputs, which is that engine's arithmetic, not a bug); float16's rtol / 4,
 measured on no such engine here. A float rtol takes rtol / 20.
 
 Integer sites (`moe.router.topk_ids`) are compared as sets: max_abs_t = the number of ids in one
@@ -167,7 +170,7 @@ class Tolerance:
 TOLERANCE_PRESETS = {
     "float32": Tolerance(2e-3, 0.1, "float32", 1e-4),
     "float16": Tolerance(1e-2, 0.1, "float16", 2.5e-3),
-    "bfloat16": Tolerance(3e-2, 0.1, "bfloat16", 7.5e-3),
+    "bfloat16": Tolerance(3e-2, 0.1, "bfloat16", 3e-2),
     "quantised": Tolerance(1e-1, 0.1, "quantised", 5e-2),
 }
 
