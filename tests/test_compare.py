@@ -596,3 +596,14 @@ def test_a_dumps_own_prefill_wins_over_what_llamacpp_names_show(weights_d):
     said = [ke.compare(ke.Session(weights_d), Dump(arrays, tokens, "llama.cpp", "float32", None, p), names="llama.cpp",
                        local=False).prefill for p in (0, 5, None)]
     assert said == [0, 5, 16]
+
+
+def test_a_comparison_with_nothing_local_and_no_suspect_says_its_divergences_are_drift(weights_d):
+    # llama.cpp on set d, judged at an rtol below its whole-model drift (7.1e-4) and above one operation's rounding
+    # (1.4e-5): sites diverge, none is local, none is a suspect, and the summary says what that means
+    tight = Tolerance(3e-5, local_rtol=3e-5)
+    cmp = ke.compare(ke.Session(weights_d), _captures("d"), names="llama.cpp", tolerance=tight, probes=False)
+    assert cmp.first is not None and cmp.first.local is False and not cmp.local_sites and not cmp.suspects
+    assert "what diverges is drift inherited through the model" in repr(cmp)
+    untested = ke.compare(ke.Session(weights_d), _captures("d"), names="llama.cpp", tolerance=tight, local=False)
+    assert untested.first.local is None and "drift" not in repr(untested)

@@ -195,6 +195,9 @@ class Comparison:
         what = "no site beyond tolerance" if first is None else f"first divergence: {first}"
         if suspects and (first is None or not first.local):
             what += f"; earliest suspect: {suspects[0]}"
+        elif first is not None and first.local is False and not self.local_sites:
+            what += ("; no site's own operation is off on the other engine's inputs (no local site, no suspect): what "
+                     "diverges is drift inherited through the model")
         route = f" (the first {self.prefill} as one prefill)" if self.prefill else ""
         return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens{route}, {len(self.sites)} sites, "
                 f"tolerance {self.tolerance}; {what})")
