@@ -607,3 +607,62 @@ def test_a_comparison_with_nothing_local_and_no_suspect_says_its_divergences_are
     assert "what diverges is drift inherited through the model" in repr(cmp)
     untested = ke.compare(ke.Session(weights_d), _captures("d"), names="llama.cpp", tolerance=tight, local=False)
     assert untested.first.local is None and "drift" not in repr(untested)
+
+
+
+def test_a_relative_error_of_exactly_rtol_agrees():
+    # beyond tolerance <=> rel > rtol (tolerance.py): rel == rtol agrees, the next float above does not
+    from kimi_explore.engines.tolerance import beyond
+
+    assert beyond("attn.in", np.array([2e-3, np.nextafter(2e-3, 1.0)]), 2e-3).tolist() == [False, True]
+
+
+def test_a_small_first_token_is_judged_against_its_own_magnitude_not_a_later_ones():
+    # token 0 is 1% of token 1 and 1% off: the floor reads only tokens <= t, so token 0 keeps its own scale (rel 1e-2,
+    # beyond float32); a floor over all tokens made it 1e-3, within (the layers.3.kda.o case of the module docstring)
+    _, rel = site_errors("attn.in", [np.array([0.01]), np.array([1.0])], [np.array([0.0101]), np.array([1.0])],
+                         Tolerance.of("float32"))
+    assert rel[0] == pytest.approx(1e-2) and rel[1] == 0
+
+
+def test_a_kinds_own_tolerance_brings_its_own_floor():
+    tol = Tolerance.of({"default": "float32", "attn.in": Tolerance(0.1, floor=0.5)})
+    _, rel = site_errors("attn.in", [np.array([1.0]), np.array([0.1])], [np.array([1.0]), np.array([0.11])], tol)
+    assert rel[1] == pytest.approx(0.01 / 0.5)  # 0.5 x the site's largest magnitude, not the default's 0.1 x
+
+
+def test_a_default_tolerance_keeps_the_kinds_of_its_own():
+    tol = Tolerance.of({"default": Tolerance.of({"kda.decay": 0.1}), "kda.state": 0.05})
+    assert (tol.rtol, tol.for_kind("kda.decay").rtol, tol.for_kind("kda.state").rtol) == (2e-3, 0.1, 0.05)
+
+
+def test_a_nan_among_a_hook_named_dumps_masked_zeros_is_a_divergence(weights_d, hooks_d):
+    # only a row's whole NaN tail is a Trace's padding; one NaN among masked slots that hold zeros is the engine's
+    mapped, tokens = hooks_d
+    probs = mapped["layers.9.mla.probs"].copy()
+    probs[3, 0, 9] = np.nan  # after token 3's position; the rest of its tail stays 0
+    cmp = ke.compare(ke.Session(weights_d), {"layers.9.mla.probs": probs, "tokens": np.array(tokens)}, local=False)
+    assert (cmp.first.token, cmp.first.site) == (3, "layers.9.mla.probs") and np.isnan(cmp.first.max_abs)
+
+
+def test_a_probe_judges_a_site_by_its_kinds_rtol():
+    # set e's eps-1e-5 probe matches llama.cpp's q latents to ~2e-7: within float32 but not within a kind's rtol of 1e-8,
+    # so under {"mla.q_latent": 1e-8} no eps explains them (kv latents, at float32, are still explained)
+    cmp = ke.compare(ke.Session(_weights("e")), _captures("e"), names="llama.cpp", tolerance={"mla.q_latent": 1e-8})
+    q, kv = cmp.sites["layers.2.mla.q_latent"], cmp.sites["layers.2.mla.kv_latent"]
+    assert q.explanation.startswith("no eps in") and q.operation != "MLA latent RMSNorm"
+    assert kv.explanation.startswith("other engine matches eps 1e-05")
+
+
+def test_llamacpp_prefill_at_its_edges():
+    from kimi_explore.engines.name_maps import llamacpp_prefill
+
+    tokens = np.arange(16)
+    assert llamacpp_prefill({"tokens": tokens, "mixed_prefill_len": np.int64(16)}) == 16  # every token in the first step
+    with pytest.raises(ValueError, match="'mixed_prefill_len' must be a number of tokens 0..16"):
+        llamacpp_prefill({"tokens": tokens, "mixed_prefill_len": np.float64(7.5)})  # not read as 7
+    # one KDA head, six MLA heads: the MLA record's rank reads by the MLA head count
+    one = _weights("d").config
+    one = dataclasses.replace(one, linear_attn_config=dataclasses.replace(one.linear_attn_config, num_heads=1))
+    assert one.num_attention_heads > 1
+    assert llamacpp_prefill({"tokens": tokens, "kq_soft_max-2": np.zeros((one.num_attention_heads, 16, 16))}, one) == 16

@@ -357,3 +357,51 @@ def test_gguf_without_the_output_head_is_refused(tmp_path):
     """llama.cpp's kimi-k3 loader requires output.weight; a file without it ran as a tied model (logits off by 26)."""
     with pytest.raises(ke.ConfigError, match=r"no tensor 'output\.weight' .* never falls back to token_embd"):
         ke.from_pretrained(_rewritten(tmp_path, "no_head.gguf", drop=("output.weight",)), device="cpu")
+
+
+
+def _cmp(tolerance, *sites):
+    from kimi_explore.engines.comparison import Comparison
+    from kimi_explore.engines.tolerance import Tolerance
+
+    return Comparison({s.site: s for s in sites}, Tolerance.of(tolerance), [1, 2])
+
+
+def _site(site, rel, local_rel=None):
+    layer, kind = int(site.split(".")[1]), site.split(".", 2)[2]
+    return SiteComparison(site, layer, kind, max_abs=np.asarray(rel, float), rel=np.asarray(rel, float),
+                          local_rel=None if local_rel is None else np.asarray(local_rel, float))
+
+
+def test_each_kinds_local_rtol_judges_its_suspects():
+    # kda.decay at 0.1 under float16 has local_rtol 0.025 (float16's ratio), not float16's 2.5e-3: 1e-2 is no suspect
+    cmp = _cmp({"default": "float16", "kda.decay": 0.1}, _site("layers.4.kda.decay", [0, 0.01], [0, 0.01]))
+    assert cmp.suspects == []
+    assert cmp.table()[0]["suspect_token"] is None
+
+
+def test_the_grid_marks_a_site_local_by_its_kinds_rtol():
+    # 5% off (and 5% on its own inputs) is within kda.decay's 0.1: not local, no "L" in the heatmap
+    cmp = _cmp({"default": "float16", "kda.decay": 0.1}, _site("layers.4.kda.decay", [0, 0.05], [0, 0.05]))
+    assert cmp.first is None and cmp.local_sites == []
+    assert not divergence_grid(cmp)[3].any()
+
+
+def test_the_heatmap_greys_only_what_was_not_compared():
+    cmp = _cmp("float32", _site("layers.0.attn.in", [0, np.nan]), _site("layers.1.kda.decay", [0, 0]))
+    rows, cols, M, _ = divergence_grid(cmp)
+    assert M[0, cols.index("attn.in")] == np.inf  # a NaN is the worst colour, not grey ("not compared")
+    shown = np.ma.filled(np.ma.asarray(cmp.heatmap().axes[0].images[0].get_array(), float), np.nan)
+    assert shown[0, cols.index("attn.in")] == 3.0
+    assert np.isnan(shown[0, cols.index("kda.decay")]) and np.isnan(shown[1, cols.index("attn.in")])  # no such site
+
+
+def test_no_drift_sentence_where_a_site_is_local():
+    # (reachable only with local_rtol > rtol: a site local without being a suspect)
+    from kimi_explore.engines.comparison import Comparison
+    from kimi_explore.engines.tolerance import Tolerance
+
+    a, b = _site("layers.0.attn.in", [0, 0.1], [0, 0]), _site("layers.1.attn.in", [0, 0.1], [0, 0.1])
+    cmp = Comparison({a.site: a, b.site: b}, Tolerance(1e-2, local_rtol=0.5), [1, 2])
+    assert cmp.first.local is False and cmp.local_sites == [b.site] and cmp.suspects == []
+    assert "drift" not in repr(cmp)

@@ -100,3 +100,12 @@ def test_missing_tokens_refused(set_d):
     weights, arrays, _ = set_d
     with pytest.raises(KeyError, match="tokens"):
         llamacpp_to_hooks({k: v for k, v in arrays.items() if k != "tokens"}, weights.config)
+
+
+
+def test_a_record_without_one_row_per_token_is_refused(set_d):
+    weights, arrays, _ = set_d
+    bad = {"tokens": arrays["tokens"], "attn_norm-0": arrays["attn_norm-0"][:-1]}
+    with pytest.raises(ValueError, match=r"'layers.0.attn.in' \(from 'attn_norm-0'\) has shape \(15, 64\), expected one "
+                                         r"row per token \(16\)"):
+        llamacpp_to_hooks(bad, weights.config, weights)

@@ -352,3 +352,17 @@ def test_a_dump_says_it_was_a_prefill(ref_weights, tmp_path):
                                                                      "tokens": ",".join(map(str, tokens))})
         with pytest.raises(ValueError, match=rf"metadata 'prefill' must be a number of tokens 0..8 .*found '{bad}'"):
             ke.read_dump(tmp_path / "bad.safetensors")
+
+
+
+def test_a_state_in_the_other_layout_is_named_under_its_kinds_tolerance():
+    """1% off and written [H, V, K]: within tolerance={"kda.state": 0.05} transposed, so the layout is what differs;
+    judged by the default rtol (2e-3) instead, the check let it through and the state's operation was blamed."""
+    from kimi_explore.engines.patching import replay
+
+    w = ke.from_pretrained(REFERENCE, device="cpu")
+    tokens, site = [3, 1, 4, 1, 5], "layers.0.kda.state"
+    state = np.stack(replay(w, tokens, [site])[site])
+    off = np.ascontiguousarray(state.swapaxes(-1, -2)) * np.float32(1.01)
+    with pytest.raises(ValueError, match=r"layers.0.kda.state' agrees with kimi_explore's transposed"):
+        ke.compare(ke.Session(w), {site: off, "tokens": np.array(tokens)}, tolerance={"kda.state": 0.05})

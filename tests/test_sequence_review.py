@@ -289,3 +289,30 @@ def test_ragged_routing_records_of_one_site_read_as_stepping(trained_weights, re
     want = step_rec.trace()
     assert (want[ROUTER + "topk_weights"].shape[1] == 2 and np.isnan(want[ROUTER + "topk_weights"][4:20]).any())
     assert_traces_close(seq_rec.trace(), want, 1e-4)
+
+
+
+@pytest.mark.parametrize("route", ["token", "sequence"])
+def test_an_unbound_recorders_warning_names_the_very_line_that_ran_the_decoder(trained_weights, route):
+    """The file alone also matched a warning one frame too high (the line calling the helper that ran the decoder)."""
+    import inspect
+
+    w, rec = trained_weights, ke.Recorder(names_filter="layers.99.*")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if route == "token":
+            line = inspect.currentframe().f_lineno + 1
+            kimi_forward_token(w, ke.KimiDecodeState.new(w), TEXT[0], hooks=rec)
+        else:
+            line = inspect.currentframe().f_lineno + 1
+            kimi_forward_sequence(w, ke.KimiDecodeState.new(w), TEXT[:5], hooks=rec, chunk=3)
+    assert [(c.filename, c.lineno) for c in caught] == [(__file__, line)]
+    assert "accepts none" not in str(caught[0].message)  # a pattern's own complaint, once
+
+
+def test_an_unbound_recorder_whose_callable_filter_accepts_some_sites_says_nothing(trained_weights):
+    w, rec = trained_weights, ke.Recorder(names_filter=lambda n: n.startswith("layers.1."))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kimi_forward_token(w, ke.KimiDecodeState.new(w), TEXT[0], hooks=rec)
+    assert caught == [] and rec.trace().keys()
