@@ -268,9 +268,9 @@ class Recorder:
                 check_pattern(p, names, "Recorder pattern")
             except ValueError as e:
                 problems.append(str(e))
-        for what, predicate in (("names_filter", self.names_filter), ("full", self.full)):
-            if predicate is not None and not (self._filter_patterns if what == "names_filter" else self._full_patterns) \
-                    and not any(predicate(n) for n in names):
+        for what, predicate, patterns in (("names_filter", self.names_filter, self._filter_patterns),
+                                          ("full", self.full, self._full_patterns)):
+            if predicate is not None and not patterns and not any(predicate(n) for n in names):  # a callable's
                 problems.append(f"Recorder {what} {predicate!r} accepts none of the {len(names)} sites that fired")
         try:
             self._refuse_filters_recording_nothing(names)
