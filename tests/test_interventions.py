@@ -400,3 +400,16 @@ def test_a_patch_of_weights_for_fewer_experts_raises_on_both_paths_and_forcing_f
     assert re.search(r"token 0 of the chunk has 1 weights \[[\d.e-]+\] for the 2 selected experts", str(fed))
     stepped, fed = _two_ways(trained, ids, lambda: force_routing(2, [3], [0.7], positions=[1, 3]), 5)
     np.testing.assert_allclose(fed, stepped, rtol=0, atol=1e-12)
+
+
+def test_an_error_inside_a_chunk_says_where_the_chunk_sits(trained64):
+    """A message naming "token t of the chunk" (weights that do not pair with the experts, a hook's own error) was
+    relative to a chunk the user never sees; the error now carries a note with the chunk's positions."""
+    from kimi_explore import kimi_forward_sequence
+
+    state = KimiDecodeState.new(trained64)
+    kimi_forward_sequence(trained64, state, [100, 101, 32, 115, 116], chunk=5)  # positions 0..4, no hooks
+    bad = (force_routing(7, [5], [0.229], positions=[7]) + force_routing(7, [4, 12, 15, 2], positions=[7])).bind(trained64)
+    with pytest.raises(ValueError, match=r"token 2 of the chunk has 1 weights") as e:
+        kimi_forward_sequence(trained64, state, [100, 101, 32, 115, 116], hooks=bad, chunk=5)
+    assert e.value.__notes__ == ["(raised in a chunk of 5 tokens at positions 5..9: its token t is position 5 + t)"]

@@ -246,8 +246,9 @@ def forward_chunk(weights, state, ids: list[int], hooks=None):
     with a hook that takes single tokens runs in the token form instead (`_forward_tokens`)."""
     if hooks is not None and takes_tokens(hooks, _site_names(weights)):
         return _forward_tokens(weights, state, ids, hooks)
+    p = state.position
     if hooks is not None:
-        hooks.begin_chunk(ids, range(state.position, state.position + len(ids)))
+        hooks.begin_chunk(ids, range(p, p + len(ids)))
     try:
         stack = embed_chunk(weights, ids, hooks)
         try:
@@ -255,6 +256,9 @@ def forward_chunk(weights, state, ids: list[int], hooks=None):
             logits = finish_sequence(weights.head(), stack, hooks)
         except BaseException as e:
             mark_broken(state, e, len(ids))
+            if isinstance(e, Exception) and len(ids) > 1:  # (a message may name "token t of the chunk")
+                e.add_note(f"(raised in a chunk of {len(ids)} tokens at positions {p}..{p + len(ids) - 1}: its token t "
+                           f"is position {p} + t)")
             raise
     finally:
         if hooks is not None:
