@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backend import to_numpy
 from ..inspection._hook_grammar import LAYER_NAME, LAYER_SUFFIXES, _why_not
 from ..inspection.npz_io import NpzReader
 from ..inspection.targets import int_in
@@ -83,7 +84,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     if not sites:
         raise ValueError("compare: the other engine's values name no site of this model (nothing to compare); "
                          "expected hook names (ke.hook_names(weights)) or names='llama.cpp'")
-    ours = replay(weights, tokens, sites, prefill=prefill)  # the dumped sites only (top-k ids recorded where dumped)
+    scores = [s.replace(IDS_SITE, "moe.router.scores") for s in sites if s.endswith(IDS_SITE)]  # (near ties)
+    ours = replay(weights, tokens, sites + scores, prefill=prefill)  # the dumped sites (and the scores their ids read)
     theirs = {s: arrays[s] for s in sites}
     if names is None:  # hook-named values may come from a Trace, whose attention rows are NaN after the position
         theirs = _without_trace_padding(theirs)
@@ -100,6 +102,9 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         a, b = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
         max_abs, rel = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
         results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, at, theirs, graph))
+    for s in sites:
+        if s.endswith(IDS_SITE) and (bad := np.flatnonzero(beyond(IDS_SITE, results[s].rel, 0.0))).size:
+            results[s].explanation = _tie(weights, s, int(bad[0]), ours, theirs, tol)
     del ours
     for s in sites:
         if s.endswith("mla.probs") and (late := _attends_ahead(theirs[s])):
@@ -211,6 +216,26 @@ def _hint(key: str, order) -> str:
         return f"{key!r} ({_why_not(key, order)})"
     close = difflib.get_close_matches(key, order, 1)
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+
+def _tie(weights, site: str, t: int, ours, theirs, tol: Tolerance) -> str:
+    """Whether the first token where the other engine selected other experts is a near tie in kimi_explore's
+    selection scores (the router's scores plus its bias): the experts only kimi_explore selected score above the
+    ones only the other engine did by how much, against the largest score and the scores' rtol."""
+    layer = int(site.split(".")[1])
+    ffn = next(lw.ffn for lw in weights.layers if lw.index == layer)
+    scores = np.asarray(ours[site.replace(IDS_SITE, "moe.router.scores")][t], np.float64)
+    biased = scores + np.asarray(to_numpy(ffn.e_score_correction_bias), np.float64)
+    a, b = set(np.asarray(ours[site][t]).tolist()), set(np.asarray(theirs[site][t]).tolist())
+    mine, other = sorted(a - b), sorted(e for e in b - a if 0 <= e < biased.size)
+    if not mine or not other:
+        return ""
+    gap = float(biased[mine].min() - biased[other].max())
+    rel, rtol = gap / max(float(np.abs(biased).max()), np.finfo(np.float32).tiny), tol.for_kind("moe.router.scores").rtol
+    what = "a near tie" if rel <= rtol else "not a tie"
+    return (f"{what} at token {t}: kimi_explore's selection scores (router scores + bias) put expert(s) {mine} {gap:.3g} "
+            f"above the other engine's {other}, {rel:.2g} of the largest score (the scores' rtol: {rtol:g})"
+            + ("; a rounding difference upstream can decide it" if rel <= rtol else ""))
 
 
 def _check_tolerance_kinds(tol: Tolerance, weights, order: list) -> None:
