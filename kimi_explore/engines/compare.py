@@ -223,7 +223,9 @@ def _tie(weights, site: str, t: int, ours, theirs, tol: Tolerance) -> str:
     selection scores (the router's scores plus its bias): the experts only kimi_explore selected score above the
     ones only the other engine did by how much, against the largest score and the scores' rtol."""
     layer = int(site.split(".")[1])
-    ffn = next(lw.ffn for lw in weights.layers if lw.index == layer)
+    ffn = next((lw.ffn for lw in getattr(weights, "layers", ()) if lw.index == layer), None)
+    if ffn is None:  # (a pipeline: the layer's weights live in a stage)
+        return ""
     scores = np.asarray(ours[site.replace(IDS_SITE, "moe.router.scores")][t], np.float64)
     biased = scores + np.asarray(to_numpy(ffn.e_score_correction_bias), np.float64)
     a, b = set(np.asarray(ours[site][t]).tolist()), set(np.asarray(theirs[site][t]).tolist())
