@@ -228,9 +228,7 @@ class Recorder:
 
         names: check against these instead (a pipeline stage: the whole pipeline's hook names)."""
         self.hooks.bind(weights_or_names if names is None else names)
-        for p in self._filter_patterns + self._full_patterns:
-            check_pattern(p, self.hooks.names, "Recorder pattern")
-        self._refuse_filters_recording_nothing()
+        self._check_selection(self.hooks.names)
         if hasattr(weights_or_names, "specs"):
             self.meta = model_meta(weights_or_names)
             self._on_device = not on_host(weights_or_names.xp)
@@ -238,14 +236,19 @@ class Recorder:
             self._chunks.clear()  # (built from the meta: the heads of the KDA layers)
         return self
 
-    def _refuse_filters_recording_nothing(self, names=None) -> None:
+    def _check_selection(self, names) -> None:
+        """Raise ValueError where a names_filter or full= pattern names none of `names`, or the filter selects only
+        sites without a default record (`bind` refuses; an unbound recorder warns, `check_fired`)."""
+        for p in self._filter_patterns + self._full_patterns:
+            check_pattern(p, names, "Recorder pattern")
+        self._refuse_filters_recording_nothing(names)
+
+    def _refuse_filters_recording_nothing(self, names) -> None:
         """A names_filter (names, globs or a callable) that selects sites but only ones without a default record, in a
         recorder whose `full=` selects none, is refused: it would record nothing, without a word. (One that selects no
-        site at all, `[]` or `lambda n: False`, says so itself: a session file keeps a callable's choice as a list.)
-        names: the model's (default: the bound ones)."""
+        site at all, `[]` or `lambda n: False`, says so itself: a session file keeps a callable's choice as a list.)"""
         if self.names_filter is None:
             return
-        names = self.hooks.names if names is None else names
         picked = [n for n in names if self.names_filter(n)]
         if self.full is not None and any(self.full(n) for n in names):
             return  # (it records those: a filter of no default site beside full= is a way to say "only these")
@@ -263,19 +266,14 @@ class Recorder:
         without a word."""
         names = sorted(set(fired) | self._observed)
         problems = []
-        for p in self._filter_patterns + self._full_patterns:
-            try:
-                check_pattern(p, names, "Recorder pattern")
-            except ValueError as e:
-                problems.append(str(e))
+        try:
+            self._check_selection(names)
+        except ValueError as e:
+            problems.append(str(e))
         for what, predicate, patterns in (("names_filter", self.names_filter, self._filter_patterns),
                                           ("full", self.full, self._full_patterns)):
             if predicate is not None and not patterns and not any(predicate(n) for n in names):  # a callable's
                 problems.append(f"Recorder {what} {predicate!r} accepts none of the {len(names)} sites that fired")
-        try:
-            self._refuse_filters_recording_nothing(names)
-        except ValueError as e:
-            problems.append(str(e))
         if problems:
             warn_at_caller("; ".join(problems) + " (during the first whole token: this recorder is not bound to the model; "
                            "rec.bind(weights) makes this an error before anything runs)")
