@@ -133,14 +133,18 @@ def test_tolerance_rule():
     tol = Tolerance.of("float32")
     ours = [np.array([1.0, -2.0]), np.array([0.01, 0.0])]
     theirs = [np.array([1.0, -2.002]), np.array([0.01, 0.001])]
-    max_abs, rel = site_errors("attn.in", ours, theirs, tol)
-    np.testing.assert_allclose(max_abs, [0.002, 0.001])
+    err = site_errors("attn.in", ours, theirs, tol)
+    np.testing.assert_allclose(err.max_abs, [0.002, 0.001])
     # token 1 is small: judged against floor * the site's largest magnitude (0.1 * 2), not its own 0.01
-    np.testing.assert_allclose(rel, [0.001, 0.001 / 0.2])
-    ids_abs, ids_rel = site_errors("moe.router.topk_ids", [np.array([3, 5])], [np.array([5, 2])], tol)
-    assert ids_abs.tolist() == [1.0] and ids_rel.tolist() == [0.5]
-    _, nan_rel = site_errors("attn.in", [np.array([1.0])], [np.array([np.nan])], tol)
-    assert not nan_rel[0] <= tol.rtol  # NaN is never within tolerance
+    np.testing.assert_allclose(err.rel, [0.001, 0.001 / 0.2])
+    assert err.worst.tolist() == [1, 1] and err.over.tolist() == [0, 1]  # the entry, and how many are beyond rtol
+    ids = site_errors("moe.router.topk_ids", [np.array([3, 5])], [np.array([5, 2])], tol)
+    assert ids.max_abs.tolist() == [1.0] and ids.rel.tolist() == [0.5] and ids.over.tolist() == [1]
+    assert ids.worst.tolist() == [-1]  # (a set has no entry)
+    nan = site_errors("attn.in", [np.array([1.0, 2.0])], [np.array([3.0, np.nan])], tol)
+    assert not nan.rel[0] <= tol.rtol and nan.worst[0] == 1  # NaN is never within tolerance, and the worst entry
+    same = site_errors("attn.in", [np.array([1.0, 2.0])], [np.array([1.0, 2.0])], tol)
+    assert same.worst.tolist() == [-1] and same.over.tolist() == [0]
     assert Tolerance.of("bfloat16").rtol == 3e-2 and Tolerance.of(1e-3).rtol == 1e-3
     assert Tolerance.of(np.float32(3e-2)).rtol == pytest.approx(3e-2)  # a NumPy scalar, e.g. from np.finfo
     for bad in (0.0, -1e-3, True, np.bool_(True), "1e-3"):
@@ -342,9 +346,10 @@ def test_a_dump_under_llamacpp_names_is_mapped(tmp_path, weights_d):
     assert from_dump.table() == from_npz.table() and from_dump.engine == "llama.cpp 0c1e57098"
 
 
-def _engine_run(weights, tokens, site, token, factor, prefill):
-    """Another engine: kimi_explore with `site` at `token` scaled by `factor` (carried on downstream), every site
-    recorded; prefill=True runs the sequence path (`kimi_forward_sequence`, chunks of 7), else token by token."""
+def _engine_run(weights, tokens, site, token, factor, prefill, entry=...):
+    """Another engine: kimi_explore with `site` at `token` scaled by `factor` (carried on downstream; only `entry` of
+    the token's value where given), every site recorded; prefill=True runs the sequence path
+    (`kimi_forward_sequence`, chunks of 7), else token by token."""
     from kimi_explore.inspection.hooks import Hooks
     from kimi_explore.model.kimi_sequence import kimi_forward_sequence
 
@@ -356,7 +361,7 @@ def _engine_run(weights, tokens, site, token, factor, prefill):
         positions = np.asarray(hook.positions).tolist() if chunk else [hook.position]
         for j, t in enumerate(positions):
             if (hook.name, t) == (site, token):
-                value[j] = value[j] * factor
+                value[j][entry] = value[j][entry] * factor
             row = value[j]
             if hook.name.endswith("mla.probs"):  # [nh, t + 1] (a chunk: [nh, cache]) -> [nh, T]
                 row = np.pad(row[..., : t + 1], [(0, 0), (0, T - t - 1)])
@@ -389,6 +394,44 @@ def test_an_engine_off_at_one_site_is_found_there_on_decode_and_prefill(weights_
     first = cmp.first
     assert (first.token, first.site, first.local) == (token, site, True)
     assert cmp.local_sites == [site] and 0.009 < first.rel < 0.011
+
+
+@pytest.mark.parametrize(("site", "entry", "where"), [
+    ("layers.4.kda.o", (3, 17), "head 3, channel 17"),
+    ("layers.1.kda.conv_out", (1, 2, 5), "k stream, head 2, channel 5"),
+    ("layers.9.mla.probs", (4, 2), "head 4, position 2"),
+    ("layers.7.moe.router.scores", (5,), "expert 5"),
+    ("final.hidden", (40,), "channel 40")])
+def test_a_divergence_names_the_entry_that_is_off(weights_d, hooks_d, site, entry, where):
+    # one entry 5% off at token 4, carried downstream: the divergence names it by the site's axes, and counts it
+    # as the one entry beyond rtol there
+    tokens = hooks_d[1]
+    theirs = _engine_run(weights_d, tokens, site, 4, 1.05, False, entry)
+    cmp = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, probes=False)
+    first = cmp.first
+    assert (first.token, first.site, first.local, first.where, first.over) == (4, site, True, where, 1)
+    size = int(np.prod(theirs[site].shape[1:]))
+    assert first.size == size and f"at {where} (1 of {size} entries beyond rtol)" in str(first)
+    row = next(r for r in cmp.table() if r["site"] == site)  # (the site's later tokens do not read the entry)
+    assert (row["worst_token"], row["where"], row["over"]) == (4, where, 1)
+
+
+def test_a_divergence_of_top_k_weights_names_the_expert_and_of_ids_counts_them(weights_d, hooks_d):
+    tokens = hooks_d[1]
+    site = "layers.7.moe.router.topk_weights"
+    clean = _engine_run(weights_d, tokens, site, 3, 1.0, False)
+    ids = np.sort(clean["layers.7.moe.router.topk_ids"][3])
+    slot = int(np.flatnonzero(clean["layers.7.moe.router.topk_ids"][3] == ids[1])[0])  # the larger id's slot, as dumped
+    theirs = _engine_run(weights_d, tokens, site, 3, 1.05, False, (slot,))
+    first = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, probes=False).first
+    assert (first.site, first.where) == (site, f"the weight of expert {ids[1]}")
+    swapped = {**clean, "tokens": np.array(tokens)}
+    other = (set(range(8)) - set(ids.tolist())).pop()
+    swapped["layers.7.moe.router.topk_ids"] = swapped["layers.7.moe.router.topk_ids"].copy()
+    swapped["layers.7.moe.router.topk_ids"][3, slot] = other
+    first = ke.compare(ke.Session(weights_d), swapped, local=False).first
+    assert (first.site, first.where, first.over, first.size) == ("layers.7.moe.router.topk_ids", "", 1, 2)
+    assert "(1 of 2 ids differ)" in str(first)
 
 
 def test_a_sparse_dump_names_every_operation_since_its_last_site(weights_d, hooks_d):
@@ -620,14 +663,14 @@ def test_a_relative_error_of_exactly_rtol_agrees():
 def test_a_small_first_token_is_judged_against_its_own_magnitude_not_a_later_ones():
     # token 0 is 1% of token 1 and 1% off: the floor reads only tokens <= t, so token 0 keeps its own scale (rel 1e-2,
     # beyond float32); a floor over all tokens made it 1e-3, within (the layers.3.kda.o case of the module docstring)
-    _, rel = site_errors("attn.in", [np.array([0.01]), np.array([1.0])], [np.array([0.0101]), np.array([1.0])],
-                         Tolerance.of("float32"))
+    rel = site_errors("attn.in", [np.array([0.01]), np.array([1.0])], [np.array([0.0101]), np.array([1.0])],
+                         Tolerance.of("float32")).rel
     assert rel[0] == pytest.approx(1e-2) and rel[1] == 0
 
 
 def test_a_kinds_own_tolerance_brings_its_own_floor():
     tol = Tolerance.of({"default": "float32", "attn.in": Tolerance(0.1, floor=0.5)})
-    _, rel = site_errors("attn.in", [np.array([1.0]), np.array([0.1])], [np.array([1.0]), np.array([0.11])], tol)
+    rel = site_errors("attn.in", [np.array([1.0]), np.array([0.1])], [np.array([1.0]), np.array([0.11])], tol).rel
     assert rel[1] == pytest.approx(0.01 / 0.5)  # 0.5 x the site's largest magnitude, not the default's 0.1 x
 
 

@@ -89,20 +89,24 @@ def test_the_per_head_rule_by_hand():
     tol = Tolerance.of("float32")
     ours = [np.array([[1.0, -2.0], [0.01, 0.02]])]  # kda.o [H=2, V=2]: head 1 is 1% of the site
     theirs = [np.array([[1.0, -2.0], [0.01, 0.0204]])]  # head 1 2% off
-    max_abs, rel = site_errors("kda.o", ours, theirs, tol, head_floor=1e-3)
+    max_abs, rel, worst, over = site_errors("kda.o", ours, theirs, tol, head_floor=1e-3)
     assert max_abs[0] == pytest.approx(4e-4) and rel[0] == pytest.approx(4e-4 / 0.02)  # not 4e-4 / 2
+    assert worst[0] == 3 and over[0] == 1  # head 1, channel 1
+    # the worst entry is the largest against its own head's scale, not the largest difference
+    err = site_errors("kda.o", ours, [np.array([[1.0, -2.001], [0.01, 0.0204]])], tol, head_floor=1e-3)
+    assert err.max_abs[0] == pytest.approx(1e-3) and err.worst[0] == 3 and err.over[0] == 1
     # a head below the floor is judged against the floor; the floor never exceeds the site's own scale
     small = [np.array([[1.0, -2.0], [1e-4, 2e-4]])]
-    _, rel = site_errors("kda.o", small, [small[0] + [[0, 0], [0, 1e-5]]], tol, head_floor=1e-3)
+    rel = site_errors("kda.o", small, [small[0] + [[0, 0], [0, 1e-5]]], tol, head_floor=1e-3).rel
     assert rel[0] == pytest.approx(1e-5 / 1e-3)
-    _, rel = site_errors("kda.o", small, [small[0] + [[0, 0], [0, 1e-5]]], tol, head_floor=10.0)
+    rel = site_errors("kda.o", small, [small[0] + [[0, 0], [0, 1e-5]]], tol, head_floor=10.0).rel
     assert rel[0] == pytest.approx(1e-5 / 2.0)  # capped at the site's scale: never more lenient than the whole site
     # each head keeps the token floor of the tolerance model: 0.1 x its own largest magnitude so far
     two = [np.array([[1.0], [1.0]]), np.array([[1.0], [0.001]])]
-    _, rel = site_errors("kda.o", two, [two[0], two[1] + [[0], [1e-4]]], tol, head_floor=0.0)
+    rel = site_errors("kda.o", two, [two[0], two[1] + [[0], [1e-4]]], tol, head_floor=0.0).rel
     assert rel[1] == pytest.approx(1e-4 / 0.1)
     # a site that is not per head is judged as before
-    _, rel = site_errors("attn.in", [ours[0].reshape(-1)], [theirs[0].reshape(-1)], tol, head_floor=1e-3)
+    rel = site_errors("attn.in", [ours[0].reshape(-1)], [theirs[0].reshape(-1)], tol, head_floor=1e-3).rel
     assert rel[0] == pytest.approx(4e-4 / 2.0)
 
 
@@ -118,8 +122,8 @@ def test_the_head_floor_is_what_keeps_llama_cpp_on_set_d_within_float32():
     site = "layers.11.kda.o"
     ours = replay(weights, tokens, [site])[site]
     tol = Tolerance.of("float32")
-    _, unfloored = site_errors("kda.o", ours, list(theirs[site]), tol, head_floor=0.0)
-    _, floored = site_errors("kda.o", ours, list(theirs[site]), tol, head_floor=head_floors(weights.config)["kda.o"])
+    unfloored = site_errors("kda.o", ours, list(theirs[site]), tol, head_floor=0.0).rel
+    floored = site_errors("kda.o", ours, list(theirs[site]), tol, head_floor=head_floors(weights.config)["kda.o"]).rel
     assert unfloored[0] > 10 * tol.rtol and floored.max() < tol.rtol / 4
     cmp = ke.compare(ke.Session(weights), {**theirs, "tokens": np.array(tokens)}, local=False)
     # headroom: the largest site error is 7.1e-4 (layers.12.mla.probs) on an AMD EPYC with AVX2, below rtol / 4 on an
@@ -133,15 +137,16 @@ def test_the_head_floor_is_what_keeps_llama_cpp_on_set_d_within_float32():
 def test_nan_in_the_same_places_agrees_and_on_one_side_differs():
     tol = Tolerance.of("float32")
     a = np.array([1.0, np.nan, np.inf, 2.0])
-    max_abs, rel = site_errors("attn.in", [a], [a.copy()], tol)
+    max_abs, rel = site_errors("attn.in", [a], [a.copy()], tol)[:2]
     assert max_abs[0] == 0.0 and rel[0] == 0.0
     b = a.copy()
     b[3] = 2.001
-    max_abs, rel = site_errors("attn.in", [a], [b], tol)  # the finite entries still compared, against finite magnitudes
+    max_abs, rel = site_errors("attn.in", [a], [b], tol)[:2]  # the finite entries still compared, against finite magnitudes
     assert max_abs[0] == pytest.approx(1e-3) and rel[0] == pytest.approx(1e-3 / 2.0)
-    for one_side in ([1.0, 0.5, np.inf, 2.0], [np.nan, np.nan, np.inf, 2.0], [1.0, np.nan, -np.inf, 2.0]):
-        _, rel = site_errors("attn.in", [a], [np.array(one_side)], tol)
-        assert not rel[0] <= tol.rtol, one_side
+    for one_side, worst in (([1.0, 0.5, np.inf, 2.0], 1), ([np.nan, np.nan, np.inf, 2.0], 0),
+                            ([1.0, np.nan, -np.inf, 2.0], 2)):
+        err = site_errors("attn.in", [a], [np.array(one_side)], tol)
+        assert not err.rel[0] <= tol.rtol and err.worst[0] == worst, one_side  # (the first NaN, else the infinity)
 
 
 def test_a_nan_carried_downstream_is_local_only_where_it_is_made(tiny):
@@ -296,5 +301,5 @@ def test_the_q_k_floor_is_where_the_l2_norm_stops_rescaling_a_head(trained_weigh
     after = np.abs(l2(theirs[0, 1]) - l2(ours[0, 1])).max() / np.abs(l2(ours[0, 1])).max()
     tol = TOLERANCE_PRESETS["bfloat16"]
     assert after > tol.rtol  # what the next operation sees
-    _, rel = site_errors("kda.conv_out", [ours], [theirs], tol, head_floors(cfg)["kda.conv_out"])
+    rel = site_errors("kda.conv_out", [ours], [theirs], tol, head_floors(cfg)["kda.conv_out"]).rel
     assert rel[0] > tol.rtol and rel[0] == pytest.approx(0.06, rel=1e-6)

@@ -40,7 +40,7 @@ from .dump import Dump, read_dump, token_ids
 from .name_maps import llamacpp_prefill, llamacpp_to_hooks
 from .operations import PROBES, candidates, input_graph, operation_of, probe_sites
 from .patching import replay
-from .tolerance import IDS_SITE, Tolerance, beyond, head_floors, site_errors
+from .tolerance import IDS_SITE, SiteErrors, Tolerance, beyond, head_floors, site_errors
 
 __all__ = ["compare", "load_other"]
 
@@ -99,9 +99,13 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     results = {}
     for s in sites:
         layer, kind = _split(s)
-        a, b = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
-        max_abs, rel = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
-        results[s] = SiteComparison(s, layer, kind, max_abs, rel, operation=_operation(s, kind, at, theirs, graph))
+        ids = ours.get(s.replace("topk_weights", "topk_ids"))
+        a, b = _aligned(s, ours, theirs, ours_ids=ids)
+        err = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
+        experts = np.sort(np.asarray(ids), axis=-1) if ids is not None and s.replace("topk_weights", "topk_ids") in theirs \
+            else None  # (the weights compared in the order of their ids: _aligned)
+        results[s] = SiteComparison(s, layer, kind, err.max_abs, err.rel, operation=_operation(s, kind, at, theirs, graph),
+                                    shape=np.shape(a[0]) if a else (), worst=err.worst, over=err.over, experts=experts)
     for s in sites:
         if s.endswith(IDS_SITE) and (bad := np.flatnonzero(beyond(IDS_SITE, results[s].rel, 0.0))).size:
             results[s].explanation = _tie(weights, s, int(bad[0]), ours, theirs, tol)
@@ -115,7 +119,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         patch = _patch(theirs)
         forced = replay(weights, tokens, sites, patch=patch, prefill=prefill)
         for s, r in results.items():
-            r.local_rel = _local_rel(s, r.kind, forced, theirs, tol, floors)
+            err = _local_errors(s, r.kind, forced, theirs, tol, floors)
+            r.local_rel, r.local_worst = err.rel, err.worst
         del forced
         if probes:
             _run_probes(cmp, weights, tokens, theirs, patch, tol, floors, prefill)
@@ -332,10 +337,10 @@ def _check_state_layout(ours, theirs, tol, floors, named) -> None:
         b = [np.asarray(x) for x in theirs[s]]
         if b[0].shape[-1] != b[0].shape[-2]:
             continue
-        rel = site_errors("kda.state", ours[s], b, tol, floors.get("kda.state", 0.0))[1]
+        rel = site_errors("kda.state", ours[s], b, tol, floors.get("kda.state", 0.0)).rel
         if not beyond("kda.state", rel, tol.for_kind("kda.state").rtol).any():
             continue
-        rel_t = site_errors("kda.state", ours[s], [x.swapaxes(-1, -2) for x in b], tol, floors.get("kda.state", 0.0))[1]
+        rel_t = site_errors("kda.state", ours[s], [x.swapaxes(-1, -2) for x in b], tol, floors.get("kda.state", 0.0)).rel
         if not beyond("kda.state", rel_t, tol.for_kind("kda.state").rtol).any():
             raise ValueError(f"compare: the other engine's {named[s]} agrees with kimi_explore's transposed (largest "
                              f"relative error {np.nanmax(rel_t):.2g}, against {np.nanmax(rel):.2g} as written): it holds each "
@@ -429,11 +434,11 @@ def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):
     return a, b
 
 
-def _local_rel(site, kind, forced, theirs, tol, floors) -> np.ndarray:
+def _local_errors(site, kind, forced, theirs, tol, floors) -> SiteErrors:
     # in the forced replay the top-k weights are computed for the other engine's ids (patched in)
     ids = theirs.get(site.replace("topk_weights", "topk_ids")) if kind == "moe.router.topk_weights" else None
     a, b = _aligned(site, forced, theirs, ours_ids=ids)
-    return site_errors(kind, a, b, tol, floors.get(kind, 0.0))[1]
+    return site_errors(kind, a, b, tol, floors.get(kind, 0.0))
 
 
 def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, prefill: int) -> None:
@@ -448,7 +453,8 @@ def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, pr
             forced = replay(weights, tokens, sorted(open_), patch=patch, probe=probe_class(weights, eps), prefill=prefill)
             for s in sorted(open_):
                 r = cmp.sites[s]
-                if not np.any(beyond(r.kind, _local_rel(s, r.kind, forced, theirs, tol, floors), tol.for_kind(r.kind).rtol)):
+                rel = _local_errors(s, r.kind, forced, theirs, tol, floors).rel
+                if not np.any(beyond(r.kind, rel, tol.for_kind(r.kind).rtol)):
                     r.operation = probe  # named only where one of its variants explains the site
                     r.explanation = f"other engine matches eps {eps:g} (kimi_explore: {own_eps:g})"
                     open_.discard(s)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .operations import operation_of
-from .tolerance import Tolerance, beyond
+from .tolerance import IDS_SITE, Tolerance, beyond
 
-__all__ = ["Comparison", "Divergence", "SiteComparison"]
+__all__ = ["AXES", "Comparison", "Divergence", "SiteComparison", "location"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class Divergence:
     between are missing; a probe's name when a probe explains it); max_abs, rel: the error
     at that token; local_rel: the error of kimi_explore's operation on the other engine's inputs;
     explanation: what a probe found ("other engine matches eps 1e-05"), or "". diverges: False for a
-    suspect within tolerance (`Comparison.suspects`).
+    suspect within tolerance (`Comparison.suspects`). where: the entry with the largest error against its scale
+    ("head 2, channel 17"; a suspect's: of its own operation on the other engine's inputs), over of size: how many
+    entries of the token's value are beyond rtol (top-k ids: how many ids differ, of k).
     """
 
     token: int
@@ -57,6 +59,9 @@ class Divergence:
     local_rel: float | None = None
     explanation: str = ""
     diverges: bool = True
+    where: str = ""
+    over: int | None = None
+    size: int | None = None
 
     def __str__(self) -> str:
         where = f"layer {self.layer}" if self.layer is not None else "global"
@@ -64,7 +69,10 @@ class Divergence:
             else "within tolerance"
         if self.local_rel is not None and (self.local or not self.diverges):
             how += f", its own operation {self.local_rel:.3g} off on the other engine's inputs"
-        text = (f"token {self.token}, {where}, {self.site}: max|delta| {self.max_abs:.3g} (rel {self.rel:.3g}), {how}; "
+        at = f" at {self.where}" if self.where else ""
+        if self.diverges and self.over is not None and self.size:
+            at += f" ({self.over} of {self.size} {'ids differ' if self.site.endswith(IDS_SITE) else 'entries beyond rtol'})"
+        text = (f"token {self.token}, {where}, {self.site}: max|delta| {self.max_abs:.3g} (rel {self.rel:.3g}){at}, {how}; "
                 f"operation: {self.operation}")
         return text + (f"; {self.explanation}" if self.explanation else "")
 
@@ -81,6 +89,19 @@ class SiteComparison:
     local_rel: np.ndarray | None = None
     operation: str = ""
     explanation: str = ""
+    shape: tuple = ()  # one token's value
+    worst: np.ndarray | None = None  # [T] flat index of the worst entry (`tolerance.SiteErrors`), -1: none
+    over: np.ndarray | None = None  # [T] entries beyond rtol (top-k ids: ids that differ)
+    local_worst: np.ndarray | None = None  # [T] the worst entry of kimi_explore's operation on the other engine's inputs
+    experts: np.ndarray | None = None  # [T, k] top-k weights: the expert of each entry (ids sorted, as compared)
+
+    def where(self, t: int, local: bool = False) -> str:
+        """The worst entry at token t, named by the site's axes ("head 2, channel 17"), or "" (none differs; not
+        recorded)."""
+        worst = self.local_worst if local else self.worst
+        if worst is None or worst[t] < 0 or not self.shape:
+            return ""
+        return location(self.kind, self.shape, int(worst[t]), None if self.experts is None else self.experts[t])
 
     def beyond(self, rtol: float) -> np.ndarray:
         """[T] bool: the other engine's value is beyond tolerance (NaN counts as beyond; top-k ids at one id)."""
@@ -130,9 +151,12 @@ class Comparison:
 
     def _divergence(self, s: SiteComparison, t: int) -> Divergence:
         rtol = self.rtol_of(s)
+        diverges = bool(s.beyond(rtol)[t])
+        size = s.shape[0] if s.kind.endswith(IDS_SITE) and s.shape else int(np.prod(s.shape)) if s.shape else None
         return Divergence(t, s.layer, s.site, s.local_at(t, rtol), s.operation or operation_of(s.kind),
                           float(s.max_abs[t]), float(s.rel[t]), None if s.local_rel is None else float(s.local_rel[t]),
-                          s.explanation, bool(s.beyond(rtol)[t]))
+                          s.explanation, diverges, s.where(t, local=not diverges),
+                          None if s.over is None else int(s.over[t]), size)
 
     def _in_order(self, flags) -> list[Divergence]:
         """Each site at its first flagged token (`flags(site)`: [T] bool or None), ordered by (token, firing order)."""
@@ -174,6 +198,7 @@ class Comparison:
                          "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
                          "local": local,
                          "local_rel": None if s.local_rel is None else float(np.max(s.local_rel)),
+                         "where": s.where(worst), "over": None if s.over is None else int(s.over[worst]),
                          "suspect_token": _first(s.suspect(tol.local_rtol)), "rtol": tol.rtol,
                          "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})
         return rows
@@ -201,6 +226,37 @@ class Comparison:
         route = f" (the first {self.prefill} as one prefill)" if self.prefill else ""
         return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens{route}, {len(self.sites)} sites, "
                 f"tolerance {self.tolerance}; {what})")
+
+
+# What each axis of a site's per-token value indexes (README "What each site holds"), by site kind.
+AXES = {
+    **dict.fromkeys(("embed", "attn.in", "attn.out", "ffn.in", "ffn.out", "prefix_sum", "mla.q_latent", "mla.kv_latent",
+                     "moe.experts_out", "moe.routed_out", "moe.shared_out", "final.hidden"), ("channel",)),
+    **dict.fromkeys(("attn_res.attn.weights", "attn_res.ffn.weights", "final.attn_res.weights"), ("source",)),
+    "kda.conv": ("stream", "channel", "tap"),
+    "kda.conv_out": ("stream", "head", "channel"),
+    **dict.fromkeys(("kda.q", "kda.k", "kda.v", "kda.decay", "kda.gate", "kda.o", "mla.o"), ("head", "channel")),
+    "kda.beta": ("head",),
+    "kda.state": ("head", "k", "v"),
+    "mla.probs": ("head", "position"),
+    "moe.router.scores": ("expert",),
+    "moe.router.topk_weights": ("slot",),
+    "final.block_residual": ("block", "channel"),
+    "logits": ("token id",),
+}
+
+
+def location(kind: str, shape: tuple, flat: int, experts=None) -> str:
+    """Entry `flat` of a per-token value of `shape` at a site of `kind`, named by its axes: "head 2, channel 17",
+    "k stream, head 0, channel 3"; a top-k weight by its expert where `experts` (the token's ids in the compared
+    order) is given; "index (1, 2)" for a kind without named axes."""
+    index = tuple(int(i) for i in np.unravel_index(flat, shape))
+    axes = AXES.get(kind)
+    if axes is None or len(axes) != len(index):
+        return f"index {index}"
+    if kind == "moe.router.topk_weights" and experts is not None:
+        return f"the weight of expert {int(experts[index[0]])}"
+    return ", ".join(f"{'qkv'[i]} stream" if a == "stream" and i < 3 else f"{a} {i}" for a, i in zip(axes, index, strict=True))
 
 
 def _first(flags) -> int | None:

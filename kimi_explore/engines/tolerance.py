@@ -82,12 +82,13 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
 from ..model.kda import L2NORM_EPS
 
-__all__ = ["HEAD_AXES", "IDS_SITE", "TOLERANCE_PRESETS", "Tolerance", "beyond", "head_floors", "site_errors"]
+__all__ = ["HEAD_AXES", "IDS_SITE", "TOLERANCE_PRESETS", "Tolerance", "beyond", "SiteErrors", "head_floors", "site_errors"]
 
 IDS_SITE = "moe.router.topk_ids"  # the integer site kind: compared as sets
 # per-head sites: kind -> how many leading axes of the per-token value index one head
@@ -188,19 +189,32 @@ def head_floors(config) -> dict:
             "mla.probs": 0.0}
 
 
-def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance, head_floor=0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Per token (max_abs [T], rel [T]) of `theirs` against `ours` at one site (`kind` = the name
-    without its layer prefix). Each list holds one array per token, ours and theirs of one shape.
+class SiteErrors(NamedTuple):
+    """`site_errors`' result, per token [T]: max_abs, rel; worst, the flat index into the token's value of the entry
+    with the largest error against its scale (its own head's, where the site is judged per head; the first NaN, where
+    one side only is NaN; -1 where no entry differs, and for top-k ids); over, how many entries are beyond the kind's
+    rtol (top-k ids: how many ids differ)."""
+
+    max_abs: np.ndarray
+    rel: np.ndarray
+    worst: np.ndarray
+    over: np.ndarray
+
+
+def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance, head_floor=0.0) -> SiteErrors:
+    """Per token (max_abs [T], rel [T], worst [T], over [T]: `SiteErrors`) of `theirs` against `ours` at one site
+    (`kind` = the name without its layer prefix). Each list holds one array per token, ours and theirs of one shape.
     A kind in `HEAD_AXES` is judged per head, each head's scale floored at `head_floor` (a float, or an
     array broadcast over the head axes; `head_floors(config)[kind]`)."""
     T, tol = len(ours), tol.for_kind(kind)
     max_abs, rel = np.zeros(T), np.zeros(T)
+    worst, over = np.full(T, -1, np.int64), np.zeros(T, np.int64)
     if kind.endswith(IDS_SITE):
         for t in range(T):
             a, b = set(np.asarray(ours[t]).tolist()), set(np.asarray(theirs[t]).tolist())
             max_abs[t] = len(a ^ b) / 2
             rel[t] = max_abs[t] / max(len(a), 1)
-        return max_abs, rel
+        return SiteErrors(max_abs, rel, worst, max_abs.astype(np.int64))
     tiny = float(np.finfo(np.float32).tiny)
     mags = np.array([float(_finite_max_abs(np.asarray(r, np.float64))) for r in ours])
     site_mag = np.maximum.accumulate(mags) if T else mags  # the site's largest magnitude up to each token
@@ -209,17 +223,24 @@ def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance, head_floor=
         r = np.asarray(ours[t], np.float64)
         o = np.asarray(theirs[t], np.float64)
         d = _differences(r, o)
-        max_abs[t] = float(np.max(d)) if r.size else 0.0
-        scale = max(mags[t], tol.floor * site_mag[t], tiny)
-        if axes is None or r.ndim <= axes or not r.size:
-            rel[t] = max_abs[t] / scale
+        if not r.size:
             continue
-        heads = r.shape[:axes]
-        m = _finite_max_abs(r.reshape(heads + (-1,)), axis=-1)
-        head_mag = m if head_mag is None else np.maximum(head_mag, m)  # each head's largest magnitude so far
-        head_scale = np.maximum(np.maximum(m, tol.floor * head_mag), np.minimum(head_floor, scale))
-        rel[t] = float(np.max(d.reshape(heads + (-1,)).max(axis=-1) / np.maximum(head_scale, tiny)))
-    return max_abs, rel
+        max_abs[t] = float(np.max(d))
+        scale = max(mags[t], tol.floor * site_mag[t], tiny)
+        if axes is None or r.ndim <= axes:
+            e = d.reshape(-1) / scale
+        else:
+            heads = r.shape[:axes]
+            m = _finite_max_abs(r.reshape(heads + (-1,)), axis=-1)
+            head_mag = m if head_mag is None else np.maximum(head_mag, m)  # each head's largest magnitude so far
+            head_scale = np.maximum(np.maximum(m, tol.floor * head_mag), np.minimum(head_floor, scale))
+            e = (d.reshape(heads + (-1,)) / np.maximum(head_scale, tiny)[..., None]).reshape(-1)
+        nan = np.flatnonzero(np.isnan(e))
+        rel[t] = float(np.max(e))
+        over[t] = int(np.count_nonzero(~(e <= tol.rtol)))
+        if nan.size or max_abs[t] > 0:
+            worst[t] = int(nan[0]) if nan.size else int(np.argmax(e))
+    return SiteErrors(max_abs, rel, worst, over)
 
 
 def _differences(r: np.ndarray, o: np.ndarray) -> np.ndarray:
