@@ -734,3 +734,87 @@ def test_other_experts_selected_are_explained_as_a_near_tie_or_not(weights_d, ho
         assert (first.token, first.site) == (t, site) and says in first.explanation, first
         assert f"put expert(s) [{order[t, 1]}]" in first.explanation and f"other engine's [{runner_up}]" in first.explanation
     assert gaps[t] < 0.1 < (biased[t, order[t, 1]] - biased[t, order[t, -1]]) / np.abs(biased[t]).max()
+
+
+# ---------------------------------------------------------------- dumps that start after a prompt (start=)
+def test_an_engine_that_captured_only_its_decode_is_compared_from_there(weights_d, hooks_d, tmp_path):
+    # the other engine captured positions 6..15 (a prompt of 6 before them, uncaptured): rows are positions, the
+    # divergence made at position 9 is found there and local, and a clean engine agrees from position 6 on
+    tokens, site = hooks_d[1], "layers.4.kda.o"
+    clean = {k: v[6:] for k, v in _engine_run(weights_d, tokens, site, 9, 1.0, False).items()}
+    assert clean["layers.2.mla.probs"].shape[1:] == (6, 16)  # [T - start, heads, T]
+    assert ke.compare(ke.Session(weights_d), {**clean, "tokens": np.array(tokens)}, start=6).first is None
+    channel = int(np.argmax(np.abs(clean[site][9 - 6][2])))  # head 2's largest entry at position 9, 5% off
+    theirs = {k: v[6:] for k, v in _engine_run(weights_d, tokens, site, 9, 1.05, False, (2, channel)).items()}
+    path = ke.write_dump(tmp_path / "decode.safetensors", theirs, tokens=tokens, engine="mine", start=6)
+    dump = ke.read_dump(path)
+    assert dump.start == 6 and "start=6" in repr(dump)
+    cmp = ke.compare(ke.Session(weights_d), path, probes=False)  # the start from the dump's metadata
+    first = cmp.first
+    assert (cmp.start, first.token, first.site, first.local, first.where) == (6, 9, site, True, f"head 2, channel {channel}")
+    assert cmp.local_sites == [site] and len(cmp.sites[site].rel) == 10
+    row = next(r for r in cmp.table() if r["site"] == site)
+    assert (row["first_token"], row["worst_token"]) == (9, 9)
+    assert "compared from position 6" in repr(cmp)
+
+
+def test_llama_cpp_from_a_later_position_finds_what_it_finds_from_the_first(weights_d, hooks_d):
+    # llama.cpp's own K3 (set d) agrees at every site from position 0; its rows from position 5 agree from there, and
+    # set e's eps bug (local at layer 0's state from token 0) is local at position 5 as well, explained the same way
+    arrays, tokens = hooks_d
+    tail = {k: np.asarray(v)[5:] for k, v in arrays.items()}
+    assert ke.compare(ke.Session(weights_d), {**tail, "tokens": np.array(tokens)}, start=5, local=False).first is None
+    weights_e = _weights("e")
+    with np.load(_captures("e")) as z:
+        e = llamacpp_to_hooks({k: z[k] for k in z.files}, weights_e.config, weights_e)
+        tokens_e = z["tokens"].tolist()
+    cmp = ke.compare(ke.Session(weights_e), {**{k: np.asarray(v)[5:] for k, v in e.items()}, "tokens": np.array(tokens_e)},
+                     start=5)
+    first = cmp.first
+    assert (first.token, first.site, first.local) == (5, "layers.0.kda.state", True)
+    assert "matches eps 1e-05" in first.explanation
+
+
+def test_rows_that_do_not_start_at_position_0_are_refused_unless_start_says_so(weights_d, hooks_d, tmp_path):
+    tokens, arrays = hooks_d[1], hooks_d[0]
+    tail = {"logits": np.asarray(arrays["logits"])[4:], "tokens": np.array(tokens)}
+    with pytest.raises(ValueError, match=r"expected one row per token \(16\); where the other engine captured only its "
+                                         r"last 12 tokens, say where they begin: compare\(\.\.\., start=4\)"):
+        ke.compare(ke.Session(weights_d), tail)
+    with pytest.raises(ValueError, match=r"expected one row per token \(13\) \(the positions 3\.\.15"):
+        ke.compare(ke.Session(weights_d), tail, start=3)
+    with pytest.raises(ValueError, match="compare: start"):
+        ke.compare(ke.Session(weights_d), tail, start=16)
+    with pytest.raises(ValueError, match=r"'logits' has shape \(12, 256\); expected \[T, \.\.\.\] with T = 10 \(one row "
+                                         r"per token from position start = 6 of the 16 ids\)"):
+        ke.write_dump(tmp_path / "x.safetensors", {"logits": tail["logits"]}, tokens=tokens, start=6)
+    path = ke.write_dump(tmp_path / "ok.safetensors", {"logits": tail["logits"]}, tokens=tokens, start=4)
+    from safetensors.numpy import load_file, save_file
+
+    for bad in ("16", "-1", "x", "1_0"):
+        save_file(load_file(str(path)), str(tmp_path / "bad.safetensors"),
+                  metadata={"format": "kimi_explore.dump/1", "tokens": ",".join(map(str, tokens)), "start": bad})
+        with pytest.raises(ValueError, match=f"metadata 'start' must be a position 0..15 .* found {bad!r}"):
+            ke.read_dump(tmp_path / "bad.safetensors")
+    save_file(load_file(str(path)), str(tmp_path / "short.safetensors"),
+              metadata={"format": "kimi_explore.dump/1", "tokens": ",".join(map(str, tokens)), "start": "5"})
+    with pytest.raises(ValueError, match=r"expected \[T, \.\.\.\] with T = 11 .*from position start = 5"):
+        ke.read_dump(tmp_path / "short.safetensors")
+
+
+def test_from_a_later_position_trace_padding_ahead_and_ties_are_read_at_positions(weights_d, hooks_d):
+    tokens, site = hooks_d[1], "layers.9.mla.probs"
+    clean = {k: v[7:] for k, v in _engine_run(weights_d, tokens, "final.hidden", 0, 1.0, False).items()}
+    padded = clean[site].copy()
+    for i in range(len(padded)):  # a Trace's rows: NaN after the token's own position (7 + i)
+        padded[i][..., 7 + i + 1 :] = np.nan
+    assert ke.compare(ke.Session(weights_d), {site: padded, "tokens": np.array(tokens)}, start=7).first is None
+    ahead = clean[site].copy()
+    ahead[2][0, 12] = 0.25  # position 9 gives probability to position 12
+    cmp = ke.compare(ke.Session(weights_d), {site: ahead, "tokens": np.array(tokens)}, start=7, local=False)
+    assert cmp.first.token == 9 and "first token 9:" in cmp.sites[site].explanation
+    ids = "layers.7.moe.router.topk_ids"
+    swapped = clean[ids].copy()
+    swapped[3, 0] = (set(range(8)) - set(swapped[3].tolist())).pop()
+    cmp = ke.compare(ke.Session(weights_d), {ids: swapped, "tokens": np.array(tokens)}, start=7, local=False)
+    assert cmp.first.token == 10 and " at token 10:" in cmp.sites[ids].explanation

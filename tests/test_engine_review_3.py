@@ -188,8 +188,8 @@ def recorded(monkeypatch):
     """Each replay `compare` runs: (with a probe, the sites it recorded, the bytes it held)."""
     calls = []
 
-    def spy(weights, tokens, sites, patch=None, probe=None, prefill=0):
-        out = replay(weights, tokens, sites, patch=patch, probe=probe, prefill=prefill)
+    def spy(weights, tokens, sites, patch=None, probe=None, prefill=0, start=0):
+        out = replay(weights, tokens, sites, patch=patch, probe=probe, prefill=prefill, start=start)
         calls.append((probe is not None, set(out), sum(v.nbytes for vs in out.values() for v in vs)))
         return out
 

@@ -49,7 +49,7 @@ _LAYER_SITE = re.compile(r"layers\.(\d+)\.")
 
 
 def compare(session, other, *, names=None, tolerance=None, local: bool = True, probes: bool = True,
-            prefill: int | None = None) -> Comparison:
+            prefill: int | None = None, start: int | None = None) -> Comparison:
     """Compare another engine's values with kimi_explore's at every site they both have.
 
     session: a `Session` on the same weights (its tokens; an empty session is fed the other engine's, once the
@@ -64,17 +64,21 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     replayed as one pass of the sequence path, the rest stepped (default: the dump's metadata 'prefill', else what
     llama.cpp captures show: a prefill capture all T, a mixed one its `mixed_prefill_len`; else 0: every token
     stepped, as a decode). The two routes agree to float32 rounding; this one compares a prefill with the route
-    that computes as one.
+    that computes as one. start: the other engine's values begin at this position (row i is token start + i; default:
+    the dump's metadata 'start', else 0), the tokens before it uncaptured (a prompt before the decode it captured): they
+    are run to build the state the rest read, and compared nowhere; every token the comparison names is a position.
     """
     if not (hasattr(session, "weights") and hasattr(session, "tokens")):
         raise TypeError(f"compare: session must be a Session on the weights (ke.Session(weights)), got "
                         f"{type(session).__name__} {session!r:.40}")
     weights = session.weights
     sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
-    arrays, tokens, engine, dtype, dumped = load_other(other, names=names, weights=weights, sources=sources)
+    arrays, tokens, engine, dtype, dumped, first = load_other(other, names=names, weights=weights, sources=sources)
     tokens = _tokens(session, tokens)
     prefill = int_in(dumped if prefill is None else prefill, 0, len(tokens), "compare: prefill",
                      " (the first tokens the other engine ran as one prefill)")
+    start = int_in(first if start is None else start, 0, max(len(tokens) - 1, 0), "compare: start",
+                   " (the position of the other engine's first captured token)")
     tol = Tolerance.of(tolerance if tolerance is not None else dtype, default=dtype)
     order = _hook_names(weights)
     _check_tolerance_kinds(tol, weights, order)
@@ -85,13 +89,14 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         raise ValueError("compare: the other engine's values name no site of this model (nothing to compare); "
                          "expected hook names (ke.hook_names(weights)) or names='llama.cpp'")
     scores = [s.replace(IDS_SITE, "moe.router.scores") for s in sites if s.endswith(IDS_SITE)]  # (near ties)
-    ours = replay(weights, tokens, sites + scores, prefill=prefill)  # the dumped sites (and the scores their ids read)
     theirs = {s: arrays[s] for s in sites}
-    if names is None:  # hook-named values may come from a Trace, whose attention rows are NaN after the position
-        theirs = _without_trace_padding(theirs)
     named = {s: f"{s!r} (llama.cpp's {sources[s]})" if s in sources else repr(s) for s in sites}
-    _check_shapes(ours, theirs, len(tokens), named)
-    _check_expert_ids(theirs, weights.config.num_experts, named)
+    _check_rows(theirs, len(tokens), start, named)
+    ours = replay(weights, tokens, sites + scores, prefill=prefill, start=start)  # the dumped sites (and their ids' scores)
+    if names is None:  # hook-named values may come from a Trace, whose attention rows are NaN after the position
+        theirs = _without_trace_padding(theirs, start)
+    _check_shapes(ours, theirs, named)
+    _check_expert_ids(theirs, weights.config.num_experts, named, start)
     theirs = {s: np.asarray(a).astype(np.int64) if s.endswith(IDS_SITE) else a for s, a in theirs.items()}  # (whole numbers)
 
     floors, graph, at = head_floors(weights.config), input_graph(order, weights.config), {s: i for i, s in enumerate(order)}
@@ -108,32 +113,33 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
                                     shape=np.shape(a[0]) if a else (), worst=err.worst, over=err.over, experts=experts)
     for s in sites:
         if s.endswith(IDS_SITE) and (bad := np.flatnonzero(beyond(IDS_SITE, results[s].rel, 0.0))).size:
-            results[s].explanation = _tie(weights, s, int(bad[0]), ours, theirs, tol)
+            results[s].explanation = _tie(weights, s, int(bad[0]), ours, theirs, tol, start)
     del ours
     for s in sites:
-        if s.endswith("mla.probs") and (late := _attends_ahead(theirs[s])):
+        if s.endswith("mla.probs") and (late := _attends_ahead(theirs[s], start)):
             results[s].explanation = (f"the other engine gives probability to positions after the token's own at {len(late)} "
                                       f"token(s), first token {late[0]}: its causal mask lets a token see later ones")
-    cmp = Comparison(results, tol, tokens, engine, weights.config, prefill)
+    cmp = Comparison(results, tol, tokens, engine, weights.config, prefill, start)
     if local:
         patch = _patch(theirs)
-        forced = replay(weights, tokens, sites, patch=patch, prefill=prefill)
+        forced = replay(weights, tokens, sites, patch=patch, prefill=prefill, start=start)
         for s, r in results.items():
             err = _local_errors(s, r.kind, forced, theirs, tol, floors)
             r.local_rel, r.local_worst = err.rel, err.worst
         del forced
         if probes:
-            _run_probes(cmp, weights, tokens, theirs, patch, tol, floors, prefill)
+            _run_probes(cmp, weights, tokens, theirs, patch, tol, floors, prefill, start)
     if not session.tokens:
         session.feed(tokens, progress=False)
     return cmp
 
 
 def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str, int]:
-    """(arrays {hook name: [T, ...]}, tokens or None, engine, dtype, prefill) from anything `compare` takes (prefill:
-    a dump's where its metadata says (0 too), else llama.cpp captures' own (`name_maps.llamacpp_prefill`), else 0).
+    """(arrays {hook name: [T - start, ...]}, tokens or None, engine, dtype, prefill, start) from anything `compare`
+    takes (prefill: a dump's where its metadata says (0 too), else llama.cpp captures' own
+    (`name_maps.llamacpp_prefill`), else 0; start: a dump's, else 0).
     sources: a dict filled with the llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`)."""
-    engine, dtype, tokens, prefill = "", "float32", None, None
+    engine, dtype, tokens, prefill, start = "", "float32", None, None, 0
     if isinstance(other, (str, Path)):
         path = Path(other)
         if not path.is_file():
@@ -146,8 +152,9 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
             other = read_dump(path)
     if isinstance(other, Dump):
         if names is None:
-            return dict(other.arrays), list(other.tokens), other.engine, other.dtype, other.prefill or 0
-        engine, dtype, prefill = other.engine, other.dtype, other.prefill  # under the other engine's names: mapped below
+            return dict(other.arrays), list(other.tokens), other.engine, other.dtype, other.prefill or 0, other.start
+        # under the other engine's names: mapped below
+        engine, dtype, prefill, start = other.engine, other.dtype, other.prefill, other.start
         other = {**other.arrays, "tokens": np.asarray(other.tokens)}
     if not isinstance(other, Mapping):
         raise TypeError(f"compare: other must be a mapping, a Dump or a path, got {type(other).__name__}")
@@ -160,7 +167,7 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
             raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
         arrays = llamacpp_to_hooks(other, weights.config, weights, sources)
         return arrays, tokens, engine or "llama.cpp", dtype, llamacpp_prefill(other, weights.config) if prefill is None \
-            else prefill
+            else prefill, start
     if callable(names):
         arrays = dict(names(other))
     elif isinstance(names, Mapping):
@@ -173,7 +180,7 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
         arrays = {k: v for k, v in other.items() if k not in ("tokens",)}
     else:
         raise TypeError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
-    return arrays, tokens, engine, dtype, prefill or 0
+    return arrays, tokens, engine, dtype, prefill or 0, start
 
 
 def _hook_names(weights) -> list[str]:
@@ -223,7 +230,7 @@ def _hint(key: str, order) -> str:
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
-def _tie(weights, site: str, t: int, ours, theirs, tol: Tolerance) -> str:
+def _tie(weights, site: str, t: int, ours, theirs, tol: Tolerance, start: int) -> str:
     """Whether the first token where the other engine selected other experts is a near tie in kimi_explore's
     selection scores (the router's scores plus its bias): the experts only kimi_explore selected score above the
     ones only the other engine did by how much, against the largest score and the scores' rtol."""
@@ -240,7 +247,7 @@ def _tie(weights, site: str, t: int, ours, theirs, tol: Tolerance) -> str:
     gap = float(biased[mine].min() - biased[other].max())
     rel, rtol = gap / max(float(np.abs(biased).max()), np.finfo(np.float32).tiny), tol.for_kind("moe.router.scores").rtol
     what = "a near tie" if rel <= rtol else "not a tie"
-    return (f"{what} at token {t}: kimi_explore's selection scores (router scores + bias) put expert(s) {mine} {gap:.3g} "
+    return (f"{what} at token {start + t}: kimi_explore's selection scores (router scores + bias) put expert(s) {mine} {gap:.3g} "
             f"above the other engine's {other}, {rel:.2g} of the largest score (the scores' rtol: {rtol:g})"
             + ("; a rounding difference upstream can decide it" if rel <= rtol else ""))
 
@@ -293,17 +300,26 @@ def _check_layers(weights, arrays) -> None:
             "layers=range(k) and compare only the sites of layers 0..k-1 (no final.* or logits)")
 
 
-def _check_shapes(ours, theirs, T: int, named: dict) -> None:
+def _check_rows(theirs, T: int, start: int, named: dict) -> None:
+    """One row per token from `start` (before anything is replayed)."""
+    for s, a in theirs.items():
+        shape = np.shape(a)
+        if not shape or shape[0] != T - start:
+            hint = (f" (the positions {start}..{T - 1} of the {T} tokens: start={start})" if start else
+                    f"; where the other engine captured only its last {shape[0]} tokens, say where they begin: "
+                    f"compare(..., start={T - shape[0]})" if shape and 0 < shape[0] < T else "")
+            raise ValueError(f"compare: {named[s]} has shape {shape}, expected one row per token ({T - start}){hint}")
+
+
+def _check_shapes(ours, theirs, named: dict) -> None:
     for s, a in theirs.items():
         a = np.asarray(a)
-        if a.ndim == 0 or a.shape[0] != T:
-            raise ValueError(f"compare: {named[s]} has shape {a.shape}, expected one row per token ({T})")
         want = ours[s][0].shape
         if a.shape[1:] != want:
             raise ValueError(f"compare: {named[s]} has per-token shape {a.shape[1:]}, kimi_explore's is {want}")
 
 
-def _check_expert_ids(theirs, num_experts: int, named: dict) -> None:
+def _check_expert_ids(theirs, num_experts: int, named: dict, start: int) -> None:
     """The other engine's top-k ids are experts of this model. The forced replay routes to them: an id out of
     range failed there, in a hook, naming neither the dump nor the token."""
     for s, a in theirs.items():
@@ -316,15 +332,16 @@ def _check_expert_ids(theirs, num_experts: int, named: dict) -> None:
         bad = np.argwhere(~((a >= 0) & (a < num_experts) & (a == np.floor(a))))  # NaN too
         if bad.size:
             t, j = (int(x) for x in bad[0])
-            raise ValueError(f"compare: the other engine's {named[s]} holds expert id {a[t, j].item()!r} at token {t} (slot {j}; "
+            raise ValueError(f"compare: the other engine's {named[s]} holds expert id {a[t, j].item()!r} at token {start + t} "
+                             f"(slot {j}; "
                              f"{len(bad)} such id(s) in all); this model's experts are the integers 0..{num_experts - 1}")
         for t, row in enumerate(a.reshape(len(a), -1)):  # (compared as sets, a repeat read as half an id differing)
             ids, counts = np.unique(row, return_counts=True)
             if (counts > 1).any():
                 e = ids[counts > 1][0].item()
                 raise ValueError(f"compare: the other engine's {named[s]} selects expert {int(e)} more than once at token "
-                                 f"{t} (slots {np.flatnonzero(row == e).tolist()}: {row.tolist()}); a top-k selection names "
-                                 f"{row.size} distinct experts, so the other engine's top-k repeats one")
+                                 f"{start + t} (slots {np.flatnonzero(row == e).tolist()}: {row.tolist()}); a top-k "
+                                 f"selection names {row.size} distinct experts, so the other engine's top-k repeats one")
 
 
 def _check_state_layout(ours, theirs, tol, floors, named) -> None:
@@ -392,29 +409,29 @@ def _split(site: str):
     return None, site
 
 
-def _without_trace_padding(theirs: dict) -> dict:
+def _without_trace_padding(theirs: dict, start: int) -> dict:
     """Attention probabilities whose every entry after token t's position is NaN (a Trace's padding of the rows
     [nh, t + 1]) with zeros there, as the dump format and kimi_explore's replay have the masked slots. Only a whole
     NaN tail: a NaN among masked slots that hold numbers is an engine's, and differs; llama.cpp's captures
-    (zeros there, as masked) are never changed."""
+    (zeros there, as masked) are never changed. Row i is position start + i."""
     out = dict(theirs)
     for site, v in theirs.items():
         if not site.endswith("mla.probs"):
             continue
         v = np.asarray(v)
-        tails = [t for t in range(len(v)) if v[t][..., t + 1 :].size and np.isnan(v[t][..., t + 1 :]).all()]
+        tails = [i for i in range(len(v)) if (tail := v[i][..., start + i + 1 :]).size and np.isnan(tail).all()]
         if tails:
             v = v.copy()
-            for t in tails:
-                v[t][..., t + 1 :] = 0.0
+            for i in tails:
+                v[i][..., start + i + 1 :] = 0.0
             out[site] = v
     return out
 
 
-def _attends_ahead(probs) -> list[int]:
-    """The tokens t whose probabilities [heads, T] hold a number other than zero after position t (the format's masked
-    slots; NaN there is not attention ahead: a softmax of a NaN row is NaN everywhere)."""
-    tails = ((t, np.asarray(p)[..., t + 1 :]) for t, p in enumerate(probs))
+def _attends_ahead(probs, start: int) -> list[int]:
+    """The positions t whose probabilities [heads, T] (row t - start) hold a number other than zero after position t
+    (the format's masked slots; NaN there is not attention ahead: a softmax of a NaN row is NaN everywhere)."""
+    tails = ((start + i, np.asarray(p)[..., start + i + 1 :]) for i, p in enumerate(probs))
     return [t for t, tail in tails if np.any((tail != 0) & np.isfinite(tail))]
 
 
@@ -441,7 +458,7 @@ def _local_errors(site, kind, forced, theirs, tol, floors) -> SiteErrors:
     return site_errors(kind, a, b, tol, floors.get(kind, 0.0))
 
 
-def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, prefill: int) -> None:
+def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, prefill: int, start: int) -> None:
     local = set(cmp.local_sites)
     for probe, (probe_class, _, own_eps) in PROBES.items():
         targets = [s for s in probe_sites(probe, cmp.sites) if s in local]
@@ -450,7 +467,8 @@ def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, pr
         open_ = set(targets)
         for eps in candidates(own_eps, weights.config):
             # the probe reads its inputs at every site as they flow; only the sites it may explain are recorded
-            forced = replay(weights, tokens, sorted(open_), patch=patch, probe=probe_class(weights, eps), prefill=prefill)
+            forced = replay(weights, tokens, sorted(open_), patch=patch, probe=probe_class(weights, eps), prefill=prefill,
+                            start=start)
             for s in sorted(open_):
                 r = cmp.sites[s]
                 rel = _local_errors(s, r.kind, forced, theirs, tol, floors).rel

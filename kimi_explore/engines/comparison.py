@@ -130,8 +130,9 @@ class SiteComparison:
 
 @dataclass
 class Comparison:
-    """See the module docstring. `sites`: {name: SiteComparison} in firing order; `tokens`: the ids; `prefill`: the
-    first tokens replayed as one prefill (the sequence path), the rest stepped."""
+    """See the module docstring. `sites`: {name: SiteComparison} in firing order, their arrays [T - start]; `tokens`:
+    the T ids; `prefill`: the first tokens replayed as one prefill (the sequence path), the rest stepped; `start`: the
+    position of the other engine's first captured token (every token a Divergence or the table names is a position)."""
 
     sites: dict
     tolerance: Tolerance
@@ -139,6 +140,7 @@ class Comparison:
     engine: str = ""
     config: object = field(default=None, repr=False)
     prefill: int = 0
+    start: int = 0
 
     @property
     def rtol(self) -> float:
@@ -153,7 +155,7 @@ class Comparison:
         rtol = self.rtol_of(s)
         diverges = bool(s.beyond(rtol)[t])
         size = s.shape[0] if s.kind.endswith(IDS_SITE) and s.shape else int(np.prod(s.shape)) if s.shape else None
-        return Divergence(t, s.layer, s.site, s.local_at(t, rtol), s.operation or operation_of(s.kind),
+        return Divergence(self.start + t, s.layer, s.site, s.local_at(t, rtol), s.operation or operation_of(s.kind),
                           float(s.max_abs[t]), float(s.rel[t]), None if s.local_rel is None else float(s.local_rel[t]),
                           s.explanation, diverges, s.where(t, local=not diverges),
                           None if s.over is None else int(s.over[t]), size)
@@ -194,12 +196,13 @@ class Comparison:
             worst = int(nan[0]) if nan.size else int(np.argmax(s.rel))
             local = s.is_local(tol.rtol)
             rows.append({"site": s.site, "layer": s.layer, "kind": s.kind, "max_abs": float(np.max(s.max_abs)),
-                         "rel": float(s.rel[worst]), "worst_token": worst,
-                         "first_token": int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
+                         "rel": float(s.rel[worst]), "worst_token": self.start + worst,
+                         "first_token": self.start + int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
                          "local": local,
                          "local_rel": None if s.local_rel is None else float(np.max(s.local_rel)),
                          "where": s.where(worst), "over": None if s.over is None else int(s.over[worst]),
-                         "suspect_token": _first(s.suspect(tol.local_rtol)), "rtol": tol.rtol,
+                         "suspect_token": None if (u := _first(s.suspect(tol.local_rtol))) is None else self.start + u,
+                         "rtol": tol.rtol,
                          "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})
         return rows
 
@@ -224,6 +227,7 @@ class Comparison:
             what += ("; no site's own operation is off on the other engine's inputs (no local site, no suspect): what "
                      "diverges is drift inherited through the model")
         route = f" (the first {self.prefill} as one prefill)" if self.prefill else ""
+        route += f", compared from position {self.start}" if self.start else ""
         return (f"Comparison({self.engine or 'other engine'}, {len(self.tokens)} tokens{route}, {len(self.sites)} sites, "
                 f"tolerance {self.tolerance}; {what})")
 

@@ -9,7 +9,9 @@ header, raw little-endian arrays; writers exist for Python, Rust, C, C++, Go, JS
 - arrays: `[T, ...]`, one row per token, in the site's per-token shape as the hook sees it
   (`layers.i.kda.state` [T, H, K, V], `layers.i.moe.router.topk_ids` [T, k], ...). `mla.probs`, whose
   width grows with the position, is stored `[T, nh, T]`, row t holding positions 0..t and zeros after
-  (NaN there, a Trace's padding, reads as those zeros).
+  (NaN there, a Trace's padding, reads as those zeros). An engine that captured only its last tokens
+  (the decode after a prompt it did not capture) writes `[T - start, ...]`, row i for position start + i
+  (`mla.probs` [T - start, nh, T]), and says `start`.
   float32, float16, bfloat16 or float64 (read back as float32/float64); integer ids int32/int64 (the
   safetensors types `weights.safetensors_io.DTYPES` reads: also int8, int16, uint8, bool; no float8, no
   uint16..64, which `write_dump` refuses rather than write a file `read_dump` cannot open).
@@ -20,7 +22,9 @@ header, raw little-endian arrays; writers exist for Python, Rust, C, C++, Go, JS
   "float16", "quantised"): `ke.compare` picks its tolerance from it; optional `prefill` = how many of the
   first tokens the engine ran as one prefill (all T for a prefill; "0": a decode, token by token; absent: not
   said, a decode unless the arrays are llama.cpp captures that show a prefill): `ke.compare` replays those on
-  the sequence path.
+  the sequence path; optional `start` = the position of the first captured token (absent: 0; `tokens` still
+  lists every id from position 0: `ke.compare` runs the uncaptured ones to build the state the captured ones
+  read).
 
 From NumPy (see the README for the whole example):
 
@@ -49,9 +53,9 @@ _TOKEN = re.compile(r"-?[0-9]+", re.ASCII)  # what a token id in metadata 'token
 
 @dataclass
 class Dump:
-    """A read dump: `arrays` {hook name: [T, ...]}, `tokens` [T] ids, `engine`, `dtype`, `prefill` (the first tokens
-    run as one prefill; 0: a decode; None: the dump does not say, and `compare` takes a decode unless llama.cpp
-    captures under their own names show a prefill)."""
+    """A read dump: `arrays` {hook name: [T - start, ...]}, `tokens` [T] ids, `engine`, `dtype`, `prefill` (the first
+    tokens run as one prefill; 0: a decode; None: the dump does not say, and `compare` takes a decode unless llama.cpp
+    captures under their own names show a prefill), `start` (the position of the arrays' first row)."""
 
     arrays: dict
     tokens: list
@@ -59,32 +63,39 @@ class Dump:
     dtype: str = "float32"
     path: str | None = field(default=None, repr=False)
     prefill: int | None = None
+    start: int = 0
 
     def __repr__(self) -> str:
         return (f"Dump(engine={self.engine!r}, dtype={self.dtype!r}, tokens={len(self.tokens)}, sites={len(self.arrays)}"
-                + (f", prefill={self.prefill})" if self.prefill is not None else ")"))
+                + (f", prefill={self.prefill}" if self.prefill is not None else "")
+                + (f", start={self.start})" if self.start else ")"))
 
 
-def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32", prefill: int | None = None) -> Path:
-    """Write {hook name: [T, ...] array} with the token ids, the engine's name, its activation dtype and how many of
-    the first tokens it ran as one prefill (0: a decode; None: not said, no metadata 'prefill')."""
+def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32", prefill: int | None = None,
+               start: int = 0) -> Path:
+    """Write {hook name: [T - start, ...] array} with the T token ids, the engine's name, its activation dtype, how many
+    of the first tokens it ran as one prefill (0: a decode; None: not said, no metadata 'prefill') and the position of
+    the arrays' first row (`start`: the tokens before it ran uncaptured; written where > 0)."""
     from safetensors.numpy import save_file
 
     tokens = token_ids(tokens, "write_dump: tokens")
     if prefill is not None:
         prefill = int_in(prefill, 0, len(tokens), "write_dump: prefill", " (the first tokens the engine ran as one prefill)")
     _check_dtype(dtype, "write_dump(dtype=...)")
-    T = len(tokens)
+    start = int_in(start, 0, max(len(tokens) - 1, 0), "write_dump: start", " (the position of the first captured token)")
+    T = len(tokens) - start
     out = {}
     for name, a in arrays.items():
         a = np.asarray(_to_host(a))
         if a.ndim == 0:  # (before np.ascontiguousarray, which makes a 0-d value [1])
-            raise ValueError(f"write_dump: {name!r} is a scalar (shape ()); expected [T, ...] with T = {T} (one row per token)")
+            raise ValueError(f"write_dump: {name!r} is a scalar (shape ()); expected [T, ...] with T = {T} (one row per "
+                             f"{'captured ' if start else ''}token)")
         a = np.ascontiguousarray(a)
         if not a.dtype.isnative:  # a big-endian '>f4' is float32 to write
             a = a.astype(a.dtype.newbyteorder("="))
         if a.shape[0] != T:
-            raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token)")
+            raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token"
+                             + (f" from position start = {start} of the {len(tokens)} ids" if start else "") + ")")
         if a.dtype not in _readable():  # complex, text, float8, uint16..64: nothing read_dump opens
             raise ValueError(f"write_dump: {name!r} is {a.dtype.name}; expected a float array (float32, float16, bfloat16, "
                              "float64) or integer ids (int32, int64; also int8, int16, uint8, bool), the types read_dump "
@@ -94,6 +105,8 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     metadata = {"format": DUMP_FORMAT, "tokens": ",".join(map(str, tokens)), "engine": str(engine), "dtype": dtype}
     if prefill is not None:
         metadata["prefill"] = str(prefill)
+    if start:
+        metadata["start"] = str(start)
     return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump
 
 
@@ -144,16 +157,22 @@ def _read(path: Path, safe_open) -> Dump:
                                         and int(p) <= len(tokens)):
             raise ValueError(f"engine dump {path}: metadata 'prefill' must be a number of tokens 0..{len(tokens)} (the "
                              f"first tokens the engine ran as one prefill), found {meta['prefill'][:40]!r}")
+        start = meta.get("start", "0")
+        if not (_TOKEN.fullmatch(q := start.strip(" \t\r\n")) and not q.startswith("-") and int(q) < max(len(tokens), 1)):
+            raise ValueError(f"engine dump {path}: metadata 'start' must be a position 0..{max(len(tokens) - 1, 0)} (where "
+                             f"the captured tokens begin), found {meta['start'][:40]!r}")
+        start = int(q)
         arrays = {}
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             a = f.get_tensor(name)
             if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
                 a = a.astype(np.float64 if a.dtype == np.float64 else np.float32)
-            if a.ndim == 0 or a.shape[0] != len(tokens):
-                raise ValueError(f"engine dump {path}: {name!r} has shape {a.shape}; expected [T, ...] with T = {len(tokens)} "
-                                 "(the number of ids in metadata 'tokens')")
+            if a.ndim == 0 or a.shape[0] != len(tokens) - start:
+                raise ValueError(f"engine dump {path}: {name!r} has shape {a.shape}; expected [T, ...] with T = "
+                                 f"{len(tokens) - start} (the number of ids in metadata 'tokens'"
+                                 + (f" from position start = {start})" if start else ")"))
             arrays[name] = a
-    return Dump(arrays, tokens, meta.get("engine", ""), dtype, str(path), None if prefill is None else int(prefill))
+    return Dump(arrays, tokens, meta.get("engine", ""), dtype, str(path), None if prefill is None else int(prefill), start)
 
 
 def token_ids(tokens, what: str) -> list[int]:

@@ -25,15 +25,17 @@ from ..backend import to_numpy
 __all__ = ["replay"]
 
 
-def replay(weights, tokens, sites, patch=None, probe=None, prefill: int = 0) -> dict:
-    """{site: [value at token t for t in range(T)]} (host arrays; `mla.probs` padded to [nh, T]).
+def replay(weights, tokens, sites, patch=None, probe=None, prefill: int = 0, start: int = 0) -> dict:
+    """{site: [value at token t for t in range(start, T)]} (host arrays; `mla.probs` padded to [nh, T]).
 
-    tokens: the T token ids. sites: the hook names to record. patch: {site: [T, ...] other values}
-    (per-token shapes as in `engines.dump`). probe: an object with `replace(site, value, t)` and
-    `capture(site, value, t)` (see `operations.EpsProbe`), or None. prefill: the first `prefill` tokens run as one
-    pass of the sequence path (`kimi_forward_sequence`, chunk = prefill), as an engine's prefill did; the rest are
-    stepped. The hook then sees each site once for those tokens, [prefill, ...] rows, and steps 1-4 run row by row
-    (a site of the recurrent state, `kda.conv` or `kda.state`, runs its layer token by token, as any hook there does).
+    tokens: the T token ids. sites: the hook names to record. patch: {site: [T - start, ...] other values}
+    (per-token shapes as in `engines.dump`; row i is position start + i). probe: an object with
+    `replace(site, value, t)` and `capture(site, value, t)` (see `operations.EpsProbe`), or None. prefill: the first
+    `prefill` tokens run as one pass of the sequence path (`kimi_forward_sequence`, chunk = prefill), as an engine's
+    prefill did; the rest are stepped. The hook then sees each site once for those tokens, [prefill, ...] rows, and
+    steps 1-4 run row by row (a site of the recurrent state, `kda.conv` or `kda.state`, runs its layer token by
+    token, as any hook there does). start: the tokens before it (the other engine did not capture them) are neither
+    recorded nor patched (the probe runs at every token); those after the prefill run as one more pass.
     """
     from ..inspection.hooks import Hooks
 
@@ -41,20 +43,20 @@ def replay(weights, tokens, sites, patch=None, probe=None, prefill: int = 0) -> 
     T = len(tokens)
     sites = set(sites)
     patch = patch or {}
-    recorded = {s: [None] * T for s in sites}
+    recorded = {s: [None] * (T - start) for s in sites}
 
     def one(name, value, t):
         if probe is not None:
             value = probe.replace(name, value, t)
-        if name in sites:
+        if name in sites and t >= start:
             ours = np.array(to_numpy(value), copy=True)
             if name.endswith("mla.probs"):  # [nh, t+1] (a chunk's row: [nh, L0 + T'], zeros after t) -> [nh, T]
                 padded = np.zeros(ours.shape[:-1] + (T,), ours.dtype)
                 padded[..., : ours.shape[-1]] = ours
                 ours = padded
-            recorded[name][t] = ours
-        if name in patch:
-            new = np.asarray(patch[name][t])
+            recorded[name][t - start] = ours
+        if name in patch and t >= start:
+            new = np.asarray(patch[name][t - start])
             if name.endswith("mla.probs"):
                 new = new[..., : value.shape[-1]]
             value = xp.asarray(new.astype(value.dtype, copy=False))
@@ -76,7 +78,9 @@ def replay(weights, tokens, sites, patch=None, probe=None, prefill: int = 0) -> 
     state = weights.new_state()
     if prefill:
         weights.forward_sequence(state, [int(t) for t in tokens[:prefill]], hooks, chunk=prefill)
-    for t in range(prefill, T):
+    if start > prefill:  # the uncaptured tokens after it in one pass: their route only rounds the state the rest read
+        weights.forward_sequence(state, [int(t) for t in tokens[prefill:start]], hooks, chunk=start - prefill)
+    for t in range(max(prefill, start), T):
         hooks.begin_token(int(tokens[t]), t)
         weights.forward_token(state, int(tokens[t]), hooks)
     return recorded
