@@ -259,11 +259,11 @@ def test_a_nan_row_is_not_attention_ahead_and_layer_numbers_are_explained(ref_we
 
     probs = np.zeros((3, 2, 3))
     probs[1] = np.nan
-    assert _attends_ahead(probs) == []
+    assert _attends_ahead(probs, 0) == []
     probs[2, 0, 0] = probs[0, 1, 2] = 0.5
-    assert _attends_ahead(probs) == [0]
+    assert _attends_ahead(probs, 0) == [0]
     n = ref_weights.config.num_hidden_layers
-    for key, says in (("layers.01.kda.q", "write the layer without leading zeros: 'layers.1.kda.q'"),
+    for key, says in (("layers.01.kda.q", "write the layer number without leading zeros: 'layers.1.kda.q'"),
                       (f"layers.{n}.kda.q", f"they hold layers 0..{n - 1}; does the other side count layers from 1?")):
         with pytest.raises(KeyError, match=re.escape(says)):
             ke.compare(ke.Session(ref_weights), {key: np.zeros((1, 4, 32), np.float32), "tokens": np.array([3])})

@@ -46,10 +46,8 @@ def check_pattern(pattern: str, known_names=None, what: str = "hook") -> None:
     """
     if not isinstance(pattern, str):
         raise TypeError(f"{what} name must be a string (exact hook name or glob), got {pattern!r}")
-    m = LAYER_NAME.match(pattern)
-    if m and m.group(1) != str(int(m.group(1))):  # 'layers.01.kda.q' is no name the decoder fires
-        raise ValueError(f"{what} name {pattern!r}: write the layer number without leading zeros: "
-                         f"'layers.{int(m.group(1))}.{m.group(2)}'")
+    if fix := _leading_zeros(LAYER_NAME.match(pattern)):  # 'layers.01.kda.q' is no name the decoder fires
+        raise ValueError(f"{what} name {pattern!r}: {fix}")
     if known_names is not None:
         if is_glob(pattern):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in known_names):
@@ -96,12 +94,19 @@ def _suggest(pattern: str, names) -> str:
     return f"did you mean {close}?" if close else "list the valid names with kimi_explore.hook_names(weights)"
 
 
+def _leading_zeros(m) -> str:
+    """What to write instead of a layer name match `m` whose number has leading zeros ("" where it has none)."""
+    if m and m.group(1) != str(int(m.group(1))):
+        return f"write the layer number without leading zeros: 'layers.{int(m.group(1))}.{m.group(2)}'"
+    return ""
+
+
 def _why_not(name: str, known_order: list[str]) -> str:
     m = LAYER_NAME.match(name)
     if m and m.group(2) in LAYER_SUFFIXES:
         layer = int(m.group(1))
-        if m.group(1) != str(layer):
-            return f"write the layer without leading zeros: 'layers.{layer}.{m.group(2)}'"
+        if fix := _leading_zeros(m):
+            return fix
         prefix = f"layers.{layer}."
         here = [n[len(prefix):] for n in known_order if n.startswith(prefix)]
         if not here:
