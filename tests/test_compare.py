@@ -411,7 +411,7 @@ def test_a_divergence_names_the_entry_that_is_off(weights_d, hooks_d, site, entr
     first = cmp.first
     assert (first.token, first.site, first.local, first.where, first.over) == (4, site, True, where, 1)
     size = int(np.prod(theirs[site].shape[1:]))
-    assert first.size == size and f"at {where} (1 of {size} entries beyond rtol)" in str(first)
+    assert first.size == size and f" at {where}; 1 of {size} entries beyond rtol)" in str(first)
     row = next(r for r in cmp.table() if r["site"] == site)  # (the site's later tokens do not read the entry)
     assert (row["worst_token"], row["where"], row["over"]) == (4, where, 1)
 
@@ -431,7 +431,7 @@ def test_a_divergence_of_top_k_weights_names_the_expert_and_of_ids_counts_them(w
     swapped["layers.7.moe.router.topk_ids"][3, slot] = other
     first = ke.compare(ke.Session(weights_d), swapped, local=False).first
     assert (first.site, first.where, first.over, first.size) == ("layers.7.moe.router.topk_ids", "", 1, 2)
-    assert "(1 of 2 ids differ)" in str(first)
+    assert "; 1 of 2 ids differ)" in str(first)
 
 
 def test_a_sparse_dump_names_every_operation_since_its_last_site(weights_d, hooks_d):
@@ -818,3 +818,41 @@ def test_from_a_later_position_trace_padding_ahead_and_ties_are_read_at_position
     swapped[3, 0] = (set(range(8)) - set(swapped[3].tolist())).pop()
     cmp = ke.compare(ke.Session(weights_d), {ids: swapped, "tokens": np.array(tokens)}, start=7, local=False)
     assert cmp.first.token == 10 and " at token 10:" in cmp.sites[ids].explanation
+
+
+def test_top_k_weights_of_other_experts_are_compared_by_expert_and_named_so(weights_d, hooks_d):
+    # kimi_explore selects e1, e2 at layer 7, token 3; the other engine e2 (the same weight) and another expert. By
+    # expert: e2 agrees, e1 (ours only) and the other (theirs only) differ, each against 0; positionally (was) e1's
+    # weight was set against e2's and the report said "2 of 2 entries", naming an expert the engine never selected
+    tokens = hooks_d[1]
+    ids_site, site = "layers.7.moe.router.topk_ids", "layers.7.moe.router.topk_weights"
+    clean = _engine_run(weights_d, tokens, site, 3, 1.0, False)
+    (e1, e2), (w1, w2) = clean[ids_site][3].tolist(), clean[site][3].tolist()
+    other = min(set(range(8)) - {e1, e2})
+    theirs = {k: v.copy() for k, v in clean.items()}
+    theirs[ids_site][3], theirs[site][3] = [e2, other], [w2, w1 + 0.1]
+    cmp = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, probes=False)
+    d = next(x for x in cmp.divergences if x.site == site)
+    assert (d.token, d.where, d.over, d.size) == (3, f"the weight of expert {other}", 2, 3)
+    assert d.max_abs == pytest.approx(w1 + 0.1)
+    # the teacher-forced replay weights the other engine's experts: its entries are named by those
+    assert cmp.sites[site].local_experts[3].tolist() == sorted([e2, other])
+    # weights dumped without their ids are compared largest first: entries are ranks
+    no_ids = {site: clean[site].copy(), "tokens": np.array(tokens)}
+    no_ids[site][3] = no_ids[site][3] * [1.0, 1.05] if w2 < w1 else no_ids[site][3] * [1.05, 1.0]  # the smaller 5% off
+    first = ke.compare(ke.Session(weights_d), no_ids, local=False).first
+    assert (first.token, first.where) == (3, "the weight ranked 2 (largest first)")
+
+
+def test_a_suspect_names_where_its_own_operation_is_off_beside_where_the_site_differs(weights_d, hooks_d):
+    # layers.4.kda.state 5% off at token 6 (kda.o inherits it everywhere) and kda.o's own operation off at one entry,
+    # 2e-3 of its head's largest: the divergence's where is the inherited drift's worst entry, local_where that entry
+    tokens = hooks_d[1]
+    site = "layers.4.kda.o"
+    clean = _engine_run(weights_d, tokens, site, 6, 1.0, False)
+    theirs = _engine_run(weights_d, tokens, "layers.4.kda.state", 6, 1.05, False)
+    theirs[site][6][3, 17] += 2e-3 * np.abs(clean[site][6][3]).max()
+    cmp = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, probes=False)
+    suspect = next(x for x in cmp.suspects if x.site == site)
+    assert suspect.token == 6 and suspect.local_where == "head 3, channel 17" and suspect.where != suspect.local_where
+    assert "off on the other engine's inputs at head 3, channel 17" in str(suspect)

@@ -104,11 +104,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     results = {}
     for s in sites:
         layer, kind = _split(s)
-        ids = ours.get(s.replace("topk_weights", "topk_ids"))
-        a, b = _aligned(s, ours, theirs, ours_ids=ids)
+        a, b, experts = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
         err = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
-        experts = np.sort(np.asarray(ids), axis=-1) if ids is not None and s.replace("topk_weights", "topk_ids") in theirs \
-            else None  # (the weights compared in the order of their ids: _aligned)
         results[s] = SiteComparison(s, layer, kind, err.max_abs, err.rel, operation=_operation(s, kind, at, theirs, graph),
                                     shape=np.shape(a[0]) if a else (), worst=err.worst, over=err.over, experts=experts)
     for s in sites:
@@ -124,7 +121,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         patch = _patch(theirs)
         forced = replay(weights, tokens, sites, patch=patch, prefill=prefill, start=start)
         for s, r in results.items():
-            err = _local_errors(s, r.kind, forced, theirs, tol, floors)
+            err, r.local_experts = _local_errors(s, r.kind, forced, theirs, tol, floors)
             r.local_rel, r.local_worst = err.rel, err.worst
         del forced
         if probes:
@@ -435,27 +432,39 @@ def _attends_ahead(probs, start: int) -> list[int]:
     return [t for t, tail in tails if np.any((tail != 0) & np.isfinite(tail))]
 
 
-def _aligned(site, ours, theirs, ours_ids=None, their_ids=None):
-    """Per-token lists (ours, theirs) ready to compare: top-k weights in the order of their expert ids."""
-    a, b = list(ours[site]), [np.asarray(x) for x in theirs[site]]
+def _aligned(site, ours, theirs, ours_ids=None):
+    """Per-token lists (ours, theirs, experts) ready to compare. Top-k weights (ours selected by `ours_ids`) by expert
+    id, over the experts either side selected, ascending (`experts` [T] lists them; a weight one side did not give is
+    0: another expert weighted is a difference), engines list the same set in other orders; where the other engine
+    dumped no ids, both sides largest first (experts None: the entries are ranks). Other sites as they are."""
+    a, b, experts = list(ours[site]), [np.asarray(x) for x in theirs[site]], None
     if site.endswith("moe.router.topk_weights"):
-        ids_name = site.replace("topk_weights", "topk_ids")
-        their_ids = theirs.get(ids_name) if their_ids is None else their_ids
+        their_ids = theirs.get(site.replace("topk_weights", "topk_ids"))
+        if their_ids is None:  # nothing to pair the weights by
+            return [np.sort(x)[::-1] for x in a], [np.sort(x)[::-1] for x in b], None
+        ours_ids, experts = their_ids if ours_ids is None else ours_ids, []
         for t in range(len(a)):
-            if their_ids is None:  # nothing to pair the weights by: both sides largest first
-                a[t], b[t] = np.sort(a[t])[::-1], np.sort(b[t])[::-1]
-                continue
-            if ours_ids is not None:
-                a[t] = a[t][np.argsort(ours_ids[t], kind="stable")]
-            b[t] = b[t][np.argsort(their_ids[t], kind="stable")]
-    return a, b
+            mine, other = np.asarray(ours_ids[t], np.int64), np.asarray(their_ids[t], np.int64)
+            union = np.union1d(mine, other)
+            a[t], b[t] = _by_expert(a[t], mine, union), _by_expert(b[t], other, union)
+            experts.append(union)
+    return a, b, experts
 
 
-def _local_errors(site, kind, forced, theirs, tol, floors) -> SiteErrors:
+def _by_expert(weights, ids, experts):
+    """The top-k `weights` of expert `ids` placed at those experts in `experts` (sorted; 0 at the others)."""
+    weights = np.asarray(weights)
+    out = np.zeros(experts.shape, np.result_type(weights.dtype, np.float32))
+    out[np.searchsorted(experts, ids)] = weights
+    return out
+
+
+def _local_errors(site, kind, forced, theirs, tol, floors) -> tuple[SiteErrors, list | None]:
+    """(errors, experts of the top-k weights) of kimi_explore's operation on the other engine's inputs."""
     # in the forced replay the top-k weights are computed for the other engine's ids (patched in)
     ids = theirs.get(site.replace("topk_weights", "topk_ids")) if kind == "moe.router.topk_weights" else None
-    a, b = _aligned(site, forced, theirs, ours_ids=ids)
-    return site_errors(kind, a, b, tol, floors.get(kind, 0.0))
+    a, b, experts = _aligned(site, forced, theirs, ours_ids=ids)
+    return site_errors(kind, a, b, tol, floors.get(kind, 0.0)), experts
 
 
 def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, prefill: int, start: int) -> None:
@@ -471,7 +480,7 @@ def _run_probes(cmp: Comparison, weights, tokens, theirs, patch, tol, floors, pr
                             start=start)
             for s in sorted(open_):
                 r = cmp.sites[s]
-                rel = _local_errors(s, r.kind, forced, theirs, tol, floors).rel
+                rel = _local_errors(s, r.kind, forced, theirs, tol, floors)[0].rel
                 if not np.any(beyond(r.kind, rel, tol.for_kind(r.kind).rtol)):
                     r.operation = probe  # named only where one of its variants explains the site
                     r.explanation = f"other engine matches eps {eps:g} (kimi_explore: {own_eps:g})"

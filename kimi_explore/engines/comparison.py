@@ -44,9 +44,10 @@ class Divergence:
     between are missing; a probe's name when a probe explains it); max_abs, rel: the error
     at that token; local_rel: the error of kimi_explore's operation on the other engine's inputs;
     explanation: what a probe found ("other engine matches eps 1e-05"), or "". diverges: False for a
-    suspect within tolerance (`Comparison.suspects`). where: the entry with the largest error against its scale
-    ("head 2, channel 17"; a suspect's: of its own operation on the other engine's inputs), over of size: how many
-    entries of the token's value are beyond rtol (top-k ids: how many ids differ, of k).
+    suspect within tolerance (`Comparison.suspects`). where: the entry whose error against its scale is rel ("head 2,
+    channel 17"; a per-head site's scale is its head's, so not always where max_abs is); over of size: how many
+    entries are beyond rtol (top-k ids: how many ids differ, of k); local_where: the worst entry of kimi_explore's
+    operation on the other engine's inputs (where local_rel is); suspect: local_rel is beyond `Tolerance.local_rtol`.
     """
 
     token: int
@@ -62,17 +63,20 @@ class Divergence:
     where: str = ""
     over: int | None = None
     size: int | None = None
+    local_where: str = ""
+    suspect: bool = False
 
     def __str__(self) -> str:
         where = f"layer {self.layer}" if self.layer is not None else "global"
         how = {True: "local", False: "inherited", None: "local/inherited not tested"}[self.local] if self.diverges \
             else "within tolerance"
-        if self.local_rel is not None and (self.local or not self.diverges):
+        if self.local_rel is not None and (self.local or not self.diverges or self.suspect):
             how += f", its own operation {self.local_rel:.3g} off on the other engine's inputs"
-        at = f" at {self.where}" if self.where else ""
+            how += f" at {self.local_where}" if self.local_where and self.local_where != self.where else ""
+        detail = f"rel {self.rel:.3g}" + (f" at {self.where}" if self.where else "")
         if self.diverges and self.over is not None and self.size:
-            at += f" ({self.over} of {self.size} {'ids differ' if self.site.endswith(IDS_SITE) else 'entries beyond rtol'})"
-        text = (f"token {self.token}, {where}, {self.site}: max|delta| {self.max_abs:.3g} (rel {self.rel:.3g}){at}, {how}; "
+            detail += f"; {self.over} of {self.size} {'ids differ' if self.site.endswith(IDS_SITE) else 'entries beyond rtol'}"
+        text = (f"token {self.token}, {where}, {self.site}: max|delta| {self.max_abs:.3g} ({detail}), {how}; "
                 f"operation: {self.operation}")
         return text + (f"; {self.explanation}" if self.explanation else "")
 
@@ -93,15 +97,23 @@ class SiteComparison:
     worst: np.ndarray | None = None  # [T] flat index of the worst entry (`tolerance.SiteErrors`), -1: none
     over: np.ndarray | None = None  # [T] entries beyond rtol (top-k ids: ids that differ)
     local_worst: np.ndarray | None = None  # [T] the worst entry of kimi_explore's operation on the other engine's inputs
-    experts: np.ndarray | None = None  # [T, k] top-k weights: the expert of each entry (ids sorted, as compared)
+    experts: list | None = None  # top-k weights compared by expert: per token the experts of the entries, ascending
+    local_experts: list | None = None  # the same in the teacher-forced replay (the other engine's ids)
 
     def where(self, t: int, local: bool = False) -> str:
-        """The worst entry at token t, named by the site's axes ("head 2, channel 17"), or "" (none differs; not
-        recorded)."""
-        worst = self.local_worst if local else self.worst
+        """The worst entry at token t (of the teacher-forced replay: local=True), named by the site's axes ("head 2,
+        channel 17", "the weight of expert 5"), or "" (none differs; not recorded)."""
+        worst, experts = (self.local_worst, self.local_experts) if local else (self.worst, self.experts)
         if worst is None or worst[t] < 0 or not self.shape:
             return ""
-        return location(self.kind, self.shape, int(worst[t]), None if self.experts is None else self.experts[t])
+        return location(self.kind, self.shape, int(worst[t]), None if experts is None else experts[t])
+
+    def size(self, t: int) -> int | None:
+        """How many entries token t's comparison has (top-k ids: k; top-k weights by expert: the experts either side
+        selected), None where unknown."""
+        if self.experts is not None:
+            return len(self.experts[t])
+        return (self.shape[0] if self.kind.endswith(IDS_SITE) else int(np.prod(self.shape))) if self.shape else None
 
     def beyond(self, rtol: float) -> np.ndarray:
         """[T] bool: the other engine's value is beyond tolerance (NaN counts as beyond; top-k ids at one id)."""
@@ -153,12 +165,11 @@ class Comparison:
 
     def _divergence(self, s: SiteComparison, t: int) -> Divergence:
         rtol = self.rtol_of(s)
-        diverges = bool(s.beyond(rtol)[t])
-        size = s.shape[0] if s.kind.endswith(IDS_SITE) and s.shape else int(np.prod(s.shape)) if s.shape else None
         return Divergence(self.start + t, s.layer, s.site, s.local_at(t, rtol), s.operation or operation_of(s.kind),
                           float(s.max_abs[t]), float(s.rel[t]), None if s.local_rel is None else float(s.local_rel[t]),
-                          s.explanation, diverges, s.where(t, local=not diverges),
-                          None if s.over is None else int(s.over[t]), size)
+                          s.explanation, bool(s.beyond(rtol)[t]), s.where(t), None if s.over is None else int(s.over[t]),
+                          s.size(t), s.where(t, local=True) if s.local_rel is not None else "",
+                          s.local_rel is not None and bool(s.suspect(self.tolerance.for_kind(s.kind).local_rtol)[t]))
 
     def _in_order(self, flags) -> list[Divergence]:
         """Each site at its first flagged token (`flags(site)`: [T] bool or None), ordered by (token, firing order)."""
@@ -244,7 +255,6 @@ AXES = {
     "kda.state": ("head", "k", "v"),
     "mla.probs": ("head", "position"),
     "moe.router.scores": ("expert",),
-    "moe.router.topk_weights": ("slot",),
     "final.block_residual": ("block", "channel"),
     "logits": ("token id",),
 }
@@ -252,14 +262,15 @@ AXES = {
 
 def location(kind: str, shape: tuple, flat: int, experts=None) -> str:
     """Entry `flat` of a per-token value of `shape` at a site of `kind`, named by its axes: "head 2, channel 17",
-    "k stream, head 0, channel 3"; a top-k weight by its expert where `experts` (the token's ids in the compared
-    order) is given; "index (1, 2)" for a kind without named axes."""
+    "k stream, head 0, channel 3"; a top-k weight by its expert where `experts` (the experts of the compared entries)
+    is given, else by its rank (compared largest first); "index (1, 2)" for a kind without named axes."""
+    if kind == "moe.router.topk_weights":
+        return f"the weight of expert {int(experts[flat])}" if experts is not None else \
+            f"the weight ranked {flat + 1} (largest first)"
     index = tuple(int(i) for i in np.unravel_index(flat, shape))
     axes = AXES.get(kind)
     if axes is None or len(axes) != len(index):
         return f"index {index}"
-    if kind == "moe.router.topk_weights" and experts is not None:
-        return f"the weight of expert {int(experts[index[0]])}"
     return ", ".join(f"{'qkv'[i]} stream" if a == "stream" and i < 3 else f"{a} {i}" for a, i in zip(axes, index, strict=True))
 
 
