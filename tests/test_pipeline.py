@@ -366,3 +366,14 @@ def test_integer_source_columns_count_model_wide_on_every_stage(pipe3, weights):
     plain = ke.Session(weights)
     plain.feed(TOKENS)
     assert not np.array_equal(runs[0].logits[3:9], plain.logits[3:9])  # the masks did act
+
+
+def test_compare_over_a_pipeline_is_refused_naming_the_in_process_route(pipe3, weights):
+    """compare's replays record what kimi_explore computes before patching the other engine's values in, in this
+    process; a pipeline's hooks run in its stages, so nothing came back and compare crashed in its shape check."""
+    s = ke.Session(weights)
+    s.feed(TOKENS[:4])
+    theirs = {"logits": s.logits, "tokens": np.array(TOKENS[:4])}
+    assert ke.compare(ke.Session(weights), theirs).first is None  # in process: compared
+    with pytest.raises(TypeError, match=r"compare: a RayPipeline runs hooks in its stages.*ke\.from_pretrained\(path\)"):
+        ke.compare(ke.Session(pipe3), theirs)

@@ -71,7 +71,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     if not (hasattr(session, "weights") and hasattr(session, "tokens")):
         raise TypeError(f"compare: session must be a Session on the weights (ke.Session(weights)), got "
                         f"{type(session).__name__} {session!r:.40}")
-    weights = session.weights
+    weights = _in_process(session.weights)
     sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
     arrays, tokens, engine, dtype, dumped, first = load_other(other, names=names, weights=weights, sources=sources)
     tokens = _tokens(session, tokens)
@@ -180,6 +180,19 @@ def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, 
     return arrays, tokens, engine, dtype, prefill or 0, start
 
 
+def _in_process(weights):
+    """The weights, refused where their hooks run elsewhere: a RayPipeline runs hooks in its stages, where a replay
+    cannot record what kimi_explore computes before the other engine's value is patched in (each crashed in its
+    shape check: nothing came back)."""
+    try:
+        return weights.local_weights()
+    except TypeError:
+        raise TypeError("compare: a RayPipeline runs hooks in its stages, so compare's replays cannot record what "
+                        "kimi_explore computes there before patching the other engine's values in; compare over weights "
+                        "in this process: ke.compare(ke.Session(ke.from_pretrained(path)), other) (K3's experts mapped "
+                        "from disk fit one host: experts='mapped')") from None
+
+
 def _hook_names(weights) -> list[str]:
     from ..model.kimi_decoder import hook_names
 
@@ -232,9 +245,7 @@ def _tie(weights, site: str, t: int, ours, theirs, tol: Tolerance, start: int) -
     selection scores (the router's scores plus its bias): the experts only kimi_explore selected score above the
     ones only the other engine did by how much, against the largest score and the scores' rtol."""
     layer = int(site.split(".")[1])
-    ffn = next((lw.ffn for lw in getattr(weights, "layers", ()) if lw.index == layer), None)
-    if ffn is None:  # (a pipeline: the layer's weights live in a stage)
-        return ""
+    ffn = next(lw.ffn for lw in weights.layers if lw.index == layer)  # (held: `_check_layers`)
     scores = np.asarray(ours[site.replace(IDS_SITE, "moe.router.scores")][t], np.float64)
     biased = scores + np.asarray(to_numpy(ffn.e_score_correction_bias), np.float64)
     a, b = set(np.asarray(ours[site][t]).tolist()), set(np.asarray(theirs[site][t]).tolist())
