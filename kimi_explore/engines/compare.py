@@ -131,7 +131,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
     return cmp
 
 
-def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str, int]:
+def load_other(other, *, names=None, weights=None, sources=None) -> tuple[dict, list | None, str, str, int, int]:
     """(arrays {hook name: [T - start, ...]}, tokens or None, engine, dtype, prefill, start) from anything `compare`
     takes (prefill: a dump's where its metadata says (0 too), else llama.cpp captures' own
     (`name_maps.llamacpp_prefill`), else 0; start: a dump's, else 0).
@@ -341,8 +341,8 @@ def _check_expert_ids(theirs, num_experts: int, named: dict, start: int) -> None
         if bad.size:
             t, j = (int(x) for x in bad[0])
             raise ValueError(f"compare: the other engine's {named[s]} holds expert id {a[t, j].item()!r} at token {start + t} "
-                             f"(slot {j}; "
-                             f"{len(bad)} such id(s) in all); this model's experts are the integers 0..{num_experts - 1}")
+                             f"(slot {j}; {len(bad)} such id(s) in all); this model's experts are the integers "
+                             f"0..{num_experts - 1}")
         for t, row in enumerate(a.reshape(len(a), -1)):  # (compared as sets, a repeat read as half an id differing)
             ids, counts = np.unique(row, return_counts=True)
             if (counts > 1).any():
