@@ -760,7 +760,8 @@ def test_an_engine_that_captured_only_its_decode_is_compared_from_there(weights_
 
 def test_llama_cpp_from_a_later_position_finds_what_it_finds_from_the_first(weights_d, hooks_d):
     # llama.cpp's own K3 (set d) agrees at every site from position 0; its rows from position 5 agree from there, and
-    # set e's eps bug (local at layer 0's state from token 0) is local at position 5 as well, explained the same way
+    # set e's eps bug (local at layer 0's state from token 0) is found at position 5, explained the same way; the
+    # state's own update there reads the state of the uncaptured position 4 (kimi_explore's): not tested at 5 alone
     arrays, tokens = hooks_d
     tail = {k: np.asarray(v)[5:] for k, v in arrays.items()}
     assert ke.compare(ke.Session(weights_d), {**tail, "tokens": np.array(tokens)}, start=5, local=False).first is None
@@ -771,8 +772,10 @@ def test_llama_cpp_from_a_later_position_finds_what_it_finds_from_the_first(weig
     cmp = ke.compare(ke.Session(weights_e), {**{k: np.asarray(v)[5:] for k, v in e.items()}, "tokens": np.array(tokens_e)},
                      start=5)
     first = cmp.first
-    assert (first.token, first.site, first.local) == (5, "layers.0.kda.state", True)
-    assert "matches eps 1e-05" in first.explanation
+    assert (first.token, first.site, first.local) == (5, "layers.0.kda.state", None)
+    assert "layers.0.kda.state" in cmp.local_sites and cmp.sites["layers.0.kda.state"].local_from == 1
+    assert first.explanation.startswith("other engine matches eps 1e-05")
+    assert first.explanation.endswith("local or inherited not tested at positions 5..5")
 
 
 def test_rows_that_do_not_start_at_position_0_are_refused_unless_start_says_so(weights_d, hooks_d, tmp_path):
@@ -856,3 +859,62 @@ def test_a_suspect_names_where_its_own_operation_is_off_beside_where_the_site_di
     suspect = next(x for x in cmp.suspects if x.site == site)
     assert suspect.token == 6 and suspect.local_where == "head 3, channel 17" and suspect.where != suspect.local_where
     assert "off on the other engine's inputs at head 3, channel 17" in str(suspect)
+
+
+def test_an_engine_off_only_in_its_uncaptured_prompt_is_not_called_local(weights_d, hooks_d):
+    # the other engine's prompt (positions 0..5, uncaptured) is 5% off at layer 2's kv latent of position 3; its decode
+    # is right. Every captured MLA row attends to that key, and the forced replay has only kimi_explore's prompt cache:
+    # it called layers.2.mla.probs local at every position. Now the MLA sites (and the first rows of the recurrent KDA
+    # sites, which read the prompt's state) are not tested, and say why
+    tokens = hooks_d[1]
+    theirs = {k: v[6:] for k, v in _engine_run(weights_d, tokens, "layers.2.mla.kv_latent", 3, 1.05, False).items()}
+    cmp = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, start=6, probes=False)
+    assert cmp.first is not None and cmp.first.site.endswith("mla.probs") and cmp.first.local is None
+    assert cmp.local_sites == [] and cmp.suspects == []
+    probs = cmp.sites["layers.2.mla.probs"]
+    assert probs.local_from == 10 and probs.explanation.endswith(
+        "reads the MLA cache of the tokens before position 6, which the other engine did not capture (kimi_explore's own "
+        "there): local or inherited not tested at any captured position")
+    state = cmp.sites["layers.3.kda.state"]
+    assert state.local_from == 1 and state.is_local(cmp.rtol_of(state)) is False
+    # the same engine captured from position 0: the prompt's key is local where it is made
+    full = _engine_run(weights_d, tokens, "layers.2.mla.kv_latent", 3, 1.05, False)
+    assert ke.compare(ke.Session(weights_d), {**full, "tokens": np.array(tokens)}, probes=False).local_sites == [
+        "layers.2.mla.kv_latent"]
+
+
+def test_start_reaches_dump_files_without_it_and_llama_cpp_captures(weights_d, hooks_d, tmp_path):
+    from safetensors.numpy import save_file
+
+    tokens = hooks_d[1]
+    # a file written without metadata 'start' (another language's writer): compare(start=) reads it from there, and
+    # read_dump's refusal names the start its rows mean; a start the metadata contradicts is refused
+    tail = {k: np.ascontiguousarray(np.asarray(v)[6:]) for k, v in hooks_d[0].items()}
+    path = tmp_path / "nostart.safetensors"
+    save_file(tail, str(path), metadata={"format": "kimi_explore.dump/1", "tokens": ",".join(map(str, tokens))})
+    with pytest.raises(ValueError, match=r"rows of the last 10 tokens only: metadata 'start' = '6' \(or "
+                                         r"compare\(\.\.\., start=6\)\)"):
+        ke.read_dump(path)
+    assert ke.read_dump(path, start=6).start == 6
+    assert ke.compare(ke.Session(weights_d), path, start=6, local=False).first is None
+    marked = ke.write_dump(tmp_path / "marked.safetensors", tail, tokens=tokens, start=6)
+    with pytest.raises(ValueError, match="start=5 given, but its metadata 'start' says 6"):
+        ke.compare(ke.Session(weights_d), marked, start=5)
+    # llama.cpp's own captures of the tokens from position 6 on, under its own names
+    with np.load(_captures("d")) as z:
+        raw = {k: z[k] if k == "tokens" else z[k][6:] for k in z.files}
+    with pytest.raises(ValueError, match=r"captures of the last 10 tokens only: compare\(\.\.\., start=6\)"):
+        ke.compare(ke.Session(weights_d), raw, names="llama.cpp")
+    cmp = ke.compare(ke.Session(weights_d), raw, names="llama.cpp", start=6, local=False)
+    assert cmp.first is None and cmp.start == 6 and len(cmp.sites["layers.2.mla.probs"].rel) == 10
+    # a wrong start says what the rows mean; a session holding the prompt is told to feed the rest
+    with pytest.raises(ValueError, match=r"its 10 rows would mean start=6\)"):
+        ke.compare(ke.Session(weights_d), {**tail, "tokens": np.array(tokens)}, start=4)
+    s = ke.Session(weights_d)
+    s.feed(tokens[:6])
+    with pytest.raises(ValueError, match=r"which are its first 6: feed the session the rest \(session\.feed\(ids\[6:\]\)\)"):
+        ke.compare(s, {**tail, "tokens": np.array(tokens)}, start=6)
+    probs = tail["layers.2.mla.probs"][:, :, 6:]  # rows as wide as the captured tokens only
+    with pytest.raises(ValueError, match=r"per-token shape \(6, 10\), kimi_explore's is \(6, 16\) \(a row spans every "
+                                         r"position 0\.\.15"):
+        ke.compare(ke.Session(weights_d), {"layers.2.mla.probs": probs, "tokens": np.array(tokens)}, start=6)

@@ -83,7 +83,9 @@ class Divergence:
 
 @dataclass
 class SiteComparison:
-    """One site over the T tokens: max_abs, rel [T]; local_rel [T] (None when not tested)."""
+    """One site over the compared tokens: max_abs, rel [n] (row i: position `Comparison.start` + i, as every per-row
+    array and the row index t of the methods); local_rel [n] (None when not tested; 0 in the rows before local_from,
+    whose operation reads state of tokens the other engine did not capture: not tested there)."""
 
     site: str
     layer: int | None
@@ -99,6 +101,7 @@ class SiteComparison:
     local_worst: np.ndarray | None = None  # [T] the worst entry of kimi_explore's operation on the other engine's inputs
     experts: list | None = None  # top-k weights compared by expert: per token the experts of the entries, ascending
     local_experts: list | None = None  # the same in the teacher-forced replay (the other engine's ids)
+    local_from: int = 0  # the first row whose teacher-forced test holds
 
     def where(self, t: int, local: bool = False) -> str:
         """The worst entry at token t (of the teacher-forced replay: local=True), named by the site's axes ("head 2,
@@ -133,11 +136,11 @@ class SiteComparison:
     def is_local(self, rtol: float) -> bool | None:
         """The site's operation disagrees at some token where the site diverges (None: not tested)."""
         local = self.local_beyond(rtol)
-        return None if local is None else bool(np.any(local))
+        return None if local is None or self.local_from >= len(local) else bool(np.any(local))
 
     def local_at(self, t: int, rtol: float) -> bool | None:
         local = self.local_beyond(rtol)
-        return None if local is None else bool(local[t])
+        return None if local is None or t < self.local_from else bool(local[t])
 
 
 @dataclass

@@ -110,8 +110,10 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
     return write_atomically(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # never half a dump
 
 
-def read_dump(path) -> Dump:
-    """Read a dump written by `write_dump` (or by any engine following the format above)."""
+def read_dump(path, start: int | None = None) -> Dump:
+    """Read a dump written by `write_dump` (or by any engine following the format above). start: the position of the
+    arrays' first row where the metadata does not say (a file written without 'start'); one that says another is
+    refused."""
     import ml_dtypes  # noqa: F401  (lets safetensors hand bfloat16 arrays to NumPy)
     from safetensors import SafetensorError, safe_open
 
@@ -127,12 +129,12 @@ def read_dump(path) -> Dump:
         raise ValueError(f"engine dump: {e} (a dump is one safetensors file: ke.write_dump writes one; a .npz of "
                          "captures is read by ke.compare directly)") from None
     try:
-        return _read(path, safe_open)
+        return _read(path, safe_open, start)
     except SafetensorError as e:  # what our header check leaves to the library (overlapping data, ...): name the file
         raise ValueError(f"engine dump {path}: not a valid safetensors file ({e})") from None
 
 
-def _read(path: Path, safe_open) -> Dump:
+def _read(path: Path, safe_open, given: int | None) -> Dump:
     with safe_open(str(path), framework="numpy") as f:
         meta = f.metadata() or {}
         missing = [k for k in ("format", "tokens") if k not in meta]
@@ -157,20 +159,28 @@ def _read(path: Path, safe_open) -> Dump:
                                         and int(p) <= len(tokens)):
             raise ValueError(f"engine dump {path}: metadata 'prefill' must be a number of tokens 0..{len(tokens)} (the "
                              f"first tokens the engine ran as one prefill), found {meta['prefill'][:40]!r}")
-        start = meta.get("start", "0")
-        if not (_TOKEN.fullmatch(q := start.strip(" \t\r\n")) and not q.startswith("-") and int(q) < max(len(tokens), 1)):
-            raise ValueError(f"engine dump {path}: metadata 'start' must be a position 0..{max(len(tokens) - 1, 0)} (where "
-                             f"the captured tokens begin), found {meta['start'][:40]!r}")
+        last = max(len(tokens) - 1, 0)
+        if given is not None:
+            given = int_in(given, 0, last, f"engine dump {path}: start", " (the position of the first captured token)")
+        start = meta.get("start", "0" if given is None else str(given))
+        if not (_TOKEN.fullmatch(q := start.strip(" \t\r\n")) and not q.startswith("-") and int(q) <= last):
+            raise ValueError(f"engine dump {path}: metadata 'start' must be a position 0..{last} (where the captured "
+                             f"tokens begin), found {meta['start'][:40]!r}")
         start = int(q)
+        if given is not None and given != start:
+            raise ValueError(f"engine dump {path}: start={given} given, but its metadata 'start' says {start}")
         arrays = {}
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             a = f.get_tensor(name)
             if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
                 a = a.astype(np.float64 if a.dtype == np.float64 else np.float32)
             if a.ndim == 0 or a.shape[0] != len(tokens) - start:
+                hint = (f"; rows of the last {a.shape[0]} tokens only: metadata 'start' = '{len(tokens) - a.shape[0]}' (or "
+                        f"compare(..., start={len(tokens) - a.shape[0]}))" if a.ndim and 0 < a.shape[0] < len(tokens)
+                        and "start" not in meta and given is None else "")
                 raise ValueError(f"engine dump {path}: {name!r} has shape {a.shape}; expected [T, ...] with T = "
                                  f"{len(tokens) - start} (the number of ids in metadata 'tokens'"
-                                 + (f" from position start = {start})" if start else ")"))
+                                 + (f" from position start = {start})" if start else ")") + hint)
             arrays[name] = a
     return Dump(arrays, tokens, meta.get("engine", ""), dtype, str(path), None if prefill is None else int(prefill), start)
 

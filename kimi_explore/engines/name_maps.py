@@ -132,8 +132,8 @@ def ggml_to_numpy(data, ne, dtype=np.float32) -> np.ndarray:
     return a.reshape(tuple(reversed(ne)))
 
 
-def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None) -> dict:
-    """{llama.cpp name: array} for T tokens -> {kimi_explore hook name: [T, ...] array}.
+def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None, start: int = 0) -> dict:
+    """{llama.cpp name: array} for T tokens -> {kimi_explore hook name: [T - start, ...] array}.
 
     arrays: a mapping (an opened `llamacpp_<kind>_<mode>.npz`), with `tokens` [T]; decode captures
     (one record per token on a leading axis) or prefill captures (one record over the T tokens).
@@ -142,11 +142,13 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
     without them those two sites are left out. sources: a dict filled with {hook name: the llama.cpp name(s) it
     was made from}, for errors that name the capture. A name neither mapped nor in `UNMAPPED` is refused, and so
     is a known name in a form the mapping does not read (`l_out-5#0`, a layer-less `l_out`, `inp_embd-0`, a plain
-    `res_probs-3` beside `res_probs-3#1`): dropped, the comparison would pass without it.
+    `res_probs-3` beside `res_probs-3#1`): dropped, the comparison would pass without it. start: the captures hold
+    the tokens from this position on (`tokens` still every id: the attention rows span positions 0..T-1).
     """
     if "tokens" not in arrays:
         raise KeyError("llama.cpp captures: no 'tokens' array (the token ids fed, [T])")
     T = int(np.asarray(arrays["tokens"]).shape[0])
+    R = T - start  # the captured rows
     read = set()
 
     def raw(key):
@@ -155,7 +157,7 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
         where a decode capture's per-token records are stacked on a leading axis of T = 1."""
         read.add(key)
         a = np.asarray(arrays[key])
-        return a[None] if T == 1 and a.ndim and a.shape[0] != 1 else a
+        return a[None] if R == 1 and a.ndim and a.shape[0] != 1 else a
     by_layer: dict = {}
     out: dict = {}
     sources = {} if sources is None else sources
@@ -190,7 +192,7 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
             if len({c.shape for c in convs}) != 1:
                 raise ValueError("llama.cpp captures: " + ", ".join(f"{names[f'kda_{c}_conv']!r} {list(a.shape)}" for c, a
                                                                     in zip("qkv", convs, strict=True))
-                                 + f": expected one shape, [{T} tokens, heads, head dim] each (layer {i}'s q, k and v)")
+                                 + f": expected one shape, [{R} tokens, heads, head dim] each (layer {i}'s q, k and v)")
             out[p + "kda.conv_out"] = np.stack(convs, axis=1)
         if "kda_beta" in names:
             out[p + "kda.beta"] = get("kda_beta")[..., 0]
@@ -198,7 +200,7 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
             out[p + "kda.decay"] = np.exp(get("kda_g1"))
         if "kda_g2" in names:
             out[p + "kda.gate"] = 1.0 / (1.0 + np.exp(-get("kda_g2")))
-        if "new_state" in names and raw(names["new_state"]).ndim == 4 and raw(names["new_state"]).shape[0] == T:
+        if "new_state" in names and raw(names["new_state"]).ndim == 4 and raw(names["new_state"]).shape[0] == R:
             out[p + "kda.state"] = get("new_state").swapaxes(-1, -2)  # llama.cpp [H, V, K]; ours [H, K, V]
         mixer = "kda_out" if "kda_out" in names else "mla_out"
         if mixer in names:
@@ -217,9 +219,9 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
         if "ffn_out" in names and "ffn_shexp" in names:
             out[p + "moe.routed_out"] = get("ffn_out") - get("ffn_shexp")
         if "kq_soft_max" in names:
-            out[p + "mla.probs"] = _per_token_heads(get("kq_soft_max"), T, names["kq_soft_max"])[:, :, :T]
+            out[p + "mla.probs"] = _per_token_heads(get("kq_soft_max"), R, names["kq_soft_max"])[:, :, :T]
         if "kqv_mla" in names:
-            out[p + "mla.o"] = _per_token_heads(get("kqv_mla"), T, names["kqv_mla"])
+            out[p + "mla.o"] = _per_token_heads(get("kqv_mla"), R, names["kqv_mla"])
         lw = layer_weights.get(i)
         if lw is not None and lw.attention.kind == "mla":
             for k, site, norm in ((1, "mla.q_latent", "q_a_layernorm"), (2, "mla.kv_latent", "kv_a_layernorm")):
@@ -227,7 +229,7 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
                     gain, a = np.asarray(to_numpy(getattr(lw.attention, norm)), np.float32), get(f"norm#{k}")
                     if a.ndim != 2 or a.shape[1] != gain.shape[0]:
                         raise ValueError(f"llama.cpp captures: {names[f'norm#{k}']!r} has shape {list(a.shape)}, "
-                                         f"expected [{T} tokens, {gain.shape[0]}] (layer {i}'s {site}, before its norm weight)")
+                                         f"expected [{R} tokens, {gain.shape[0]}] (layer {i}'s {site}, before its norm weight)")
                     out[p + site] = a * gain
         for site in set(out) - before:
             sources[site] = _source(site, i, names)
@@ -239,9 +241,11 @@ def llamacpp_to_hooks(arrays, config, weights=None, sources: dict | None = None)
                        "'res_probs-i' beside 'res_probs-i#1'); dropped, the comparison would pass without them. Name "
                        "them as llama.cpp does, or map them yourself (compare(..., names={their name: hook name}))")
     for name, a in out.items():
-        if a.ndim == 0 or a.shape[0] != T:
+        if a.ndim == 0 or a.shape[0] != R:
             raise ValueError(f"llama.cpp captures: {name!r} (from {sources.get(name, '?')}) has shape {a.shape}, expected "
-                             f"one row per token ({T})")
+                             f"one row per token ({R}" + (f": positions {start}..{T - 1})" if start else ")")
+                             + (f"; captures of the last {a.shape[0]} tokens only: compare(..., start={T - a.shape[0]})"
+                                if not start and a.ndim and 0 < a.shape[0] < T else ""))
     return out
 
 
