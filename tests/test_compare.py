@@ -411,6 +411,8 @@ def test_a_divergence_names_the_entry_that_is_off(weights_d, hooks_d, site, entr
     first = cmp.first
     assert (first.token, first.site, first.local, first.where, first.over) == (4, site, True, where, 1)
     size = int(np.prod(theirs[site].shape[1:]))
+    if site.endswith("mla.probs"):  # the heads x the positions up to token 4 (the later ones are masked)
+        size = theirs[site].shape[1] * 5
     assert first.size == size and f" at {where}; 1 of {size} entries beyond rtol)" in str(first)
     row = next(r for r in cmp.table() if r["site"] == site)  # (the site's later tokens do not read the entry)
     assert (row["worst_token"], row["where"], row["over"]) == (4, where, 1)
@@ -918,3 +920,34 @@ def test_start_reaches_dump_files_without_it_and_llama_cpp_captures(weights_d, h
     with pytest.raises(ValueError, match=r"per-token shape \(6, 10\), kimi_explore's is \(6, 16\) \(a row spans every "
                                          r"position 0\.\.15"):
         ke.compare(ke.Session(weights_d), {"layers.2.mla.probs": probs, "tokens": np.array(tokens)}, start=6)
+
+
+def test_untested_rows_read_as_untested_everywhere_and_methods_take_positions(weights_d, hooks_d, tmp_path):
+    # review: the untested rows' local_rel was set to 0, so the teacher-forced heatmap drew never-tested MLA cells as
+    # agreeing perfectly, the table said local_rel 0.0, and the title said "inherited" for a verdict not tested; the
+    # site's methods took rows where a Divergence names positions
+    from kimi_explore.views.figures.engine_plots import divergence_grid, divergence_heatmap
+
+    tokens = hooks_d[1]
+    theirs = {k: v[6:] for k, v in _engine_run(weights_d, tokens, "layers.2.mla.kv_latent", 3, 1.05, False).items()}
+    cmp = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, start=6, probes=False)
+    rows, cols, M, _ = divergence_grid(cmp, value="local_rel")
+    assert np.isnan(M[rows.index("2"), cols.index("mla.probs")])  # grey: not tested
+    assert np.isfinite(M[rows.index("3"), cols.index("kda.state")])  # tested from its second row
+    table = {r["site"]: r for r in cmp.table()}
+    assert table["layers.2.mla.probs"]["local_rel"] is None and table["layers.2.mla.probs"]["local"] is None
+    first = cmp.first
+    assert first.local is None and first.local_rel is None and first.local_where == ""
+    title = divergence_heatmap(cmp).axes[0].get_title()
+    assert title.endswith(f"token {first.token}, {first.site}, local/inherited not tested")
+    s = cmp.sites[first.site]
+    assert s.where(first.token) == first.where and s.size(first.token) == first.size
+    with pytest.raises(IndexError, match=r"position 3 was not compared \(positions 6\.\.15\)"):
+        s.where(3)
+    # a one-record llama.cpp decode capture of the last token is no prefill
+    with np.load(_captures("d")) as z:
+        last = {k: z[k] if k == "tokens" else z[k][15] for k in z.files}
+    one = ke.compare(ke.Session(weights_d), last, names="llama.cpp", start=15, local=False)
+    assert one.prefill == 0 and one.first is None
+    with pytest.raises(ValueError, match=r"rows of the last 2 tokens only: start=1"):
+        ke.write_dump(tmp_path / "x.safetensors", {"logits": np.ones((2, 256), np.float32)}, tokens=[1, 2, 3])

@@ -108,7 +108,8 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         a, b, experts = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
         err = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
         results[s] = SiteComparison(s, layer, kind, err.max_abs, err.rel, operation=_operation(s, kind, at, theirs, graph),
-                                    shape=np.shape(a[0]) if a else (), worst=err.worst, over=err.over, experts=experts)
+                                    shape=np.shape(a[0]) if a else (), worst=err.worst, over=err.over, experts=experts,
+                                    start=start)
     for s in sites:
         if s.endswith(IDS_SITE) and (bad := np.flatnonzero(beyond(IDS_SITE, results[s].rel, 0.0))).size:
             results[s].explanation = _tie(weights, s, int(bad[0]), ours, theirs, tol, start)
@@ -127,7 +128,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
             r.local_rel, r.local_worst = err.rel, err.worst
             if start and (untested := _reads_uncaptured(s, theirs, graph, len(r.rel), window))[0]:
                 n, what = untested
-                r.local_from, r.local_rel[:n], r.local_worst[:n] = n, 0.0, -1
+                r.local_from = n
                 rows = "any captured position" if n == len(r.rel) else f"positions {start}..{start + n - 1}"
                 notes[s] = (f"its operation reads {what} of the tokens before position {start}, which the other engine "
                             f"did not capture (kimi_explore's own there): local or inherited not tested at {rows}")
@@ -173,8 +174,9 @@ def load_other(other, *, names=None, weights=None, sources=None, start=None) -> 
             raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
         if weights is None:
             raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
-        arrays = llamacpp_to_hooks(other, weights.config, weights, sources, start if given is None else given)
-        return arrays, tokens, engine or "llama.cpp", dtype, llamacpp_prefill(other, weights.config) if prefill is None \
+        first = start if given is None else given
+        arrays = llamacpp_to_hooks(other, weights.config, weights, sources, first)
+        return arrays, tokens, engine or "llama.cpp", dtype, llamacpp_prefill(other, weights.config, first) if prefill is None \
             else prefill, start
     if callable(names):
         arrays = dict(names(other))

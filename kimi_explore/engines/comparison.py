@@ -83,9 +83,10 @@ class Divergence:
 
 @dataclass
 class SiteComparison:
-    """One site over the compared tokens: max_abs, rel [n] (row i: position `Comparison.start` + i, as every per-row
-    array and the row index t of the methods); local_rel [n] (None when not tested; 0 in the rows before local_from,
-    whose operation reads state of tokens the other engine did not capture: not tested there)."""
+    """One site over the compared tokens, one row each: row i is position `start` + i (`Comparison.start`: the other
+    engine's first captured token). Arrays per row: max_abs, rel; local_rel (None when not tested; the rows before
+    local_from, whose operation reads state of tokens the other engine did not capture, are not tested: no verdict or
+    suspect there, whatever the number). Methods take positions, as `Divergence.token` gives them."""
 
     site: str
     layer: int | None
@@ -96,51 +97,73 @@ class SiteComparison:
     operation: str = ""
     explanation: str = ""
     shape: tuple = ()  # one token's value
-    worst: np.ndarray | None = None  # [T] flat index of the worst entry (`tolerance.SiteErrors`), -1: none
-    over: np.ndarray | None = None  # [T] entries beyond rtol (top-k ids: ids that differ)
-    local_worst: np.ndarray | None = None  # [T] the worst entry of kimi_explore's operation on the other engine's inputs
-    experts: list | None = None  # top-k weights compared by expert: per token the experts of the entries, ascending
+    worst: np.ndarray | None = None  # per row: flat index of the worst entry (`tolerance.SiteErrors`), -1: none
+    over: np.ndarray | None = None  # per row: entries beyond rtol (top-k ids: ids that differ)
+    local_worst: np.ndarray | None = None  # per row: the worst entry of kimi_explore's operation on the other engine's inputs
+    experts: list | None = None  # top-k weights compared by expert: per row the experts of the entries, ascending
     local_experts: list | None = None  # the same in the teacher-forced replay (the other engine's ids)
     local_from: int = 0  # the first row whose teacher-forced test holds
+    start: int = 0  # the position of row 0
 
-    def where(self, t: int, local: bool = False) -> str:
-        """The worst entry at token t (of the teacher-forced replay: local=True), named by the site's axes ("head 2,
-        channel 17", "the weight of expert 5"), or "" (none differs; not recorded)."""
+    def row(self, position: int) -> int:
+        """The row of `position` (refused outside the compared positions)."""
+        i = int(position) - self.start
+        if not 0 <= i < len(self.rel):
+            raise IndexError(f"{self.site}: position {position} was not compared (positions {self.start}.."
+                             f"{self.start + len(self.rel) - 1})")
+        return i
+
+    def where(self, position: int, local: bool = False) -> str:
+        """The worst entry at `position` (of the teacher-forced replay: local=True, "" where not tested), named by the
+        site's axes ("head 2, channel 17", "the weight of expert 5"), or "" (none differs; not recorded)."""
+        i = self.row(position)
         worst, experts = (self.local_worst, self.local_experts) if local else (self.worst, self.experts)
-        if worst is None or worst[t] < 0 or not self.shape:
+        if worst is None or worst[i] < 0 or not self.shape or (local and i < self.local_from):
             return ""
-        return location(self.kind, self.shape, int(worst[t]), None if experts is None else experts[t])
+        return location(self.kind, self.shape, int(worst[i]), None if experts is None else experts[i])
 
-    def size(self, t: int) -> int | None:
-        """How many entries token t's comparison has (top-k ids: k; top-k weights by expert: the experts either side
-        selected), None where unknown."""
+    def size(self, position: int) -> int | None:
+        """How many entries the comparison at `position` has (top-k ids: k; top-k weights by expert: the experts either
+        side selected; attention probabilities: the heads x the positions up to this one), None where unknown."""
+        i = self.row(position)
         if self.experts is not None:
-            return len(self.experts[t])
-        return (self.shape[0] if self.kind.endswith(IDS_SITE) else int(np.prod(self.shape))) if self.shape else None
+            return len(self.experts[i])
+        if not self.shape:
+            return None
+        if self.kind.endswith(IDS_SITE):
+            return self.shape[0]
+        return int(np.prod(self.shape[:-1])) * (int(position) + 1) if self.kind == "mla.probs" else int(np.prod(self.shape))
 
     def beyond(self, rtol: float) -> np.ndarray:
-        """[T] bool: the other engine's value is beyond tolerance (NaN counts as beyond; top-k ids at one id)."""
+        """Per row: the other engine's value is beyond tolerance (NaN counts as beyond; top-k ids at one id)."""
         return beyond(self.kind, self.rel, rtol)
 
+    def _tested(self) -> np.ndarray:
+        return np.arange(len(self.rel)) >= self.local_from
+
     def local_beyond(self, rtol: float) -> np.ndarray | None:
-        """[T] bool: the site diverges, and kimi_explore's operation on the other engine's inputs is beyond
+        """Per row: the site diverges, and kimi_explore's operation on the other engine's inputs is beyond
         tolerance too (None: not tested)."""
         if self.local_rel is None:
             return None
-        return beyond(self.kind, self.local_rel, rtol) & self.beyond(rtol)
+        return beyond(self.kind, self.local_rel, rtol) & self.beyond(rtol) & self._tested()
 
     def suspect(self, local_rtol: float) -> np.ndarray | None:
-        """[T] bool: kimi_explore's operation on the other engine's inputs is beyond `local_rtol` (None: not tested)."""
-        return None if self.local_rel is None else beyond(self.kind, self.local_rel, local_rtol)
+        """Per row: kimi_explore's operation on the other engine's inputs is beyond `local_rtol` (None: not tested)."""
+        return None if self.local_rel is None else beyond(self.kind, self.local_rel, local_rtol) & self._tested()
+
+    def tested_local_rel(self) -> np.ndarray | None:
+        """local_rel of the rows tested (None: no replay)."""
+        return None if self.local_rel is None else self.local_rel[self.local_from :]
 
     def is_local(self, rtol: float) -> bool | None:
         """The site's operation disagrees at some token where the site diverges (None: not tested)."""
         local = self.local_beyond(rtol)
         return None if local is None or self.local_from >= len(local) else bool(np.any(local))
 
-    def local_at(self, t: int, rtol: float) -> bool | None:
-        local = self.local_beyond(rtol)
-        return None if local is None or t < self.local_from else bool(local[t])
+    def local_at(self, position: int, rtol: float) -> bool | None:
+        local, i = self.local_beyond(rtol), self.row(position)
+        return None if local is None or i < self.local_from else bool(local[i])
 
 
 @dataclass
@@ -168,11 +191,12 @@ class Comparison:
 
     def _divergence(self, s: SiteComparison, t: int) -> Divergence:
         rtol = self.rtol_of(s)
-        return Divergence(self.start + t, s.layer, s.site, s.local_at(t, rtol), s.operation or operation_of(s.kind),
-                          float(s.max_abs[t]), float(s.rel[t]), None if s.local_rel is None else float(s.local_rel[t]),
-                          s.explanation, bool(s.beyond(rtol)[t]), s.where(t), None if s.over is None else int(s.over[t]),
-                          s.size(t), s.where(t, local=True) if s.local_rel is not None else "",
-                          s.local_rel is not None and bool(s.suspect(self.tolerance.for_kind(s.kind).local_rtol)[t]))
+        p, tested = self.start + t, s.local_rel is not None and t >= s.local_from
+        suspect = tested and bool(s.suspect(self.tolerance.for_kind(s.kind).local_rtol)[t])
+        return Divergence(p, s.layer, s.site, s.local_at(p, rtol), s.operation or operation_of(s.kind),
+                          float(s.max_abs[t]), float(s.rel[t]), float(s.local_rel[t]) if tested else None,
+                          s.explanation, bool(s.beyond(rtol)[t]), s.where(p), None if s.over is None else int(s.over[t]),
+                          s.size(p), s.where(p, local=True), suspect)
 
     def _in_order(self, flags) -> list[Divergence]:
         """Each site at its first flagged token (`flags(site)`: [T] bool or None), ordered by (token, firing order)."""
@@ -213,8 +237,8 @@ class Comparison:
                          "rel": float(s.rel[worst]), "worst_token": self.start + worst,
                          "first_token": self.start + int(bad[0]) if bad.size else None, "diverges": bool(bad.size),
                          "local": local,
-                         "local_rel": None if s.local_rel is None else float(np.max(s.local_rel)),
-                         "where": s.where(worst), "over": None if s.over is None else int(s.over[worst]),
+                         "local_rel": float(np.max(r)) if (r := s.tested_local_rel()) is not None and r.size else None,
+                         "where": s.where(self.start + worst), "over": None if s.over is None else int(s.over[worst]),
                          "suspect_token": None if (u := _first(s.suspect(tol.local_rtol))) is None else self.start + u,
                          "rtol": tol.rtol,
                          "operation": s.operation or operation_of(s.kind), "explanation": s.explanation})

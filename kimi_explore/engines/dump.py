@@ -94,8 +94,11 @@ def write_dump(path, arrays, *, tokens, engine: str = "", dtype: str = "float32"
         if not a.dtype.isnative:  # a big-endian '>f4' is float32 to write
             a = a.astype(a.dtype.newbyteorder("="))
         if a.shape[0] != T:
+            fits = 0 < a.shape[0] < len(tokens)  # rows of the last a.shape[0] tokens
             raise ValueError(f"write_dump: {name!r} has shape {a.shape}; expected [T, ...] with T = {T} (one row per token"
-                             + (f" from position start = {start} of the {len(tokens)} ids" if start else "") + ")")
+                             + (f" from position start = {start} of the {len(tokens)} ids" if start else "") + ")"
+                             + (f"; rows of the last {a.shape[0]} tokens only: start={len(tokens) - a.shape[0]}"
+                                if fits and len(tokens) - a.shape[0] != start else ""))
         if a.dtype not in _readable():  # complex, text, float8, uint16..64: nothing read_dump opens
             raise ValueError(f"write_dump: {name!r} is {a.dtype.name}; expected a float array (float32, float16, bfloat16, "
                              "float64) or integer ids (int32, int64; also int8, int16, uint8, bool), the types read_dump "

@@ -91,12 +91,13 @@ def parse_llamacpp_name(name: str) -> tuple[str, int | None, int | None]:
 _BATCH_RECORDS = {"new_state": (3, "kda"), "v_cont": (2, None), "kq": (3, "mla"), "kq_soft_max": (3, "mla")}
 
 
-def llamacpp_prefill(arrays, config=None) -> int:
+def llamacpp_prefill(arrays, config=None, start: int = 0) -> int:
     """How many of the captured tokens llama.cpp ran as one prefill: a mixed capture's `mixed_prefill_len`; all T
     of a prefill capture, known by a record that spans the whole batch (`new_state-i` [H, V, K] after the last
     token, MLA's `kq_soft_max-i` [H, T, n], ...); else 0, a decode (one record per token). A prefill capture that
     holds none of those records (or one token) reads as a decode: the two replays agree to float32 rounding.
-    config: the model's (its head counts; without it, more than one head is assumed)."""
+    config: the model's (its head counts; without it, more than one head is assumed). start: captures of the tokens from
+    this position on (`llamacpp_to_hooks`) are per-token records: no batch record is read there."""
     T = int(np.asarray(arrays["tokens"]).shape[0]) if "tokens" in arrays else 0
     if "mixed_prefill_len" in arrays:
         n = np.asarray(arrays["mixed_prefill_len"])
@@ -108,7 +109,7 @@ def llamacpp_prefill(arrays, config=None) -> int:
              "mla": config.num_attention_heads if config is not None else 2, None: 2}
     for key in arrays:
         base = key.split("-", 1)[0]
-        if T < 2 or base not in _BATCH_RECORDS or "-" not in key:
+        if T - start < 2 or start or base not in _BATCH_RECORDS or "-" not in key:
             continue
         rank, of = _BATCH_RECORDS[base]
         if heads[of] == 1:

@@ -48,8 +48,9 @@ def divergence_grid(cmp, value: str = "rel"):
         r = rows.index(GLOBAL_ROW if s.layer is None else str(s.layer))
         c = cols.index(s.kind)
         rtol = cmp.rtol_of(s)
-        v, over = (s.rel, s.beyond(rtol)) if value == "rel" else (s.local_rel, s.local_beyond(rtol))
-        if v is not None:  # a NaN, or a top-k set with one id off (beyond whatever the rtol), is the worst colour
+        v, over = (s.rel, s.beyond(rtol)) if value == "rel" else (s.tested_local_rel(), s.local_beyond(rtol))
+        # a NaN, or a top-k set with one id off (beyond whatever the rtol), is the worst colour; no row tested: grey
+        if v is not None and v.size:
             M[r, c] = np.inf if np.isnan(v).any() or (over.any() and s.kind == IDS_SITE) else float(np.max(v))
         local[r, c] = bool(s.is_local(rtol))
     return rows, cols, M, local
@@ -82,7 +83,8 @@ def divergence_heatmap(cmp, ax=None, value: str = "rel"):
     per = f"rtol {cmp.rtol:g}" if not cmp.tolerance.kinds else "its kind's rtol"
     bar.set_label(f"log10({'local ' if value == 'local_rel' else ''}relative error / {per})")
     what = "no site beyond tolerance" if first is None else (
-        f"first divergence: token {first.token}, {first.site}, {'local' if first.local else 'inherited'}")
+        f"first divergence: token {first.token}, {first.site}, "
+        + {True: "local", False: "inherited", None: "local/inherited not tested"}[first.local])
     ax.set_title(f"{cmp.engine or 'other engine'} vs kimi_explore ({cmp.tolerance}): {what}", fontsize=9)
     return fig
 
