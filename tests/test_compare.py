@@ -913,6 +913,8 @@ def test_start_reaches_dump_files_without_it_and_llama_cpp_captures(weights_d, h
     # a wrong start says what the rows mean; a session holding the prompt is told to feed the rest
     with pytest.raises(ValueError, match=r"its 10 rows would mean start=6\)"):
         ke.compare(ke.Session(weights_d), {**tail, "tokens": np.array(tokens)}, start=4)
+    with pytest.raises(ValueError, match=r"its 16 rows would mean start=0\)"):  # rows of every token, a start given
+        ke.compare(ke.Session(weights_d), {"logits": np.asarray(hooks_d[0]["logits"]), "tokens": np.array(tokens)}, start=4)
     s = ke.Session(weights_d)
     s.feed(tokens[:6])
     with pytest.raises(ValueError, match=r"which are its first 6: feed the session the rest \(session\.feed\(ids\[6:\]\)\)"):
@@ -1139,3 +1141,40 @@ def test_one_uncaptured_token_after_the_prefill_is_run(weights_d, hooks_d, prefi
     first = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, start=start, prefill=prefill,
                        probes=False).first
     assert (first.token, first.site, first.local) == (start + 2, site, True)
+
+
+# ---------------------------------------------------------------- mutation-testing gaps, round 2 (on 520e61e)
+def test_llama_cpp_mla_outputs_as_one_record_over_the_captured_tokens(weights_d):
+    # kqv_mla-i as one [heads, R, n] record over the R = T - start captured tokens (a batch after the prompt) reads as
+    # [R, heads, n], the same rows as the per-token records
+    with np.load(_captures("d")) as z:
+        raw = {k: z[k] if k == "tokens" else z[k][6:] for k in z.files}
+    batch = {k: v[:, :, 0, :].swapaxes(0, 1) if k.startswith("kqv_mla-") else v for k, v in raw.items()}
+    assert batch["kqv_mla-2"].shape == (6, 10, 16)
+    a = llamacpp_to_hooks(raw, weights_d.config, weights_d, start=6)
+    b = llamacpp_to_hooks(batch, weights_d.config, weights_d, start=6)
+    np.testing.assert_array_equal(a["layers.2.mla.o"], b["layers.2.mla.o"])
+    assert a["layers.2.mla.o"].shape == (10, 6, 16)
+
+
+def test_a_position_one_past_the_last_compared_is_refused(weights_d, hooks_d):
+    # positions 6..15 compared: 16 is refused by name, as 5 is (the bound's other end)
+    tokens = hooks_d[1]
+    tail = {"layers.4.kda.o": np.asarray(hooks_d[0]["layers.4.kda.o"])[6:], "tokens": np.array(tokens)}
+    s = ke.compare(ke.Session(weights_d), tail, start=6, local=False).sites["layers.4.kda.o"]
+    assert s.size(15) == 6 * 32
+    for position in (5, 16):
+        for method in (s.where, s.size):
+            with pytest.raises(IndexError, match=rf"position {position} was not compared \(positions 6\.\.15\)"):
+                method(position)
+
+
+def test_llamacpp_prefill_reads_no_batch_record_from_a_later_start(weights_d):
+    # from a later start the captures are per-token records: a record shaped as a batch's is not read as a prefill of T
+    from kimi_explore.engines.name_maps import llamacpp_prefill
+
+    la, config = weights_d.config.linear_attn_config, weights_d.config
+    batch = {"tokens": np.arange(16), "new_state-0": np.zeros((la.num_heads, la.head_dim, la.head_dim), np.float32)}
+    assert llamacpp_prefill(batch, config) == 16  # (from position 0: a prefill of all 16)
+    assert llamacpp_prefill(batch, config, start=6) == 0
+

@@ -330,7 +330,8 @@ def _check_rows(theirs, T: int, start: int, named: dict) -> None:
         if not shape or shape[0] != T - start:
             fits = bool(shape) and 0 < shape[0] < T  # rows of the last shape[0] tokens
             hint = (f" (the positions {start}..{T - 1} of the {T} tokens: start={start}"
-                    + (f"; its {shape[0]} rows would mean start={T - shape[0]})" if fits else ")") if start else
+                    + (f"; its {shape[0]} rows would mean start={T - shape[0]})" if fits or shape[0:1] == (T,) else ")")
+                    if start else
                     f"; where the other engine captured only its last {shape[0]} tokens, say where they begin: "
                     f"compare(..., start={T - shape[0]})" if fits else "")
             raise ValueError(f"compare: {named[s]} has shape {shape}, expected one row per token ({T - start}){hint}")
