@@ -73,12 +73,12 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
                         f"{type(session).__name__} {session!r:.40}")
     weights = _in_process(session.weights)
     sources: dict = {}  # hook name -> the llama.cpp name(s) it was made from
-    arrays, tokens, engine, dtype, dumped, first = load_other(other, names=names, weights=weights, sources=sources,
+    arrays, tokens, engine, dtype, dumped, start = load_other(other, names=names, weights=weights, sources=sources,
                                                               start=start)
     tokens = _tokens(session, tokens)
     prefill = int_in(dumped if prefill is None else prefill, 0, len(tokens), "compare: prefill",
                      " (the first tokens the other engine ran as one prefill)")
-    start = int_in(first if start is None else start, 0, max(len(tokens) - 1, 0), "compare: start",
+    start = int_in(start, 0, max(len(tokens) - 1, 0), "compare: start",
                    " (the position of the other engine's first captured token)")
     tol = Tolerance.of(tolerance if tolerance is not None else dtype, default=dtype)
     order = _hook_names(weights)
@@ -145,10 +145,11 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
 def load_other(other, *, names=None, weights=None, sources=None, start=None) -> tuple[dict, list | None, str, str, int, int]:
     """(arrays {hook name: [T - start, ...]}, tokens or None, engine, dtype, prefill, start) from anything `compare`
     takes (prefill: a dump's where its metadata says (0 too), else llama.cpp captures' own
-    (`name_maps.llamacpp_prefill`), else 0; start: a dump's, else 0).
-    sources: a dict filled with the llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`). start: compare's
-    (a dump file read with it where its metadata does not say)."""
-    engine, dtype, tokens, prefill, given, start = "", "float32", None, None, start, 0
+    (`name_maps.llamacpp_prefill`), else 0; start: the one given, else a dump's, else 0).
+    sources: a dict filled with the llama.cpp name(s) of each hook name (`name_maps.llamacpp_to_hooks`). start:
+    compare's (a dump file is read with it where its metadata does not say)."""
+    engine, dtype, tokens, prefill, given = "", "float32", None, None, start
+    start = 0 if given is None else given
     if isinstance(other, (str, Path)):
         path = Path(other)
         if not path.is_file():
@@ -160,10 +161,10 @@ def load_other(other, *, names=None, weights=None, sources=None, start=None) -> 
         else:
             other = read_dump(path, given)
     if isinstance(other, Dump):
+        start = other.start if given is None else given
         if names is None:
-            return dict(other.arrays), list(other.tokens), other.engine, other.dtype, other.prefill or 0, other.start
-        # under the other engine's names: mapped below
-        engine, dtype, prefill, start = other.engine, other.dtype, other.prefill, other.start
+            return dict(other.arrays), list(other.tokens), other.engine, other.dtype, other.prefill or 0, start
+        engine, dtype, prefill = other.engine, other.dtype, other.prefill  # under the other engine's names: mapped below
         other = {**other.arrays, "tokens": np.asarray(other.tokens)}
     if not isinstance(other, Mapping):
         raise TypeError(f"compare: other must be a mapping, a Dump or a path, got {type(other).__name__}")
@@ -174,9 +175,8 @@ def load_other(other, *, names=None, weights=None, sources=None, start=None) -> 
             raise ValueError(f"compare: names={names!r}; expected 'llama.cpp', a mapping, a function or None")
         if weights is None:
             raise ValueError("compare: llama.cpp captures need the weights (for the config and the MLA latent norms)")
-        first = start if given is None else given
-        arrays = llamacpp_to_hooks(other, weights.config, weights, sources, first)
-        return arrays, tokens, engine or "llama.cpp", dtype, llamacpp_prefill(other, weights.config, first) if prefill is None \
+        arrays = llamacpp_to_hooks(other, weights.config, weights, sources, start)
+        return arrays, tokens, engine or "llama.cpp", dtype, llamacpp_prefill(other, weights.config, start) if prefill is None \
             else prefill, start
     if callable(names):
         arrays = dict(names(other))
@@ -328,12 +328,15 @@ def _check_rows(theirs, T: int, start: int, named: dict) -> None:
     for s, a in theirs.items():
         shape = np.shape(a)
         if not shape or shape[0] != T - start:
-            fits = bool(shape) and 0 < shape[0] < T  # rows of the last shape[0] tokens
-            hint = (f" (the positions {start}..{T - 1} of the {T} tokens: start={start}"
-                    + (f"; its {shape[0]} rows would mean start={T - shape[0]})" if fits or shape[0:1] == (T,) else ")")
-                    if start else
-                    f"; where the other engine captured only its last {shape[0]} tokens, say where they begin: "
-                    f"compare(..., start={T - shape[0]})" if fits else "")
+            means = T - shape[0] if shape and 0 < shape[0] <= T else None  # the start its rows would mean
+            if start:
+                hint = f" (the positions {start}..{T - 1} of the {T} tokens: start={start}" + (
+                    f"; its {shape[0]} rows would mean start={means})" if means is not None else ")")
+            elif means:
+                hint = (f"; where the other engine captured only its last {shape[0]} tokens, say where they begin: "
+                        f"compare(..., start={means})")
+            else:
+                hint = ""
             raise ValueError(f"compare: {named[s]} has shape {shape}, expected one row per token ({T - start}){hint}")
 
 

@@ -66,10 +66,14 @@ class Divergence:
     local_where: str = ""
     suspect: bool = False
 
+    @property
+    def verdict(self) -> str:
+        """"local", "inherited" or "local/inherited not tested"."""
+        return {True: "local", False: "inherited", None: "local/inherited not tested"}[self.local]
+
     def __str__(self) -> str:
         where = f"layer {self.layer}" if self.layer is not None else "global"
-        how = {True: "local", False: "inherited", None: "local/inherited not tested"}[self.local] if self.diverges \
-            else "within tolerance"
+        how = self.verdict if self.diverges else "within tolerance"
         if self.local_rel is not None and (self.local or not self.diverges or self.suspect):
             how += f", its own operation {self.local_rel:.3g} off on the other engine's inputs"
             how += f" at {self.local_where}" if self.local_where and self.local_where != self.where else ""

@@ -109,7 +109,7 @@ def llamacpp_prefill(arrays, config=None, start: int = 0) -> int:
              "mla": config.num_attention_heads if config is not None else 2, None: 2}
     for key in arrays:
         base = key.split("-", 1)[0]
-        if T - start < 2 or start or base not in _BATCH_RECORDS or "-" not in key:
+        if T < 2 or start or base not in _BATCH_RECORDS or "-" not in key:
             continue
         rank, of = _BATCH_RECORDS[base]
         if heads[of] == 1:

@@ -235,11 +235,10 @@ def site_errors(kind: str, ours: list, theirs: list, tol: Tolerance, head_floor=
             head_mag = m if head_mag is None else np.maximum(head_mag, m)  # each head's largest magnitude so far
             head_scale = np.maximum(np.maximum(m, tol.floor * head_mag), np.minimum(head_floor, scale))
             e = (d.reshape(heads + (-1,)) / np.maximum(head_scale, tiny)[..., None]).reshape(-1)
-        nan = np.flatnonzero(np.isnan(e))
         rel[t] = float(np.max(e))
         over[t] = int(np.count_nonzero(~(e <= tol.rtol)))
-        if nan.size or max_abs[t] > 0:
-            worst[t] = int(nan[0]) if nan.size else int(np.argmax(e))
+        if not max_abs[t] <= 0:  # an entry differs (or is NaN on one side: argmax gives the first NaN)
+            worst[t] = int(np.argmax(e))
     return SiteErrors(max_abs, rel, worst, over)
 
 

@@ -83,8 +83,7 @@ def divergence_heatmap(cmp, ax=None, value: str = "rel"):
     per = f"rtol {cmp.rtol:g}" if not cmp.tolerance.kinds else "its kind's rtol"
     bar.set_label(f"log10({'local ' if value == 'local_rel' else ''}relative error / {per})")
     what = "no site beyond tolerance" if first is None else (
-        f"first divergence: token {first.token}, {first.site}, "
-        + {True: "local", False: "inherited", None: "local/inherited not tested"}[first.local])
+        f"first divergence: token {first.token}, {first.site}, {first.verdict}")
     ax.set_title(f"{cmp.engine or 'other engine'} vs kimi_explore ({cmp.tolerance}): {what}", fontsize=9)
     return fig
 
