@@ -62,6 +62,20 @@ def test_exp_sigmoid_silu_within_2_ulp(isa):
     assert np.isnan(sequence_ops.exp_(np.array([-np.inf, np.nan], np.float32))[1])
 
 
+@pytest.mark.parametrize("a,b", [(3, 40), (0, 53), (53, 53), (10, 11)])
+def test_sigmoid_cols_is_sigmoid_of_the_columns(isa, monkeypatch, a, b):
+    """A gate's columns of a projection's rows: sigmoid_'s values bit for bit (each row copied then mapped), a new
+    C-contiguous array; the NumPy route within float32 rounding."""
+    y = sample(n=1000)[: 37 * 53].reshape(37, 53)
+    got = sequence_ops.sigmoid_cols(y, a, b)
+    assert got.shape == (37, b - a) and got.flags.c_contiguous
+    assert np.array_equal(got, sequence_ops.sigmoid_(y[:, a:b].copy()))
+    with monkeypatch.context() as m:
+        m.setattr(sequence_ops, "AVAILABLE", False)
+        numpy_route = sequence_ops.sigmoid_cols(y, a, b)
+    assert numpy_route.flags.c_contiguous and np.abs(numpy_route - got).max(initial=0.0) <= 2e-7
+
+
 @pytest.mark.parametrize("linear_beta", [25.0, None])
 def test_situ_and_mul_rows_against_the_float64_formula(isa, linear_beta):
     rng = np.random.default_rng(1)
@@ -118,19 +132,34 @@ def test_unknown_isa(monkeypatch):
         sequence_ops.exp_(np.zeros(3, np.float32))
 
 
-@pytest.mark.parametrize("T,W,C", [(1, 4, 12), (37, 4, 384), (5, 1, 3), (0, 4, 8)])
-def test_conv_silu_against_float64(isa, T, W, C):
-    """Row t: SiLU of the W-tap conv over ext rows t+1 .. t+W (the window after token t)."""
+@pytest.mark.parametrize("T,W,C,K", [(1, 4, 12, 4), (2, 4, 12, 2), (37, 4, 384, 32), (5, 1, 3, 1), (0, 4, 12, 4), (6, 3, 6, 0)])
+def test_kda_conv_against_float64(isa, monkeypatch, T, W, C, K):
+    """Row t: SiLU of the W-tap conv over the stored rows then the chunk's, rows t+1 .. t+W (the window after token t),
+    read from the input projection's first C columns; the window left holding the last W rows (a chunk shorter than
+    the window keeps some stored ones); each group of K channels' norm over each token's window. The NumPy route
+    agrees, and advances the window alike."""
     rng = np.random.default_rng(4)
-    ext = (rng.standard_normal((W + T, 3, C // 3 if C % 3 == 0 else C)) * 2).astype(np.float32)
-    taps = rng.standard_normal((W,) + ext.shape[1:]).astype(np.float32)
-    got = sequence_ops.conv_silu(ext, taps)
-    e64, t64 = ext.astype(np.float64), taps.astype(np.float64)
-    pre = np.stack([sum(e64[t + 1 + j] * t64[j] for j in range(W)) for t in range(T)]) if T else np.zeros((0,) + ext.shape[1:])
+    y = (rng.standard_normal((T, C + 5)) * 2).astype(np.float32)  # the conv reads the first C columns
+    window = (rng.standard_normal((3, C // 3, W)) * 2).astype(np.float32)
+    taps = rng.standard_normal((W, C)).astype(np.float32)
+    ext = np.concatenate((window.reshape(C, W).T, y[:, :C])).astype(np.float64)  # [W + T, C]
+    pre = np.stack([sum(ext[t + 1 + j] * taps[j] for j in range(W)) for t in range(T)]) if T else np.zeros((0, C))
     want = pre / (1.0 + np.exp(-pre))
-    assert got.shape == want.shape and got.dtype == np.float32
-    assert np.abs(got - want).max(initial=0.0) <= 4e-6 * max(1.0, np.abs(pre).max(initial=0.0))
-    assert sequence_ops.conv_silu(ext.astype(np.float64), taps) is None  # not float32: the caller's NumPy route
+    window_norm = lambda t, g: np.sqrt((ext[t + 1 : t + 1 + W, g * K : (g + 1) * K] ** 2).sum())  # noqa: E731
+    norms = [[window_norm(t, g) for g in range(C // K)] for t in range(T)] if K else None
+    for route in ("compiled", "numpy"):
+        w = window.copy()
+        with monkeypatch.context() as m:
+            if route == "numpy":
+                m.setattr(sequence_ops, "AVAILABLE", False)
+            got, got_norms = sequence_ops.kda_conv(y, w, taps, K)
+        assert got.shape == (T, C) and got.dtype == np.float32
+        assert np.abs(got - want).max(initial=0.0) <= 4e-6 * max(1.0, np.abs(pre).max(initial=0.0)), route
+        assert np.array_equal(w, ext[T:].T.reshape(window.shape).astype(np.float32)), route
+        if K:
+            assert got_norms.shape == (T, C // K) and np.allclose(got_norms, np.reshape(norms, (T, C // K)), rtol=2e-6), route
+        else:
+            assert got_norms is None
 
 
 def _numpy_route(monkeypatch, fn, *args):

@@ -236,19 +236,42 @@ DEFINE_DOT(16)
         }                                                                                     \
     }
 
-/* KDA's short conv and SiLU: out[t, c] = silu(sum_j ext[t + 1 + j, c] taps[j, c]) for t < T, with ext
-   [W + T, C] (the W stored window rows, oldest first, then the chunk's T rows) and taps [W, C]. */
-#define CONV_BODY                                                                             \
+/* KDA's short conv and SiLU over a chunk: out[t, c] = silu(sum_j ext[t + 1 + j, c] taps[j, c]) for t < T, where
+   ext's rows are the W stored window rows (head [W, C], oldest first), then the chunk's T rows (y, row stride ys: the
+   input projection's rows, their first C columns), never concatenated. Then the window advanced: window [C, W]
+   (the state's layout) = ext's last W rows (head is the caller's copy of the old window: those it still needs are
+   read from there). With K > 0, norms [T, C / K]: each group of K channels' norm over token t's window (ext rows
+   t + 1 .. t + W; each row's sum of squares in lanes, the W rows' sums added oldest first), what a recorder keeps
+   of the kda.conv site. */
+#define KX_EXT_ROW(r) ((r) < W ? head + (r) * C : y + ((r) - W) * ys)
+#define CONV_BODY(LANES)                                                                      \
     {                                                                                         \
         for (Py_ssize_t t = 0; t < T; t++) {                                                  \
             float *restrict o = out + t * C;                                                  \
-            const float *restrict e = ext + (t + 1) * C;                                      \
+            const float *restrict e = KX_EXT_ROW(t + 1);                                      \
             for (Py_ssize_t c = 0; c < C; c++) o[c] = e[c] * taps[c];                         \
             for (Py_ssize_t j = 1; j < W; j++) {                                              \
-                const float *restrict ej = e + j * C, *restrict tj = taps + j * C;            \
+                const float *restrict ej = KX_EXT_ROW(t + 1 + j), *restrict tj = taps + j * C; \
                 for (Py_ssize_t c = 0; c < C; c++) o[c] += ej[c] * tj[c];                     \
             }                                                                                 \
             for (Py_ssize_t c = 0; c < C; c++) o[c] = o[c] / kx_one_plus_expf(-o[c]);         \
+        }                                                                                     \
+        if (K > 0) {                                                                          \
+            const Py_ssize_t G = C / K;                                                       \
+            for (Py_ssize_t r = 1; r < W + T; r++) {                                          \
+                const float *restrict e = KX_EXT_ROW(r);                                      \
+                for (Py_ssize_t g = 0; g < G; g++) sq[r * G + g] = kx_dot_##LANES(e + g * K, e + g * K, K); \
+            }                                                                                 \
+            for (Py_ssize_t t = 0; t < T; t++)                                                \
+                for (Py_ssize_t g = 0; g < G; g++) {                                          \
+                    float s = sq[(t + 1) * G + g];                                            \
+                    for (Py_ssize_t j = 1; j < W; j++) s += sq[(t + 1 + j) * G + g];          \
+                    norms[t * G + g] = sqrtf(s);                                              \
+                }                                                                             \
+        }                                                                                     \
+        for (Py_ssize_t r = 0; r < W; r++) {                                                  \
+            const float *restrict e = KX_EXT_ROW(T + r);                                      \
+            for (Py_ssize_t c = 0; c < C; c++) window[c * W + r] = e[c];                      \
         }                                                                                     \
     }
 
@@ -658,8 +681,10 @@ DEFINE_DOT(16)
     attr static int all_small_##suffix(const float *restrict u, Py_ssize_t n, float inv) ALL_SMALL_BODY         \
     attr static void softmax_##suffix(float *restrict S, Py_ssize_t rows, Py_ssize_t L, Py_ssize_t T,           \
                                       Py_ssize_t L0, float scale) SOFTMAX_BODY(lanes)                             \
-    attr static void conv_##suffix(const float *restrict ext, const float *restrict taps, float *restrict out,  \
-                                   Py_ssize_t T, Py_ssize_t W, Py_ssize_t C) CONV_BODY                         \
+    attr static void conv_##suffix(const float *restrict head, const float *restrict y, Py_ssize_t ys,           \
+                                   const float *restrict taps, float *restrict out, float *restrict window,     \
+                                   float *restrict norms, float *restrict sq, Py_ssize_t T, Py_ssize_t W,       \
+                                   Py_ssize_t C, Py_ssize_t K) CONV_BODY(lanes)                                 \
     attr static void decay_##suffix(float *restrict g, float *restrict alpha, const float *restrict dt,         \
                                     const float *restrict A, float lb, Py_ssize_t rows, Py_ssize_t P) DECAY_BODY \
     attr static void l2_##suffix(const float *restrict qkv, const float *restrict scale, float eps,              \
@@ -723,6 +748,37 @@ static PyObject *map(PyObject *self, PyObject *args) {
     else if (isa >= 0)
         RUN_WITHOUT_GIL(PICK(map, isa)(a.buf, a.len / 4, what));
     PyBuffer_Release(&a);
+    return result;
+}
+
+PyDoc_STRVAR(map_cols_doc, "map_cols(src, out, col, rows, n, what, isa)\n\n"
+                           "src float32 [rows, stride] and out [rows, n], C-contiguous: out = map's what of src[:, col:col + n], "
+                           "row by row (each copied, then mapped in place while in cache: map's values).");
+
+static PyObject *map_cols(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer src, out;
+    Py_ssize_t col, rows, n;
+    int what;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "y*w*nnnis", &src, &out, &col, &rows, &n, &what, &isa_name)) return NULL;
+    PyObject *result = NULL;
+    int isa = get_isa(isa_name);
+    const Py_ssize_t stride = rows > 0 ? src.len / 4 / rows : 0;
+    if (isa >= 0 && (what < 0 || what > 2)) PyErr_SetString(PyExc_ValueError, "what: 0 (exp), 1 (sigmoid) or 2 (SiLU)");
+    else if (isa >= 0 && (rows < 0 || n < 0 || col < 0 || out.len != 4 * rows * n ||
+                          (rows > 0 && (src.len != 4 * rows * stride || col + n > stride))))
+        PyErr_SetString(PyExc_ValueError, "map_cols: expected src float32 [rows, stride >= col + n], out [rows, n]");
+    else if (isa >= 0) {
+        void (*run)(float *, Py_ssize_t, int) = PICK(map, isa);
+        RUN_WITHOUT_GIL(for (Py_ssize_t r = 0; r < rows; r++) {
+            float *o = (float *)out.buf + r * n;
+            memcpy(o, (const float *)src.buf + r * stride + col, 4 * n);
+            run(o, n, what);
+        });
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
     return result;
 }
 
@@ -884,25 +940,38 @@ static PyObject *top_rows(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(conv_doc, "conv_silu(ext, taps, out, T, W, C, isa)\n\n"
-                       "ext float32 [W + T, C], taps float32 [W, C], out float32 [T, C] (written), C-contiguous:\n"
-                       "out[t] = silu(sum_j ext[t + 1 + j] * taps[j]).");
+PyDoc_STRVAR(conv_doc, "kda_conv(head, y, taps, out, window, norms, T, W, C, ys, K, isa)\n\n"
+                       "head float32 [W, C] (the stored window rows, oldest first), y [T, ys] (the chunk's rows: their first C "
+                       "columns), taps [W, C], out (written) [T, C], window [C, W] (in place: advanced by the chunk), norms "
+                       "(written where K > 0) [T, C / K], all C-contiguous.");
 
-static PyObject *conv_silu(PyObject *self, PyObject *args) {
+static PyObject *kda_conv(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer ext, taps, out;
-    Py_ssize_t T, W, C;
+    Py_buffer head, y, taps, out, window, norms;
+    Py_ssize_t T, W, C, ys, K;
     const char *isa_name;
-    if (!PyArg_ParseTuple(args, "y*y*w*nnns", &ext, &taps, &out, &T, &W, &C, &isa_name)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*w*nnnnns", &head, &y, &taps, &out, &window, &norms, &T, &W, &C, &ys, &K,
+                          &isa_name))
+        return NULL;
     PyObject *result = NULL;
     int isa = get_isa(isa_name);
-    if (isa >= 0 && (T < 0 || W < 1 || C < 0 || ext.len != 4 * (W + T) * C || taps.len != 4 * W * C || out.len != 4 * T * C))
-        PyErr_SetString(PyExc_ValueError, "conv_silu: expected ext float32 [W + T, C], taps [W, C], out [T, C]");
+    float *sq = NULL;
+    if (isa >= 0 && (T < 0 || W < 1 || C < 0 || ys < C || K < 0 || (K > 0 && C % K) || head.len != 4 * W * C ||
+                     y.len != 4 * T * ys || taps.len != 4 * W * C || out.len != 4 * T * C || window.len != 4 * C * W ||
+                     norms.len != (K > 0 ? 4 * T * (C / K) : 0)))
+        PyErr_SetString(PyExc_ValueError, "kda_conv: expected head float32 [W, C], y [T, ys >= C], taps [W, C], out [T, C], "
+                                          "window [C, W], norms [T, C / K] (K > 0) or empty");
+    else if (isa >= 0 && K > 0 && !(sq = PyMem_RawMalloc(sizeof(float) * (W + T) * (C / K) + 1)))
+        PyErr_NoMemory();
     else if (isa >= 0)
-        RUN_WITHOUT_GIL(PICK(conv, isa)(ext.buf, taps.buf, out.buf, T, W, C));
-    PyBuffer_Release(&ext);
+        RUN_WITHOUT_GIL(PICK(conv, isa)(head.buf, y.buf, ys, taps.buf, out.buf, window.buf, norms.buf, sq, T, W, C, K));
+    PyMem_RawFree(sq);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&y);
     PyBuffer_Release(&taps);
     PyBuffer_Release(&out);
+    PyBuffer_Release(&window);
+    PyBuffer_Release(&norms);
     return result;
 }
 
@@ -1005,8 +1074,9 @@ static PyObject *sources(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"conv_silu", conv_silu, METH_VARARGS, conv_doc},
+    {"kda_conv", kda_conv, METH_VARARGS, conv_doc},
     {"map", map, METH_VARARGS, map_doc},
+    {"map_cols", map_cols, METH_VARARGS, map_cols_doc},
     {"situ", situ, METH_VARARGS, situ_doc},
     {"causal_softmax", causal_softmax, METH_VARARGS, softmax_doc},
     {"causal_attention", causal_attention, METH_VARARGS, attention_doc},

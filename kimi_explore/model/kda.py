@@ -279,20 +279,13 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     H, K = w.num_heads, w.head_dim
     P, W, T = H * K, w.conv.shape[-1], x.shape[0]
     y = linear(x, w.in_proj)  # [T, 4P + H + K]
-    # the conv input over time: the W stored rows (oldest first), then the T new ones
-    ext = xp.concatenate((state.conv.transpose(2, 0, 1), y[:, : 3 * P].reshape(T, 3, P)))  # [W + T, 3, P]
-    taps = xp.ascontiguousarray(w.conv.transpose(2, 0, 1))  # [W, 3, P]: each tap's weights, contiguous
-    qkv = sequence_ops.conv_silu(ext, taps)  # compiled, one pass; else:
-    if qkv is None:
-        pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
-        tap = xp.empty_like(pre)
-        for j in range(1, W):
-            pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
-        qkv = sequence_ops.silu_(pre)  # SiLU in place
+    taps = xp.ascontiguousarray(w.conv.transpose(2, 0, 1).reshape(W, 3 * P))  # [W, 3P]: each tap's weights, contiguous
+    # the conv over the stored rows then the chunk's (the window advanced), and each head's window norms where recorded
+    qkv, conv_norms = sequence_ops.kda_conv(y, state.conv, taps, K if state_norms else 0)
     qkv = qkv.reshape(T, 3, H, K)
     # the sigmoids of the output gate and beta, each contiguous (the gated norm and the recurrence read them so)
-    gate = sequence_ops.sigmoid_(y[:, 3 * P : 4 * P].copy()).reshape(T, H, K)
-    beta = sequence_ops.sigmoid_(y[:, 4 * P : 4 * P + H].copy())
+    gate = sequence_ops.sigmoid_cols(y, 3 * P, 4 * P).reshape(T, H, K)
+    beta = sequence_ops.sigmoid_cols(y, 4 * P, 4 * P + H)
     decay_in = linear(y[:, 4 * P + H :], w.f_b_proj).reshape(T, H, K)
     # log alpha = lower_bound * sigmoid(A (f + dt_bias)) and alpha, the same way with and without hooks (replays are exact)
     g, alpha = sequence_ops.kda_decay_(decay_in, w.dt_bias, w.A_wide, w.lower_bound)
@@ -328,14 +321,8 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     else:
         o, state_norms = chunked_delta_rule(q, k, v, g, beta, state.recurrent, chunk, state_norms)
     norms = None
-    if state_norms is not None:  # each head's [K, W] block of each stream's window, after every token
-        e4 = ext.reshape(W + T, 3, H, K)
-        sq = xp.einsum("...k,...k->...", e4, e4)  # [W + T, 3, H]: each stored row's squares, per head
-        win = sq[1 : 1 + T].copy()
-        for j in range(1, W):
-            win += sq[1 + j : 1 + j + T]
-        norms = {"kda.state": state_norms, "kda.conv": xp.sqrt(win)}
-    state.conv[...] = ext[T:].transpose(1, 2, 0)
+    if state_norms is not None:
+        norms = {"kda.state": state_norms, "kda.conv": conv_norms.reshape(T, 3, H)}
     if fire is not None:
         o = fire(site("kda.o"), o)
     o = sequence_ops.gated_norm(o, gate, w.o_norm_scaled, K * w.eps)  # o / sqrt(mean(o^2) + eps) * o_norm * gate

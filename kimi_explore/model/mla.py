@@ -205,7 +205,7 @@ def mla_sequence(x, w: MlaWeights, state: MlaState, *, fire=None, names=None, fi
         q_lat, kv_lat = fire(site("mla.q_latent"), q_lat), fire(site("mla.kv_latent"), kv_lat)
     q = linear(q_lat, w.q_b_proj).reshape(T, nh, dn + dr)
     kv = linear(kv_lat, w.kv_b_proj).reshape(T, nh, dn + dv)
-    gate = sigmoid(y[:, ql + kl + dr :]) if w.use_output_gate else None
+    gate = sequence_ops.sigmoid_cols(y, ql + kl + dr, y.shape[1]) if w.use_output_gate else None
     L0 = state.length
     state.append_many(kv[:, :, :dn], y[:, ql + kl : ql + kl + dr], kv[:, :, dn:])  # k_pe is NOT normalised
     scale = 1.0 / math.sqrt(dn + dr)

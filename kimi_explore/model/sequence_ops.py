@@ -1,7 +1,8 @@
 """Element-wise steps of the sequence path in one compiled pass each (host float32), NumPy otherwise.
 
     exp_(a), sigmoid_(a), silu_(a)          in place on a fresh array a
-    conv_silu(ext, taps)                    KDA's short conv and SiLU over a chunk (None: not here)
+    sigmoid_cols(y, a, b)                   sigmoid of columns a..b of rows, a new array
+    kda_conv(y, window, taps, group)        KDA's short conv and SiLU over a chunk, its window advanced
     situ_and_mul_rows(gate_up, beta, lb, fallback)   ops.situ_and_mul on rows [..., 2n] -> [..., n]
     causal_softmax_(scores, L0, scale)      in place on [nh, T, L0 + T]: scale, mask, softmax (as mla.causal_softmax_)
     causal_attention(q, keys, values, L0, scale)     MLA's attention of a chunk, fused (None: not here)
@@ -76,6 +77,16 @@ def sigmoid_(a):
     return xp.divide(1.0, a, out=a)
 
 
+def sigmoid_cols(y, a: int, b: int):
+    """sigmoid(y[:, a:b]) as a new C-contiguous array [T, b - a] (y: [T, n] rows, e.g. a projection's output whose
+    columns a..b are a gate): compiled, each row copied and mapped while in cache (`sigmoid_`'s values); else NumPy."""
+    if runs(y) and y.ndim == 2 and 0 <= a <= b <= y.shape[1]:
+        out = np.empty((y.shape[0], b - a), np.float32)
+        _ext.map_cols(y, out, a, y.shape[0], b - a, 1, ISA)
+        return out
+    return sigmoid_(y[:, a:b].copy())
+
+
 def silu_(a):
     """a / (1 + exp(-a)) in place; returns a."""
     if runs(a) and a.flags.writeable:
@@ -100,17 +111,38 @@ def situ_and_mul_rows(gate_up, beta: float, linear_beta: float | None, fallback)
     return out
 
 
-def conv_silu(ext, taps):
-    """KDA's short conv then SiLU over a chunk: ext [W + T, ...] (the stored window rows, oldest first, then the
-    chunk's), taps [W, ...] -> [T, ...], row t = silu(sum_j ext[t + 1 + j] * taps[j]); None where the kernel does
-    not run (the caller's NumPy route)."""
-    if not (runs(ext) and runs(taps)):
-        return None
-    W = taps.shape[0]
-    T = ext.shape[0] - W
-    out = np.empty((T,) + ext.shape[1:], np.float32)
-    _ext.conv_silu(ext, taps, out, T, W, taps.size // W if W else 0, ISA)
-    return out
+def kda_conv(y, window, taps, group: int = 0):
+    """KDA's short conv and SiLU over a chunk, and its window advanced: y [T, >= C] (the input projection's rows, their
+    first C columns the conv's input), window [..., W] of C channels (the state's stored rows, oldest first, last axis
+    time; in place: it ends holding the last W of those rows then the chunk's), taps [W, C] -> (out [T, C], norms):
+    row t of out = silu(sum_j ext[t + 1 + j] * taps[j]) over ext = the W stored rows then y's T (the window after token
+    t). With group K > 0, norms [T, C / K]: each group of K channels' norm over token t's window (what a recorder keeps
+    of kda.conv; None otherwise). Compiled in one pass that reads y and the window where they are; else NumPy (ext
+    concatenated), the same operations in the same order (rounding apart: the norms' sums)."""
+    T, W = y.shape[0], window.shape[-1]
+    C = taps.shape[1]
+    if runs(y) and runs(window) and runs(taps) and y.ndim == 2 and window.size == C * W:
+        head = np.ascontiguousarray(window.reshape(C, W).T)  # the old rows, read while the window is overwritten
+        out = np.empty((T, C), np.float32)
+        norms = np.empty((T, C // group) if group else (0,), np.float32)
+        _ext.kda_conv(head, y, taps, out, window, norms, T, W, C, y.shape[1], group, ISA)
+        return out, norms if group else None
+    xp = array_namespace(y)
+    ext = xp.concatenate((window.reshape(C, W).T, y[:, :C]))  # [W + T, C]
+    pre = ext[1 : 1 + T] * taps[0]  # token t's window is ext[t + 1 : t + 1 + W]
+    tap = xp.empty_like(pre)
+    for j in range(1, W):
+        pre += xp.multiply(ext[1 + j : 1 + j + T], taps[j], out=tap)
+    norms = None
+    if group:
+        e = ext.reshape(W + T, C // group, group)
+        sq = xp.einsum("...k,...k->...", e, e)  # [W + T, C / K]: each stored row's squares, per group
+        win = sq[1 : 1 + T].copy()
+        for j in range(1, W):
+            win += sq[1 + j : 1 + j + T]
+        norms = xp.sqrt(win)
+    window[...] = ext[T:].T.reshape(window.shape)
+    return silu_(pre), norms
 
 
 def causal_softmax_(scores, L0: int, scale: float):
@@ -265,6 +297,6 @@ def source_mix(rows, p):
     return array_namespace(rows).matmul(p[:, None, :], rows[:, :m])[:, 0]
 
 
-__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "conv_silu", "exp_", "experts_grouped", "experts_rows",
-           "gated_norm", "isas", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "silu_", "situ_and_mul_rows", "source_mix",
-           "source_scores", "top_rows"]
+__all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "exp_", "experts_grouped", "experts_rows", "gated_norm",
+           "isas", "kda_conv", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "sigmoid_cols", "silu_",
+           "situ_and_mul_rows", "source_mix", "source_scores", "top_rows"]
