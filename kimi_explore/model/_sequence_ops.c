@@ -244,11 +244,25 @@ DEFINE_DOT(16)
    t + 1 .. t + W; each row's sum of squares in lanes, the W rows' sums added oldest first), what a recorder keeps
    of the kda.conv site. */
 #define KX_EXT_ROW(r) ((r) < W ? head + (r) * C : y + ((r) - W) * ys)
-#define CONV_BODY(LANES)                                                                      \
+#define CONV_BODY(LANES, FUSED)                                                               \
     {                                                                                         \
         for (Py_ssize_t t = 0; t < T; t++) {                                                  \
             float *restrict o = out + t * C;                                                  \
             const float *restrict e = KX_EXT_ROW(t + 1);                                      \
+            if ((FUSED) && W == 4) { /* K3's and the embedded model's, where the ISA fuses multiply-adds: the */ \
+                /* taps summed in registers, one store; the general loop's operations (the first product rounded, */ \
+                /* then one fused add per tap, as its contracted `o[c] += ...`) */            \
+                const float *restrict e1 = KX_EXT_ROW(t + 2), *restrict e2 = KX_EXT_ROW(t + 3), \
+                                      *restrict e3 = KX_EXT_ROW(t + 4);                       \
+                for (Py_ssize_t c = 0; c < C; c++) {                                          \
+                    float x = e[c] * taps[c];                                                 \
+                    x = fmaf(e1[c], taps[C + c], x);                                          \
+                    x = fmaf(e2[c], taps[2 * C + c], x);                                      \
+                    x = fmaf(e3[c], taps[3 * C + c], x);                                      \
+                    o[c] = x / kx_one_plus_expf(-x);                                          \
+                }                                                                             \
+                continue;                                                                     \
+            }                                                                                 \
             for (Py_ssize_t c = 0; c < C; c++) o[c] = e[c] * taps[c];                         \
             for (Py_ssize_t j = 1; j < W; j++) {                                              \
                 const float *restrict ej = KX_EXT_ROW(t + 1 + j), *restrict tj = taps + j * C; \
@@ -672,7 +686,7 @@ DEFINE_DOT(16)
 /* a ranks before b: a number above b, or any number before NaN */
 #define KX_BEATS(a, b) ((a) == (a) && ((b) != (b) || (a) > (b)))
 
-#define DEFINE_KERNELS(suffix, attr, lanes)                                                                       \
+#define DEFINE_KERNELS(suffix, attr, lanes, fused)                                                                 \
     attr static void map_##suffix(float *restrict a, Py_ssize_t n, int what) MAP_BODY                          \
     attr static void situ_##suffix(const float *restrict gu, float *restrict out, Py_ssize_t rows, Py_ssize_t n, \
                                    float inv_b, float inv_lb, float c, int has_lb) SITU_BODY                  \
@@ -684,7 +698,7 @@ DEFINE_DOT(16)
     attr static void conv_##suffix(const float *restrict head, const float *restrict y, Py_ssize_t ys,           \
                                    const float *restrict taps, float *restrict out, float *restrict window,     \
                                    float *restrict norms, float *restrict sq, Py_ssize_t T, Py_ssize_t W,       \
-                                   Py_ssize_t C, Py_ssize_t K) CONV_BODY(lanes)                                 \
+                                   Py_ssize_t C, Py_ssize_t K) CONV_BODY(lanes, fused)                          \
     attr static void decay_##suffix(float *restrict g, float *restrict alpha, const float *restrict dt,         \
                                     const float *restrict A, float lb, Py_ssize_t rows, Py_ssize_t P) DECAY_BODY \
     attr static void l2_##suffix(const float *restrict qkv, const float *restrict scale, float eps,              \
@@ -709,10 +723,10 @@ DEFINE_DOT(16)
     attr static void topk_##suffix(const float *restrict X, int64_t *restrict ids, float *restrict probs, Py_ssize_t R, \
                                    Py_ssize_t V, Py_ssize_t k) TOPK_BODY(lanes)
 
-DEFINE_KERNELS(portable, , 8)
+DEFINE_KERNELS(portable, , 8, 0)
 #ifdef KX_X86
-DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8)
-DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))), 16)
+DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8, 1)
+DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))), 16, 1)
 #define PICK(name, isa) ((isa) == 2 ? name##_avx512 : (isa) == 1 ? name##_avx2 : name##_portable)
 #else
 #define PICK(name, isa) name##_portable
