@@ -968,7 +968,7 @@ def test_a_one_sided_nan_counts_as_an_entry_beyond_rtol():
 
 @pytest.mark.parametrize(("site", "pick", "name"), [
     ("layers.4.kda.state", lambda v: (1, *np.unravel_index(np.argmax(np.abs(v[1])), v[1].shape)), "head {}, k {}, v {}"),
-    ("layers.4.kda.conv", lambda v: (2, int(np.argmax(np.abs(v[2, :, 3]))), 3), "v stream, channel {}, tap {}"),
+    ("layers.4.kda.conv", lambda v: (2, int(np.argmax(np.abs(v[2, :, 3]))), 3), "v stream, head {}, channel {}, tap {}"),
     ("layers.4.kda.beta", lambda v: (int(np.argmax(np.abs(v))),), "head {}"),
     ("final.block_residual", lambda v: (1, int(np.argmax(np.abs(v[1])))), "block {}, channel {}")])
 def test_a_divergence_names_the_entry_by_each_kinds_axes(weights_d, hooks_d, site, pick, name):
@@ -978,7 +978,8 @@ def test_a_divergence_names_the_entry_by_each_kinds_axes(weights_d, hooks_d, sit
     entry = tuple(int(i) for i in pick(clean[site][4]))
     theirs = _engine_run(weights_d, tokens, site, 4, 1.05, False, entry)
     first = ke.compare(ke.Session(weights_d), {**theirs, "tokens": np.array(tokens)}, probes=False).first
-    where = name.format(*entry[1:]) if site.endswith("kda.conv") else name.format(*entry)
+    K = weights_d.config.linear_attn_config.head_dim  # the window's channel h K + j: head h's channel j
+    where = name.format(*divmod(entry[1], K), entry[2]) if site.endswith("kda.conv") else name.format(*entry)
     assert (first.token, first.site, first.local, first.where) == (4, site, True, where)
 
 

@@ -108,7 +108,7 @@ def compare(session, other, *, names=None, tolerance=None, local: bool = True, p
         a, b, experts = _aligned(s, ours, theirs, ours_ids=ours.get(s.replace("topk_weights", "topk_ids")))
         err = site_errors(kind, a, b, tol, floors.get(kind, 0.0))
         results[s] = SiteComparison(s, layer, kind, err.max_abs, err.rel, operation=_operation(s, kind, at, theirs, graph),
-                                    shape=np.shape(a[0]) if a else (), worst=err.worst, over=err.over, experts=experts,
+                                    shape=_named_shape(kind, a, weights.config), worst=err.worst, over=err.over, experts=experts,
                                     start=start)
     for s in sites:
         if s.endswith(IDS_SITE) and (bad := np.flatnonzero(beyond(IDS_SITE, results[s].rel, 0.0))).size:
@@ -403,6 +403,16 @@ def _patch(theirs) -> dict:
     of an engine that agrees looked local. Left out, the replay computes the weights of the ids it routes to."""
     ids = {s.replace(IDS_SITE, "moe.router.topk_weights") for s in theirs if s.endswith(IDS_SITE)}
     return {s: v for s, v in theirs.items() if not s.endswith("moe.router.topk_weights") or s in ids}
+
+
+def _named_shape(kind: str, a, config) -> tuple:
+    """One token's value shape as `comparison.AXES` names it: the short-conv window's channels [3, P, W] split into
+    [3, H, K, W] (channel h K + j is head h's channel j, as kda.conv_out names it)."""
+    shape = np.shape(a[0]) if a else ()
+    heads = config.linear_attn_config.num_heads
+    if kind == "kda.conv" and len(shape) == 3 and shape[1] % heads == 0:
+        return (shape[0], heads, shape[1] // heads, shape[2])
+    return shape
 
 
 # sites whose operation the next captured site's description already names (the conv window, the q/k L2

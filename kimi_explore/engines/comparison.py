@@ -279,7 +279,7 @@ AXES = {
     **dict.fromkeys(("embed", "attn.in", "attn.out", "ffn.in", "ffn.out", "prefix_sum", "mla.q_latent", "mla.kv_latent",
                      "moe.experts_out", "moe.routed_out", "moe.shared_out", "final.hidden"), ("channel",)),
     **dict.fromkeys(("attn_res.attn.weights", "attn_res.ffn.weights", "final.attn_res.weights"), ("source",)),
-    "kda.conv": ("stream", "channel", "tap"),
+    "kda.conv": ("stream", "head", "channel", "tap"),  # (compare splits the window's channels by head)
     "kda.conv_out": ("stream", "head", "channel"),
     **dict.fromkeys(("kda.q", "kda.k", "kda.v", "kda.decay", "kda.gate", "kda.o", "mla.o"), ("head", "channel")),
     "kda.beta": ("head",),
