@@ -417,3 +417,32 @@ def test_experts_grouped_falls_back_on_what_it_cannot_take():
     got = sequence_ops.experts_grouped(groups, z, w13, w2, act)
     want = sequence_ops.experts_grouped(groups, np.ascontiguousarray(z), w13, w2, act)
     assert got is not None and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("T,k,E", [(512, 2, 16), (1, 2, 16), (9, 3, 5), (300, 16, 896)])
+def test_group_ids_is_the_stable_sort_by_expert(monkeypatch, T, k, E):
+    """A chunk's selections grouped by expert in one counting sort: the NumPy route's stable argsort (the selections
+    ascending within an expert), the dropped (-1) left out, each selected expert once with its segment; the groups a
+    bank reads (`latent_moe.group_selections`) are the same either way."""
+    from kimi_explore.model.latent_moe import group_selections
+
+    rng = np.random.default_rng(T)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    ids[rng.random(ids.shape) < 0.1] = -1  # dropped selections (an ablation)
+    flat = ids.reshape(-1)
+    order, experts, bounds = sequence_ops.group_ids(flat)
+    want = np.argsort(flat, kind="stable")[np.count_nonzero(flat < 0) :]
+    assert np.array_equal(order, want) and experts == sorted(set(flat[flat >= 0].tolist()))
+    assert bounds == [0, *np.cumsum([np.count_nonzero(flat == e) for e in experts]).tolist()]
+    got = group_selections(ids)
+    monkeypatch.setattr(sequence_ops, "AVAILABLE", False)
+    numpy_route = group_selections(ids)
+    assert (got.experts, got.bounds) == (numpy_route.experts, numpy_route.bounds)
+    assert np.array_equal(got.order, numpy_route.order) and np.array_equal(got.rows, numpy_route.rows)
+
+
+def test_group_ids_leaves_what_it_cannot_take_to_the_argsort():
+    assert sequence_ops.group_ids(np.array([-1, -1])) is None  # every selection dropped
+    assert sequence_ops.group_ids(np.array([0, -2, 1])) is None  # not an id
+    assert sequence_ops.group_ids(np.zeros(0, np.int64)) is None
+    assert sequence_ops.group_ids(np.array([0.0, 1.0])) is None  # not integers

@@ -1087,8 +1087,63 @@ static PyObject *sources(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(group_doc, "group(ids, order, experts, bounds) -> m\n\n"
+                        "A chunk's selections grouped by expert (a counting sort, stable): ids int64 [n], each -1 (dropped) or "
+                        "an expert 0 .. E - 1, with experts int64 [E] and bounds int64 [E + 1] (E >= 1), order int64 [n], "
+                        "all C-contiguous. Writes order[:kept] (the selections sorted by expert, ascending within one; the "
+                        "dropped left out), experts[:m] (the experts selected, ascending) and bounds[:m + 1] (their segments of "
+                        "order); returns m, or -1 where an id is out of range (nothing meaningful written).");
+
+static PyObject *group(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer ids, order, experts, bounds;
+    if (!PyArg_ParseTuple(args, "y*w*w*w*", &ids, &order, &experts, &bounds)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = ids.len / 8, E = experts.len / 8;
+    int64_t *count = NULL;
+    if (ids.len % 8 || order.len != ids.len || E < 1 || experts.len % 8 || bounds.len != 8 * (E + 1))
+        PyErr_SetString(PyExc_ValueError, "group: expected ids, order int64 [n], experts int64 [E >= 1], bounds [E + 1]");
+    else if (!(count = PyMem_RawCalloc(E + 1, sizeof(int64_t))))
+        PyErr_NoMemory();
+    else {
+        const int64_t *id = ids.buf;
+        int64_t *o = order.buf, *ex = experts.buf, *b = bounds.buf;
+        Py_ssize_t m = 0, bad = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const int64_t e = id[i];
+            if (e < -1 || e >= E) bad = 1;
+            else count[e + 1]++;
+        }
+        if (!bad) {
+            int64_t at = 0; /* each expert's first slot in order; count[e + 1] becomes it */
+            b[0] = 0;
+            for (Py_ssize_t e = 0; e < E; e++) {
+                const int64_t c = count[e + 1];
+                count[e + 1] = at;
+                if (c) {
+                    ex[m] = e;
+                    b[++m] = at + c;
+                }
+                at += c;
+            }
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (id[i] >= 0) o[count[id[i] + 1]++] = i;
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(bad ? -1 : m);
+    }
+    PyMem_RawFree(count);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&order);
+    PyBuffer_Release(&experts);
+    PyBuffer_Release(&bounds);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"kda_conv", kda_conv, METH_VARARGS, conv_doc},
+    {"group", group, METH_VARARGS, group_doc},
     {"map", map, METH_VARARGS, map_doc},
     {"map_cols", map_cols, METH_VARARGS, map_cols_doc},
     {"situ", situ, METH_VARARGS, situ_doc},

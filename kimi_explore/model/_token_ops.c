@@ -156,32 +156,51 @@ static PyObject *situ(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(set_row_doc, "set_row(rows, n, v, inv_rms, inv_d, eps, tokens)\n\n"
+PyDoc_STRVAR(set_row_doc, "set_row(rows, n, v, inv_rms, inv_d, eps, tokens[, b, out])\n\n"
                           "For each token t: rows[t, n] = v[t] and inv_rms[t, n] = 1 / sqrt(sum(v[t]^2) inv_d + eps) "
-                          "(double): rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R].");
+                          "(double): rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R]. With b "
+                          "and out (float32 [tokens, d]): out = v + b (float32), and out is what is set.");
 
 static PyObject *set_row(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer rows, v, inv;
+    Py_buffer rows, v, inv, b = {0}, out = {0};
     Py_ssize_t n, T;
     double inv_d, eps;
-    if (!PyArg_ParseTuple(args, "w*ny*w*ddn", &rows, &n, &v, &inv, &inv_d, &eps, &T)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*ny*w*ddn|y*w*", &rows, &n, &v, &inv, &inv_d, &eps, &T, &b, &out)) return NULL;
     PyObject *result = NULL;
     const Py_ssize_t d = T > 0 ? v.len / (4 * T) : 0, R = T > 0 ? inv.len / (8 * T) : 0;
-    if (d == 0 || v.len != 4 * T * d || inv.len != 8 * T * R || rows.len != 4 * T * R * d || n < 0 || n >= R)
+    const int sum = b.buf != NULL;
+    if (d == 0 || v.len != 4 * T * d || inv.len != 8 * T * R || rows.len != 4 * T * R * d || n < 0 || n >= R ||
+        sum != (out.buf != NULL) || (sum && (b.len != v.len || out.len != v.len)))
         size_error("set_row: rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R], "
-                   "0 <= n < R expected");
+                   "0 <= n < R, b and out (both or neither) float32 [tokens, d] expected");
     else {
-        for (Py_ssize_t t = 0; t < T; t++) {
-            const float *vv = (const float *)v.buf + t * d;
-            memcpy((float *)rows.buf + (t * R + n) * d, vv, (size_t)d * sizeof(float));
-            ((double *)inv.buf)[t * R + n] = 1.0 / sqrt(sum_squares(vv, d) * inv_d + eps);
+        const float *src = v.buf;
+        if (sum) { /* the sum first, NumPy's float32 add */
+            const float *x = v.buf, *y = b.buf;
+            float *o = out.buf;
+            for (Py_ssize_t i = 0; i < T * d; i++) o[i] = x[i] + y[i];
+            src = out.buf;
+        }
+        for (Py_ssize_t t0 = 0; t0 < T; t0 += 4) { /* 4 tokens' sums at once where there are (sum_squares' values) */
+            const Py_ssize_t m = T - t0 < 4 ? T - t0 : 4;
+            double sq[4];
+            if (m == 4) sum_squares_4rows(src + t0 * d, d, sq);
+            else
+                for (Py_ssize_t j = 0; j < m; j++) sq[j] = sum_squares(src + (t0 + j) * d, d);
+            for (Py_ssize_t j = 0; j < m; j++) {
+                const Py_ssize_t t = t0 + j;
+                memcpy((float *)rows.buf + (t * R + n) * d, src + t * d, (size_t)d * sizeof(float));
+                ((double *)inv.buf)[t * R + n] = 1.0 / sqrt(sq[j] * inv_d + eps);
+            }
         }
         DONE(1);
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&v);
     PyBuffer_Release(&inv);
+    if (b.buf) PyBuffer_Release(&b);
+    if (out.buf) PyBuffer_Release(&out);
     return result;
 }
 

@@ -120,6 +120,13 @@ class SequenceSources:
         self.current = v
         self._set(self.n, v)
 
+    def set_sum(self, a, b) -> None:
+        """`set_current(a + b)`, the sum made in the same compiled pass as the copy where it runs (host float32)."""
+        if self.compiled and token_ops.host_float32(a, b) and a.flags.c_contiguous and b.flags.c_contiguous:
+            self.current = token_ops.set_row_sum(self.rows, self.n, a, b, self.inv_rms, self.inv_d, self.eps)
+        else:
+            self.set_current(a + b)
+
     def _set(self, j: int, v) -> None:
         """Column j of every token's stack: v [T, d] and its 1/rms."""
         if self.compiled:
@@ -346,12 +353,18 @@ def sequence_layer(layer, state, stack: SequenceSources, cfg, hooks=None) -> Non
         stack.seal()
     x = fire(names["attn.in"], rms_norm(x, layer.input_layernorm, eps))
     a = fire(names["attn.out"], _attention(x, layer, state, hooks))
-    stack.set_current(a if layer.is_block_boundary else h + a)
+    if layer.is_block_boundary:
+        stack.set_current(a)
+    else:
+        stack.set_sum(h, a)
 
     y = stack.mix(fire(names["attn_res.ffn.weights"], stack.weights(layer.mlp_res_score)))
     y = fire(names["ffn.in"], rms_norm(y, layer.post_attention_layernorm, eps))
     f = fire(names["ffn.out"], _ffn(y, layer, cfg, hooks))
-    stack.set_current(fire(names["prefix_sum"], stack.current + f))
+    if hooks is not None and _listens(hooks, names["prefix_sum"]):
+        stack.set_current(fire(names["prefix_sum"], stack.current + f))
+    else:  # (nothing sees the sum: it goes into the stack in the pass that makes it)
+        stack.set_sum(stack.current, f)
 
 
 def finish_sequence(head: OutputHead, stack: SequenceSources, hooks=None):

@@ -9,6 +9,7 @@
     experts_grouped(groups, z, w13, w2, act)         dense routed experts of a chunk, fused (None: not here)
     experts_rows(z, rows, bounds, experts, w13, w2, act)   the same, the selections as arrays (a packed bank's)
     top_rows(logits, k)                              each row's top k and their probabilities (None: not here)
+    group_ids(ids)                                   a chunk's selections grouped by expert (None: not here)
     kda_decay_(raw, dt_bias, A, lower_bound)         KDA's log decay in place and its exp
     l2_scale_qk(qkv, scale_rows, eps)                KDA's q and k L2-normalised, q's scale folded in
     gated_norm(o, gate, gain, eps)                   KDA's gated RMSNorm of the read-out
@@ -206,6 +207,23 @@ def experts_rows(z, rows, bounds, experts, w13, w2, act):
     return y
 
 
+def group_ids(ids):
+    """A chunk's selections grouped by expert, ids int [n] (each -1, dropped, or an expert >= 0) -> (order int64 [kept]:
+    the selections sorted by expert, ascending within one, the dropped left out; experts: the selected experts
+    ascending, a list; bounds: their segments of order, a list of m + 1) in one compiled counting sort; None where it
+    does not run (the caller's argsort)."""
+    if not (AVAILABLE and isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu" and ids.size):
+        return None
+    E = int(ids.max()) + 1
+    if not 1 <= E <= 1 << 20:  # (ids all dropped, or a bank too large for a count per expert)
+        return None
+    order, experts, bounds = np.empty(ids.size, np.int64), np.empty(E, np.int64), np.empty(E + 1, np.int64)
+    m = _ext.group(np.ascontiguousarray(ids, np.int64), order, experts, bounds)
+    if m < 0:  # an id below -1: the caller's route says what is wrong
+        return None
+    return order[: bounds[m]], experts[:m].tolist(), bounds[: m + 1].tolist()
+
+
 TOP_ROWS_MAX_K = 16  # `top_rows` above: the NumPy route (the kernel's kept list would shift ~V k / 2 times a row)
 
 
@@ -298,5 +316,5 @@ def source_mix(rows, p):
 
 
 __all__ = ["AVAILABLE", "causal_attention", "causal_softmax_", "exp_", "experts_grouped", "experts_rows", "gated_norm",
-           "isas", "kda_conv", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "sigmoid_cols", "silu_",
+           "group_ids", "isas", "kda_conv", "kda_decay_", "l2_scale_qk", "runs", "sigmoid_", "sigmoid_cols", "silu_",
            "situ_and_mul_rows", "source_mix", "source_scores", "top_rows"]

@@ -37,7 +37,7 @@ MAX_SOURCES = 64  # source_softmax's bound on the sources of one mix
 _F32 = np.dtype(np.float32)
 
 __all__ = ["AVAILABLE", "host_float32", "in_c_order", "isas", "kda_gates", "rms_norm", "routing_weights", "runs",
-           "select_experts", "set_row", "sigmoid", "situ", "softmax_rows_", "source_softmax"]
+           "select_experts", "set_row", "set_row_sum", "sigmoid", "situ", "softmax_rows_", "source_softmax"]
 
 
 def isas() -> tuple[str, ...]:
@@ -91,6 +91,15 @@ def set_row(rows, n: int, v, inv_rms, inv_d: float, eps: float) -> None:
     tokens = v.shape[0] if v.ndim == 2 else 1
     if tokens:
         _ext.set_row(rows, n, v, inv_rms, inv_d, eps, tokens)
+
+
+def set_row_sum(rows, n: int, a, b, inv_rms, inv_d: float, eps: float):
+    """`set_row` of a + b (T tokens, a and b C-contiguous float32 [T, d]: NumPy's float32 sum), the sum made in the
+    same call; returns it."""
+    out = np.empty(a.shape, _F32)
+    if a.shape[0]:
+        _ext.set_row(rows, n, a, inv_rms, inv_d, eps, a.shape[0], b, out)
+    return out
 
 
 def source_softmax(s, inv_rms):
