@@ -268,3 +268,15 @@ def test_kda_step_token_ops_agree_with_numpy(ref_weights, monkeypatch):
         np.testing.assert_allclose(got_state.recurrent, want_state.recurrent, rtol=0,
                                    atol=2e-5 * np.abs(want_state.recurrent).max())
         assert not np.array_equal(got, want)  # the compiled gates ran (in double: not NumPy's float32 rounding)
+
+
+def test_a_bad_rule_is_refused_before_the_window_advances(trained_weights):
+    """kda_sequence advances the conv window before its hooks and the recurrence: an unknown rule must be refused
+    first, leaving the state as it was."""
+    w = layer(trained_weights, 0, np.float32)
+    state = KdaState.zeros(w, np, np.float32)
+    kda_sequence(inputs(w, 3), w, state)
+    before = state.copy()
+    with pytest.raises(ValueError, match="rule"):
+        kda_sequence(inputs(w, 5, seed=1), w, state, rule="bogus")
+    assert np.array_equal(state.conv, before.conv) and np.array_equal(state.recurrent, before.recurrent)

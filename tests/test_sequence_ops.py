@@ -446,3 +446,20 @@ def test_group_ids_leaves_what_it_cannot_take_to_the_argsort():
     assert sequence_ops.group_ids(np.array([0, -2, 1])) is None  # not an id
     assert sequence_ops.group_ids(np.zeros(0, np.int64)) is None
     assert sequence_ops.group_ids(np.array([0.0, 1.0])) is None  # not integers
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 9, 64])
+def test_kda_conv_w4_is_the_general_loop_bit_for_bit(isa, T):
+    """The W == 4 register path against the general loop, bit for bit: the same conv as W = 5 with a zero oldest tap
+    (its product an exact zero, so each later tap is the general loop's multiply-add, fused where the ISA fuses, in
+    the same order)."""
+    rng = np.random.default_rng(T)
+    C = 3 * 40
+    y = (rng.standard_normal((T, C + 3)) * 2).astype(np.float32)
+    window4 = (rng.standard_normal((3, C // 3, 4)) * 2).astype(np.float32)
+    taps4 = rng.standard_normal((4, C)).astype(np.float32)
+    window5 = np.concatenate((np.ones((3, C // 3, 1), np.float32), window4), axis=-1)  # one older row, weighed by 0
+    taps5 = np.concatenate((np.zeros((1, C), np.float32), taps4))
+    got4, _ = sequence_ops.kda_conv(y, window4.copy(), taps4)
+    got5, _ = sequence_ops.kda_conv(y, window5.copy(), taps5)
+    assert np.array_equal(got4, got5)

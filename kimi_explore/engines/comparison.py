@@ -100,7 +100,7 @@ class SiteComparison:
     local_rel: np.ndarray | None = None
     operation: str = ""
     explanation: str = ""
-    shape: tuple = ()  # one token's value
+    shape: tuple = ()  # one token's value, as AXES names it (kda.conv: [3, H, K, W], the window's channels by head)
     worst: np.ndarray | None = None  # per row: flat index of the worst entry (`tolerance.SiteErrors`), -1: none
     over: np.ndarray | None = None  # per row: entries beyond rtol (top-k ids: ids that differ)
     local_worst: np.ndarray | None = None  # per row: the worst entry of kimi_explore's operation on the other engine's inputs

@@ -251,7 +251,8 @@ RULES = ("auto", "recurrent", "chunked")
 def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=None, names=None, state_norms: bool = False,
                  rule: str = "auto", fire_decay: bool = True):
     """x: [T, d] (input_layernorm outputs) -> (out [T, d], norms or None); advances `state` in place as T
-    `kda_step` calls would.
+    `kda_step` calls would. The conv window advances first, the recurrent state in the delta rule: a hook that raises
+    between (or after) leaves the state part-advanced, which `kimi_forward_sequence` marks broken.
 
     rule: how the delta rule runs over the T tokens: "recurrent" (`kda_recurrence`, compiled, token by
     token: host float32 only), "chunked" (`kda_chunk`, matmuls over chunks of `chunk` tokens: any backend
@@ -274,6 +275,8 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
     state_norms=True, norms = {"kda.state": ||S_h||_F after every token [T, H], "kda.conv": each head's
     window norm after every token [T, 3, H]}, what a recorder keeps of them.
     """
+    if rule not in RULES:  # (before anything is advanced)
+        raise ValueError(f"kda_sequence: rule={rule!r}, expected one of {RULES}")
     xp = array_namespace(x)
     site = (lambda kind: kind) if names is None else names.__getitem__  # noqa: E731
     H, K = w.num_heads, w.head_dim
@@ -312,8 +315,6 @@ def kda_sequence(x, w: KdaWeights, state: KdaState, *, chunk: int = 64, fire=Non
                     g = xp.maximum(xp.log(hooked), LOG_DECAY_FLOOR)
                 alpha = None
         gate = fire(site("kda.gate"), gate)
-    if rule not in RULES:
-        raise ValueError(f"kda_sequence: rule={rule!r}, expected one of {RULES}")
     recurrent = rule == "recurrent" or (rule == "auto" and kda_recurrence.runs(xp, state.recurrent.dtype)
                                         and state.recurrent.flags.c_contiguous)
     if recurrent:

@@ -122,7 +122,7 @@ class SequenceSources:
 
     def set_sum(self, a, b) -> None:
         """`set_current(a + b)`, the sum made in the same compiled pass as the copy where it runs (host float32)."""
-        if self.compiled and token_ops.host_float32(a, b) and a.flags.c_contiguous and b.flags.c_contiguous:
+        if self.compiled and token_ops.host_float32(a, b) and a.shape == b.shape:
             self.current = token_ops.set_row_sum(self.rows, self.n, a, b, self.inv_rms, self.inv_d, self.eps)
         else:
             self.set_current(a + b)

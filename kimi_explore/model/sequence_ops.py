@@ -119,7 +119,8 @@ def kda_conv(y, window, taps, group: int = 0):
     row t of out = silu(sum_j ext[t + 1 + j] * taps[j]) over ext = the W stored rows then y's T (the window after token
     t). With group K > 0, norms [T, C / K]: each group of K channels' norm over token t's window (what a recorder keeps
     of kda.conv; None otherwise). Compiled in one pass that reads y and the window where they are; else NumPy (ext
-    concatenated), the same operations in the same order (rounding apart: the norms' sums)."""
+    concatenated), the same sums in the same order, agreeing to float32 rounding (the kernel's multiply-adds fused
+    where the ISA fuses them, its SiLU's exp a polynomial, the norms' sums in lanes)."""
     T, W = y.shape[0], window.shape[-1]
     C = taps.shape[1]
     if runs(y) and runs(window) and runs(taps) and y.ndim == 2 and window.size == C * W:
@@ -219,7 +220,7 @@ def group_ids(ids):
         return None
     order, experts, bounds = np.empty(ids.size, np.int64), np.empty(E, np.int64), np.empty(E + 1, np.int64)
     m = _ext.group(np.ascontiguousarray(ids, np.int64), order, experts, bounds)
-    if m < 0:  # an id below -1: the caller's route says what is wrong
+    if m < 0:  # an id below -1 (the caller's argsort drops it as it drops -1)
         return None
     return order[: bounds[m]], experts[:m].tolist(), bounds[: m + 1].tolist()
 

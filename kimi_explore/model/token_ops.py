@@ -4,6 +4,7 @@
     situ(gate_up, beta, linear_beta)               ops.situ_and_mul of [..., 2n]
     set_row(rows, n, v, inv_rms, inv_d, eps)       a block-residual source and its 1/rms (SourceBuffer; a chunk's
                                                    tokens at once: SequenceSources)
+    set_row_sum(rows, n, a, b, inv_rms, inv_d, eps)   set_row of a + b, the sum made in the same call (SequenceSources)
     source_softmax(s, inv_rms)                     the block-residual mix's softmax (SourceBuffer.weights; rows:
                                                    SequenceSources.weights)
     sigmoid(x); select_experts(scores, bias, k); routing_weights(scores, ids, renormalize, scaling, eps)
@@ -96,6 +97,9 @@ def set_row(rows, n: int, v, inv_rms, inv_d: float, eps: float) -> None:
 def set_row_sum(rows, n: int, a, b, inv_rms, inv_d: float, eps: float):
     """`set_row` of a + b (T tokens, a and b C-contiguous float32 [T, d]: NumPy's float32 sum), the sum made in the
     same call; returns it."""
+    if not (host_float32(a, b) and a.shape == b.shape and a.ndim == 2):  # (the kernel reads the buffers by their sizes)
+        raise ValueError(f"set_row_sum: a and b float32 [T, d] expected, got {a.dtype} {list(a.shape)} and "
+                         f"{b.dtype} {list(b.shape)}")
     out = np.empty(a.shape, _F32)
     if a.shape[0]:
         _ext.set_row(rows, n, a, inv_rms, inv_d, eps, a.shape[0], b, out)
