@@ -363,7 +363,7 @@ def test_the_default_chunk_gives_each_expert_enough_rows(trained_weights, monkey
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 5, 8, 37])
 def test_the_fused_residual_sums_are_the_listened_ones_bit_for_bit(trained_weights, chunk):
-    """Nothing listening at prefix_sum: the sums made in the pass that stores them (token_ops.set_row_sum, 4 tokens'
+    """Nothing listening at prefix_sum: the sums made in the call that stores them (token_ops.set_row_sum, 4 tokens'
     squares at once) give what a listener's route (set_current of NumPy's sum) gives, bit for bit."""
     w, tokens = trained_weights, list(TEXT[:37])
     fused = np.asarray(kimi_forward_sequence(w, KimiDecodeState.new(w), tokens, chunk=chunk))

@@ -175,15 +175,14 @@ static PyObject *set_row(PyObject *self, PyObject *args) {
         size_error("set_row: rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R], "
                    "0 <= n < R, b and out (both or neither) float32 [tokens, d] expected");
     else {
-        const float *src = v.buf;
-        if (sum) { /* the sum first, NumPy's float32 add */
-            const float *x = v.buf, *y = b.buf;
-            float *o = out.buf;
-            for (Py_ssize_t i = 0; i < T * d; i++) o[i] = x[i] + y[i];
-            src = out.buf;
-        }
+        const float *src = sum ? out.buf : v.buf;
         for (Py_ssize_t t0 = 0; t0 < T; t0 += 4) { /* 4 tokens' sums at once where there are (sum_squares' values) */
             const Py_ssize_t m = T - t0 < 4 ? T - t0 : 4;
+            if (sum) { /* these tokens' a + b first (NumPy's float32 add), read again below while in cache */
+                const float *x = (const float *)v.buf + t0 * d, *y = (const float *)b.buf + t0 * d;
+                float *o = (float *)out.buf + t0 * d;
+                for (Py_ssize_t i = 0; i < m * d; i++) o[i] = x[i] + y[i];
+            }
             double sq[4];
             if (m == 4) sum_squares_4rows(src + t0 * d, d, sq);
             else

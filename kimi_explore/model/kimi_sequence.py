@@ -121,7 +121,7 @@ class SequenceSources:
         self._set(self.n, v)
 
     def set_sum(self, a, b) -> None:
-        """`set_current(a + b)`, the sum made in the same compiled pass as the copy where it runs (host float32)."""
+        """`set_current(a + b)`, the sum made in the compiled call that copies it in, 4 tokens at a time (host float32)."""
         if self.compiled and token_ops.host_float32(a, b) and a.shape == b.shape:
             self.current = token_ops.set_row_sum(self.rows, self.n, a, b, self.inv_rms, self.inv_d, self.eps)
         else:
@@ -363,7 +363,7 @@ def sequence_layer(layer, state, stack: SequenceSources, cfg, hooks=None) -> Non
     f = fire(names["ffn.out"], _ffn(y, layer, cfg, hooks))
     if hooks is not None and _listens(hooks, names["prefix_sum"]):
         stack.set_current(fire(names["prefix_sum"], stack.current + f))
-    else:  # (nothing sees the sum: it goes into the stack in the pass that makes it)
+    else:  # (nothing sees the sum: it goes into the stack in the call that makes it)
         stack.set_sum(stack.current, f)
 
 
