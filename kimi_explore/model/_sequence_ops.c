@@ -351,29 +351,9 @@ DEFINE_DOT(16)
         }                                                                                     \
     }
 
-/* kx_expf of each lane of a vector x (VF floats, VI int32 of the same width): its steps as vector operations (the
-   vectoriser does not keep a loop of kx_expf's in registers across the attention's passes); its edges by select. */
-#define KX_EXPF_V(VF, VI, x)                                                                  \
-    ({                                                                                        \
-        const VF x_ = (x), zero_ = {0.0f}, lo_ = zero_ - 87.0f, hi_ = zero_ + 88.0f;          \
-        const VI below_ = x_ < lo_, above_ = x_ > hi_;                                         \
-        const VF xc_ = (VF)((((VI)x_ & ~(below_ | above_)) | ((VI)lo_ & below_)) | ((VI)hi_ & above_)); \
-        VF fx_ = xc_ * 1.44269504088896341f;                                                  \
-        fx_ = (fx_ + 12582912.0f) - 12582912.0f;                                              \
-        VF r_ = xc_ - fx_ * 0.693359375f;                                                     \
-        r_ = r_ - fx_ * -2.12194440e-4f;                                                      \
-        const VF z_ = r_ * r_;                                                                \
-        VF y_ = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                     \
-        y_ = y_ * r_ + 8.3334519073e-3f;                                                      \
-        y_ = y_ * r_ + 4.1665795894e-2f;                                                      \
-        y_ = y_ * r_ + 1.6666665459e-1f;                                                      \
-        y_ = y_ * r_ + 5.0000001201e-1f;                                                      \
-        y_ = y_ * z_ + r_ + 1.0f;                                                             \
-        const VF e_ = y_ * (VF)((__builtin_convertvector(fx_, VI) + 127) << 23);              \
-        (VF)(((VI)e_ & ~(below_ | above_)) | ((VI)(zero_ + INFINITY) & above_));              \
-    })
-
-/* KX_EXPF_V of x <= 0 (or NaN): its steps without the upper edge's, which never applies there (the same values). */
+/* kx_expf of each lane of a vector x <= 0 or NaN (VF floats, VI int32 of the same width; the attention's x - max):
+   its steps as vector operations (the vectoriser does not keep a loop of kx_expf's in registers across the
+   attention's passes); its lower edge by select (its upper, x > 88, never applies here: the same values). */
 #define KX_EXPF_NONPOS_V(VF, VI, x)                                                           \
     ({                                                                                        \
         const VF x_ = (x), zero_ = {0.0f}, lo_ = zero_ - 87.0f;                               \
@@ -407,9 +387,8 @@ DEFINE_DOT(16)
    an AVX2 VM), each probability broadcast and the values in the lanes, each query over exactly the
    positions it sees, so a later token's value never reaches it (0 times its NaN or inf would be NaN; the token form
    never sees that value). The denominators and the mix are summed by blocks of ATTENTION_BLOCK positions, the blocks'
-   sums then added: within a few float32 ulps of the token form's sums at any cache length. 1.2x the 2 x 4
-   score and masked mix blocks before, at the embedded model's widths and K3's. The exp is KX_EXPF_NONPOS_V's
-   (x - max <= 0). Lanes past the chunk's last query compute on
+   sums then added: within a few float32 ulps of the token form's sums at any cache length. 1.2x the 2 x 4 score and
+   masked mix blocks before, at the embedded model's widths and K3's. Lanes past the chunk's last query compute on
    zero queries and are not written. */
 #define ATTENTION_BLOCK 128 /* positions per partial sum of the softmax's denominator and of the mix */
 #define ATTENTION_BODY(LANES)                                                                 \
