@@ -83,6 +83,37 @@ def test_rms_norm_of_rows_is_the_vector_step_on_each_row():
         token_ops.rms_norm(np.zeros((2, 96), np.float32), w, 1e-6)
 
 
+def _sum_squares_in_lanes(x) -> float:
+    """sum(x^2) in double in the kernels' order: 4 lanes (lane j: elements j, j + 4, ...), the tail in lane 0, then
+    (lane 0 + lane 1) + (lane 2 + lane 3); each square of a float exact in double."""
+    lanes, n4 = [0.0] * 4, len(x) - len(x) % 4
+    for i in range(n4):
+        lanes[i % 4] += float(x[i]) * float(x[i])
+    for i in range(n4, len(x)):
+        lanes[0] += float(x[i]) * float(x[i])
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
+
+
+@pytest.mark.parametrize("T,d", [(1, 128), (3, 13), (4, 4), (9, 33), (6, 1)])
+def test_set_row_takes_its_steps_in_double(T, d):
+    """The block stack's rows (set_row, and set_row_sum's a + b): each token's row stored and its 1/rms =
+    1 / sqrt(sum(v^2) inv_d + eps) bit for bit from Python floats (the product and the add each rounded: an FMA
+    target's fused one would differ), 4 tokens at a time or one."""
+    v = (RNG.standard_normal((T, d)) * RNG.uniform(1e-3, 100, (T, 1))).astype(np.float32)
+    b = RNG.standard_normal((T, d)).astype(np.float32)
+    for a, summed in ((v, None), (v, b)):
+        rows, inv = np.zeros((T, 3, d), np.float32), np.zeros((T, 3))
+        if summed is None:
+            token_ops.set_row(rows, 1, a, inv, 1.0 / d, 1e-5)
+            want_rows = a
+        else:
+            want_rows = token_ops.set_row_sum(rows, 1, a, summed, inv, 1.0 / d, 1e-5)
+            assert np.array_equal(want_rows, a + summed)
+        assert np.array_equal(rows[:, 1], want_rows) and not rows[:, [0, 2]].any()
+        want = [1.0 / math.sqrt(_sum_squares_in_lanes(r) * (1.0 / d) + 1e-5) for r in want_rows]
+        assert inv[:, 1].tolist() == want
+
+
 def test_a_chunks_stack_takes_the_token_forms_steps_per_token():
     """SequenceSources (a chunk's block-residual stacks) on the compiled route: each token's 1/rms values and mix
     weights bit for bit those of a SourceBuffer fed that token's rows (the token form), also after a hook's
