@@ -136,6 +136,7 @@ static PyObject *size_error(const char *what) {
 /* set_row's rows (its docstring): for tokens t0 .. t0 + m - 1 (m <= 4), src their values (out = v + b when sum) */
 #define SET_ROW_BODY(LOAD_D4)                                                                  \
     {                                                                                          \
+        KX_CONTRACT_OFF                                                                        \
         const float *src = sum ? out : v;                                                      \
         for (Py_ssize_t t0 = 0; t0 < T; t0 += 4) { /* 4 tokens' sums at once where there are (the same values) */ \
             const Py_ssize_t m = T - t0 < 4 ? T - t0 : 4;                                      \
@@ -157,11 +158,22 @@ static PyObject *size_error(const char *what) {
     }
 
 /* set_row's kernels do not fuse sq inv_d + eps (an FMA target would: one rounding, where the token form's Python
-   floats, and the portable build, take two) */
+   floats take two): GCC by the function's option, clang by its pragma at the body's start */
+#if defined(__clang__)
+#define KX_NO_CONTRACT_FN
+#define KX_CONTRACT_OFF _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define KX_NO_CONTRACT_FN __attribute__((optimize("fp-contract=off")))
+#define KX_CONTRACT_OFF
+#else
+#define KX_NO_CONTRACT_FN
+#define KX_CONTRACT_OFF
+#endif
+
 #define DEFINE_ROW_KERNELS(suffix, attr, LOAD, STORE)                                                                \
     attr static void rms_##suffix(const float *x, const float *w, double eps, float *out, Py_ssize_t rows,           \
                                   Py_ssize_t n) RMS_BODY(LOAD, STORE)                                                \
-    attr __attribute__((optimize("fp-contract=off"))) static void set_row_##suffix(                                   \
+    attr KX_NO_CONTRACT_FN static void set_row_##suffix(                                                             \
         float *rows, Py_ssize_t n, const float *v, double *inv, double inv_d, double eps, Py_ssize_t T, Py_ssize_t R, \
         Py_ssize_t d, const float *b, float *out, int sum) SET_ROW_BODY(LOAD)
 
