@@ -336,3 +336,25 @@ def test_recorder_on_the_gpu_matches_the_host(ref, recorded):
     unbound = Recorder()  # learns it is on a device from the first value it sees
     run(wg, ref["tokens"][:3], unbound)
     np.testing.assert_allclose(unbound.trace()["final.attn_res.weights"], cpu["final.attn_res.weights"][:3], atol=1e-5)
+
+
+def test_a_traces_config_is_its_own_model_config(ref_weights):
+    """The meta's config (made once per config: `_recording.model_meta`) is each model's own, also for two configs
+    equal as dataclasses but not as JSON (a lower bound of -5 and of -5.0), and for a config with a list field."""
+    import copy
+    import dataclasses
+    import json
+
+    from kimi_explore.inspection._recording import model_meta
+
+    cfg = ref_weights.config
+    la = cfg.linear_attn_config
+    configs = [cfg, dataclasses.replace(cfg, linear_attn_config=dataclasses.replace(la, gate_lower_bound=-5)),
+               dataclasses.replace(cfg, linear_attn_config=dataclasses.replace(la, kda_layers=list(la.kda_layers)))]
+    assert configs[0] == configs[1]
+    for c in configs + configs:
+        weights = copy.copy(ref_weights)
+        object.__setattr__(weights, "config", c)
+        got = model_meta(weights)["config"]
+        assert got == json.loads(json.dumps(dataclasses.asdict(c), default=str))
+        assert type(got["linear_attn_config"]["gate_lower_bound"]) is type(c.linear_attn_config.gate_lower_bound)

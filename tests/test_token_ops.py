@@ -94,24 +94,28 @@ def _sum_squares_in_lanes(x) -> float:
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
 
 
-@pytest.mark.parametrize("T,d", [(1, 128), (3, 13), (4, 4), (9, 33), (6, 1)])
+@pytest.mark.parametrize("T,d", [(1, 128), (3, 13), (9, 33), (6, 1), (33, 7), (40, 100)])
 def test_set_row_takes_its_steps_in_double(T, d):
-    """The block stack's rows (set_row, and set_row_sum's a + b): each token's row stored and its 1/rms =
+    """The block stack's rows (set_row, and set_row_sum's a + b), on every ISA: each token's row stored and its 1/rms =
     1 / sqrt(sum(v^2) inv_d + eps) bit for bit from Python floats (the product and the add each rounded: an FMA
-    target's fused one would differ), 4 tokens at a time or one."""
+    target's fused one differs, for an inv_d that is not a power of two), 4 tokens at a time or one."""
     v = (RNG.standard_normal((T, d)) * RNG.uniform(1e-3, 100, (T, 1))).astype(np.float32)
     b = RNG.standard_normal((T, d)).astype(np.float32)
-    for a, summed in ((v, None), (v, b)):
-        rows, inv = np.zeros((T, 3, d), np.float32), np.zeros((T, 3))
-        if summed is None:
-            token_ops.set_row(rows, 1, a, inv, 1.0 / d, 1e-5)
-            want_rows = a
-        else:
-            want_rows = token_ops.set_row_sum(rows, 1, a, summed, inv, 1.0 / d, 1e-5)
-            assert np.array_equal(want_rows, a + summed)
-        assert np.array_equal(rows[:, 1], want_rows) and not rows[:, [0, 2]].any()
-        want = [1.0 / math.sqrt(_sum_squares_in_lanes(r) * (1.0 / d) + 1e-5) for r in want_rows]
-        assert inv[:, 1].tolist() == want
+    for isa in token_ops.isas():
+        for summed in (None, b):
+            rows, inv = np.zeros((T, 3, d), np.float32), np.zeros((T, 3))
+            if summed is None:
+                token_ops._ext.set_row(rows, 1, v, inv, 1.0 / d, 1e-5, T, None, None, isa)
+                want_rows = v
+            else:
+                want_rows = np.empty_like(v)
+                token_ops._ext.set_row(rows, 1, v, inv, 1.0 / d, 1e-5, T, summed, want_rows, isa)
+                assert np.array_equal(want_rows, v + summed)
+            assert np.array_equal(rows[:, 1], want_rows) and not rows[:, [0, 2]].any()
+            want = [1.0 / math.sqrt(_sum_squares_in_lanes(r) * (1.0 / d) + 1e-5) for r in want_rows]
+            assert inv[:, 1].tolist() == want, isa
+    with pytest.raises(ValueError, match="isa"):
+        token_ops._ext.set_row(rows, 1, v, inv, 1.0 / d, 1e-5, T, None, None, "sse9")
 
 
 def test_a_chunks_stack_takes_the_token_forms_steps_per_token():

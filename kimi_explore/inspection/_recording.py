@@ -8,7 +8,6 @@ array calls: on a tiny model each call costs more than the arithmetic it does.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from typing import NamedTuple
 
@@ -134,18 +133,19 @@ def emit_batch(batch: list[TokenRecords], rows: dict, emit, top_k: int) -> None:
             emit(rows[k].append, v)
 
 
+_CONFIG_JSON: dict[str, str] = {}  # repr(config) -> its JSON (a few configs per process)
+
+
 def _config_json(cfg) -> str:
-    """A config as JSON, made once per (frozen, hashable) config: every Session binds a recorder, and asdict's deep
-    copy took 0.3 ms of each."""
-    try:
-        return _hashable_config_json(cfg)
-    except TypeError:  # a field not hashable (a list set by hand)
-        return json.dumps(dataclasses.asdict(cfg), default=str)
-
-
-@functools.lru_cache(maxsize=8)
-def _hashable_config_json(cfg) -> str:
-    return json.dumps(dataclasses.asdict(cfg), default=str)
+    """A config as JSON, made once per config: every Session binds a recorder, and asdict's deep copy took 0.3 ms of
+    each. Keyed by repr, which tells -5 from -5.0 and 1 from True (equal, and hashed alike, as dataclass fields)."""
+    key = repr(cfg)
+    out = _CONFIG_JSON.get(key)
+    if out is None:
+        if len(_CONFIG_JSON) >= 16:
+            _CONFIG_JSON.clear()
+        out = _CONFIG_JSON[key] = json.dumps(dataclasses.asdict(cfg), default=str)
+    return out
 
 
 def model_meta(weights) -> dict:

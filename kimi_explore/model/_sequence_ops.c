@@ -383,8 +383,8 @@ DEFINE_DOT(16)
    times). The scores take NK = 6 positions per pass over q's dims: 12 accumulators, enough for the FMA units, beside
    the 2 query vectors and a broadcast key in AVX2's 16 registers (4 query vectors x 3 positions spill); a position
    after a lane's own is masked there (score -inf: exp gives 0). The mix goes R queries x CV = 2 value vectors at a time
-   (R = 4 on AVX2, 8 on AVX-512: 6 loads per 8 FMAs, where 8 queries x 1 vector took 9, a 5% faster kernel on
-   an AVX2 VM), each probability broadcast and the values in the lanes, each query over exactly the
+   (R = 4 in 8 lanes, AVX2's and portable C's; 8 in AVX-512's 16: 6 loads per 8 FMAs, where 8 queries x 1 vector
+   took 9, a 5% faster kernel on an AVX2 VM), each probability broadcast and the values in the lanes, each query over exactly the
    positions it sees, so a later token's value never reaches it (0 times its NaN or inf would be NaN; the token form
    never sees that value). The denominators and the mix are summed by blocks of ATTENTION_BLOCK positions, the blocks'
    sums then added: within a few float32 ulps of the token form's sums at any cache length. 1.2x the 2 x 4 score and

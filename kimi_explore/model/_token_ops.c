@@ -133,7 +133,7 @@ static PyObject *size_error(const char *what) {
         }                                                                                      \
     }
 
-/* set_row's rows (its docstring): for tokens t0 .. t0 + m - 1 (m <= 4), src their values (out = v + b when sum) */
+/* set_row's rows (its docstring), 4 tokens at a time (src: their values, out = v + b when sum) */
 #define SET_ROW_BODY(LOAD_D4)                                                                  \
     {                                                                                          \
         KX_CONTRACT_OFF                                                                        \
@@ -245,33 +245,42 @@ static PyObject *situ(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(set_row_doc, "set_row(rows, n, v, inv_rms, inv_d, eps, tokens[, b, out])\n\n"
+PyDoc_STRVAR(set_row_doc, "set_row(rows, n, v, inv_rms, inv_d, eps, tokens, b=None, out=None, isa='')\n\n"
                           "For each token t: rows[t, n] = v[t] and inv_rms[t, n] = 1 / sqrt(sum(v[t]^2) inv_d + eps) "
                           "(double): rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R]. With b "
-                          "and out (float32 [tokens, d]): out = v + b (float32), and out is what is set.");
+                          "and out (float32 [tokens, d]): out = v + b (float32), and out is what is set. isa: one of isas() "
+                          "('' the best), each the same values.");
 
 static PyObject *set_row(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer rows, v, inv, b = {0}, out = {0};
+    PyObject *b_obj = Py_None, *out_obj = Py_None, *result = NULL;
     Py_ssize_t n, T;
     double inv_d, eps;
-    if (!PyArg_ParseTuple(args, "w*ny*w*ddn|y*w*", &rows, &n, &v, &inv, &inv_d, &eps, &T, &b, &out)) return NULL;
-    PyObject *result = NULL;
+    const char *isa_name = "";
+    if (!PyArg_ParseTuple(args, "w*ny*w*ddn|OOs", &rows, &n, &v, &inv, &inv_d, &eps, &T, &b_obj, &out_obj, &isa_name))
+        return NULL;
+    const int isa = isa_index(isa_name), sum = b_obj != Py_None;
+    if ((sum && PyObject_GetBuffer(b_obj, &b, PyBUF_SIMPLE) < 0) ||
+        (out_obj != Py_None && PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE) < 0))
+        goto release;
     const Py_ssize_t d = T > 0 ? v.len / (4 * T) : 0, R = T > 0 ? inv.len / (8 * T) : 0;
-    const int sum = b.buf != NULL;
-    if (d == 0 || v.len != 4 * T * d || inv.len != 8 * T * R || rows.len != 4 * T * R * d || n < 0 || n >= R ||
-        sum != (out.buf != NULL) || (sum && (b.len != v.len || out.len != v.len)))
+    if (isa < 0)
+        PyErr_SetString(PyExc_ValueError, "isa: not one of isas() on this CPU");
+    else if (d == 0 || v.len != 4 * T * d || inv.len != 8 * T * R || rows.len != 4 * T * R * d || n < 0 || n >= R ||
+             sum != (out.buf != NULL) || (sum && (b.len != v.len || out.len != v.len)))
         size_error("set_row: rows float32 [tokens, R, d], v float32 [tokens, d], inv_rms float64 [tokens, R], "
                    "0 <= n < R, b and out (both or neither) float32 [tokens, d] expected");
     else {
-        SET_ROW_KERNEL(best_isa())(rows.buf, n, v.buf, inv.buf, inv_d, eps, T, R, d, b.buf, out.buf, sum);
+        SET_ROW_KERNEL(isa)(rows.buf, n, v.buf, inv.buf, inv_d, eps, T, R, d, b.buf, out.buf, sum);
         DONE(1);
     }
+release:
     PyBuffer_Release(&rows);
     PyBuffer_Release(&v);
     PyBuffer_Release(&inv);
-    if (b.buf) PyBuffer_Release(&b);
-    if (out.buf) PyBuffer_Release(&out);
+    if (b.obj) PyBuffer_Release(&b);
+    if (out.obj) PyBuffer_Release(&out);
     return result;
 }
 
