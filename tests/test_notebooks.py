@@ -22,6 +22,9 @@ def test_the_notebooks_exist_and_are_stored_without_outputs():
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert code and all(not c.outputs and c.execution_count is None for c in code), f"{path.name} has outputs"
         assert "widgets" not in nb.metadata, f"{path.name} has saved widget state"
+        cells = json.loads(path.read_text())["cells"]  # (nbformat 4.5: every cell an id; missing ones only warn today)
+        ids = [c.get("id") for c in cells]
+        assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: a cell without an id, or a repeated one"
 
 
 def png_outputs(nb) -> list[bytes]:
