@@ -104,13 +104,10 @@ def test_set_row_takes_its_steps_in_double(T, d):
     for isa in token_ops.isas():
         for summed in (None, b):
             rows, inv = np.zeros((T, 3, d), np.float32), np.zeros((T, 3))
-            if summed is None:
-                token_ops._ext.set_row(rows, 1, v, inv, 1.0 / d, 1e-5, T, None, None, isa)
-                want_rows = v
-            else:
-                want_rows = np.empty_like(v)
-                token_ops._ext.set_row(rows, 1, v, inv, 1.0 / d, 1e-5, T, summed, want_rows, isa)
-                assert np.array_equal(want_rows, v + summed)
+            want_rows = v if summed is None else v + summed  # (NumPy's float32 sum)
+            out = None if summed is None else np.empty_like(v)
+            token_ops._ext.set_row(rows, 1, v, inv, 1.0 / d, 1e-5, T, summed, out, isa)
+            assert out is None or np.array_equal(out, want_rows)
             assert np.array_equal(rows[:, 1], want_rows) and not rows[:, [0, 2]].any()
             want = [1.0 / math.sqrt(_sum_squares_in_lanes(r) * (1.0 / d) + 1e-5) for r in want_rows]
             assert inv[:, 1].tolist() == want, isa

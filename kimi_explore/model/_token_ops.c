@@ -63,34 +63,20 @@ typedef double kx_d4 __attribute__((vector_size(32)));
 #define KX_LOAD_D4_AVX(p) ((kx_d4)_mm256_cvtps_pd(_mm_loadu_ps(p)))
 #define KX_STORE_F4_AVX(p, d) _mm_storeu_ps((p), _mm256_cvtpd_ps((__m256d)(d)))
 
-/* sum(x^2) in double, in four lanes (lane j: elements j, j + 4, ...; the tail in lane 0; then (0 + 1) + (2 + 3)),
-   the same order every call (a square of a float is exact in double: a fused multiply-add is the multiply and the
-   add, the same value) */
-#define KX_SUM_SQUARES(LOAD_D4, x, n)                                                          \
-    ({                                                                                         \
-        kx_d4 s_ = {0.0, 0.0, 0.0, 0.0};                                                       \
-        Py_ssize_t i_ = 0;                                                                     \
-        for (; i_ + 4 <= (n); i_ += 4) {                                                       \
-            const kx_d4 d_ = LOAD_D4((x) + i_);                                                \
-            s_ += d_ * d_;                                                                     \
-        }                                                                                      \
-        double t_ = s_[0];                                                                     \
-        for (; i_ < (n); i_++) t_ += (double)(x)[i_] * (x)[i_];                                \
-        (t_ + s_[1]) + (s_[2] + s_[3]);                                                        \
-    })
-
-/* KX_SUM_SQUARES of 4 rows of n at once (x [4, n]), each in its own order (the same values): the rows' 4 independent
+/* sum(x^2) in double of M rows of n at once (x [M, n], M a constant 1 to 4): each row in four lanes (lane j: elements
+   j, j + 4, ...; the tail in lane 0; then (0 + 1) + (2 + 3)), the same order every call, whatever M (a square of a
+   float is exact in double: a fused multiply-add is the multiply and the add, the same value); 4 rows' independent
    sums hide the adds' latency, which bounds one row's */
-#define KX_SUM_SQUARES_4ROWS(LOAD_D4, x, n, out)                                               \
+#define KX_SUM_SQUARES_ROWS(LOAD_D4, x, n, M, out)                                             \
     do {                                                                                       \
-        kx_d4 s_[4] = {{0.0}};                                                                 \
+        kx_d4 s_[(M)] = {{0.0}};                                                               \
         Py_ssize_t i_ = 0;                                                                     \
         for (; i_ + 4 <= (n); i_ += 4)                                                         \
-            for (int r_ = 0; r_ < 4; r_++) {                                                   \
+            for (int r_ = 0; r_ < (M); r_++) {                                                 \
                 const kx_d4 d_ = LOAD_D4((x) + r_ * (n) + i_);                                 \
                 s_[r_] += d_ * d_;                                                             \
             }                                                                                  \
-        for (int r_ = 0; r_ < 4; r_++) {                                                       \
+        for (int r_ = 0; r_ < (M); r_++) {                                                     \
             double t_ = s_[r_][0];                                                             \
             for (Py_ssize_t j_ = i_; j_ < (n); j_++) t_ += (double)(x)[r_ * (n) + j_] * (x)[r_ * (n) + j_]; \
             (out)[r_] = (t_ + s_[r_][1]) + (s_[r_][2] + s_[r_][3]);                            \
@@ -112,9 +98,9 @@ static PyObject *size_error(const char *what) {
         for (Py_ssize_t r0 = 0; r0 < rows; r0 += 4) {                                          \
             const Py_ssize_t m = rows - r0 < 4 ? rows - r0 : 4;                                \
             double sq[4], r[4];                                                                \
-            if (m == 4) KX_SUM_SQUARES_4ROWS(LOAD_D4, x + r0 * n, n, sq);                      \
+            if (m == 4) KX_SUM_SQUARES_ROWS(LOAD_D4, x + r0 * n, n, 4, sq);                    \
             else                                                                               \
-                for (Py_ssize_t j = 0; j < m; j++) sq[j] = KX_SUM_SQUARES(LOAD_D4, x + (r0 + j) * n, n); \
+                for (Py_ssize_t j = 0; j < m; j++) KX_SUM_SQUARES_ROWS(LOAD_D4, x + (r0 + j) * n, n, 1, sq + j); \
             for (Py_ssize_t j = 0; j < m; j++) r[j] = 1.0 / sqrt(sq[j] / (double)n + eps);     \
             Py_ssize_t i = 0;                                                                  \
             if (m == 4) /* (x w) r, 4 columns of the 4 rows at a time (w's converted once for them) */ \
@@ -146,9 +132,9 @@ static PyObject *size_error(const char *what) {
                 for (Py_ssize_t i = 0; i < m * d; i++) o[i] = x[i] + y[i];                     \
             }                                                                                  \
             double sq[4];                                                                      \
-            if (m == 4) KX_SUM_SQUARES_4ROWS(LOAD_D4, src + t0 * d, d, sq);                    \
+            if (m == 4) KX_SUM_SQUARES_ROWS(LOAD_D4, src + t0 * d, d, 4, sq);                  \
             else                                                                               \
-                for (Py_ssize_t j = 0; j < m; j++) sq[j] = KX_SUM_SQUARES(LOAD_D4, src + (t0 + j) * d, d); \
+                for (Py_ssize_t j = 0; j < m; j++) KX_SUM_SQUARES_ROWS(LOAD_D4, src + (t0 + j) * d, d, 1, sq + j); \
             for (Py_ssize_t j = 0; j < m; j++) {                                               \
                 const Py_ssize_t t = t0 + j;                                                   \
                 memcpy(rows + (t * R + n) * d, src + t * d, (size_t)d * sizeof(float));        \
