@@ -30,6 +30,8 @@ split into per-token rows only where those are read); a ragged chunk goes as T o
 
 from __future__ import annotations
 
+import functools
+
 from .._xp import array_namespace
 from ..backend import to_numpy
 from ._hook_grammar import LAYER_NAME
@@ -37,6 +39,15 @@ from ._hook_grammar import LAYER_NAME
 __all__ = ["ChunkRecording"]
 
 IDS, WEIGHTS = "moe.router.topk_ids", "moe.router.topk_weights"
+_BUILT_UNRECORDED = (IDS, WEIGHTS, "kda.state")  # kinds `_build` may give functions when their own record is not kept
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(name: str) -> str:
+    """A site's kind: its name after 'layers.{i}.' (a global site: the name). Cached: every Recorder asks again for
+    the same few hundred names."""
+    m = LAYER_NAME.match(name)
+    return m.group(2) if m else name
 
 
 class ChunkRecording:
@@ -60,14 +71,17 @@ class ChunkRecording:
         """The functions recording a chunk value at `name` (none where nothing is recorded)."""
         fns = self._fns.get(name)
         if fns is None:
-            fns = self._fns[name] = tuple(self._build(name))
+            kind = _kind(name)
+            how = self.rec.recorded_kind(name, kind)
+            if how is None and kind not in _BUILT_UNRECORDED and self.rec.full is None:  # most sites: no record
+                fns = ()
+            else:
+                fns = tuple(self._build(name, kind, how))
+            self._fns[name] = fns
         return fns
 
-    def _build(self, name: str):
+    def _build(self, name: str, kind: str, how: str | None):
         rec = self.rec
-        m = LAYER_NAME.match(name)
-        kind = m.group(2) if m else name
-        how = rec.recorded_kind(name, kind)
         if kind in (IDS, WEIGHTS):  # ragged: a default or a full= record alike drops a chunk's -1 entries
             yield from self._routing(name[: -len(kind)], kind, self._recorded(name, kind))
             return
@@ -107,12 +121,14 @@ class ChunkRecording:
         the ids a MoE layer routes by after every hook (moe.router.topk_ids [T, k']): the weights that fire next are
         theirs, so their -1 entries say which weights to drop (a hook set after this recorder may have changed the
         ids it saw)."""
-        m = LAYER_NAME.match(name)
-        if m and m.group(2) == IDS:
+        kind = _kind(name)
+        if kind == name:  # (a global site: not one the decoder summarises)
+            return
+        if kind == IDS:
             prefix = name[: -len(IDS)]
             if self._recorded(prefix + WEIGHTS, WEIGHTS):
                 self._drop_by(prefix, value)
-        elif m and self.rec.recorded_kind(name, m.group(2)) is not None:
+        elif self.rec.recorded_kind(name, kind) is not None:
             self.rec.emit(self.rec.chunk_put(name + ".norm"), value)
 
     def _recorded(self, name: str, kind: str) -> bool:

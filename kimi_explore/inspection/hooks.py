@@ -371,8 +371,8 @@ class Hooks:
         fns = self._chunk_cache.get(name)
         if fns is None:
             matched = [h for h in self._handles if h.matches(name)]
-            point = self._point(name) if matched else None  # (a recorder's sites: mostly no hook of its own)
-            fns = self._chunk_cache[name] = tuple((h.fn, point, h.chunks) for h in matched)
+            # (a recorder's sites: mostly no hook of its own)
+            fns = self._chunk_cache[name] = tuple((h.fn, self._point(name), h.chunks) for h in matched) if matched else ()
             if self._known is None and not self._checked_after_first_token:  # the names check, as `_resolve`'s
                 self._seen.add(name)
                 if name == "logits":
