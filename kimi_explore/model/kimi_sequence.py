@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy
-from . import sequence_ops, token_ops
+from . import allocator, sequence_ops, token_ops
 from .block_residual import SourceBuffer
 from .config import FINAL_SITES
 from .kda import kda_sequence
@@ -326,6 +326,7 @@ def embed_chunk(weights, ids: list[int], hooks=None, rows: int | None = None) ->
 def run_layers_chunk(weights, state, stack: SequenceSources, hooks=None) -> None:
     """Every loaded layer on a chunk, from the stack as the previous layer (or the embedding) left it. `state` is
     the caller's to check (`kimi_forward_sequence` does; a pipeline stage makes its own states)."""
+    allocator.settle()  # (once per process: the chunk's host arrays reused, not faulted in afresh)
     for layer, layer_state in zip(weights.layers, state.layers, strict=True):
         if hooks is not None and hooks.needs_tokens(layer.names.values()):
             _layer_by_tokens(layer, layer_state, stack, weights.config, hooks)

@@ -99,9 +99,7 @@ class MlaState:
         """k_nope: [nh, dn]; k_pe: [dr], shared by every head; v: [nh, dv]. Keys are stored [k_nope | k_pe]."""
         t = self.length
         if t == self.keys.shape[1]:
-            xp = array_namespace(self.keys)
-            grow = lambda a: xp.concatenate([a, xp.zeros_like(a)], axis=1)  # noqa: E731
-            self.keys, self.values = grow(self.keys), grow(self.values)
+            self._grow(max(2 * t, 1))
         dn = k_nope.shape[-1]
         self.keys[:, t, :dn] = k_nope
         self.keys[:, t, dn:] = k_pe  # broadcast over heads
@@ -114,17 +112,28 @@ class MlaState:
         t, T = self.length, k_nope.shape[0]
         cap = self.keys.shape[1]
         if t + T > cap:
-            xp = array_namespace(self.keys)
             new = max(cap, 1)
             while new < t + T:
                 new *= 2
-            grow = lambda a: xp.concatenate([a, xp.zeros((a.shape[0], new - cap, a.shape[2]), a.dtype)], axis=1)  # noqa: E731
-            self.keys, self.values = grow(self.keys), grow(self.values)
+            self._grow(new)
         dn = k_nope.shape[-1]
         self.keys[:, t : t + T, :dn] = k_nope.swapaxes(0, 1)
         self.keys[:, t : t + T, dn:] = k_pe[None]  # broadcast over heads
         self.values[:, t : t + T] = v.swapaxes(0, 1)
         self.length = t + T
+
+    def _grow(self, capacity: int) -> None:
+        """Keys and values moved into arrays of `capacity` positions, the new ones zero: allocated zeroed, then the old
+        positions copied in (a large zeroed array comes from the OS untouched, so only the positions written later are
+        touched; a concatenation with zeros wrote all of them twice)."""
+        xp = array_namespace(self.keys)
+
+        def grown(a):
+            out = xp.zeros((a.shape[0], capacity, a.shape[2]), a.dtype)
+            out[:, : a.shape[1]] = a
+            return out
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
 
     def copy(self) -> MlaState:
         """An exact copy: the whole capacity, not just the used positions. A compacted cache would give
