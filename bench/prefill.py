@@ -6,11 +6,11 @@
 Texts: `--texts` windows of `--len` bytes of Python's `pydoc_data.topics` (`learned.pydoc_corpus()`: what the embedded model was
 trained on; its tokenizer is bytes, so `--len` tokens each), each fed from a fresh state.
 
-Rows (tokens/s by this process's CPU time and by wall clock; the median over every timing). The routes are
-interleaved: per text and round (`--rounds`), feed and kimi_forward_sequence run just before and just after the
-two token routes, and "x step" is the median over texts and rounds of each route's CPU time per token against the
-Session.step between them (this shared VM's speed drifts by up to 2x within a minute, so rows timed apart can differ
-by that much; mlx-lm's row is against the median step):
+Rows (tokens/s by this process's CPU time and by wall clock, and its page faults per run; the median over every
+timing). The routes are interleaved: per text and round (`--rounds`), feed and kimi_forward_sequence run just
+before and just after the two token routes, and "x step" is the median over texts and rounds of each route's CPU
+time per token against the Session.step between them (this shared VM's speed drifts by up to 2x within a minute,
+so rows timed apart can differ by that much; mlx-lm's row is against the median step):
 
     Session.feed, recorder     the product's prefill: `Session(weights).feed(ids)` with the default
                                Recorder and the default chunk (`kimi_sequence.default_chunk`: 512 here)
@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -67,16 +68,17 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def timed(fn) -> tuple[float, float]:
-    """(wall s, CPU s of this process) of fn()."""
-    wall, cpu = time.perf_counter(), time.process_time()
+def timed(fn) -> tuple[float, float, int]:
+    """(wall s, CPU s of this process, its page faults) of fn()."""
+    faults, wall, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return time.perf_counter() - wall, time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
-def rate(n: int, times: list[tuple[float, float]]) -> dict:
+def rate(n: int, times: list[tuple[float, float, int]]) -> dict:
     wall, cpu = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
-    return {"tokens": n, "wall_s": wall, "cpu_s": cpu, "tokens_per_s_wall": n / wall, "tokens_per_s_cpu": n / cpu}
+    return {"tokens": n, "wall_s": wall, "cpu_s": cpu, "tokens_per_s_wall": n / wall, "tokens_per_s_cpu": n / cpu,
+            "page_faults": statistics.median(t[2] for t in times)}
 
 
 def corpus_texts(count: int, length: int) -> list[list[int]]:
@@ -287,14 +289,14 @@ def main() -> int:
     if not args.no_mlx:
         rows["mlx-lm kimi_k3 (bf16)"] = mlx_route(Path(path), texts, ke, weights)
     token_cpu = rows["Session.step, recorder"]["tokens_per_s_cpu"]
-    print(f"\n{'route':28s} {'tokens':>6s} {'tok/s (cpu)':>12s} {'tok/s (wall)':>13s} {'x step (cpu)':>13s}")
+    print(f"\n{'route':28s} {'tokens':>6s} {'tok/s (cpu)':>12s} {'tok/s (wall)':>13s} {'x step (cpu)':>13s} {'page faults':>12s}")
     for name, r in rows.items():
         if "skipped" in r:
             print(f"{name:28s} skipped: {r['skipped']}")
             continue
         r["x_token_path_cpu"] = r.get("x_step_paired_cpu", r["tokens_per_s_cpu"] / token_cpu)
         print(f"{name:28s} {r['tokens']:6d} {r['tokens_per_s_cpu']:12.0f} {r['tokens_per_s_wall']:13.0f} "
-              f"{r['x_token_path_cpu']:13.1f}")
+              f"{r['x_token_path_cpu']:13.1f} {r['page_faults']:12.0f}")
     m = rows.get("mlx-lm kimi_k3 (bf16)", {})
     if "argmax_agreement" in m:
         print(f"(mlx-lm against kimi_forward_sequence on text 0: max |logit delta| {m['max_abs_logit_delta']:.3f}, "

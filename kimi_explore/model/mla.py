@@ -124,8 +124,7 @@ class MlaState:
 
     def _grow(self, capacity: int) -> None:
         """Keys and values moved into arrays of `capacity` positions, the new ones zero: allocated zeroed, then the old
-        positions copied in (a large zeroed array comes from the OS untouched, so only the positions written later are
-        touched; a concatenation with zeros wrote all of them twice)."""
+        positions copied in (a concatenation with an array of zeros also copied the zeros)."""
         xp = array_namespace(self.keys)
 
         def grown(a):
