@@ -72,7 +72,7 @@ def test_append_many_grows_as_appends_do(ref_weights):
     nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
     rng = np.random.default_rng(3)
     for cap, T in ((16, 16), (16, 17), (3, 50), (0, 2)):
-        a, b = MlaState.empty(w, np, np.float32, capacity=cap), MlaState.empty(w, np, np.float32, capacity=max(cap, 1))
+        a, b = MlaState.empty(w, np, np.float32, capacity=cap), MlaState.empty(w, np, np.float32, capacity=cap)
         kn, kp, v = rng.standard_normal((T, nh, dn)), rng.standard_normal((T, dr)), rng.standard_normal((T, nh, dv))
         a.append_many(kn, kp, v)
         for t in range(T):
@@ -80,6 +80,7 @@ def test_append_many_grows_as_appends_do(ref_weights):
         assert a.length == b.length == T and a.keys.shape == b.keys.shape
         np.testing.assert_array_equal(a.keys, b.keys)
         np.testing.assert_array_equal(a.values, b.values)
+        assert not a.keys[:, T:].any() and not a.values[:, T:].any()  # the grown positions are zero
 
 
 def test_sites_order_shapes_and_values(ref_weights):
