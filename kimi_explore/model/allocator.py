@@ -14,7 +14,8 @@ feeds, chunk 512, new processes): with a Recorder 1,050-1,823 page faults per fe
 blocks up to that size then come from the heap and are reused, and up to twice that stays in the heap
 after frees. It is what freeing any large temporary does to a process; no mallopt setting is changed, so
 glibc's own adjustment goes on as before. Arrays above the threshold (a K3 chunk's [2048, 7168] rows:
-56 MiB) are mapped as before.
+56 MiB) are mapped as before; where the environment fixes the threshold (`MALLOC_MMAP_THRESHOLD_`, or
+`GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...`, and their trim, top-pad and mmap-max siblings), it does not move.
 """
 
 from __future__ import annotations
