@@ -14,10 +14,18 @@ import re
 
 from ..model.config import ATTENTION_SITES, FFN_SITES, FINAL_SITES, FIRST_SITES, LayerSpec
 
-__all__ = ["GLOBAL_NAMES", "LAYER_NAME", "LAYER_SUFFIXES", "check_pattern", "hook_grammar", "is_glob"]
+__all__ = ["GLOBAL_NAMES", "LAYER_NAME", "LAYER_SUFFIXES", "check_pattern", "hook_grammar", "is_glob", "site_kind"]
 
 LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 _GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+@functools.lru_cache(maxsize=4096)
+def site_kind(name: str) -> str:
+    """A site's kind: its name without the "layers.{i}." prefix (a global site: the name). Cached: every Recorder
+    asks again for the same few hundred names."""
+    m = LAYER_NAME.match(name)
+    return m.group(2) if m else name
 
 
 def _grammar() -> tuple[frozenset, frozenset]:

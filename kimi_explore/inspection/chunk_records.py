@@ -30,24 +30,13 @@ split into per-token rows only where those are read); a ragged chunk goes as T o
 
 from __future__ import annotations
 
-import functools
-
 from .._xp import array_namespace
 from ..backend import to_numpy
-from ._hook_grammar import LAYER_NAME
+from ._hook_grammar import site_kind
 
 __all__ = ["ChunkRecording"]
 
 IDS, WEIGHTS = "moe.router.topk_ids", "moe.router.topk_weights"
-_BUILT_UNRECORDED = (IDS, WEIGHTS, "kda.state")  # kinds `_build` may give functions when their own record is not kept
-
-
-@functools.lru_cache(maxsize=4096)
-def _kind(name: str) -> str:
-    """A site's kind: its name after 'layers.{i}.' (a global site: the name). Cached: every Recorder asks again for
-    the same few hundred names."""
-    m = LAYER_NAME.match(name)
-    return m.group(2) if m else name
 
 
 class ChunkRecording:
@@ -71,17 +60,13 @@ class ChunkRecording:
         """The functions recording a chunk value at `name` (none where nothing is recorded)."""
         fns = self._fns.get(name)
         if fns is None:
-            kind = _kind(name)
-            how = self.rec.recorded_kind(name, kind)
-            if how is None and kind not in _BUILT_UNRECORDED and self.rec.full is None:  # most sites: no record
-                fns = ()
-            else:
-                fns = tuple(self._build(name, kind, how))
-            self._fns[name] = fns
+            fns = self._fns[name] = tuple(self._build(name))
         return fns
 
-    def _build(self, name: str, kind: str, how: str | None):
+    def _build(self, name: str):
         rec = self.rec
+        kind = site_kind(name)
+        how = rec.recorded_kind(name, kind)
         if kind in (IDS, WEIGHTS):  # ragged: a default or a full= record alike drops a chunk's -1 entries
             yield from self._routing(name[: -len(kind)], kind, self._recorded(name, kind))
             return
@@ -121,7 +106,7 @@ class ChunkRecording:
         the ids a MoE layer routes by after every hook (moe.router.topk_ids [T, k']): the weights that fire next are
         theirs, so their -1 entries say which weights to drop (a hook set after this recorder may have changed the
         ids it saw)."""
-        kind = _kind(name)
+        kind = site_kind(name)
         if kind == name:  # (a global site: not one the decoder summarises)
             return
         if kind == IDS:

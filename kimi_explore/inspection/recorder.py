@@ -59,7 +59,7 @@ import numpy as np
 from .._interrupts import uninterrupted
 from .._warnings import warn_at_caller
 from ..backend import on_host
-from ._hook_grammar import LAYER_NAME
+from ._hook_grammar import site_kind
 from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, to_host
 from .chunk_records import ChunkRecording
 from .hook_sites import MOE_OUTPUT_SITES, ROUTE_SITES, SEQUENTIAL_SITES
@@ -92,12 +92,6 @@ DEFAULT_SITES = {
     "moe.shared_out": "norm",
     "logits": "top",
 }
-
-
-def _kind(name: str) -> str:
-    """A site's kind: its name without the "layers.{i}." prefix."""
-    m = LAYER_NAME.match(name)
-    return m.group(2) if m else name
 
 
 def _predicate(spec, what: str):
@@ -252,7 +246,7 @@ class Recorder:
         picked = [n for n in names if self.names_filter(n)]
         if self.full is not None and any(self.full(n) for n in names):
             return  # (it records those: a filter of no default site beside full= is a way to say "only these")
-        if picked and not any(_kind(n) in DEFAULT_SITES for n in picked):
+        if picked and not any(site_kind(n) in DEFAULT_SITES for n in picked):
             given = self._filter_patterns or self.names_filter
             given = given[0] if isinstance(given, list) and len(given) == 1 else given
             raise ValueError(f"Recorder names_filter {given!r} selects only sites a Recorder keeps nothing of by default "
@@ -294,7 +288,7 @@ class Recorder:
         fns = []
         if name == "embed":
             fns.append(self._start_token)
-        kind = _kind(name)
+        kind = site_kind(name)
         wanted = self._wants(name, kind)
         if wanted or (kind == "kda.state" and self._wants(name[:-5] + "conv", "kda.conv")):
             fn = self._recording_fn(name, kind)

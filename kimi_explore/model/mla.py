@@ -99,7 +99,7 @@ class MlaState:
         """k_nope: [nh, dn]; k_pe: [dr], shared by every head; v: [nh, dv]. Keys are stored [k_nope | k_pe]."""
         t = self.length
         if t == self.keys.shape[1]:
-            self._grow(max(2 * t, 1))
+            self._grow(t + 1)
         dn = k_nope.shape[-1]
         self.keys[:, t, :dn] = k_nope
         self.keys[:, t, dn:] = k_pe  # broadcast over heads
@@ -110,22 +110,21 @@ class MlaState:
         """k_nope: [T, nh, dn]; k_pe: [T, dr], shared by every head; v: [T, nh, dv]: T positions at once, the
         capacity doubled (as often as T `append` calls would) until they fit."""
         t, T = self.length, k_nope.shape[0]
-        cap = self.keys.shape[1]
-        if t + T > cap:
-            new = max(cap, 1)
-            while new < t + T:
-                new *= 2
-            self._grow(new)
+        if t + T > self.keys.shape[1]:
+            self._grow(t + T)
         dn = k_nope.shape[-1]
         self.keys[:, t : t + T, :dn] = k_nope.swapaxes(0, 1)
         self.keys[:, t : t + T, dn:] = k_pe[None]  # broadcast over heads
         self.values[:, t : t + T] = v.swapaxes(0, 1)
         self.length = t + T
 
-    def _grow(self, capacity: int) -> None:
-        """Keys and values moved into arrays of `capacity` positions, the new ones zero: allocated zeroed, then the old
-        positions copied in (a concatenation with an array of zeros also copied the zeros)."""
+    def _grow(self, need: int) -> None:
+        """Keys and values moved into arrays of the capacity doubled (from at least 1) until `need` positions fit, the new
+        ones zero: allocated zeroed, then the old positions copied in (a concatenation with zeros copied the zeros too)."""
         xp = array_namespace(self.keys)
+        capacity = max(self.keys.shape[1], 1)
+        while capacity < need:
+            capacity *= 2
 
         def grown(a):
             out = xp.zeros((a.shape[0], capacity, a.shape[2]), a.dtype)
