@@ -45,7 +45,7 @@ import numpy as np
 from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.inspection.hooks import HookChain, Hooks
 from kimi_explore.inspection.interventions import ablate_experts, force_routing, scale_kda_head
-from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.inspection.recorder import Recorder, per_token
 from kimi_explore.inspection.session import Session
 
 # the largest difference to the ground truth, relative to each array's scale: the sequence path and stepping
@@ -125,7 +125,7 @@ class Truth:
             if hooks is not None:
                 hooks.begin_token(tok, t)
             lg = np.array(kimi_forward_token(self.w, st, tok, hooks))
-            rows = {} if rec is None else {k2: v[0] for k2, v in rec.state_dict()["rows"].items() if v}
+            rows = {} if rec is None else {k2: v[0] for k2, v in per_token(rec.state_dict()["blocks"]).items() if v}
             self.rows[hist[: t + 1]] = (lg, rows)
             if t == len(hist) - 1 or (t + 1) % 8 == 0:
                 self.states[hist[: t + 1]] = copy.deepcopy(st)
@@ -261,7 +261,7 @@ class Fuzz:
 
     def first_sight(self, s, m, start):
         """Tokens start.. just decoded: the session's logits and records against the ground truth; remember them."""
-        rows_all = s.recorder.state_dict()["rows"] if s.recorder is not None else {}
+        rows_all = per_token(s.recorder.state_dict()["blocks"]) if s.recorder is not None else {}
         for t in range(start, len(m.toks)):
             lg_ref, rows_ref = self.truth.token(m.hist(t + 1))
             self.note("logits", scale_diff(m.logits[t], lg_ref))
@@ -306,7 +306,7 @@ class Fuzz:
             if r[0] == "c":
                 assert s.cut_tail(r[1]) == list(r[3][len(r[2]):]), (what, "cut_tail", r[1], s.cut_tail(r[1]), r[3][len(r[2]):])
         if s.recorder is not None and self.rng.integers(3):  # not always: a Trace stacks rows lazily, between calls
-            rows = s.recorder.state_dict()["rows"]
+            rows = per_token(s.recorder.state_dict()["blocks"])
             for k in set(rows) | {k for r in m.rows for k in r}:
                 v = rows.get(k, [])
                 assert len(v) == T, (what, "records", k, len(v), T)
@@ -492,7 +492,7 @@ class Fuzz:
             f2 = s.fork()
             arrays = list(f2.state.arrays()) + [a for c in f2._checkpoints.values() for a in c.arrays()] + list(f2._logits)
             if f2.recorder is not None:
-                arrays += [a for rows in f2.recorder.state_dict()["rows"].values() for a in rows]
+                arrays += [a for blocks in f2.recorder.state_dict()["blocks"].values() for a in blocks]
             for a in arrays:
                 a = a.base if not a.flags.writeable and a.base is not None else a
                 if a.flags.writeable and a.dtype.kind in "fiub":

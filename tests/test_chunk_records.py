@@ -15,6 +15,7 @@ from kimi_explore import KimiDecodeState, kimi_forward_token
 from kimi_explore.backend import stand_in_device
 from kimi_explore.inspection import interventions
 from kimi_explore.inspection.hooks import HookChain
+from kimi_explore.inspection.recorder import _as_blocks, per_token
 from kimi_explore.inspection.stacked_rows import StackedRows
 from kimi_explore.inspection.trace import Trace, stack_rows
 from kimi_explore.model.kimi_sequence import kimi_forward_sequence
@@ -33,9 +34,9 @@ RAGGED = {"full": ["layers.*.mla.probs"]}  # rows of every width: chunk ends on 
 
 
 def split(rec) -> Trace:
-    """Every record stacked anew from the recorder's per-token lists (reading them splits the blocks)."""
+    """Every record stacked anew from the recorder's records split into per-token rows."""
     d = rec.state_dict()
-    return Trace.from_rows({k: v for k, v in d["rows"].items() if v}, d["tokens"], d["positions"], rec.meta)
+    return Trace.from_rows({k: v for k, v in per_token(d["blocks"]).items() if v}, d["tokens"], d["positions"], rec.meta)
 
 
 def run(w, script, settings, read_every_time: bool):
@@ -110,13 +111,14 @@ def test_state_dict_after_a_feed_then_a_truncate_inside_a_chunk(trained_weights)
         stepped.step(t)
     d, full, steps = s.recorder.state_dict(), whole.recorder.state_dict(), stepped.recorder.state_dict()
     assert d["tokens"] == full["tokens"][:11] and d["positions"] == list(range(11))
-    assert list(d["rows"]) == list(full["rows"]) and sorted(d["rows"]) == sorted(steps["rows"])
-    for k, rows in d["rows"].items():
-        assert len(rows) == 11, k
-        for a, b, c in zip(rows, full["rows"][k][:11], steps["rows"][k], strict=True):
-            assert type(a) is type(c) and a.shape == c.shape and a.dtype == c.dtype, k  # per-token, as stepping
-            assert type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b), k
-    assert d["rows"]["logits.top_ids"][3].shape == (10,) and d["rows"]["layers.1.moe.routed_out.norm"][3].shape == ()
+    rows, full_rows, step_rows = per_token(d["blocks"]), per_token(full["blocks"]), per_token(steps["blocks"])
+    assert list(rows) == list(full_rows) and sorted(rows) == sorted(step_rows)
+    for k, v in rows.items():
+        assert len(v) == 11, k
+        for a, b, c in zip(v, full_rows[k][:11], step_rows[k], strict=True):
+            assert a.shape == c.shape and a.dtype == c.dtype, k  # per-token, as stepping
+            assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b), k
+    assert rows["logits.top_ids"][3].shape == (10,) and rows["layers.1.moe.routed_out.norm"][3].shape == ()
     whole.truncate(11)
     assert s.step(9).tolist() == whole.step(9).tolist()
     assert s.trace().equals(whole.trace())
@@ -180,10 +182,11 @@ def test_take_blocks_and_add_blocks_keep_chunks_whole_and_in_order(trained_weigh
     got = driver.trace()
     assert got.equals(ref.trace()) and len(got) == 12
     d, r = driver.state_dict(), ref.state_dict()
-    assert d["tokens"] == r["tokens"] and d["positions"] == r["positions"] and d["rows"].keys() == r["rows"].keys()
-    for k in r["rows"]:
-        assert len(d["rows"][k]) == 12
-        for a, b in zip(d["rows"][k], r["rows"][k], strict=True):
+    d_rows, r_rows = per_token(d["blocks"]), per_token(r["blocks"])
+    assert d["tokens"] == r["tokens"] and d["positions"] == r["positions"] and d_rows.keys() == r_rows.keys()
+    for k in r_rows:
+        assert len(d_rows[k]) == 12
+        for a, b in zip(d_rows[k], r_rows[k], strict=True):
             np.testing.assert_array_equal(a, b, err_msg=k)
 
 
@@ -218,8 +221,9 @@ def test_ragged_routing_and_token_by_token_layers_inside_chunks(trained_weights)
 
 @pytest.mark.parametrize("seed", range(12))
 def test_stacked_rows_with_blocks_under_random_histories(seed):
-    """StackedRows.sync(rows, n, blocks=...) against stack_rows of the rows the blocks split into, under random
-    rows, blocks (widths 0-3, 1 or 2 axes, int/float dtypes), splits, truncates and reads; views keep their values."""
+    """StackedRows.sync(blocks, rows, n) against stack_rows of the rows the blocks and rows hold, under random rows,
+    blocks (widths 0-3, 1 or 2 axes, int/float dtypes), seals (rows made blocks, as the Recorder's `_as_blocks`),
+    cuts, truncates and reads; views keep their values."""
     rng = np.random.default_rng(seed)
     two_axes = bool(seed % 2)
     dtypes = [np.int64, np.float32, np.float64] if seed % 3 else [np.float32]
@@ -232,31 +236,36 @@ def test_stacked_rows_with_blocks_under_random_histories(seed):
     def dtype():
         return dtypes[int(rng.integers(0, len(dtypes)))]
 
-    def split_blocks():
-        for b in blocks:
-            rows.extend(b)
-        blocks.clear()
+    def seal():
+        blocks.extend(_as_blocks("r", rows))
+        rows.clear()
 
     for _ in range(200):
         op = rng.integers(0, 12)
-        if op < 3:  # a stepped token: the recorder splits the blocks first
-            split_blocks()
+        if op < 3:  # a stepped token
             rows.append(rng.integers(-5, 5, shape()).astype(dtype()))
-        elif op < 6:  # a chunk
+        elif op < 6:  # a chunk: the rows before it are sealed first
+            seal()
             m = int(rng.integers(1, 9))
             blocks.append(rng.integers(-5, 5, (m, *shape())).astype(dtype()))
         elif op < 7:
-            split_blocks()
-        elif op < 9 and (rows or blocks):
-            split_blocks()
-            n = int(rng.integers(0, len(rows) + 1))
-            del rows[n:]
+            seal()
+        elif op < 9 and (rows or blocks):  # a cut, as the Recorder's `_cut_records`
+            total = len(rows) + sum(len(b) for b in blocks)
+            n, have, kept = int(rng.integers(0, total + 1)), 0, []
+            for b in blocks:
+                if have >= n:
+                    break
+                kept.append(b[: n - have])
+                have += len(kept[-1])
+            blocks[:] = kept
+            del rows[max(n - have, 0):]
             st.truncate(n)
         else:
             total = len(rows) + sum(len(b) for b in blocks)
             n = int(rng.integers(0, total + 1)) if rng.random() < 0.3 else total
-            every = rows + [r for b in blocks for r in b]
-            got, want = st.sync(rows, n, blocks=blocks), stack_rows(every[:n])
+            every = [r for b in blocks for r in b] + rows
+            got, want = st.sync(blocks, rows, n), stack_rows(every[:n])
             assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
             if n:
                 views.append((got, got.copy()))
@@ -275,3 +284,31 @@ def test_feed_then_steps_on_a_device(trained_weights):
         w = ke.from_pretrained(ke.tiny_checkpoint(), device="gpu")
         got = run(w, script, {}, read_every_time=False).trace()
     assert_traces_close(got, host, 1e-5)
+
+
+def test_long_histories_stay_blocks_through_steps_forks_and_files(trained_weights, tmp_path):
+    """A fed chunk's records stay one array per key through a step after it, a state_dict, a fork and a file: the
+    stepped rows are sealed into one block before the next chunk or a state_dict (each was split into per-token rows:
+    +52 MiB and a 2 s fork after 8,192 tokens). The records read as stepping's all along."""
+    w = trained_weights
+    s = ke.Session(w)
+    s.feed(TOKENS[:24], chunk=8)
+    for t in TOKENS[24:27]:
+        s.step(t)
+    assert all(len(s.recorder._blocks[k]) == 3 and len(rows) == 3 for k, rows in s.recorder._rows.items() if rows)
+    s.feed(TOKENS[27:35], chunk=8)  # the three stepped rows become one block before this chunk's
+    d = s.recorder.state_dict()
+    assert {len(b) for b in d["blocks"].values()} == {5}
+    assert [len(b) for b in d["blocks"]["logits.top_ids"]] == [8, 8, 8, 3, 8]
+    forked = s.fork()
+    loaded = ke.Session.load_state(s.save_state(tmp_path / "s.npz"), w)
+    blocks = loaded.recorder.state_dict()["blocks"]
+    assert all(len(b) == 1 for k, b in blocks.items() if not k.endswith("mla.probs"))  # one [35, ...] block each
+    for other in (forked, loaded):
+        assert {len(b) for b in other.recorder.state_dict()["blocks"].values()} <= {1, 5}
+        assert other.trace().equals(s.trace())
+    stepped = ke.Session(w)
+    for t in TOKENS[:35]:
+        stepped.step(t)
+    assert_traces_close(s.trace(), stepped.trace(), 1e-4)
+    assert per_token(d["blocks"]).keys() == per_token(stepped.recorder.state_dict()["blocks"]).keys()

@@ -13,7 +13,7 @@ import pytest
 from kimi_explore import KimiDecodeState, hook_names, kimi_forward_sequence, kimi_forward_token
 from kimi_explore.inspection.hooks import HookChain, Hooks
 from kimi_explore.inspection.interventions import ablate_experts, force_routing
-from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.inspection.recorder import Recorder, per_token
 
 TOKENS = [17, 203, 5, 88, 41, 9, 120, 33]
 
@@ -78,7 +78,7 @@ def test_a_failure_before_a_later_chunks_layers_marks_the_state_broken(ref_weigh
     with pytest.raises(error):
         kimi_forward_sequence(w, state, TOKENS, hooks=HookChain(hooks.bind(w), rec), chunk=4)
     assert state.broken and state.position >= 4
-    assert rec.n_tokens == 0 and rec.state_dict()["rows"].get("logits.top_ids", []) == []
+    assert rec.n_tokens == 0 and per_token(rec.state_dict()["blocks"]).get("logits.top_ids", []) == []
     with pytest.raises(ValueError, match="part-advanced"):
         kimi_forward_sequence(w, state, TOKENS, hooks=HookChain(hooks, rec), chunk=4)
 
@@ -114,7 +114,7 @@ def test_decays_of_zero_tiny_or_above_one_still_agree_with_stepping(ref_weights,
 def _ids_at(w, layer: int, position: int):
     rec = Recorder(names_filter=f"layers.{layer}.moe.router.topk_ids").bind(w)
     stepped(w, TOKENS[: position + 1], rec)
-    return rec.state_dict()["rows"][f"layers.{layer}.moe.router.topk_ids"][position].tolist()
+    return per_token(rec.state_dict()["blocks"])[f"layers.{layer}.moe.router.topk_ids"][position].tolist()
 
 
 @pytest.mark.parametrize("what", ["ablate_all", "ablate_one", "force_more_than_k"])
@@ -140,7 +140,7 @@ def test_a_recorder_in_a_chain_with_a_routing_intervention_records_the_weights_s
         return rec
 
     want, got = run("stepped"), run("fed")
-    assert_same_rows(got.state_dict()["rows"], want.state_dict()["rows"], atol=1e-5)
+    assert_same_rows(per_token(got.state_dict()["blocks"]), per_token(want.state_dict()["blocks"]), atol=1e-5)
     tw, tg = want.trace(), got.trace()
     for k in ("layers.4.moe.router.topk_ids", "layers.4.moe.router.topk_weights"):
         np.testing.assert_allclose(tg[k], tw[k], rtol=0, atol=1e-6)
@@ -168,7 +168,7 @@ def test_token_form_hooks_carrying_a_value_between_sites_give_steppings_results(
     assert not np.allclose(want, stepped(w, TOKENS), atol=1e-2)  # the hooks do change the logits
     got = fed(w, TOKENS, HookChain(_carrying_hooks(w, src, dst), rec_feed), chunk=chunk)
     np.testing.assert_array_equal(got, want)
-    assert_same_rows(rec_feed.state_dict()["rows"], rec_step.state_dict()["rows"])
+    assert_same_rows(per_token(rec_feed.state_dict()["blocks"]), per_token(rec_step.state_dict()["blocks"]))
     assert rec_feed.positions == rec_step.positions == list(range(len(TOKENS)))
 
 
@@ -236,20 +236,20 @@ def test_chunk_aware_routing_weights_of_another_width_are_refused_naming_the_sit
 
 # ---------------------------------------------------------------- 7. a fed chunk's attention rows, per token
 def test_fed_attention_probability_rows_are_steppings_per_token(ref_weights):
-    """After a feed, `state_dict()["rows"]` and `take_records()` gave each token's mla.probs row over the chunk's
+    """After a feed, `state_dict()` split by `per_token` and `take_records()` gave each token's mla.probs row over the chunk's
     whole cache [nh, L0 + T] with a NaN tail; stepping records [nh, position + 1]. Expected: stepping's rows."""
     w = ref_weights
     names = [n for n in hook_names(w) if n.endswith("mla.probs")]
     assert names
     want_rec = Recorder(full=names).bind(w)
     stepped(w, TOKENS, want_rec)
-    want = want_rec.state_dict()["rows"]
+    want = per_token(want_rec.state_dict()["blocks"])
     for take in ("state_dict", "take_records"):
         rec = Recorder(full=names).bind(w)
         state = KimiDecodeState.new(w)
         fed(w, TOKENS[:2], rec, state=state)  # a prefix, then chunks of 3 and a ragged one, then a stepped token
         fed(w, TOKENS[2:7], rec, chunk=3, state=state)
         stepped(w, TOKENS[7:], rec, state=state)
-        got = rec.state_dict()["rows"] if take == "state_dict" else rec.take_records()
+        got = per_token(rec.state_dict()["blocks"]) if take == "state_dict" else rec.take_records()
         assert sorted(got) == sorted(want)
         assert_same_rows({n: got[n] for n in names}, {n: want[n] for n in names}, atol=1e-5)

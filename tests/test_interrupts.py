@@ -108,21 +108,26 @@ def test_ctrl_c_between_a_chunks_pass_and_its_bookkeeping_leaves_the_history_who
     same_as(s, ref)
 
 
-def test_ctrl_c_while_a_chunks_records_are_split_keeps_them_once(w):
-    """A fork (or the first step after a feed) split the chunk's records into rows; interrupted before the blocks
-    were cleared, the original session kept them twice, and its trace showed another token's top ids."""
+def test_ctrl_c_while_stepped_records_are_sealed_keeps_them_once(w):
+    """A fork (or the next feed) seals the stepped tokens' records into blocks; interrupted before their rows were
+    cleared, the session would keep them twice, and its trace show another token's top ids."""
     s = ke.Session(w)
     s.feed(list(range(20)), chunk=7, progress=False)
-    at = interrupted(s.fork, "_split_blocks", "blocks.clear()")
+    for t in range(20, 23):
+        s.step(t)
+    at = interrupted(s.fork, "_seal_rows", "rows.clear()")
     assert at.hit
-    same_as(s, fed(w, list(range(20))))
+    ref = fed(w, list(range(20)))
+    for t in range(20, 23):
+        ref.step(t)
+    same_as(s, ref)
 
 
-@pytest.mark.parametrize("line, k", [("self._cut_blocks(n)", 1), ("del row[n:]", 5)])
-def test_ctrl_c_inside_a_cut_leaves_it_whole_or_undone(w, line, k):
+@pytest.mark.parametrize("fn, line, k", [("cut_for_session", "self._cut_records(n)", 1), ("_cut_records", "del rows[", 5)])
+def test_ctrl_c_inside_a_cut_leaves_it_whole_or_undone(w, fn, line, k):
     """The session's lists were cut before the recorder: 21 tokens against 41 trace rows, a file load refused."""
     s = fed(w, list(range(40)), chunk=8)
-    at = interrupted(lambda: s.back(20), "cut_for_session", line, k)
+    at = interrupted(lambda: s.back(20), fn, line, k)
     assert at.hit
     ref = fed(w, list(range(40)), chunk=8)
     ref.back(20)

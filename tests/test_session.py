@@ -23,7 +23,7 @@ from kimi_explore import KimiDecodeState, from_pretrained, kimi_forward_token
 from kimi_explore.backend import gpu_available, to_numpy
 from kimi_explore.inspection.hooks import HookChain, Hooks
 from kimi_explore.inspection.interventions import ablate_experts, scale_kda_head
-from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.inspection.recorder import Recorder, per_token
 from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.trace import Trace
 
@@ -52,7 +52,7 @@ def straight_step(w, history):
         (tok, intervened), rec = history[-1], Recorder().bind(w)
         rec.begin_token(tok, len(history) - 1)
         logits = np.array(kimi_forward_token(w, state, tok, hooks=HookChain(intervention(), rec) if intervened else rec))
-        _steps[key] = (state, logits, rec.state_dict()["rows"], rec.meta)
+        _steps[key] = (state, logits, per_token(rec.state_dict()["blocks"]), rec.meta)
     return _steps[key]
 
 
@@ -93,7 +93,7 @@ def all_arrays(session):
     snap = session.snapshot()  # shares the history's arrays (only the current state is copied)
     out = [a for _, a in state_arrays(session.state)] + list(snap.logits)
     out += [a for c in snap.checkpoints.values() for _, a in state_arrays(c)]
-    out += [a for rows in snap.records["rows"].values() for a in rows]
+    out += [a for blocks in snap.records["blocks"].values() for a in blocks]
     return [a for a in out if isinstance(a, np.ndarray) and a.size]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_explore.inspection.recorder import Recorder
+from kimi_explore.inspection.recorder import Recorder, per_token
 from kimi_explore.inspection.session import Session
 from kimi_explore.inspection.stacked_rows import StackedRows
 from kimi_explore.inspection.trace import Trace, stack_rows
@@ -20,7 +20,7 @@ def rebuilt(rec: Recorder) -> Trace:
     """Every record stacked anew from the recorder's lists (what trace() did before it grew incrementally)."""
     d = rec.state_dict()
     n = len(d["positions"])
-    rows = {k: v[:n] for k, v in d["rows"].items() if v}
+    rows = {k: v[:n] for k, v in per_token(d["blocks"]).items() if v}
     return Trace.from_rows(rows, d["tokens"][:n], d["positions"][:n], rec.meta)
 
 
@@ -132,15 +132,15 @@ def test_stacked_rows_equal_stack_rows(case):
         rows = [np.zeros((2, k + 1)) for k in range(30)]
     st = StackedRows()
     for n in (1, 2, 17, 18, len(rows)):
-        assert np.array_equal(st.sync(rows, n), stack_rows(rows[:n]), equal_nan=True)
-        assert st.sync(rows, n).dtype == stack_rows(rows[:n]).dtype
-    view = st.sync(rows, len(rows))
+        assert np.array_equal(st.sync([], rows, n), stack_rows(rows[:n]), equal_nan=True)
+        assert st.sync([], rows, n).dtype == stack_rows(rows[:n]).dtype
+    view = st.sync([], rows, len(rows))
     old = view.copy()
     st.truncate(10)
-    assert np.array_equal(st.sync(rows, 10), stack_rows(rows[:10]), equal_nan=True)  # the width shrinks back
-    assert st.sync(rows, 10).dtype == stack_rows(rows[:10]).dtype  # ... and the dtype
+    assert np.array_equal(st.sync([], rows, 10), stack_rows(rows[:10]), equal_nan=True)  # the width shrinks back
+    assert st.sync([], rows, 10).dtype == stack_rows(rows[:10]).dtype  # ... and the dtype
     rows = rows[:10] + [r * 0 - 5 for r in rows[10:]]
-    assert np.array_equal(st.sync(rows, len(rows)), stack_rows(rows), equal_nan=True)
+    assert np.array_equal(st.sync([], rows, len(rows)), stack_rows(rows), equal_nan=True)
     assert np.array_equal(view, old, equal_nan=True)  # the earlier view kept its rows
 
 
@@ -150,10 +150,10 @@ def test_stacked_rows_after_a_truncate_to_nothing_take_the_new_rows_shape():
     random operations: the old width came back padded with -1)."""
     st = StackedRows()
     rows = [np.array([3, 1]), np.array([0, 2])]
-    st.sync(rows, 2)
+    st.sync([], rows, 2)
     st.truncate(0)
     rows = [np.zeros(0, np.int64)]
-    got = st.sync(rows, 1)
+    got = st.sync([], rows, 1)
     assert got.shape == (1, 0) and got.dtype == stack_rows(rows).dtype
 
 
@@ -177,7 +177,7 @@ def test_stacked_rows_under_random_appends_truncates_and_reads(seed):
             st.truncate(n)
         else:
             n = int(rng.integers(0, len(rows) + 1)) if rng.random() < 0.3 else len(rows)
-            got, want = st.sync(rows, n), stack_rows(rows[:n])
+            got, want = st.sync([], rows, n), stack_rows(rows[:n])
             assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
             if n:
                 views.append((got, got.copy()))

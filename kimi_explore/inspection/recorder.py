@@ -39,12 +39,14 @@ Full records (`full=`) are copies. A hook that changes a recorded array IN PLACE
 saw it changes the record too: return a new array instead (the contract's way anyway).
 
 On the sequence path a site records a whole chunk [T, ...] at once (`chunk_records`). Such a record
-is kept as that one array, a "block" waiting after the key's per-token list, and is split into T
-per-token rows (one `list.extend`) only where per-token rows are read: `state_dict`, `take_records`,
-`truncate`, and the next token stepped (whose `list.append`s must come after it); mla.probs rows are then cut to
-the token's own positions, [nh, position + 1], as stepping records them. A pipeline's stages hand
-their records over as such blocks (`take_blocks`, `add_blocks`).
-`trace()` copies blocks whole into its stacked buffers, so a feed then a trace never splits them.
+is kept as that one array, a "block" [T, ...]: a key's records are its blocks' rows, then its per-token
+list (the tokens stepped since the last chunk). When a chunk begins, that list becomes blocks too
+(`_seal_rows`: one stacked array where its rows share shape and dtype), so a step after a feed appends
+after the chunk's block with no split, and `trace()`, `state_dict()`, a fork, a snapshot or a file handle
+a few arrays per key however long the history. Blocks are split into rows only where per-token rows are
+asked for (`per_token`, `take_records`); mla.probs rows are then cut to the token's own positions,
+[nh, position + 1], as stepping records them. A pipeline's stages hand their records over as blocks
+(`take_blocks`, `add_blocks`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from .targets import index_list, int_in
 from .topk import top_predictions
 from .trace import Trace, window_slice
 
-__all__ = ["DEFAULT_SITES", "Recorder", "Trace", "top_predictions"]
+__all__ = ["DEFAULT_SITES", "Recorder", "Trace", "per_token", "top_predictions"]
 
 FLUSH_TOKENS = 32  # tokens whose batched records (top-k, square roots, device transfers) are done together
 FLUSH_BYTES = 8 << 20  # ... or fewer, when their logits copies reach this size (K3: a 163840 vocabulary)
@@ -133,6 +135,20 @@ def _block_rows(key: str, block):
     return [row[..., : width - T + 1 + t] for t, row in enumerate(block)]
 
 
+def _as_blocks(key: str, rows: list) -> list:
+    """Per-token rows -> blocks holding them in order: one stacked array where they share shape and dtype (an
+    mla.probs block is a fed chunk's own form, so its stepped rows stay one-row views), else one-row views."""
+    if len(rows) > 1 and not key.endswith(".mla.probs") and len({(np.shape(r), np.asarray(r).dtype) for r in rows}) == 1:
+        return [np.array(rows)]
+    return [np.asarray(r)[None] for r in rows]
+
+
+def per_token(blocks: dict) -> dict:
+    """{key: [blocks [m, ...]]} (`Recorder.state_dict()["blocks"]`, `take_blocks`) -> {key: per-token rows}, each
+    row as stepping records it."""
+    return {k: [r for b in bs for r in _block_rows(k, b)] for k, bs in blocks.items()}
+
+
 class Recorder:
     """Records what `kimi_forward_token` computes, token by token (see module docstring).
 
@@ -150,10 +166,10 @@ class Recorder:
         self.top_k = int(top_k)
         self.names_filter, self._filter_patterns = _predicate(names_filter, "Recorder names_filter")
         self.full, self._full_patterns = _predicate(full if full else None, "Recorder full")
-        self._rows: dict[str, list] = {}  # key -> per-token host arrays (lists are never rebound)
-        # key -> chunks' records [T, ...] not yet split into rows: they follow _rows[key], in order (never rebound)
+        # key -> records [m, ...] (chunks' and sealed rows'), in order; then _rows[key]: host arrays of the tokens
+        # stepped since (lists are never rebound: the site functions append to them)
         self._blocks: dict[str, list] = {}
-        self._chunked = False  # blocks may be waiting (set by begin_chunk and add_blocks, cleared by _split_blocks)
+        self._rows: dict[str, list] = {}
         self._stacked: dict[str, StackedRows] = {}  # key -> its rows stacked so far (trace() copies in only new rows)
         self.tokens: list[int] = []  # -1 where the token id was not announced
         self.positions: list[int] = []
@@ -305,11 +321,11 @@ class Recorder:
     def begin_chunk(self, token_ids, positions) -> None:
         """The next sites fire whole chunks of these tokens (`chunk_records`); records stay per token."""
         self.flush()  # the token form's pending records come first
+        self._seal_rows()  # ... and the chunk's blocks after them
         self.hooks.begin_chunk(token_ids, positions)
         self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
         self.positions.extend(int(p) for p in positions)
         self.fire, self.listening_sites = self._fire_in_chunk, self._every_site
-        self._chunked = True
 
     def token_in_chunk(self, t: int) -> None:
         self.hooks.token_in_chunk(t)
@@ -362,41 +378,36 @@ class Recorder:
         return kind if how == "kda" else how
 
     def chunk_put(self, key: str):
-        """put(array [T, ...]): T records of `key` at once, kept whole as a block until per-token rows are read."""
+        """put(array [T, ...]): T records of `key` at once, kept whole as one block."""
         self._row(key)
         return self._blocks.setdefault(key, []).append
 
-    def _split_blocks(self) -> None:
-        """The chunks' blocks -> per-token rows at the end of their lists (one extend per block), after the
-        device records have reached the host (`flush`)."""
-        if self._chunked:
-            self.flush()
-            self._chunked = False
-        rows = self._rows
-        with uninterrupted():  # (a Ctrl-C between a block's rows and its clear() kept the chunk's records twice)
-            for k, blocks in self._blocks.items():
-                if blocks:
-                    put = rows[k].extend
-                    for b in blocks:
-                        put(_block_rows(k, b))
-                    blocks.clear()
+    def _seal_rows(self) -> None:
+        """Each key's stepped rows -> blocks after its blocks (`_as_blocks`), so that what comes next can be a block.
+        Split into rows instead, a long feed's blocks took more memory than the whole decode state (+52 MiB at the
+        first step after 8,192 tokens) and a fork 2 s."""
+        with uninterrupted():  # (a Ctrl-C between the extend and the clear kept the rows twice)
+            for k, rows in self._rows.items():
+                if rows:
+                    self._blocks.setdefault(k, []).extend(_as_blocks(k, rows))
+                    rows.clear()
 
-    def _cut_blocks(self, n: int) -> None:
-        """The chunks' blocks cut after the first n tokens' records: the blocks before token n kept whole, the one it
-        falls in cut (a view), the later ones dropped. Split into per-token rows, a long feed's blocks took more
-        memory than the whole decode state (+52 MiB for one `back()` after 8,192 tokens). mla.probs rows are split
-        (their widths are trimmed to the kept positions)."""
-        for k, blocks in self._blocks.items():
-            have, kept = len(self._rows[k]), []
+    def _cut_records(self, n: int) -> None:
+        """Each key's records cut after the first n tokens': the blocks before token n kept whole, the one it falls in
+        cut (a view; an mla.probs block's positions also cut to its kept tokens': a Trace must not show the cut ones),
+        the later ones and the stepped rows after token n dropped."""
+        for k, rows in self._rows.items():
+            blocks, have, kept = self._blocks.get(k, []), 0, []
             for b in blocks:
                 if have >= n:
                     break
-                kept.append(b[: n - have])
-                have += len(kept[-1])
-            if k.endswith(".mla.probs"):
-                self._rows[k].extend(r for b in kept for r in _block_rows(k, b))
-                kept = []
+                part = b[: n - have]
+                if len(part) < len(b) and k.endswith(".mla.probs"):
+                    part = part[..., : b.shape[-1] - len(b) + len(part)]
+                kept.append(part)
+                have += len(part)
             blocks[:] = kept
+            del rows[max(n - have, 0):]
 
     def emit(self, put, arr) -> None:
         self._emit(put, arr)
@@ -444,8 +455,6 @@ class Recorder:
 
     def _start_token(self, value):
         """At "embed", after the Hooks has counted the token."""
-        if self._chunked:  # the token's rows come after the chunks' records
-            self._split_blocks()
         token_id = self.hooks.token_id
         self.tokens.append(-1 if token_id is None else token_id)
         self.positions.append(self.hooks.position)
@@ -530,7 +539,7 @@ class Recorder:
                 st = stacked.get(k)
                 if st is None:
                     st = stacked[k] = StackedRows()
-                records[k] = st.sync(v, min(n, m), k, b)
+                records[k] = st.sync(b, v, min(n, m), k)
         toks = self.tokens[:n] if tokens is None else list(tokens)
         if tokens is not None and toks:
             toks = index_list(toks, "Recorder.trace: tokens")  # (int() would take 1.5 for 1 and True for 1)
@@ -555,11 +564,10 @@ class Recorder:
     def cut_for_session(self, n: int) -> None:
         """`truncate` for the Session that owns this recorder, or the recorder's own bookkeeping."""
         self.flush()
-        self._cut_blocks(n)
+        self._cut_records(n)
         kept = self.positions[:n]  # a kept token's attention covers cache positions up to its own
         width = max(kept) + 1 if kept and None not in kept else None
         for k, row in self._rows.items():
-            del row[n:]
             if width is not None and k.endswith(".mla.probs"):
                 st = self._stacked.get(k)  # a stack made from a fed chunk is as wide as the chunk, whatever rows it kept
                 if _trim_positions(row, width) or (st is not None and st.shape and st.shape[-1] > width):
@@ -595,10 +603,9 @@ class Recorder:
         for k, rows in self._rows.items():
             blocks = self._blocks.get(k, [])
             if rows or blocks:
-                out[k] = [r[None] for r in rows] + blocks[:]
+                out[k] = blocks[:] + [np.asarray(r)[None] for r in rows]
             rows.clear()
             blocks.clear()
-        self._chunked = False
         self._stacked.clear()
         self.tokens.clear()
         self.positions.clear()
@@ -606,17 +613,18 @@ class Recorder:
 
     def take_records(self) -> dict:
         """{key: per-token arrays}: `take_blocks` split into rows."""
-        return {k: [row for b in blocks for row in _block_rows(k, b)] for k, blocks in self.take_blocks().items()}
+        return per_token(self.take_blocks())
 
     def add_blocks(self, token_ids, positions, blocks: dict) -> None:
         """Append tokens' records made elsewhere ({key: [arrays [m, ...]]} from each pipeline stage's `take_blocks`),
         kept as blocks after the records so far."""
+        self.flush()
+        self._seal_rows()
         self.tokens.extend(-1 if t is None else int(t) for t in token_ids)
         self.positions.extend(int(p) for p in positions)
         for k, b in blocks.items():
             self._row(k)
             self._blocks.setdefault(k, []).extend(b)
-        self._chunked = True  # the next stepped token splits them first
 
     def add_tokens(self, token_ids, positions, records: dict) -> None:
         """`add_blocks` of per-token arrays ({key: [one array per token]}, as `take_records` gives them)."""
@@ -652,12 +660,13 @@ class Recorder:
         self.cut_for_session(0)
 
     def state_dict(self, copy_arrays: bool = False) -> dict:
-        """The records (lists of per-token host arrays) and the settings that made them. Arrays are shared unless
-        copy_arrays."""
+        """The records and the settings that made them: "blocks" {key: [host arrays [m, ...]]}, each key's records
+        in order, m tokens each (`per_token` splits them into the rows stepping makes). Arrays are shared unless
+        copy_arrays. A few arrays per key however long the history: the stepped rows are sealed into blocks first."""
         self.flush()
-        self._split_blocks()
+        self._seal_rows()
         cp = (lambda a: a.copy()) if copy_arrays else (lambda a: a)
-        return {"rows": {k: [cp(a) for a in v] for k, v in self._rows.items()},
+        return {"blocks": {k: [cp(b) for b in self._blocks.get(k, ())] for k in self._rows},
                 "tokens": list(self.tokens), "positions": list(self.positions), "settings": self.settings()}
 
     def load_state_dict(self, d: dict) -> None:
@@ -668,14 +677,17 @@ class Recorder:
         if differ:
             raise ValueError("these records were made by a Recorder with other settings: " + "; ".join(differ) +
                              ". Record with the same settings (Recorder(**settings)), or start without records")
+        if "blocks" not in d:
+            raise ValueError(f"Recorder.load_state_dict: expected a Recorder.state_dict() (keys 'blocks', 'tokens', "
+                             f"'positions', 'settings'), got keys {sorted(d)}")
         for k in self._rows:
             self._rows[k][:] = []
         for blocks in self._blocks.values():
             blocks.clear()
-        self._chunked = False
         self._stacked.clear()  # other rows: stack them afresh
-        for k, v in d["rows"].items():
-            self._row(k)[:] = list(v)
+        for k, v in d["blocks"].items():
+            self._row(k)
+            self._blocks.setdefault(k, [])[:] = list(v)
         self.tokens[:] = d["tokens"]
         self.positions[:] = d["positions"]
         self._drop_token_buffers()

@@ -32,7 +32,7 @@ from ..backend import to_numpy
 from ..model.fingerprint import GLOBAL_TENSORS
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names
 from .npz_io import NpzReader, npz_to_read, with_npz_suffix, write_npz
-from .recorder import Recorder
+from .recorder import Recorder, per_token
 
 __all__ = ["SavedSettings", "SessionSnapshot", "check_tokenizer", "copy_sharing", "load_session", "nbytes_once", "save_session",
            "share_caches", "weights_fingerprint"]
@@ -105,11 +105,10 @@ def save_session(path, weights, snap: SessionSnapshot, checkpoint_every: int, re
     if snap.records is not None:
         rec = {**_recorder_settings(recorder, weights), "tokens": snap.records["tokens"], "positions": snap.records["positions"],
                "keys": []}
-        for k, rows in snap.records["rows"].items():
-            if rows:
+        for k, blocks in snap.records["blocks"].items():
+            if blocks:
                 rec["keys"].append(k)
-                arrays[f"rec/{k}/flat"] = np.concatenate([np.asarray(r).reshape(-1) for r in rows])
-                arrays[f"rec/{k}/shapes"] = np.array([np.shape(r) for r in rows], dtype=np.int64).reshape(len(rows), -1)
+                arrays[f"rec/{k}/flat"], arrays[f"rec/{k}/shapes"] = _flat_records(k, blocks)
     header = {"format": FORMAT, "fingerprint": weights_fingerprint(weights), "tokens": snap.tokens,
               "modified": snap.modified, "chunk_of": snap.chunk_of, "layout": layout,
               **({"generated": snap.generated} if snap.generated is not None else {}),
@@ -222,10 +221,22 @@ def _check_history(path, header: dict, weights) -> int:
     return T
 
 
+def _flat_records(key: str, blocks: list):
+    """A record's blocks -> (its per-token rows' values end to end, their shapes [rows, ndim]), the rows as
+    stepping records them (`recorder.per_token`: a fed chunk's mla.probs rows cut to their positions)."""
+    if key.endswith(".mla.probs"):  # (rows of every width)
+        rows = per_token({key: blocks})[key]
+        return (np.concatenate([r.reshape(-1) for r in rows]),
+                np.array([r.shape for r in rows], dtype=np.int64).reshape(len(rows), -1))
+    shapes = [np.broadcast_to(np.array(b.shape[1:], dtype=np.int64), (len(b), b.ndim - 1)) for b in blocks]
+    return np.concatenate([np.asarray(b).reshape(-1) for b in blocks]), np.concatenate(shapes)
+
+
 def _get_records(z, path, saved, tokens: list, weights) -> dict:
-    """The recorder's rows: each key's `flat` values split by its `shapes` ([rows, ndim] ints), checked to add up, one
-    row per token of the file's history (or none yet); the records' tokens are the history's. Values are in the
-    weights' activation dtype, ids (`*_ids`) ints within the vocabulary or the experts, as the Recorder makes them."""
+    """The recorder's records (`Recorder.state_dict()`'s "blocks"): each key's `flat` values split by its `shapes`
+    ([rows, ndim] ints), checked to add up, one row per token of the file's history (or none yet), one block where
+    every row has the same shape; the records' tokens are the history's. Values are in the weights' activation
+    dtype, ids (`*_ids`) ints within the vocabulary or the experts, as the Recorder makes them."""
     vocab = weights.config.vocab_size
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: the header's 'recorder' is a {type(saved).__name__}, expected a dict of the recorder's "
@@ -241,7 +252,7 @@ def _get_records(z, path, saved, tokens: list, weights) -> dict:
     top_k = saved["top_k"]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"{path}: the header's recorder top_k is {top_k!r}, expected a positive int: the file is damaged")
-    rows = {}
+    blocks = {}
     for k in saved["keys"]:
         flat, shapes = z[f"rec/{k}/flat"], z[f"rec/{k}/shapes"]
         if (shapes.ndim != 2 or shapes.dtype.kind != "i" or len(shapes) not in (0, T) or (shapes < 0).any()
@@ -257,9 +268,12 @@ def _get_records(z, path, saved, tokens: list, weights) -> dict:
         if int(sizes.sum()) != flat.size:
             raise ValueError(f"{path}: record {k!r}: its {len(shapes)} row shapes hold {int(sizes.sum())} values, the "
                              f"flat array {flat.size} (the file is damaged)")
-        parts = np.split(flat, np.cumsum(sizes)[:-1])
-        rows[k] = [p.reshape(tuple(sh)) for p, sh in zip(parts, shapes, strict=True)]
-    return {"rows": rows, "tokens": saved["tokens"], "positions": saved["positions"]}
+        if len(shapes) and not k.endswith(".mla.probs") and (shapes == shapes[0]).all():
+            blocks[k] = [flat.reshape((len(shapes), *shapes[0].tolist()))]
+        else:
+            parts = np.split(flat, np.cumsum(sizes)[:-1])
+            blocks[k] = [p.reshape((1, *sh)) for p, sh in zip(parts, shapes.tolist(), strict=True)]
+    return {"blocks": blocks, "tokens": saved["tokens"], "positions": saved["positions"]}
 
 
 def _check_record_values(path, key: str, flat, weights) -> None:

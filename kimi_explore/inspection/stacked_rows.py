@@ -7,10 +7,10 @@ doubling and copies in only the rows that arrived since the last call, so a trac
 costs O(records):
 
     st = StackedRows()
-    st.sync(rows, n)      # -> read-only view [n, ...] of the first n rows, equal to stack_rows(rows[:n])
-    st.sync(rows, n, blocks=[b1, b2])  # the rows are rows + [*b1, *b2]: the sequence path's chunks
-                                       # ([T, ...] each, not split into rows yet) are copied a block at a time
-    st.truncate(n)        # the list lost its rows after n (Recorder.truncate)
+    st.sync([], rows, n)          # -> read-only view [n, ...] of the first n rows, equal to stack_rows(rows[:n])
+    st.sync([b1, b2], rows, n)    # the rows are [*b1, *b2] + rows: blocks [m, ...] (a fed chunk's, stepped rows
+                                  # sealed) are copied a block at a time
+    st.truncate(n)                # the records lost their rows after n (Recorder.truncate)
 
 Equal to `trace.stack_rows` exactly, padding included: rows of varying shape ("ragged": an MLA probs
 row grows with the position, a top-k shortened by an ablation) are padded at the end with NaN / -1 /
@@ -58,19 +58,15 @@ class StackedRows:
                 self.buf = None
                 self.n = 0
 
-    def sync(self, rows: list, n: int, name: str = "", blocks=()) -> np.ndarray:
-        """Read-only [n, ...] view of stack_rows(all[:n]), after copying in rows self.n .. n-1, where `all` is
-        `rows` followed by the rows of each of `blocks` (arrays [m, ...]: m rows each)."""
+    def sync(self, blocks, rows: list, n: int, name: str = "") -> np.ndarray:
+        """Read-only [n, ...] view of stack_rows(all[:n]), after copying in rows self.n .. n-1, where `all` is the
+        rows of each of `blocks` (arrays [m, ...]: m rows each) followed by `rows`."""
         if n == 0:
             return stack_rows([], name)
         if n < self.n:
-            self.truncate(n)  # the list shrank behind our back
+            self.truncate(n)  # the records shrank behind our back
         if n > self.n:
-            k = min(n, len(rows))
-            if self.buf is None and k:
-                self._rebuild(rows, k, name)
-            new = [r[None] for r in rows[self.n : k]]  # one-row blocks
-            at = len(rows)  # index of the block's first row
+            new, at = [], 0  # at: index of the block's first row
             for b in blocks:
                 if at >= n:
                     break
@@ -78,11 +74,17 @@ class StackedRows:
                 if lo < hi:
                     new.append(b[lo - at : hi - at])
                 at += len(b)
+            lo, hi = max(self.n, at), min(n, at + len(rows))
+            part = rows[lo - at : hi - at] if lo < hi else []
+            if len({(r.shape, r.dtype) for r in part}) == 1:
+                new.append(np.array(part))  # one block of the rows
+            else:  # (of other shapes or dtypes: `_append` pads them)
+                new += [r[None] for r in part]
             if new:
-                if self.buf is None:  # no rows before the blocks: start from the first block's shape and dtype
+                if self.buf is None:
                     self._start(new[0], n)
                 if not self._append(new):
-                    self._rebuild(_first_rows(rows, blocks, n), n, name)
+                    self._rebuild(_first_rows(blocks, rows, n), n, name)
         view = self.buf[(slice(0, self.n),) + tuple(slice(0, s) for s in self.shape)]
         view.flags.writeable = False
         return view
@@ -139,11 +141,11 @@ class StackedRows:
         return True
 
 
-def _first_rows(rows: list, blocks, n: int) -> list:
-    """The first n rows of `rows` followed by the blocks' rows, as one list (a rebuild: rare)."""
-    out = rows[:n]
+def _first_rows(blocks, rows: list, n: int) -> list:
+    """The first n rows of the blocks' rows followed by `rows`, as one list (a rebuild: rare)."""
+    out = []
     for b in blocks:
         if len(out) >= n:
             break
         out.extend(b)
-    return out[:n]
+    return (out + rows[: max(n - len(out), 0)])[:n]
