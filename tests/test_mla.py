@@ -83,6 +83,26 @@ def test_append_many_grows_as_appends_do(ref_weights):
         assert not a.keys[:, T:].any() and not a.values[:, T:].any()  # the grown positions are zero
 
 
+
+def test_a_copy_of_a_shared_cache_holds_its_own_positions_only(ref_weights):
+    """A checkpoint shares its cache with the history that goes on appending (`MlaState.checkpoint`); its copy has the
+    whole capacity and layout (replays must round as the original did), the checkpoint's positions, zeros after them
+    (the history's later positions are not its own), and owns its arrays."""
+    w = layer(ref_weights, 0, np.float32)
+    nh, dn, dr, dv = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim
+    rng = np.random.default_rng(5)
+    live = MlaState.empty(w, np, np.float32, capacity=4)
+    live.append_many(rng.standard_normal((9, nh, dn)), rng.standard_normal((9, dr)), rng.standard_normal((9, nh, dv)))
+    kept = live.checkpoint()
+    kept.length = 6  # (as a checkpoint taken at 6 reads the cache the history went on filling)
+    got = kept.copy()
+    assert got.length == 6 and got.keys.shape == live.keys.shape == (nh, 16, dn + dr)
+    assert got.keys.strides == live.keys.strides and got.values.strides == live.values.strides
+    np.testing.assert_array_equal(got.keys[:, :6], live.keys[:, :6])
+    np.testing.assert_array_equal(got.values[:, :6], live.values[:, :6])
+    assert not got.keys[:, 6:].any() and not got.values[:, 6:].any() and live.keys[:, 6:9].all()
+    assert not np.shares_memory(got.keys, live.keys) and not np.shares_memory(got.values, live.values)
+
 def test_sites_order_shapes_and_values(ref_weights):
     """mla.q_latent, mla.kv_latent, mla.probs [T, nh, L0 + T] (token t's row is the token form's [nh, L0 + t + 1],
     then zeros), mla.o [T, nh, dv], under the layer's bound names, after 4 tokens already cached."""

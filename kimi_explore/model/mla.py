@@ -136,11 +136,14 @@ class MlaState:
     def copy(self) -> MlaState:
         """An exact copy: the whole capacity, not just the used positions. A compacted cache would give
         the score and mix matmuls other strides, which may round differently: replays must be exact.
-        Positions from `length` on are zero in the copy, as in a cache that was never shared (`checkpoint`)."""
-        keys, values = self.keys.copy(), self.values.copy()
-        keys[:, self.length :] = 0
-        values[:, self.length :] = 0
-        return MlaState(keys, values, self.length)
+        Positions from `length` on are zero in the copy, as in a cache that was never shared (`checkpoint`): allocated
+        zeroed (on the host, pages the OS maps when first written), only the used positions copied in, so a cache
+        doubled by one step past a long feed costs its length, not its capacity."""
+        xp, n = array_namespace(self.keys), self.length
+        keys, values = xp.zeros(self.keys.shape, self.keys.dtype), xp.zeros(self.values.shape, self.values.dtype)
+        keys[:, :n] = self.keys[:, :n]
+        values[:, :n] = self.values[:, :n]
+        return MlaState(keys, values, n)
 
     def checkpoint(self) -> MlaState:
         """What a kept checkpoint holds: these arrays, not a copy of them. A cache only ever appends (into
