@@ -189,3 +189,15 @@ def test_a_checkpoint_that_fails_leaves_the_history_before_the_call(w, monkeypat
         s.step(4) if how == "step" else s.feed([4, 5, 6], progress=False)
     monkeypatch.undo()
     same_as(s, fed(w, [1, 2, 3]))
+
+
+def test_ctrl_c_inside_load_state_leaves_the_recorder_and_hooks_free(w, tmp_path):
+    """load_state(..., recorder=rec, hooks=h) interrupted after the session was built kept both bound to it while the
+    traceback lived (Jupyter keeps the last one): the retry was refused ("already serves another Session")."""
+    path = fed(w, list(range(30))).save_state(tmp_path / "s.npz")
+    rec, hooks = ke.Recorder(), ke.Hooks()
+    at = interrupted(lambda: ke.Session.load_state(path, w, recorder=rec, hooks=hooks), "_take", "if self.recorder")
+    assert at.hit
+    assert rec.n_tokens == 0
+    s = ke.Session.load_state(path, w, recorder=rec, hooks=hooks)
+    same_as(s, fed(w, list(range(30))))

@@ -702,8 +702,21 @@ class Session:
             _refuse_other_records(recorder, snap, f"Session.load_state: {path}",
                                   ("pass recorder=False", "pass recorder=True (the file's settings)"), hook_names(weights))
         s = cls(weights, recorder=recorder, tokenizer=tokenizer, hooks=hooks, checkpoint_every=saved.checkpoint_every)
-        s.restore(snap)
+        try:
+            s.restore(snap)
+        except BaseException:  # (a Ctrl-C, a lost stage): what the caller gave is free again, without records
+            s._release()  # (the session lives on in the traceback, which Jupyter keeps)
+            raise
         return s
+
+    def _release(self) -> None:
+        """Unbind this session's Recorder and Hooks (each serves one live Session) and drop the recorder's records: a
+        session that failed to load, whose caller passes them to another."""
+        for obj in (self.recorder, self.hooks):
+            if obj is not None and (owner := SERVED.get(obj)) is not None and owner() is self:
+                del SERVED[obj]
+        if self.recorder is not None:
+            self.recorder.cut_for_session(0)
 
 
 def _refuse_not_weights(weights, what: str) -> None:
