@@ -828,3 +828,29 @@ def test_records_of_a_recorder_with_other_settings_are_refused_at_restore_and_lo
     c = Session(ref_weights, recorder=Recorder(names_filter=lambda n: True))
     c.restore(snap)
     assert_traces_close(c.trace(), a.trace(), tol=0)
+
+
+def test_a_forks_checkpoints_copy_the_cache_positions_they_read(ref_weights):
+    """The checkpoints share the live MLA caches (`MlaState.checkpoint`), which go on filling after them; a fork's copies
+    (`session_io.copy_sharing`) keep the positions the longest checkpoint reads and zeros after (the copy of a cache
+    doubled by the live history cost its whole capacity), and still share among themselves."""
+    ids = (TOKENS * 2)[:15]
+    s = Session(ref_weights, checkpoint_every=4)
+    s.feed(ids[:12], chunk=4)  # checkpoints at 4, 8, 12 share the caches (capacity 16) the steps go on filling
+    for t in ids[12:]:
+        s.step(t)
+    f = s.fork()
+    kept = sorted(f._checkpoints)
+    longest = f._checkpoints[kept[-1]]
+    for j, ls in enumerate(longest.layers):
+        att, live = ls.attention, s.state.layers[j].attention
+        if getattr(att, "kind", None) != "mla":
+            continue
+        assert att.keys.shape == live.keys.shape and att.length < live.length
+        np.testing.assert_array_equal(att.keys[:, : att.length], live.keys[:, : att.length])
+        assert not att.keys[:, att.length :].any() and not att.values[:, att.length :].any()
+        assert all(f._checkpoints[t].layers[j].attention.keys is att.keys for t in kept)  # shared among themselves
+    g = s.fork()
+    g.truncate(9)
+    s.truncate(9)  # a replay from a copied checkpoint: the same bits
+    np.testing.assert_array_equal(g.step(7), s.step(7))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._xp import array_namespace
 from ..backend import to_numpy
 from ..model.fingerprint import GLOBAL_TENSORS
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names
@@ -382,12 +383,25 @@ def share_caches(states: list[KimiDecodeState], xp) -> None:
 
 def copy_sharing(states: list[KimiDecodeState]) -> list[KimiDecodeState]:
     """Copies of states (a history's checkpoints, `KimiDecodeState.checkpoint`) sharing among themselves what these
-    share (its MLA caches): each distinct array copied once, its values as they are."""
+    share (its MLA caches): each distinct array copied once, its values as they are, except an MLA cache's positions
+    past the longest of these states that holds it (the live history's, which no checkpoint reads): zero, as in
+    `MlaState.copy`, so a cache doubled past a long feed costs what the checkpoints read, not its capacity."""
+    reads: dict = {}  # id of an MLA cache array -> the most positions a state here reads of it
+    for s in states:
+        for ls in s.layers:
+            if getattr(ls.attention, "kind", None) == "mla":
+                for a in (ls.attention.keys, ls.attention.values):
+                    reads[id(a)] = max(reads.get(id(a), 0), ls.attention.length)
     memo: dict = {}  # id of an original array (alive in `states` throughout) -> its copy
 
     def copied(a):
         if id(a) not in memo:
-            memo[id(a)] = a.copy()
+            n = reads.get(id(a))
+            if n is None:
+                memo[id(a)] = a.copy()
+            else:
+                memo[id(a)] = out = array_namespace(a).zeros(a.shape, a.dtype)
+                out[:, :n] = a[:, :n]
         return memo[id(a)]
 
     # copies of checkpoints are checkpoints: they share their caches among themselves
