@@ -289,7 +289,7 @@ def test_feed_then_steps_on_a_device(trained_weights):
 def test_long_histories_stay_blocks_through_steps_forks_and_files(trained_weights, tmp_path):
     """A fed chunk's records stay one array per key through a step after it, a state_dict, a fork and a file: the
     stepped rows are sealed into one block before the next chunk or a state_dict (each was split into per-token rows:
-    +52 MiB and a 2 s fork after 8,192 tokens). The records read as stepping's all along."""
+    +52 MiB after 8,192 tokens, and a fork ten times the time). The records read as stepping's all along."""
     w = trained_weights
     s = ke.Session(w)
     s.feed(TOKENS[:24], chunk=8)

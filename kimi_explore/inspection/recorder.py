@@ -385,7 +385,7 @@ class Recorder:
     def _seal_rows(self) -> None:
         """Each key's stepped rows -> blocks after its blocks (`_as_blocks`), so that what comes next can be a block.
         Split into rows instead, a long feed's blocks took more memory than the whole decode state (+52 MiB at the
-        first step after 8,192 tokens) and a fork 2 s."""
+        first step after 8,192 tokens) and a fork ten times the time (`bench/long_history.py`)."""
         with uninterrupted():  # (a Ctrl-C between the extend and the clear kept the rows twice)
             for k, rows in self._rows.items():
                 if rows:
