@@ -151,7 +151,8 @@ def load_session(path, weights, tokenizer=None) -> tuple[SessionSnapshot, SavedS
             records = _get_records(z, path, saved, header["tokens"], weights)
             settings = {"top_k": saved["top_k"], "names_filter": saved["filter"], "full": saved["full"] or ()}
             records["settings"] = settings
-        host = {key: _read_state(z, key, lay, weights) for key, lay in header["layout"].items()}  # all checked first
+        caches: dict = {}  # a cache saved once, its arrays as every state naming it reads them (`_read_state`)
+        host = {key: _read_state(z, key, lay, weights, caches) for key, lay in header["layout"].items()}  # all checked first
         probe = z["probe"] if "probe" in z else None  # (files saved before it existed: the fingerprint alone)
         if probe is not None and (probe.shape != want[1:] or probe.dtype != np.dtype(weights.dtype)):
             raise ValueError(f"{path}: probe {probe.dtype}{list(probe.shape)}, expected {np.dtype(weights.dtype)}"
@@ -425,8 +426,12 @@ def _on_weights(weights, host: KimiDecodeState):
                                              layer_ids=host.layer_ids))
 
 
-def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
-    """Saved state `key` as host arrays, checked against the layout of a fresh state of `weights`."""
+def _read_state(z, key: str, layout: dict, weights, caches: dict) -> KimiDecodeState:
+    """Saved state `key` as host arrays, checked against the layout of a fresh state of `weights`. An MLA cache that
+    several saved states share (`cache_of`) becomes one pair of arrays of its capacity, its holder's positions in them,
+    which each of those states reads up to its own length (`caches`: (holder, layer, field, capacity) -> the array),
+    as a session's checkpoints share the live cache (`MlaState.checkpoint`). Built once per state, a history's
+    checkpoints held a cache each while loading (307 MiB at the peak for an 84 MiB file of 8,192 tokens)."""
     path, fresh = z.path, weights.host_state(weights.new_state())
     if len(layout["layers"]) != len(fresh.layers):
         raise ValueError(f"{path}: saved {key} has {len(layout['layers'])} layers, these weights {len(fresh.layers)}")
@@ -462,13 +467,27 @@ def _read_state(z, key: str, layout: dict, weights) -> KimiDecodeState:
                         raise ValueError(f"{path}: saved {key} layer {j} {f.name}: {a.shape[1] if a.ndim >= 2 else '?'} "
                                          f"cached positions, capacity {lay['capacity']}, length {length}: a cache is saved "
                                          "as its first `length` positions, within its capacity (the file is damaged)")
-                    a = np.concatenate([a, np.zeros((a.shape[0], lay["capacity"] - a.shape[1], *a.shape[2:]), a.dtype)], axis=1)
+                    a = _capacity(z, key, lay, j, f.name, a, caches)
                 elif cache and a.shape[1] < kw["length"]:
                     raise ValueError(f"{path}: saved {key} layer {j} {f.name}: capacity {a.shape[1]} below its length "
                                      f"{kw['length']} (the file is damaged)")
                 kw[f.name] = a
         layers.append(KimiLayerState(dataclasses.replace(att, **kw)))
     return KimiDecodeState(layers, int(layout["position"]), layer_ids=getattr(fresh, "layer_ids", None))
+
+
+def _capacity(z, key: str, lay: dict, j: int, name: str, used, caches: dict):
+    """A cache saved as its used positions (`used`, checked) as the array of its capacity: zeros after its holder's
+    positions (its own, or those of the state it names, `cache_of`), one array per holder and capacity."""
+    src = lay.get("cache_of", key)
+    held = z.kept(f"{src}/{j}/{name}") if src != key else used
+    if held.shape[1] > lay["capacity"]:  # (a damaged holder: this state's own positions, unshared)
+        src, held = key, used
+    at = (src, j, name, lay["capacity"])
+    if at not in caches:
+        caches[at] = full = np.zeros((held.shape[0], lay["capacity"], *held.shape[2:]), held.dtype)
+        full[:, : held.shape[1]] = held
+    return caches[at]
 
 
 def _cache_from(z, lay: dict, key: str, j: int, name: str, kw: dict):
