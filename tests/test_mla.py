@@ -83,7 +83,6 @@ def test_append_many_grows_as_appends_do(ref_weights):
         assert not a.keys[:, T:].any() and not a.values[:, T:].any()  # the grown positions are zero
 
 
-
 def test_a_copy_of_a_shared_cache_holds_its_own_positions_only(ref_weights):
     """A checkpoint shares its cache with the history that goes on appending (`MlaState.checkpoint`); its copy has the
     whole capacity and layout (replays must round as the original did), the checkpoint's positions, zeros after them
