@@ -66,7 +66,7 @@ from ._recording import RowSquares, TokenRecords, emit_batch, model_meta, take, 
 from .chunk_records import ChunkRecording
 from .hook_sites import MOE_OUTPUT_SITES, ROUTE_SITES, SEQUENTIAL_SITES
 from .hooks import Hooks, check_pattern, is_glob
-from .stacked_rows import StackedRows
+from .stacked_rows import StackedRows, row_blocks
 from .targets import index_list, int_in
 from .topk import top_predictions
 from .trace import Trace, window_slice
@@ -136,11 +136,9 @@ def _block_rows(key: str, block):
 
 
 def _as_blocks(key: str, rows: list) -> list:
-    """Per-token rows -> blocks holding them in order: one stacked array where they share shape and dtype (an
-    mla.probs block is a fed chunk's own form, so its stepped rows stay one-row views), else one-row views."""
-    if len(rows) > 1 and not key.endswith(".mla.probs") and len({(np.shape(r), np.asarray(r).dtype) for r in rows}) == 1:
-        return [np.array(rows)]
-    return [np.asarray(r)[None] for r in rows]
+    """A key's stepped rows -> blocks (`row_blocks`); mla.probs rows stay one-row views, since a block of several is a
+    fed chunk's form there, its rows cut by position (`_block_rows`)."""
+    return [np.asarray(r)[None] for r in rows] if key.endswith(".mla.probs") else row_blocks(rows)
 
 
 def per_token(blocks: dict) -> dict:

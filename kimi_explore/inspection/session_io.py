@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .._xp import array_namespace
 from ..backend import to_numpy
 from ..model.fingerprint import GLOBAL_TENSORS
 from ..model.kimi_decoder import KimiDecodeState, KimiLayerState, hook_names
+from ..model.mla import cache_array
 from .npz_io import NpzReader, npz_to_read, with_npz_suffix, write_npz
 from .recorder import Recorder, per_token
 
@@ -398,11 +398,7 @@ def copy_sharing(states: list[KimiDecodeState]) -> list[KimiDecodeState]:
     def copied(a):
         if id(a) not in memo:
             n = reads.get(id(a))
-            if n is None:
-                memo[id(a)] = a.copy()
-            else:
-                memo[id(a)] = out = array_namespace(a).zeros(a.shape, a.dtype)
-                out[:, :n] = a[:, :n]
+            memo[id(a)] = a.copy() if n is None else cache_array(a, n, a.shape[1])
         return memo[id(a)]
 
     # copies of checkpoints are checkpoints: they share their caches among themselves
@@ -485,8 +481,7 @@ def _capacity(z, key: str, lay: dict, j: int, name: str, used, caches: dict):
         src, held = key, used
     at = (src, j, name, lay["capacity"])
     if at not in caches:
-        caches[at] = full = np.zeros((held.shape[0], lay["capacity"], *held.shape[2:]), held.dtype)
-        full[:, : held.shape[1]] = held
+        caches[at] = cache_array(held, held.shape[1], lay["capacity"])
     return caches[at]
 
 

@@ -30,7 +30,15 @@ import numpy as np
 
 from .trace import stack_rows
 
-__all__ = ["StackedRows"]
+__all__ = ["StackedRows", "row_blocks"]
+
+
+def row_blocks(rows: list) -> list:
+    """Per-token rows -> blocks [m, ...] holding them in order: one stacked array where they share shape and dtype,
+    else one-row views."""
+    if len(rows) > 1 and len({(np.shape(r), np.asarray(r).dtype) for r in rows}) == 1:
+        return [np.array(rows)]
+    return [np.asarray(r)[None] for r in rows]
 
 
 def _fill(dtype) -> object:
@@ -75,11 +83,7 @@ class StackedRows:
                     new.append(b[lo - at : hi - at])
                 at += len(b)
             lo, hi = max(self.n, at), min(n, at + len(rows))
-            part = rows[lo - at : hi - at] if lo < hi else []
-            if len({(r.shape, r.dtype) for r in part}) == 1:
-                new.append(np.array(part))  # one block of the rows
-            else:  # (of other shapes or dtypes: `_append` pads them)
-                new += [r[None] for r in part]
+            new += row_blocks(rows[lo - at : hi - at] if lo < hi else [])  # (`_append` pads rows of other shapes)
             if new:
                 if self.buf is None:
                     self._start(new[0], n)

@@ -78,6 +78,15 @@ class MlaWeights:
         self.one, self.score_scale = c(1.0), c(self.score_scale_f)
 
 
+def cache_array(a, n: int, capacity: int):
+    """A cache array [heads, capacity, dim] holding `a`'s first n positions, zeros after: allocated zeroed (on the
+    host, pages the OS maps when first written), then the n positions copied in, so the unwritten tail of a doubled
+    cache costs address space, not memory (a copy, or a concatenation with zeros, wrote it all)."""
+    out = array_namespace(a).zeros((a.shape[0], capacity, *a.shape[2:]), a.dtype)
+    out[:, :n] = a[:, :n]
+    return out
+
+
 @dataclass
 class MlaState:
     """K/V cache of one MLA layer, grown by doubling.
@@ -121,17 +130,11 @@ class MlaState:
     def _grow(self, need: int) -> None:
         """Keys and values moved into arrays of the capacity doubled (from at least 1) until `need` positions fit, the new
         ones zero: allocated zeroed, then the old positions copied in (a concatenation with zeros copied the zeros too)."""
-        xp = array_namespace(self.keys)
         capacity = max(self.keys.shape[1], 1)
         while capacity < need:
             capacity *= 2
-
-        def grown(a):
-            out = xp.zeros((a.shape[0], capacity, a.shape[2]), a.dtype)
-            out[:, : a.shape[1]] = a
-            return out
-
-        self.keys, self.values = grown(self.keys), grown(self.values)
+        old = self.keys.shape[1]
+        self.keys, self.values = cache_array(self.keys, old, capacity), cache_array(self.values, old, capacity)
 
     def copy(self) -> MlaState:
         """An exact copy: the whole capacity, not just the used positions. A compacted cache would give
@@ -139,11 +142,8 @@ class MlaState:
         Positions from `length` on are zero in the copy, as in a cache that was never shared (`checkpoint`): allocated
         zeroed (on the host, pages the OS maps when first written), only the used positions copied in, so a cache
         doubled by one step past a long feed costs its length, not its capacity."""
-        xp, n = array_namespace(self.keys), self.length
-        keys, values = xp.zeros(self.keys.shape, self.keys.dtype), xp.zeros(self.values.shape, self.values.dtype)
-        keys[:, :n] = self.keys[:, :n]
-        values[:, :n] = self.values[:, :n]
-        return MlaState(keys, values, n)
+        n, capacity = self.length, self.keys.shape[1]
+        return MlaState(cache_array(self.keys, n, capacity), cache_array(self.values, n, capacity), n)
 
     def checkpoint(self) -> MlaState:
         """What a kept checkpoint holds: these arrays, not a copy of them. A cache only ever appends (into
